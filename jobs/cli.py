@@ -1,0 +1,115 @@
+"""The ``promptmill`` command: parse flags, set up logs, call one library function.
+
+Flags a subcommand does not know are passed to Beam as PipelineOptions (plan, collect
+and run), e.g. ``--runner DirectRunner --direct_num_workers 2``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline.settings import Settings
+
+_DEFAULTS = Settings()
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    parser.add_argument("--prompts", default=d.prompts, help="JSONL prompt file, glob or gs:// path (default: %(default)s)")
+    parser.add_argument("--out", default=d.out, help="output folder or gs://bucket/prefix (default: %(default)s)")
+    parser.add_argument("--model", default=d.model,
+                        help="diffusers-format checkpoint folder, or 'tiny' (a tiny random model whose images "
+                             "are noise, for tests and demos) (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=None, help="image width, a multiple of 8 (default: the model's)")
+    parser.add_argument("--height", type=int, default=None, help="image height, a multiple of 8 (default: the model's)")
+    parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
+    parser.add_argument("--guidance-scale", type=float, default=d.guidance_scale,
+                        help="classifier-free guidance scale for records without one (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="run seed, hashed with a record's id when the record has no seed (default: %(default)s)")
+    parser.add_argument("--per-device-batch", type=int, default=d.per_device_batch,
+                        help="images per device per step (default: %(default)s)")
+    parser.add_argument("--batches-per-slice", type=int, default=d.batches_per_slice,
+                        help="device steps per slice; slice size = devices per host x per-device batch x this "
+                             "(default: %(default)s)")
+
+
+def _settings(args, devices_per_host: int) -> Settings:
+    return Settings(prompts=args.prompts, out=args.out, model=args.model, width=args.width, height=args.height,
+                    steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
+                    per_device_batch=args.per_device_batch, batches_per_slice=args.batches_per_slice,
+                    devices_per_host=devices_per_host)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="promptmill", description="Generate image datasets from text prompts "
+                                     "with Stable Diffusion in JAX/Flax, on TPU pods or local CPU devices.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="plan, generate on local host processes, and collect")
+    _add_settings_flags(run)
+    run.add_argument("--hosts", type=int, default=2, help="local host processes (default: %(default)s)")
+    run.add_argument("--devices-per-host", type=int, default=2, help="CPU devices per host (default: %(default)s)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    plan = sub.add_parser("plan", help="validate prompts and cut them into slices (Beam)")
+    _add_settings_flags(plan)
+    plan.add_argument("--devices-per-host", type=int, default=1,
+                      help="devices of each generate host; sets the slice size (default: %(default)s)")
+
+    gen = sub.add_parser("generate", help="generate this host's slices (one process per host)")
+    gen.add_argument("--out", required=True, help="the planned output folder or gs:// prefix")
+    gen.add_argument("--coordinator", help="HOST:PORT of host 0's coordinator (omit on Cloud TPU / GKE)")
+    gen.add_argument("--num-hosts", type=int, help="number of host processes (omit on Cloud TPU / GKE)")
+    gen.add_argument("--host-id", type=int, help="this host's index (omit on Cloud TPU / GKE)")
+
+    collect = sub.add_parser("collect", help="merge and verify the outputs into OUT/dataset (Beam)")
+    collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline import logs
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "generate":
+        parser.error(f"unrecognized arguments for generate: {' '.join(extra)}")
+    logs.setup()
+    try:
+        return _dispatch(args, extra)
+    except KeyboardInterrupt:
+        print("promptmill: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"promptmill {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args, beam_args: list[str]) -> int:
+    import json
+
+    if args.command == "run":
+        from pipeline import launcher
+
+        stats = launcher.run_local(_settings(args, args.devices_per_host), args.hosts, beam_args,
+                                   progress=not args.no_progress)
+        print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
+    elif args.command == "plan":
+        from pipeline import plan
+
+        print(json.dumps(plan.run_plan(_settings(args, args.devices_per_host), beam_args)))
+    elif args.command == "generate":
+        from pipeline import cluster, host
+
+        host.generate(args.out, cluster.ClusterArgs(args.coordinator, args.num_hosts, args.host_id))
+    elif args.command == "collect":
+        from pipeline import collect
+
+        stats = collect.run_collect(args.out, beam_args)
+        print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The generator of one host: the model on the local devices, compiled once.
+
+Parameters are replicated onto the host's local devices, and the sampling function is
+pmapped over them and compiled ahead of time for the run's one set of shapes. Calling
+the compiled executable can never recompile (a wrong shape is an error), and
+``CompileCounter`` lets tests and logs prove that nothing else compiles either.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from pipeline import sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One device step's inputs for N = local devices x per-device batch images."""
+    prompt_ids: np.ndarray  # int32 [N, L]
+    negative_ids: np.ndarray  # int32 [N, L]
+    guidance: np.ndarray  # float32 [N]
+    seed_hi: np.ndarray  # uint32 [N]
+    seed_lo: np.ndarray  # uint32 [N]
+    image_index: np.ndarray  # uint32 [N]
+
+
+class CompileCounter:
+    """Counts XLA backend compilations in this process (jax.monitoring events)."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        import jax
+        from jax._src import dispatch
+
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event, duration, **kwargs):
+                if event == dispatch.BACKEND_COMPILE_EVENT:
+                    with cls._lock:
+                        cls._count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+    @classmethod
+    def count(cls) -> int:
+        return cls._count
+
+
+def replicate(tree, devices):
+    """Put one copy of every leaf on each device, laid out as pmap expects.
+
+    The host array is broadcast as a view and sliced per device, so no device ever
+    holds more than one copy (stacking on device 0 first would need D copies there).
+    """
+    import jax
+
+    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+
+    def put(leaf):
+        leaf = np.asarray(leaf)
+        return jax.device_put(np.broadcast_to(leaf, (len(devices),) + leaf.shape), sharding)
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+class Generator:
+    def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None):
+        import jax
+
+        CompileCounter.install()
+        self.model = model
+        self.width, self.height, self.steps = width, height, steps
+        self.devices = list(devices or jax.local_devices())
+        self.per_device_batch = per_device_batch
+        self.batch_size = len(self.devices) * per_device_batch
+        self.max_length = model.tokenizer.model_max_length
+        self.params = replicate(model.params, self.devices)
+        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps), devices=self.devices)
+        self._compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
+
+    def tokenize(self, prompts: list[str]) -> np.ndarray:
+        """CLIP token ids, padded and truncated to the tokenizer's length."""
+        ids = self.model.tokenizer(prompts, padding="max_length", max_length=self.max_length,
+                                   truncation=True, return_tensors="np").input_ids
+        return ids.astype(np.int32)
+
+    def padding_batch(self) -> Batch:
+        """A batch of nothing: empty prompts, key 0; its outputs are never written."""
+        n = self.batch_size
+        ids = self.tokenize([""] * n)
+        zeros = np.zeros(n, np.uint32)
+        return Batch(ids, ids, np.zeros(n, np.float32), zeros, zeros, zeros)
+
+    def _device_shaped(self, batch: Batch) -> tuple:
+        d, b = len(self.devices), self.per_device_batch
+        return tuple(np.asarray(a).reshape((d, b) + np.asarray(a).shape[1:]) for a in dataclasses.astuple(batch))
+
+    def dispatch(self, batch: Batch):
+        """Start a device step; returns the device array (asynchronous)."""
+        if len(batch.prompt_ids) != self.batch_size:
+            raise ValueError(f"a batch holds {self.batch_size} images, got {len(batch.prompt_ids)}")
+        return self._compiled(self.params, *self._device_shaped(batch))
+
+    def __call__(self, batch: Batch) -> np.ndarray:
+        """uint8 images [N, height, width, 3] of one batch, in batch order."""
+        images = np.asarray(self.dispatch(batch))
+        return images.reshape((self.batch_size,) + images.shape[2:])

@@ -1,0 +1,54 @@
+"""Structured logs: one JSON object per line and per event, on stderr."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+LOGGER = "promptmill"
+
+
+class _JsonLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = {"ts": round(record.created, 3), "level": record.levelname.lower(), "event": record.getMessage()}
+        fields.update(getattr(record, "fields", {}))
+        return json.dumps(fields, ensure_ascii=False, default=str)
+
+
+def setup(level: int = logging.INFO) -> logging.Logger:
+    """Send promptmill's events to stderr as JSON lines (idempotent)."""
+    logger = logging.getLogger(LOGGER)
+    if not any(getattr(h, "_promptmill", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_JsonLines())
+        handler._promptmill = True
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    return logger
+
+
+def event(name: str, level: int = logging.INFO, **fields) -> None:
+    """Log one event with its fields, e.g. ``event("slice_committed", host=0, slice=3)``."""
+    logging.getLogger(LOGGER).log(level, name, extra={"fields": fields})
+
+
+def parse(line: str) -> dict | None:
+    """The event of a log line, or None if the line is not one of ours."""
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) and "event" in obj else None
+
+
+class Stopwatch:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,175 @@
+"""Loading a diffusers-format Stable Diffusion checkpoint: the narrow model interface.
+
+Every model, ``--model tiny`` included, is a diffusers-format directory
+(``model_index.json``, ``tokenizer/``, ``text_encoder/``, ``unet/``, ``vae/``,
+``scheduler/``) loaded by ``load``. The rest of promptmill sees only ``Model``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
+_SCHEDULERS = {  # checkpoint class name (with or without the Flax prefix) -> diffusers Flax class
+    "DDIMScheduler": "FlaxDDIMScheduler",
+    "PNDMScheduler": "FlaxPNDMScheduler",
+    "LMSDiscreteScheduler": "FlaxLMSDiscreteScheduler",
+    "EulerDiscreteScheduler": "FlaxEulerDiscreteScheduler",
+    "DPMSolverMultistepScheduler": "FlaxDPMSolverMultistepScheduler",
+}
+
+_FLAX_WEIGHTS = {  # transformers and diffusers name their Flax weight files differently
+    "text_encoder": "flax_model.msgpack",
+    "unet": "diffusion_flax_model.msgpack",
+    "vae": "diffusion_flax_model.msgpack",
+}
+
+
+def quiet_libraries() -> None:
+    """Silence the libraries' per-instance Flax deprecation warnings.
+
+    We pin diffusers 0.39 and transformers 4.x on purpose (their last releases with
+    Flax); the warning repeats for every scheduler and model object and buries our logs.
+    """
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+
+
+class ModelError(ValueError):
+    """A checkpoint that cannot be used; the message names the missing or bad piece."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    path: str
+    fingerprint: str
+    tokenizer: object
+    text_encoder: object
+    unet: object
+    vae: object
+    scheduler: object
+    params: dict  # {"text_encoder", "unet", "vae", "scheduler"}
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def latent_channels(self) -> int:
+        return self.unet.config.in_channels
+
+    @property
+    def native_size(self) -> int:
+        return self.unet.config.sample_size * self.vae_scale_factor
+
+    @property
+    def scheduler_name(self) -> str:
+        return type(self.scheduler).__name__.removeprefix("Flax")
+
+    def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
+        f = self.vae_scale_factor
+        return (self.latent_channels, height // f, width // f)
+
+
+def cache_dir() -> str:
+    return os.environ.get("PROMPTMILL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "promptmill")
+
+
+def resolve(name: str) -> str:
+    """The local diffusers-format directory for ``--model``."""
+    if name == "tiny":
+        from pipeline import tiny
+
+        return tiny.ensure(os.path.join(cache_dir(), "models"))
+    if not os.path.isdir(name):
+        raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, or 'tiny')")
+    return name
+
+
+def fingerprint(directory: str) -> str:
+    """sha256 over every file of the checkpoint (relative name and content)."""
+    digest = hashlib.sha256()
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            digest.update(os.path.relpath(path, directory).replace(os.sep, "/").encode() + b"\0")
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def check_layout(directory: str) -> dict:
+    """Read ``model_index.json`` and check that every component is present."""
+    index_path = os.path.join(directory, "model_index.json")
+    if not os.path.isfile(index_path):
+        raise ModelError(f"{directory}: missing model_index.json (not a diffusers-format checkpoint)")
+    with open(index_path) as f:
+        index = json.load(f)
+    for component in COMPONENTS:
+        if component not in index or not os.path.isdir(os.path.join(directory, component)):
+            raise ModelError(f"{directory}: missing component '{component}/'")
+    for component, weights in _FLAX_WEIGHTS.items():
+        sub = os.path.join(directory, component)
+        if not os.path.isfile(os.path.join(sub, "config.json")):
+            raise ModelError(f"{directory}: missing {component}/config.json")
+        if not os.path.isfile(os.path.join(sub, weights)):
+            raise ModelError(f"{directory}: missing {component}/{weights} (Flax weights)")
+    if not os.path.isfile(os.path.join(directory, "scheduler", "scheduler_config.json")):
+        raise ModelError(f"{directory}: missing scheduler/scheduler_config.json")
+    return index
+
+
+def _load_scheduler(directory: str):
+    import diffusers
+
+    with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
+        class_name = json.load(f).get("_class_name", "")
+    flax_name = _SCHEDULERS.get(class_name.removeprefix("Flax"))
+    if flax_name is None:
+        raise ModelError(f"{directory}: scheduler {class_name!r} is not supported "
+                         f"(supported: {', '.join(sorted(_SCHEDULERS))})")
+    return getattr(diffusers, flax_name).from_pretrained(directory, subfolder="scheduler")
+
+
+def load(name: str) -> Model:
+    """Load ``--model`` (``tiny`` or a diffusers-format directory) for sampling."""
+    quiet_libraries()  # before the Flax classes are imported: some warn at import
+    import jax.numpy as jnp
+    from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel
+    from transformers import CLIPTokenizer, FlaxCLIPTextModel
+
+    directory = resolve(name)
+    check_layout(directory)
+    dtype = jnp.float32
+    tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
+    text_encoder = FlaxCLIPTextModel.from_pretrained(os.path.join(directory, "text_encoder"), dtype=dtype)
+    unet, unet_params = FlaxUNet2DConditionModel.from_pretrained(directory, subfolder="unet", dtype=dtype)
+    vae, vae_params = FlaxAutoencoderKL.from_pretrained(directory, subfolder="vae", dtype=dtype)
+    scheduler, scheduler_state = _load_scheduler(directory)
+    params = {"text_encoder": text_encoder.params, "unet": unet_params, "vae": vae_params,
+              "scheduler": scheduler_state}
+    return Model(path=name, fingerprint=fingerprint(directory), tokenizer=tokenizer, text_encoder=text_encoder,
+                 unet=unet, vae=vae, scheduler=scheduler, params=params)
+
+
+def describe(name: str) -> dict:
+    """What planning needs to know of a model, from its configs alone (no weights loaded)."""
+    directory = resolve(name)
+    check_layout(directory)
+
+    def config(component: str, filename: str = "config.json") -> dict:
+        with open(os.path.join(directory, component, filename)) as f:
+            return json.load(f)
+
+    vae_scale = 2 ** (len(config("vae")["block_out_channels"]) - 1)
+    scheduler = config("scheduler", "scheduler_config.json").get("_class_name", "").removeprefix("Flax")
+    return {"directory": directory, "fingerprint": fingerprint(directory), "scheduler": scheduler,
+            "native_size": config("unet")["sample_size"] * vae_scale}

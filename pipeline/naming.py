@@ -1,0 +1,84 @@
+"""Output names (pure functions): keys from ids, and every object path under OUT.
+
+Ids are never trusted as file names. A key is built only from ``[A-Za-z0-9_-]``, so
+it cannot leave the output prefix, holds no dots (WebDataset splits keys at dots), and
+stays short. Keys are unique because:
+  * an id that is already safe (``SAFE_ID``, no ``--``) is its own stem;
+  * any other id becomes ``slug--hash`` (slug of the id, ``--``, 16 hex of sha256), and
+    a safe stem never contains ``--``;
+  * the key is ``stem_NNNN`` with a fixed-width image index.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+
+SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+MAX_IMAGES_PER_RECORD = 10_000  # image indices are written with 4 digits
+_UNSAFE = re.compile(r"[^A-Za-z0-9_]+")
+
+
+def key_stem(record_id: str) -> str:
+    """A file-name-safe stem that is unique per id."""
+    if SAFE_ID.fullmatch(record_id) and "--" not in record_id:
+        return record_id
+    slug = _UNSAFE.sub("-", record_id).strip("-")[:40].strip("-")
+    digest = hashlib.sha256(record_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{slug}--{digest}" if slug else f"id--{digest}"
+
+
+def output_key(record_id: str, image_index: int) -> str:
+    """The key of one image of a record."""
+    if not 0 <= image_index < MAX_IMAGES_PER_RECORD:
+        raise ValueError(f"image_index must be in [0, {MAX_IMAGES_PER_RECORD}), got {image_index}")
+    return f"{key_stem(record_id)}_{image_index:04d}"
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path parts with '/', for local paths and gs:// URLs alike."""
+    path = base.rstrip("/")
+    for part in parts:
+        path = f"{path}/{part.strip('/')}"
+    return path
+
+
+def slice_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+def run_json(out: str) -> str:
+    return join(out, "run.json")
+
+
+def manifest(out: str) -> str:
+    return join(out, "plan", "manifest.json")
+
+
+def plan_slice(out: str, index: int) -> str:
+    return join(out, "plan", "slices", f"{slice_name(index)}.jsonl")
+
+
+def rejects_dir(out: str) -> str:
+    return join(out, "plan", "rejects")
+
+
+def rejects_file(out: str, source: str) -> str:
+    """The rejects file of one input source (named safely after it)."""
+    return join(rejects_dir(out), f"{key_stem(source)}.jsonl")
+
+
+def shard_metadata(out: str, index: int) -> str:
+    return join(out, "shards", f"{slice_name(index)}.parquet")
+
+
+def shard_stats(out: str, index: int) -> str:
+    """The commit marker of a slice: written last."""
+    return join(out, "shards", f"{slice_name(index)}_stats.json")
+
+
+def image_file(out: str, index: int, key: str, ext: str = "png") -> str:
+    return join(out, "images", slice_name(index), f"{key}.{ext}")
+
+
+def dataset_file(out: str, name: str) -> str:
+    return join(out, "dataset", name)

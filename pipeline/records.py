@@ -1,0 +1,160 @@
+"""Input rows to records, or to rejects with a reason (pure functions).
+
+A row needs a non-empty string ``prompt``. Optional: ``id``, ``seed``,
+``negative_prompt``, ``num_images``, ``guidance_scale``; any other field passes through
+to the metadata. A record without ``id`` gets ``<source relative to the input root>:<line>``;
+a record without ``seed`` gets a stable hash of (run seed, id).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+from pipeline import keys, naming
+
+KNOWN_FIELDS = ("id", "prompt", "negative_prompt", "seed", "num_images", "guidance_scale")
+MAX_ID_CHARS = 1024
+MIN_GUIDANCE, MAX_GUIDANCE = 0.0, 100.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    id: str
+    prompt: str
+    negative_prompt: str
+    seed: int
+    num_images: int
+    guidance_scale: float | None  # None: the run's default
+    source: str
+    line: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reject:
+    source: str
+    line: int
+    reason: str  # a short code, e.g. "invalid_json"
+    message: str  # what a person reads
+    raw: str
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One image to generate: a record expanded by image index, placed in a slice."""
+    key: str
+    id: str
+    image_index: int
+    prompt: str
+    negative_prompt: str
+    seed: int
+    guidance_scale: float | None
+    source: str
+    line: int
+    position: int  # global position in the plan
+    slice: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Item":
+        return cls(**obj)
+
+
+class _Bad(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+def _int_field(row: dict, name: str, lo: int, hi: int, default: int | None) -> int | None:
+    """An integer field in [lo, hi); integral floats and digit strings are accepted."""
+    value = row.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Bad(f"bad_{name}", f"'{name}' must be an integer, got {value!r}")
+    if not lo <= value < hi:
+        raise _Bad(f"bad_{name}", f"'{name}' must be in [{lo}, {hi}), got {value}")
+    return value
+
+
+def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
+              max_images: int = 100) -> Record:
+    """Validate one decoded row; raise ``_Bad`` with a reason code."""
+    if not isinstance(row, dict):
+        raise _Bad("not_an_object", f"a row must be a JSON object, got {type(row).__name__}")
+    if "prompt" not in row or row["prompt"] is None:
+        raise _Bad("missing_prompt", "the row has no 'prompt' field")
+    prompt = row["prompt"]
+    if not isinstance(prompt, str):
+        raise _Bad("prompt_not_string", f"'prompt' must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise _Bad("empty_prompt", "'prompt' is empty")
+    negative = row.get("negative_prompt") or ""
+    if not isinstance(negative, str):
+        raise _Bad("bad_negative_prompt", "'negative_prompt' must be a string")
+    record_id = row.get("id", None)
+    if record_id is None:
+        record_id = auto_id
+    elif isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
+        raise _Bad("bad_id", f"'id' must be a string or an integer, got {type(record_id).__name__}")
+    record_id = str(record_id)
+    if not record_id or len(record_id) > MAX_ID_CHARS:
+        raise _Bad("bad_id", f"'id' must have 1..{MAX_ID_CHARS} characters")
+    seed = _int_field(row, "seed", 0, keys.MAX_SEED, None)
+    if seed is None:
+        seed = keys.record_seed(run_seed, record_id)
+    num_images = _int_field(row, "num_images", 1, min(max_images, naming.MAX_IMAGES_PER_RECORD) + 1, 1)
+    guidance = row.get("guidance_scale", None)
+    if guidance is not None:
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) \
+                or not MIN_GUIDANCE <= guidance <= MAX_GUIDANCE:
+            raise _Bad("bad_guidance_scale",
+                       f"'guidance_scale' must be a number in [{MIN_GUIDANCE}, {MAX_GUIDANCE}], got {guidance!r}")
+        guidance = float(guidance)
+    extra = {k: v for k, v in row.items() if k not in KNOWN_FIELDS}
+    return Record(id=record_id, prompt=prompt, negative_prompt=negative, seed=seed,
+                  num_images=num_images, guidance_scale=guidance, source=source, line=line, extra=extra)
+
+
+def parse_jsonl_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: str) -> Record | Reject | None:
+    """One JSONL line to a Record, a Reject, or None for a blank line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Reject(source, line, "invalid_utf8", f"the line is not valid UTF-8 ({e.reason} at byte {e.start})",
+                      raw.decode("utf-8", "replace"))
+    if not text.strip():
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Reject(source, line, "invalid_json", f"the line is not valid JSON: {e.msg} at column {e.colno}", text)
+    try:
+        return parse_row(row, source, line, run_seed, auto_id)
+    except _Bad as bad:
+        return Reject(source, line, bad.reason, bad.message, text)
+
+
+def expand(record: Record, first_position: int, slice_size: int) -> list[Item]:
+    """The items (one per image) of a record whose first image sits at ``first_position``."""
+    items = []
+    for index in range(record.num_images):
+        position = first_position + index
+        items.append(Item(key=naming.output_key(record.id, index), id=record.id, image_index=index,
+                          prompt=record.prompt, negative_prompt=record.negative_prompt, seed=record.seed,
+                          guidance_scale=record.guidance_scale, source=record.source, line=record.line,
+                          position=position, slice=position // slice_size, extra=record.extra))
+    return items

@@ -1,0 +1,69 @@
+"""The one settings object of a run.
+
+CLI flags and Beam options are translated into ``Settings``; nothing else is a source
+of truth. ``run.json`` holds the resolved settings, and every later stage reads them
+from there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from pipeline import keys, slicing
+
+DTYPES = ("fp32",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    prompts: str = "examples/prompts.jsonl"
+    out: str = "promptmill-out"
+    model: str = "tiny"
+    width: int | None = None  # None: the model's native size
+    height: int | None = None
+    steps: int = 20
+    guidance_scale: float = 7.5
+    seed: int = 0  # the run seed, hashed with a record's id when it has no seed
+    per_device_batch: int = 1
+    batches_per_slice: int = 2
+    devices_per_host: int = 1
+    dtype: str = "fp32"
+
+    @property
+    def slice_size(self) -> int:
+        return slicing.slice_size(self.devices_per_host, self.per_device_batch, self.batches_per_slice)
+
+    def validate(self) -> "Settings":
+        """Return self, or raise ValueError naming the bad setting."""
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            if value is not None and (value < 8 or value % 8):
+                raise ValueError(f"--{name} must be a positive multiple of 8, got {value}")
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if not 0 <= self.seed < keys.MAX_SEED:
+            raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.slice_size  # validates the three slice factors
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Settings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+def fingerprint(settings: Settings, model_fingerprint: str) -> str:
+    """Hash of everything that decides the bytes of the outputs."""
+    decisive = settings.to_dict()
+    decisive.pop("out")
+    decisive["model"] = model_fingerprint
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()

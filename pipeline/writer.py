@@ -1,0 +1,100 @@
+"""The outputs of one slice: images, the metadata shard, and the commit marker.
+
+Every name and every byte is deterministic: PNGs carry no timestamps, and a slice's
+``_stats.json`` is written last, so a slice without it is simply redone.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import io
+import json
+
+import numpy as np
+
+from pipeline import __version__, naming, storage
+from pipeline.records import Item
+
+PNG_COMPRESS_LEVEL = 6
+
+METADATA_FIELDS = (
+    ("key", "string"), ("id", "string"), ("image_index", "int32"), ("prompt", "string"),
+    ("negative_prompt", "string"), ("seed", "int64"), ("width", "int32"), ("height", "int32"),
+    ("steps", "int32"), ("guidance_scale", "float64"), ("scheduler", "string"), ("model", "string"),
+    ("model_fingerprint", "string"), ("dtype", "string"), ("per_device_batch", "int32"), ("slice", "int32"),
+    ("position", "int64"), ("host", "int32"), ("sha256", "string"), ("path", "string"), ("source", "string"),
+    ("line", "int64"), ("extra", "string"), ("promptmill_version", "string"), ("created_at", "string"),
+)
+
+
+def metadata_schema():
+    import pyarrow as pa
+
+    return pa.schema([(name, getattr(pa, kind)()) for name, kind in METADATA_FIELDS])
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """PNG bytes of a uint8 [H, W, 3] image (deterministic: no time chunks)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image, mode="RGB").save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    return buffer.getvalue()
+
+
+def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str) -> dict:
+    """The metadata of one image (fields in DESIGN.md)."""
+    settings = run["settings"]
+    guidance = item.guidance_scale if item.guidance_scale is not None else settings["guidance_scale"]
+    return {
+        "key": item.key, "id": item.id, "image_index": item.image_index, "prompt": item.prompt,
+        "negative_prompt": item.negative_prompt, "seed": item.seed, "width": settings["width"],
+        "height": settings["height"], "steps": settings["steps"], "guidance_scale": float(guidance),
+        "scheduler": run["scheduler"], "model": settings["model"], "model_fingerprint": run["model_fingerprint"],
+        "dtype": settings["dtype"], "per_device_batch": settings["per_device_batch"], "slice": item.slice,
+        "position": item.position, "host": host, "sha256": hashlib.sha256(data).hexdigest(), "path": path,
+        "source": item.source, "line": item.line, "extra": json.dumps(item.extra, sort_keys=True, ensure_ascii=False),
+        "promptmill_version": __version__,
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_image(out: str, item: Item, image: np.ndarray, run: dict, host: int) -> dict:
+    """Encode and write one image; returns its metadata row."""
+    data = encode_png(image)
+    path = naming.image_file(out, item.slice, item.key, "png")
+    storage.write_bytes(path, data)
+    relative = naming.image_file("", item.slice, item.key, "png").lstrip("/")
+    return metadata_row(item, run, host, data, relative)
+
+
+def parquet_bytes(rows: list[dict]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows, schema=metadata_schema())
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def read_parquet_rows(path: str) -> list[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pq.read_table(pa.BufferReader(storage.read_bytes(path))).to_pylist()
+
+
+def commit_slice(out: str, index: int, rows: list[dict], stats: dict) -> None:
+    """Write the slice's metadata shard, then its commit marker (last)."""
+    storage.write_bytes(naming.shard_metadata(out, index), parquet_bytes(rows))
+    storage.write_json(naming.shard_stats(out, index), stats)
+
+
+def is_committed(out: str, index: int) -> bool:
+    return storage.exists(naming.shard_stats(out, index))
+
+
+def read_slice_items(out: str, index: int) -> list[Item]:
+    text = storage.read_text(naming.plan_slice(out, index))
+    return [Item.from_json(json.loads(line)) for line in text.splitlines() if line.strip()]

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="promptmill",
+    version="0.1.0",
+    description="Generate image datasets from text prompts with Stable Diffusion in JAX/Flax on TPU pods.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pipeline", "pipeline.*", "jobs", "jobs.*"]),
+    install_requires=[
+        # jax from PyPI is the CPU build; the `tpu` extra adds the TPU runtime.
+        "jax>=0.7,<0.11",
+        "flax>=0.10,<0.13",
+        # The last releases with Flax: diffusers removed it after 0.39, transformers in 5.0.
+        "diffusers==0.39.*",
+        "transformers>=4.57,<5",
+        "apache-beam>=2.60,<3",
+        "google-cloud-storage>=2.14,<4",
+        "numpy",
+        "pillow>=10",
+        "pyarrow>=14",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "tpu": ["jax[tpu]>=0.7,<0.11"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+    },
+    entry_points={"console_scripts": ["promptmill=jobs.cli:main"]},
+)
