@@ -1,0 +1,208 @@
+"""Real end-to-end runs: Beam plan, several jax.distributed host processes, Beam collect."""
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import collect, naming, storage, writer
+from tests.conftest import ROOT, run_cli
+
+STEPS = "3"
+
+
+def write_prompts(folder, count, bad_rows=True):
+    """``count`` good records (record 2 has three images), plus one bad row."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": f"prompt number {n}, a {'red' if n % 2 else 'blue'} object", "theme": n % 3}
+            for n in range(count)]
+    rows[1]["id"] = "named-record"
+    rows[1]["negative_prompt"] = "blurry"
+    rows[2]["num_images"] = 3
+    rows[3]["seed"] = 2**40 + 7
+    rows[4]["guidance_scale"] = 3.0
+    lines = [json.dumps(r) for r in rows]
+    if bad_rows:
+        lines.insert(5, json.dumps({"prompt": "", "id": "empty"}))
+    half = len(lines) // 2
+    (folder / "part-0.jsonl").write_text("\n".join(lines[:half]) + "\n")
+    (folder / "part-1.jsonl").write_text("\n".join(lines[half:]) + "\n")
+    return str(folder / "*.jsonl")
+
+
+def run_args(prompts, out, hosts, devices, *extra):
+    return ["run", "--prompts", prompts, "--out", out, "--model", "tiny", "--hosts", str(hosts),
+            "--devices-per-host", str(devices), "--steps", STEPS, "--per-device-batch", "1",
+            "--batches-per-slice", "2", "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    # 15 good records, one with 3 images: 17 images, not a multiple of the slice size 4
+    return write_prompts(tmp_path_factory.mktemp("prompts"), 15)
+
+
+@pytest.fixture(scope="module")
+def two_by_two(prompts, tmp_path_factory, model_cache):
+    out = str(tmp_path_factory.mktemp("run-2x2") / "out")
+    result = run_cli(run_args(prompts, out, 2, 2), model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def metadata(out):
+    return writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+
+
+def image_hashes(out):
+    return {row["key"]: hashlib.sha256(storage.read_bytes(naming.join(out, row["path"]))).hexdigest()
+            for row in metadata(out)}
+
+
+def test_every_planned_image_exists_once_and_opens_at_the_requested_size(two_by_two):
+    out = two_by_two
+    manifest = storage.read_json(naming.manifest(out))
+    assert (manifest["records"], manifest["images"], manifest["rejects"]) == (15, 17, 1)
+    assert manifest["slice_size"] == 4 and manifest["slices"] == 5
+    planned = [json.loads(line) for i in range(manifest["slices"])
+               for line in storage.read_text(naming.plan_slice(out, i)).splitlines()]
+    rows = metadata(out)
+    assert sorted(r["key"] for r in rows) == sorted(i["key"] for i in planned)
+    assert len({r["key"] for r in rows}) == len(rows) == 17
+    for row in rows:
+        data = storage.read_bytes(naming.join(out, row["path"]))
+        assert hashlib.sha256(data).hexdigest() == row["sha256"]
+        with Image.open(io.BytesIO(data)) as image:
+            assert image.format == "PNG" and image.size == (32, 32) and image.mode == "RGB"
+    by_key = {r["key"]: r for r in rows}
+    assert [by_key[f"{naming.key_stem('part-0.jsonl:3')}_{n:04d}"]["image_index"] for n in range(3)] == [0, 1, 2]
+    named = by_key["named-record_0000"]
+    assert (named["negative_prompt"], json.loads(named["extra"])) == ("blurry", {"theme": 1})
+    assert {r["host"] for r in rows} == {0, 1}
+    # padding rows are never written: exactly the planned images are on disk
+    assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 17
+
+
+def test_the_bad_row_is_in_rejects_with_its_source_line_and_reason(two_by_two):
+    [path] = storage.glob(naming.join(two_by_two, "plan", "rejects", "*.jsonl"))
+    [reject] = [json.loads(line) for line in storage.read_text(path).splitlines()]
+    assert reject["source"].endswith("part-0.jsonl") and reject["line"] == 6
+    assert reject["reason"] == "empty_prompt"
+
+
+def test_collect_verified_and_nothing_recompiled(two_by_two):
+    stats = storage.read_json(naming.dataset_file(two_by_two, "stats.json"))
+    assert stats["verified"] and stats["images"] == 17 and stats["input_rows"] == 16
+    assert stats["compiles_after_warmup"] == 0
+    for index in range(5):
+        assert storage.read_json(naming.shard_stats(two_by_two, index))["compiles_after_warmup"] == 0
+    assert sorted(stats["hosts"]) == ["0", "1"]
+
+
+def test_topology_independence_1x4_vs_2x2(two_by_two, prompts, tmp_path, model_cache):
+    out = str(tmp_path / "out-1x4")
+    result = run_cli(run_args(prompts, out, 1, 4), model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert storage.read_json(naming.manifest(out))["slice_size"] == 8  # other slices, other positions
+    one, two = image_hashes(out), image_hashes(two_by_two)
+    assert len(one) == 17 and one == two
+
+
+def test_collect_names_missing_and_duplicated_keys(two_by_two, tmp_path):
+    out = str(tmp_path / "broken")
+    shutil.copytree(two_by_two, out)
+    rows = metadata(out)
+    victim, twin = rows[3], rows[6]
+    os.remove(naming.join(out, victim["path"]))
+    shard = naming.shard_metadata(out, twin["slice"])
+    shard_rows = writer.read_parquet_rows(shard)
+    storage.write_bytes(shard, writer.parquet_bytes(shard_rows + [dict(twin)]))
+    with pytest.raises(collect.CollectError) as error:
+        collect.run_collect(out)
+    message = str(error.value)
+    assert f"missing: 1 key(s), e.g. {victim['key']}" in message
+    assert f"duplicated: 1 key(s), e.g. {twin['key']}" in message
+
+
+def test_cli_collect_exits_non_zero_when_a_slice_is_not_committed(two_by_two, tmp_path, model_cache):
+    out = str(tmp_path / "uncommitted")
+    shutil.copytree(two_by_two, out)
+    os.remove(naming.shard_stats(out, 2))
+    result = run_cli(["collect", "--out", out], model_cache)
+    assert result.returncode == 1
+    assert "missing: 4 key(s)" in result.stderr
+
+
+def test_diffusers_alone_reproduces_an_image_from_its_metadata(two_by_two, model_cache):
+    """The README's recipe: FlaxStableDiffusionPipeline with the row's seed and image index
+    gives the same image, to within one pixel level (float rounding of other XLA programs)."""
+    import jax
+    import jax.numpy as jnp
+    from diffusers import FlaxStableDiffusionPipeline
+
+    from pipeline import model as model_lib
+
+    pipe, params = FlaxStableDiffusionPipeline.from_pretrained(
+        model_lib.resolve("tiny"), safety_checker=None, feature_extractor=None)
+
+    def ids(text):
+        return pipe.tokenizer([text], padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                              truncation=True, return_tensors="np").input_ids
+
+    rows = {r["key"]: r for r in metadata(two_by_two)}
+    # a negative prompt, and a seed above 2**32 with image index 0
+    picks = [rows["named-record_0000"], next(r for r in rows.values() if r["seed"] > 2**32)]
+    for row in picks:
+        seed = row["seed"]
+        key = jax.random.wrap_key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
+        key = jax.random.fold_in(key, row["image_index"])
+        shape = (1, pipe.unet.config.in_channels, row["height"] // pipe.vae_scale_factor,
+                 row["width"] // pipe.vae_scale_factor)
+        latents = jax.random.normal(key, shape, jnp.float32)
+        image = pipe(jnp.asarray(ids(row["prompt"])), params, key, num_inference_steps=row["steps"],
+                     height=row["height"], width=row["width"], guidance_scale=row["guidance_scale"],
+                     latents=latents, neg_prompt_ids=jnp.asarray(ids(row["negative_prompt"])), jit=False).images
+        ours = np.asarray(Image.open(io.BytesIO(storage.read_bytes(naming.join(two_by_two, row["path"])))))
+        theirs = np.asarray(pipe.numpy_to_pil(np.asarray(image))[0])
+        diff = np.abs(ours.astype(int) - theirs.astype(int))
+        # diffusers runs other XLA programs, so a float may round to the next level
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01, row["key"]
+
+
+def test_killing_a_host_stops_the_run_with_a_clear_message(tmp_path, model_cache):
+    prompts = write_prompts(tmp_path / "many", 240, bad_rows=False)
+    out = str(tmp_path / "killed")
+    env = dict(os.environ, PROMPTMILL_CACHE=model_cache)
+    args = run_args(prompts, out, 2, 2)
+    args[args.index("--batches-per-slice") + 1] = "1"
+    args[args.index("--steps") + 1] = "8"
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        log = os.path.join(out, "logs", "host-1.log")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(log) and '"slice_committed"' in open(log).read():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before host 1 could be killed"
+        with open(os.path.join(out, "logs", "hosts.json")) as f:
+            os.kill(json.load(f)["1"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=120)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert "host 1 of 2 failed (killed by SIGKILL)" in stderr
+    assert elapsed < 60, f"run took {elapsed:.0f}s to notice"
+    assert not os.path.exists(naming.dataset_file(out, "stats.json"))

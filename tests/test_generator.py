@@ -1,0 +1,56 @@
+import jax
+import numpy as np
+import pytest
+
+from pipeline import keys, model as model_lib
+from pipeline.generator import Batch, CompileCounter, Generator
+
+
+@pytest.fixture(scope="module")
+def generator(model_cache):
+    return Generator(model_lib.load("tiny"), width=32, height=32, steps=2, per_device_batch=1)
+
+
+def make_batch(gen, prompts, negatives, guidance, seeds, indices):
+    words = np.array([keys.seed_words(s) for s in seeds], np.uint32)
+    return Batch(gen.tokenize(prompts), gen.tokenize(negatives), np.asarray(guidance, np.float32),
+                 words[:, 0], words[:, 1], np.asarray(indices, np.uint32))
+
+
+def test_runs_on_every_local_device(generator):
+    assert len(generator.devices) == jax.local_device_count() == 2
+    assert generator.batch_size == 2
+
+
+def test_no_compilation_after_warm_up(generator):
+    generator(generator.padding_batch())  # warm-up
+    before = CompileCounter.count()
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        batch = make_batch(generator, [f"prompt {step} {'long ' * 40 * step}", "another"],
+                           ["", f"negative {step}"], rng.uniform(0, 12, 2), rng.integers(0, 2**62, 2), [step, 0])
+        images = generator(batch)
+        assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8
+    assert CompileCounter.count() - before == 0
+
+
+def test_compile_counter_sees_a_compilation():
+    before = CompileCounter.count()
+    jax.jit(lambda x: x * 3 + 1)(np.arange(7.0))
+    assert CompileCounter.count() > before
+
+
+def test_image_depends_on_its_own_key_only(generator):
+    a = make_batch(generator, ["a cat", "a dog"], ["", ""], [7.5, 7.5], [11, 2**40], [0, 5])
+    b = make_batch(generator, ["a dog", "a cat"], ["", ""], [7.5, 7.5], [2**40, 11], [5, 0])
+    c = make_batch(generator, ["a cat", "a dog"], ["", ""], [7.5, 7.5], [11, 2**40], [1, 5])
+    ia, ib, ic = generator(a), generator(b), generator(c)
+    np.testing.assert_array_equal(ia[0], ib[1])  # same image on another device
+    np.testing.assert_array_equal(ia[1], ib[0])
+    assert not np.array_equal(ia[0], ic[0])  # another image index: another image
+
+
+def test_wrong_batch_size_is_an_error(generator):
+    batch = make_batch(generator, ["x"], [""], [1.0], [1], [0])
+    with pytest.raises(ValueError, match="a batch holds 2 images"):
+        generator(batch)

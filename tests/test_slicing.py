@@ -1,0 +1,60 @@
+import itertools
+
+import pytest
+
+from pipeline import slicing
+
+CASES = [(n, size, hosts) for n in (0, 1, 3, 7, 8, 9, 31, 64, 100, 257)
+         for size in (1, 2, 4, 6, 8) for hosts in (1, 2, 3, 4, 8)]
+
+
+@pytest.mark.parametrize("n,size,hosts", CASES)
+def test_every_item_in_exactly_one_slice_and_every_slice_on_exactly_one_host(n, size, hosts):
+    total = slicing.num_slices(n, size)
+    members = {}
+    for position in range(n):
+        index, offset = slicing.locate(position, size)
+        assert 0 <= index < total and 0 <= offset < size
+        members.setdefault(index, []).append(offset)
+    assert sorted(members) == list(range(total))
+    for index, offsets in members.items():
+        assert offsets == list(range(len(offsets)))  # contiguous, no gaps
+        assert len(offsets) == size or index == total - 1  # only the last slice is short
+    slots = [slicing.host_slots(h, hosts, total) for h in range(hosts)]
+    real = [s for host in slots for s in host if s is not None]
+    assert sorted(real) == list(range(total))  # each slice on exactly one host
+    assert len({len(host) for host in slots}) == 1  # every host: the same number of steps
+    assert len(slots[0]) == slicing.slots_per_host(total, hosts)
+    for h, host in enumerate(slots):
+        assert [s for s in host if s is not None] == list(range(h, total, hosts))
+        # padding slots only at the end
+        assert host == [s for s in host if s is not None] + [None] * host.count(None)
+
+
+@pytest.mark.parametrize("devices,batch,per_slice", list(itertools.product((1, 2, 4, 8), (1, 2, 3), (1, 2, 5))))
+def test_slice_size_splits_into_device_steps(devices, batch, per_slice):
+    size = slicing.slice_size(devices, batch, per_slice)
+    assert size == devices * batch * per_slice
+    assert slicing.batches_per_slice(size, devices, batch) == per_slice
+
+
+def test_uneven_slice_size_for_this_host_is_a_clear_error():
+    with pytest.raises(ValueError, match="not a multiple of local devices"):
+        slicing.batches_per_slice(6, 4, 1)
+
+
+@pytest.mark.parametrize("args", [(0, 1, 1), (1, 0, 1), (1, 1, 0), (-1, 2, 2)])
+def test_slice_size_rejects_non_positive_factors(args):
+    with pytest.raises(ValueError):
+        slicing.slice_size(*args)
+
+
+def test_host_slots_rejects_bad_host():
+    with pytest.raises(ValueError):
+        slicing.host_slots(2, 2, 5)
+
+
+@pytest.mark.parametrize("real,size", [(0, 4), (3, 4), (4, 4)])
+def test_pad_mask(real, size):
+    mask = slicing.pad_mask(real, size)
+    assert len(mask) == size and sum(mask) == real and mask == sorted(mask, reverse=True)
