@@ -239,11 +239,30 @@ def resolve_settings(settings: Settings) -> tuple[Settings, dict]:
     return settings, run
 
 
+def check_same_run(out: str, run: dict) -> None:
+    """Refuse to plan into an OUT that holds a run with other settings.
+
+    Object names are deterministic, so re-running the same settings rewrites the same
+    objects; other settings would mix two runs' slices and images in one dataset.
+    """
+    path = naming.run_json(out)
+    if not storage.exists(path):
+        return
+    previous = storage.read_json(path)
+    if previous.get("settings_fingerprint") != run["settings_fingerprint"]:
+        changed = sorted(k for k, v in run["settings"].items() if previous.get("settings", {}).get(k) != v)
+        if previous.get("model_fingerprint") != run["model_fingerprint"]:
+            changed.append("model weights")
+        raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
+                        "use another --out, or remove the old one first")
+
+
 def run_plan(settings: Settings, beam_args: list[str] | None = None) -> dict:
     """Plan ``settings.prompts`` into ``settings.out``; returns the manifest."""
     if not storage.glob(settings.prompts):
         raise PlanError(f"no prompt files match {settings.prompts!r}")
     settings, run = resolve_settings(settings)
+    check_same_run(settings.out, run)
     storage.write_json(naming.run_json(settings.out), run)
     options = PipelineOptions(beam_args or [])
     with beam.Pipeline(options=options) as p:

@@ -76,3 +76,12 @@ def test_run_plan_writes_run_manifest_slices_and_rejects(tmp_path, model_cache):
 def test_run_plan_without_matching_files_is_a_clear_error(tmp_path):
     with pytest.raises(plan.PlanError, match="no prompt files match"):
         plan.run_plan(Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "o")))
+
+
+def test_replanning_the_same_out_with_other_settings_is_refused(tmp_path, model_cache):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "one"}\n')
+    settings = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "out"))
+    first = plan.run_plan(settings)
+    assert plan.run_plan(settings) == first  # the same settings: idempotent
+    with pytest.raises(plan.PlanError, match=r"other settings \(changed: steps\)"):
+        plan.run_plan(settings.replace(steps=settings.steps + 1))
