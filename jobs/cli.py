@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipeline.model import DTYPES, SCHEDULERS
 from pipeline.settings import Settings
 
 _DEFAULTS = Settings()
@@ -23,6 +24,10 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None, help="image width, a multiple of 8 (default: the model's)")
     parser.add_argument("--height", type=int, default=None, help="image height, a multiple of 8 (default: the model's)")
     parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
+    parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
+                        help="sampling algorithm (default: the checkpoint's own)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
+                        help="network weights and compute dtype; latents stay float32 (default: %(default)s)")
     parser.add_argument("--guidance-scale", type=float, default=d.guidance_scale,
                         help="classifier-free guidance scale for records without one (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed,
@@ -36,7 +41,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args, devices_per_host: int) -> Settings:
     return Settings(prompts=args.prompts, out=args.out, model=args.model, width=args.width, height=args.height,
-                    steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed,
+                    steps=args.steps, scheduler=args.scheduler, dtype=args.dtype, guidance_scale=args.guidance_scale, seed=args.seed,
                     per_device_batch=args.per_device_batch, batches_per_slice=args.batches_per_slice,
                     devices_per_host=devices_per_host)
 

@@ -72,7 +72,7 @@ def generate(out: str, cluster_args: cluster.ClusterArgs) -> dict:
     run, manifest = load_run(out)
     settings = run["settings"]
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
-    model = model_lib.load(settings["model"])
+    model = model_lib.load(settings["model"], settings["dtype"], settings["scheduler"])
     if model.fingerprint != run["model_fingerprint"]:
         raise GenerateError(f"model {settings['model']!r} has fingerprint {model.fingerprint[:12]}, but the run "
                             f"was planned with {run['model_fingerprint'][:12]}")

@@ -12,13 +12,17 @@ import json
 import os
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
-_SCHEDULERS = {  # checkpoint class name (with or without the Flax prefix) -> diffusers Flax class
-    "DDIMScheduler": "FlaxDDIMScheduler",
-    "PNDMScheduler": "FlaxPNDMScheduler",
-    "LMSDiscreteScheduler": "FlaxLMSDiscreteScheduler",
-    "EulerDiscreteScheduler": "FlaxEulerDiscreteScheduler",
-    "DPMSolverMultistepScheduler": "FlaxDPMSolverMultistepScheduler",
+# --scheduler choices -> (diffusers Flax class, config overrides)
+SCHEDULERS = {
+    "ddim": ("FlaxDDIMScheduler", {}),
+    "pndm": ("FlaxPNDMScheduler", {}),
+    "euler": ("FlaxEulerDiscreteScheduler", {}),
+    "dpmpp": ("FlaxDPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
 }
+# checkpoint scheduler class names (with or without the Flax prefix) -> --scheduler choice
+_CHECKPOINT_SCHEDULERS = {"DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",
+                          "DPMSolverMultistepScheduler": "dpmpp"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 _FLAX_WEIGHTS = {  # transformers and diffusers name their Flax weight files differently
     "text_encoder": "flax_model.msgpack",
@@ -70,6 +74,10 @@ class Model:
     @property
     def scheduler_name(self) -> str:
         return type(self.scheduler).__name__.removeprefix("Flax")
+
+    @property
+    def dtype(self):
+        return self.unet.dtype
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         f = self.vae_scale_factor
@@ -127,35 +135,70 @@ def check_layout(directory: str) -> dict:
     return index
 
 
-def _load_scheduler(directory: str):
-    import diffusers
-
+def checkpoint_scheduler(directory: str) -> str:
+    """The --scheduler choice that a checkpoint's own scheduler config names."""
     with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
         class_name = json.load(f).get("_class_name", "")
-    flax_name = _SCHEDULERS.get(class_name.removeprefix("Flax"))
-    if flax_name is None:
-        raise ModelError(f"{directory}: scheduler {class_name!r} is not supported "
-                         f"(supported: {', '.join(sorted(_SCHEDULERS))})")
-    return getattr(diffusers, flax_name).from_pretrained(directory, subfolder="scheduler")
+    choice = _CHECKPOINT_SCHEDULERS.get(class_name.removeprefix("Flax"))
+    if choice is None:
+        raise ModelError(f"{directory}: the checkpoint's scheduler {class_name!r} is not supported; pick one with "
+                         f"--scheduler {'|'.join(SCHEDULERS)}")
+    return choice
 
 
-def load(name: str) -> Model:
-    """Load ``--model`` (``tiny`` or a diffusers-format directory) for sampling."""
+def make_scheduler(directory: str, choice: str | None):
+    """(scheduler, state): the checkpoint's noise schedule with the chosen sampler.
+
+    The checkpoint's config (betas, prediction type, offsets) is kept; only the
+    sampling algorithm changes.
+    """
+    import diffusers
+
+    choice = choice or checkpoint_scheduler(directory)
+    if choice not in SCHEDULERS:
+        raise ModelError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {choice!r}")
+    class_name, overrides = SCHEDULERS[choice]
+    with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
+        config = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    scheduler_class = getattr(diffusers, class_name)
+    known = set(scheduler_class.__init__.__code__.co_varnames)
+    scheduler = scheduler_class(**{k: v for k, v in {**config, **overrides}.items() if k in known})
+    return scheduler, scheduler.create_state()
+
+
+def _to_bf16(tree):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def load(name: str, dtype: str = "fp32", scheduler: str | None = None) -> Model:
+    """Load ``--model`` (``tiny`` or a diffusers-format directory) for sampling.
+
+    ``dtype`` is the compute and weight dtype of the networks (``fp32`` or ``bf16``);
+    latents and the scheduler always stay in float32.
+    """
     quiet_libraries()  # before the Flax classes are imported: some warn at import
     import jax.numpy as jnp
     from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel
     from transformers import CLIPTokenizer, FlaxCLIPTextModel
 
+    if dtype not in DTYPES:
+        raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     directory = resolve(name)
     check_layout(directory)
-    dtype = jnp.float32
+    jdtype = getattr(jnp, DTYPES[dtype])
     tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
-    text_encoder = FlaxCLIPTextModel.from_pretrained(os.path.join(directory, "text_encoder"), dtype=dtype)
-    unet, unet_params = FlaxUNet2DConditionModel.from_pretrained(directory, subfolder="unet", dtype=dtype)
-    vae, vae_params = FlaxAutoencoderKL.from_pretrained(directory, subfolder="vae", dtype=dtype)
-    scheduler, scheduler_state = _load_scheduler(directory)
-    params = {"text_encoder": text_encoder.params, "unet": unet_params, "vae": vae_params,
-              "scheduler": scheduler_state}
+    text_encoder = FlaxCLIPTextModel.from_pretrained(os.path.join(directory, "text_encoder"), dtype=jdtype)
+    unet, unet_params = FlaxUNet2DConditionModel.from_pretrained(directory, subfolder="unet", dtype=jdtype)
+    vae, vae_params = FlaxAutoencoderKL.from_pretrained(directory, subfolder="vae", dtype=jdtype)
+    scheduler, scheduler_state = make_scheduler(directory, scheduler)
+    params = {"text_encoder": text_encoder.params, "unet": unet_params, "vae": vae_params}
+    if dtype == "bf16":  # weights in bf16 too: half the memory and bandwidth
+        params = {name: _to_bf16(tree) for name, tree in params.items()}
+    params["scheduler"] = scheduler_state
     return Model(path=name, fingerprint=fingerprint(directory), tokenizer=tokenizer, text_encoder=text_encoder,
                  unet=unet, vae=vae, scheduler=scheduler, params=params)
 
@@ -170,6 +213,5 @@ def describe(name: str) -> dict:
             return json.load(f)
 
     vae_scale = 2 ** (len(config("vae")["block_out_channels"]) - 1)
-    scheduler = config("scheduler", "scheduler_config.json").get("_class_name", "").removeprefix("Flax")
-    return {"directory": directory, "fingerprint": fingerprint(directory), "scheduler": scheduler,
-            "native_size": config("unet")["sample_size"] * vae_scale}
+    return {"directory": directory, "fingerprint": fingerprint(directory),
+            "scheduler": checkpoint_scheduler(directory), "native_size": config("unet")["sample_size"] * vae_scale}

@@ -232,9 +232,10 @@ def resolve_settings(settings: Settings) -> tuple[Settings, dict]:
     settings.validate()
     described = model.describe(settings.model)
     size = described["native_size"]
-    settings = settings.replace(width=settings.width or size, height=settings.height or size).validate()
+    settings = settings.replace(width=settings.width or size, height=settings.height or size,
+                                scheduler=settings.scheduler or described["scheduler"]).validate()
     run = {"settings": settings.to_dict(), "model_fingerprint": described["fingerprint"],
-           "scheduler": described["scheduler"], "settings_fingerprint": fingerprint(settings, described["fingerprint"]),
+           "scheduler": settings.scheduler, "settings_fingerprint": fingerprint(settings, described["fingerprint"]),
            "versions": _versions(), "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     return settings, run
 

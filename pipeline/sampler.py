@@ -21,13 +21,27 @@ def make_sample_fn(model, width: int, height: int, steps: int):
     import jax.numpy as jnp
 
     latent_shape = model.latent_shape(width, height)
-    text_encoder, unet, vae, scheduler = model.text_encoder, model.unet, model.vae, model.scheduler
+    denoise = make_denoise_fn(model, steps)
 
     def sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index):
-        batch = prompt_ids.shape[0]
         image_keys = keys.fold_keys(seed_hi, seed_lo, image_index)
         latents = jax.vmap(lambda k: keys.initial_latents(k, latent_shape))(image_keys)
+        images = denoise(params, prompt_ids, negative_ids, guidance, latents)
+        return jnp.round(images * 255).astype(jnp.uint8)
 
+    return sample
+
+
+def make_denoise_fn(model, steps: int):
+    """``denoise(params, prompt_ids, negative_ids, guidance, latents)``: float32 images in
+    [0, 1], [B, H, W, 3], from given initial latents (float32 [B, C, H/f, W/f])."""
+    import jax
+    import jax.numpy as jnp
+
+    text_encoder, unet, vae, scheduler = model.text_encoder, model.unet, model.vae, model.scheduler
+
+    def denoise(params, prompt_ids, negative_ids, guidance, latents):
+        batch = prompt_ids.shape[0]
         ids = jnp.concatenate([negative_ids, prompt_ids])
         context = text_encoder(ids, params=params["text_encoder"])[0]
         scale = guidance.astype(jnp.float32).reshape(batch, 1, 1, 1)
@@ -37,18 +51,19 @@ def make_sample_fn(model, width: int, height: int, steps: int):
 
         def step(i, carry):
             latents, state = carry
-            t = jnp.asarray(state.timesteps, dtype=jnp.int32)[i]
+            # not cast to int: Euler's timesteps are fractional and it finds its step by value
+            t = state.timesteps[i]
             model_input = scheduler.scale_model_input(state, jnp.concatenate([latents, latents]), t)
             noise = unet.apply({"params": params["unet"]}, model_input,
                                jnp.broadcast_to(t, (2 * batch,)), encoder_hidden_states=context).sample
-            uncond, cond = jnp.split(noise, 2)
+            # guidance and the scheduler run in float32 whatever the network dtype
+            uncond, cond = jnp.split(noise.astype(jnp.float32), 2)
             noise = uncond + scale * (cond - uncond)
             latents, state = scheduler.step(state, noise, t, latents).to_tuple()
             return latents, state
 
         latents, _ = jax.lax.fori_loop(0, steps, step, (latents, state))
         images = vae.apply({"params": params["vae"]}, latents / vae.config.scaling_factor, method=vae.decode).sample
-        images = jnp.clip(images / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
-        return jnp.round(images * 255).astype(jnp.uint8)
+        return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
 
-    return sample
+    return denoise

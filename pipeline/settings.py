@@ -11,8 +11,7 @@ import hashlib
 import json
 
 from pipeline import keys, slicing
-
-DTYPES = ("fp32",)
+from pipeline.model import DTYPES, SCHEDULERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +22,7 @@ class Settings:
     width: int | None = None  # None: the model's native size
     height: int | None = None
     steps: int = 20
+    scheduler: str | None = None  # None: the checkpoint's own (resolved when planning)
     guidance_scale: float = 7.5
     seed: int = 0  # the run seed, hashed with a record's id when it has no seed
     per_device_batch: int = 1
@@ -45,7 +45,9 @@ class Settings:
         if not 0 <= self.seed < keys.MAX_SEED:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.scheduler is not None and self.scheduler not in SCHEDULERS:
+            raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         self.slice_size  # validates the three slice factors
         return self
 
