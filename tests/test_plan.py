@@ -63,7 +63,7 @@ def test_run_plan_writes_run_manifest_slices_and_rejects(tmp_path, model_cache):
                         "rejects_by_reason": {"missing_prompt": 1}, "input_rows": 4}
     run = storage.read_json(naming.run_json(out))
     assert run["settings"]["width"] == run["settings"]["height"] == 32  # the tiny model's native size
-    assert len(run["model_fingerprint"]) == 64 and run["scheduler"] == "DDIMScheduler"
+    assert len(run["model_fingerprint"]) == 64 and run["scheduler"] == run["settings"]["scheduler"] == "ddim"
     items = [json.loads(line) for i in range(2) for line in storage.read_text(naming.plan_slice(out, i)).splitlines()]
     assert [(i["id"], i["image_index"]) for i in items] == [("p.jsonl:1", 0), ("p.jsonl:2", 0), ("p.jsonl:2", 1),
                                                             ("p.jsonl:4", 0)]
