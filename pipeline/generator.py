@@ -86,7 +86,7 @@ class Generator:
         self.max_length = model.tokenizer.model_max_length
         self.params = replicate(model.params, self.devices)
         fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps), devices=self.devices)
-        self._compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
+        self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """CLIP token ids, padded and truncated to the tokenizer's length."""
@@ -94,12 +94,18 @@ class Generator:
                                    truncation=True, return_tensors="np").input_ids
         return ids.astype(np.int32)
 
+    def batch(self, prompts, negatives, guidance, seeds, image_indices) -> Batch:
+        """Device inputs for one step: tokenised prompts and each image's seed words and index."""
+        from pipeline import keys
+
+        words = np.array([keys.seed_words(s) for s in seeds], np.uint32).reshape(-1, 2)
+        return Batch(self.tokenize(list(prompts)), self.tokenize(list(negatives)), np.asarray(guidance, np.float32),
+                     words[:, 0], words[:, 1], np.asarray(image_indices, np.uint32))
+
     def padding_batch(self) -> Batch:
-        """A batch of nothing: empty prompts, key 0; its outputs are never written."""
+        """A batch of nothing: empty prompts, seed 0; its outputs are never written."""
         n = self.batch_size
-        ids = self.tokenize([""] * n)
-        zeros = np.zeros(n, np.uint32)
-        return Batch(ids, ids, np.zeros(n, np.float32), zeros, zeros, zeros)
+        return self.batch([""] * n, [""] * n, [0.0] * n, [0] * n, [0] * n)
 
     def _device_shaped(self, batch: Batch) -> tuple:
         d, b = len(self.devices), self.per_device_batch
@@ -109,7 +115,7 @@ class Generator:
         """Start a device step; returns the device array (asynchronous)."""
         if len(batch.prompt_ids) != self.batch_size:
             raise ValueError(f"a batch holds {self.batch_size} images, got {len(batch.prompt_ids)}")
-        return self._compiled(self.params, *self._device_shaped(batch))
+        return self.compiled(self.params, *self._device_shaped(batch))
 
     def __call__(self, batch: Batch) -> np.ndarray:
         """uint8 images [N, height, width, 3] of one batch, in batch order."""

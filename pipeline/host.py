@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-import numpy as np
-
-from pipeline import cluster, keys, logs, naming, slicing, storage, writer
+from pipeline import cluster, logs, naming, slicing, storage, writer
 from pipeline.generator import Batch, CompileCounter, Generator
 from pipeline.records import Item
 
@@ -21,19 +19,11 @@ class GenerateError(RuntimeError):
 
 
 def _batch(generator: Generator, items: list[Item | None], default_guidance: float) -> Batch:
-    """Device inputs for a batch; ``None`` entries are padding rows."""
-    prompts, negatives, guidance, hi, lo, index = [], [], [], [], [], []
-    for item in items:
-        if item is None:
-            prompts.append(""), negatives.append(""), guidance.append(0.0)
-            hi.append(0), lo.append(0), index.append(0)
-            continue
-        seed_hi, seed_lo = keys.seed_words(item.seed)
-        prompts.append(item.prompt), negatives.append(item.negative_prompt)
-        guidance.append(default_guidance if item.guidance_scale is None else item.guidance_scale)
-        hi.append(seed_hi), lo.append(seed_lo), index.append(item.image_index)
-    return Batch(generator.tokenize(prompts), generator.tokenize(negatives), np.asarray(guidance, np.float32),
-                 np.asarray(hi, np.uint32), np.asarray(lo, np.uint32), np.asarray(index, np.uint32))
+    """Device inputs for a batch; ``None`` entries are padding rows (empty prompt, seed 0)."""
+    real = [(i.prompt, i.negative_prompt, default_guidance if i.guidance_scale is None else i.guidance_scale,
+             i.seed, i.image_index) if i is not None else ("", "", 0.0, 0, 0) for i in items]
+    prompts, negatives, guidance, seeds, indices = zip(*real)
+    return generator.batch(prompts, negatives, guidance, seeds, indices)
 
 
 def load_run(out: str) -> tuple[dict, dict]:

@@ -90,12 +90,13 @@ def cache_dir() -> str:
 
 def resolve(name: str) -> str:
     """The local diffusers-format directory for ``--model``."""
-    if name == "tiny":
-        from pipeline import tiny
+    from pipeline import tiny
 
-        return tiny.ensure(os.path.join(cache_dir(), "models"))
+    if name in tiny.PRESETS:
+        return tiny.ensure(os.path.join(cache_dir(), "models"), name)
     if not os.path.isdir(name):
-        raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, or 'tiny')")
+        raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, or one of the "
+                         f"built-in random models: {', '.join(tiny.PRESETS)})")
     return name
 
 

@@ -1,10 +1,12 @@
-"""``--model tiny``: a tiny random-weight Stable Diffusion, saved in diffusers format.
+"""Built-in random-weight models, saved in diffusers format: ``--model tiny`` and friends.
 
-Same architecture as SD 1.x (CLIP tokenizer and text encoder, UNet2DCondition,
-AutoencoderKL, DDIM scheduler), at a size that compiles in seconds on a CPU. It is
-built from a fixed seed, saved once into the cache, and then loaded by
-``pipeline.model.load`` exactly like a user's checkpoint. Its weights are random, so
-its images are noise: it exists for tests and demos.
+``tiny`` has SD 1.x's architecture (CLIP tokenizer and text encoder, UNet2DCondition,
+AutoencoderKL, DDIM scheduler) and ``tiny-sdxl`` SDXL's (two text encoders, pooled
+embeddings, time ids), at sizes that compile in seconds on a CPU; ``random-sd15`` has
+SD 1.5's real sizes, for benchmarks. Each is built from a fixed seed, saved once into
+the cache, and then loaded by ``pipeline.model.load`` exactly like a user's
+checkpoint. Their weights are random, so their images are noise: they exist for tests,
+demos and benchmarks.
 """
 from __future__ import annotations
 
@@ -14,10 +16,52 @@ import shutil
 import tempfile
 import zlib
 
-VERSION = "tiny-sd-v1"  # bump when the recipe below changes
 SEED = 0
 MAX_LENGTH = 77
 SPECIAL = ("<|startoftext|>", "<|endoftext|>")
+
+_SD_SCHEDULE = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+_TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+                  projection_dim=32)
+_TINY_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                 sample_size=32)
+
+# Built-in random models, by --model name. Bump a name's version when its recipe changes.
+PRESETS = {
+    "tiny": dict(
+        version="tiny-sd-v1", family="sd", text=_TINY_TEXT, vae=_TINY_VAE,
+        unet=dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, attention_head_dim=8),
+        scheduler=("FlaxDDIMScheduler", dict(_SD_SCHEDULE, clip_sample=False, set_alpha_to_one=False,
+                                             steps_offset=1))),
+    "tiny-sdxl": dict(
+        version="tiny-sdxl-v1", family="sdxl", text=_TINY_TEXT, text_2=dict(_TINY_TEXT, hidden_act="gelu"),
+        vae=dict(_TINY_VAE, scaling_factor=0.13025),
+        unet=dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4),
+                  transformer_layers_per_block=(1, 2), use_linear_projection=True, cross_attention_dim=64,
+                  addition_embed_type="text_time", addition_time_embed_dim=8,
+                  projection_class_embeddings_input_dim=32 + 6 * 8),  # pooled text + 6 time ids
+        scheduler=("FlaxEulerDiscreteScheduler", dict(_SD_SCHEDULE, timestep_spacing="leading"))),
+    # SD 1.5's architecture and sizes with random weights: for benchmarks, not tests.
+    "random-sd15": dict(
+        version="random-sd15-v1", family="sd",
+        text=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                  projection_dim=768, vocab_size=49408),
+        vae=dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
+                 block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                 up_block_types=("UpDecoderBlock2D",) * 4, sample_size=512),
+        unet=dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+                  block_out_channels=(320, 640, 1280, 1280),
+                  down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                  up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, cross_attention_dim=768,
+                  attention_head_dim=8),
+        scheduler=("FlaxPNDMScheduler", dict(_SD_SCHEDULE, skip_prk_steps=True, set_alpha_to_one=False,
+                                             steps_offset=1))),
+}
 
 
 def _write_tokenizer_files(folder: str) -> tuple[str, str]:
@@ -58,57 +102,65 @@ def _random_params(shapes, seed: int):
     return jax.tree_util.tree_map_with_path(leaf, shapes)
 
 
-def build(directory: str) -> None:
-    """Build the tiny model from ``SEED`` and save it in diffusers format to ``directory``."""
+def build(directory: str, name: str = "tiny") -> None:
+    """Build the random model ``name`` from ``SEED`` and save it in diffusers format."""
+    import diffusers
     import jax
-    from diffusers import (FlaxAutoencoderKL, FlaxDDIMScheduler, FlaxStableDiffusionPipeline,
-                           FlaxUNet2DConditionModel)
-    from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel
+    from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
 
     from pipeline.model import quiet_libraries
 
     quiet_libraries()
+    preset = PRESETS[name]
     with tempfile.TemporaryDirectory() as scratch:
-        tokenizer = CLIPTokenizer(*_write_tokenizer_files(scratch), model_max_length=MAX_LENGTH)
+        files = _write_tokenizer_files(scratch)
+        tokenizer = CLIPTokenizer(*files, model_max_length=MAX_LENGTH)
+        # SDXL's second tokenizer pads with "!" rather than the end token
+        tokenizer_2 = CLIPTokenizer(*files, model_max_length=MAX_LENGTH, pad_token="!")
     bos, eos = (tokenizer.convert_tokens_to_ids(t) for t in SPECIAL)
-    text_config = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                 num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=MAX_LENGTH,
-                                 bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, projection_dim=32)
-    text_encoder = FlaxCLIPTextModel(text_config, _do_init=False)
-    unet = FlaxUNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, attention_head_dim=8)
-    vae = FlaxAutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, sample_size=32)
-    scheduler = FlaxDDIMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-                                  beta_schedule="scaled_linear", clip_sample=False, set_alpha_to_one=False,
-                                  steps_offset=1)
+
+    def text_model(cls, config: dict):
+        config = dict(config)
+        vocab_size = config.pop("vocab_size", len(tokenizer))
+        return cls(CLIPTextConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, bos_token_id=bos,
+                                  eos_token_id=eos, pad_token_id=eos, **config), _do_init=False)
+
+    text_encoder = text_model(FlaxCLIPTextModel, preset["text"])
+    unet = diffusers.FlaxUNet2DConditionModel(**preset["unet"])
+    vae = diffusers.FlaxAutoencoderKL(**preset["vae"])
+    scheduler_class, scheduler_config = preset["scheduler"]
+    scheduler = getattr(diffusers, scheduler_class)(**scheduler_config)
     shapes_key = jax.random.PRNGKey(SEED)  # only shapes are taken from the initialisers
     params = {"text_encoder": _random_params(text_encoder.params_shape_tree, SEED),
               "unet": _random_params(jax.eval_shape(unet.init_weights, shapes_key), SEED + 1),
               "vae": _random_params(jax.eval_shape(vae.init_weights, shapes_key), SEED + 2),
               "scheduler": scheduler.create_state()}
-    pipe = FlaxStableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                       scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                       dtype=jax.numpy.float32)
+    components = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler)
+    if preset["family"] == "sdxl":
+        text_encoder_2 = text_model(FlaxCLIPTextModelWithProjection, preset["text_2"])
+        params["text_encoder_2"] = _random_params(text_encoder_2.params_shape_tree, SEED + 3)
+        pipe = diffusers.FlaxStableDiffusionXLPipeline(text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                                                       dtype=jax.numpy.float32, **components)
+    else:
+        pipe = diffusers.FlaxStableDiffusionPipeline(safety_checker=None, feature_extractor=None,
+                                                     dtype=jax.numpy.float32, **components)
     pipe.save_pretrained(directory, params=params)
 
 
-def ensure(models_dir: str) -> str:
-    """The cached tiny model's directory, building it on first use.
+def ensure(models_dir: str, name: str = "tiny") -> str:
+    """The cached random model's directory, building it on first use.
 
     Several host processes may ask at once: each builds into its own scratch folder
     and renames it into place (a local, atomic rename); the first one wins.
     """
-    target = os.path.join(models_dir, VERSION)
+    version = PRESETS[name]["version"]
+    target = os.path.join(models_dir, version)
     if os.path.isfile(os.path.join(target, "model_index.json")):
         return target
     os.makedirs(models_dir, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=f".{VERSION}-", dir=models_dir)
+    scratch = tempfile.mkdtemp(prefix=f".{version}-", dir=models_dir)
     try:
-        build(scratch)
+        build(scratch, name)
         os.chmod(scratch, 0o755)  # mkdtemp made it private
         try:
             os.rename(scratch, target)

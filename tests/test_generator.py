@@ -2,8 +2,8 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline import keys, model as model_lib
-from pipeline.generator import Batch, CompileCounter, Generator
+from pipeline import model as model_lib
+from pipeline.generator import CompileCounter, Generator
 
 
 @pytest.fixture(scope="module")
@@ -12,9 +12,7 @@ def generator(model_cache):
 
 
 def make_batch(gen, prompts, negatives, guidance, seeds, indices):
-    words = np.array([keys.seed_words(s) for s in seeds], np.uint32)
-    return Batch(gen.tokenize(prompts), gen.tokenize(negatives), np.asarray(guidance, np.float32),
-                 words[:, 0], words[:, 1], np.asarray(indices, np.uint32))
+    return gen.batch(prompts, negatives, guidance, [int(s) for s in seeds], indices)
 
 
 def test_runs_on_every_local_device(generator):
