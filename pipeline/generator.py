@@ -18,8 +18,8 @@ from pipeline import sampler
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One device step's inputs for N = local devices x per-device batch images."""
-    prompt_ids: np.ndarray  # int32 [N, L]
-    negative_ids: np.ndarray  # int32 [N, L]
+    prompt_ids: np.ndarray  # int32 [N, L] (SDXL: [N, 2, L])
+    negative_ids: np.ndarray  # int32 like prompt_ids
     guidance: np.ndarray  # float32 [N]
     seed_hi: np.ndarray  # uint32 [N]
     seed_lo: np.ndarray  # uint32 [N]
@@ -83,16 +83,13 @@ class Generator:
         self.devices = list(devices or jax.local_devices())
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
-        self.max_length = model.tokenizer.model_max_length
         self.params = replicate(model.params, self.devices)
         fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps), devices=self.devices)
         self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """CLIP token ids, padded and truncated to the tokenizer's length."""
-        ids = self.model.tokenizer(prompts, padding="max_length", max_length=self.max_length,
-                                   truncation=True, return_tensors="np").input_ids
-        return ids.astype(np.int32)
+        return sampler.tokenize(self.model, prompts)
 
     def batch(self, prompts, negatives, guidance, seeds, image_indices) -> Batch:
         """Device inputs for one step: tokenised prompts and each image's seed words and index."""

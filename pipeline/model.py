@@ -12,6 +12,7 @@ import json
 import os
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
+SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
 # --scheduler choices -> (diffusers Flax class, config overrides)
 SCHEDULERS = {
     "ddim": ("FlaxDDIMScheduler", {}),
@@ -26,6 +27,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 _FLAX_WEIGHTS = {  # transformers and diffusers name their Flax weight files differently
     "text_encoder": "flax_model.msgpack",
+    "text_encoder_2": "flax_model.msgpack",
     "unet": "diffusion_flax_model.msgpack",
     "vae": "diffusion_flax_model.msgpack",
 }
@@ -57,7 +59,13 @@ class Model:
     unet: object
     vae: object
     scheduler: object
-    params: dict  # {"text_encoder", "unet", "vae", "scheduler"}
+    params: dict  # {"text_encoder", ["text_encoder_2",] "unet", "vae", "scheduler"}
+    tokenizer_2: object = None  # SDXL only
+    text_encoder_2: object = None  # SDXL only
+
+    @property
+    def family(self) -> str:
+        return "sdxl" if self.text_encoder_2 is not None else "sd"
 
     @property
     def vae_scale_factor(self) -> int:
@@ -115,6 +123,11 @@ def fingerprint(directory: str) -> str:
     return digest.hexdigest()
 
 
+def family(index: dict) -> str:
+    """'sdxl' for a checkpoint with a second text encoder, else 'sd' (SD 1.x / 2.x)."""
+    return "sdxl" if index.get("text_encoder_2", [None])[0] else "sd"
+
+
 def check_layout(directory: str) -> dict:
     """Read ``model_index.json`` and check that every component is present."""
     index_path = os.path.join(directory, "model_index.json")
@@ -122,10 +135,13 @@ def check_layout(directory: str) -> dict:
         raise ModelError(f"{directory}: missing model_index.json (not a diffusers-format checkpoint)")
     with open(index_path) as f:
         index = json.load(f)
-    for component in COMPONENTS:
+    components = COMPONENTS + (SDXL_COMPONENTS if family(index) == "sdxl" else ())
+    for component in components:
         if component not in index or not os.path.isdir(os.path.join(directory, component)):
             raise ModelError(f"{directory}: missing component '{component}/'")
     for component, weights in _FLAX_WEIGHTS.items():
+        if component not in components:
+            continue
         sub = os.path.join(directory, component)
         if not os.path.isfile(os.path.join(sub, "config.json")):
             raise ModelError(f"{directory}: missing {component}/config.json")
@@ -161,9 +177,13 @@ def make_scheduler(directory: str, choice: str | None):
     class_name, overrides = SCHEDULERS[choice]
     with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
         config = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
-    scheduler_class = getattr(diffusers, class_name)
-    known = set(scheduler_class.__init__.__code__.co_varnames)
-    scheduler = scheduler_class(**{k: v for k, v in {**config, **overrides}.items() if k in known})
+    # from_config keeps the keys the class knows and drops the others (e.g. PNDM's
+    # skip_prk_steps when switching to Euler)
+    scheduler = getattr(diffusers, class_name).from_config({**config, **overrides})
+    if "steps_offset" not in scheduler.config:
+        # Flax DPM-Solver reads config.steps_offset for "leading" spacing but does not
+        # accept it as an argument; carry the checkpoint's value over.
+        scheduler.register_to_config(steps_offset=config.get("steps_offset", 0))
     return scheduler, scheduler.create_state()
 
 
@@ -184,12 +204,12 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None) -> Model:
     quiet_libraries()  # before the Flax classes are imported: some warn at import
     import jax.numpy as jnp
     from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel
-    from transformers import CLIPTokenizer, FlaxCLIPTextModel
+    from transformers import CLIPTokenizer, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
 
     if dtype not in DTYPES:
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     directory = resolve(name)
-    check_layout(directory)
+    index = check_layout(directory)
     jdtype = getattr(jnp, DTYPES[dtype])
     tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
     text_encoder = FlaxCLIPTextModel.from_pretrained(os.path.join(directory, "text_encoder"), dtype=jdtype)
@@ -197,11 +217,17 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None) -> Model:
     vae, vae_params = FlaxAutoencoderKL.from_pretrained(directory, subfolder="vae", dtype=jdtype)
     scheduler, scheduler_state = make_scheduler(directory, scheduler)
     params = {"text_encoder": text_encoder.params, "unet": unet_params, "vae": vae_params}
+    extra = {}
+    if family(index) == "sdxl":
+        extra["tokenizer_2"] = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer_2"))
+        extra["text_encoder_2"] = FlaxCLIPTextModelWithProjection.from_pretrained(
+            os.path.join(directory, "text_encoder_2"), dtype=jdtype)
+        params["text_encoder_2"] = extra["text_encoder_2"].params
     if dtype == "bf16":  # weights in bf16 too: half the memory and bandwidth
         params = {name: _to_bf16(tree) for name, tree in params.items()}
     params["scheduler"] = scheduler_state
     return Model(path=name, fingerprint=fingerprint(directory), tokenizer=tokenizer, text_encoder=text_encoder,
-                 unet=unet, vae=vae, scheduler=scheduler, params=params)
+                 unet=unet, vae=vae, scheduler=scheduler, params=params, **extra)
 
 
 def describe(name: str) -> dict:

@@ -45,3 +45,50 @@ def test_matches_diffusers_pipeline_fp32(diffusers_pipeline, choice):
                               jnp.full((2,), guidance, jnp.float32), latents))
     assert mine.shape == theirs.shape == (2, SIZE, SIZE, 3)
     assert np.abs(mine - theirs).max() < 1e-3
+
+
+@pytest.fixture(scope="module")
+def diffusers_xl_pipeline(model_cache):
+    from diffusers import FlaxStableDiffusionXLPipeline
+
+    model_lib.quiet_libraries()
+    return FlaxStableDiffusionXLPipeline.from_pretrained(model_lib.resolve("tiny-sdxl"))
+
+
+# (scheduler, negative prompts); empty negatives exercise SDXL's zero conditioning,
+# which the pipeline applies when it is given no negative ids at all.
+@pytest.mark.parametrize("choice,negatives", [("euler", ["", ""]), ("euler", ["blurry", "dark, grainy"]),
+                                              ("ddim", ["blurry", "x"]), ("pndm", ["blurry", "x"]),
+                                              ("dpmpp", ["blurry", "x"])])
+def test_sdxl_matches_diffusers_pipeline_fp32(diffusers_xl_pipeline, choice, negatives):
+    pipe, params = diffusers_xl_pipeline
+    ours = model_lib.load("tiny-sdxl", "fp32", choice)
+    assert ours.family == "sdxl"
+    pipe.scheduler, params = ours.scheduler, {**params, "scheduler": ours.params["scheduler"]}
+    prompts = ["a red house by a lake", "a cat"]
+    latents = jnp.stack([keys.initial_latents(keys.image_key(s, i), ours.latent_shape(SIZE, SIZE))
+                         for s, i in ((5, 0), (2**41 + 3, 1))])
+    guidance = 5.0
+    prompt_ids = jnp.asarray(sampler.tokenize(ours, prompts))
+    negative_ids = jnp.asarray(sampler.tokenize(ours, negatives))
+    assert prompt_ids.shape == (2, 2, 77)
+    np.testing.assert_array_equal(prompt_ids, pipe.prepare_inputs(prompts))  # same tokenisation as diffusers
+    generate = jax.jit(pipe._generate, static_argnums=(3, 4, 5))
+    theirs = np.asarray(generate(prompt_ids, params, None, STEPS, SIZE, SIZE, guidance, latents,
+                                 None if not any(negatives) else negative_ids))
+    denoise = jax.jit(sampler.make_denoise_fn(ours, STEPS, sampler.tokenize(ours, [""])[0]))
+    mine = np.asarray(denoise(ours.params, prompt_ids, negative_ids, jnp.full((2,), guidance, jnp.float32), latents))
+    assert mine.shape == theirs.shape == (2, SIZE, SIZE, 3)
+    assert np.abs(mine - theirs).max() < 1e-3
+
+
+@pytest.mark.parametrize("choice", ["ddim", "pndm", "euler", "dpmpp"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-sdxl"])
+def test_scheduler_choice_keeps_the_checkpoints_noise_schedule(model_cache, name, choice):
+    scheduler, state = model_lib.make_scheduler(model_lib.resolve(name), choice)
+    assert type(scheduler).__name__ == model_lib.SCHEDULERS[choice][0]
+    config = scheduler.config
+    assert (config.beta_schedule, config.beta_start, config.beta_end) == ("scaled_linear", 0.00085, 0.012)
+    assert config.num_train_timesteps == 1000 and config.prediction_type == "epsilon"
+    if choice == "dpmpp":
+        assert (config.algorithm_type, config.solver_order) == ("dpmsolver++", 2)
