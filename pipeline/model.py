@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 
+from pipeline import weights
+
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
 SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
 # --scheduler choices -> (diffusers Flax class, config overrides)
@@ -24,14 +26,6 @@ SCHEDULERS = {
 _CHECKPOINT_SCHEDULERS = {"DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",
                           "DPMSolverMultistepScheduler": "dpmpp"}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-
-_FLAX_WEIGHTS = {  # transformers and diffusers name their Flax weight files differently
-    "text_encoder": "flax_model.msgpack",
-    "text_encoder_2": "flax_model.msgpack",
-    "unet": "diffusion_flax_model.msgpack",
-    "vae": "diffusion_flax_model.msgpack",
-}
-
 
 def quiet_libraries() -> None:
     """Silence the libraries' per-instance Flax deprecation warnings.
@@ -139,14 +133,15 @@ def check_layout(directory: str) -> dict:
     for component in components:
         if component not in index or not os.path.isdir(os.path.join(directory, component)):
             raise ModelError(f"{directory}: missing component '{component}/'")
-    for component, weights in _FLAX_WEIGHTS.items():
-        if component not in components:
-            continue
-        sub = os.path.join(directory, component)
-        if not os.path.isfile(os.path.join(sub, "config.json")):
-            raise ModelError(f"{directory}: missing {component}/config.json")
-        if not os.path.isfile(os.path.join(sub, weights)):
-            raise ModelError(f"{directory}: missing {component}/{weights} (Flax weights)")
+    for component in components:
+        if component in weights.LIBRARY:
+            sub = os.path.join(directory, component)
+            if not os.path.isfile(os.path.join(sub, "config.json")):
+                raise ModelError(f"{directory}: missing {component}/config.json")
+            try:
+                weights.find(sub, component)
+            except weights.WeightsError as e:
+                raise ModelError(str(e)) from None
     if not os.path.isfile(os.path.join(directory, "scheduler", "scheduler_config.json")):
         raise ModelError(f"{directory}: missing scheduler/scheduler_config.json")
     return index
@@ -212,17 +207,16 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None) -> Model:
     index = check_layout(directory)
     jdtype = getattr(jnp, DTYPES[dtype])
     tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
-    text_encoder = FlaxCLIPTextModel.from_pretrained(os.path.join(directory, "text_encoder"), dtype=jdtype)
-    unet, unet_params = FlaxUNet2DConditionModel.from_pretrained(directory, subfolder="unet", dtype=jdtype)
-    vae, vae_params = FlaxAutoencoderKL.from_pretrained(directory, subfolder="vae", dtype=jdtype)
+    text_encoder, text_params = weights.load_transformers(FlaxCLIPTextModel, directory, "text_encoder", jdtype)
+    unet, unet_params = weights.load_diffusers(FlaxUNet2DConditionModel, directory, "unet", jdtype)
+    vae, vae_params = weights.load_diffusers(FlaxAutoencoderKL, directory, "vae", jdtype)
     scheduler, scheduler_state = make_scheduler(directory, scheduler)
-    params = {"text_encoder": text_encoder.params, "unet": unet_params, "vae": vae_params}
+    params = {"text_encoder": text_params, "unet": unet_params, "vae": vae_params}
     extra = {}
     if family(index) == "sdxl":
         extra["tokenizer_2"] = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer_2"))
-        extra["text_encoder_2"] = FlaxCLIPTextModelWithProjection.from_pretrained(
-            os.path.join(directory, "text_encoder_2"), dtype=jdtype)
-        params["text_encoder_2"] = extra["text_encoder_2"].params
+        extra["text_encoder_2"], params["text_encoder_2"] = weights.load_transformers(
+            FlaxCLIPTextModelWithProjection, directory, "text_encoder_2", jdtype)
     if dtype == "bf16":  # weights in bf16 too: half the memory and bandwidth
         params = {name: _to_bf16(tree) for name, tree in params.items()}
     params["scheduler"] = scheduler_state

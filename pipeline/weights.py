@@ -1,0 +1,106 @@
+"""Component weights: Flax msgpack, or PyTorch safetensors converted without torch.
+
+A diffusers-format checkpoint keeps each network's weights in its own folder, either
+as Flax msgpack (``diffusion_flax_model.msgpack`` / ``flax_model.msgpack``) or as
+PyTorch safetensors (``diffusion_pytorch_model.safetensors`` / ``model.safetensors``).
+Safetensors are read as numpy arrays and mapped to Flax names and layouts with the
+libraries' own renaming rules; the target tree comes from ``jax.eval_shape``, so no
+random initialisation runs and torch is never imported.
+"""
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+
+FLAX_FILES = {"diffusers": "diffusion_flax_model.msgpack", "transformers": "flax_model.msgpack"}
+SAFETENSORS_FILES = {"diffusers": "diffusion_pytorch_model.safetensors", "transformers": "model.safetensors"}
+LIBRARY = {"unet": "diffusers", "vae": "diffusers", "text_encoder": "transformers", "text_encoder_2": "transformers"}
+
+
+class WeightsError(ValueError):
+    pass
+
+
+def find(component_dir: str, component: str) -> tuple[str, str]:
+    """("flax" | "safetensors", path) of a component's weights; Flax msgpack wins."""
+    library = LIBRARY[component]
+    for kind, name in (("flax", FLAX_FILES[library]), ("safetensors", SAFETENSORS_FILES[library])):
+        path = os.path.join(component_dir, name)
+        if os.path.isfile(path):
+            return kind, path
+    raise WeightsError(f"{component_dir}: no weights for '{component}' (expected {FLAX_FILES[library]} "
+                       f"or {SAFETENSORS_FILES[library]})")
+
+
+def _check_complete(where: str, shapes: dict, flat: dict) -> None:
+    missing = sorted("/".join(k) for k in set(shapes) - set(flat))
+    if missing:
+        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
+    for key, spec in shapes.items():
+        if tuple(flat[key].shape) != tuple(spec.shape):
+            raise WeightsError(f"{where}: weight {'/'.join(key)} has shape {tuple(flat[key].shape)}, "
+                               f"the model expects {tuple(spec.shape)}")
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # a truncated or foreign file: name it
+        raise WeightsError(f"{path}: not a readable safetensors file ({e})") from e
+
+
+def diffusers_params_from_safetensors(module, path: str) -> dict:
+    """Flax params for a diffusers Flax module (UNet, VAE) from PyTorch safetensors."""
+    import jax
+    from diffusers.models.modeling_flax_pytorch_utils import rename_key, rename_key_and_reshape_tensor
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    shapes = flatten_dict(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
+    flat = {}
+    for pt_key, tensor in _read_safetensors(path).items():
+        key, tensor = rename_key_and_reshape_tensor(tuple(rename_key(pt_key).split(".")), tensor, shapes)
+        if key in shapes:  # anything else (buffers, unused heads) is not a weight of the Flax module
+            flat[key] = np.asarray(tensor, dtype=np.float32)
+    _check_complete(path, shapes, flat)
+    return unflatten_dict(flat)
+
+
+def transformers_params_from_safetensors(module, path: str) -> dict:
+    """Flax params for a transformers Flax CLIP text model built with ``_do_init=False``."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+
+    shapes = flatten_dict(module.params_shape_tree)
+    # The converter only reads the target's key names and shapes and its prefix.
+    target = types.SimpleNamespace(params=module.params_shape_tree, base_model_prefix=module.base_model_prefix)
+    converted = flatten_dict(convert_pytorch_state_dict_to_flax(_read_safetensors(path), target))
+    flat = {k: np.asarray(v, dtype=np.float32) for k, v in converted.items() if k in shapes}  # drops position_ids
+    _check_complete(path, shapes, flat)
+    return unflatten_dict(flat)
+
+
+def load_diffusers(cls, directory: str, component: str, dtype):
+    """(module, params) of a UNet or VAE folder, whatever its weight format."""
+    component_dir = os.path.join(directory, component)
+    kind, path = find(component_dir, component)
+    if kind == "flax":
+        return cls.from_pretrained(directory, subfolder=component, dtype=dtype)
+    module = cls.from_config(cls.load_config(component_dir), dtype=dtype)
+    return module, diffusers_params_from_safetensors(module, path)
+
+
+def load_transformers(cls, directory: str, component: str, dtype):
+    """(module, params) of a CLIP text encoder folder, whatever its weight format."""
+    from transformers import CLIPTextConfig
+
+    component_dir = os.path.join(directory, component)
+    kind, path = find(component_dir, component)
+    if kind == "flax":
+        module = cls.from_pretrained(component_dir, dtype=dtype)
+        return module, module.params
+    module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
+    return module, transformers_params_from_safetensors(module, path)
