@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 
 from pipeline import weights
 
@@ -90,16 +91,75 @@ def cache_dir() -> str:
     return os.environ.get("PROMPTMILL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "promptmill")
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["*.json", "*.txt", "*.msgpack", "*.safetensors"]
+
+
 def resolve(name: str) -> str:
-    """The local diffusers-format directory for ``--model``."""
-    from pipeline import tiny
+    """The local diffusers-format directory for ``--model``.
+
+    A built-in random model's name, a local folder, a ``gs://`` prefix (copied once
+    into the cache, keyed by the objects' checksums), or a Hugging Face id (fetched
+    through the hub's own cache, where the network allows).
+    """
+    from pipeline import storage, tiny
 
     if name in tiny.PRESETS:
         return tiny.ensure(os.path.join(cache_dir(), "models"), name)
-    if not os.path.isdir(name):
-        raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, or one of the "
-                         f"built-in random models: {', '.join(tiny.PRESETS)})")
-    return name
+    if storage.is_gcs(name):
+        return fetch_remote(name)
+    if os.path.isdir(name):
+        return name
+    if _HUB_ID.fullmatch(name) and not os.path.exists(name):
+        return _fetch_hub(name)
+    raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, a gs:// prefix, a "
+                     f"Hugging Face id, or one of the built-in random models: {', '.join(tiny.PRESETS)})")
+
+
+def fetch_remote(prefix: str) -> str:
+    """Copy a remote checkpoint into the local cache once; returns the local folder.
+
+    The cache key is a hash of every object's name, size and checksum, so a changed
+    checkpoint is fetched anew and an unchanged one never is. The copy is made in a
+    scratch folder and renamed into place (a local rename), so a crash leaves no
+    half-copied model behind.
+    """
+    import shutil
+    import tempfile
+
+    from pipeline import storage
+
+    sums = storage.checksums(prefix)
+    if "model_index.json" not in sums:
+        raise ModelError(f"{prefix}: missing model_index.json (not a diffusers-format checkpoint)")
+    key = hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()[:24]
+    target = os.path.join(cache_dir(), "models", "remote", key)
+    if os.path.isfile(os.path.join(target, "model_index.json")):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=f".{key}-", dir=os.path.dirname(target))
+    try:
+        for relative in sorted(sums):
+            storage.download(f"{prefix.rstrip('/')}/{relative}", os.path.join(scratch, relative))
+        os.chmod(scratch, 0o755)
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            if not os.path.isfile(os.path.join(target, "model_index.json")):
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _fetch_hub(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_FILES)
+    except Exception as e:  # offline, unknown id, gated repo: say which and why
+        raise ModelError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                         "download it elsewhere and pass the folder or a gs:// copy") from e
 
 
 def fingerprint(directory: str) -> str:

@@ -127,6 +127,37 @@ def _gcs_glob(pattern: str) -> list[str]:
     return sorted(f"{GCS_PREFIX}{bucket}/{n}" for n in names)
 
 
+def checksums(prefix: str) -> dict[str, str]:
+    """{name relative to ``prefix``: size and content checksum} for every object under it.
+
+    On GCS the checksum comes with the listing (md5 or crc32c), so nothing is read.
+    """
+    prefix = prefix.rstrip("/")
+    if is_gcs(prefix):
+        bucket, name = _split_gcs(prefix + "/")
+        blobs = _gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
+        return {b.name[len(name):]: f"{b.size}:{b.md5_hash or b.crc32c}" for b in blobs if not b.name.endswith("/")}
+    import hashlib
+
+    sums = {}
+    for path in glob(prefix):
+        with open(path, "rb") as f:
+            sums[os.path.relpath(path, prefix).replace(os.sep, "/")] = f"{os.path.getsize(path)}:" \
+                f"{hashlib.sha256(f.read()).hexdigest()}"
+    return sums
+
+
+def download(path: str, local_path: str) -> None:
+    """Copy one object to a local file, streamed."""
+    os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
+    if is_gcs(path):
+        _blob(path).download_to_filename(local_path, retry=_retry(), timeout=600)
+        return
+    import shutil
+
+    shutil.copyfile(path, local_path)
+
+
 def iter_lines(path: str) -> Iterator[bytes]:
     """The lines of an object as raw bytes, without their line endings, streamed."""
     with open_read(path) as f:
