@@ -24,12 +24,29 @@ def ids(tokenizer, texts):
                                  truncation=True, return_tensors="np").input_ids)
 
 
+@pytest.fixture(scope="module")
+def v_prediction_model(model_cache, tmp_path_factory):
+    """The tiny model with a v-prediction noise schedule, as SD 2.x's 768 models have."""
+    import json
+    import shutil
+
+    target = tmp_path_factory.mktemp("v") / "tiny-v"
+    shutil.copytree(model_lib.resolve("tiny"), target)
+    config_path = target / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_path.read_text())
+    config["prediction_type"] = "v_prediction"
+    config_path.write_text(json.dumps(config))
+    return str(target)
+
+
 # Schedulers that both our sampler and FlaxStableDiffusionPipeline support. (The
 # pipeline casts timesteps to int, which Euler's fractional timesteps do not survive.)
-@pytest.mark.parametrize("choice", ["ddim", "pndm", "dpmpp"])
-def test_matches_diffusers_pipeline_fp32(diffusers_pipeline, choice):
+@pytest.mark.parametrize("choice,prediction", [("ddim", "epsilon"), ("pndm", "epsilon"), ("dpmpp", "epsilon"),
+                                               ("ddim", "v_prediction"), ("dpmpp", "v_prediction")])
+def test_matches_diffusers_pipeline_fp32(diffusers_pipeline, v_prediction_model, choice, prediction):
     pipe, params = diffusers_pipeline
-    ours = model_lib.load("tiny", "fp32", choice)
+    ours = model_lib.load("tiny" if prediction == "epsilon" else v_prediction_model, "fp32", choice)
+    assert ours.scheduler.config.prediction_type == prediction
     scheduler, state = ours.scheduler, ours.params["scheduler"]
     pipe.scheduler, params = scheduler, {**params, "scheduler": state}
     prompts, negatives = ["a red house by a lake", "a cat"], ["", "blurry, dark"]
