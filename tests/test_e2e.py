@@ -206,3 +206,28 @@ def test_killing_a_host_stops_the_run_with_a_clear_message(tmp_path, model_cache
     assert "host 1 of 2 failed (killed by SIGKILL)" in stderr
     assert elapsed < 60, f"run took {elapsed:.0f}s to notice"
     assert not os.path.exists(naming.dataset_file(out, "stats.json"))
+
+
+def test_sdxl_bf16_dpmpp_run_end_to_end(tmp_path, model_cache):
+    prompts = write_prompts(tmp_path / "xl", 5, bad_rows=False)
+    out = str(tmp_path / "xl-out")
+    args = run_args(prompts, out, 1, 2, "--dtype", "bf16", "--scheduler", "dpmpp", "--width", "48")
+    args[args.index("--model") + 1] = "tiny-sdxl"
+    result = run_cli(args, model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run = storage.read_json(naming.run_json(out))
+    assert (run["settings"]["dtype"], run["scheduler"], run["settings"]["width"], run["settings"]["height"]) == \
+        ("bf16", "dpmpp", 48, 32)
+    rows = metadata(out)
+    assert len(rows) == 7 and {(r["dtype"], r["scheduler"]) for r in rows} == {("bf16", "dpmpp")}
+    for row in rows:
+        with Image.open(io.BytesIO(storage.read_bytes(naming.join(out, row["path"])))) as image:
+            assert image.size == (48, 32)
+
+
+@pytest.mark.parametrize("flag,value,message", [("--width", "30", "--width must be a positive multiple of 8"),
+                                                ("--steps", "0", "--steps must be >= 1")])
+def test_bad_settings_are_refused_before_any_work(tmp_path, model_cache, prompts, flag, value, message):
+    result = run_cli(["plan", "--prompts", prompts, "--out", str(tmp_path / "o"), flag, value], model_cache)
+    assert result.returncode == 1 and message in result.stderr
+    assert not os.path.exists(tmp_path / "o")
