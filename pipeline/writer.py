@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import io
 import json
 
 import numpy as np
 
-from pipeline import __version__, naming, storage
+from pipeline import __version__, formats, naming, storage
 from pipeline.records import Item
-
-PNG_COMPRESS_LEVEL = 6
 
 METADATA_FIELDS = (
     ("key", "string"), ("id", "string"), ("image_index", "int32"), ("prompt", "string"),
@@ -31,15 +28,6 @@ def metadata_schema():
     import pyarrow as pa
 
     return pa.schema([(name, getattr(pa, kind)()) for name, kind in METADATA_FIELDS])
-
-
-def encode_png(image: np.ndarray) -> bytes:
-    """PNG bytes of a uint8 [H, W, 3] image (deterministic: no time chunks)."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(image, mode="RGB").save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
-    return buffer.getvalue()
 
 
 def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str) -> dict:
@@ -61,7 +49,7 @@ def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str) -> di
 
 def write_image(out: str, item: Item, image: np.ndarray, run: dict, host: int) -> dict:
     """Encode and write one image; returns its metadata row."""
-    data = encode_png(image)
+    data = formats.encode(image, "png")
     path = naming.image_file(out, item.slice, item.key, "png")
     storage.write_bytes(path, data)
     relative = naming.image_file("", item.slice, item.key, "png").lstrip("/")
