@@ -24,7 +24,7 @@ setup(
     ],
     extras_require={
         "tpu": ["jax[tpu]>=0.7,<0.11"],
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8", "webdataset>=0.2"],
     },
     entry_points={"console_scripts": ["promptmill=jobs.cli:main"]},
 )
