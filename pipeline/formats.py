@@ -108,7 +108,7 @@ def open_zarr_images(out: str, count: int, height: int, width: int):
     """
     import tensorstore as ts
 
-    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.join(out, "zarr", "images")),
+    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out)),
             "metadata": {"shape": [max(count, 1), height, width, 3], "data_type": "uint8",
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, height, width, 3]}},
                          "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}]}}
@@ -118,4 +118,4 @@ def open_zarr_images(out: str, count: int, height: int, width: int):
 def read_zarr_images(out: str):
     import tensorstore as ts
 
-    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.join(out, "zarr", "images"))}).result()
+    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out))}).result()

@@ -76,6 +76,20 @@ def shard_stats(out: str, index: int) -> str:
     return join(out, "shards", f"{slice_name(index)}_stats.json")
 
 
+def shard_tar(out: str, index: int) -> str:
+    """The slice's WebDataset shard."""
+    return join(out, "shards", f"{slice_name(index)}.tar")
+
+
+def image_parquet(out: str, index: int) -> str:
+    """The slice's rows with image bytes (the ``parquet`` format)."""
+    return join(out, "parquet", f"{slice_name(index)}.parquet")
+
+
+def zarr_images(out: str) -> str:
+    return join(out, "zarr", "images")
+
+
 def image_file(out: str, index: int, key: str, ext: str = "png") -> str:
     return join(out, "images", slice_name(index), f"{key}.{ext}")
 

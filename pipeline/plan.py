@@ -251,7 +251,8 @@ def check_same_run(out: str, run: dict) -> None:
         return
     previous = storage.read_json(path)
     if previous.get("settings_fingerprint") != run["settings_fingerprint"]:
-        changed = sorted(k for k, v in run["settings"].items() if previous.get("settings", {}).get(k) != v)
+        settings = json.loads(json.dumps(run["settings"]))  # as stored: tuples become lists
+        changed = sorted(k for k, v in settings.items() if previous.get("settings", {}).get(k) != v)
         if previous.get("model_fingerprint") != run["model_fingerprint"]:
             changed.append("model weights")
         raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "

@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 
-from pipeline import keys, slicing
+from pipeline import formats as formats_lib, keys, slicing
 from pipeline.model import DTYPES, SCHEDULERS
 
 
@@ -29,6 +29,9 @@ class Settings:
     batches_per_slice: int = 2
     devices_per_host: int = 1
     dtype: str = "fp32"
+    formats: tuple[str, ...] = ("files",)
+    image_format: str = "png"
+    quality: int = 95  # jpeg and webp
 
     @property
     def slice_size(self) -> int:
@@ -48,6 +51,13 @@ class Settings:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduler is not None and self.scheduler not in SCHEDULERS:
             raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        if tuple(self.formats) != formats_lib.parse_formats(",".join(self.formats)):
+            raise ValueError(f"--format must list some of {', '.join(formats_lib.FORMATS)}, got {self.formats}")
+        if self.image_format not in formats_lib.IMAGE_FORMATS:
+            raise ValueError(f"--image-format must be one of {', '.join(formats_lib.IMAGE_FORMATS)}, "
+                             f"got {self.image_format!r}")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"--quality must be in [1, 100], got {self.quality}")
         self.slice_size  # validates the three slice factors
         return self
 
@@ -57,7 +67,10 @@ class Settings:
     @classmethod
     def from_dict(cls, data: dict) -> "Settings":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        values = {k: v for k, v in data.items() if k in names}
+        if "formats" in values:  # JSON has lists
+            values["formats"] = tuple(values["formats"])
+        return cls(**values)
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)

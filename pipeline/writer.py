@@ -79,6 +79,66 @@ def commit_slice(out: str, index: int, rows: list[dict], stats: dict) -> None:
     storage.write_json(naming.shard_stats(out, index), stats)
 
 
+def image_location(settings: dict, item: Item) -> str:
+    """Where a reader finds the image, relative to OUT: its file, tar member, parquet row or zarr index."""
+    name, ext = naming.slice_name(item.slice), formats.extension(settings.get("image_format", "png"))
+    chosen = settings.get("formats", ("files",))
+    if "files" in chosen:
+        return f"images/{name}/{item.key}.{ext}"
+    if "webdataset" in chosen:
+        return f"shards/{name}.tar#{item.key}.{ext}"
+    if "parquet" in chosen:
+        return f"parquet/{name}.parquet#{item.key}"
+    return f"zarr/images#{item.position}"
+
+
+class SliceWriter:
+    """Writes one slice's outputs in every chosen format, then commits it.
+
+    Encoding and uploads run on a shared thread pool, off the device loop (JAX releases
+    the GIL while the devices work). ``commit`` waits for them, re-raising the first
+    failure, so a slice is never committed with an object missing; the commit marker
+    is written last.
+    """
+
+    def __init__(self, out: str, run: dict, index: int, host: int, pool, zarr_images=None):
+        self.out, self.run, self.index, self.host, self.pool = out, run, index, host, pool
+        settings = run["settings"]
+        self.formats = tuple(settings.get("formats", ("files",)))
+        self.image_format, self.quality = settings.get("image_format", "png"), settings.get("quality", 95)
+        self.zarr_images = zarr_images
+        self._pending = []
+
+    def add(self, item: Item, image: np.ndarray) -> None:
+        self._pending.append(self.pool.submit(self._write_one, item, np.array(image, copy=True)))
+
+    def _write_one(self, item: Item, image: np.ndarray) -> tuple[dict, bytes]:
+        data = formats.encode(image, self.image_format, self.quality)
+        location = image_location(self.run["settings"], item)
+        if "files" in self.formats:
+            storage.write_bytes(naming.join(self.out, location), data)
+        if "zarr" in self.formats:
+            self.zarr_images[item.position].write(image).result()
+        return metadata_row(item, self.run, self.host, data, location), data
+
+    def commit(self, stats: dict) -> list[dict]:
+        """Finish every object of the slice, then write its commit marker; returns its rows."""
+        results = [future.result() for future in self._pending]
+        rows, encoded = [r for r, _ in results], [d for _, d in results]
+        objects = [(naming.shard_metadata(self.out, self.index), lambda: parquet_bytes(rows))]
+        if "webdataset" in self.formats:
+            ext = formats.extension(self.image_format)
+            objects.append((naming.shard_tar(self.out, self.index),
+                            lambda: formats.tar_bytes(formats.webdataset_members(rows, encoded, ext))))
+        if "parquet" in self.formats:
+            objects.append((naming.image_parquet(self.out, self.index),
+                            lambda: formats.image_parquet_bytes(rows, encoded, metadata_schema())))
+        for future in [self.pool.submit(lambda p=p, make=make: storage.write_bytes(p, make())) for p, make in objects]:
+            future.result()
+        storage.write_json(naming.shard_stats(self.out, self.index), stats)
+        return rows
+
+
 def is_committed(out: str, index: int) -> bool:
     return storage.exists(naming.shard_stats(out, index))
 

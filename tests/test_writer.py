@@ -1,0 +1,75 @@
+import io
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pipeline import formats, naming, records, storage, writer
+
+RUN = {"settings": {"width": 16, "height": 8, "steps": 2, "guidance_scale": 7.5, "model": "tiny", "dtype": "fp32",
+                    "per_device_batch": 1, "formats": ["files", "webdataset", "parquet", "zarr"],
+                    "image_format": "png", "quality": 95},
+       "scheduler": "ddim", "model_fingerprint": "f" * 64}
+
+
+def items(n=3, slice_index=1):
+    record = records.Record(id="rec", prompt="a cat", negative_prompt="", seed=5, num_images=n,
+                            guidance_scale=None, source="p.jsonl", line=1)
+    return records.expand(record, first_position=slice_index * 4, slice_size=4)[:n]
+
+
+def image(n):
+    return np.full((8, 16, 3), 40 * n, np.uint8)
+
+
+def write_slice(out, run=RUN):
+    zarr = formats.open_zarr_images(out, 12, 8, 16) if "zarr" in run["settings"]["formats"] else None
+    with ThreadPoolExecutor(4) as pool:
+        slice_writer = writer.SliceWriter(out, run, 1, 0, pool, zarr)
+        for n, item in enumerate(items()):
+            slice_writer.add(item, image(n))
+        return slice_writer.commit({"slice": 1, "images": 3})
+
+
+def test_every_format_is_written_and_committed_last(tmp_path):
+    out = str(tmp_path)
+    rows = write_slice(out)
+    assert [r["key"] for r in rows] == ["rec_0000", "rec_0001", "rec_0002"]
+    for n, row in enumerate(rows):
+        assert row["path"] == f"images/00001/{row['key']}.png"
+        np.testing.assert_array_equal(np.asarray(Image.open(naming.join(out, row["path"]))), image(n))
+    with tarfile.open(naming.shard_tar(out, 1)) as tar:
+        assert tar.getnames() == [f"rec_000{n}.{ext}" for n in range(3) for ext in ("png", "json", "txt")]
+    table = pq.read_table(naming.image_parquet(out, 1))
+    assert table.num_rows == 3 and "image" in table.column_names
+    zarr = formats.read_zarr_images(out)
+    np.testing.assert_array_equal(zarr[4:7].read().result(), np.stack([image(n) for n in range(3)]))
+    assert storage.read_json(naming.shard_stats(out, 1)) == {"slice": 1, "images": 3}
+    assert [r["key"] for r in writer.read_parquet_rows(naming.shard_metadata(out, 1))] == [r["key"] for r in rows]
+
+
+def test_location_follows_the_first_chosen_format():
+    item = items()[1]
+    for chosen, expected in [(["webdataset", "zarr"], "shards/00001.tar#rec_0001.png"),
+                             (["parquet"], "parquet/00001.parquet#rec_0001"), (["zarr"], "zarr/images#5")]:
+        assert writer.image_location({"formats": chosen, "image_format": "png"}, item) == expected
+
+
+def test_a_failed_upload_fails_the_slice_and_nothing_is_committed(tmp_path, monkeypatch):
+    out = str(tmp_path)
+    real = storage.write_bytes
+
+    def flaky(path, data):
+        if path.endswith("rec_0001.png"):
+            raise OSError("injected upload failure")
+        real(path, data)
+
+    monkeypatch.setattr(storage, "write_bytes", flaky)
+    with pytest.raises(OSError, match="injected upload failure"):
+        write_slice(out)
+    assert not storage.exists(naming.shard_stats(out, 1))
+    assert not storage.exists(naming.shard_metadata(out, 1))
