@@ -36,13 +36,17 @@ def _key_of_image(path: str) -> str:
 
 
 def classify(key: str, grouped: dict) -> tuple[str, dict | None]:
-    """The verdict for one key: ('ok', row) or (problem, None)."""
-    planned, rows, images = list(grouped["planned"]), list(grouped["rows"]), list(grouped["images"])
+    """The verdict for one key: ('ok', row) or (problem, None).
+
+    ``grouped["images"]`` is absent when the run writes no image files (its other
+    formats are written whole per slice, before the slice's commit marker).
+    """
+    planned, rows = list(grouped["planned"]), list(grouped["rows"])
     if not planned:
         return "unexpected", None
     if len(planned) > 1 or len(rows) > 1:
         return "duplicated", None
-    if not rows or not images:
+    if not rows or ("images" in grouped and not list(grouped["images"])):
         return "missing", None
     return "ok", rows[0]
 
@@ -98,7 +102,7 @@ def _write_dataset(_, rows, problems, slice_stats, manifest, out):
     storage.write_json(naming.dataset_file(out, "stats.json"), stats)
 
 
-def build(p, out: str, manifest: dict):
+def build(p, out: str, manifest: dict, image_files: bool = True):
     planned = (p
                | "MatchPlan" >> fileio.MatchFiles(naming.join(out, "plan", "slices", "*.jsonl"))
                | "ReadPlan" >> fileio.ReadMatches()
@@ -111,11 +115,13 @@ def build(p, out: str, manifest: dict):
     rows = (slice_stats
             | "ReadShard" >> beam.FlatMap(lambda s: writer.read_parquet_rows(naming.shard_metadata(out, s["slice"])))
             | "KeyRows" >> beam.Map(lambda row: (row["key"], row)))
-    images = (p
-              | "MatchImages" >> fileio.MatchFiles(naming.join(out, "images", "*", "*"),
-                                                   empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
-              | "KeyImages" >> beam.Map(lambda m: (_key_of_image(m.path), m.path)))
-    verified = {"planned": planned, "rows": rows, "images": images} | "VerifyKeys" >> VerifyKeys()
+    keyed = {"planned": planned, "rows": rows}
+    if image_files:
+        keyed["images"] = (p
+                           | "MatchImages" >> fileio.MatchFiles(naming.join(out, "images", "*", "*"),
+                                                                empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
+                           | "KeyImages" >> beam.Map(lambda m: (_key_of_image(m.path), m.path)))
+    verified = keyed | "VerifyKeys" >> VerifyKeys()
     (p
      | "Once" >> beam.Create([None])
      | "WriteDataset" >> beam.Map(_write_dataset, beam.pvalue.AsList(verified.rows),
@@ -129,8 +135,9 @@ def run_collect(out: str, beam_args: list[str] | None = None) -> dict:
     if not storage.exists(manifest_path):
         raise CollectError(f"{manifest_path} does not exist: nothing was planned in {out}")
     manifest = storage.read_json(manifest_path)
+    settings = storage.read_json(naming.run_json(out))["settings"]
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
-        build(p, out, manifest)
+        build(p, out, manifest, image_files="files" in settings.get("formats", ["files"]))
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     if not stats["verified"]:
         lines = [f"{kind}: {v['count']} key(s), e.g. {', '.join(v['keys'])}" for kind, v in stats["problems"].items()]
