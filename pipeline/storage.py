@@ -7,7 +7,6 @@ crash is harmless). GCS goes through google-cloud-storage with its retry policy 
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 import glob as _glob
 import json
@@ -47,9 +46,14 @@ def _blob(path: str):
 
 
 def _retry():
+    """Retry 429, 5xx and connection errors with jittered exponential backoff.
+
+    Every object promptmill writes is deterministic, so retrying an upload whose
+    outcome is unknown is safe even without generation preconditions.
+    """
     from google.cloud.storage.retry import DEFAULT_RETRY
 
-    return DEFAULT_RETRY.with_deadline(300.0)
+    return DEFAULT_RETRY.with_delay(initial=0.2, multiplier=2.0, maximum=20.0).with_deadline(300.0)
 
 
 def write_bytes(path: str, data: bytes) -> None:
@@ -110,21 +114,49 @@ def glob(pattern: str) -> list[str]:
     return sorted(p for p in _glob.glob(pattern, recursive=True) if os.path.isfile(p))
 
 
+def glob_regex(pattern: str) -> re.Pattern:
+    """A regex with the semantics of Python's recursive glob, for object names.
+
+    ``*`` and ``?`` stay within one path segment, ``[..]`` is a character class, and
+    ``**/`` matches zero or more whole segments (``**`` at the end: anything).
+    """
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]*/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            end = pattern.index("]", i + 2)
+            body = pattern[i + 1:end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
 def _gcs_glob(pattern: str) -> list[str]:
     bucket, name = _split_gcs(pattern)
     match = _WILDCARD.search(name)
-    prefix = name[: match.start()] if match else name
-    if not match and not name.endswith("/"):
-        exact = [f"{GCS_PREFIX}{bucket}/{name}"] if _blob(pattern).exists(retry=_retry()) else []
-        if exact:
-            return exact
-        prefix, name = name + "/", name + "/**"
-    blobs = _gcs_client().list_blobs(bucket, prefix=prefix, retry=_retry())
-    names = (b.name for b in blobs if not b.name.endswith("/"))
-    if match or name.endswith("**"):
-        regex = re.compile(fnmatch.translate(name).replace(".*", "[^/]*").replace("[^/]*[^/]*", ".*"))
-        names = (n for n in names if regex.match(n))
-    return sorted(f"{GCS_PREFIX}{bucket}/{n}" for n in names)
+    if not match:  # an object, or a folder: everything under it
+        if name and _blob(pattern).exists(retry=_retry()):
+            return [pattern]
+        name = name.rstrip("/") + "/**"
+        match = _WILDCARD.search(name)
+    regex = glob_regex(name)
+    blobs = _gcs_client().list_blobs(bucket, prefix=name[: match.start()], retry=_retry())
+    return sorted(f"{GCS_PREFIX}{bucket}/{b.name}" for b in blobs
+                  if not b.name.endswith("/") and regex.match(b.name))
 
 
 def checksums(prefix: str) -> dict[str, str]:
