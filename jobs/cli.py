@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hosts", type=int, default=2, help="local host processes (default: %(default)s)")
     run.add_argument("--devices-per-host", type=int, default=2, help="CPU devices per host (default: %(default)s)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_compile_cache_flag(run)
 
     plan = sub.add_parser("plan", help="validate prompts and cut them into slices (Beam)")
     _add_settings_flags(plan)
@@ -67,10 +68,48 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--coordinator", help="HOST:PORT of host 0's coordinator (omit on Cloud TPU / GKE)")
     gen.add_argument("--num-hosts", type=int, help="number of host processes (omit on Cloud TPU / GKE)")
     gen.add_argument("--host-id", type=int, help="this host's index (omit on Cloud TPU / GKE)")
+    _add_compile_cache_flag(gen)
 
     collect = sub.add_parser("collect", help="merge and verify the outputs into OUT/dataset (Beam)")
     collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    targets = bench.add_subparsers(dest="target", required=True)
+    _add_bench_generator_flags(targets.add_parser(
+        "generator", help="images/s, FLOP/s and start-up of the generator, against the seed notebook's recipe"))
     return parser
+
+
+def _add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="JAX persistent compilation cache folder: hosts load the compiled sampler from it "
+                             "instead of compiling when it is there (local folder; not part of the run's settings)")
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny",
+                        help="SD 1.x/2.x checkpoint with Flax weights (the seed recipe loads it too), or a "
+                             "built-in random model: tiny, random-sd15 (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=None, help="image width (default: the model's)")
+    parser.add_argument("--height", type=int, default=None, help="image height (default: the model's)")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps (default: %(default)s)")
+    parser.add_argument("--per-device-batch", type=_batch_sizes, default=(1,), metavar="B[,B...]",
+                        help="per-device batch sizes to sweep, e.g. 1,2,4 (default: 1)")
+    parser.add_argument("--batches", type=int, default=2, help="timed batches per size, after one warm-up batch "
+                        "(default: %(default)s)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights and compute dtype "
+                        "(default: %(default)s)")
+    parser.add_argument("--devices", type=int, default=None, help="use the first N local devices (default: all)")
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help="side of the square matmul that measures the peak (default: 4096 on CPU, else 8192)")
+    parser.add_argument("--report", help="write the JSON report here (local path or gs://)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "generate":
-        parser.error(f"unrecognized arguments for generate: {' '.join(extra)}")
+    if extra and args.command in ("generate", "bench"):
+        parser.error(f"unrecognized arguments for {args.command}: {' '.join(extra)}")
     logs.setup()
     try:
         return _dispatch(args, extra)
@@ -98,7 +137,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
         from pipeline import launcher
 
         stats = launcher.run_local(_settings(args, args.devices_per_host), args.hosts, beam_args,
-                                   progress=not args.no_progress)
+                                   progress=not args.no_progress, compile_cache=args.compile_cache)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
     elif args.command == "plan":
         from pipeline import plan
@@ -107,12 +146,21 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "generate":
         from pipeline import cluster, host
 
-        host.generate(args.out, cluster.ClusterArgs(args.coordinator, args.num_hosts, args.host_id))
+        host.generate(args.out, cluster.ClusterArgs(args.coordinator, args.num_hosts, args.host_id),
+                      compile_cache=args.compile_cache)
     elif args.command == "collect":
         from pipeline import collect
 
         stats = collect.run_collect(args.out, beam_args)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
+    elif args.command == "bench":
+        from pipeline import bench
+
+        config = bench.BenchConfig(model=args.model, width=args.width, height=args.height, steps=args.steps,
+                                   per_device_batches=args.per_device_batch, batches=args.batches, dtype=args.dtype,
+                                   devices=args.devices, matmul_size=args.matmul_size, report=args.report)
+        report = bench.run_bench(config)
+        print(bench.format_table(report))
     return 0
 
 

@@ -54,11 +54,20 @@ def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, 
             "_rows": rows}
 
 
-def generate(out: str, cluster_args: cluster.ClusterArgs) -> dict:
-    """Run this host's share of the plan in ``out``; returns a summary."""
+def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | None = None) -> dict:
+    """Run this host's share of the plan in ``out``; returns a summary.
+
+    With ``compile_cache`` (a folder), compiled programs are loaded from JAX's persistent
+    compilation cache there, or compiled and written to it (``pipeline.compile_cache``).
+    """
+    from pipeline import compile_cache as cache_lib
     from pipeline import model as model_lib
 
+    if compile_cache:  # first: every program this host compiles should go through the cache
+        cache_dir = cache_lib.enable(compile_cache)
     host, num_hosts = cluster.initialize(cluster_args)
+    if compile_cache:
+        logs.event("compile_cache", host=host, path=cache_dir)
     run, manifest = load_run(out)
     settings = run["settings"]
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
@@ -72,7 +81,9 @@ def generate(out: str, cluster_args: cluster.ClusterArgs) -> dict:
     batches = slicing.batches_per_slice(size, len(generator.devices), settings["per_device_batch"])
     generator(_batch(generator, [None] * generator.batch_size, 0.0))  # warm-up: first execution
     compiles_at_warm = CompileCounter.count()
-    logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches)
+    cache_stats = ({"cache_hits": cache_lib.CacheEvents.hits(), "cache_writes": cache_lib.CacheEvents.writes()}
+                   if compile_cache else {})
+    logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches, **cache_stats)
 
     total_images = 0
     watch = logs.Stopwatch()

@@ -20,6 +20,7 @@ import threading
 import time
 
 from pipeline import cluster, logs, naming, storage
+from pipeline import compile_cache as compile_cache_lib
 
 STOP_GRACE_S = 10.0
 POLL_S = 0.1
@@ -38,9 +39,13 @@ def host_env(devices_per_host: int, base: dict | None = None) -> dict:
     return env
 
 
-def host_command(out: str, coordinator: str, num_hosts: int, host_id: int) -> list[str]:
-    return [sys.executable, "-m", "jobs.cli", "generate", "--out", out, "--coordinator", coordinator,
-            "--num-hosts", str(num_hosts), "--host-id", str(host_id)]
+def host_command(out: str, coordinator: str, num_hosts: int, host_id: int,
+                 compile_cache: str | None = None) -> list[str]:
+    command = [sys.executable, "-m", "jobs.cli", "generate", "--out", out, "--coordinator", coordinator,
+               "--num-hosts", str(num_hosts), "--host-id", str(host_id)]
+    if compile_cache:
+        command += ["--compile-cache", compile_cache_lib.resolve(compile_cache)]
+    return command
 
 
 def log_dir_for(out: str) -> str:
@@ -94,8 +99,12 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int, progress: bool = True) -> list[dict]:
-    """Run the local host processes to completion; returns their 'host_done' events."""
+def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int, progress: bool = True,
+              compile_cache: str | None = None) -> list[dict]:
+    """Run the local host processes to completion; returns their 'host_done' events.
+
+    ``compile_cache``: a persistent compilation cache folder for every host (``--compile-cache``).
+    """
     from tqdm import tqdm
 
     log_dir = log_dir_for(out)
@@ -103,8 +112,8 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     coordinator = f"127.0.0.1:{cluster.free_port()}"
     env = host_env(devices_per_host)
     events: queue.Queue = queue.Queue()
-    hosts = [_Host(i, host_command(out, coordinator, num_hosts, i), env, os.path.join(log_dir, f"host-{i}.log"),
-                   events) for i in range(num_hosts)]
+    hosts = [_Host(i, host_command(out, coordinator, num_hosts, i, compile_cache), env,
+                   os.path.join(log_dir, f"host-{i}.log"), events) for i in range(num_hosts)]
     with open(os.path.join(log_dir, "hosts.json"), "w") as f:
         json.dump({str(h.index): h.process.pid for h in hosts}, f)
     logs.event("hosts_started", hosts=num_hosts, devices_per_host=devices_per_host, coordinator=coordinator,
@@ -145,17 +154,23 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     return [done[i] for i in sorted(done)]
 
 
-def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, progress: bool = True) -> dict:
-    """plan -> local hosts -> collect; returns the dataset stats."""
+def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, progress: bool = True,
+              compile_cache: str | None = None) -> dict:
+    """plan -> local hosts -> collect; returns the dataset stats.
+
+    ``compile_cache`` is an execution option, like ``num_hosts``: not a setting of the run.
+    """
     from pipeline import collect, plan
 
     if num_hosts < 1:
         raise ValueError(f"--hosts must be >= 1, got {num_hosts}")
+    if compile_cache:
+        compile_cache_lib.resolve(compile_cache)  # a bad folder fails here, not in every host
     watch = logs.Stopwatch()
     manifest = plan.run_plan(settings, beam_args)
     logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
                slices=manifest["slices"], slice_size=manifest["slice_size"], seconds=round(watch.seconds(), 2))
-    run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress)
+    run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress, compile_cache)
     stats = collect.run_collect(settings.out, beam_args)
     logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],
                seconds=round(watch.seconds(), 2), dataset=naming.join(settings.out, "dataset"))

@@ -1,0 +1,75 @@
+"""The persistent compilation cache: a second fresh process loads what the first compiled."""
+import json
+import os
+
+import pytest
+
+from pipeline import compile_cache, launcher, logs, model as model_lib, startup
+from tests.conftest import run_cli
+
+
+def test_local_folders_are_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert compile_cache.resolve("cc") == str(tmp_path / "cc")
+    assert compile_cache.resolve(str(tmp_path / "x")) == str(tmp_path / "x")
+
+
+def test_unusable_folders_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="local folder or gs://"):
+        compile_cache.resolve("s3://bucket/cache")
+    with pytest.raises(ValueError, match="needs a folder"):
+        compile_cache.resolve("")
+    monkeypatch.setattr(compile_cache, "_remote_supported", lambda: False)
+    with pytest.raises(ValueError, match="gcsfs"):
+        compile_cache.resolve("gs://bucket/cache")
+    monkeypatch.setattr(compile_cache, "_remote_supported", lambda: True)
+    assert compile_cache.resolve("gs://bucket/cache") == "gs://bucket/cache"
+
+
+def test_host_command_forwards_the_cache_as_an_absolute_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    command = launcher.host_command("out", "127.0.0.1:1", 2, 1, compile_cache="cc")
+    assert command[command.index("--compile-cache") + 1] == str(tmp_path / "cc")
+    assert "--compile-cache" not in launcher.host_command("out", "127.0.0.1:1", 2, 1)
+
+
+def test_a_second_process_loads_the_generator_from_the_cache(tmp_path, model_cache):
+    model_lib.resolve("tiny")  # built here, so both processes do exactly the same work
+    folder = str(tmp_path / "cache")
+    args = ("tiny", 32, 32, 2, 1)
+    env = dict(os.environ, PROMPTMILL_CACHE=model_cache)
+
+    first = startup.probe(*args, compile_cache=folder, env=env)
+    written = compile_cache.entries(folder)
+    assert written > 0 and first["cache_writes"] == written
+    assert first["build_cache_hits"] == 0  # an empty cache: the sampler was compiled
+
+    second = startup.probe(*args, compile_cache=folder, env=env)
+    assert second["build_cache_hits"] >= 1  # the sampler came from the cache
+    assert second["cache_writes"] == 0  # nothing had to be compiled and written again
+    assert second["cache_hits"] >= written - first["cache_hits"]
+    assert compile_cache.entries(folder) == written
+    # timings are reported, not asserted: wall clock is no test on a shared machine
+    assert first["build_s"] > 0 and second["build_s"] > 0
+
+
+def _host_ready(out):
+    with open(os.path.join(out, "logs", "host-0.log")) as f:
+        return next(e for e in map(logs.parse, f) if e and e["event"] == "host_ready")
+
+
+def test_run_forwards_compile_cache_to_the_hosts(tmp_path, model_cache):
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(2)))
+    folder = str(tmp_path / "cache")
+    common = ["--prompts", str(tmp_path / "p.jsonl"), "--model", "tiny", "--hosts", "1", "--devices-per-host", "1",
+              "--steps", "2", "--no-progress", "--compile-cache", folder]
+    first = run_cli(["run", "--out", str(tmp_path / "a"), *common], model_cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert compile_cache.entries(folder) > 0 and _host_ready(str(tmp_path / "a"))["cache_writes"] > 0
+    second = run_cli(["run", "--out", str(tmp_path / "b"), *common], model_cache)
+    assert second.returncode == 0, second.stderr[-3000:]
+    ready = _host_ready(str(tmp_path / "b"))
+    assert ready["cache_hits"] > 0 and ready["cache_writes"] == 0
+    # an execution option, not a setting: run.json does not record it
+    with open(tmp_path / "b" / "run.json") as f:
+        assert folder not in f.read()
