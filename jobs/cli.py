@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipeline.formats import FORMATS, IMAGE_FORMATS, parse_formats
 from pipeline.model import DTYPES, SCHEDULERS
 from pipeline.settings import Settings
 
@@ -28,6 +29,12 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
                         help="sampling algorithm (default: the checkpoint's own)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
                         help="network weights and compute dtype; latents stay float32 (default: %(default)s)")
+    parser.add_argument("--format", default=",".join(d.formats),
+                        help=f"output formats, comma-separated: {', '.join(FORMATS)} (default: %(default)s)")
+    parser.add_argument("--image-format", choices=list(IMAGE_FORMATS), default=d.image_format,
+                        help="image encoding (default: %(default)s)")
+    parser.add_argument("--quality", type=int, default=d.quality,
+                        help="jpeg and webp quality, 1-100 (default: %(default)s)")
     parser.add_argument("--guidance-scale", type=float, default=d.guidance_scale,
                         help="classifier-free guidance scale for records without one (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed,
@@ -41,9 +48,10 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args, devices_per_host: int) -> Settings:
     return Settings(prompts=args.prompts, out=args.out, model=args.model, width=args.width, height=args.height,
-                    steps=args.steps, scheduler=args.scheduler, dtype=args.dtype, guidance_scale=args.guidance_scale, seed=args.seed,
-                    per_device_batch=args.per_device_batch, batches_per_slice=args.batches_per_slice,
-                    devices_per_host=devices_per_host)
+                    steps=args.steps, scheduler=args.scheduler, dtype=args.dtype, formats=parse_formats(args.format),
+                    image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
+                    seed=args.seed, per_device_batch=args.per_device_batch,
+                    batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import apache_beam as beam
-from apache_beam.io import fileio
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -24,11 +23,10 @@ class CollectError(RuntimeError):
     pass
 
 
-def _read_lines(readable):
-    with readable.open() as f:
-        for raw in f:
-            if raw.strip():
-                yield json.loads(raw)
+def _read_lines(path: str):
+    for raw in storage.iter_lines(path):
+        if raw.strip():
+            yield json.loads(raw)
 
 
 def _key_of_image(path: str) -> str:
@@ -103,24 +101,22 @@ def _write_dataset(_, rows, problems, slice_stats, manifest, out):
 
 
 def build(p, out: str, manifest: dict, image_files: bool = True):
+    # listings through pipeline.storage, like every other read: local or gs://, with retries
     planned = (p
-               | "MatchPlan" >> fileio.MatchFiles(naming.join(out, "plan", "slices", "*.jsonl"))
-               | "ReadPlan" >> fileio.ReadMatches()
+               | "MatchPlan" >> beam.Create(storage.glob(naming.join(out, "plan", "slices", "*.jsonl")))
                | "PlanItems" >> beam.FlatMap(_read_lines)
                | "KeyPlanned" >> beam.Map(lambda item: (item["key"], item["slice"])))
     slice_stats = (p
-                   | "MatchCommits" >> fileio.MatchFiles(naming.join(out, "shards", "*_stats.json"),
-                                                         empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
-                   | "ReadCommits" >> beam.Map(lambda m: storage.read_json(m.path)))
+                   | "MatchCommits" >> beam.Create(storage.glob(naming.join(out, "shards", "*_stats.json")))
+                   | "ReadCommits" >> beam.Map(storage.read_json))
     rows = (slice_stats
             | "ReadShard" >> beam.FlatMap(lambda s: writer.read_parquet_rows(naming.shard_metadata(out, s["slice"])))
             | "KeyRows" >> beam.Map(lambda row: (row["key"], row)))
     keyed = {"planned": planned, "rows": rows}
     if image_files:
         keyed["images"] = (p
-                           | "MatchImages" >> fileio.MatchFiles(naming.join(out, "images", "*", "*"),
-                                                                empty_match_treatment=fileio.EmptyMatchTreatment.ALLOW)
-                           | "KeyImages" >> beam.Map(lambda m: (_key_of_image(m.path), m.path)))
+                           | "MatchImages" >> beam.Create(storage.glob(naming.join(out, "images", "*", "*")))
+                           | "KeyImages" >> beam.Map(lambda path: (_key_of_image(path), path)))
     verified = keyed | "VerifyKeys" >> VerifyKeys()
     (p
      | "Once" >> beam.Create([None])

@@ -8,10 +8,14 @@ devices but are never written.
 from __future__ import annotations
 
 import datetime as dt
+from concurrent.futures import ThreadPoolExecutor
 
 from pipeline import cluster, logs, naming, slicing, storage, writer
 from pipeline.generator import Batch, CompileCounter, Generator
 from pipeline.records import Item
+
+
+WRITER_THREADS = 8  # encoders and uploaders; JAX releases the GIL while devices work
 
 
 class GenerateError(RuntimeError):
@@ -34,24 +38,33 @@ def load_run(out: str) -> tuple[dict, dict]:
     return storage.read_json(naming.run_json(out)), storage.read_json(naming.manifest(out))
 
 
-def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, host: int) -> dict:
-    """Generate, write and commit one slice; returns its stats."""
+def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, host: int, pool,
+              zarr_images=None, compiles_at_warm: int = 0) -> dict:
+    """Generate one slice, write it in every chosen format and commit it; returns its stats.
+
+    Encoding and uploads go to ``pool`` while the devices work on the next batch; the
+    slice's time includes waiting for them.
+    """
     watch = logs.Stopwatch()
     items = writer.read_slice_items(out, index)
     padded = [*items, *[None] * (size - len(items))]
     default_guidance = run["settings"]["guidance_scale"]
-    rows = []
+    slice_writer = writer.SliceWriter(out, run, index, host, pool, zarr_images)
     for start in range(0, size, generator.batch_size):
         chunk = padded[start:start + generator.batch_size]
         images = generator(_batch(generator, chunk, default_guidance))
         for item, image in zip(chunk, images):
             if item is not None:
-                rows.append(writer.write_image(out, item, image, run, host))
+                slice_writer.add(item, image)
+    compiles = CompileCounter.count() - compiles_at_warm
+    slice_writer.finish()
     seconds = watch.seconds()
-    return {"slice": index, "host": host, "images": len(rows), "padding": size - len(items),
-            "seconds": round(seconds, 4), "images_per_s": round(len(rows) / seconds, 3) if seconds else None,
-            "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "_rows": rows}
+    stats = {"slice": index, "host": host, "images": len(items), "padding": size - len(items),
+             "seconds": round(seconds, 4), "images_per_s": round(len(items) / seconds, 3) if seconds else None,
+             "compiles_after_warmup": compiles,
+             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    slice_writer.mark(stats)
+    return stats
 
 
 def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | None = None) -> dict:
@@ -85,20 +98,28 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
                    if compile_cache else {})
     logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches, **cache_stats)
 
-    total_images = 0
+    zarr_images = None
+    if "zarr" in settings.get("formats", ()):
+        from pipeline import formats
+
+        zarr_images = formats.open_zarr_images(out, manifest["images"], settings["height"], settings["width"])
+    total_images, skipped, generated = 0, 0, 0
     watch = logs.Stopwatch()
-    for slot in slicing.host_slots(host, num_hosts, manifest["slices"]):
-        if slot is None:  # padding slot: same device steps as a real slice, nothing written
-            for _ in range(batches):
-                generator(_batch(generator, [None] * generator.batch_size, 0.0))
-            logs.event("padding_slot", host=host)
-            continue
-        stats = run_slice(generator, out, run, slot, size, host)
-        rows = stats.pop("_rows")
-        stats["compiles_after_warmup"] = CompileCounter.count() - compiles_at_warm
-        writer.commit_slice(out, slot, rows, stats)
-        total_images += stats["images"]
-        logs.event("slice_committed", **stats)
+    with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
+        for slot in slicing.host_slots(host, num_hosts, manifest["slices"]):
+            if slot is None:  # padding slot: same device steps as a real slice, nothing written
+                for _ in range(batches):
+                    generator(_batch(generator, [None] * generator.batch_size, 0.0))
+                logs.event("padding_slot", host=host)
+                continue
+            if writer.is_committed(out, slot):  # resume: a committed slice is never redone
+                skipped += 1
+                logs.event("slice_skipped", host=host, slice=slot)
+                continue
+            stats = run_slice(generator, out, run, slot, size, host, pool, zarr_images, compiles_at_warm)
+            total_images += stats["images"]
+            generated += 1
+            logs.event("slice_committed", **stats)
 
     recompiles = CompileCounter.count() - compiles_at_warm
     if num_hosts > 1:
@@ -106,6 +127,6 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
 
         multihost_utils.sync_global_devices("promptmill generate done")
     summary = {"host": host, "images": total_images, "seconds": round(watch.seconds(), 3),
-               "compiles_after_warmup": recompiles}
+               "slices_generated": generated, "slices_skipped": skipped, "compiles_after_warmup": recompiles}
     logs.event("host_done", **summary)
     return summary

@@ -17,7 +17,6 @@ import re
 from importlib import metadata
 
 import apache_beam as beam
-from apache_beam.io import fileio
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -43,22 +42,23 @@ def auto_id(source: str, root: str, line: int) -> str:
     return f"{relative}:{line}"
 
 
-def _lines(readable):
-    path = readable.metadata.path
-    with readable.open() as f:
-        for number, raw in enumerate(f, start=1):
-            yield path, number, raw.rstrip(b"\r\n")
+def _lines(path: str):
+    for number, raw in enumerate(storage.iter_lines(path), start=1):
+        yield path, number, raw
 
 
 class ReadPromptRows(beam.PTransform):
+    """Files matching the pattern -> (source, line number, raw line), read through
+    ``pipeline.storage`` (one storage layer, with its retries, local or gs://)."""
+
     def __init__(self, pattern: str):
         super().__init__()
         self.pattern = pattern
 
     def expand(self, pbegin):
         return (pbegin
-                | "MatchFiles" >> fileio.MatchFiles(self.pattern)
-                | "ReadMatches" >> fileio.ReadMatches()
+                | "MatchFiles" >> beam.Create(storage.glob(self.pattern))
+                | "SpreadFiles" >> beam.Reshuffle()
                 | "SplitLines" >> beam.FlatMap(_lines))
 
 

@@ -47,15 +47,6 @@ def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str) -> di
     }
 
 
-def write_image(out: str, item: Item, image: np.ndarray, run: dict, host: int) -> dict:
-    """Encode and write one image; returns its metadata row."""
-    data = formats.encode(image, "png")
-    path = naming.image_file(out, item.slice, item.key, "png")
-    storage.write_bytes(path, data)
-    relative = naming.image_file("", item.slice, item.key, "png").lstrip("/")
-    return metadata_row(item, run, host, data, relative)
-
-
 def parquet_bytes(rows: list[dict]) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -73,10 +64,13 @@ def read_parquet_rows(path: str) -> list[dict]:
     return pq.read_table(pa.BufferReader(storage.read_bytes(path))).to_pylist()
 
 
-def commit_slice(out: str, index: int, rows: list[dict], stats: dict) -> None:
-    """Write the slice's metadata shard, then its commit marker (last)."""
-    storage.write_bytes(naming.shard_metadata(out, index), parquet_bytes(rows))
-    storage.write_json(naming.shard_stats(out, index), stats)
+def read_slice_items(out: str, index: int) -> list[Item]:
+    text = storage.read_text(naming.plan_slice(out, index))
+    return [Item.from_json(json.loads(line)) for line in text.splitlines() if line.strip()]
+
+
+def is_committed(out: str, index: int) -> bool:
+    return storage.exists(naming.shard_stats(out, index))
 
 
 def image_location(settings: dict, item: Item) -> str:
@@ -121,8 +115,12 @@ class SliceWriter:
             self.zarr_images[item.position].write(image).result()
         return metadata_row(item, self.run, self.host, data, location), data
 
-    def commit(self, stats: dict) -> list[dict]:
-        """Finish every object of the slice, then write its commit marker; returns its rows."""
+    def finish(self) -> list[dict]:
+        """Wait for every image, then write the slice's whole objects; returns its rows.
+
+        Re-raises the first failure of any worker, so a slice with a missing object
+        never reaches ``mark``.
+        """
         results = [future.result() for future in self._pending]
         rows, encoded = [r for r, _ in results], [d for _, d in results]
         objects = [(naming.shard_metadata(self.out, self.index), lambda: parquet_bytes(rows))]
@@ -135,14 +133,13 @@ class SliceWriter:
                             lambda: formats.image_parquet_bytes(rows, encoded, metadata_schema())))
         for future in [self.pool.submit(lambda p=p, make=make: storage.write_bytes(p, make())) for p, make in objects]:
             future.result()
-        storage.write_json(naming.shard_stats(self.out, self.index), stats)
         return rows
 
+    def mark(self, stats: dict) -> None:
+        """Write the commit marker: the slice counts as done from here on."""
+        storage.write_json(naming.shard_stats(self.out, self.index), stats)
 
-def is_committed(out: str, index: int) -> bool:
-    return storage.exists(naming.shard_stats(out, index))
-
-
-def read_slice_items(out: str, index: int) -> list[Item]:
-    text = storage.read_text(naming.plan_slice(out, index))
-    return [Item.from_json(json.loads(line)) for line in text.splitlines() if line.strip()]
+    def commit(self, stats: dict) -> list[dict]:
+        rows = self.finish()
+        self.mark(stats)
+        return rows
