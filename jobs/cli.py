@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     targets = bench.add_subparsers(dest="target", required=True)
     _add_bench_generator_flags(targets.add_parser(
         "generator", help="images/s, FLOP/s and start-up of the generator, against the seed notebook's recipe"))
+    upload = targets.add_parser("upload", help="objects/s and MB/s to a local GCS emulator, N parallel uploads vs 1")
+    upload.add_argument("--objects", type=int, default=200, help="objects per measurement (default: %(default)s)")
+    upload.add_argument("--object-bytes", type=int, default=100_000, help="bytes per object (default: %(default)s)")
+    upload.add_argument("--parallel", type=_batch_sizes, default=(1, 4, 16),
+                        help="comma-separated worker counts (default: 1,4,16)")
+    upload.add_argument("--report", help="write the JSON report here")
     return parser
 
 
@@ -161,6 +167,13 @@ def _dispatch(args, beam_args: list[str]) -> int:
 
         stats = collect.run_collect(args.out, beam_args)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
+    elif args.command == "bench" and args.target == "upload":
+        from pipeline import storage, upload_bench
+
+        report = upload_bench.run(args.objects, args.object_bytes, args.parallel)
+        if args.report:
+            storage.write_json(args.report, report)
+        print(upload_bench.table(report))
     elif args.command == "bench":
         from pipeline import bench
 
