@@ -16,7 +16,6 @@ process 0 writes entries (jax's rule, to spare shared filesystems from contentio
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 
@@ -26,27 +25,12 @@ HIT_EVENT = "/jax/compilation_cache/cache_hits"
 WRITE_EVENT = "/jax/compilation_cache/cache_misses"
 
 
-def _remote_supported() -> bool:
-    """Whether jax can use a gs:// cache folder here.
-
-    jax reaches non-local folders through etils.epath, which needs a GCS filesystem
-    backend: gcsfs (through fsspec) or TensorFlow's gfile.
-    """
-    def have(module: str) -> bool:
-        try:
-            return importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            return False
-
-    return have("etils.epath") and (have("gcsfs") or have("tensorflow"))
-
-
 def resolve(directory: str) -> str:
     """The folder jax should use for ``--compile-cache``, or ValueError.
 
     A local folder is made absolute, so every host process of a local run shares it
-    whatever its working directory. A ``gs://`` folder is kept as it is where jax can
-    reach it; otherwise this refuses it rather than silently compiling every time.
+    whatever its working directory. A ``gs://`` folder is kept as it is: ``enable``
+    mirrors it into a local folder (jax itself would need gcsfs or TensorFlow for it).
     """
     if not directory:
         raise ValueError("--compile-cache needs a folder")
@@ -54,10 +38,51 @@ def resolve(directory: str) -> str:
         return os.path.abspath(os.path.expanduser(directory))
     if not directory.startswith("gs://"):
         raise ValueError(f"--compile-cache must be a local folder or gs:// path, got {directory!r}")
-    if not _remote_supported():
-        raise ValueError(f"--compile-cache {directory}: jax can only use a gs:// cache with etils[epath] and "
-                         "gcsfs (or TensorFlow) installed; give a local folder instead")
-    return directory
+    return directory.rstrip("/")
+
+
+_REMOTE: dict[str, str] = {}  # gs:// cache folder -> its local mirror, for ``push``
+
+
+def _mirror(remote: str) -> str:
+    import hashlib
+
+    from pipeline.model import cache_dir
+
+    return os.path.join(cache_dir(), "compile-cache", hashlib.sha256(remote.encode()).hexdigest()[:16])
+
+
+def pull(remote: str) -> str:
+    """Copy a gs:// cache folder's entries into its local mirror; returns the mirror."""
+    from pipeline import storage
+
+    local = _mirror(remote)
+    os.makedirs(local, exist_ok=True)
+    for path in storage.glob(remote + "/*"):
+        target = os.path.join(local, path.rsplit("/", 1)[-1])
+        if not os.path.exists(target):
+            storage.download(path, target)
+    _REMOTE[remote] = local
+    return local
+
+
+def push() -> int:
+    """Upload the entries this process added to a gs:// cache folder; returns how many.
+
+    Entries are uploaded whole under their final names; two hosts writing the same
+    entry write a valid executable either way.
+    """
+    from pipeline import storage
+
+    uploaded = 0
+    for remote, local in _REMOTE.items():
+        present = {path.rsplit("/", 1)[-1] for path in storage.glob(remote + "/*")}
+        for name in sorted(os.listdir(local)):
+            if name not in present and os.path.isfile(os.path.join(local, name)):
+                with open(os.path.join(local, name), "rb") as f:
+                    storage.write_bytes(f"{remote}/{name}", f.read())
+                uploaded += 1
+    return uploaded
 
 
 def enable(directory: str) -> str:
@@ -69,8 +94,9 @@ def enable(directory: str) -> str:
     from jax.experimental.compilation_cache import compilation_cache
 
     path = resolve(directory)
-    if "://" not in path:
-        os.makedirs(path, exist_ok=True)
+    if path.startswith("gs://"):
+        path = pull(path)  # jax works on the local mirror; ``push`` uploads what it adds
+    os.makedirs(path, exist_ok=True)
 
     if jax.config.jax_compilation_cache_dir not in (None, path):
         # jax opens its cache once per process, at the first compile that uses it;

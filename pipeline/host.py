@@ -97,6 +97,10 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
     cache_stats = ({"cache_hits": cache_lib.CacheEvents.hits(), "cache_writes": cache_lib.CacheEvents.writes()}
                    if compile_cache else {})
     logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches, **cache_stats)
+    if compile_cache:
+        uploaded = cache_lib.push()
+        if uploaded:
+            logs.event("compile_cache_pushed", host=host, entries=uploaded)
 
     zarr_images = None
     if "zarr" in settings.get("formats", ()):

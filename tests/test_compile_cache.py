@@ -19,11 +19,7 @@ def test_unusable_folders_are_refused(monkeypatch):
         compile_cache.resolve("s3://bucket/cache")
     with pytest.raises(ValueError, match="needs a folder"):
         compile_cache.resolve("")
-    monkeypatch.setattr(compile_cache, "_remote_supported", lambda: False)
-    with pytest.raises(ValueError, match="gcsfs"):
-        compile_cache.resolve("gs://bucket/cache")
-    monkeypatch.setattr(compile_cache, "_remote_supported", lambda: True)
-    assert compile_cache.resolve("gs://bucket/cache") == "gs://bucket/cache"
+    assert compile_cache.resolve("gs://bucket/cache/") == "gs://bucket/cache"
 
 
 def test_host_command_forwards_the_cache_as_an_absolute_folder(tmp_path, monkeypatch):
@@ -73,3 +69,23 @@ def test_run_forwards_compile_cache_to_the_hosts(tmp_path, model_cache):
     # an execution option, not a setting: run.json does not record it
     with open(tmp_path / "b" / "run.json") as f:
         assert folder not in f.read()
+
+
+def test_a_gcs_cache_folder_is_filled_by_one_run_and_used_by_the_next(gcs_emulator, tmp_path, model_cache):
+    from pipeline import storage
+
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "p"}) + "\n")
+    folder = f"gs://{gcs_emulator}/compile-cache"
+    common = ["--prompts", str(tmp_path / "p.jsonl"), "--model", "tiny", "--hosts", "1", "--devices-per-host", "1",
+              "--steps", "2", "--no-progress", "--compile-cache", folder]
+    first = run_cli(["run", "--out", str(tmp_path / "a"), *common], model_cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert len(storage.glob(folder + "/*")) == _host_ready(str(tmp_path / "a"))["cache_writes"] > 0
+    # as on a fresh machine: no local mirror, so the entries can only come from gs://
+    import shutil
+
+    shutil.rmtree(compile_cache._mirror(folder))
+    second = run_cli(["run", "--out", str(tmp_path / "b"), *common], model_cache)
+    assert second.returncode == 0, second.stderr[-3000:]
+    ready = _host_ready(str(tmp_path / "b"))
+    assert ready["cache_hits"] > 0 and ready["cache_writes"] == 0
