@@ -18,17 +18,24 @@ from tests.conftest import ROOT, run_cli
 from tests.test_e2e import run_args, write_prompts
 
 
-def test_all_formats_with_prompts_and_output_on_gcs(gcs_emulator, tmp_path, model_cache):
+def test_all_formats_with_prompts_model_and_output_on_gcs(gcs_emulator, tmp_path, model_cache):
     import webdataset as wds
 
     local = write_prompts(tmp_path / "prompts", 9)
     for path in storage.glob(local):
         storage.write_bytes(f"gs://{gcs_emulator}/prompts/{os.path.basename(path)}", storage.read_bytes(path))
+    from tests.test_model_sources import upload_tree
+    from pipeline import model as model_lib
+
+    model = f"gs://{gcs_emulator}/models/tiny-e2e"
+    upload_tree(model_lib.resolve("tiny"), model)
     out = f"gs://{gcs_emulator}/runs/all-formats"
-    result = run_cli(run_args(f"gs://{gcs_emulator}/prompts/*.jsonl", out, 2, 2, "--format",
-                              "files,webdataset,parquet,zarr"), model_cache)
+    args = run_args(f"gs://{gcs_emulator}/prompts/*.jsonl", out, 2, 2, "--format", "files,webdataset,parquet,zarr")
+    args[args.index("--model") + 1] = model
+    result = run_cli(args, model_cache)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+    assert {r["model"] for r in rows} == {model}
     assert len(rows) == 11 and storage.read_json(naming.dataset_file(out, "stats.json"))["verified"]
     pixels = {}
     for row in rows:
