@@ -124,9 +124,6 @@ def fetch_remote(prefix: str) -> str:
     scratch folder and renamed into place (a local rename), so a crash leaves no
     half-copied model behind.
     """
-    import shutil
-    import tempfile
-
     from pipeline import storage
 
     sums = storage.checksums(prefix)
@@ -134,14 +131,32 @@ def fetch_remote(prefix: str) -> str:
         raise ModelError(f"{prefix}: missing model_index.json (not a diffusers-format checkpoint)")
     key = hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()[:24]
     target = os.path.join(cache_dir(), "models", "remote", key)
+
+    def copy(scratch: str) -> None:
+        for relative in sorted(sums):
+            storage.download(f"{prefix.rstrip('/')}/{relative}", os.path.join(scratch, relative))
+
+    return materialize(target, copy)
+
+
+def materialize(target: str, fill) -> str:
+    """Make the local cache folder ``target`` once; returns it.
+
+    ``fill(scratch)`` writes into a private scratch folder beside ``target``, which is
+    then renamed into place (a local, atomic rename). Processes racing for the same
+    folder each fill their own scratch; the first rename wins, and no reader ever sees
+    a half-written folder.
+    """
+    import shutil
+    import tempfile
+
     if os.path.isfile(os.path.join(target, "model_index.json")):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=f".{key}-", dir=os.path.dirname(target))
+    scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}-", dir=os.path.dirname(target))
     try:
-        for relative in sorted(sums):
-            storage.download(f"{prefix.rstrip('/')}/{relative}", os.path.join(scratch, relative))
-        os.chmod(scratch, 0o755)
+        fill(scratch)
+        os.chmod(scratch, 0o755)  # mkdtemp made it private
         try:
             os.rename(scratch, target)
         except OSError:

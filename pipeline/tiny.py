@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import zlib
 
@@ -148,25 +147,8 @@ def build(directory: str, name: str = "tiny") -> None:
 
 
 def ensure(models_dir: str, name: str = "tiny") -> str:
-    """The cached random model's directory, building it on first use.
+    """The cached random model's directory, building it on first use (once, even when
+    several host processes ask at the same time: see ``model.materialize``)."""
+    from pipeline.model import materialize
 
-    Several host processes may ask at once: each builds into its own scratch folder
-    and renames it into place (a local, atomic rename); the first one wins.
-    """
-    version = PRESETS[name]["version"]
-    target = os.path.join(models_dir, version)
-    if os.path.isfile(os.path.join(target, "model_index.json")):
-        return target
-    os.makedirs(models_dir, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=f".{version}-", dir=models_dir)
-    try:
-        build(scratch, name)
-        os.chmod(scratch, 0o755)  # mkdtemp made it private
-        try:
-            os.rename(scratch, target)
-        except OSError:
-            if not os.path.isfile(os.path.join(target, "model_index.json")):
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    return materialize(os.path.join(models_dir, PRESETS[name]["version"]), lambda scratch: build(scratch, name))
