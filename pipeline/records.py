@@ -15,7 +15,7 @@ import re
 from pipeline import keys, naming
 
 KNOWN_FIELDS = ("id", "prompt", "negative_prompt", "seed", "num_images", "guidance_scale")
-MAX_ID_CHARS = 1024
+MAX_ID_CHARS = 65_536  # ids of any content are fine (keys are derived safely); only the size is bounded
 MIN_GUIDANCE, MAX_GUIDANCE = 0.0, 100.0
 
 
@@ -106,13 +106,13 @@ def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
     if not isinstance(negative, str):
         raise _Bad("bad_negative_prompt", "'negative_prompt' must be a string")
     record_id = row.get("id", None)
-    if record_id is None:
+    if record_id is None or record_id == "":
         record_id = auto_id
     elif isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
         raise _Bad("bad_id", f"'id' must be a string or an integer, got {type(record_id).__name__}")
     record_id = str(record_id)
-    if not record_id or len(record_id) > MAX_ID_CHARS:
-        raise _Bad("bad_id", f"'id' must have 1..{MAX_ID_CHARS} characters")
+    if len(record_id) > MAX_ID_CHARS:
+        raise _Bad("bad_id", f"'id' must have at most {MAX_ID_CHARS} characters, got {len(record_id)}")
     seed = _int_field(row, "seed", 0, keys.MAX_SEED, None)
     if seed is None:
         seed = keys.record_seed(run_seed, record_id)

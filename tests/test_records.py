@@ -17,6 +17,18 @@ def test_minimal_row_gets_auto_id_and_hashed_seed():
     assert r.seed == keys.record_seed(5, "in.jsonl:9")
 
 
+@pytest.mark.parametrize("record_id", ["", None])
+def test_an_empty_id_is_treated_as_missing(record_id):
+    r = parse({"prompt": "a cat", "id": record_id}, line=3)
+    assert r.id == "in.jsonl:3"
+
+
+@pytest.mark.parametrize("record_id", ["../../x", "a/b", "x" * 10_000, "ünïcödé 🎨", "tab\tnul\x00new\nline"])
+def test_hostile_ids_are_kept_as_given(record_id):
+    r = parse({"prompt": "p", "id": record_id})
+    assert isinstance(r, records.Record) and r.id == record_id
+
+
 def test_optional_fields_and_pass_through():
     r = parse({"prompt": "p", "id": 17, "seed": "123", "negative_prompt": "blur", "num_images": 3.0,
                "guidance_scale": 4, "style": "noir"})
@@ -40,7 +52,7 @@ def test_optional_fields_and_pass_through():
     ({"prompt": "p", "num_images": True}, "bad_num_images"),
     ({"prompt": "p", "guidance_scale": "high"}, "bad_guidance_scale"),
     ({"prompt": "p", "guidance_scale": -1}, "bad_guidance_scale"),
-    ({"prompt": "p", "id": ""}, "bad_id"),
+    ({"prompt": "p", "id": "x" * (records.MAX_ID_CHARS + 1)}, "bad_id"),
     ({"prompt": "p", "id": {"a": 1}}, "bad_id"),
     ({"prompt": "p", "negative_prompt": 3}, "bad_negative_prompt"),
 ])
