@@ -1,11 +1,11 @@
 """The outputs of one slice: images, the metadata shard, and the commit marker.
 
-Every name and every byte is deterministic: PNGs carry no timestamps, and a slice's
-``_stats.json`` is written last, so a slice without it is simply redone.
+Every name and every byte is deterministic: PNGs carry no timestamps, a row's
+``created_at`` is the run's (from run.json), and a slice's ``_stats.json`` is written
+last, so a slice without it is simply redone with the same bytes.
 """
 from __future__ import annotations
 
-import datetime as dt
 import hashlib
 import json
 
@@ -43,7 +43,7 @@ def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str) -> di
         "position": item.position, "host": host, "sha256": hashlib.sha256(data).hexdigest(), "path": path,
         "source": item.source, "line": item.line, "extra": json.dumps(item.extra, sort_keys=True, ensure_ascii=False),
         "promptmill_version": __version__,
-        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": run["created_at"],  # when the run was first planned: a redone slice gets the same bytes
     }
 
 
@@ -71,6 +71,18 @@ def read_slice_items(out: str, index: int) -> list[Item]:
 
 def is_committed(out: str, index: int) -> bool:
     return storage.exists(naming.shard_stats(out, index))
+
+
+def leftovers(out: str, settings: dict, index: int) -> list[str]:
+    """Objects an uncommitted slice already has, from an attempt that died (zarr chunks aside)."""
+    chosen = settings.get("formats", ("files",))
+    found = storage.glob(naming.join(out, "images", naming.slice_name(index), "*")) if "files" in chosen else []
+    candidates = [naming.shard_metadata(out, index)]
+    if "webdataset" in chosen:
+        candidates.append(naming.shard_tar(out, index))
+    if "parquet" in chosen:
+        candidates.append(naming.image_parquet(out, index))
+    return found + [path for path in candidates if storage.exists(path)]
 
 
 def image_location(settings: dict, item: Item) -> str:
@@ -114,6 +126,11 @@ class SliceWriter:
         if "zarr" in self.formats:
             self.zarr_images[item.position].write(image).result()
         return metadata_row(item, self.run, self.host, data, location), data
+
+    def wait_images(self) -> None:
+        """Block until every image added so far is stored (or one failed)."""
+        for future in self._pending:
+            future.result()
 
     def finish(self) -> list[dict]:
         """Wait for every image, then write the slice's whole objects; returns its rows.
