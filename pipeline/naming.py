@@ -42,6 +42,10 @@ def join(base: str, *parts: str) -> str:
     return path
 
 
+# Everything promptmill writes under OUT; ``--overwrite`` deletes exactly these.
+OWNED = ("run.json", "plan", "shards", "images", "parquet", "zarr", "dataset", "logs")
+
+
 def slice_name(index: int) -> str:
     return f"{index:05d}"
 

@@ -20,7 +20,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline import __version__, naming, records, slicing, storage
+from pipeline import __version__, logs, naming, records, slicing, storage
 from pipeline.settings import Settings, fingerprint
 
 _WILDCARD = re.compile(r"[*?\[]")
@@ -240,32 +240,44 @@ def resolve_settings(settings: Settings) -> tuple[Settings, dict]:
     return settings, run
 
 
-def check_same_run(out: str, run: dict) -> None:
-    """Refuse to plan into an OUT that holds a run with other settings.
+def prepare_out(out: str, run: dict, overwrite: bool = False) -> dict:
+    """Make ``out`` ready for ``run``; returns the run.json document in force.
 
-    Object names are deterministic, so re-running the same settings rewrites the same
-    objects; other settings would mix two runs' slices and images in one dataset.
+    * An empty OUT gets ``run``.
+    * An OUT holding the same run (same settings fingerprint) is resumed: its run.json,
+      and so its ``created_at``, is kept, so every rewritten object has the same bytes.
+    * An OUT holding a run with other settings is refused, since it would mix two runs'
+      slices in one dataset, unless ``overwrite``.
+    ``overwrite`` deletes everything promptmill wrote under OUT (``naming.OWNED``) first.
     """
     path = naming.run_json(out)
-    if not storage.exists(path):
-        return
-    previous = storage.read_json(path)
-    if previous.get("settings_fingerprint") != run["settings_fingerprint"]:
+    if overwrite:
+        deleted = sum(storage.delete_prefix(naming.join(out, name)) for name in naming.OWNED)
+        if deleted:
+            logs.event("overwrite", out=out, objects_deleted=deleted)
+    elif storage.exists(path):
+        previous = storage.read_json(path)
+        if previous.get("settings_fingerprint") == run["settings_fingerprint"]:
+            return previous
         settings = json.loads(json.dumps(run["settings"]))  # as stored: tuples become lists
         changed = sorted(k for k, v in settings.items() if previous.get("settings", {}).get(k) != v)
         if previous.get("model_fingerprint") != run["model_fingerprint"]:
             changed.append("model weights")
         raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
-                        "use another --out, or remove the old one first")
+                        "use another --out, or add --overwrite to delete the old run and start over")
+    storage.write_json(path, run)
+    return run
 
 
-def run_plan(settings: Settings, beam_args: list[str] | None = None) -> dict:
-    """Plan ``settings.prompts`` into ``settings.out``; returns the manifest."""
+def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False) -> dict:
+    """Plan ``settings.prompts`` into ``settings.out``; returns the manifest.
+
+    ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare_out``).
+    """
     if not storage.glob(settings.prompts):
         raise PlanError(f"no prompt files match {settings.prompts!r}")
     settings, run = resolve_settings(settings)
-    check_same_run(settings.out, run)
-    storage.write_json(naming.run_json(settings.out), run)
+    prepare_out(settings.out, run, overwrite)
     options = PipelineOptions(beam_args or [])
     with beam.Pipeline(options=options) as p:
         build(p, settings.prompts, settings.out, settings)

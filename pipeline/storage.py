@@ -179,6 +179,43 @@ def checksums(prefix: str) -> dict[str, str]:
     return sums
 
 
+def delete_prefix(prefix: str) -> int:
+    """Delete the object ``prefix`` and every object under ``prefix/``; returns how many.
+
+    Deletes run in parallel; a missing object counts as deleted (a retried delete may
+    find it gone).
+    """
+    prefix = prefix.rstrip("/")
+    if not is_gcs(prefix):
+        import shutil
+
+        if os.path.isdir(prefix):
+            count = sum(len(files) for _, _, files in os.walk(prefix))
+            shutil.rmtree(prefix)
+            return count
+        if os.path.exists(prefix):
+            os.remove(prefix)
+            return 1
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+
+    from google.api_core.exceptions import NotFound
+
+    bucket, name = _split_gcs(prefix)
+    blobs = [b for b in _gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
+             if b.name == name or b.name.startswith(name + "/")]
+
+    def delete(blob):
+        try:
+            blob.delete(retry=_retry(), timeout=60)
+        except NotFound:
+            pass
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(delete, blobs))
+    return len(blobs)
+
+
 def download(path: str, local_path: str) -> None:
     """Copy one object to a local file, streamed."""
     os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
