@@ -64,12 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--hosts", type=int, default=2, help="local host processes (default: %(default)s)")
     run.add_argument("--devices-per-host", type=int, default=2, help="CPU devices per host (default: %(default)s)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_overwrite_flag(run)
     _add_compile_cache_flag(run)
 
     plan = sub.add_parser("plan", help="validate prompts and cut them into slices (Beam)")
     _add_settings_flags(plan)
     plan.add_argument("--devices-per-host", type=int, default=1,
                       help="devices of each generate host; sets the slice size (default: %(default)s)")
+    _add_overwrite_flag(plan)
 
     gen = sub.add_parser("generate", help="generate this host's slices (one process per host)")
     gen.add_argument("--out", required=True, help="the planned output folder or gs:// prefix")
@@ -90,8 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument("--object-bytes", type=int, default=100_000, help="bytes per object (default: %(default)s)")
     upload.add_argument("--parallel", type=_batch_sizes, default=(1, 4, 16),
                         help="comma-separated worker counts (default: 1,4,16)")
+    upload.add_argument("--latency-ms", type=_latencies_ms, default=(0.0,),
+                        help="comma-separated latencies added to each request by a proxy in front of the emulator, "
+                             "each measured with every --parallel, e.g. 0,20 (default: 0, no proxy)")
     upload.add_argument("--report", help="write the JSON report here")
     return parser
+
+
+def _add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete what an earlier run wrote under --out and start over (without it, re-running "
+                             "the same settings resumes, and other settings are refused)")
 
 
 def _add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +116,16 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _latencies_ms(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"latencies must be >= 0, got {text!r}")
+    return values
 
 
 def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
@@ -151,12 +172,13 @@ def _dispatch(args, beam_args: list[str]) -> int:
         from pipeline import launcher
 
         stats = launcher.run_local(_settings(args, args.devices_per_host), args.hosts, beam_args,
-                                   progress=not args.no_progress, compile_cache=args.compile_cache)
+                                   progress=not args.no_progress, compile_cache=args.compile_cache,
+                                   overwrite=args.overwrite)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
     elif args.command == "plan":
         from pipeline import plan
 
-        print(json.dumps(plan.run_plan(_settings(args, args.devices_per_host), beam_args)))
+        print(json.dumps(plan.run_plan(_settings(args, args.devices_per_host), beam_args, args.overwrite)))
     elif args.command == "generate":
         from pipeline import cluster, host
 
@@ -170,7 +192,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "bench" and args.target == "upload":
         from pipeline import storage, upload_bench
 
-        report = upload_bench.run(args.objects, args.object_bytes, args.parallel)
+        report = upload_bench.run(args.objects, args.object_bytes, args.parallel, args.latency_ms)
         if args.report:
             storage.write_json(args.report, report)
         print(upload_bench.table(report))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from concurrent.futures import ThreadPoolExecutor
 
-from pipeline import cluster, logs, naming, slicing, storage, writer
+from pipeline import cluster, crashpoints, logs, naming, slicing, storage, writer
 from pipeline.generator import Batch, CompileCounter, Generator
 from pipeline.records import Item
 
@@ -56,6 +56,8 @@ def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, 
         for item, image in zip(chunk, images):
             if item is not None:
                 slice_writer.add(item, image)
+        if start == 0:
+            crashpoints.reached("mid_slice", host, before=slice_writer.wait_images)
     compiles = CompileCounter.count() - compiles_at_warm
     slice_writer.finish()
     seconds = watch.seconds()
@@ -101,13 +103,14 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
         uploaded = cache_lib.push()
         if uploaded:
             logs.event("compile_cache_pushed", host=host, entries=uploaded)
+    crashpoints.reached("ready", host)
 
     zarr_images = None
     if "zarr" in settings.get("formats", ()):
         from pipeline import formats
 
         zarr_images = formats.open_zarr_images(out, manifest["images"], settings["height"], settings["width"])
-    total_images, skipped, generated = 0, 0, 0
+    total_images, skipped, generated, redone = 0, 0, 0, 0
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
         for slot in slicing.host_slots(host, num_hosts, manifest["slices"]):
@@ -120,10 +123,15 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
                 skipped += 1
                 logs.event("slice_skipped", host=host, slice=slot)
                 continue
+            leftovers = writer.leftovers(out, settings, slot)
+            if leftovers:  # an earlier attempt died mid-slice: its objects are rewritten with the same bytes
+                redone += 1
+                logs.event("slice_redone", host=host, slice=slot, leftover_objects=len(leftovers))
             stats = run_slice(generator, out, run, slot, size, host, pool, zarr_images, compiles_at_warm)
             total_images += stats["images"]
             generated += 1
             logs.event("slice_committed", **stats)
+            crashpoints.reached("committed", host)
 
     recompiles = CompileCounter.count() - compiles_at_warm
     if num_hosts > 1:
@@ -131,6 +139,7 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
 
         multihost_utils.sync_global_devices("promptmill generate done")
     summary = {"host": host, "images": total_images, "seconds": round(watch.seconds(), 3),
-               "slices_generated": generated, "slices_skipped": skipped, "compiles_after_warmup": recompiles}
+               "slices_generated": generated, "slices_redone": redone, "slices_skipped": skipped,
+               "compiles_after_warmup": recompiles}
     logs.event("host_done", **summary)
     return summary

@@ -155,10 +155,11 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
 
 
 def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, progress: bool = True,
-              compile_cache: str | None = None) -> dict:
+              compile_cache: str | None = None, overwrite: bool = False) -> dict:
     """plan -> local hosts -> collect; returns the dataset stats.
 
     ``compile_cache`` is an execution option, like ``num_hosts``: not a setting of the run.
+    ``overwrite`` deletes an earlier run in OUT first; without it a re-run resumes.
     """
     from pipeline import collect, plan
 
@@ -167,10 +168,13 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
     if compile_cache:
         compile_cache_lib.resolve(compile_cache)  # a bad folder fails here, not in every host
     watch = logs.Stopwatch()
-    manifest = plan.run_plan(settings, beam_args)
+    manifest = plan.run_plan(settings, beam_args, overwrite)
     logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
                slices=manifest["slices"], slice_size=manifest["slice_size"], seconds=round(watch.seconds(), 2))
-    run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress, compile_cache)
+    done = run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress, compile_cache)
+    logs.event("generated", images=sum(d["images"] for d in done),
+               **{k: sum(d[k] for d in done) for k in ("slices_generated", "slices_redone", "slices_skipped")},
+               seconds=round(watch.seconds(), 2))
     stats = collect.run_collect(settings.out, beam_args)
     logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],
                seconds=round(watch.seconds(), 2), dataset=naming.join(settings.out, "dataset"))
