@@ -4,7 +4,7 @@ import os
 import pytest
 
 from pipeline import storage
-from tests.faults import FaultyProxy
+from pipeline.netproxy import FaultyProxy
 
 
 @pytest.fixture(params=["local", "gcs"])
