@@ -1,42 +1,76 @@
-"""End to end on gs:// (the emulator) in every format, and resume after a crash."""
+"""End to end on gs:// (the emulator): every format, hostile ids, and a run through a
+proxy that fails about 10% of requests, which must give the same dataset."""
 import hashlib
 import io
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
+import re
+import tarfile
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
-from pipeline import formats, naming, storage, writer
-from tests.conftest import ROOT, run_cli
+from pipeline import emulator, formats, naming, storage, writer
+from pipeline.netproxy import FaultyProxy
+from tests.conftest import run_cli
 from tests.test_e2e import run_args, write_prompts
 
+# Each case is a record whose id is hostile; the prompt names the case.
+HOSTILE_IDS = {
+    "parent": "../../x", "slash": "a/b", "empty": "", "long": "x" * 10_000, "unicode": "ünïcödé 🎨 画像",
+    "control": "tab\there\x00nul\nnewline\x7fdel\x1b[31m", "dots": "a.b.c", "absolute": "/etc/passwd",
+}
+FORMATS = "files,webdataset,parquet,zarr"
+IMAGES = 11 + len(HOSTILE_IDS)
 
-def test_all_formats_with_prompts_model_and_output_on_gcs(gcs_emulator, tmp_path, model_cache):
-    import webdataset as wds
 
-    local = write_prompts(tmp_path / "prompts", 9)
-    for path in storage.glob(local):
-        storage.write_bytes(f"gs://{gcs_emulator}/prompts/{os.path.basename(path)}", storage.read_bytes(path))
-    from tests.test_model_sources import upload_tree
+@pytest.fixture(scope="module")
+def gcs_inputs(gcs_emulator, tmp_path_factory, model_cache):
+    """Prompts (9 ordinary records, one with 3 images, and the hostile ids) and the tiny model, on gs://."""
     from pipeline import model as model_lib
+    from tests.test_model_sources import upload_tree
 
+    local = tmp_path_factory.mktemp("gcs-prompts")
+    write_prompts(local, 9)
+    hostile = [json.dumps({"id": record_id, "prompt": f"hostile id case {case}"}, ensure_ascii=False)
+               for case, record_id in HOSTILE_IDS.items()]
+    (local / "part-2.jsonl").write_text("\n".join(hostile) + "\n", encoding="utf-8")
+    for path in storage.glob(str(local / "*.jsonl")):
+        storage.write_bytes(f"gs://{gcs_emulator}/prompts/{os.path.basename(path)}", storage.read_bytes(path))
     model = f"gs://{gcs_emulator}/models/tiny-e2e"
     upload_tree(model_lib.resolve("tiny"), model)
-    out = f"gs://{gcs_emulator}/runs/all-formats"
-    args = run_args(f"gs://{gcs_emulator}/prompts/*.jsonl", out, 2, 2, "--format", "files,webdataset,parquet,zarr")
+    return f"gs://{gcs_emulator}/prompts/*.jsonl", model
+
+
+def gcs_run(inputs, out, cache, env=None):
+    prompts, model = inputs
+    args = run_args(prompts, out, 2, 2, "--format", FORMATS)
     args[args.index("--model") + 1] = model
-    result = run_cli(args, model_cache)
+    return run_cli(args, cache, env=env)
+
+
+@pytest.fixture(scope="module")
+def clean_run(gcs_emulator, gcs_inputs, model_cache):
+    out = f"gs://{gcs_emulator}/runs/clean"
+    result = gcs_run(gcs_inputs, out, model_cache)
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+    return out
+
+
+def metadata(out):
+    return writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+
+
+def test_all_formats_with_prompts_model_and_output_on_gcs(clean_run, gcs_inputs, tmp_path):
+    import webdataset as wds
+
+    out, model = clean_run, gcs_inputs[1]
+    rows = metadata(out)
     assert {r["model"] for r in rows} == {model}
-    assert len(rows) == 11 and storage.read_json(naming.dataset_file(out, "stats.json"))["verified"]
+    assert len(rows) == IMAGES and storage.read_json(naming.dataset_file(out, "stats.json"))["verified"]
     pixels = {}
     for row in rows:
         data = storage.read_bytes(naming.join(out, row["path"]))
@@ -60,47 +94,70 @@ def test_all_formats_with_prompts_model_and_output_on_gcs(gcs_emulator, tmp_path
             seen_parquet.add(record["key"])
     assert seen_tar == seen_parquet == set(pixels)
     zarr = formats.read_zarr_images(out)
-    assert zarr.shape == (11, 32, 32, 3)
+    assert zarr.shape == (IMAGES, 32, 32, 3)
     for row in rows:
         np.testing.assert_array_equal(zarr[row["position"]].read().result(), pixels[row["key"]])
 
 
-def test_resume_after_killing_a_host_gives_the_uninterrupted_images(tmp_path, model_cache):
-    prompts = write_prompts(tmp_path / "p", 40, bad_rows=False)
-    reference, resumed = str(tmp_path / "reference"), str(tmp_path / "resumed")
+@pytest.mark.parametrize("case", list(HOSTILE_IDS))
+def test_a_hostile_id_gets_a_safe_unique_key_inside_out(clean_run, gcs_emulator, case):
+    out, record_id = clean_run, HOSTILE_IDS[case]
+    rows = metadata(out)
+    [row] = [r for r in rows if r["prompt"] == f"hostile id case {case}"]
+    # the id is kept as given (an empty id means "no id": it gets the automatic source:line id)
+    assert row["id"] == (record_id or f"part-2.jsonl:{list(HOSTILE_IDS).index(case) + 1}")
+    assert re.fullmatch(r"[A-Za-z0-9_-]{1,80}", row["key"]), row["key"]
+    assert sum(r["key"] == row["key"] for r in rows) == 1
+    # every object of the image sits under OUT, where the layout says
+    image = naming.join(out, row["path"])
+    assert row["path"] == f"images/{naming.slice_name(row['slice'])}/{row['key']}.png" and storage.exists(image)
+    with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, row["slice"])))) as tar:
+        names = tar.getnames()
+    assert {f"{row['key']}.png", f"{row['key']}.json", f"{row['key']}.txt"} <= set(names)
+    # nothing anywhere in the bucket escaped the prefixes the test wrote to
+    objects = storage.glob(f"gs://{gcs_emulator}/**")
+    outside = [o for o in objects if not o.startswith(tuple(f"gs://{gcs_emulator}/{p}/"
+                                                            for p in ("prompts", "models", "runs")))]
+    assert outside == []
+    run_prefix = out + "/"
+    owned = {o[len(run_prefix):].split("/")[0] for o in objects if o.startswith(run_prefix)}
+    assert owned <= set(naming.OWNED), owned
 
-    def args(out):
-        a = run_args(prompts, out, 2, 2)
-        a[a.index("--batches-per-slice") + 1] = "1"
-        return a
 
-    result = run_cli(args(reference), model_cache)
-    assert result.returncode == 0, result.stderr[-3000:]
-    env = dict(os.environ, PROMPTMILL_CACHE=model_cache)
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *args(resumed)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = os.path.join(resumed, "logs", "host-1.log")
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if os.path.exists(log) and open(log).read().count('"slice_committed"') >= 2:
-            break
-        time.sleep(0.1)
-    with open(os.path.join(resumed, "logs", "hosts.json")) as f:
-        os.kill(json.load(f)["1"], signal.SIGKILL)
-    proc.communicate(timeout=120)
-    assert proc.returncode == 1
-    committed_before = len(storage.glob(naming.join(resumed, "shards", "*_stats.json")))
-    result = run_cli(args(resumed), model_cache)
-    assert result.returncode == 0, result.stderr[-3000:]
-    done = [json.loads(line) for h in (0, 1) for line in open(os.path.join(resumed, "logs", f"host-{h}.log"))
-            if '"host_done"' in line]
-    assert sum(d["slices_skipped"] for d in done) == committed_before > 0
-    slices = storage.read_json(naming.manifest(resumed))["slices"]
-    assert sum(d["slices_generated"] for d in done) == slices - committed_before > 0
+def _normalized(out: str) -> dict:
+    """Everything a reader sees in a run, minus the run's planning time (``created_at``)."""
+    def strip(row):
+        return {k: v for k, v in row.items() if k != "created_at"}
 
-    def hashes(out):
-        return {r["key"]: r["sha256"] for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+    manifest = storage.read_json(naming.manifest(out))
+    found = {"rows": sorted((strip(r) for r in metadata(out)), key=lambda r: r["key"]),
+             "files": storage.checksums(naming.join(out, "images")), "tar": {}, "parquet": {}}
+    for index in range(manifest["slices"]):
+        with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, index)))) as tar:
+            for member in tar.getmembers():
+                data = tar.extractfile(member).read()
+                found["tar"][member.name] = strip(json.loads(data)) if member.name.endswith(".json") else data
+        table = pq.read_table(pa.BufferReader(storage.read_bytes(naming.image_parquet(out, index))))
+        for record in table.to_pylist():
+            found["parquet"][record["key"]] = strip(record)
+    found["zarr"] = formats.read_zarr_images(out).read().result()
+    return found
 
-    assert len(hashes(reference)) == 42 and hashes(resumed) == hashes(reference)
-    for row in writer.read_parquet_rows(naming.dataset_file(resumed, "metadata.parquet")):
-        assert hashlib.sha256(storage.read_bytes(naming.join(resumed, row["path"]))).hexdigest() == row["sha256"]
+
+def test_a_run_through_a_faulty_proxy_gives_the_clean_runs_dataset(clean_run, gcs_emulator, gcs_inputs,
+                                                                    model_cache):
+    upstream = int(os.environ["STORAGE_EMULATOR_HOST"].rsplit(":", 1)[1])
+    out = f"gs://{gcs_emulator}/runs/faulty"
+    with FaultyProxy(upstream, failure_rate=0.1, seed=11) as proxy:
+        # every client of every process (plan, hosts, collect, tensorstore) goes through the proxy
+        env = dict(os.environ, **emulator.env_for(f"http://127.0.0.1:{proxy.port}"))
+        result = gcs_run(gcs_inputs, out, model_cache, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    faults = {k: v for k, v in proxy.counts.items() if k != "forwarded"}
+    assert min(faults.values()) >= 3, proxy.counts  # 503s, 429s and dropped connections all happened
+    assert proxy.counts["forwarded"] > 100
+    clean, faulty = _normalized(clean_run), _normalized(out)
+    assert len(clean["rows"]) == IMAGES
+    for part in ("rows", "files", "tar", "parquet"):
+        assert faulty[part] == clean[part], part
+    np.testing.assert_array_equal(faulty["zarr"], clean["zarr"])
