@@ -35,6 +35,9 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
                         help="image encoding (default: %(default)s)")
     parser.add_argument("--quality", type=int, default=d.quality,
                         help="jpeg and webp quality, 1-100 (default: %(default)s)")
+    parser.add_argument("--save-latents", action="store_true",
+                        help="with --format zarr: also write each image's final latents (float32, before VAE "
+                             "decoding) to OUT/zarr/latents")
     parser.add_argument("--guidance-scale", type=float, default=d.guidance_scale,
                         help="classifier-free guidance scale for records without one (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed,
@@ -51,7 +54,8 @@ def _settings(args, devices_per_host: int) -> Settings:
                     steps=args.steps, scheduler=args.scheduler, dtype=args.dtype, formats=parse_formats(args.format),
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     seed=args.seed, per_device_batch=args.per_device_batch,
-                    batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host)
+                    batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,
+                    save_latents=args.save_latents)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -119,3 +119,32 @@ def read_zarr_images(out: str):
     import tensorstore as ts
 
     return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out))}).result()
+
+
+LATENTS_NOTE = ("final latents of each image: the scheduler's output after the last step, before the division "
+                "by the VAE's scaling_factor; decode(latents / scaling_factor) gives the image. Row = position, "
+                "as in zarr/images.")
+
+
+def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], scaling_factor: float):
+    """``--save-latents``: the zarr3 array [count, C, H/f, W/f] float32, one chunk per image.
+
+    Opened by every host like ``open_zarr_images``; its attributes say which latents
+    these are (``LATENTS_NOTE``) and the VAE scaling factor to divide them by.
+    """
+    import tensorstore as ts
+
+    shape = [int(n) for n in latent_shape]
+    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out)),
+            "metadata": {"shape": [max(count, 1), *shape], "data_type": "float32",
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *shape]}},
+                         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                    {"name": "zstd", "configuration": {"level": 3}}],
+                         "attributes": {"latents": LATENTS_NOTE, "vae_scaling_factor": float(scaling_factor)}}}
+    return ts.open(spec, create=True, open=True).result()
+
+
+def read_zarr_latents(out: str):
+    import tensorstore as ts
+
+    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out))}).result()

@@ -4,6 +4,10 @@ Parameters are replicated onto the host's local devices, and the sampling functi
 pmapped over them and compiled ahead of time for the run's one set of shapes. Calling
 the compiled executable can never recompile (a wrong shape is an error), and
 ``CompileCounter`` lets tests and logs prove that nothing else compiles either.
+
+With ``latents=True`` the compiled program also returns each image's final latents
+(``sampler.make_sample_fn``); without it, it is the images-only program, and no latents
+ever leave the devices.
 """
 from __future__ import annotations
 
@@ -74,17 +78,19 @@ def replicate(tree, devices):
 
 
 class Generator:
-    def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None):
+    def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
+                 latents: bool = False):
         import jax
 
         CompileCounter.install()
         self.model = model
         self.width, self.height, self.steps = width, height, steps
+        self.latents = latents
         self.devices = list(devices or jax.local_devices())
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
         self.params = replicate(model.params, self.devices)
-        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps), devices=self.devices)
+        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents), devices=self.devices)
         self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
@@ -109,12 +115,26 @@ class Generator:
         return tuple(np.asarray(a).reshape((d, b) + np.asarray(a).shape[1:]) for a in dataclasses.astuple(batch))
 
     def dispatch(self, batch: Batch):
-        """Start a device step; returns the device array (asynchronous)."""
+        """Start a device step; returns the device array, or (images, latents) with
+        ``latents`` (asynchronous)."""
         if len(batch.prompt_ids) != self.batch_size:
             raise ValueError(f"a batch holds {self.batch_size} images, got {len(batch.prompt_ids)}")
         return self.compiled(self.params, *self._device_shaped(batch))
 
+    def _host(self, array) -> np.ndarray:
+        array = np.asarray(array)
+        return array.reshape((self.batch_size,) + array.shape[2:])
+
     def __call__(self, batch: Batch) -> np.ndarray:
-        """uint8 images [N, height, width, 3] of one batch, in batch order."""
-        images = np.asarray(self.dispatch(batch))
-        return images.reshape((self.batch_size,) + images.shape[2:])
+        """uint8 images [N, height, width, 3] of one batch, in batch order (latents, if
+        any, stay on the devices)."""
+        out = self.dispatch(batch)
+        return self._host(out[0] if self.latents else out)
+
+    def generate(self, batch: Batch) -> tuple[np.ndarray, np.ndarray | None]:
+        """(uint8 images [N, height, width, 3], float32 final latents [N, C, height/f,
+        width/f] or None without ``latents``) of one batch, in batch order."""
+        out = self.dispatch(batch)
+        if not self.latents:
+            return self._host(out), None
+        return self._host(out[0]), self._host(out[1])

@@ -39,7 +39,7 @@ def load_run(out: str) -> tuple[dict, dict]:
 
 
 def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, host: int, pool,
-              zarr_images=None, compiles_at_warm: int = 0) -> dict:
+              zarr_images=None, compiles_at_warm: int = 0, zarr_latents=None) -> dict:
     """Generate one slice, write it in every chosen format and commit it; returns its stats.
 
     Encoding and uploads go to ``pool`` while the devices work on the next batch; the
@@ -49,13 +49,13 @@ def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, 
     items = writer.read_slice_items(out, index)
     padded = [*items, *[None] * (size - len(items))]
     default_guidance = run["settings"]["guidance_scale"]
-    slice_writer = writer.SliceWriter(out, run, index, host, pool, zarr_images)
+    slice_writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents)
     for start in range(0, size, generator.batch_size):
         chunk = padded[start:start + generator.batch_size]
-        images = generator(_batch(generator, chunk, default_guidance))
-        for item, image in zip(chunk, images):
+        images, latents = generator.generate(_batch(generator, chunk, default_guidance))
+        for n, (item, image) in enumerate(zip(chunk, images)):
             if item is not None:
-                slice_writer.add(item, image)
+                slice_writer.add(item, image, None if latents is None else latents[n])
         if start == 0:
             crashpoints.reached("mid_slice", host, before=slice_writer.wait_images)
     compiles = CompileCounter.count() - compiles_at_warm
@@ -91,7 +91,7 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
         raise GenerateError(f"model {settings['model']!r} has fingerprint {model.fingerprint[:12]}, but the run "
                             f"was planned with {run['model_fingerprint'][:12]}")
     generator = Generator(model, settings["width"], settings["height"], settings["steps"],
-                          settings["per_device_batch"])
+                          settings["per_device_batch"], latents=settings.get("save_latents", False))
     size = manifest["slice_size"]
     batches = slicing.batches_per_slice(size, len(generator.devices), settings["per_device_batch"])
     generator(_batch(generator, [None] * generator.batch_size, 0.0))  # warm-up: first execution
@@ -105,11 +105,15 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
             logs.event("compile_cache_pushed", host=host, entries=uploaded)
     crashpoints.reached("ready", host)
 
-    zarr_images = None
+    zarr_images = zarr_latents = None
     if "zarr" in settings.get("formats", ()):
         from pipeline import formats
 
         zarr_images = formats.open_zarr_images(out, manifest["images"], settings["height"], settings["width"])
+        if settings.get("save_latents", False):
+            zarr_latents = formats.open_zarr_latents(out, manifest["images"],
+                                                     model.latent_shape(settings["width"], settings["height"]),
+                                                     model.vae.config.scaling_factor)
     total_images, skipped, generated, redone = 0, 0, 0, 0
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
@@ -127,7 +131,8 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
             if leftovers:  # an earlier attempt died mid-slice: its objects are rewritten with the same bytes
                 redone += 1
                 logs.event("slice_redone", host=host, slice=slot, leftover_objects=len(leftovers))
-            stats = run_slice(generator, out, run, slot, size, host, pool, zarr_images, compiles_at_warm)
+            stats = run_slice(generator, out, run, slot, size, host, pool, zarr_images, compiles_at_warm,
+                              zarr_latents)
             total_images += stats["images"]
             generated += 1
             logs.event("slice_committed", **stats)

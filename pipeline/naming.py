@@ -94,6 +94,11 @@ def zarr_images(out: str) -> str:
     return join(out, "zarr", "images")
 
 
+def zarr_latents(out: str) -> str:
+    """``--save-latents``: the final latents, indexed by position like ``zarr_images``."""
+    return join(out, "zarr", "latents")
+
+
 def image_file(out: str, index: int, key: str, ext: str = "png") -> str:
     return join(out, "images", slice_name(index), f"{key}.{ext}")
 

@@ -5,6 +5,10 @@ SD 1.x/2.x and SDXL alike. It draws every image's initial latents from that imag
 key (``keys.fold_keys``), runs classifier-free guidance as one UNet call on
 [negative; positive], loops over the scheduler's steps with ``lax.fori_loop``, decodes
 with the VAE and rounds to uint8 the way ``diffusers``' ``numpy_to_pil`` does.
+
+With ``latents=True`` it also returns each image's final latents: float32
+[C, H/f, W/f], the scheduler's output after the last step, i.e. what the VAE decodes
+once divided by ``vae.config.scaling_factor`` (they are stored *before* that division).
 """
 from __future__ import annotations
 
@@ -25,25 +29,48 @@ def tokenize(model, texts):
     return (ids[0] if len(ids) == 1 else np.stack(ids, axis=1)).astype(np.int32)
 
 
-def make_sample_fn(model, width: int, height: int, steps: int):
+def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = False):
     """``sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index)``.
 
     Shapes (B = batch): ids int32 [B, L]; guidance float32 [B]; seed words and image
-    indices uint32 [B]. Returns uint8 [B, height, width, 3].
+    indices uint32 [B]. Returns uint8 [B, height, width, 3]; with ``latents``, the pair
+    (images, final latents float32 [B, C, height/f, width/f]), the latents taken after
+    the last scheduler step and before the division by the VAE's scaling factor.
+    Without ``latents`` the program is exactly the images-only one.
     """
     import jax
     import jax.numpy as jnp
 
     latent_shape = model.latent_shape(width, height)
-    denoise = make_denoise_fn(model, steps, empty_negative_ids=tokenize(model, [""])[0])
+    denoise = make_denoise_fn(model, steps, empty_negative_ids=tokenize(model, [""])[0], return_latents=latents)
 
     def sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index):
         image_keys = keys.fold_keys(seed_hi, seed_lo, image_index)
-        latents = jax.vmap(lambda k: keys.initial_latents(k, latent_shape))(image_keys)
-        images = denoise(params, prompt_ids, negative_ids, guidance, latents)
-        return jnp.round(images * 255).astype(jnp.uint8)
+        initial = jax.vmap(lambda k: keys.initial_latents(k, latent_shape))(image_keys)
+        if not latents:
+            images = denoise(params, prompt_ids, negative_ids, guidance, initial)
+            return to_uint8(images)
+        images, final = denoise(params, prompt_ids, negative_ids, guidance, initial)
+        return to_uint8(images), final
 
     return sample
+
+
+def to_uint8(images):
+    """float images in [0, 1] -> uint8, rounded as ``diffusers``' ``numpy_to_pil`` does."""
+    import jax.numpy as jnp
+
+    return jnp.round(images * 255).astype(jnp.uint8)
+
+
+def decode_latents(model, vae_params, latents):
+    """float32 images in [0, 1], [B, H, W, 3], from final latents as the sampler returns
+    them (before the division by the VAE's scaling factor)."""
+    import jax.numpy as jnp
+
+    vae = model.vae
+    images = vae.apply({"params": vae_params}, latents / vae.config.scaling_factor, method=vae.decode).sample
+    return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
 
 
 def make_encode_fn(model):
@@ -68,9 +95,13 @@ def make_encode_fn(model):
     return encode
 
 
-def make_denoise_fn(model, steps: int, empty_negative_ids=None):
+def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: bool = False):
     """``denoise(params, prompt_ids, negative_ids, guidance, latents)``: float32 images in
     [0, 1], [B, H, W, 3], from given initial latents (float32 [B, C, H/f, W/f]).
+
+    With ``return_latents``: (images, final latents), the final latents float32
+    [B, C, H/f, W/f] after the last scheduler step, before the division by
+    ``vae.config.scaling_factor`` that precedes decoding (see ``decode_latents``).
 
     For SDXL, a row whose negative ids equal ``empty_negative_ids`` (the tokenised empty
     prompt) is conditioned on zeros instead, as SDXL was trained
@@ -79,7 +110,7 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None):
     import jax
     import jax.numpy as jnp
 
-    unet, vae, scheduler = model.unet, model.vae, model.scheduler
+    unet, scheduler = model.unet, model.scheduler
     encode = make_encode_fn(model)
     factor = model.vae_scale_factor
 
@@ -117,7 +148,7 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None):
             return latents, state
 
         latents, _ = jax.lax.fori_loop(0, steps, step, (latents, state))
-        images = vae.apply({"params": params["vae"]}, latents / vae.config.scaling_factor, method=vae.decode).sample
-        return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
+        images = decode_latents(model, params["vae"], latents)
+        return (images, latents.astype(jnp.float32)) if return_latents else images
 
     return denoise

@@ -32,6 +32,7 @@ class Settings:
     formats: tuple[str, ...] = ("files",)
     image_format: str = "png"
     quality: int = 95  # jpeg and webp
+    save_latents: bool = False  # zarr: also OUT/zarr/latents, the final latents before VAE decoding
 
     @property
     def slice_size(self) -> int:
@@ -58,6 +59,9 @@ class Settings:
                              f"got {self.image_format!r}")
         if not 1 <= self.quality <= 100:
             raise ValueError(f"--quality must be in [1, 100], got {self.quality}")
+        if self.save_latents and "zarr" not in self.formats:
+            raise ValueError(f"--save-latents needs --format zarr (latents are written to OUT/zarr/latents), "
+                             f"got --format {','.join(self.formats)}")
         self.slice_size  # validates the three slice factors
         return self
 
@@ -80,5 +84,7 @@ def fingerprint(settings: Settings, model_fingerprint: str) -> str:
     """Hash of everything that decides the bytes of the outputs."""
     decisive = settings.to_dict()
     decisive.pop("out")
+    if not decisive["save_latents"]:  # runs planned before the setting existed keep their fingerprint
+        decisive.pop("save_latents")
     decisive["model"] = model_fingerprint
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()

@@ -107,24 +107,30 @@ class SliceWriter:
     is written last.
     """
 
-    def __init__(self, out: str, run: dict, index: int, host: int, pool, zarr_images=None):
+    def __init__(self, out: str, run: dict, index: int, host: int, pool, zarr_images=None, zarr_latents=None):
         self.out, self.run, self.index, self.host, self.pool = out, run, index, host, pool
         settings = run["settings"]
         self.formats = tuple(settings.get("formats", ("files",)))
         self.image_format, self.quality = settings.get("image_format", "png"), settings.get("quality", 95)
-        self.zarr_images = zarr_images
+        self.zarr_images, self.zarr_latents = zarr_images, zarr_latents
         self._pending = []
 
-    def add(self, item: Item, image: np.ndarray) -> None:
-        self._pending.append(self.pool.submit(self._write_one, item, np.array(image, copy=True)))
+    def add(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None) -> None:
+        """Queue one image (and, with ``zarr_latents``, its final latents) for writing."""
+        if self.zarr_latents is not None and latents is None:
+            raise ValueError(f"slice {self.index}: --save-latents, but no latents for {item.key}")
+        latents = None if self.zarr_latents is None else np.array(latents, np.float32, copy=True)
+        self._pending.append(self.pool.submit(self._write_one, item, np.array(image, copy=True), latents))
 
-    def _write_one(self, item: Item, image: np.ndarray) -> tuple[dict, bytes]:
+    def _write_one(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None) -> tuple[dict, bytes]:
         data = formats.encode(image, self.image_format, self.quality)
         location = image_location(self.run["settings"], item)
         if "files" in self.formats:
             storage.write_bytes(naming.join(self.out, location), data)
         if "zarr" in self.formats:
             self.zarr_images[item.position].write(image).result()
+        if latents is not None:
+            self.zarr_latents[item.position].write(latents).result()
         return metadata_row(item, self.run, self.host, data, location), data
 
     def wait_images(self) -> None:
