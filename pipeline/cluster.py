@@ -51,6 +51,28 @@ def initialize(args: ClusterArgs) -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
+# Hosts may finish hours apart (on resume, one can have everything committed and another
+# all of its slices to do); a host that dies ends every wait sooner, through the
+# coordination service's heartbeats.
+BARRIER_TIMEOUT_S = 7 * 24 * 3600
+
+
+def wait_for_all(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Block until every host reaches the barrier ``name`` (no-op with one host).
+
+    This is the coordination service's barrier, not a device collective: a collective
+    (``multihost_utils.sync_global_devices``) must set up its CPU communicator within
+    30 s, so it fails when one host arrives much later than another.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client's barrier has no public wrapper
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

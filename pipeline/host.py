@@ -139,10 +139,8 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
             crashpoints.reached("committed", host)
 
     recompiles = CompileCounter.count() - compiles_at_warm
-    if num_hosts > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("promptmill generate done")
+    # host 0 runs the coordination service: every host waits here until all are done
+    cluster.wait_for_all("promptmill-generate-done")
     summary = {"host": host, "images": total_images, "seconds": round(watch.seconds(), 3),
                "slices_generated": generated, "slices_redone": redone, "slices_skipped": skipped,
                "compiles_after_warmup": recompiles}
