@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument("--latency-ms", type=_latencies_ms, default=(0.0,),
                         help="comma-separated latencies added to each request by a proxy in front of the emulator, "
                              "each measured with every --parallel, e.g. 0,20 (default: 0, no proxy)")
+    upload.add_argument("--repeats", type=int, default=1,
+                        help="run the whole grid this many times, in turns; rates are the medians (default: 1)")
     upload.add_argument("--report", help="write the JSON report here")
     return parser
 
@@ -196,7 +198,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "bench" and args.target == "upload":
         from pipeline import storage, upload_bench
 
-        report = upload_bench.run(args.objects, args.object_bytes, args.parallel, args.latency_ms)
+        report = upload_bench.run(args.objects, args.object_bytes, args.parallel, args.latency_ms, args.repeats)
         if args.report:
             storage.write_json(args.report, report)
         print(upload_bench.table(report))
