@@ -15,7 +15,7 @@ setup(
         # The last releases with Flax: diffusers removed it after 0.39, transformers in 5.0.
         "diffusers==0.39.*",
         "transformers>=4.57,<5",
-        "apache-beam>=2.60,<3",
+        "apache-beam[gcp]>=2.60,<3",
         "google-cloud-storage>=2.14,<4",
         "numpy",
         "pillow>=10",

@@ -5,6 +5,9 @@ slices (those with ``shards/NNNNN_stats.json``) and the image files, and classif
 every key: ok, missing (planned, no row or no image), duplicated (more than one row),
 or unexpected (a row that was never planned). Writes ``dataset/metadata.parquet`` and
 ``dataset/stats.json``; ``run_collect`` raises ``CollectError`` naming the bad keys.
+Inside the pipeline, objects are read and written through Beam's FileSystems
+(``pipeline.beamio``); listings are expanded with ``storage.glob`` when the pipeline
+is built, and ``run_collect`` reads the manifest and stats with ``pipeline.storage``.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline import naming, storage, writer
+from pipeline import beamio, naming, storage, writer
 
 MAX_KEYS_IN_MESSAGE = 20
 
@@ -24,9 +27,16 @@ class CollectError(RuntimeError):
 
 
 def _read_lines(path: str):
-    for raw in storage.iter_lines(path):
+    for raw in beamio.iter_lines(path):
         if raw.strip():
             yield json.loads(raw)
+
+
+def _read_parquet_rows(path: str) -> list[dict]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pq.read_table(pa.BufferReader(beamio.read_bytes(path))).to_pylist()
 
 
 def _key_of_image(path: str) -> str:
@@ -76,7 +86,7 @@ class VerifyKeys(beam.PTransform):
 
 def _write_dataset(_, rows, problems, slice_stats, manifest, out):
     rows = sorted(rows, key=lambda r: r["position"])
-    storage.write_bytes(naming.dataset_file(out, "metadata.parquet"), writer.parquet_bytes(rows))
+    beamio.write_bytes(naming.dataset_file(out, "metadata.parquet"), writer.parquet_bytes(rows))
     by_kind: dict[str, list[str]] = {}
     for kind, key in sorted(problems):
         by_kind.setdefault(kind, []).append(key)
@@ -97,20 +107,21 @@ def _write_dataset(_, rows, problems, slice_stats, manifest, out):
         "hosts": {str(h): v for h, v in sorted(hosts.items())},
         "compiles_after_warmup": sum(s.get("compiles_after_warmup", 0) for s in slice_stats),
     }
-    storage.write_json(naming.dataset_file(out, "stats.json"), stats)
+    beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
 
 
 def build(p, out: str, manifest: dict, image_files: bool = True):
-    # listings through pipeline.storage, like every other read: local or gs://, with retries
+    # Listings are expanded here with storage.glob (Beam's match semantics differ, see
+    # pipeline.beamio); every object is read inside the pipeline through beamio.
     planned = (p
                | "MatchPlan" >> beam.Create(storage.glob(naming.join(out, "plan", "slices", "*.jsonl")))
                | "PlanItems" >> beam.FlatMap(_read_lines)
                | "KeyPlanned" >> beam.Map(lambda item: (item["key"], item["slice"])))
     slice_stats = (p
                    | "MatchCommits" >> beam.Create(storage.glob(naming.join(out, "shards", "*_stats.json")))
-                   | "ReadCommits" >> beam.Map(storage.read_json))
+                   | "ReadCommits" >> beam.Map(beamio.read_json))
     rows = (slice_stats
-            | "ReadShard" >> beam.FlatMap(lambda s: writer.read_parquet_rows(naming.shard_metadata(out, s["slice"])))
+            | "ReadShard" >> beam.FlatMap(lambda s: _read_parquet_rows(naming.shard_metadata(out, s["slice"])))
             | "KeyRows" >> beam.Map(lambda row: (row["key"], row)))
     keyed = {"planned": planned, "rows": rows}
     if image_files:

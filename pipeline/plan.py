@@ -7,6 +7,8 @@ Stages, one PTransform each:
                    (source, line) order; a file's records are grouped to number them
   WriteSlices / WriteRejects / WriteManifest   under OUT/plan/
 ``run.json`` (resolved settings, model fingerprint, versions) is written first.
+Inside the pipeline, files are read and written through Beam's FileSystems
+(``pipeline.beamio``); before and after it, through ``pipeline.storage``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline import __version__, logs, naming, records, slicing, storage
+from pipeline import __version__, beamio, logs, naming, records, slicing, storage
 from pipeline.settings import Settings, fingerprint
 
 _WILDCARD = re.compile(r"[*?\[]")
@@ -42,14 +44,13 @@ def auto_id(source: str, root: str, line: int) -> str:
     return f"{relative}:{line}"
 
 
-def _lines(path: str):
-    for number, raw in enumerate(storage.iter_lines(path), start=1):
-        yield path, number, raw
-
-
 class ReadPromptRows(beam.PTransform):
-    """Files matching the pattern -> (source, line number, raw line), read through
-    ``pipeline.storage`` (one storage layer, with its retries, local or gs://)."""
+    """Files matching the pattern -> (source, line number, raw line bytes).
+
+    The pattern is expanded with ``storage.glob`` (our match semantics: a folder lists
+    the files under it, ``**``); each file is read through Beam's FileSystems
+    (``beamio.ReadLines``: local or gs://, ``.gz`` decompressed by name).
+    """
 
     def __init__(self, pattern: str):
         super().__init__()
@@ -59,7 +60,7 @@ class ReadPromptRows(beam.PTransform):
         return (pbegin
                 | "MatchFiles" >> beam.Create(storage.glob(self.pattern))
                 | "SpreadFiles" >> beam.Reshuffle()
-                | "SplitLines" >> beam.FlatMap(_lines))
+                | "ReadLines" >> beamio.ReadLines())
 
 
 class _ValidateFn(beam.DoFn):
@@ -149,7 +150,7 @@ class WriteSlices(beam.PTransform):
 
     def expand(self, slices):
         def write(index, items):
-            storage.write_text(naming.plan_slice(self.out, index), _jsonl(i.to_json() for i in items))
+            beamio.write_text(naming.plan_slice(self.out, index), _jsonl(i.to_json() for i in items))
             return index
 
         return slices | "WriteSlice" >> beam.MapTuple(write)
@@ -165,7 +166,7 @@ class WriteRejects(beam.PTransform):
     def expand(self, rejects):
         def write(source, rows):
             rows = sorted(rows, key=lambda r: r.line)
-            storage.write_text(naming.rejects_file(self.out, source), _jsonl(r.to_json() for r in rows))
+            beamio.write_text(naming.rejects_file(self.out, source), _jsonl(r.to_json() for r in rows))
             return [r.reason for r in rows]
 
         return (rejects
@@ -191,7 +192,7 @@ class WriteManifest(beam.PTransform):
                         "input_rows": record_count + sum(by_reason.values())}
             if sorted(slice_ids) != list(range(len(slice_ids))):
                 raise PlanError(f"slices are not contiguous: {sorted(slice_ids)[:10]}")
-            storage.write_json(naming.manifest(self.out), manifest)
+            beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
 
         record_count = recs | "CountRecords" >> beam.combiners.Count.Globally()

@@ -1,0 +1,120 @@
+"""Beam-side I/O (pipeline.beamio): local paths and gs:// (the emulator)."""
+import gzip
+import io
+import os
+
+import apache_beam as beam
+import pytest
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipeline import beamio, plan, storage
+
+# plain, CRLF, blank lines, invalid UTF-8 kept as bytes, last line without a newline
+CONTENT = b'{"prompt": "one"}\n\n{"prompt": "caf\xc3\xa9"}\r\n\xff\xfe not utf-8\n\r\n  \nlast'
+LINES = [b'{"prompt": "one"}', b"", '{"prompt": "café"}'.encode(), b"\xff\xfe not utf-8", b"", b"  ", b"last"]
+
+
+@pytest.fixture(params=["local", "gcs"])
+def root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path)
+    bucket = request.getfixturevalue("gcs_emulator")
+    return f"gs://{bucket}/beamio/{os.path.basename(str(tmp_path))}"
+
+
+@pytest.mark.parametrize("content,lines", [
+    (CONTENT, LINES),
+    (b"", []),
+    (b"\n", [b""]),
+    (b"a\n\n", [b"a", b""]),
+    (b"a\r\r\n", [b"a"]),
+    (b"a\rb\n", [b"a\rb"]),
+])
+def test_split_lines_matches_storage_iter_lines(tmp_path, content, lines):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(content)
+    assert list(beamio.split_lines(io.BytesIO(content))) == lines == list(storage.iter_lines(str(path)))
+
+
+def test_split_lines_across_chunk_boundaries(monkeypatch):
+    monkeypatch.setattr(beamio, "READ_CHUNK", 3)
+    content = b"abcdefgh\n\nij\r\nklmnopqrstu\nv"
+    assert list(beamio.split_lines(io.BytesIO(content))) == [b"abcdefgh", b"", b"ij", b"klmnopqrstu", b"v"]
+
+
+def test_read_lines_plain_and_gz(root):
+    storage.write_bytes(f"{root}/p.jsonl", CONTENT)
+    storage.write_bytes(f"{root}/p.jsonl.gz", gzip.compress(CONTENT))
+    assert list(beamio.iter_lines(f"{root}/p.jsonl")) == LINES
+    assert list(beamio.iter_lines(f"{root}/p.jsonl.gz")) == LINES  # decompressed by name
+
+
+def test_write_then_read(root):
+    beamio.write_bytes(f"{root}/new/folder/b.bin", b"\x00\xffbytes")
+    beamio.write_text(f"{root}/t.jsonl", "é\n")
+    beamio.write_json(f"{root}/j.json", {"b": [1, 2], "a": "é"})
+    storage.write_json(f"{root}/j_storage.json", {"b": [1, 2], "a": "é"})
+    assert beamio.read_bytes(f"{root}/new/folder/b.bin") == storage.read_bytes(f"{root}/new/folder/b.bin") == \
+        b"\x00\xffbytes"
+    assert beamio.read_text(f"{root}/t.jsonl") == "é\n"
+    assert beamio.read_json(f"{root}/j.json") == {"b": [1, 2], "a": "é"}
+    # the same bytes as pipeline.storage writes
+    assert storage.read_bytes(f"{root}/j.json") == storage.read_bytes(f"{root}/j_storage.json")
+    assert beamio.read_bytes(f"{root}/j_storage.json") == storage.read_bytes(f"{root}/j_storage.json")
+
+
+def test_a_gz_name_is_written_uncompressed(root):
+    beamio.write_bytes(f"{root}/raw.jsonl.gz", b"not gzipped\n")
+    assert storage.read_bytes(f"{root}/raw.jsonl.gz") == b"not gzipped\n"
+
+
+def test_an_error_while_writing_to_gcs_leaves_no_object(gcs_emulator):
+    path = f"gs://{gcs_emulator}/beamio/failed.json"
+    with pytest.raises(RuntimeError):
+        with beamio._filesystems().create(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+            f.write(b"partial")
+            raise RuntimeError("boom")
+    assert not storage.exists(path)
+
+
+def test_emulator_credentials_skip_beams_lookup(gcs_emulator, monkeypatch):
+    from apache_beam.internal.gcp import auth
+
+    monkeypatch.setattr(auth._Credentials, "_credentials_init", False)
+    monkeypatch.setattr(auth._Credentials, "_get_service_credentials",
+                        staticmethod(lambda options: pytest.fail("Beam looked up credentials")))
+    beamio.write_bytes(f"gs://{gcs_emulator}/beamio/anon.txt", b"x")
+    assert beamio.read_bytes(f"gs://{gcs_emulator}/beamio/anon.txt") == b"x"
+
+
+def test_read_lines_transform(root):
+    storage.write_bytes(f"{root}/a.jsonl", CONTENT)
+    storage.write_bytes(f"{root}/b.jsonl.gz", gzip.compress(b"b1\nb2"))
+    with TestPipeline() as p:
+        rows = p | beam.Create([f"{root}/a.jsonl", f"{root}/b.jsonl.gz"]) | beamio.ReadLines()
+        assert_that(rows, equal_to([(f"{root}/a.jsonl", i + 1, line) for i, line in enumerate(LINES)] +
+                                   [(f"{root}/b.jsonl.gz", 1, b"b1"), (f"{root}/b.jsonl.gz", 2, b"b2")]))
+
+
+def test_read_prompt_rows_on_gcs(gcs_emulator):
+    base = f"gs://{gcs_emulator}/beamio/prompts"
+    storage.write_bytes(f"{base}/x.jsonl", b'{"prompt": "1"}\n\n{"prompt": "3"}\r\n')
+    storage.write_bytes(f"{base}/sub/y.jsonl", b"\xff\n{oops")
+    storage.write_bytes(f"{base}/sub/skip.txt", b"not matched\n")
+    with TestPipeline() as p:
+        rows = p | plan.ReadPromptRows(f"{base}/**/*.jsonl")
+        assert_that(rows, equal_to([(f"{base}/x.jsonl", 1, b'{"prompt": "1"}'), (f"{base}/x.jsonl", 2, b""),
+                                    (f"{base}/x.jsonl", 3, b'{"prompt": "3"}'),
+                                    (f"{base}/sub/y.jsonl", 1, b"\xff"), (f"{base}/sub/y.jsonl", 2, b"{oops")]))
+
+
+def test_invalid_utf8_reaches_validation_as_bytes(tmp_path):
+    (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "ok"}\n\xff\xfe\n')
+    with TestPipeline() as p:
+        validated = p | plan.ReadPromptRows(str(tmp_path)) | plan.ValidateRows(run_seed=0, root=str(tmp_path))
+        reasons = validated[plan.ValidateRows.REJECTS] | beam.Map(lambda r: (r.line, r.reason))
+        assert_that(reasons, equal_to([(2, "invalid_utf8")]), label="rejects")
+        assert_that(validated.records | beam.Map(lambda r: r.prompt), equal_to(["ok"]), label="records")
+
