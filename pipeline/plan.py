@@ -261,7 +261,8 @@ def prepare_out(out: str, run: dict, overwrite: bool = False) -> dict:
         if previous.get("settings_fingerprint") == run["settings_fingerprint"]:
             return previous
         settings = json.loads(json.dumps(run["settings"]))  # as stored: tuples become lists
-        changed = sorted(k for k, v in settings.items() if previous.get("settings", {}).get(k) != v)
+        changed = sorted(k for k, v in settings.items()
+                         if k != "out" and previous.get("settings", {}).get(k) != v)  # a moved OUT is the same run
         if previous.get("model_fingerprint") != run["model_fingerprint"]:
             changed.append("model weights")
         raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
