@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     collect = sub.add_parser("collect", help="merge and verify the outputs into OUT/dataset (Beam)")
     collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
 
+    reproduce = sub.add_parser("reproduce", help="regenerate images from their metadata rows and check their sha256")
+    reproduce.add_argument("keys", nargs="+", metavar="KEY", help="image keys (the metadata's 'key' column)")
+    reproduce.add_argument("--out", required=True, help="the run's output folder or gs:// prefix")
+    reproduce.add_argument("--save", metavar="DIR", help="also write the regenerated images here as KEY.EXT")
+
     bench = sub.add_parser("bench", help="benchmarks")
     targets = bench.add_subparsers(dest="target", required=True)
     _add_bench_generator_flags(targets.add_parser(
@@ -195,6 +200,18 @@ def _dispatch(args, beam_args: list[str]) -> int:
 
         stats = collect.run_collect(args.out, beam_args)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
+    elif args.command == "reproduce":
+        from pipeline import reproduce
+
+        if beam_args:
+            raise ValueError(f"unrecognized arguments: {' '.join(beam_args)}")
+        results = reproduce.reproduce(args.out, args.keys, save=args.save,
+                                      emit=lambda result: print(json.dumps(result), flush=True))
+        mismatched = [r["key"] for r in results if not r["match"]]
+        if mismatched:
+            print(f"promptmill reproduce: {len(mismatched)} of {len(results)} image(s) differ from their metadata's "
+                  f"sha256: {', '.join(mismatched)}", file=sys.stderr)
+            return 1
     elif args.command == "bench" and args.target == "upload":
         from pipeline import storage, upload_bench
 

@@ -298,3 +298,25 @@ def test_other_settings_are_refused_then_overwrite_starts_over(two_by_two, one_b
     assert len(storage.glob(naming.join(out, "shards", "*_stats.json"))) == 5
     assert len(writer.read_parquet_rows(naming.shard_metadata(out, 1))) == 4
     assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 17
+
+
+def test_cli_reproduce_regenerates_images_bit_exactly_from_their_metadata(two_by_two, model_cache, tmp_path):
+    """``promptmill reproduce``: the same program on one device gives the same bytes; an
+    unknown key is refused before the model is loaded."""
+    rows = {r["key"]: r for r in metadata(two_by_two)}
+    picks = ["named-record_0000",  # a negative prompt
+             next(k for k, r in rows.items() if r["seed"] > 2**32),
+             next(k for k, r in rows.items() if r["image_index"] > 0)]
+    saved = tmp_path / "saved"
+    result = run_cli(["reproduce", *picks, "--out", two_by_two, "--save", str(saved)], model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [line["key"] for line in lines] == picks
+    for line in lines:
+        assert line["match"] is True and line["sha256"] == line["expected"] == rows[line["key"]]["sha256"]
+        assert hashlib.sha256((saved / f"{line['key']}.png").read_bytes()).hexdigest() == line["sha256"]
+
+    result = run_cli(["reproduce", picks[0], "no-such-key_0000", "--out", two_by_two], model_cache)
+    assert result.returncode == 1
+    assert "unknown key(s)" in result.stderr and "no-such-key_0000" in result.stderr
+    assert result.stdout.strip() == ""  # refused before anything was generated
