@@ -17,7 +17,12 @@ _DEFAULTS = Settings()
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
-    parser.add_argument("--prompts", default=d.prompts, help="JSONL prompt file, glob or gs:// path (default: %(default)s)")
+    parser.add_argument("--prompts", default=d.prompts,
+                        help="prompt file, folder, glob or gs:// path; formats by extension: .jsonl, .json, .txt, "
+                             ".csv, .tsv, .parquet, each optionally .gz (default: %(default)s)")
+    parser.add_argument("--prompt-field", default=d.prompt_field,
+                        help="the prompt's column or key in jsonl, json, csv, tsv and parquet files; a .txt line is "
+                             "a prompt (default: %(default)s)")
     parser.add_argument("--out", default=d.out, help="output folder or gs://bucket/prefix (default: %(default)s)")
     parser.add_argument("--model", default=d.model,
                         help="diffusers-format checkpoint folder, or 'tiny' (a tiny random model whose images "
@@ -55,7 +60,7 @@ def _settings(args, devices_per_host: int) -> Settings:
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,
-                    save_latents=args.save_latents)
+                    save_latents=args.save_latents, prompt_field=args.prompt_field)
 
 
 def build_parser() -> argparse.ArgumentParser:

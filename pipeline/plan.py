@@ -1,7 +1,9 @@
 """``plan``: prompt shards in, fixed-size slices out (a Beam pipeline).
 
 Stages, one PTransform each:
-  ReadPromptRows   files matching the pattern -> (source, line, raw bytes)
+  ReadPromptRows   files matching the pattern -> (source, line, payload): raw line bytes
+                   (jsonl, txt), a decoded row (csv, tsv, json, parquet) or a Reject
+                   (``pipeline.inputs``)
   ValidateRows     -> Records, and Rejects (tagged 'rejects') with source, line, reason
   CutSlices        records -> (slice index, items) with global positions in
                    (source, line) order; a file's records are grouped to number them
@@ -22,7 +24,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline import __version__, beamio, logs, naming, records, slicing, storage
+from pipeline import __version__, beamio, inputs, logs, naming, records, slicing, storage
 from pipeline.settings import Settings, fingerprint
 
 _WILDCARD = re.compile(r"[*?\[]")
@@ -44,35 +46,76 @@ def auto_id(source: str, root: str, line: int) -> str:
     return f"{relative}:{line}"
 
 
+def match_prompt_files(pattern: str) -> list[str]:
+    """The files of ``pattern`` (``storage.glob``); PlanError if one has an unknown format."""
+    paths = storage.glob(pattern)
+    try:
+        inputs.check_formats(paths)
+    except inputs.UnsupportedInput as e:
+        raise PlanError(str(e)) from None
+    return paths
+
+
+class _ReadRowsFn(beam.DoFn):
+    def __init__(self, prompt_field: str):
+        self.prompt_field = prompt_field
+
+    def setup(self):
+        beamio.use_emulator_credentials()
+
+    def process(self, path: str):
+        beamio.use_emulator_credentials()
+        yield from inputs.read_rows(path, self.prompt_field)
+
+
 class ReadPromptRows(beam.PTransform):
-    """Files matching the pattern -> (source, line number, raw line bytes).
+    """Files matching the pattern -> (source, line number, payload).
 
     The pattern is expanded with ``storage.glob`` (our match semantics: a folder lists
-    the files under it, ``**``); each file is read through Beam's FileSystems
-    (``beamio.ReadLines``: local or gs://, ``.gz`` decompressed by name).
+    the files under it, ``**``) when the pipeline is built; a file of an unknown format
+    is a PlanError then. Each file is one element, read through Beam's FileSystems
+    (local or gs://, ``.gz`` decompressed by name) by ``inputs.read_rows``: the payload
+    is a raw line (jsonl, txt), a decoded row (csv, tsv, json, parquet) or a Reject.
     """
 
-    def __init__(self, pattern: str):
+    def __init__(self, pattern: str, prompt_field: str = "prompt"):
         super().__init__()
-        self.pattern = pattern
+        self.pattern, self.prompt_field = pattern, prompt_field
 
     def expand(self, pbegin):
         return (pbegin
-                | "MatchFiles" >> beam.Create(storage.glob(self.pattern))
+                | "MatchFiles" >> beam.Create(match_prompt_files(self.pattern))
                 | "SpreadFiles" >> beam.Reshuffle()
-                | "ReadLines" >> beamio.ReadLines())
+                | "ReadRows" >> beam.ParDo(_ReadRowsFn(self.prompt_field)))
+
+
+def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
+                     prompt_field: str = "prompt") -> records.Record | records.Reject | None:
+    """One element of ReadPromptRows to a Record, a Reject, or None (a blank line)."""
+    if isinstance(payload, records.Reject):
+        return payload
+    record_id = auto_id(source, root, line)
+    if isinstance(payload, bytes):
+        try:
+            text_file = inputs.format_of(source) == "txt"
+        except inputs.UnsupportedInput:
+            text_file = False
+        if text_file:
+            return records.parse_text_line(payload, source, line, run_seed, record_id)
+        return records.parse_jsonl_line(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
+    return records.parse_decoded(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
 
 
 class _ValidateFn(beam.DoFn):
-    def __init__(self, run_seed: int, root: str):
-        self.run_seed, self.root = run_seed, root
+    def __init__(self, run_seed: int, root: str, prompt_field: str = "prompt"):
+        self.run_seed, self.root, self.prompt_field = run_seed, root, prompt_field
         self.read = Metrics.counter("plan", "rows_read")
         self.rejected = Metrics.counter("plan", "rows_rejected")
         self.valid = Metrics.counter("plan", "records_valid")
 
     def process(self, row):
-        source, line, raw = row
-        result = records.parse_jsonl_line(raw, source, line, self.run_seed, auto_id(source, self.root, line))
+        source, line, payload = row
+        result = validate_payload(source, line, payload, self.run_seed, self.root, self.prompt_field)
         if result is None:  # a blank line is not a row
             return
         self.read.inc()
@@ -87,12 +130,12 @@ class _ValidateFn(beam.DoFn):
 class ValidateRows(beam.PTransform):
     REJECTS = "rejects"
 
-    def __init__(self, run_seed: int, root: str):
+    def __init__(self, run_seed: int, root: str, prompt_field: str = "prompt"):
         super().__init__()
-        self.run_seed, self.root = run_seed, root
+        self.run_seed, self.root, self.prompt_field = run_seed, root, prompt_field
 
     def expand(self, rows):
-        return rows | "Validate" >> beam.ParDo(_ValidateFn(self.run_seed, self.root)).with_outputs(
+        return rows | "Validate" >> beam.ParDo(_ValidateFn(self.run_seed, self.root, self.prompt_field)).with_outputs(
             self.REJECTS, main="records")
 
 
@@ -206,8 +249,8 @@ class WriteManifest(beam.PTransform):
 
 def build(p, pattern: str, out: str, settings: Settings):
     """The plan pipeline on ``p``; returns the PCollection of the manifest."""
-    rows = p | "ReadPromptRows" >> ReadPromptRows(pattern)
-    validated = rows | "ValidateRows" >> ValidateRows(settings.seed, input_root(pattern))
+    rows = p | "ReadPromptRows" >> ReadPromptRows(pattern, settings.prompt_field)
+    validated = rows | "ValidateRows" >> ValidateRows(settings.seed, input_root(pattern), settings.prompt_field)
     recs = validated.records
     written = (recs | "CutSlices" >> CutSlices(settings.slice_size)
                | "WriteSlices" >> WriteSlices(out))
@@ -276,7 +319,7 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
 
     ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare_out``).
     """
-    if not storage.glob(settings.prompts):
+    if not match_prompt_files(settings.prompts):  # also: every file has a known format
         raise PlanError(f"no prompt files match {settings.prompts!r}")
     settings, run = resolve_settings(settings)
     prepare_out(settings.out, run, overwrite)

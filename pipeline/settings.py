@@ -33,6 +33,7 @@ class Settings:
     image_format: str = "png"
     quality: int = 95  # jpeg and webp
     save_latents: bool = False  # zarr: also OUT/zarr/latents, the final latents before VAE decoding
+    prompt_field: str = "prompt"  # the prompt's column / key in jsonl, json, csv, tsv and parquet inputs
 
     @property
     def slice_size(self) -> int:
@@ -62,6 +63,8 @@ class Settings:
         if self.save_latents and "zarr" not in self.formats:
             raise ValueError(f"--save-latents needs --format zarr (latents are written to OUT/zarr/latents), "
                              f"got --format {','.join(self.formats)}")
+        if not isinstance(self.prompt_field, str) or not self.prompt_field:
+            raise ValueError(f"--prompt-field must be a non-empty name, got {self.prompt_field!r}")
         self.slice_size  # validates the three slice factors
         return self
 
@@ -86,5 +89,7 @@ def fingerprint(settings: Settings, model_fingerprint: str) -> str:
     decisive.pop("out")
     if not decisive["save_latents"]:  # runs planned before the setting existed keep their fingerprint
         decisive.pop("save_latents")
+    if decisive["prompt_field"] == "prompt":  # likewise
+        decisive.pop("prompt_field")
     decisive["model"] = model_fingerprint
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,264 @@
+"""Prompt file formats (pipeline.inputs): the same records from every format."""
+import csv
+import datetime as dt
+import gzip
+import io
+import json
+import os
+
+import apache_beam as beam
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from pipeline import inputs, naming, plan, records, storage
+from pipeline.settings import Settings, fingerprint
+
+# Six rows exercising every optional field, pass-through fields on some rows, and text that
+# needs CSV quoting (delimiters, quotes, a newline inside a field) and non-ASCII.
+ROWS = [
+    {"id": "r1", "prompt": "a red fox", "seed": 11},
+    {"id": "r2", "prompt": 'a blue whale, "quoted"\nsecond line', "num_images": 2, "negative_prompt": "blurry"},
+    {"id": "r3", "prompt": "été café 🎨", "guidance_scale": 7.5, "style": "noir"},
+    {"id": "r4", "prompt": "four\tfields", "seed": 4, "num_images": 2, "guidance_scale": 3.0, "style": "pop"},
+    {"id": "r5", "prompt": "five", "negative_prompt": "text, watermark"},
+    {"id": "r6", "prompt": "six", "seed": 6},
+]
+COLUMNS = ["id", "prompt", "negative_prompt", "seed", "num_images", "guidance_scale", "style"]
+# the line (row, element) of each record: CSV and TSV count the header as line 1, and r2 spans two lines
+LINES = {"csv": [2, 3, 5, 6, 7, 8], "tsv": [2, 3, 5, 6, 7, 8]}
+
+
+def encode(fmt: str, rows) -> bytes:
+    if fmt == "jsonl":
+        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+    if fmt == "json":
+        return json.dumps(rows, indent=1, ensure_ascii=False).encode()
+    if fmt in ("csv", "tsv"):
+        text = io.StringIO()
+        writer = csv.DictWriter(text, COLUMNS, restval="", delimiter="," if fmt == "csv" else "\t")
+        writer.writeheader()
+        writer.writerows(rows)
+        return text.getvalue().encode()
+    if fmt == "parquet":
+        schema = pa.schema([("id", pa.string()), ("prompt", pa.string()), ("negative_prompt", pa.string()),
+                            ("seed", pa.int64()), ("num_images", pa.int32()), ("guidance_scale", pa.float64()),
+                            ("style", pa.string())])
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), buffer, row_group_size=4)  # 2 row groups
+        return buffer.getvalue()
+    raise ValueError(fmt)
+
+
+def write(path, data: bytes) -> str:
+    path = str(path)
+    storage.write_bytes(path, gzip.compress(data) if path.endswith(".gz") else data)
+    return path
+
+
+def validate(p, pattern: str, root: str, prompt_field: str = "prompt"):
+    return (p | plan.ReadPromptRows(pattern, prompt_field)
+            | plan.ValidateRows(run_seed=3, root=root, prompt_field=prompt_field))
+
+
+def read(pattern: str, root: str, prompt_field: str = "prompt"):
+    """(records, rejects) of the files of ``pattern``, without Beam: what each ReadPromptRows
+    element becomes in ValidateRows. Tests with many cases use this; Beam runs are slower."""
+    recs, rejects = [], []
+    for path in plan.match_prompt_files(pattern):
+        for source, line, payload in inputs.read_rows(path, prompt_field):
+            result = plan.validate_payload(source, line, payload, 3, root, prompt_field)
+            if result is not None:
+                (rejects if isinstance(result, records.Reject) else recs).append(result)
+    return recs, rejects
+
+
+def summary(r: records.Record):
+    return (r.id, r.prompt, r.negative_prompt, r.seed, r.num_images, r.guidance_scale,
+            json.dumps(r.extra, sort_keys=True))
+
+
+def expected_summaries():
+    return [summary(records.parse_row(row, "x", 1, 3, "unused")) for row in ROWS]
+
+
+def reasons(validated):
+    return validated[plan.ValidateRows.REJECTS] | "Reasons" >> beam.Map(lambda r: (r.line, r.reason))
+
+
+@pytest.mark.parametrize("gz", ["", ".gz"])
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "tsv", "parquet"])
+def test_every_format_gives_the_same_records(tmp_path, fmt, gz):
+    path = write(tmp_path / f"prompts.{fmt}{gz}", encode(fmt, ROWS))
+    recs, rejects = read(path, str(tmp_path))
+    assert [summary(r) for r in recs] == expected_summaries() and rejects == []
+    assert [(r.source, r.line) for r in recs] == [(path, line) for line in LINES.get(fmt, range(1, 7))]
+
+
+def test_all_formats_through_the_beam_transforms(tmp_path):
+    """ReadPromptRows | ValidateRows on a folder holding every format: each gives the same records."""
+    fmts = ["jsonl", "json", "csv", "tsv", "parquet"]
+    for fmt, gz in [(fmt, gz) for fmt in fmts for gz in ("", ".gz")]:
+        write(tmp_path / f"{fmt}{gz}" / f"prompts.{fmt}{gz}", encode(fmt, ROWS))
+    write(tmp_path / "txt" / "p.txt.gz", b"one\n\nthree\n")
+    with TestPipeline() as p:
+        validated = validate(p, str(tmp_path), str(tmp_path))
+        got = validated.records | "Summary" >> beam.Map(lambda r: (r.source.split("/")[-2],) + summary(r))
+        assert_that(got, equal_to([(f"{fmt}{gz}",) + s for fmt in fmts for gz in ("", ".gz")
+                                   for s in expected_summaries()] +
+                                  [("txt",) + summary(records.parse_row({"prompt": prompt}, "", 0, 3, f"txt/p.txt.gz:{n}"))
+                                   for n, prompt in [(1, "one"), (3, "three")]]), label="records")
+        assert_that(reasons(validated), equal_to([]), label="rejects")
+
+
+@pytest.mark.parametrize("gz", ["", ".gz"])
+def test_txt_lines_are_prompts(tmp_path, gz):
+    prompts = [r["prompt"].replace("\n", " ") for r in ROWS]
+    path = write(tmp_path / f"p.txt{gz}", ("\n".join(prompts[:3]) + "\n\n  \r\n" + "\r\n".join(prompts[3:])).encode())
+    name = os.path.basename(path)
+    recs, rejects = read(path, str(tmp_path))
+    assert [(r.id, r.line, r.prompt, r.seed, r.num_images) for r in recs] == [
+        (f"{name}:{n}", n, prompt, records.parse_row({"prompt": prompt}, "", 0, 3, f"{name}:{n}").seed, 1)
+        for n, prompt in zip([1, 2, 3, 6, 7, 8], prompts)]
+    assert rejects == []
+
+
+def test_prompt_field_on_csv_and_jsonl(tmp_path):
+    (tmp_path / "a.csv").write_text("text,prompt,seed\nfrom csv,not the prompt,5\n,x,\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "from jsonl", "prompt": "kept"}) + "\n" +
+                                      json.dumps({"prompt": "no text"}) + "\n")
+    recs, rejects = read(str(tmp_path), str(tmp_path), prompt_field="text")
+    assert [(r.id, r.prompt, r.seed, r.extra) for r in recs] == [
+        ("a.csv:2", "from csv", 5, {"prompt": "not the prompt"}),
+        ("b.jsonl:1", "from jsonl", records.parse_row({"text": "p"}, "", 0, 3, "b.jsonl:1", prompt_field="text").seed,
+         {"prompt": "kept"})]
+    assert [(os.path.basename(r.source), r.line, r.reason, r.message) for r in rejects] == [
+        ("a.csv", 3, "empty_prompt", "'text' is empty"), ("b.jsonl", 2, "missing_prompt", "the row has no 'text' field")]
+
+
+def test_bad_csv_rows_are_rejected_and_the_rest_read(tmp_path):
+    data = (b"prompt,seed,num_images\r\n"
+            b"ok one,1,\r\n"             # line 2: an empty optional cell is absent
+            b"too,many,fields,here\r\n"  # line 3
+            b"\r\n"                      # line 4: blank, not a row
+            b"short\r\n"                 # line 5
+            b"\xff bad utf-8,2,1\r\n"     # line 6
+            b"\"multi\nline\",3,2\r\n"   # lines 7-8
+            b"bad seed,x,1\r\n")         # line 9
+    recs, rejects = read(write(tmp_path / "p.csv", data), str(tmp_path))
+    assert [(r.line, r.prompt, r.seed, r.num_images) for r in recs] == [(2, "ok one", 1, 1), (7, "multi\nline", 3, 2)]
+    assert [(r.line, r.reason) for r in rejects] == [(3, "bad_row"), (5, "bad_row"), (6, "invalid_utf8"),
+                                                     (9, "bad_seed")]
+    assert rejects[0].raw == "too,many,fields,here" and "4 fields" in rejects[0].message
+
+
+def test_a_csv_header_with_repeated_names_rejects_the_file(tmp_path):
+    recs, rejects = read(write(tmp_path / "p.tsv", b"prompt\tprompt\na\tb\n"), str(tmp_path))
+    assert recs == [] and [(r.line, r.reason) for r in rejects] == [(0, "bad_header")]
+
+
+@pytest.mark.parametrize("content,reason", [(b'[{"prompt": "a"}, oops]', "invalid_json"),
+                                            (b'{"prompt": "a"}', "not_an_array"),
+                                            (b'["a", \xff]', "invalid_utf8")])
+def test_a_bad_json_file_is_one_reject(tmp_path, content, reason):
+    recs, rejects = read(write(tmp_path / "p.json", content), str(tmp_path))
+    assert recs == [] and [(r.line, r.reason) for r in rejects] == [(0, reason)]
+
+
+def test_json_array_elements_are_checked_one_by_one(tmp_path):
+    path = write(tmp_path / "p.json", json.dumps(["a string", {"prompt": "an object"}, 5, {"nope": 1}]).encode())
+    recs, rejects = read(path, str(tmp_path))
+    assert [(r.line, r.prompt) for r in recs] == [(1, "a string"), (2, "an object")]
+    assert [(r.line, r.reason) for r in rejects] == [(3, "not_an_object"), (4, "missing_prompt")]
+
+
+def test_parquet_nulls_are_absent_and_odd_types_become_json(tmp_path):
+    table = pa.table({"prompt": ["a", None, "c"], "seed": pa.array([None, 2, 3], pa.int64()),
+                      "guidance_scale": [None, None, 2.5],
+                      "taken": [dt.datetime(2026, 1, 2, 3, 4, 5), None, None], "blob": [b"\xff\x00", None, b"ok"]})
+    pq.write_table(table, str(tmp_path / "p.parquet"))
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    recs, rejects = read(str(tmp_path), str(tmp_path))
+    assert [(r.line, r.prompt, r.seed, r.guidance_scale, r.extra) for r in recs] == [
+        (1, "a", records.parse_row({"prompt": "a"}, "", 0, 3, "p.parquet:1").seed, None,
+         {"taken": "2026-01-02T03:04:05", "blob": "/wA="}),
+        (3, "c", 3, 2.5, {"blob": "ok"})]
+    assert [(os.path.basename(r.source), r.line, r.reason) for r in rejects] == [
+        ("broken.parquet", 0, "unreadable_file"), ("p.parquet", 2, "missing_prompt")]
+
+
+def test_numeric_strings_are_numbers():
+    r = records.parse_row({"prompt": "p", "seed": "7", "num_images": " 2 ", "guidance_scale": "7.5"}, "s", 1, 0, "a")
+    assert (r.seed, r.num_images, r.guidance_scale) == (7, 2, 7.5)
+    for bad in ("high", "nan", "1e9", ""):
+        with pytest.raises(records._Bad, match="guidance_scale"):
+            records.parse_row({"prompt": "p", "guidance_scale": bad}, "s", 1, 0, "a")
+
+
+@pytest.mark.parametrize("name,fmt", [("a.JSONL", "jsonl"), ("x/a.csv.gz", "csv"), ("gs://b/p.tsv", "tsv"),
+                                      ("a.json.gz", "json"), ("a.parquet", "parquet"), ("a.txt", "txt")])
+def test_format_of(name, fmt):
+    assert inputs.format_of(name) == fmt
+
+
+def test_unknown_extensions_fail_the_plan_before_it_starts(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "notes.md").write_text("# notes\n")
+    (tmp_path / "b.jsonl.zip").write_bytes(b"")
+    with pytest.raises(plan.PlanError, match=r"notes\.md.*supported extensions: .jsonl\[.gz\].*\.parquet"):
+        plan.run_plan(Settings(prompts=str(tmp_path), out=str(tmp_path / "out")))
+    with pytest.raises(plan.PlanError, match=r"b\.jsonl\.zip"):
+        plan.ReadPromptRows(str(tmp_path)).expand(None)
+
+
+def test_gcs_inputs(gcs_emulator):
+    base = f"gs://{gcs_emulator}/inputs/formats"
+    write(f"{base}/p.parquet", encode("parquet", ROWS[:3]))
+    write(f"{base}/sub/q.csv.gz", encode("csv", ROWS[3:]))
+    with TestPipeline() as p:
+        validated = validate(p, f"{base}/**", base)
+        assert_that(validated.records | beam.Map(summary), equal_to(expected_summaries()), label="records")
+        assert_that(validated.records | "Ids" >> beam.Map(lambda r: (r.source, r.line)),
+                    equal_to([(f"{base}/p.parquet", n) for n in (1, 2, 3)] +
+                             [(f"{base}/sub/q.csv.gz", n) for n in (2, 3, 4)]), label="lines")
+
+
+def test_prompt_field_setting_keeps_old_fingerprints():
+    settings = Settings()
+    old = settings.to_dict()
+    for name in ("out", "save_latents", "prompt_field"):  # the settings of a run planned before prompt_field
+        old.pop(name)
+    old["model"] = "m"
+    import hashlib
+    assert fingerprint(settings, "m") == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()
+    assert fingerprint(settings.replace(prompt_field="text"), "m") != fingerprint(settings, "m")
+    with pytest.raises(ValueError, match="--prompt-field"):
+        settings.replace(prompt_field="").validate()
+
+
+def test_cli_prompt_field_flag():
+    from jobs import cli
+
+    args = cli.build_parser().parse_args(["plan", "--prompts", "p.csv", "--prompt-field", "caption"])
+    assert cli._settings(args, 1).prompt_field == "caption"
+    assert cli._settings(cli.build_parser().parse_args(["plan"]), 1).prompt_field == "prompt"
+
+
+def test_run_plan_end_to_end_from_csv_gz(tmp_path, model_cache):
+    folder = tmp_path / "in"
+    write(folder / "part-0.csv.gz", encode("csv", ROWS) + b"only,two\n")
+    out = str(tmp_path / "out")
+    manifest = plan.run_plan(Settings(prompts=str(folder / "*.csv.gz"), out=out, devices_per_host=2,
+                                      batches_per_slice=2, seed=3))
+    assert manifest == {"slice_size": 4, "slices": 2, "records": 6, "images": 8, "rejects": 1,
+                        "rejects_by_reason": {"bad_row": 1}, "input_rows": 7}
+    items = [records.Item.from_json(json.loads(line)) for i in range(2)
+             for line in storage.read_text(naming.plan_slice(out, i)).splitlines()]
+    assert [(i.id, i.image_index, i.line) for i in items] == [
+        ("r1", 0, 2), ("r2", 0, 3), ("r2", 1, 3), ("r3", 0, 5), ("r4", 0, 6), ("r4", 1, 6), ("r5", 0, 7), ("r6", 0, 8)]
+    assert items[0].seed == 11 and items[4].guidance_scale == 3.0 and items[4].extra == {"style": "pop"}
+    [rejects] = storage.glob(naming.join(out, "plan", "rejects", "*.jsonl"))
+    [reject] = [json.loads(line) for line in storage.read_text(rejects).splitlines()]
+    assert (reject["line"], reject["reason"], reject["raw"]) == (9, "bad_row", "only,two")
