@@ -15,7 +15,7 @@ setup(
         # The last releases with Flax: diffusers removed it after 0.39, transformers in 5.0.
         "diffusers==0.39.*",
         "transformers>=4.57,<5",
-        "apache-beam[gcp]>=2.60,<3",
+        "apache-beam>=2.60,<3",
         "google-cloud-storage>=2.14,<4",
         "numpy",
         "pillow>=10",
@@ -24,7 +24,10 @@ setup(
     ],
     extras_require={
         "tpu": ["jax[tpu]>=0.7,<0.11"],
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8", "webdataset>=0.2"],
+        # gs:// inside the Beam pipelines (plan, collect) and Dataflow; hosts need only google-cloud-storage
+        "gcp": ["apache-beam[gcp]>=2.60,<3"],
+        "test": ["apache-beam[gcp]>=2.60,<3", "pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8",
+                 "webdataset>=0.2"],
     },
     entry_points={"console_scripts": ["promptmill=jobs.cli:main"]},
 )

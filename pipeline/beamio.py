@@ -57,6 +57,19 @@ def use_emulator_credentials() -> None:
     auth._Credentials._credentials_init = True
 
 
+def require_filesystem(*paths: str) -> None:
+    """Fail early, and clearly, when a ``gs://`` path needs Beam's GCS support and it is
+    not installed (the ``gcp`` extra: local runs do without it)."""
+    if not any(p.startswith("gs://") for p in paths):
+        return
+    try:
+        import apache_beam.io.gcp.gcsfilesystem  # noqa: F401
+        import google.cloud.storage  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("gs:// paths need Beam's GCS support: pip install 'promptmill[gcp]' "
+                           f"(apache-beam[gcp]) ({e})") from None
+
+
 def _filesystems():
     use_emulator_credentials()
     return FileSystems

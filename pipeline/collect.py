@@ -138,6 +138,7 @@ def build(p, out: str, manifest: dict, image_files: bool = True):
 
 def run_collect(out: str, beam_args: list[str] | None = None) -> dict:
     """Collect ``out`` into ``out/dataset``; returns stats, or raises CollectError."""
+    beamio.require_filesystem(out)
     manifest_path = naming.manifest(out)
     if not storage.exists(manifest_path):
         raise CollectError(f"{manifest_path} does not exist: nothing was planned in {out}")

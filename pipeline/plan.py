@@ -319,6 +319,7 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
 
     ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare_out``).
     """
+    beamio.require_filesystem(settings.prompts, settings.out)
     if not match_prompt_files(settings.prompts):  # also: every file has a known format
         raise PlanError(f"no prompt files match {settings.prompts!r}")
     settings, run = resolve_settings(settings)

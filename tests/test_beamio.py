@@ -118,3 +118,13 @@ def test_invalid_utf8_reaches_validation_as_bytes(tmp_path):
         assert_that(reasons, equal_to([(2, "invalid_utf8")]), label="rejects")
         assert_that(validated.records | beam.Map(lambda r: r.prompt), equal_to(["ok"]), label="records")
 
+
+
+def test_gcs_paths_without_beams_gcs_support_get_a_clear_error(monkeypatch):
+    import sys
+
+    beamio.require_filesystem("/local/prompts/*.jsonl", "out")  # local paths never need it
+    monkeypatch.setitem(sys.modules, "apache_beam.io.gcp.gcsfilesystem", None)  # as if not installed
+    beamio.require_filesystem("/local/prompts/*.jsonl")
+    with pytest.raises(RuntimeError, match=r"pip install 'promptmill\[gcp\]'"):
+        beamio.require_filesystem("/local/prompts/*.jsonl", "gs://bucket/out")

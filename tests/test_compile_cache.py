@@ -54,23 +54,6 @@ def _host_ready(out):
         return next(e for e in map(logs.parse, f) if e and e["event"] == "host_ready")
 
 
-def test_run_forwards_compile_cache_to_the_hosts(tmp_path, model_cache):
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(2)))
-    folder = str(tmp_path / "cache")
-    common = ["--prompts", str(tmp_path / "p.jsonl"), "--model", "tiny", "--hosts", "1", "--devices-per-host", "1",
-              "--steps", "2", "--no-progress", "--compile-cache", folder]
-    first = run_cli(["run", "--out", str(tmp_path / "a"), *common], model_cache)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert compile_cache.entries(folder) > 0 and _host_ready(str(tmp_path / "a"))["cache_writes"] > 0
-    second = run_cli(["run", "--out", str(tmp_path / "b"), *common], model_cache)
-    assert second.returncode == 0, second.stderr[-3000:]
-    ready = _host_ready(str(tmp_path / "b"))
-    assert ready["cache_hits"] > 0 and ready["cache_writes"] == 0
-    # an execution option, not a setting: run.json does not record it
-    with open(tmp_path / "b" / "run.json") as f:
-        assert folder not in f.read()
-
-
 def test_a_gcs_cache_folder_is_filled_by_one_run_and_used_by_the_next(gcs_emulator, tmp_path, model_cache):
     from pipeline import storage
 

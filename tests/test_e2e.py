@@ -224,8 +224,13 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
 
     run("0:ready:0")  # 1. warmed up, before its first commit: host 0 committed nothing
     assert 0 not in _committed(out).values()
+    # --compile-cache reached the hosts: host 0 filled the cache, and loads from it from now on
+    [ready] = [e for e in _host_events(out, "host_ready") if e["host"] == 0]
+    assert ready["cache_writes"] > 0 and ready["cache_hits"] == 0
+    assert compile_cache not in storage.read_text(naming.run_json(out))  # an execution option, not a setting
 
     run("0:mid_slice:1")  # 2. in its second slice, after the first batch's images are stored
+    assert [e["cache_hits"] > 0 for e in _host_events(out, "host_ready") if e["host"] == 0] == [True]
     committed = _committed(out)
     assert committed.get(0) == 0 and 2 not in committed
     assert len(storage.glob(naming.join(out, "images", "00002", "*.png"))) == 2  # half a slice
