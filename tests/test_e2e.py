@@ -226,11 +226,12 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     assert 0 not in _committed(out).values()
     # --compile-cache reached the hosts: host 0 filled the cache, and loads from it from now on
     [ready] = [e for e in _host_events(out, "host_ready") if e["host"] == 0]
-    assert ready["cache_writes"] > 0 and ready["cache_hits"] == 0
+    assert ready["cache_writes"] > 0
     assert compile_cache not in storage.read_text(naming.run_json(out))  # an execution option, not a setting
 
     run("0:mid_slice:1")  # 2. in its second slice, after the first batch's images are stored
-    assert [e["cache_hits"] > 0 for e in _host_events(out, "host_ready") if e["host"] == 0] == [True]
+    assert [(e["cache_hits"] > 0, e["cache_writes"]) for e in _host_events(out, "host_ready") if e["host"] == 0] \
+        == [(True, 0)]
     committed = _committed(out)
     assert committed.get(0) == 0 and 2 not in committed
     assert len(storage.glob(naming.join(out, "images", "00002", "*.png"))) == 2  # half a slice
