@@ -96,12 +96,13 @@ def read_json(path: str):
     return json.loads(read_text(path))
 
 
-def split_lines(stream) -> Iterator[bytes]:
+def split_lines(stream, keep_ends: bool = False) -> Iterator[bytes]:
     """The lines of a binary stream as raw bytes, without their line endings.
 
-    Lines end at ``\\n``; trailing ``\\r``s are dropped (as ``storage.iter_lines``
+    Lines end at ``\n``; trailing ``\r``s are dropped (as ``storage.iter_lines``
     does). Blank lines are kept; a last line without a newline is a line. Reads in
     chunks, so it works on every FileSystems stream (gzip ones are not iterable).
+    ``keep_ends``: yield each line as read, ending included (the csv module needs them).
     """
     pending: list[bytes] = []
     while True:
@@ -113,11 +114,11 @@ def split_lines(stream) -> Iterator[bytes]:
             complete[0] = b"".join(pending) + complete[0]
             pending = []
             for line in complete:
-                yield line.rstrip(b"\r\n")
+                yield line + b"\n" if keep_ends else line.rstrip(b"\r\n")
         pending.append(tail)
     last = b"".join(pending)
     if last:
-        yield last.rstrip(b"\r\n")
+        yield last if keep_ends else last.rstrip(b"\r\n")
 
 
 def iter_lines(path: str, compression_type: str = CompressionTypes.AUTO) -> Iterator[bytes]:

@@ -97,30 +97,11 @@ def read_rows(path: str, prompt_field: str = "prompt") -> Iterator[tuple[str, in
         yield from _read_parquet(path)
 
 
-def _raw_lines(stream) -> Iterator[bytes]:
-    """The lines of a binary stream, each with its line ending (csv needs them)."""
-    pending: list[bytes] = []
-    while True:
-        block = stream.read(beamio.READ_CHUNK)
-        if not block:
-            break
-        *complete, tail = block.split(b"\n")
-        if complete:
-            complete[0] = b"".join(pending) + complete[0]
-            pending = []
-            for line in complete:
-                yield line + b"\n"
-        pending.append(tail)
-    last = b"".join(pending)
-    if last:
-        yield last
-
-
 def _read_delimited(path: str, delimiter: str, prompt_field: str):
     bad_lines: set[int] = set()
 
     def text_lines(stream):
-        for number, raw in enumerate(_raw_lines(stream), start=1):
+        for number, raw in enumerate(beamio.split_lines(stream, keep_ends=True), start=1):
             try:
                 yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError:
