@@ -23,6 +23,9 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-field", default=d.prompt_field,
                         help="the prompt's column or key in jsonl, json, csv, tsv and parquet files; a .txt line is "
                              "a prompt (default: %(default)s)")
+    parser.add_argument("--dedupe", action="store_true",
+                        help="reject a record whose prompt an earlier record (in file and line order) already has, "
+                             "as duplicate_prompt; counted in the stats")
     parser.add_argument("--out", default=d.out, help="output folder or gs://bucket/prefix (default: %(default)s)")
     parser.add_argument("--model", default=d.model,
                         help="diffusers-format checkpoint folder, or 'tiny' (a tiny random model whose images "
@@ -60,7 +63,7 @@ def _settings(args, devices_per_host: int) -> Settings:
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,
-                    save_latents=args.save_latents, prompt_field=args.prompt_field)
+                    save_latents=args.save_latents, prompt_field=args.prompt_field, dedupe=args.dedupe)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument("--repeats", type=int, default=1,
                         help="run the whole grid this many times, in turns; rates are the medians (default: 1)")
     upload.add_argument("--report", help="write the JSON report here")
+    plan_bench = targets.add_parser("plan", help="wall time and peak RSS of `plan` on synthetic prompt shards, "
+                                    "against the RSS of holding every prompt in memory at once")
+    plan_bench.add_argument("--prompts", type=int, default=1_000_000, help="prompts in all (default: %(default)s)")
+    plan_bench.add_argument("--shards", type=int, default=100, help="jsonl files (default: %(default)s)")
+    plan_bench.add_argument("--workdir", help="folder for the prompts, the plan and its logs, kept after the run "
+                            "(default: a temporary folder, deleted after)")
+    plan_bench.add_argument("--devices-per-host", type=int, default=4, help="plan flag (default: %(default)s)")
+    plan_bench.add_argument("--per-device-batch", type=int, default=8, help="plan flag (default: %(default)s)")
+    plan_bench.add_argument("--batches-per-slice", type=int, default=32, help="plan flag (default: %(default)s)")
+    plan_bench.add_argument("--beam-args", default="", help="Beam options for the plan, one quoted string, e.g. "
+                            "'--direct_num_workers 2 --direct_running_mode multi_processing' (default: none)")
+    plan_bench.add_argument("--report", "--json", dest="report", help="write the JSON report here")
     return parser
 
 
@@ -224,6 +239,16 @@ def _dispatch(args, beam_args: list[str]) -> int:
         if args.report:
             storage.write_json(args.report, report)
         print(upload_bench.table(report))
+    elif args.command == "bench" and args.target == "plan":
+        import shlex
+
+        from pipeline import plan_bench, storage
+
+        report = plan_bench.run(args.prompts, args.shards, args.workdir, args.devices_per_host,
+                                args.per_device_batch, args.batches_per_slice, shlex.split(args.beam_args))
+        if args.report:
+            storage.write_json(args.report, report)
+        print(plan_bench.table(report))
     elif args.command == "bench":
         from pipeline import bench
 

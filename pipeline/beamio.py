@@ -131,9 +131,17 @@ def iter_lines(path: str, compression_type: str = CompressionTypes.AUTO) -> Iter
         yield from split_lines(f)
 
 
+def open_write(path: str, mime_type: str = "application/octet-stream"):
+    """A binary stream that becomes one whole object under its final name when closed.
+
+    For objects too big to build in memory first; parent folders are created.
+    """
+    return _filesystems().create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED)
+
+
 def write_bytes(path: str, data: bytes, mime_type: str = "application/octet-stream") -> None:
     """Write one whole object under its final name (parent folders are created)."""
-    with _filesystems().create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+    with open_write(path, mime_type) as f:
         f.write(data)
 
 

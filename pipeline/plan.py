@@ -1,26 +1,43 @@
-"""``plan``: prompt shards in, fixed-size slices out (a Beam pipeline).
+"""``plan``: prompt shards in, fixed-size slices out (a Beam pipeline that streams).
 
-Stages, one PTransform each:
-  ReadPromptRows   files matching the pattern -> (source, line, payload): raw line bytes
-                   (jsonl, txt), a decoded row (csv, tsv, json, parquet) or a Reject
-                   (``pipeline.inputs``)
-  ValidateRows     -> Records, and Rejects (tagged 'rejects') with source, line, reason
-  CutSlices        records -> (slice index, items) with global positions in
-                   (source, line) order; a file's records are grouped to number them
-  WriteSlices / WriteRejects / WriteManifest   under OUT/plan/
+No stage ever holds the prompts of the whole input, nor of one whole file: each file
+is read twice, one row at a time, and only small summaries cross a shuffle.
+
+  ScanFiles      each file -> a ``FileScan``: its row count, rejects by reason, and for
+                 each valid record its line, image count and 16-byte hashes of its id
+                 and prompt (``validated`` reads and checks the rows)
+  Layout         every FileScan -> a ``Layout`` (``make_layout``, pure): later records
+                 with an id already used are rejected (``duplicate_id``); with
+                 ``--dedupe``, later records whose prompt was already seen are rejected
+                 (``duplicate_prompt``); each file's first global position, in (source,
+                 line) order
+  PlaceRecords   each file again, with the Layout -> its rejects file, every slice that
+                 lies wholly inside the file (written at once), and the items of the
+                 slices it shares with a neighbouring file (at most two per file)
+  JoinShared     the shared slices' items, grouped by slice -> written
+  WriteManifest  once every slice is written -> ``plan/manifest.json``
 ``run.json`` (resolved settings, model fingerprint, versions) is written first.
 Inside the pipeline, files are read and written through Beam's FileSystems
 (``pipeline.beamio``); before and after it, through ``pipeline.storage``.
+Counters (Beam metrics, namespace ``plan``): rows_read, rows_rejected,
+records_planned, images_planned, slices_written.
 """
 from __future__ import annotations
 
+import array
+import collections
+import contextlib
+import dataclasses
 import datetime as dt
+import hashlib
+import itertools
 import json
 import os
 import re
 from importlib import metadata
 
 import apache_beam as beam
+import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -28,6 +45,7 @@ from pipeline import __version__, beamio, inputs, logs, naming, records, slicing
 from pipeline.settings import Settings, fingerprint
 
 _WILDCARD = re.compile(r"[*?\[]")
+HASH_BYTES = 16  # of an id or a prompt: collisions are out of reach (2**-128 a pair)
 
 
 class PlanError(ValueError):
@@ -56,42 +74,9 @@ def match_prompt_files(pattern: str) -> list[str]:
     return paths
 
 
-class _ReadRowsFn(beam.DoFn):
-    def __init__(self, prompt_field: str):
-        self.prompt_field = prompt_field
-
-    def setup(self):
-        beamio.use_emulator_credentials()
-
-    def process(self, path: str):
-        beamio.use_emulator_credentials()
-        yield from inputs.read_rows(path, self.prompt_field)
-
-
-class ReadPromptRows(beam.PTransform):
-    """Files matching the pattern -> (source, line number, payload).
-
-    The pattern is expanded with ``storage.glob`` (our match semantics: a folder lists
-    the files under it, ``**``) when the pipeline is built; a file of an unknown format
-    is a PlanError then. Each file is one element, read through Beam's FileSystems
-    (local or gs://, ``.gz`` decompressed by name) by ``inputs.read_rows``: the payload
-    is a raw line (jsonl, txt), a decoded row (csv, tsv, json, parquet) or a Reject.
-    """
-
-    def __init__(self, pattern: str, prompt_field: str = "prompt"):
-        super().__init__()
-        self.pattern, self.prompt_field = pattern, prompt_field
-
-    def expand(self, pbegin):
-        return (pbegin
-                | "MatchFiles" >> beam.Create(match_prompt_files(self.pattern))
-                | "SpreadFiles" >> beam.Reshuffle()
-                | "ReadRows" >> beam.ParDo(_ReadRowsFn(self.prompt_field)))
-
-
 def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
                      prompt_field: str = "prompt") -> records.Record | records.Reject | None:
-    """One element of ReadPromptRows to a Record, a Reject, or None (a blank line)."""
+    """One row of ``inputs.read_rows`` to a Record, a Reject, or None (a blank line)."""
     if isinstance(payload, records.Reject):
         return payload
     record_id = auto_id(source, root, line)
@@ -106,118 +91,196 @@ def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
     return records.parse_decoded(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
 
 
-class _ValidateFn(beam.DoFn):
-    def __init__(self, run_seed: int, root: str, prompt_field: str = "prompt"):
-        self.run_seed, self.root, self.prompt_field = run_seed, root, prompt_field
-        self.read = Metrics.counter("plan", "rows_read")
-        self.rejected = Metrics.counter("plan", "rows_rejected")
-        self.valid = Metrics.counter("plan", "records_valid")
+def validated(path: str, run_seed: int, root: str, prompt_field: str = "prompt"):
+    """The rows of one prompt file, checked: ``(payload, Record | Reject)`` in file order."""
+    for source, line, payload in inputs.read_rows(path, prompt_field):
+        result = validate_payload(source, line, payload, run_seed, root, prompt_field)
+        if result is not None:  # a blank line is not a row
+            yield payload, result
 
-    def process(self, row):
-        source, line, payload = row
-        result = validate_payload(source, line, payload, self.run_seed, self.root, self.prompt_field)
-        if result is None:  # a blank line is not a row
-            return
-        self.read.inc()
+
+def _raw_text(payload) -> str:
+    if isinstance(payload, bytes):
+        return payload.decode("utf-8", "replace")
+    return json.dumps(payload, ensure_ascii=False, default=str)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=HASH_BYTES).digest()
+
+
+@dataclasses.dataclass
+class FileScan:
+    """What the first pass learns of one file: counts, and per valid record its line,
+    image count and the hashes of its id and prompt (24 + 2 x 16 bytes a record)."""
+    source: str
+    rows: int
+    reasons: dict
+    lines: np.ndarray  # int64, increasing
+    images: np.ndarray  # int32
+    id_hashes: np.ndarray  # S16
+    prompt_hashes: np.ndarray  # S16
+
+
+def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt") -> FileScan:
+    rows, reasons = 0, collections.Counter()
+    lines, images = array.array("q"), array.array("i")
+    ids, prompts = bytearray(), bytearray()
+    for _, result in validated(path, run_seed, root, prompt_field):
+        rows += 1
         if isinstance(result, records.Reject):
-            self.rejected.inc()
-            yield beam.pvalue.TaggedOutput(ValidateRows.REJECTS, result)
-        else:
-            self.valid.inc()
-            yield result
+            reasons[result.reason] += 1
+            continue
+        lines.append(result.line)
+        images.append(result.num_images)
+        ids += _digest(result.id)
+        prompts += _digest(result.prompt)
+    as_hashes = lambda b: np.frombuffer(bytes(b), dtype=f"S{HASH_BYTES}")  # noqa: E731
+    return FileScan(path, rows, dict(reasons), np.asarray(lines, np.int64), np.asarray(images, np.int32),
+                    as_hashes(ids), as_hashes(prompts))
 
 
-class ValidateRows(beam.PTransform):
-    REJECTS = "rejects"
+@dataclasses.dataclass
+class Layout:
+    """Where each file's records go, and which rows the duplicate checks reject."""
+    first: dict  # source -> its first image's global position
+    images_of: dict  # source -> its images
+    drops: dict  # source -> {line: (reason, message)}
+    rows: int
+    records: int
+    images: int
+    rejects_by_reason: dict
 
-    def __init__(self, run_seed: int, root: str, prompt_field: str = "prompt"):
-        super().__init__()
-        self.run_seed, self.root, self.prompt_field = run_seed, root, prompt_field
 
-    def expand(self, rows):
-        return rows | "Validate" >> beam.ParDo(_ValidateFn(self.run_seed, self.root, self.prompt_field)).with_outputs(
-            self.REJECTS, main="records")
+def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of every element equal to an earlier one, the index of that earlier one)."""
+    if not len(hashes):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+    earliest = first[inverse.reshape(-1)]
+    later = np.nonzero(earliest != np.arange(len(hashes)))[0]
+    return later, earliest[later]
 
 
-def _file_offsets(counts: list[tuple[str, int]]) -> dict[str, int]:
-    """First global position of each source, sources in sorted order."""
-    offsets, total = {}, 0
-    for source, count in sorted(counts):
-        offsets[source] = total
-        total += count
-    return offsets
+def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
+    """Duplicate checks and positions over every file (pure; files in sorted order).
+
+    A record whose id an earlier record (in (source, line) order) already has is
+    rejected as ``duplicate_id``; with ``dedupe``, then, a record whose prompt an earlier
+    kept record already has is rejected as ``duplicate_prompt``. Both messages name the
+    earlier row. Memory: about 60 bytes a record, for the hashes and their sort.
+    """
+    scans = sorted(scans, key=lambda s: s.source)
+    sources = [s.source for s in scans]
+    owner = np.repeat(np.arange(len(scans)), [len(s.lines) for s in scans])
+    lines = np.concatenate([s.lines for s in scans]) if scans else np.zeros(0, np.int64)
+    images = np.concatenate([s.images for s in scans]) if scans else np.zeros(0, np.int32)
+    drops: dict[str, dict] = {}
+    kept = np.ones(len(lines), bool)
+
+    def reject(later, earlier, reason, what):
+        for i, j in zip(later.tolist(), earlier.tolist()):
+            kept[i] = False
+            drops.setdefault(sources[owner[i]], {})[int(lines[i])] = (
+                reason, f"{what} as {sources[owner[j]]} line {int(lines[j])}")
+
+    if scans:
+        reject(*_later_copies(np.concatenate([s.id_hashes for s in scans])), "duplicate_id", "the same id")
+        if dedupe:
+            candidates = np.nonzero(kept)[0]
+            later, earlier = _later_copies(np.concatenate([s.prompt_hashes for s in scans])[candidates])
+            reject(candidates[later], candidates[earlier], "duplicate_prompt", "the same prompt")
+    kept_images = np.where(kept, images, 0).astype(np.int64)
+    per_file = np.bincount(owner, weights=kept_images, minlength=len(scans)).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(per_file)[:-1]]) if scans else []
+    reasons = collections.Counter()
+    for scan in scans:
+        reasons.update(scan.reasons)
+    for by_line in drops.values():
+        reasons.update(reason for reason, _ in by_line.values())
+    return Layout(first={s: int(f) for s, f in zip(sources, starts)},
+                  images_of={s: int(n) for s, n in zip(sources, per_file)}, drops=drops,
+                  rows=sum(s.rows for s in scans), records=int(kept.sum()), images=int(kept_images.sum()),
+                  rejects_by_reason=dict(sorted(reasons.items())))
+
+
+def _jsonl_line(obj) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8")
+
+
+def write_slice(out: str, index: int, items) -> int:
+    beamio.write_bytes(naming.plan_slice(out, index), b"".join(_jsonl_line(i.to_json()) for i in items),
+                       "application/jsonl")
+    return index
+
+
+class _ScanFn(beam.DoFn):
+    def __init__(self, run_seed: int, root: str, prompt_field: str):
+        self.args = (run_seed, root, prompt_field)
+        self.read = Metrics.counter("plan", "rows_read")
+
+    def setup(self):
+        beamio.use_emulator_credentials()
+
+    def process(self, path: str):
+        scan = scan_file(path, *self.args)
+        self.read.inc(scan.rows)
+        yield scan
 
 
 class _PlaceFn(beam.DoFn):
-    def __init__(self, size: int):
-        self.size = size
-        self.planned = Metrics.counter("plan", "images_planned")
+    """The second pass over one file: rejects, whole slices, and the shared slices' items."""
+    SHARED = "shared"
 
-    def process(self, grouped, counts):
-        source, file_records = grouped
-        position = _file_offsets(counts)[source]
-        for record in sorted(file_records, key=lambda r: r.line):
-            for item in records.expand(record, position, self.size):
+    def __init__(self, out: str, size: int, run_seed: int, root: str, prompt_field: str):
+        self.out, self.size, self.args = out, size, (run_seed, root, prompt_field)
+        self.rejected = Metrics.counter("plan", "rows_rejected")
+        self.planned = Metrics.counter("plan", "records_planned")
+        self.images = Metrics.counter("plan", "images_planned")
+        self.slices = Metrics.counter("plan", "slices_written")
+
+    def setup(self):
+        beamio.use_emulator_credentials()
+
+    def process(self, path: str, layout: Layout):
+        first, drops = layout.first.get(path, 0), layout.drops.get(path, {})
+        end = first + layout.images_of.get(path, 0)
+        position, current, pending = first, None, []
+        with contextlib.ExitStack() as stack:
+            rejects = None
+            for payload, result in validated(path, *self.args):
+                if isinstance(result, records.Record) and result.line in drops:
+                    reason, message = drops[result.line]
+                    result = records.Reject(result.source, result.line, reason, message, _raw_text(payload))
+                if isinstance(result, records.Reject):
+                    if rejects is None:  # only files with rejects get a rejects file
+                        rejects = stack.enter_context(beamio.open_write(naming.rejects_file(self.out, path),
+                                                                        "application/jsonl"))
+                    rejects.write(_jsonl_line(result.to_json()))
+                    self.rejected.inc()
+                    continue
                 self.planned.inc()
-                yield item.slice, item
-            position += record.num_images
+                for item in records.expand(result, position, self.size):
+                    if item.slice != current:
+                        yield from self._flush(current, pending, first, end, layout.images)
+                        current, pending = item.slice, []
+                    pending.append(item)
+                self.images.inc(result.num_images)
+                position += result.num_images
+        yield from self._flush(current, pending, first, end, layout.images)
+        if position != end:
+            raise PlanError(f"{path} changed while it was planned: {position - first} images on the second "
+                            f"read, {end - first} on the first")
 
-
-class CutSlices(beam.PTransform):
-    """Records -> (slice index, items sorted by position)."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.size = size
-
-    def expand(self, recs):
-        counts = (recs
-                  | "ImagesPerRecord" >> beam.Map(lambda r: (r.source, r.num_images))
-                  | "ImagesPerSource" >> beam.CombinePerKey(sum))
-        return (recs
-                | "BySource" >> beam.Map(lambda r: (r.source, r))
-                | "GroupSource" >> beam.GroupByKey()
-                | "Place" >> beam.ParDo(_PlaceFn(self.size), counts=beam.pvalue.AsList(counts))
-                | "GroupSlice" >> beam.GroupByKey()
-                | "Order" >> beam.MapTuple(lambda index, items: (index, sorted(items, key=lambda i: i.position))))
-
-
-def _jsonl(objects) -> str:
-    return "".join(json.dumps(o, ensure_ascii=False, sort_keys=True) + "\n" for o in objects)
-
-
-class WriteSlices(beam.PTransform):
-    def __init__(self, out: str):
-        super().__init__()
-        self.out = out
-
-    def expand(self, slices):
-        def write(index, items):
-            beamio.write_text(naming.plan_slice(self.out, index), _jsonl(i.to_json() for i in items))
-            return index
-
-        return slices | "WriteSlice" >> beam.MapTuple(write)
-
-
-class WriteRejects(beam.PTransform):
-    """One rejects file per source, rows in line order; returns (reason, count) pairs."""
-
-    def __init__(self, out: str):
-        super().__init__()
-        self.out = out
-
-    def expand(self, rejects):
-        def write(source, rows):
-            rows = sorted(rows, key=lambda r: r.line)
-            beamio.write_text(naming.rejects_file(self.out, source), _jsonl(r.to_json() for r in rows))
-            return [r.reason for r in rows]
-
-        return (rejects
-                | "BySource" >> beam.Map(lambda r: (r.source, r))
-                | "GroupSource" >> beam.GroupByKey()
-                | "Write" >> beam.MapTuple(write)
-                | "Reasons" >> beam.FlatMap(lambda reasons: reasons)
-                | "CountReasons" >> beam.combiners.Count.PerElement())
+    def _flush(self, index, items, first, end, total):
+        if index is None:
+            return
+        start, stop = index * self.size, min((index + 1) * self.size, total)
+        if first <= start and stop <= end:  # the slice lies wholly in this file
+            self.slices.inc()
+            yield write_slice(self.out, index, items)
+        else:
+            yield beam.pvalue.TaggedOutput(self.SHARED, (index, items))
 
 
 class WriteManifest(beam.PTransform):
@@ -226,36 +289,45 @@ class WriteManifest(beam.PTransform):
         self.out, self.size = out, size
 
     def expand(self, inputs):
-        recs, written_slices, reject_reasons = inputs
+        layout, written = inputs
 
-        def write(_, record_count, images, slice_ids, reasons):
-            by_reason = dict(sorted(reasons))
-            manifest = {"slice_size": self.size, "slices": len(slice_ids), "records": record_count,
-                        "images": images, "rejects": sum(by_reason.values()), "rejects_by_reason": by_reason,
-                        "input_rows": record_count + sum(by_reason.values())}
-            if sorted(slice_ids) != list(range(len(slice_ids))):
+        def write(_, layout: Layout, slice_ids):
+            rejects = sum(layout.rejects_by_reason.values())
+            manifest = {"slice_size": self.size, "slices": len(slice_ids), "records": layout.records,
+                        "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
+                        "input_rows": layout.rows, "input_files": len(layout.first)}
+            if layout.records + rejects != layout.rows:
+                raise PlanError(f"{layout.rows} input rows, but {layout.records} records and {rejects} rejects")
+            if sorted(slice_ids) != list(range(slicing.num_slices(layout.images, self.size))):
                 raise PlanError(f"slices are not contiguous: {sorted(slice_ids)[:10]}")
             beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
 
-        record_count = recs | "CountRecords" >> beam.combiners.Count.Globally()
-        images = (recs | "Images" >> beam.Map(lambda r: r.num_images)
-                  | "SumImages" >> beam.CombineGlobally(sum))
-        return (recs.pipeline
+        return (written.pipeline
                 | "Once" >> beam.Create([None])
-                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(record_count), beam.pvalue.AsSingleton(images),
-                                      beam.pvalue.AsList(written_slices), beam.pvalue.AsList(reject_reasons)))
+                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout), beam.pvalue.AsList(written)))
 
 
 def build(p, pattern: str, out: str, settings: Settings):
     """The plan pipeline on ``p``; returns the PCollection of the manifest."""
-    rows = p | "ReadPromptRows" >> ReadPromptRows(pattern, settings.prompt_field)
-    validated = rows | "ValidateRows" >> ValidateRows(settings.seed, input_root(pattern), settings.prompt_field)
-    recs = validated.records
-    written = (recs | "CutSlices" >> CutSlices(settings.slice_size)
-               | "WriteSlices" >> WriteSlices(out))
-    reasons = validated[ValidateRows.REJECTS] | "WriteRejects" >> WriteRejects(out)
-    return (recs, written, reasons) | "WriteManifest" >> WriteManifest(out, settings.slice_size)
+    root, size = input_root(pattern), settings.slice_size
+    args = (settings.seed, root, settings.prompt_field)
+    files = (p
+             | "MatchFiles" >> beam.Create(match_prompt_files(pattern))
+             | "SpreadFiles" >> beam.Reshuffle())
+    layout = (files
+              | "ScanFiles" >> beam.ParDo(_ScanFn(*args))
+              | "AllScans" >> beam.combiners.ToList()
+              | "Layout" >> beam.Map(make_layout, settings.dedupe))
+    placed = files | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, size, *args), beam.pvalue.AsSingleton(layout)) \
+        .with_outputs(_PlaceFn.SHARED, main="written")
+    joined = (placed[_PlaceFn.SHARED]
+              | "GroupShared" >> beam.GroupByKey()
+              | "WriteShared" >> beam.MapTuple(
+                  lambda index, parts: write_slice(out, index, sorted(itertools.chain.from_iterable(parts),
+                                                                      key=lambda i: i.position))))
+    written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
+    return (layout, written) | "WriteManifest" >> WriteManifest(out, size)
 
 
 def _versions() -> dict:
@@ -324,7 +396,20 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
         raise PlanError(f"no prompt files match {settings.prompts!r}")
     settings, run = resolve_settings(settings)
     prepare_out(settings.out, run, overwrite)
-    options = PipelineOptions(beam_args or [])
-    with beam.Pipeline(options=options) as p:
-        build(p, settings.prompts, settings.out, settings)
+    p = beam.Pipeline(options=PipelineOptions(beam_args or []))
+    build(p, settings.prompts, settings.out, settings)
+    result = p.run()
+    result.wait_until_finish()
+    logs.event("plan_counters", **counters(result))
     return storage.read_json(naming.manifest(settings.out))
+
+
+def counters(result) -> dict:
+    """The ``plan`` Beam counters of a finished pipeline, by name (committed values)."""
+    from apache_beam.metrics.metric import MetricsFilter
+
+    found = result.metrics().query(MetricsFilter().with_namespace("plan"))["counters"]
+    totals: dict[str, int] = {}
+    for counter in found:
+        totals[counter.key.metric.name] = totals.get(counter.key.metric.name, 0) + counter.committed
+    return dict(sorted(totals.items()))

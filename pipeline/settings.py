@@ -34,6 +34,7 @@ class Settings:
     quality: int = 95  # jpeg and webp
     save_latents: bool = False  # zarr: also OUT/zarr/latents, the final latents before VAE decoding
     prompt_field: str = "prompt"  # the prompt's column / key in jsonl, json, csv, tsv and parquet inputs
+    dedupe: bool = False  # plan: a record whose prompt an earlier record has is rejected (duplicate_prompt)
 
     @property
     def slice_size(self) -> int:
@@ -83,13 +84,16 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
+# Settings added after runs were first planned, with the value those runs had.
+_NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False}
+
+
 def fingerprint(settings: Settings, model_fingerprint: str) -> str:
     """Hash of everything that decides the bytes of the outputs."""
     decisive = settings.to_dict()
     decisive.pop("out")
-    if not decisive["save_latents"]:  # runs planned before the setting existed keep their fingerprint
-        decisive.pop("save_latents")
-    if decisive["prompt_field"] == "prompt":  # likewise
-        decisive.pop("prompt_field")
+    for name, default in _NEWER_SETTINGS.items():  # runs planned before a setting existed keep their fingerprint
+        if decisive[name] == default:
+            decisive.pop(name)
     decisive["model"] = model_fingerprint
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()

@@ -1,6 +1,7 @@
 """Beam-side I/O (pipeline.beamio): local paths and gs:// (the emulator)."""
 import gzip
 import io
+import json
 import os
 
 import apache_beam as beam
@@ -98,26 +99,30 @@ def test_read_lines_transform(root):
                                    [(f"{root}/b.jsonl.gz", 1, b"b1"), (f"{root}/b.jsonl.gz", 2, b"b2")]))
 
 
-def test_read_prompt_rows_on_gcs(gcs_emulator):
-    base = f"gs://{gcs_emulator}/beamio/prompts"
-    storage.write_bytes(f"{base}/x.jsonl", b'{"prompt": "1"}\n\n{"prompt": "3"}\r\n')
-    storage.write_bytes(f"{base}/sub/y.jsonl", b"\xff\n{oops")
-    storage.write_bytes(f"{base}/sub/skip.txt", b"not matched\n")
+def test_the_plan_pipeline_reads_and_writes_gcs(gcs_emulator):
+    from pipeline import naming
+    from pipeline.settings import Settings
+
+    base = f"gs://{gcs_emulator}/beamio/plan"
+    storage.write_bytes(f"{base}/in/x.jsonl", b'{"prompt": "1"}\n\n{"prompt": "3"}\r\n')
+    storage.write_bytes(f"{base}/in/sub/y.jsonl", b"\xff\n{oops")
+    storage.write_bytes(f"{base}/in/sub/skip.txt", b"not matched\n")
+    pattern, out = f"{base}/in/**/*.jsonl", f"{base}/out"
     with TestPipeline() as p:
-        rows = p | plan.ReadPromptRows(f"{base}/**/*.jsonl")
-        assert_that(rows, equal_to([(f"{base}/x.jsonl", 1, b'{"prompt": "1"}'), (f"{base}/x.jsonl", 2, b""),
-                                    (f"{base}/x.jsonl", 3, b'{"prompt": "3"}'),
-                                    (f"{base}/sub/y.jsonl", 1, b"\xff"), (f"{base}/sub/y.jsonl", 2, b"{oops")]))
+        plan.build(p, pattern, out, Settings(prompts=pattern, out=out))
+    [slice_file] = storage.glob(f"{out}/plan/slices/*")
+    assert [(i["prompt"], i["line"]) for i in map(json.loads, storage.read_text(slice_file).splitlines())] == [
+        ("1", 1), ("3", 3)]
+    [rejects] = storage.glob(f"{out}/plan/rejects/*")
+    assert [(r["line"], r["reason"]) for r in map(json.loads, storage.read_text(rejects).splitlines())] == [
+        (1, "invalid_utf8"), (2, "invalid_json")]
+    assert storage.read_json(naming.manifest(out))["input_rows"] == 4
 
 
 def test_invalid_utf8_reaches_validation_as_bytes(tmp_path):
     (tmp_path / "p.jsonl").write_bytes(b'{"prompt": "ok"}\n\xff\xfe\n')
-    with TestPipeline() as p:
-        validated = p | plan.ReadPromptRows(str(tmp_path)) | plan.ValidateRows(run_seed=0, root=str(tmp_path))
-        reasons = validated[plan.ValidateRows.REJECTS] | beam.Map(lambda r: (r.line, r.reason))
-        assert_that(reasons, equal_to([(2, "invalid_utf8")]), label="rejects")
-        assert_that(validated.records | beam.Map(lambda r: r.prompt), equal_to(["ok"]), label="records")
-
+    results = [result for _, result in plan.validated(str(tmp_path / "p.jsonl"), 0, str(tmp_path))]
+    assert [(r.line, r.reason) for r in results[1:]] == [(2, "invalid_utf8")] and results[0].prompt == "ok"
 
 
 def test_gcs_paths_without_beams_gcs_support_get_a_clear_error(monkeypatch):

@@ -1,6 +1,7 @@
 import json
 
 import apache_beam as beam
+import numpy as np
 import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
@@ -8,41 +9,87 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline import naming, plan, storage
 from pipeline.settings import Settings
 
-ROWS = [
-    ("/d/b.jsonl", 1, b'{"prompt": "b one", "id": "b1"}'),
-    ("/d/a.jsonl", 1, b'{"prompt": "a one", "id": "a1", "num_images": 3}'),
-    ("/d/a.jsonl", 2, b'{"prompt": ""}'),
-    ("/d/a.jsonl", 3, b"{oops"),
-    ("/d/a.jsonl", 4, b""),
-    ("/d/a.jsonl", 5, b'{"prompt": "a five"}'),
-    ("/d/b.jsonl", 2, b'{"prompt": "b two", "num_images": 0}'),
-    ("/d/b.jsonl", 3, b'{"prompt": "b three", "id": "b3", "seed": 9}'),
-]
+FILES = {
+    "b.jsonl": [b'{"prompt": "b one", "id": "b1"}', b'{"prompt": "b two", "num_images": 0}',
+                b'{"prompt": "b three", "id": "b3", "seed": 9}'],
+    "a.jsonl": [b'{"prompt": "a one", "id": "a1", "num_images": 3}', b'{"prompt": ""}', b"{oops", b"",
+                b'{"prompt": "a five"}'],
+}
 
 
-def test_validate_and_cut_slices_under_test_pipeline():
-    with TestPipeline() as p:
-        validated = p | beam.Create(ROWS) | plan.ValidateRows(run_seed=0, root="/d")
-        rejects = validated[plan.ValidateRows.REJECTS] | "R" >> beam.Map(lambda r: (r.source, r.line, r.reason))
-        assert_that(rejects, equal_to([("/d/a.jsonl", 2, "empty_prompt"), ("/d/a.jsonl", 3, "invalid_json"),
-                                       ("/d/b.jsonl", 2, "bad_num_images")]), label="rejects")
-        slices = validated.records | plan.CutSlices(size=2)
-        keys = slices | "K" >> beam.MapTuple(lambda index, items: (index, [(i.key, i.position) for i in items]))
-        # positions follow (source, line): a.jsonl first, then b.jsonl
-        assert_that(keys, equal_to([
-            (0, [("a1_0000", 0), ("a1_0001", 1)]),
-            (1, [("a1_0002", 2), (naming.output_key("a.jsonl:5", 0), 3)]),
-            (2, [("b1_0000", 4), ("b3_0000", 5)]),
-        ]), label="slices")
+def write_files(folder, files):
+    folder.mkdir(exist_ok=True)
+    for name, lines in files.items():
+        (folder / name).write_bytes(b"\n".join(lines) + b"\n")
+    return str(folder)
 
 
-def test_read_prompt_rows_numbers_lines_per_file(tmp_path):
-    (tmp_path / "x.jsonl").write_bytes(b'{"prompt": "1"}\n\n{"prompt": "3"}\r\n')
-    with TestPipeline() as p:
-        rows = p | plan.ReadPromptRows(str(tmp_path / "*.jsonl"))
-        assert_that(rows | beam.MapTuple(lambda s, n, raw: (s.rsplit("/", 1)[-1], n, raw)),
-                    equal_to([("x.jsonl", 1, b'{"prompt": "1"}'), ("x.jsonl", 2, b""),
-                              ("x.jsonl", 3, b'{"prompt": "3"}')]))
+def read_plan(out):
+    """{slice index: [(key, position)]}, and [(file name, line, reason)] of every reject."""
+    slices = {}
+    for path in storage.glob(naming.join(out, "plan", "slices", "*.jsonl")):
+        items = [json.loads(line) for line in storage.read_text(path).splitlines()]
+        slices[int(path.rsplit("/", 1)[1].split(".")[0])] = [(i["key"], i["position"]) for i in items]
+    rejects = [json.loads(line) for path in storage.glob(naming.join(out, "plan", "rejects", "*.jsonl"))
+               for line in storage.read_text(path).splitlines()]
+    return slices, sorted((r["source"].rsplit("/", 1)[1], r["line"], r["reason"]) for r in rejects)
+
+
+def test_the_plan_pipeline_under_test_pipeline(tmp_path):
+    folder, out = write_files(tmp_path / "d", FILES), str(tmp_path / "out")
+    settings = Settings(prompts=folder, out=out, devices_per_host=2, batches_per_slice=1)
+    p = TestPipeline()
+    manifest = plan.build(p, folder, out, settings)
+    assert_that(manifest | beam.Map(lambda m: (m["records"], m["images"], m["rejects"], m["input_rows"])),
+                equal_to([(4, 6, 3, 7)]))
+    result = p.run()
+    result.wait_until_finish()
+    slices, rejects = read_plan(out)
+    # positions follow (source, line): a.jsonl first, then b.jsonl; slice 1 is shared by both files
+    assert slices == {0: [("a1_0000", 0), ("a1_0001", 1)],
+                      1: [("a1_0002", 2), (naming.output_key("d/a.jsonl:5", 0), 3)],
+                      2: [("b1_0000", 4), ("b3_0000", 5)]}
+    assert rejects == [("a.jsonl", 2, "empty_prompt"), ("a.jsonl", 3, "invalid_json"), ("b.jsonl", 2, "bad_num_images")]
+    assert plan.counters(result) == {"images_planned": 6, "records_planned": 4, "rows_read": 7, "rows_rejected": 3,
+                                     "slices_written": 3}
+
+
+def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
+    files = {f"f{n}.jsonl": [json.dumps({"prompt": f"p{n}-{i}", "id": f"f{n}-{i}"}).encode() for i in range(count)]
+             for n, count in enumerate([1, 0, 2, 7, 1, 1])}
+    files["f1.jsonl"] = [b'{"no": "prompt"}']  # a file with rejects only
+    folder, out = write_files(tmp_path / "d", files), str(tmp_path / "out")
+    manifest = plan.run_plan(Settings(prompts=folder, out=out, devices_per_host=3, batches_per_slice=1))
+    slices, rejects = read_plan(out)
+    expected = [f"f{n}-{i}_0000" for n, count in enumerate([1, 0, 2, 7, 1, 1]) for i in range(count)]
+    assert [key for index in sorted(slices) for key, _ in slices[index]] == expected
+    assert sorted(slices) == list(range(4)) and [len(slices[i]) for i in range(4)] == [3, 3, 3, 3]
+    assert [pos for index in sorted(slices) for _, pos in slices[index]] == list(range(12))
+    assert rejects == [("f1.jsonl", 1, "missing_prompt")]
+    assert (manifest["slices"], manifest["records"], manifest["input_rows"], manifest["input_files"]) == (4, 12, 13, 6)
+
+
+def scan(source, ids, prompts, images=None):
+    n = len(ids)
+    digest = lambda texts: np.frombuffer(b"".join(plan._digest(t) for t in texts), dtype="S16")  # noqa: E731
+    return plan.FileScan(source, n, {}, np.arange(1, n + 1, dtype=np.int64),
+                         np.asarray(images or [1] * n, np.int32), digest(ids), digest(prompts))
+
+
+def test_layout_rejects_later_duplicate_ids_and_with_dedupe_later_duplicate_prompts():
+    scans = [scan("b", ["x", "y", "z"], ["cat", "dog", "cat"], [1, 2, 1]),
+             scan("a", ["x", "w"], ["dog", "dog"], [3, 1])]
+    layout = plan.make_layout(scans, dedupe=False)
+    assert layout.drops == {"b": {1: ("duplicate_id", "the same id as a line 1")}}
+    assert (layout.records, layout.images, layout.first, layout.images_of) == (4, 7, {"a": 0, "b": 4}, {"a": 4, "b": 3})
+    layout = plan.make_layout(scans, dedupe=True)
+    # b line 1 is dropped for its id, so the first kept "cat" is b line 3, which stays
+    assert layout.drops == {"a": {2: ("duplicate_prompt", "the same prompt as a line 1")},
+                            "b": {1: ("duplicate_id", "the same id as a line 1"),
+                                  2: ("duplicate_prompt", "the same prompt as a line 1")}}
+    assert (layout.records, layout.images, layout.first, layout.rejects_by_reason) == (
+        2, 4, {"a": 0, "b": 3}, {"duplicate_id": 1, "duplicate_prompt": 2})
+    assert plan.make_layout([], dedupe=True).images == 0
 
 
 @pytest.mark.parametrize("pattern,root", [("/d/*.jsonl", "/d/"), ("/d/sub/a.jsonl", "/d/sub"),
@@ -60,7 +107,7 @@ def test_run_plan_writes_run_manifest_slices_and_rejects(tmp_path, model_cache):
     settings = Settings(prompts=str(prompts / "*.jsonl"), out=out, devices_per_host=2, batches_per_slice=1)
     manifest = plan.run_plan(settings)
     assert manifest == {"slice_size": 2, "slices": 2, "records": 3, "images": 4, "rejects": 1,
-                        "rejects_by_reason": {"missing_prompt": 1}, "input_rows": 4}
+                        "rejects_by_reason": {"missing_prompt": 1}, "input_rows": 4, "input_files": 1}
     run = storage.read_json(naming.run_json(out))
     assert run["settings"]["width"] == run["settings"]["height"] == 32  # the tiny model's native size
     assert len(run["model_fingerprint"]) == 64 and run["scheduler"] == run["settings"]["scheduler"] == "ddim"
