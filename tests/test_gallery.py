@@ -1,0 +1,274 @@
+"""The gallery: names and links (pure), streaming pages, thumbnails, and what Chromium shows."""
+from __future__ import annotations
+
+import io
+import posixpath
+import re
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import gallery
+
+HREF = re.compile(r'(?:href|src)="([^"]*)"')
+
+
+def row(i: int, slice_index: int = 0, path: str | None = None, prompt: str | None = None) -> dict:
+    key = f"rec{i:06d}_0000"
+    return {"key": key, "prompt": prompt if prompt is not None else f"prompt number {i}", "seed": 1000 + i,
+            "slice": slice_index, "path": path if path is not None else f"images/{slice_index:05d}/{key}.png"}
+
+
+def resolve(page: str, link: str) -> str:
+    """Where ``link`` on ``page`` leads, relative to dataset/."""
+    return posixpath.normpath(posixpath.join(posixpath.dirname(page), link))
+
+
+def png(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return out.getvalue()
+
+
+# -- names and links ----------------------------------------------------------------
+
+@pytest.mark.parametrize("total, size, expected", [(0, 5, 1), (1, 5, 1), (5, 5, 1), (6, 5, 2), (100_000, 100, 1000),
+                                                   (100_001, 100, 1001), (7, 1, 7)])
+def test_page_count(total, size, expected):
+    assert gallery.page_count(total, size) == expected
+
+
+def test_page_count_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        gallery.page_count(3, 0)
+    with pytest.raises(ValueError):
+        gallery.page_count(-1, 5)
+
+
+def test_page_names():
+    assert gallery.page_name(1) == "index.html"
+    assert gallery.page_name(2) == "gallery/page-00002.html"
+    assert gallery.page_name(12345) == "gallery/page-12345.html"
+    with pytest.raises(ValueError):
+        gallery.page_name(0)
+
+
+def test_thumb_path_uses_slice_names():
+    assert gallery.thumb_path(0, "a_0000") == "thumbs/00000/a_0000.jpg"
+    assert gallery.thumb_path(123, "b--0123456789abcdef_0007") == "thumbs/00123/b--0123456789abcdef_0007.jpg"
+
+
+@pytest.mark.parametrize("page", ["index.html", "gallery/page-00002.html", "gallery/page-01000.html"])
+@pytest.mark.parametrize("target", ["thumbs/00003/k_0000.jpg", "index.html", "gallery/page-00007.html",
+                                    "../images/00003/k_0000.png", "metadata.parquet"])
+def test_relative_links_resolve(page, target):
+    link = gallery.relative(page, target)
+    assert not link.startswith("/")
+    assert resolve(page, link) == posixpath.normpath(target)
+
+
+def test_relative_link_spellings():
+    assert gallery.relative("index.html", "thumbs/00000/k.jpg") == "thumbs/00000/k.jpg"
+    assert gallery.relative("gallery/page-00002.html", "thumbs/00000/k.jpg") == "../thumbs/00000/k.jpg"
+    assert gallery.relative("index.html", "../images/00000/k.png") == "../images/00000/k.png"
+    assert gallery.relative("gallery/page-00002.html", "../images/00000/k.png") == "../../images/00000/k.png"
+    assert gallery.relative("gallery/page-00002.html", "gallery/page-00003.html") == "page-00003.html"
+    assert gallery.relative("gallery/page-00002.html", "index.html") == "../index.html"
+    with pytest.raises(ValueError):
+        gallery.relative("../index.html", "thumbs/x.jpg")
+
+
+def test_image_target():
+    assert gallery.image_target("images/00000/k.png") == "../images/00000/k.png"
+    assert gallery.image_target("shards/00000.tar#k.png") is None
+    assert gallery.image_target("zarr/images#17") is None
+
+
+# -- pages --------------------------------------------------------------------------
+
+def test_pages_stream_100k_rows_into_1000_linked_pages():
+    total, size = 100_000, 100
+    names, first_numbers = set(), []
+    rows = (row(i, slice_index=i // 4096) for i in range(total))
+    for name, page_html in gallery.pages(rows, total, size, "big"):
+        assert name not in names
+        names.add(name)
+        assert page_html.count("<img") == size
+        # the first and last image of the page are the right ones
+        keys = re.findall(r'alt="(rec\d+_0000)"', page_html)
+        first_numbers.append(int(keys[0][3:9]))
+        assert int(keys[-1][3:9]) == first_numbers[-1] + size - 1
+        for link in HREF.findall(page_html):
+            target = resolve(name, link)
+            if target.endswith(".html"):
+                assert target == "index.html" or re.fullmatch(r"gallery/page-\d{5}\.html", target), target
+                number = 1 if target == "index.html" else int(target[-10:-5])
+                assert 1 <= number <= 1000, target
+            elif target.startswith("thumbs/"):
+                assert re.fullmatch(r"thumbs/\d{5}/rec\d{6}_0000\.jpg", target), target
+            else:
+                assert re.fullmatch(r"\.\./images/\d{5}/rec\d{6}_0000\.png", target), target
+    assert len(names) == 1000
+    assert names == {gallery.page_name(n) for n in range(1, 1001)}
+    assert first_numbers == list(range(0, total, size))
+
+
+def test_pages_hold_one_page_of_rows():
+    consumed = []
+
+    def rows():
+        for i in range(1000):
+            consumed.append(i)
+            yield row(i)
+
+    stream = gallery.pages(rows(), 1000, 10, "t")
+    name, page_html = next(stream)
+    assert name == "index.html" and page_html.count("<img") == 10
+    assert len(consumed) <= 11
+    name, _ = next(stream)
+    assert name == "gallery/page-00002.html" and len(consumed) <= 21
+
+
+def test_page_navigation_is_compact_and_complete():
+    total_pages = 1000
+    page_html = gallery.render_page([row(i) for i in range(50)], 500, total_pages, 50_000, "t")
+    here = gallery.page_name(500)
+    nav = page_html[page_html.index("<nav"):page_html.index("</nav>")]
+    linked = sorted({int(resolve(here, link)[-10:-5]) if "page-" in link else 1 for link in HREF.findall(nav)})
+    assert linked == [1, 497, 498, 499, 501, 502, 503, 1000]
+    assert 'aria-current="page">500<' in nav
+    assert 'rel="prev"' in nav and 'rel="next"' in nav
+    assert "Page 500 of 1000, images 24,951&ndash;25,000 of 50,000" in page_html
+
+
+def test_last_page_counts_from_the_end():
+    pages = dict(gallery.pages((row(i) for i in range(11)), 11, 5, "t"))
+    assert list(pages) == ["index.html", "gallery/page-00002.html", "gallery/page-00003.html"]
+    assert "images 1&ndash;5 of 11" in pages["index.html"]
+    assert "images 11&ndash;11 of 11" in pages["gallery/page-00003.html"]
+    first = pages["index.html"]
+    assert '<span class="off">&laquo; first</span>' in first and 'href="gallery/page-00003.html"' in first
+    last = pages["gallery/page-00003.html"]
+    assert 'href="../index.html"' in last and '<span class="off">next &rsaquo;</span>' in last
+
+
+def test_empty_dataset_has_one_page():
+    pages = list(gallery.pages(iter([]), 0, 100, "empty"))
+    assert len(pages) == 1
+    name, page_html = pages[0]
+    assert name == "index.html" and "no images" in page_html and "<img" not in page_html
+
+
+@pytest.mark.parametrize("given, total", [(9, 10), (11, 10), (5, 10), (1, 0)])
+def test_row_count_must_match_total(given, total):
+    with pytest.raises(ValueError):
+        list(gallery.pages((row(i) for i in range(given)), total, 5, "t"))
+
+
+def test_prompts_and_titles_are_escaped():
+    evil = '<script>alert(1)</script> "quoted" & more'
+    page_html = gallery.render_page([row(0, prompt=evil)], 1, 1, 1, "<b>title</b>")
+    assert "<script" not in page_html and "<b>" not in page_html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page_html
+    assert 'title="&lt;script&gt;alert(1)&lt;/script&gt; &quot;quoted&quot; &amp; more"' in page_html
+
+
+def test_locations_inside_files_get_no_file_link():
+    inside = "shards/00000.tar#rec000000_0000.png"
+    page_html = gallery.render_page([row(0, path=inside)], 2, 2, 2, "t")
+    links = HREF.findall(page_html)
+    assert not any("#" in link or "shards" in link for link in links)
+    thumb = "../thumbs/00000/rec000000_0000.jpg"
+    assert f'<a href="{thumb}"><img src="{thumb}"' in page_html
+    assert f">{inside}</div>" in page_html  # shown as text
+    plain = gallery.render_page([row(0)], 2, 2, 2, "t")
+    assert '<a href="../../images/00000/rec000000_0000.png"><img src="../thumbs/00000/rec000000_0000.jpg"' in plain
+
+
+def test_no_external_resources_or_scripts():
+    page_html = gallery.render_page([row(i) for i in range(3)], 1, 1, 3, "t")
+    assert "<script" not in page_html and "http://" not in page_html and "https://" not in page_html
+    assert page_html.startswith("<!DOCTYPE html>")
+
+
+# -- thumbnails ---------------------------------------------------------------------
+
+def test_thumbnail_is_deterministic_and_fits():
+    rng = np.random.default_rng(1)
+    source = png(rng.integers(0, 256, (256, 512, 3), dtype=np.uint8))
+    first = gallery.thumbnail(source)
+    assert first == gallery.thumbnail(source)
+    with Image.open(io.BytesIO(first)) as image:
+        assert image.format == "JPEG" and image.mode == "RGB" and image.size == (128, 64)
+        assert "exif" not in image.info
+    assert gallery.thumbnail(source, size=32) != first
+
+
+@pytest.mark.parametrize("fmt, mode", [("JPEG", "RGB"), ("WEBP", "RGB"), ("PNG", "RGBA"), ("PNG", "L")])
+def test_thumbnail_reads_other_formats(fmt, mode):
+    image = Image.new(mode, (300, 200), 90)
+    data = io.BytesIO()
+    image.save(data, format=fmt)
+    with Image.open(io.BytesIO(gallery.thumbnail(data.getvalue()))) as thumb:
+        assert thumb.size == (128, 85) and thumb.mode == "RGB"
+
+
+def test_thumbnail_does_not_enlarge():
+    with Image.open(io.BytesIO(gallery.thumbnail(png(np.zeros((40, 60, 3), np.uint8))))) as thumb:
+        assert thumb.size == (60, 40)
+
+
+# -- what a browser shows -----------------------------------------------------------
+
+def write_gallery(out, count: int, page_size: int) -> list[dict]:
+    """OUT/images/00000/KEY.png, OUT/dataset/thumbs and the pages; returns the rows."""
+    rng = np.random.default_rng(7)
+    rows = []
+    for i in range(count):
+        blocks = rng.integers(0, 200, (16, 16, 3), dtype=np.uint8)  # colourful, never near white
+        data = png(np.kron(blocks, np.ones((16, 16, 1), np.uint8)))  # 256 x 256
+        r = row(i)
+        image = out / r["path"]
+        image.parent.mkdir(parents=True, exist_ok=True)
+        image.write_bytes(data)
+        thumb = out / "dataset" / gallery.thumb_path(r["slice"], r["key"])
+        thumb.parent.mkdir(parents=True, exist_ok=True)
+        thumb.write_bytes(gallery.thumbnail(data))
+        rows.append(r)
+    for name, page_html in gallery.pages(iter(rows), count, page_size, "chromium test"):
+        page = out / "dataset" / name
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(page_html, encoding="utf-8")
+    return rows
+
+
+def test_chromium_shows_the_thumbnails(tmp_path):
+    """Needs Debian's chromium (installed when root; skipped without root unless CI=true)."""
+    from tests import chromium
+
+    chromium.ensure()
+    started = time.monotonic()
+    out = tmp_path / "out"
+    rows = write_gallery(out, 11, 5)
+    dataset = out / "dataset"
+    assert sorted(p.relative_to(dataset).as_posix() for p in dataset.rglob("*.html")) == [
+        "gallery/page-00002.html", "gallery/page-00003.html", "index.html"]
+
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    chromium.screenshot(dataset / "index.html", shots / "1.png", 1000, 1400)
+    assert chromium.count_thumbnails(shots / "1.png") == 5
+    chromium.screenshot(dataset / "gallery/page-00003.html", shots / "3.png", 1000, 1400)
+    assert chromium.count_thumbnails(shots / "3.png") == 1
+
+    # every link of page 1 reaches a file that exists
+    for link in HREF.findall((dataset / "index.html").read_text()):
+        assert (dataset / link).resolve().is_file(), link
+
+    # the count sees a missing thumbnail
+    (dataset / gallery.thumb_path(rows[2]["slice"], rows[2]["key"])).unlink()
+    chromium.screenshot(dataset / "index.html", shots / "1-missing.png", 1000, 1400)
+    assert chromium.count_thumbnails(shots / "1-missing.png") == 4
+    print(f"chromium test: {time.monotonic() - started:.1f}s")
