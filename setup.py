@@ -27,7 +27,9 @@ setup(
         # gs:// inside the Beam pipelines (plan, collect) and Dataflow; hosts need only google-cloud-storage
         "gcp": ["apache-beam[gcp]>=2.60,<3"],
         "test": ["apache-beam[gcp]>=2.60,<3", "pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8",
-                 "webdataset>=0.2"],
+                 "webdataset>=0.2",
+                 # metadata.parquet must load in Hugging Face datasets; <5.1 keeps huggingface-hub<1 for transformers 4
+                 "datasets>=3,<5.1"],
     },
     entry_points={"console_scripts": ["promptmill=jobs.cli:main"]},
 )

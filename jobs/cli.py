@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     collect = sub.add_parser("collect", help="merge and verify the outputs into OUT/dataset (Beam)")
     collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
+    collect.add_argument("--gallery-page-size", type=int, default=100,
+                         help="thumbnails per page of dataset/index.html and dataset/gallery/ (default: %(default)s)")
 
     reproduce = sub.add_parser("reproduce", help="regenerate images from their metadata rows and check their sha256")
     reproduce.add_argument("keys", nargs="+", metavar="KEY", help="image keys (the metadata's 'key' column)")
@@ -218,7 +220,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "collect":
         from pipeline import collect
 
-        stats = collect.run_collect(args.out, beam_args)
+        stats = collect.run_collect(args.out, beam_args, page_size=args.gallery_page_size)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
     elif args.command == "reproduce":
         from pipeline import reproduce

@@ -71,7 +71,8 @@ def webdataset_members(rows: list[dict], encoded: list[bytes], ext: str) -> list
 def _hf_feature(arrow_type) -> dict:
     import pyarrow as pa
 
-    names = {pa.string(): "string", pa.int32(): "int32", pa.int64(): "int64", pa.float64(): "float64"}
+    names = {pa.string(): "string", pa.int32(): "int32", pa.int64(): "int64", pa.float64(): "float64",
+             pa.bool_(): "bool"}
     return {"dtype": names[arrow_type], "_type": "Value"}
 
 

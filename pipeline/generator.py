@@ -97,6 +97,10 @@ class Generator:
         """CLIP token ids, padded and truncated to the tokenizer's length."""
         return sampler.tokenize(self.model, prompts)
 
+    def truncated(self, prompts: list[str]) -> list[bool]:
+        """Whether each prompt is longer than the text encoder takes (``tokenize`` cuts it)."""
+        return sampler.truncated(self.model, prompts)
+
     def batch(self, prompts, negatives, guidance, seeds, image_indices) -> Batch:
         """Device inputs for one step: tokenised prompts and each image's seed words and index."""
         from pipeline import keys

@@ -50,12 +50,15 @@ def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, 
     padded = [*items, *[None] * (size - len(items))]
     default_guidance = run["settings"]["guidance_scale"]
     slice_writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents)
+    truncated_prompts = 0  # images whose prompt was cut to the text encoder's length
     for start in range(0, size, generator.batch_size):
         chunk = padded[start:start + generator.batch_size]
         images, latents = generator.generate(_batch(generator, chunk, default_guidance))
+        cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
         for n, (item, image) in enumerate(zip(chunk, images)):
             if item is not None:
-                slice_writer.add(item, image, None if latents is None else latents[n])
+                truncated_prompts += cut[n]
+                slice_writer.add(item, image, None if latents is None else latents[n], cut[n])
         if start == 0:
             crashpoints.reached("mid_slice", host, before=slice_writer.wait_images)
     compiles = CompileCounter.count() - compiles_at_warm
@@ -63,7 +66,7 @@ def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, 
     seconds = watch.seconds()
     stats = {"slice": index, "host": host, "images": len(items), "padding": size - len(items),
              "seconds": round(seconds, 4), "images_per_s": round(len(items) / seconds, 3) if seconds else None,
-             "compiles_after_warmup": compiles,
+             "compiles_after_warmup": compiles, "truncated_prompts": truncated_prompts,
              "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     slice_writer.mark(stats)
     return stats

@@ -29,6 +29,14 @@ def tokenize(model, texts):
     return (ids[0] if len(ids) == 1 else np.stack(ids, axis=1)).astype(np.int32)
 
 
+def truncated(model, texts) -> list[bool]:
+    """Whether each text has more tokens (with the start and end tokens) than the text
+    encoder takes, so that ``tokenize`` cuts it short."""
+    limit = model.tokenizer.model_max_length
+    ids = model.tokenizer(list(texts), truncation=False, verbose=False).input_ids
+    return [len(row) > limit for row in ids]
+
+
 def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = False):
     """``sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index)``.
 

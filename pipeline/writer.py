@@ -16,8 +16,8 @@ from pipeline.records import Item
 
 METADATA_FIELDS = (
     ("key", "string"), ("id", "string"), ("image_index", "int32"), ("prompt", "string"),
-    ("negative_prompt", "string"), ("seed", "int64"), ("width", "int32"), ("height", "int32"),
-    ("steps", "int32"), ("guidance_scale", "float64"), ("scheduler", "string"), ("model", "string"),
+    ("prompt_truncated", "bool_"), ("negative_prompt", "string"), ("seed", "int64"), ("width", "int32"),
+    ("height", "int32"), ("steps", "int32"), ("guidance_scale", "float64"), ("scheduler", "string"), ("model", "string"),
     ("model_fingerprint", "string"), ("dtype", "string"), ("per_device_batch", "int32"), ("slice", "int32"),
     ("position", "int64"), ("host", "int32"), ("sha256", "string"), ("path", "string"), ("source", "string"),
     ("line", "int64"), ("extra", "string"), ("promptmill_version", "string"), ("created_at", "string"),
@@ -30,12 +30,14 @@ def metadata_schema():
     return pa.schema([(name, getattr(pa, kind)()) for name, kind in METADATA_FIELDS])
 
 
-def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str) -> dict:
-    """The metadata of one image (fields in DESIGN.md)."""
+def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str, truncated: bool = False) -> dict:
+    """The metadata of one image (fields in DESIGN.md); ``truncated``: the prompt was
+    longer than the text encoder takes, and only its start was used."""
     settings = run["settings"]
     guidance = item.guidance_scale if item.guidance_scale is not None else settings["guidance_scale"]
     return {
         "key": item.key, "id": item.id, "image_index": item.image_index, "prompt": item.prompt,
+        "prompt_truncated": bool(truncated),
         "negative_prompt": item.negative_prompt, "seed": item.seed, "width": settings["width"],
         "height": settings["height"], "steps": settings["steps"], "guidance_scale": float(guidance),
         "scheduler": run["scheduler"], "model": settings["model"], "model_fingerprint": run["model_fingerprint"],
@@ -115,14 +117,16 @@ class SliceWriter:
         self.zarr_images, self.zarr_latents = zarr_images, zarr_latents
         self._pending = []
 
-    def add(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None) -> None:
-        """Queue one image (and, with ``zarr_latents``, its final latents) for writing."""
+    def add(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None, truncated: bool = False) -> None:
+        """Queue one image (and, with ``zarr_latents``, its final latents) for writing;
+        ``truncated``: its prompt was cut to the text encoder's length."""
         if self.zarr_latents is not None and latents is None:
             raise ValueError(f"slice {self.index}: --save-latents, but no latents for {item.key}")
         latents = None if self.zarr_latents is None else np.array(latents, np.float32, copy=True)
-        self._pending.append(self.pool.submit(self._write_one, item, np.array(image, copy=True), latents))
+        self._pending.append(self.pool.submit(self._write_one, item, np.array(image, copy=True), latents, truncated))
 
-    def _write_one(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None) -> tuple[dict, bytes]:
+    def _write_one(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None,
+                   truncated: bool = False) -> tuple[dict, bytes]:
         data = formats.encode(image, self.image_format, self.quality)
         location = image_location(self.run["settings"], item)
         if "files" in self.formats:
@@ -131,7 +135,7 @@ class SliceWriter:
             self.zarr_images[item.position].write(image).result()
         if latents is not None:
             self.zarr_latents[item.position].write(latents).result()
-        return metadata_row(item, self.run, self.host, data, location), data
+        return metadata_row(item, self.run, self.host, data, location, truncated), data
 
     def wait_images(self) -> None:
         """Block until every image added so far is stored (or one failed)."""

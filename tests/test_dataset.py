@@ -1,0 +1,152 @@
+"""A dirty corpus in, a dataset people can use out: one real ``promptmill run --dedupe``
+over shards in five formats holding every kind of bad row, then what collect made of it:
+exact reject counts by reason, conservation, truncation counts, ``metadata.parquet``
+loaded by Hugging Face ``datasets``, the dataset card, and the gallery in Chromium."""
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import naming, storage, writer
+from tests import chromium
+from tests.conftest import run_cli
+
+LONG_PROMPT = "a very detailed painting of " + ", ".join(f"element number {n}" for n in range(40))
+
+JSONL = [  # a.jsonl, line by line
+    b'{"id": "a1", "prompt": "a lighthouse at dusk"}',
+    b'{"prompt": "broken json"',                             # invalid_json
+    b'{"prompt": "caf\xff"}',                                # invalid_utf8
+    b'{"id": "a4"}',                                         # missing_prompt
+    b'{"prompt": "   "}',                                    # empty_prompt
+    b'{"prompt": 42}',                                       # prompt_not_string
+    b'{"prompt": "negative count", "num_images": -1}',       # bad_num_images
+    b'{"prompt": "huge count", "num_images": 1000000}',      # bad_num_images
+    b'{"prompt": "bad seed", "seed": "abc"}',                # bad_seed
+    b'{"prompt": "bad guidance", "guidance_scale": 1000}',   # bad_guidance_scale
+    b"",                                                     # blank: not a row
+    json.dumps({"id": "long", "prompt": LONG_PROMPT}).encode(),  # kept, truncated
+    b'{"id": "dup-id", "prompt": "the first record with this id", "num_images": 2}',
+]
+CSV = ("prompt,id,seed\n"
+       "a red bicycle,b1,5\n"
+       "another record with this id,dup-id,\n"   # duplicate_id
+       "too,many,fields,here\n"                  # bad_row
+       "a lighthouse at dusk,b4,\n")             # duplicate_prompt (of a1)
+TXT = "a quiet harbour\n\na lighthouse at dusk\na quiet harbour\n"  # lines 3 and 4: duplicate_prompt
+JSON_ARRAY = [{"prompt": "a snowy owl", "id": "c1"}, 5, "a paper boat"]  # element 2: not_an_object
+PARQUET = [{"id": "e1", "prompt": "a glass teapot"}, {"id": "e2", "prompt": None}]  # row 2: missing_prompt
+
+EXPECTED_REJECTS = {"bad_guidance_scale": 1, "bad_num_images": 2, "bad_row": 1, "bad_seed": 1, "duplicate_id": 1,
+                    "duplicate_prompt": 3, "empty_prompt": 1, "invalid_json": 1, "invalid_utf8": 1,
+                    "missing_prompt": 2, "not_an_array": 1, "not_an_object": 1, "prompt_not_string": 1,
+                    "unreadable_file": 1}
+# a1, long, dup-id (2 images) / b1 / "a quiet harbour" / c1, "a paper boat" / e1
+EXPECTED_RECORDS, EXPECTED_IMAGES = 8, 9
+
+
+def write_corpus(folder):
+    folder.mkdir(parents=True)
+    (folder / "a.jsonl").write_bytes(b"\n".join(JSONL) + b"\n")
+    (folder / "b.csv").write_text(CSV)
+    (folder / "c.json").write_text(json.dumps(JSON_ARRAY))
+    (folder / "d.txt").write_text(TXT)
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(PARQUET), buffer)
+    (folder / "e.parquet").write_bytes(buffer.getvalue().to_pybytes())
+    (folder / "f.parquet").write_bytes(b"this is not parquet")  # unreadable_file
+    (folder / "g.json").write_text('{"prompt": "an object, not an array"}')  # not_an_array
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def dirty_run(tmp_path_factory, model_cache):
+    base = tmp_path_factory.mktemp("dirty")
+    prompts, out = write_corpus(base / "in"), str(base / "out")
+    result = run_cli(["run", "--prompts", prompts, "--out", out, "--model", "tiny", "--hosts", "1",
+                      "--devices-per-host", "2", "--steps", "2", "--batches-per-slice", "2", "--dedupe",
+                      "--no-progress"], model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, result
+
+
+def all_rejects(out):
+    return [json.loads(line) for path in storage.glob(naming.join(out, "plan", "rejects", "*.jsonl"))
+            for line in storage.read_text(path).splitlines()]
+
+
+def test_every_bad_row_is_a_reject_with_its_reason_and_the_job_succeeds(dirty_run):
+    out, _ = dirty_run
+    stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    assert stats["rejects_by_reason"] == EXPECTED_REJECTS
+    assert storage.read_json(naming.manifest(out))["rejects_by_reason"] == EXPECTED_REJECTS
+    rejects = all_rejects(out)
+    assert len(rejects) == sum(EXPECTED_REJECTS.values())
+    assert all(r["source"].startswith(out.rsplit("/", 1)[0]) and r["message"] and r["reason"] for r in rejects)
+    where = {(os.path.basename(r["source"]), r["line"]): r["reason"] for r in rejects}
+    assert where[("a.jsonl", 3)] == "invalid_utf8" and where[("b.csv", 3)] == "duplicate_id"
+    assert where[("b.csv", 5)] == "duplicate_prompt" and where[("d.txt", 3)] == where[("d.txt", 4)] == "duplicate_prompt"
+    assert where[("c.json", 2)] == "not_an_object" and where[("f.parquet", 0)] == "unreadable_file"
+    [duplicate_id] = [r for r in rejects if r["reason"] == "duplicate_id"]
+    assert duplicate_id["message"].endswith("a.jsonl line 13") and "another record" in duplicate_id["raw"]
+
+
+def test_conservation_duplicates_and_truncation_are_in_the_stats(dirty_run):
+    out, _ = dirty_run
+    stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    rows = sum(EXPECTED_REJECTS.values()) + EXPECTED_RECORDS
+    assert stats["verified"] and (stats["records"], stats["images"]) == (EXPECTED_RECORDS, EXPECTED_IMAGES)
+    assert stats["conservation"] == {"input_rows": rows, "records": EXPECTED_RECORDS,
+                                     "rejects": sum(EXPECTED_REJECTS.values()), "holds": True}
+    assert stats["duplicates"] == {"ids": 1, "prompts": 3}
+    assert stats["truncated_prompts"] == {"records": 1, "images": 1}
+    truncated = {row["key"] for row in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+                 if row["prompt_truncated"]}
+    assert truncated == {"long_0000"}
+    assert stats["hosts"]["0"]["images"] == EXPECTED_IMAGES and stats["hosts"]["0"]["images_per_s"] > 0
+    assert stats["wall_times"]["generate_s"] >= 0 and stats["wall_times"]["collect_s"] >= 0
+
+
+def test_hugging_face_datasets_loads_the_metadata(dirty_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    import datasets
+
+    out, _ = dirty_run
+    loaded = datasets.load_dataset("parquet", data_files=naming.dataset_file(out, "metadata.parquet"),
+                                   split="train", cache_dir=str(tmp_path / "cache"))
+    assert loaded.num_rows == EXPECTED_IMAGES
+    assert loaded.column_names == [name for name, _ in writer.METADATA_FIELDS]
+    assert loaded.features["prompt_truncated"].dtype == "bool" and loaded.features["seed"].dtype == "int64"
+    assert sorted(loaded["key"]) == sorted(r["key"] for r in writer.read_parquet_rows(
+        naming.dataset_file(out, "metadata.parquet")))
+    assert loaded["position"] == sorted(loaded["position"])  # in plan order
+
+
+def test_the_dataset_card_states_settings_fingerprint_and_counts(dirty_run):
+    out, _ = dirty_run
+    card = storage.read_text(naming.dataset_file(out, "README.md"))
+    run = storage.read_json(naming.run_json(out))
+    assert run["model_fingerprint"] in card and "metadata.parquet" in card and "promptmill reproduce" in card
+    assert "duplicate_prompt" in card and str(EXPECTED_IMAGES) in card
+
+
+def test_the_gallery_renders_every_thumbnail_in_chromium(dirty_run, tmp_path, model_cache):
+    chromium.ensure()
+    out, _ = dirty_run
+    shot = tmp_path / "index.png"
+    chromium.screenshot(naming.dataset_file(out, "index.html"), shot, 1000, 1600)
+    assert chromium.count_thumbnails(shot) == EXPECTED_IMAGES  # one page of 100 holds them all
+
+    # collect again with 4 thumbnails a page: 3 pages, the last one holding 2
+    result = run_cli(["collect", "--out", out, "--gallery-page-size", "4"], model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    pages = sorted(storage.glob(naming.join(out, "dataset", "gallery", "*.html")))
+    assert [p.rsplit("/", 1)[1] for p in pages] == ["page-00002.html", "page-00003.html"]
+    chromium.screenshot(pages[-1], tmp_path / "last.png", 1000, 1000)
+    assert chromium.count_thumbnails(tmp_path / "last.png") == EXPECTED_IMAGES - 8
+    chromium.screenshot(naming.dataset_file(out, "index.html"), shot, 1000, 1000)
+    assert chromium.count_thumbnails(shot) == 4
