@@ -1,0 +1,76 @@
+import json
+import math
+import os
+
+import pytest
+
+from pipeline import plan_bench, records
+
+
+def test_generated_prompts_are_deterministic_and_parse_as_expected(tmp_path):
+    rows, shards = 25_000, 3
+    first = plan_bench.generate(str(tmp_path / "a"), rows, shards)
+    second = plan_bench.generate(str(tmp_path / "b"), rows, shards)
+    assert [os.path.basename(p) for p in first["paths"]] == [plan_bench.shard_name(k, 3) for k in range(3)]
+    for a, b in zip(first["paths"], second["paths"]):
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            assert fa.read() == fb.read()
+    assert first["bytes"] == sum(os.path.getsize(p) for p in first["paths"])
+    reasons, lengths, fields = {}, [], set()
+    for path in first["paths"]:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+        assert lines.pop() == b""  # every row ends with a newline
+        for number, raw in enumerate(lines, start=1):
+            row = records.parse_jsonl_line(raw, path, number, 0, f"{path}:{number}")
+            if isinstance(row, records.Reject):
+                reasons[row.reason] = reasons.get(row.reason, 0) + 1
+            else:
+                lengths.append(len(row.prompt))
+                fields.update(json.loads(raw))
+    assert reasons == plan_bench.expected_rejects(rows) == {"invalid_json": 1, "empty_prompt": 1, "bad_num_images": 1}
+    assert len(lengths) == rows - 3
+    assert min(lengths) >= plan_bench.MIN_CHARS and max(lengths) <= plan_bench.MAX_CHARS
+    assert 80 < sum(lengths) / len(lengths) < 150
+    assert {"prompt", "id", "seed", "num_images", "negative_prompt", "guidance_scale", "collection"} <= fields
+
+
+def test_plan_bench_small(tmp_path, model_cache):
+    rows, shards = 3_000, 3
+    workdir = tmp_path / "bench"
+    report = plan_bench.run(prompts=rows, shards=shards, workdir=str(workdir), devices_per_host=2,
+                            per_device_batch=4, batches_per_slice=64)
+    assert report["verified"] and report["workdir"] == str(workdir)
+    assert report["settings"]["slice_size"] == 512 and report["settings"]["shards"] == shards
+    manifest = report["manifest"]
+    assert manifest["records"] + manifest["rejects"] == rows == report["rows"]
+    assert manifest["rejects_by_reason"] == {"invalid_json": 1}
+    assert report["slice_files"] == manifest["slices"] == math.ceil(manifest["records"] / 512)
+    assert report["slice_items"] == manifest["images"] == manifest["records"]
+    assert report["held_records"] == manifest["records"] and report["held_rejects"] == manifest["rejects"]
+    assert report["wall_s"] > 0 and report["cpu_s"] > 0 and report["rows_per_s"] > 0
+    assert report["input_bytes"] == sum(p.stat().st_size for p in (workdir / "prompts").iterdir())
+    assert 0 < report["prompt_bytes"] < report["input_bytes"]
+    # the plan process's own peak: more than the bare imports, and not the bench's (parent's) memory
+    assert 0 < report["baseline_rss_mib"] < report["peak_rss_mib"] < 2048
+    assert report["tree_peak_rss_mib"] > 0 and report["processes_seen"] >= 1
+    # the kernel's peak and the /proc samples agree: the peak is not the bench's memory carried over exec
+    assert report["peak_rss_mib"] - 64 <= report["sampled_hwm_mib"] <= report["peak_rss_mib"] + 1
+    assert report["held_in_memory_rss_mib"] > 0
+    assert report["held_in_memory_total_rss_mib"] >= report["baseline_rss_mib"]
+    assert report["plan_increment_mib"] == round(report["peak_rss_mib"] - report["baseline_rss_mib"], 1)
+    assert json.loads(json.dumps(report)) == report
+    table = plan_bench.table(report)
+    assert "peak RSS" in table and "held in memory" in table and "verified" in table
+
+    # the check fails loudly when the plan's output does not match the input
+    os.remove(workdir / "out" / "plan" / "slices" / sorted(os.listdir(workdir / "out" / "plan" / "slices"))[-1])
+    with pytest.raises(plan_bench.BenchError, match="slice files"):
+        plan_bench.verify(str(workdir / "out"), rows, 512)
+    with pytest.raises(plan_bench.BenchError, match="records"):
+        plan_bench.verify(str(workdir / "out"), rows + 1, 512)
+    # a workdir the bench did not make is refused
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    with pytest.raises(plan_bench.BenchError, match="not empty"):
+        plan_bench.run(prompts=10, shards=1, workdir=str(tmp_path / "other"))
