@@ -145,6 +145,12 @@ def write_bytes(path: str, data: bytes, mime_type: str = "application/octet-stre
         f.write(data)
 
 
+def delete(paths: list[str]) -> None:
+    """Delete objects (local files or gs:// objects)."""
+    if paths:
+        _filesystems().delete(list(paths))
+
+
 def write_text(path: str, text: str, mime_type: str = "text/plain") -> None:
     write_bytes(path, text.encode("utf-8"), mime_type)
 

@@ -62,6 +62,12 @@ def plan_slice(out: str, index: int) -> str:
     return join(out, "plan", "slices", f"{slice_name(index)}.jsonl")
 
 
+def plan_part(out: str, index: int, first_position: int) -> str:
+    """A piece of a slice that several input files share, from the file holding
+    ``first_position``; plan joins the pieces into the slice and deletes them."""
+    return join(out, "plan", "parts", f"{slice_name(index)}-{first_position:012d}.jsonl")
+
+
 def rejects_dir(out: str) -> str:
     return join(out, "plan", "rejects")
 

@@ -1,7 +1,8 @@
 """``plan``: prompt shards in, fixed-size slices out (a Beam pipeline that streams).
 
 No stage ever holds the prompts of the whole input, nor of one whole file: each file
-is read twice, one row at a time, and only small summaries cross a shuffle.
+is read twice, one row at a time, and only small summaries and file names cross a
+shuffle. At most one slice of items is in memory at a time.
 
   ScanFiles      each file -> a ``FileScan``: its row count, rejects by reason, and for
                  each valid record its line, image count and 16-byte hashes of its id
@@ -12,9 +13,10 @@ is read twice, one row at a time, and only small summaries cross a shuffle.
                  (``duplicate_prompt``); each file's first global position, in (source,
                  line) order
   PlaceRecords   each file again, with the Layout -> its rejects file, every slice that
-                 lies wholly inside the file (written at once), and the items of the
-                 slices it shares with a neighbouring file (at most two per file)
-  JoinShared     the shared slices' items, grouped by slice -> written
+                 lies wholly inside the file (written at once), and a part file of each
+                 slice it shares with other files (at most two per file)
+  JoinShared     (slice, part file) pairs grouped by slice -> the parts concatenated in
+                 position order into the slice, then deleted
   WriteManifest  once every slice is written -> ``plan/manifest.json``
 ``run.json`` (resolved settings, model fingerprint, versions) is written first.
 Inside the pipeline, files are read and written through Beam's FileSystems
@@ -30,7 +32,6 @@ import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
-import itertools
 import json
 import os
 import re
@@ -112,19 +113,20 @@ def _digest(text: str) -> bytes:
 @dataclasses.dataclass
 class FileScan:
     """What the first pass learns of one file: counts, and per valid record its line,
-    image count and the hashes of its id and prompt (24 + 2 x 16 bytes a record)."""
+    image count and the hash of its id, and with dedupe of its prompt (24 or 40 bytes
+    a record)."""
     source: str
     rows: int
     reasons: dict
-    lines: np.ndarray  # int64, increasing
+    lines: np.ndarray  # int32, increasing
     images: np.ndarray  # int32
     id_hashes: np.ndarray  # S16
-    prompt_hashes: np.ndarray  # S16
+    prompt_hashes: np.ndarray  # S16; empty without dedupe
 
 
-def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt") -> FileScan:
+def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt", dedupe: bool = True) -> FileScan:
     rows, reasons = 0, collections.Counter()
-    lines, images = array.array("q"), array.array("i")
+    lines, images = array.array("i"), array.array("i")
     ids, prompts = bytearray(), bytearray()
     for _, result in validated(path, run_seed, root, prompt_field):
         rows += 1
@@ -134,9 +136,10 @@ def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt")
         lines.append(result.line)
         images.append(result.num_images)
         ids += _digest(result.id)
-        prompts += _digest(result.prompt)
+        if dedupe:
+            prompts += _digest(result.prompt)
     as_hashes = lambda b: np.frombuffer(bytes(b), dtype=f"S{HASH_BYTES}")  # noqa: E731
-    return FileScan(path, rows, dict(reasons), np.asarray(lines, np.int64), np.asarray(images, np.int32),
+    return FileScan(path, rows, dict(reasons), np.asarray(lines, np.int32), np.asarray(images, np.int32),
                     as_hashes(ids), as_hashes(prompts))
 
 
@@ -173,7 +176,7 @@ def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
     scans = sorted(scans, key=lambda s: s.source)
     sources = [s.source for s in scans]
     owner = np.repeat(np.arange(len(scans)), [len(s.lines) for s in scans])
-    lines = np.concatenate([s.lines for s in scans]) if scans else np.zeros(0, np.int64)
+    lines = np.concatenate([s.lines for s in scans]) if scans else np.zeros(0, np.int32)
     images = np.concatenate([s.images for s in scans]) if scans else np.zeros(0, np.int32)
     drops: dict[str, dict] = {}
     kept = np.ones(len(lines), bool)
@@ -215,8 +218,8 @@ def write_slice(out: str, index: int, items) -> int:
 
 
 class _ScanFn(beam.DoFn):
-    def __init__(self, run_seed: int, root: str, prompt_field: str):
-        self.args = (run_seed, root, prompt_field)
+    def __init__(self, run_seed: int, root: str, prompt_field: str, dedupe: bool):
+        self.args = (run_seed, root, prompt_field, dedupe)
         self.read = Metrics.counter("plan", "rows_read")
 
     def setup(self):
@@ -280,7 +283,29 @@ class _PlaceFn(beam.DoFn):
             self.slices.inc()
             yield write_slice(self.out, index, items)
         else:
-            yield beam.pvalue.TaggedOutput(self.SHARED, (index, items))
+            part = naming.plan_part(self.out, index, items[0].position)
+            beamio.write_bytes(part, b"".join(_jsonl_line(i.to_json()) for i in items), "application/jsonl")
+            yield beam.pvalue.TaggedOutput(self.SHARED, (index, (items[0].position, part)))
+
+
+class _JoinPartsFn(beam.DoFn):
+    """A shared slice from its parts, in position order; the parts are deleted after."""
+
+    def __init__(self, out: str):
+        self.out = out
+        self.slices = Metrics.counter("plan", "slices_written")
+
+    def setup(self):
+        beamio.use_emulator_credentials()
+
+    def process(self, element):
+        index, parts = element
+        paths = [path for _, path in sorted(parts)]
+        beamio.write_bytes(naming.plan_slice(self.out, index), b"".join(beamio.read_bytes(p) for p in paths),
+                           "application/jsonl")
+        beamio.delete(paths)
+        self.slices.inc()
+        yield index
 
 
 class WriteManifest(beam.PTransform):
@@ -316,16 +341,14 @@ def build(p, pattern: str, out: str, settings: Settings):
              | "MatchFiles" >> beam.Create(match_prompt_files(pattern))
              | "SpreadFiles" >> beam.Reshuffle())
     layout = (files
-              | "ScanFiles" >> beam.ParDo(_ScanFn(*args))
+              | "ScanFiles" >> beam.ParDo(_ScanFn(*args, settings.dedupe))
               | "AllScans" >> beam.combiners.ToList()
               | "Layout" >> beam.Map(make_layout, settings.dedupe))
     placed = files | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, size, *args), beam.pvalue.AsSingleton(layout)) \
         .with_outputs(_PlaceFn.SHARED, main="written")
     joined = (placed[_PlaceFn.SHARED]
               | "GroupShared" >> beam.GroupByKey()
-              | "WriteShared" >> beam.MapTuple(
-                  lambda index, parts: write_slice(out, index, sorted(itertools.chain.from_iterable(parts),
-                                                                      key=lambda i: i.position))))
+              | "JoinShared" >> beam.ParDo(_JoinPartsFn(out)))
     written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
     return (layout, written) | "WriteManifest" >> WriteManifest(out, size)
 

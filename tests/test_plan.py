@@ -12,7 +12,7 @@ from pipeline.settings import Settings
 FILES = {
     "b.jsonl": [b'{"prompt": "b one", "id": "b1"}', b'{"prompt": "b two", "num_images": 0}',
                 b'{"prompt": "b three", "id": "b3", "seed": 9}'],
-    "a.jsonl": [b'{"prompt": "a one", "id": "a1", "num_images": 3}', b'{"prompt": ""}', b"{oops", b"",
+    "a.jsonl": [b'{"prompt": "a one", "id": "a1", "num_images": 2}', b'{"prompt": ""}', b"{oops", b"",
                 b'{"prompt": "a five"}'],
 }
 
@@ -41,17 +41,17 @@ def test_the_plan_pipeline_under_test_pipeline(tmp_path):
     p = TestPipeline()
     manifest = plan.build(p, folder, out, settings)
     assert_that(manifest | beam.Map(lambda m: (m["records"], m["images"], m["rejects"], m["input_rows"])),
-                equal_to([(4, 6, 3, 7)]))
+                equal_to([(4, 5, 3, 7)]))
     result = p.run()
     result.wait_until_finish()
     slices, rejects = read_plan(out)
-    # positions follow (source, line): a.jsonl first, then b.jsonl; slice 1 is shared by both files
+    # positions follow (source, line): a.jsonl first, then b.jsonl; both files share slice 1
     assert slices == {0: [("a1_0000", 0), ("a1_0001", 1)],
-                      1: [("a1_0002", 2), (naming.output_key("d/a.jsonl:5", 0), 3)],
-                      2: [("b1_0000", 4), ("b3_0000", 5)]}
+                      1: [(naming.output_key("d/a.jsonl:5", 0), 2), ("b1_0000", 3)],
+                      2: [("b3_0000", 4)]}
     assert rejects == [("a.jsonl", 2, "empty_prompt"), ("a.jsonl", 3, "invalid_json"), ("b.jsonl", 2, "bad_num_images")]
-    assert plan.counters(result) == {"images_planned": 6, "records_planned": 4, "rows_read": 7, "rows_rejected": 3,
-                                     "slices_written": 3}
+    assert plan.counters(result) == {"images_planned": 5, "records_planned": 4, "rows_read": 7, "rows_rejected": 3,
+                                     "slices_written": 3}  # slice 1 by the join of its two parts
 
 
 def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
@@ -66,6 +66,7 @@ def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
     assert sorted(slices) == list(range(4)) and [len(slices[i]) for i in range(4)] == [3, 3, 3, 3]
     assert [pos for index in sorted(slices) for _, pos in slices[index]] == list(range(12))
     assert rejects == [("f1.jsonl", 1, "missing_prompt")]
+    assert storage.glob(naming.join(out, "plan", "parts", "*")) == []  # joined into slices, then deleted
     assert (manifest["slices"], manifest["records"], manifest["input_rows"], manifest["input_files"]) == (4, 12, 13, 6)
 
 
