@@ -68,6 +68,11 @@ def plan_part(out: str, index: int, first_position: int) -> str:
     return join(out, "plan", "parts", f"{slice_name(index)}-{first_position:012d}.jsonl")
 
 
+def plan_scan(out: str, source: str) -> str:
+    """The first pass's arrays for one input file (``plan.FileScan``); deleted once read."""
+    return join(out, "plan", "scans", f"{key_stem(source)}.npz")
+
+
 def rejects_dir(out: str) -> str:
     return join(out, "plan", "rejects")
 

@@ -6,7 +6,9 @@ shuffle. At most one slice of items is in memory at a time.
 
   ScanFiles      each file -> a ``FileScan``: its row count, rejects by reason, and for
                  each valid record its line, image count and 16-byte hashes of its id
-                 and prompt (``validated`` reads and checks the rows)
+                 and (with --dedupe) prompt (``validated`` reads and checks the rows);
+                 the arrays go to ``plan/scans/`` and only the file's name crosses
+                 the shuffle
   Layout         every FileScan -> a ``Layout`` (``make_layout``, pure): later records
                  with an id already used are rejected (``duplicate_id``); with
                  ``--dedupe``, later records whose prompt was already seen are rejected
@@ -32,6 +34,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
+import io
 import json
 import os
 import re
@@ -217,9 +220,28 @@ def write_slice(out: str, index: int, items) -> int:
     return index
 
 
+_ARRAYS = ("lines", "images", "id_hashes", "prompt_hashes")
+
+
+def save_scan(scan: FileScan, path: str) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, **{name: getattr(scan, name) for name in _ARRAYS},
+             meta=np.array(json.dumps({"source": scan.source, "rows": scan.rows, "reasons": scan.reasons})))
+    beamio.write_bytes(path, buffer.getvalue())
+
+
+def load_scan(path: str) -> FileScan:
+    with np.load(io.BytesIO(beamio.read_bytes(path))) as saved:
+        meta = json.loads(str(saved["meta"]))
+        return FileScan(meta["source"], meta["rows"], meta["reasons"], **{name: saved[name] for name in _ARRAYS})
+
+
 class _ScanFn(beam.DoFn):
-    def __init__(self, run_seed: int, root: str, prompt_field: str, dedupe: bool):
-        self.args = (run_seed, root, prompt_field, dedupe)
+    """Scans one file and saves its arrays; yields where they are (the Beam runner
+    never holds, copies or pickles the arrays)."""
+
+    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, dedupe: bool):
+        self.out, self.args = out, (run_seed, root, prompt_field, dedupe)
         self.read = Metrics.counter("plan", "rows_read")
 
     def setup(self):
@@ -228,7 +250,16 @@ class _ScanFn(beam.DoFn):
     def process(self, path: str):
         scan = scan_file(path, *self.args)
         self.read.inc(scan.rows)
-        yield scan
+        saved = naming.plan_scan(self.out, path)
+        save_scan(scan, saved)
+        yield saved
+
+
+def layout_of_saved(paths: list[str], dedupe: bool) -> Layout:
+    """``make_layout`` over the saved scans, which are then deleted."""
+    layout = make_layout([load_scan(path) for path in paths], dedupe)
+    beamio.delete(paths)
+    return layout
 
 
 class _PlaceFn(beam.DoFn):
@@ -341,9 +372,9 @@ def build(p, pattern: str, out: str, settings: Settings):
              | "MatchFiles" >> beam.Create(match_prompt_files(pattern))
              | "SpreadFiles" >> beam.Reshuffle())
     layout = (files
-              | "ScanFiles" >> beam.ParDo(_ScanFn(*args, settings.dedupe))
+              | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, settings.dedupe))
               | "AllScans" >> beam.combiners.ToList()
-              | "Layout" >> beam.Map(make_layout, settings.dedupe))
+              | "Layout" >> beam.Map(layout_of_saved, settings.dedupe))
     placed = files | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, size, *args), beam.pvalue.AsSingleton(layout)) \
         .with_outputs(_PlaceFn.SHARED, main="written")
     joined = (placed[_PlaceFn.SHARED]

@@ -58,6 +58,7 @@ def test_runs_planned_before_save_latents_keep_their_fingerprint():
     old = Settings().to_dict()
     old.pop("save_latents")
     old.pop("prompt_field")  # newer than save_latents, left out at its default in the same way
+    old.pop("dedupe")  # likewise
     loaded = Settings.from_dict(json.loads(json.dumps(old)))
     assert loaded.save_latents is False
     decisive = dict(old, model="m")

@@ -67,6 +67,7 @@ def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
     assert [pos for index in sorted(slices) for _, pos in slices[index]] == list(range(12))
     assert rejects == [("f1.jsonl", 1, "missing_prompt")]
     assert storage.glob(naming.join(out, "plan", "parts", "*")) == []  # joined into slices, then deleted
+    assert storage.glob(naming.join(out, "plan", "scans", "*")) == []  # read by the layout, then deleted
     assert (manifest["slices"], manifest["records"], manifest["input_rows"], manifest["input_files"]) == (4, 12, 13, 6)
 
 
