@@ -49,10 +49,7 @@ def _read_lines(path: str):
 
 
 def _read_table(path: str):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    return pq.read_table(pa.BufferReader(beamio.read_bytes(path)))
+    return writer.parquet_table(beamio.read_bytes(path))
 
 
 def _key_of_image(path: str) -> str:
@@ -172,15 +169,24 @@ def _ok_rows_table(out: str, summary: dict):
     return _conform(table.sort_by("position"), writer.metadata_schema())
 
 
+HOST_TIMES = ("input_s", "device_wait_s", "output_s")  # per slice, from the host loop (pipeline.host)
+
+
 def _host_stats(slice_stats: list[dict]) -> dict:
+    """Per host: images, slices, seconds and images/s, and the slices' summed time spent
+    preparing inputs, waiting for the devices, and handing images to the writers."""
     hosts: dict[int, dict] = {}
     for stats in slice_stats:
-        host = hosts.setdefault(stats["host"], {"images": 0, "seconds": 0.0, "slices": 0})
+        host = hosts.setdefault(stats["host"], {"images": 0, "seconds": 0.0, "slices": 0,
+                                                **{name: 0.0 for name in HOST_TIMES}})
         host["images"] += stats["images"]
         host["seconds"] += stats["seconds"]
         host["slices"] += 1
+        for name in HOST_TIMES:
+            host[name] += stats.get(name, 0.0)
     for host in hosts.values():
-        host["seconds"] = round(host["seconds"], 3)
+        for name in ("seconds", *HOST_TIMES):
+            host[name] = round(host[name], 3)
         host["images_per_s"] = round(host["images"] / host["seconds"], 3) if host["seconds"] else None
     return {str(h): v for h, v in sorted(hosts.items())}
 

@@ -135,10 +135,14 @@ class Generator:
         out = self.dispatch(batch)
         return self._host(out[0] if self.latents else out)
 
-    def generate(self, batch: Batch) -> tuple[np.ndarray, np.ndarray | None]:
-        """(uint8 images [N, height, width, 3], float32 final latents [N, C, height/f,
-        width/f] or None without ``latents``) of one batch, in batch order."""
-        out = self.dispatch(batch)
+    def fetch(self, out) -> tuple[np.ndarray, np.ndarray | None]:
+        """The host copy of what ``dispatch`` returned: (uint8 images [N, height, width, 3],
+        float32 final latents [N, C, height/f, width/f] or None without ``latents``), in
+        batch order. Blocks until the device step is done."""
         if not self.latents:
             return self._host(out), None
         return self._host(out[0]), self._host(out[1])
+
+    def generate(self, batch: Batch) -> tuple[np.ndarray, np.ndarray | None]:
+        """``fetch(dispatch(batch))``: one batch, waited for."""
+        return self.fetch(self.dispatch(batch))

@@ -50,22 +50,47 @@ def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, 
     padded = [*items, *[None] * (size - len(items))]
     default_guidance = run["settings"]["guidance_scale"]
     slice_writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents)
+    timing = {"input_s": 0.0, "device_wait_s": 0.0, "output_s": 0.0}
     truncated_prompts = 0  # images whose prompt was cut to the text encoder's length
-    for start in range(0, size, generator.batch_size):
-        chunk = padded[start:start + generator.batch_size]
-        images, latents = generator.generate(_batch(generator, chunk, default_guidance))
-        cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
+
+    def hand_over(chunk, cut, out):  # the previous batch's results, to the writer's pool
+        nonlocal truncated_prompts
+        clock = logs.Stopwatch()
+        images, latents = generator.fetch(out)
+        timing["device_wait_s"] += clock.seconds()
+        clock = logs.Stopwatch()
         for n, (item, image) in enumerate(zip(chunk, images)):
             if item is not None:
                 truncated_prompts += cut[n]
                 slice_writer.add(item, image, None if latents is None else latents[n], cut[n])
-        if start == 0:
-            crashpoints.reached("mid_slice", host, before=slice_writer.wait_images)
+        timing["output_s"] += clock.seconds()
+
+    # The next batch is tokenised and dispatched before the current one is fetched, so
+    # the devices always have a step queued while the host copies, encodes and uploads.
+    previous = None
+    for start in range(0, size, generator.batch_size):
+        chunk = padded[start:start + generator.batch_size]
+        clock = logs.Stopwatch()
+        batch = _batch(generator, chunk, default_guidance)
+        cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
+        timing["input_s"] += clock.seconds()
+        dispatched = (chunk, cut, generator.dispatch(batch))
+        if previous is not None:
+            hand_over(*previous)
+            if start == generator.batch_size:
+                crashpoints.reached("mid_slice", host, before=slice_writer.wait_images)
+        previous = dispatched
+    hand_over(*previous)
+    if size == generator.batch_size:
+        crashpoints.reached("mid_slice", host, before=slice_writer.wait_images)
     compiles = CompileCounter.count() - compiles_at_warm
+    clock = logs.Stopwatch()
     slice_writer.finish()
+    timing["output_s"] += clock.seconds()
     seconds = watch.seconds()
     stats = {"slice": index, "host": host, "images": len(items), "padding": size - len(items),
              "seconds": round(seconds, 4), "images_per_s": round(len(items) / seconds, 3) if seconds else None,
+             **{name: round(value, 4) for name, value in timing.items()},
              "compiles_after_warmup": compiles, "truncated_prompts": truncated_prompts,
              "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     slice_writer.mark(stats)

@@ -211,7 +211,8 @@ def _read_parquet(path: str):
                 shutil.copyfileobj(f, source, beamio.READ_CHUNK)
                 source.seek(0)
             number = 0
-            for batch in pq.ParquetFile(source).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for batch in pq.ParquetFile(source, pre_buffer=False).iter_batches(batch_size=PARQUET_BATCH_ROWS,
+                                                                               use_threads=False):
                 for row in batch.to_pylist():
                     number += 1
                     yield path, number, {k: _plain(v) for k, v in row.items() if v is not None}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 
 import numpy as np
 
@@ -59,11 +60,21 @@ def parquet_bytes(rows: list[dict]) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def read_parquet_rows(path: str) -> list[dict]:
+def parquet_table(data: bytes):
+    """A Parquet file's bytes as a pyarrow Table.
+
+    Decoded on the calling thread: with pyarrow's threads, reading from an in-memory
+    buffer can leave an I/O thread running at interpreter exit, and the process then
+    aborts ("terminate called without an active exception") after doing its work.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(pa.BufferReader(storage.read_bytes(path))).to_pylist()
+    return pq.read_table(pa.BufferReader(data), use_threads=False, pre_buffer=False)
+
+
+def read_parquet_rows(path: str) -> list[dict]:
+    return parquet_table(storage.read_bytes(path)).to_pylist()
 
 
 def read_slice_items(out: str, index: int) -> list[Item]:
@@ -106,11 +117,15 @@ class SliceWriter:
     Encoding and uploads run on a shared thread pool, off the device loop (JAX releases
     the GIL while the devices work). ``commit`` waits for them, re-raising the first
     failure, so a slice is never committed with an object missing; the commit marker
-    is written last.
+    is written last. At most ``max_pending`` images wait in the pool: ``add`` blocks
+    beyond that (backpressure), so the host's memory stays bounded however slow the
+    uploads are.
     """
 
-    def __init__(self, out: str, run: dict, index: int, host: int, pool, zarr_images=None, zarr_latents=None):
+    def __init__(self, out: str, run: dict, index: int, host: int, pool, zarr_images=None, zarr_latents=None,
+                 max_pending: int = 64):
         self.out, self.run, self.index, self.host, self.pool = out, run, index, host, pool
+        self._slots = threading.BoundedSemaphore(max_pending)
         settings = run["settings"]
         self.formats = tuple(settings.get("formats", ("files",)))
         self.image_format, self.quality = settings.get("image_format", "png"), settings.get("quality", 95)
@@ -123,7 +138,14 @@ class SliceWriter:
         if self.zarr_latents is not None and latents is None:
             raise ValueError(f"slice {self.index}: --save-latents, but no latents for {item.key}")
         latents = None if self.zarr_latents is None else np.array(latents, np.float32, copy=True)
-        self._pending.append(self.pool.submit(self._write_one, item, np.array(image, copy=True), latents, truncated))
+        self._slots.acquire()
+        try:
+            future = self.pool.submit(self._write_one, item, np.array(image, copy=True), latents, truncated)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        self._pending.append(future)
 
     def _write_one(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None,
                    truncated: bool = False) -> tuple[dict, bytes]:

@@ -105,7 +105,11 @@ def test_conservation_duplicates_and_truncation_are_in_the_stats(dirty_run):
     truncated = {row["key"] for row in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
                  if row["prompt_truncated"]}
     assert truncated == {"long_0000"}
-    assert stats["hosts"]["0"]["images"] == EXPECTED_IMAGES and stats["hosts"]["0"]["images_per_s"] > 0
+    host = stats["hosts"]["0"]
+    assert host["images"] == EXPECTED_IMAGES and host["images_per_s"] > 0
+    # the host loop's time, summed over its slices: preparing inputs, waiting on devices, handing over outputs
+    assert host["device_wait_s"] > 0 and host["input_s"] > 0 and host["output_s"] > 0
+    assert host["input_s"] + host["device_wait_s"] + host["output_s"] <= host["seconds"]
     assert stats["wall_times"]["generate_s"] >= 0 and stats["wall_times"]["collect_s"] >= 0
 
 

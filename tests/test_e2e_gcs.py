@@ -8,8 +8,6 @@ import re
 import tarfile
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -92,7 +90,7 @@ def test_all_formats_with_prompts_model_and_output_on_gcs(clean_run, gcs_inputs,
             assert json.loads(sample["json"])["key"] == key and sample["txt"].decode() == json.loads(sample["json"])["prompt"]
             np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(sample["png"]))), pixels[key])
             seen_tar.add(key)
-        table = pq.read_table(pa.BufferReader(storage.read_bytes(naming.image_parquet(out, index))))
+        table = writer.parquet_table(storage.read_bytes(naming.image_parquet(out, index)))
         for record in table.to_pylist():
             np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(record["image"]["bytes"]))),
                                           pixels[record["key"]])
@@ -139,7 +137,7 @@ def _normalized(out: str) -> dict:
             for member in tar.getmembers():
                 data = tar.extractfile(member).read()
                 found["tar"][member.name] = strip(json.loads(data)) if member.name.endswith(".json") else data
-        table = pq.read_table(pa.BufferReader(storage.read_bytes(naming.image_parquet(out, index))))
+        table = writer.parquet_table(storage.read_bytes(naming.image_parquet(out, index)))
         for record in table.to_pylist():
             found["parquet"][record["key"]] = strip(record)
     found["zarr"] = formats.read_zarr_images(out).read().result()

@@ -4,11 +4,10 @@ import tarfile
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline import formats
+from pipeline import formats, writer
 
 
 def image(seed=0, size=(32, 48)):
@@ -65,7 +64,7 @@ def test_webdataset_tar_is_deterministic_and_iterates_with_webdataset(tmp_path):
 def test_image_parquet_has_a_hugging_face_image_column():
     schema = pa.schema([("key", pa.string()), ("prompt", pa.string()), ("path", pa.string()), ("seed", pa.int64())])
     encoded = [formats.encode(image(n)) for n in range(2)]
-    table = pq.read_table(pa.BufferReader(formats.image_parquet_bytes(ROWS, encoded, schema)))
+    table = writer.parquet_table(formats.image_parquet_bytes(ROWS, encoded, schema))
     assert table.column_names == ["key", "prompt", "path", "seed", "image"]
     features = json.loads(table.schema.metadata[b"huggingface"])["info"]["features"]
     assert features["image"] == {"_type": "Image"} and features["seed"]["dtype"] == "int64"

@@ -1,0 +1,106 @@
+"""The host loop overlaps the devices with the host's own work: the next batch is
+tokenised and dispatched before the current one is fetched, and images go to a
+bounded writer pool. It must write exactly what a plain sequential loop writes."""
+import hashlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+import pytest
+
+from pipeline import formats, host, naming, records, storage, writer
+from pipeline import model as model_lib
+from pipeline.generator import Generator
+
+SIZE = 6  # three batches of two: two in flight at a time
+
+
+@pytest.fixture(scope="module")
+def generator(model_cache):
+    return Generator(model_lib.load("tiny", "fp32", "ddim"), 32, 32, 2, 1, devices=jax.local_devices()[:2])
+
+
+def planned_out(tmp_path, count):
+    """An OUT holding run.json and one plan slice of ``count`` items (the last ones padding)."""
+    out = str(tmp_path / "out")
+    run = {"settings": {"width": 32, "height": 32, "steps": 2, "guidance_scale": 7.5, "model": "tiny",
+                        "dtype": "fp32", "per_device_batch": 1, "formats": ["files"], "image_format": "png",
+                        "quality": 95},
+           "scheduler": "ddim", "model_fingerprint": "f" * 64, "created_at": "2026-01-02T03:04:05+00:00"}
+    recs = [records.Record(id=f"r{n}", prompt=f"prompt {n}", negative_prompt="blurry" if n % 2 else "",
+                           seed=1000 + n, num_images=1, guidance_scale=3.0 if n == 1 else None, source="p.jsonl",
+                           line=n + 1) for n in range(count)]
+    items = [records.expand(r, n, SIZE)[0] for n, r in enumerate(recs)]
+    storage.write_text(naming.plan_slice(out, 0), "".join(json.dumps(i.to_json()) + "\n" for i in items))
+    return out, run, items
+
+
+def test_the_overlapped_loop_writes_what_a_sequential_loop_writes(generator, tmp_path):
+    out, run, items = planned_out(tmp_path, SIZE - 1)
+    with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
+        stats = host.run_slice(generator, out, run, 0, SIZE, 0, pool)
+    assert stats["images"] == SIZE - 1 and stats["padding"] == 1
+    assert min(stats["input_s"], stats["device_wait_s"], stats["output_s"]) >= 0
+    assert stats["input_s"] + stats["device_wait_s"] + stats["output_s"] <= stats["seconds"]
+
+    # the sequential reference: generate a batch, wait for it, encode each image, in order
+    padded = [*items, None]
+    expected = {}
+    for start in range(0, SIZE, generator.batch_size):
+        chunk = padded[start:start + generator.batch_size]
+        images, _ = generator.generate(host._batch(generator, chunk, 7.5))
+        for item, image in zip(chunk, images):
+            if item is not None:
+                expected[item.key] = formats.encode(image, "png")
+    rows = writer.read_parquet_rows(naming.shard_metadata(out, 0))
+    assert [row["key"] for row in rows] == [item.key for item in items]  # rows in position order
+    for row in rows:
+        assert storage.read_bytes(naming.join(out, row["path"])) == expected[row["key"]]
+        assert row["sha256"] == hashlib.sha256(expected[row["key"]]).hexdigest()
+    assert writer.is_committed(out, 0)
+
+
+def test_the_writer_pool_applies_backpressure(tmp_path):
+    out, run, items = planned_out(tmp_path, 5)
+    gate = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        slice_writer = writer.SliceWriter(out, run, 0, 0, pool, max_pending=2)
+        original = slice_writer._write_one
+        slice_writer._write_one = lambda *a: (gate.wait(), original(*a))[1]  # uploads stall until the gate opens
+        added = []
+
+        def producer():
+            for item in items:
+                slice_writer.add(item, np.zeros((32, 32, 3), np.uint8))
+                added.append(item.key)
+
+        thread = threading.Thread(target=producer)
+        thread.start()
+        time.sleep(0.5)
+        assert len(added) == 2  # the third add waits for a free slot: memory stays bounded
+        gate.set()
+        thread.join(timeout=30)
+        assert len(added) == 5
+        rows = slice_writer.commit({"slice": 0, "images": 5})
+    assert [row["key"] for row in rows] == [item.key for item in items]
+
+
+def test_a_failed_encoder_fails_the_slice_loudly_and_commits_nothing(generator, tmp_path, monkeypatch):
+    out, run, _ = planned_out(tmp_path, SIZE)
+    encode, calls = formats.encode, []
+
+    def failing(image, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("injected: the encoder failed")
+        return encode(image, *args)
+
+    monkeypatch.setattr(formats, "encode", failing)
+    with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
+        with pytest.raises(OSError, match="injected"):
+            host.run_slice(generator, out, run, 0, SIZE, 0, pool)
+    assert not writer.is_committed(out, 0)  # redone by the next run, never half-counted as done
+    assert not storage.exists(naming.shard_metadata(out, 0))
