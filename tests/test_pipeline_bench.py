@@ -1,0 +1,79 @@
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import naming, pipeline_bench, storage, writer
+
+
+def test_synthetic_generator_is_asynchronous_and_fixed():
+    generator = pipeline_bench.SyntheticGenerator(2, 16, 8, 0.2)
+    try:
+        start = pipeline_bench.time.perf_counter()
+        handle = generator.dispatch(generator.batch(["a", "b"], ["", ""], [7.5] * 2, [0, 1], [0, 0]))
+        assert pipeline_bench.time.perf_counter() - start < 0.1  # dispatch does not wait for the step
+        images, latents = generator.fetch(handle)
+        assert pipeline_bench.time.perf_counter() - start >= 0.2
+        assert images.shape == (2, 8, 16, 3) and images.dtype == np.uint8 and latents is None
+        again, _ = generator.generate(("c", "d"))
+        np.testing.assert_array_equal(images, again)
+        assert images is not again and images[0].std() > 50  # noise, a fresh copy per step
+        assert generator.truncated(["a", "b"]) == [False, False]
+        with pytest.raises(ValueError):
+            generator.dispatch(("only one",))
+    finally:
+        generator.close()
+
+
+def test_plan_is_readable_by_the_host(tmp_path):
+    out = str(tmp_path)
+    run = pipeline_bench.bench_run(16, 8, 0, 4)
+    plan = pipeline_bench.write_plan(out, run, 2, 8)
+    assert [len(items) for items in plan] == [8, 8]
+    assert writer.read_slice_items(out, 1) == plan[1]
+    assert [item.slice for item in plan[1]] == [1] * 8 and plan[1][0].position == 8
+    assert storage.read_json(naming.run_json(out)) == run
+
+
+def test_smoke_synthetic_every_mode(tmp_path):
+    workdir = str(tmp_path / "work")
+    config = pipeline_bench.PipelineBenchConfig(generator="synthetic", width=64, height=64, batch=4,
+                                                seconds_per_batch=0.05, slices=2, batches_per_slice=2,
+                                                workdir=workdir, report=str(tmp_path / "report.json"))
+    report = pipeline_bench.run(config)
+    assert storage.read_json(config.report) == report
+    assert report["config"]["images_per_mode"] == 16
+    modes = report["modes"]
+    assert set(modes) == {"generator", "pipeline_local", "sequential"}
+    for mode in modes.values():
+        assert mode["images"] == 16 and mode["seconds"] > 0 and mode["images_per_s"] > 0
+        assert mode["peak_rss_mib"] > 0
+    # a device step takes 0.05 s, and every mode waits for all 4 of them (2 slices x 2 batches)
+    assert min(m["seconds"] for m in modes.values()) >= 4 * 0.05
+    local = modes["pipeline_local"]
+    assert local["files"] == 16 and modes["sequential"]["files"] == 16
+    pngs = sorted(p for p in storage.glob(naming.join(workdir, "local", "images", "*", "*.png")))
+    assert len(pngs) == 16
+    for path in pngs:
+        with Image.open(path) as image:
+            assert image.size == (64, 64) and image.mode == "RGB"
+    for index in range(2):
+        assert writer.is_committed(os.path.join(workdir, "local"), index)
+    assert min(local["input_s"], local["device_wait_s"], local["output_s"]) >= 0
+    assert local["bottleneck"] in ("input", "device", "output")
+    assert len(local["slice_seconds"]) == 2
+    ratios = report["ratios"]
+    assert ratios["pipeline_local_over_generator"] == pytest.approx(
+        local["images_per_s"] / modes["generator"]["images_per_s"], rel=1e-3)
+    assert ratios["pipeline_local_over_sequential"] == pytest.approx(
+        local["images_per_s"] / modes["sequential"]["images_per_s"], rel=1e-3)
+    assert ratios["pipeline_gcs_over_generator"] is None
+    assert "pipeline_local" in pipeline_bench.table(report)
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError):
+        pipeline_bench.PipelineBenchConfig(generator="real").validate()
+    with pytest.raises(ValueError):
+        pipeline_bench.PipelineBenchConfig(width=60).validate()
