@@ -70,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="promptmill", description="Generate image datasets from text prompts "
                                      "with Stable Diffusion in JAX/Flax, on TPU pods or local CPU devices.")
     sub = parser.add_subparsers(dest="command", required=True)
+    dated = []
 
     run = sub.add_parser("run", help="plan, generate on local host processes, and collect")
+    dated.append(run)
     _add_settings_flags(run)
     run.add_argument("--hosts", type=int, default=2, help="local host processes (default: %(default)s)")
     run.add_argument("--devices-per-host", type=int, default=2, help="CPU devices per host (default: %(default)s)")
@@ -80,12 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_cache_flag(run)
 
     plan = sub.add_parser("plan", help="validate prompts and cut them into slices (Beam)")
+    dated.append(plan)
     _add_settings_flags(plan)
     plan.add_argument("--devices-per-host", type=int, default=1,
                       help="devices of each generate host; sets the slice size (default: %(default)s)")
     _add_overwrite_flag(plan)
 
     gen = sub.add_parser("generate", help="generate this host's slices (one process per host)")
+    dated.append(gen)
     gen.add_argument("--out", required=True, help="the planned output folder or gs:// prefix")
     gen.add_argument("--coordinator", help="HOST:PORT of host 0's coordinator (omit on Cloud TPU / GKE)")
     gen.add_argument("--num-hosts", type=int, help="number of host processes (omit on Cloud TPU / GKE)")
@@ -93,14 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_cache_flag(gen)
 
     collect = sub.add_parser("collect", help="merge and verify the outputs into OUT/dataset (Beam)")
+    dated.append(collect)
     collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
     collect.add_argument("--gallery-page-size", type=int, default=100,
                          help="thumbnails per page of dataset/index.html and dataset/gallery/ (default: %(default)s)")
 
     reproduce = sub.add_parser("reproduce", help="regenerate images from their metadata rows and check their sha256")
+    dated.append(reproduce)
     reproduce.add_argument("keys", nargs="+", metavar="KEY", help="image keys (the metadata's 'key' column)")
     reproduce.add_argument("--out", required=True, help="the run's output folder or gs:// prefix")
     reproduce.add_argument("--save", metavar="DIR", help="also write the regenerated images here as KEY.EXT")
+
+    for command in dated:
+        _add_date_flag(command)
 
     bench = sub.add_parser("bench", help="benchmarks")
     targets = bench.add_subparsers(dest="target", required=True)
@@ -129,7 +138,31 @@ def build_parser() -> argparse.ArgumentParser:
     plan_bench.add_argument("--beam-args", default="", help="Beam options for the plan, one quoted string, e.g. "
                             "'--direct_num_workers 2 --direct_running_mode multi_processing' (default: none)")
     plan_bench.add_argument("--report", "--json", dest="report", help="write the JSON report here")
+    pipe = targets.add_parser("pipeline", help="images/s of the generator alone, the full host pipeline (local "
+                              "disk, GCS emulator) and the seed's sequential loop, on the same slices")
+    pipe.add_argument("--generator", choices=("synthetic", "tiny"), default="synthetic",
+                      help="synthetic: a stand-in device, --seconds-per-batch per step; tiny: the tiny random "
+                           "model (default: %(default)s)")
+    pipe.add_argument("--width", type=int, default=None, help="image width (default: 512, tiny: the model's)")
+    pipe.add_argument("--height", type=int, default=None, help="image height (default: 512, tiny: the model's)")
+    pipe.add_argument("--batch", type=int, default=8, help="images per device step (default: %(default)s)")
+    pipe.add_argument("--seconds-per-batch", type=float, default=1.0,
+                      help="synthetic: seconds per device step (default: %(default)s)")
+    pipe.add_argument("--steps", type=int, default=2, help="tiny: denoising steps (default: %(default)s)")
+    pipe.add_argument("--slices", type=int, default=4, help="slices per mode (default: %(default)s)")
+    pipe.add_argument("--batches-per-slice", type=int, default=2, help="device steps per slice (default: %(default)s)")
+    pipe.add_argument("--gcs", action="store_true", help="also run the pipeline to a local GCS emulator")
+    pipe.add_argument("--modes", default="generator,pipeline,sequential",
+                      help="which loops to run, comma-separated: generator (a), pipeline (b), sequential (c) "
+                           "(default: %(default)s)")
+    pipe.add_argument("--workdir", help="folder for the outputs, kept after the run (default: a temporary folder)")
+    pipe.add_argument("--report", help="write the JSON report here")
     return parser
+
+
+def _add_date_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--date", help="the run's scheduled date (YYYY-MM-DD or an RFC 3339 time), put in place of "
+                        "{date} in --out: a scheduled run re-triggered for the same date resumes it")
 
 
 def _add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
@@ -189,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments for {args.command}: {' '.join(extra)}")
     logs.setup()
     try:
+        if hasattr(args, "date"):
+            from pipeline import schedule
+
+            args.out = schedule.resolve_out(args.out, args.date)
         return _dispatch(args, extra)
     except KeyboardInterrupt:
         print("promptmill: interrupted", file=sys.stderr)
@@ -251,6 +288,15 @@ def _dispatch(args, beam_args: list[str]) -> int:
         if args.report:
             storage.write_json(args.report, report)
         print(plan_bench.table(report))
+    elif args.command == "bench" and args.target == "pipeline":
+        from pipeline import pipeline_bench
+
+        report = pipeline_bench.run(pipeline_bench.PipelineBenchConfig(
+            generator=args.generator, width=args.width, height=args.height, batch=args.batch,
+            seconds_per_batch=args.seconds_per_batch, slices=args.slices, batches_per_slice=args.batches_per_slice,
+            steps=args.steps, gcs=args.gcs, modes=tuple(m for m in args.modes.split(",") if m),
+            workdir=args.workdir, report=args.report))
+        print(pipeline_bench.table(report))
     elif args.command == "bench":
         from pipeline import bench
 
