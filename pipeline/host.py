@@ -8,7 +8,9 @@ devices but are never written.
 from __future__ import annotations
 
 import datetime as dt
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 from pipeline import cluster, crashpoints, logs, naming, slicing, storage, writer
 from pipeline.generator import Batch, CompileCounter, Generator
@@ -38,62 +40,121 @@ def load_run(out: str) -> tuple[dict, dict]:
     return storage.read_json(naming.run_json(out)), storage.read_json(naming.manifest(out))
 
 
-def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, host: int, pool,
-              zarr_images=None, compiles_at_warm: int = 0, zarr_latents=None) -> dict:
-    """Generate one slice, write it in every chosen format and commit it; returns its stats.
+class _Slice:
+    """One slice on its way through the host loop: its items, writer and timing."""
 
-    Encoding and uploads go to ``pool`` while the devices work on the next batch; the
-    slice's time includes waiting for them.
+    def __init__(self, out: str, run: dict, index: int, size: int, host: int, pool, queued,
+                 zarr_images=None, zarr_latents=None):
+        self.watch = logs.Stopwatch()
+        self.index, self.size, self.host = index, size, host
+        self.items = writer.read_slice_items(out, index)
+        self.padded = [*self.items, *[None] * (size - len(self.items))]
+        self.writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents, slots=queued)
+        self.timing = {"input_s": 0.0, "device_wait_s": 0.0, "output_s": 0.0}
+        self.truncated_prompts = 0  # images whose prompt was cut to the text encoder's length
+        self.batches_handed = 0
+        self.compiles = 0
+
+    def commit(self) -> dict:
+        """Wait for the slice's images, write its whole objects, then its commit marker."""
+        clock = logs.Stopwatch()
+        self.writer.finish()
+        seconds = self.watch.seconds()
+        stats = {"slice": self.index, "host": self.host, "images": len(self.items),
+                 "padding": self.size - len(self.items), "seconds": round(seconds, 4),
+                 "images_per_s": round(len(self.items) / seconds, 3) if seconds else None,
+                 **{name: round(value, 4) for name, value in self.timing.items()},
+                 "commit_s": round(clock.seconds(), 4), "compiles_after_warmup": self.compiles,
+                 "truncated_prompts": self.truncated_prompts,
+                 "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        self.writer.mark(stats)
+        return stats
+
+
+def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host: int, pool,
+               zarr_images=None, zarr_latents=None, compiles_at_warm: int = 0,
+               on_commit: Callable[[dict], None] | None = None) -> list[dict]:
+    """Generate, write and commit the slices ``slots`` names, in order; returns their stats.
+
+    A slot is a slice index, or ``None`` for a padding slot (its device steps run, nothing
+    is written). The devices never wait for the host: the next batch is tokenised and
+    dispatched before the current one is fetched, across slice boundaries too; images go
+    to ``pool`` (bounded by the writer's backpressure); and a finished slice's shards and
+    commit marker are written by one committer thread, in slot order, while the next
+    slice runs. A failure in any worker fails the loop and that slice is never committed.
+    ``on_commit`` runs on the committer thread after each commit marker.
     """
-    watch = logs.Stopwatch()
-    items = writer.read_slice_items(out, index)
-    padded = [*items, *[None] * (size - len(items))]
     default_guidance = run["settings"]["guidance_scale"]
-    slice_writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents)
-    timing = {"input_s": 0.0, "device_wait_s": 0.0, "output_s": 0.0}
-    truncated_prompts = 0  # images whose prompt was cut to the text encoder's length
+    n = generator.batch_size
+    done: list[dict] = []
+    committing: Future | None = None  # the previous slice's commit
+    queued = threading.BoundedSemaphore(writer.MAX_PENDING)  # images handed to the writers, all slices
 
-    def hand_over(chunk, cut, out):  # the previous batch's results, to the writer's pool
-        nonlocal truncated_prompts
+    def steps():  # (slice or None for padding, chunk, is the slice's last batch)
+        for slot in slots:
+            state = None if slot is None else _Slice(out, run, slot, size, host, pool, queued, zarr_images,
+                                                      zarr_latents)
+            padded = [None] * size if state is None else state.padded
+            for start in range(0, size, n):
+                yield state, padded[start:start + n], start + n >= size
+
+    def committed_previous() -> None:
+        if committing is not None:
+            committing.result()  # re-raises the committer's failure
+
+    def commit(state: _Slice) -> dict:
+        stats = state.commit()
+        done.append(stats)
+        if on_commit is not None:
+            on_commit(stats)
+        return stats
+
+    def hand_over(state, chunk, cut, handle, last) -> None:  # a dispatched batch's results, to the writers
+        nonlocal committing
         clock = logs.Stopwatch()
-        images, latents = generator.fetch(out)
-        timing["device_wait_s"] += clock.seconds()
+        images, latents = generator.fetch(handle)
+        if state is None:  # padding slot
+            return
+        state.timing["device_wait_s"] += clock.seconds()
         clock = logs.Stopwatch()
-        for n, (item, image) in enumerate(zip(chunk, images)):
+        if committing is not None and committing.done():
+            committed_previous()  # fail as soon as a commit has failed
+        for k, (item, image) in enumerate(zip(chunk, images)):
             if item is not None:
-                truncated_prompts += cut[n]
-                slice_writer.add(item, image, None if latents is None else latents[n], cut[n])
-        timing["output_s"] += clock.seconds()
+                state.truncated_prompts += cut[k]
+                state.writer.add(item, image, None if latents is None else latents[k], cut[k])
+        state.batches_handed += 1
+        if state.batches_handed == 1:
+            crashpoints.reached("mid_slice", host, before=lambda: (committed_previous(), state.writer.wait_images()))
+        if last:
+            state.compiles = CompileCounter.count() - compiles_at_warm
+            committed_previous()  # at most one slice commits while the next one runs
+            committing = committer.submit(commit, state)
+        state.timing["output_s"] += clock.seconds()
 
-    # The next batch is tokenised and dispatched before the current one is fetched, so
-    # the devices always have a step queued while the host copies, encodes and uploads.
-    previous = None
-    for start in range(0, size, generator.batch_size):
-        chunk = padded[start:start + generator.batch_size]
-        clock = logs.Stopwatch()
-        batch = _batch(generator, chunk, default_guidance)
-        cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
-        timing["input_s"] += clock.seconds()
-        dispatched = (chunk, cut, generator.dispatch(batch))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="committer") as committer:
+        previous = None
+        for state, chunk, last in steps():
+            clock = logs.Stopwatch()
+            batch = _batch(generator, chunk, default_guidance)
+            cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
+            if state is not None:
+                state.timing["input_s"] += clock.seconds()
+            dispatched = (state, chunk, cut, generator.dispatch(batch), last)
+            if previous is not None:
+                hand_over(*previous)
+            previous = dispatched
         if previous is not None:
             hand_over(*previous)
-            if start == generator.batch_size:
-                crashpoints.reached("mid_slice", host, before=slice_writer.wait_images)
-        previous = dispatched
-    hand_over(*previous)
-    if size == generator.batch_size:
-        crashpoints.reached("mid_slice", host, before=slice_writer.wait_images)
-    compiles = CompileCounter.count() - compiles_at_warm
-    clock = logs.Stopwatch()
-    slice_writer.finish()
-    timing["output_s"] += clock.seconds()
-    seconds = watch.seconds()
-    stats = {"slice": index, "host": host, "images": len(items), "padding": size - len(items),
-             "seconds": round(seconds, 4), "images_per_s": round(len(items) / seconds, 3) if seconds else None,
-             **{name: round(value, 4) for name, value in timing.items()},
-             "compiles_after_warmup": compiles, "truncated_prompts": truncated_prompts,
-             "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    slice_writer.mark(stats)
+        committed_previous()
+    return done
+
+
+def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, host: int, pool,
+              zarr_images=None, compiles_at_warm: int = 0, zarr_latents=None) -> dict:
+    """Generate one slice, write it in every chosen format and commit it; returns its stats."""
+    [stats] = run_slices(generator, out, run, [index], size, host, pool, zarr_images, zarr_latents,
+                         compiles_at_warm)
     return stats
 
 
@@ -142,35 +203,34 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
             zarr_latents = formats.open_zarr_latents(out, manifest["images"],
                                                      model.latent_shape(settings["width"], settings["height"]),
                                                      model.vae.config.scaling_factor)
-    total_images, skipped, generated, redone = 0, 0, 0, 0
-    watch = logs.Stopwatch()
-    with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
+    counts = {"skipped": 0, "redone": 0}
+
+    def slots():  # this host's slots still to do; a committed slice is never redone (resume)
         for slot in slicing.host_slots(host, num_hosts, manifest["slices"]):
             if slot is None:  # padding slot: same device steps as a real slice, nothing written
-                for _ in range(batches):
-                    generator(_batch(generator, [None] * generator.batch_size, 0.0))
                 logs.event("padding_slot", host=host)
-                continue
-            if writer.is_committed(out, slot):  # resume: a committed slice is never redone
-                skipped += 1
+            elif writer.is_committed(out, slot):
+                counts["skipped"] += 1
                 logs.event("slice_skipped", host=host, slice=slot)
                 continue
-            leftovers = writer.leftovers(out, settings, slot)
-            if leftovers:  # an earlier attempt died mid-slice: its objects are rewritten with the same bytes
-                redone += 1
+            elif leftovers := writer.leftovers(out, settings, slot):  # an earlier attempt died mid-slice:
+                counts["redone"] += 1  # its objects are rewritten with the same bytes
                 logs.event("slice_redone", host=host, slice=slot, leftover_objects=len(leftovers))
-            stats = run_slice(generator, out, run, slot, size, host, pool, zarr_images, compiles_at_warm,
-                              zarr_latents)
-            total_images += stats["images"]
-            generated += 1
-            logs.event("slice_committed", **stats)
-            crashpoints.reached("committed", host)
+            yield slot
 
+    def committed(stats: dict) -> None:
+        logs.event("slice_committed", **stats)
+        crashpoints.reached("committed", host)
+
+    watch = logs.Stopwatch()
+    with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
+        done = run_slices(generator, out, run, slots(), size, host, pool, zarr_images, zarr_latents,
+                          compiles_at_warm, on_commit=committed)
     recompiles = CompileCounter.count() - compiles_at_warm
     # host 0 runs the coordination service: every host waits here until all are done
     cluster.wait_for_all("promptmill-generate-done")
-    summary = {"host": host, "images": total_images, "seconds": round(watch.seconds(), 3),
-               "slices_generated": generated, "slices_redone": redone, "slices_skipped": skipped,
+    summary = {"host": host, "images": sum(s["images"] for s in done), "seconds": round(watch.seconds(), 3),
+               "slices_generated": len(done), "slices_redone": counts["redone"], "slices_skipped": counts["skipped"],
                "compiles_after_warmup": recompiles}
     logs.event("host_done", **summary)
     return summary

@@ -4,7 +4,7 @@ The same slices go through three loops, and the report gives images/s for each:
 
 (a) ``generator``: the generator alone, one step queued ahead (as the host does), the
     images fetched to the host and dropped: the most the devices can give;
-(b) ``pipeline_local`` / ``pipeline_gcs``: ``host.run_slice`` slice after slice, on a
+(b) ``pipeline_local`` / ``pipeline_gcs``: ``host.run_slices`` over every slice, on a
     ``host.WRITER_THREADS`` pool, to a local folder and (``gcs``) to a GCS emulator on
     127.0.0.1: tokenising, overlapped dispatch, PNG encoding, uploads, metadata shard
     and commit marker, exactly as a host runs them;
@@ -23,9 +23,9 @@ takes a fixed time per step and returns fixed-size random-noise images (incompre
 so PNG encoding and uploads cost what they cost on big images), to ask whether this
 machine's cores keep up with a given device speed, e.g. 8 images of 512x512 a second.
 
-Each slice ends with the writer draining (``SliceWriter.finish``) before the next slice's
-first step is dispatched, so with few batches per slice (b)/(a) also measures that
-per-slice tail; real slices hold many more batches.
+A slice's shards and commit marker are written while the next slice runs, so only the
+last slice's tail (its last batch's encoding, its shards) adds to (b); with few slices
+that tail is a larger share of the run.
 
 Peak RSS (``ru_maxrss``, a high-water mark) is recorded after each mode; run with 10x
 ``slices`` to see whether it grows with the run.
@@ -50,6 +50,7 @@ from pipeline import logs, naming, records, storage
 BUCKET = "promptmill-pipeline-bench"
 GUIDANCE = 7.5
 CREATED_AT = "2026-01-01T00:00:00+00:00"
+MODES = ("generator", "pipeline", "sequential")
 
 
 class SyntheticGenerator:
@@ -58,7 +59,7 @@ class SyntheticGenerator:
     time, like a device-to-host transfer).
 
     Steps run one after another on one worker thread, like a device's queue, so
-    ``dispatch`` returns at once and ``fetch`` waits. Duck-types what ``host.run_slice``
+    ``dispatch`` returns at once and ``fetch`` waits. Duck-types what ``host.run_slices``
     uses of ``pipeline.generator.Generator``.
     """
 
@@ -109,6 +110,7 @@ class PipelineBenchConfig:
     batches_per_slice: int = 2
     steps: int = 2  # tiny only
     gcs: bool = False
+    modes: tuple[str, ...] = ("generator", "pipeline", "sequential")  # which of (a), (b), (c) to run
     workdir: str | None = None  # None: a temporary folder, deleted after
     report: str | None = None
 
@@ -117,6 +119,8 @@ class PipelineBenchConfig:
             raise ValueError(f"--generator must be synthetic or tiny, got {self.generator!r}")
         if min(self.batch, self.slices, self.batches_per_slice, self.steps) < 1:
             raise ValueError("--batch, --slices, --batches-per-slice and --steps must be >= 1")
+        if not self.modes or set(self.modes) - set(MODES):
+            raise ValueError(f"--modes must list some of {', '.join(MODES)}, got {','.join(self.modes)}")
         if self.seconds_per_batch < 0:
             raise ValueError("--seconds-per-batch must be >= 0")
         for name in ("width", "height"):
@@ -190,14 +194,12 @@ def run_generator_only(generator, plan: list[list[records.Item]]) -> dict:
 
 
 def run_pipeline(generator, out: str, run: dict, slices: int, size: int) -> dict:
-    """(b): ``host.run_slice`` for each slice, as a host runs them."""
+    """(b): ``host.run_slices`` over the slices, as a host runs them."""
     from pipeline import host
 
-    stats = []
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=host.WRITER_THREADS, thread_name_prefix="writer") as pool:
-        for index in range(slices):
-            stats.append(host.run_slice(generator, out, run, index, size, 0, pool))
+        stats = host.run_slices(generator, out, run, range(slices), size, 0, pool)
     seconds = watch.seconds()
     parts = {name: round(sum(s[name] for s in stats), 4) for name in ("input_s", "device_wait_s", "output_s")}
     parts["other_s"] = round(seconds - sum(parts.values()), 4)
@@ -282,6 +284,7 @@ def command_line(config: PipelineBenchConfig) -> str:
              "--batch": config.batch, "--seconds-per-batch": config.seconds_per_batch if config.generator ==
              "synthetic" else None, "--steps": config.steps if config.generator == "tiny" else None,
              "--slices": config.slices, "--batches-per-slice": config.batches_per_slice,
+             "--modes": None if tuple(config.modes) == MODES else ",".join(config.modes),
              "--workdir": config.workdir, "--report": config.report}
     words = ["promptmill bench pipeline"] + [f"{k} {v}" for k, v in flags.items() if v is not None]
     return " ".join(words + (["--gcs"] if config.gcs else []))
@@ -302,23 +305,26 @@ def run(config: PipelineBenchConfig) -> dict:
         local = os.path.join(workdir, "local")
         plan = write_plan(local, run_dict, config.slices, size)
         rss_before = _rss()
-        modes["generator"] = run_generator_only(generator, plan)
-        logs.event("bench_pipeline_mode", mode="generator", images_per_s=modes["generator"]["images_per_s"])
-        modes["pipeline_local"] = run_pipeline(generator, local, run_dict, config.slices, size)
-        modes["pipeline_local"]["files"] = count_files(os.path.join(local, "images"))
-        logs.event("bench_pipeline_mode", mode="pipeline_local",
-                   images_per_s=modes["pipeline_local"]["images_per_s"])
-        if config.gcs:
+        if "generator" in config.modes:
+            modes["generator"] = run_generator_only(generator, plan)
+            logs.event("bench_pipeline_mode", mode="generator", images_per_s=modes["generator"]["images_per_s"])
+        if "pipeline" in config.modes:
+            modes["pipeline_local"] = run_pipeline(generator, local, run_dict, config.slices, size)
+            modes["pipeline_local"]["files"] = count_files(os.path.join(local, "images"))
+            logs.event("bench_pipeline_mode", mode="pipeline_local",
+                       images_per_s=modes["pipeline_local"]["images_per_s"])
+        if config.gcs and "pipeline" in config.modes:
             with _gcs_bucket() as bucket:
                 out = f"gs://{bucket}/pipeline-bench"
                 write_plan(out, run_dict, config.slices, size)
                 modes["pipeline_gcs"] = run_pipeline(generator, out, run_dict, config.slices, size)
                 modes["pipeline_gcs"]["files"] = len(storage.glob(naming.join(out, "images", "*", "*.png")))
             logs.event("bench_pipeline_mode", mode="pipeline_gcs", images_per_s=modes["pipeline_gcs"]["images_per_s"])
-        sequential = os.path.join(workdir, "sequential")
-        modes["sequential"] = run_sequential(generator, plan, sequential)
-        modes["sequential"]["files"] = count_files(sequential)
-        logs.event("bench_pipeline_mode", mode="sequential", images_per_s=modes["sequential"]["images_per_s"])
+        if "sequential" in config.modes:
+            sequential = os.path.join(workdir, "sequential")
+            modes["sequential"] = run_sequential(generator, plan, sequential)
+            modes["sequential"]["files"] = count_files(sequential)
+            logs.event("bench_pipeline_mode", mode="sequential", images_per_s=modes["sequential"]["images_per_s"])
     finally:
         if hasattr(generator, "close"):
             generator.close()
@@ -327,7 +333,7 @@ def run(config: PipelineBenchConfig) -> dict:
     ratios = {f"{b}_over_{a}": _ratio(modes.get(b), modes.get(a))
               for b in ("pipeline_local", "pipeline_gcs") for a in ("generator", "sequential")}
     report = {"command": command_line(config),
-              "config": {**dataclasses.asdict(config), "width": width, "height": height,
+              "config": {**dataclasses.asdict(config), "modes": list(config.modes), "width": width, "height": height,
                          "batch_size": generator.batch_size, "slice_size": size,
                          "images_per_mode": size * config.slices, "writer_threads": host.WRITER_THREADS},
               "setup": setup, "machine": {"cpu_count": os.cpu_count(), "cpu_model": bench._cpu_model()},

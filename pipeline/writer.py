@@ -111,6 +111,9 @@ def image_location(settings: dict, item: Item) -> str:
     return f"zarr/images#{item.position}"
 
 
+MAX_PENDING = 64  # images handed to a host's writers and not yet stored
+
+
 class SliceWriter:
     """Writes one slice's outputs in every chosen format, then commits it.
 
@@ -119,13 +122,14 @@ class SliceWriter:
     failure, so a slice is never committed with an object missing; the commit marker
     is written last. At most ``max_pending`` images wait in the pool: ``add`` blocks
     beyond that (backpressure), so the host's memory stays bounded however slow the
-    uploads are.
+    uploads are. Slices that overlap (one committing, the next being written) share one
+    bound through ``slots``.
     """
 
     def __init__(self, out: str, run: dict, index: int, host: int, pool, zarr_images=None, zarr_latents=None,
-                 max_pending: int = 64):
+                 max_pending: int = MAX_PENDING, slots: threading.Semaphore | None = None):
         self.out, self.run, self.index, self.host, self.pool = out, run, index, host, pool
-        self._slots = threading.BoundedSemaphore(max_pending)
+        self._slots = slots or threading.BoundedSemaphore(max_pending)  # ``slots``: shared by a host's slices
         settings = run["settings"]
         self.formats = tuple(settings.get("formats", ("files",)))
         self.image_format, self.quality = settings.get("image_format", "png"), settings.get("quality", 95)
@@ -157,7 +161,10 @@ class SliceWriter:
             self.zarr_images[item.position].write(image).result()
         if latents is not None:
             self.zarr_latents[item.position].write(latents).result()
-        return metadata_row(item, self.run, self.host, data, location, truncated), data
+        # the encoded bytes are kept for the slice's tar or image parquet only: with files
+        # and zarr alone, a queued slice holds its rows, not its images
+        keep = "webdataset" in self.formats or "parquet" in self.formats
+        return metadata_row(item, self.run, self.host, data, location, truncated), data if keep else None
 
     def wait_images(self) -> None:
         """Block until every image added so far is stored (or one failed)."""

@@ -104,3 +104,48 @@ def test_a_failed_encoder_fails_the_slice_loudly_and_commits_nothing(generator, 
             host.run_slice(generator, out, run, 0, SIZE, 0, pool)
     assert not writer.is_committed(out, 0)  # redone by the next run, never half-counted as done
     assert not storage.exists(naming.shard_metadata(out, 0))
+
+
+def two_slices(tmp_path):
+    """An OUT with two planned slices of SIZE (the second one short: padding)."""
+    out, run, first = planned_out(tmp_path, SIZE)
+    recs = [records.Record(id=f"s{n}", prompt=f"second slice {n}", negative_prompt="", seed=2000 + n, num_images=1,
+                           guidance_scale=None, source="p.jsonl", line=100 + n) for n in range(SIZE - 2)]
+    second = [records.expand(r, SIZE + n, SIZE)[0] for n, r in enumerate(recs)]
+    storage.write_text(naming.plan_slice(out, 1), "".join(json.dumps(i.to_json()) + "\n" for i in second))
+    return out, run, first, second
+
+
+def test_slices_overlap_across_their_boundaries_and_commit_in_order(generator, tmp_path):
+    out, run, first, second = two_slices(tmp_path)
+    commits = []
+    with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
+        stats = host.run_slices(generator, out, run, [0, None, 1], SIZE, 0, pool,
+                                on_commit=lambda s: commits.append((s["slice"], writer.is_committed(out, s["slice"]))))
+    assert [s["slice"] for s in stats] == [0, 1] and commits == [(0, True), (1, True)]
+    assert [s["images"] for s in stats] == [SIZE, SIZE - 2] and stats[1]["padding"] == 2
+    assert all(s["commit_s"] >= 0 for s in stats)
+    written = storage.glob(naming.join(out, "images", "*", "*.png"))  # padding rows and slots: nothing
+    assert sorted(written) == sorted(naming.join(out, "images", naming.slice_name(i.slice), f"{i.key}.png")
+                                     for i in first + second)
+    for index, items in enumerate((first, second)):  # each slice's bytes are those of a slice run alone
+        alone = str(tmp_path / f"alone-{index}")
+        storage.write_text(naming.plan_slice(alone, index), storage.read_text(naming.plan_slice(out, index)))
+        with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
+            host.run_slice(generator, alone, run, index, SIZE, 0, pool)
+        for item in items:
+            path = naming.join("images", naming.slice_name(index), f"{item.key}.png")
+            assert storage.read_bytes(naming.join(out, path)) == storage.read_bytes(naming.join(alone, path))
+
+
+def test_a_failed_commit_stops_the_host_and_later_slices_stay_uncommitted(generator, tmp_path, monkeypatch):
+    out, run, _, _ = two_slices(tmp_path)
+
+    def failing(rows):
+        raise OSError("injected: the metadata shard upload failed")
+
+    monkeypatch.setattr(writer, "parquet_bytes", failing)
+    with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
+        with pytest.raises(OSError, match="injected"):
+            host.run_slices(generator, out, run, [0, 1], SIZE, 0, pool)
+    assert not writer.is_committed(out, 0) and not writer.is_committed(out, 1)

@@ -77,3 +77,5 @@ def test_bad_config_is_refused():
         pipeline_bench.PipelineBenchConfig(generator="real").validate()
     with pytest.raises(ValueError):
         pipeline_bench.PipelineBenchConfig(width=60).validate()
+    with pytest.raises(ValueError, match="--modes"):
+        pipeline_bench.PipelineBenchConfig(modes=("pipeline", "seed")).validate()
