@@ -1,0 +1,170 @@
+"""``promptmill submit dataflow|gke``: flags, validation, and the call into ``pipeline.submit``.
+
+jobs/cli.py adds the parser with ``add_submit_parser`` and dispatches to ``run_submit``.
+Bad input is a ValueError (the CLI prints it and exits 1) raised before anything is
+planned, applied or launched.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from pipeline import submit as submit_lib
+
+SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
+_DATAFLOW_EXAMPLE = ("promptmill submit dataflow --tpu-type v5e --topology 2x4 --image IMAGE --project P "
+                     "--region R --prompts gs://B/prompts/*.jsonl --out gs://B/runs/{date} --date 2025-01-31")
+
+
+def _require(parser: argparse.ArgumentParser, *dests: str) -> None:
+    """Drop the local defaults of flags that must be given for a submission (--out, --prompts)."""
+    for action in parser._actions:  # argparse has no public way to change an added flag
+        if action.dest in dests:
+            action.required = True
+            action.default = None
+            action.help = (action.help or "").split(" (default:")[0] + " (required: gs://BUCKET/PREFIX)"
+
+
+def _add_common(parser: argparse.ArgumentParser, add_settings_flags, add_date_flag) -> None:
+    add_settings_flags(parser)
+    _require(parser, "out", "prompts")
+    add_date_flag(parser)
+    parser.add_argument("--tpu-type", help="TPU type: v5e, v6e or v5p (or tpu-v5-lite-podslice, tpu-v6e-slice, "
+                        "tpu-v5p-slice); required")
+    parser.add_argument("--topology", help="TPU topology, chips per dimension, e.g. 2x4 or 2x2x1; required")
+    parser.add_argument("--image", help="container image with promptmill and the TPU runtime "
+                        "(e.g. REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG); required")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete what an earlier run wrote under --out and start over (without it, re-running "
+                             "the same settings resumes, and other settings are refused)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print everything that would be run or launched, and run nothing")
+
+
+def add_submit_parser(sub, add_settings_flags, add_date_flag) -> argparse.ArgumentParser:
+    """Add ``submit`` with its ``dataflow`` and ``gke`` subcommands to ``sub`` (the CLI's subparsers)."""
+    submit = sub.add_parser("submit", help="run the job in production: on Dataflow TPU workers, or generate on a "
+                            "GKE TPU slice (JobSet) between a plan and a collect")
+    targets = submit.add_subparsers(dest="target", required=True)
+
+    dataflow = targets.add_parser(
+        "dataflow", help="the whole job as one Beam pipeline on Dataflow, single-host TPU workers",
+        description="Run plan, generate and collect as one Beam pipeline on Dataflow, each worker a single-host TPU "
+                    "slice. Flags not listed here are passed on as Dataflow/Beam options (e.g. --worker_zone, "
+                    "--network). Example: " + _DATAFLOW_EXAMPLE)
+    _add_common(dataflow, add_settings_flags, add_date_flag)
+    dataflow.add_argument("--project", help="Google Cloud project of the Dataflow job; required")
+    dataflow.add_argument("--region", help="Dataflow region (one with the TPU type, e.g. us-west4); required")
+    dataflow.add_argument("--temp-location", help="gs:// folder for Dataflow's temporary and staged files "
+                          "(default: OUT/dataflow/tmp, staging in OUT/dataflow/staging)")
+    dataflow.add_argument("--max-workers", type=int, default=1,
+                          help="most TPU workers at once (--max_num_workers; default: %(default)s)")
+    dataflow.add_argument("--harness-threads", type=int, default=1,
+                          help="threads per worker (--number_of_worker_harness_threads): each holds a copy of the "
+                               "model on the worker's chips (default: %(default)s)")
+    dataflow.add_argument("--disk-size-gb", type=int, default=submit_lib.DEFAULT_DISK_SIZE_GB,
+                          help="worker boot disk, which holds the container image and the model (default: "
+                               "%(default)s)")
+    dataflow.add_argument("--job-name", help="Dataflow job name (default: promptmill- and a hash of --out); "
+                          "with --date the date is appended")
+
+    gke = targets.add_parser(
+        "gke", help="plan, generate on a GKE TPU slice (a JobSet, one pod per host), then collect",
+        description="Plan (Beam, local unless --plan-beam-args), apply a JobSet that runs `promptmill generate` "
+                    "on every host of a TPU slice, follow the committed slices until the JobSet completes, then "
+                    "collect. Flags not listed here are Beam options for plan and collect. kubectl must point at "
+                    "the cluster (KUBECTL overrides the kubectl on PATH).")
+    _add_common(gke, add_settings_flags, add_date_flag)
+    gke.add_argument("--machine-type", help="TPU machine type, where a topology runs on two (v5e/v6e 2x4: "
+                     "ct5lp-hightpu-8t / ct6e-standard-8t, one host, by default; or ...-4t, two hosts)")
+    gke.add_argument("--name", help="JobSet name (default: promptmill- and a hash of --out, so re-running a command "
+                     "finds its JobSet); with --date the date is appended")
+    gke.add_argument("--namespace", default="default", help="Kubernetes namespace (default: %(default)s)")
+    gke.add_argument("--max-restarts", type=int, default=3,
+                     help="JobSet restarts after a host fails; restarted hosts resume from the committed slices "
+                          "(default: %(default)s)")
+    gke.add_argument("--coordinator-port", type=int, default=submit_lib.DEFAULT_COORDINATOR_PORT,
+                     help="jax.distributed coordinator port on host 0 (default: %(default)s)")
+    gke.add_argument("--service-account", help="Kubernetes service account of the pods (Workload Identity, for "
+                     "access to the gs:// paths)")
+    gke.add_argument("--plan-beam-args", help="Beam options for plan, one quoted string, e.g. '--runner "
+                     "DataflowRunner --project P --region R --temp_location gs://B/tmp' (default: the flags not "
+                     "listed here)")
+    gke.add_argument("--collect-beam-args", help="Beam options for collect, one quoted string (default: the flags "
+                     "not listed here)")
+    gke.add_argument("--poll-seconds", type=float, default=submit_lib.DEFAULT_POLL_S,
+                     help="seconds between progress checks while the JobSet runs (default: %(default)s)")
+    return submit
+
+
+def _settings(args, devices_per_host: int):
+    from jobs.cli import _settings as settings_from_args  # the one translation of settings flags
+
+    return settings_from_args(args, devices_per_host).validate()
+
+
+def _common(args, target: str):
+    from pipeline import tpu
+
+    submit_lib.require_gcs("--out", args.out, target)
+    submit_lib.require_gcs("--prompts", args.prompts, target)
+    submit_lib.require_remote_model(args.model, target)
+    submit_lib.require_value("--image", args.image, target, "REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG")
+    submit_lib.require_value("--tpu-type", args.tpu_type, target, "v5e")
+    submit_lib.require_value("--topology", args.topology, target, "2x4")
+    return tpu
+
+
+def _build_dataflow(args, beam_args: list[str]) -> submit_lib.DataflowJob:
+    tpu = _common(args, "dataflow")
+    submit_lib.require_value("--project", args.project, "dataflow", "my-project")
+    submit_lib.require_value("--region", args.region, "dataflow", "us-west4")
+    worker = tpu.for_dataflow(args.tpu_type, args.topology)
+    settings = _settings(args, worker.chips)
+    name = submit_lib.job_name(args.out, args.job_name, getattr(args, "date", None))
+    options = submit_lib.dataflow_options(
+        worker, project=args.project, region=args.region, image=args.image, out=args.out, job=name,
+        temp_location=args.temp_location, max_workers=args.max_workers, harness_threads=args.harness_threads,
+        disk_size_gb=args.disk_size_gb, extra=beam_args)
+    return submit_lib.DataflowJob(settings=settings, slice=worker, options=tuple(options), overwrite=args.overwrite)
+
+
+def _build_gke(args, beam_args: list[str]) -> submit_lib.GkeJob:
+    tpu = _common(args, "gke")
+    chosen = tpu.lookup(args.tpu_type, args.topology, args.machine_type)
+    settings = _settings(args, chosen.chips_per_host)
+    plan_args = shlex.split(args.plan_beam_args) if args.plan_beam_args is not None else list(beam_args)
+    collect_args = shlex.split(args.collect_beam_args) if args.collect_beam_args is not None else list(beam_args)
+    return submit_lib.GkeJob(
+        settings=settings, slice=chosen, name=submit_lib.job_name(args.out, args.name, getattr(args, "date", None)),
+        image=args.image, namespace=args.namespace, max_restarts=args.max_restarts,
+        coordinator_port=args.coordinator_port, service_account=args.service_account,
+        plan_beam_args=tuple(plan_args), collect_beam_args=tuple(collect_args), overwrite=args.overwrite,
+        poll_s=args.poll_seconds).validate()
+
+
+def _progress(target: str):
+    return lambda message: print(f"promptmill submit {target}: {message}", file=sys.stderr, flush=True)
+
+
+def run_submit(args, beam_args: list[str]) -> int:
+    """Run ``promptmill submit dataflow|gke`` (the CLI turns a ValueError / RuntimeError into exit 1)."""
+    if args.target == "dataflow":
+        job = _build_dataflow(args, beam_args)
+        if args.dry_run:
+            print(submit_lib.dataflow_dry_run(job))
+            return 0
+        stats = submit_lib.submit_dataflow(job)
+        print(json.dumps({k: stats[k] for k in SUMMARY}))
+        return 0
+    if args.target == "gke":
+        job = _build_gke(args, beam_args)
+        if args.dry_run:
+            print(submit_lib.gke_dry_run(job), end="")
+            return 0
+        stats = submit_lib.submit_gke(job, emit=_progress("gke"))
+        print(json.dumps({k: stats[k] for k in SUMMARY}))
+        return 0
+    raise ValueError(f"unknown submit target {args.target!r}; use dataflow or gke")

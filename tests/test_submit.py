@@ -1,0 +1,676 @@
+"""promptmill submit dataflow|gke: the rendered JobSet and Dataflow options for every supported
+slice, schema checks, dry runs, bad input, the wait loop, and a real GKE-style run against a
+fake kubectl that starts the manifest's hosts as local processes (GCS emulator, tiny model)."""
+import json
+import os
+import re
+import sys
+import textwrap
+import types
+
+import pytest
+import yaml
+
+import pipeline
+from pipeline import naming, storage, submit, tpu
+from pipeline.settings import Settings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+K8S_VERSION = "1.33.0"  # a recent Kubernetes (GKE's regular channel runs 1.33)
+OUT = "gs://bucket/runs/x"
+PROMPTS = "gs://bucket/prompts/*.jsonl"
+IMAGE = "us-docker.pkg.dev/p/r/promptmill:1"
+SLICE_IDS = [f"{s.tpu_type}-{s.topology}-{s.machine_type}" for s in tpu.SLICES]
+
+
+def gke_job(s: tpu.Slice, **changes) -> submit.GkeJob:
+    fields = dict(settings=Settings(prompts=PROMPTS, out=OUT, devices_per_host=s.chips_per_host), slice=s,
+                  name="pm-test", image=IMAGE, namespace="team-a", max_restarts=5, coordinator_port=9123,
+                  service_account="promptmill-ksa")
+    fields.update(changes)
+    return submit.GkeJob(**fields).validate()
+
+
+# ---------------------------------------------------------------- schema checks
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+JOBSET_SPEC = {"replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy", "suspend",
+               "coordinator", "managedBy", "ttlSecondsAfterFinished", "volumeClaimPolicies"}
+REPLICATED_JOB = {"name", "groupName", "template", "replicas", "dependsOn"}
+NETWORK = {"enableDNSHostnames", "subdomain", "publishNotReadyAddresses"}
+FAILURE_POLICY = {"maxRestarts", "restartStrategy", "rules"}
+
+
+def jobset_problems(obj: dict) -> list[str]:
+    """The JobSet API's (jobset.x-k8s.io/v1alpha2) required fields and types, checked by hand:
+    no schema of the CRD is bundled with kubernetes-validate."""
+    problems = []
+    if obj.get("apiVersion") != "jobset.x-k8s.io/v1alpha2" or obj.get("kind") != "JobSet":
+        problems.append("apiVersion/kind")
+    name = (obj.get("metadata") or {}).get("name", "")
+    if not (DNS_LABEL.fullmatch(name) and len(name) <= 63):
+        problems.append(f"metadata.name {name!r}")
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        return problems + ["spec"]
+    problems += [f"spec.{k} unknown" for k in set(spec) - JOBSET_SPEC]
+    jobs = spec.get("replicatedJobs")
+    if not isinstance(jobs, list) or not jobs:
+        return problems + ["spec.replicatedJobs must be a non-empty list"]
+    names = [j.get("name") for j in jobs]
+    if len(set(names)) != len(names):
+        problems.append("replicatedJobs names not unique")
+    for job in jobs:
+        problems += [f"replicatedJobs[].{k} unknown" for k in set(job) - REPLICATED_JOB]
+        if not (isinstance(job.get("name"), str) and DNS_LABEL.fullmatch(job["name"])):
+            problems.append(f"replicatedJobs[].name {job.get('name')!r}")
+        if not (isinstance(job.get("replicas", 1), int) and job.get("replicas", 1) >= 0):
+            problems.append("replicatedJobs[].replicas")
+        template = job.get("template")
+        if not (isinstance(template, dict) and isinstance(template.get("spec"), dict)
+                and isinstance(template["spec"].get("template"), dict)):
+            problems.append("replicatedJobs[].template must be a JobTemplateSpec")
+            continue
+        completions = template["spec"].get("completions", 1)
+        hostname = f"{name}-{job.get('name')}-{job.get('replicas', 1) - 1}-{completions - 1}"
+        if len(hostname) > 63:
+            problems.append(f"pod host name {hostname!r} is longer than 63")
+    network = spec.get("network", {})
+    problems += [f"spec.network.{k} unknown" for k in set(network) - NETWORK]
+    if "enableDNSHostnames" in network and not isinstance(network["enableDNSHostnames"], bool):
+        problems.append("spec.network.enableDNSHostnames")
+    if "subdomain" in network and not DNS_LABEL.fullmatch(str(network["subdomain"])):
+        problems.append("spec.network.subdomain")
+    failure = spec.get("failurePolicy", {})
+    problems += [f"spec.failurePolicy.{k} unknown" for k in set(failure) - FAILURE_POLICY]
+    if not (isinstance(failure.get("maxRestarts", 0), int) and failure.get("maxRestarts", 0) >= 0):
+        problems.append("spec.failurePolicy.maxRestarts")
+    return problems
+
+
+def embedded_job(js: dict) -> dict:
+    """The batch/v1 Job the JobSet controller makes from the replicatedJob's template."""
+    rjob = js["spec"]["replicatedJobs"][0]
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": f"{js['metadata']['name']}-{rjob['name']}-0",
+                         "namespace": js["metadata"]["namespace"], **rjob["template"].get("metadata", {})},
+            "spec": rjob["template"]["spec"]}
+
+
+def validate_k8s(obj: dict) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+# ---------------------------------------------------------------- every slice: JobSet
+
+
+@pytest.mark.parametrize("s", tpu.SLICES, ids=SLICE_IDS)
+def test_jobset_for_every_slice(s):
+    js = submit.jobset(gke_job(s))
+    assert jobset_problems(js) == []
+    assert js["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == \
+        "cloud.google.com/gke-nodepool"
+    assert js["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "pm-test"}
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 5}
+    (rjob,) = js["spec"]["replicatedJobs"]
+    assert rjob["replicas"] == 1
+    job = rjob["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == s.hosts
+    assert (job["completionMode"], job["backoffLimit"]) == ("Indexed", 0)
+    pod = job["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": s.accelerator,
+                                   "cloud.google.com/gke-tpu-topology": s.topology}
+    assert (pod["restartPolicy"], pod["subdomain"], pod["serviceAccountName"]) == ("Never", "pm-test",
+                                                                                   "promptmill-ksa")
+    (container,) = pod["containers"]
+    assert container["image"] == IMAGE
+    assert container["command"] == ["promptmill", "generate", "--out", OUT]  # no cluster flags: the env has them
+    chips = str(s.chips_per_host)
+    assert container["resources"] == {"requests": {"google.com/tpu": chips}, "limits": {"google.com/tpu": chips}}
+    env = {e["name"]: e for e in container["env"]}
+    assert set(env) == {"TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "PROMPTMILL_COORDINATOR_PORT"}
+    assert env["TPU_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert env["TPU_WORKER_HOSTNAMES"]["value"].split(",") == \
+        [f"pm-test-hosts-0-{i}.pm-test" for i in range(s.hosts)]
+    assert env["PROMPTMILL_COORDINATOR_PORT"]["value"] == "9123"
+    assert {"name": "coordinator", "containerPort": 9123} in container["ports"]
+    # valid YAML that round-trips, and a valid batch/v1 Job inside
+    assert list(yaml.safe_load_all(submit.to_yaml(submit.manifests(gke_job(s))))) == [js]
+    validate_k8s(embedded_job(js))
+
+
+def test_the_schema_checks_can_fail():
+    import kubernetes_validate
+
+    js = submit.jobset(gke_job(tpu.lookup("v5e", "4x4")))
+    broken = json.loads(json.dumps(js))
+    broken["spec"]["replicatedJobs"][0]["replica"] = 2
+    broken["spec"]["network"]["enableDNSHostnames"] = "yes"
+    broken["metadata"]["name"] = "Bad_Name"
+    assert set(jobset_problems(broken)) == {"replicatedJobs[].replica unknown", "spec.network.enableDNSHostnames",
+                                            "metadata.name 'Bad_Name'"}
+    assert jobset_problems({**js, "spec": {"replicatedJobs": []}}) == ["spec.replicatedJobs must be a non-empty list"]
+    long = json.loads(json.dumps(js))
+    long["metadata"]["name"] = "x" * 60
+    assert any("longer than 63" in p for p in jobset_problems(long))
+    job = embedded_job(js)
+    job["spec"]["parallelism"] = "four"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_k8s(job)
+    job = embedded_job(js)
+    job["spec"]["template"]["spec"]["containers"][0]["enviroment"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_k8s(job)
+
+
+def test_the_example_manifest_is_what_the_renderer_writes():
+    """infra/gke/jobset.example.yaml is rendered by submit.example_manifest(): it cannot drift."""
+    with open(os.path.join(ROOT, "infra", "gke", "jobset.example.yaml")) as f:
+        assert f.read() == submit.example_manifest()
+    (js,) = yaml.safe_load_all(submit.example_manifest().split("\n---\n", 1)[1])
+    assert jobset_problems(js) == [] and js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 4
+
+
+# ---------------------------------------------------------------- every Dataflow slice: options
+
+
+def _value(options, name):
+    return [o.split("=", 1)[1] for o in options if o.startswith(f"--{name}=")]
+
+
+@pytest.mark.parametrize("s", [s for s in tpu.SLICES if s.dataflow], ids=lambda s: f"{s.tpu_type}-{s.topology}")
+def test_dataflow_options_for_every_dataflow_slice(s):
+    options = submit.dataflow_options(s, project="p", region="us-west4", image=IMAGE, out=OUT, job="pm-x",
+                                      extra=["--worker_zone", "us-west4-a"])
+    assert _value(options, "dataflow_service_options") == \
+        [f"worker_accelerator=type:{s.accelerator};topology:{s.topology}"]
+    assert _value(options, "machine_type") == [s.machine_type]
+    assert _value(options, "runner") == ["DataflowRunner"]
+    assert _value(options, "sdk_container_image") == [IMAGE]
+    assert _value(options, "experiments") == ["use_runner_v2", "no_use_multiple_sdk_containers"]
+    assert _value(options, "temp_location") == [f"{OUT}/dataflow/tmp"]
+    assert _value(options, "number_of_worker_harness_threads") == ["1"]
+    assert _value(options, "max_num_workers") == ["1"]
+    assert (_value(options, "project"), _value(options, "region")) == (["p"], ["us-west4"])
+    assert options[-1] == "--worker_zone=us-west4-a"  # flags submit does not know pass through
+
+
+@pytest.mark.parametrize("tpu_type,topology", sorted({(s.tpu_type, s.topology) for s in tpu.SLICES}
+                                                     - {(s.tpu_type, s.topology) for s in tpu.SLICES if s.dataflow}))
+def test_dataflow_refuses_every_other_topology(tpu_type, topology):
+    with pytest.raises(ValueError, match=f"--tpu-type {tpu_type} --topology {topology} cannot run on Dataflow"):
+        tpu.for_dataflow(tpu_type, topology)
+
+
+def test_dataflow_option_conflicts():
+    s = tpu.for_dataflow("v5e", "2x4")
+    kw = dict(project="p", region="r", image=IMAGE, out=OUT, job="pm-x")
+    with pytest.raises(ValueError) as e:
+        submit.dataflow_options(s, **kw, extra=["--machine_type=ct5lp-hightpu-4t"])
+    assert "--machine_type=ct5lp-hightpu-4t conflicts" in str(e.value)
+    assert "v5e 2x4 on Dataflow requires ct5lp-hightpu-8t" in str(e.value)
+    with pytest.raises(ValueError, match="set it with --temp-location"):
+        submit.dataflow_options(s, **kw, extra=["--temp_location", "gs://other/tmp"])
+    with pytest.raises(ValueError, match="the worker accelerator comes from --tpu-type and --topology"):
+        submit.dataflow_options(s, **kw, extra=["--dataflow_service_options=worker_accelerator=type:x"])
+    same = submit.dataflow_options(s, **kw, extra=["--worker_machine_type=ct5lp-hightpu-8t", "--save_main_session"])
+    assert same == submit.dataflow_options(s, **kw) + ["--save_main_session"]
+    custom = submit.dataflow_options(s, **kw, temp_location="gs://t/tmp", max_workers=8, harness_threads=2)
+    assert (_value(custom, "temp_location"), _value(custom, "staging_location")) == (["gs://t/tmp"],
+                                                                                      ["gs://t/tmp/staging"])
+    assert (_value(custom, "max_num_workers"), _value(custom, "number_of_worker_harness_threads")) == (["8"], ["2"])
+    with pytest.raises(ValueError, match="--max-workers must be a positive integer, got 0"):
+        submit.dataflow_options(s, **kw, max_workers=0)
+    with pytest.raises(ValueError, match="--temp-location must be a gs://"):
+        submit.dataflow_options(s, **kw, temp_location="/tmp/x")
+
+
+def test_job_names_follow_out_and_carry_the_date():
+    assert submit.job_name(OUT) == submit.job_name(OUT + "/") != submit.job_name(OUT + "2")
+    assert re.fullmatch(r"promptmill-[0-9a-f]{8}", submit.job_name(OUT))
+    assert submit.job_name(OUT, "Nightly_SD", "2025-01-31T23:30:00-02:00") == "nightly-sd-20250201"
+
+
+def test_plan_command_round_trips_through_the_cli():
+    from jobs import cli
+
+    settings = Settings(prompts=PROMPTS, out=OUT, model="gs://b/models/sd", width=64, height=48, steps=7,
+                        scheduler="dpmpp", guidance_scale=3.25, seed=12, per_device_batch=2, batches_per_slice=3,
+                        devices_per_host=8, dtype="bf16", formats=("files", "zarr"), image_format="webp",
+                        quality=80, save_latents=True, prompt_field="text", dedupe=True)
+    command = submit.plan_command(settings, ["--runner", "DirectRunner"])
+    assert command[:2] == ["promptmill", "plan"] and command[-2:] == ["--runner", "DirectRunner"]
+    args, extra = cli.build_parser().parse_known_args(command[1:])
+    assert extra == ["--runner", "DirectRunner"]
+    assert cli._settings(args, args.devices_per_host) == settings
+    plain = Settings(prompts=PROMPTS, out=OUT)
+    args, _ = cli.build_parser().parse_known_args(submit.plan_command(plain)[1:])
+    assert cli._settings(args, args.devices_per_host) == plain
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def cli_main(argv, capsys):
+    """Exit code, stdout, stderr of ``promptmill ARGV``: jobs.cli.main once it has `submit`;
+    until then the same parse, {date} resolution and error handling around run_submit."""
+    from jobs import cli
+    from jobs import submit as submit_cli
+
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    if "submit" in commands:
+        code = cli.main(argv)
+    else:
+        import argparse
+
+        parser = argparse.ArgumentParser(prog="promptmill")
+        submit_cli.add_submit_parser(parser.add_subparsers(dest="command", required=True),
+                                     cli._add_settings_flags, cli._add_date_flag)
+        args, extra = parser.parse_known_args(argv)
+        try:
+            from pipeline import schedule
+
+            args.out = schedule.resolve_out(args.out, args.date)
+            code = submit_cli.run_submit(args, extra)
+        except (ValueError, RuntimeError, OSError) as e:
+            print(f"promptmill {args.command}: error: {e}", file=sys.stderr)
+            code = 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+FAKE_KUBECTL = textwrap.dedent(r'''
+    #!PYTHON
+    """A stand-in for kubectl: records its calls; `apply` starts the JobSet's hosts as local
+    processes (one per pod, the pod's command and env; 127.0.0.1 for the pods' DNS names, a free
+    port for the coordinator) under a detached supervisor, which writes the JobSet's status."""
+    import json, os, socket, subprocess, sys
+
+    STATE = os.environ["FAKE_KUBECTL_STATE"]
+    MODE = os.environ.get("FAKE_KUBECTL_MODE", "run")  # run | fail | running (an existing, running JobSet)
+    INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+    def path(name):
+        return os.path.join(STATE, name)
+
+
+    def write_status(status):
+        with open(path("status.tmp"), "w") as f:
+            json.dump(status, f)
+        os.replace(path("status.tmp"), path("status.json"))
+
+
+    def supervise():
+        import yaml
+        sys.path.insert(0, os.environ["FAKE_KUBECTL_REPO"])
+        from pipeline import launcher
+
+        (jobset,) = [d for d in yaml.safe_load_all(open(path("applied.yaml"))) if d]
+        job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+        container = job["template"]["spec"]["containers"][0]
+        chips = int(container["resources"]["limits"]["google.com/tpu"])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        assert container["command"][0] == "promptmill"
+        command = [sys.executable, "-m", "jobs.cli", *container["command"][1:]]
+        hosts = []
+        for i in range(job["parallelism"]):
+            env = launcher.host_env(chips)
+            for var in container["env"]:
+                if "value" in var:
+                    env[var["name"]] = var["value"]
+                else:
+                    assert var["valueFrom"]["fieldRef"]["fieldPath"] == INDEX
+                    env[var["name"]] = str(i)
+            env["TPU_WORKER_HOSTNAMES"] = ",".join("127.0.0.1" for _ in env["TPU_WORKER_HOSTNAMES"].split(","))
+            env["PROMPTMILL_COORDINATOR_PORT"] = str(port)
+            log = open(path(f"host-{i}.log"), "w")
+            hosts.append(subprocess.Popen(command, env=env, cwd=os.environ["FAKE_KUBECTL_REPO"],
+                                          stdout=subprocess.DEVNULL, stderr=log))
+        codes = [h.wait() for h in hosts]
+        if any(codes):
+            write_status({"restarts": 0, "terminalState": "Failed", "conditions": [
+                {"type": "Failed", "status": "True", "reason": "FailedJobs", "message": f"host exit codes {codes}"}]})
+        else:
+            write_status({"restarts": 0, "terminalState": "Completed", "conditions": [
+                {"type": "Completed", "status": "True", "reason": "AllJobsCompleted", "message": "jobset completed"}]})
+
+
+    def main():
+        if sys.argv[1:] == ["__supervise__"]:
+            return supervise()
+        args = sys.argv[1:]
+        stdin = sys.stdin.read() if "-f" in args else None
+        with open(path("calls.jsonl"), "a") as f:
+            f.write(json.dumps(args) + "\n")
+        if args[:1] == ["--namespace"]:
+            args = args[2:]
+        if args[0] == "apply" and args[1:] == ["-f", "-"]:
+            with open(path("applied.yaml"), "w") as f:
+                f.write(stdin)
+            if MODE == "fail":
+                write_status({"restarts": 3, "conditions": [{"type": "Failed", "status": "True",
+                              "reason": "FailedJobs", "message": "jobset failed: host 1 exit code 137"}]})
+            else:
+                supervisor = subprocess.Popen([sys.executable, __file__, "__supervise__"], start_new_session=True,
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                              stderr=open(path("supervisor.log"), "w"))
+                with open(path("supervisor.pid"), "w") as f:
+                    f.write(str(supervisor.pid))
+            print("jobset.jobset.x-k8s.io/applied")
+            return 0
+        if args[:2] == ["get", "jobset"]:
+            if MODE == "running":
+                print(json.dumps({"kind": "JobSet", "metadata": {"name": args[2]}, "status": {"restarts": 0}}))
+                return 0
+            if not os.path.exists(path("applied.yaml")):
+                return 0 if "--ignore-not-found" in args else 1
+            status = json.load(open(path("status.json"))) if os.path.exists(path("status.json")) else {"restarts": 0}
+            print(json.dumps({"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                              "metadata": {"name": args[2]}, "status": status}))
+            return 0
+        print(f"fake kubectl: unsupported {args}", file=sys.stderr)
+        return 2
+
+
+    sys.exit(main())
+''').lstrip().replace("PYTHON", sys.executable)
+
+
+@pytest.fixture
+def kubectl(tmp_path, monkeypatch):
+    """KUBECTL -> a fake kubectl; yields a reader of its recorded calls. Kills what it started."""
+    state = tmp_path / "kubectl-state"
+    state.mkdir()
+    script = tmp_path / "kubectl"
+    script.write_text(FAKE_KUBECTL)
+    script.chmod(0o755)
+    monkeypatch.setenv("KUBECTL", str(script))
+    monkeypatch.setenv("FAKE_KUBECTL_STATE", str(state))
+    monkeypatch.setenv("FAKE_KUBECTL_REPO", ROOT)
+
+    def calls():
+        log = state / "calls.jsonl"
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    calls.state = state
+    yield calls
+    pid_file = state / "supervisor.pid"
+    if pid_file.exists():
+        import signal
+
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def beam_engine(monkeypatch):
+    """A stand-in for pipeline.beam_engine that records run_beam calls (no Dataflow here)."""
+    calls = []
+
+    def run_beam(settings, beam_args, overwrite=False):
+        calls.append((settings, list(beam_args), overwrite))
+        return {"images": 3, "records": 2, "rejects": 1, "verified": True}
+
+    fake = types.SimpleNamespace(run_beam=run_beam)
+    monkeypatch.setitem(sys.modules, "pipeline.beam_engine", fake)
+    monkeypatch.setattr(pipeline, "beam_engine", fake, raising=False)
+    return calls
+
+
+DATAFLOW = ["submit", "dataflow", "--tpu-type", "v5e", "--topology", "2x4", "--image", IMAGE, "--project", "p",
+            "--region", "us-west4", "--out", OUT, "--prompts", PROMPTS, "--steps", "4"]
+GKE = ["submit", "gke", "--tpu-type", "v5e", "--topology", "4x4", "--image", IMAGE, "--out", OUT,
+       "--prompts", PROMPTS, "--steps", "4"]
+
+
+def test_dataflow_dry_run_prints_settings_and_every_option_and_launches_nothing(beam_engine, capsys):
+    code, out, err = cli_main([*DATAFLOW, "--worker_zone", "us-west4-a", "--dry-run"], capsys)
+    assert code == 0, err
+    assert beam_engine == []
+    s = tpu.for_dataflow("v5e", "2x4")
+    expected = submit.dataflow_options(s, project="p", region="us-west4", image=IMAGE, out=OUT,
+                                       job=submit.job_name(OUT), extra=["--worker_zone", "us-west4-a"])
+    lines = out.splitlines()
+    assert "'--dataflow_service_options=worker_accelerator=type:tpu-v5-lite-podslice;topology:2x4'" in lines
+    import shlex
+
+    options = [shlex.split(line)[0] for line in lines if line.startswith(("--", "'--"))]
+    assert options == expected
+    settings = json.loads(lines[lines.index("# settings:") + 1])
+    assert (settings["devices_per_host"], settings["steps"], settings["out"]) == (8, 4, OUT)
+
+
+def test_dataflow_launch_calls_run_beam_with_the_options(beam_engine, capsys):
+    code, out, err = cli_main([*DATAFLOW, "--overwrite", "--max-workers", "4"], capsys)
+    assert code == 0, err
+    ((settings, options, overwrite),) = beam_engine
+    assert (settings.devices_per_host, settings.steps, settings.out, overwrite) == (8, 4, OUT, True)
+    assert "--machine_type=ct5lp-hightpu-8t" in options and "--max_num_workers=4" in options
+    assert json.loads(out) == {"images": 3, "records": 2, "rejects": 1, "verified": True}
+
+
+def test_gke_dry_run_prints_every_command_and_the_manifest_and_runs_nothing(kubectl, capsys):
+    code, out, err = cli_main([*GKE, "--date", "2025-01-31", "--namespace", "team-a", "--plan-beam-args",
+                               "--runner DirectRunner --direct_num_workers 2", "--dry-run"], capsys)
+    assert code == 0, err
+    assert kubectl() == []  # kubectl never ran
+    name = submit.job_name(OUT, None, "2025-01-31")
+    assert name.endswith("-20250131")
+    docs = [d for d in yaml.safe_load_all(out) if d is not None]  # the whole output is YAML: comments + manifest
+    s = tpu.lookup("v5e", "4x4")
+    settings = Settings(prompts=PROMPTS, out=OUT, steps=4, devices_per_host=4)
+    assert docs == [submit.jobset(submit.GkeJob(settings=settings, slice=s, name=name, image=IMAGE,
+                                                namespace="team-a"))]
+    kubectl_path = os.environ["KUBECTL"]
+    for expected in ("# 1. plan (Beam):",
+                     "promptmill plan --prompts 'gs://bucket/prompts/*.jsonl' --out gs://bucket/runs/x",
+                     "--devices-per-host 4", "--runner DirectRunner --direct_num_workers 2",
+                     f"# 3. {kubectl_path} --namespace team-a apply -f -",
+                     f"get jobset {name} -o json", "gs://bucket/runs/x/shards/*_stats.json",
+                     "# 5. collect (Beam):", "promptmill collect --out gs://bucket/runs/x"):
+        assert expected in out, expected
+
+
+def test_a_scheduled_gke_dry_run_resolves_date_in_out_and_name(kubectl, capsys):
+    code, out, err = cli_main([*GKE, "--out", "gs://bucket/runs/{date}", "--date", "2025-03-01T05:00:00Z",
+                               "--name", "nightly", "--dry-run"], capsys)
+    assert code == 0, err
+    (js,) = [d for d in yaml.safe_load_all(out) if d is not None]
+    assert js["metadata"]["name"] == "nightly-20250301"
+    container = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["promptmill", "generate", "--out", "gs://bucket/runs/2025-03-01"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([*DATAFLOW, "--out", "/tmp/promptmill-out"], "--out must be a gs://BUCKET/PREFIX path for submit dataflow"),
+    ([*DATAFLOW, "--prompts", "prompts/*.jsonl"], "--prompts must be a gs://BUCKET/PREFIX path"),
+    ([*DATAFLOW, "--image", ""], "submit dataflow needs --image, e.g. --image"),
+    ([*DATAFLOW, "--project", ""], "submit dataflow needs --project"),
+    ([*DATAFLOW, "--tpu-type", "v9"], "unknown --tpu-type 'v9'; supported: v5e, v6e, v5p"),
+    ([*DATAFLOW, "--topology", "2by4"], "--topology must be chips per dimension joined by 'x'"),
+    ([*DATAFLOW, "--topology", "4x4"], "cannot run on Dataflow: it needs 4 hosts"),
+    ([*DATAFLOW, "--machine_type", "ct5lp-hightpu-4t"], "conflicts with what submit dataflow sets"),
+    ([*DATAFLOW, "--model", "tests"], "is a folder on this machine"),
+    ([*GKE, "--out", "promptmill-out"], "--out must be a gs://BUCKET/PREFIX path for submit gke"),
+    ([*GKE, "--image", ""], "submit gke needs --image"),
+    ([*GKE, "--tpu-type", "tpu-v9"], "unknown --tpu-type 'tpu-v9'"),
+    ([*GKE, "--topology", "4x4x4"], "--tpu-type v5e does not support --topology 4x4x4"),
+    ([*GKE, "--topology", "4 x 4"], "--topology must be chips per dimension"),
+    ([*GKE, "--machine-type", "ct5lp-hightpu-8t"], "v5e 4x4 does not run on --machine-type ct5lp-hightpu-8t"),
+    ([*GKE, "--coordinator-port", "0"], "--coordinator-port must be in [1, 65535]"),
+    ([*GKE, "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    ([*GKE, "--poll-seconds", "0"], "--poll-seconds must be > 0"),
+    ([*GKE, "--steps", "0"], "--steps must be >= 1"),
+])
+def test_bad_input_is_a_clear_error_and_nothing_is_submitted(argv, message, kubectl, beam_engine, capsys):
+    code, out, err = cli_main(argv, capsys)
+    assert code == 1
+    assert message in err
+    assert kubectl() == [] and beam_engine == []
+
+
+def test_missing_kubectl_is_a_clear_error_before_anything_runs(monkeypatch, tmp_path):
+    monkeypatch.delenv("KUBECTL", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="kubectl was not found on PATH"):
+        submit.find_kubectl()
+    monkeypatch.setenv("KUBECTL", str(tmp_path / "nothing"))
+    with pytest.raises(RuntimeError, match="is not an executable file"):
+        submit.find_kubectl()
+    monkeypatch.setenv("KUBECTL", "")
+    job = gke_job(tpu.lookup("v5e", "4x4"))
+    planned = []
+    monkeypatch.setattr("pipeline.plan.run_plan", lambda *a: planned.append(a))
+    with pytest.raises(RuntimeError, match="kubectl was not found"):
+        submit.submit_gke(job, emit=lambda m: None)
+    assert planned == []
+
+
+# ---------------------------------------------------------------- status and the wait
+
+
+@pytest.mark.parametrize("obj,state", [
+    (None, "absent"),
+    ({"status": {}}, "running"),
+    ({"status": {"conditions": [{"type": "StartupPolicyCompleted", "status": "True"}]}}, "running"),
+    ({"status": {"conditions": [{"type": "Completed", "status": "False"}]}}, "running"),
+    ({"status": {"conditions": [{"type": "Completed", "status": "True", "reason": "AllJobsCompleted"}]}},
+     "completed"),
+    ({"status": {"conditions": [{"type": "Failed", "status": "True", "message": "host 1 died"}]}}, "failed"),
+    ({"status": {"terminalState": "Failed"}}, "failed"),
+])
+def test_jobset_state(obj, state):
+    assert submit.jobset_state(obj)[0] == state
+
+
+class ScriptedKubectl:
+    """Answers `get jobset` from a script of states; records every other call."""
+
+    def __init__(self, states):
+        self.states = list(states)
+        self.calls = []
+
+    def get_jobset(self, name):
+        state = self.states.pop(0)
+        if isinstance(state, Exception):
+            raise state
+        if state is None:
+            return None
+        restarts = 1 if state == "restarted" else 0
+        conditions = {"running": [], "restarted": [], "completed": [{"type": "Completed", "status": "True"}],
+                      "failed": [{"type": "Failed", "status": "True", "message": "host 0 OOMKilled"}]}[state]
+        return {"metadata": {"name": name}, "status": {"conditions": conditions, "restarts": restarts}}
+
+    def __call__(self, *args, stdin=None):
+        self.calls.append((args, stdin))
+        return ""
+
+
+def _commit(out, index):
+    storage.write_json(naming.shard_stats(out, index), {"slice": index})
+
+
+def test_wait_follows_commits_until_completed(tmp_path):
+    out = str(tmp_path / "out")
+    job = gke_job(tpu.lookup("v5e", "4x4"), settings=Settings(out=out), poll_s=0.01)
+    kubectl = ScriptedKubectl(["running", RuntimeError("connection refused"), "restarted", "completed"])
+    commits = iter([0, 1, 2])
+    messages = []
+    assert submit.wait_for_jobset(kubectl, job, 3, messages.append, sleep=lambda s: _commit(out, next(commits))) == 3
+    assert messages == ["0/3 slices committed", "JobSet pm-test running (restarts: 0)", "1/3 slices committed",
+                        "2/3 slices committed", "JobSet pm-test running (restarts: 1)", "3/3 slices committed"]
+
+
+def test_wait_fails_clearly_when_the_jobset_fails_or_ends_short(tmp_path):
+    out = str(tmp_path / "out")
+    job = gke_job(tpu.lookup("v5e", "4x4"), settings=Settings(out=out), poll_s=0.01)
+    _commit(out, 0)
+    with pytest.raises(RuntimeError) as e:
+        submit.wait_for_jobset(ScriptedKubectl(["running", "failed"]), job, 2, lambda m: None, sleep=lambda s: None)
+    assert "JobSet pm-test failed (host 0 OOMKilled) with 1/2 slices committed" in str(e.value)
+    assert "re-running the same command resumes" in str(e.value)
+    with pytest.raises(RuntimeError, match="completed but only 1/2 slices are committed"):
+        submit.wait_for_jobset(ScriptedKubectl(["completed"]), job, 2, lambda m: None, sleep=lambda s: None)
+    with pytest.raises(RuntimeError, match="disappeared with 1/2 slices committed"):
+        submit.wait_for_jobset(ScriptedKubectl([None]), job, 2, lambda m: None, sleep=lambda s: None)
+    errors = [RuntimeError("timeout")] * submit.KUBECTL_FAILURES_TOLERATED
+    with pytest.raises(RuntimeError, match="could not read JobSet pm-test's status 5 times in a row"):
+        submit.wait_for_jobset(ScriptedKubectl(errors), job, 2, lambda m: None, sleep=lambda s: None)
+
+
+def test_apply_replaces_a_finished_jobset_and_attaches_to_a_running_one():
+    job = gke_job(tpu.lookup("v6e", "2x4", "ct6e-standard-4t"))
+    fresh = ScriptedKubectl([None])
+    assert submit.apply_jobset(fresh, job, lambda m: None) == "applied"
+    ((args, stdin),) = fresh.calls
+    assert args == ("apply", "-f", "-") and list(yaml.safe_load_all(stdin)) == [submit.jobset(job)]
+    finished = ScriptedKubectl(["failed"])
+    assert submit.apply_jobset(finished, job, lambda m: None) == "applied"
+    assert [c[0] for c in finished.calls] == [("delete", "jobset", "pm-test", "--wait=true"), ("apply", "-f", "-")]
+    running = ScriptedKubectl(["running"])
+    assert submit.apply_jobset(running, job, lambda m: None) == "attached" and running.calls == []
+
+
+# ---------------------------------------------------------------- end to end against a fake kubectl
+
+
+@pytest.fixture
+def gcs_prompts(gcs_emulator, model_cache):
+    prefix = f"gs://{gcs_emulator}/submit-e2e"
+    rows = [{"prompt": f"submit test prompt {n}", "id": f"rec-{n}"} for n in range(6)]
+    storage.write_bytes(f"{prefix}/prompts/part-0.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    return prefix
+
+
+def _gke_e2e_args(prefix, out):
+    return ["submit", "gke", "--tpu-type", "v5e", "--topology", "2x4", "--machine-type", "ct5lp-hightpu-4t",
+            "--image", IMAGE, "--prompts", f"{prefix}/prompts/*.jsonl", "--out", out, "--model", "tiny",
+            "--steps", "2", "--per-device-batch", "1", "--batches-per-slice", "1", "--poll-seconds", "2",
+            "--name", "pm-e2e"]
+
+
+def test_gke_end_to_end_with_a_fake_kubectl(gcs_prompts, kubectl, capsys):
+    """plan (Beam) -> kubectl apply -> 2 hosts x 4 devices from the manifest's command and env
+    (jax.distributed from TPU_WORKER_ID/TPU_WORKER_HOSTNAMES) -> wait -> collect (Beam)."""
+    out = f"{gcs_prompts}/out"
+    code, stdout, err = cli_main(_gke_e2e_args(gcs_prompts, out), capsys)
+    logs = "".join(p.read_text() for p in sorted(kubectl.state.glob("*.log")))
+    assert code == 0, err[-3000:] + logs[-3000:]
+    assert json.loads(stdout) == {"images": 6, "records": 6, "rejects": 0, "verified": True}
+    calls = kubectl()
+    base = ["--namespace", "default"]
+    assert calls[0] == [*base, "get", "jobset", "pm-e2e", "-o", "json", "--ignore-not-found"]
+    assert calls[1] == [*base, "apply", "-f", "-"]
+    assert all(c == calls[0] for c in calls[2:]) and len(calls) >= 3  # the wait polls the status
+    (applied,) = yaml.safe_load_all((kubectl.state / "applied.yaml").read_text())
+    job = applied["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["parallelism"] == 2 and applied["metadata"]["name"] == "pm-e2e"
+    # both hosts joined one cluster through the env (not flags) and committed the 2 slices
+    for i in range(2):
+        joins = [json.loads(line) for line in (kubectl.state / f"host-{i}.log").read_text().splitlines()
+                 if '"cluster_join"' in line]
+        assert joins and joins[0]["how"] == "gke-env" and joins[0]["num_processes"] == 2, joins
+    manifest = storage.read_json(naming.manifest(out))
+    assert manifest["slices"] == 2 and json.loads(storage.read_text(naming.run_json(out)))["settings"][
+        "devices_per_host"] == 4
+    assert submit.committed_slices(out, 2) == 2
+    assert "2/2 slices committed" in err and "JobSet pm-e2e applied" in err
+
+
+def test_gke_failed_jobset_is_an_error_and_nothing_is_collected(gcs_prompts, kubectl, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_KUBECTL_MODE", "fail")
+    out = f"{gcs_prompts}/out-failed"
+    code, stdout, err = cli_main(_gke_e2e_args(gcs_prompts, out), capsys)
+    assert code == 1
+    assert "JobSet pm-e2e failed (FailedJobs; jobset failed: host 1 exit code 137) with 0/2 slices committed" in err
+    assert not storage.exists(naming.dataset_file(out, "stats.json"))
+    assert [c[2] for c in kubectl()] == ["get", "apply", "get"]
