@@ -497,6 +497,8 @@ def test_scheduler_and_workflow_commands_of_the_readme_name_the_same_things():
     assert _flag(run_job, "--image").endswith("/promptmill-submit:$TAG")
     env = _workflow_env("dataflow")
     assert env["SUBMIT_JOB"] == run_job[4] and env["ENGINE"] == "dataflow"
+    reserved = [k for k in env if k.startswith(("GOOGLE_", "WORKFLOWS_"))]  # Workflows refuses these names
+    assert not reserved, reserved
 
 
 # -- the README -------------------------------------------------------------------------
