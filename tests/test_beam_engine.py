@@ -1,0 +1,337 @@
+"""The beam engine (``pipeline.beam_engine``): the whole job as one Beam pipeline.
+
+Real runs: Beam runners in this process (FnApiRunner, BundleBasedDirectRunner), the tiny
+model on 2 CPU devices (conftest), and, for comparison, the pod engine through the CLI
+(``promptmill run``: plan, one jax.distributed host process with 2 devices, collect).
+All in-process beam runs share one compiled generator (one per process, by design), so
+only the first one compiles.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import beam_engine, formats, logs, naming, storage, writer
+from pipeline.settings import Settings
+from tests.conftest import ROOT
+
+STEPS = 2
+
+
+def write_prompts(folder) -> str:
+    """9 rows: 8 good records (one with 2 images, so 9 images: slices of 4, 4 and 1) and one bad row."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": f"a {'red' if n % 2 else 'blue'} thing, number {n}", "theme": n % 3} for n in range(8)]
+    rows[1].update(id="named", negative_prompt="blurry")
+    rows[2]["num_images"] = 2
+    rows[3]["seed"] = 2**40 + 7
+    rows[5]["guidance_scale"] = 3.0
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(4, json.dumps({"prompt": "", "id": "empty"}))  # rejected: empty_prompt
+    (folder / "part-0.jsonl").write_text("\n".join(lines[:5]) + "\n")
+    (folder / "part-1.jsonl").write_text("\n".join(lines[5:]) + "\n")
+    return str(folder / "*.jsonl")
+
+
+def beam_settings(prompts: str, out: str) -> Settings:
+    """The settings ``promptmill run`` builds from the pod run's flags below."""
+    return Settings(prompts=prompts, out=out, model="tiny", steps=STEPS, per_device_batch=1, batches_per_slice=2,
+                    devices_per_host=2)
+
+
+@contextlib.contextmanager
+def captured_events():
+    """The promptmill log events emitted inside the block, as dicts."""
+    events: list[dict] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            events.append({"event": record.getMessage(), **getattr(record, "fields", {})})
+
+    handler = Handler()
+    logger = logging.getLogger(logs.LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield events
+    finally:
+        logger.removeHandler(handler)
+
+
+def named(events: list[dict], name: str) -> list[dict]:
+    return [e for e in events if e["event"] == name]
+
+
+class TransientFault(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def fault_once(slice_index: int):
+    """The first attempt at slice ``slice_index`` fails inside the generate DoFn once its
+    first image is stored, before the slice's other images, shards and commit marker.
+
+    Patches ``SliceWriter.add`` in this process, where the in-process runners run the
+    DoFn. Yields the list of keys at which it fired (at most one).
+    """
+    original = writer.SliceWriter.add
+    fired: list[str] = []
+
+    def add(self, item, *args, **kwargs):
+        if self.index == slice_index and self._pending and not fired:
+            self.wait_images()  # the first image is on disk: a half-written slice
+            fired.append(item.key)
+            raise TransientFault(f"injected transient failure in slice {slice_index} at {item.key}")
+        return original(self, item, *args, **kwargs)
+
+    writer.SliceWriter.add = add
+    try:
+        yield fired
+    finally:
+        writer.SliceWriter.add = original
+
+
+def metadata_rows(out: str) -> dict[str, dict]:
+    return {r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+
+
+def image_hashes(out: str) -> dict[str, str]:
+    return {key: hashlib.sha256(storage.read_bytes(naming.join(out, row["path"]))).hexdigest()
+            for key, row in metadata_rows(out).items()}
+
+
+def rejects(out: str) -> dict[str, str]:
+    root = naming.rejects_dir(out)
+    return {path[len(root):]: storage.read_text(path) for path in storage.glob(naming.join(root, "*.jsonl"))}
+
+
+def comparable(row: dict) -> dict:
+    """A metadata row without the run's own timestamp (``created_at``: when it was planned)."""
+    return {k: v for k, v in row.items() if k != "created_at"}
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    return write_prompts(tmp_path_factory.mktemp("beam-prompts"))
+
+
+@pytest.fixture(scope="module")
+def pod_started(prompts, tmp_path_factory, model_cache):
+    """The pod engine's run (``promptmill run``, 1 host x 2 devices, the same settings),
+    started in the background so that it runs while this process runs the beam engine."""
+    from pipeline import model as model_lib
+
+    model_lib.resolve("tiny")  # built once, before both engines need it
+    folder = tmp_path_factory.mktemp("pod")
+    out, log = str(folder / "out"), folder / "cli.log"
+    command = [sys.executable, "-m", "jobs.cli", "run", "--prompts", prompts, "--out", out, "--model", "tiny",
+               "--hosts", "1", "--devices-per-host", "2", "--steps", str(STEPS), "--per-device-batch", "1",
+               "--batches-per-slice", "2", "--no-progress"]
+    with open(log, "w") as sink:
+        process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PROMPTMILL_CACHE=model_cache),
+                                   stdout=sink, stderr=subprocess.STDOUT)
+    yield out, process, log
+    if process.poll() is None:  # not waited for (a test selection without pod_run): stop it and its host
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pod_run(pod_started):
+    out, process, log = pod_started
+    assert process.wait(timeout=600) == 0, log.read_text()[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def beam_run(prompts, tmp_path_factory, model_cache, pod_started):
+    """The clean beam run, on the default runner (the DirectRunner): (OUT, stats, events)."""
+    out = str(tmp_path_factory.mktemp("beam") / "out")
+    with captured_events() as events:
+        stats = beam_engine.run_beam(beam_settings(prompts, out))
+    return out, stats, events
+
+
+def test_beam_engine_writes_the_pod_engines_images_metadata_and_rejects(beam_run, pod_run):
+    out, stats, _ = beam_run
+    assert stats["verified"] and (stats["images"], stats["records"], stats["rejects"]) == (9, 8, 1)
+    beam_manifest, pod_manifest = (storage.read_json(naming.manifest(o)) for o in (out, pod_run))
+    assert beam_manifest == pod_manifest and beam_manifest["slices"] == 3
+    for index in range(3):
+        assert storage.read_bytes(naming.plan_slice(out, index)) == storage.read_bytes(naming.plan_slice(pod_run, index))
+    assert image_hashes(out) == image_hashes(pod_run) and len(image_hashes(out)) == 9
+    beam_rows, pod_rows = metadata_rows(out), metadata_rows(pod_run)
+    assert {k: comparable(r) for k, r in beam_rows.items()} == {k: comparable(r) for k, r in pod_rows.items()}
+    assert {r["sha256"] for r in beam_rows.values()} == set(image_hashes(out).values())
+    assert rejects(out) == rejects(pod_run)
+    [reject] = [json.loads(line) for text in rejects(out).values() for line in text.splitlines()]
+    assert reject["reason"] == "empty_prompt" and reject["line"] == 5
+    # padding rows (3 in the last slice) are never written
+    assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 9
+
+
+def test_counters_events_and_nothing_recompiled(beam_run):
+    out, stats, events = beam_run
+    [generated] = named(events, "generated")
+    assert generated == {"event": "generated", "slices_generated": 3, "images": 9}
+    assert sorted(e["slice"] for e in named(events, "slice_committed")) == [0, 1, 2]
+    [planned] = named(events, "planned")
+    assert (planned["records"], planned["rejects"], planned["rows_read"]) == (8, 1, 9)
+    assert stats["compiles_after_warmup"] == 0 and stats["committed_slices"] == 3
+    assert [storage.read_json(naming.shard_stats(out, i))["padding"] for i in range(3)] == [0, 0, 3]
+
+
+def test_bundle_retry_in_the_runner_rewrites_the_half_written_slice(beam_run, prompts, tmp_path):
+    """A real bundle retry. The FnApiRunner (the DirectRunner's batch engine) never
+    retries a failed bundle: ``BundleManager._run_bundle`` raises ``RuntimeError(result.error)``
+    (apache_beam/runners/portability/fn_api_runner/fn_runner.py; apache/beam#18640 "Support
+    bundle retries in the FnApiRunner" is open). Beam's BundleBasedDirectRunner does
+    retry: ``TransformExecutor.call`` re-runs a failed bundle up to 4 times with a fresh
+    evaluator (runners/direct/executor.py, ``_MAX_RETRY_PER_BUNDLE``), discarding the
+    failed attempt's outputs, as Dataflow does with a failed work item. So here the whole
+    job runs on the BundleBasedDirectRunner, slice 1 fails once after storing one image,
+    and the runner's retry must redo and commit it: the job succeeds, collect verifies
+    every planned key exactly once, and the images and metadata equal the clean run's.
+    Not shown: a retry on another worker process (it would load its own model; the
+    outputs do not depend on it).
+    """
+    clean, _, _ = beam_run
+    out = str(tmp_path / "out")
+    with captured_events() as events, fault_once(1) as fired:
+        stats = beam_engine.run_beam(beam_settings(prompts, out), ["--runner", "BundleBasedDirectRunner"])
+    assert len(fired) == 1  # the fault happened, inside the pipeline that then succeeded
+    [redone] = [e for e in named(events, "slice_redone") if e["slice"] == 1]
+    assert redone["leftover_objects"] >= 1  # the retry found the failed attempt's image
+    assert stats["verified"] and stats["images"] == 9 and stats["problems"] == {}
+    assert image_hashes(out) == image_hashes(clean)
+    assert ({k: comparable(r) for k, r in metadata_rows(out).items()}
+            == {k: comparable(r) for k, r in metadata_rows(clean).items()})
+    assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 9
+
+
+def test_without_runner_retries_the_job_fails_loudly_and_a_rerun_resumes(beam_run, prompts, tmp_path):
+    """On the FnApiRunner a failed bundle fails the job (no retry, see above). Running the
+    same job again, as Dataflow would retry the work, resumes: committed slices are
+    skipped, the half-written slice 1 is redone, and the dataset equals the clean run's.
+    This run also writes zarr (the worker opens the array once the plan has sized it):
+    its rows hold the clean run's pixels."""
+    clean, _, _ = beam_run
+    out = str(tmp_path / "out")
+    settings = beam_settings(prompts, out).replace(formats=("files", "zarr"))
+    with fault_once(1) as fired, pytest.raises(Exception, match="injected transient failure in slice 1"):
+        beam_engine.run_beam(settings, ["--runner", "FnApiRunner"])
+    assert len(fired) == 1
+    assert not writer.is_committed(out, 1) and writer.leftovers(out, settings.to_dict(), 1)
+    assert not storage.exists(naming.dataset_file(out, "stats.json"))  # collect never started
+    committed_before = {i for i in range(3) if writer.is_committed(out, i)}
+    with captured_events() as events:
+        stats = beam_engine.run_beam(settings, ["--runner", "FnApiRunner"])
+    assert {e["slice"] for e in named(events, "slice_skipped")} == committed_before
+    assert [e["slice"] for e in named(events, "slice_redone")] == [1]
+    assert {e["slice"] for e in named(events, "slice_committed")} == {0, 1, 2} - committed_before
+    assert stats["verified"] and stats["images"] == 9
+    assert image_hashes(out) == image_hashes(clean)
+    assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 9
+    array = formats.read_zarr_images(out)
+    assert array.shape == (9, 32, 32, 3)
+    for key, row in metadata_rows(clean).items():
+        with Image.open(io.BytesIO(storage.read_bytes(naming.join(clean, row["path"])))) as image:
+            assert np.array_equal(array[row["position"]].read().result(), np.asarray(image)), key
+
+
+def test_local_cpu_devices_reach_jax_in_a_fresh_process():
+    """What ``run_beam`` does first on a local runner, in a process like the CLI's: jax
+    (here imported already, its backend not started) then has the planned CPU devices."""
+    code = ("import jax, jobs.cli; from pipeline import beam_engine; beam_engine.use_local_cpu_devices(3); "
+            "print(len(jax.local_devices()), jax.local_devices()[0].platform)")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["3", "cpu"]
+
+
+def test_generate_dofn_twice_on_one_slice_commits_the_same_bytes(beam_run, tmp_path):
+    """The DoFn's ``process`` on slice 1 fails midway (one image stored, no shards, no
+    commit marker), then is called again as a retry would: the slice is committed, and
+    its images and metadata shard are byte for byte the clean run's."""
+    clean, _, _ = beam_run
+    out = str(tmp_path / "out")
+    shutil.copytree(naming.join(clean, "plan"), naming.join(out, "plan"))
+    shutil.copy(naming.run_json(clean), naming.run_json(out))  # same run: same created_at
+    run = storage.read_json(naming.run_json(out))
+    fn = beam_engine._GenerateFn(out, run)
+    fn.setup()
+    with fault_once(1), pytest.raises(TransientFault):
+        list(fn.process(1))
+    assert not writer.is_committed(out, 1) and len(writer.leftovers(out, run["settings"], 1)) == 1
+    [stats] = list(fn.process(1))
+    assert (stats["slice"], stats["images"], stats["compiles_after_warmup"]) == (1, 4, 0)
+    assert writer.is_committed(out, 1)
+    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(out, "images", "00001", "*")))
+    assert images == sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(clean, "images", "00001", "*")))
+    assert len(images) == 4
+    for name in images:
+        assert (storage.read_bytes(naming.join(out, "images", "00001", name))
+                == storage.read_bytes(naming.join(clean, "images", "00001", name)))
+    assert storage.read_bytes(naming.shard_metadata(out, 1)) == storage.read_bytes(naming.shard_metadata(clean, 1))
+    assert list(fn.process(1)) == [{"slice": 1, "skipped": True}]  # a retry after the commit skips it
+
+
+def test_a_worker_with_other_devices_than_planned_is_refused_before_loading(beam_run):
+    out, _, _ = beam_run
+    run = storage.read_json(naming.run_json(out))
+    run["settings"]["devices_per_host"] = 4
+    with pytest.raises(beam_engine.BeamEngineError, match=r"has 2 local cpu device\(s\), but the run was planned "
+                                                          r"with --devices-per-host 4.*--devices-per-host 2"):
+        beam_engine._Worker(run)
+
+
+def test_check_devices_and_the_collect_barrier():
+    beam_engine.check_devices(4, 4)
+    with pytest.raises(beam_engine.BeamEngineError, match="1 local tpu device.*--devices-per-host 8"):
+        beam_engine.check_devices(1, 8, "tpu")
+    manifest = {"slices": 3}
+    assert beam_engine.release_collect([{"slice": 2}, {"slice": 0, "skipped": True}, {"slice": 1}], manifest) == [0, 1, 2]
+    with pytest.raises(beam_engine.BeamEngineError, match=r"missing: \[1\]"):
+        beam_engine.release_collect([{"slice": 0}, {"slice": 2}], manifest)
+    with pytest.raises(beam_engine.BeamEngineError, match=r"more than once: \[2\]"):
+        beam_engine.release_collect([{"slice": 0}, {"slice": 1}, {"slice": 2}, {"slice": 2}], manifest)
+
+
+@pytest.mark.parametrize("args, local", [
+    ([], True), (["--runner", "DirectRunner"], True), (["--runner=direct"], True),
+    (["--runner", "BundleBasedDirectRunner"], True), (["--runner", "FnApiRunner"], True),
+    (["--runner", "apache_beam.runners.direct.direct_runner.BundleBasedDirectRunner"], True),
+    (["--runner", "DataflowRunner", "--project", "p"], False), (["--runner", "dataflow"], False),
+    (["--runner", "PortableRunner"], False),
+])
+def test_is_local_runner(args, local):
+    assert beam_engine.is_local_runner(args) is local
+
+
+def test_use_local_cpu_devices_sets_the_device_count_and_keeps_other_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=7")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # as the tests run; jax is already started with 2 devices
+    beam_engine.use_local_cpu_devices(2)
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+
+
+def test_verification_error_names_the_bad_keys():
+    stats = {"verified": False, "problems": {"missing": {"count": 1, "keys": ["k_0000"]}},
+             "conservation": {"holds": False, "input_rows": 5, "records": 3, "rejects": 1}}
+    message = beam_engine.verification_error(stats)
+    assert "missing: 1 key(s), e.g. k_0000" in message and "input rows 5 != planned records 3 + rejects 1" in message
+    assert beam_engine.verification_error({"verified": True}) is None
