@@ -12,6 +12,7 @@ import shlex
 import sys
 
 from pipeline import submit as submit_lib
+from pipeline import tpu
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
 _DATAFLOW_EXAMPLE = ("promptmill submit dataflow --tpu-type v5e --topology 2x4 --image IMAGE --project P "
@@ -105,20 +106,26 @@ def _settings(args, devices_per_host: int):
     return settings_from_args(args, devices_per_host).validate()
 
 
-def _common(args, target: str):
-    from pipeline import tpu
-
+def _check_common(args, target: str) -> None:
     submit_lib.require_gcs("--out", args.out, target)
     submit_lib.require_gcs("--prompts", args.prompts, target)
     submit_lib.require_remote_model(args.model, target)
     submit_lib.require_value("--image", args.image, target, "REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG")
     submit_lib.require_value("--tpu-type", args.tpu_type, target, "v5e")
     submit_lib.require_value("--topology", args.topology, target, "2x4")
-    return tpu
+
+
+def _beam_args(flag: str, value: str | None, default: list[str]) -> list[str]:
+    if value is None:
+        return list(default)
+    try:
+        return shlex.split(value)
+    except ValueError as e:
+        raise ValueError(f"{flag} must be Beam options in one shell-quoted string, got {value!r} ({e})") from None
 
 
 def _build_dataflow(args, beam_args: list[str]) -> submit_lib.DataflowJob:
-    tpu = _common(args, "dataflow")
+    _check_common(args, "dataflow")
     submit_lib.require_value("--project", args.project, "dataflow", "my-project")
     submit_lib.require_value("--region", args.region, "dataflow", "us-west4")
     worker = tpu.for_dataflow(args.tpu_type, args.topology)
@@ -132,11 +139,11 @@ def _build_dataflow(args, beam_args: list[str]) -> submit_lib.DataflowJob:
 
 
 def _build_gke(args, beam_args: list[str]) -> submit_lib.GkeJob:
-    tpu = _common(args, "gke")
+    _check_common(args, "gke")
     chosen = tpu.lookup(args.tpu_type, args.topology, args.machine_type)
     settings = _settings(args, chosen.chips_per_host)
-    plan_args = shlex.split(args.plan_beam_args) if args.plan_beam_args is not None else list(beam_args)
-    collect_args = shlex.split(args.collect_beam_args) if args.collect_beam_args is not None else list(beam_args)
+    plan_args = _beam_args("--plan-beam-args", args.plan_beam_args, beam_args)
+    collect_args = _beam_args("--collect-beam-args", args.collect_beam_args, beam_args)
     return submit_lib.GkeJob(
         settings=settings, slice=chosen, name=submit_lib.job_name(args.out, args.name, getattr(args, "date", None)),
         image=args.image, namespace=args.namespace, max_restarts=args.max_restarts,

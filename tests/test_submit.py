@@ -510,6 +510,7 @@ def test_a_scheduled_gke_dry_run_resolves_date_in_out_and_name(kubectl, capsys):
     ([*GKE, "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
     ([*GKE, "--poll-seconds", "0"], "--poll-seconds must be > 0"),
     ([*GKE, "--steps", "0"], "--steps must be >= 1"),
+    ([*GKE, "--plan-beam-args=--runner 'Direct"], "--plan-beam-args must be Beam options in one shell-quoted"),
 ])
 def test_bad_input_is_a_clear_error_and_nothing_is_submitted(argv, message, kubectl, beam_engine, capsys):
     code, out, err = cli_main(argv, capsys)
