@@ -125,7 +125,9 @@ def dataflow_options(s: tpu.Slice, *, project: str, region: str, image: str, out
       chip of the worker; more threads would hold more copies of the model);
     * ``--temp_location`` / ``--staging_location``: default ``OUT/dataflow/tmp`` and
       ``OUT/dataflow/staging``, in the run's bucket, next to its outputs;
-    * ``--max_num_workers`` (default 1: TPU capacity is scarce; raise it to your quota).
+    * ``--max_num_workers`` (default 1: TPU capacity is scarce; raise it to your quota);
+    * ``--disk_size_gb`` (default 100: the boot disk holds the container image and the
+      model; Dataflow's batch default of 25 GB with Shuffle is too small for them).
     ``extra`` (flags ``submit`` does not know) are appended; one that sets an option
     above to another value is an error naming the flag to use instead.
     """

@@ -224,6 +224,8 @@ def test_dataflow_option_conflicts():
     assert (_value(custom, "max_num_workers"), _value(custom, "number_of_worker_harness_threads")) == (["8"], ["2"])
     with pytest.raises(ValueError, match="--max-workers must be a positive integer, got 0"):
         submit.dataflow_options(s, **kw, max_workers=0)
+    with pytest.raises(ValueError, match="Beam options must look like --name=value or --name value, got 'stray'"):
+        submit.dataflow_options(s, **kw, extra=["stray"])
     with pytest.raises(ValueError, match="--temp-location must be a gs://"):
         submit.dataflow_options(s, **kw, temp_location="/tmp/x")
 
