@@ -21,6 +21,7 @@ setup(
         "pillow>=10",
         "pyarrow>=14",
         "tqdm>=4.60",
+        "pyyaml>=6",  # submit gke renders JobSet manifests
     ],
     extras_require={
         "tpu": ["jax[tpu]>=0.7,<0.11"],
@@ -29,7 +30,9 @@ setup(
         "test": ["apache-beam[gcp]>=2.60,<3", "pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8",
                  "webdataset>=0.2",
                  # metadata.parquet must load in Hugging Face datasets; <5.1 keeps huggingface-hub<1 for transformers 4
-                 "datasets>=3,<5.1"],
+                 "datasets>=3,<5.1",
+                 # the rendered GKE manifests are checked against Kubernetes' own object schemas
+                 "kubernetes-validate>=1.30,<2"],
     },
     entry_points={"console_scripts": ["promptmill=jobs.cli:main"]},
 )

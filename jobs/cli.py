@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     for command in dated:
         _add_date_flag(command)
 
+    from jobs.submit import add_submit_parser
+
+    add_submit_parser(sub, _add_settings_flags, _add_date_flag)  # submit dataflow|gke, with its own --date
+
     bench = sub.add_parser("bench", help="benchmarks")
     targets = bench.add_subparsers(dest="target", required=True)
     _add_bench_generator_flags(targets.add_parser(
@@ -288,6 +292,10 @@ def _dispatch(args, beam_args: list[str]) -> int:
         if args.report:
             storage.write_json(args.report, report)
         print(plan_bench.table(report))
+    elif args.command == "submit":
+        from jobs.submit import run_submit
+
+        return run_submit(args, beam_args)
     elif args.command == "bench" and args.target == "pipeline":
         from pipeline import pipeline_bench
 
