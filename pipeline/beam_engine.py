@@ -30,6 +30,7 @@ slices_generated, slices_skipped, slices_redone, images.
 """
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import threading
@@ -101,16 +102,17 @@ def check_devices(found: int, wanted: int, platform: str = "") -> None:
             f"{wanted} itself, unless JAX already started in this process)")
 
 
-def release_collect(generated: list[dict], manifest: dict) -> list[int]:
+def release_collect(generated: list[int], manifest: dict) -> list[int]:
     """The barrier between generate and collect (pure): every planned slice came out of
-    Generate exactly once, so every slice is committed; returns the slices to verify."""
-    seen = sorted(stats["slice"] for stats in generated)
+    Generate (committed, or found committed) exactly once; returns the slices to verify."""
+    counts = collections.Counter(generated)
     expected = list(range(manifest["slices"]))
-    if seen != expected:
-        missing = sorted(set(expected) - set(seen))
-        doubled = sorted({s for s in seen if seen.count(s) > 1})
-        raise BeamEngineError(f"generate emitted slices {seen[:20]} for {manifest['slices']} planned slice(s) "
-                              f"(missing: {missing[:20]}, more than once: {doubled[:20]})")
+    if sorted(counts) != expected or any(n != 1 for n in counts.values()):
+        missing = sorted(set(expected) - set(counts))
+        doubled = sorted(s for s, n in counts.items() if n > 1)
+        unplanned = sorted(set(counts) - set(expected))
+        raise BeamEngineError(f"generate emitted {len(generated)} slice(s) for {manifest['slices']} planned: "
+                              f"missing {missing[:20]}, more than once {doubled[:20]}, not planned {unplanned[:20]}")
     return expected
 
 
@@ -226,7 +228,7 @@ def _rejects_files(_manifest: dict, out: str) -> list[str]:
     return storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl"))
 
 
-def _collect_started(generated: list[dict], manifest: dict) -> float:
+def _collect_started(generated: list[int], manifest: dict) -> float:
     release_collect(generated, manifest)
     return time.time()
 
@@ -247,6 +249,7 @@ def build(p, settings: Settings, run: dict, page_size: int = collect.GALLERY_PAG
                  | "Generate" >> beam.ParDo(_GenerateFn(out, run)))
     manifest_side = beam.pvalue.AsSingleton(manifest)
     started = (generated
+               | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
                | "AllGenerated" >> beam.combiners.ToList()
                | "Barrier" >> beam.Map(_collect_started, manifest_side))
     summaries = (started

@@ -303,11 +303,14 @@ def test_check_devices_and_the_collect_barrier():
     with pytest.raises(beam_engine.BeamEngineError, match="1 local tpu device.*--devices-per-host 8"):
         beam_engine.check_devices(1, 8, "tpu")
     manifest = {"slices": 3}
-    assert beam_engine.release_collect([{"slice": 2}, {"slice": 0, "skipped": True}, {"slice": 1}], manifest) == [0, 1, 2]
-    with pytest.raises(beam_engine.BeamEngineError, match=r"missing: \[1\]"):
-        beam_engine.release_collect([{"slice": 0}, {"slice": 2}], manifest)
-    with pytest.raises(beam_engine.BeamEngineError, match=r"more than once: \[2\]"):
-        beam_engine.release_collect([{"slice": 0}, {"slice": 1}, {"slice": 2}, {"slice": 2}], manifest)
+    assert beam_engine.release_collect([2, 0, 1], manifest) == [0, 1, 2]
+    assert beam_engine.release_collect([], {"slices": 0}) == []
+    with pytest.raises(beam_engine.BeamEngineError, match=r"2 slice\(s\) for 3 planned: missing \[1\]"):
+        beam_engine.release_collect([0, 2], manifest)
+    with pytest.raises(beam_engine.BeamEngineError, match=r"missing \[\], more than once \[2\]"):
+        beam_engine.release_collect([0, 1, 2, 2], manifest)
+    with pytest.raises(beam_engine.BeamEngineError, match=r"not planned \[3\]"):
+        beam_engine.release_collect([0, 1, 2, 3], manifest)
 
 
 @pytest.mark.parametrize("args, local", [
