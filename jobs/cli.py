@@ -75,7 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="plan, generate on local host processes, and collect")
     dated.append(run)
     _add_settings_flags(run)
-    run.add_argument("--hosts", type=int, default=2, help="local host processes (default: %(default)s)")
+    run.add_argument("--engine", choices=("pod", "beam"), default="pod",
+                     help="pod: plan, then --hosts local host processes (jax.distributed), then collect; beam: the "
+                          "whole job as one Beam pipeline (the DirectRunner unless --runner says otherwise) whose "
+                          "workers each generate on --devices-per-host local devices, as on Dataflow "
+                          "(default: %(default)s)")
+    run.add_argument("--hosts", type=int, default=None,
+                     help="local host processes, with --engine pod (default: 2)")
     run.add_argument("--devices-per-host", type=int, default=2, help="CPU devices per host (default: %(default)s)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_overwrite_flag(run)
@@ -243,11 +249,22 @@ def _dispatch(args, beam_args: list[str]) -> int:
     import json
 
     if args.command == "run":
-        from pipeline import launcher
+        settings = _settings(args, args.devices_per_host)
+        if args.engine == "beam":
+            from pipeline import beam_engine
 
-        stats = launcher.run_local(_settings(args, args.devices_per_host), args.hosts, beam_args,
-                                   progress=not args.no_progress, compile_cache=args.compile_cache,
-                                   overwrite=args.overwrite)
+            if args.hosts is not None:
+                raise ValueError("--hosts is for --engine pod; with --engine beam each Beam worker generates on "
+                                 "its own --devices-per-host devices")
+            if args.compile_cache:
+                raise ValueError("--compile-cache works with --engine pod only")
+            stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite)
+        else:
+            from pipeline import launcher
+
+            stats = launcher.run_local(settings, 2 if args.hosts is None else args.hosts, beam_args,
+                                       progress=not args.no_progress, compile_cache=args.compile_cache,
+                                       overwrite=args.overwrite)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
     elif args.command == "plan":
         from pipeline import plan

@@ -338,3 +338,11 @@ def test_verification_error_names_the_bad_keys():
     message = beam_engine.verification_error(stats)
     assert "missing: 1 key(s), e.g. k_0000" in message and "input rows 5 != planned records 3 + rejects 1" in message
     assert beam_engine.verification_error({"verified": True}) is None
+
+
+def test_run_engine_flags_are_checked_by_the_cli(tmp_path, model_cache):
+    from tests.conftest import run_cli
+
+    result = run_cli(["run", "--engine", "beam", "--hosts", "2", "--out", str(tmp_path / "out")], model_cache)
+    assert result.returncode == 1 and "--hosts is for --engine pod" in result.stderr
+    assert not os.path.exists(tmp_path / "out")  # refused before any work
