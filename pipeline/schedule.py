@@ -24,6 +24,8 @@ def run_date(value: str | None = None, now: dt.datetime | None = None) -> str:
     try:
         if re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
             return dt.date.fromisoformat(text).isoformat()
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}[T ].+", text):  # the same forms on every Python
+            raise ValueError(text)
         moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise ValueError(f"--date must be YYYY-MM-DD or an RFC 3339 time, got {value!r}") from None
@@ -35,11 +37,12 @@ def run_date(value: str | None = None, now: dt.datetime | None = None) -> str:
 def resolve_out(out: str, date: str | None) -> str:
     """``out`` with ``{date}`` replaced by ``date``; an ``out`` without the placeholder
     is returned as it is, and a placeholder without a date is an error."""
+    day = run_date(date) if date is not None else None  # a bad --date is an error even without {date}
     if PLACEHOLDER not in out:
         return out
-    if date is None:
+    if day is None:
         raise ValueError(f"--out {out!r} holds {PLACEHOLDER}: give the run's --date")
-    return out.replace(PLACEHOLDER, run_date(date))
+    return out.replace(PLACEHOLDER, day)
 
 
 def job_name(prefix: str, date: str | None = None) -> str:

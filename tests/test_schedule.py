@@ -49,7 +49,8 @@ def test_run_date_without_a_value_is_today_in_utc():
 
 
 @pytest.mark.parametrize("value", ["", "tomorrow", "2026-13-01", "2026-02-30", "2026-11-20T25:00:00Z",
-                                   "2026/11/20", "20-11-2026", "2026-11-20T06:00:00+25:00", "{date}"])
+                                   "2026/11/20", "20-11-2026", "2026-11-20T06:00:00+25:00", "{date}",
+                                   "20261120", "2026-W47-5"])  # no Python-version-dependent forms
 def test_a_bad_date_is_a_clear_error_naming_the_value_and_the_forms(value):
     with pytest.raises(ValueError) as error:
         schedule.run_date(value)
@@ -76,9 +77,10 @@ def test_resolve_out_with_a_placeholder_and_no_date_says_to_give_one():
         schedule.resolve_out("gs://bucket/daily/{date}", None)
 
 
-def test_resolve_out_with_a_bad_date_is_a_clear_error():
+@pytest.mark.parametrize("out", ["gs://bucket/daily/{date}", "gs://bucket/fixed"])
+def test_resolve_out_with_a_bad_date_is_a_clear_error(out):
     with pytest.raises(ValueError, match=r"--date must be YYYY-MM-DD or an RFC 3339 time, got 'yesterday'"):
-        schedule.resolve_out("gs://bucket/daily/{date}", "yesterday")
+        schedule.resolve_out(out, "yesterday")  # even where --out has no placeholder
 
 
 # -- job_name ---------------------------------------------------------------------------
