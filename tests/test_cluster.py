@@ -1,5 +1,3 @@
-import os
-
 import pytest
 
 from pipeline import cluster
@@ -77,36 +75,5 @@ def test_a_tpu_is_found_by_its_pci_vendor(tmp_path):
     assert not cluster.tpu_present(str(tmp_path)) and not cluster.tpu_present(str(tmp_path / "absent"))
 
 
-def test_generate_hosts_started_with_only_gke_variables_form_a_cluster_and_finish_a_run(tmp_path, model_cache):
-    """Like the pods of the GKE JobSet: ``promptmill generate --out OUT`` and nothing
-    else on the command line; the cluster comes from TPU_WORKER_ID, TPU_WORKER_HOSTNAMES
-    and PROMPTMILL_COORDINATOR_PORT."""
-    import json
-    import subprocess
-    import sys
-
-    from pipeline import naming, storage
-    from tests.conftest import ROOT, run_cli
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{n}", "prompt": f"a red bicycle {n}"}) + "\n" for n in range(5)))
-    out = str(tmp_path / "out")
-    planned = run_cli(["plan", "--prompts", str(prompts), "--out", out, "--model", "tiny", "--steps", "2",
-                       "--devices-per-host", "1"], model_cache)
-    assert planned.returncode == 0, planned.stderr[-3000:]
-    port = cluster.free_port()
-    hosts = []
-    for worker in range(2):
-        env = host_env(1, {**os.environ, "PROMPTMILL_CACHE": model_cache, "TPU_WORKER_ID": str(worker),
-                           "TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1", "PROMPTMILL_COORDINATOR_PORT": str(port)})
-        hosts.append(subprocess.Popen([sys.executable, "-m", "jobs.cli", "generate", "--out", out], env=env,
-                                      cwd=ROOT, stderr=subprocess.PIPE, text=True))
-    errors = [host.communicate(timeout=300)[1] for host in hosts]
-    assert [host.returncode for host in hosts] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
-    joins = [json.loads(line) for text in errors for line in text.splitlines() if '"cluster_join"' in line]
-    assert [(j["how"], j["num_processes"]) for j in joins] == [("gke-env", 2), ("gke-env", 2)]
-    committed = {storage.read_json(p)["host"] for p in storage.glob(naming.join(out, "shards", "*_stats.json"))}
-    assert committed == {0, 1}  # both hosts did their share of the 3 slices
-    collected = run_cli(["collect", "--out", out], model_cache)
-    assert collected.returncode == 0, collected.stderr[-3000:]
-    assert storage.read_json(naming.dataset_file(out, "stats.json"))["images"] == 5
+# Hosts that form their cluster from these variables alone, started from a rendered JobSet's
+# command and env, complete a run in tests/test_submit.py::test_gke_end_to_end_with_a_fake_kubectl.
