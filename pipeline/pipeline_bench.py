@@ -27,8 +27,9 @@ A slice's shards and commit marker are written while the next slice runs, so onl
 last slice's tail (its last batch's encoding, its shards) adds to (b); with few slices
 that tail is a larger share of the run.
 
-Peak RSS (``ru_maxrss``, a high-water mark) is recorded after each mode; run with 10x
-``slices`` to see whether it grows with the run.
+Peak RSS (``ru_maxrss``, a high-water mark) is recorded after each mode, and (b) also
+records the RSS after each slice's commit; run with 10x ``slices`` to see whether either
+grows with the run.
 """
 from __future__ import annotations
 
@@ -197,16 +198,18 @@ def run_pipeline(generator, out: str, run: dict, slices: int, size: int) -> dict
     """(b): ``host.run_slices`` over the slices, as a host runs them."""
     from pipeline import host
 
+    rss_after_commit = []  # this process's RSS each time a slice is committed: flat if memory is bounded
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=host.WRITER_THREADS, thread_name_prefix="writer") as pool:
-        stats = host.run_slices(generator, out, run, range(slices), size, 0, pool)
+        stats = host.run_slices(generator, out, run, range(slices), size, 0, pool,
+                                on_commit=lambda _: rss_after_commit.append(_rss()["rss_mib"]))
     seconds = watch.seconds()
     parts = {name: round(sum(s[name] for s in stats), 4) for name in ("input_s", "device_wait_s", "output_s")}
     parts["other_s"] = round(seconds - sum(parts.values()), 4)
     bottleneck = max(("input_s", "device_wait_s", "output_s"), key=parts.get)
     return _result(sum(s["images"] for s in stats), seconds, out=out, **parts,
                    bottleneck="device" if bottleneck == "device_wait_s" else bottleneck.removesuffix("_s"),
-                   slice_seconds=[s["seconds"] for s in stats])
+                   slice_seconds=[s["seconds"] for s in stats], rss_after_commit_mib=rss_after_commit)
 
 
 def run_sequential(generator, plan: list[list[records.Item]], folder: str) -> dict:

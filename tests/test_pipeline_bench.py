@@ -62,7 +62,8 @@ def test_smoke_synthetic_every_mode(tmp_path):
         assert writer.is_committed(os.path.join(workdir, "local"), index)
     assert min(local["input_s"], local["device_wait_s"], local["output_s"]) >= 0
     assert local["bottleneck"] in ("input", "device", "output")
-    assert len(local["slice_seconds"]) == 2
+    assert len(local["slice_seconds"]) == 2 and len(local["rss_after_commit_mib"]) == 2
+    assert all(0 < rss <= local["peak_rss_mib"] + 1 for rss in local["rss_after_commit_mib"])
     ratios = report["ratios"]
     assert ratios["pipeline_local_over_generator"] == pytest.approx(
         local["images_per_s"] / modes["generator"]["images_per_s"], rel=1e-3)
