@@ -243,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as e:
         print(f"promptmill {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        if not type(e).__module__.startswith("google.auth"):
+            raise
+        # e.g. DefaultCredentialsError: gs:// paths without credentials
+        print(f"promptmill {args.command}: error: no usable Google Cloud credentials ({e}); run "
+              "'gcloud auth application-default login', or set GOOGLE_APPLICATION_CREDENTIALS", file=sys.stderr)
+        return 1
 
 
 def _dispatch(args, beam_args: list[str]) -> int:
