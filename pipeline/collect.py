@@ -169,12 +169,13 @@ def _ok_rows_table(out: str, summary: dict):
     return _conform(table.sort_by("position"), writer.metadata_schema())
 
 
-HOST_TIMES = ("input_s", "device_wait_s", "output_s")  # per slice, from the host loop (pipeline.host)
+HOST_TIMES = ("input_s", "device_wait_s", "output_s", "device_busy_s")  # per slice, from pipeline.host
 
 
 def _host_stats(slice_stats: list[dict]) -> dict:
     """Per host: images, slices, seconds and images/s, and the slices' summed time spent
-    preparing inputs, waiting for the devices, and handing images to the writers."""
+    preparing inputs, waiting for the devices, and handing images to the writers, and the
+    devices' busy time."""
     hosts: dict[int, dict] = {}
     for stats in slice_stats:
         host = hosts.setdefault(stats["host"], {"images": 0, "seconds": 0.0, "slices": 0,

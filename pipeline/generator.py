@@ -125,6 +125,12 @@ class Generator:
             raise ValueError(f"a batch holds {self.batch_size} images, got {len(batch.prompt_ids)}")
         return self.compiled(self.params, *self._device_shaped(batch))
 
+    def wait(self, out) -> None:
+        """Block until the device step ``dispatch`` started is done (no host copy)."""
+        import jax
+
+        jax.block_until_ready(out)
+
     def _host(self, array) -> np.ndarray:
         array = np.asarray(array)
         return array.reshape((self.batch_size,) + array.shape[2:])

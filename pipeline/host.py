@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -40,6 +41,27 @@ def load_run(out: str) -> tuple[dict, dict]:
     return storage.read_json(naming.run_json(out)), storage.read_json(naming.manifest(out))
 
 
+def _done_at(generator, handle, dispatched_at: float) -> tuple[float, float]:
+    """(when the step was dispatched, when the device finished it), on a watcher thread."""
+    generator.wait(handle)
+    return dispatched_at, time.perf_counter()
+
+
+class _DeviceClock:
+    """Device-busy time from when each step was dispatched and finished. The devices run
+    steps in dispatch order, so a step runs from its dispatch or the previous step's end,
+    whichever is later, to its own end; the rest of the time the devices sat idle."""
+
+    def __init__(self):
+        self.last_end = 0.0
+
+    def busy(self, span: tuple[float, float]) -> float:
+        dispatched, end = span
+        seconds = max(0.0, end - max(dispatched, self.last_end))
+        self.last_end = max(self.last_end, end)
+        return seconds
+
+
 class _Slice:
     """One slice on its way through the host loop: its items, writer and timing."""
 
@@ -50,7 +72,7 @@ class _Slice:
         self.items = writer.read_slice_items(out, index)
         self.padded = [*self.items, *[None] * (size - len(self.items))]
         self.writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents, slots=queued)
-        self.timing = {"input_s": 0.0, "device_wait_s": 0.0, "output_s": 0.0}
+        self.timing = {"input_s": 0.0, "device_wait_s": 0.0, "output_s": 0.0, "device_busy_s": 0.0}
         self.truncated_prompts = 0  # images whose prompt was cut to the text encoder's length
         self.batches_handed = 0
         self.compiles = 0
@@ -109,13 +131,15 @@ def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host
             on_commit(stats)
         return stats
 
-    def hand_over(state, chunk, cut, handle, last) -> None:  # a dispatched batch's results, to the writers
+    def hand_over(state, chunk, cut, handle, last, done_at) -> None:  # a dispatched batch, to the writers
         nonlocal committing
         clock = logs.Stopwatch()
         images, latents = generator.fetch(handle)
+        busy = device.busy(done_at.result())
         if state is None:  # padding slot
             return
         state.timing["device_wait_s"] += clock.seconds()
+        state.timing["device_busy_s"] += busy
         clock = logs.Stopwatch()
         if committing is not None and committing.done():
             committed_previous()  # fail as soon as a commit has failed
@@ -132,7 +156,9 @@ def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host
             committing = committer.submit(commit, state)
         state.timing["output_s"] += clock.seconds()
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="committer") as committer:
+    device = _DeviceClock()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="committer") as committer, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-clock") as watcher:
         previous = None
         for state, chunk, last in steps():
             clock = logs.Stopwatch()
@@ -140,7 +166,10 @@ def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host
             cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
             if state is not None:
                 state.timing["input_s"] += clock.seconds()
-            dispatched = (state, chunk, cut, generator.dispatch(batch), last)
+            dispatched_at = time.perf_counter()
+            handle = generator.dispatch(batch)
+            done_at = watcher.submit(_done_at, generator, handle, dispatched_at)
+            dispatched = (state, chunk, cut, handle, last, done_at)
             if previous is not None:
                 hand_over(*previous)
             previous = dispatched

@@ -15,7 +15,8 @@ The same slices go through three loops, and the report gives images/s for each:
 pipeline buys over the seed loop. For (b), the summed ``input_s`` (tokenising),
 ``device_wait_s`` (waiting for a step) and ``output_s`` (handing images to the writer,
 including backpressure, and finishing the slice) name the bottleneck: a host that keeps
-up spends its time in ``device_wait_s``.
+up spends its time in ``device_wait_s``, and ``device_busy_fraction`` (the devices' busy
+time, from when each step was dispatched and finished, over the wall time) is near 1.
 
 The generator is either the real one on a model (``tiny``: the tiny random model, on
 whatever devices JAX finds), or ``SyntheticGenerator``, which emulates a device that
@@ -89,6 +90,9 @@ class SyntheticGenerator:
         if len(batch) != self.batch_size:
             raise ValueError(f"a batch holds {self.batch_size} images, got {len(batch)}")
         return self._device.submit(self._step)
+
+    def wait(self, handle) -> None:
+        handle.result()
 
     def fetch(self, handle) -> tuple[np.ndarray, None]:
         return handle.result(), None
@@ -206,8 +210,10 @@ def run_pipeline(generator, out: str, run: dict, slices: int, size: int) -> dict
     seconds = watch.seconds()
     parts = {name: round(sum(s[name] for s in stats), 4) for name in ("input_s", "device_wait_s", "output_s")}
     parts["other_s"] = round(seconds - sum(parts.values()), 4)
+    busy = sum(s["device_busy_s"] for s in stats)
     bottleneck = max(("input_s", "device_wait_s", "output_s"), key=parts.get)
-    return _result(sum(s["images"] for s in stats), seconds, out=out, **parts,
+    return _result(sum(s["images"] for s in stats), seconds, out=out, **parts, device_busy_s=round(busy, 4),
+                   device_busy_fraction=round(busy / seconds, 4),
                    bottleneck="device" if bottleneck == "device_wait_s" else bottleneck.removesuffix("_s"),
                    slice_seconds=[s["seconds"] for s in stats], rss_after_commit_mib=rss_after_commit)
 
@@ -355,11 +361,11 @@ def table(report: dict) -> str:
              f"{c['batch_size']}) at {c['width']}x{c['height']} PNG, {device}, "
              f"{report['machine']['cpu_count']} cores",
              f"{'mode':<15} {'images/s':>9} {'seconds':>8} {'input_s':>8} {'wait_s':>8} {'output_s':>9} "
-             f"{'bottleneck':>10} {'peak RSS MiB':>12}"]
+             f"{'bottleneck':>10} {'busy':>5} {'peak RSS MiB':>12}"]
     for name, m in report["modes"].items():
         lines.append(f"{name:<15} {m['images_per_s']:>9.3f} {m['seconds']:>8.2f} {m.get('input_s', '-'):>8} "
                      f"{m.get('device_wait_s', '-'):>8} {m.get('output_s', '-'):>9} {m.get('bottleneck', '-'):>10} "
-                     f"{m['peak_rss_mib']:>12}")
+                     f"{m.get('device_busy_fraction', '-'):>5} {m['peak_rss_mib']:>12}")
     lines.append("  ".join(f"{k.replace('pipeline_', '(b) ')} = {v:.3f}" for k, v in report["ratios"].items()
                            if v is not None))
     return "\n".join(lines)

@@ -110,6 +110,7 @@ def test_conservation_duplicates_and_truncation_are_in_the_stats(dirty_run):
     # the host loop's time, summed over its slices: preparing inputs, waiting on devices, handing over outputs
     assert host["device_wait_s"] > 0 and host["input_s"] > 0 and host["output_s"] > 0
     assert host["input_s"] + host["device_wait_s"] + host["output_s"] <= host["seconds"]
+    assert 0 < host["device_busy_s"] <= host["seconds"]
     assert stats["wall_times"]["generate_s"] >= 0 and stats["wall_times"]["collect_s"] >= 0
 
 

@@ -45,6 +45,7 @@ def test_the_overlapped_loop_writes_what_a_sequential_loop_writes(generator, tmp
     assert stats["images"] == SIZE - 1 and stats["padding"] == 1
     assert min(stats["input_s"], stats["device_wait_s"], stats["output_s"]) >= 0
     assert stats["input_s"] + stats["device_wait_s"] + stats["output_s"] <= stats["seconds"]
+    assert 0 < stats["device_busy_s"] <= stats["seconds"]
 
     # the sequential reference: generate a batch, wait for it, encode each image, in order
     padded = [*items, None]
@@ -149,3 +150,11 @@ def test_a_failed_commit_stops_the_host_and_later_slices_stay_uncommitted(genera
         with pytest.raises(OSError, match="injected"):
             host.run_slices(generator, out, run, [0, 1], SIZE, 0, pool)
     assert not writer.is_committed(out, 0) and not writer.is_committed(out, 1)
+
+
+def test_device_busy_time_counts_each_step_from_its_start_on_the_devices():
+    clock = host._DeviceClock()
+    assert clock.busy((10.0, 11.0)) == 1.0  # dispatched to idle devices: busy from dispatch to end
+    assert clock.busy((10.5, 12.0)) == 1.0  # queued behind the first: runs from 11.0
+    assert clock.busy((13.0, 13.25)) == 0.25  # the devices idled from 12.0 to 13.0
+    assert clock.busy((13.1, 13.2)) == 0.0  # (reported out of order: never negative)

@@ -62,6 +62,9 @@ def test_smoke_synthetic_every_mode(tmp_path):
         assert writer.is_committed(os.path.join(workdir, "local"), index)
     assert min(local["input_s"], local["device_wait_s"], local["output_s"]) >= 0
     assert local["bottleneck"] in ("input", "device", "output")
+    # the stand-in device was busy 0.05 s for each of its 4 steps, and not longer than the run
+    assert 4 * 0.05 * 0.95 <= local["device_busy_s"] <= local["seconds"]
+    assert local["device_busy_fraction"] == pytest.approx(local["device_busy_s"] / local["seconds"], abs=1e-3)
     assert len(local["slice_seconds"]) == 2 and len(local["rss_after_commit_mib"]) == 2
     assert all(0 < rss <= local["peak_rss_mib"] + 1 for rss in local["rss_after_commit_mib"])
     ratios = report["ratios"]
