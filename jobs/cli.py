@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.formats import FORMATS, IMAGE_FORMATS, parse_formats
-from pipeline.model import DTYPES, SCHEDULERS
-from pipeline.settings import Settings
+from pipeline.output.formats import FORMATS, IMAGE_FORMATS, parse_formats
+from pipeline.model.load import DTYPES, SCHEDULERS
+from pipeline.core.settings import Settings
 
 _DEFAULTS = Settings()
 
@@ -224,7 +224,7 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline import logs
+    from pipeline.core import logs
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup()
     try:
         if hasattr(args, "date"):
-            from pipeline import schedule
+            from pipeline.cloud import dates as schedule
 
             args.out = schedule.resolve_out(args.out, args.date)
         return _dispatch(args, extra)
@@ -258,7 +258,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
     if args.command == "run":
         settings = _settings(args, args.devices_per_host)
         if args.engine == "beam":
-            from pipeline import beam_engine
+            from pipeline.engines import beam as beam_engine
 
             if args.hosts is not None:
                 raise ValueError("--hosts is for --engine pod; with --engine beam each Beam worker generates on "
@@ -267,28 +267,29 @@ def _dispatch(args, beam_args: list[str]) -> int:
                 raise ValueError("--compile-cache works with --engine pod only")
             stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite)
         else:
-            from pipeline import launcher
+            from pipeline.engines import local as launcher
 
             stats = launcher.run_local(settings, 2 if args.hosts is None else args.hosts, beam_args,
                                        progress=not args.no_progress, compile_cache=args.compile_cache,
                                        overwrite=args.overwrite)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
     elif args.command == "plan":
-        from pipeline import plan
+        from pipeline.plan import transforms as plan
 
         print(json.dumps(plan.run_plan(_settings(args, args.devices_per_host), beam_args, args.overwrite)))
     elif args.command == "generate":
-        from pipeline import cluster, host
+        from pipeline.generate import cluster
+        from pipeline.generate import host_loop as host
 
         host.generate(args.out, cluster.ClusterArgs(args.coordinator, args.num_hosts, args.host_id),
                       compile_cache=args.compile_cache)
     elif args.command == "collect":
-        from pipeline import collect
+        from pipeline.collect import transforms as collect
 
         stats = collect.run_collect(args.out, beam_args, page_size=args.gallery_page_size)
         print(json.dumps({k: stats[k] for k in ("images", "records", "rejects", "verified")}))
     elif args.command == "reproduce":
-        from pipeline import reproduce
+        from pipeline.generate import reproduce
 
         if beam_args:
             raise ValueError(f"unrecognized arguments: {' '.join(beam_args)}")
@@ -300,7 +301,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
                   f"sha256: {', '.join(mismatched)}", file=sys.stderr)
             return 1
     elif args.command == "bench" and args.target == "upload":
-        from pipeline import storage, upload_bench
+        from pipeline.io import storage
+        from pipeline.bench import upload as upload_bench
 
         report = upload_bench.run(args.objects, args.object_bytes, args.parallel, args.latency_ms, args.repeats)
         if args.report:
@@ -309,7 +311,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "bench" and args.target == "plan":
         import shlex
 
-        from pipeline import plan_bench, storage
+        from pipeline.bench import plan as plan_bench
+        from pipeline.io import storage
 
         report = plan_bench.run(args.prompts, args.shards, args.workdir, args.devices_per_host,
                                 args.per_device_batch, args.batches_per_slice, shlex.split(args.beam_args))
@@ -321,7 +324,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
 
         return run_submit(args, beam_args)
     elif args.command == "bench" and args.target == "pipeline":
-        from pipeline import pipeline_bench
+        from pipeline.bench import host_loop as pipeline_bench
 
         report = pipeline_bench.run(pipeline_bench.PipelineBenchConfig(
             generator=args.generator, width=args.width, height=args.height, batch=args.batch,
@@ -330,7 +333,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
             workdir=args.workdir, report=args.report))
         print(pipeline_bench.table(report))
     elif args.command == "bench":
-        from pipeline import bench
+        from pipeline.bench import generator as bench
 
         config = bench.BenchConfig(model=args.model, width=args.width, height=args.height, steps=args.steps,
                                    per_device_batches=args.per_device_batch, batches=args.batches, dtype=args.dtype,

@@ -1,4 +1,4 @@
-"""``promptmill submit dataflow|gke``: flags, validation, and the call into ``pipeline.submit``.
+"""``promptmill submit dataflow|gke``: flags, validation, and the call into ``pipeline.cloud.submit``.
 
 jobs/cli.py adds the parser with ``add_submit_parser`` and dispatches to ``run_submit``.
 Bad input is a ValueError (the CLI prints it and exits 1) raised before anything is
@@ -11,8 +11,8 @@ import json
 import shlex
 import sys
 
-from pipeline import submit as submit_lib
-from pipeline import tpu
+from pipeline.cloud import submit as submit_lib
+from pipeline.cloud import tpu
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
 _DATAFLOW_EXAMPLE = ("promptmill submit dataflow --tpu-type v5e --topology 2x4 --image IMAGE --project P "

@@ -35,7 +35,7 @@ def gcs_emulator():
     Yields the name of a fresh bucket. (The emulator does not enforce preconditions,
     so no test relies on them.)
     """
-    from pipeline import emulator
+    from pipeline.testing import emulator
 
     with emulator.running("promptmill-test"):
         yield "promptmill-test"

@@ -1,4 +1,4 @@
-"""The beam engine (``pipeline.beam_engine``): the whole job as one Beam pipeline.
+"""The beam engine (``pipeline.engines.beam``): the whole job as one Beam pipeline.
 
 Real runs: Beam runners in this process (FnApiRunner, BundleBasedDirectRunner), the tiny
 model on 2 CPU devices (conftest), and, for comparison, the pod engine through the CLI
@@ -23,8 +23,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import beam_engine, formats, logs, naming, storage, writer
-from pipeline.settings import Settings
+from pipeline.engines import beam as beam_engine
+from pipeline.output import formats
+from pipeline.core import logs
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.output import writer
+from pipeline.core.settings import Settings
 from tests.conftest import ROOT
 
 STEPS = 2
@@ -130,7 +135,7 @@ def prompts(tmp_path_factory):
 def pod_started(prompts, tmp_path_factory, model_cache):
     """The pod engine's run (``promptmill run``, 1 host x 2 devices, the same settings),
     started in the background so that it runs while this process runs the beam engine."""
-    from pipeline import model as model_lib
+    from pipeline.model import load as model_lib
 
     model_lib.resolve("tiny")  # built once, before both engines need it
     folder = tmp_path_factory.mktemp("pod")

@@ -1,4 +1,4 @@
-"""Beam-side I/O (pipeline.beamio): local paths and gs:// (the emulator)."""
+"""Beam-side I/O (pipeline.io.beamio): local paths and gs:// (the emulator)."""
 import gzip
 import io
 import json
@@ -10,7 +10,9 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline import beamio, plan, storage
+from pipeline.io import beamio
+from pipeline.plan import transforms as plan
+from pipeline.io import storage
 
 # plain, CRLF, blank lines, invalid UTF-8 kept as bytes, last line without a newline
 CONTENT = b'{"prompt": "one"}\n\n{"prompt": "caf\xc3\xa9"}\r\n\xff\xfe not utf-8\n\r\n  \nlast'
@@ -61,7 +63,7 @@ def test_write_then_read(root):
         b"\x00\xffbytes"
     assert beamio.read_text(f"{root}/t.jsonl") == "é\n"
     assert beamio.read_json(f"{root}/j.json") == {"b": [1, 2], "a": "é"}
-    # the same bytes as pipeline.storage writes
+    # the same bytes as pipeline.io.storage writes
     assert storage.read_bytes(f"{root}/j.json") == storage.read_bytes(f"{root}/j_storage.json")
     assert beamio.read_bytes(f"{root}/j_storage.json") == storage.read_bytes(f"{root}/j_storage.json")
 
@@ -100,8 +102,8 @@ def test_read_lines_transform(root):
 
 
 def test_the_plan_pipeline_reads_and_writes_gcs(gcs_emulator):
-    from pipeline import naming
-    from pipeline.settings import Settings
+    from pipeline.core import naming
+    from pipeline.core.settings import Settings
 
     base = f"gs://{gcs_emulator}/beamio/plan"
     storage.write_bytes(f"{base}/in/x.jsonl", b'{"prompt": "1"}\n\n{"prompt": "3"}\r\n')

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobs import cli
-from pipeline import bench
+from pipeline.bench import generator as bench
 
 
 def test_batch_sizes_flag_and_bad_configs():

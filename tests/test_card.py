@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import card
+from pipeline.collect import card
 
 RUN = {
     "settings": {

@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-from pipeline import compile_cache, launcher, logs
+from pipeline.generate import compile_cache
+from pipeline.engines import local as launcher
+from pipeline.core import logs
 from tests.conftest import run_cli
 
 
@@ -35,7 +37,7 @@ def _host_ready(out):
 
 
 def test_a_gcs_cache_folder_is_filled_by_one_run_and_used_by_the_next(gcs_emulator, tmp_path, model_cache):
-    from pipeline import storage
+    from pipeline.io import storage
 
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "p"}) + "\n")
     folder = f"gs://{gcs_emulator}/compile-cache"

@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline import crashpoints
+from pipeline.core import crashpoints
 
 
 def test_crash_spec_parsing():

@@ -9,7 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import naming, storage, writer
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.output import writer
 from tests import chromium
 from tests.conftest import run_cli
 

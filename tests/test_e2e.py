@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import collect, naming, storage, writer
+from pipeline.collect import transforms as collect
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.output import writer
 from tests.conftest import run_cli
 
 STEPS = "3"
@@ -151,7 +154,7 @@ def test_diffusers_alone_reproduces_an_image_from_its_metadata(two_by_two, model
     import jax.numpy as jnp
     from diffusers import FlaxStableDiffusionPipeline
 
-    from pipeline import model as model_lib
+    from pipeline.model import load as model_lib
 
     pipe, params = FlaxStableDiffusionPipeline.from_pretrained(
         model_lib.resolve("tiny"), safety_checker=None, feature_extractor=None)
@@ -181,7 +184,7 @@ def test_diffusers_alone_reproduces_an_image_from_its_metadata(two_by_two, model
 
 
 def _events(text: str, name: str) -> list[dict]:
-    from pipeline import logs
+    from pipeline.core import logs
 
     return [e for e in map(logs.parse, text.splitlines()) if e and e["event"] == name]
 
@@ -206,7 +209,7 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     and each crash comes before host 1 has done anything. Slices of 4 run in 2 batches;
     host 0 owns slices 0, 2 and 4.
     """
-    from pipeline import crashpoints
+    from pipeline.core import crashpoints
 
     out, compile_cache = str(tmp_path / "crashed"), str(tmp_path / "compile-cache")
 

@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import emulator, formats, naming, storage, writer
-from pipeline.netproxy import FaultyProxy
+from pipeline.testing import emulator
+from pipeline.output import formats
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.output import writer
+from pipeline.testing.fault_proxy import FaultyProxy
 from tests.conftest import run_cli
 from tests.test_e2e import run_args, write_prompts
 
@@ -28,7 +32,7 @@ IMAGES = 11 + len(HOSTILE_IDS)
 @pytest.fixture(scope="module")
 def gcs_inputs(gcs_emulator, tmp_path_factory, model_cache):
     """Prompts (9 ordinary records, one with 3 images, and the hostile ids) and the tiny model, on gs://."""
-    from pipeline import model as model_lib
+    from pipeline.model import load as model_lib
     from tests.test_model_sources import upload_tree
 
     local = tmp_path_factory.mktemp("gcs-prompts")

@@ -7,7 +7,8 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from pipeline import formats, writer
+from pipeline.output import formats
+from pipeline.output import writer
 
 
 def image(seed=0, size=(32, 48)):

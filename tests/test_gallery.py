@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import gallery
+from pipeline.collect import gallery
 
 HREF = re.compile(r'(?:href|src)="([^"]*)"')
 

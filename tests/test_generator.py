@@ -2,8 +2,8 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline import model as model_lib
-from pipeline.generator import CompileCounter, Generator
+from pipeline.model import load as model_lib
+from pipeline.generate.generator import CompileCounter, Generator
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,14 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline import formats, host, naming, records, storage, writer
-from pipeline import model as model_lib
-from pipeline.generator import Generator
+from pipeline.output import formats
+from pipeline.generate import host_loop as host
+from pipeline.core import naming
+from pipeline.core import records
+from pipeline.io import storage
+from pipeline.output import writer
+from pipeline.model import load as model_lib
+from pipeline.generate.generator import Generator
 
 SIZE = 6  # three batches of two: two in flight at a time
 

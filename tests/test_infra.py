@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import yaml
 
-from pipeline import schedule
+from pipeline.cloud import dates as schedule
 from tests.conftest import ROOT
 
 INFRA = os.path.join(ROOT, "infra")
@@ -560,7 +560,7 @@ def _readme_table(marker: str) -> list[list[str]]:
 def test_readme_tpu_tables_agree_with_promptmills_tpu_table():
     """The Dataflow image's shape variables and the GKE node pools of the README are those
     of the slices promptmill submits to (pipeline/tpu.py)."""
-    tpu = pytest.importorskip("pipeline.tpu")
+    tpu = pytest.importorskip("pipeline.cloud.tpu")
     dataflow_rows = _readme_table("The Dataflow image is built once per TPU shape")
     assert len(dataflow_rows) >= 6
     for shape, accelerator_type, bounds, machine in dataflow_rows:

@@ -1,4 +1,4 @@
-"""Prompt file formats (pipeline.inputs): the same records from every format."""
+"""Prompt file formats (pipeline.plan.inputs): the same records from every format."""
 import csv
 import datetime as dt
 import gzip
@@ -11,8 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 
-from pipeline import inputs, naming, plan, records, storage
-from pipeline.settings import Settings, fingerprint
+from pipeline.plan import inputs
+from pipeline.core import naming
+from pipeline.plan import transforms as plan
+from pipeline.core import records
+from pipeline.io import storage
+from pipeline.core.settings import Settings, fingerprint
 
 # Six rows exercising every optional field, pass-through fields on some rows, and text that
 # needs CSV quoting (delimiters, quotes, a newline inside a field) and non-ASCII.

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline import keys
+from pipeline.core import keys
 
 SEEDS = [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 2**40 + 99, 2**62, 2**63 - 1]
 

@@ -5,10 +5,12 @@ import json
 import numpy as np
 import pytest
 
-from pipeline import formats, naming, storage
-from pipeline import model as model_lib
-from pipeline.generator import CompileCounter, Generator
-from pipeline.settings import Settings, fingerprint
+from pipeline.output import formats
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.model import load as model_lib
+from pipeline.generate.generator import CompileCounter, Generator
+from pipeline.core.settings import Settings, fingerprint
 from tests.conftest import run_cli
 from tests.test_e2e import run_args, write_prompts
 
@@ -28,7 +30,7 @@ def decode_uint8(model):
     """What the sampler does after the denoising loop, from final latents [2, C, h, w]."""
     import jax
 
-    from pipeline import sampler
+    from pipeline.generate import sampler
 
     decode = jax.jit(lambda p, z: sampler.to_uint8(sampler.decode_latents(model, p, z)))
     return lambda latents: np.asarray(decode(model.params["vae"], np.asarray(latents, np.float32)))

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from pipeline import model as model_lib, storage
+from pipeline.model import load as model_lib
+from pipeline.io import storage
 
 
 def upload_tree(local_dir, prefix):

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from pipeline import naming
+from pipeline.core import naming
 
 HOSTILE = ["../../x", "a/b", "/etc/passwd", "..", ".", "a.b.c", "x" * 10_000, "ünïcödé 🎨", "tab\there",
            "nul\x00byte", "new\nline", "a--b", "-lead", "a b", "C:\\win", "%2e%2e%2f", "a_0000", "A", "a"]

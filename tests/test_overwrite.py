@@ -2,8 +2,10 @@
 ``--overwrite``, which deletes exactly what promptmill wrote there."""
 import pytest
 
-from pipeline import naming, plan, storage
-from pipeline.settings import Settings
+from pipeline.core import naming
+from pipeline.plan import transforms as plan
+from pipeline.io import storage
+from pipeline.core.settings import Settings
 
 
 @pytest.fixture

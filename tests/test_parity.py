@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline import keys, model as model_lib, sampler
+from pipeline.core import keys
+from pipeline.model import load as model_lib
+from pipeline.generate import sampler
 
 STEPS = 4
 SIZE = 32

@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import naming, pipeline_bench, storage, writer
+from pipeline.core import naming
+from pipeline.bench import host_loop as pipeline_bench
+from pipeline.io import storage
+from pipeline.output import writer
 
 
 def test_synthetic_generator_is_asynchronous_and_fixed():

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from pipeline import plan_bench, records
+from pipeline.bench import plan as plan_bench
+from pipeline.core import records
 
 
 def test_generated_prompts_are_deterministic_and_parse_as_expected(tmp_path):

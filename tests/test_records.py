@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from pipeline import keys, records
+from pipeline.core import keys
+from pipeline.core import records
 
 
 def parse(obj, line=1, raw=None):

@@ -14,7 +14,11 @@ import string
 
 import pytest
 
-from pipeline import logs, naming, schedule, storage, writer
+from pipeline.core import logs
+from pipeline.core import naming
+from pipeline.cloud import dates as schedule
+from pipeline.io import storage
+from pipeline.output import writer
 from tests.conftest import run_cli
 
 DNS_1123_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from pipeline import slicing
+from pipeline.core import slicing
 
 CASES = [(n, size, hosts) for n in (0, 1, 3, 7, 8, 9, 31, 64, 100, 257)
          for size in (1, 2, 4, 6, 8) for hosts in (1, 2, 3, 4, 8)]

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from pipeline import storage
-from pipeline.netproxy import FaultyProxy
+from pipeline.io import storage
+from pipeline.testing.fault_proxy import FaultyProxy
 
 
 @pytest.fixture(params=["local", "gcs"])

@@ -12,8 +12,11 @@ import pytest
 import yaml
 
 import pipeline
-from pipeline import naming, storage, submit, tpu
-from pipeline.settings import Settings
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.cloud import submit
+from pipeline.cloud import tpu
+from pipeline.core.settings import Settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K8S_VERSION = "1.33.0"  # a recent Kubernetes (GKE's regular channel runs 1.33)
@@ -274,7 +277,7 @@ def cli_main(argv, capsys):
                                      cli._add_settings_flags, cli._add_date_flag)
         args, extra = parser.parse_known_args(argv)
         try:
-            from pipeline import schedule
+            from pipeline.cloud import dates as schedule
 
             args.out = schedule.resolve_out(args.out, args.date)
             code = submit_cli.run_submit(args, extra)
@@ -310,7 +313,7 @@ FAKE_KUBECTL = textwrap.dedent(r'''
     def supervise():
         import yaml
         sys.path.insert(0, os.environ["FAKE_KUBECTL_REPO"])
-        from pipeline import launcher
+        from pipeline.engines import local as launcher
 
         (jobset,) = [d for d in yaml.safe_load_all(open(path("applied.yaml"))) if d]
         job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
@@ -415,7 +418,7 @@ def kubectl(tmp_path, monkeypatch):
 
 @pytest.fixture
 def beam_engine(monkeypatch):
-    """A stand-in for pipeline.beam_engine that records run_beam calls (no Dataflow here)."""
+    """A stand-in for pipeline.engines.beam that records run_beam calls (no Dataflow here)."""
     calls = []
 
     def run_beam(settings, beam_args, overwrite=False):
@@ -423,7 +426,7 @@ def beam_engine(monkeypatch):
         return {"images": 3, "records": 2, "rejects": 1, "verified": True}
 
     fake = types.SimpleNamespace(run_beam=run_beam)
-    monkeypatch.setitem(sys.modules, "pipeline.beam_engine", fake)
+    monkeypatch.setitem(sys.modules, "pipeline.engines.beam", fake)
     monkeypatch.setattr(pipeline, "beam_engine", fake, raising=False)
     return calls
 
@@ -532,7 +535,7 @@ def test_missing_kubectl_is_a_clear_error_before_anything_runs(monkeypatch, tmp_
     monkeypatch.setenv("KUBECTL", "")
     job = gke_job(tpu.lookup("v5e", "4x4"))
     planned = []
-    monkeypatch.setattr("pipeline.plan.run_plan", lambda *a: planned.append(a))
+    monkeypatch.setattr("pipeline.plan.transforms.run_plan", lambda *a: planned.append(a))
     with pytest.raises(RuntimeError, match="kubectl was not found"):
         submit.submit_gke(job, emit=lambda m: None)
     assert planned == []

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from pipeline import tpu
+from pipeline.cloud import tpu
 
 # What Google's docs say (see pipeline/tpu.py's docstring for the pages), restated here by
 # hand so a typo in the table cannot pass: (type, topology, machine type) -> hosts.

@@ -1,6 +1,6 @@
 import os
 
-from pipeline import upload_bench
+from pipeline.bench import upload as upload_bench
 
 
 def test_upload_bench_reports_each_parallelism(gcs_emulator):
@@ -33,7 +33,7 @@ def test_upload_bench_with_added_latency_side_by_side(gcs_emulator):
     assert "latency_ms" in table and len(table.splitlines()) == 2 + 4
     # the client points at the emulator again, and still works
     assert os.environ["STORAGE_EMULATOR_HOST"] == emulator_host
-    from pipeline import storage
+    from pipeline.io import storage
 
     assert not [b.name for b in storage._gcs_client().list_buckets() if b.name.startswith("promptmill-bench-")]
     storage.write_bytes(f"gs://{gcs_emulator}/after-bench.txt", b"ok")
@@ -43,8 +43,8 @@ def test_upload_bench_with_added_latency_side_by_side(gcs_emulator):
 def test_proxy_holds_each_request_for_its_latency(gcs_emulator):
     import time
 
-    from pipeline import storage
-    from pipeline.netproxy import FaultyProxy
+    from pipeline.io import storage
+    from pipeline.testing.fault_proxy import FaultyProxy
 
     upstream = int(os.environ["STORAGE_EMULATOR_HOST"].rsplit(":", 1)[1])
     previous = os.environ["STORAGE_EMULATOR_HOST"]

@@ -9,7 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline import formats, naming, records, storage, writer
+from pipeline.output import formats
+from pipeline.core import naming
+from pipeline.core import records
+from pipeline.io import storage
+from pipeline.output import writer
 
 RUN = {"settings": {"width": 16, "height": 8, "steps": 2, "guidance_scale": 7.5, "model": "tiny", "dtype": "fp32",
                     "per_device_batch": 1, "formats": ["files", "webdataset", "parquet", "zarr"],

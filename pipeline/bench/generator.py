@@ -1,0 +1,256 @@
+"""``promptmill bench generator``: how fast the Generator is, and against what.
+
+For one model, resolution, step count and dtype, and for each per-device batch size of
+a sweep, the report gives:
+
+1. images/s of ``pipeline.generate.generator.Generator``: built, warmed up with one batch, then
+   ``--batches`` batches made by ``Generator.batch`` (tokenising included) and waited
+   for on the host (the images come back as numpy arrays);
+2. FLOPs per image from XLA's cost analysis, counted by parts because XLA counts the
+   denoising loop's body once (``pipeline.bench.flops``), and the FLOP/s this achieves;
+3. the devices' measured matmul peak in the run's dtype, and utilisation =
+   achieved / peak;
+4. the seed notebook's recipe on the same model, devices and batch
+   (``pipeline.bench.baseline``), warmed up and timed the same way, batch by batch in turns
+   with ours, and our/seed throughput;
+5. start-up, cold and warm: a fresh process from nothing to a generator that has run
+   its first batch, first with an empty persistent compilation cache and then with
+   the cache that the first one filled (``pipeline.bench.startup``).
+
+Both pipelines are in memory together during the sweep (two copies of the weights
+each: loaded and replicated), 16 GB for SD 1.5 in fp32 on one device.
+
+Everything runs on whatever devices JAX finds (``--devices N``: the first N), CPU or
+accelerator alike. The CPU run of docs/benchmarks.md was::
+
+    promptmill bench generator --model random-sd15 --width 128 --height 128 --steps 2 \\
+        --per-device-batch 1,2 --batches 3 --report /tmp/benchrun/report2.json
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import platform
+import shutil
+import tempfile
+
+from pipeline.core import logs
+
+GUIDANCE = 7.5  # the pipelines' default; it does not change the work done
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    model: str = "tiny"
+    width: int | None = None  # None: the model's native size
+    height: int | None = None
+    steps: int = 4
+    per_device_batches: tuple[int, ...] = (1,)
+    batches: int = 2
+    dtype: str = "fp32"
+    devices: int | None = None  # None: every local device
+    matmul_size: int | None = None  # None: 4096 on CPU, 8192 on accelerators
+    report: str | None = None
+
+    def validate(self) -> "BenchConfig":
+        if not self.per_device_batches or min(self.per_device_batches) < 1:
+            raise ValueError(f"--per-device-batch needs sizes >= 1, got {self.per_device_batches}")
+        if self.batches < 1 or self.steps < 1:
+            raise ValueError("--batches and --steps must be >= 1")
+        for name in ("width", "height"):
+            value = getattr(self, name)
+            if value is not None and (value < 8 or value % 8):
+                raise ValueError(f"--{name} must be a positive multiple of 8, got {value}")
+        return self
+
+
+def bench_prompts(count: int, offset: int) -> list[str]:
+    return [f"bench prompt {offset + i}: a photograph of a lighthouse on a cliff at dusk" for i in range(count)]
+
+
+def ours_call(generator):
+    """``call(i)``: the Generator on batch ``i``, built with ``Generator.batch`` (tokenising
+    included); it returns numpy images, so it waits for the devices."""
+    n = generator.batch_size
+
+    def call(i):
+        batch = generator.batch(bench_prompts(n, i * n), [""] * n, [GUIDANCE] * n, range(i * n, (i + 1) * n),
+                                [0] * n)
+        return generator(batch)
+
+    return call
+
+
+def seed_call(recipe, batch_size: int, steps: int, width: int, height: int):
+    """``call(i)``: the seed recipe on batch ``i``, down to PIL images."""
+    def call(i):
+        return recipe(bench_prompts(batch_size, i * batch_size), steps, height, width, seed=i)
+
+    return call
+
+
+def timed(call, i: int) -> float:
+    watch = logs.Stopwatch()
+    call(i)
+    return watch.seconds()
+
+
+def throughput(first: float, seconds: list[float], batch_size: int) -> dict:
+    return {"first_batch_s": round(first, 3), "images": batch_size * len(seconds),
+            "batch_seconds": [round(t, 3) for t in seconds], "seconds": round(sum(seconds), 3),
+            "images_per_s": batch_size * len(seconds) / sum(seconds)}
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return platform.processor() or None
+
+
+def machine(devices) -> dict:
+    """What the numbers were measured on."""
+    import jax
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    return {"platform": devices[0].platform, "device_kind": devices[0].device_kind, "devices": len(devices),
+            "local_devices": jax.local_device_count(), "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
+            "memory_gib": round(memory / 2**30, 1) if memory else None, "machine": platform.machine(),
+            "python": platform.python_version(), "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: int, peak: float) -> list[dict]:
+    """One row per per-device batch size: ours and the seed recipe, and the FLOPs.
+
+    The two are timed batch by batch in turns, not one after the other: on a shared
+    machine the speed drifts by 10-20% over minutes, and turns spread that drift
+    evenly over both.
+    """
+    from pipeline.bench import flops
+    from pipeline.generate.generator import Generator
+
+    rows = []
+    for per_device_batch in config.per_device_batches:
+        watch = logs.Stopwatch()
+        generator = Generator(model, width, height, config.steps, per_device_batch, devices=devices)
+        build = watch.seconds()
+        counted = flops.sampler_flops(model, width, height, config.steps, per_device_batch, generator.compiled)
+        ours, seed = ours_call(generator), seed_call(recipe, generator.batch_size, config.steps, width, height)
+        ours_first, seed_first = timed(ours, 0), timed(seed, 0)  # warm-up; the seed's compiles here
+        ours_s, seed_s = [], []
+        for i in range(1, config.batches + 1):
+            ours_s.append(timed(ours, i))
+            seed_s.append(timed(seed, i))
+        ours_t = throughput(ours_first, ours_s, generator.batch_size)
+        seed_t = throughput(seed_first, seed_s, generator.batch_size)
+        achieved = counted["per_image"] * ours_t["images_per_s"]
+        seed_achieved = counted["per_image"] * seed_t["images_per_s"]  # the same network work per image
+        rows.append({"per_device_batch": per_device_batch, "batch_size": generator.batch_size,
+                     "build_s": round(build, 3), "ours": ours_t, "seed": seed_t, "flops": counted,
+                     "achieved_flops_per_s": achieved, "utilisation": achieved / peak,
+                     "seed_achieved_flops_per_s": seed_achieved, "seed_utilisation": seed_achieved / peak,
+                     "ours_over_seed": ours_t["images_per_s"] / seed_t["images_per_s"]})
+        logs.event("bench_batch_size", per_device_batch=per_device_batch,
+                   ours_images_per_s=round(ours_t["images_per_s"], 4),
+                   seed_images_per_s=round(seed_t["images_per_s"], 4),
+                   ours_over_seed=round(rows[-1]["ours_over_seed"], 3), utilisation=round(achieved / peak, 4))
+        del generator, ours
+        gc.collect()
+    return rows
+
+
+def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
+    """Cold and warm start of a fresh process with the persistent compilation cache."""
+    from pipeline.generate import compile_cache
+    from pipeline.bench import startup
+
+    folder = tempfile.mkdtemp(prefix="promptmill-bench-cache-")
+    try:
+        args = (config.model, width, height, config.steps, per_device_batch, config.dtype, config.devices, folder)
+        cold = startup.probe(*args)
+        entries = compile_cache.entries(folder)
+        warm = startup.probe(*args)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    result = {"per_device_batch": per_device_batch, "cache_entries": entries, "cold": cold, "warm": warm,
+              "cold_over_warm": cold["total_s"] / warm["total_s"],
+              "build_cold_over_warm": cold["build_s"] / warm["build_s"] if warm["build_s"] else None}
+    logs.event("bench_startup", cold_s=cold["total_s"], warm_s=warm["total_s"],
+               ratio=round(result["cold_over_warm"], 3))
+    return result
+
+
+def command_line(config: BenchConfig) -> str:
+    """The ``promptmill bench generator`` command that runs ``config``."""
+    flags = {"--model": config.model, "--width": config.width, "--height": config.height, "--steps": config.steps,
+             "--per-device-batch": ",".join(map(str, config.per_device_batches)), "--batches": config.batches,
+             "--dtype": config.dtype, "--devices": config.devices, "--matmul-size": config.matmul_size,
+             "--report": config.report}
+    return " ".join(["promptmill bench generator"] + [f"{k} {v}" for k, v in flags.items() if v is not None])
+
+
+def run_bench(config: BenchConfig) -> dict:
+    """Run the whole bench; returns the report (and writes it to ``config.report``)."""
+    import jax
+
+    from pipeline.bench import flops
+    from pipeline.io import storage
+    from pipeline.model import load as model_lib
+    from pipeline.bench.baseline import SeedPipeline
+
+    config.validate()
+    if model_lib.family(model_lib.check_layout(model_lib.resolve(config.model))) != "sd":
+        # the seed recipe is FlaxStableDiffusionPipeline's; SDXL's would be another baseline
+        raise ValueError(f"bench generator compares with the SD 1.x/2.x notebook recipe; {config.model!r} is SDXL")
+    devices = jax.local_devices()[:config.devices] if config.devices else jax.local_devices()
+    if config.devices and len(devices) < config.devices:
+        raise ValueError(f"--devices {config.devices}: only {len(devices)} local devices")
+    watch = logs.Stopwatch()
+    model = model_lib.load(config.model, config.dtype)
+    load = watch.seconds()
+    width, height = config.width or model.native_size, config.height or model.native_size
+    size = config.matmul_size or (4096 if devices[0].platform == "cpu" else 8192)
+    peak = flops.matmul_peak(devices, config.dtype, size)
+    logs.event("bench_peak", flops_per_s=round(peak["flops_per_s"]), size=size, dtype=config.dtype)
+
+    watch = logs.Stopwatch()
+    recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)
+    seed_load = watch.seconds()
+    rows = run_sweep(model, recipe, config, devices, width, height, peak["flops_per_s"])
+    # free both models before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
+    # and each pipeline also holds a replicated copy)
+    del model, recipe
+    gc.collect()
+    start = run_startup(config, width, height, config.per_device_batches[0])
+
+    config_dict = {**dataclasses.asdict(config), "width": width, "height": height}
+    report = {"command": command_line(config), "config": config_dict,
+              "machine": machine(devices), "load_s": {"ours": round(load, 3), "seed": round(seed_load, 3)},
+              "peak": peak, "sweep": rows, "startup": start}
+    if config.report:
+        storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def format_table(report: dict) -> str:
+    """The report as a readable table."""
+    c, m, peak = report["config"], report["machine"], report["peak"]["flops_per_s"]
+    lines = [f"model {c['model']} {c['width']}x{c['height']} steps {c['steps']} {c['dtype']} on "
+             f"{m['devices']} x {m['device_kind']} ({m['platform']}); matmul peak {peak / 1e9:.1f} GFLOP/s",
+             f"{'per-dev batch':>13} {'ours img/s':>11} {'seed img/s':>11} {'ours/seed':>9} {'GFLOP/img':>10} "
+             f"{'GFLOP/s':>8} {'util':>6} {'seed util':>9}"]
+    for row in report["sweep"]:
+        lines.append(f"{row['per_device_batch']:>13} {row['ours']['images_per_s']:>11.4f} "
+                     f"{row['seed']['images_per_s']:>11.4f} {row['ours_over_seed']:>9.3f} "
+                     f"{row['flops']['per_image'] / 1e9:>10.2f} {row['achieved_flops_per_s'] / 1e9:>8.2f} "
+                     f"{row['utilisation']:>6.1%} {row['seed_utilisation']:>9.1%}")
+    s = report["startup"]
+    cold, warm = s["cold"], s["warm"]
+    lines.append(f"start-up to a ready generator (per-device batch {s['per_device_batch']}): "
+                 f"cold {cold['total_s']:.2f} s (load {cold['load_s']:.2f} s, compile {cold['build_s']:.2f} s), "
+                 f"warm {warm['total_s']:.2f} s (load {warm['load_s']:.2f} s, compile {warm['build_s']:.2f} s, "
+                 f"{warm['cache_hits']} cache hits); cold/warm {s['cold_over_warm']:.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""Time from nothing to a ready generator, measured in a fresh process.
+
+A host's start-up (import, load the model, compile, first batch) is paid by every host
+of every run and every restart; the persistent compilation cache exists to cut it. Only
+a fresh process measures it honestly, because JAX keeps compiled programs in memory.
+So ``probe`` starts ``python -m pipeline.bench.startup`` and reads back the one JSON object
+it writes on stdout::
+
+    python -m pipeline.bench.startup --model tiny --width 32 --height 32 --steps 2 \\
+        --per-device-batch 1 --compile-cache /tmp/cc
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+_T0 = time.perf_counter()  # as early as this module can see: before jax is imported
+
+
+def ready(model: str, width: int, height: int, steps: int, per_device_batch: int, dtype: str = "fp32",
+          devices: int | None = None, compile_cache: str | None = None) -> dict:
+    """Build a Generator and run its first batch; returns the seconds of each phase."""
+    import jax
+
+    from pipeline.generate import compile_cache as cache_lib
+
+    if compile_cache:
+        cache_lib.enable(compile_cache)
+    imported = time.perf_counter()
+    from pipeline.model import load as model_lib
+    from pipeline.generate.generator import Generator
+
+    loaded_model = model_lib.load(model, dtype)
+    loaded = time.perf_counter()
+    hits_before = cache_lib.CacheEvents.hits()
+    generator = Generator(loaded_model, width, height, steps, per_device_batch,
+                          devices=jax.local_devices()[:devices] if devices else None)
+    built = time.perf_counter()
+    build_hits = cache_lib.CacheEvents.hits() - hits_before
+    generator(generator.padding_batch())  # the first execution: the generator is ready after it
+    done = time.perf_counter()
+    return {"import_s": round(imported - _T0, 3), "load_s": round(loaded - imported, 3),
+            "build_s": round(built - loaded, 3), "first_batch_s": round(done - built, 3),
+            "in_process_s": round(done - _T0, 3), "devices": len(generator.devices),
+            "cache_hits": cache_lib.CacheEvents.hits(), "cache_writes": cache_lib.CacheEvents.writes(),
+            "build_cache_hits": build_hits}
+
+
+def probe(model: str, width: int, height: int, steps: int, per_device_batch: int, dtype: str = "fp32",
+          devices: int | None = None, compile_cache: str | None = None, env: dict | None = None,
+          timeout: float = 1800) -> dict:
+    """Run ``ready`` in a fresh Python process; adds ``total_s``, the wall time seen from here."""
+    command = [sys.executable, "-m", "pipeline.bench.startup", "--model", model, "--width", str(width), "--height",
+               str(height), "--steps", str(steps), "--per-device-batch", str(per_device_batch), "--dtype", dtype]
+    if devices:
+        command += ["--devices", str(devices)]
+    if compile_cache:
+        command += ["--compile-cache", compile_cache]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    total = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"start-up probe failed ({result.returncode}): {result.stderr[-2000:]}")
+    return {"total_s": round(total, 3), **json.loads(result.stdout.strip().splitlines()[-1])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.bench.startup", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--height", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--per-device-batch", type=int, required=True)
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--devices", type=int, help="use the first N local devices (default: all)")
+    parser.add_argument("--compile-cache", help="persistent compilation cache folder")
+    args = parser.parse_args(argv)
+    timings = ready(args.model, args.width, args.height, args.steps, args.per_device_batch, args.dtype,
+                    args.devices, args.compile_cache)
+    sys.stdout.write(json.dumps(timings) + "\n")  # the probe's result, read by ``probe``
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""A static HTML gallery of the dataset (pure functions, streaming).
+
+People want to look at a generated dataset before they load it. Collect writes, under
+``OUT/dataset/``, a JPEG thumbnail per image and a paged gallery: ``index.html`` is
+page 1 and ``gallery/page-NNNNN.html`` the others. Pages are plain HTML5 with inline
+CSS (no scripts, no external resources), so they open from a local folder, a bucket
+or a zip alike.
+
+Every name here is relative to the ``dataset/`` folder, and every link is relative
+to the page it is on, so the folder can be moved. The metadata's ``path`` column is
+relative to OUT, which is ``..`` from ``dataset/``. A location holding ``#`` (an image
+inside a tar, parquet or zarr) is no file a browser can open: its thumbnail links to
+itself and the location is shown as text.
+
+``pages`` holds one page of rows at a time, so a gallery of millions of images is
+written in constant memory; the page list in each page's navigation shows the first,
+the last and the nearby pages only, so thousands of pages stay usable.
+"""
+from __future__ import annotations
+
+import html
+import io
+import posixpath
+from typing import Iterable, Iterator
+from urllib.parse import quote
+
+from pipeline.core import naming
+
+THUMB_SIZE = 128
+NEARBY_PAGES = 3  # the page list shows pages within this distance of the current one
+
+
+def thumbnail(data: bytes, size: int = THUMB_SIZE) -> bytes:
+    """A JPEG of the image ``data`` (any format PIL reads) fitted inside ``size`` x ``size``.
+
+    The aspect ratio is kept and nothing is enlarged. The bytes depend only on the
+    input: no metadata or timestamps are written.
+    """
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+            rgba = image.convert("RGBA")  # transparent pixels on white, like a page shows them
+            rgb = Image.new("RGB", rgba.size, (255, 255, 255))
+            rgb.paste(rgba, mask=rgba.getchannel("A"))
+        else:
+            rgb = image.convert("RGB")
+    rgb.thumbnail((size, size), Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=85, optimize=True)
+    return out.getvalue()
+
+
+def thumb_path(slice_index: int, key: str) -> str:
+    """Where the thumbnail of ``key`` goes, relative to ``dataset/``."""
+    return f"thumbs/{naming.slice_name(slice_index)}/{key}.jpg"
+
+
+def page_count(total: int, page_size: int) -> int:
+    """How many pages ``total`` images fill; at least one (an empty dataset has a page saying so)."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    return max(1, -(-total // page_size))
+
+
+def page_name(page: int) -> str:
+    """The file of page ``page`` (1-based), relative to ``dataset/``."""
+    if page < 1:
+        raise ValueError(f"pages are numbered from 1, got {page}")
+    return "index.html" if page == 1 else f"gallery/page-{page:05d}.html"
+
+
+def relative(from_page: str, target: str) -> str:
+    """The link from the file ``from_page`` to ``target``, both relative to ``dataset/``.
+
+    ``target`` may leave ``dataset/`` with leading ``..`` (``../images/...`` is an image
+    file under OUT); ``from_page`` may not.
+    """
+    source = posixpath.normpath(from_page)
+    if source.startswith(("/", "..")) or posixpath.isabs(target):
+        raise ValueError(f"relative() takes paths relative to dataset/, got {from_page!r} -> {target!r}")
+    folder = [part for part in posixpath.dirname(source).split("/") if part]
+    parts = posixpath.normpath(target).split("/")
+    common = 0
+    while common < min(len(folder), len(parts) - 1) and folder[common] == parts[common]:
+        common += 1
+    return "/".join([".."] * (len(folder) - common) + parts[common:])
+
+
+def image_target(path: str) -> str | None:
+    """The dataset-relative target of a metadata ``path`` (relative to OUT); None if no file holds it."""
+    if "#" in path:
+        return None
+    return "../" + path
+
+
+def _href(link: str) -> str:
+    return html.escape(quote(link, safe="/"), quote=True)
+
+
+def _page_window(page: int, total_pages: int) -> list[int | None]:
+    """Page numbers to list, with None where pages are skipped."""
+    shown = sorted({1, total_pages, *range(max(1, page - NEARBY_PAGES), min(total_pages, page + NEARBY_PAGES) + 1)})
+    window: list[int | None] = []
+    for number in shown:
+        if window and number - window[-1] > 1:
+            window.append(None)
+        window.append(number)
+    return window
+
+
+def _nav(page: int, total_pages: int) -> str:
+    here = page_name(page)
+
+    def link(number: int, label: str, rel: str = "") -> str:
+        if number == page or not 1 <= number <= total_pages:
+            return f'<span class="off">{label}</span>'
+        rel_attr = f' rel="{rel}"' if rel else ""
+        return f'<a href="{_href(relative(here, page_name(number)))}"{rel_attr}>{label}</a>'
+
+    items = [link(1, "&laquo; first"), link(page - 1, "&lsaquo; prev", "prev")]
+    for number in _page_window(page, total_pages):
+        if number is None:
+            items.append('<span class="gap">&hellip;</span>')
+        elif number == page:
+            items.append(f'<span class="here" aria-current="page">{number}</span>')
+        else:
+            items.append(link(number, str(number)))
+    items += [link(page + 1, "next &rsaquo;", "next"), link(total_pages, "last &raquo;")]
+    return '<nav class="pages">' + " ".join(items) + "</nav>"
+
+
+def _cell(row: dict, here: str) -> str:
+    key = str(row["key"])
+    thumb = relative(here, thumb_path(int(row["slice"]), key))
+    path = str(row["path"])
+    target = image_target(path)
+    href = thumb if target is None else relative(here, target)
+    prompt = str(row.get("prompt") or "")
+    location = "" if target is not None else f'<div class="loc" title="{html.escape(path)}">{html.escape(path)}</div>'
+    return (
+        f'<figure><a href="{_href(href)}"><img src="{_href(thumb)}" width="{THUMB_SIZE}" height="{THUMB_SIZE}" '
+        f'loading="lazy" alt="{html.escape(key)}"></a>'
+        f'<figcaption><div class="prompt" title="{html.escape(prompt)}">{html.escape(prompt)}</div>'
+        f'<div class="meta">seed {html.escape(str(row.get("seed")))}</div>'
+        f'<div class="key">{html.escape(key)}</div>{location}</figcaption></figure>'
+    )
+
+
+_STYLE = f"""
+html,body{{background:#fff;color:#222;margin:0}}
+body{{font:14px/1.4 system-ui,sans-serif;padding:16px}}
+h1{{font-size:20px;margin:0 0 8px}}
+.summary{{margin:0 0 8px;color:#555}}
+nav.pages{{margin:8px 0;display:flex;flex-wrap:wrap;gap:6px}}
+nav.pages a,nav.pages span{{padding:2px 6px}}
+nav.pages .here{{font-weight:bold}}
+nav.pages .off{{color:#aaa}}
+.grid{{display:grid;grid-template-columns:repeat(auto-fill,{THUMB_SIZE + 40}px);gap:16px;margin:16px 0}}
+figure{{margin:0;width:{THUMB_SIZE + 40}px}}
+figure a{{display:block;width:{THUMB_SIZE}px;height:{THUMB_SIZE}px;margin:8px auto 0;text-decoration:none}}
+figure img{{display:block;width:{THUMB_SIZE}px;height:{THUMB_SIZE}px;object-fit:contain;border:0;background:none;
+  margin:0;padding:0}}
+figcaption{{margin-top:12px;font-size:12px;overflow:hidden}}
+figcaption .prompt{{display:-webkit-box;-webkit-line-clamp:3;-webkit-box-orient:vertical;overflow:hidden;
+  overflow-wrap:anywhere}}
+figcaption .meta,figcaption .key,figcaption .loc{{color:#666;white-space:nowrap;overflow:hidden;
+  text-overflow:ellipsis}}
+.empty{{margin:32px 0;color:#555}}
+"""
+
+
+def render_page(rows: list[dict], page: int, total_pages: int, total_images: int, title: str) -> str:
+    """Page ``page`` of ``total_pages``, showing ``rows`` (metadata rows: key, prompt, seed, slice, path).
+
+    Every page but the last is full, so the rows' place in the dataset follows from
+    their count: the last page ends at ``total_images``.
+    """
+    if not 1 <= page <= total_pages:
+        raise ValueError(f"page {page} is not in 1..{total_pages}")
+    here = page_name(page)
+    if rows:
+        first = (page - 1) * len(rows) + 1 if page < total_pages else total_images - len(rows) + 1
+        summary = (f"Page {page} of {total_pages}, images {first:,}&ndash;{first + len(rows) - 1:,} "
+                   f"of {total_images:,}")
+        body = '<main class="grid">' + "".join(_cell(row, here) for row in rows) + "</main>"
+    else:
+        summary = f"Page {page} of {total_pages}, no images"
+        body = '<p class="empty">This dataset has no images.</p>'
+    nav = _nav(page, total_pages)
+    safe_title = html.escape(title)
+    return (
+        "<!DOCTYPE html>\n"
+        f'<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{safe_title} &middot; page {page}</title><style>{_STYLE}</style></head>\n"
+        f"<body><h1>{safe_title}</h1><p class=\"summary\">{summary}</p>\n{nav}\n{body}\n{nav}\n</body></html>\n"
+    )
+
+
+def pages(rows: Iterable[dict], total_images: int, page_size: int, title: str) -> Iterator[tuple[str, str]]:
+    """Yield ``(page_name, html)`` for every page, consuming ``rows`` one page at a time.
+
+    ``rows`` must hold exactly ``total_images`` rows, in the gallery's order; ValueError
+    otherwise (as soon as it shows: a short input after the pages before it were yielded).
+    No rows: one page saying so.
+    """
+    total_pages = page_count(total_images, page_size)
+    page, buffer, seen = 1, [], 0
+    for row in rows:
+        seen += 1
+        if seen > total_images:
+            raise ValueError(f"more rows than total_images={total_images}")
+        buffer.append(row)
+        if len(buffer) == page_size:
+            yield page_name(page), render_page(buffer, page, total_pages, total_images, title)
+            page, buffer = page + 1, []
+    if seen != total_images:
+        raise ValueError(f"got {seen} rows, expected total_images={total_images}")
+    if buffer or total_images == 0:
+        yield page_name(page), render_page(buffer, page, total_pages, total_images, title)

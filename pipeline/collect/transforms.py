@@ -1,0 +1,301 @@
+"""``collect``: committed shards in, a verified dataset out (a Beam pipeline that streams).
+
+  VerifySlices   each planned slice, on its own: its plan items, its metadata rows (if
+                 the slice is committed) and its image files are matched by key, and each
+                 key is classified: ok, missing (planned, no row or no image), duplicated
+                 (more than one row) or unexpected (a row or image never planned there).
+                 Gallery thumbnails of the slice's images are written as it goes.
+  CountRejects   each rejects file -> its rows by reason
+  WriteDataset   once, walking the slices in order with one slice's rows in memory at a
+                 time: ``dataset/metadata.parquet`` (one row group per slice),
+                 ``dataset/index.html`` and ``dataset/gallery/`` (the paginated gallery),
+                 ``dataset/stats.json`` and the dataset card ``dataset/README.md``
+
+Conservation is checked from what the plan wrote, not from its manifest's say-so:
+input rows = planned records (items with image index 0) + rows of the rejects files.
+``run_collect`` raises ``CollectError`` naming the bad keys, or a broken count.
+Inside the pipeline, objects are read and written through Beam's FileSystems
+(``pipeline.io.beamio``); listings with ``storage.glob``. Counters (namespace
+``collect``): keys_ok, keys_missing, keys_duplicated, keys_unexpected, thumbnails.
+"""
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import io
+import json
+import tarfile
+import time
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline.io import beamio
+from pipeline.collect import card
+from pipeline.output import formats
+from pipeline.collect import gallery
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.output import writer
+
+MAX_KEYS_IN_MESSAGE = 20
+GALLERY_PAGE_SIZE = 100
+VERDICTS = ("ok", "missing", "duplicated", "unexpected")
+
+
+class CollectError(RuntimeError):
+    pass
+
+
+def _read_lines(path: str):
+    for raw in beamio.iter_lines(path):
+        if raw.strip():
+            yield json.loads(raw)
+
+
+def _read_table(path: str):
+    return writer.parquet_table(beamio.read_bytes(path))
+
+
+def _key_of_image(path: str) -> str:
+    return path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+
+
+def classify(planned: list, rows: list, images: list | None) -> str:
+    """The verdict for one key, from what was planned, written and stored under it.
+
+    ``images`` is None when the run writes no image files (its other formats are
+    written whole per slice, before the slice's commit marker).
+    """
+    if not planned:
+        return "unexpected"
+    if len(planned) > 1 or len(rows) > 1:
+        return "duplicated"
+    if not rows or (images is not None and not images):
+        return "missing"
+    return "ok"
+
+
+def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[str] | None) -> dict[str, list[str]]:
+    """Keys by verdict for one slice (pure): planned keys, its metadata rows, its image files."""
+    by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": []})
+    for key in planned_keys:
+        by_key[key]["planned"].append(key)
+    for row in rows:
+        by_key[row["key"]]["rows"].append(row)
+    for path in image_paths or ():
+        by_key[_key_of_image(path)]["images"].append(path)
+    verdicts: dict[str, list[str]] = {v: [] for v in VERDICTS}
+    for key in sorted(by_key):
+        got = by_key[key]
+        verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"])].append(key)
+    return verdicts
+
+
+def slice_images(out: str, settings: dict, index: int, rows: list[dict]) -> dict[str, bytes]:
+    """Encoded images of a committed slice by key, from the first format that holds them."""
+    chosen = settings.get("formats", ["files"])
+    if "files" in chosen:
+        return {row["key"]: beamio.read_bytes(naming.join(out, row["path"])) for row in rows}
+    if "webdataset" in chosen:
+        members = {}
+        with tarfile.open(fileobj=io.BytesIO(beamio.read_bytes(naming.shard_tar(out, index)))) as tar:
+            for member in tar.getmembers():
+                key, _, ext = member.name.partition(".")
+                if ext not in ("json", "txt"):
+                    members[key] = tar.extractfile(member).read()
+        return members
+    if "parquet" in chosen:
+        table = _read_table(naming.image_parquet(out, index)).select(["key", "image"]).to_pylist()
+        return {row["key"]: row["image"]["bytes"] for row in table}
+    array = formats.read_zarr_images(out)
+    return {row["key"]: formats.encode(array[row["position"]].read().result(), "png") for row in rows}
+
+
+class _VerifySliceFn(beam.DoFn):
+    def __init__(self, out: str, settings: dict, thumbnails: bool):
+        self.out, self.settings, self.thumbnails = out, settings, thumbnails
+        self.counters = {}
+        self.thumbs = Metrics.counter("collect", "thumbnails")
+
+    def setup(self):
+        beamio.use_emulator_credentials()
+
+    def process(self, index: int):
+        items = list(_read_lines(naming.plan_slice(self.out, index)))
+        stats_path = naming.shard_stats(self.out, index)
+        committed = storage.exists(stats_path)
+        slice_stats = beamio.read_json(stats_path) if committed else None
+        rows = _read_table(naming.shard_metadata(self.out, index)).to_pylist() if committed else []
+        files = "files" in self.settings.get("formats", ["files"])
+        image_paths = (storage.glob(naming.join(self.out, "images", naming.slice_name(index), "*"))
+                       if files else None)
+        verdicts = verify_slice([i["key"] for i in items], rows, image_paths)
+        for verdict, keys in verdicts.items():
+            if verdict not in self.counters:
+                self.counters[verdict] = Metrics.counter("collect", f"keys_{verdict}")
+            self.counters[verdict].inc(len(keys))
+        ok = set(verdicts["ok"])
+        good_rows = [row for row in rows if row["key"] in ok]
+        if self.thumbnails and good_rows:
+            images = slice_images(self.out, self.settings, index, good_rows)
+            for row in good_rows:
+                beamio.write_bytes(naming.dataset_file(self.out, gallery.thumb_path(index, row["key"])),
+                                   gallery.thumbnail(images[row["key"]]), "image/jpeg")
+                self.thumbs.inc()
+        yield {"slice": index, "records": sum(1 for i in items if i["image_index"] == 0),
+               "planned_images": len(items), "stats": slice_stats,
+               "verdicts": {v: keys for v, keys in verdicts.items() if v != "ok" and keys},
+               "ok": len(ok), "all_ok": len(ok) == len(items) == len(rows),
+               "truncated_images": sum(1 for row in good_rows if row.get("prompt_truncated")),
+               "truncated_records": sum(1 for row in good_rows if row.get("prompt_truncated")
+                                        and row["image_index"] == 0)}
+
+
+def _count_rejects(path: str):
+    return collections.Counter(row["reason"] for row in _read_lines(path))
+
+
+def _conform(table, schema):
+    """``table`` with ``schema``'s columns in order; a column it lacks (a shard written by
+    an older version) is all nulls."""
+    import pyarrow as pa
+
+    columns = [table.column(f.name).cast(f.type) if f.name in table.column_names
+               else pa.nulls(table.num_rows, f.type) for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _ok_rows_table(out: str, summary: dict):
+    table = _read_table(naming.shard_metadata(out, summary["slice"]))
+    if not summary["all_ok"]:
+        bad = {key for keys in summary["verdicts"].values() for key in keys}
+        table = table.filter([key not in bad for key in table.column("key").to_pylist()])
+    return _conform(table.sort_by("position"), writer.metadata_schema())
+
+
+HOST_TIMES = ("input_s", "device_wait_s", "output_s", "device_busy_s")  # per slice, from pipeline.generate.host_loop
+
+
+def _host_stats(slice_stats: list[dict]) -> dict:
+    """Per host: images, slices, seconds and images/s, and the slices' summed time spent
+    preparing inputs, waiting for the devices, and handing images to the writers, and the
+    devices' busy time."""
+    hosts: dict[int, dict] = {}
+    for stats in slice_stats:
+        host = hosts.setdefault(stats["host"], {"images": 0, "seconds": 0.0, "slices": 0,
+                                                **{name: 0.0 for name in HOST_TIMES}})
+        host["images"] += stats["images"]
+        host["seconds"] += stats["seconds"]
+        host["slices"] += 1
+        for name in HOST_TIMES:
+            host[name] += stats.get(name, 0.0)
+    for host in hosts.values():
+        for name in ("seconds", *HOST_TIMES):
+            host[name] = round(host[name], 3)
+        host["images_per_s"] = round(host["images"] / host["seconds"], 3) if host["seconds"] else None
+    return {str(h): v for h, v in sorted(hosts.items())}
+
+
+def _generate_wall_s(slice_stats: list[dict]) -> float | None:
+    """From the first slice's start to the last slice's end, as the hosts recorded them."""
+    spans = []
+    for stats in slice_stats:
+        if "finished_at" in stats:
+            end = dt.datetime.fromisoformat(stats["finished_at"]).timestamp()
+            spans.append((end - stats["seconds"], end))
+    return round(max(e for _, e in spans) - min(s for s, _ in spans), 1) if spans else None
+
+
+def write_dataset(_, summaries: list[dict], reject_counts: list, manifest: dict, run: dict, out: str,
+                  started: float, page_size: int, thumbnails: bool) -> dict:
+    import pyarrow.parquet as pq
+
+    summaries = sorted(summaries, key=lambda s: s["slice"])
+    problems: dict[str, list[str]] = {}
+    for summary in summaries:
+        for kind, keys in summary["verdicts"].items():
+            problems.setdefault(kind, []).extend(keys)
+    images = sum(s["ok"] for s in summaries)
+
+    def rows():  # one slice's rows in memory at a time, in position order
+        with beamio.open_write(naming.dataset_file(out, "metadata.parquet"), "application/vnd.apache.parquet") as f:
+            with pq.ParquetWriter(f, writer.metadata_schema()) as parquet:
+                for summary in summaries:
+                    if summary["ok"]:
+                        table = _ok_rows_table(out, summary)
+                        parquet.write_table(table)
+                        yield from table.to_pylist()
+
+    if thumbnails:
+        title = f"promptmill dataset: {run['settings']['model']}, {images} images"
+        for name, html in gallery.pages(rows(), images, page_size, title):
+            beamio.write_text(naming.dataset_file(out, name), html, "text/html")
+    else:
+        collections.deque(rows(), maxlen=0)
+
+    by_reason = collections.Counter()
+    for counts in reject_counts:
+        by_reason.update(counts)
+    slice_stats = [s["stats"] for s in summaries if s["stats"]]
+    records = sum(s["records"] for s in summaries)
+    rejects = sum(by_reason.values())
+    input_rows = manifest["input_rows"]
+    stats = {
+        "verified": not problems and records + rejects == input_rows, "images": images, "records": records,
+        "planned_images": manifest["images"], "input_rows": input_rows, "rejects": rejects,
+        "rejects_by_reason": dict(sorted(by_reason.items())),
+        "conservation": {"input_rows": input_rows, "records": records, "rejects": rejects,
+                         "holds": records + rejects == input_rows},
+        "duplicates": {"ids": by_reason.get("duplicate_id", 0), "prompts": by_reason.get("duplicate_prompt", 0)},
+        "truncated_prompts": {"records": sum(s["truncated_records"] for s in summaries),
+                              "images": sum(s["truncated_images"] for s in summaries)},
+        "slices": manifest["slices"], "committed_slices": len(slice_stats),
+        "problems": {kind: {"count": len(keys), "keys": keys[:MAX_KEYS_IN_MESSAGE]}
+                     for kind, keys in sorted(problems.items())},
+        "hosts": _host_stats(slice_stats),
+        "wall_times": {"generate_s": _generate_wall_s(slice_stats), "collect_s": round(time.time() - started, 1)},
+        "compiles_after_warmup": sum(s.get("compiles_after_warmup", 0) for s in slice_stats),
+    }
+    beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
+    beamio.write_text(naming.dataset_file(out, "README.md"), card.render(run, stats), "text/markdown")
+    return stats
+
+
+def build(p, out: str, manifest: dict, run: dict, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
+    """The collect pipeline on ``p``; returns the PCollection of stats.json's content."""
+    settings = run["settings"]
+    summaries = (p
+                 | "Slices" >> beam.Create(range(manifest["slices"]))
+                 | "SpreadSlices" >> beam.Reshuffle()
+                 | "VerifySlices" >> beam.ParDo(_VerifySliceFn(out, settings, thumbnails)))
+    reject_counts = (p
+                     | "MatchRejects" >> beam.Create(storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl")))
+                     | "CountRejects" >> beam.Map(_count_rejects))
+    return (p
+            | "Once" >> beam.Create([None])
+            | "WriteDataset" >> beam.Map(write_dataset, beam.pvalue.AsList(summaries),
+                                         beam.pvalue.AsList(reject_counts), manifest, run, out, time.time(),
+                                         page_size, thumbnails))
+
+
+def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = GALLERY_PAGE_SIZE,
+                gallery_thumbnails: bool = True) -> dict:
+    """Collect ``out`` into ``out/dataset``; returns stats, or raises CollectError."""
+    beamio.require_filesystem(out)
+    manifest_path = naming.manifest(out)
+    if not storage.exists(manifest_path):
+        raise CollectError(f"{manifest_path} does not exist: nothing was planned in {out}")
+    manifest = storage.read_json(manifest_path)
+    run = storage.read_json(naming.run_json(out))
+    with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
+        build(p, out, manifest, run, page_size, gallery_thumbnails)
+    stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    lines = [f"{kind}: {v['count']} key(s), e.g. {', '.join(v['keys'])}" for kind, v in stats["problems"].items()]
+    if not stats["conservation"]["holds"]:
+        c = stats["conservation"]
+        lines.append(f"input rows {c['input_rows']} != planned records {c['records']} + rejects {c['rejects']}")
+    if not stats["verified"]:
+        raise CollectError("the dataset does not match the plan:\n  " + "\n  ".join(lines))
+    return stats

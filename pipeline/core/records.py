@@ -1,0 +1,196 @@
+"""Input rows to records, or to rejects with a reason (pure functions).
+
+A row needs a non-empty string ``prompt`` (or whatever field ``prompt_field`` names).
+Optional: ``id``, ``seed``, ``negative_prompt``, ``num_images``, ``guidance_scale``; any
+other field passes through to the metadata. Numbers may be given as numeric strings
+(``"3"``, ``"7.5"``), as CSV and TSV cells always are. A record without ``id`` gets ``<source relative to the input root>:<line>``;
+a record without ``seed`` gets a stable hash of (run seed, id).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+from pipeline.core import keys
+from pipeline.core import naming
+
+KNOWN_FIELDS = ("id", "prompt", "negative_prompt", "seed", "num_images", "guidance_scale")
+MAX_ID_CHARS = 65_536  # ids of any content are fine (keys are derived safely); only the size is bounded
+MIN_GUIDANCE, MAX_GUIDANCE = 0.0, 100.0
+_NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    id: str
+    prompt: str
+    negative_prompt: str
+    seed: int
+    num_images: int
+    guidance_scale: float | None  # None: the run's default
+    source: str
+    line: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reject:
+    source: str
+    line: int
+    reason: str  # a short code, e.g. "invalid_json"
+    message: str  # what a person reads
+    raw: str
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One image to generate: a record expanded by image index, placed in a slice."""
+    key: str
+    id: str
+    image_index: int
+    prompt: str
+    negative_prompt: str
+    seed: int
+    guidance_scale: float | None
+    source: str
+    line: int
+    position: int  # global position in the plan
+    slice: int
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Item":
+        return cls(**obj)
+
+
+class _Bad(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+def _int_field(row: dict, name: str, lo: int, hi: int, default: int | None) -> int | None:
+    """An integer field in [lo, hi); integral floats and digit strings are accepted."""
+    value = row.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Bad(f"bad_{name}", f"'{name}' must be an integer, got {value!r}")
+    if not lo <= value < hi:
+        raise _Bad(f"bad_{name}", f"'{name}' must be in [{lo}, {hi}), got {value}")
+    return value
+
+
+def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
+              max_images: int = 100, prompt_field: str = "prompt") -> Record:
+    """Validate one decoded row; raise ``_Bad`` with a reason code.
+
+    ``prompt_field`` names the prompt's field. When it is not ``prompt``, a field
+    called ``prompt`` is not the prompt and passes through like any other.
+    """
+    if not isinstance(row, dict):
+        raise _Bad("not_an_object", f"a row must be a JSON object, got {type(row).__name__}")
+    if prompt_field not in row or row[prompt_field] is None:
+        raise _Bad("missing_prompt", f"the row has no {prompt_field!r} field")
+    prompt = row[prompt_field]
+    if not isinstance(prompt, str):
+        raise _Bad("prompt_not_string", f"{prompt_field!r} must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise _Bad("empty_prompt", f"{prompt_field!r} is empty")
+    negative = row.get("negative_prompt") or ""
+    if not isinstance(negative, str):
+        raise _Bad("bad_negative_prompt", "'negative_prompt' must be a string")
+    record_id = row.get("id", None)
+    if record_id is None or record_id == "":
+        record_id = auto_id
+    elif isinstance(record_id, bool) or not isinstance(record_id, (str, int)):
+        raise _Bad("bad_id", f"'id' must be a string or an integer, got {type(record_id).__name__}")
+    record_id = str(record_id)
+    if len(record_id) > MAX_ID_CHARS:
+        raise _Bad("bad_id", f"'id' must have at most {MAX_ID_CHARS} characters, got {len(record_id)}")
+    seed = _int_field(row, "seed", 0, keys.MAX_SEED, None)
+    if seed is None:
+        seed = keys.record_seed(run_seed, record_id)
+    num_images = _int_field(row, "num_images", 1, min(max_images, naming.MAX_IMAGES_PER_RECORD) + 1, 1)
+    guidance = row.get("guidance_scale", None)
+    if isinstance(guidance, str) and _NUMBER.fullmatch(guidance):
+        guidance = float(guidance)
+    if guidance is not None:
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not math.isfinite(guidance) \
+                or not MIN_GUIDANCE <= guidance <= MAX_GUIDANCE:
+            raise _Bad("bad_guidance_scale",
+                       f"'guidance_scale' must be a number in [{MIN_GUIDANCE}, {MAX_GUIDANCE}], got {guidance!r}")
+        guidance = float(guidance)
+    known = {name for name in KNOWN_FIELDS if name != "prompt"} | {prompt_field}
+    extra = {k: v for k, v in row.items() if k not in known}
+    return Record(id=record_id, prompt=prompt, negative_prompt=negative, seed=seed,
+                  num_images=num_images, guidance_scale=guidance, source=source, line=line, extra=extra)
+
+
+def _decode_line(raw: bytes, source: str, line: int) -> str | Reject:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return Reject(source, line, "invalid_utf8", f"the line is not valid UTF-8 ({e.reason} at byte {e.start})",
+                      raw.decode("utf-8", "replace"))
+
+
+def parse_jsonl_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: str,
+                     prompt_field: str = "prompt") -> Record | Reject | None:
+    """One JSONL line to a Record, a Reject, or None for a blank line."""
+    text = _decode_line(raw, source, line)
+    if isinstance(text, Reject):
+        return text
+    if not text.strip():
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Reject(source, line, "invalid_json", f"the line is not valid JSON: {e.msg} at column {e.colno}", text)
+    try:
+        return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field)
+    except _Bad as bad:
+        return Reject(source, line, bad.reason, bad.message, text)
+
+
+def parse_text_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: str) -> Record | Reject | None:
+    """One line of a ``.txt`` file (the line is the prompt): a Record, a Reject, or None if blank."""
+    text = _decode_line(raw, source, line)
+    if isinstance(text, Reject):
+        return text
+    if not text.strip():
+        return None
+    return parse_decoded({"prompt": text}, source, line, run_seed, auto_id)
+
+
+def parse_decoded(row, source: str, line: int, run_seed: int, auto_id: str,
+                  prompt_field: str = "prompt") -> Record | Reject:
+    """A row some reader already decoded (a CSV row, a JSON array element, a Parquet row)."""
+    try:
+        return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field)
+    except _Bad as bad:
+        return Reject(source, line, bad.reason, bad.message, json.dumps(row, ensure_ascii=False, default=str))
+
+
+def expand(record: Record, first_position: int, slice_size: int) -> list[Item]:
+    """The items (one per image) of a record whose first image sits at ``first_position``."""
+    items = []
+    for index in range(record.num_images):
+        position = first_position + index
+        items.append(Item(key=naming.output_key(record.id, index), id=record.id, image_index=index,
+                          prompt=record.prompt, negative_prompt=record.negative_prompt, seed=record.seed,
+                          guidance_scale=record.guidance_scale, source=record.source, line=record.line,
+                          position=position, slice=position // slice_size, extra=record.extra))
+    return items

@@ -1,0 +1,331 @@
+"""``run --engine beam``: the whole job as one Beam pipeline, each worker on its own devices.
+
+Dataflow runs only single-host TPU workers, so this engine needs no ``jax.distributed``:
+every worker process loads the model once and generates whole slices on its local
+devices, with the same generator, host loop, writers and collect code as the pod engine.
+Given the same settings and per-device batch, both engines write byte-identical images.
+
+  plan stages     ``pipeline.plan.transforms.build``: prompt files -> slices -> the manifest (one element)
+  Slices          the manifest -> its slice indices
+  SpreadSlices    Reshuffle: the slices spread over the workers
+  Generate        ``_GenerateFn``: the model, loaded once per worker process in ``setup``; per
+                  slice, a committed slice is skipped (resume), any other is generated,
+                  written and committed by ``host.run_slice``; emits the slice's stats
+  AllGenerated    a global combine: a barrier, released once every slice has come out of
+                  Generate, i.e. every slice is committed
+  collect stages  ``pipeline.collect.transforms``'s per-slice verification, reject counts and dataset
+                  writer, started from the barrier
+
+Retries are harmless: every object name and byte is deterministic and a slice's commit
+marker is written last, so a retried slice rewrites the same bytes and commits, and a
+retry of a committed slice skips it. (The Python FnApiRunner, the DirectRunner's batch
+engine, does not retry a failed bundle: the job fails and a re-run resumes. Dataflow
+and the BundleBasedDirectRunner retry the bundle.)
+
+Locally the engine runs on a local runner (DirectRunner by default) with
+``settings.devices_per_host`` CPU devices, like one host of the local pod engine. On
+Dataflow the worker's local devices must number ``settings.devices_per_host``, since the
+slice size depends on it; ``setup`` checks this. Counters (namespace ``generate``):
+slices_generated, slices_skipped, slices_redone, images.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import apache_beam as beam
+from apache_beam.metrics import Metrics
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.utils import shared
+
+from pipeline.io import beamio
+from pipeline.collect import transforms as collect
+from pipeline.generate import host_loop as host
+from pipeline.core import logs
+from pipeline.core import naming
+from pipeline.plan import transforms as plan
+from pipeline.core import slicing
+from pipeline.io import storage
+from pipeline.output import writer
+from pipeline.core.settings import Settings
+
+# Runners that run the DoFns on this machine (Beam's LOCAL_RUNNERS, and Prism, which the
+# DirectRunner may hand the pipeline to): their workers get local CPU devices.
+LOCAL_RUNNERS = ("DirectRunner", "BundleBasedDirectRunner", "SwitchingDirectRunner", "FnApiRunner",
+                 "PrismRunner", "TestDirectRunner")
+
+
+class BeamEngineError(RuntimeError):
+    pass
+
+
+def runner_name(beam_args: list[str] | None) -> str | None:
+    """The ``--runner`` of ``beam_args`` (its class name), or None when none is given."""
+    runner = PipelineOptions(list(beam_args or [])).view_as(StandardOptions).runner
+    if runner is None:
+        return None
+    return runner if isinstance(runner, str) else type(runner).__name__
+
+
+def is_local_runner(beam_args: list[str] | None) -> bool:
+    """Whether the pipeline's DoFns run on this machine (no --runner: the DirectRunner)."""
+    name = runner_name(beam_args)
+    if name is None:
+        return True
+    name = name.rsplit(".", 1)[-1].lower()
+    return any(name in (local.lower(), local.lower().removesuffix("runner")) for local in LOCAL_RUNNERS)
+
+
+def use_local_cpu_devices(devices: int) -> None:
+    """Give this process, and the worker processes it starts, ``devices`` CPU devices.
+
+    Sets ``XLA_FLAGS`` (``--xla_force_host_platform_device_count``) and
+    ``JAX_PLATFORMS=cpu`` in ``os.environ``, as ``launcher.host_env`` does for a host
+    process of the local pod engine. JAX reads them when its backend starts, so this must
+    run before anything in the process asks JAX for devices; if jax is already imported,
+    its platform setting is updated too. A backend already started with another device
+    count is caught by the DoFn's device check.
+    """
+    from pipeline.engines import local as launcher
+
+    env = launcher.host_env(devices, dict(os.environ))
+    os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
+    os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]
+    if "jax" in sys.modules:
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def check_devices(found: int, wanted: int, platform: str = "") -> None:
+    """Raise BeamEngineError unless the worker has the ``devices_per_host`` the run was planned for."""
+    if found != wanted:
+        where = f" {platform}" if platform else ""
+        raise BeamEngineError(
+            f"this worker has {found} local{where} device(s), but the run was planned with --devices-per-host "
+            f"{wanted} (the slice size depends on it): plan with --devices-per-host {found}, or run on workers "
+            f"with {wanted} devices (locally the engine sets XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{wanted} itself, unless JAX already started in this process)")
+
+
+def release_collect(generated: list[int], manifest: dict) -> list[int]:
+    """The barrier between generate and collect (pure): every planned slice came out of
+    Generate (committed, or found committed) exactly once; returns the slices to verify."""
+    counts = collections.Counter(generated)
+    expected = list(range(manifest["slices"]))
+    if sorted(counts) != expected or any(n != 1 for n in counts.values()):
+        missing = sorted(set(expected) - set(counts))
+        doubled = sorted(s for s, n in counts.items() if n > 1)
+        unplanned = sorted(set(counts) - set(expected))
+        raise BeamEngineError(f"generate emitted {len(generated)} slice(s) for {manifest['slices']} planned: "
+                              f"missing {missing[:20]}, more than once {doubled[:20]}, not planned {unplanned[:20]}")
+    return expected
+
+
+def worker_tag(settings: dict, model_fingerprint: str) -> tuple:
+    """What decides a worker's compiled generator: equal tags share one per process."""
+    return (settings["model"], model_fingerprint, settings["dtype"], settings["scheduler"], settings["width"],
+            settings["height"], settings["steps"], settings["per_device_batch"],
+            bool(settings.get("save_latents", False)), settings["devices_per_host"])
+
+
+class _Worker:
+    """One worker process's model, compiled generator and writer threads.
+
+    Built once per process (and per ``worker_tag``) through ``_SHARED`` and shared by
+    every DoFn instance and thread of the process, and by later pipelines in it.
+    """
+
+    def __init__(self, run: dict):
+        import jax
+
+        from pipeline.model import load as model_lib
+        from pipeline.generate.generator import CompileCounter, Generator
+
+        settings = run["settings"]
+        devices = jax.local_devices()
+        check_devices(len(devices), settings["devices_per_host"], devices[0].platform if devices else "")
+        watch = logs.Stopwatch()
+        model = model_lib.load(settings["model"], settings["dtype"], settings["scheduler"])
+        if model.fingerprint != run["model_fingerprint"]:
+            raise BeamEngineError(f"model {settings['model']!r} has fingerprint {model.fingerprint[:12]} on this "
+                                  f"worker, but the run was planned with {run['model_fingerprint'][:12]}")
+        self.generator = Generator(model, settings["width"], settings["height"], settings["steps"],
+                                   settings["per_device_batch"], devices=devices,
+                                   latents=settings.get("save_latents", False))
+        self.model = model
+        self.generator(host._batch(self.generator, [None] * self.generator.batch_size, 0.0))  # warm-up
+        self.compiles_at_warm = CompileCounter.count()
+        self.pool = ThreadPoolExecutor(max_workers=host.WRITER_THREADS, thread_name_prefix="writer")
+        logs.event("worker_ready", pid=os.getpid(), devices=len(devices), platform=devices[0].platform,
+                   seconds=round(watch.seconds(), 2))
+
+
+_SHARED = shared.Shared()  # per process: the _Worker every DoFn instance of the process uses
+
+
+class _GenerateFn(beam.DoFn):
+    """Generates, writes and commits one slice per element (a slice index); skips a
+    committed slice. Emits the slice's stats (``{"slice", "skipped": True}`` when skipped)."""
+
+    HOST = 0  # metadata's host column: workers have no host index, and a retried slice
+    # must get the same bytes on whatever worker it runs
+
+    def __init__(self, out: str, run: dict):
+        self.out, self.run = out, run
+        self.generated = Metrics.counter("generate", "slices_generated")
+        self.skipped = Metrics.counter("generate", "slices_skipped")
+        self.redone = Metrics.counter("generate", "slices_redone")
+        self.images = Metrics.counter("generate", "images")
+        self._zarr = None
+        self._zarr_lock = threading.Lock()
+
+    def setup(self):
+        logs.setup()
+        beamio.use_emulator_credentials()
+        settings = self.run["settings"]
+        self.worker = _SHARED.acquire(lambda: _Worker(self.run), worker_tag(settings, self.run["model_fingerprint"]))
+        self.size = slicing.slice_size(settings["devices_per_host"], settings["per_device_batch"],
+                                       settings["batches_per_slice"])
+        slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings["per_device_batch"])
+
+    def _zarr_arrays(self):
+        """(images, latents) zarr arrays, or (None, None); opened on first use, once the
+        manifest (their shape) exists."""
+        settings = self.run["settings"]
+        if "zarr" not in settings.get("formats", ()):
+            return None, None
+        with self._zarr_lock:
+            if self._zarr is None:
+                from pipeline.output import formats
+
+                count = storage.read_json(naming.manifest(self.out))["images"]
+                images = formats.open_zarr_images(self.out, count, settings["height"], settings["width"])
+                latents = None
+                if settings.get("save_latents", False):
+                    model = self.worker.model
+                    latents = formats.open_zarr_latents(self.out, count,
+                                                        model.latent_shape(settings["width"], settings["height"]),
+                                                        model.vae.config.scaling_factor)
+                self._zarr = (images, latents)
+            return self._zarr
+
+    def process(self, index: int):
+        if writer.is_committed(self.out, index):
+            self.skipped.inc()
+            logs.event("slice_skipped", slice=index)
+            yield {"slice": index, "skipped": True}
+            return
+        leftovers = writer.leftovers(self.out, self.run["settings"], index)
+        if leftovers:  # an earlier attempt died mid-slice: its objects are rewritten with the same bytes
+            self.redone.inc()
+            logs.event("slice_redone", slice=index, leftover_objects=len(leftovers))
+        zarr_images, zarr_latents = self._zarr_arrays()
+        stats = host.run_slice(self.worker.generator, self.out, self.run, index, self.size, self.HOST,
+                               self.worker.pool, zarr_images=zarr_images, zarr_latents=zarr_latents,
+                               compiles_at_warm=self.worker.compiles_at_warm)
+        self.generated.inc()
+        self.images.inc(stats["images"])
+        logs.event("slice_committed", pid=os.getpid(), **stats)
+        yield stats
+
+
+def _rejects_files(_manifest: dict, out: str) -> list[str]:
+    return storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl"))
+
+
+def _collect_started(generated: list[int], manifest: dict) -> float:
+    release_collect(generated, manifest)
+    return time.time()
+
+
+def _write_dataset(started: float, summaries, reject_counts, manifest: dict, run: dict, out: str, page_size: int,
+                   thumbnails: bool) -> dict:
+    return collect.write_dataset(None, summaries, reject_counts, manifest, run, out, started, page_size, thumbnails)
+
+
+def build(p, settings: Settings, run: dict, page_size: int = collect.GALLERY_PAGE_SIZE, thumbnails: bool = True):
+    """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
+    returns the PCollection of stats.json's content."""
+    out = settings.out
+    manifest = plan.build(p, settings.prompts, out, settings)
+    generated = (manifest
+                 | "Slices" >> beam.FlatMap(lambda m: range(m["slices"]))
+                 | "SpreadSlices" >> beam.Reshuffle()
+                 | "Generate" >> beam.ParDo(_GenerateFn(out, run)))
+    manifest_side = beam.pvalue.AsSingleton(manifest)
+    started = (generated
+               | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
+               | "AllGenerated" >> beam.combiners.ToList()
+               | "Barrier" >> beam.Map(_collect_started, manifest_side))
+    summaries = (started
+                 | "SlicesToVerify" >> beam.FlatMap(lambda _, m: range(m["slices"]), manifest_side)
+                 | "SpreadVerify" >> beam.Reshuffle()
+                 | "VerifySlices" >> beam.ParDo(collect._VerifySliceFn(out, run["settings"], thumbnails)))
+    reject_counts = (manifest
+                     | "MatchRejects" >> beam.FlatMap(_rejects_files, out)
+                     | "CountRejects" >> beam.Map(collect._count_rejects))
+    return started | "WriteDataset" >> beam.Map(_write_dataset, beam.pvalue.AsList(summaries),
+                                                beam.pvalue.AsList(reject_counts), manifest_side, run, out,
+                                                page_size, thumbnails)
+
+
+def counters(result, namespace: str) -> dict:
+    """The committed Beam counters of ``namespace`` of a finished pipeline, by name."""
+    from apache_beam.metrics.metric import MetricsFilter
+
+    totals: dict[str, int] = {}
+    for counter in result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]:
+        totals[counter.key.metric.name] = totals.get(counter.key.metric.name, 0) + counter.committed
+    return dict(sorted(totals.items()))
+
+
+def verification_error(stats: dict) -> str | None:
+    """The CollectError message for a dataset's stats.json, or None when it is verified
+    (the same message as ``collect.run_collect``)."""
+    if stats["verified"]:
+        return None
+    lines = [f"{kind}: {v['count']} key(s), e.g. {', '.join(v['keys'])}" for kind, v in stats["problems"].items()]
+    if not stats["conservation"]["holds"]:
+        c = stats["conservation"]
+        lines.append(f"input rows {c['input_rows']} != planned records {c['records']} + rejects {c['rejects']}")
+    return "the dataset does not match the plan:\n  " + "\n  ".join(lines)
+
+
+def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,
+             page_size: int = collect.GALLERY_PAGE_SIZE, gallery_thumbnails: bool = True) -> dict:
+    """plan -> generate -> collect as one Beam pipeline; returns the dataset stats.
+
+    ``beam_args`` are Beam's PipelineOptions (``--runner DataflowRunner ...``; none: the
+    DirectRunner). With a local runner, this process and its workers get
+    ``settings.devices_per_host`` CPU devices (``use_local_cpu_devices``). ``overwrite``
+    deletes an earlier run in OUT first; without it a re-run resumes: committed slices
+    are skipped. Raises ``collect.CollectError`` when the dataset does not match the plan.
+    """
+    watch = logs.Stopwatch()
+    if is_local_runner(beam_args):
+        use_local_cpu_devices(settings.devices_per_host)
+    beamio.require_filesystem(settings.prompts, settings.out)
+    if not plan.match_prompt_files(settings.prompts):  # also: every file has a known format
+        raise plan.PlanError(f"no prompt files match {settings.prompts!r}")
+    settings, run = plan.resolve_settings(settings)
+    run = plan.prepare_out(settings.out, run, overwrite)
+    logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
+               devices_per_host=settings.devices_per_host, slice_size=settings.slice_size)
+    p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
+    build(p, settings, run, page_size, gallery_thumbnails)
+    result = p.run()
+    result.wait_until_finish()
+    manifest = storage.read_json(naming.manifest(settings.out))
+    logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
+               slices=manifest["slices"], slice_size=manifest["slice_size"], **counters(result, "plan"))
+    logs.event("generated", **counters(result, "generate"))
+    stats = storage.read_json(naming.dataset_file(settings.out, "stats.json"))
+    logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],
+               seconds=round(watch.seconds(), 2), dataset=naming.join(settings.out, "dataset"))
+    error = verification_error(stats)
+    if error:
+        raise collect.CollectError(error)
+    return stats

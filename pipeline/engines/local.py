@@ -1,0 +1,185 @@
+"""``run`` on one machine: plan, then H local host processes, then collect.
+
+Each host is ``promptmill generate`` in its own process with D CPU devices
+(``--xla_force_host_platform_device_count``) and an explicit coordinator on a free
+127.0.0.1 port. The launcher follows the hosts' JSON log lines for progress, keeps each
+host's log under ``OUT/logs`` (or a temporary folder when OUT is remote), and, as soon
+as one host fails or dies, stops the others and raises ``HostFailure`` naming it.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from pipeline.generate import cluster
+from pipeline.core import logs
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.generate import compile_cache as compile_cache_lib
+
+STOP_GRACE_S = 10.0
+POLL_S = 0.1
+
+
+class HostFailure(RuntimeError):
+    pass
+
+
+def host_env(devices_per_host: int, base: dict | None = None) -> dict:
+    """The environment of a local host process: CPU only, with D devices."""
+    env = dict(os.environ if base is None else base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_host}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def host_command(out: str, coordinator: str, num_hosts: int, host_id: int,
+                 compile_cache: str | None = None) -> list[str]:
+    command = [sys.executable, "-m", "jobs.cli", "generate", "--out", out, "--coordinator", coordinator,
+               "--num-hosts", str(num_hosts), "--host-id", str(host_id)]
+    if compile_cache:
+        command += ["--compile-cache", compile_cache_lib.resolve(compile_cache)]
+    return command
+
+
+def log_dir_for(out: str) -> str:
+    return naming.join(out, "logs") if not storage.is_gcs(out) else tempfile.mkdtemp(prefix="promptmill-logs-")
+
+
+class _Host:
+    def __init__(self, index: int, command: list[str], env: dict, log_path: str, events: queue.Queue):
+        self.index = index
+        self.tail = collections.deque(maxlen=40)
+        self.log = open(log_path, "w", encoding="utf-8")
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True, errors="replace", start_new_session=True)
+        self.reader = threading.Thread(target=self._read, args=(events,), daemon=True)
+        self.reader.start()
+
+    def _read(self, events: queue.Queue) -> None:
+        for line in self.process.stderr:
+            self.log.write(line)
+            self.log.flush()
+            self.tail.append(line.rstrip())
+            event = logs.parse(line)
+            if event is not None:
+                events.put((self.index, event))
+
+    def stop(self) -> None:
+        """SIGTERM the host's process group, then SIGKILL after a grace period."""
+        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
+            if self.process.poll() is not None:
+                return
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+
+    def close(self) -> None:
+        self.reader.join(timeout=5)
+        self.log.close()
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int, progress: bool = True,
+              compile_cache: str | None = None) -> list[dict]:
+    """Run the local host processes to completion; returns their 'host_done' events.
+
+    ``compile_cache``: a persistent compilation cache folder for every host (``--compile-cache``).
+    """
+    from tqdm import tqdm
+
+    log_dir = log_dir_for(out)
+    os.makedirs(log_dir, exist_ok=True)
+    coordinator = f"127.0.0.1:{cluster.free_port()}"
+    env = host_env(devices_per_host)
+    events: queue.Queue = queue.Queue()
+    hosts = [_Host(i, host_command(out, coordinator, num_hosts, i, compile_cache), env,
+                   os.path.join(log_dir, f"host-{i}.log"), events) for i in range(num_hosts)]
+    with open(os.path.join(log_dir, "hosts.json"), "w") as f:
+        json.dump({str(h.index): h.process.pid for h in hosts}, f)
+    logs.event("hosts_started", hosts=num_hosts, devices_per_host=devices_per_host, coordinator=coordinator,
+               logs=log_dir)
+    done: dict[int, dict] = {}
+    bar = tqdm(total=total_images, unit="img", desc="generate", disable=not progress, file=sys.stderr)
+    try:
+        while True:
+            try:
+                index, event = events.get(timeout=POLL_S)
+                if event["event"] == "slice_committed":
+                    bar.update(event.get("images", 0))
+                elif event["event"] == "host_done":
+                    done[index] = event
+            except queue.Empty:
+                pass
+            failed = [h for h in hosts if h.process.poll() not in (None, 0)]
+            if failed:
+                first = failed[0]
+                code = first.process.returncode
+                for h in hosts:
+                    h.stop()
+                tail = "\n    ".join(list(first.tail)[-15:])
+                raise HostFailure(f"host {first.index} of {num_hosts} failed ({_describe_exit(code)}); "
+                                  f"stopped the other hosts. Log: {os.path.join(log_dir, f'host-{first.index}.log')}"
+                                  f"\n  last lines of host {first.index}:\n    {tail}")
+            if all(h.process.poll() == 0 for h in hosts):
+                break
+    finally:
+        bar.close()
+        for h in hosts:
+            h.stop()
+            h.close()
+    while not events.empty():
+        index, event = events.get()
+        if event["event"] == "host_done":
+            done[index] = event
+    return [done[i] for i in sorted(done)]
+
+
+def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, progress: bool = True,
+              compile_cache: str | None = None, overwrite: bool = False) -> dict:
+    """plan -> local hosts -> collect; returns the dataset stats.
+
+    ``compile_cache`` is an execution option, like ``num_hosts``: not a setting of the run.
+    ``overwrite`` deletes an earlier run in OUT first; without it a re-run resumes.
+    """
+    from pipeline.collect import transforms as collect
+    from pipeline.plan import transforms as plan
+
+    if num_hosts < 1:
+        raise ValueError(f"--hosts must be >= 1, got {num_hosts}")
+    if compile_cache:
+        compile_cache_lib.resolve(compile_cache)  # a bad folder fails here, not in every host
+    watch = logs.Stopwatch()
+    manifest = plan.run_plan(settings, beam_args, overwrite)
+    logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
+               slices=manifest["slices"], slice_size=manifest["slice_size"], seconds=round(watch.seconds(), 2))
+    done = run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress, compile_cache)
+    logs.event("generated", images=sum(d["images"] for d in done),
+               **{k: sum(d[k] for d in done) for k in ("slices_generated", "slices_redone", "slices_skipped")},
+               seconds=round(watch.seconds(), 2))
+    stats = collect.run_collect(settings.out, beam_args)
+    logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],
+               seconds=round(watch.seconds(), 2), dataset=naming.join(settings.out, "dataset"))
+    return stats

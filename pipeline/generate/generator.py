@@ -1,0 +1,154 @@
+"""The generator of one host: the model on the local devices, compiled once.
+
+Parameters are replicated onto the host's local devices, and the sampling function is
+pmapped over them and compiled ahead of time for the run's one set of shapes. Calling
+the compiled executable can never recompile (a wrong shape is an error), and
+``CompileCounter`` lets tests and logs prove that nothing else compiles either.
+
+With ``latents=True`` the compiled program also returns each image's final latents
+(``sampler.make_sample_fn``); without it, it is the images-only program, and no latents
+ever leave the devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from pipeline.generate import sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One device step's inputs for N = local devices x per-device batch images."""
+    prompt_ids: np.ndarray  # int32 [N, L] (SDXL: [N, 2, L])
+    negative_ids: np.ndarray  # int32 like prompt_ids
+    guidance: np.ndarray  # float32 [N]
+    seed_hi: np.ndarray  # uint32 [N]
+    seed_lo: np.ndarray  # uint32 [N]
+    image_index: np.ndarray  # uint32 [N]
+
+
+class CompileCounter:
+    """Counts XLA backend compilations in this process (jax.monitoring events)."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        import jax
+        from jax._src import dispatch
+
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event, duration, **kwargs):
+                if event == dispatch.BACKEND_COMPILE_EVENT:
+                    with cls._lock:
+                        cls._count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+    @classmethod
+    def count(cls) -> int:
+        return cls._count
+
+
+def replicate(tree, devices):
+    """Put one copy of every leaf on each device, laid out as pmap expects.
+
+    The host array is broadcast as a view and sliced per device, so no device ever
+    holds more than one copy (stacking on device 0 first would need D copies there).
+    """
+    import jax
+
+    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+
+    def put(leaf):
+        leaf = np.asarray(leaf)
+        return jax.device_put(np.broadcast_to(leaf, (len(devices),) + leaf.shape), sharding)
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+class Generator:
+    def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
+                 latents: bool = False):
+        import jax
+
+        CompileCounter.install()
+        self.model = model
+        self.width, self.height, self.steps = width, height, steps
+        self.latents = latents
+        self.devices = list(devices or jax.local_devices())
+        self.per_device_batch = per_device_batch
+        self.batch_size = len(self.devices) * per_device_batch
+        self.params = replicate(model.params, self.devices)
+        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents), devices=self.devices)
+        self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
+
+    def tokenize(self, prompts: list[str]) -> np.ndarray:
+        """CLIP token ids, padded and truncated to the tokenizer's length."""
+        return sampler.tokenize(self.model, prompts)
+
+    def truncated(self, prompts: list[str]) -> list[bool]:
+        """Whether each prompt is longer than the text encoder takes (``tokenize`` cuts it)."""
+        return sampler.truncated(self.model, prompts)
+
+    def batch(self, prompts, negatives, guidance, seeds, image_indices) -> Batch:
+        """Device inputs for one step: tokenised prompts and each image's seed words and index."""
+        from pipeline.core import keys
+
+        words = np.array([keys.seed_words(s) for s in seeds], np.uint32).reshape(-1, 2)
+        return Batch(self.tokenize(list(prompts)), self.tokenize(list(negatives)), np.asarray(guidance, np.float32),
+                     words[:, 0], words[:, 1], np.asarray(image_indices, np.uint32))
+
+    def padding_batch(self) -> Batch:
+        """A batch of nothing: empty prompts, seed 0; its outputs are never written."""
+        n = self.batch_size
+        return self.batch([""] * n, [""] * n, [0.0] * n, [0] * n, [0] * n)
+
+    def _device_shaped(self, batch: Batch) -> tuple:
+        d, b = len(self.devices), self.per_device_batch
+        return tuple(np.asarray(a).reshape((d, b) + np.asarray(a).shape[1:]) for a in dataclasses.astuple(batch))
+
+    def dispatch(self, batch: Batch):
+        """Start a device step; returns the device array, or (images, latents) with
+        ``latents`` (asynchronous)."""
+        if len(batch.prompt_ids) != self.batch_size:
+            raise ValueError(f"a batch holds {self.batch_size} images, got {len(batch.prompt_ids)}")
+        return self.compiled(self.params, *self._device_shaped(batch))
+
+    def wait(self, out) -> None:
+        """Block until the device step ``dispatch`` started is done (no host copy)."""
+        import jax
+
+        jax.block_until_ready(out)
+
+    def _host(self, array) -> np.ndarray:
+        array = np.asarray(array)
+        return array.reshape((self.batch_size,) + array.shape[2:])
+
+    def __call__(self, batch: Batch) -> np.ndarray:
+        """uint8 images [N, height, width, 3] of one batch, in batch order (latents, if
+        any, stay on the devices)."""
+        out = self.dispatch(batch)
+        return self._host(out[0] if self.latents else out)
+
+    def fetch(self, out) -> tuple[np.ndarray, np.ndarray | None]:
+        """The host copy of what ``dispatch`` returned: (uint8 images [N, height, width, 3],
+        float32 final latents [N, C, height/f, width/f] or None without ``latents``), in
+        batch order. Blocks until the device step is done."""
+        if not self.latents:
+            return self._host(out), None
+        return self._host(out[0]), self._host(out[1])
+
+    def generate(self, batch: Batch) -> tuple[np.ndarray, np.ndarray | None]:
+        """``fetch(dispatch(batch))``: one batch, waited for."""
+        return self.fetch(self.dispatch(batch))

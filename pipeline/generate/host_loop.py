@@ -1,0 +1,271 @@
+"""``generate``: the work of one host process.
+
+The host joins the cluster, loads the model once, compiles the sampler once, and runs
+its slice slots (``slicing.host_slots``). Every host runs the same number of device
+steps: a padding slot, and the padding rows that fill the last slice, run on the
+devices but are never written.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from pipeline.generate import cluster
+from pipeline.core import crashpoints
+from pipeline.core import logs
+from pipeline.core import naming
+from pipeline.core import slicing
+from pipeline.io import storage
+from pipeline.output import writer
+from pipeline.generate.generator import Batch, CompileCounter, Generator
+from pipeline.core.records import Item
+
+
+WRITER_THREADS = 8  # encoders and uploaders; JAX releases the GIL while devices work
+
+
+class GenerateError(RuntimeError):
+    pass
+
+
+def _batch(generator: Generator, items: list[Item | None], default_guidance: float) -> Batch:
+    """Device inputs for a batch; ``None`` entries are padding rows (empty prompt, seed 0)."""
+    real = [(i.prompt, i.negative_prompt, default_guidance if i.guidance_scale is None else i.guidance_scale,
+             i.seed, i.image_index) if i is not None else ("", "", 0.0, 0, 0) for i in items]
+    prompts, negatives, guidance, seeds, indices = zip(*real)
+    return generator.batch(prompts, negatives, guidance, seeds, indices)
+
+
+def load_run(out: str) -> tuple[dict, dict]:
+    """(run.json, plan manifest) of a planned OUT."""
+    for path in (naming.run_json(out), naming.manifest(out)):
+        if not storage.exists(path):
+            raise GenerateError(f"{path} does not exist: run 'promptmill plan' for this --out first")
+    return storage.read_json(naming.run_json(out)), storage.read_json(naming.manifest(out))
+
+
+def _done_at(generator, handle, dispatched_at: float) -> tuple[float, float]:
+    """(when the step was dispatched, when the device finished it), on a watcher thread."""
+    generator.wait(handle)
+    return dispatched_at, time.perf_counter()
+
+
+class _DeviceClock:
+    """Device-busy time from when each step was dispatched and finished. The devices run
+    steps in dispatch order, so a step runs from its dispatch or the previous step's end,
+    whichever is later, to its own end; the rest of the time the devices sat idle."""
+
+    def __init__(self):
+        self.last_end = 0.0
+
+    def busy(self, span: tuple[float, float]) -> float:
+        dispatched, end = span
+        seconds = max(0.0, end - max(dispatched, self.last_end))
+        self.last_end = max(self.last_end, end)
+        return seconds
+
+
+class _Slice:
+    """One slice on its way through the host loop: its items, writer and timing."""
+
+    def __init__(self, out: str, run: dict, index: int, size: int, host: int, pool, queued,
+                 zarr_images=None, zarr_latents=None):
+        self.watch = logs.Stopwatch()
+        self.index, self.size, self.host = index, size, host
+        self.items = writer.read_slice_items(out, index)
+        self.padded = [*self.items, *[None] * (size - len(self.items))]
+        self.writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents, slots=queued)
+        self.timing = {"input_s": 0.0, "device_wait_s": 0.0, "output_s": 0.0, "device_busy_s": 0.0}
+        self.truncated_prompts = 0  # images whose prompt was cut to the text encoder's length
+        self.batches_handed = 0
+        self.compiles = 0
+
+    def commit(self) -> dict:
+        """Wait for the slice's images, write its whole objects, then its commit marker."""
+        clock = logs.Stopwatch()
+        self.writer.finish()
+        seconds = self.watch.seconds()
+        stats = {"slice": self.index, "host": self.host, "images": len(self.items),
+                 "padding": self.size - len(self.items), "seconds": round(seconds, 4),
+                 "images_per_s": round(len(self.items) / seconds, 3) if seconds else None,
+                 **{name: round(value, 4) for name, value in self.timing.items()},
+                 "commit_s": round(clock.seconds(), 4), "compiles_after_warmup": self.compiles,
+                 "truncated_prompts": self.truncated_prompts,
+                 "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        self.writer.mark(stats)
+        return stats
+
+
+def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host: int, pool,
+               zarr_images=None, zarr_latents=None, compiles_at_warm: int = 0,
+               on_commit: Callable[[dict], None] | None = None) -> list[dict]:
+    """Generate, write and commit the slices ``slots`` names, in order; returns their stats.
+
+    A slot is a slice index, or ``None`` for a padding slot (its device steps run, nothing
+    is written). The devices never wait for the host: the next batch is tokenised and
+    dispatched before the current one is fetched, across slice boundaries too; images go
+    to ``pool`` (bounded by the writer's backpressure); and a finished slice's shards and
+    commit marker are written by one committer thread, in slot order, while the next
+    slice runs. A failure in any worker fails the loop and that slice is never committed.
+    ``on_commit`` runs on the committer thread after each commit marker.
+    """
+    default_guidance = run["settings"]["guidance_scale"]
+    n = generator.batch_size
+    done: list[dict] = []
+    committing: Future | None = None  # the previous slice's commit
+    queued = threading.BoundedSemaphore(writer.MAX_PENDING)  # images handed to the writers, all slices
+
+    def steps():  # (slice or None for padding, chunk, is the slice's last batch)
+        for slot in slots:
+            state = None if slot is None else _Slice(out, run, slot, size, host, pool, queued, zarr_images,
+                                                      zarr_latents)
+            padded = [None] * size if state is None else state.padded
+            for start in range(0, size, n):
+                yield state, padded[start:start + n], start + n >= size
+
+    def committed_previous() -> None:
+        if committing is not None:
+            committing.result()  # re-raises the committer's failure
+
+    def commit(state: _Slice) -> dict:
+        stats = state.commit()
+        done.append(stats)
+        if on_commit is not None:
+            on_commit(stats)
+        return stats
+
+    def hand_over(state, chunk, cut, handle, last, done_at) -> None:  # a dispatched batch, to the writers
+        nonlocal committing
+        clock = logs.Stopwatch()
+        images, latents = generator.fetch(handle)
+        busy = device.busy(done_at.result())
+        if state is None:  # padding slot
+            return
+        state.timing["device_wait_s"] += clock.seconds()
+        state.timing["device_busy_s"] += busy
+        clock = logs.Stopwatch()
+        if committing is not None and committing.done():
+            committed_previous()  # fail as soon as a commit has failed
+        for k, (item, image) in enumerate(zip(chunk, images)):
+            if item is not None:
+                state.truncated_prompts += cut[k]
+                state.writer.add(item, image, None if latents is None else latents[k], cut[k])
+        state.batches_handed += 1
+        if state.batches_handed == 1:
+            crashpoints.reached("mid_slice", host, before=lambda: (committed_previous(), state.writer.wait_images()))
+        if last:
+            state.compiles = CompileCounter.count() - compiles_at_warm
+            committed_previous()  # at most one slice commits while the next one runs
+            committing = committer.submit(commit, state)
+        state.timing["output_s"] += clock.seconds()
+
+    device = _DeviceClock()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="committer") as committer, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-clock") as watcher:
+        previous = None
+        for state, chunk, last in steps():
+            clock = logs.Stopwatch()
+            batch = _batch(generator, chunk, default_guidance)
+            cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
+            if state is not None:
+                state.timing["input_s"] += clock.seconds()
+            dispatched_at = time.perf_counter()
+            handle = generator.dispatch(batch)
+            done_at = watcher.submit(_done_at, generator, handle, dispatched_at)
+            dispatched = (state, chunk, cut, handle, last, done_at)
+            if previous is not None:
+                hand_over(*previous)
+            previous = dispatched
+        if previous is not None:
+            hand_over(*previous)
+        committed_previous()
+    return done
+
+
+def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, host: int, pool,
+              zarr_images=None, compiles_at_warm: int = 0, zarr_latents=None) -> dict:
+    """Generate one slice, write it in every chosen format and commit it; returns its stats."""
+    [stats] = run_slices(generator, out, run, [index], size, host, pool, zarr_images, zarr_latents,
+                         compiles_at_warm)
+    return stats
+
+
+def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | None = None) -> dict:
+    """Run this host's share of the plan in ``out``; returns a summary.
+
+    With ``compile_cache`` (a folder), compiled programs are loaded from JAX's persistent
+    compilation cache there, or compiled and written to it (``pipeline.generate.compile_cache``).
+    """
+    from pipeline.generate import compile_cache as cache_lib
+    from pipeline.model import load as model_lib
+
+    if compile_cache:  # first: every program this host compiles should go through the cache
+        cache_dir = cache_lib.enable(compile_cache)
+    host, num_hosts = cluster.initialize(cluster_args)
+    if compile_cache:
+        logs.event("compile_cache", host=host, path=cache_dir)
+    run, manifest = load_run(out)
+    settings = run["settings"]
+    logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
+    model = model_lib.load(settings["model"], settings["dtype"], settings["scheduler"])
+    if model.fingerprint != run["model_fingerprint"]:
+        raise GenerateError(f"model {settings['model']!r} has fingerprint {model.fingerprint[:12]}, but the run "
+                            f"was planned with {run['model_fingerprint'][:12]}")
+    generator = Generator(model, settings["width"], settings["height"], settings["steps"],
+                          settings["per_device_batch"], latents=settings.get("save_latents", False))
+    size = manifest["slice_size"]
+    batches = slicing.batches_per_slice(size, len(generator.devices), settings["per_device_batch"])
+    generator(_batch(generator, [None] * generator.batch_size, 0.0))  # warm-up: first execution
+    compiles_at_warm = CompileCounter.count()
+    cache_stats = ({"cache_hits": cache_lib.CacheEvents.hits(), "cache_writes": cache_lib.CacheEvents.writes()}
+                   if compile_cache else {})
+    logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches, **cache_stats)
+    if compile_cache:
+        uploaded = cache_lib.push()
+        if uploaded:
+            logs.event("compile_cache_pushed", host=host, entries=uploaded)
+    crashpoints.reached("ready", host)
+
+    zarr_images = zarr_latents = None
+    if "zarr" in settings.get("formats", ()):
+        from pipeline.output import formats
+
+        zarr_images = formats.open_zarr_images(out, manifest["images"], settings["height"], settings["width"])
+        if settings.get("save_latents", False):
+            zarr_latents = formats.open_zarr_latents(out, manifest["images"],
+                                                     model.latent_shape(settings["width"], settings["height"]),
+                                                     model.vae.config.scaling_factor)
+    counts = {"skipped": 0, "redone": 0}
+
+    def slots():  # this host's slots still to do; a committed slice is never redone (resume)
+        for slot in slicing.host_slots(host, num_hosts, manifest["slices"]):
+            if slot is None:  # padding slot: same device steps as a real slice, nothing written
+                logs.event("padding_slot", host=host)
+            elif writer.is_committed(out, slot):
+                counts["skipped"] += 1
+                logs.event("slice_skipped", host=host, slice=slot)
+                continue
+            elif leftovers := writer.leftovers(out, settings, slot):  # an earlier attempt died mid-slice:
+                counts["redone"] += 1  # its objects are rewritten with the same bytes
+                logs.event("slice_redone", host=host, slice=slot, leftover_objects=len(leftovers))
+            yield slot
+
+    def committed(stats: dict) -> None:
+        logs.event("slice_committed", **stats)
+        crashpoints.reached("committed", host)
+
+    watch = logs.Stopwatch()
+    with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
+        done = run_slices(generator, out, run, slots(), size, host, pool, zarr_images, zarr_latents,
+                          compiles_at_warm, on_commit=committed)
+    recompiles = CompileCounter.count() - compiles_at_warm
+    # host 0 runs the coordination service: every host waits here until all are done
+    cluster.wait_for_all("promptmill-generate-done")
+    summary = {"host": host, "images": sum(s["images"] for s in done), "seconds": round(watch.seconds(), 3),
+               "slices_generated": len(done), "slices_redone": counts["redone"], "slices_skipped": counts["skipped"],
+               "compiles_after_warmup": recompiles}
+    logs.event("host_done", **summary)
+    return summary

@@ -1,0 +1,89 @@
+"""``reproduce``: regenerate images from their metadata rows and check their sha256.
+
+The same program as the hosts: the run's settings from run.json, the model loaded and
+fingerprinted as hosts load it, and a Generator with the run's per-device batch on one
+local device (an image's bytes depend on the per-device batch, not on the number of
+devices). The keys fill device batches in the order given, and the last batch is filled
+with padding rows as host.py fills a slice's last batch: an image's bytes do not depend
+on its position in the batch or on its neighbours.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from pipeline.output import formats
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.output import writer
+
+
+class ReproduceError(RuntimeError):
+    pass
+
+
+def load_rows(out: str) -> dict[str, dict]:
+    """Metadata rows by key: OUT/dataset/metadata.parquet, or else the committed shards'."""
+    path = naming.dataset_file(out, "metadata.parquet")
+    if storage.exists(path):
+        rows = writer.read_parquet_rows(path)
+    else:
+        shards = [p for p in storage.glob(naming.join(out, "shards", "*.parquet"))
+                  if storage.exists(p[:-len(".parquet")] + "_stats.json")]  # committed slices only
+        if not shards:
+            raise ReproduceError(f"{path} does not exist and no slice under {naming.join(out, 'shards')} is "
+                                 f"committed: run 'promptmill collect --out {out}' (after generate) first")
+        rows = [row for shard in sorted(shards) for row in writer.read_parquet_rows(shard)]
+    return {row["key"]: row for row in rows}
+
+
+def lookup(out: str, keys: list[str]) -> tuple[dict, list[dict]]:
+    """(run.json, the metadata row of each key); raises naming every unknown key."""
+    if not storage.exists(naming.run_json(out)):
+        raise ReproduceError(f"{naming.run_json(out)} does not exist: is --out a promptmill output?")
+    run = storage.read_json(naming.run_json(out))
+    rows = load_rows(out)
+    unknown = [k for k in keys if k not in rows]
+    if unknown:
+        raise ReproduceError(f"unknown key(s) in {out}: {', '.join(unknown)}")
+    return run, [rows[k] for k in keys]
+
+
+def reproduce(out: str, keys: list[str], save: str | None = None, emit=None) -> list[dict]:
+    """Regenerate the images of ``keys``; returns one result per key:
+    {"key", "sha256", "expected", "match"}. ``emit`` is called with each result as soon as
+    it is known; ``save`` (a folder or gs:// prefix) receives each regenerated KEY.EXT."""
+    run, rows = lookup(out, keys)  # before the model (and JAX): a bad key fails fast
+
+    import jax
+
+    from pipeline.model import load as model_lib
+    from pipeline.generate.generator import Generator
+
+    settings = run["settings"]
+    model = model_lib.load(settings["model"], settings["dtype"], settings["scheduler"])
+    if model.fingerprint != run["model_fingerprint"]:
+        raise ReproduceError(f"model {settings['model']!r} has fingerprint {model.fingerprint[:12]}, but the run "
+                             f"was made with {run['model_fingerprint'][:12]}: reproduce needs the same checkpoint")
+    generator = Generator(model, settings["width"], settings["height"], settings["steps"],
+                          settings["per_device_batch"], devices=jax.local_devices()[:1],
+                          latents=settings.get("save_latents", False))
+    image_format, quality = settings.get("image_format", "png"), settings.get("quality", 95)
+    padding = ("", "", 0.0, 0, 0)  # host._batch's padding row
+    results = []
+    for start in range(0, len(rows), generator.batch_size):
+        chunk = rows[start:start + generator.batch_size]
+        inputs = [(r["prompt"], r["negative_prompt"], r["guidance_scale"], r["seed"], r["image_index"]) for r in chunk]
+        images = generator(generator.batch(*zip(*inputs, *[padding] * (generator.batch_size - len(chunk)))))
+        results += [_check(row, image, image_format, quality, save, emit) for row, image in zip(chunk, images)]
+    return results
+
+
+def _check(row: dict, image, image_format: str, quality: int, save: str | None, emit) -> dict:
+    data = formats.encode(image, image_format, quality)
+    digest = hashlib.sha256(data).hexdigest()
+    if save:
+        storage.write_bytes(naming.join(save, f"{row['key']}.{formats.extension(image_format)}"), data)
+    result = {"key": row["key"], "sha256": digest, "expected": row["sha256"], "match": digest == row["sha256"]}
+    if emit is not None:
+        emit(result)
+    return result

@@ -1,0 +1,192 @@
+"""Beam-side I/O: inside Beam pipelines, every read and write goes through Beam's FileSystems.
+
+promptmill has one storage layer per runtime:
+
+* inside Beam pipelines (``plan``, ``collect``): this module, on top of
+  ``apache_beam.io.filesystems.FileSystems``, so Dataflow workers read and write with
+  Beam's own GCS client, its retries and its throttling counters, local or ``gs://``;
+* outside Beam (host processes, the CLI, code before and after a pipeline):
+  ``pipeline.io.storage``.
+
+Both give the same objects: whole objects written under their final names (no temp
+file and rename; GCS commits an upload on close, and an exception inside the ``with``
+cancels it), the same names and the same bytes. Writes are always UNCOMPRESSED, so a
+name ending in ``.gz`` is never gzipped behind our back. Pattern expansion stays with
+``storage.glob``: Beam's match differs (a folder matches itself, not the files under
+it; ``**/`` needs at least one folder; ``*`` matches dotfiles locally), so pipelines
+expand patterns into file lists with ``storage.glob`` and read each file here.
+
+``STORAGE_EMULATOR_HOST`` points Beam's GCS client at an emulator, as it does
+``pipeline.io.storage``'s (see ``use_emulator_credentials``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import apache_beam as beam
+from apache_beam.io import fileio
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+
+# Bytes read per call when splitting a stream into lines.
+READ_CHUNK = 1 << 20
+
+
+def use_emulator_credentials() -> None:
+    """With ``STORAGE_EMULATOR_HOST`` set, make Beam's GCS client anonymous.
+
+    Why: Beam looks up Application Default Credentials before its first GCS call,
+    ``google.auth.default`` with 4 retries and backoff (about 25 s per process when
+    there are none), and with real credentials it refreshes a token against
+    oauth2.googleapis.com (a 120 s hang offline). The emulator needs neither. Marking
+    Beam's credential cache as initialised with no credentials makes gcsio use
+    ``storage.Client.create_anonymous_client()``, which honours
+    ``STORAGE_EMULATOR_HOST`` by itself. This uses Beam's private
+    ``apache_beam.internal.gcp.auth._Credentials``; it is only done with an emulator.
+
+    Idempotent and cheap: every function here calls it before touching FileSystems,
+    and DoFns call it in ``setup()``, so it holds in whatever process runs them.
+    """
+    if not os.environ.get("STORAGE_EMULATOR_HOST"):
+        return
+    from apache_beam.internal.gcp import auth
+
+    auth._Credentials._credentials = None
+    auth._Credentials._credentials_init = True
+
+
+def require_filesystem(*paths: str) -> None:
+    """Fail early, and clearly, when a ``gs://`` path needs Beam's GCS support and it is
+    not installed (the ``gcp`` extra: local runs do without it)."""
+    if not any(p.startswith("gs://") for p in paths):
+        return
+    try:
+        import apache_beam.io.gcp.gcsfilesystem  # noqa: F401
+        import google.cloud.storage  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("gs:// paths need Beam's GCS support: pip install 'promptmill[gcp]' "
+                           f"(apache-beam[gcp]) ({e})") from None
+
+
+def _filesystems():
+    use_emulator_credentials()
+    return FileSystems
+
+
+use_emulator_credentials()  # in every process that imports this, Beam workers included
+
+
+def open_read(path: str, compression_type: str = CompressionTypes.UNCOMPRESSED):
+    """A binary stream of the object; ``CompressionTypes.AUTO`` decompresses by name."""
+    return _filesystems().open(path, compression_type=compression_type)
+
+
+def read_bytes(path: str) -> bytes:
+    with open_read(path) as f:
+        return f.read()
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode("utf-8")
+
+
+def read_json(path: str):
+    return json.loads(read_text(path))
+
+
+def split_lines(stream, keep_ends: bool = False) -> Iterator[bytes]:
+    """The lines of a binary stream as raw bytes, without their line endings.
+
+    Lines end at ``\n``; trailing ``\r``s are dropped (as ``storage.iter_lines``
+    does). Blank lines are kept; a last line without a newline is a line. Reads in
+    chunks, so it works on every FileSystems stream (gzip ones are not iterable).
+    ``keep_ends``: yield each line as read, ending included (the csv module needs them).
+    """
+    pending: list[bytes] = []
+    while True:
+        block = stream.read(READ_CHUNK)
+        if not block:
+            break
+        *complete, tail = block.split(b"\n")
+        if complete:
+            complete[0] = b"".join(pending) + complete[0]
+            pending = []
+            for line in complete:
+                yield line + b"\n" if keep_ends else line.rstrip(b"\r\n")
+        pending.append(tail)
+    last = b"".join(pending)
+    if last:
+        yield last if keep_ends else last.rstrip(b"\r\n")
+
+
+def iter_lines(path: str, compression_type: str = CompressionTypes.AUTO) -> Iterator[bytes]:
+    """The lines of an object as raw bytes (``split_lines``), streamed.
+
+    AUTO: a name ending in ``.gz`` (or another compression suffix Beam knows) is
+    decompressed first.
+    """
+    with open_read(path, compression_type) as f:
+        yield from split_lines(f)
+
+
+def open_write(path: str, mime_type: str = "application/octet-stream"):
+    """A binary stream that becomes one whole object under its final name when closed.
+
+    For objects too big to build in memory first; parent folders are created.
+    """
+    return _filesystems().create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def write_bytes(path: str, data: bytes, mime_type: str = "application/octet-stream") -> None:
+    """Write one whole object under its final name (parent folders are created)."""
+    with open_write(path, mime_type) as f:
+        f.write(data)
+
+
+def delete(paths: list[str]) -> None:
+    """Delete objects (local files or gs:// objects)."""
+    if paths:
+        _filesystems().delete(list(paths))
+
+
+def write_text(path: str, text: str, mime_type: str = "text/plain") -> None:
+    write_bytes(path, text.encode("utf-8"), mime_type)
+
+
+def write_json(path: str, obj) -> None:
+    """The same bytes as ``storage.write_json``."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "application/json")
+
+
+class _ReadLinesFn(beam.DoFn):
+    def __init__(self, compression_type: str):
+        self.compression_type = compression_type
+
+    def setup(self):
+        use_emulator_credentials()
+
+    def process(self, readable_file: fileio.ReadableFile):
+        use_emulator_credentials()
+        path = readable_file.metadata.path
+        with readable_file.open(compression_type=self.compression_type) as f:
+            for number, raw in enumerate(split_lines(f), start=1):
+                yield path, number, raw
+
+
+class ReadLines(beam.PTransform):
+    """File paths (or ``fileio`` matches) -> (path, 1-based line number, raw line bytes).
+
+    Every line is kept, blank ones included, undecoded: validation decides what a
+    line is worth. Compression AUTO by name, as ``iter_lines``.
+    """
+
+    def __init__(self, compression_type: str = CompressionTypes.AUTO):
+        super().__init__()
+        self.compression_type = compression_type
+
+    def expand(self, files):
+        return (files
+                | "ReadMatches" >> fileio.ReadMatches()
+                | "SplitLines" >> beam.ParDo(_ReadLinesFn(self.compression_type)))

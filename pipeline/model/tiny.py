@@ -1,0 +1,154 @@
+"""Built-in random-weight models, saved in diffusers format: ``--model tiny`` and friends.
+
+``tiny`` has SD 1.x's architecture (CLIP tokenizer and text encoder, UNet2DCondition,
+AutoencoderKL, DDIM scheduler) and ``tiny-sdxl`` SDXL's (two text encoders, pooled
+embeddings, time ids), at sizes that compile in seconds on a CPU; ``random-sd15`` has
+SD 1.5's real sizes, for benchmarks. Each is built from a fixed seed, saved once into
+the cache, and then loaded by ``pipeline.model.load.load`` exactly like a user's
+checkpoint. Their weights are random, so their images are noise: they exist for tests,
+demos and benchmarks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zlib
+
+SEED = 0
+MAX_LENGTH = 77
+SPECIAL = ("<|startoftext|>", "<|endoftext|>")
+
+_SD_SCHEDULE = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+_TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+                  projection_dim=32)
+_TINY_VAE = dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                 sample_size=32)
+
+# Built-in random models, by --model name. Bump a name's version when its recipe changes.
+PRESETS = {
+    "tiny": dict(
+        version="tiny-sd-v1", family="sd", text=_TINY_TEXT, vae=_TINY_VAE,
+        unet=dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, attention_head_dim=8),
+        scheduler=("FlaxDDIMScheduler", dict(_SD_SCHEDULE, clip_sample=False, set_alpha_to_one=False,
+                                             steps_offset=1))),
+    "tiny-sdxl": dict(
+        version="tiny-sdxl-v1", family="sdxl", text=_TINY_TEXT, text_2=dict(_TINY_TEXT, hidden_act="gelu"),
+        vae=dict(_TINY_VAE, scaling_factor=0.13025),
+        unet=dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4),
+                  transformer_layers_per_block=(1, 2), use_linear_projection=True, cross_attention_dim=64,
+                  addition_embed_type="text_time", addition_time_embed_dim=8,
+                  projection_class_embeddings_input_dim=32 + 6 * 8),  # pooled text + 6 time ids
+        scheduler=("FlaxEulerDiscreteScheduler", dict(_SD_SCHEDULE, timestep_spacing="leading"))),
+    # SD 1.5's architecture and sizes with random weights: for benchmarks, not tests.
+    "random-sd15": dict(
+        version="random-sd15-v1", family="sd",
+        text=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                  projection_dim=768, vocab_size=49408),
+        vae=dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
+                 block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                 up_block_types=("UpDecoderBlock2D",) * 4, sample_size=512),
+        unet=dict(sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
+                  block_out_channels=(320, 640, 1280, 1280),
+                  down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                  up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, cross_attention_dim=768,
+                  attention_head_dim=8),
+        scheduler=("FlaxPNDMScheduler", dict(_SD_SCHEDULE, skip_prk_steps=True, set_alpha_to_one=False,
+                                             steps_offset=1))),
+}
+
+
+def _write_tokenizer_files(folder: str) -> tuple[str, str]:
+    """A byte-level CLIP BPE vocabulary with no merges: 512 symbols plus 2 specials."""
+    from transformers.models.clip.tokenization_clip import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols] + list(SPECIAL))}
+    vocab_file, merges_file = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(merges_file, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")
+    return vocab_file, merges_file
+
+
+def _random_params(shapes, seed: int):
+    """Weights for a tree of ShapeDtypeStructs, from numpy, leaf by leaf.
+
+    Flax's own initialisers would run the whole model eagerly (tens of seconds on a
+    CPU); the shapes come from ``jax.eval_shape`` instead and each leaf is drawn from
+    a generator seeded by (seed, leaf path), so the result does not depend on order.
+    """
+    import jax
+    import numpy as np
+
+    def leaf(path, spec):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("['scale']"):
+            return np.ones(spec.shape, np.float32)
+        if name.endswith("['bias']"):
+            return np.zeros(spec.shape, np.float32)
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        fan_in = int(np.prod(spec.shape[:-1])) or 1
+        std = 0.02 if name.endswith("['embedding']") else fan_in ** -0.5
+        return (rng.standard_normal(spec.shape) * std).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+
+def build(directory: str, name: str = "tiny") -> None:
+    """Build the random model ``name`` from ``SEED`` and save it in diffusers format."""
+    import diffusers
+    import jax
+    from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
+
+    from pipeline.model.load import quiet_libraries
+
+    quiet_libraries()
+    preset = PRESETS[name]
+    with tempfile.TemporaryDirectory() as scratch:
+        files = _write_tokenizer_files(scratch)
+        tokenizer = CLIPTokenizer(*files, model_max_length=MAX_LENGTH)
+        # SDXL's second tokenizer pads with "!" rather than the end token
+        tokenizer_2 = CLIPTokenizer(*files, model_max_length=MAX_LENGTH, pad_token="!")
+    bos, eos = (tokenizer.convert_tokens_to_ids(t) for t in SPECIAL)
+
+    def text_model(cls, config: dict):
+        config = dict(config)
+        vocab_size = config.pop("vocab_size", len(tokenizer))
+        return cls(CLIPTextConfig(vocab_size=vocab_size, max_position_embeddings=MAX_LENGTH, bos_token_id=bos,
+                                  eos_token_id=eos, pad_token_id=eos, **config), _do_init=False)
+
+    text_encoder = text_model(FlaxCLIPTextModel, preset["text"])
+    unet = diffusers.FlaxUNet2DConditionModel(**preset["unet"])
+    vae = diffusers.FlaxAutoencoderKL(**preset["vae"])
+    scheduler_class, scheduler_config = preset["scheduler"]
+    scheduler = getattr(diffusers, scheduler_class)(**scheduler_config)
+    shapes_key = jax.random.PRNGKey(SEED)  # only shapes are taken from the initialisers
+    params = {"text_encoder": _random_params(text_encoder.params_shape_tree, SEED),
+              "unet": _random_params(jax.eval_shape(unet.init_weights, shapes_key), SEED + 1),
+              "vae": _random_params(jax.eval_shape(vae.init_weights, shapes_key), SEED + 2),
+              "scheduler": scheduler.create_state()}
+    components = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler)
+    if preset["family"] == "sdxl":
+        text_encoder_2 = text_model(FlaxCLIPTextModelWithProjection, preset["text_2"])
+        params["text_encoder_2"] = _random_params(text_encoder_2.params_shape_tree, SEED + 3)
+        pipe = diffusers.FlaxStableDiffusionXLPipeline(text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                                                       dtype=jax.numpy.float32, **components)
+    else:
+        pipe = diffusers.FlaxStableDiffusionPipeline(safety_checker=None, feature_extractor=None,
+                                                     dtype=jax.numpy.float32, **components)
+    pipe.save_pretrained(directory, params=params)
+
+
+def ensure(models_dir: str, name: str = "tiny") -> str:
+    """The cached random model's directory, building it on first use (once, even when
+    several host processes ask at the same time: see ``model.materialize``)."""
+    from pipeline.model.load import materialize
+
+    return materialize(os.path.join(models_dir, PRESETS[name]["version"]), lambda scratch: build(scratch, name))

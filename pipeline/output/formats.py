@@ -1,0 +1,152 @@
+"""Output formats of a slice: files, WebDataset tar, Hugging Face-style parquet, zarr.
+
+Every format is a pure function of the slice's images and metadata rows, so the bytes
+of every object are deterministic: tar members carry no times or owners, images are
+encoded with fixed settings, rows come in position order. Each object is written whole
+under its final name through ``pipeline.io.storage``; zarr chunks go through tensorstore's
+own kvstore (``file`` or ``gcs``), one chunk per image.
+"""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import numpy as np
+
+from pipeline.core import naming
+from pipeline.io import storage
+
+FORMATS = ("files", "webdataset", "parquet", "zarr")
+IMAGE_FORMATS = {"png": ("PNG", "png"), "jpeg": ("JPEG", "jpg"), "webp": ("WEBP", "webp")}
+PNG_COMPRESS_LEVEL = 6
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``"files,zarr"`` -> ("files", "zarr"), validated, in canonical order."""
+    chosen = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = chosen - set(FORMATS)
+    if unknown or not chosen:
+        raise ValueError(f"--format takes a comma-separated subset of {', '.join(FORMATS)}, got {text!r}")
+    return tuple(f for f in FORMATS if f in chosen)
+
+
+def extension(image_format: str) -> str:
+    return IMAGE_FORMATS[image_format][1]
+
+
+def encode(image: np.ndarray, image_format: str = "png", quality: int = 95) -> bytes:
+    """Encoded bytes of a uint8 [H, W, 3] image, deterministic for fixed settings."""
+    from PIL import Image
+
+    pil_format, _ = IMAGE_FORMATS[image_format]
+    options = {"compress_level": PNG_COMPRESS_LEVEL} if image_format == "png" else {"quality": quality}
+    if image_format == "webp":
+        options["method"] = 4
+    buffer = io.BytesIO()
+    Image.fromarray(image, mode="RGB").save(buffer, format=pil_format, **options)
+    return buffer.getvalue()
+
+
+def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    """A tar archive of (name, data) in the given order, with no times, owners or modes that vary."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def webdataset_members(rows: list[dict], encoded: list[bytes], ext: str) -> list[tuple[str, bytes]]:
+    """WebDataset samples: KEY.<ext>, KEY.json (the metadata row), KEY.txt (the prompt)."""
+    members = []
+    for row, data in zip(rows, encoded):
+        members += [(f"{row['key']}.{ext}", data),
+                    (f"{row['key']}.json", json.dumps(row, sort_keys=True, ensure_ascii=False).encode()),
+                    (f"{row['key']}.txt", row["prompt"].encode())]
+    return members
+
+
+def _hf_feature(arrow_type) -> dict:
+    import pyarrow as pa
+
+    names = {pa.string(): "string", pa.int32(): "int32", pa.int64(): "int64", pa.float64(): "float64",
+             pa.bool_(): "bool"}
+    return {"dtype": names[arrow_type], "_type": "Value"}
+
+
+def image_parquet_bytes(rows: list[dict], encoded: list[bytes], schema) -> bytes:
+    """Metadata rows plus an ``image`` column {bytes, path} that Hugging Face datasets decodes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    full = schema.append(pa.field("image", image_type))
+    features = {field.name: _hf_feature(field.type) for field in schema}
+    features["image"] = {"_type": "Image"}
+    full = full.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    images = [{"bytes": data, "path": row["path"].rsplit("/", 1)[-1]} for row, data in zip(rows, encoded)]
+    table = pa.Table.from_pylist([dict(row, image=image) for row, image in zip(rows, images)], schema=full)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def zarr_kvstore(path: str) -> dict:
+    """A tensorstore kvstore spec for a local folder or a gs:// prefix."""
+    if storage.is_gcs(path):
+        bucket, _, prefix = path[len(storage.GCS_PREFIX):].partition("/")
+        return {"driver": "gcs", "bucket": bucket, "path": prefix.rstrip("/") + "/"}
+    return {"driver": "file", "path": path}
+
+
+def open_zarr_images(out: str, count: int, height: int, width: int):
+    """The dataset's zarr3 image array [count, H, W, 3] uint8, one chunk per image.
+
+    Every host opens it with ``create`` and ``open``: the metadata is the same from any
+    host, so whichever writes it first writes the same bytes.
+    """
+    import tensorstore as ts
+
+    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out)),
+            "metadata": {"shape": [max(count, 1), height, width, 3], "data_type": "uint8",
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, height, width, 3]}},
+                         "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}]}}
+    return ts.open(spec, create=True, open=True).result()
+
+
+def read_zarr_images(out: str):
+    import tensorstore as ts
+
+    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out))}).result()
+
+
+LATENTS_NOTE = ("final latents of each image: the scheduler's output after the last step, before the division "
+                "by the VAE's scaling_factor; decode(latents / scaling_factor) gives the image. Row = position, "
+                "as in zarr/images.")
+
+
+def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], scaling_factor: float):
+    """``--save-latents``: the zarr3 array [count, C, H/f, W/f] float32, one chunk per image.
+
+    Opened by every host like ``open_zarr_images``; its attributes say which latents
+    these are (``LATENTS_NOTE``) and the VAE scaling factor to divide them by.
+    """
+    import tensorstore as ts
+
+    shape = [int(n) for n in latent_shape]
+    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out)),
+            "metadata": {"shape": [max(count, 1), *shape], "data_type": "float32",
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *shape]}},
+                         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                    {"name": "zstd", "configuration": {"level": 3}}],
+                         "attributes": {"latents": LATENTS_NOTE, "vae_scaling_factor": float(scaling_factor)}}}
+    return ts.open(spec, create=True, open=True).result()
+
+
+def read_zarr_latents(out: str):
+    import tensorstore as ts
+
+    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out))}).result()

@@ -1,0 +1,204 @@
+"""The outputs of one slice: images, the metadata shard, and the commit marker.
+
+Every name and every byte is deterministic: PNGs carry no timestamps, a row's
+``created_at`` is the run's (from run.json), and a slice's ``_stats.json`` is written
+last, so a slice without it is simply redone with the same bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+
+import numpy as np
+
+from pipeline import __version__
+from pipeline.output import formats
+from pipeline.core import naming
+from pipeline.io import storage
+from pipeline.core.records import Item
+
+METADATA_FIELDS = (
+    ("key", "string"), ("id", "string"), ("image_index", "int32"), ("prompt", "string"),
+    ("prompt_truncated", "bool_"), ("negative_prompt", "string"), ("seed", "int64"), ("width", "int32"),
+    ("height", "int32"), ("steps", "int32"), ("guidance_scale", "float64"), ("scheduler", "string"), ("model", "string"),
+    ("model_fingerprint", "string"), ("dtype", "string"), ("per_device_batch", "int32"), ("slice", "int32"),
+    ("position", "int64"), ("host", "int32"), ("sha256", "string"), ("path", "string"), ("source", "string"),
+    ("line", "int64"), ("extra", "string"), ("promptmill_version", "string"), ("created_at", "string"),
+)
+
+
+def metadata_schema():
+    import pyarrow as pa
+
+    return pa.schema([(name, getattr(pa, kind)()) for name, kind in METADATA_FIELDS])
+
+
+def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str, truncated: bool = False) -> dict:
+    """The metadata of one image (fields in DESIGN.md); ``truncated``: the prompt was
+    longer than the text encoder takes, and only its start was used."""
+    settings = run["settings"]
+    guidance = item.guidance_scale if item.guidance_scale is not None else settings["guidance_scale"]
+    return {
+        "key": item.key, "id": item.id, "image_index": item.image_index, "prompt": item.prompt,
+        "prompt_truncated": bool(truncated),
+        "negative_prompt": item.negative_prompt, "seed": item.seed, "width": settings["width"],
+        "height": settings["height"], "steps": settings["steps"], "guidance_scale": float(guidance),
+        "scheduler": run["scheduler"], "model": settings["model"], "model_fingerprint": run["model_fingerprint"],
+        "dtype": settings["dtype"], "per_device_batch": settings["per_device_batch"], "slice": item.slice,
+        "position": item.position, "host": host, "sha256": hashlib.sha256(data).hexdigest(), "path": path,
+        "source": item.source, "line": item.line, "extra": json.dumps(item.extra, sort_keys=True, ensure_ascii=False),
+        "promptmill_version": __version__,
+        "created_at": run["created_at"],  # when the run was first planned: a redone slice gets the same bytes
+    }
+
+
+def parquet_bytes(rows: list[dict]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows, schema=metadata_schema())
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def parquet_table(data: bytes):
+    """A Parquet file's bytes as a pyarrow Table.
+
+    Decoded on the calling thread: with pyarrow's threads, reading from an in-memory
+    buffer can leave an I/O thread running at interpreter exit, and the process then
+    aborts ("terminate called without an active exception") after doing its work.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pq.read_table(pa.BufferReader(data), use_threads=False, pre_buffer=False)
+
+
+def read_parquet_rows(path: str) -> list[dict]:
+    return parquet_table(storage.read_bytes(path)).to_pylist()
+
+
+def read_slice_items(out: str, index: int) -> list[Item]:
+    text = storage.read_text(naming.plan_slice(out, index))
+    return [Item.from_json(json.loads(line)) for line in text.splitlines() if line.strip()]
+
+
+def is_committed(out: str, index: int) -> bool:
+    return storage.exists(naming.shard_stats(out, index))
+
+
+def leftovers(out: str, settings: dict, index: int) -> list[str]:
+    """Objects an uncommitted slice already has, from an attempt that died (zarr chunks aside)."""
+    chosen = settings.get("formats", ("files",))
+    found = storage.glob(naming.join(out, "images", naming.slice_name(index), "*")) if "files" in chosen else []
+    candidates = [naming.shard_metadata(out, index)]
+    if "webdataset" in chosen:
+        candidates.append(naming.shard_tar(out, index))
+    if "parquet" in chosen:
+        candidates.append(naming.image_parquet(out, index))
+    return found + [path for path in candidates if storage.exists(path)]
+
+
+def image_location(settings: dict, item: Item) -> str:
+    """Where a reader finds the image, relative to OUT: its file, tar member, parquet row or zarr index."""
+    name, ext = naming.slice_name(item.slice), formats.extension(settings.get("image_format", "png"))
+    chosen = settings.get("formats", ("files",))
+    if "files" in chosen:
+        return f"images/{name}/{item.key}.{ext}"
+    if "webdataset" in chosen:
+        return f"shards/{name}.tar#{item.key}.{ext}"
+    if "parquet" in chosen:
+        return f"parquet/{name}.parquet#{item.key}"
+    return f"zarr/images#{item.position}"
+
+
+MAX_PENDING = 64  # images handed to a host's writers and not yet stored
+
+
+class SliceWriter:
+    """Writes one slice's outputs in every chosen format, then commits it.
+
+    Encoding and uploads run on a shared thread pool, off the device loop (JAX releases
+    the GIL while the devices work). ``commit`` waits for them, re-raising the first
+    failure, so a slice is never committed with an object missing; the commit marker
+    is written last. At most ``max_pending`` images wait in the pool: ``add`` blocks
+    beyond that (backpressure), so the host's memory stays bounded however slow the
+    uploads are. Slices that overlap (one committing, the next being written) share one
+    bound through ``slots``.
+    """
+
+    def __init__(self, out: str, run: dict, index: int, host: int, pool, zarr_images=None, zarr_latents=None,
+                 max_pending: int = MAX_PENDING, slots: threading.Semaphore | None = None):
+        self.out, self.run, self.index, self.host, self.pool = out, run, index, host, pool
+        self._slots = slots or threading.BoundedSemaphore(max_pending)  # ``slots``: shared by a host's slices
+        settings = run["settings"]
+        self.formats = tuple(settings.get("formats", ("files",)))
+        self.image_format, self.quality = settings.get("image_format", "png"), settings.get("quality", 95)
+        self.zarr_images, self.zarr_latents = zarr_images, zarr_latents
+        self._pending = []
+
+    def add(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None, truncated: bool = False) -> None:
+        """Queue one image (and, with ``zarr_latents``, its final latents) for writing;
+        ``truncated``: its prompt was cut to the text encoder's length."""
+        if self.zarr_latents is not None and latents is None:
+            raise ValueError(f"slice {self.index}: --save-latents, but no latents for {item.key}")
+        latents = None if self.zarr_latents is None else np.array(latents, np.float32, copy=True)
+        self._slots.acquire()
+        try:
+            future = self.pool.submit(self._write_one, item, np.array(image, copy=True), latents, truncated)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        self._pending.append(future)
+
+    def _write_one(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None,
+                   truncated: bool = False) -> tuple[dict, bytes]:
+        data = formats.encode(image, self.image_format, self.quality)
+        location = image_location(self.run["settings"], item)
+        if "files" in self.formats:
+            storage.write_bytes(naming.join(self.out, location), data)
+        if "zarr" in self.formats:
+            self.zarr_images[item.position].write(image).result()
+        if latents is not None:
+            self.zarr_latents[item.position].write(latents).result()
+        # the encoded bytes are kept for the slice's tar or image parquet only: with files
+        # and zarr alone, a queued slice holds its rows, not its images
+        keep = "webdataset" in self.formats or "parquet" in self.formats
+        return metadata_row(item, self.run, self.host, data, location, truncated), data if keep else None
+
+    def wait_images(self) -> None:
+        """Block until every image added so far is stored (or one failed)."""
+        for future in self._pending:
+            future.result()
+
+    def finish(self) -> list[dict]:
+        """Wait for every image, then write the slice's whole objects; returns its rows.
+
+        Re-raises the first failure of any worker, so a slice with a missing object
+        never reaches ``mark``.
+        """
+        results = [future.result() for future in self._pending]
+        rows, encoded = [r for r, _ in results], [d for _, d in results]
+        objects = [(naming.shard_metadata(self.out, self.index), lambda: parquet_bytes(rows))]
+        if "webdataset" in self.formats:
+            ext = formats.extension(self.image_format)
+            objects.append((naming.shard_tar(self.out, self.index),
+                            lambda: formats.tar_bytes(formats.webdataset_members(rows, encoded, ext))))
+        if "parquet" in self.formats:
+            objects.append((naming.image_parquet(self.out, self.index),
+                            lambda: formats.image_parquet_bytes(rows, encoded, metadata_schema())))
+        for future in [self.pool.submit(lambda p=p, make=make: storage.write_bytes(p, make())) for p, make in objects]:
+            future.result()
+        return rows
+
+    def mark(self, stats: dict) -> None:
+        """Write the commit marker: the slice counts as done from here on."""
+        storage.write_json(naming.shard_stats(self.out, self.index), stats)
+
+    def commit(self, stats: dict) -> list[dict]:
+        rows = self.finish()
+        self.mark(stats)
+        return rows

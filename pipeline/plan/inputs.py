@@ -1,0 +1,220 @@
+"""Prompt file formats: which reader a file gets, and the readers.
+
+The format of a file is chosen by its extension, after an optional ``.gz`` (which is
+decompressed while reading):
+
+==========  ==================================================================  =========
+extension   content                                                             "line"
+==========  ==================================================================  =========
+.jsonl      one JSON object per line (blank lines are not rows)                 line
+.txt        one prompt per line (blank lines are not rows)                      line
+.csv .tsv   a header row, then one row per record (the ``csv`` module: quoted   line the
+            fields may hold delimiters, quotes and newlines)                    row starts on
+.json       one JSON array of objects, or of strings (prompts); read whole      element (1-based)
+.parquet    one row per record; read one batch at a time                        row (1-based)
+==========  ==================================================================  =========
+
+For CSV and TSV the header is line 1, so the first data row is line 2 (later if a
+quoted field spans lines). A line or row number of 0 in a reject means the whole file
+(a ``.json`` file that is not valid JSON, a Parquet file that cannot be read, a CSV
+header with a repeated name).
+
+``read_rows(path)`` yields ``(path, number, payload)``; the payload is
+
+* ``bytes``: one raw line of a ``.jsonl`` or ``.txt`` file, decoded during validation
+  (``records.parse_jsonl_line`` / ``records.parse_text_line``), as before;
+* ``dict``: a row a reader decoded; empty CSV cells and Parquet nulls are left out
+  (absent), except the prompt's own cell; a string element of a JSON array is
+  ``{prompt_field: element}``;
+* ``records.Reject``: a row or file the reader could not decode.
+
+Everything streams except ``.json``: a JSON array file is loaded whole, so keep such
+files to a reasonable size (use JSONL, CSV or Parquet shards for big inputs).
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import csv
+import datetime as dt
+import decimal
+import json
+import shutil
+import tempfile
+from typing import Iterator
+
+from apache_beam.io.filesystem import CompressionTypes
+
+from pipeline.io import beamio
+from pipeline.core.records import Reject
+
+FORMATS = {".jsonl": "jsonl", ".txt": "txt", ".csv": "csv", ".tsv": "tsv", ".json": "json", ".parquet": "parquet"}
+LINE_FORMATS = ("jsonl", "txt")  # payloads are raw line bytes
+SUPPORTED = ", ".join(f"{ext}[.gz]" for ext in FORMATS)
+PARQUET_BATCH_ROWS = 1024
+_RAW_CHARS = 1000  # of a whole-file reject's raw text
+
+
+class UnsupportedInput(ValueError):
+    pass
+
+
+def format_of(path: str) -> str:
+    """The format of ``path`` by its extension (``.gz`` stripped first); ValueError if unknown."""
+    name = path.rsplit("/", 1)[-1].lower()
+    if name.endswith(".gz"):
+        name = name[:-3]
+    for ext, fmt in FORMATS.items():
+        if name.endswith(ext):
+            return fmt
+    raise UnsupportedInput(f"{path}: unknown prompt file format; supported extensions: {SUPPORTED}")
+
+
+def check_formats(paths) -> None:
+    """Raise ``UnsupportedInput`` naming every file of an unknown format (at most 10)."""
+    bad = []
+    for path in paths:
+        try:
+            format_of(path)
+        except UnsupportedInput:
+            bad.append(path)
+    if bad:
+        shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise UnsupportedInput(f"unknown prompt file format: {shown}; supported extensions: {SUPPORTED}")
+
+
+def read_rows(path: str, prompt_field: str = "prompt") -> Iterator[tuple[str, int, object]]:
+    """The rows of one prompt file: ``(path, number, payload)`` (see the module doc)."""
+    fmt = format_of(path)
+    if fmt in LINE_FORMATS:
+        for number, raw in enumerate(beamio.iter_lines(path), start=1):
+            yield path, number, raw
+    elif fmt in ("csv", "tsv"):
+        yield from _read_delimited(path, "," if fmt == "csv" else "\t", prompt_field)
+    elif fmt == "json":
+        yield from _read_json_array(path, prompt_field)
+    else:
+        yield from _read_parquet(path)
+
+
+def _read_delimited(path: str, delimiter: str, prompt_field: str):
+    bad_lines: set[int] = set()
+
+    def text_lines(stream):
+        for number, raw in enumerate(beamio.split_lines(stream, keep_ends=True), start=1):
+            try:
+                yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError:
+                bad_lines.add(number)
+                yield raw.decode("utf-8", "replace")
+
+    with beamio.open_read(path, CompressionTypes.AUTO) as stream:
+        reader = csv.reader(text_lines(stream), delimiter=delimiter)
+        header, end = None, 0
+        while True:
+            start = end + 1
+            try:
+                cells = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                if reader.line_num <= end:  # no progress: give up on the rest of the file
+                    yield path, start, Reject(path, start, "bad_row", f"unreadable CSV from here on: {e}", "")
+                    return
+                end = reader.line_num
+                yield path, start, Reject(path, start, "bad_row", f"the row cannot be parsed: {e}", "")
+                continue
+            end = reader.line_num
+            if not cells:  # a blank line is not a row
+                continue
+            raw = delimiter.join(cells)
+            if any(number in bad_lines for number in range(start, end + 1)):
+                if header is None:  # without a header no row can be read
+                    yield path, 0, Reject(path, 0, "invalid_utf8", "the header row is not valid UTF-8", raw)
+                    return
+                yield path, start, Reject(path, start, "invalid_utf8", "the row is not valid UTF-8", raw)
+                continue
+            if header is None:
+                header = [name.strip() for name in cells]
+                repeated = sorted({name for name in header if header.count(name) > 1})
+                if repeated:
+                    yield path, 0, Reject(path, 0, "bad_header",
+                                          f"the header repeats column names: {', '.join(map(repr, repeated))}", raw)
+                    return
+                continue
+            if len(cells) != len(header):
+                yield path, start, Reject(path, start, "bad_row",
+                                          f"the row has {len(cells)} fields, the header has {len(header)}", raw)
+                continue
+            yield path, start, {name: value for name, value in zip(header, cells)
+                                if value != "" or name == prompt_field}
+
+
+def _read_json_array(path: str, prompt_field: str):
+    with beamio.open_read(path, CompressionTypes.AUTO) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        yield path, 0, Reject(path, 0, "invalid_utf8", f"the file is not valid UTF-8 ({e.reason} at byte {e.start})",
+                              data[:_RAW_CHARS].decode("utf-8", "replace"))
+        return
+    try:
+        elements = json.loads(text)
+    except json.JSONDecodeError as e:
+        yield path, 0, Reject(path, 0, "invalid_json",
+                              f"the file is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                              text[:_RAW_CHARS])
+        return
+    if not isinstance(elements, list):
+        yield path, 0, Reject(path, 0, "not_an_array", f"a .json prompt file must hold one JSON array, "
+                              f"got {type(elements).__name__}", text[:_RAW_CHARS])
+        return
+    for number, element in enumerate(elements, start=1):
+        yield path, number, {prompt_field: element} if isinstance(element, str) else element
+
+
+def _plain(value):
+    """A Parquet value as JSON can hold it (pass-through fields end up in JSON metadata)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return base64.b64encode(value).decode("ascii")
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    if isinstance(value, (decimal.Decimal, dt.timedelta)):
+        return str(value)
+    return value
+
+
+def _read_parquet(path: str):
+    """Rows of a Parquet file, one batch of ``PARQUET_BATCH_ROWS`` at a time.
+
+    Whatever pyarrow cannot read (not Parquet, corrupt) is one ``unreadable_file``
+    reject; other errors (I/O) propagate so that Beam retries the file. A
+    ``.parquet.gz`` is decompressed into a local temporary file first, since Parquet
+    needs to seek.
+    """
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    gz = path.lower().endswith(".gz")
+    try:
+        with beamio.open_read(path, CompressionTypes.AUTO) as f, \
+                (tempfile.TemporaryFile() if gz else contextlib.nullcontext(f)) as source:
+            if gz:
+                shutil.copyfileobj(f, source, beamio.READ_CHUNK)
+                source.seek(0)
+            number = 0
+            for batch in pq.ParquetFile(source, pre_buffer=False).iter_batches(batch_size=PARQUET_BATCH_ROWS,
+                                                                               use_threads=False):
+                for row in batch.to_pylist():
+                    number += 1
+                    yield path, number, {k: _plain(v) for k, v in row.items() if v is not None}
+    except pyarrow.ArrowException as e:
+        yield path, 0, Reject(path, 0, "unreadable_file", f"the Parquet file cannot be read: {e}", "")
