@@ -9,6 +9,7 @@ only the first one compiles.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -27,7 +28,7 @@ from pipeline.engines import beam as beam_engine
 from pipeline.output import formats
 from pipeline.core import logs
 from pipeline.core import naming
-from pipeline.io import storage
+from pipeline.io import runs, storage
 from pipeline.output import writer
 from pipeline.core.settings import Settings
 from tests.conftest import ROOT
@@ -275,12 +276,12 @@ def test_generate_dofn_twice_on_one_slice_commits_the_same_bytes(beam_run, tmp_p
     out = str(tmp_path / "out")
     shutil.copytree(naming.join(clean, "plan"), naming.join(out, "plan"))
     shutil.copy(naming.run_json(clean), naming.run_json(out))  # same run: same created_at
-    run = storage.read_json(naming.run_json(out))
-    fn = beam_engine._GenerateFn(out, run)
+    run = runs.read(out)
+    fn = beam_engine.GenerateSlicesFn(out, run)
     fn.setup()
     with fault_once(1), pytest.raises(TransientFault):
         list(fn.process(1))
-    assert not writer.is_committed(out, 1) and len(writer.leftovers(out, run["settings"], 1)) == 1
+    assert not writer.is_committed(out, 1) and len(writer.leftovers(out, run.settings, 1)) == 1
     [stats] = list(fn.process(1))
     assert (stats["slice"], stats["images"], stats["compiles_after_warmup"]) == (1, 4, 0)
     assert writer.is_committed(out, 1)
@@ -296,8 +297,8 @@ def test_generate_dofn_twice_on_one_slice_commits_the_same_bytes(beam_run, tmp_p
 
 def test_a_worker_with_other_devices_than_planned_is_refused_before_loading(beam_run):
     out, _, _ = beam_run
-    run = storage.read_json(naming.run_json(out))
-    run["settings"]["devices_per_host"] = 4
+    run = runs.read(out)
+    run = dataclasses.replace(run, settings=run.settings.replace(devices_per_host=4))
     with pytest.raises(beam_engine.BeamEngineError, match=r"has 2 local cpu device\(s\), but the run was planned "
                                                           r"with --devices-per-host 4.*--devices-per-host 2"):
         beam_engine._Worker(run)

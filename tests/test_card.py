@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from pipeline.collect import card
+from pipeline.core.settings import Run
 
-RUN = {
+RUN_JSON = {
     "settings": {
         "prompts": "gs://bucket/prompts/*.jsonl", "out": "gs://bucket/out", "model": "/models/sd|v1-5 `mine`",
         "width": 512, "height": 512, "steps": 30, "scheduler": "dpm", "guidance_scale": 7.5, "seed": 1234,
@@ -20,6 +21,7 @@ RUN = {
                  "apache-beam": "2.57.0"},
     "created_at": "2024-07-01T12:00:00+00:00",
 }
+RUN = Run.from_dict(RUN_JSON)
 
 STATS = {
     "verified": True, "images": 12_345, "records": 6_200, "planned_images": 12_345, "rejects": 7,
@@ -77,7 +79,8 @@ def test_model_path_is_escaped():
     text = card.render(RUN, STATS)
     # a code span longer than the backtick run inside, and the table's pipe escaped
     assert "| model | `` /models/sd\\|v1-5 `mine` `` |" in text
-    hostile = dict(RUN, settings=dict(RUN["settings"], model="<img src=x onerror=alert(1)>\nline"))
+    hostile = Run.from_dict(dict(RUN_JSON, settings=dict(RUN_JSON["settings"],
+                                                         model="<img src=x onerror=alert(1)>\nline")))
     text = card.render(hostile, STATS)
     assert "\n<img" not in text and "`<img src=x onerror=alert(1)> line`" in text
 
@@ -96,5 +99,7 @@ def test_missing_optional_stats_do_not_crash():
     text = card.render(RUN, minimal)
     assert "| images | 3 |" in text and "| rejected rows | 0 |" in text
     assert "duplicates" not in text and "truncated prompts" not in text and "images/s" not in text
-    text = card.render({"settings": {"model": "tiny"}}, {})
+    # run.json of the oldest runs: settings added later are missing
+    text = card.render(Run.from_dict({"settings": {"model": "tiny"}, "model_fingerprint": "m",
+                                      "created_at": "2024-01-01T00:00:00+00:00"}), {})
     assert "| images | 0 |" in text and "- n<1K" in text and "| model | `tiny` |" in text

@@ -14,6 +14,7 @@ from pipeline.collect import transforms as collect
 from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.output import writer
+from pipeline.core.settings import Settings
 from tests.conftest import run_cli
 
 STEPS = "3"
@@ -246,7 +247,7 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     assert {0, 2} <= set(committed) and 4 not in committed
 
     # (host 1, stopped when host 0 died, may have left a slice half-written too)
-    half_written = [i for i in range(5) if i not in committed and writer.leftovers(out, {"formats": ["files"]}, i)]
+    half_written = [i for i in range(5) if i not in committed and writer.leftovers(out, Settings(formats=("files",)), i)]
     result = run()  # 4. the same command again completes
     assert result.returncode == 0, result.stderr[-3000:]
     [summary] = _events(result.stderr, "generated")  # the log says what was skipped and redone

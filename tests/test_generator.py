@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from pipeline.model import load as model_lib
-from pipeline.generate.generator import CompileCounter, Generator
+from pipeline.generate import jax_events
+from pipeline.generate.generator import Generator
 
 
 @pytest.fixture(scope="module")
@@ -22,20 +23,20 @@ def test_runs_on_every_local_device(generator):
 
 def test_no_compilation_after_warm_up(generator):
     generator(generator.padding_batch())  # warm-up
-    before = CompileCounter.count()
+    before = jax_events.COMPILES.count()
     rng = np.random.default_rng(1)
     for step in range(4):
         batch = make_batch(generator, [f"prompt {step} {'long ' * 40 * step}", "another"],
                            ["", f"negative {step}"], rng.uniform(0, 12, 2), rng.integers(0, 2**62, 2), [step, 0])
         images = generator(batch)
         assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8
-    assert CompileCounter.count() - before == 0
+    assert jax_events.COMPILES.count() - before == 0
 
 
 def test_compile_counter_sees_a_compilation():
-    before = CompileCounter.count()
+    before = jax_events.COMPILES.count()
     jax.jit(lambda x: x * 3 + 1)(np.arange(7.0))
-    assert CompileCounter.count() > before
+    assert jax_events.COMPILES.count() > before
 
 
 def test_image_depends_on_its_own_key_only(generator):

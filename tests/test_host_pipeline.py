@@ -19,6 +19,7 @@ from pipeline.io import storage
 from pipeline.output import writer
 from pipeline.model import load as model_lib
 from pipeline.generate.generator import Generator
+from pipeline.core.settings import Run, Settings
 
 SIZE = 6  # three batches of two: two in flight at a time
 
@@ -31,10 +32,8 @@ def generator(model_cache):
 def planned_out(tmp_path, count):
     """An OUT holding run.json and one plan slice of ``count`` items (the last ones padding)."""
     out = str(tmp_path / "out")
-    run = {"settings": {"width": 32, "height": 32, "steps": 2, "guidance_scale": 7.5, "model": "tiny",
-                        "dtype": "fp32", "per_device_batch": 1, "formats": ["files"], "image_format": "png",
-                        "quality": 95},
-           "scheduler": "ddim", "model_fingerprint": "f" * 64, "created_at": "2026-01-02T03:04:05+00:00"}
+    run = Run.create(Settings(width=32, height=32, steps=2, guidance_scale=7.5, model="tiny", scheduler="ddim"),
+                     "f" * 64, created_at="2026-01-02T03:04:05+00:00", versions={})
     recs = [records.Record(id=f"r{n}", prompt=f"prompt {n}", negative_prompt="blurry" if n % 2 else "",
                            seed=1000 + n, num_images=1, guidance_scale=3.0 if n == 1 else None, source="p.jsonl",
                            line=n + 1) for n in range(count)]
@@ -57,7 +56,7 @@ def test_the_overlapped_loop_writes_what_a_sequential_loop_writes(generator, tmp
     expected = {}
     for start in range(0, SIZE, generator.batch_size):
         chunk = padded[start:start + generator.batch_size]
-        images, _ = generator.generate(host._batch(generator, chunk, 7.5))
+        images, _ = generator.generate(generator.batch_of([None if i is None else i.inputs(7.5) for i in chunk]))
         for item, image in zip(chunk, images):
             if item is not None:
                 expected[item.key] = formats.encode(image, "png")

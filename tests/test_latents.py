@@ -9,7 +9,8 @@ from pipeline.output import formats
 from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.model import load as model_lib
-from pipeline.generate.generator import CompileCounter, Generator
+from pipeline.generate import jax_events
+from pipeline.generate.generator import Generator
 from pipeline.core.settings import Settings, fingerprint
 from tests.conftest import run_cli
 from tests.test_e2e import run_args, write_prompts
@@ -39,10 +40,10 @@ def decode_uint8(model):
 def test_generator_latents_decode_to_its_images_and_nothing_recompiles(model, decode_uint8):
     generator = Generator(model, width=32, height=32, steps=2, per_device_batch=1, latents=True)
     generator(generator.padding_batch())  # warm-up
-    before = CompileCounter.count()
+    before = jax_events.COMPILES.count()
     batch = generator.batch(["a cat", "a dog"], ["", "blurry"], [7.5, 3.0], [11, 2**40], [0, 5])
     images, latents = generator.generate(batch)
-    assert CompileCounter.count() - before == 0
+    assert jax_events.COMPILES.count() - before == 0
     assert images.shape == (2, 32, 32, 3) and images.dtype == np.uint8
     assert latents.shape == (2, *model.latent_shape(32, 32)) and latents.dtype == np.float32
     assert np.isfinite(latents).all() and not np.array_equal(latents[0], latents[1])

@@ -6,7 +6,7 @@ from PIL import Image
 
 from pipeline.core import naming
 from pipeline.bench import host_loop as pipeline_bench
-from pipeline.io import storage
+from pipeline.io import runs, storage
 from pipeline.output import writer
 
 
@@ -14,7 +14,7 @@ def test_synthetic_generator_is_asynchronous_and_fixed():
     generator = pipeline_bench.SyntheticGenerator(2, 16, 8, 0.2)
     try:
         start = pipeline_bench.time.perf_counter()
-        handle = generator.dispatch(generator.batch(["a", "b"], ["", ""], [7.5] * 2, [0, 1], [0, 0]))
+        handle = generator.dispatch(generator.batch_of([("a", "", 7.5, 0, 0), ("b", "", 7.5, 1, 0)]))
         assert pipeline_bench.time.perf_counter() - start < 0.1  # dispatch does not wait for the step
         images, latents = generator.fetch(handle)
         assert pipeline_bench.time.perf_counter() - start >= 0.2
@@ -36,7 +36,7 @@ def test_plan_is_readable_by_the_host(tmp_path):
     assert [len(items) for items in plan] == [8, 8]
     assert writer.read_slice_items(out, 1) == plan[1]
     assert [item.slice for item in plan[1]] == [1] * 8 and plan[1][0].position == 8
-    assert storage.read_json(naming.run_json(out)) == run
+    assert runs.read(out) == run
 
 
 def test_smoke_synthetic_every_mode(tmp_path):

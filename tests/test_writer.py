@@ -14,11 +14,11 @@ from pipeline.core import naming
 from pipeline.core import records
 from pipeline.io import storage
 from pipeline.output import writer
+from pipeline.core.settings import Run, Settings
 
-RUN = {"settings": {"width": 16, "height": 8, "steps": 2, "guidance_scale": 7.5, "model": "tiny", "dtype": "fp32",
-                    "per_device_batch": 1, "formats": ["files", "webdataset", "parquet", "zarr"],
-                    "image_format": "png", "quality": 95},
-       "scheduler": "ddim", "model_fingerprint": "f" * 64, "created_at": "2026-01-02T03:04:05+00:00"}
+RUN = Run.create(Settings(width=16, height=8, steps=2, guidance_scale=7.5, model="tiny", dtype="fp32",
+                          scheduler="ddim", per_device_batch=1, formats=("files", "webdataset", "parquet", "zarr")),
+                 "f" * 64, created_at="2026-01-02T03:04:05+00:00", versions={})
 
 
 def items(n=3, slice_index=1):
@@ -32,7 +32,7 @@ def image(n):
 
 
 def write_slice(out, run=RUN):
-    zarr = formats.open_zarr_images(out, 12, 8, 16) if "zarr" in run["settings"]["formats"] else None
+    zarr = formats.open_zarr_images(out, 12, 8, 16) if "zarr" in run.settings.formats else None
     with ThreadPoolExecutor(4) as pool:
         slice_writer = writer.SliceWriter(out, run, 1, 0, pool, zarr)
         for n, item in enumerate(items()):
@@ -61,7 +61,7 @@ def test_location_follows_the_first_chosen_format():
     item = items()[1]
     for chosen, expected in [(["webdataset", "zarr"], "shards/00001.tar#rec_0001.png"),
                              (["parquet"], "parquet/00001.parquet#rec_0001"), (["zarr"], "zarr/images#5")]:
-        assert writer.image_location({"formats": chosen, "image_format": "png"}, item) == expected
+        assert writer.image_location(Settings(formats=tuple(chosen), image_format="png"), item) == expected
 
 
 def test_a_failed_upload_fails_the_slice_and_nothing_is_committed(tmp_path, monkeypatch):

@@ -37,6 +37,7 @@ import shutil
 import tempfile
 
 from pipeline.core import logs
+from pipeline.core.settings import check_size
 
 GUIDANCE = 7.5  # the pipelines' default; it does not change the work done
 
@@ -61,8 +62,8 @@ class BenchConfig:
             raise ValueError("--batches and --steps must be >= 1")
         for name in ("width", "height"):
             value = getattr(self, name)
-            if value is not None and (value < 8 or value % 8):
-                raise ValueError(f"--{name} must be a positive multiple of 8, got {value}")
+            if value is not None:
+                check_size(name, value)
         return self
 
 

@@ -47,10 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from pipeline.core import logs
-from pipeline.core import naming
-from pipeline.core import records
-from pipeline.io import storage
+from pipeline.core import logs, naming, records
+from pipeline.core.settings import Run, Settings, check_size
+from pipeline.io import runs, storage
 
 BUCKET = "promptmill-pipeline-bench"
 GUIDANCE = 7.5
@@ -83,8 +82,9 @@ class SyntheticGenerator:
         time.sleep(self.seconds_per_batch)
         return self.images.copy()
 
-    def batch(self, prompts, negatives, guidance, seeds, image_indices):
-        return tuple(prompts)
+    def batch_of(self, rows):
+        prompts = ["" if row is None else row[0] for row in rows]
+        return tuple(prompts + [""] * (self.batch_size - len(prompts)))
 
     def truncated(self, prompts) -> list[bool]:
         return [False] * len(prompts)
@@ -132,22 +132,20 @@ class PipelineBenchConfig:
         if self.seconds_per_batch < 0:
             raise ValueError("--seconds-per-batch must be >= 0")
         for name in ("width", "height"):
-            value = getattr(self, name)
-            if value is not None and (value < 8 or value % 8):
-                raise ValueError(f"--{name} must be a positive multiple of 8, got {value}")
+            if getattr(self, name) is not None:
+                check_size(name, getattr(self, name))
         return self
 
 
 def bench_run(width: int, height: int, steps: int, per_device_batch: int, model: str = "synthetic",
-              scheduler: str = "synthetic", fingerprint: str = "0" * 64) -> dict:
-    """A run.json-like dict with what ``writer`` reads: PNG files only."""
-    return {"settings": {"width": width, "height": height, "steps": steps, "guidance_scale": GUIDANCE,
-                         "model": model, "dtype": "fp32", "per_device_batch": per_device_batch,
-                         "formats": ["files"], "image_format": "png", "quality": 95},
-            "scheduler": scheduler, "model_fingerprint": fingerprint, "created_at": CREATED_AT}
+              scheduler: str = "synthetic", fingerprint: str = "0" * 64) -> Run:
+    """The run the benchmark's slices belong to: PNG files only."""
+    settings = Settings(width=width, height=height, steps=steps, guidance_scale=GUIDANCE, model=model,
+                        scheduler=scheduler, per_device_batch=per_device_batch)
+    return Run.create(settings, fingerprint, created_at=CREATED_AT, versions={})
 
 
-def write_plan(out: str, run: dict, slices: int, size: int) -> list[list[records.Item]]:
+def write_plan(out: str, run: Run, slices: int, size: int) -> list[list[records.Item]]:
     """Write ``slices`` full plan slices of ``size`` items (one image per record) and
     run.json under ``out`` (local or gs://), without the plan pipeline; returns the items."""
     all_items = []
@@ -160,14 +158,12 @@ def write_plan(out: str, run: dict, slices: int, size: int) -> list[list[records
             items.extend(records.expand(record, position, size))
         storage.write_text(naming.plan_slice(out, index), "".join(json.dumps(i.to_json()) + "\n" for i in items))
         all_items.append(items)
-    storage.write_json(naming.run_json(out), run)
+    runs.write(out, run)
     return all_items
 
 
 def _inputs(generator, chunk: list[records.Item]):
-    from pipeline.generate import host_loop as host
-
-    return host._batch(generator, chunk, GUIDANCE)
+    return generator.batch_of([item.inputs(GUIDANCE) for item in chunk])
 
 
 def _rss() -> dict:
@@ -265,7 +261,7 @@ def _build_generator(config: PipelineBenchConfig):
     model = model_lib.load("tiny", "fp32")
     width, height = config.width or model.native_size, config.height or model.native_size
     generator = Generator(model, width, height, config.steps, config.batch // len(devices))
-    generator(generator.padding_batch())  # warm-up: the first execution
+    generator.warm_up()
     run = bench_run(width, height, config.steps, generator.per_device_batch, "tiny", model.scheduler_name,
                     model.fingerprint)
     return generator, width, height, run, {"devices": len(devices), "platform": devices[0].platform,

@@ -32,21 +32,23 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
         cache_lib.enable(compile_cache)
     imported = time.perf_counter()
     from pipeline.model import load as model_lib
+    from pipeline.generate import jax_events
     from pipeline.generate.generator import Generator
 
     loaded_model = model_lib.load(model, dtype)
     loaded = time.perf_counter()
-    hits_before = cache_lib.CacheEvents.hits()
+    cache = jax_events.CACHE.install()
+    hits_before = cache.count(jax_events.CACHE_HIT)
     generator = Generator(loaded_model, width, height, steps, per_device_batch,
                           devices=jax.local_devices()[:devices] if devices else None)
     built = time.perf_counter()
-    build_hits = cache_lib.CacheEvents.hits() - hits_before
-    generator(generator.padding_batch())  # the first execution: the generator is ready after it
+    build_hits = cache.count(jax_events.CACHE_HIT) - hits_before
+    generator.warm_up()  # the first execution: the generator is ready after it
     done = time.perf_counter()
     return {"import_s": round(imported - _T0, 3), "load_s": round(loaded - imported, 3),
             "build_s": round(built - loaded, 3), "first_batch_s": round(done - built, 3),
             "in_process_s": round(done - _T0, 3), "devices": len(generator.devices),
-            "cache_hits": cache_lib.CacheEvents.hits(), "cache_writes": cache_lib.CacheEvents.writes(),
+            "cache_hits": cache.count(jax_events.CACHE_HIT), "cache_writes": cache.count(jax_events.CACHE_WRITE),
             "build_cache_hits": build_hits}
 
 

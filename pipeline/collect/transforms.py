@@ -38,6 +38,8 @@ from pipeline.collect import gallery
 from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.output import writer
+from pipeline.core.settings import Run, Settings
+from pipeline.io import runs
 
 MAX_KEYS_IN_MESSAGE = 20
 GALLERY_PAGE_SIZE = 100
@@ -93,9 +95,9 @@ def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[st
     return verdicts
 
 
-def slice_images(out: str, settings: dict, index: int, rows: list[dict]) -> dict[str, bytes]:
+def slice_images(out: str, settings: Settings, index: int, rows: list[dict]) -> dict[str, bytes]:
     """Encoded images of a committed slice by key, from the first format that holds them."""
-    chosen = settings.get("formats", ["files"])
+    chosen = settings.formats
     if "files" in chosen:
         return {row["key"]: beamio.read_bytes(naming.join(out, row["path"])) for row in rows}
     if "webdataset" in chosen:
@@ -114,7 +116,7 @@ def slice_images(out: str, settings: dict, index: int, rows: list[dict]) -> dict
 
 
 class _VerifySliceFn(beam.DoFn):
-    def __init__(self, out: str, settings: dict, thumbnails: bool):
+    def __init__(self, out: str, settings: Settings, thumbnails: bool):
         self.out, self.settings, self.thumbnails = out, settings, thumbnails
         self.counters = {}
         self.thumbs = Metrics.counter("collect", "thumbnails")
@@ -128,7 +130,7 @@ class _VerifySliceFn(beam.DoFn):
         committed = storage.exists(stats_path)
         slice_stats = beamio.read_json(stats_path) if committed else None
         rows = _read_table(naming.shard_metadata(self.out, index)).to_pylist() if committed else []
-        files = "files" in self.settings.get("formats", ["files"])
+        files = "files" in self.settings.formats
         image_paths = (storage.glob(naming.join(self.out, "images", naming.slice_name(index), "*"))
                        if files else None)
         verdicts = verify_slice([i["key"] for i in items], rows, image_paths)
@@ -208,7 +210,7 @@ def _generate_wall_s(slice_stats: list[dict]) -> float | None:
     return round(max(e for _, e in spans) - min(s for s, _ in spans), 1) if spans else None
 
 
-def write_dataset(_, summaries: list[dict], reject_counts: list, manifest: dict, run: dict, out: str,
+def write_dataset(_, summaries: list[dict], reject_counts: list, manifest: dict, run: Run, out: str,
                   started: float, page_size: int, thumbnails: bool) -> dict:
     import pyarrow.parquet as pq
 
@@ -229,7 +231,7 @@ def write_dataset(_, summaries: list[dict], reject_counts: list, manifest: dict,
                         yield from table.to_pylist()
 
     if thumbnails:
-        title = f"promptmill dataset: {run['settings']['model']}, {images} images"
+        title = f"promptmill dataset: {run.settings.model}, {images} images"
         for name, html in gallery.pages(rows(), images, page_size, title):
             beamio.write_text(naming.dataset_file(out, name), html, "text/html")
     else:
@@ -263,9 +265,9 @@ def write_dataset(_, summaries: list[dict], reject_counts: list, manifest: dict,
     return stats
 
 
-def build(p, out: str, manifest: dict, run: dict, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
+def build(p, out: str, manifest: dict, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
     """The collect pipeline on ``p``; returns the PCollection of stats.json's content."""
-    settings = run["settings"]
+    settings = run.settings
     summaries = (p
                  | "Slices" >> beam.Create(range(manifest["slices"]))
                  | "SpreadSlices" >> beam.Reshuffle()
@@ -288,7 +290,7 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
     if not storage.exists(manifest_path):
         raise CollectError(f"{manifest_path} does not exist: nothing was planned in {out}")
     manifest = storage.read_json(manifest_path)
-    run = storage.read_json(naming.run_json(out))
+    run = runs.read(out)
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
         build(p, out, manifest, run, page_size, gallery_thumbnails)
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))

@@ -70,6 +70,11 @@ class Item:
     def from_json(cls, obj: dict) -> "Item":
         return cls(**obj)
 
+    def inputs(self, default_guidance: float) -> tuple[str, str, float, int, int]:
+        """(prompt, negative prompt, guidance, seed, image index): what decides its image."""
+        guidance = default_guidance if self.guidance_scale is None else self.guidance_scale
+        return self.prompt, self.negative_prompt, guidance, self.seed, self.image_index
+
 
 class _Bad(Exception):
     def __init__(self, reason: str, message: str):

@@ -1,8 +1,9 @@
 """The one settings object of a run.
 
 CLI flags and Beam options are translated into ``Settings``; nothing else is a source
-of truth. ``run.json`` holds the resolved settings, and every later stage reads them
-from there.
+of truth. ``run.json`` holds a ``Run``: the resolved settings and what pins the outputs'
+bytes. Every later stage reads it back into a ``Run`` (``pipeline.io.runs``), and no
+module reads a run setting by string key. Each setting's default is written once, here.
 """
 from __future__ import annotations
 
@@ -45,9 +46,8 @@ class Settings:
     def validate(self) -> "Settings":
         """Return self, or raise ValueError naming the bad setting."""
         for name in ("width", "height"):
-            value = getattr(self, name)
-            if value is not None and (value < 8 or value % 8):
-                raise ValueError(f"--{name} must be a positive multiple of 8, got {value}")
+            if getattr(self, name) is not None:
+                check_size(name, getattr(self, name))
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         if not 0 <= self.seed < keys.MAX_SEED:
@@ -76,8 +76,15 @@ class Settings:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Settings":
+        """Settings from ``run.json``'s ``settings``. A setting missing there (a run planned
+        before it existed) takes its default; a name this version does not know is an
+        error, since ignoring it could change the run's outputs."""
         names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in names}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown run setting(s) {', '.join(unknown)}: the run was planned by another "
+                             f"promptmill version")
+        values = dict(data)
         if "formats" in values:  # JSON has lists
             values["formats"] = tuple(values["formats"])
         return cls(**values)
@@ -86,16 +93,66 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
-# Settings added after runs were first planned, with the value those runs had.
-_NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False}
+def check_size(name: str, value: int) -> int:
+    """``value`` if it is a positive multiple of 8 (the VAE's scale factor), else ValueError."""
+    if value < 8 or value % 8:
+        raise ValueError(f"--{name} must be a positive multiple of 8, got {value}")
+    return value
+
+
+# Settings added after runs were first planned: at their default they stay out of the
+# fingerprint, so those runs keep theirs (and resume).
+NEWER_SETTINGS = ("save_latents", "prompt_field", "dedupe")
+_DEFAULTS = Settings()
 
 
 def fingerprint(settings: Settings, model_fingerprint: str) -> str:
     """Hash of everything that decides the bytes of the outputs."""
     decisive = settings.to_dict()
     decisive.pop("out")
-    for name, default in _NEWER_SETTINGS.items():  # runs planned before a setting existed keep their fingerprint
-        if decisive[name] == default:
+    for name in NEWER_SETTINGS:
+        if decisive[name] == getattr(_DEFAULTS, name):
             decisive.pop(name)
     decisive["model"] = model_fingerprint
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """``run.json``: a planned run's resolved settings and what pins its outputs' bytes.
+
+    Written once by the plan and read back by every later stage (``pipeline.io.runs``).
+    ``created_at`` is when the run was first planned: metadata rows carry it, so a
+    redone slice gets the same bytes.
+    """
+    settings: Settings
+    model_fingerprint: str
+    settings_fingerprint: str
+    created_at: str
+    versions: tuple[tuple[str, str], ...] = ()  # (package, version), sorted
+
+    @classmethod
+    def create(cls, settings: Settings, model_fingerprint: str, created_at: str, versions: dict) -> "Run":
+        return cls(settings, model_fingerprint, fingerprint(settings, model_fingerprint), created_at,
+                   tuple(sorted(versions.items())))
+
+    @property
+    def scheduler(self) -> str | None:
+        return self.settings.scheduler
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings.to_dict(), "model_fingerprint": self.model_fingerprint,
+                "scheduler": self.settings.scheduler, "settings_fingerprint": self.settings_fingerprint,
+                "versions": dict(self.versions), "created_at": self.created_at}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Run":
+        """A run from its ``run.json`` document, of this version or an older one."""
+        settings = Settings.from_dict(data["settings"])
+        if data.get("scheduler") not in (None, settings.scheduler):
+            raise ValueError(f"run.json names scheduler {data['scheduler']!r} but its settings say "
+                             f"{settings.scheduler!r}")
+        return cls(settings=settings, model_fingerprint=data["model_fingerprint"],
+                   settings_fingerprint=data.get("settings_fingerprint") or fingerprint(settings,
+                                                                                         data["model_fingerprint"]),
+                   created_at=data["created_at"], versions=tuple(sorted(data.get("versions", {}).items())))

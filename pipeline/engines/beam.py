@@ -8,9 +8,9 @@ Given the same settings and per-device batch, both engines write byte-identical 
   plan stages     ``pipeline.plan.transforms.build``: prompt files -> slices -> the manifest (one element)
   Slices          the manifest -> its slice indices
   SpreadSlices    Reshuffle: the slices spread over the workers
-  Generate        ``_GenerateFn``: the model, loaded once per worker process in ``setup``; per
+  Generate        ``GenerateSlicesFn``: the model, loaded once per worker process in ``setup``; per
                   slice, a committed slice is skipped (resume), any other is generated,
-                  written and committed by ``host.run_slice``; emits the slice's stats
+                  written and committed by ``host_loop.run_slice``; emits the slice's stats
   AllGenerated    a global combine: a barrier, released once every slice has come out of
                   Generate, i.e. every slice is committed
   collect stages  ``pipeline.collect.transforms``'s per-slice verification, reject counts and dataset
@@ -42,16 +42,12 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.utils import shared
 
-from pipeline.io import beamio
 from pipeline.collect import transforms as collect
-from pipeline.generate import host_loop as host
-from pipeline.core import logs
-from pipeline.core import naming
+from pipeline.core import logs, naming, slicing
+from pipeline.core.settings import Run, Settings
+from pipeline.generate import host_loop, runtime
+from pipeline.io import beamio, storage
 from pipeline.plan import transforms as plan
-from pipeline.core import slicing
-from pipeline.io import storage
-from pipeline.output import writer
-from pipeline.core.settings import Settings
 
 # Runners that run the DoFns on this machine (Beam's LOCAL_RUNNERS, and Prism, which the
 # DirectRunner may hand the pipeline to): their workers get local CPU devices.
@@ -124,41 +120,23 @@ def release_collect(generated: list[int], manifest: dict) -> list[int]:
     return expected
 
 
-def worker_tag(settings: dict, model_fingerprint: str) -> tuple:
-    """What decides a worker's compiled generator: equal tags share one per process."""
-    return (settings["model"], model_fingerprint, settings["dtype"], settings["scheduler"], settings["width"],
-            settings["height"], settings["steps"], settings["per_device_batch"],
-            bool(settings.get("save_latents", False)), settings["devices_per_host"])
-
-
 class _Worker:
     """One worker process's model, compiled generator and writer threads.
 
-    Built once per process (and per ``worker_tag``) through ``_SHARED`` and shared by
-    every DoFn instance and thread of the process, and by later pipelines in it.
+    Built once per process (and per ``runtime.program_tag``) through ``_SHARED`` and
+    shared by every DoFn instance and thread of the process, and by later pipelines in it.
     """
 
-    def __init__(self, run: dict):
+    def __init__(self, run: Run):
         import jax
 
-        from pipeline.model import load as model_lib
-        from pipeline.generate.generator import CompileCounter, Generator
-
-        settings = run["settings"]
         devices = jax.local_devices()
-        check_devices(len(devices), settings["devices_per_host"], devices[0].platform if devices else "")
+        check_devices(len(devices), run.settings.devices_per_host, devices[0].platform if devices else "")
         watch = logs.Stopwatch()
-        model = model_lib.load(settings["model"], settings["dtype"], settings["scheduler"])
-        if model.fingerprint != run["model_fingerprint"]:
-            raise BeamEngineError(f"model {settings['model']!r} has fingerprint {model.fingerprint[:12]} on this "
-                                  f"worker, but the run was planned with {run['model_fingerprint'][:12]}")
-        self.generator = Generator(model, settings["width"], settings["height"], settings["steps"],
-                                   settings["per_device_batch"], devices=devices,
-                                   latents=settings.get("save_latents", False))
-        self.model = model
-        self.generator(host._batch(self.generator, [None] * self.generator.batch_size, 0.0))  # warm-up
-        self.compiles_at_warm = CompileCounter.count()
-        self.pool = ThreadPoolExecutor(max_workers=host.WRITER_THREADS, thread_name_prefix="writer")
+        self.model = runtime.load_model(run)
+        self.generator = runtime.make_generator(self.model, run.settings, devices)
+        self.compiles_at_warm = self.generator.warm_up()
+        self.pool = ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS, thread_name_prefix="writer")
         logs.event("worker_ready", pid=os.getpid(), devices=len(devices), platform=devices[0].platform,
                    seconds=round(watch.seconds(), 2))
 
@@ -166,14 +144,14 @@ class _Worker:
 _SHARED = shared.Shared()  # per process: the _Worker every DoFn instance of the process uses
 
 
-class _GenerateFn(beam.DoFn):
+class GenerateSlicesFn(beam.DoFn):
     """Generates, writes and commits one slice per element (a slice index); skips a
     committed slice. Emits the slice's stats (``{"slice", "skipped": True}`` when skipped)."""
 
     HOST = 0  # metadata's host column: workers have no host index, and a retried slice
     # must get the same bytes on whatever worker it runs
 
-    def __init__(self, out: str, run: dict):
+    def __init__(self, out: str, run: Run):
         self.out, self.run = out, run
         self.generated = Metrics.counter("generate", "slices_generated")
         self.skipped = Metrics.counter("generate", "slices_skipped")
@@ -185,47 +163,34 @@ class _GenerateFn(beam.DoFn):
     def setup(self):
         logs.setup()
         beamio.use_emulator_credentials()
-        settings = self.run["settings"]
-        self.worker = _SHARED.acquire(lambda: _Worker(self.run), worker_tag(settings, self.run["model_fingerprint"]))
-        self.size = slicing.slice_size(settings["devices_per_host"], settings["per_device_batch"],
-                                       settings["batches_per_slice"])
-        slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings["per_device_batch"])
+        settings = self.run.settings
+        self.worker = _SHARED.acquire(lambda: _Worker(self.run), runtime.program_tag(self.run))
+        self.size = settings.slice_size
+        slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings.per_device_batch)
 
     def _zarr_arrays(self):
         """(images, latents) zarr arrays, or (None, None); opened on first use, once the
         manifest (their shape) exists."""
-        settings = self.run["settings"]
-        if "zarr" not in settings.get("formats", ()):
-            return None, None
         with self._zarr_lock:
             if self._zarr is None:
-                from pipeline.output import formats
-
                 count = storage.read_json(naming.manifest(self.out))["images"]
-                images = formats.open_zarr_images(self.out, count, settings["height"], settings["width"])
-                latents = None
-                if settings.get("save_latents", False):
-                    model = self.worker.model
-                    latents = formats.open_zarr_latents(self.out, count,
-                                                        model.latent_shape(settings["width"], settings["height"]),
-                                                        model.vae.config.scaling_factor)
-                self._zarr = (images, latents)
+                self._zarr = runtime.open_zarr(self.out, self.run, self.worker.model, count)
             return self._zarr
 
     def process(self, index: int):
-        if writer.is_committed(self.out, index):
+        decision = runtime.decide(self.out, self.run.settings, index)
+        if decision.action == "skip":
             self.skipped.inc()
             logs.event("slice_skipped", slice=index)
             yield {"slice": index, "skipped": True}
             return
-        leftovers = writer.leftovers(self.out, self.run["settings"], index)
-        if leftovers:  # an earlier attempt died mid-slice: its objects are rewritten with the same bytes
+        if decision.action == "redo":
             self.redone.inc()
-            logs.event("slice_redone", slice=index, leftover_objects=len(leftovers))
+            logs.event("slice_redone", slice=index, leftover_objects=decision.leftover_objects)
         zarr_images, zarr_latents = self._zarr_arrays()
-        stats = host.run_slice(self.worker.generator, self.out, self.run, index, self.size, self.HOST,
-                               self.worker.pool, zarr_images=zarr_images, zarr_latents=zarr_latents,
-                               compiles_at_warm=self.worker.compiles_at_warm)
+        stats = host_loop.run_slice(self.worker.generator, self.out, self.run, index, self.size, self.HOST,
+                                    self.worker.pool, zarr_images=zarr_images, zarr_latents=zarr_latents,
+                                    compiles_at_warm=self.worker.compiles_at_warm)
         self.generated.inc()
         self.images.inc(stats["images"])
         logs.event("slice_committed", pid=os.getpid(), **stats)
@@ -241,12 +206,12 @@ def _collect_started(generated: list[int], manifest: dict) -> float:
     return time.time()
 
 
-def _write_dataset(started: float, summaries, reject_counts, manifest: dict, run: dict, out: str, page_size: int,
+def _write_dataset(started: float, summaries, reject_counts, manifest: dict, run: Run, out: str, page_size: int,
                    thumbnails: bool) -> dict:
     return collect.write_dataset(None, summaries, reject_counts, manifest, run, out, started, page_size, thumbnails)
 
 
-def build(p, settings: Settings, run: dict, page_size: int = collect.GALLERY_PAGE_SIZE, thumbnails: bool = True):
+def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE_SIZE, thumbnails: bool = True):
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
     returns the PCollection of stats.json's content."""
     out = settings.out
@@ -254,7 +219,7 @@ def build(p, settings: Settings, run: dict, page_size: int = collect.GALLERY_PAG
     generated = (manifest
                  | "Slices" >> beam.FlatMap(lambda m: range(m["slices"]))
                  | "SpreadSlices" >> beam.Reshuffle()
-                 | "Generate" >> beam.ParDo(_GenerateFn(out, run)))
+                 | "Generate" >> beam.ParDo(GenerateSlicesFn(out, run)))
     manifest_side = beam.pvalue.AsSingleton(manifest)
     started = (generated
                | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
@@ -263,7 +228,7 @@ def build(p, settings: Settings, run: dict, page_size: int = collect.GALLERY_PAG
     summaries = (started
                  | "SlicesToVerify" >> beam.FlatMap(lambda _, m: range(m["slices"]), manifest_side)
                  | "SpreadVerify" >> beam.Reshuffle()
-                 | "VerifySlices" >> beam.ParDo(collect._VerifySliceFn(out, run["settings"], thumbnails)))
+                 | "VerifySlices" >> beam.ParDo(collect._VerifySliceFn(out, run.settings, thumbnails)))
     reject_counts = (manifest
                      | "MatchRejects" >> beam.FlatMap(_rejects_files, out)
                      | "CountRejects" >> beam.Map(collect._count_rejects))

@@ -9,7 +9,7 @@ programs, shapes, devices and jax/XLA versions loads them instead of compiling
 The cache is an execution option, like the number of hosts: it never changes an
 output byte, so it is not part of ``Settings`` or the run's fingerprint.
 
-``enable`` must run before the programs it should cache are compiled. ``CacheEvents``
+``enable`` must run before the programs it should cache are compiled. ``jax_events.CACHE``
 counts hits and written entries (jax.monitoring events), so logs and tests can prove
 that a process loaded its programs rather than compiling them. In a cluster only
 process 0 writes entries (jax's rule, to spare shared filesystems from contention).
@@ -17,12 +17,8 @@ process 0 writes entries (jax's rule, to spare shared filesystems from contentio
 from __future__ import annotations
 
 import os
-import threading
 
-# jax.monitoring event names (jax/_src/compiler.py, compilation_cache.py). jax records
-# "cache_misses" when it *writes* a new entry, which only process 0 of a cluster does.
-HIT_EVENT = "/jax/compilation_cache/cache_hits"
-WRITE_EVENT = "/jax/compilation_cache/cache_misses"
+from pipeline.generate import jax_events
 
 
 def resolve(directory: str) -> str:
@@ -111,7 +107,7 @@ def enable(directory: str) -> str:
     # 0 would let jax substitute its own per-filesystem minimum; -1 means "no minimum,
     # no override" (see the flag's help in jax/_src/config.py).
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    CacheEvents.install()
+    jax_events.CACHE.install()
     return path
 
 
@@ -120,35 +116,3 @@ def entries(directory: str) -> int:
     if not os.path.isdir(directory):
         return 0
     return sum(1 for name in os.listdir(directory) if name.endswith("-cache"))
-
-
-class CacheEvents:
-    """Counts persistent-cache hits and written entries in this process (jax.monitoring)."""
-
-    _lock = threading.Lock()
-    _counts = {HIT_EVENT: 0, WRITE_EVENT: 0}
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        import jax
-
-        with cls._lock:
-            if cls._installed:
-                return
-
-            def listener(event, **kwargs):
-                if event in cls._counts:
-                    with cls._lock:
-                        cls._counts[event] += 1
-
-            jax.monitoring.register_event_listener(listener)
-            cls._installed = True
-
-    @classmethod
-    def hits(cls) -> int:
-        return cls._counts[HIT_EVENT]
-
-    @classmethod
-    def writes(cls) -> int:
-        return cls._counts[WRITE_EVENT]

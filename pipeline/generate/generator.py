@@ -3,7 +3,7 @@
 Parameters are replicated onto the host's local devices, and the sampling function is
 pmapped over them and compiled ahead of time for the run's one set of shapes. Calling
 the compiled executable can never recompile (a wrong shape is an error), and
-``CompileCounter`` lets tests and logs prove that nothing else compiles either.
+``jax_events.COMPILES`` lets tests and logs prove that nothing else compiles either.
 
 With ``latents=True`` the compiled program also returns each image's final latents
 (``sampler.make_sample_fn``); without it, it is the images-only program, and no latents
@@ -12,11 +12,10 @@ ever leave the devices.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import numpy as np
 
-from pipeline.generate import sampler
+from pipeline.generate import jax_events, sampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,33 +29,9 @@ class Batch:
     image_index: np.ndarray  # uint32 [N]
 
 
-class CompileCounter:
-    """Counts XLA backend compilations in this process (jax.monitoring events)."""
-
-    _lock = threading.Lock()
-    _count = 0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        import jax
-        from jax._src import dispatch
-
-        with cls._lock:
-            if cls._installed:
-                return
-
-            def listener(event, duration, **kwargs):
-                if event == dispatch.BACKEND_COMPILE_EVENT:
-                    with cls._lock:
-                        cls._count += 1
-
-            jax.monitoring.register_event_duration_secs_listener(listener)
-            cls._installed = True
-
-    @classmethod
-    def count(cls) -> int:
-        return cls._count
+# (prompt, negative prompt, guidance, seed, image index) of a padding row: it fills a
+# slice's or a batch's empty places, runs on the devices, and is never written
+PADDING_ROW = ("", "", 0.0, 0, 0)
 
 
 def replicate(tree, devices):
@@ -82,7 +57,7 @@ class Generator:
                  latents: bool = False):
         import jax
 
-        CompileCounter.install()
+        jax_events.COMPILES.install()
         self.model = model
         self.width, self.height, self.steps = width, height, steps
         self.latents = latents
@@ -109,10 +84,23 @@ class Generator:
         return Batch(self.tokenize(list(prompts)), self.tokenize(list(negatives)), np.asarray(guidance, np.float32),
                      words[:, 0], words[:, 1], np.asarray(image_indices, np.uint32))
 
+    def batch_of(self, rows) -> Batch:
+        """A full batch from (prompt, negative prompt, guidance, seed, image index) rows:
+        ``None`` rows and the places after the last row are padding rows."""
+        if len(rows) > self.batch_size:
+            raise ValueError(f"a batch holds {self.batch_size} images, got {len(rows)} rows")
+        rows = [PADDING_ROW if row is None else row for row in rows]
+        return self.batch(*zip(*rows, *[PADDING_ROW] * (self.batch_size - len(rows))))
+
     def padding_batch(self) -> Batch:
-        """A batch of nothing: empty prompts, seed 0; its outputs are never written."""
-        n = self.batch_size
-        return self.batch([""] * n, [""] * n, [0.0] * n, [0] * n, [0] * n)
+        """A batch of nothing: its outputs are never written."""
+        return self.batch_of([])
+
+    def warm_up(self) -> int:
+        """Run one padding batch (the first execution); returns the process's compile count
+        after it, from which later compilations are counted."""
+        self(self.padding_batch())
+        return jax_events.COMPILES.count()
 
     def _device_shaped(self, batch: Batch) -> tuple:
         d, b = len(self.devices), self.per_device_batch

@@ -20,31 +20,13 @@ from pipeline.core import naming
 from pipeline.core import slicing
 from pipeline.io import storage
 from pipeline.output import writer
-from pipeline.generate.generator import Batch, CompileCounter, Generator
+from pipeline.core.settings import Run
+from pipeline.generate import jax_events, runtime
+from pipeline.generate.generator import Generator
 from pipeline.core.records import Item
 
 
 WRITER_THREADS = 8  # encoders and uploaders; JAX releases the GIL while devices work
-
-
-class GenerateError(RuntimeError):
-    pass
-
-
-def _batch(generator: Generator, items: list[Item | None], default_guidance: float) -> Batch:
-    """Device inputs for a batch; ``None`` entries are padding rows (empty prompt, seed 0)."""
-    real = [(i.prompt, i.negative_prompt, default_guidance if i.guidance_scale is None else i.guidance_scale,
-             i.seed, i.image_index) if i is not None else ("", "", 0.0, 0, 0) for i in items]
-    prompts, negatives, guidance, seeds, indices = zip(*real)
-    return generator.batch(prompts, negatives, guidance, seeds, indices)
-
-
-def load_run(out: str) -> tuple[dict, dict]:
-    """(run.json, plan manifest) of a planned OUT."""
-    for path in (naming.run_json(out), naming.manifest(out)):
-        if not storage.exists(path):
-            raise GenerateError(f"{path} does not exist: run 'promptmill plan' for this --out first")
-    return storage.read_json(naming.run_json(out)), storage.read_json(naming.manifest(out))
 
 
 def _done_at(generator, handle, dispatched_at: float) -> tuple[float, float]:
@@ -71,7 +53,7 @@ class _DeviceClock:
 class _Slice:
     """One slice on its way through the host loop: its items, writer and timing."""
 
-    def __init__(self, out: str, run: dict, index: int, size: int, host: int, pool, queued,
+    def __init__(self, out: str, run: Run, index: int, size: int, host: int, pool, queued,
                  zarr_images=None, zarr_latents=None):
         self.watch = logs.Stopwatch()
         self.index, self.size, self.host = index, size, host
@@ -99,7 +81,7 @@ class _Slice:
         return stats
 
 
-def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host: int, pool,
+def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host: int, pool,
                zarr_images=None, zarr_latents=None, compiles_at_warm: int = 0,
                on_commit: Callable[[dict], None] | None = None) -> list[dict]:
     """Generate, write and commit the slices ``slots`` names, in order; returns their stats.
@@ -112,7 +94,7 @@ def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host
     slice runs. A failure in any worker fails the loop and that slice is never committed.
     ``on_commit`` runs on the committer thread after each commit marker.
     """
-    default_guidance = run["settings"]["guidance_scale"]
+    default_guidance = run.settings.guidance_scale
     n = generator.batch_size
     done: list[dict] = []
     committing: Future | None = None  # the previous slice's commit
@@ -157,7 +139,7 @@ def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host
         if state.batches_handed == 1:
             crashpoints.reached("mid_slice", host, before=lambda: (committed_previous(), state.writer.wait_images()))
         if last:
-            state.compiles = CompileCounter.count() - compiles_at_warm
+            state.compiles = jax_events.COMPILES.count() - compiles_at_warm
             committed_previous()  # at most one slice commits while the next one runs
             committing = committer.submit(commit, state)
         state.timing["output_s"] += clock.seconds()
@@ -168,7 +150,7 @@ def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host
         previous = None
         for state, chunk, last in steps():
             clock = logs.Stopwatch()
-            batch = _batch(generator, chunk, default_guidance)
+            batch = generator.batch_of([None if item is None else item.inputs(default_guidance) for item in chunk])
             cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
             if state is not None:
                 state.timing["input_s"] += clock.seconds()
@@ -185,7 +167,7 @@ def run_slices(generator: Generator, out: str, run: dict, slots, size: int, host
     return done
 
 
-def run_slice(generator: Generator, out: str, run: dict, index: int, size: int, host: int, pool,
+def run_slice(generator: Generator, out: str, run: Run, index: int, size: int, host: int, pool,
               zarr_images=None, compiles_at_warm: int = 0, zarr_latents=None) -> dict:
     """Generate one slice, write it in every chosen format and commit it; returns its stats."""
     [stats] = run_slices(generator, out, run, [index], size, host, pool, zarr_images, zarr_latents,
@@ -200,28 +182,22 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
     compilation cache there, or compiled and written to it (``pipeline.generate.compile_cache``).
     """
     from pipeline.generate import compile_cache as cache_lib
-    from pipeline.model import load as model_lib
 
     if compile_cache:  # first: every program this host compiles should go through the cache
         cache_dir = cache_lib.enable(compile_cache)
     host, num_hosts = cluster.initialize(cluster_args)
     if compile_cache:
         logs.event("compile_cache", host=host, path=cache_dir)
-    run, manifest = load_run(out)
-    settings = run["settings"]
+    run, manifest = runtime.load_planned(out)
+    settings = run.settings
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
-    model = model_lib.load(settings["model"], settings["dtype"], settings["scheduler"])
-    if model.fingerprint != run["model_fingerprint"]:
-        raise GenerateError(f"model {settings['model']!r} has fingerprint {model.fingerprint[:12]}, but the run "
-                            f"was planned with {run['model_fingerprint'][:12]}")
-    generator = Generator(model, settings["width"], settings["height"], settings["steps"],
-                          settings["per_device_batch"], latents=settings.get("save_latents", False))
+    model = runtime.load_model(run)
+    generator = runtime.make_generator(model, settings)
     size = manifest["slice_size"]
-    batches = slicing.batches_per_slice(size, len(generator.devices), settings["per_device_batch"])
-    generator(_batch(generator, [None] * generator.batch_size, 0.0))  # warm-up: first execution
-    compiles_at_warm = CompileCounter.count()
-    cache_stats = ({"cache_hits": cache_lib.CacheEvents.hits(), "cache_writes": cache_lib.CacheEvents.writes()}
-                   if compile_cache else {})
+    batches = slicing.batches_per_slice(size, len(generator.devices), settings.per_device_batch)
+    compiles_at_warm = generator.warm_up()
+    cache_stats = ({"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT),
+                    "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE)} if compile_cache else {})
     logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches, **cache_stats)
     if compile_cache:
         uploaded = cache_lib.push()
@@ -229,28 +205,23 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
             logs.event("compile_cache_pushed", host=host, entries=uploaded)
     crashpoints.reached("ready", host)
 
-    zarr_images = zarr_latents = None
-    if "zarr" in settings.get("formats", ()):
-        from pipeline.output import formats
-
-        zarr_images = formats.open_zarr_images(out, manifest["images"], settings["height"], settings["width"])
-        if settings.get("save_latents", False):
-            zarr_latents = formats.open_zarr_latents(out, manifest["images"],
-                                                     model.latent_shape(settings["width"], settings["height"]),
-                                                     model.vae.config.scaling_factor)
+    zarr_images, zarr_latents = runtime.open_zarr(out, run, model, manifest["images"])
     counts = {"skipped": 0, "redone": 0}
 
     def slots():  # this host's slots still to do; a committed slice is never redone (resume)
         for slot in slicing.host_slots(host, num_hosts, manifest["slices"]):
             if slot is None:  # padding slot: same device steps as a real slice, nothing written
                 logs.event("padding_slot", host=host)
-            elif writer.is_committed(out, slot):
+                yield slot
+                continue
+            decision = runtime.decide(out, settings, slot)
+            if decision.action == "skip":
                 counts["skipped"] += 1
                 logs.event("slice_skipped", host=host, slice=slot)
                 continue
-            elif leftovers := writer.leftovers(out, settings, slot):  # an earlier attempt died mid-slice:
-                counts["redone"] += 1  # its objects are rewritten with the same bytes
-                logs.event("slice_redone", host=host, slice=slot, leftover_objects=len(leftovers))
+            if decision.action == "redo":
+                counts["redone"] += 1
+                logs.event("slice_redone", host=host, slice=slot, leftover_objects=decision.leftover_objects)
             yield slot
 
     def committed(stats: dict) -> None:
@@ -261,7 +232,7 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
         done = run_slices(generator, out, run, slots(), size, host, pool, zarr_images, zarr_latents,
                           compiles_at_warm, on_commit=committed)
-    recompiles = CompileCounter.count() - compiles_at_warm
+    recompiles = jax_events.COMPILES.count() - compiles_at_warm
     # host 0 runs the coordination service: every host waits here until all are done
     cluster.wait_for_all("promptmill-generate-done")
     summary = {"host": host, "images": sum(s["images"] for s in done), "seconds": round(watch.seconds(), 3),

@@ -4,17 +4,17 @@ The same program as the hosts: the run's settings from run.json, the model loade
 fingerprinted as hosts load it, and a Generator with the run's per-device batch on one
 local device (an image's bytes depend on the per-device batch, not on the number of
 devices). The keys fill device batches in the order given, and the last batch is filled
-with padding rows as host.py fills a slice's last batch: an image's bytes do not depend
+with padding rows as the host loop fills a slice's last batch: an image's bytes do not depend
 on its position in the batch or on its neighbours.
 """
 from __future__ import annotations
 
 import hashlib
 
-from pipeline.output import formats
 from pipeline.core import naming
-from pipeline.io import storage
-from pipeline.output import writer
+from pipeline.core.settings import Run
+from pipeline.io import runs, storage
+from pipeline.output import formats, writer
 
 
 class ReproduceError(RuntimeError):
@@ -36,11 +36,11 @@ def load_rows(out: str) -> dict[str, dict]:
     return {row["key"]: row for row in rows}
 
 
-def lookup(out: str, keys: list[str]) -> tuple[dict, list[dict]]:
-    """(run.json, the metadata row of each key); raises naming every unknown key."""
-    if not storage.exists(naming.run_json(out)):
+def lookup(out: str, keys: list[str]) -> tuple[Run, list[dict]]:
+    """(the run, the metadata row of each key); raises naming every unknown key."""
+    if not runs.exists(out):
         raise ReproduceError(f"{naming.run_json(out)} does not exist: is --out a promptmill output?")
-    run = storage.read_json(naming.run_json(out))
+    run = runs.read(out)
     rows = load_rows(out)
     unknown = [k for k in keys if k not in rows]
     if unknown:
@@ -56,25 +56,17 @@ def reproduce(out: str, keys: list[str], save: str | None = None, emit=None) -> 
 
     import jax
 
-    from pipeline.model import load as model_lib
-    from pipeline.generate.generator import Generator
+    from pipeline.generate import runtime
 
-    settings = run["settings"]
-    model = model_lib.load(settings["model"], settings["dtype"], settings["scheduler"])
-    if model.fingerprint != run["model_fingerprint"]:
-        raise ReproduceError(f"model {settings['model']!r} has fingerprint {model.fingerprint[:12]}, but the run "
-                             f"was made with {run['model_fingerprint'][:12]}: reproduce needs the same checkpoint")
-    generator = Generator(model, settings["width"], settings["height"], settings["steps"],
-                          settings["per_device_batch"], devices=jax.local_devices()[:1],
-                          latents=settings.get("save_latents", False))
-    image_format, quality = settings.get("image_format", "png"), settings.get("quality", 95)
-    padding = ("", "", 0.0, 0, 0)  # host._batch's padding row
+    settings = run.settings
+    generator = runtime.make_generator(runtime.load_model(run), settings, devices=jax.local_devices()[:1])
     results = []
     for start in range(0, len(rows), generator.batch_size):
         chunk = rows[start:start + generator.batch_size]
-        inputs = [(r["prompt"], r["negative_prompt"], r["guidance_scale"], r["seed"], r["image_index"]) for r in chunk]
-        images = generator(generator.batch(*zip(*inputs, *[padding] * (generator.batch_size - len(chunk)))))
-        results += [_check(row, image, image_format, quality, save, emit) for row, image in zip(chunk, images)]
+        images = generator(generator.batch_of([(r["prompt"], r["negative_prompt"], r["guidance_scale"], r["seed"],
+                                                r["image_index"]) for r in chunk]))
+        results += [_check(row, image, settings.image_format, settings.quality, save, emit)
+                    for row, image in zip(chunk, images)]
     return results
 
 

@@ -17,6 +17,7 @@ from pipeline.output import formats
 from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.core.records import Item
+from pipeline.core.settings import Run, Settings
 
 METADATA_FIELDS = (
     ("key", "string"), ("id", "string"), ("image_index", "int32"), ("prompt", "string"),
@@ -34,22 +35,22 @@ def metadata_schema():
     return pa.schema([(name, getattr(pa, kind)()) for name, kind in METADATA_FIELDS])
 
 
-def metadata_row(item: Item, run: dict, host: int, data: bytes, path: str, truncated: bool = False) -> dict:
+def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, truncated: bool = False) -> dict:
     """The metadata of one image (fields in DESIGN.md); ``truncated``: the prompt was
     longer than the text encoder takes, and only its start was used."""
-    settings = run["settings"]
-    guidance = item.guidance_scale if item.guidance_scale is not None else settings["guidance_scale"]
+    settings = run.settings
+    guidance = item.guidance_scale if item.guidance_scale is not None else settings.guidance_scale
     return {
         "key": item.key, "id": item.id, "image_index": item.image_index, "prompt": item.prompt,
         "prompt_truncated": bool(truncated),
-        "negative_prompt": item.negative_prompt, "seed": item.seed, "width": settings["width"],
-        "height": settings["height"], "steps": settings["steps"], "guidance_scale": float(guidance),
-        "scheduler": run["scheduler"], "model": settings["model"], "model_fingerprint": run["model_fingerprint"],
-        "dtype": settings["dtype"], "per_device_batch": settings["per_device_batch"], "slice": item.slice,
+        "negative_prompt": item.negative_prompt, "seed": item.seed, "width": settings.width,
+        "height": settings.height, "steps": settings.steps, "guidance_scale": float(guidance),
+        "scheduler": run.scheduler, "model": settings.model, "model_fingerprint": run.model_fingerprint,
+        "dtype": settings.dtype, "per_device_batch": settings.per_device_batch, "slice": item.slice,
         "position": item.position, "host": host, "sha256": hashlib.sha256(data).hexdigest(), "path": path,
         "source": item.source, "line": item.line, "extra": json.dumps(item.extra, sort_keys=True, ensure_ascii=False),
         "promptmill_version": __version__,
-        "created_at": run["created_at"],  # when the run was first planned: a redone slice gets the same bytes
+        "created_at": run.created_at,  # when the run was first planned: a redone slice gets the same bytes
     }
 
 
@@ -89,9 +90,9 @@ def is_committed(out: str, index: int) -> bool:
     return storage.exists(naming.shard_stats(out, index))
 
 
-def leftovers(out: str, settings: dict, index: int) -> list[str]:
+def leftovers(out: str, settings: Settings, index: int) -> list[str]:
     """Objects an uncommitted slice already has, from an attempt that died (zarr chunks aside)."""
-    chosen = settings.get("formats", ("files",))
+    chosen = settings.formats
     found = storage.glob(naming.join(out, "images", naming.slice_name(index), "*")) if "files" in chosen else []
     candidates = [naming.shard_metadata(out, index)]
     if "webdataset" in chosen:
@@ -101,10 +102,10 @@ def leftovers(out: str, settings: dict, index: int) -> list[str]:
     return found + [path for path in candidates if storage.exists(path)]
 
 
-def image_location(settings: dict, item: Item) -> str:
+def image_location(settings: Settings, item: Item) -> str:
     """Where a reader finds the image, relative to OUT: its file, tar member, parquet row or zarr index."""
-    name, ext = naming.slice_name(item.slice), formats.extension(settings.get("image_format", "png"))
-    chosen = settings.get("formats", ("files",))
+    name, ext = naming.slice_name(item.slice), formats.extension(settings.image_format)
+    chosen = settings.formats
     if "files" in chosen:
         return f"images/{name}/{item.key}.{ext}"
     if "webdataset" in chosen:
@@ -129,13 +130,12 @@ class SliceWriter:
     bound through ``slots``.
     """
 
-    def __init__(self, out: str, run: dict, index: int, host: int, pool, zarr_images=None, zarr_latents=None,
+    def __init__(self, out: str, run: Run, index: int, host: int, pool, zarr_images=None, zarr_latents=None,
                  max_pending: int = MAX_PENDING, slots: threading.Semaphore | None = None):
         self.out, self.run, self.index, self.host, self.pool = out, run, index, host, pool
         self._slots = slots or threading.BoundedSemaphore(max_pending)  # ``slots``: shared by a host's slices
-        settings = run["settings"]
-        self.formats = tuple(settings.get("formats", ("files",)))
-        self.image_format, self.quality = settings.get("image_format", "png"), settings.get("quality", 95)
+        self.formats = run.settings.formats
+        self.image_format, self.quality = run.settings.image_format, run.settings.quality
         self.zarr_images, self.zarr_latents = zarr_images, zarr_latents
         self._pending = []
 
@@ -157,7 +157,7 @@ class SliceWriter:
     def _write_one(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None,
                    truncated: bool = False) -> tuple[dict, bytes]:
         data = formats.encode(image, self.image_format, self.quality)
-        location = image_location(self.run["settings"], item)
+        location = image_location(self.run.settings, item)
         if "files" in self.formats:
             storage.write_bytes(naming.join(self.out, location), data)
         if "zarr" in self.formats:

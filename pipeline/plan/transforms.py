@@ -53,7 +53,8 @@ from pipeline.core import naming
 from pipeline.core import records
 from pipeline.core import slicing
 from pipeline.io import storage
-from pipeline.core.settings import Settings, fingerprint
+from pipeline.core.settings import Run, Settings
+from pipeline.io import runs
 
 _WILDCARD = re.compile(r"[*?\[]")
 HASH_BYTES = 16  # of an id or a prompt: collisions are out of reach (2**-128 a pair)
@@ -402,8 +403,8 @@ def _versions() -> dict:
     return found
 
 
-def resolve_settings(settings: Settings) -> tuple[Settings, dict]:
-    """Settings with the model's defaults filled in, and the run.json document."""
+def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
+    """Settings with the model's defaults filled in, and the run they plan."""
     from pipeline.model import load as model
 
     settings.validate()
@@ -411,14 +412,13 @@ def resolve_settings(settings: Settings) -> tuple[Settings, dict]:
     size = described["native_size"]
     settings = settings.replace(width=settings.width or size, height=settings.height or size,
                                 scheduler=settings.scheduler or described["scheduler"]).validate()
-    run = {"settings": settings.to_dict(), "model_fingerprint": described["fingerprint"],
-           "scheduler": settings.scheduler, "settings_fingerprint": fingerprint(settings, described["fingerprint"]),
-           "versions": _versions(), "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    run = Run.create(settings, described["fingerprint"], versions=_versions(),
+                     created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     return settings, run
 
 
-def prepare_out(out: str, run: dict, overwrite: bool = False) -> dict:
-    """Make ``out`` ready for ``run``; returns the run.json document in force.
+def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
+    """Make ``out`` ready for ``run``; returns the run in force.
 
     * An empty OUT gets ``run``.
     * An OUT holding the same run (same settings fingerprint) is resumed: its run.json,
@@ -427,23 +427,21 @@ def prepare_out(out: str, run: dict, overwrite: bool = False) -> dict:
       slices in one dataset, unless ``overwrite``.
     ``overwrite`` deletes everything promptmill wrote under OUT (``naming.OWNED``) first.
     """
-    path = naming.run_json(out)
     if overwrite:
         deleted = sum(storage.delete_prefix(naming.join(out, name)) for name in naming.OWNED)
         if deleted:
             logs.event("overwrite", out=out, objects_deleted=deleted)
-    elif storage.exists(path):
-        previous = storage.read_json(path)
-        if previous.get("settings_fingerprint") == run["settings_fingerprint"]:
+    elif runs.exists(out):
+        previous = runs.read(out)
+        if previous.settings_fingerprint == run.settings_fingerprint:
             return previous
-        settings = json.loads(json.dumps(run["settings"]))  # as stored: tuples become lists
-        changed = sorted(k for k, v in settings.items()
-                         if k != "out" and previous.get("settings", {}).get(k) != v)  # a moved OUT is the same run
-        if previous.get("model_fingerprint") != run["model_fingerprint"]:
+        changed = [f.name for f in dataclasses.fields(Settings)  # a moved OUT is the same run
+                   if f.name != "out" and getattr(previous.settings, f.name) != getattr(run.settings, f.name)]
+        if previous.model_fingerprint != run.model_fingerprint:
             changed.append("model weights")
         raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
                         "use another --out, or add --overwrite to delete the old run and start over")
-    storage.write_json(path, run)
+    runs.write(out, run)
     return run
 
 
