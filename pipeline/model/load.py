@@ -12,6 +12,7 @@ import json
 import os
 import re
 
+from pipeline.core.choices import DTYPES, SCHEDULERS
 from pipeline.model import tiny
 from pipeline.model import weights
 from pipeline.model.cache import cache_dir, materialize
@@ -19,17 +20,9 @@ from pipeline.model.libraries import quiet_libraries
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
 SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
-# --scheduler choices -> (diffusers Flax class, config overrides)
-SCHEDULERS = {
-    "ddim": ("FlaxDDIMScheduler", {}),
-    "pndm": ("FlaxPNDMScheduler", {}),
-    "euler": ("FlaxEulerDiscreteScheduler", {}),
-    "dpmpp": ("FlaxDPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
-}
 # checkpoint scheduler class names (with or without the Flax prefix) -> --scheduler choice
 _CHECKPOINT_SCHEDULERS = {"DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",
                           "DPMSolverMultistepScheduler": "dpmpp"}
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 class ModelError(ValueError):
