@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipeline.output.formats import FORMATS, IMAGE_FORMATS, parse_formats
-from pipeline.model.load import DTYPES, SCHEDULERS
+from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, parse_formats
 from pipeline.core.settings import Settings
 
 _DEFAULTS = Settings()

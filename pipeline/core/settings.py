@@ -11,10 +11,9 @@ import dataclasses
 import hashlib
 import json
 
-from pipeline.output import formats as formats_lib
 from pipeline.core import keys
 from pipeline.core import slicing
-from pipeline.model.load import DTYPES, SCHEDULERS
+from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, parse_formats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +55,10 @@ class Settings:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduler is not None and self.scheduler not in SCHEDULERS:
             raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        if tuple(self.formats) != formats_lib.parse_formats(",".join(self.formats)):
-            raise ValueError(f"--format must list some of {', '.join(formats_lib.FORMATS)}, got {self.formats}")
-        if self.image_format not in formats_lib.IMAGE_FORMATS:
-            raise ValueError(f"--image-format must be one of {', '.join(formats_lib.IMAGE_FORMATS)}, "
+        if tuple(self.formats) != parse_formats(",".join(self.formats)):
+            raise ValueError(f"--format must list some of {', '.join(FORMATS)}, got {self.formats}")
+        if self.image_format not in IMAGE_FORMATS:
+            raise ValueError(f"--image-format must be one of {', '.join(IMAGE_FORMATS)}, "
                              f"got {self.image_format!r}")
         if not 1 <= self.quality <= 100:
             raise ValueError(f"--quality must be in [1, 100], got {self.quality}")

@@ -43,7 +43,7 @@ _REMOTE: dict[str, str] = {}  # gs:// cache folder -> its local mirror, for ``pu
 def _mirror(remote: str) -> str:
     import hashlib
 
-    from pipeline.model.load import cache_dir
+    from pipeline.model.cache import cache_dir
 
     return os.path.join(cache_dir(), "compile-cache", hashlib.sha256(remote.encode()).hexdigest()[:16])
 

@@ -12,33 +12,17 @@ import json
 import os
 import re
 
+from pipeline.core.choices import DTYPES, SCHEDULERS
+from pipeline.model import tiny
 from pipeline.model import weights
+from pipeline.model.cache import cache_dir, materialize
+from pipeline.model.libraries import quiet_libraries
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
 SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
-# --scheduler choices -> (diffusers Flax class, config overrides)
-SCHEDULERS = {
-    "ddim": ("FlaxDDIMScheduler", {}),
-    "pndm": ("FlaxPNDMScheduler", {}),
-    "euler": ("FlaxEulerDiscreteScheduler", {}),
-    "dpmpp": ("FlaxDPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
-}
 # checkpoint scheduler class names (with or without the Flax prefix) -> --scheduler choice
 _CHECKPOINT_SCHEDULERS = {"DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",
                           "DPMSolverMultistepScheduler": "dpmpp"}
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-
-def quiet_libraries() -> None:
-    """Silence the libraries' per-instance Flax deprecation warnings.
-
-    We pin diffusers 0.39 and transformers 4.x on purpose (their last releases with
-    Flax); the warning repeats for every scheduler and model object and buries our logs.
-    """
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.set_verbosity_error()
 
 
 class ModelError(ValueError):
@@ -87,10 +71,6 @@ class Model:
         return (self.latent_channels, height // f, width // f)
 
 
-def cache_dir() -> str:
-    return os.environ.get("PROMPTMILL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "promptmill")
-
-
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.txt", "*.msgpack", "*.safetensors"]
 
@@ -103,7 +83,6 @@ def resolve(name: str) -> str:
     through the hub's own cache, where the network allows).
     """
     from pipeline.io import storage
-    from pipeline.model import tiny
 
     if name in tiny.PRESETS:
         return tiny.ensure(os.path.join(cache_dir(), "models"), name)
@@ -138,34 +117,6 @@ def fetch_remote(prefix: str) -> str:
             storage.download(f"{prefix.rstrip('/')}/{relative}", os.path.join(scratch, relative))
 
     return materialize(target, copy)
-
-
-def materialize(target: str, fill) -> str:
-    """Make the local cache folder ``target`` once; returns it.
-
-    ``fill(scratch)`` writes into a private scratch folder beside ``target``, which is
-    then renamed into place (a local, atomic rename). Processes racing for the same
-    folder each fill their own scratch; the first rename wins, and no reader ever sees
-    a half-written folder.
-    """
-    import shutil
-    import tempfile
-
-    if os.path.isfile(os.path.join(target, "model_index.json")):
-        return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}-", dir=os.path.dirname(target))
-    try:
-        fill(scratch)
-        os.chmod(scratch, 0o755)  # mkdtemp made it private
-        try:
-            os.rename(scratch, target)
-        except OSError:
-            if not os.path.isfile(os.path.join(target, "model_index.json")):
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
 
 
 def _fetch_hub(repo_id: str) -> str:

@@ -15,6 +15,9 @@ import os
 import tempfile
 import zlib
 
+from pipeline.model.cache import materialize
+from pipeline.model.libraries import quiet_libraries
+
 SEED = 0
 MAX_LENGTH = 77
 SPECIAL = ("<|startoftext|>", "<|endoftext|>")
@@ -107,8 +110,6 @@ def build(directory: str, name: str = "tiny") -> None:
     import jax
     from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
 
-    from pipeline.model.load import quiet_libraries
-
     quiet_libraries()
     preset = PRESETS[name]
     with tempfile.TemporaryDirectory() as scratch:
@@ -148,7 +149,5 @@ def build(directory: str, name: str = "tiny") -> None:
 
 def ensure(models_dir: str, name: str = "tiny") -> str:
     """The cached random model's directory, building it on first use (once, even when
-    several host processes ask at the same time: see ``model.materialize``)."""
-    from pipeline.model.load import materialize
-
+    several host processes ask at the same time: see ``cache.materialize``)."""
     return materialize(os.path.join(models_dir, PRESETS[name]["version"]), lambda scratch: build(scratch, name))

@@ -15,20 +15,11 @@ import tarfile
 import numpy as np
 
 from pipeline.core import naming
+from pipeline.core.choices import IMAGE_FORMATS
+from pipeline.core.choices import parse_formats  # noqa: F401  (still read here by the format tests)
 from pipeline.io import storage
 
-FORMATS = ("files", "webdataset", "parquet", "zarr")
-IMAGE_FORMATS = {"png": ("PNG", "png"), "jpeg": ("JPEG", "jpg"), "webp": ("WEBP", "webp")}
 PNG_COMPRESS_LEVEL = 6
-
-
-def parse_formats(text: str) -> tuple[str, ...]:
-    """``"files,zarr"`` -> ("files", "zarr"), validated, in canonical order."""
-    chosen = {part.strip() for part in text.split(",") if part.strip()}
-    unknown = chosen - set(FORMATS)
-    if unknown or not chosen:
-        raise ValueError(f"--format takes a comma-separated subset of {', '.join(FORMATS)}, got {text!r}")
-    return tuple(f for f in FORMATS if f in chosen)
 
 
 def extension(image_format: str) -> str:

@@ -1,0 +1,33 @@
+"""The closed sets of values a run setting may take, as plain data.
+
+``Settings`` validates against these tables and the CLI offers them as choices; the
+stages that act on a choice (the model loader, the output writers) read them from
+here too, so the three can never disagree.
+"""
+from __future__ import annotations
+
+# --dtype choices -> the jax.numpy dtype name of the networks' weights and compute
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+# --scheduler choices -> (diffusers Flax class, config overrides)
+SCHEDULERS = {
+    "ddim": ("FlaxDDIMScheduler", {}),
+    "pndm": ("FlaxPNDMScheduler", {}),
+    "euler": ("FlaxEulerDiscreteScheduler", {}),
+    "dpmpp": ("FlaxDPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+}
+
+# --format choices, in canonical order
+FORMATS = ("files", "webdataset", "parquet", "zarr")
+
+# --image-format choices -> (PIL format name, file extension)
+IMAGE_FORMATS = {"png": ("PNG", "png"), "jpeg": ("JPEG", "jpg"), "webp": ("WEBP", "webp")}
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``"files,zarr"`` -> ("files", "zarr"), validated, in canonical order."""
+    chosen = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = chosen - set(FORMATS)
+    if unknown or not chosen:
+        raise ValueError(f"--format takes a comma-separated subset of {', '.join(FORMATS)}, got {text!r}")
+    return tuple(f for f in FORMATS if f in chosen)
