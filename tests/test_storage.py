@@ -33,7 +33,7 @@ def test_gcs_through_a_proxy_failing_one_request_in_ten(gcs_emulator, monkeypatc
     upstream = int(os.environ["STORAGE_EMULATOR_HOST"].rsplit(":", 1)[1])
     with FaultyProxy(upstream, failure_rate=0.1, seed=3) as proxy:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{proxy.port}")
-        storage._gcs_client.cache_clear()
+        storage.reset_gcs_client()
         root = f"gs://{gcs_emulator}/faulty"
         blobs = {f"{root}/o{n:03d}.bin": os.urandom(1000 + n) for n in range(60)}
         for path, data in blobs.items():
@@ -43,7 +43,7 @@ def test_gcs_through_a_proxy_failing_one_request_in_ten(gcs_emulator, monkeypatc
             assert storage.exists(path)
         assert storage.glob(f"{root}/*.bin") == sorted(blobs)
         assert sum(proxy.counts[k] for k in ("503", "429", "dropped")) >= 10  # faults really happened
-    storage._gcs_client.cache_clear()
+    storage.reset_gcs_client()
 
 
 @pytest.mark.parametrize("pattern,name,matches", [

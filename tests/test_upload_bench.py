@@ -35,7 +35,7 @@ def test_upload_bench_with_added_latency_side_by_side(gcs_emulator):
     assert os.environ["STORAGE_EMULATOR_HOST"] == emulator_host
     from pipeline.io import storage
 
-    assert not [b.name for b in storage._gcs_client().list_buckets() if b.name.startswith("promptmill-bench-")]
+    assert not [b.name for b in storage.gcs_client().list_buckets() if b.name.startswith("promptmill-bench-")]
     storage.write_bytes(f"gs://{gcs_emulator}/after-bench.txt", b"ok")
     assert storage.read_bytes(f"gs://{gcs_emulator}/after-bench.txt") == b"ok"
 
@@ -50,7 +50,7 @@ def test_proxy_holds_each_request_for_its_latency(gcs_emulator):
     previous = os.environ["STORAGE_EMULATOR_HOST"]
     with FaultyProxy(upstream, failure_rate=0.0, latency_s=0.2, max_upstream=1) as proxy:
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
-        storage._gcs_client.cache_clear()
+        storage.reset_gcs_client()
         try:
             storage.write_bytes(f"gs://{gcs_emulator}/latency/warm.bin", b"x")
             start = time.perf_counter()
@@ -59,6 +59,6 @@ def test_proxy_holds_each_request_for_its_latency(gcs_emulator):
             assert storage.read_bytes(f"gs://{gcs_emulator}/latency/one.bin") == b"y"
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = previous
-            storage._gcs_client.cache_clear()
+            storage.reset_gcs_client()
     assert proxy.counts["forwarded"] >= 3 and proxy.upstream_errors == 0
     assert sum(proxy.counts[k] for k in ("503", "429", "dropped")) == 0

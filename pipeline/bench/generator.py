@@ -104,7 +104,7 @@ def throughput(first: float, seconds: list[float], batch_size: int) -> dict:
             "images_per_s": batch_size * len(seconds) / sum(seconds)}
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str | None:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
@@ -118,7 +118,7 @@ def machine(devices) -> dict:
 
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
     return {"platform": devices[0].platform, "device_kind": devices[0].device_kind, "devices": len(devices),
-            "local_devices": jax.local_device_count(), "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
+            "local_devices": jax.local_device_count(), "cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
             "memory_gib": round(memory / 2**30, 1) if memory else None, "machine": platform.machine(),
             "python": platform.python_version(), "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 

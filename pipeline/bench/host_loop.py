@@ -277,7 +277,7 @@ def _gcs_bucket():
     context = contextlib.nullcontext() if os.environ.get("STORAGE_EMULATOR_HOST") else emulator.running(BUCKET)
     with context:
         bucket = f"{BUCKET}-{uuid.uuid4().hex[:8]}"
-        storage._gcs_client().create_bucket(bucket)
+        storage.gcs_client().create_bucket(bucket)
         yield bucket
 
 
@@ -345,7 +345,7 @@ def run(config: PipelineBenchConfig) -> dict:
               "config": {**dataclasses.asdict(config), "modes": list(config.modes), "width": width, "height": height,
                          "batch_size": generator.batch_size, "slice_size": size,
                          "images_per_mode": size * config.slices, "writer_threads": host.WRITER_THREADS},
-              "setup": setup, "machine": {"cpu_count": os.cpu_count(), "cpu_model": bench._cpu_model()},
+              "setup": setup, "machine": {"cpu_count": os.cpu_count(), "cpu_model": bench.cpu_model()},
               "rss_before_modes": rss_before, "modes": modes, "ratios": ratios,
               "peak_rss_mib": _rss()["peak_rss_mib"]}
     if config.report:

@@ -56,13 +56,13 @@ def _through_proxy(latency_ms: float, bucket: str):
     with netproxy.FaultyProxy(upstream, failure_rate=0.0, latency_s=latency_ms / 1000,
                               max_upstream=MAX_UPSTREAM) as proxy:
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
-        storage._gcs_client.cache_clear()
+        storage.reset_gcs_client()
         try:
             storage.write_bytes(f"gs://{bucket}/warm-up.bin", b"")  # a new client's first use also reads
             yield proxy  # the bucket: keep that out of the measurement
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = previous
-            storage._gcs_client.cache_clear()
+            storage.reset_gcs_client()
 
 
 def _proxy_counts(proxy) -> dict:
@@ -95,7 +95,7 @@ def run(count: int = 200, size: int = 100_000, parallel: tuple[int, ...] = (1, 4
     samples: dict[tuple[float, int], list[dict]] = {(lat, p): [] for lat in latencies for p in workers}
     context = contextlib.nullcontext() if os.environ.get("STORAGE_EMULATOR_HOST") else emulator.running(BUCKET)
     with context:
-        admin = storage._gcs_client()  # straight to the emulator, for setting up and cleaning up
+        admin = storage.gcs_client()  # straight to the emulator, for setting up and cleaning up
         bucket = f"{BUCKET}-{uuid.uuid4().hex[:8]}"
         admin.create_bucket(bucket)
         policy = admin.bucket(bucket)

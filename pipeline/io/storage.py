@@ -30,7 +30,8 @@ def _split_gcs(path: str) -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _gcs_client():
+def gcs_client():
+    """The process's google-cloud-storage client (anonymous against an emulator)."""
     from google.cloud import storage  # imported here: local runs never need it
 
     if os.environ.get("STORAGE_EMULATOR_HOST"):
@@ -40,9 +41,14 @@ def _gcs_client():
     return storage.Client()
 
 
+def reset_gcs_client() -> None:
+    """Forget the client, so the next one follows a changed ``STORAGE_EMULATOR_HOST``."""
+    gcs_client.cache_clear()
+
+
 def _blob(path: str):
     bucket, name = _split_gcs(path)
-    return _gcs_client().bucket(bucket).blob(name)
+    return gcs_client().bucket(bucket).blob(name)
 
 
 def _retry():
@@ -154,7 +160,7 @@ def _gcs_glob(pattern: str) -> list[str]:
         name = name.rstrip("/") + "/**"
         match = _WILDCARD.search(name)
     regex = glob_regex(name)
-    blobs = _gcs_client().list_blobs(bucket, prefix=name[: match.start()], retry=_retry())
+    blobs = gcs_client().list_blobs(bucket, prefix=name[: match.start()], retry=_retry())
     return sorted(f"{GCS_PREFIX}{bucket}/{b.name}" for b in blobs
                   if not b.name.endswith("/") and regex.match(b.name))
 
@@ -167,7 +173,7 @@ def checksums(prefix: str) -> dict[str, str]:
     prefix = prefix.rstrip("/")
     if is_gcs(prefix):
         bucket, name = _split_gcs(prefix + "/")
-        blobs = _gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
+        blobs = gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
         return {b.name[len(name):]: f"{b.size}:{b.md5_hash or b.crc32c}" for b in blobs if not b.name.endswith("/")}
     import hashlib
 
@@ -202,7 +208,7 @@ def delete_prefix(prefix: str) -> int:
     from google.api_core.exceptions import NotFound
 
     bucket, name = _split_gcs(prefix)
-    blobs = [b for b in _gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
+    blobs = [b for b in gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
              if b.name == name or b.name.startswith(name + "/")]
 
     def delete(blob):
