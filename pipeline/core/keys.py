@@ -1,6 +1,6 @@
 """Seeds and PRNG keys: the one place where randomness is derived.
 
-Contract (DESIGN.md, "Keys"): the key of an image depends only on
+The contract: the key of an image depends only on
 (record seed, image index) and is ``fold_in(PRNGKey(seed), image_index)``.
 Initial latents are ``jax.random.normal(key, (C, H/f, W/f), float32)``.
 

@@ -95,7 +95,8 @@ def initialize(args: ClusterArgs) -> tuple[int, int]:
     from pipeline.core import logs
 
     # CPU devices of several processes need a collectives backend to form one
-    # cluster (DESIGN.md, "Local test bed"); the setting does nothing on TPU or GPU.
+    # cluster (the local test bed: N processes on 127.0.0.1); the setting does nothing
+    # on TPU or GPU.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     how, kwargs = plan_initialize(args, os.environ, tpu_present())
     logs.event("cluster_join", how=how, **{k: v for k, v in kwargs.items() if k != "process_id"})

@@ -1,4 +1,10 @@
-"""The storage layer: every path, local or ``gs://``, goes through here.
+"""The hosts' storage layer: local folders and ``gs://`` alike, for everything outside Beam.
+
+The host processes, the CLI and the code around the Beam pipelines (run.json, the
+manifest, listings, commit markers) read and write through here. Two other clients
+touch the same paths, each configured for the same emulator in tests: Beam's
+FileSystems inside the plan and collect pipelines (``pipeline.io.beamio``), and
+tensorstore's own ``gcs`` kvstore for zarr outputs (``pipeline.output.formats``).
 
 Objects are written whole under their final names (GCS has no atomic rename, so we
 never write-then-rename; names and contents are deterministic, so a rewrite after a

@@ -36,7 +36,7 @@ def metadata_schema():
 
 
 def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, truncated: bool = False) -> dict:
-    """The metadata of one image (fields in DESIGN.md); ``truncated``: the prompt was
+    """The metadata of one image (``METADATA_FIELDS``); ``truncated``: the prompt was
     longer than the text encoder takes, and only its start was used."""
     settings = run.settings
     guidance = item.guidance_scale if item.guidance_scale is not None else settings.guidance_scale

@@ -1,0 +1,104 @@
+"""The one settings object: run.json round-trips into a typed Run, old run.json files
+still read (and keep their fingerprint), and an unknown setting is an error."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+
+from pipeline.core import naming
+from pipeline.core.settings import NEWER_SETTINGS, Run, Settings, check_size, fingerprint
+from pipeline.io import runs, storage
+
+SETTINGS = Settings(prompts="gs://b/p/*.jsonl", out="gs://b/out", model="/models/sd", width=512, height=768,
+                    steps=30, scheduler="euler", guidance_scale=5.0, seed=99, per_device_batch=4,
+                    batches_per_slice=3, devices_per_host=8, dtype="bf16", formats=("files", "zarr"),
+                    image_format="webp", quality=80, save_latents=True, prompt_field="text", dedupe=True)
+
+
+def run_of(settings: Settings) -> Run:
+    return Run.create(settings, "f" * 64, created_at="2026-01-02T03:04:05+00:00",
+                      versions={"promptmill": "0.1.0", "jax": "0.10.2"})
+
+
+def as_stored(run: Run) -> dict:
+    return json.loads(json.dumps(run.to_dict()))  # what run.json holds: tuples are lists
+
+
+def test_every_setting_round_trips_through_run_json():
+    run = run_of(SETTINGS)
+    assert Run.from_dict(as_stored(run)) == run
+    assert Run.from_dict(as_stored(run)).settings.formats == ("files", "zarr")
+    default = run_of(Settings())
+    assert Run.from_dict(as_stored(default)) == default
+    assert {f.name for f in dataclasses.fields(Settings)} == set(as_stored(run)["settings"])
+
+
+def test_run_json_has_the_documented_keys(tmp_path):
+    out = str(tmp_path)
+    runs.write(out, run_of(SETTINGS))
+    stored = storage.read_json(naming.run_json(out))
+    assert set(stored) == {"settings", "model_fingerprint", "scheduler", "settings_fingerprint", "versions",
+                           "created_at"}
+    assert stored["scheduler"] == "euler" and stored["versions"] == {"jax": "0.10.2", "promptmill": "0.1.0"}
+    assert runs.read(out) == run_of(SETTINGS)
+
+
+def test_an_older_run_json_reads_with_the_defaults_and_keeps_its_fingerprint():
+    """A run planned before the newer settings existed: they are missing from its
+    run.json, take their defaults, and its stored fingerprint is still the one a plan
+    with the same settings computes, so a re-run resumes it."""
+    current = run_of(SETTINGS.replace(save_latents=False, prompt_field="prompt", dedupe=False))
+    old = as_stored(current)
+    for name in NEWER_SETTINGS:
+        del old["settings"][name]
+    decisive = {k: v for k, v in old["settings"].items() if k != "out"}
+    decisive["model"] = old["model_fingerprint"]
+    old["settings_fingerprint"] = hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
+    read = Run.from_dict(old)
+    assert read.settings == current.settings
+    assert read.settings_fingerprint == old["settings_fingerprint"] == current.settings_fingerprint
+    # a newer setting away from its default is part of the fingerprint
+    assert fingerprint(current.settings.replace(dedupe=True), "f" * 64) != current.settings_fingerprint
+
+
+def test_a_run_json_without_a_settings_fingerprint_gets_it_computed():
+    stored = as_stored(run_of(SETTINGS))
+    expected = stored.pop("settings_fingerprint")
+    assert Run.from_dict(stored).settings_fingerprint == expected
+
+
+def test_an_unknown_setting_is_an_error_that_names_it(tmp_path):
+    stored = as_stored(run_of(SETTINGS))
+    stored["settings"]["guidence_scale"] = 0
+    with pytest.raises(ValueError, match="unknown run setting.*guidence_scale"):
+        Run.from_dict(stored)
+    out = str(tmp_path)
+    storage.write_json(naming.run_json(out), stored)
+    with pytest.raises(runs.RunNotPlanned, match=r"run.json is not a promptmill run.json.*guidence_scale"):
+        runs.read(out)
+
+
+def test_a_run_json_whose_scheduler_disagrees_with_its_settings_is_refused():
+    stored = as_stored(run_of(SETTINGS))
+    stored["scheduler"] = "ddim"
+    with pytest.raises(ValueError, match="scheduler 'ddim'.*'euler'"):
+        Run.from_dict(stored)
+
+
+def test_reading_an_unplanned_out_says_to_plan_first(tmp_path):
+    with pytest.raises(runs.RunNotPlanned, match="run 'promptmill plan' for this --out first"):
+        runs.read(str(tmp_path / "nothing"))
+    assert not runs.exists(str(tmp_path))
+
+
+@pytest.mark.parametrize("value, ok", [(8, True), (512, True), (1016, True), (0, False), (4, False), (12, False),
+                                       (-8, False)])
+def test_sizes_are_positive_multiples_of_8(value, ok):
+    if ok:
+        assert check_size("width", value) == value
+    else:
+        with pytest.raises(ValueError, match=f"--width must be a positive multiple of 8, got {value}"):
+            check_size("width", value)
