@@ -4,8 +4,8 @@ The same slices go through three loops, and the report gives images/s for each:
 
 (a) ``generator``: the generator alone, one step queued ahead (as the host does), the
     images fetched to the host and dropped: the most the devices can give;
-(b) ``pipeline_local`` / ``pipeline_gcs``: ``host.run_slices`` over every slice, on a
-    ``host.WRITER_THREADS`` pool, to a local folder and (``gcs``) to a GCS emulator on
+(b) ``pipeline_local`` / ``pipeline_gcs``: ``host_loop.run_slices`` over every slice, on a
+    ``host_loop.WRITER_THREADS`` pool, to a local folder and (``gcs``) to a GCS emulator on
     127.0.0.1: tokenising, overlapped dispatch, PNG encoding, uploads, metadata shard
     and commit marker, exactly as a host runs them;
 (c) ``sequential``: the seed notebook's way: generate a batch, wait for it, then turn
@@ -63,7 +63,7 @@ class SyntheticGenerator:
     time, like a device-to-host transfer).
 
     Steps run one after another on one worker thread, like a device's queue, so
-    ``dispatch`` returns at once and ``fetch`` waits. Duck-types what ``host.run_slices``
+    ``dispatch`` returns at once and ``fetch`` waits. Duck-types what ``host_loop.run_slices``
     uses of ``pipeline.generate.generator.Generator``.
     """
 
@@ -198,13 +198,13 @@ def run_generator_only(generator, plan: list[list[records.Item]]) -> dict:
 
 
 def run_pipeline(generator, out: str, run: dict, slices: int, size: int) -> dict:
-    """(b): ``host.run_slices`` over the slices, as a host runs them."""
-    from pipeline.generate import host_loop as host
+    """(b): ``host_loop.run_slices`` over the slices, as a host runs them."""
+    from pipeline.generate import host_loop
 
     rss_after_commit = []  # this process's RSS each time a slice is committed: flat if memory is bounded
     watch = logs.Stopwatch()
-    with ThreadPoolExecutor(max_workers=host.WRITER_THREADS, thread_name_prefix="writer") as pool:
-        stats = host.run_slices(generator, out, run, range(slices), size, 0, pool,
+    with ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS, thread_name_prefix="writer") as pool:
+        stats = host_loop.run_slices(generator, out, run, range(slices), size, 0, pool,
                                 on_commit=lambda _: rss_after_commit.append(_rss()["rss_mib"]))
     seconds = watch.seconds()
     parts = {name: round(sum(s[name] for s in stats), 4) for name in ("input_s", "device_wait_s", "output_s")}
@@ -301,8 +301,8 @@ def command_line(config: PipelineBenchConfig) -> str:
 def run(config: PipelineBenchConfig) -> dict:
     """Run (a), (b) local, (b) GCS if asked, and (c) on the same slices; returns the
     report (and writes it to ``config.report``)."""
-    from pipeline.bench import generator as bench
-    from pipeline.generate import host_loop as host
+    from pipeline.bench import generator as generator_bench
+    from pipeline.generate import host_loop
 
     config.validate()
     generator, width, height, run_dict, setup = _build_generator(config)
@@ -344,8 +344,8 @@ def run(config: PipelineBenchConfig) -> dict:
     report = {"command": command_line(config),
               "config": {**dataclasses.asdict(config), "modes": list(config.modes), "width": width, "height": height,
                          "batch_size": generator.batch_size, "slice_size": size,
-                         "images_per_mode": size * config.slices, "writer_threads": host.WRITER_THREADS},
-              "setup": setup, "machine": {"cpu_count": os.cpu_count(), "cpu_model": bench.cpu_model()},
+                         "images_per_mode": size * config.slices, "writer_threads": host_loop.WRITER_THREADS},
+              "setup": setup, "machine": {"cpu_count": os.cpu_count(), "cpu_model": generator_bench.cpu_model()},
               "rss_before_modes": rss_before, "modes": modes, "ratios": ratios,
               "peak_rss_mib": _rss()["peak_rss_mib"]}
     if config.report:

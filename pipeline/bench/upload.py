@@ -4,7 +4,7 @@ Runs against a GCS emulator on 127.0.0.1 (started here unless ``STORAGE_EMULATOR
 is already set), through the same storage layer the hosts use. The emulator answers one
 request at a time in about 10 ms, so on its own it hides what parallel uploads buy on
 real GCS, where a request takes 20-50 ms of round trip and the service scales out. With
-``latency_ms`` the uploads go through a ``netproxy.FaultyProxy`` that holds each request
+``latency_ms`` the uploads go through a ``fault_proxy.FaultyProxy`` that holds each request
 that long (concurrent requests wait at the same time) and then passes at most
 ``MAX_UPSTREAM`` at a time to the emulator (it serves one at a time anyway, and drops
 connections beyond its listen backlog of 5). Each latency is measured with every
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from pipeline.testing import emulator
-from pipeline.testing import fault_proxy as netproxy
+from pipeline.testing import fault_proxy
 from pipeline.io import storage
 
 BUCKET = "promptmill-bench"
@@ -53,7 +53,7 @@ def _through_proxy(latency_ms: float, bucket: str):
         return
     previous = os.environ["STORAGE_EMULATOR_HOST"]
     upstream = int(previous.rstrip("/").rsplit(":", 1)[1])
-    with netproxy.FaultyProxy(upstream, failure_rate=0.0, latency_s=latency_ms / 1000,
+    with fault_proxy.FaultyProxy(upstream, failure_rate=0.0, latency_s=latency_ms / 1000,
                               max_upstream=MAX_UPSTREAM) as proxy:
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
         storage.reset_gcs_client()
@@ -126,7 +126,7 @@ def run(count: int = 200, size: int = 100_000, parallel: tuple[int, ...] = (1, 4
         base = next(r for r in results if r["latency_ms"] == row["latency_ms"] and r["parallel"] == 1)
         row["speedup_vs_1"] = round(row["objects_per_s"] / base["objects_per_s"], 2)
     return {"target": "gcp-storage-emulator on 127.0.0.1", "latencies_ms": latencies,
-            "latency": "added to each request by a proxy in front of the emulator (pipeline/netproxy.py); "
+            "latency": "added to each request by a proxy in front of the emulator (pipeline/testing/fault_proxy.py); "
                        f"concurrent requests wait at the same time, then at most {MAX_UPSTREAM} at a time go "
                        "on to the emulator",
             "results": results}

@@ -80,15 +80,15 @@ def use_local_cpu_devices(devices: int) -> None:
     """Give this process, and the worker processes it starts, ``devices`` CPU devices.
 
     Sets ``XLA_FLAGS`` (``--xla_force_host_platform_device_count``) and
-    ``JAX_PLATFORMS=cpu`` in ``os.environ``, as ``launcher.host_env`` does for a host
+    ``JAX_PLATFORMS=cpu`` in ``os.environ``, as ``engines.local.host_env`` does for a host
     process of the local pod engine. JAX reads them when its backend starts, so this must
     run before anything in the process asks JAX for devices; if jax is already imported,
     its platform setting is updated too. A backend already started with another device
     count is caught by the DoFn's device check.
     """
-    from pipeline.engines import local as launcher
+    from pipeline.engines import local
 
-    env = launcher.host_env(devices, dict(os.environ))
+    env = local.host_env(devices, dict(os.environ))
     os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
     os.environ["JAX_PLATFORMS"] = env["JAX_PLATFORMS"]
     if "jax" in sys.modules:
