@@ -1,32 +1,23 @@
 """Loading a diffusers-format Stable Diffusion checkpoint: the narrow model interface.
 
-Every model, ``--model tiny`` included, is a diffusers-format directory
-(``model_index.json``, ``tokenizer/``, ``text_encoder/``, ``unet/``, ``vae/``,
-``scheduler/``) loaded by ``load``. The rest of promptmill sees only ``Model``.
+Every model, ``--model tiny`` included, is a diffusers-format directory found by
+``pipeline.model.sources`` and loaded by ``load``, with the sampler the run chose
+(``make_scheduler``). The rest of promptmill sees only ``Model``.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import re
 
 from pipeline.core.choices import DTYPES, SCHEDULERS
-from pipeline.model import tiny
 from pipeline.model import weights
-from pipeline.model.cache import cache_dir, materialize
 from pipeline.model.libraries import quiet_libraries
+from pipeline.model.sources import ModelError, check_layout, family, fingerprint, resolve
 
-COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
-SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
 # checkpoint scheduler class names (with or without the Flax prefix) -> --scheduler choice
 _CHECKPOINT_SCHEDULERS = {"DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",
                           "DPMSolverMultistepScheduler": "dpmpp"}
-
-
-class ModelError(ValueError):
-    """A checkpoint that cannot be used; the message names the missing or bad piece."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,109 +60,6 @@ class Model:
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         f = self.vae_scale_factor
         return (self.latent_channels, height // f, width // f)
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_HUB_FILES = ["*.json", "*.txt", "*.msgpack", "*.safetensors"]
-
-
-def resolve(name: str) -> str:
-    """The local diffusers-format directory for ``--model``.
-
-    A built-in random model's name, a local folder, a ``gs://`` prefix (copied once
-    into the cache, keyed by the objects' checksums), or a Hugging Face id (fetched
-    through the hub's own cache, where the network allows).
-    """
-    from pipeline.io import storage
-
-    if name in tiny.PRESETS:
-        return tiny.ensure(os.path.join(cache_dir(), "models"), name)
-    if storage.is_gcs(name):
-        return fetch_remote(name)
-    if os.path.isdir(name):
-        return name
-    if _HUB_ID.fullmatch(name) and not os.path.exists(name):
-        return _fetch_hub(name)
-    raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, a gs:// prefix, a "
-                     f"Hugging Face id, or one of the built-in random models: {', '.join(tiny.PRESETS)})")
-
-
-def fetch_remote(prefix: str) -> str:
-    """Copy a remote checkpoint into the local cache once; returns the local folder.
-
-    The cache key is a hash of every object's name, size and checksum, so a changed
-    checkpoint is fetched anew and an unchanged one never is. The copy is made in a
-    scratch folder and renamed into place (a local rename), so a crash leaves no
-    half-copied model behind.
-    """
-    from pipeline.io import storage
-
-    sums = storage.checksums(prefix)
-    if "model_index.json" not in sums:
-        raise ModelError(f"{prefix}: missing model_index.json (not a diffusers-format checkpoint)")
-    key = hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()[:24]
-    target = os.path.join(cache_dir(), "models", "remote", key)
-
-    def copy(scratch: str) -> None:
-        for relative in sorted(sums):
-            storage.download(f"{prefix.rstrip('/')}/{relative}", os.path.join(scratch, relative))
-
-    return materialize(target, copy)
-
-
-def _fetch_hub(repo_id: str) -> str:
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(repo_id, allow_patterns=_HUB_FILES)
-    except Exception as e:  # offline, unknown id, gated repo: say which and why
-        raise ModelError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
-                         "download it elsewhere and pass the folder or a gs:// copy") from e
-
-
-def fingerprint(directory: str) -> str:
-    """sha256 over every file of the checkpoint (relative name and content)."""
-    digest = hashlib.sha256()
-    for root, dirs, files in os.walk(directory):
-        dirs.sort()
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            digest.update(os.path.relpath(path, directory).replace(os.sep, "/").encode() + b"\0")
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            digest.update(b"\0")
-    return digest.hexdigest()
-
-
-def family(index: dict) -> str:
-    """'sdxl' for a checkpoint with a second text encoder, else 'sd' (SD 1.x / 2.x)."""
-    return "sdxl" if index.get("text_encoder_2", [None])[0] else "sd"
-
-
-def check_layout(directory: str) -> dict:
-    """Read ``model_index.json`` and check that every component is present."""
-    index_path = os.path.join(directory, "model_index.json")
-    if not os.path.isfile(index_path):
-        raise ModelError(f"{directory}: missing model_index.json (not a diffusers-format checkpoint)")
-    with open(index_path) as f:
-        index = json.load(f)
-    components = COMPONENTS + (SDXL_COMPONENTS if family(index) == "sdxl" else ())
-    for component in components:
-        if component not in index or not os.path.isdir(os.path.join(directory, component)):
-            raise ModelError(f"{directory}: missing component '{component}/'")
-    for component in components:
-        if component in weights.LIBRARY:
-            sub = os.path.join(directory, component)
-            if not os.path.isfile(os.path.join(sub, "config.json")):
-                raise ModelError(f"{directory}: missing {component}/config.json")
-            try:
-                weights.find(sub, component)
-            except weights.WeightsError as e:
-                raise ModelError(str(e)) from None
-    if not os.path.isfile(os.path.join(directory, "scheduler", "scheduler_config.json")):
-        raise ModelError(f"{directory}: missing scheduler/scheduler_config.json")
-    return index
 
 
 def checkpoint_scheduler(directory: str) -> str:
