@@ -186,7 +186,8 @@ def check_beam_args(tokens: list[str], suggest: list[str] | tuple = ()) -> str |
         return None
     candidates = sorted(set(suggest) | set(_beam_actions()))
     word = "argument" if len(unknown) == 1 else "arguments"
-    return f"unrecognized {word}: {_describe(unknown, candidates)} (neither a flag of this command nor a Beam option)"
+    them = "it is" if len(unknown) == 1 else "they are"
+    return f"unrecognized {word}: {_describe(unknown, candidates)}; {them} neither its flags nor Beam options"
 
 
 def check_extra(args: argparse.Namespace, extra: list[str]) -> list[str]:
