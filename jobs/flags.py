@@ -112,6 +112,7 @@ def _beam_actions() -> dict[str, argparse.Action]:
 
     caught: list[argparse.ArgumentParser] = []
     PipelineOptions([]).get_all_options(add_extra_args_fn=caught.append)
+    # argparse lists a parser's options only in _actions (argparse's own help and usage read it)
     return {flag: action for action in caught[0]._actions for flag in action.option_strings
             if flag.startswith("--") and flag != "--help"}
 
@@ -178,16 +179,17 @@ def _describe(unknown: list[str], candidates: list[str]) -> str:
     return ", ".join(parts)
 
 
-def check_beam_args(tokens: list[str], suggest: list[str] | tuple = ()) -> str | None:
+def check_beam_args(tokens: list[str], command: str | None = None, suggest: list[str] | tuple = ()) -> str | None:
     """None if every flag of ``tokens`` is a Beam option; else what is wrong, for an error message
-    that names the closest Beam option or flag of ``suggest``."""
+    that names the closest Beam option or flag of ``suggest`` (``command``'s flags)."""
     unknown = unknown_flags(tokens, _beam_actions())
     if not unknown:
         return None
     candidates = sorted(set(suggest) | set(_beam_actions()))
-    word = "argument" if len(unknown) == 1 else "arguments"
-    them = "it is" if len(unknown) == 1 else "they are"
-    return f"unrecognized {word}: {_describe(unknown, candidates)}; {them} neither its flags nor Beam options"
+    one = len(unknown) == 1
+    who = f"neither {command} nor Beam's pipeline options know" if command else "Beam's pipeline options do not know"
+    return (f"unrecognized argument{'' if one else 's'}: {_describe(unknown, candidates)}; "
+            f"{who} {'it' if one else 'them'}")
 
 
 def check_extra(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -204,7 +206,7 @@ def check_extra(args: argparse.Namespace, extra: list[str]) -> list[str]:
         word = "argument" if len(unknown) == 1 else "arguments"
         parser.error(f"unrecognized {word}: {_describe(unknown or extra, own)}")
     if extra:
-        problem = check_beam_args(extra, own)
+        problem = check_beam_args(extra, parser.prog, own)
         if problem:
             parser.error(problem)
     for flag in args.flags_beam_strings_:

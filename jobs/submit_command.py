@@ -56,8 +56,8 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
     dataflow = targets.add_parser(
         "dataflow", help="the whole job as one Beam pipeline on Dataflow, single-host TPU workers",
         description="Run plan, generate and collect as one Beam pipeline on Dataflow, each worker a single-host TPU "
-                    "slice. Flags not listed here are passed on as Dataflow/Beam options (e.g. --worker_zone, "
-                    "--network). Example: " + _DATAFLOW_EXAMPLE)
+                    "slice. Flags not listed here are passed on as Dataflow/Beam options if Beam knows them (e.g. "
+                    "--worker_zone, --network). Example: " + _DATAFLOW_EXAMPLE)
     _add_common(dataflow)
     flags.strict(dataflow, beam=True)
     dataflow.add_argument("--project", help="Google Cloud project of the Dataflow job; required")
@@ -138,7 +138,8 @@ def _build_dataflow(args, beam_args: list[str]) -> dataflow_lib.DataflowJob:
         worker, project=args.project, region=args.region, image=args.image, out=args.out, job=name,
         temp_location=args.temp_location, max_workers=args.max_workers, harness_threads=args.harness_threads,
         disk_size_gb=args.disk_size_gb, extra=beam_args)
-    return dataflow_lib.DataflowJob(settings=settings, tpu_slice=worker, options=tuple(options), overwrite=args.overwrite)
+    return dataflow_lib.DataflowJob(settings=settings, tpu_slice=worker, options=tuple(options),
+                                    overwrite=args.overwrite)
 
 
 def _build_gke(args, beam_args: list[str]) -> jobset.GkeJob:

@@ -1,4 +1,5 @@
-"""Errors reach the user as one line and exit code 1, not a traceback."""
+"""The command line: errors are one line (exit code 1, not a traceback); unknown flags are refused
+(exit code 2) with the closest known flag; jobs/ and pipeline/ import one way."""
 import pytest
 
 from jobs import cli
@@ -67,7 +68,8 @@ def refused(argv, capsys) -> str:
 def test_a_mistyped_flag_is_an_error_naming_the_closest_flag(argv, typo, meant, dispatched, capsys):
     err = refused(argv, capsys)
     command = " ".join(argv[:2]) if argv[0] == "submit" else argv[0]
-    assert f"promptmill {command}: error: unrecognized argument: {typo} (did you mean {meant}?)" in err
+    assert f"promptmill {command}: error: unrecognized argument: {typo} (did you mean {meant}?); neither " \
+           f"promptmill {command} nor Beam's pipeline options know it" in err
     assert dispatched == []
 
 
@@ -116,7 +118,8 @@ def test_values_that_look_like_flags(dispatched):
 ])
 def test_submit_gke_beam_args_strings_are_checked_by_the_same_rule(flag, value, typo, meant, dispatched, capsys):
     err = refused([*GKE, flag, value], capsys)
-    assert f"promptmill submit gke: error: {flag} {value!r}: unrecognized argument: {typo} (did you mean {meant}?)" in err
+    expected = f"{flag} {value!r}: unrecognized argument: {typo} (did you mean {meant}?)"
+    assert f"promptmill submit gke: error: {expected}; Beam's pipeline options do not know it" in err
     assert dispatched == []
     assert cli.main([*GKE, flag, "--runner DirectRunner --direct_num_workers 2"]) == 0
 

@@ -16,7 +16,8 @@ from pipeline.cloud import checks
 from pipeline.cloud import tpu
 from pipeline.core import naming
 
-DEFAULT_DISK_SIZE_GB = 100  # Dataflow's batch default (25 GB with Shuffle) is too small for a JAX/libtpu image and a model
+# Dataflow's batch default (25 GB with Shuffle) is too small for a JAX/libtpu image and a model.
+DEFAULT_DISK_SIZE_GB = 100
 
 
 # Dataflow options this module sets, and the `submit dataflow` flag that sets each.

@@ -42,7 +42,7 @@ def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
 def gke_dry_run(job: jobset.GkeJob) -> str:
     """What ``submit gke --dry-run`` prints: every command, then the manifests (valid multi-document YAML)."""
     job.validate()
-    base = " ".join(shlex.quote(p) for p in kubectl_lib.kubectl_base(job.namespace, os.environ.get("KUBECTL") or "kubectl"))
+    base = shlex.join(kubectl_lib.kubectl_base(job.namespace, os.environ.get("KUBECTL") or "kubectl"))
     stats = naming.join(job.out, "shards", "*_stats.json")
     collect = ["promptmill", "collect", "--out", job.out, *job.collect_beam_args]
     lines = [
