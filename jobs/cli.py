@@ -14,7 +14,7 @@ from jobs.bench_command import add_bench_parser, run_bench
 from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag, add_settings_flags
 from jobs.submit_command import SUMMARY, add_submit_parser, run_submit
 
-_settings = flags.settings_from_args  # the one translation of the settings flags (jobs/flags.py)
+_settings = flags.settings_from_args  # the one translation of the settings flags; the old name, still used by tests
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +110,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
     import json
 
     if args.command == "run":
-        settings = _settings(args, args.devices_per_host)
+        settings = flags.settings_from_args(args, args.devices_per_host)
         if args.engine == "beam":
             from pipeline.engines import beam as beam_engine
 
@@ -130,7 +130,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "plan":
         from pipeline.plan import transforms as plan
 
-        print(json.dumps(plan.run_plan(_settings(args, args.devices_per_host), beam_args, args.overwrite)))
+        settings = flags.settings_from_args(args, args.devices_per_host)
+        print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite)))
     elif args.command == "generate":
         from pipeline.generate import cluster
         from pipeline.generate import host_loop as host

@@ -244,7 +244,7 @@ def test_job_names_follow_out_and_carry_the_date():
 
 
 def test_plan_command_round_trips_through_the_cli():
-    from jobs import cli
+    from jobs import cli, flags
 
     settings = Settings(prompts=PROMPTS, out=OUT, model="gs://b/models/sd", width=64, height=48, steps=7,
                         scheduler="dpmpp", guidance_scale=3.25, seed=12, per_device_batch=2, batches_per_slice=3,
@@ -253,11 +253,11 @@ def test_plan_command_round_trips_through_the_cli():
     command = gke.plan_command(settings, ["--runner", "DirectRunner"])
     assert command[:2] == ["promptmill", "plan"] and command[-2:] == ["--runner", "DirectRunner"]
     args, extra = cli.build_parser().parse_known_args(command[1:])
-    assert extra == ["--runner", "DirectRunner"]
-    assert cli._settings(args, args.devices_per_host) == settings
+    assert extra == ["--runner", "DirectRunner"] and flags.check_extra(args, extra) == extra
+    assert flags.settings_from_args(args, args.devices_per_host) == settings
     plain = Settings(prompts=PROMPTS, out=OUT)
     args, _ = cli.build_parser().parse_known_args(gke.plan_command(plain)[1:])
-    assert cli._settings(args, args.devices_per_host) == plain
+    assert flags.settings_from_args(args, args.devices_per_host) == plain
 
 
 # ---------------------------------------------------------------- the CLI
