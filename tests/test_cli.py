@@ -149,6 +149,28 @@ def test_commands_without_beam_options_refuse_beam_options(argv, dispatched, cap
     assert dispatched == []
 
 
+def _leaf_parsers(parser, name="promptmill"):
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield name, parser
+    for action in subs:
+        for command, child in action.choices.items():
+            yield from _leaf_parsers(child, f"{name} {command}")
+
+
+def test_every_command_is_checked_and_only_the_beam_commands_take_beam_options():
+    beam = {}
+    for name, parser in _leaf_parsers(cli.build_parser()):
+        assert parser.get_default("flags_parser_") is parser, f"{name} is not marked with flags.strict"
+        beam[name] = parser.get_default("flags_beam_")
+    assert {name for name, takes in beam.items() if takes} == {
+        "promptmill run", "promptmill plan", "promptmill collect", "promptmill submit dataflow",
+        "promptmill submit gke"}
+    assert len(beam) == 11
+
+
 def test_beam_option_flags_are_beams_own():
     from jobs import flags
 
