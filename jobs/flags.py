@@ -141,9 +141,10 @@ def _looks_like_flag(token: str) -> bool:
 def unknown_flags(tokens: list[str], known: dict[str, argparse.Action]) -> list[str]:
     """The flags among ``tokens`` that ``known`` does not define, and stray values, in order.
 
-    ``--name=value`` and ``--name value`` both work; the value after a known flag that takes
-    one is skipped, whatever it looks like unless it looks like a flag; the value after an
-    unknown flag is skipped too (it is reported with its flag). ``--`` ends the options.
+    ``--name=value`` and ``--name value`` both work. As in argparse, the token after a flag
+    that takes a value is its value unless it looks like a flag itself (a negative number is a
+    value); an unknown flag is taken to take one, so only the flag is reported. ``--`` ends
+    the options.
     """
     unknown = []
     i = 0
