@@ -1,4 +1,5 @@
-"""Errors reach the user as one line and exit code 1, not a traceback."""
+"""The command line: errors are one line (exit code 1, not a traceback); unknown flags are refused
+(exit code 2) with the closest known flag; jobs/ and pipeline/ import one way."""
 import pytest
 
 from jobs import cli
@@ -24,3 +25,188 @@ def test_other_unexpected_errors_are_not_hidden(monkeypatch):
     monkeypatch.setattr(cli, "_dispatch", dispatch)
     with pytest.raises(KeyError):
         cli.main(["collect", "--out", "out"])
+
+
+# ---------------------------------------------------------------- strict flags (parsing only)
+
+GKE = ["submit", "gke", "--tpu-type", "v5e", "--topology", "2x4", "--image", "i", "--prompts", "gs://b/p.jsonl",
+       "--out", "gs://b/run"]
+DATAFLOW = ["submit", "dataflow", "--tpu-type", "v5e", "--topology", "2x4", "--image", "i", "--project", "p",
+            "--region", "r", "--prompts", "gs://b/p.jsonl", "--out", "gs://b/run"]
+
+
+@pytest.fixture
+def dispatched(monkeypatch):
+    """What main hands to the command: (args, beam_args); nothing runs."""
+    calls = []
+
+    def dispatch(args, beam_args):
+        calls.append((args, beam_args))
+        return 0
+
+    monkeypatch.setattr(cli, "_dispatch", dispatch)
+    return calls
+
+
+def refused(argv, capsys) -> str:
+    """main(argv) must exit 2 (argparse's usage error) before anything runs; returns stderr."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,typo,meant", [
+    (["plan", "--guidence-scale", "0", "--out", "/tmp/x"], "--guidence-scale", "--guidance-scale"),
+    (["run", "--out", "/tmp/x", "--guidence-scale=0"], "--guidence-scale", "--guidance-scale"),
+    (["collect", "--out", "/tmp/x", "--galery-page-size", "5"], "--galery-page-size", "--gallery-page-size"),
+    ([*GKE, "--max-retsarts", "2"], "--max-retsarts", "--max-restarts"),
+    ([*DATAFLOW, "--harnes-threads", "2"], "--harnes-threads", "--harness-threads"),
+    (["plan", "--runer", "DirectRunner"], "--runer", "--runner"),  # Beam's own options are suggested too
+    (["plan", "--direct-num-workers", "2"], "--direct-num-workers", "--direct_num_workers"),
+])
+def test_a_mistyped_flag_is_an_error_naming_the_closest_flag(argv, typo, meant, dispatched, capsys):
+    err = refused(argv, capsys)
+    command = " ".join(argv[:2]) if argv[0] == "submit" else argv[0]
+    assert f"promptmill {command}: error: unrecognized argument: {typo} (did you mean {meant}?); neither " \
+           f"promptmill {command} nor Beam's pipeline options know it" in err
+    assert dispatched == []
+
+
+def test_every_unknown_flag_is_named(dispatched, capsys):
+    err = refused(["plan", "--guidence-scale", "0", "--stepz", "3", "--runner", "DirectRunner"], capsys)
+    assert "unrecognized arguments: --guidence-scale (did you mean --guidance-scale?), --stepz (did you mean " \
+           "--steps?)" in err
+    assert "--runner" not in err.splitlines()[-1]
+
+
+def test_a_stray_value_is_an_error(dispatched, capsys):
+    assert "unrecognized argument: 'extra'" in refused(["plan", "--out", "/tmp/x", "extra"], capsys)
+
+
+@pytest.mark.parametrize("beam_args", [
+    ["--runner", "DirectRunner", "--direct_num_workers", "2", "--direct_running_mode", "multi_processing"],
+    ["--runner=DirectRunner", "--direct_num_workers=2", "--direct_running_mode=multi_processing"],
+    ["--project", "p", "--region", "r", "--temp_location", "gs://b/tmp"],
+    ["--experiments=x", "--experiment", "y", "--save_main_session", "--labels", "a=b"],
+])
+@pytest.mark.parametrize("command", [["plan"], ["run"], ["collect", "--out", "/tmp/x"]])
+def test_real_beam_options_pass_through_unchanged(command, beam_args, dispatched):
+    assert cli.main([*command, *beam_args]) == 0
+    [(args, passed)] = dispatched
+    assert passed == beam_args and args.command == command[0]
+
+
+def test_submit_passes_real_beam_options_through(dispatched):
+    extra = ["--worker_zone=us-west4-a", "--network", "n"]
+    assert cli.main([*DATAFLOW, *extra]) == 0
+    assert dispatched[0][1] == extra
+
+
+def test_values_that_look_like_flags(dispatched):
+    assert cli.main(["plan", "--guidance-scale", "-1", "--prompt-field=--text", "--experiments=--x",
+                     "--job_name", "-2"]) == 0
+    [(args, passed)] = dispatched
+    assert args.guidance_scale == -1.0 and args.prompt_field == "--text"
+    assert passed == ["--experiments=--x", "--job_name", "-2"]
+
+
+@pytest.mark.parametrize("flag,value,typo,meant", [
+    ("--plan-beam-args", "--runner DirectRunner --direct_num_worker 2", "--direct_num_worker",
+     "--direct_num_workers"),
+    ("--collect-beam-args", "--runner=DirectRunner --temp-location gs://b/t", "--temp-location", "--temp_location"),
+])
+def test_submit_gke_beam_args_strings_are_checked_by_the_same_rule(flag, value, typo, meant, dispatched, capsys):
+    err = refused([*GKE, flag, value], capsys)
+    expected = f"{flag} {value!r}: unrecognized argument: {typo} (did you mean {meant}?)"
+    assert f"promptmill submit gke: error: {expected}; Beam's pipeline options do not know it" in err
+    assert dispatched == []
+    assert cli.main([*GKE, flag, "--runner DirectRunner --direct_num_workers 2"]) == 0
+
+
+def test_bench_plan_beam_args_are_checked(dispatched, capsys):
+    err = refused(["bench", "plan", "--beam-args", "--direct_runing_mode multi_processing"], capsys)
+    assert "unrecognized argument: --direct_runing_mode (did you mean --direct_running_mode?)" in err
+    assert cli.main(["bench", "plan", "--beam-args", "--direct_running_mode multi_processing"]) == 0
+
+
+@pytest.mark.parametrize("argv,typo,meant", [
+    (["generate", "--out", "o", "--coordinatr", "h:1"], "--coordinatr", "--coordinator"),
+    (["reproduce", "k1", "--out", "o", "--svae", "d"], "--svae", "--save"),
+    (["bench", "upload", "--paralel", "4"], "--paralel", "--parallel"),
+    (["bench", "generator", "--matmul_size", "64"], "--matmul_size", "--matmul-size"),
+])
+def test_commands_without_beam_options_refuse_any_unknown_flag(argv, typo, meant, dispatched, capsys):
+    err = refused(argv, capsys)
+    assert f"unrecognized argument: {typo} (did you mean {meant}?)" in err
+    assert dispatched == []
+
+
+@pytest.mark.parametrize("argv", [["generate", "--out", "o"], ["reproduce", "k1", "--out", "o"],
+                                  ["bench", "pipeline"]])
+def test_commands_without_beam_options_refuse_beam_options(argv, dispatched, capsys):
+    assert "unrecognized argument: --runner" in refused([*argv, "--runner", "DirectRunner"], capsys)
+    assert dispatched == []
+
+
+def _leaf_parsers(parser, name="promptmill"):
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield name, parser
+    for action in subs:
+        for command, child in action.choices.items():
+            yield from _leaf_parsers(child, f"{name} {command}")
+
+
+def test_every_command_is_checked_and_only_the_beam_commands_take_beam_options():
+    beam = {}
+    for name, parser in _leaf_parsers(cli.build_parser()):
+        assert parser.get_default("flags_parser_") is parser, f"{name} is not marked with flags.strict"
+        beam[name] = parser.get_default("flags_beam_")
+    assert {name for name, takes in beam.items() if takes} == {
+        "promptmill run", "promptmill plan", "promptmill collect", "promptmill submit dataflow",
+        "promptmill submit gke"}
+    assert len(beam) == 11
+
+
+def test_beam_option_flags_are_beams_own():
+    from jobs import flags
+
+    known = flags.beam_option_flags()
+    assert {"--runner", "--direct_num_workers", "--direct_running_mode", "--project", "--region",
+            "--temp_location", "--experiments", "--experiment", "--worker_zone", "--sdk_container_image"} <= known
+    assert "--guidance-scale" not in known and "--help" not in known
+
+
+# ---------------------------------------------------------------- one-way imports
+
+def _imports(path: str) -> set[str]:
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_pipeline_imports_nothing_of_jobs_and_only_cli_imports_cli():
+    import glob
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pipeline_files = glob.glob(os.path.join(root, "pipeline", "**", "*.py"), recursive=True)
+    assert len(pipeline_files) > 20
+    for path in pipeline_files:
+        bad = {name for name in _imports(path) if name == "jobs" or name.startswith("jobs.")}
+        assert not bad, f"{os.path.relpath(path, root)} imports {sorted(bad)}"
+    for path in glob.glob(os.path.join(root, "jobs", "*.py")):
+        if not path.endswith("cli.py"):
+            assert "jobs.cli" not in _imports(path), f"{os.path.relpath(path, root)} imports jobs.cli"

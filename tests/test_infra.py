@@ -446,9 +446,16 @@ def _check_promptmill_command(words: list[str]) -> argparse.Namespace:
         args, extra = parser.parse_known_args(words[1:])
     except SystemExit as e:
         raise AssertionError(f"promptmill's parser refuses {shlex.join(words)}") from e
-    # submit hands the flags it does not know to Beam: only as --beam_option=VALUE here
+    # submit hands the flags it does not know to Beam: only as --beam_option=VALUE here, and
+    # only options Beam knows (promptmill refuses others, exit 2)
     beam = [e for e in extra if args.command == "submit" and re.fullmatch(r"--[a-z][a-z0-9_]*=\S+", e)]
     assert extra == beam, f"{shlex.join(words)}: flags promptmill does not know: {extra}"
+    from jobs import flags
+
+    try:
+        assert flags.check_extra(args, extra) == extra
+    except SystemExit as e:
+        raise AssertionError(f"promptmill refuses {shlex.join(words)}: an unknown flag") from e
     assert args.command == words[1]
     return args
 
@@ -559,8 +566,8 @@ def _readme_table(marker: str) -> list[list[str]]:
 
 def test_readme_tpu_tables_agree_with_promptmills_tpu_table():
     """The Dataflow image's shape variables and the GKE node pools of the README are those
-    of the slices promptmill submits to (pipeline/tpu.py)."""
-    tpu = pytest.importorskip("pipeline.cloud.tpu")
+    of the TPU slices promptmill submits to (pipeline/cloud/tpu.py)."""
+    from pipeline.cloud import tpu
     dataflow_rows = _readme_table("The Dataflow image is built once per TPU shape")
     assert len(dataflow_rows) >= 6
     for shape, accelerator_type, bounds, machine in dataflow_rows:

@@ -14,7 +14,11 @@ import yaml
 import pipeline
 from pipeline.core import naming
 from pipeline.io import storage
-from pipeline.cloud import submit
+from pipeline.cloud import checks
+from pipeline.cloud import dataflow
+from pipeline.cloud import gke
+from pipeline.cloud import jobset
+from pipeline.cloud import kubectl as kubectl_lib
 from pipeline.cloud import tpu
 from pipeline.core.settings import Settings
 
@@ -26,12 +30,12 @@ IMAGE = "us-docker.pkg.dev/p/r/promptmill:1"
 SLICE_IDS = [f"{s.tpu_type}-{s.topology}-{s.machine_type}" for s in tpu.SLICES]
 
 
-def gke_job(s: tpu.Slice, **changes) -> submit.GkeJob:
-    fields = dict(settings=Settings(prompts=PROMPTS, out=OUT, devices_per_host=s.chips_per_host), slice=s,
+def gke_job(s: tpu.TpuSlice, **changes) -> jobset.GkeJob:
+    fields = dict(settings=Settings(prompts=PROMPTS, out=OUT, devices_per_host=s.chips_per_host), tpu_slice=s,
                   name="pm-test", image=IMAGE, namespace="team-a", max_restarts=5, coordinator_port=9123,
                   service_account="promptmill-ksa")
     fields.update(changes)
-    return submit.GkeJob(**fields).validate()
+    return jobset.GkeJob(**fields).validate()
 
 
 # ---------------------------------------------------------------- schema checks
@@ -106,12 +110,12 @@ def validate_k8s(obj: dict) -> None:
     kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
-# ---------------------------------------------------------------- every slice: JobSet
+# ---------------------------------------------------------------- every TPU slice: JobSet
 
 
 @pytest.mark.parametrize("s", tpu.SLICES, ids=SLICE_IDS)
 def test_jobset_for_every_slice(s):
-    js = submit.jobset(gke_job(s))
+    js = jobset.jobset(gke_job(s))
     assert jobset_problems(js) == []
     assert js["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"] == \
         "cloud.google.com/gke-nodepool"
@@ -141,14 +145,14 @@ def test_jobset_for_every_slice(s):
     assert env["PROMPTMILL_COORDINATOR_PORT"]["value"] == "9123"
     assert {"name": "coordinator", "containerPort": 9123} in container["ports"]
     # valid YAML that round-trips, and a valid batch/v1 Job inside
-    assert list(yaml.safe_load_all(submit.to_yaml(submit.manifests(gke_job(s))))) == [js]
+    assert list(yaml.safe_load_all(jobset.to_yaml(jobset.manifests(gke_job(s))))) == [js]
     validate_k8s(embedded_job(js))
 
 
 def test_the_schema_checks_can_fail():
     import kubernetes_validate
 
-    js = submit.jobset(gke_job(tpu.lookup("v5e", "4x4")))
+    js = jobset.jobset(gke_job(tpu.lookup("v5e", "4x4")))
     broken = json.loads(json.dumps(js))
     broken["spec"]["replicatedJobs"][0]["replica"] = 2
     broken["spec"]["network"]["enableDNSHostnames"] = "yes"
@@ -170,14 +174,14 @@ def test_the_schema_checks_can_fail():
 
 
 def test_the_example_manifest_is_what_the_renderer_writes():
-    """infra/gke/jobset.example.yaml is rendered by submit.example_manifest(): it cannot drift."""
+    """infra/gke/jobset.example.yaml is rendered by jobset.example_manifest(): it cannot drift."""
     with open(os.path.join(ROOT, "infra", "gke", "jobset.example.yaml")) as f:
-        assert f.read() == submit.example_manifest()
-    (js,) = yaml.safe_load_all(submit.example_manifest().split("\n---\n", 1)[1])
+        assert f.read() == jobset.example_manifest()
+    (js,) = yaml.safe_load_all(jobset.example_manifest().split("\n---\n", 1)[1])
     assert jobset_problems(js) == [] and js["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 4
 
 
-# ---------------------------------------------------------------- every Dataflow slice: options
+# ---------------------------------------------------------------- every Dataflow TPU slice: options
 
 
 def _value(options, name):
@@ -186,7 +190,7 @@ def _value(options, name):
 
 @pytest.mark.parametrize("s", [s for s in tpu.SLICES if s.dataflow], ids=lambda s: f"{s.tpu_type}-{s.topology}")
 def test_dataflow_options_for_every_dataflow_slice(s):
-    options = submit.dataflow_options(s, project="p", region="us-west4", image=IMAGE, out=OUT, job="pm-x",
+    options = dataflow.dataflow_options(s, project="p", region="us-west4", image=IMAGE, out=OUT, job="pm-x",
                                       extra=["--worker_zone", "us-west4-a"])
     assert _value(options, "dataflow_service_options") == \
         [f"worker_accelerator=type:{s.accelerator};topology:{s.topology}"]
@@ -212,78 +216,58 @@ def test_dataflow_option_conflicts():
     s = tpu.for_dataflow("v5e", "2x4")
     kw = dict(project="p", region="r", image=IMAGE, out=OUT, job="pm-x")
     with pytest.raises(ValueError) as e:
-        submit.dataflow_options(s, **kw, extra=["--machine_type=ct5lp-hightpu-4t"])
+        dataflow.dataflow_options(s, **kw, extra=["--machine_type=ct5lp-hightpu-4t"])
     assert "--machine_type=ct5lp-hightpu-4t conflicts" in str(e.value)
     assert "v5e 2x4 on Dataflow requires ct5lp-hightpu-8t" in str(e.value)
     with pytest.raises(ValueError, match="set it with --temp-location"):
-        submit.dataflow_options(s, **kw, extra=["--temp_location", "gs://other/tmp"])
+        dataflow.dataflow_options(s, **kw, extra=["--temp_location", "gs://other/tmp"])
     with pytest.raises(ValueError, match="the worker accelerator comes from --tpu-type and --topology"):
-        submit.dataflow_options(s, **kw, extra=["--dataflow_service_options=worker_accelerator=type:x"])
-    same = submit.dataflow_options(s, **kw, extra=["--worker_machine_type=ct5lp-hightpu-8t", "--save_main_session"])
-    assert same == submit.dataflow_options(s, **kw) + ["--save_main_session"]
-    custom = submit.dataflow_options(s, **kw, temp_location="gs://t/tmp", max_workers=8, harness_threads=2)
+        dataflow.dataflow_options(s, **kw, extra=["--dataflow_service_options=worker_accelerator=type:x"])
+    same = dataflow.dataflow_options(s, **kw, extra=["--worker_machine_type=ct5lp-hightpu-8t", "--save_main_session"])
+    assert same == dataflow.dataflow_options(s, **kw) + ["--save_main_session"]
+    custom = dataflow.dataflow_options(s, **kw, temp_location="gs://t/tmp", max_workers=8, harness_threads=2)
     assert (_value(custom, "temp_location"), _value(custom, "staging_location")) == (["gs://t/tmp"],
                                                                                       ["gs://t/tmp/staging"])
     assert (_value(custom, "max_num_workers"), _value(custom, "number_of_worker_harness_threads")) == (["8"], ["2"])
     with pytest.raises(ValueError, match="--max-workers must be a positive integer, got 0"):
-        submit.dataflow_options(s, **kw, max_workers=0)
+        dataflow.dataflow_options(s, **kw, max_workers=0)
     with pytest.raises(ValueError, match="Beam options must look like --name=value or --name value, got 'stray'"):
-        submit.dataflow_options(s, **kw, extra=["stray"])
+        dataflow.dataflow_options(s, **kw, extra=["stray"])
     with pytest.raises(ValueError, match="--temp-location must be a gs://"):
-        submit.dataflow_options(s, **kw, temp_location="/tmp/x")
+        dataflow.dataflow_options(s, **kw, temp_location="/tmp/x")
 
 
 def test_job_names_follow_out_and_carry_the_date():
-    assert submit.job_name(OUT) == submit.job_name(OUT + "/") != submit.job_name(OUT + "2")
-    assert re.fullmatch(r"promptmill-[0-9a-f]{8}", submit.job_name(OUT))
-    assert submit.job_name(OUT, "Nightly_SD", "2025-01-31T23:30:00-02:00") == "nightly-sd-20250201"
+    assert checks.job_name(OUT) == checks.job_name(OUT + "/") != checks.job_name(OUT + "2")
+    assert re.fullmatch(r"promptmill-[0-9a-f]{8}", checks.job_name(OUT))
+    assert checks.job_name(OUT, "Nightly_SD", "2025-01-31T23:30:00-02:00") == "nightly-sd-20250201"
 
 
 def test_plan_command_round_trips_through_the_cli():
-    from jobs import cli
+    from jobs import cli, flags
 
     settings = Settings(prompts=PROMPTS, out=OUT, model="gs://b/models/sd", width=64, height=48, steps=7,
                         scheduler="dpmpp", guidance_scale=3.25, seed=12, per_device_batch=2, batches_per_slice=3,
                         devices_per_host=8, dtype="bf16", formats=("files", "zarr"), image_format="webp",
                         quality=80, save_latents=True, prompt_field="text", dedupe=True)
-    command = submit.plan_command(settings, ["--runner", "DirectRunner"])
+    command = gke.plan_command(settings, ["--runner", "DirectRunner"])
     assert command[:2] == ["promptmill", "plan"] and command[-2:] == ["--runner", "DirectRunner"]
     args, extra = cli.build_parser().parse_known_args(command[1:])
-    assert extra == ["--runner", "DirectRunner"]
-    assert cli._settings(args, args.devices_per_host) == settings
+    assert extra == ["--runner", "DirectRunner"] and flags.check_extra(args, extra) == extra
+    assert flags.settings_from_args(args, args.devices_per_host) == settings
     plain = Settings(prompts=PROMPTS, out=OUT)
-    args, _ = cli.build_parser().parse_known_args(submit.plan_command(plain)[1:])
-    assert cli._settings(args, args.devices_per_host) == plain
+    args, _ = cli.build_parser().parse_known_args(gke.plan_command(plain)[1:])
+    assert flags.settings_from_args(args, args.devices_per_host) == plain
 
 
 # ---------------------------------------------------------------- the CLI
 
 
 def cli_main(argv, capsys):
-    """Exit code, stdout, stderr of ``promptmill ARGV``: jobs.cli.main once it has `submit`;
-    until then the same parse, {date} resolution and error handling around run_submit."""
+    """Exit code, stdout, stderr of ``promptmill ARGV``."""
     from jobs import cli
-    from jobs import submit as submit_cli
 
-    parser = cli.build_parser()
-    commands = next(a for a in parser._actions if a.dest == "command").choices
-    if "submit" in commands:
-        code = cli.main(argv)
-    else:
-        import argparse
-
-        parser = argparse.ArgumentParser(prog="promptmill")
-        submit_cli.add_submit_parser(parser.add_subparsers(dest="command", required=True),
-                                     cli._add_settings_flags, cli._add_date_flag)
-        args, extra = parser.parse_known_args(argv)
-        try:
-            from pipeline.cloud import dates as schedule
-
-            args.out = schedule.resolve_out(args.out, args.date)
-            code = submit_cli.run_submit(args, extra)
-        except (ValueError, RuntimeError, OSError) as e:
-            print(f"promptmill {args.command}: error: {e}", file=sys.stderr)
-            code = 1
+    code = cli.main(argv)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -442,8 +426,8 @@ def test_dataflow_dry_run_prints_settings_and_every_option_and_launches_nothing(
     assert code == 0, err
     assert beam_engine == []
     s = tpu.for_dataflow("v5e", "2x4")
-    expected = submit.dataflow_options(s, project="p", region="us-west4", image=IMAGE, out=OUT,
-                                       job=submit.job_name(OUT), extra=["--worker_zone", "us-west4-a"])
+    expected = dataflow.dataflow_options(s, project="p", region="us-west4", image=IMAGE, out=OUT,
+                                       job=checks.job_name(OUT), extra=["--worker_zone", "us-west4-a"])
     lines = out.splitlines()
     assert "'--dataflow_service_options=worker_accelerator=type:tpu-v5-lite-podslice;topology:2x4'" in lines
     import shlex
@@ -468,12 +452,12 @@ def test_gke_dry_run_prints_every_command_and_the_manifest_and_runs_nothing(kube
                                "--runner DirectRunner --direct_num_workers 2", "--dry-run"], capsys)
     assert code == 0, err
     assert kubectl() == []  # kubectl never ran
-    name = submit.job_name(OUT, None, "2025-01-31")
+    name = checks.job_name(OUT, None, "2025-01-31")
     assert name.endswith("-20250131")
     docs = [d for d in yaml.safe_load_all(out) if d is not None]  # the whole output is YAML: comments + manifest
     s = tpu.lookup("v5e", "4x4")
     settings = Settings(prompts=PROMPTS, out=OUT, steps=4, devices_per_host=4)
-    assert docs == [submit.jobset(submit.GkeJob(settings=settings, slice=s, name=name, image=IMAGE,
+    assert docs == [jobset.jobset(jobset.GkeJob(settings=settings, tpu_slice=s, name=name, image=IMAGE,
                                                 namespace="team-a"))]
     kubectl_path = os.environ["KUBECTL"]
     for expected in ("# 1. plan (Beam):",
@@ -528,16 +512,16 @@ def test_missing_kubectl_is_a_clear_error_before_anything_runs(monkeypatch, tmp_
     monkeypatch.delenv("KUBECTL", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="kubectl was not found on PATH"):
-        submit.find_kubectl()
+        kubectl_lib.find_kubectl()
     monkeypatch.setenv("KUBECTL", str(tmp_path / "nothing"))
     with pytest.raises(RuntimeError, match="is not an executable file"):
-        submit.find_kubectl()
+        kubectl_lib.find_kubectl()
     monkeypatch.setenv("KUBECTL", "")
     job = gke_job(tpu.lookup("v5e", "4x4"))
     planned = []
     monkeypatch.setattr("pipeline.plan.transforms.run_plan", lambda *a: planned.append(a))
     with pytest.raises(RuntimeError, match="kubectl was not found"):
-        submit.submit_gke(job, emit=lambda m: None)
+        gke.submit_gke(job, emit=lambda m: None)
     assert planned == []
 
 
@@ -555,7 +539,7 @@ def test_missing_kubectl_is_a_clear_error_before_anything_runs(monkeypatch, tmp_
     ({"status": {"terminalState": "Failed"}}, "failed"),
 ])
 def test_jobset_state(obj, state):
-    assert submit.jobset_state(obj)[0] == state
+    assert kubectl_lib.jobset_state(obj)[0] == state
 
 
 class ScriptedKubectl:
@@ -591,7 +575,7 @@ def test_wait_follows_commits_until_completed(tmp_path):
     kubectl = ScriptedKubectl(["running", RuntimeError("connection refused"), "restarted", "completed"])
     commits = iter([0, 1, 2])
     messages = []
-    assert submit.wait_for_jobset(kubectl, job, 3, messages.append, sleep=lambda s: _commit(out, next(commits))) == 3
+    assert gke.wait_for_jobset(kubectl, job, 3, messages.append, sleep=lambda s: _commit(out, next(commits))) == 3
     assert messages == ["0/3 slices committed", "JobSet pm-test running (restarts: 0)", "1/3 slices committed",
                         "2/3 slices committed", "JobSet pm-test running (restarts: 1)", "3/3 slices committed"]
 
@@ -601,29 +585,29 @@ def test_wait_fails_clearly_when_the_jobset_fails_or_ends_short(tmp_path):
     job = gke_job(tpu.lookup("v5e", "4x4"), settings=Settings(out=out), poll_s=0.01)
     _commit(out, 0)
     with pytest.raises(RuntimeError) as e:
-        submit.wait_for_jobset(ScriptedKubectl(["running", "failed"]), job, 2, lambda m: None, sleep=lambda s: None)
+        gke.wait_for_jobset(ScriptedKubectl(["running", "failed"]), job, 2, lambda m: None, sleep=lambda s: None)
     assert "JobSet pm-test failed (host 0 OOMKilled) with 1/2 slices committed" in str(e.value)
     assert "re-running the same command resumes" in str(e.value)
     with pytest.raises(RuntimeError, match="completed but only 1/2 slices are committed"):
-        submit.wait_for_jobset(ScriptedKubectl(["completed"]), job, 2, lambda m: None, sleep=lambda s: None)
+        gke.wait_for_jobset(ScriptedKubectl(["completed"]), job, 2, lambda m: None, sleep=lambda s: None)
     with pytest.raises(RuntimeError, match="disappeared with 1/2 slices committed"):
-        submit.wait_for_jobset(ScriptedKubectl([None]), job, 2, lambda m: None, sleep=lambda s: None)
-    errors = [RuntimeError("timeout")] * submit.KUBECTL_FAILURES_TOLERATED
+        gke.wait_for_jobset(ScriptedKubectl([None]), job, 2, lambda m: None, sleep=lambda s: None)
+    errors = [RuntimeError("timeout")] * gke.KUBECTL_FAILURES_TOLERATED
     with pytest.raises(RuntimeError, match="could not read JobSet pm-test's status 5 times in a row"):
-        submit.wait_for_jobset(ScriptedKubectl(errors), job, 2, lambda m: None, sleep=lambda s: None)
+        gke.wait_for_jobset(ScriptedKubectl(errors), job, 2, lambda m: None, sleep=lambda s: None)
 
 
 def test_apply_replaces_a_finished_jobset_and_attaches_to_a_running_one():
     job = gke_job(tpu.lookup("v6e", "2x4", "ct6e-standard-4t"))
     fresh = ScriptedKubectl([None])
-    assert submit.apply_jobset(fresh, job, lambda m: None) == "applied"
+    assert gke.apply_jobset(fresh, job, lambda m: None) == "applied"
     ((args, stdin),) = fresh.calls
-    assert args == ("apply", "-f", "-") and list(yaml.safe_load_all(stdin)) == [submit.jobset(job)]
+    assert args == ("apply", "-f", "-") and list(yaml.safe_load_all(stdin)) == [jobset.jobset(job)]
     finished = ScriptedKubectl(["failed"])
-    assert submit.apply_jobset(finished, job, lambda m: None) == "applied"
+    assert gke.apply_jobset(finished, job, lambda m: None) == "applied"
     assert [c[0] for c in finished.calls] == [("delete", "jobset", "pm-test", "--wait=true"), ("apply", "-f", "-")]
     running = ScriptedKubectl(["running"])
-    assert submit.apply_jobset(running, job, lambda m: None) == "attached" and running.calls == []
+    assert gke.apply_jobset(running, job, lambda m: None) == "attached" and running.calls == []
 
 
 # ---------------------------------------------------------------- end to end against a fake kubectl
@@ -668,7 +652,7 @@ def test_gke_end_to_end_with_a_fake_kubectl(gcs_prompts, kubectl, capsys):
     manifest = storage.read_json(naming.manifest(out))
     assert manifest["slices"] == 2 and json.loads(storage.read_text(naming.run_json(out)))["settings"][
         "devices_per_host"] == 4
-    assert submit.committed_slices(out, 2) == 2
+    assert gke.committed_slices(out, 2) == 2
     assert "2/2 slices committed" in err and "JobSet pm-e2e applied" in err
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from pipeline.cloud import tpu
 
-# What Google's docs say (see pipeline/tpu.py's docstring for the pages), restated here by
+# What Google's docs say (see pipeline/cloud/tpu.py's docstring for the pages), restated here by
 # hand so a typo in the table cannot pass: (type, topology, machine type) -> hosts.
 DOCUMENTED_HOSTS = {
     ("v5e", "1x1", "ct5lp-hightpu-1t"): 1, ("v5e", "2x2", "ct5lp-hightpu-4t"): 1,
@@ -55,7 +55,7 @@ def test_every_row_is_consistent(s):
 
 
 def test_a_topology_on_two_machine_types_defaults_to_the_single_host_one():
-    assert tpu.lookup("v5e", "2x4") == tpu.Slice("v5e", "2x4", "ct5lp-hightpu-8t", True)
+    assert tpu.lookup("v5e", "2x4") == tpu.TpuSlice("v5e", "2x4", "ct5lp-hightpu-8t", True)
     assert tpu.lookup("v6e", "2x4").machine_type == "ct6e-standard-8t"
     two = tpu.lookup("v5e", "2x4", "ct5lp-hightpu-4t")
     assert (two.hosts, two.chips_per_host, two.dataflow) == (2, 4, False)

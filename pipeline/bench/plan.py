@@ -10,6 +10,7 @@ Three steps, each plan-side measurement in a fresh process:
    ``num_images`` 0, no prompt), so the rejects path runs too and the expected counts
    are known exactly.
 2. **Plan.** ``python -m jobs.cli plan --prompts DIR/*.jsonl --out OUT --model tiny``
+   (``PLAN_COMMAND``, a name in a command line: this module imports nothing of ``jobs/``)
    in a subprocess, started by a small launcher process (``_launch``) and timed from
    start to exit. Its memory is measured twice: ``peak_rss_mib`` is the kernel's
    high-water mark (``os.wait4``'s ``ru_maxrss``: the largest RSS any single process of
@@ -21,8 +22,8 @@ Three steps, each plan-side measurement in a fresh process:
    process. The tiny model is built (once, into the cache) before the clock starts, so
    the plan only reads its configs.
 3. **Held in memory.** Another fresh process imports what the plan process imports
-   (``jobs.cli``, ``pipeline.plan.transforms``, ``apache_beam``): its RSS then is
-   ``baseline_rss_mib``. It then reads every shard and keeps every row as
+   (``BASELINE_MODULES``: ``apache_beam``, ``jobs.cli``, ``pipeline.plan.transforms``,
+   by name): its RSS then is ``baseline_rss_mib``. It then reads every shard and keeps every row as
    ``records.parse_jsonl_line`` returns it (the ``Record`` objects planning works on)
    in one list; the RSS increase is ``held_in_memory_rss_mib``, the memory that
    holding all the prompts at once costs. (Every record of a file shares one ``source``
@@ -55,7 +56,11 @@ MIN_CHARS, MAX_CHARS = 40, 200
 POLL_S = 0.2
 TIMELINE_POINTS = 100  # of the plan's RSS over time, in the report
 MARKER = ".promptmill-plan-bench"  # a workdir holding this file is ours to clear
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+# How the bench runs `promptmill plan` (after `python`), and what that process imports: module
+# names, not imports, so that nothing in pipeline/ imports jobs/.
+PLAN_COMMAND = ("-m", "jobs.cli", "plan")
+BASELINE_MODULES = ("apache_beam", "jobs.cli", "pipeline.plan.transforms")
 MIB = 1 << 20
 
 # --- the prompt generator ---------------------------------------------------------
@@ -293,17 +298,17 @@ def _tail(path: str, chars: int = 3000) -> str:
         return f.read().decode("utf-8", "replace")[-chars:]
 
 
-# --- the held-in-memory process (``python -m pipeline.bench.plan hold FILE...``) -------
+# --- the held-in-memory process (``python -m pipeline.bench.plan hold MODULES FILE...``) ---
 
-def _hold(paths: list[str]) -> dict:
-    """In a fresh process: import what the plan process imports, then hold every row as
-    ``parse_jsonl_line`` returns it; RSS before and after, in KiB."""
+def _hold(modules: list[str], paths: list[str]) -> dict:
+    """In a fresh process: import ``modules`` (what the plan process imports), then hold every
+    row as ``parse_jsonl_line`` returns it; RSS before and after, in KiB."""
     import gc
+    import importlib
 
     start = time.perf_counter()
-    import apache_beam  # noqa: F401  (the plan process's imports: the baseline)
-    import jobs.cli  # noqa: F401
-    import pipeline.plan.transforms  # noqa: F401
+    for module in modules:  # the plan process's imports: the baseline
+        importlib.import_module(module)
     from pipeline.core import records
 
     import_s = time.perf_counter() - start
@@ -398,12 +403,15 @@ def _machine() -> dict:
 
 def run(prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None, devices_per_host: int = 4,
         per_device_batch: int = 8, batches_per_slice: int = 32, beam_args: list[str] | None = None,
-        model: str = "tiny") -> dict:
+        model: str = "tiny", plan_command: tuple[str, ...] = PLAN_COMMAND,
+        baseline_modules: tuple[str, ...] = BASELINE_MODULES) -> dict:
     """Generate the input, plan it in a fresh process, hold it in another; returns the report.
 
     ``workdir``: where the prompts, the plan's OUT and its logs go, kept after the run
     (default: a temporary folder, deleted after a successful run). The slice size is
     ``devices_per_host x per_device_batch x batches_per_slice``, as for ``plan``.
+    ``plan_command``: the arguments after ``python`` that run ``promptmill plan``;
+    ``baseline_modules``: what that process imports, imported by the held-in-memory process.
     """
     from pipeline.model import load as model_lib
     from pipeline.core import slicing
@@ -417,7 +425,7 @@ def run(prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None,
     generated = generate(prompts_dir, prompts, shards)
     env = dict(os.environ)
 
-    plan_argv = [sys.executable, "-m", "jobs.cli", "plan", "--prompts", os.path.join(prompts_dir, "*.jsonl"),
+    plan_argv = [sys.executable, *plan_command, "--prompts", os.path.join(prompts_dir, "*.jsonl"),
                  "--out", out, "--model", model, "--devices-per-host", str(devices_per_host),
                  "--per-device-batch", str(per_device_batch), "--batches-per-slice", str(batches_per_slice),
                  *beam_args]
@@ -427,7 +435,8 @@ def run(prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None,
                          f"{_tail(os.path.join(workdir, 'plan.stderr'))}")
     checked = verify(out, prompts, slice_size)
 
-    hold_argv = [sys.executable, "-m", "pipeline.bench.plan", "hold", *generated["paths"]]
+    hold_argv = [sys.executable, "-m", "pipeline.bench.plan", "hold", ",".join(baseline_modules),
+                 *generated["paths"]]
     held_run = run_measured(hold_argv, env, ROOT, os.path.join(workdir, "hold"))
     if held_run["exit_code"] != 0:
         raise BenchError(f"the held-in-memory process exited with {held_run['exit_code']}:\n"
@@ -468,6 +477,7 @@ def run(prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None,
         "held_in_memory_load_s": round(held["load_s"], 2),
         "held_records": held["records"],
         "held_rejects": held["rejects"],
+        "baseline_modules": list(baseline_modules),
         "peak_over_held_in_memory": round(peak / increase, 3) if increase > 0 else None,
         "increment_over_held_in_memory": round((peak - baseline) / increase, 3) if increase > 0 else None,
         **checked,
@@ -488,7 +498,7 @@ def table(report: dict) -> str:
                  f"{report['processes_seen']} process(es)"),
         ("plan peak RSS", f"{report['peak_rss_mib']} MiB (largest process), {report['tree_peak_rss_mib']} MiB "
                           f"(tree, sampled every {s['poll_s']} s)"),
-        ("baseline RSS", f"{report['baseline_rss_mib']} MiB after importing jobs.cli, pipeline.plan.transforms, apache_beam "
+        ("baseline RSS", f"{report['baseline_rss_mib']} MiB after importing {', '.join(report['baseline_modules'])} "
                          f"(plan's increment over it: {report['plan_increment_mib']} MiB)"),
         ("held in memory", f"{report['held_in_memory_rss_mib']} MiB more RSS to hold all {report['rows']:,} "
                            f"parsed rows at once ({report['held_in_memory_total_rss_mib']} MiB in all)"),
@@ -505,10 +515,10 @@ def table(report: dict) -> str:
 def _main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[0] == "launch":
         return _launch(argv[1], argv[2:])
-    if len(argv) >= 2 and argv[0] == "hold":
-        print(json.dumps(_hold(argv[1:])))
+    if len(argv) >= 3 and argv[0] == "hold":
+        print(json.dumps(_hold([m for m in argv[1].split(",") if m], argv[2:])))
         return 0
-    print("usage: python -m pipeline.bench.plan {launch RESULT ARGV... | hold FILE...} (helpers of "
+    print("usage: python -m pipeline.bench.plan {launch RESULT ARGV... | hold MODULE,... FILE...} (helpers of "
           "`promptmill bench plan`)",
           file=sys.stderr)
     return 2

@@ -1,11 +1,12 @@
-"""The TPU table (pure): which slices promptmill can be submitted to, and what each needs.
+"""The TPU table (pure): which TPU slices promptmill can be submitted to, and what each needs.
 
-A slice is a TPU type and a topology, run on one machine type. From the machine type
-follow the chips per host (the ``-Nt`` suffix: ``ct5lp-hightpu-4t`` has 4 chips) and
-so the hosts: chips of the topology / chips per host. GKE schedules a slice with two
-node labels, ``cloud.google.com/gke-tpu-accelerator`` and
-``cloud.google.com/gke-tpu-topology``, and each pod asks for its host's chips as
-``google.com/tpu``. Dataflow runs only single-host slices, one per worker
+A TPU slice (Google's term; not promptmill's slice of prompts) is a TPU type and a
+topology, run on one machine type. From the machine type follow the chips per host
+(the ``-Nt`` suffix: ``ct5lp-hightpu-4t`` has 4 chips) and so the hosts: chips of the
+topology / chips per host. GKE schedules a TPU slice with two node labels,
+``cloud.google.com/gke-tpu-accelerator`` and ``cloud.google.com/gke-tpu-topology``,
+and each pod asks for its host's chips as ``google.com/tpu``. Dataflow runs only
+single-host TPU slices, one per worker
 (``worker_accelerator=type:…;topology:…``), on the one machine type its table requires.
 
 Sources (checked while writing this table):
@@ -97,8 +98,9 @@ def machine_chips(machine_type: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Slice:
-    """One supported slice: a TPU type and topology on one machine type."""
+class TpuSlice:
+    """One supported TPU slice: a TPU type and topology on one machine type (Google's
+    "slice", not a slice of prompts)."""
     tpu_type: str
     topology: str
     machine_type: str
@@ -129,7 +131,7 @@ class Slice:
                 f"{self.hosts} host(s) x {self.chips_per_host} chips")
 
 
-SLICES = tuple(Slice(*row) for row in _ROWS)
+SLICES = tuple(TpuSlice(*row) for row in _ROWS)
 
 
 def tpu_type_name(text: str) -> str:
@@ -152,7 +154,7 @@ def topologies(tpu_type: str, dataflow: bool = False) -> list[str]:
     return found
 
 
-def variants(tpu_type: str, topology: str) -> list[Slice]:
+def variants(tpu_type: str, topology: str) -> list[TpuSlice]:
     """Every machine type a supported (type, topology) runs on, the default first.
 
     Raises ValueError naming the type and topology and listing the supported topologies.
@@ -168,8 +170,8 @@ def variants(tpu_type: str, topology: str) -> list[Slice]:
     return found
 
 
-def lookup(tpu_type: str, topology: str, machine_type: str | None = None) -> Slice:
-    """The slice for a type and topology, on ``machine_type`` or else the default (fewest hosts)."""
+def lookup(tpu_type: str, topology: str, machine_type: str | None = None) -> TpuSlice:
+    """The TPU slice for a type and topology, on ``machine_type`` or else the default (fewest hosts)."""
     found = variants(tpu_type, topology)
     if machine_type is None:
         return found[0]
@@ -180,7 +182,7 @@ def lookup(tpu_type: str, topology: str, machine_type: str | None = None) -> Sli
                      f"it runs on: {', '.join(s.machine_type for s in found)}")
 
 
-def for_dataflow(tpu_type: str, topology: str) -> Slice:
+def for_dataflow(tpu_type: str, topology: str) -> TpuSlice:
     """The Dataflow worker for a type and topology; a ValueError for what Dataflow cannot run."""
     found = variants(tpu_type, topology)
     for s in found:
@@ -198,13 +200,13 @@ def for_dataflow(tpu_type: str, topology: str) -> Slice:
                      "run it with `promptmill submit gke` instead")
 
 
-def worker_accelerator(s: Slice) -> str:
+def worker_accelerator(s: TpuSlice) -> str:
     """Dataflow's worker_accelerator service option value: ``type:TYPE;topology:TOPO``."""
     if not s.dataflow:
         raise ValueError(f"{s.describe()} is not a Dataflow worker")
     return f"type:{s.accelerator};topology:{s.topology}"
 
 
-def node_selector(s: Slice) -> dict[str, str]:
-    """The GKE node labels that place a pod on this slice's node pool."""
+def node_selector(s: TpuSlice) -> dict[str, str]:
+    """The GKE node labels that place a pod on this TPU slice's node pool."""
     return {"cloud.google.com/gke-tpu-accelerator": s.accelerator, "cloud.google.com/gke-tpu-topology": s.topology}

@@ -1,4 +1,5 @@
-"""``promptmill submit dataflow|gke``: flags, validation, and the call into ``pipeline.cloud.submit``.
+"""``promptmill submit dataflow|gke``: flags, validation, and the call into ``pipeline.cloud``
+(``dataflow`` for Dataflow, ``gke`` for a GKE TPU slice).
 
 jobs/cli.py adds the parser with ``add_submit_parser`` and dispatches to ``run_submit``.
 Bad input is a ValueError (the CLI prints it and exits 1) raised before anything is
@@ -11,7 +12,11 @@ import json
 import shlex
 import sys
 
-from pipeline.cloud import submit as submit_lib
+from jobs import flags
+from pipeline.cloud import checks
+from pipeline.cloud import dataflow as dataflow_lib
+from pipeline.cloud import gke as gke_lib
+from pipeline.cloud import jobset
 from pipeline.cloud import tpu
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
@@ -28,23 +33,21 @@ def _require(parser: argparse.ArgumentParser, *dests: str) -> None:
             action.help = (action.help or "").split(" (default:")[0] + " (required: gs://BUCKET/PREFIX)"
 
 
-def _add_common(parser: argparse.ArgumentParser, add_settings_flags, add_date_flag) -> None:
-    add_settings_flags(parser)
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    flags.add_settings_flags(parser)
     _require(parser, "out", "prompts")
-    add_date_flag(parser)
+    flags.add_date_flag(parser)
     parser.add_argument("--tpu-type", help="TPU type: v5e, v6e or v5p (or tpu-v5-lite-podslice, tpu-v6e-slice, "
                         "tpu-v5p-slice); required")
     parser.add_argument("--topology", help="TPU topology, chips per dimension, e.g. 2x4 or 2x2x1; required")
     parser.add_argument("--image", help="container image with promptmill and the TPU runtime "
                         "(e.g. REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG); required")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete what an earlier run wrote under --out and start over (without it, re-running "
-                             "the same settings resumes, and other settings are refused)")
+    flags.add_overwrite_flag(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print everything that would be run or launched, and run nothing")
 
 
-def add_submit_parser(sub, add_settings_flags, add_date_flag) -> argparse.ArgumentParser:
+def add_submit_parser(sub) -> argparse.ArgumentParser:
     """Add ``submit`` with its ``dataflow`` and ``gke`` subcommands to ``sub`` (the CLI's subparsers)."""
     submit = sub.add_parser("submit", help="run the job in production: on Dataflow TPU workers, or generate on a "
                             "GKE TPU slice (JobSet) between a plan and a collect")
@@ -53,9 +56,10 @@ def add_submit_parser(sub, add_settings_flags, add_date_flag) -> argparse.Argume
     dataflow = targets.add_parser(
         "dataflow", help="the whole job as one Beam pipeline on Dataflow, single-host TPU workers",
         description="Run plan, generate and collect as one Beam pipeline on Dataflow, each worker a single-host TPU "
-                    "slice. Flags not listed here are passed on as Dataflow/Beam options (e.g. --worker_zone, "
-                    "--network). Example: " + _DATAFLOW_EXAMPLE)
-    _add_common(dataflow, add_settings_flags, add_date_flag)
+                    "slice. Flags not listed here are passed on as Dataflow/Beam options if Beam knows them (e.g. "
+                    "--worker_zone, --network). Example: " + _DATAFLOW_EXAMPLE)
+    _add_common(dataflow)
+    flags.strict(dataflow, beam=True)
     dataflow.add_argument("--project", help="Google Cloud project of the Dataflow job; required")
     dataflow.add_argument("--region", help="Dataflow region (one with the TPU type, e.g. us-west4); required")
     dataflow.add_argument("--temp-location", help="gs:// folder for Dataflow's temporary and staged files "
@@ -65,7 +69,7 @@ def add_submit_parser(sub, add_settings_flags, add_date_flag) -> argparse.Argume
     dataflow.add_argument("--harness-threads", type=int, default=1,
                           help="threads per worker (--number_of_worker_harness_threads): each holds a copy of the "
                                "model on the worker's chips (default: %(default)s)")
-    dataflow.add_argument("--disk-size-gb", type=int, default=submit_lib.DEFAULT_DISK_SIZE_GB,
+    dataflow.add_argument("--disk-size-gb", type=int, default=dataflow_lib.DEFAULT_DISK_SIZE_GB,
                           help="worker boot disk, which holds the container image and the model (default: "
                                "%(default)s)")
     dataflow.add_argument("--job-name", help="Dataflow job name (default: promptmill- and a hash of --out); "
@@ -77,7 +81,7 @@ def add_submit_parser(sub, add_settings_flags, add_date_flag) -> argparse.Argume
                     "on every host of a TPU slice, follow the committed slices until the JobSet completes, then "
                     "collect. Flags not listed here are Beam options for plan and collect. kubectl must point at "
                     "the cluster (KUBECTL overrides the kubectl on PATH).")
-    _add_common(gke, add_settings_flags, add_date_flag)
+    _add_common(gke)
     gke.add_argument("--machine-type", help="TPU machine type, where a topology runs on two (v5e/v6e 2x4: "
                      "ct5lp-hightpu-8t / ct6e-standard-8t, one host, by default; or ...-4t, two hosts)")
     gke.add_argument("--name", help="JobSet name (default: promptmill- and a hash of --out, so re-running a command "
@@ -86,7 +90,7 @@ def add_submit_parser(sub, add_settings_flags, add_date_flag) -> argparse.Argume
     gke.add_argument("--max-restarts", type=int, default=3,
                      help="JobSet restarts after a host fails; restarted hosts resume from the committed slices "
                           "(default: %(default)s)")
-    gke.add_argument("--coordinator-port", type=int, default=submit_lib.DEFAULT_COORDINATOR_PORT,
+    gke.add_argument("--coordinator-port", type=int, default=jobset.DEFAULT_COORDINATOR_PORT,
                      help="jax.distributed coordinator port on host 0 (default: %(default)s)")
     gke.add_argument("--service-account", help="Kubernetes service account of the pods (Workload Identity, for "
                      "access to the gs:// paths)")
@@ -95,24 +99,23 @@ def add_submit_parser(sub, add_settings_flags, add_date_flag) -> argparse.Argume
                      "listed here)")
     gke.add_argument("--collect-beam-args", help="Beam options for collect, one quoted string (default: the flags "
                      "not listed here)")
-    gke.add_argument("--poll-seconds", type=float, default=submit_lib.DEFAULT_POLL_S,
+    gke.add_argument("--poll-seconds", type=float, default=jobset.DEFAULT_POLL_S,
                      help="seconds between progress checks while the JobSet runs (default: %(default)s)")
+    flags.strict(gke, beam=True, beam_strings=("--plan-beam-args", "--collect-beam-args"))
     return submit
 
 
 def _settings(args, devices_per_host: int):
-    from jobs.cli import _settings as settings_from_args  # the one translation of settings flags
-
-    return settings_from_args(args, devices_per_host).validate()
+    return flags.settings_from_args(args, devices_per_host).validate()
 
 
 def _check_common(args, target: str) -> None:
-    submit_lib.require_gcs("--out", args.out, target)
-    submit_lib.require_gcs("--prompts", args.prompts, target)
-    submit_lib.require_remote_model(args.model, target)
-    submit_lib.require_value("--image", args.image, target, "REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG")
-    submit_lib.require_value("--tpu-type", args.tpu_type, target, "v5e")
-    submit_lib.require_value("--topology", args.topology, target, "2x4")
+    checks.require_gcs("--out", args.out, target)
+    checks.require_gcs("--prompts", args.prompts, target)
+    checks.require_remote_model(args.model, target)
+    checks.require_value("--image", args.image, target, "REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG")
+    checks.require_value("--tpu-type", args.tpu_type, target, "v5e")
+    checks.require_value("--topology", args.topology, target, "2x4")
 
 
 def _beam_args(flag: str, value: str | None, default: list[str]) -> list[str]:
@@ -124,28 +127,29 @@ def _beam_args(flag: str, value: str | None, default: list[str]) -> list[str]:
         raise ValueError(f"{flag} must be Beam options in one shell-quoted string, got {value!r} ({e})") from None
 
 
-def _build_dataflow(args, beam_args: list[str]) -> submit_lib.DataflowJob:
+def _build_dataflow(args, beam_args: list[str]) -> dataflow_lib.DataflowJob:
     _check_common(args, "dataflow")
-    submit_lib.require_value("--project", args.project, "dataflow", "my-project")
-    submit_lib.require_value("--region", args.region, "dataflow", "us-west4")
+    checks.require_value("--project", args.project, "dataflow", "my-project")
+    checks.require_value("--region", args.region, "dataflow", "us-west4")
     worker = tpu.for_dataflow(args.tpu_type, args.topology)
     settings = _settings(args, worker.chips)
-    name = submit_lib.job_name(args.out, args.job_name, getattr(args, "date", None))
-    options = submit_lib.dataflow_options(
+    name = checks.job_name(args.out, args.job_name, getattr(args, "date", None))
+    options = dataflow_lib.dataflow_options(
         worker, project=args.project, region=args.region, image=args.image, out=args.out, job=name,
         temp_location=args.temp_location, max_workers=args.max_workers, harness_threads=args.harness_threads,
         disk_size_gb=args.disk_size_gb, extra=beam_args)
-    return submit_lib.DataflowJob(settings=settings, slice=worker, options=tuple(options), overwrite=args.overwrite)
+    return dataflow_lib.DataflowJob(settings=settings, tpu_slice=worker, options=tuple(options),
+                                    overwrite=args.overwrite)
 
 
-def _build_gke(args, beam_args: list[str]) -> submit_lib.GkeJob:
+def _build_gke(args, beam_args: list[str]) -> jobset.GkeJob:
     _check_common(args, "gke")
     chosen = tpu.lookup(args.tpu_type, args.topology, args.machine_type)
     settings = _settings(args, chosen.chips_per_host)
     plan_args = _beam_args("--plan-beam-args", args.plan_beam_args, beam_args)
     collect_args = _beam_args("--collect-beam-args", args.collect_beam_args, beam_args)
-    return submit_lib.GkeJob(
-        settings=settings, slice=chosen, name=submit_lib.job_name(args.out, args.name, getattr(args, "date", None)),
+    return jobset.GkeJob(
+        settings=settings, tpu_slice=chosen, name=checks.job_name(args.out, args.name, getattr(args, "date", None)),
         image=args.image, namespace=args.namespace, max_restarts=args.max_restarts,
         coordinator_port=args.coordinator_port, service_account=args.service_account,
         plan_beam_args=tuple(plan_args), collect_beam_args=tuple(collect_args), overwrite=args.overwrite,
@@ -161,17 +165,17 @@ def run_submit(args, beam_args: list[str]) -> int:
     if args.target == "dataflow":
         job = _build_dataflow(args, beam_args)
         if args.dry_run:
-            print(submit_lib.dataflow_dry_run(job))
+            print(dataflow_lib.dataflow_dry_run(job))
             return 0
-        stats = submit_lib.submit_dataflow(job)
+        stats = dataflow_lib.submit_dataflow(job)
         print(json.dumps({k: stats[k] for k in SUMMARY}))
         return 0
     if args.target == "gke":
         job = _build_gke(args, beam_args)
         if args.dry_run:
-            print(submit_lib.gke_dry_run(job), end="")
+            print(gke_lib.gke_dry_run(job), end="")
             return 0
-        stats = submit_lib.submit_gke(job, emit=_progress("gke"))
+        stats = gke_lib.submit_gke(job, emit=_progress("gke"))
         print(json.dumps({k: stats[k] for k in SUMMARY}))
         return 0
     raise ValueError(f"unknown submit target {args.target!r}; use dataflow or gke")

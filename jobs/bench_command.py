@@ -1,0 +1,143 @@
+"""``promptmill bench generator|upload|plan|pipeline``: the benchmarks' flags and the call into ``pipeline.bench``.
+
+jobs/cli.py adds the parser with ``add_bench_parser`` and dispatches to ``run_bench``.
+"""
+from __future__ import annotations
+
+import argparse
+
+from jobs import flags
+from pipeline.core.choices import DTYPES
+
+
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    """Add ``bench`` with its targets to ``sub`` (the CLI's subparsers)."""
+    bench = sub.add_parser("bench", help="benchmarks")
+    targets = bench.add_subparsers(dest="target", required=True)
+    generator = targets.add_parser(
+        "generator", help="images/s, FLOP/s and start-up of the generator, against the seed notebook's recipe")
+    _add_bench_generator_flags(generator)
+    flags.strict(generator)
+    upload = targets.add_parser("upload", help="objects/s and MB/s to a local GCS emulator, N parallel uploads vs 1")
+    upload.add_argument("--objects", type=int, default=200, help="objects per measurement (default: %(default)s)")
+    upload.add_argument("--object-bytes", type=int, default=100_000, help="bytes per object (default: %(default)s)")
+    upload.add_argument("--parallel", type=_batch_sizes, default=(1, 4, 16),
+                        help="comma-separated worker counts (default: 1,4,16)")
+    upload.add_argument("--latency-ms", type=_latencies_ms, default=(0.0,),
+                        help="comma-separated latencies added to each request by a proxy in front of the emulator, "
+                             "each measured with every --parallel, e.g. 0,20 (default: 0, no proxy)")
+    upload.add_argument("--repeats", type=int, default=1,
+                        help="run the whole grid this many times, in turns; rates are the medians (default: 1)")
+    upload.add_argument("--report", help="write the JSON report here")
+    flags.strict(upload)
+    plan_bench = targets.add_parser("plan", help="wall time and peak RSS of `plan` on synthetic prompt shards, "
+                                    "against the RSS of holding every prompt in memory at once")
+    plan_bench.add_argument("--prompts", type=int, default=1_000_000, help="prompts in all (default: %(default)s)")
+    plan_bench.add_argument("--shards", type=int, default=100, help="jsonl files (default: %(default)s)")
+    plan_bench.add_argument("--workdir", help="folder for the prompts, the plan and its logs, kept after the run "
+                            "(default: a temporary folder, deleted after)")
+    plan_bench.add_argument("--devices-per-host", type=int, default=4, help="plan flag (default: %(default)s)")
+    plan_bench.add_argument("--per-device-batch", type=int, default=8, help="plan flag (default: %(default)s)")
+    plan_bench.add_argument("--batches-per-slice", type=int, default=32, help="plan flag (default: %(default)s)")
+    plan_bench.add_argument("--beam-args", default="", help="Beam options for the plan, one quoted string, e.g. "
+                            "'--direct_num_workers 2 --direct_running_mode multi_processing' (default: none)")
+    plan_bench.add_argument("--report", "--json", dest="report", help="write the JSON report here")
+    flags.strict(plan_bench, beam_strings=("--beam-args",))
+    pipe = targets.add_parser("pipeline", help="images/s of the generator alone, the full host pipeline (local "
+                              "disk, GCS emulator) and the seed's sequential loop, on the same slices")
+    pipe.add_argument("--generator", choices=("synthetic", "tiny"), default="synthetic",
+                      help="synthetic: a stand-in device, --seconds-per-batch per step; tiny: the tiny random "
+                           "model (default: %(default)s)")
+    pipe.add_argument("--width", type=int, default=None, help="image width (default: 512, tiny: the model's)")
+    pipe.add_argument("--height", type=int, default=None, help="image height (default: 512, tiny: the model's)")
+    pipe.add_argument("--batch", type=int, default=8, help="images per device step (default: %(default)s)")
+    pipe.add_argument("--seconds-per-batch", type=float, default=1.0,
+                      help="synthetic: seconds per device step (default: %(default)s)")
+    pipe.add_argument("--steps", type=int, default=2, help="tiny: denoising steps (default: %(default)s)")
+    pipe.add_argument("--slices", type=int, default=4, help="slices per mode (default: %(default)s)")
+    pipe.add_argument("--batches-per-slice", type=int, default=2, help="device steps per slice (default: %(default)s)")
+    pipe.add_argument("--gcs", action="store_true", help="also run the pipeline to a local GCS emulator")
+    pipe.add_argument("--modes", default="generator,pipeline,sequential",
+                      help="which loops to run, comma-separated: generator (a), pipeline (b), sequential (c) "
+                           "(default: %(default)s)")
+    pipe.add_argument("--workdir", help="folder for the outputs, kept after the run (default: a temporary folder)")
+    pipe.add_argument("--report", help="write the JSON report here")
+    flags.strict(pipe)
+    return bench
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _latencies_ms(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"latencies must be >= 0, got {text!r}")
+    return values
+
+
+def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny",
+                        help="SD 1.x/2.x checkpoint with Flax weights (the seed recipe loads it too), or a "
+                             "built-in random model: tiny, random-sd15 (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=None, help="image width (default: the model's)")
+    parser.add_argument("--height", type=int, default=None, help="image height (default: the model's)")
+    parser.add_argument("--steps", type=int, default=4, help="denoising steps (default: %(default)s)")
+    parser.add_argument("--per-device-batch", type=_batch_sizes, default=(1,), metavar="B[,B...]",
+                        help="per-device batch sizes to sweep, e.g. 1,2,4 (default: 1)")
+    parser.add_argument("--batches", type=int, default=2, help="timed batches per size, after one warm-up batch "
+                        "(default: %(default)s)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights and compute dtype "
+                        "(default: %(default)s)")
+    parser.add_argument("--devices", type=int, default=None, help="use the first N local devices (default: all)")
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help="side of the square matmul that measures the peak (default: 4096 on CPU, else 8192)")
+    parser.add_argument("--report", help="write the JSON report here (local path or gs://)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark ``args.target`` and print its table (and write its report with ``--report``)."""
+    if args.target == "upload":
+        from pipeline.io import storage
+        from pipeline.bench import upload as upload_bench
+
+        report = upload_bench.run(args.objects, args.object_bytes, args.parallel, args.latency_ms, args.repeats)
+        if args.report:
+            storage.write_json(args.report, report)
+        print(upload_bench.table(report))
+    elif args.target == "plan":
+        import shlex
+
+        from pipeline.bench import plan as plan_bench
+        from pipeline.io import storage
+
+        report = plan_bench.run(args.prompts, args.shards, args.workdir, args.devices_per_host,
+                                args.per_device_batch, args.batches_per_slice, shlex.split(args.beam_args))
+        if args.report:
+            storage.write_json(args.report, report)
+        print(plan_bench.table(report))
+    elif args.target == "pipeline":
+        from pipeline.bench import host_loop as pipeline_bench
+
+        report = pipeline_bench.run(pipeline_bench.PipelineBenchConfig(
+            generator=args.generator, width=args.width, height=args.height, batch=args.batch,
+            seconds_per_batch=args.seconds_per_batch, slices=args.slices, batches_per_slice=args.batches_per_slice,
+            steps=args.steps, gcs=args.gcs, modes=tuple(m for m in args.modes.split(",") if m),
+            workdir=args.workdir, report=args.report))
+        print(pipeline_bench.table(report))
+    else:
+        from pipeline.bench import generator as bench
+
+        config = bench.BenchConfig(model=args.model, width=args.width, height=args.height, steps=args.steps,
+                                   per_device_batches=args.per_device_batch, batches=args.batches, dtype=args.dtype,
+                                   devices=args.devices, matmul_size=args.matmul_size, report=args.report)
+        report = bench.run_bench(config)
+        print(bench.format_table(report))
+    return 0

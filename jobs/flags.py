@@ -1,0 +1,226 @@
+"""The flags more than one command shares, their translation into Settings, and the strict check
+of the flags a parser did not take.
+
+A command that runs a Beam pipeline (``run``, ``plan``, ``collect``, ``submit``) hands the
+flags it does not know to Beam as PipelineOptions. Beam itself only warns about an option it
+does not know ("Discarding unparseable args") and runs without it, so a typo such as
+``--guidence-scale 0`` would silently run with the default. ``check_extra`` refuses such a flag
+before anything runs: a flag is accepted only if the command or Beam's PipelineOptions define
+it, and the error names the closest flag of either.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import shlex
+
+from pipeline.core.settings import Settings
+from pipeline.model.tiny import PRESETS
+from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, parse_formats
+
+_DEFAULTS = Settings()
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of every Settings field (``settings_from_args`` reads them back)."""
+    d = _DEFAULTS
+    parser.add_argument("--prompts", default=d.prompts,
+                        help="prompt file, folder, glob or gs:// path; formats by extension: .jsonl, .json, .txt, "
+                             ".csv, .tsv, .parquet, each optionally .gz (default: %(default)s)")
+    parser.add_argument("--prompt-field", default=d.prompt_field,
+                        help="the prompt's column or key in jsonl, json, csv, tsv and parquet files; a .txt line is "
+                             "a prompt (default: %(default)s)")
+    parser.add_argument("--dedupe", action="store_true",
+                        help="reject a record whose prompt an earlier record (in file and line order) already has, "
+                             "as duplicate_prompt; counted in the stats")
+    parser.add_argument("--out", default=d.out, help="output folder or gs://bucket/prefix (default: %(default)s)")
+    parser.add_argument("--model", default=d.model,
+                        help="diffusers-format checkpoint: a local folder, a gs:// prefix (copied once into the "
+                             "local cache), a Hugging Face id where the network allows, or a built-in random "
+                             f"model ({', '.join(PRESETS)}: random weights, so their images are noise; for tests, "
+                             "demos and benchmarks) (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=None, help="image width, a multiple of 8 (default: the model's)")
+    parser.add_argument("--height", type=int, default=None, help="image height, a multiple of 8 (default: the model's)")
+    parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
+    parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
+                        help="sampling algorithm (default: the checkpoint's own)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
+                        help="network weights and compute dtype; latents stay float32 (default: %(default)s)")
+    parser.add_argument("--format", default=",".join(d.formats),
+                        help=f"output formats, comma-separated: {', '.join(FORMATS)} (default: %(default)s)")
+    parser.add_argument("--image-format", choices=list(IMAGE_FORMATS), default=d.image_format,
+                        help="image encoding (default: %(default)s)")
+    parser.add_argument("--quality", type=int, default=d.quality,
+                        help="jpeg and webp quality, 1-100 (default: %(default)s)")
+    parser.add_argument("--save-latents", action="store_true",
+                        help="with --format zarr: also write each image's final latents (float32, before VAE "
+                             "decoding) to OUT/zarr/latents")
+    parser.add_argument("--guidance-scale", type=float, default=d.guidance_scale,
+                        help="classifier-free guidance scale for records without one (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help="run seed, hashed with a record's id when the record has no seed (default: %(default)s)")
+    parser.add_argument("--per-device-batch", type=int, default=d.per_device_batch,
+                        help="images per device per step (default: %(default)s)")
+    parser.add_argument("--batches-per-slice", type=int, default=d.batches_per_slice,
+                        help="device steps per slice; slice size = devices per host x per-device batch x this "
+                             "(default: %(default)s)")
+
+
+def settings_from_args(args: argparse.Namespace, devices_per_host: int) -> Settings:
+    """The one translation of the settings flags (``add_settings_flags``) into Settings."""
+    return Settings(prompts=args.prompts, out=args.out, model=args.model, width=args.width, height=args.height,
+                    steps=args.steps, scheduler=args.scheduler, dtype=args.dtype, formats=parse_formats(args.format),
+                    image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
+                    seed=args.seed, per_device_batch=args.per_device_batch,
+                    batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,
+                    save_latents=args.save_latents, prompt_field=args.prompt_field, dedupe=args.dedupe)
+
+
+def add_date_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--date", help="the run's scheduled date (YYYY-MM-DD or an RFC 3339 time), put in place of "
+                        "{date} in --out: a scheduled run re-triggered for the same date resumes it")
+
+
+def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete what an earlier run wrote under --out and start over (without it, re-running "
+                             "the same settings resumes, and other settings are refused)")
+
+
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-cache", metavar="DIR",
+                        help="JAX persistent compilation cache folder: hosts load the compiled sampler from it "
+                             "instead of compiling when it is there (local folder; not part of the run's settings)")
+
+
+# --- strict flags ------------------------------------------------------------------------
+
+def strict(parser: argparse.ArgumentParser, beam: bool = False, beam_strings: tuple[str, ...] = ()) -> None:
+    """Mark ``parser`` (a subcommand's) for ``check_extra``: whether flags it does not know may be
+    Beam options (``beam``), and which of its flags hold Beam options in one quoted string."""
+    parser.set_defaults(flags_parser_=parser, flags_beam_=beam, flags_beam_strings_=tuple(beam_strings))
+
+
+@functools.lru_cache(maxsize=1)
+def _beam_actions() -> dict[str, argparse.Action]:
+    """Every option of Beam's PipelineOptions, by flag (``--runner``, ``--experiment``, ...).
+
+    Beam builds its parser from the ``_add_argparse_args`` of every PipelineOptions subclass
+    when it reads options; ``get_all_options`` hands that parser to ``add_extra_args_fn``,
+    which is how it is caught here rather than rebuilt by hand.
+    """
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    caught: list[argparse.ArgumentParser] = []
+    PipelineOptions([]).get_all_options(add_extra_args_fn=caught.append)
+    # argparse lists a parser's options only in _actions (argparse's own help and usage read it)
+    return {flag: action for action in caught[0]._actions for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"}
+
+
+def beam_option_flags() -> frozenset[str]:
+    """The flags Beam's PipelineOptions know, e.g. ``--runner``, ``--direct_num_workers``."""
+    return frozenset(_beam_actions())
+
+
+def _flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {flag: action for action in parser._actions for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"}
+
+
+def _looks_like_flag(token: str) -> bool:
+    """What argparse takes for a flag rather than a value: a leading '-' that is not a negative number."""
+    if not token.startswith("-") or token == "-":
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return True
+    return False
+
+
+def unknown_flags(tokens: list[str], known: dict[str, argparse.Action]) -> list[str]:
+    """The flags among ``tokens`` that ``known`` does not define, and stray values, in order.
+
+    ``--name=value`` and ``--name value`` both work. As in argparse, the token after a flag
+    that takes a value is its value unless it looks like a flag itself (a negative number is a
+    value); an unknown flag is taken to take one, so only the flag is reported. ``--`` ends
+    the options.
+    """
+    unknown = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--":
+            break
+        if not _looks_like_flag(token):
+            unknown.append(token)  # a value with no flag before it
+            i += 1
+            continue
+        name, eq, _ = token.partition("=")
+        action = known.get(name)
+        if action is None:
+            unknown.append(name)
+            takes_value = True  # unknown: a value after it belongs to it
+        else:
+            takes_value = action.nargs != 0
+        if not eq and takes_value and i + 1 < len(tokens) and not _looks_like_flag(tokens[i + 1]):
+            i += 1
+        i += 1
+    return unknown
+
+
+def _describe(unknown: list[str], candidates: list[str]) -> str:
+    parts = []
+    for token in unknown:
+        if not _looks_like_flag(token):
+            parts.append(repr(token))
+            continue
+        close = difflib.get_close_matches(token, candidates, n=1, cutoff=0.6)
+        parts.append(f"{token} (did you mean {close[0]}?)" if close else token)
+    return ", ".join(parts)
+
+
+def check_beam_args(tokens: list[str], command: str | None = None, suggest: list[str] | tuple = ()) -> str | None:
+    """None if every flag of ``tokens`` is a Beam option; else what is wrong, for an error message
+    that names the closest Beam option or flag of ``suggest`` (``command``'s flags)."""
+    unknown = unknown_flags(tokens, _beam_actions())
+    if not unknown:
+        return None
+    candidates = sorted(set(suggest) | set(_beam_actions()))
+    one = len(unknown) == 1
+    who = f"neither {command} nor Beam's pipeline options know" if command else "Beam's pipeline options do not know"
+    return (f"unrecognized argument{'' if one else 's'}: {_describe(unknown, candidates)}; "
+            f"{who} {'it' if one else 'them'}")
+
+
+def check_extra(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """The Beam options among ``extra`` (what ``parse_known_args`` left), after checking them.
+
+    A flag the command does not know is an error (argparse's: usage, the message, exit 2)
+    unless the command takes Beam options and Beam knows it. The flags that hold Beam options in
+    one quoted string (``--plan-beam-args``) are checked by the same rule.
+    """
+    parser: argparse.ArgumentParser = args.flags_parser_
+    own = sorted(_flag_actions(parser))
+    if extra and not args.flags_beam_:
+        unknown = unknown_flags(extra, _flag_actions(parser))
+        word = "argument" if len(unknown) == 1 else "arguments"
+        parser.error(f"unrecognized {word}: {_describe(unknown or extra, own)}")
+    if extra:
+        problem = check_beam_args(extra, parser.prog, own)
+        if problem:
+            parser.error(problem)
+    for flag in args.flags_beam_strings_:
+        value = getattr(args, _flag_actions(parser)[flag].dest)
+        if value is None:
+            continue
+        try:
+            tokens = shlex.split(value)
+        except ValueError:
+            continue  # bad quoting: the command's own error (exit 1), with the value
+        problem = check_beam_args(tokens)
+        if problem:
+            parser.error(f"{flag} {value!r}: {problem}")
+    return list(extra)

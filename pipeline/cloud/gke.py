@@ -1,0 +1,144 @@
+"""``submit gke``: plan, then a JobSet that generates on a GKE TPU slice, then collect.
+
+``plan`` (Beam, local by default), ``kubectl apply`` of the JobSet
+(``pipeline.cloud.jobset``), a wait that follows the committed slices and the JobSet's
+conditions, then ``collect``. A failed or restarted JobSet loses nothing: hosts skip
+committed slices, so a restart, or re-running the same command, resumes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from typing import Callable
+
+from pipeline.cloud import jobset
+from pipeline.cloud import kubectl as kubectl_lib
+from pipeline.core import naming
+from pipeline.io import storage
+
+KUBECTL_FAILURES_TOLERATED = 5  # consecutive failed status polls before the wait gives up
+
+
+def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
+    """The ``promptmill plan`` command line that plans ``settings`` (what submit gke runs first)."""
+    d = settings.to_dict()
+    command = ["promptmill", "plan", "--prompts", d["prompts"], "--out", d["out"], "--model", d["model"]]
+    for flag, key in (("--width", "width"), ("--height", "height"), ("--scheduler", "scheduler")):
+        if d[key] is not None:
+            command += [flag, str(d[key])]
+    command += ["--steps", str(d["steps"]), "--dtype", d["dtype"], "--format", ",".join(d["formats"]),
+                "--image-format", d["image_format"], "--quality", str(d["quality"]),
+                "--guidance-scale", repr(float(d["guidance_scale"])), "--seed", str(d["seed"]),
+                "--per-device-batch", str(d["per_device_batch"]), "--batches-per-slice", str(d["batches_per_slice"]),
+                "--devices-per-host", str(d["devices_per_host"]), "--prompt-field", d["prompt_field"]]
+    for flag, key in (("--save-latents", "save_latents"), ("--dedupe", "dedupe")):
+        if d[key]:
+            command.append(flag)
+    return command + list(beam_args)
+
+
+def gke_dry_run(job: jobset.GkeJob) -> str:
+    """What ``submit gke --dry-run`` prints: every command, then the manifests (valid multi-document YAML)."""
+    job.validate()
+    base = shlex.join(kubectl_lib.kubectl_base(job.namespace, os.environ.get("KUBECTL") or "kubectl"))
+    stats = naming.join(job.out, "shards", "*_stats.json")
+    collect = ["promptmill", "collect", "--out", job.out, *job.collect_beam_args]
+    lines = [
+        "# promptmill submit gke --dry-run: nothing was run. It would run, in order:",
+        f"# TPU slice: {job.tpu_slice.describe()}",
+        "# 1. plan (Beam):",
+        "#    " + shlex.join(plan_command(job.settings, job.plan_beam_args) + (["--overwrite"] if job.overwrite else [])),
+        f"# 2. {base} get jobset {job.name} -o json --ignore-not-found"
+        "   (a finished JobSet of this name is deleted first; a running one is waited on, not applied again)",
+        f"# 3. {base} apply -f -   (stdin: the manifest below)",
+        f"# 4. wait: every {job.poll_s:g} s count {stats} (committed slices) and read "
+        f"`{base} get jobset {job.name} -o json` until its Completed condition (a Failed one is an error)",
+        "# 5. collect (Beam):",
+        "#    " + shlex.join(collect),
+        "# settings: " + json.dumps(job.settings.to_dict(), sort_keys=True),
+    ]
+    return "\n".join(lines) + "\n---\n" + jobset.to_yaml(jobset.manifests(job))
+
+
+def committed_slices(out: str, total: int) -> int:
+    """How many of the planned slices have their commit marker (``shards/NNNNN_stats.json``)."""
+    found = set(storage.glob(naming.join(out, "shards", "*_stats.json")))
+    return sum(naming.shard_stats(out, i) in found for i in range(total))
+
+
+def apply_jobset(kubectl: kubectl_lib.Kubectl, job: jobset.GkeJob, emit: Callable[[str], None]) -> str:
+    """Create the JobSet: apply it; replace a finished one of the same name; attach to a running one."""
+    state, _ = kubectl_lib.jobset_state(kubectl.get_jobset(job.name))
+    if state == "running":
+        emit(f"JobSet {job.name} is already running: waiting for it instead of applying it again")
+        return "attached"
+    if state in ("completed", "failed"):
+        emit(f"JobSet {job.name} exists and is {state}: deleting it so a new one resumes {job.out}")
+        kubectl("delete", "jobset", job.name, "--wait=true")
+    kubectl("apply", "-f", "-", stdin=jobset.to_yaml(jobset.manifests(job)))
+    emit(f"JobSet {job.name} applied: {job.tpu_slice.describe()}")
+    return "applied"
+
+
+def wait_for_jobset(kubectl: kubectl_lib.Kubectl, job: jobset.GkeJob, total: int, emit: Callable[[str], None],
+                    sleep: Callable[[float], None] = time.sleep) -> int:
+    """Poll until the JobSet completes with every slice committed; returns the committed count.
+
+    Prints ``committed/total`` and the JobSet's restarts whenever they change. A Failed JobSet, a JobSet that
+    disappears, or one that completes with slices missing is a RuntimeError; so are
+    ``KUBECTL_FAILURES_TOLERATED`` failed status calls in a row.
+    """
+    last = None
+    last_status = None
+    failures = 0
+    while True:
+        done = committed_slices(job.out, total)
+        if done != last:
+            emit(f"{done}/{total} slices committed")
+            last = done
+        try:
+            state, message = kubectl_lib.jobset_state(kubectl.get_jobset(job.name))
+            failures = 0
+        except (RuntimeError, ValueError) as e:
+            failures += 1
+            if failures >= KUBECTL_FAILURES_TOLERATED:
+                raise RuntimeError(f"could not read JobSet {job.name}'s status {failures} times in a row: {e}") from e
+            sleep(job.poll_s)
+            continue
+        resume = "committed slices are kept: re-running the same command resumes"
+        if state == "failed":
+            raise RuntimeError(f"JobSet {job.name} failed ({message}) with {committed_slices(job.out, total)}/{total} "
+                               f"slices committed; see `kubectl --namespace {job.namespace} logs -l "
+                               f"jobset.sigs.k8s.io/jobset-name={job.name}`; {resume}")
+        if state == "absent":
+            raise RuntimeError(f"JobSet {job.name} disappeared with {done}/{total} slices committed; {resume}")
+        if state == "completed":
+            done = committed_slices(job.out, total)
+            if done != last:
+                emit(f"{done}/{total} slices committed")
+            if done < total:
+                raise RuntimeError(f"JobSet {job.name} completed but only {done}/{total} slices are committed in "
+                                   f"{job.out}; {resume}")
+            return done
+        if message != last_status:  # started, or restarted after a host failed
+            emit(f"JobSet {job.name} running ({message})")
+            last_status = message
+        sleep(job.poll_s)
+
+
+def submit_gke(job: jobset.GkeJob, emit: Callable[[str], None] = print, kubectl: kubectl_lib.Kubectl | None = None,
+               sleep: Callable[[float], None] = time.sleep) -> dict:
+    """plan -> kubectl apply -> wait -> collect; returns collect's stats."""
+    job.validate()
+    from pipeline.collect import transforms as collect
+    from pipeline.plan import transforms as plan
+
+    kubectl = kubectl or kubectl_lib.Kubectl(job.namespace)  # a missing kubectl fails here, before anything is done
+    manifest = plan.run_plan(job.settings, list(job.plan_beam_args), job.overwrite)
+    emit(f"planned {manifest['records']} records, {manifest['images']} images in {manifest['slices']} slices "
+         f"for {job.tpu_slice.hosts} host(s) x {job.tpu_slice.chips_per_host} chips")
+    apply_jobset(kubectl, job, emit)
+    wait_for_jobset(kubectl, job, manifest["slices"], emit, sleep)
+    return collect.run_collect(job.out, list(job.collect_beam_args))
