@@ -145,6 +145,16 @@ def _prompt(rnd, modifiers: list[str]) -> str:
     return text
 
 
+# (column of the row's random draws, chance, the field from the row's seed): optional fields, in order
+_OPTIONAL_FIELDS = (
+    (1, 0.25, lambda seed: f'"seed": {seed}'),
+    (2, 0.20, lambda seed: '"num_images": 1'),
+    (3, 0.10, lambda seed: f'"negative_prompt": "{_NEGATIVES[seed % len(_NEGATIVES)]}"'),
+    (4, 0.05, lambda seed: f'"guidance_scale": {_GUIDANCE[seed % len(_GUIDANCE)]}'),
+    (5, 0.05, lambda seed: '"collection": "plan-bench"'),
+)
+
+
 def shard_lines(rows: int, shards: int, shard: int, seed: int = SEED) -> list[str]:
     """The JSONL lines (newline included) of one shard; the same for the same arguments."""
     import numpy as np
@@ -169,16 +179,7 @@ def shard_lines(rows: int, shards: int, shard: int, seed: int = SEED) -> list[st
             parts.append(f'"id": "s{shard:05d}-r{index:09d}"')
         elif f[0] < 0.35:
             parts.append(f'"id": {10**12 + index}')
-        if f[1] < 0.25:
-            parts.append(f'"seed": {seeds[j]}')
-        if f[2] < 0.20:
-            parts.append('"num_images": 1')
-        if f[3] < 0.10:
-            parts.append(f'"negative_prompt": "{_NEGATIVES[seeds[j] % len(_NEGATIVES)]}"')
-        if f[4] < 0.05:
-            parts.append(f'"guidance_scale": {_GUIDANCE[seeds[j] % len(_GUIDANCE)]}')
-        if f[5] < 0.05:
-            parts.append('"collection": "plan-bench"')
+        parts += [field_of(seeds[j]) for column, chance, field_of in _OPTIONAL_FIELDS if f[column] < chance]
         lines.append(", ".join(parts) + "}\n")
     return lines
 
