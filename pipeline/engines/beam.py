@@ -5,7 +5,8 @@ every worker process loads the model once and generates whole slices on its loca
 devices, with the same generator, host loop, writers and collect code as the pod engine.
 Given the same settings and per-device batch, both engines write byte-identical images.
 
-  plan stages     ``pipeline.plan.transforms.build``: prompt files -> slices -> the manifest (one element)
+  Plan            ``pipeline.plan.transforms.Plan``: prompt files -> slices -> the manifest
+                  (one element)
   Slices          the manifest -> its slice indices
   SpreadSlices    Reshuffle: the slices spread over the workers
   Generate        ``GenerateSlicesFn``: the model, loaded once per worker process in ``setup``; per
@@ -48,6 +49,7 @@ from pipeline.core.settings import Run, Settings
 from pipeline.generate import host_loop, runtime
 from pipeline.io import beamio, storage
 from pipeline.plan import transforms as plan
+from pipeline.plan.prepare import prepare
 
 # Runners that run the DoFns on this machine (Beam's LOCAL_RUNNERS, and Prism, which the
 # DirectRunner may hand the pipeline to): their workers get local CPU devices.
@@ -215,7 +217,7 @@ def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
     returns the PCollection of stats.json's content."""
     out = settings.out
-    manifest = plan.build(p, settings.prompts, out, settings)
+    manifest = p | "Plan" >> plan.Plan(settings)
     generated = (manifest
                  | "Slices" >> beam.FlatMap(lambda m: range(m["slices"]))
                  | "SpreadSlices" >> beam.Reshuffle()
@@ -272,11 +274,7 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     watch = logs.Stopwatch()
     if is_local_runner(beam_args):
         use_local_cpu_devices(settings.devices_per_host)
-    beamio.require_filesystem(settings.prompts, settings.out)
-    if not plan.match_prompt_files(settings.prompts):  # also: every file has a known format
-        raise plan.PlanError(f"no prompt files match {settings.prompts!r}")
-    settings, run = plan.resolve_settings(settings)
-    run = plan.prepare_out(settings.out, run, overwrite)
+    settings, run = prepare(settings, overwrite)
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
                devices_per_host=settings.devices_per_host, slice_size=settings.slice_size)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
