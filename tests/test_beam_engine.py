@@ -338,14 +338,6 @@ def test_use_local_cpu_devices_sets_the_device_count_and_keeps_other_xla_flags(m
     assert os.environ["JAX_PLATFORMS"] == "cpu"
 
 
-def test_verification_error_names_the_bad_keys():
-    stats = {"verified": False, "problems": {"missing": {"count": 1, "keys": ["k_0000"]}},
-             "conservation": {"holds": False, "input_rows": 5, "records": 3, "rejects": 1}}
-    message = beam_engine.verification_error(stats)
-    assert "missing: 1 key(s), e.g. k_0000" in message and "input rows 5 != planned records 3 + rejects 1" in message
-    assert beam_engine.verification_error({"verified": True}) is None
-
-
 def test_run_engine_flags_are_checked_by_the_cli(tmp_path, model_cache):
     from tests.conftest import run_cli
 
