@@ -14,7 +14,9 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
+from pipeline.collect import stats as dataset_stats
 from pipeline.collect import transforms as collect
+from pipeline.collect import verify
 from pipeline.core import naming
 from pipeline.io import runs
 from pipeline.io import storage
@@ -154,6 +156,38 @@ def test_the_collect_transforms_under_test_pipeline(dirty_run, tmp_path):
         assert_that(collected | "Stats" >> beam.Map(without_times), equal_to([without_times(expected)]))
     assert without_times(storage.read_json(naming.dataset_file(out, "stats.json"))) == without_times(expected)
     assert storage.exists(naming.dataset_file(out, "metadata.parquet"))
+
+
+@pytest.mark.parametrize("image_paths, f_verdict", [(["s/a.png", "s/b.png", "s/e.png"], "missing"), (None, "ok")])
+def test_verify_slice_gives_every_key_one_verdict(image_paths, f_verdict):
+    """a: all there; b: two rows; c, d: no row; e: never planned; f: a row, and an image
+    file only where the run writes files (``image_paths`` None: it writes none)."""
+    rows = [{"key": k} for k in ("a", "b", "b", "e", "f")]
+    verdicts = verify.verify_slice(["a", "b", "c", "d", "f"], rows, image_paths)
+    expected = {"ok": ["a"], "missing": ["c", "d"], "duplicated": ["b"], "unexpected": ["e"]}
+    expected[f_verdict] = sorted(expected[f_verdict] + ["f"])
+    assert verdicts == expected
+    assert verify.verify_slice(["a", "a"], [{"key": "a"}], None)["duplicated"] == ["a"]
+
+
+def summary(index, ok, records, verdicts=None):
+    return {"slice": index, "ok": ok, "records": records, "verdicts": verdicts or {}, "stats": None,
+            "truncated_images": 0, "truncated_records": 0}
+
+
+def test_dataset_stats_count_problems_rejects_and_conservation():
+    manifest = {"input_rows": 6, "images": 5, "slices": 2}
+    summaries = [summary(1, 1, 2, {"missing": ["k1"]}), summary(0, 3, 2, {"unexpected": ["k0"]})]
+    stats = dataset_stats.dataset_stats(manifest, summaries, [{"invalid_json": 1}, {"duplicate_id": 1}], 1.5)
+    assert (stats["images"], stats["records"], stats["rejects"], stats["committed_slices"]) == (4, 4, 2, 0)
+    assert stats["rejects_by_reason"] == {"duplicate_id": 1, "invalid_json": 1}
+    assert stats["duplicates"] == {"ids": 1, "prompts": 0}
+    assert stats["conservation"] == {"input_rows": 6, "records": 4, "rejects": 2, "holds": True}
+    assert stats["problems"] == {"missing": {"count": 1, "keys": ["k1"]}, "unexpected": {"count": 1, "keys": ["k0"]}}
+    assert not stats["verified"] and stats["wall_times"] == {"generate_s": None, "collect_s": 1.5}
+    clean = dataset_stats.dataset_stats(manifest, [summary(0, 5, 4)], [{"bad_row": 1}], 0.0)
+    assert clean["conservation"]["holds"] is False and not clean["verified"]
+    assert dataset_stats.dataset_stats(manifest, [summary(0, 5, 4)], [{"bad_row": 2}], 0.0)["verified"]
 
 
 def test_check_verified_names_the_bad_keys():

@@ -5,6 +5,7 @@ slice may be read) -> the content of ``dataset/stats.json``. ``run_collect`` app
 to the manifest that the plan wrote; the beam engine applies it to the manifest that
 comes out of its generate -> collect barrier. Both then call ``check_verified``.
 
+  StartClock     the manifest -> when collect began (for stats.json's ``collect_s``)
   SliceIndices   the manifest -> its slice indices
   VerifySlices   each planned slice, on its own: its plan items, its metadata rows (if
                  the slice is committed) and its image files are matched by key, and each
@@ -18,6 +19,8 @@ comes out of its generate -> collect barrier. Both then call ``check_verified``.
                  ``dataset/index.html`` and ``dataset/gallery/`` (the paginated gallery),
                  ``dataset/stats.json`` and the dataset card ``dataset/README.md``
 
+The pure parts live beside this module: ``pipeline.collect.verify`` (a slice's verdicts,
+``verify_slice``) and ``pipeline.collect.stats`` (stats.json's content, ``dataset_stats``).
 Conservation is checked from what the plan wrote, not from its manifest's say-so:
 input rows = planned records (items with image index 0) + rows of the rejects files.
 ``check_verified`` raises ``CollectError`` naming the bad keys, or a broken count.
@@ -28,7 +31,6 @@ Inside the pipeline, objects are read and written through Beam's FileSystems
 from __future__ import annotations
 
 import collections
-import datetime as dt
 import io
 import json
 import tarfile
@@ -39,14 +41,14 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.collect import card, gallery
+from pipeline.collect.stats import dataset_stats
+from pipeline.collect.verify import verify_slice
 from pipeline.core import naming
 from pipeline.core.settings import Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.output import formats, writer
 
-MAX_KEYS_IN_MESSAGE = 20
 GALLERY_PAGE_SIZE = 100
-VERDICTS = ("ok", "missing", "duplicated", "unexpected")
 
 
 class CollectError(RuntimeError):
@@ -61,41 +63,6 @@ def _read_lines(path: str):
 
 def _read_table(path: str):
     return writer.parquet_table(beamio.read_bytes(path))
-
-
-def _key_of_image(path: str) -> str:
-    return path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-
-
-def classify(planned: list, rows: list, images: list | None) -> str:
-    """The verdict for one key, from what was planned, written and stored under it.
-
-    ``images`` is None when the run writes no image files (its other formats are
-    written whole per slice, before the slice's commit marker).
-    """
-    if not planned:
-        return "unexpected"
-    if len(planned) > 1 or len(rows) > 1:
-        return "duplicated"
-    if not rows or (images is not None and not images):
-        return "missing"
-    return "ok"
-
-
-def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[str] | None) -> dict[str, list[str]]:
-    """Keys by verdict for one slice (pure): planned keys, its metadata rows, its image files."""
-    by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": []})
-    for key in planned_keys:
-        by_key[key]["planned"].append(key)
-    for row in rows:
-        by_key[row["key"]]["rows"].append(row)
-    for path in image_paths or ():
-        by_key[_key_of_image(path)]["images"].append(path)
-    verdicts: dict[str, list[str]] = {v: [] for v in VERDICTS}
-    for key in sorted(by_key):
-        got = by_key[key]
-        verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"])].append(key)
-    return verdicts
 
 
 def slice_images(out: str, settings: Settings, index: int, rows: list[dict]) -> dict[str, bytes]:
@@ -205,39 +172,6 @@ def _ok_rows_table(out: str, summary: dict):
     return _conform(table.sort_by("position"), writer.metadata_schema())
 
 
-HOST_TIMES = ("input_s", "device_wait_s", "output_s", "device_busy_s")  # per slice, from pipeline.generate.host_loop
-
-
-def _host_stats(slice_stats: list[dict]) -> dict:
-    """Per host: images, slices, seconds and images/s, and the slices' summed time spent
-    preparing inputs, waiting for the devices, and handing images to the writers, and the
-    devices' busy time."""
-    hosts: dict[int, dict] = {}
-    for stats in slice_stats:
-        host = hosts.setdefault(stats["host"], {"images": 0, "seconds": 0.0, "slices": 0,
-                                                **{name: 0.0 for name in HOST_TIMES}})
-        host["images"] += stats["images"]
-        host["seconds"] += stats["seconds"]
-        host["slices"] += 1
-        for name in HOST_TIMES:
-            host[name] += stats.get(name, 0.0)
-    for host in hosts.values():
-        for name in ("seconds", *HOST_TIMES):
-            host[name] = round(host[name], 3)
-        host["images_per_s"] = round(host["images"] / host["seconds"], 3) if host["seconds"] else None
-    return {str(h): v for h, v in sorted(hosts.items())}
-
-
-def _generate_wall_s(slice_stats: list[dict]) -> float | None:
-    """From the first slice's start to the last slice's end, as the hosts recorded them."""
-    spans = []
-    for stats in slice_stats:
-        if "finished_at" in stats:
-            end = dt.datetime.fromisoformat(stats["finished_at"]).timestamp()
-            spans.append((end - stats["seconds"], end))
-    return round(max(e for _, e in spans) - min(s for s, _ in spans), 1) if spans else None
-
-
 def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, started: float, run: Run, out: str,
                   page_size: int, thumbnails: bool) -> dict:
     """Writes the dataset's files from every slice's summary and every rejects file's
@@ -245,10 +179,6 @@ def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, st
     import pyarrow.parquet as pq
 
     summaries = sorted(summaries, key=lambda s: s["slice"])
-    problems: dict[str, list[str]] = {}
-    for summary in summaries:
-        for kind, keys in summary["verdicts"].items():
-            problems.setdefault(kind, []).extend(keys)
     images = sum(s["ok"] for s in summaries)
 
     def rows():  # one slice's rows in memory at a time, in position order
@@ -267,29 +197,7 @@ def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, st
     else:
         collections.deque(rows(), maxlen=0)
 
-    by_reason = collections.Counter()
-    for counts in reject_counts:
-        by_reason.update(counts)
-    slice_stats = [s["stats"] for s in summaries if s["stats"]]
-    records = sum(s["records"] for s in summaries)
-    rejects = sum(by_reason.values())
-    input_rows = manifest["input_rows"]
-    stats = {
-        "verified": not problems and records + rejects == input_rows, "images": images, "records": records,
-        "planned_images": manifest["images"], "input_rows": input_rows, "rejects": rejects,
-        "rejects_by_reason": dict(sorted(by_reason.items())),
-        "conservation": {"input_rows": input_rows, "records": records, "rejects": rejects,
-                         "holds": records + rejects == input_rows},
-        "duplicates": {"ids": by_reason.get("duplicate_id", 0), "prompts": by_reason.get("duplicate_prompt", 0)},
-        "truncated_prompts": {"records": sum(s["truncated_records"] for s in summaries),
-                              "images": sum(s["truncated_images"] for s in summaries)},
-        "slices": manifest["slices"], "committed_slices": len(slice_stats),
-        "problems": {kind: {"count": len(keys), "keys": keys[:MAX_KEYS_IN_MESSAGE]}
-                     for kind, keys in sorted(problems.items())},
-        "hosts": _host_stats(slice_stats),
-        "wall_times": {"generate_s": _generate_wall_s(slice_stats), "collect_s": round(time.time() - started, 1)},
-        "compiles_after_warmup": sum(s.get("compiles_after_warmup", 0) for s in slice_stats),
-    }
+    stats = dataset_stats(manifest, summaries, reject_counts, collect_s=round(time.time() - started, 1))
     beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
     beamio.write_text(naming.dataset_file(out, "README.md"), card.render(run, stats), "text/markdown")
     return stats
