@@ -1,5 +1,5 @@
-"""The plan's first pass and its layout, without Beam: rows checked into records, one
-file's scan, and where every record goes.
+"""The plan's first pass and its layout, as plain functions (no Beam transforms): rows
+checked into records, one file's scan, and where every record goes.
 
   match_prompt_files  a pattern -> its prompt files, each of a known format
   validated           one file's rows -> ``Record`` or ``Reject``, in file order
