@@ -259,8 +259,8 @@ def test_without_runner_retries_the_job_fails_loudly_and_a_rerun_resumes(beam_ru
 def test_local_cpu_devices_reach_jax_in_a_fresh_process():
     """What ``run_beam`` does first on a local runner, in a process like the CLI's: jax
     (here imported already, its backend not started) then has the planned CPU devices."""
-    code = ("import jax, jobs.cli; from pipeline.engines import beam as beam_engine; beam_engine.use_local_cpu_devices(3); "
-            "print(len(jax.local_devices()), jax.local_devices()[0].platform)")
+    code = ("import jax, jobs.cli; from pipeline.engines import beam as beam_engine; "
+            "beam_engine.use_local_cpu_devices(3); print(len(jax.local_devices()), jax.local_devices()[0].platform)")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
@@ -336,14 +336,6 @@ def test_use_local_cpu_devices_sets_the_device_count_and_keeps_other_xla_flags(m
     beam_engine.use_local_cpu_devices(2)
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"
     assert os.environ["JAX_PLATFORMS"] == "cpu"
-
-
-def test_verification_error_names_the_bad_keys():
-    stats = {"verified": False, "problems": {"missing": {"count": 1, "keys": ["k_0000"]}},
-             "conservation": {"holds": False, "input_rows": 5, "records": 3, "rejects": 1}}
-    message = beam_engine.verification_error(stats)
-    assert "missing: 1 key(s), e.g. k_0000" in message and "input rows 5 != planned records 3 + rejects 1" in message
-    assert beam_engine.verification_error({"verified": True}) is None
 
 
 def test_run_engine_flags_are_checked_by_the_cli(tmp_path, model_cache):

@@ -111,7 +111,7 @@ def test_the_plan_pipeline_reads_and_writes_gcs(gcs_emulator):
     storage.write_bytes(f"{base}/in/sub/skip.txt", b"not matched\n")
     pattern, out = f"{base}/in/**/*.jsonl", f"{base}/out"
     with TestPipeline() as p:
-        plan.build(p, pattern, out, Settings(prompts=pattern, out=out))
+        _ = p | "Plan" >> plan.Plan(Settings(prompts=pattern, out=out))
     [slice_file] = storage.glob(f"{out}/plan/slices/*")
     assert [(i["prompt"], i["line"]) for i in map(json.loads, storage.read_text(slice_file).splitlines())] == [
         ("1", 1), ("3", 3)]

@@ -1,15 +1,24 @@
 """A dirty corpus in, a dataset people can use out: one real ``promptmill run --dedupe``
 over shards in five formats holding every kind of bad row, then what collect made of it:
 exact reject counts by reason, conservation, truncation counts, ``metadata.parquet``
-loaded by Hugging Face ``datasets``, the dataset card, and the gallery in Chromium."""
+loaded by Hugging Face ``datasets``, the dataset card, the gallery in Chromium, and the
+collect transforms (VerifySlices, CountRejects, Collect) run again under TestPipeline."""
 import json
 import os
+import shutil
 
+import apache_beam as beam
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
 
+from pipeline.collect import stats as dataset_stats
+from pipeline.collect import transforms as collect
+from pipeline.collect import verify
 from pipeline.core import naming
+from pipeline.io import runs
 from pipeline.io import storage
 from pipeline.output import writer
 from tests import chromium
@@ -114,6 +123,81 @@ def test_conservation_duplicates_and_truncation_are_in_the_stats(dirty_run):
     assert host["input_s"] + host["device_wait_s"] + host["output_s"] <= host["seconds"]
     assert 0 < host["device_busy_s"] <= host["seconds"]
     assert stats["wall_times"]["generate_s"] >= 0 and stats["wall_times"]["collect_s"] >= 0
+
+
+def test_the_collect_transforms_under_test_pipeline(dirty_run, tmp_path):
+    """VerifySlices and CountRejects on the run's files, and Collect composing them into
+    the same stats (less the wall times) as the run's own collect, on a copy of OUT."""
+    out = str(tmp_path / "out")
+    shutil.copytree(dirty_run[0], out)
+    manifest, run = storage.read_json(naming.manifest(out)), runs.read(out)
+    expected = storage.read_json(naming.dataset_file(out, "stats.json"))
+    storage.delete_prefix(naming.join(out, "dataset"))
+    with TestPipeline() as p:
+        summaries = (p
+                     | "Indices" >> beam.Create(range(manifest["slices"]))
+                     | "VerifySlices" >> collect.VerifySlices(out, run.settings, thumbnails=False))
+        assert_that(summaries | "Verdicts" >> beam.Map(lambda s: (s["slice"], s["all_ok"], s["verdicts"])),
+                    equal_to([(i, True, {}) for i in range(manifest["slices"])]), label="AllOk")
+        assert_that(summaries | "Ok" >> beam.Map(lambda s: s["ok"]) | "Sum" >> beam.CombineGlobally(sum),
+                    equal_to([EXPECTED_IMAGES]), label="OkImages")
+        counts = (p
+                  | "Rejects" >> beam.Create(storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl")))
+                  | "CountRejects" >> collect.CountRejects()
+                  | "Reasons" >> beam.FlatMap(lambda counts: counts.items())
+                  | "SumByReason" >> beam.CombinePerKey(sum))
+        assert_that(counts, equal_to(list(EXPECTED_REJECTS.items())), label="ByReason")
+    assert storage.glob(naming.join(out, "dataset", "*")) == []  # without thumbnails, verifying writes nothing
+    without_times = lambda stats: {k: v for k, v in stats.items() if k != "wall_times"}  # noqa: E731
+    with TestPipeline() as p:
+        collected = (p
+                     | "Manifest" >> beam.Create([manifest])
+                     | "Collect" >> collect.Collect(out, run, thumbnails=False))
+        assert_that(collected | "Stats" >> beam.Map(without_times), equal_to([without_times(expected)]))
+    assert without_times(storage.read_json(naming.dataset_file(out, "stats.json"))) == without_times(expected)
+    assert storage.exists(naming.dataset_file(out, "metadata.parquet"))
+
+
+@pytest.mark.parametrize("image_paths, f_verdict", [(["s/a.png", "s/b.png", "s/e.png"], "missing"), (None, "ok")])
+def test_verify_slice_gives_every_key_one_verdict(image_paths, f_verdict):
+    """a: all there; b: two rows; c, d: no row; e: never planned; f: a row, and an image
+    file only where the run writes files (``image_paths`` None: it writes none)."""
+    rows = [{"key": k} for k in ("a", "b", "b", "e", "f")]
+    verdicts = verify.verify_slice(["a", "b", "c", "d", "f"], rows, image_paths)
+    expected = {"ok": ["a"], "missing": ["c", "d"], "duplicated": ["b"], "unexpected": ["e"]}
+    expected[f_verdict] = sorted(expected[f_verdict] + ["f"])
+    assert verdicts == expected
+    assert verify.verify_slice(["a", "a"], [{"key": "a"}], None)["duplicated"] == ["a"]
+
+
+def summary(index, ok, records, verdicts=None):
+    return {"slice": index, "ok": ok, "records": records, "verdicts": verdicts or {}, "stats": None,
+            "truncated_images": 0, "truncated_records": 0}
+
+
+def test_dataset_stats_count_problems_rejects_and_conservation():
+    manifest = {"input_rows": 6, "images": 5, "slices": 2}
+    summaries = [summary(1, 1, 2, {"missing": ["k1"]}), summary(0, 3, 2, {"unexpected": ["k0"]})]
+    stats = dataset_stats.dataset_stats(manifest, summaries, [{"invalid_json": 1}, {"duplicate_id": 1}], 1.5)
+    assert (stats["images"], stats["records"], stats["rejects"], stats["committed_slices"]) == (4, 4, 2, 0)
+    assert stats["rejects_by_reason"] == {"duplicate_id": 1, "invalid_json": 1}
+    assert stats["duplicates"] == {"ids": 1, "prompts": 0}
+    assert stats["conservation"] == {"input_rows": 6, "records": 4, "rejects": 2, "holds": True}
+    assert stats["problems"] == {"missing": {"count": 1, "keys": ["k1"]}, "unexpected": {"count": 1, "keys": ["k0"]}}
+    assert not stats["verified"] and stats["wall_times"] == {"generate_s": None, "collect_s": 1.5}
+    clean = dataset_stats.dataset_stats(manifest, [summary(0, 5, 4)], [{"bad_row": 1}], 0.0)
+    assert clean["conservation"]["holds"] is False and not clean["verified"]
+    assert dataset_stats.dataset_stats(manifest, [summary(0, 5, 4)], [{"bad_row": 2}], 0.0)["verified"]
+
+
+def test_check_verified_names_the_bad_keys():
+    collect.check_verified({"verified": True})
+    stats = {"verified": False, "problems": {"missing": {"count": 1, "keys": ["k_0000"]}},
+             "conservation": {"holds": False, "input_rows": 5, "records": 3, "rejects": 1}}
+    with pytest.raises(collect.CollectError) as error:
+        collect.check_verified(stats)
+    assert str(error.value) == ("the dataset does not match the plan:\n  missing: 1 key(s), e.g. k_0000\n"
+                                "  input rows 5 != planned records 3 + rejects 1")
 
 
 def test_hugging_face_datasets_loads_the_metadata(dirty_run, tmp_path, monkeypatch):

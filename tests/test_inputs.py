@@ -13,6 +13,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 
 from pipeline.plan import inputs
 from pipeline.core import naming
+from pipeline.plan import layout
 from pipeline.plan import transforms as plan
 from pipeline.core import records
 from pipeline.io import storage
@@ -64,7 +65,7 @@ def plan_with_beam(pattern: str, out: str, prompt_field: str = "prompt"):
     """Run the plan pipeline under TestPipeline: (items with image index 0, in position
     order; rejects), as written under OUT/plan."""
     with TestPipeline() as p:
-        plan.build(p, pattern, out, Settings(prompts=pattern, out=out, seed=3, prompt_field=prompt_field))
+        _ = p | "Plan" >> plan.Plan(Settings(prompts=pattern, out=out, seed=3, prompt_field=prompt_field))
     items = [records.Item.from_json(json.loads(line)) for path in storage.glob(naming.join(out, "plan", "slices", "*"))
              for line in storage.read_text(path).splitlines()]  # noqa: E501
     rejects = [json.loads(line) for path in storage.glob(naming.join(out, "plan", "rejects", "*"))
@@ -74,10 +75,10 @@ def plan_with_beam(pattern: str, out: str, prompt_field: str = "prompt"):
 
 def read(pattern: str, root: str, prompt_field: str = "prompt"):
     """(records, rejects) of the files of ``pattern``, without Beam: what the plan's passes
-    see of each file (``plan.validated``). Tests with many cases use this; Beam runs are slower."""
+    see of each file (``layout.validated``). Tests with many cases use this; Beam runs are slower."""
     recs, rejects = [], []
-    for path in plan.match_prompt_files(pattern):
-        for _, result in plan.validated(path, 3, root, prompt_field):
+    for path in layout.match_prompt_files(pattern):
+        for _, result in layout.validated(path, 3, root, prompt_field):
             (rejects if isinstance(result, records.Reject) else recs).append(result)
     return recs, rejects
 
@@ -219,7 +220,7 @@ def test_unknown_extensions_fail_the_plan_before_it_starts(tmp_path):
     with pytest.raises(plan.PlanError, match=r"notes\.md.*supported extensions: .jsonl\[.gz\].*\.parquet"):
         plan.run_plan(Settings(prompts=str(tmp_path), out=str(tmp_path / "out")))
     with pytest.raises(plan.PlanError, match=r"b\.jsonl\.zip"):
-        plan.match_prompt_files(str(tmp_path))
+        layout.match_prompt_files(str(tmp_path))
 
 
 def test_gcs_inputs(gcs_emulator):

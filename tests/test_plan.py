@@ -7,6 +7,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.core import naming
+from pipeline.plan import layout
 from pipeline.plan import transforms as plan
 from pipeline.io import storage
 from pipeline.core.settings import Settings
@@ -41,7 +42,7 @@ def test_the_plan_pipeline_under_test_pipeline(tmp_path):
     folder, out = write_files(tmp_path / "d", FILES), str(tmp_path / "out")
     settings = Settings(prompts=folder, out=out, devices_per_host=2, batches_per_slice=1)
     p = TestPipeline()
-    manifest = plan.build(p, folder, out, settings)
+    manifest = p | "Plan" >> plan.Plan(settings)
     assert_that(manifest | beam.Map(lambda m: (m["records"], m["images"], m["rejects"], m["input_rows"])),
                 equal_to([(4, 5, 3, 7)]))
     result = p.run()
@@ -75,31 +76,31 @@ def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
 
 def scan(source, ids, prompts, images=None):
     n = len(ids)
-    digest = lambda texts: np.frombuffer(b"".join(plan._digest(t) for t in texts), dtype="S16")  # noqa: E731
-    return plan.FileScan(source, n, {}, np.arange(1, n + 1, dtype=np.int64),
-                         np.asarray(images or [1] * n, np.int32), digest(ids), digest(prompts))
+    digest = lambda texts: np.frombuffer(b"".join(layout.digest(t) for t in texts), dtype="S16")  # noqa: E731
+    return layout.FileScan(source, n, {}, np.arange(1, n + 1, dtype=np.int64),
+                           np.asarray(images or [1] * n, np.int32), digest(ids), digest(prompts))
 
 
 def test_layout_rejects_later_duplicate_ids_and_with_dedupe_later_duplicate_prompts():
     scans = [scan("b", ["x", "y", "z"], ["cat", "dog", "cat"], [1, 2, 1]),
              scan("a", ["x", "w"], ["dog", "dog"], [3, 1])]
-    layout = plan.make_layout(scans, dedupe=False)
-    assert layout.drops == {"b": {1: ("duplicate_id", "the same id as a line 1")}}
-    assert (layout.records, layout.images, layout.first, layout.images_of) == (4, 7, {"a": 0, "b": 4}, {"a": 4, "b": 3})
-    layout = plan.make_layout(scans, dedupe=True)
+    placed = layout.make_layout(scans, dedupe=False)
+    assert placed.drops == {"b": {1: ("duplicate_id", "the same id as a line 1")}}
+    assert (placed.records, placed.images, placed.first, placed.images_of) == (4, 7, {"a": 0, "b": 4}, {"a": 4, "b": 3})
+    placed = layout.make_layout(scans, dedupe=True)
     # b line 1 is dropped for its id, so the first kept "cat" is b line 3, which stays
-    assert layout.drops == {"a": {2: ("duplicate_prompt", "the same prompt as a line 1")},
+    assert placed.drops == {"a": {2: ("duplicate_prompt", "the same prompt as a line 1")},
                             "b": {1: ("duplicate_id", "the same id as a line 1"),
                                   2: ("duplicate_prompt", "the same prompt as a line 1")}}
-    assert (layout.records, layout.images, layout.first, layout.rejects_by_reason) == (
+    assert (placed.records, placed.images, placed.first, placed.rejects_by_reason) == (
         2, 4, {"a": 0, "b": 3}, {"duplicate_id": 1, "duplicate_prompt": 2})
-    assert plan.make_layout([], dedupe=True).images == 0
+    assert layout.make_layout([], dedupe=True).images == 0
 
 
 @pytest.mark.parametrize("pattern,root", [("/d/*.jsonl", "/d/"), ("/d/sub/a.jsonl", "/d/sub"),
                                           ("gs://b/p/**/x*.jsonl", "gs://b/p/"), ("/d/a?.jsonl", "/d")])
 def test_input_root(pattern, root):
-    assert plan.input_root(pattern) == root
+    assert layout.input_root(pattern) == root
 
 
 def test_run_plan_writes_run_manifest_slices_and_rejects(tmp_path, model_cache):

@@ -1,19 +1,29 @@
 """``collect``: committed shards in, a verified dataset out (a Beam pipeline that streams).
 
+``Collect`` composes the stages below: the manifest (one element, released once every
+slice may be read) -> the content of ``dataset/stats.json``. ``run_collect`` applies it
+to the manifest that the plan wrote; the beam engine applies it to the manifest that
+comes out of its generate -> collect barrier. Both then call ``check_verified``.
+
+  StartClock     the manifest -> when collect began (for stats.json's ``collect_s``)
+  SliceIndices   the manifest -> its slice indices
   VerifySlices   each planned slice, on its own: its plan items, its metadata rows (if
                  the slice is committed) and its image files are matched by key, and each
                  key is classified: ok, missing (planned, no row or no image), duplicated
                  (more than one row) or unexpected (a row or image never planned there).
                  Gallery thumbnails of the slice's images are written as it goes.
+  MatchRejects   the manifest -> the plan's rejects files
   CountRejects   each rejects file -> its rows by reason
   WriteDataset   once, walking the slices in order with one slice's rows in memory at a
                  time: ``dataset/metadata.parquet`` (one row group per slice),
                  ``dataset/index.html`` and ``dataset/gallery/`` (the paginated gallery),
                  ``dataset/stats.json`` and the dataset card ``dataset/README.md``
 
+The pure parts live beside this module: ``pipeline.collect.verify`` (a slice's verdicts,
+``verify_slice``) and ``pipeline.collect.stats`` (stats.json's content, ``dataset_stats``).
 Conservation is checked from what the plan wrote, not from its manifest's say-so:
 input rows = planned records (items with image index 0) + rows of the rejects files.
-``run_collect`` raises ``CollectError`` naming the bad keys, or a broken count.
+``check_verified`` raises ``CollectError`` naming the bad keys, or a broken count.
 Inside the pipeline, objects are read and written through Beam's FileSystems
 (``pipeline.io.beamio``); listings with ``storage.glob``. Counters (namespace
 ``collect``): keys_ok, keys_missing, keys_duplicated, keys_unexpected, thumbnails.
@@ -21,7 +31,6 @@ Inside the pipeline, objects are read and written through Beam's FileSystems
 from __future__ import annotations
 
 import collections
-import datetime as dt
 import io
 import json
 import tarfile
@@ -31,19 +40,15 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.io import beamio
-from pipeline.collect import card
-from pipeline.output import formats
-from pipeline.collect import gallery
+from pipeline.collect import card, gallery
+from pipeline.collect.stats import dataset_stats
+from pipeline.collect.verify import verify_slice
 from pipeline.core import naming
-from pipeline.io import storage
-from pipeline.output import writer
 from pipeline.core.settings import Run, Settings
-from pipeline.io import runs
+from pipeline.io import beamio, runs, storage
+from pipeline.output import formats, writer
 
-MAX_KEYS_IN_MESSAGE = 20
 GALLERY_PAGE_SIZE = 100
-VERDICTS = ("ok", "missing", "duplicated", "unexpected")
 
 
 class CollectError(RuntimeError):
@@ -58,41 +63,6 @@ def _read_lines(path: str):
 
 def _read_table(path: str):
     return writer.parquet_table(beamio.read_bytes(path))
-
-
-def _key_of_image(path: str) -> str:
-    return path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-
-
-def classify(planned: list, rows: list, images: list | None) -> str:
-    """The verdict for one key, from what was planned, written and stored under it.
-
-    ``images`` is None when the run writes no image files (its other formats are
-    written whole per slice, before the slice's commit marker).
-    """
-    if not planned:
-        return "unexpected"
-    if len(planned) > 1 or len(rows) > 1:
-        return "duplicated"
-    if not rows or (images is not None and not images):
-        return "missing"
-    return "ok"
-
-
-def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[str] | None) -> dict[str, list[str]]:
-    """Keys by verdict for one slice (pure): planned keys, its metadata rows, its image files."""
-    by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": []})
-    for key in planned_keys:
-        by_key[key]["planned"].append(key)
-    for row in rows:
-        by_key[row["key"]]["rows"].append(row)
-    for path in image_paths or ():
-        by_key[_key_of_image(path)]["images"].append(path)
-    verdicts: dict[str, list[str]] = {v: [] for v in VERDICTS}
-    for key in sorted(by_key):
-        got = by_key[key]
-        verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"])].append(key)
-    return verdicts
 
 
 def slice_images(out: str, settings: Settings, index: int, rows: list[dict]) -> dict[str, bytes]:
@@ -116,6 +86,8 @@ def slice_images(out: str, settings: Settings, index: int, rows: list[dict]) -> 
 
 
 class _VerifySliceFn(beam.DoFn):
+    """One slice index -> its summary (``verify_slice``'s verdicts, counts, its stats)."""
+
     def __init__(self, out: str, settings: Settings, thumbnails: bool):
         self.out, self.settings, self.thumbnails = out, settings, thumbnails
         self.counters = {}
@@ -155,8 +127,31 @@ class _VerifySliceFn(beam.DoFn):
                                         and row["image_index"] == 0)}
 
 
-def _count_rejects(path: str):
+class VerifySlices(beam.PTransform):
+    """Slice indices -> one summary per slice: its records, planned images, committed
+    stats, ok count and the keys of every other verdict. With ``thumbnails``, the gallery
+    thumbnails of each slice's ok images are written as it goes."""
+
+    def __init__(self, out: str, settings: Settings, thumbnails: bool = True):
+        super().__init__()
+        self.out, self.settings, self.thumbnails = out, settings, thumbnails
+
+    def expand(self, indices):
+        return (indices
+                | "SpreadSlices" >> beam.Reshuffle()
+                | "VerifySlice" >> beam.ParDo(_VerifySliceFn(self.out, self.settings, self.thumbnails)))
+
+
+def count_rejects(path: str) -> collections.Counter:
+    """The rows of one rejects file, by reason."""
     return collections.Counter(row["reason"] for row in _read_lines(path))
+
+
+class CountRejects(beam.PTransform):
+    """Rejects files (paths) -> one Counter of rows by reason per file."""
+
+    def expand(self, paths):
+        return paths | "CountByReason" >> beam.Map(count_rejects)
 
 
 def _conform(table, schema):
@@ -177,48 +172,13 @@ def _ok_rows_table(out: str, summary: dict):
     return _conform(table.sort_by("position"), writer.metadata_schema())
 
 
-HOST_TIMES = ("input_s", "device_wait_s", "output_s", "device_busy_s")  # per slice, from pipeline.generate.host_loop
-
-
-def _host_stats(slice_stats: list[dict]) -> dict:
-    """Per host: images, slices, seconds and images/s, and the slices' summed time spent
-    preparing inputs, waiting for the devices, and handing images to the writers, and the
-    devices' busy time."""
-    hosts: dict[int, dict] = {}
-    for stats in slice_stats:
-        host = hosts.setdefault(stats["host"], {"images": 0, "seconds": 0.0, "slices": 0,
-                                                **{name: 0.0 for name in HOST_TIMES}})
-        host["images"] += stats["images"]
-        host["seconds"] += stats["seconds"]
-        host["slices"] += 1
-        for name in HOST_TIMES:
-            host[name] += stats.get(name, 0.0)
-    for host in hosts.values():
-        for name in ("seconds", *HOST_TIMES):
-            host[name] = round(host[name], 3)
-        host["images_per_s"] = round(host["images"] / host["seconds"], 3) if host["seconds"] else None
-    return {str(h): v for h, v in sorted(hosts.items())}
-
-
-def _generate_wall_s(slice_stats: list[dict]) -> float | None:
-    """From the first slice's start to the last slice's end, as the hosts recorded them."""
-    spans = []
-    for stats in slice_stats:
-        if "finished_at" in stats:
-            end = dt.datetime.fromisoformat(stats["finished_at"]).timestamp()
-            spans.append((end - stats["seconds"], end))
-    return round(max(e for _, e in spans) - min(s for s, _ in spans), 1) if spans else None
-
-
-def write_dataset(_, summaries: list[dict], reject_counts: list, manifest: dict, run: Run, out: str,
-                  started: float, page_size: int, thumbnails: bool) -> dict:
+def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, started: float, run: Run, out: str,
+                  page_size: int, thumbnails: bool) -> dict:
+    """Writes the dataset's files from every slice's summary and every rejects file's
+    counts; returns stats.json's content. ``started``: when collect began (for its wall time)."""
     import pyarrow.parquet as pq
 
     summaries = sorted(summaries, key=lambda s: s["slice"])
-    problems: dict[str, list[str]] = {}
-    for summary in summaries:
-        for kind, keys in summary["verdicts"].items():
-            problems.setdefault(kind, []).extend(keys)
     images = sum(s["ok"] for s in summaries)
 
     def rows():  # one slice's rows in memory at a time, in position order
@@ -237,49 +197,78 @@ def write_dataset(_, summaries: list[dict], reject_counts: list, manifest: dict,
     else:
         collections.deque(rows(), maxlen=0)
 
-    by_reason = collections.Counter()
-    for counts in reject_counts:
-        by_reason.update(counts)
-    slice_stats = [s["stats"] for s in summaries if s["stats"]]
-    records = sum(s["records"] for s in summaries)
-    rejects = sum(by_reason.values())
-    input_rows = manifest["input_rows"]
-    stats = {
-        "verified": not problems and records + rejects == input_rows, "images": images, "records": records,
-        "planned_images": manifest["images"], "input_rows": input_rows, "rejects": rejects,
-        "rejects_by_reason": dict(sorted(by_reason.items())),
-        "conservation": {"input_rows": input_rows, "records": records, "rejects": rejects,
-                         "holds": records + rejects == input_rows},
-        "duplicates": {"ids": by_reason.get("duplicate_id", 0), "prompts": by_reason.get("duplicate_prompt", 0)},
-        "truncated_prompts": {"records": sum(s["truncated_records"] for s in summaries),
-                              "images": sum(s["truncated_images"] for s in summaries)},
-        "slices": manifest["slices"], "committed_slices": len(slice_stats),
-        "problems": {kind: {"count": len(keys), "keys": keys[:MAX_KEYS_IN_MESSAGE]}
-                     for kind, keys in sorted(problems.items())},
-        "hosts": _host_stats(slice_stats),
-        "wall_times": {"generate_s": _generate_wall_s(slice_stats), "collect_s": round(time.time() - started, 1)},
-        "compiles_after_warmup": sum(s.get("compiles_after_warmup", 0) for s in slice_stats),
-    }
+    stats = dataset_stats(manifest, summaries, reject_counts, collect_s=round(time.time() - started, 1))
     beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
     beamio.write_text(naming.dataset_file(out, "README.md"), card.render(run, stats), "text/markdown")
     return stats
 
 
-def build(p, out: str, manifest: dict, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
-    """The collect pipeline on ``p``; returns the PCollection of stats.json's content."""
-    settings = run.settings
-    summaries = (p
-                 | "Slices" >> beam.Create(range(manifest["slices"]))
-                 | "SpreadSlices" >> beam.Reshuffle()
-                 | "VerifySlices" >> beam.ParDo(_VerifySliceFn(out, settings, thumbnails)))
-    reject_counts = (p
-                     | "MatchRejects" >> beam.Create(storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl")))
-                     | "CountRejects" >> beam.Map(_count_rejects))
-    return (p
-            | "Once" >> beam.Create([None])
-            | "WriteDataset" >> beam.Map(write_dataset, beam.pvalue.AsList(summaries),
-                                         beam.pvalue.AsList(reject_counts), manifest, run, out, time.time(),
-                                         page_size, thumbnails))
+class WriteDataset(beam.PTransform):
+    """Every slice's summary and every rejects file's counts -> stats.json's content (one
+    element), once: metadata.parquet, the gallery, stats.json and the card are written.
+
+    Its input is a dict of PCollections: ``manifest`` (one element), ``started`` (one
+    element: when collect began), ``summaries`` (``VerifySlices``'s) and
+    ``reject_counts`` (``CountRejects``'s).
+    """
+
+    def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
+        super().__init__()
+        self.out, self.run, self.page_size, self.thumbnails = out, run, page_size, thumbnails
+
+    def expand(self, parts):
+        return (parts["manifest"]
+                | "Write" >> beam.Map(write_dataset, beam.pvalue.AsList(parts["summaries"]),
+                                      beam.pvalue.AsList(parts["reject_counts"]),
+                                      beam.pvalue.AsSingleton(parts["started"]), self.run, self.out,
+                                      self.page_size, self.thumbnails))
+
+
+def _slice_indices(manifest: dict):
+    return range(manifest["slices"])
+
+
+def _rejects_files(_manifest: dict, out: str) -> list[str]:
+    return storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl"))
+
+
+def _now(_) -> float:
+    return time.time()
+
+
+class Collect(beam.PTransform):
+    """The collect pipeline: the manifest (one element) -> stats.json's content (one element).
+
+    Collect starts when the manifest element arrives, so a pipeline that also generates
+    hands it over only once every slice is committed.
+    """
+
+    def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
+        super().__init__()
+        self.out, self.run, self.page_size, self.thumbnails = out, run, page_size, thumbnails
+
+    def expand(self, manifest):
+        started = manifest | "StartClock" >> beam.Map(_now)
+        summaries = (manifest
+                     | "SliceIndices" >> beam.FlatMap(_slice_indices)
+                     | "VerifySlices" >> VerifySlices(self.out, self.run.settings, self.thumbnails))
+        reject_counts = (manifest
+                         | "MatchRejects" >> beam.FlatMap(_rejects_files, self.out)
+                         | "CountRejects" >> CountRejects())
+        return ({"manifest": manifest, "started": started, "summaries": summaries, "reject_counts": reject_counts}
+                | "WriteDataset" >> WriteDataset(self.out, self.run, self.page_size, self.thumbnails))
+
+
+def check_verified(stats: dict) -> None:
+    """Raise CollectError, naming the bad keys (a few of each kind) and a broken count,
+    unless the dataset's stats.json content says it is verified."""
+    if stats["verified"]:
+        return
+    lines = [f"{kind}: {v['count']} key(s), e.g. {', '.join(v['keys'])}" for kind, v in stats["problems"].items()]
+    if not stats["conservation"]["holds"]:
+        c = stats["conservation"]
+        lines.append(f"input rows {c['input_rows']} != planned records {c['records']} + rejects {c['rejects']}")
+    raise CollectError("the dataset does not match the plan:\n  " + "\n  ".join(lines))
 
 
 def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = GALLERY_PAGE_SIZE,
@@ -292,12 +281,9 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
     manifest = storage.read_json(manifest_path)
     run = runs.read(out)
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
-        build(p, out, manifest, run, page_size, gallery_thumbnails)
+        _ = (p
+             | "Manifest" >> beam.Create([manifest])
+             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails))
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
-    lines = [f"{kind}: {v['count']} key(s), e.g. {', '.join(v['keys'])}" for kind, v in stats["problems"].items()]
-    if not stats["conservation"]["holds"]:
-        c = stats["conservation"]
-        lines.append(f"input rows {c['input_rows']} != planned records {c['records']} + rejects {c['rejects']}")
-    if not stats["verified"]:
-        raise CollectError("the dataset does not match the plan:\n  " + "\n  ".join(lines))
+    check_verified(stats)
     return stats

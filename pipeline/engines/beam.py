@@ -5,16 +5,23 @@ every worker process loads the model once and generates whole slices on its loca
 devices, with the same generator, host loop, writers and collect code as the pod engine.
 Given the same settings and per-device batch, both engines write byte-identical images.
 
-  plan stages     ``pipeline.plan.transforms.build``: prompt files -> slices -> the manifest (one element)
+  Plan            ``pipeline.plan.transforms.Plan``: prompt files -> slices -> the manifest
+                  (one element)
   Slices          the manifest -> its slice indices
   SpreadSlices    Reshuffle: the slices spread over the workers
   Generate        ``GenerateSlicesFn``: the model, loaded once per worker process in ``setup``; per
                   slice, a committed slice is skipped (resume), any other is generated,
                   written and committed by ``host_loop.run_slice``; emits the slice's stats
-  AllGenerated    a global combine: a barrier, released once every slice has come out of
-                  Generate, i.e. every slice is committed
-  collect stages  ``pipeline.collect.transforms``'s per-slice verification, reject counts and dataset
-                  writer, started from the barrier
+  AllGenerated    a global combine of the generated slice indices
+  Barrier         once every slice has come out of Generate exactly once, i.e. every slice
+                  is committed (``release_collect``): the manifest, released to collect
+  Collect         ``pipeline.collect.transforms.Collect``, the same transform ``run_collect``
+                  runs (VerifySlices, CountRejects, WriteDataset): the manifest -> the
+                  dataset and its stats
+
+Before the pipeline, ``pipeline.plan.prepare.prepare`` resolves the settings and writes
+``run.json``, as for ``run_plan``; after it, ``collect.check_verified`` raises on a
+dataset that does not match the plan, as for ``run_collect``.
 
 Retries are harmless: every object name and byte is deterministic and a slice's commit
 marker is written last, so a retried slice rewrites the same bytes and commits, and a
@@ -34,7 +41,6 @@ import collections
 import os
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import apache_beam as beam
@@ -48,6 +54,7 @@ from pipeline.core.settings import Run, Settings
 from pipeline.generate import host_loop, runtime
 from pipeline.io import beamio, storage
 from pipeline.plan import transforms as plan
+from pipeline.plan.prepare import prepare
 
 # Runners that run the DoFns on this machine (Beam's LOCAL_RUNNERS, and Prism, which the
 # DirectRunner may hand the pipeline to): their workers get local CPU devices.
@@ -197,44 +204,25 @@ class GenerateSlicesFn(beam.DoFn):
         yield stats
 
 
-def _rejects_files(_manifest: dict, out: str) -> list[str]:
-    return storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl"))
-
-
-def _collect_started(generated: list[int], manifest: dict) -> float:
+def _release(generated: list[int], manifest: dict) -> dict:
     release_collect(generated, manifest)
-    return time.time()
-
-
-def _write_dataset(started: float, summaries, reject_counts, manifest: dict, run: Run, out: str, page_size: int,
-                   thumbnails: bool) -> dict:
-    return collect.write_dataset(None, summaries, reject_counts, manifest, run, out, started, page_size, thumbnails)
+    return manifest
 
 
 def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE_SIZE, thumbnails: bool = True):
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
     returns the PCollection of stats.json's content."""
     out = settings.out
-    manifest = plan.build(p, settings.prompts, out, settings)
+    manifest = p | "Plan" >> plan.Plan(settings)
     generated = (manifest
                  | "Slices" >> beam.FlatMap(lambda m: range(m["slices"]))
                  | "SpreadSlices" >> beam.Reshuffle()
                  | "Generate" >> beam.ParDo(GenerateSlicesFn(out, run)))
-    manifest_side = beam.pvalue.AsSingleton(manifest)
-    started = (generated
-               | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
-               | "AllGenerated" >> beam.combiners.ToList()
-               | "Barrier" >> beam.Map(_collect_started, manifest_side))
-    summaries = (started
-                 | "SlicesToVerify" >> beam.FlatMap(lambda _, m: range(m["slices"]), manifest_side)
-                 | "SpreadVerify" >> beam.Reshuffle()
-                 | "VerifySlices" >> beam.ParDo(collect._VerifySliceFn(out, run.settings, thumbnails)))
-    reject_counts = (manifest
-                     | "MatchRejects" >> beam.FlatMap(_rejects_files, out)
-                     | "CountRejects" >> beam.Map(collect._count_rejects))
-    return started | "WriteDataset" >> beam.Map(_write_dataset, beam.pvalue.AsList(summaries),
-                                                beam.pvalue.AsList(reject_counts), manifest_side, run, out,
-                                                page_size, thumbnails)
+    released = (generated
+                | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
+                | "AllGenerated" >> beam.combiners.ToList()
+                | "Barrier" >> beam.Map(_release, beam.pvalue.AsSingleton(manifest)))
+    return released | "Collect" >> collect.Collect(out, run, page_size, thumbnails)
 
 
 def counters(result, namespace: str) -> dict:
@@ -245,18 +233,6 @@ def counters(result, namespace: str) -> dict:
     for counter in result.metrics().query(MetricsFilter().with_namespace(namespace))["counters"]:
         totals[counter.key.metric.name] = totals.get(counter.key.metric.name, 0) + counter.committed
     return dict(sorted(totals.items()))
-
-
-def verification_error(stats: dict) -> str | None:
-    """The CollectError message for a dataset's stats.json, or None when it is verified
-    (the same message as ``collect.run_collect``)."""
-    if stats["verified"]:
-        return None
-    lines = [f"{kind}: {v['count']} key(s), e.g. {', '.join(v['keys'])}" for kind, v in stats["problems"].items()]
-    if not stats["conservation"]["holds"]:
-        c = stats["conservation"]
-        lines.append(f"input rows {c['input_rows']} != planned records {c['records']} + rejects {c['rejects']}")
-    return "the dataset does not match the plan:\n  " + "\n  ".join(lines)
 
 
 def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,
@@ -272,11 +248,7 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     watch = logs.Stopwatch()
     if is_local_runner(beam_args):
         use_local_cpu_devices(settings.devices_per_host)
-    beamio.require_filesystem(settings.prompts, settings.out)
-    if not plan.match_prompt_files(settings.prompts):  # also: every file has a known format
-        raise plan.PlanError(f"no prompt files match {settings.prompts!r}")
-    settings, run = plan.resolve_settings(settings)
-    run = plan.prepare_out(settings.out, run, overwrite)
+    settings, run = prepare(settings, overwrite)
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
                devices_per_host=settings.devices_per_host, slice_size=settings.slice_size)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
@@ -290,7 +262,5 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     stats = storage.read_json(naming.dataset_file(settings.out, "stats.json"))
     logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],
                seconds=round(watch.seconds(), 2), dataset=naming.join(settings.out, "dataset"))
-    error = verification_error(stats)
-    if error:
-        raise collect.CollectError(error)
+    collect.check_verified(stats)
     return stats

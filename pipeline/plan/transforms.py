@@ -2,15 +2,17 @@
 
 No stage ever holds the prompts of the whole input, nor of one whole file: each file
 is read twice, one row at a time, and only small summaries and file names cross a
-shuffle. At most one slice of items is in memory at a time.
+shuffle. At most one slice of items is in memory at a time. ``Plan`` composes the
+stages (prompt pattern -> the manifest); the per-file logic they run is in
+``pipeline.plan.layout``.
 
-  ScanFiles      each file -> a ``FileScan``: its row count, rejects by reason, and for
-                 each valid record its line, image count and 16-byte hashes of its id
-                 and (with --dedupe) prompt (``validated`` reads and checks the rows);
-                 the arrays go to ``plan/scans/`` and only the file's name crosses
-                 the shuffle
-  Layout         every FileScan -> a ``Layout`` (``make_layout``, pure): later records
-                 with an id already used are rejected (``duplicate_id``); with
+  MatchFiles     the prompt pattern -> its files (``layout.match_prompt_files``)
+  ScanFiles      each file -> a ``FileScan`` (``layout.scan_file``): its row count, rejects
+                 by reason, and for each valid record its line, image count and 16-byte
+                 hashes of its id and (with --dedupe) prompt; the arrays go to
+                 ``plan/scans/`` and only the file's name crosses the shuffle
+  Layout         every FileScan -> a ``Layout`` (``layout.make_layout``, pure): later
+                 records with an id already used are rejected (``duplicate_id``); with
                  ``--dedupe``, later records whose prompt was already seen are rejected
                  (``duplicate_prompt``); each file's first global position, in (source,
                  line) order
@@ -20,7 +22,10 @@ shuffle. At most one slice of items is in memory at a time.
   JoinShared     (slice, part file) pairs grouped by slice -> the parts concatenated in
                  position order into the slice, then deleted
   WriteManifest  once every slice is written -> ``plan/manifest.json``
-``run.json`` (resolved settings, model fingerprint, versions) is written first.
+
+``run_plan`` runs ``Plan`` on its own; the beam engine composes it with generate and
+collect. Both first call ``pipeline.plan.prepare.prepare``, which writes ``run.json``
+(resolved settings, model fingerprint, versions) before any stage runs.
 Inside the pipeline, files are read and written through Beam's FileSystems
 (``pipeline.io.beamio``); before and after it, through ``pipeline.io.storage``.
 Counters (Beam metrics, namespace ``plan``): rows_read, rows_rejected,
@@ -28,194 +33,25 @@ records_planned, images_planned, slices_written.
 """
 from __future__ import annotations
 
-import array
-import collections
 import contextlib
-import dataclasses
-import datetime as dt
-import hashlib
-import io
 import json
-import os
-import re
-from importlib import metadata
 
 import apache_beam as beam
-import numpy as np
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline import __version__
-from pipeline.io import beamio
-from pipeline.plan import inputs
-from pipeline.core import logs
-from pipeline.core import naming
-from pipeline.core import records
-from pipeline.core import slicing
-from pipeline.io import storage
-from pipeline.core.settings import Run, Settings
-from pipeline.io import runs
-
-_WILDCARD = re.compile(r"[*?\[]")
-HASH_BYTES = 16  # of an id or a prompt: collisions are out of reach (2**-128 a pair)
-
-
-class PlanError(ValueError):
-    pass
-
-
-def input_root(pattern: str) -> str:
-    """The folder that auto ids are relative to: the pattern's part before any wildcard."""
-    head = _WILDCARD.split(pattern, maxsplit=1)[0]
-    return head if _WILDCARD.search(pattern) and head.endswith("/") else head.rpartition("/")[0]
-
-
-def auto_id(source: str, root: str, line: int) -> str:
-    """The id of a record without one: its source relative to the input root, and line."""
-    relative = source[len(root):].lstrip("/") if root and source.startswith(root) else os.path.basename(source)
-    return f"{relative}:{line}"
-
-
-def match_prompt_files(pattern: str) -> list[str]:
-    """The files of ``pattern`` (``storage.glob``); PlanError if one has an unknown format."""
-    paths = storage.glob(pattern)
-    try:
-        inputs.check_formats(paths)
-    except inputs.UnsupportedInput as e:
-        raise PlanError(str(e)) from None
-    return paths
-
-
-def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
-                     prompt_field: str = "prompt") -> records.Record | records.Reject | None:
-    """One row of ``inputs.read_rows`` to a Record, a Reject, or None (a blank line)."""
-    if isinstance(payload, records.Reject):
-        return payload
-    record_id = auto_id(source, root, line)
-    if isinstance(payload, bytes):
-        try:
-            text_file = inputs.format_of(source) == "txt"
-        except inputs.UnsupportedInput:
-            text_file = False
-        if text_file:
-            return records.parse_text_line(payload, source, line, run_seed, record_id)
-        return records.parse_jsonl_line(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
-    return records.parse_decoded(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
-
-
-def validated(path: str, run_seed: int, root: str, prompt_field: str = "prompt"):
-    """The rows of one prompt file, checked: ``(payload, Record | Reject)`` in file order."""
-    for source, line, payload in inputs.read_rows(path, prompt_field):
-        result = validate_payload(source, line, payload, run_seed, root, prompt_field)
-        if result is not None:  # a blank line is not a row
-            yield payload, result
+from pipeline.core import logs, naming, records, slicing
+from pipeline.core.settings import Settings
+from pipeline.io import beamio, storage
+from pipeline.plan.layout import (Layout, PlanError, input_root, load_scan, make_layout, match_prompt_files,
+                                  save_scan, scan_file, validated)
+from pipeline.plan.prepare import prepare
 
 
 def _raw_text(payload) -> str:
     if isinstance(payload, bytes):
         return payload.decode("utf-8", "replace")
     return json.dumps(payload, ensure_ascii=False, default=str)
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=HASH_BYTES).digest()
-
-
-@dataclasses.dataclass
-class FileScan:
-    """What the first pass learns of one file: counts, and per valid record its line,
-    image count and the hash of its id, and with dedupe of its prompt (24 or 40 bytes
-    a record)."""
-    source: str
-    rows: int
-    reasons: dict
-    lines: np.ndarray  # int32, increasing
-    images: np.ndarray  # int32
-    id_hashes: np.ndarray  # S16
-    prompt_hashes: np.ndarray  # S16; empty without dedupe
-
-
-def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt", dedupe: bool = True) -> FileScan:
-    rows, reasons = 0, collections.Counter()
-    lines, images = array.array("i"), array.array("i")
-    ids, prompts = bytearray(), bytearray()
-    for _, result in validated(path, run_seed, root, prompt_field):
-        rows += 1
-        if isinstance(result, records.Reject):
-            reasons[result.reason] += 1
-            continue
-        lines.append(result.line)
-        images.append(result.num_images)
-        ids += _digest(result.id)
-        if dedupe:
-            prompts += _digest(result.prompt)
-    as_hashes = lambda b: np.frombuffer(bytes(b), dtype=f"S{HASH_BYTES}")  # noqa: E731
-    return FileScan(path, rows, dict(reasons), np.asarray(lines, np.int32), np.asarray(images, np.int32),
-                    as_hashes(ids), as_hashes(prompts))
-
-
-@dataclasses.dataclass
-class Layout:
-    """Where each file's records go, and which rows the duplicate checks reject."""
-    first: dict  # source -> its first image's global position
-    images_of: dict  # source -> its images
-    drops: dict  # source -> {line: (reason, message)}
-    rows: int
-    records: int
-    images: int
-    rejects_by_reason: dict
-
-
-def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(indices of every element equal to an earlier one, the index of that earlier one)."""
-    if not len(hashes):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-    earliest = first[inverse.reshape(-1)]
-    later = np.nonzero(earliest != np.arange(len(hashes)))[0]
-    return later, earliest[later]
-
-
-def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
-    """Duplicate checks and positions over every file (pure; files in sorted order).
-
-    A record whose id an earlier record (in (source, line) order) already has is
-    rejected as ``duplicate_id``; with ``dedupe``, then, a record whose prompt an earlier
-    kept record already has is rejected as ``duplicate_prompt``. Both messages name the
-    earlier row. Memory: about 60 bytes a record, for the hashes and their sort.
-    """
-    scans = sorted(scans, key=lambda s: s.source)
-    sources = [s.source for s in scans]
-    owner = np.repeat(np.arange(len(scans)), [len(s.lines) for s in scans])
-    lines = np.concatenate([s.lines for s in scans]) if scans else np.zeros(0, np.int32)
-    images = np.concatenate([s.images for s in scans]) if scans else np.zeros(0, np.int32)
-    drops: dict[str, dict] = {}
-    kept = np.ones(len(lines), bool)
-
-    def reject(later, earlier, reason, what):
-        for i, j in zip(later.tolist(), earlier.tolist()):
-            kept[i] = False
-            drops.setdefault(sources[owner[i]], {})[int(lines[i])] = (
-                reason, f"{what} as {sources[owner[j]]} line {int(lines[j])}")
-
-    if scans:
-        reject(*_later_copies(np.concatenate([s.id_hashes for s in scans])), "duplicate_id", "the same id")
-        if dedupe:
-            candidates = np.nonzero(kept)[0]
-            later, earlier = _later_copies(np.concatenate([s.prompt_hashes for s in scans])[candidates])
-            reject(candidates[later], candidates[earlier], "duplicate_prompt", "the same prompt")
-    kept_images = np.where(kept, images, 0).astype(np.int64)
-    per_file = np.bincount(owner, weights=kept_images, minlength=len(scans)).astype(np.int64)
-    starts = np.concatenate([[0], np.cumsum(per_file)[:-1]]) if scans else []
-    reasons = collections.Counter()
-    for scan in scans:
-        reasons.update(scan.reasons)
-    for by_line in drops.values():
-        reasons.update(reason for reason, _ in by_line.values())
-    return Layout(first={s: int(f) for s, f in zip(sources, starts)},
-                  images_of={s: int(n) for s, n in zip(sources, per_file)}, drops=drops,
-                  rows=sum(s.rows for s in scans), records=int(kept.sum()), images=int(kept_images.sum()),
-                  rejects_by_reason=dict(sorted(reasons.items())))
 
 
 def _jsonl_line(obj) -> bytes:
@@ -226,22 +62,6 @@ def write_slice(out: str, index: int, items) -> int:
     beamio.write_bytes(naming.plan_slice(out, index), b"".join(_jsonl_line(i.to_json()) for i in items),
                        "application/jsonl")
     return index
-
-
-_ARRAYS = ("lines", "images", "id_hashes", "prompt_hashes")
-
-
-def save_scan(scan: FileScan, path: str) -> None:
-    buffer = io.BytesIO()
-    np.savez(buffer, **{name: getattr(scan, name) for name in _ARRAYS},
-             meta=np.array(json.dumps({"source": scan.source, "rows": scan.rows, "reasons": scan.reasons})))
-    beamio.write_bytes(path, buffer.getvalue())
-
-
-def load_scan(path: str) -> FileScan:
-    with np.load(io.BytesIO(beamio.read_bytes(path))) as saved:
-        meta = json.loads(str(saved["meta"]))
-        return FileScan(meta["source"], meta["rows"], meta["reasons"], **{name: saved[name] for name in _ARRAYS})
 
 
 class _ScanFn(beam.DoFn):
@@ -372,91 +192,48 @@ class WriteManifest(beam.PTransform):
                 | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout), beam.pvalue.AsList(written)))
 
 
-def build(p, pattern: str, out: str, settings: Settings):
-    """The plan pipeline on ``p``; returns the PCollection of the manifest."""
-    root, size = input_root(pattern), settings.slice_size
-    args = (settings.seed, root, settings.prompt_field)
-    files = (p
-             | "MatchFiles" >> beam.Create(match_prompt_files(pattern))
-             | "SpreadFiles" >> beam.Reshuffle())
-    layout = (files
-              | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, settings.dedupe))
-              | "AllScans" >> beam.combiners.ToList()
-              | "Layout" >> beam.Map(layout_of_saved, settings.dedupe))
-    placed = files | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, size, *args), beam.pvalue.AsSingleton(layout)) \
-        .with_outputs(_PlaceFn.SHARED, main="written")
-    joined = (placed[_PlaceFn.SHARED]
-              | "GroupShared" >> beam.GroupByKey()
-              | "JoinShared" >> beam.ParDo(_JoinPartsFn(out)))
-    written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
-    return (layout, written) | "WriteManifest" >> WriteManifest(out, size)
 
+class Plan(beam.PTransform):
+    """The plan pipeline: ``settings.prompts`` (a pattern) -> the manifest (one element),
+    written to ``settings.out`` with every slice and rejects file under ``plan/``.
 
-def _versions() -> dict:
-    names = ("jax", "jaxlib", "flax", "diffusers", "transformers", "apache-beam", "numpy", "pillow", "pyarrow")
-    found = {"promptmill": __version__}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
-
-
-def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
-    """Settings with the model's defaults filled in, and the run they plan."""
-    from pipeline.model import load as model
-
-    settings.validate()
-    described = model.describe(settings.model)
-    size = described["native_size"]
-    settings = settings.replace(width=settings.width or size, height=settings.height or size,
-                                scheduler=settings.scheduler or described["scheduler"]).validate()
-    run = Run.create(settings, described["fingerprint"], versions=_versions(),
-                     created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-    return settings, run
-
-
-def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
-    """Make ``out`` ready for ``run``; returns the run in force.
-
-    * An empty OUT gets ``run``.
-    * An OUT holding the same run (same settings fingerprint) is resumed: its run.json,
-      and so its ``created_at``, is kept, so every rewritten object has the same bytes.
-    * An OUT holding a run with other settings is refused, since it would mix two runs'
-      slices in one dataset, unless ``overwrite``.
-    ``overwrite`` deletes everything promptmill wrote under OUT (``naming.OWNED``) first.
+    Applied to the pipeline itself (``p | "Plan" >> Plan(settings)``); the files are
+    matched when the pipeline is built.
     """
-    if overwrite:
-        deleted = sum(storage.delete_prefix(naming.join(out, name)) for name in naming.OWNED)
-        if deleted:
-            logs.event("overwrite", out=out, objects_deleted=deleted)
-    elif runs.exists(out):
-        previous = runs.read(out)
-        if previous.settings_fingerprint == run.settings_fingerprint:
-            return previous
-        changed = [f.name for f in dataclasses.fields(Settings)  # a moved OUT is the same run
-                   if f.name != "out" and getattr(previous.settings, f.name) != getattr(run.settings, f.name)]
-        if previous.model_fingerprint != run.model_fingerprint:
-            changed.append("model weights")
-        raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
-                        "use another --out, or add --overwrite to delete the old run and start over")
-    runs.write(out, run)
-    return run
+
+    def __init__(self, settings: Settings):
+        super().__init__()
+        self.settings = settings
+
+    def expand(self, pbegin):
+        settings, out = self.settings, self.settings.out
+        size, dedupe = settings.slice_size, settings.dedupe
+        args = (settings.seed, input_root(settings.prompts), settings.prompt_field)
+        files = (pbegin
+                 | "MatchFiles" >> beam.Create(match_prompt_files(settings.prompts))
+                 | "SpreadFiles" >> beam.Reshuffle())
+        layout = (files
+                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, dedupe))
+                  | "AllScans" >> beam.combiners.ToList()
+                  | "Layout" >> beam.Map(layout_of_saved, dedupe))
+        placed = (files
+                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, size, *args), beam.pvalue.AsSingleton(layout))
+                  .with_outputs(_PlaceFn.SHARED, main="written"))
+        joined = (placed[_PlaceFn.SHARED]
+                  | "GroupShared" >> beam.GroupByKey()
+                  | "JoinShared" >> beam.ParDo(_JoinPartsFn(out)))
+        written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
+        return (layout, written) | "WriteManifest" >> WriteManifest(out, size)
 
 
 def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False) -> dict:
     """Plan ``settings.prompts`` into ``settings.out``; returns the manifest.
 
-    ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare_out``).
+    ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare.prepare_out``).
     """
-    beamio.require_filesystem(settings.prompts, settings.out)
-    if not match_prompt_files(settings.prompts):  # also: every file has a known format
-        raise PlanError(f"no prompt files match {settings.prompts!r}")
-    settings, run = resolve_settings(settings)
-    prepare_out(settings.out, run, overwrite)
+    settings, _ = prepare(settings, overwrite)
     p = beam.Pipeline(options=PipelineOptions(beam_args or []))
-    build(p, settings.prompts, settings.out, settings)
+    _ = p | "Plan" >> Plan(settings)
     result = p.run()
     result.wait_until_finish()
     logs.event("plan_counters", **counters(result))

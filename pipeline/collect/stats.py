@@ -1,0 +1,79 @@
+"""The dataset's stats (the content of ``dataset/stats.json``), without Beam: from every
+slice's verification summary, every rejects file's counts by reason, and the manifest.
+
+``verified`` holds when no key is missing, duplicated or unexpected and conservation
+holds: input rows = planned records + rejects.
+"""
+from __future__ import annotations
+
+import collections
+import datetime as dt
+
+MAX_KEYS_IN_MESSAGE = 20  # keys kept per kind of problem
+
+
+def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, collect_s: float) -> dict:
+    """stats.json's content (pure), from ``VerifySlices``'s summaries (any order) and
+    ``CountRejects``'s counts; ``collect_s``: collect's wall time so far."""
+    summaries = sorted(summaries, key=lambda s: s["slice"])
+    problems: dict[str, list[str]] = {}
+    for summary in summaries:
+        for kind, keys in summary["verdicts"].items():
+            problems.setdefault(kind, []).extend(keys)
+    images = sum(s["ok"] for s in summaries)
+    by_reason = collections.Counter()
+    for counts in reject_counts:
+        by_reason.update(counts)
+    slice_stats = [s["stats"] for s in summaries if s["stats"]]
+    records = sum(s["records"] for s in summaries)
+    rejects = sum(by_reason.values())
+    input_rows = manifest["input_rows"]
+    return {
+        "verified": not problems and records + rejects == input_rows, "images": images, "records": records,
+        "planned_images": manifest["images"], "input_rows": input_rows, "rejects": rejects,
+        "rejects_by_reason": dict(sorted(by_reason.items())),
+        "conservation": {"input_rows": input_rows, "records": records, "rejects": rejects,
+                         "holds": records + rejects == input_rows},
+        "duplicates": {"ids": by_reason.get("duplicate_id", 0), "prompts": by_reason.get("duplicate_prompt", 0)},
+        "truncated_prompts": {"records": sum(s["truncated_records"] for s in summaries),
+                              "images": sum(s["truncated_images"] for s in summaries)},
+        "slices": manifest["slices"], "committed_slices": len(slice_stats),
+        "problems": {kind: {"count": len(keys), "keys": keys[:MAX_KEYS_IN_MESSAGE]}
+                     for kind, keys in sorted(problems.items())},
+        "hosts": host_stats(slice_stats),
+        "wall_times": {"generate_s": generate_wall_s(slice_stats), "collect_s": collect_s},
+        "compiles_after_warmup": sum(s.get("compiles_after_warmup", 0) for s in slice_stats),
+    }
+
+
+HOST_TIMES = ("input_s", "device_wait_s", "output_s", "device_busy_s")  # per slice, from pipeline.generate.host_loop
+
+
+def host_stats(slice_stats: list[dict]) -> dict:
+    """Per host: images, slices, seconds and images/s, and the slices' summed time spent
+    preparing inputs, waiting for the devices, and handing images to the writers, and the
+    devices' busy time."""
+    hosts: dict[int, dict] = {}
+    for stats in slice_stats:
+        host = hosts.setdefault(stats["host"], {"images": 0, "seconds": 0.0, "slices": 0,
+                                                **{name: 0.0 for name in HOST_TIMES}})
+        host["images"] += stats["images"]
+        host["seconds"] += stats["seconds"]
+        host["slices"] += 1
+        for name in HOST_TIMES:
+            host[name] += stats.get(name, 0.0)
+    for host in hosts.values():
+        for name in ("seconds", *HOST_TIMES):
+            host[name] = round(host[name], 3)
+        host["images_per_s"] = round(host["images"] / host["seconds"], 3) if host["seconds"] else None
+    return {str(h): v for h, v in sorted(hosts.items())}
+
+
+def generate_wall_s(slice_stats: list[dict]) -> float | None:
+    """From the first slice's start to the last slice's end, as the hosts recorded them."""
+    spans = []
+    for stats in slice_stats:
+        if "finished_at" in stats:
+            end = dt.datetime.fromisoformat(stats["finished_at"]).timestamp()
+            spans.append((end - stats["seconds"], end))
+    return round(max(e for _, e in spans) - min(s for s, _ in spans), 1) if spans else None

@@ -1,0 +1,50 @@
+"""Verification of one slice, without Beam: every key's verdict from what the plan put in
+the slice and what the slice's commit wrote (``VerifySlices`` in
+``pipeline.collect.transforms`` runs it per slice).
+
+  ok          planned once, one metadata row, and its image file (when the run writes files)
+  missing     planned, but no row, or no image file
+  duplicated  planned more than once, or more than one row
+  unexpected  a row or image file that was never planned in this slice
+"""
+from __future__ import annotations
+
+import collections
+
+VERDICTS = ("ok", "missing", "duplicated", "unexpected")
+
+
+def key_of_image(path: str) -> str:
+    """An image file's key: its name without folder and extension."""
+    return path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+
+
+def classify(planned: list, rows: list, images: list | None) -> str:
+    """The verdict for one key, from what was planned, written and stored under it.
+
+    ``images`` is None when the run writes no image files (its other formats are
+    written whole per slice, before the slice's commit marker).
+    """
+    if not planned:
+        return "unexpected"
+    if len(planned) > 1 or len(rows) > 1:
+        return "duplicated"
+    if not rows or (images is not None and not images):
+        return "missing"
+    return "ok"
+
+
+def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[str] | None) -> dict[str, list[str]]:
+    """Keys by verdict for one slice (pure): planned keys, its metadata rows, its image files."""
+    by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": []})
+    for key in planned_keys:
+        by_key[key]["planned"].append(key)
+    for row in rows:
+        by_key[row["key"]]["rows"].append(row)
+    for path in image_paths or ():
+        by_key[key_of_image(path)]["images"].append(path)
+    verdicts: dict[str, list[str]] = {v: [] for v in VERDICTS}
+    for key in sorted(by_key):
+        got = by_key[key]
+        verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"])].append(key)
+    return verdicts

@@ -1,0 +1,202 @@
+"""The plan's first pass and its layout, as plain functions (no Beam transforms): rows
+checked into records, one file's scan, and where every record goes.
+
+  match_prompt_files  a pattern -> its prompt files, each of a known format
+  validated           one file's rows -> ``Record`` or ``Reject``, in file order
+  scan_file           one file -> a ``FileScan``: its row count, rejects by reason, and per
+                      valid record its line, image count and 16-byte hashes of its id and
+                      (with dedupe) prompt; ``save_scan``/``load_scan`` keep it as an npz
+  make_layout         every FileScan -> a ``Layout`` (pure): the duplicate checks and each
+                      file's first global position, in (source, line) order
+
+``pipeline.plan.transforms`` runs these inside the plan pipeline.
+"""
+from __future__ import annotations
+
+import array
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+
+import numpy as np
+
+from pipeline.core import records
+from pipeline.io import beamio, storage
+from pipeline.plan import inputs
+
+_WILDCARD = re.compile(r"[*?\[]")
+HASH_BYTES = 16  # of an id or a prompt: collisions are out of reach (2**-128 a pair)
+
+
+class PlanError(ValueError):
+    pass
+
+
+def input_root(pattern: str) -> str:
+    """The folder that auto ids are relative to: the pattern's part before any wildcard."""
+    head = _WILDCARD.split(pattern, maxsplit=1)[0]
+    return head if _WILDCARD.search(pattern) and head.endswith("/") else head.rpartition("/")[0]
+
+
+def auto_id(source: str, root: str, line: int) -> str:
+    """The id of a record without one: its source relative to the input root, and line."""
+    relative = source[len(root):].lstrip("/") if root and source.startswith(root) else os.path.basename(source)
+    return f"{relative}:{line}"
+
+
+def match_prompt_files(pattern: str) -> list[str]:
+    """The files of ``pattern`` (``storage.glob``); PlanError if one has an unknown format."""
+    paths = storage.glob(pattern)
+    try:
+        inputs.check_formats(paths)
+    except inputs.UnsupportedInput as e:
+        raise PlanError(str(e)) from None
+    return paths
+
+
+def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
+                     prompt_field: str = "prompt") -> records.Record | records.Reject | None:
+    """One row of ``inputs.read_rows`` to a Record, a Reject, or None (a blank line)."""
+    if isinstance(payload, records.Reject):
+        return payload
+    record_id = auto_id(source, root, line)
+    if isinstance(payload, bytes):
+        try:
+            text_file = inputs.format_of(source) == "txt"
+        except inputs.UnsupportedInput:
+            text_file = False
+        if text_file:
+            return records.parse_text_line(payload, source, line, run_seed, record_id)
+        return records.parse_jsonl_line(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
+    return records.parse_decoded(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
+
+
+def validated(path: str, run_seed: int, root: str, prompt_field: str = "prompt"):
+    """The rows of one prompt file, checked: ``(payload, Record | Reject)`` in file order."""
+    for source, line, payload in inputs.read_rows(path, prompt_field):
+        result = validate_payload(source, line, payload, run_seed, root, prompt_field)
+        if result is not None:  # a blank line is not a row
+            yield payload, result
+
+
+def digest(text: str) -> bytes:
+    """The 16-byte hash that the duplicate checks compare (of an id or a prompt)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=HASH_BYTES).digest()
+
+
+@dataclasses.dataclass
+class FileScan:
+    """What the first pass learns of one file: counts, and per valid record its line,
+    image count and the hash of its id, and with dedupe of its prompt (24 or 40 bytes
+    a record)."""
+    source: str
+    rows: int
+    reasons: dict
+    lines: np.ndarray  # int32, increasing
+    images: np.ndarray  # int32
+    id_hashes: np.ndarray  # S16
+    prompt_hashes: np.ndarray  # S16; empty without dedupe
+
+
+def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt", dedupe: bool = True) -> FileScan:
+    rows, reasons = 0, collections.Counter()
+    lines, images = array.array("i"), array.array("i")
+    ids, prompts = bytearray(), bytearray()
+    for _, result in validated(path, run_seed, root, prompt_field):
+        rows += 1
+        if isinstance(result, records.Reject):
+            reasons[result.reason] += 1
+            continue
+        lines.append(result.line)
+        images.append(result.num_images)
+        ids += digest(result.id)
+        if dedupe:
+            prompts += digest(result.prompt)
+    as_hashes = lambda b: np.frombuffer(bytes(b), dtype=f"S{HASH_BYTES}")  # noqa: E731
+    return FileScan(path, rows, dict(reasons), np.asarray(lines, np.int32), np.asarray(images, np.int32),
+                    as_hashes(ids), as_hashes(prompts))
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where each file's records go, and which rows the duplicate checks reject."""
+    first: dict  # source -> its first image's global position
+    images_of: dict  # source -> its images
+    drops: dict  # source -> {line: (reason, message)}
+    rows: int
+    records: int
+    images: int
+    rejects_by_reason: dict
+
+
+def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(indices of every element equal to an earlier one, the index of that earlier one)."""
+    if not len(hashes):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+    earliest = first[inverse.reshape(-1)]
+    later = np.nonzero(earliest != np.arange(len(hashes)))[0]
+    return later, earliest[later]
+
+
+def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
+    """Duplicate checks and positions over every file (pure; files in sorted order).
+
+    A record whose id an earlier record (in (source, line) order) already has is
+    rejected as ``duplicate_id``; with ``dedupe``, then, a record whose prompt an earlier
+    kept record already has is rejected as ``duplicate_prompt``. Both messages name the
+    earlier row. Memory: about 60 bytes a record, for the hashes and their sort.
+    """
+    scans = sorted(scans, key=lambda s: s.source)
+    sources = [s.source for s in scans]
+    owner = np.repeat(np.arange(len(scans)), [len(s.lines) for s in scans])
+    lines = np.concatenate([s.lines for s in scans]) if scans else np.zeros(0, np.int32)
+    images = np.concatenate([s.images for s in scans]) if scans else np.zeros(0, np.int32)
+    drops: dict[str, dict] = {}
+    kept = np.ones(len(lines), bool)
+
+    def reject(later, earlier, reason, what):
+        for i, j in zip(later.tolist(), earlier.tolist()):
+            kept[i] = False
+            drops.setdefault(sources[owner[i]], {})[int(lines[i])] = (
+                reason, f"{what} as {sources[owner[j]]} line {int(lines[j])}")
+
+    if scans:
+        reject(*_later_copies(np.concatenate([s.id_hashes for s in scans])), "duplicate_id", "the same id")
+        if dedupe:
+            candidates = np.nonzero(kept)[0]
+            later, earlier = _later_copies(np.concatenate([s.prompt_hashes for s in scans])[candidates])
+            reject(candidates[later], candidates[earlier], "duplicate_prompt", "the same prompt")
+    kept_images = np.where(kept, images, 0).astype(np.int64)
+    per_file = np.bincount(owner, weights=kept_images, minlength=len(scans)).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(per_file)[:-1]]) if scans else []
+    reasons = collections.Counter()
+    for scan in scans:
+        reasons.update(scan.reasons)
+    for by_line in drops.values():
+        reasons.update(reason for reason, _ in by_line.values())
+    return Layout(first={s: int(f) for s, f in zip(sources, starts)},
+                  images_of={s: int(n) for s, n in zip(sources, per_file)}, drops=drops,
+                  rows=sum(s.rows for s in scans), records=int(kept.sum()), images=int(kept_images.sum()),
+                  rejects_by_reason=dict(sorted(reasons.items())))
+
+
+
+_ARRAYS = ("lines", "images", "id_hashes", "prompt_hashes")
+
+
+def save_scan(scan: FileScan, path: str) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, **{name: getattr(scan, name) for name in _ARRAYS},
+             meta=np.array(json.dumps({"source": scan.source, "rows": scan.rows, "reasons": scan.reasons})))
+    beamio.write_bytes(path, buffer.getvalue())
+
+
+def load_scan(path: str) -> FileScan:
+    with np.load(io.BytesIO(beamio.read_bytes(path))) as saved:
+        meta = json.loads(str(saved["meta"]))
+        return FileScan(meta["source"], meta["rows"], meta["reasons"], **{name: saved[name] for name in _ARRAYS})

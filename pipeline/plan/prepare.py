@@ -1,0 +1,84 @@
+"""Before the plan pipeline runs: the settings resolved, and OUT made ready for the run.
+
+``prepare`` is the one preparation that ``run_plan`` and the beam engine both call:
+every path on a filesystem Beam can reach, at least one prompt file of a known format,
+the model's defaults filled in (``resolve_settings``), and ``run.json`` written or
+resumed (``prepare_out``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from importlib import metadata
+
+from pipeline import __version__
+from pipeline.core import logs, naming
+from pipeline.core.settings import Run, Settings
+from pipeline.io import beamio, runs, storage
+from pipeline.plan.layout import PlanError, match_prompt_files
+
+
+def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]:
+    """The resolved settings and the run in force in ``settings.out``, once OUT holds its
+    ``run.json``; PlanError when no prompt file matches or OUT holds another run.
+
+    ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare_out``).
+    """
+    beamio.require_filesystem(settings.prompts, settings.out)
+    if not match_prompt_files(settings.prompts):  # also: every file has a known format
+        raise PlanError(f"no prompt files match {settings.prompts!r}")
+    settings, run = resolve_settings(settings)
+    return settings, prepare_out(settings.out, run, overwrite)
+
+
+def _versions() -> dict:
+    names = ("jax", "jaxlib", "flax", "diffusers", "transformers", "apache-beam", "numpy", "pillow", "pyarrow")
+    found = {"promptmill": __version__}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
+    """Settings with the model's defaults filled in, and the run they plan."""
+    from pipeline.model import load as model
+
+    settings.validate()
+    described = model.describe(settings.model)
+    size = described["native_size"]
+    settings = settings.replace(width=settings.width or size, height=settings.height or size,
+                                scheduler=settings.scheduler or described["scheduler"]).validate()
+    run = Run.create(settings, described["fingerprint"], versions=_versions(),
+                     created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    return settings, run
+
+
+def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
+    """Make ``out`` ready for ``run``; returns the run in force.
+
+    * An empty OUT gets ``run``.
+    * An OUT holding the same run (same settings fingerprint) is resumed: its run.json,
+      and so its ``created_at``, is kept, so every rewritten object has the same bytes.
+    * An OUT holding a run with other settings is refused, since it would mix two runs'
+      slices in one dataset, unless ``overwrite``.
+    ``overwrite`` deletes everything promptmill wrote under OUT (``naming.OWNED``) first.
+    """
+    if overwrite:
+        deleted = sum(storage.delete_prefix(naming.join(out, name)) for name in naming.OWNED)
+        if deleted:
+            logs.event("overwrite", out=out, objects_deleted=deleted)
+    elif runs.exists(out):
+        previous = runs.read(out)
+        if previous.settings_fingerprint == run.settings_fingerprint:
+            return previous
+        changed = sorted(f.name for f in dataclasses.fields(Settings)  # a moved OUT is the same run
+                         if f.name != "out" and getattr(previous.settings, f.name) != getattr(run.settings, f.name))
+        if previous.model_fingerprint != run.model_fingerprint:
+            changed.append("model weights")
+        raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
+                        "use another --out, or add --overwrite to delete the old run and start over")
+    runs.write(out, run)
+    return run
