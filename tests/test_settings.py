@@ -102,3 +102,22 @@ def test_sizes_are_positive_multiples_of_8(value, ok):
     else:
         with pytest.raises(ValueError, match=f"--width must be a positive multiple of 8, got {value}"):
             check_size("width", value)
+
+
+def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are_refused(tmp_path, model_cache):
+    """The plan's resume check on a real OUT whose run.json an older version wrote."""
+    from pipeline.plan import layout, prepare
+
+    out = str(tmp_path / "out")
+    _, run = prepare.resolve_settings(Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=2))
+    old = as_stored(run)
+    for name in NEWER_SETTINGS:
+        del old["settings"][name]
+    old["created_at"] = "2025-01-01T00:00:00+00:00"
+    storage.write_json(naming.run_json(out), old)
+    resumed = prepare.prepare_out(out, run)
+    assert resumed.created_at == "2025-01-01T00:00:00+00:00"  # the old run, kept: redone slices get its bytes
+    assert storage.read_json(naming.run_json(out)) == old  # run.json untouched
+    _, other = prepare.resolve_settings(Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=3, dedupe=True))
+    with pytest.raises(layout.PlanError, match=r"already holds a run with other settings \(changed: dedupe, steps\)"):
+        prepare.prepare_out(out, other)
