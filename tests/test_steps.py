@@ -264,6 +264,14 @@ def test_lcm_picks_from_the_distillation_schedule():
         steps.make_schedule(SD, "lcm", 51)
 
 
+def test_trained_betas_replace_the_beta_schedule():
+    scaled = (np.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000) ** 2).tolist()
+    given = steps.make_schedule(dict(SD, beta_schedule="linear", trained_betas=scaled), "euler", 4)
+    np.testing.assert_allclose(given.sigmas, steps.make_schedule(SD, "euler", 4).sigmas, rtol=1e-6)
+    with pytest.raises(ValueError, match="trained_betas has 3 values"):
+        steps.make_schedule(dict(SD, trained_betas=[0.1, 0.2, 0.3]), "ddim", 2)
+
+
 @pytest.mark.parametrize("steps_value", [0, -1, 1001, 2.0, True])
 def test_bad_step_counts_are_refused(steps_value):
     with pytest.raises(ValueError, match="steps"):

@@ -177,6 +177,8 @@ def alphas_cumprod(config: Mapping[str, Any]) -> np.ndarray:
     n = config["num_train_timesteps"]
     if config["trained_betas"] is not None:
         betas = np.asarray(config["trained_betas"], np.float32)
+        if betas.shape != (n,):
+            raise ValueError(f"trained_betas has {betas.size} values for num_train_timesteps {n}")
     elif config["beta_schedule"] == "linear":
         betas = _linspace_f32(config["beta_start"], config["beta_end"], n)
     elif config["beta_schedule"] == "scaled_linear":  # Stable Diffusion's: linear in sqrt(beta)
@@ -226,7 +228,7 @@ def spaced_timesteps(config: Mapping[str, Any], steps: int) -> np.ndarray:
 # The schedule
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # arrays inside: compare fields, not schedules
 class Schedule:
     """Everything a sampler's step needs, precomputed for a fixed number of steps.
 
