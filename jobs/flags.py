@@ -15,9 +15,9 @@ import difflib
 import functools
 import shlex
 
+from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, parse_formats
 from pipeline.core.settings import Settings
 from pipeline.model.tiny import PRESETS
-from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, parse_formats
 
 _DEFAULTS = Settings()
 
