@@ -27,7 +27,6 @@ SLOW_MODULES = [
     "test_submit.py",
     "test_parity.py",
     "test_schedule.py",
-    "test_compile_cache.py",
     "test_latents.py",
     "test_weights.py",
     "test_plan_bench.py",
