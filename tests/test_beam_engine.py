@@ -258,8 +258,8 @@ def test_without_runner_retries_the_job_fails_loudly_and_a_rerun_resumes(beam_ru
 def test_local_cpu_devices_reach_jax_in_a_fresh_process():
     """What ``run_beam`` does first on a local runner, in a process like the CLI's: jax
     (here imported already, its backend not started) then has the planned CPU devices."""
-    code = ("import jax, jobs.cli; from pipeline import beam_engine; beam_engine.use_local_cpu_devices(3); "
-            "print(len(jax.local_devices()), jax.local_devices()[0].platform)")
+    code = ("import jax, jobs.cli; from pipeline.engines import beam as beam_engine; "
+            "beam_engine.use_local_cpu_devices(3); print(len(jax.local_devices()), jax.local_devices()[0].platform)")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
