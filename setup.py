@@ -29,6 +29,8 @@ setup(
         "gcp": ["apache-beam[gcp]>=2.60,<3"],
         "test": ["apache-beam[gcp]>=2.60,<3", "pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8",
                  "webdataset>=0.2",
+                 # pytest.ini runs the suite on two worker processes
+                 "pytest-xdist>=3.6",
                  # metadata.parquet must load in Hugging Face datasets; <5.1 keeps huggingface-hub<1 for transformers 4
                  "datasets>=3,<5.1",
                  # the rendered GKE manifests are checked against Kubernetes' own object schemas

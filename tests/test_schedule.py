@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import shutil
 import string
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from pipeline.core import logs
 from pipeline.core import naming
 from pipeline.cloud import dates as schedule
+from pipeline.generate import compile_cache as compile_cache_lib
 from pipeline.io import storage
 from pipeline.output import writer
 from tests.conftest import run_cli
@@ -149,17 +151,23 @@ def _files(out: str) -> dict[str, tuple[str, int]]:
 
 
 def test_scheduled_run_two_triggers_of_one_date_reuse_one_run_and_another_date_makes_another(tmp_path,
-                                                                                             model_cache):
+                                                                                             model_cache,
+                                                                                             gcs_emulator):
     """Cloud Scheduler may trigger a date twice (a retry, a manual re-run), with the date
     or with the trigger's RFC 3339 time: both land in one OUT, and the second run skips
     every slice the first committed, rewriting nothing. The next date is a new OUT (its
-    plan is enough to show it, and keeps the test short)."""
+    plan is enough to show it, and keeps the test short).
+
+    The triggers share a persistent compile cache on gs:// (the emulator), as hosts on
+    fresh machines would: the first trigger's host fills it, and the second's, with no
+    local mirror, loads its programs from gs:// and compiles nothing. (The host warms up
+    before it looks for committed slices, so the second trigger loads them too.)"""
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": f"a scheduled prompt, number {n}"} for n in range(4)]
     rows[1]["num_images"] = 2  # 5 images, slices of 2: 3 slices, the last padded
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     daily = tmp_path / "daily"
-    compile_cache = str(tmp_path / "compile-cache")
+    compile_cache = f"gs://{gcs_emulator}/compile-cache"
 
     settings = ["--prompts", str(prompts), "--out", str(daily / "{date}"), "--model", "tiny", "--steps", "2",
                 "--per-device-batch", "1", "--batches-per-slice", "2", "--devices-per-host", "1"]
@@ -179,12 +187,17 @@ def test_scheduled_run_two_triggers_of_one_date_reuse_one_run_and_another_date_m
     assert (first["slices_generated"], first["slices_skipped"], first["images"]) == (3, 0, 5)
     before = _files(out)
     assert len([n for n in before if n.startswith("images/")]) == 5
+    [ready] = _host_events(out, "host_ready")  # the compile cache on gs:// holds what the host compiled
+    assert len(storage.glob(compile_cache + "/*")) == ready["cache_writes"] > 0
+    shutil.rmtree(compile_cache_lib._mirror(compile_cache))  # as on a fresh machine: entries only from gs://
 
     again = trigger("2026-11-20T06:00:00Z")  # the same date, as the trigger's time
     assert sorted(os.listdir(daily)) == ["2026-11-20"]  # one run, one OUT
     assert (again["slices_skipped"], again["slices_generated"], again["slices_redone"], again["images"]) == \
         (3, 0, 0, 0)
     assert sum(e["slices_skipped"] for e in _host_events(out, "host_done")) == 3
+    [ready] = _host_events(out, "host_ready")
+    assert ready["cache_hits"] > 0 and ready["cache_writes"] == 0
     assert _files(out) == before  # the same objects, none rewritten, none added
     rows_out = writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
     assert len(rows_out) == len({r["key"] for r in rows_out}) == 5  # no image twice
