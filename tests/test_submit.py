@@ -11,7 +11,7 @@ import types
 import pytest
 import yaml
 
-import pipeline
+import pipeline.engines
 from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.cloud import checks
@@ -411,7 +411,7 @@ def beam_engine(monkeypatch):
 
     fake = types.SimpleNamespace(run_beam=run_beam)
     monkeypatch.setitem(sys.modules, "pipeline.engines.beam", fake)
-    monkeypatch.setattr(pipeline, "beam_engine", fake, raising=False)
+    monkeypatch.setattr(pipeline.engines, "beam", fake, raising=False)  # what ``from pipeline.engines import beam`` reads
     return calls
 
 
