@@ -105,8 +105,8 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark ``args.target`` and print its table (and write its report with ``--report``)."""
     if args.target == "upload":
-        from pipeline.io import storage
         from pipeline.bench import upload as upload_bench
+        from pipeline.io import storage
 
         report = upload_bench.run(args.objects, args.object_bytes, args.parallel, args.latency_ms, args.repeats)
         if args.report:

@@ -133,8 +133,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
         settings = flags.settings_from_args(args, args.devices_per_host)
         print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite)))
     elif args.command == "generate":
-        from pipeline.generate import cluster
-        from pipeline.generate import host_loop as host
+        from pipeline.generate import cluster, host_loop as host
 
         host.generate(args.out, cluster.ClusterArgs(args.coordinator, args.num_hosts, args.host_id),
                       compile_cache=args.compile_cache)

@@ -13,11 +13,7 @@ import shlex
 import sys
 
 from jobs import flags
-from pipeline.cloud import checks
-from pipeline.cloud import dataflow as dataflow_lib
-from pipeline.cloud import gke as gke_lib
-from pipeline.cloud import jobset
-from pipeline.cloud import tpu
+from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, jobset, tpu
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
 _DATAFLOW_EXAMPLE = ("promptmill submit dataflow --tpu-type v5e --topology 2x4 --image IMAGE --project P "

@@ -24,13 +24,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.engines import beam as beam_engine
-from pipeline.output import formats
-from pipeline.core import logs
-from pipeline.core import naming
-from pipeline.io import runs, storage
-from pipeline.output import writer
+from pipeline.core import logs, naming
 from pipeline.core.settings import Settings
+from pipeline.engines import beam as beam_engine
+from pipeline.io import runs, storage
+from pipeline.output import formats, writer
 from tests.conftest import ROOT
 
 STEPS = 2

@@ -10,9 +10,8 @@ from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.io import beamio
+from pipeline.io import beamio, storage
 from pipeline.plan import transforms as plan
-from pipeline.io import storage
 
 # plain, CRLF, blank lines, invalid UTF-8 kept as bytes, last line without a newline
 CONTENT = b'{"prompt": "one"}\n\n{"prompt": "caf\xc3\xa9"}\r\n\xff\xfe not utf-8\n\r\n  \nlast'

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model import load as model_lib
 from pipeline.generate.generator import Generator
+from pipeline.model import load as model_lib
 
 
 # SDXL's bf16 path is exercised end to end in test_e2e (tiny-sdxl, bf16, dpmpp).

@@ -1,7 +1,7 @@
 import pytest
 
-from pipeline.generate import cluster
 from pipeline.engines.local import host_env
+from pipeline.generate import cluster
 
 
 def test_no_flags_means_auto_detection():

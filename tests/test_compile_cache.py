@@ -5,8 +5,8 @@ machine, is shown end to end by the two triggers of one date in tests/test_sched
 """
 import pytest
 
-from pipeline.generate import compile_cache
 from pipeline.engines import local as launcher
+from pipeline.generate import compile_cache
 
 
 def test_local_folders_are_made_absolute(tmp_path, monkeypatch):

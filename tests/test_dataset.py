@@ -14,12 +14,9 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.collect import stats as dataset_stats
-from pipeline.collect import transforms as collect
-from pipeline.collect import verify
+from pipeline.collect import stats as dataset_stats, transforms as collect, verify
 from pipeline.core import naming
-from pipeline.io import runs
-from pipeline.io import storage
+from pipeline.io import runs, storage
 from pipeline.output import writer
 from tests import chromium
 from tests.conftest import run_cli

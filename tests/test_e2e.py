@@ -12,9 +12,9 @@ from PIL import Image
 
 from pipeline.collect import transforms as collect
 from pipeline.core import naming
+from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.output import writer
-from pipeline.core.settings import Settings
 from tests.conftest import run_cli
 
 STEPS = "3"

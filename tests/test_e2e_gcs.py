@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.testing import emulator
-from pipeline.output import formats
 from pipeline.core import naming
 from pipeline.io import storage
-from pipeline.output import writer
+from pipeline.output import formats, writer
+from pipeline.testing import emulator
 from pipeline.testing.fault_proxy import FaultyProxy
 from tests.conftest import run_cli
 from tests.test_e2e import run_args, write_prompts

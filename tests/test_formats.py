@@ -7,8 +7,7 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from pipeline.output import formats
-from pipeline.output import writer
+from pipeline.output import formats, writer
 
 
 def image(seed=0, size=(32, 48)):

@@ -2,9 +2,9 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline.model import load as model_lib
 from pipeline.generate import jax_events
 from pipeline.generate.generator import Generator
+from pipeline.model import load as model_lib
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline.output import formats
-from pipeline.generate import host_loop as host
-from pipeline.core import naming
-from pipeline.core import records
-from pipeline.io import storage
-from pipeline.output import writer
-from pipeline.model import load as model_lib
-from pipeline.generate.generator import Generator
+from pipeline.core import naming, records
 from pipeline.core.settings import Run, Settings
+from pipeline.generate import host_loop as host
+from pipeline.generate.generator import Generator
+from pipeline.io import storage
+from pipeline.model import load as model_lib
+from pipeline.output import formats, writer
 
 SIZE = 6  # three batches of two: two in flight at a time
 

@@ -11,13 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 
-from pipeline.plan import inputs
-from pipeline.core import naming
-from pipeline.plan import layout
-from pipeline.plan import transforms as plan
-from pipeline.core import records
-from pipeline.io import storage
+from pipeline.core import naming, records
 from pipeline.core.settings import Settings, fingerprint
+from pipeline.io import storage
+from pipeline.plan import inputs, layout, transforms as plan
 
 # Six rows exercising every optional field, pass-through fields on some rows, and text that
 # needs CSV quoting (delimiters, quotes, a newline inside a field) and non-ASCII.

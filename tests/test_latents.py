@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.output import formats
 from pipeline.core import naming
-from pipeline.io import storage
-from pipeline.model import load as model_lib
+from pipeline.core.settings import Settings, fingerprint
 from pipeline.generate import jax_events
 from pipeline.generate.generator import Generator
-from pipeline.core.settings import Settings, fingerprint
+from pipeline.io import storage
+from pipeline.model import load as model_lib
+from pipeline.output import formats
 from tests.conftest import run_cli
 from tests.test_e2e import run_args, write_prompts
 

@@ -3,8 +3,8 @@ import os
 
 import pytest
 
-from pipeline.model import load as model_lib
 from pipeline.io import storage
+from pipeline.model import load as model_lib
 
 
 def upload_tree(local_dir, prefix):

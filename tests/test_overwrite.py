@@ -3,9 +3,9 @@
 import pytest
 
 from pipeline.core import naming
-from pipeline.plan import transforms as plan
-from pipeline.io import storage
 from pipeline.core.settings import Settings
+from pipeline.io import storage
+from pipeline.plan import transforms as plan
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from pipeline.core import keys
-from pipeline.model import load as model_lib
 from pipeline.generate import sampler
+from pipeline.model import load as model_lib
 
 STEPS = 4
 SIZE = 32

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.core import naming
 from pipeline.bench import host_loop as pipeline_bench
+from pipeline.core import naming
 from pipeline.io import runs, storage
 from pipeline.output import writer
 

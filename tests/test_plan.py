@@ -7,10 +7,9 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.core import naming
-from pipeline.plan import layout
-from pipeline.plan import transforms as plan
-from pipeline.io import storage
 from pipeline.core.settings import Settings
+from pipeline.io import storage
+from pipeline.plan import layout, transforms as plan
 
 FILES = {
     "b.jsonl": [b'{"prompt": "b one", "id": "b1"}', b'{"prompt": "b two", "num_images": 0}',

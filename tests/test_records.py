@@ -2,8 +2,7 @@ import json
 
 import pytest
 
-from pipeline.core import keys
-from pipeline.core import records
+from pipeline.core import keys, records
 
 
 def parse(obj, line=1, raw=None):

@@ -15,9 +15,8 @@ import string
 
 import pytest
 
-from pipeline.core import logs
-from pipeline.core import naming
 from pipeline.cloud import dates as schedule
+from pipeline.core import logs, naming
 from pipeline.generate import compile_cache as compile_cache_lib
 from pipeline.io import storage
 from pipeline.output import writer

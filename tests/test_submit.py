@@ -12,15 +12,10 @@ import pytest
 import yaml
 
 import pipeline.engines
+from pipeline.cloud import checks, dataflow, gke, jobset, kubectl as kubectl_lib, tpu
 from pipeline.core import naming
-from pipeline.io import storage
-from pipeline.cloud import checks
-from pipeline.cloud import dataflow
-from pipeline.cloud import gke
-from pipeline.cloud import jobset
-from pipeline.cloud import kubectl as kubectl_lib
-from pipeline.cloud import tpu
 from pipeline.core.settings import Settings
+from pipeline.io import storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K8S_VERSION = "1.33.0"  # a recent Kubernetes (GKE's regular channel runs 1.33)

@@ -1,5 +1,5 @@
-import os
 import io
+import os
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,12 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipeline.output import formats
-from pipeline.core import naming
-from pipeline.core import records
-from pipeline.io import storage
-from pipeline.output import writer
+from pipeline.core import naming, records
 from pipeline.core.settings import Run, Settings
+from pipeline.io import storage
+from pipeline.output import formats, writer
 
 RUN = Run.create(Settings(width=16, height=8, steps=2, guidance_scale=7.5, model="tiny", dtype="fp32",
                           scheduler="ddim", per_device_batch=1, formats=("files", "webdataset", "parquet", "zarr")),

@@ -114,8 +114,8 @@ def matmul_peak(devices, dtype: str, size: int, min_seconds: float = 1.0) -> dic
     import jax
     import jax.numpy as jnp
 
-    from pipeline.generate.generator import replicate
     from pipeline.core.choices import DTYPES
+    from pipeline.generate.generator import replicate
 
     jdtype = getattr(jnp, DTYPES[dtype])
     a = replicate(np.random.default_rng(0).standard_normal((size, size), np.float32), devices)

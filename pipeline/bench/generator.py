@@ -165,8 +165,8 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
 
 def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
     """Cold and warm start of a fresh process with the persistent compilation cache."""
-    from pipeline.generate import compile_cache
     from pipeline.bench import startup
+    from pipeline.generate import compile_cache
 
     folder = tempfile.mkdtemp(prefix="promptmill-bench-cache-")
     try:
@@ -198,9 +198,9 @@ def run_bench(config: BenchConfig) -> dict:
     import jax
 
     from pipeline.bench import flops
+    from pipeline.bench.baseline import SeedPipeline
     from pipeline.io import storage
     from pipeline.model import load as model_lib
-    from pipeline.bench.baseline import SeedPipeline
 
     config.validate()
     if model_lib.family(model_lib.check_layout(model_lib.resolve(config.model))) != "sd":

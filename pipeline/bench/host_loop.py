@@ -251,8 +251,8 @@ def _build_generator(config: PipelineBenchConfig):
             if config.seconds_per_batch else None}
     import jax
 
-    from pipeline.model import load as model_lib
     from pipeline.generate.generator import Generator
+    from pipeline.model import load as model_lib
 
     devices = jax.local_devices()
     if config.batch % len(devices):

@@ -414,8 +414,8 @@ def run(prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None,
     ``plan_command``: the arguments after ``python`` that run ``promptmill plan``;
     ``baseline_modules``: what that process imports, imported by the held-in-memory process.
     """
-    from pipeline.model import load as model_lib
     from pipeline.core import slicing
+    from pipeline.model import load as model_lib
 
     beam_args = list(beam_args or [])
     slice_size = slicing.slice_size(devices_per_host, per_device_batch, batches_per_slice)

@@ -31,9 +31,9 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     if compile_cache:
         cache_lib.enable(compile_cache)
     imported = time.perf_counter()
-    from pipeline.model import load as model_lib
     from pipeline.generate import jax_events
     from pipeline.generate.generator import Generator
+    from pipeline.model import load as model_lib
 
     loaded_model = model_lib.load(model, dtype)
     loaded = time.perf_counter()

@@ -25,9 +25,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-from pipeline.testing import emulator
-from pipeline.testing import fault_proxy
 from pipeline.io import storage
+from pipeline.testing import emulator, fault_proxy
 
 BUCKET = "promptmill-bench"
 MAX_UPSTREAM = 4

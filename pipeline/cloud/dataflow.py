@@ -12,8 +12,7 @@ import dataclasses
 import json
 import shlex
 
-from pipeline.cloud import checks
-from pipeline.cloud import tpu
+from pipeline.cloud import checks, tpu
 from pipeline.core import naming
 
 # Dataflow's batch default (25 GB with Shuffle) is too small for a JAX/libtpu image and a model.
@@ -136,6 +135,8 @@ def dataflow_dry_run(job: DataflowJob) -> str:
 
 def submit_dataflow(job: DataflowJob):
     """Launch the beam engine on Dataflow; returns what ``run_beam`` returns."""
-    from pipeline.engines import beam as beam_engine  # lazily: Beam's Dataflow runner is heavy, and not needed for a dry run
+    from pipeline.engines import (  # lazily: Beam's Dataflow runner is heavy, and not needed for a dry run
+        beam as beam_engine,
+    )
 
     return beam_engine.run_beam(job.settings, list(job.options), overwrite=job.overwrite)

@@ -13,8 +13,7 @@ import shlex
 import time
 from typing import Callable
 
-from pipeline.cloud import jobset
-from pipeline.cloud import kubectl as kubectl_lib
+from pipeline.cloud import jobset, kubectl as kubectl_lib
 from pipeline.core import naming
 from pipeline.io import storage
 

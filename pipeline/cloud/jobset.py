@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.cloud import checks
-from pipeline.cloud import dates as schedule
-from pipeline.cloud import tpu
+from pipeline.cloud import checks, dates as schedule, tpu
 
 DEFAULT_COORDINATOR_PORT = 8476  # jax.distributed's usual coordinator port
 DEFAULT_POLL_S = 30.0

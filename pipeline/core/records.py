@@ -13,8 +13,7 @@ import json
 import math
 import re
 
-from pipeline.core import keys
-from pipeline.core import naming
+from pipeline.core import keys, naming
 
 KNOWN_FIELDS = ("id", "prompt", "negative_prompt", "seed", "num_images", "guidance_scale")
 MAX_ID_CHARS = 65_536  # ids of any content are fine (keys are derived safely); only the size is bounded

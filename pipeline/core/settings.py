@@ -11,8 +11,7 @@ import dataclasses
 import hashlib
 import json
 
-from pipeline.core import keys
-from pipeline.core import slicing
+from pipeline.core import keys, slicing
 from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, parse_formats
 
 

@@ -19,11 +19,9 @@ import tempfile
 import threading
 import time
 
-from pipeline.generate import cluster
-from pipeline.core import logs
-from pipeline.core import naming
+from pipeline.core import logs, naming
+from pipeline.generate import cluster, compile_cache as compile_cache_lib
 from pipeline.io import storage
-from pipeline.generate import compile_cache as compile_cache_lib
 
 STOP_GRACE_S = 10.0
 POLL_S = 0.1

@@ -13,18 +13,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from pipeline.generate import cluster
-from pipeline.core import crashpoints
-from pipeline.core import logs
-from pipeline.core import naming
-from pipeline.core import slicing
+from pipeline.core import crashpoints, logs, naming, slicing
+from pipeline.core.records import Item
+from pipeline.core.settings import Run
+from pipeline.generate import cluster, jax_events, runtime
+from pipeline.generate.generator import Generator
 from pipeline.io import storage
 from pipeline.output import writer
-from pipeline.core.settings import Run
-from pipeline.generate import jax_events, runtime
-from pipeline.generate.generator import Generator
-from pipeline.core.records import Item
-
 
 WRITER_THREADS = 8  # encoders and uploaders; JAX releases the GIL while devices work
 

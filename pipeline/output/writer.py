@@ -13,11 +13,11 @@ import threading
 import numpy as np
 
 from pipeline import __version__
-from pipeline.output import formats
 from pipeline.core import naming
-from pipeline.io import storage
 from pipeline.core.records import Item
 from pipeline.core.settings import Run, Settings
+from pipeline.io import storage
+from pipeline.output import formats
 
 METADATA_FIELDS = (
     ("key", "string"), ("id", "string"), ("image_index", "int32"), ("prompt", "string"),

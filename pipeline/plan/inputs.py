@@ -45,8 +45,8 @@ from typing import Iterator
 
 from apache_beam.io.filesystem import CompressionTypes
 
-from pipeline.io import beamio
 from pipeline.core.records import Reject
+from pipeline.io import beamio
 
 FORMATS = {".jsonl": "jsonl", ".txt": "txt", ".csv": "csv", ".tsv": "tsv", ".json": "json", ".parquet": "parquet"}
 LINE_FORMATS = ("jsonl", "txt")  # payloads are raw line bytes

@@ -43,8 +43,17 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.core import logs, naming, records, slicing
 from pipeline.core.settings import Settings
 from pipeline.io import beamio, storage
-from pipeline.plan.layout import (Layout, PlanError, input_root, load_scan, make_layout, match_prompt_files,
-                                  save_scan, scan_file, validated)
+from pipeline.plan.layout import (
+    Layout,
+    PlanError,
+    input_root,
+    load_scan,
+    make_layout,
+    match_prompt_files,
+    save_scan,
+    scan_file,
+    validated,
+)
 from pipeline.plan.prepare import prepare
 
 
