@@ -62,10 +62,34 @@ class Model:
         return (self.latent_channels, height // f, width // f)
 
 
+# Scheduler-config keys that change sampling in diffusers' PyTorch scheduler of each
+# sampler, with the values its Flax class, which promptmill runs, honours. The Flax classes
+# lack these keys and ``from_config`` drops them without a word, so a checkpoint whose
+# config asks for another value would sample otherwise than its config says: it is
+# refused, naming the key (``check_scheduler``, at plan time). A missing key means the
+# PyTorch class's default, which every Flax class honours.
+HONOURED_CONFIG = {
+    "ddim": {"timestep_spacing": ("leading",), "rescale_betas_zero_snr": (False,), "thresholding": (False,)},
+    "pndm": {"timestep_spacing": ("leading",), "prediction_type": ("epsilon", "v_prediction")},
+    "euler": {"timestep_spacing": ("linspace", "leading"), "prediction_type": ("epsilon", "v_prediction"),
+              "use_karras_sigmas": (False,), "use_exponential_sigmas": (False,), "use_beta_sigmas": (False,),
+              "final_sigmas_type": ("zero",), "interpolation_type": ("linear",), "timestep_type": ("discrete",),
+              "rescale_betas_zero_snr": (False,)},
+    "dpmpp": {"algorithm_type": ("dpmsolver++",), "solver_order": (2,), "use_karras_sigmas": (False,),
+              "use_lu_lambdas": (False,), "use_exponential_sigmas": (False,), "use_beta_sigmas": (False,),
+              "final_sigmas_type": ("zero",), "euler_at_final": (False,), "variance_type": (None,),
+              "lambda_min_clipped": (float("-inf"),), "rescale_betas_zero_snr": (False,)},
+}
+
+
+def read_scheduler_config(directory: str) -> dict:
+    with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
+        return json.load(f)
+
+
 def checkpoint_scheduler(directory: str) -> str:
     """The --scheduler choice that a checkpoint's own scheduler config names."""
-    with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
-        class_name = json.load(f).get("_class_name", "")
+    class_name = read_scheduler_config(directory).get("_class_name", "")
     choice = _CHECKPOINT_SCHEDULERS.get(class_name.removeprefix("Flax"))
     if choice is None:
         raise ModelError(f"{directory}: the checkpoint's scheduler {class_name!r} is not supported; pick one with "
@@ -73,22 +97,52 @@ def checkpoint_scheduler(directory: str) -> str:
     return choice
 
 
+def unhonoured(config: dict, choice: str) -> list[tuple[str, object, tuple]]:
+    """(key, value, the values the sampler honours) for each key of a scheduler config
+    that the ``choice`` sampler would not honour (pure). A config written by a Flax class
+    holds Flax keys only, each honoured or irrelevant."""
+    if config.get("_class_name", "").startswith("Flax"):
+        return []
+    problems = [(key, config[key], honoured) for key, honoured in HONOURED_CONFIG[choice].items()
+                if key in config and config[key] not in honoured]
+    if choice == "euler" and config.get("timestep_spacing", "linspace") == "leading" \
+            and config.get("steps_offset", 0) != 1:  # Flax Euler's leading spacing adds 1, PyTorch's steps_offset
+        problems.append(("steps_offset", config.get("steps_offset", 0), (1,)))
+    return problems
+
+
+def check_scheduler(directory: str, choice: str | None) -> str:
+    """The sampler a run with ``--scheduler choice`` (None: the checkpoint's own) uses;
+    ModelError naming each key and value of the checkpoint's scheduler config it would not
+    honour."""
+    choice = choice or checkpoint_scheduler(directory)
+    if choice not in SCHEDULERS:
+        raise ModelError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {choice!r}")
+    problems = unhonoured(read_scheduler_config(directory), choice)
+    if problems:
+        asked = "; ".join(f"{key}={value!r} (the {choice} sampler runs {' or '.join(map(repr, honoured))})"
+                          for key, value, honoured in problems)
+        raise ModelError(f"{directory}: scheduler/scheduler_config.json asks for {asked}; promptmill would not "
+                         f"sample as the checkpoint says, so it refuses: pick another --scheduler, or edit the "
+                         f"checkpoint's scheduler config")
+    return choice
+
+
 def make_scheduler(directory: str, choice: str | None):
     """(scheduler, state): the checkpoint's noise schedule with the chosen sampler.
 
     The checkpoint's config (betas, prediction type, offsets) is kept; only the
-    sampling algorithm changes.
+    sampling algorithm changes. A config key the sampler would not honour is refused
+    (``check_scheduler``).
     """
     import diffusers
 
-    choice = choice or checkpoint_scheduler(directory)
-    if choice not in SCHEDULERS:
-        raise ModelError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {choice!r}")
+    choice = check_scheduler(directory, choice)
     class_name, overrides = SCHEDULERS[choice]
-    with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
-        config = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    config = {k: v for k, v in read_scheduler_config(directory).items() if not k.startswith("_")}
     # from_config keeps the keys the class knows and drops the others (e.g. PNDM's
-    # skip_prk_steps when switching to Euler)
+    # skip_prk_steps when switching to Euler); HONOURED_CONFIG lists the dropped keys
+    # that would change sampling
     scheduler = getattr(diffusers, class_name).from_config({**config, **overrides})
     if "steps_offset" not in scheduler.config:
         # Flax DPM-Solver reads config.steps_offset for "leading" spacing but does not
@@ -139,8 +193,9 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None) -> Model:
                  unet=unet, vae=vae, scheduler=scheduler, params=params, **extra)
 
 
-def describe(name: str) -> dict:
-    """What planning needs to know of a model, from its configs alone (no weights loaded)."""
+def describe(name: str, scheduler: str | None = None) -> dict:
+    """What planning needs to know of a model, from its configs alone (no weights loaded);
+    ``scheduler``: the run's --scheduler, checked against the checkpoint's config."""
     directory = resolve(name)
     check_layout(directory)
 
@@ -150,4 +205,4 @@ def describe(name: str) -> dict:
 
     vae_scale = 2 ** (len(config("vae")["block_out_channels"]) - 1)
     return {"directory": directory, "fingerprint": fingerprint(directory),
-            "scheduler": checkpoint_scheduler(directory), "native_size": config("unet")["sample_size"] * vae_scale}
+            "scheduler": check_scheduler(directory, scheduler), "native_size": config("unet")["sample_size"] * vae_scale}

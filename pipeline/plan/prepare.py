@@ -47,7 +47,7 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     from pipeline.model import load as model
 
     settings.validate()
-    described = model.describe(settings.model)
+    described = model.describe(settings.model, settings.scheduler)
     size = described["native_size"]
     settings = settings.replace(width=settings.width or size, height=settings.height or size,
                                 scheduler=settings.scheduler or described["scheduler"]).validate()
