@@ -53,3 +53,31 @@ def test_wrong_batch_size_is_an_error(generator):
     batch = make_batch(generator, ["x"], [""], [1.0], [1], [0])
     with pytest.raises(ValueError, match="a batch holds 2 images"):
         generator(batch)
+
+
+def test_guidance_at_most_1_uses_the_prompt_alone_as_diffusers_does(generator):
+    fox_and_whale = ["a red fox", "a blue whale in the ocean"]
+    for g in (0.0, 1.0):
+        images = generator(make_batch(generator, fox_and_whale, ["", ""], [g, g], [5, 5], [0, 0]))
+        assert not np.array_equal(images[0], images[1])  # one seed, two prompts: two images
+        negatives = generator(make_batch(generator, ["a red fox"] * 2, ["", "blurry, dark"], [g, g], [5, 5], [0, 0]))
+        np.testing.assert_array_equal(negatives[0], negatives[1])  # the negative prompt plays no part
+    guided = generator(make_batch(generator, ["a red fox"] * 2, ["", "blurry, dark"], [7.5, 7.5], [5, 5], [0, 0]))
+    assert not np.array_equal(guided[0], guided[1])  # above 1 it guides
+    # each image's own guidance decides, never its neighbour's
+    mixed = generator(make_batch(generator, ["a red fox"] * 2, ["blurry"] * 2, [0.5, 7.5], [5, 5], [0, 0]))
+    low = generator(make_batch(generator, ["a red fox"] * 2, ["blurry"] * 2, [0.5, 0.5], [5, 5], [0, 0]))
+    high = generator(make_batch(generator, ["a red fox"] * 2, ["blurry"] * 2, [7.5, 7.5], [5, 5], [0, 0]))
+    np.testing.assert_array_equal(mixed[0], low[0])
+    np.testing.assert_array_equal(mixed[1], high[1])
+
+
+def test_runs_planned_before_the_rule_keep_guiding_every_image(generator):
+    legacy = Generator(generator.model, width=32, height=32, steps=2, per_device_batch=1, guidance_rule="always")
+    batch = make_batch(legacy, ["a red fox", "a blue whale in the ocean"], ["", ""], [0.0, 0.0], [5, 5], [0, 0])
+    images = legacy(batch)
+    np.testing.assert_array_equal(images[0], images[1])  # at 0 the guided prediction is the unconditional one
+    above = make_batch(legacy, ["a red fox"] * 2, ["", "blurry"], [7.5, 7.5], [5, 5], [0, 0])
+    np.testing.assert_array_equal(legacy(above), generator(above))  # above 1 both rules are one program
+    with pytest.raises(ValueError, match="guidance_rule"):
+        Generator(generator.model, width=32, height=32, steps=2, per_device_batch=1, guidance_rule="sometimes")

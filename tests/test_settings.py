@@ -50,7 +50,7 @@ def test_an_older_run_json_reads_with_the_defaults_and_keeps_its_fingerprint():
     """A run planned before the newer settings existed: they are missing from its
     run.json, take their defaults, and its stored fingerprint is still the one a plan
     with the same settings computes, so a re-run resumes it."""
-    current = run_of(SETTINGS.replace(save_latents=False, prompt_field="prompt", dedupe=False))
+    current = run_of(SETTINGS.replace(**NEWER_SETTINGS))  # what those runs had
     old = as_stored(current)
     for name in NEWER_SETTINGS:
         del old["settings"][name]
@@ -114,9 +114,12 @@ def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are
     for name in NEWER_SETTINGS:
         del old["settings"][name]
     old["created_at"] = "2025-01-01T00:00:00+00:00"
+    old["settings_fingerprint"] = fingerprint(Settings.from_dict(old["settings"]), old["model_fingerprint"])
     storage.write_json(naming.run_json(out), old)
+    assert run.settings.guidance_rule == "diffusers"
     resumed = prepare.prepare_out(out, run)
     assert resumed.created_at == "2025-01-01T00:00:00+00:00"  # the old run, kept: redone slices get its bytes
+    assert resumed.settings.guidance_rule == "always"  # and the guidance rule it was planned with
     assert storage.read_json(naming.run_json(out)) == old  # run.json untouched
     _, other = prepare.resolve_settings(Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=3, dedupe=True))
     with pytest.raises(layout.PlanError, match=r"already holds a run with other settings \(changed: dedupe, steps\)"):

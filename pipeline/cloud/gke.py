@@ -22,18 +22,18 @@ KUBECTL_FAILURES_TOLERATED = 5  # consecutive failed status polls before the wai
 
 def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
     """The ``promptmill plan`` command line that plans ``settings`` (what submit gke runs first)."""
-    d = settings.to_dict()
-    command = ["promptmill", "plan", "--prompts", d["prompts"], "--out", d["out"], "--model", d["model"]]
-    for flag, key in (("--width", "width"), ("--height", "height"), ("--scheduler", "scheduler")):
-        if d[key] is not None:
-            command += [flag, str(d[key])]
-    command += ["--steps", str(d["steps"]), "--dtype", d["dtype"], "--format", ",".join(d["formats"]),
-                "--image-format", d["image_format"], "--quality", str(d["quality"]),
-                "--guidance-scale", repr(float(d["guidance_scale"])), "--seed", str(d["seed"]),
-                "--per-device-batch", str(d["per_device_batch"]), "--batches-per-slice", str(d["batches_per_slice"]),
-                "--devices-per-host", str(d["devices_per_host"]), "--prompt-field", d["prompt_field"]]
-    for flag, key in (("--save-latents", "save_latents"), ("--dedupe", "dedupe")):
-        if d[key]:
+    s = settings
+    command = ["promptmill", "plan", "--prompts", s.prompts, "--out", s.out, "--model", s.model]
+    for flag, value in (("--width", s.width), ("--height", s.height), ("--scheduler", s.scheduler)):
+        if value is not None:
+            command += [flag, str(value)]
+    command += ["--steps", str(s.steps), "--dtype", s.dtype, "--format", ",".join(s.formats),
+                "--image-format", s.image_format, "--quality", str(s.quality),
+                "--guidance-scale", repr(float(s.guidance_scale)), "--seed", str(s.seed),
+                "--per-device-batch", str(s.per_device_batch), "--batches-per-slice", str(s.batches_per_slice),
+                "--devices-per-host", str(s.devices_per_host), "--prompt-field", s.prompt_field]
+    for flag, value in (("--save-latents", s.save_latents), ("--dedupe", s.dedupe)):
+        if value:
             command.append(flag)
     return command + list(beam_args)
 

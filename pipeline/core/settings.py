@@ -36,6 +36,10 @@ class Settings:
     save_latents: bool = False  # zarr: also OUT/zarr/latents, the final latents before VAE decoding
     prompt_field: str = "prompt"  # the prompt's column / key in jsonl, json, csv, tsv and parquet inputs
     dedupe: bool = False  # plan: a record whose prompt an earlier record has is rejected (duplicate_prompt)
+    # classifier-free guidance: "diffusers" runs it only for images whose guidance is > 1 and uses the
+    # conditional prediction alone at guidance <= 1, as diffusers does; "always" (runs planned before
+    # the rule) guided every image. Not a flag: a run keeps the rule it was planned with.
+    guidance_rule: str = "diffusers"
 
     @property
     def slice_size(self) -> int:
@@ -64,6 +68,8 @@ class Settings:
         if self.save_latents and "zarr" not in self.formats:
             raise ValueError(f"--save-latents needs --format zarr (latents are written to OUT/zarr/latents), "
                              f"got --format {','.join(self.formats)}")
+        if self.guidance_rule not in GUIDANCE_RULES:
+            raise ValueError(f"guidance_rule must be one of {', '.join(GUIDANCE_RULES)}, got {self.guidance_rule!r}")
         if not isinstance(self.prompt_field, str) or not self.prompt_field:
             raise ValueError(f"--prompt-field must be a non-empty name, got {self.prompt_field!r}")
         self.slice_size  # validates the three slice factors
@@ -75,14 +81,14 @@ class Settings:
     @classmethod
     def from_dict(cls, data: dict) -> "Settings":
         """Settings from ``run.json``'s ``settings``. A setting missing there (a run planned
-        before it existed) takes its default; a name this version does not know is an
-        error, since ignoring it could change the run's outputs."""
+        before it existed) takes the value those runs had (``NEWER_SETTINGS``); a name this
+        version does not know is an error, since ignoring it could change the run's outputs."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown run setting(s) {', '.join(unknown)}: the run was planned by another "
                              f"promptmill version")
-        values = dict(data)
+        values = {**{name: legacy for name, legacy in NEWER_SETTINGS.items() if name not in data}, **data}
         if "formats" in values:  # JSON has lists
             values["formats"] = tuple(values["formats"])
         return cls(**values)
@@ -98,18 +104,19 @@ def check_size(name: str, value: int) -> int:
     return value
 
 
-# Settings added after runs were first planned: at their default they stay out of the
-# fingerprint, so those runs keep theirs (and resume).
-NEWER_SETTINGS = ("save_latents", "prompt_field", "dedupe")
-_DEFAULTS = Settings()
+# Settings added after runs were first planned, with the value those runs had (for all but
+# guidance_rule, the default): at that value they stay out of the fingerprint, so those
+# runs keep theirs (and resume).
+NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always"}
+GUIDANCE_RULES = ("diffusers", "always")
 
 
 def fingerprint(settings: Settings, model_fingerprint: str) -> str:
     """Hash of everything that decides the bytes of the outputs."""
     decisive = settings.to_dict()
     decisive.pop("out")
-    for name in NEWER_SETTINGS:
-        if decisive[name] == getattr(_DEFAULTS, name):
+    for name, legacy in NEWER_SETTINGS.items():
+        if decisive[name] == legacy:
             decisive.pop(name)
     decisive["model"] = model_fingerprint
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()

@@ -54,7 +54,7 @@ def replicate(tree, devices):
 
 class Generator:
     def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
-                 latents: bool = False):
+                 latents: bool = False, guidance_rule: str = "diffusers"):
         import jax
 
         jax_events.COMPILES.install()
@@ -65,7 +65,7 @@ class Generator:
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
         self.params = replicate(model.params, self.devices)
-        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents), devices=self.devices)
+        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule), devices=self.devices)
         self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:

@@ -44,14 +44,14 @@ def load_model(run: Run):
 def make_generator(model, settings: Settings, devices=None) -> Generator:
     """The run's generator on ``devices`` (default: every local device), compiled once."""
     return Generator(model, settings.width, settings.height, settings.steps, settings.per_device_batch,
-                     devices=devices, latents=settings.save_latents)
+                     devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule)
 
 
 def program_tag(run: Run) -> tuple:
     """What decides a compiled generator: runs with equal tags can share one in a process."""
     s = run.settings
     return (s.model, run.model_fingerprint, s.dtype, s.scheduler, s.width, s.height, s.steps, s.per_device_batch,
-            s.save_latents, s.devices_per_host)
+            s.save_latents, s.devices_per_host, s.guidance_rule)
 
 
 def open_zarr(out: str, run: Run, model, images: int):

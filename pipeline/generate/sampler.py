@@ -37,7 +37,8 @@ def truncated(model, texts) -> list[bool]:
     return [len(row) > limit for row in ids]
 
 
-def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = False):
+def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = False,
+                   guidance_rule: str = "diffusers"):
     """``sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index)``.
 
     Shapes (B = batch): ids int32 [B, L]; guidance float32 [B]; seed words and image
@@ -50,7 +51,8 @@ def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = F
     import jax.numpy as jnp
 
     latent_shape = model.latent_shape(width, height)
-    denoise = make_denoise_fn(model, steps, empty_negative_ids=tokenize(model, [""])[0], return_latents=latents)
+    denoise = make_denoise_fn(model, steps, empty_negative_ids=tokenize(model, [""])[0], return_latents=latents,
+                              guidance_rule=guidance_rule)
 
     def sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index):
         image_keys = keys.fold_keys(seed_hi, seed_lo, image_index)
@@ -103,13 +105,19 @@ def make_encode_fn(model):
     return encode
 
 
-def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: bool = False):
+def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: bool = False,
+                    guidance_rule: str = "diffusers"):
     """``denoise(params, prompt_ids, negative_ids, guidance, latents)``: float32 images in
     [0, 1], [B, H, W, 3], from given initial latents (float32 [B, C, H/f, W/f]).
 
     With ``return_latents``: (images, final latents), the final latents float32
     [B, C, H/f, W/f] after the last scheduler step, before the division by
     ``vae.config.scaling_factor`` that precedes decoding (see ``decode_latents``).
+
+    Classifier-free guidance (``guidance_rule="diffusers"``, diffusers' rule): an image whose
+    guidance is > 1 gets ``uncond + g * (cond - uncond)``; at guidance <= 1 the conditional
+    prediction alone, so its negative prompt plays no part. Each image's own guidance decides,
+    never its neighbours'. ``"always"`` guides every image (runs planned before the rule).
 
     For SDXL, a row whose negative ids equal ``empty_negative_ids`` (the tokenised empty
     prompt) is conditioned on zeros instead, as SDXL was trained
@@ -118,6 +126,8 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
     import jax
     import jax.numpy as jnp
 
+    if guidance_rule not in ("diffusers", "always"):
+        raise ValueError(f"guidance_rule must be diffusers or always, got {guidance_rule!r}")
     unet, scheduler = model.unet, model.scheduler
     encode = make_encode_fn(model)
     factor = model.vae_scale_factor
@@ -151,7 +161,8 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
                                encoder_hidden_states=context, added_cond_kwargs=added).sample
             # guidance and the scheduler run in float32 whatever the network dtype
             uncond, cond = jnp.split(noise.astype(jnp.float32), 2)
-            noise = uncond + scale * (cond - uncond)
+            guided = uncond + scale * (cond - uncond)
+            noise = guided if guidance_rule == "always" else jnp.where(scale > 1, guided, cond)
             latents, state = scheduler.step(state, noise, t, latents).to_tuple()
             return latents, state
 

@@ -13,7 +13,7 @@ from importlib import metadata
 
 from pipeline import __version__
 from pipeline.core import logs, naming
-from pipeline.core.settings import Run, Settings
+from pipeline.core.settings import Run, Settings, fingerprint
 from pipeline.io import beamio, runs, storage
 from pipeline.plan.layout import PlanError, match_prompt_files
 
@@ -72,10 +72,12 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
             logs.event("overwrite", out=out, objects_deleted=deleted)
     elif runs.exists(out):
         previous = runs.read(out)
-        if previous.settings_fingerprint == run.settings_fingerprint:
+        # the guidance rule is a version's, not a flag: a run keeps the one it was planned with
+        asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule)
+        if previous.settings_fingerprint == fingerprint(asked, run.model_fingerprint):
             return previous
         changed = sorted(f.name for f in dataclasses.fields(Settings)  # a moved OUT is the same run
-                         if f.name != "out" and getattr(previous.settings, f.name) != getattr(run.settings, f.name))
+                         if f.name != "out" and getattr(previous.settings, f.name) != getattr(asked, f.name))
         if previous.model_fingerprint != run.model_fingerprint:
             changed.append("model weights")
         raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
