@@ -167,18 +167,20 @@ def test_verify_slice_gives_every_key_one_verdict(image_paths, f_verdict):
     assert verify.verify_slice(["a", "a"], [{"key": "a"}], None)["duplicated"] == ["a"]
 
 
-def summary(index, ok, records, verdicts=None):
+def summary(index, ok, records, verdicts=None, unused_negatives=(0, 0)):
     return {"slice": index, "ok": ok, "records": records, "verdicts": verdicts or {}, "stats": None,
-            "truncated_images": 0, "truncated_records": 0}
+            "truncated_images": 0, "truncated_records": 0, "unused_negative_records": unused_negatives[0],
+            "unused_negative_images": unused_negatives[1]}
 
 
 def test_dataset_stats_count_problems_rejects_and_conservation():
     manifest = {"input_rows": 6, "images": 5, "slices": 2}
-    summaries = [summary(1, 1, 2, {"missing": ["k1"]}), summary(0, 3, 2, {"unexpected": ["k0"]})]
+    summaries = [summary(1, 1, 2, {"missing": ["k1"]}, (1, 2)), summary(0, 3, 2, {"unexpected": ["k0"]}, (0, 1))]
     stats = dataset_stats.dataset_stats(manifest, summaries, [{"invalid_json": 1}, {"duplicate_id": 1}], 1.5)
     assert (stats["images"], stats["records"], stats["rejects"], stats["committed_slices"]) == (4, 4, 2, 0)
     assert stats["rejects_by_reason"] == {"duplicate_id": 1, "invalid_json": 1}
     assert stats["duplicates"] == {"ids": 1, "prompts": 0}
+    assert stats["negative_prompts_unused"] == {"records": 1, "images": 3}
     assert stats["conservation"] == {"input_rows": 6, "records": 4, "rejects": 2, "holds": True}
     assert stats["problems"] == {"missing": {"count": 1, "keys": ["k1"]}, "unexpected": {"count": 1, "keys": ["k0"]}}
     assert not stats["verified"] and stats["wall_times"] == {"generate_s": None, "collect_s": 1.5}
@@ -238,3 +240,13 @@ def test_the_gallery_renders_every_thumbnail_in_chromium(dirty_run, tmp_path, mo
     assert chromium.count_thumbnails(tmp_path / "last.png") == EXPECTED_IMAGES - 8
     chromium.screenshot(naming.dataset_file(out, "index.html"), shot, 1000, 1000)
     assert chromium.count_thumbnails(shot) == 4
+
+
+def test_negative_prompts_of_unguided_images_are_counted_as_unused():
+    rows = [{"negative_prompt": "blurry", "guidance_scale": 0.0, "image_index": 0},
+            {"negative_prompt": "blurry", "guidance_scale": 0.0, "image_index": 1},
+            {"negative_prompt": "blurry", "guidance_scale": 1.0, "image_index": 0},
+            {"negative_prompt": "", "guidance_scale": 0.0, "image_index": 0},
+            {"negative_prompt": "blurry", "guidance_scale": 1.5, "image_index": 0}]
+    assert verify.unused_negatives(rows, "diffusers") == (2, 3)
+    assert verify.unused_negatives(rows, "always") == (0, 0)  # every image was guided

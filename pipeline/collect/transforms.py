@@ -42,7 +42,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.collect import card, gallery
 from pipeline.collect.stats import dataset_stats
-from pipeline.collect.verify import verify_slice
+from pipeline.collect.verify import unused_negatives, verify_slice
 from pipeline.core import naming
 from pipeline.core.settings import Run, Settings
 from pipeline.io import beamio, runs, storage
@@ -118,13 +118,15 @@ class _VerifySliceFn(beam.DoFn):
                 beamio.write_bytes(naming.dataset_file(self.out, gallery.thumb_path(index, row["key"])),
                                    gallery.thumbnail(images[row["key"]]), "image/jpeg")
                 self.thumbs.inc()
+        unused_records, unused_images = unused_negatives(good_rows, self.settings.guidance_rule)
         yield {"slice": index, "records": sum(1 for i in items if i["image_index"] == 0),
                "planned_images": len(items), "stats": slice_stats,
                "verdicts": {v: keys for v, keys in verdicts.items() if v != "ok" and keys},
                "ok": len(ok), "all_ok": len(ok) == len(items) == len(rows),
                "truncated_images": sum(1 for row in good_rows if row.get("prompt_truncated")),
                "truncated_records": sum(1 for row in good_rows if row.get("prompt_truncated")
-                                        and row["image_index"] == 0)}
+                                        and row["image_index"] == 0),
+               "unused_negative_records": unused_records, "unused_negative_images": unused_images}
 
 
 class VerifySlices(beam.PTransform):

@@ -48,3 +48,13 @@ def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[st
         got = by_key[key]
         verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"])].append(key)
     return verdicts
+
+
+def unused_negatives(rows: list[dict], guidance_rule: str) -> tuple[int, int]:
+    """(records, images) among metadata ``rows`` whose negative prompt played no part:
+    under diffusers' rule an image with guidance <= 1 is not guided, so its negative
+    prompt does nothing (pure)."""
+    if guidance_rule != "diffusers":
+        return 0, 0
+    unused = [row for row in rows if row["negative_prompt"] and row["guidance_scale"] <= 1]
+    return sum(1 for row in unused if row["image_index"] == 0), len(unused)
