@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
+from pipeline.core import choices
 from pipeline.output import formats, writer
 
 
@@ -32,13 +33,13 @@ def test_quality_changes_lossy_bytes():
 @pytest.mark.parametrize("text,expected", [("files", ("files",)), ("zarr,files", ("files", "zarr")),
                                            (" webdataset , parquet ", ("webdataset", "parquet"))])
 def test_parse_formats(text, expected):
-    assert formats.parse_formats(text) == expected
+    assert choices.parse_formats(text) == expected
 
 
 @pytest.mark.parametrize("bad", ["", "tiff", "files,tiff"])
 def test_parse_formats_rejects_unknown(bad):
     with pytest.raises(ValueError, match="--format"):
-        formats.parse_formats(bad)
+        choices.parse_formats(bad)
 
 
 ROWS = [{"key": "a_0000", "prompt": "a cat", "path": "images/00000/a_0000.png", "seed": 1},

@@ -1,10 +1,8 @@
-import io
 import os
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image

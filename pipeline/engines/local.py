@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 from pipeline.core import logs, naming
 from pipeline.generate import cluster, compile_cache as compile_cache_lib

@@ -13,12 +13,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from pipeline.core import crashpoints, logs, naming, slicing
-from pipeline.core.records import Item
+from pipeline.core import crashpoints, logs, slicing
 from pipeline.core.settings import Run
 from pipeline.generate import cluster, jax_events, runtime
 from pipeline.generate.generator import Generator
-from pipeline.io import storage
 from pipeline.output import writer
 
 WRITER_THREADS = 8  # encoders and uploaders; JAX releases the GIL while devices work

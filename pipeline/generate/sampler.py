@@ -48,7 +48,6 @@ def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = F
     Without ``latents`` the program is exactly the images-only one.
     """
     import jax
-    import jax.numpy as jnp
 
     latent_shape = model.latent_shape(width, height)
     denoise = make_denoise_fn(model, steps, empty_negative_ids=tokenize(model, [""])[0], return_latents=latents,

@@ -15,7 +15,6 @@ import tarfile
 import numpy as np
 
 from pipeline.core import naming
-from pipeline.core.choices import parse_formats  # noqa: F401  (still read here by the format tests)
 from pipeline.core.choices import IMAGE_FORMATS
 from pipeline.io import storage
 
