@@ -15,7 +15,7 @@ import difflib
 import functools
 import shlex
 
-from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, parse_formats
+from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, TIMESTEP_SPACINGS, parse_formats
 from pipeline.core.settings import Settings
 from pipeline.model.tiny import PRESETS
 
@@ -44,7 +44,11 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=int, default=None, help="image height, a multiple of 8 (default: the model's)")
     parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
     parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
-                        help="sampling algorithm (default: the checkpoint's own)")
+                        help="sampling algorithm (default: the checkpoint's own; euler_a: Euler ancestral, as "
+                             "SD-Turbo and SDXL-Turbo ship; lcm: LCM multistep, for LCM and LCM-LoRA models)")
+    parser.add_argument("--timestep-spacing", choices=list(TIMESTEP_SPACINGS), default=None,
+                        help="how the sampler's timesteps spread over the training schedule (trailing: few-step "
+                             "models such as SDXL-Lightning; default: the checkpoint's scheduler config)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
                         help="network weights and compute dtype; latents stay float32 (default: %(default)s)")
     parser.add_argument("--format", default=",".join(d.formats),
@@ -70,7 +74,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace, devices_per_host: int) -> Settings:
     """The one translation of the settings flags (``add_settings_flags``) into Settings."""
     return Settings(prompts=args.prompts, out=args.out, model=args.model, width=args.width, height=args.height,
-                    steps=args.steps, scheduler=args.scheduler, dtype=args.dtype, formats=parse_formats(args.format),
+                    steps=args.steps, scheduler=args.scheduler, timestep_spacing=args.timestep_spacing, dtype=args.dtype,
+                    formats=parse_formats(args.format),
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,

@@ -12,6 +12,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.io import beamio, storage
 from pipeline.plan import transforms as plan
+from pipeline.plan.prepare import prepare
 
 # plain, CRLF, blank lines, invalid UTF-8 kept as bytes, last line without a newline
 CONTENT = b'{"prompt": "one"}\n\n{"prompt": "caf\xc3\xa9"}\r\n\xff\xfe not utf-8\n\r\n  \nlast'
@@ -100,7 +101,7 @@ def test_read_lines_transform(root):
                                    [(f"{root}/b.jsonl.gz", 1, b"b1"), (f"{root}/b.jsonl.gz", 2, b"b2")]))
 
 
-def test_the_plan_pipeline_reads_and_writes_gcs(gcs_emulator):
+def test_the_plan_pipeline_reads_and_writes_gcs(gcs_emulator, model_cache):
     from pipeline.core import naming
     from pipeline.core.settings import Settings
 
@@ -109,8 +110,9 @@ def test_the_plan_pipeline_reads_and_writes_gcs(gcs_emulator):
     storage.write_bytes(f"{base}/in/sub/y.jsonl", b"\xff\n{oops")
     storage.write_bytes(f"{base}/in/sub/skip.txt", b"not matched\n")
     pattern, out = f"{base}/in/**/*.jsonl", f"{base}/out"
+    settings, _ = prepare(Settings(prompts=pattern, out=out))
     with TestPipeline() as p:
-        _ = p | "Plan" >> plan.Plan(Settings(prompts=pattern, out=out))
+        _ = p | "Plan" >> plan.Plan(settings)
     [slice_file] = storage.glob(f"{out}/plan/slices/*")
     assert [(i["prompt"], i["line"]) for i in map(json.loads, storage.read_text(slice_file).splitlines())] == [
         ("1", 1), ("3", 3)]

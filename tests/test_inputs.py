@@ -15,6 +15,7 @@ from pipeline.core import naming, records
 from pipeline.core.settings import Settings, fingerprint
 from pipeline.io import storage
 from pipeline.plan import inputs, layout, transforms as plan
+from pipeline.plan.prepare import prepare
 
 # Six rows exercising every optional field, pass-through fields on some rows, and text that
 # needs CSV quoting (delimiters, quotes, a newline inside a field) and non-ASCII.
@@ -61,8 +62,9 @@ def write(path, data: bytes) -> str:
 def plan_with_beam(pattern: str, out: str, prompt_field: str = "prompt"):
     """Run the plan pipeline under TestPipeline: (items with image index 0, in position
     order; rejects), as written under OUT/plan."""
+    settings, _ = prepare(Settings(prompts=pattern, out=out, seed=3, prompt_field=prompt_field))
     with TestPipeline() as p:
-        _ = p | "Plan" >> plan.Plan(Settings(prompts=pattern, out=out, seed=3, prompt_field=prompt_field))
+        _ = p | "Plan" >> plan.Plan(settings)
     items = [records.Item.from_json(json.loads(line)) for path in storage.glob(naming.join(out, "plan", "slices", "*"))
              for line in storage.read_text(path).splitlines()]  # noqa: E501
     rejects = [json.loads(line) for path in storage.glob(naming.join(out, "plan", "rejects", "*"))
@@ -98,7 +100,7 @@ def test_every_format_gives_the_same_records(tmp_path, fmt, gz):
     assert [(r.source, r.line) for r in recs] == [(path, line) for line in LINES.get(fmt, range(1, 7))]
 
 
-def test_all_formats_through_the_plan_pipeline(tmp_path):
+def test_all_formats_through_the_plan_pipeline(tmp_path, model_cache):
     """The plan pipeline on a folder holding every format: each file gives the same items.
 
     The rows go without ids and seeds here (the same id in two files is a duplicate_id
@@ -220,7 +222,7 @@ def test_unknown_extensions_fail_the_plan_before_it_starts(tmp_path):
         layout.match_prompt_files(str(tmp_path))
 
 
-def test_gcs_inputs(gcs_emulator):
+def test_gcs_inputs(gcs_emulator, model_cache):
     base = f"gs://{gcs_emulator}/inputs/formats"
     write(f"{base}/in/p.parquet", encode("parquet", ROWS[:3]))
     write(f"{base}/in/sub/q.csv.gz", encode("csv", ROWS[3:]))
@@ -234,7 +236,8 @@ def test_gcs_inputs(gcs_emulator):
 def test_prompt_field_setting_keeps_old_fingerprints():
     settings = Settings()
     old = settings.to_dict()
-    for name in ("out", "save_latents", "prompt_field", "dedupe"):  # the settings of a run planned before prompt_field
+    # the settings of a run planned before prompt_field (and the later timestep_spacing)
+    for name in ("out", "save_latents", "prompt_field", "dedupe", "timestep_spacing"):
         old.pop(name)
     old["model"] = "m"
     import hashlib

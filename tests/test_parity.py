@@ -6,7 +6,8 @@ import pytest
 
 from pipeline.core import keys
 from pipeline.generate import sampler
-from pipeline.model import load as model_lib
+from pipeline.core.choices import SCHEDULERS
+from pipeline.model import load as model_lib, scheduler as scheduler_lib
 
 STEPS = 4
 SIZE = 32
@@ -105,8 +106,8 @@ def test_sdxl_matches_diffusers_pipeline_fp32(diffusers_xl_pipeline, choice, neg
 @pytest.mark.parametrize("choice", ["ddim", "pndm", "euler", "dpmpp"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-sdxl"])
 def test_scheduler_choice_keeps_the_checkpoints_noise_schedule(model_cache, name, choice):
-    scheduler, state = model_lib.make_scheduler(model_lib.resolve(name), choice)
-    assert type(scheduler).__name__ == model_lib.SCHEDULERS[choice][0]
+    scheduler, state = scheduler_lib.make_scheduler(model_lib.resolve(name), choice)
+    assert type(scheduler).__name__ == SCHEDULERS[choice][0]
     config = scheduler.config
     assert (config.beta_schedule, config.beta_start, config.beta_end) == ("scaled_linear", 0.00085, 0.012)
     assert config.num_train_timesteps == 1000 and config.prediction_type == "epsilon"

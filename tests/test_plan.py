@@ -9,7 +9,9 @@ from apache_beam.testing.util import assert_that, equal_to
 from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.io import storage
+from pipeline.io import runs
 from pipeline.plan import layout, transforms as plan
+from pipeline.plan.prepare import prepare
 
 FILES = {
     "b.jsonl": [b'{"prompt": "b one", "id": "b1"}', b'{"prompt": "b two", "num_images": 0}',
@@ -37,9 +39,9 @@ def read_plan(out):
     return slices, sorted((r["source"].rsplit("/", 1)[1], r["line"], r["reason"]) for r in rejects)
 
 
-def test_the_plan_pipeline_under_test_pipeline(tmp_path):
+def test_the_plan_pipeline_under_test_pipeline(tmp_path, model_cache):
     folder, out = write_files(tmp_path / "d", FILES), str(tmp_path / "out")
-    settings = Settings(prompts=folder, out=out, devices_per_host=2, batches_per_slice=1)
+    settings, _ = prepare(Settings(prompts=folder, out=out, devices_per_host=2, batches_per_slice=1))
     p = TestPipeline()
     manifest = p | "Plan" >> plan.Plan(settings)
     assert_that(manifest | beam.Map(lambda m: (m["records"], m["images"], m["rejects"], m["input_rows"])),
@@ -54,6 +56,26 @@ def test_the_plan_pipeline_under_test_pipeline(tmp_path):
     assert rejects == [("a.jsonl", 2, "empty_prompt"), ("a.jsonl", 3, "invalid_json"), ("b.jsonl", 2, "bad_num_images")]
     assert plan.counters(result) == {"images_planned": 5, "records_planned": 4, "rows_read": 7, "rows_rejected": 3,
                                      "slices_written": 3}  # slice 1 by the join of its two parts
+    assert runs.read(out).settings.guided is True  # records at the run's guidance, 7.5
+
+
+def test_the_plan_decides_per_run_whether_it_is_guided_and_keeps_that_decision(tmp_path, model_cache):
+    folder, out = tmp_path / "in", str(tmp_path / "out")
+    folder.mkdir()
+    lines = [{"prompt": "a fox"}, {"prompt": "a whale", "guidance_scale": 1.0}, {"prompt": "a cat", "guidance_scale": 4}]
+    (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:2]))
+    settings = Settings(prompts=str(folder / "*.jsonl"), out=out, guidance_scale=0.0)
+    plan.run_plan(settings)
+    first = runs.read(out)
+    assert first.settings.guided is False  # guidance 0 and 1: no image is guided
+    plan.run_plan(settings)  # a re-plan resumes the same run
+    assert runs.read(out) == first
+    (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(layout.PlanError, match="holds a guidance-free run, but now some record's guidance is > 1"):
+        plan.run_plan(settings)
+    plan.run_plan(settings, overwrite=True)
+    assert runs.read(out).settings.guided is True
+    assert runs.read(out).settings_fingerprint != first.settings_fingerprint
 
 
 def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
@@ -73,11 +95,12 @@ def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
     assert (manifest["slices"], manifest["records"], manifest["input_rows"], manifest["input_files"]) == (4, 12, 13, 6)
 
 
-def scan(source, ids, prompts, images=None):
+def scan(source, ids, prompts, images=None, guided=None):
     n = len(ids)
     digest = lambda texts: np.frombuffer(b"".join(layout.digest(t) for t in texts), dtype="S16")  # noqa: E731
     return layout.FileScan(source, n, {}, np.arange(1, n + 1, dtype=np.int64),
-                           np.asarray(images or [1] * n, np.int32), digest(ids), digest(prompts))
+                           np.asarray(images or [1] * n, np.int32), digest(ids), digest(prompts),
+                           np.asarray(guided or [False] * n, bool))
 
 
 def test_layout_rejects_later_duplicate_ids_and_with_dedupe_later_duplicate_prompts():
@@ -94,6 +117,14 @@ def test_layout_rejects_later_duplicate_ids_and_with_dedupe_later_duplicate_prom
     assert (placed.records, placed.images, placed.first, placed.rejects_by_reason) == (
         2, 4, {"a": 0, "b": 3}, {"duplicate_id": 1, "duplicate_prompt": 2})
     assert layout.make_layout([], dedupe=True).images == 0
+
+
+def test_layout_is_guided_only_if_a_kept_record_is():
+    guided_duplicate = [scan("a", ["x"], ["cat"], guided=[False]), scan("b", ["x", "y"], ["dog", "cow"],
+                                                                        guided=[True, False])]
+    assert not layout.make_layout(guided_duplicate, dedupe=False).guided  # b's guided row repeats a's id
+    assert layout.make_layout([scan("a", ["x", "y"], ["cat", "dog"], guided=[False, True])], dedupe=False).guided
+    assert not layout.make_layout([], dedupe=False).guided
 
 
 @pytest.mark.parametrize("pattern,root", [("/d/*.jsonl", "/d/"), ("/d/sub/a.jsonl", "/d/sub"),

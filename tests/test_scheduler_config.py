@@ -1,6 +1,7 @@
 """A checkpoint's scheduler config is honoured or refused at plan time, never ignored:
 the Flax schedulers lack keys that diffusers' PyTorch ones act on (trailing spacing,
-Karras sigmas, zero-SNR betas, ...), and ``from_config`` would drop them silently."""
+Karras sigmas, zero-SNR betas, ...), and ``from_config`` would drop them silently. Such
+configs run on promptmill's own steps where those do what the config asks."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import shutil
 import pytest
 
 from pipeline.core.settings import Settings
-from pipeline.model import load as model_lib
+from pipeline.model import load as model_lib, scheduler as scheduler_lib
 from pipeline.plan import prepare
 
 # scheduler_config.json as diffusers' PyTorch classes write them for released checkpoints
@@ -26,7 +27,7 @@ TURBO_EULER_A = dict(SDXL_EULER, _class_name="EulerAncestralDiscreteScheduler", 
 
 @pytest.mark.parametrize("choice", ["ddim", "pndm", "euler", "dpmpp"])
 def test_released_sd_configs_are_honoured_by_every_sampler(choice):
-    assert model_lib.unhonoured(SD15_PNDM, choice) == []
+    assert scheduler_lib.unhonoured(SD15_PNDM, choice) == []
 
 
 @pytest.mark.parametrize("config, choice, expected", [
@@ -52,7 +53,7 @@ def test_released_sd_configs_are_honoured_by_every_sampler(choice):
     ({"_class_name": "FlaxEulerDiscreteScheduler", "timestep_spacing": "leading"}, "euler", []),
 ])
 def test_each_key_a_sampler_would_not_honour_is_named(config, choice, expected):
-    assert [(key, value) for key, value, _ in model_lib.unhonoured(config, choice)] == expected
+    assert [(key, value) for key, value, _ in scheduler_lib.unhonoured(config, choice)] == expected
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +68,93 @@ def trailing_checkpoint(model_cache, tmp_path_factory):
     return str(target)
 
 
-def test_the_plan_refuses_a_sampler_that_would_ignore_the_checkpoints_spacing(trailing_checkpoint, tmp_path):
+@pytest.mark.parametrize("config, choice, engine", [
+    (SD15_PNDM, "ddim", "flax"),
+    (SD15_PNDM, "euler", "flax"),
+    (dict(SD15_PNDM, timestep_spacing="trailing"), "ddim", "steps"),  # Flax DDIM has no spacing
+    (dict(SDXL_EULER, timestep_spacing="trailing"), "euler", "steps"),
+    (dict(SDXL_EULER, steps_offset=0), "euler", "steps"),  # PyTorch's leading spacing without Flax's + 1
+    (dict(SDXL_EULER, use_karras_sigmas=True), "euler", "steps"),
+    (dict(SDXL_EULER, timestep_spacing="trailing"), "dpmpp", "flax"),
+    (TURBO_EULER_A, None, "steps"),  # the checkpoint's own: Euler ancestral
+    (dict(SD15_PNDM, _class_name="LCMScheduler"), None, "steps"),
+])
+def test_each_config_runs_on_the_engine_that_honours_it(tmp_path, config, choice, engine):
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    sampler = scheduler_lib.resolve_sampler(str(tmp_path), choice)
+    assert sampler.engine == engine
+    assert sampler.choice == (choice or {"EulerAncestralDiscreteScheduler": "euler_a",
+                                         "LCMScheduler": "lcm"}[config["_class_name"]])
+
+
+@pytest.mark.parametrize("config, choice, spacing, refused", [
+    (dict(SD15_PNDM, timestep_spacing="trailing"), "pndm", None, r"timestep_spacing='trailing' \(the pndm sampler "
+                                                                  r"runs 'leading'\)"),
+    (SD15_PNDM, "pndm", "linspace", r"with --timestep-spacing asks for timestep_spacing='linspace'"),
+    (dict(SDXL_EULER, thresholding=True), "ddim", None, r"thresholding=True"),
+    (dict(SDXL_EULER, use_beta_sigmas=True), "euler", None, r"use_beta_sigmas=True"),
+    (dict(SD15_PNDM, algorithm_type="sde-dpmsolver++"), "dpmpp", None, r"algorithm_type='sde-dpmsolver\+\+'"),
+    (dict(SDXL_EULER, prediction_type="sample"), "euler_a", None, r"prediction_type='sample'"),
+])
+def test_what_no_engine_does_is_refused_naming_the_key(tmp_path, config, choice, spacing, refused):
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    with pytest.raises(model_lib.ModelError, match=refused):
+        scheduler_lib.resolve_sampler(str(tmp_path), choice, spacing)
+
+
+@pytest.fixture(scope="module")
+def trailing_checkpoint(model_cache, tmp_path_factory):
+    """The tiny model with the scheduler config a few-step PyTorch checkpoint ships:
+    DDIM with trailing timesteps."""
+    target = tmp_path_factory.mktemp("trailing") / "tiny-trailing"
+    shutil.copytree(model_lib.resolve("tiny"), target)
+    path = target / "scheduler" / "scheduler_config.json"
+    config = dict(json.loads(path.read_text()), _class_name="DDIMScheduler", timestep_spacing="trailing")
+    path.write_text(json.dumps(config))
+    return str(target)
+
+
+def test_the_plan_honours_the_checkpoints_spacing_or_refuses_it(trailing_checkpoint, tmp_path):
     settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"), model=trailing_checkpoint)
-    for choice in (None, "euler", "pndm"):  # the checkpoint's own (ddim), and two more without trailing
-        with pytest.raises(model_lib.ModelError, match=r"asks for timestep_spacing='trailing' \(the \w+ sampler "
-                                                       r"runs 'l\w+'"):
-            prepare.resolve_settings(settings.replace(scheduler=choice))
-    resolved, run = prepare.resolve_settings(settings.replace(scheduler="dpmpp"))  # honours trailing
-    assert resolved.scheduler == run.settings.scheduler == "dpmpp"
+    for choice in (None, "euler", "euler_a", "lcm", "dpmpp"):  # the checkpoint's own (ddim), and more
+        resolved, run = prepare.resolve_settings(settings.replace(scheduler=choice))
+        assert resolved.scheduler == run.settings.scheduler == (choice or "ddim")
+    with pytest.raises(model_lib.ModelError, match=r"asks for timestep_spacing='trailing' \(the pndm sampler "
+                                                   r"runs 'leading'\)"):
+        prepare.resolve_settings(settings.replace(scheduler="pndm"))
     with pytest.raises(model_lib.ModelError, match="timestep_spacing='trailing'"):
-        model_lib.load(trailing_checkpoint, "fp32")  # and a host loading it refuses too
+        model_lib.load(trailing_checkpoint, "fp32", "pndm")  # and a host loading it refuses too
+    model = model_lib.load(trailing_checkpoint, "fp32")
+    assert (model.sampler.engine, model.sampler.config["timestep_spacing"], model.scheduler) == ("steps", "trailing",
+                                                                                                 None)
+
+
+def test_a_step_count_the_sampler_cannot_run_is_refused_at_plan_time(trailing_checkpoint, tmp_path):
+    settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"), model=trailing_checkpoint,
+                        scheduler="lcm", steps=51)
+    with pytest.raises(model_lib.ModelError, match=r"at most original_inference_steps \(50\) steps, got 51"):
+        prepare.resolve_settings(settings)
+    assert prepare.resolve_settings(settings.replace(steps=4))[0].scheduler == "lcm"
+
+
+def test_the_timestep_spacing_flag_overrides_the_checkpoints(model_cache, tmp_path):
+    settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"))  # tiny: Flax DDIM, leading
+    assert model_lib.load("tiny").sampler.engine == "flax"
+    trailing = model_lib.load("tiny", "fp32", None, "trailing").sampler
+    assert (trailing.engine, trailing.config["timestep_spacing"]) == ("steps", "trailing")
+    resolved, run = prepare.resolve_settings(settings.replace(timestep_spacing="trailing"))
+    assert resolved.timestep_spacing == "trailing"
+    assert run.settings_fingerprint != prepare.resolve_settings(settings)[1].settings_fingerprint
+    with pytest.raises(model_lib.ModelError, match="with --timestep-spacing asks for timestep_spacing='trailing'"):
+        prepare.resolve_settings(settings.replace(timestep_spacing="trailing", scheduler="pndm"))
+
+
+def test_an_lcm_unet_with_a_guidance_embedding_is_refused(model_cache, tmp_path):
+    target = tmp_path / "lcm-unet"
+    shutil.copytree(model_lib.resolve("tiny"), target)
+    path = target / "unet" / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), time_cond_proj_dim=256)))
+    with pytest.raises(model_lib.ModelError, match="time_cond_proj_dim=256"):
+        model_lib.describe(str(target))

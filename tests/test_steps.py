@@ -1,4 +1,4 @@
-"""The pure-JAX sampler steps (pipeline/generate/steps.py) against diffusers' PyTorch schedulers.
+"""The pure-JAX sampler steps (pipeline/model/steps.py) against diffusers' PyTorch schedulers.
 
 The fixtures under tests/fixtures/schedulers/ were written once by
 tests/fixtures/make_scheduler_fixtures.sh with torch and diffusers 0.39; these tests need
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.generate import steps
+from pipeline.model import steps
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "schedulers")
 FILES = ("ddim", "euler", "euler_a", "lcm")

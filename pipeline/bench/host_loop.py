@@ -262,7 +262,7 @@ def _build_generator(config: PipelineBenchConfig):
     width, height = config.width or model.native_size, config.height or model.native_size
     generator = Generator(model, width, height, config.steps, config.batch // len(devices))
     generator.warm_up()
-    run = bench_run(width, height, config.steps, generator.per_device_batch, "tiny", model.scheduler_name,
+    run = bench_run(width, height, config.steps, generator.per_device_batch, "tiny", model.sampler.choice,
                     model.fingerprint)
     return generator, width, height, run, {"devices": len(devices), "platform": devices[0].platform,
                                            "build_s": round(watch.seconds(), 3)}

@@ -174,12 +174,14 @@ def _ok_rows_table(out: str, summary: dict):
     return _conform(table.sort_by("position"), writer.metadata_schema())
 
 
-def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, started: float, run: Run, out: str,
+def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, started: float, out: str,
                   page_size: int, thumbnails: bool) -> dict:
     """Writes the dataset's files from every slice's summary and every rejects file's
-    counts; returns stats.json's content. ``started``: when collect began (for its wall time)."""
+    counts; returns stats.json's content. ``started``: when collect began (for its wall time).
+    The card describes the run as ``run.json`` holds it now, with the plan's decisions."""
     import pyarrow.parquet as pq
 
+    run = runs.read(out)
     summaries = sorted(summaries, key=lambda s: s["slice"])
     images = sum(s["ok"] for s in summaries)
 
@@ -214,15 +216,15 @@ class WriteDataset(beam.PTransform):
     ``reject_counts`` (``CountRejects``'s).
     """
 
-    def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
+    def __init__(self, out: str, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
         super().__init__()
-        self.out, self.run, self.page_size, self.thumbnails = out, run, page_size, thumbnails
+        self.out, self.page_size, self.thumbnails = out, page_size, thumbnails
 
     def expand(self, parts):
         return (parts["manifest"]
                 | "Write" >> beam.Map(write_dataset, beam.pvalue.AsList(parts["summaries"]),
                                       beam.pvalue.AsList(parts["reject_counts"]),
-                                      beam.pvalue.AsSingleton(parts["started"]), self.run, self.out,
+                                      beam.pvalue.AsSingleton(parts["started"]), self.out,
                                       self.page_size, self.thumbnails))
 
 
@@ -258,7 +260,7 @@ class Collect(beam.PTransform):
                          | "MatchRejects" >> beam.FlatMap(_rejects_files, self.out)
                          | "CountRejects" >> CountRejects())
         return ({"manifest": manifest, "started": started, "summaries": summaries, "reject_counts": reject_counts}
-                | "WriteDataset" >> WriteDataset(self.out, self.run, self.page_size, self.thumbnails))
+                | "WriteDataset" >> WriteDataset(self.out, self.page_size, self.thumbnails))
 
 
 def check_verified(stats: dict) -> None:

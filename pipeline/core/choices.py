@@ -9,13 +9,19 @@ from __future__ import annotations
 # --dtype choices -> the jax.numpy dtype name of the networks' weights and compute
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
-# --scheduler choices -> (diffusers Flax class, config overrides)
+# --scheduler choices -> (diffusers Flax class, config overrides); None: no Flax class,
+# promptmill's own steps run it (pipeline.model.steps)
 SCHEDULERS = {
     "ddim": ("FlaxDDIMScheduler", {}),
     "pndm": ("FlaxPNDMScheduler", {}),
     "euler": ("FlaxEulerDiscreteScheduler", {}),
     "dpmpp": ("FlaxDPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+    "euler_a": (None, {}),  # Euler ancestral (SD-Turbo, SDXL-Turbo)
+    "lcm": (None, {}),  # LCM multistep (LCM and LCM-LoRA models)
 }
+
+# --timestep-spacing choices (None: the checkpoint's own)
+TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 
 # --format choices, in canonical order
 FORMATS = ("files", "webdataset", "parquet", "zarr")

@@ -2,7 +2,9 @@
 
 The contract: the key of an image depends only on
 (record seed, image index) and is ``fold_in(PRNGKey(seed), image_index)``.
-Initial latents are ``jax.random.normal(key, (C, H/f, W/f), float32)``.
+Initial latents are ``jax.random.normal(key, (C, H/f, W/f), float32)``; the noise a
+stochastic sampler (Euler ancestral, LCM) adds at step ``i`` is
+``jax.random.normal(fold_in(key, i), (C, H/f, W/f), float32)``.
 
 Seeds are 63-bit. In JAX's default 32-bit mode ``PRNGKey(seed)`` silently keeps
 only the low 32 bits of a larger seed, which would make distinct records share
@@ -65,3 +67,12 @@ def initial_latents(key, shape):
     import jax.numpy as jnp
 
     return jax.random.normal(key, shape, dtype=jnp.float32)
+
+
+def step_noise(key, step, shape):
+    """The fresh noise a stochastic sampler adds at ``step`` to one image: drawn from
+    ``fold_in(image key, step)``, so it depends on the image alone, never on its batch."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.random.normal(jax.random.fold_in(key, step), shape, dtype=jnp.float32)

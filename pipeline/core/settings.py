@@ -12,7 +12,7 @@ import hashlib
 import json
 
 from pipeline.core import keys, slicing
-from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, parse_formats
+from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, TIMESTEP_SPACINGS, parse_formats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Settings:
     height: int | None = None
     steps: int = 20
     scheduler: str | None = None  # None: the checkpoint's own (resolved when planning)
+    timestep_spacing: str | None = None  # None: the checkpoint's scheduler config's own
     guidance_scale: float = 7.5
     seed: int = 0  # the run seed, hashed with a record's id when it has no seed
     per_device_batch: int = 1
@@ -40,6 +41,11 @@ class Settings:
     # conditional prediction alone at guidance <= 1, as diffusers does; "always" (runs planned before
     # the rule) guided every image. Not a flag: a run keeps the rule it was planned with.
     guidance_rule: str = "diffusers"
+    # whether the run's program runs classifier-free guidance (UNet batch 2B, negative prompts
+    # encoded) or is guidance-free (batch B, no negative prompts): decided by the plan, True
+    # when any planned record has guidance > 1 (under the "diffusers" rule); None until then.
+    # Not a flag. Per run, never per batch, so an image's bits never depend on its neighbours.
+    guided: bool | None = None
 
     @property
     def slice_size(self) -> int:
@@ -70,6 +76,13 @@ class Settings:
                              f"got --format {','.join(self.formats)}")
         if self.guidance_rule not in GUIDANCE_RULES:
             raise ValueError(f"guidance_rule must be one of {', '.join(GUIDANCE_RULES)}, got {self.guidance_rule!r}")
+        if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
+            raise ValueError(f"--timestep-spacing must be one of {', '.join(TIMESTEP_SPACINGS)}, "
+                             f"got {self.timestep_spacing!r}")
+        if self.guided not in (None, True, False):
+            raise ValueError(f"guided must be true, false or null, got {self.guided!r}")
+        if self.guidance_rule == "always" and self.guided is False:
+            raise ValueError("a run under the 'always' guidance rule guides every image, so it cannot be guidance-free")
         if not isinstance(self.prompt_field, str) or not self.prompt_field:
             raise ValueError(f"--prompt-field must be a non-empty name, got {self.prompt_field!r}")
         self.slice_size  # validates the three slice factors
@@ -105,9 +118,10 @@ def check_size(name: str, value: int) -> int:
 
 
 # Settings added after runs were first planned, with the value those runs had (for all but
-# guidance_rule, the default): at that value they stay out of the fingerprint, so those
+# guidance_rule and guided, the default): at that value they stay out of the fingerprint, so those
 # runs keep theirs (and resume).
-NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always"}
+NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
+                  "timestep_spacing": None, "guided": True}
 GUIDANCE_RULES = ("diffusers", "always")
 
 

@@ -52,7 +52,7 @@ from pipeline.collect import transforms as collect
 from pipeline.core import logs, naming, slicing
 from pipeline.core.settings import Run, Settings
 from pipeline.generate import host_loop, runtime
-from pipeline.io import beamio, storage
+from pipeline.io import beamio, runs, storage
 from pipeline.plan import transforms as plan
 from pipeline.plan.prepare import prepare
 
@@ -159,7 +159,8 @@ class GenerateSlicesFn(beam.DoFn):
     # must get the same bytes on whatever worker it runs
 
     def __init__(self, out: str, run: Run):
-        self.out, self.run = out, run
+        self.out, self.run = out, run  # the run as prepared; re-read from OUT once planned
+        self.worker = None
         self.generated = Metrics.counter("generate", "slices_generated")
         self.skipped = Metrics.counter("generate", "slices_skipped")
         self.redone = Metrics.counter("generate", "slices_redone")
@@ -170,10 +171,18 @@ class GenerateSlicesFn(beam.DoFn):
     def setup(self):
         logs.setup()
         beamio.use_emulator_credentials()
-        settings = self.run.settings
-        self.worker = _SHARED.acquire(lambda: _Worker(self.run), runtime.program_tag(self.run))
-        self.size = settings.slice_size
-        slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings.per_device_batch)
+        self.worker = None
+
+    def _ready(self):
+        """The process's worker, built on the first slice: only then does run.json hold
+        the plan's decisions (``plan.transforms.decide_guidance``)."""
+        if self.worker is None:
+            self.run = runs.read(self.out)
+            settings = self.run.settings
+            self.worker = _SHARED.acquire(lambda: _Worker(self.run), runtime.program_tag(self.run))
+            self.size = settings.slice_size
+            slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings.per_device_batch)
+        return self.worker
 
     def _zarr_arrays(self):
         """(images, latents) zarr arrays, or (None, None); opened on first use, once the
@@ -185,6 +194,7 @@ class GenerateSlicesFn(beam.DoFn):
             return self._zarr
 
     def process(self, index: int):
+        self._ready()
         decision = runtime.decide(self.out, self.run.settings, index)
         if decision.action == "skip":
             self.skipped.inc()

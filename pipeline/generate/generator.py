@@ -54,18 +54,19 @@ def replicate(tree, devices):
 
 class Generator:
     def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
-                 latents: bool = False, guidance_rule: str = "diffusers"):
+                 latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True):
         import jax
 
         jax_events.COMPILES.install()
         self.model = model
         self.width, self.height, self.steps = width, height, steps
         self.latents = latents
+        self.guided = guided  # False: the guidance-free program, which reads no negative prompt
         self.devices = list(devices or jax.local_devices())
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
         self.params = replicate(model.params, self.devices)
-        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule), devices=self.devices)
+        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided), devices=self.devices)
         self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
@@ -81,7 +82,9 @@ class Generator:
         from pipeline.core import keys
 
         words = np.array([keys.seed_words(s) for s in seeds], np.uint32).reshape(-1, 2)
-        return Batch(self.tokenize(list(prompts)), self.tokenize(list(negatives)), np.asarray(guidance, np.float32),
+        prompt_ids = self.tokenize(list(prompts))
+        negative_ids = self.tokenize(list(negatives)) if self.guided else np.zeros_like(prompt_ids)
+        return Batch(prompt_ids, negative_ids, np.asarray(guidance, np.float32),
                      words[:, 0], words[:, 1], np.asarray(image_indices, np.uint32))
 
     def batch_of(self, rows) -> Batch:

@@ -34,7 +34,7 @@ def load_model(run: Run):
     from pipeline.model import load as model_lib
 
     settings = run.settings
-    model = model_lib.load(settings.model, settings.dtype, settings.scheduler)
+    model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing)
     if model.fingerprint != run.model_fingerprint:
         raise GenerateError(f"model {settings.model!r} has fingerprint {model.fingerprint[:12]}, but the run was "
                             f"planned with {run.model_fingerprint[:12]}: generating needs the same checkpoint")
@@ -42,16 +42,21 @@ def load_model(run: Run):
 
 
 def make_generator(model, settings: Settings, devices=None) -> Generator:
-    """The run's generator on ``devices`` (default: every local device), compiled once."""
+    """The run's generator on ``devices`` (default: every local device), compiled once:
+    the guided or the guidance-free program, as the plan decided (``Settings.guided``)."""
+    if settings.guided is None:
+        raise GenerateError("the run's settings do not say whether it is guided: its plan did not finish; "
+                            "run 'promptmill plan' for this --out again")
     return Generator(model, settings.width, settings.height, settings.steps, settings.per_device_batch,
-                     devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule)
+                     devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
+                     guided=settings.guided)
 
 
 def program_tag(run: Run) -> tuple:
     """What decides a compiled generator: runs with equal tags can share one in a process."""
     s = run.settings
     return (s.model, run.model_fingerprint, s.dtype, s.scheduler, s.width, s.height, s.steps, s.per_device_batch,
-            s.save_latents, s.devices_per_host, s.guidance_rule)
+            s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided)
 
 
 def open_zarr(out: str, run: Run, model, images: int):

@@ -4,10 +4,12 @@ checked into records, one file's scan, and where every record goes.
   match_prompt_files  a pattern -> its prompt files, each of a known format
   validated           one file's rows -> ``Record`` or ``Reject``, in file order
   scan_file           one file -> a ``FileScan``: its row count, rejects by reason, and per
-                      valid record its line, image count and 16-byte hashes of its id and
-                      (with dedupe) prompt; ``save_scan``/``load_scan`` keep it as an npz
-  make_layout         every FileScan -> a ``Layout`` (pure): the duplicate checks and each
-                      file's first global position, in (source, line) order
+                      valid record its line, image count, whether its guidance is > 1, and
+                      16-byte hashes of its id and (with dedupe) prompt;
+                      ``save_scan``/``load_scan`` keep it as an npz
+  make_layout         every FileScan -> a ``Layout`` (pure): the duplicate checks, each
+                      file's first global position, in (source, line) order, and whether
+                      any kept record is guided
 
 ``pipeline.plan.transforms`` runs these inside the plan pipeline.
 """
@@ -91,8 +93,8 @@ def digest(text: str) -> bytes:
 @dataclasses.dataclass
 class FileScan:
     """What the first pass learns of one file: counts, and per valid record its line,
-    image count and the hash of its id, and with dedupe of its prompt (24 or 40 bytes
-    a record)."""
+    image count, whether its guidance is > 1, and the hash of its id, and with dedupe of
+    its prompt (25 or 41 bytes a record)."""
     source: str
     rows: int
     reasons: dict
@@ -100,11 +102,13 @@ class FileScan:
     images: np.ndarray  # int32
     id_hashes: np.ndarray  # S16
     prompt_hashes: np.ndarray  # S16; empty without dedupe
+    guided: np.ndarray  # bool: the record's guidance (its own, else the run's) is > 1
 
 
-def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt", dedupe: bool = True) -> FileScan:
+def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt", dedupe: bool = True,
+              default_guidance: float = 7.5) -> FileScan:
     rows, reasons = 0, collections.Counter()
-    lines, images = array.array("i"), array.array("i")
+    lines, images, guided = array.array("i"), array.array("i"), array.array("b")
     ids, prompts = bytearray(), bytearray()
     for _, result in validated(path, run_seed, root, prompt_field):
         rows += 1
@@ -113,12 +117,14 @@ def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt",
             continue
         lines.append(result.line)
         images.append(result.num_images)
+        guidance = default_guidance if result.guidance_scale is None else result.guidance_scale
+        guided.append(guidance > 1)
         ids += digest(result.id)
         if dedupe:
             prompts += digest(result.prompt)
     as_hashes = lambda b: np.frombuffer(bytes(b), dtype=f"S{HASH_BYTES}")  # noqa: E731
     return FileScan(path, rows, dict(reasons), np.asarray(lines, np.int32), np.asarray(images, np.int32),
-                    as_hashes(ids), as_hashes(prompts))
+                    as_hashes(ids), as_hashes(prompts), np.asarray(guided, bool))
 
 
 @dataclasses.dataclass
@@ -131,6 +137,7 @@ class Layout:
     records: int
     images: int
     rejects_by_reason: dict
+    guided: bool  # some kept record's guidance is > 1: the run needs the guided program
 
 
 def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +151,7 @@ def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
-    """Duplicate checks and positions over every file (pure; files in sorted order).
+    """Duplicate checks, positions and guidance over every file (pure; files in sorted order).
 
     A record whose id an earlier record (in (source, line) order) already has is
     rejected as ``duplicate_id``; with ``dedupe``, then, a record whose prompt an earlier
@@ -171,6 +178,7 @@ def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
             candidates = np.nonzero(kept)[0]
             later, earlier = _later_copies(np.concatenate([s.prompt_hashes for s in scans])[candidates])
             reject(candidates[later], candidates[earlier], "duplicate_prompt", "the same prompt")
+    guided = np.concatenate([s.guided for s in scans]) if scans else np.zeros(0, bool)
     kept_images = np.where(kept, images, 0).astype(np.int64)
     per_file = np.bincount(owner, weights=kept_images, minlength=len(scans)).astype(np.int64)
     starts = np.concatenate([[0], np.cumsum(per_file)[:-1]]) if scans else []
@@ -182,11 +190,11 @@ def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
     return Layout(first={s: int(f) for s, f in zip(sources, starts)},
                   images_of={s: int(n) for s, n in zip(sources, per_file)}, drops=drops,
                   rows=sum(s.rows for s in scans), records=int(kept.sum()), images=int(kept_images.sum()),
-                  rejects_by_reason=dict(sorted(reasons.items())))
+                  rejects_by_reason=dict(sorted(reasons.items())), guided=bool((guided & kept).any()))
 
 
 
-_ARRAYS = ("lines", "images", "id_hashes", "prompt_hashes")
+_ARRAYS = ("lines", "images", "id_hashes", "prompt_hashes", "guided")
 
 
 def save_scan(scan: FileScan, path: str) -> None:

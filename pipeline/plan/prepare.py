@@ -47,7 +47,7 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     from pipeline.model import load as model
 
     settings.validate()
-    described = model.describe(settings.model, settings.scheduler)
+    described = model.describe(settings.model, settings.scheduler, settings.timestep_spacing, settings.steps)
     size = described["native_size"]
     settings = settings.replace(width=settings.width or size, height=settings.height or size,
                                 scheduler=settings.scheduler or described["scheduler"]).validate()
@@ -72,8 +72,9 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
             logs.event("overwrite", out=out, objects_deleted=deleted)
     elif runs.exists(out):
         previous = runs.read(out)
-        # the guidance rule is a version's, not a flag: a run keeps the one it was planned with
-        asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule)
+        # the guidance rule is a version's, not a flag: a run keeps the one it was planned with;
+        # whether it is guided was decided by its plan, which checks it again (decide_guidance)
+        asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided)
         if previous.settings_fingerprint == fingerprint(asked, run.model_fingerprint):
             return previous
         changed = sorted(f.name for f in dataclasses.fields(Settings)  # a moved OUT is the same run

@@ -15,7 +15,10 @@ stages (prompt pattern -> the manifest); the per-file logic they run is in
                  records with an id already used are rejected (``duplicate_id``); with
                  ``--dedupe``, later records whose prompt was already seen are rejected
                  (``duplicate_prompt``); each file's first global position, in (source,
-                 line) order
+                 line) order; whether any kept record's guidance is > 1
+  DecideGuidance the Layout -> ``run.json`` gets ``guided``: the run's program is the
+                 guided one if any kept record is, else the guidance-free one
+                 (``decide_guidance``); before any slice is written
   PlaceRecords   each file again, with the Layout -> its rejects file, every slice that
                  lies wholly inside the file (written at once), and a part file of each
                  slice it shares with other files (at most two per file)
@@ -41,8 +44,8 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.core import logs, naming, records, slicing
-from pipeline.core.settings import Settings
-from pipeline.io import beamio, storage
+from pipeline.core.settings import Run, Settings
+from pipeline.io import beamio, runs, storage
 from pipeline.plan.layout import (
     Layout,
     PlanError,
@@ -77,8 +80,9 @@ class _ScanFn(beam.DoFn):
     """Scans one file and saves its arrays; yields where they are (the Beam runner
     never holds, copies or pickles the arrays)."""
 
-    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, dedupe: bool):
-        self.out, self.args = out, (run_seed, root, prompt_field, dedupe)
+    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, dedupe: bool,
+                 default_guidance: float):
+        self.out, self.args = out, (run_seed, root, prompt_field, dedupe, default_guidance)
         self.read = Metrics.counter("plan", "rows_read")
 
     def setup(self):
@@ -96,6 +100,26 @@ def layout_of_saved(paths: list[str], dedupe: bool) -> Layout:
     """``make_layout`` over the saved scans, which are then deleted."""
     layout = make_layout([load_scan(path) for path in paths], dedupe)
     beamio.delete(paths)
+    return layout
+
+
+def decide_guidance(layout: Layout, out: str) -> Layout:
+    """Record in ``out``'s run.json whether the run is guided (some kept record has
+    guidance > 1, or the run guides every image under the older rule); returns the
+    layout. A run that already recorded the other choice is refused: its images would
+    mix two programs."""
+    run = runs.read(out)
+    settings = run.settings
+    guided = layout.guided or settings.guidance_rule == "always"
+    if settings.guided is None:
+        settings = settings.replace(guided=guided).validate()
+        runs.write(out, Run.create(settings, run.model_fingerprint, run.created_at, dict(run.versions)))
+        logs.event("guidance_decided", out=out, guided=guided)
+    elif settings.guided != guided:
+        planned = "guided" if settings.guided else "guidance-free"
+        now = "some record's guidance is > 1" if guided else "no record's guidance is > 1"
+        raise PlanError(f"{out} holds a {planned} run, but now {now}: the run's images would mix two programs; "
+                        "use another --out, or add --overwrite to start over")
     return layout
 
 
@@ -222,9 +246,10 @@ class Plan(beam.PTransform):
                  | "MatchFiles" >> beam.Create(match_prompt_files(settings.prompts))
                  | "SpreadFiles" >> beam.Reshuffle())
         layout = (files
-                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, dedupe))
+                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, dedupe, settings.guidance_scale))
                   | "AllScans" >> beam.combiners.ToList()
-                  | "Layout" >> beam.Map(layout_of_saved, dedupe))
+                  | "Layout" >> beam.Map(layout_of_saved, dedupe)
+                  | "DecideGuidance" >> beam.Map(decide_guidance, out))
         placed = (files
                   | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, size, *args), beam.pvalue.AsSingleton(layout))
                   .with_outputs(_PlaceFn.SHARED, main="written"))

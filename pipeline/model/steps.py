@@ -34,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipeline.core.choices import TIMESTEP_SPACINGS
+
 SAMPLERS = ("ddim", "euler", "euler_a", "lcm")
 STOCHASTIC = frozenset({"euler_a", "lcm"})  # samplers whose step takes fresh noise
-SPACINGS = ("leading", "trailing", "linspace")
+SPACINGS = TIMESTEP_SPACINGS
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
 # The PyTorch scheduler class whose behaviour each sampler reproduces, and that class's
