@@ -264,6 +264,33 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 17  # no stray objects
 
 
+def test_a_guidance_free_few_step_run_is_the_same_on_1x4_and_2x2(tmp_path, model_cache):
+    """The Turbo recipe: guidance 0, Euler ancestral (its noise drawn per image and step),
+    trailing timesteps, 2 steps. The plan makes the run guidance-free."""
+    folder = tmp_path / "free"
+    folder.mkdir()
+    rows = [{"prompt": f"prompt number {n}"} for n in range(6)]
+    rows[1]["negative_prompt"] = "blurry"  # plays no part: counted in the stats
+    rows[2]["num_images"] = 3
+    rows[4]["guidance_scale"] = 1.0  # <= 1: still unguided
+    (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = str(folder / "*.jsonl")
+    hashes = []
+    for hosts, devices in ((2, 2), (1, 4)):
+        out = str(tmp_path / f"free-{hosts}x{devices}")
+        args = run_args(prompts, out, hosts, devices, "--guidance-scale", "0", "--scheduler", "euler_a",
+                        "--timestep-spacing", "trailing")
+        args[args.index("--steps") + 1] = "2"
+        result = run_cli(args, model_cache)
+        assert result.returncode == 0, result.stderr[-4000:]
+        run = storage.read_json(naming.run_json(out))["settings"]
+        assert (run["guided"], run["scheduler"], run["timestep_spacing"]) == (False, "euler_a", "trailing")
+        hashes.append(image_hashes(out))
+        stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+        assert stats["verified"] and stats["negative_prompts_unused"]["records"] == 1  # record 1, at guidance 0
+    assert len(hashes[0]) == 8 and hashes[0] == hashes[1]
+
+
 def test_sdxl_bf16_dpmpp_run_end_to_end(tmp_path, model_cache):
     prompts = write_prompts(tmp_path / "xl", 5, bad_rows=False)
     out = str(tmp_path / "xl-out")

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -81,3 +83,51 @@ def test_runs_planned_before_the_rule_keep_guiding_every_image(generator):
     np.testing.assert_array_equal(legacy(above), generator(above))  # above 1 both rules are one program
     with pytest.raises(ValueError, match="guidance_rule"):
         Generator(generator.model, width=32, height=32, steps=2, per_device_batch=1, guidance_rule="sometimes")
+
+
+def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_batch(generator, monkeypatch):
+    from pipeline.generate import sampler
+
+    encoded, unet_batches = [], []
+    real_encode, model = sampler.make_encode_fn, generator.model
+
+    def spy_encode(m):
+        encode = real_encode(m)
+        return lambda params, ids: (encoded.append(ids.shape[0]), encode(params, ids))[1]
+
+    class SpyUnet:  # records the batch of every UNet call while the program is traced
+        def __getattr__(self, name):
+            return getattr(model.unet, name)
+
+        def apply(self, variables, sample, *args, **kwargs):
+            unet_batches.append(sample.shape[0])
+            return model.unet.apply(variables, sample, *args, **kwargs)
+
+    monkeypatch.setattr(sampler, "make_encode_fn", spy_encode)
+    spied = dataclasses.replace(model, unet=SpyUnet())
+    free = Generator(spied, width=32, height=32, steps=2, per_device_batch=1, guided=False)
+    assert (encoded, unet_batches) == ([1], [1])  # per device: the prompt alone, batch B
+    encoded.clear(), unet_batches.clear()
+    Generator(spied, width=32, height=32, steps=2, per_device_batch=1, guided=True)
+    assert (encoded, unet_batches) == ([1, 1], [2])  # prompt and negative prompt, batch 2B
+    fox_and_whale = make_batch(free, ["a red fox", "a blue whale in the ocean"], ["", ""], [0.0, 0.0], [5, 5], [0, 0])
+    images = free(fox_and_whale)
+    assert not np.array_equal(images[0], images[1])  # one seed, two prompts: two images
+    negatives = free(make_batch(free, ["a red fox"] * 2, ["", "blurry, dark"], [1.0, 0.0], [5, 5], [0, 0]))
+    np.testing.assert_array_equal(negatives[0], negatives[1])  # negatives and guidance are not read
+    np.testing.assert_array_equal(negatives[0], images[0])
+    # the same prediction as the guided program's at guidance <= 1, in another batch shape
+    guided_images = generator(make_batch(generator, ["a red fox"] * 2, ["", ""], [0.0, 0.0], [5, 5], [0, 0]))
+    assert np.abs(guided_images[0].astype(int) - images[0].astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("choice", ["euler_a", "lcm"])
+def test_stochastic_samplers_draw_each_images_noise_from_its_own_key(model_cache, choice):
+    gen = Generator(model_lib.load("tiny", "fp32", choice), width=32, height=32, steps=3, per_device_batch=1)
+    a = gen(make_batch(gen, ["a cat", "a dog"], ["", ""], [7.5, 7.5], [11, 2**40], [0, 5]))
+    b = gen(make_batch(gen, ["a dog", "a cat"], ["", ""], [7.5, 7.5], [2**40, 11], [5, 0]))
+    np.testing.assert_array_equal(a[0], b[1])  # same image on another device, next to another neighbour
+    np.testing.assert_array_equal(a[1], b[0])
+    c = gen(make_batch(gen, ["a cat", "a dog"], ["", ""], [7.5, 7.5], [11, 2**40], [1, 5]))
+    assert not np.array_equal(a[0], c[0])
+    assert a.std() > 1  # not a constant image
