@@ -40,6 +40,9 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "local cache), a Hugging Face id where the network allows, or a built-in random "
                              f"model ({', '.join(PRESETS)}: random weights, so their images are noise; for tests, "
                              "demos and benchmarks) (default: %(default)s)")
+    parser.add_argument("--unet", metavar="PATH", default=None,
+                        help="a UNet-only .safetensors file (local or gs://) whose weights replace the model's UNet, "
+                             "e.g. SDXL-Lightning's into an SDXL base; part of the run's fingerprint")
     parser.add_argument("--width", type=int, default=None, help="image width, a multiple of 8 (default: the model's)")
     parser.add_argument("--height", type=int, default=None, help="image height, a multiple of 8 (default: the model's)")
     parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
@@ -73,9 +76,9 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace, devices_per_host: int) -> Settings:
     """The one translation of the settings flags (``add_settings_flags``) into Settings."""
-    return Settings(prompts=args.prompts, out=args.out, model=args.model, width=args.width, height=args.height,
-                    steps=args.steps, scheduler=args.scheduler, timestep_spacing=args.timestep_spacing, dtype=args.dtype,
-                    formats=parse_formats(args.format),
+    return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet, width=args.width,
+                    height=args.height, steps=args.steps, scheduler=args.scheduler,
+                    timestep_spacing=args.timestep_spacing, dtype=args.dtype, formats=parse_formats(args.format),
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from pipeline.io import storage
-from pipeline.model import load as model_lib
+from pipeline.model import load as model_lib, sources
 
 
 def upload_tree(local_dir, prefix):
@@ -22,8 +22,8 @@ def test_gcs_model_is_copied_once_and_loads_like_the_local_one(gcs_emulator, mod
     upload_tree(local, prefix)
     fetched = model_lib.resolve(prefix)
     assert fetched.startswith(os.path.join(model_cache, "models", "remote"))
-    assert model_lib.fingerprint(fetched) == model_lib.fingerprint(local)
-    assert model_lib.describe(prefix)["fingerprint"] == model_lib.fingerprint(local)
+    assert sources.fingerprint(fetched) == sources.fingerprint(local)
+    assert model_lib.describe(prefix)["fingerprint"] == sources.fingerprint(local)
 
     def no_download(*args):
         raise AssertionError("an unchanged checkpoint must not be fetched again")
@@ -55,3 +55,70 @@ def test_hub_id_that_cannot_be_fetched_is_a_clear_error(monkeypatch, model_cache
 def test_unknown_model_names_the_options(model_cache):
     with pytest.raises(model_lib.ModelError, match="built-in random models: tiny, tiny-sdxl"):
         model_lib.resolve("/no/such/folder")
+
+
+@pytest.fixture(scope="module")
+def other_unet(model_cache, tmp_path_factory):
+    """A UNet-only safetensors file, as SDXL-Lightning ships one: the tiny model's UNet
+    in PyTorch names, every weight changed."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from tests.pt_export import write_twin
+
+    twin = str(tmp_path_factory.mktemp("twin") / "tiny")
+    write_twin(model_lib.resolve("tiny"), twin)
+    tensors = load_file(os.path.join(twin, "unet", "diffusion_pytorch_model.safetensors"))
+    path = str(tmp_path_factory.mktemp("unet") / "fast_unet.safetensors")
+    save_file({k: (v * 1.5 + 0.01).astype(np.float32) for k, v in tensors.items()}, path)
+    return path
+
+
+def test_unet_flag_replaces_the_unet_weights_and_is_part_of_the_fingerprint(other_unet, gcs_emulator, tmp_path):
+    import numpy as np
+    from flax.traverse_util import flatten_dict
+
+    from pipeline.core.settings import Settings
+    from pipeline.plan import prepare
+
+    base, swapped = model_lib.load("tiny"), model_lib.load("tiny", unet=other_unet)
+    a, b = flatten_dict(base.params["unet"]), flatten_dict(swapped.params["unet"])
+    assert set(a) == set(b) and all(not np.allclose(a[k], b[k]) for k in a)
+    for name in ("text_encoder", "vae"):  # the rest stays the checkpoint's
+        for key, value in flatten_dict(base.params[name]).items():
+            np.testing.assert_array_equal(value, flatten_dict(swapped.params[name])[key])
+    assert swapped.fingerprint != base.fingerprint
+    settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"))
+    _, run = prepare.resolve_settings(settings.replace(unet=other_unet))
+    assert run.model_fingerprint == swapped.fingerprint and run.settings.unet == other_unet
+    # from gs://: copied once into the cache; same bytes, same fingerprint wherever the file is
+    remote = f"gs://{gcs_emulator}/unets/fast_unet.safetensors"
+    with open(other_unet, "rb") as f:
+        storage.write_bytes(remote, f.read())
+    _, remote_run = prepare.resolve_settings(settings.replace(unet=remote))
+    assert remote_run.settings_fingerprint == run.settings_fingerprint
+    assert model_lib.load("tiny", unet=remote).fingerprint == swapped.fingerprint
+
+
+def test_a_unet_file_that_does_not_fit_is_refused_at_plan_time(other_unet, model_cache, tmp_path):
+    from pipeline.core.settings import Settings
+    from pipeline.plan import prepare
+
+    import json
+    import shutil
+
+    settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"))
+    wider = tmp_path / "wider"  # a checkpoint whose UNet is wider than the file's
+    shutil.copytree(model_lib.resolve("tiny"), wider)
+    config = json.loads((wider / "unet" / "config.json").read_text())
+    (wider / "unet" / "config.json").write_text(json.dumps(dict(config, block_out_channels=[64, 64])))
+    with pytest.raises(model_lib.ModelError, match=r"conv_in.weight is \(32, 4, 3, 3\), the checkpoint's UNet needs "
+                                                   r"\(64, 4, 3, 3\)"):
+        prepare.resolve_settings(settings.replace(model=str(wider), unet=other_unet))
+    (tmp_path / "junk.safetensors").write_bytes(b"not tensors")
+    with pytest.raises(model_lib.ModelError, match="not a readable safetensors file"):
+        prepare.resolve_settings(settings.replace(unet=str(tmp_path / "junk.safetensors")))
+    with pytest.raises(model_lib.ModelError, match="no such file"):
+        prepare.resolve_settings(settings.replace(unet=str(tmp_path / "missing.safetensors")))
+    with pytest.raises(model_lib.ModelError, match="as a .safetensors file"):
+        prepare.resolve_settings(settings.replace(unet=str(tmp_path / "unet.bin")))

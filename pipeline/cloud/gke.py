@@ -24,7 +24,7 @@ def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
     """The ``promptmill plan`` command line that plans ``settings`` (what submit gke runs first)."""
     s = settings
     command = ["promptmill", "plan", "--prompts", s.prompts, "--out", s.out, "--model", s.model]
-    for flag, value in (("--width", s.width), ("--height", s.height), ("--scheduler", s.scheduler),
+    for flag, value in (("--unet", s.unet), ("--width", s.width), ("--height", s.height), ("--scheduler", s.scheduler),
                         ("--timestep-spacing", s.timestep_spacing)):
         if value is not None:
             command += [flag, str(value)]

@@ -20,6 +20,7 @@ class Settings:
     prompts: str = "examples/prompts.jsonl"
     out: str = "promptmill-out"
     model: str = "tiny"
+    unet: str | None = None  # a UNet-only safetensors file (local or gs://) replacing the checkpoint's UNet weights
     width: int | None = None  # None: the model's native size
     height: int | None = None
     steps: int = 20
@@ -121,7 +122,7 @@ def check_size(name: str, value: int) -> int:
 # guidance_rule and guided, the default): at that value they stay out of the fingerprint, so those
 # runs keep theirs (and resume).
 NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
-                  "timestep_spacing": None, "guided": True}
+                  "timestep_spacing": None, "guided": True, "unet": None}
 GUIDANCE_RULES = ("diffusers", "always")
 
 
@@ -129,8 +130,9 @@ def fingerprint(settings: Settings, model_fingerprint: str) -> str:
     """Hash of everything that decides the bytes of the outputs."""
     decisive = settings.to_dict()
     decisive.pop("out")
+    decisive.pop("unet")  # where the --unet file is does not matter: its bytes are in the model fingerprint
     for name, legacy in NEWER_SETTINGS.items():
-        if decisive[name] == legacy:
+        if name in decisive and decisive[name] == legacy:
             decisive.pop(name)
     decisive["model"] = model_fingerprint
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()

@@ -191,6 +191,26 @@ def checksums(prefix: str) -> dict[str, str]:
     return sums
 
 
+def checksum(path: str) -> str:
+    """Size and content checksum of one object (on GCS from its metadata: nothing is read)."""
+    if is_gcs(path):
+        from google.api_core.exceptions import NotFound
+
+        blob = _blob(path)
+        try:
+            blob.reload(retry=_retry())
+        except NotFound:
+            raise FileNotFoundError(path) from None
+        return f"{blob.size}:{blob.md5_hash or blob.crc32c}"
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return f"{os.path.getsize(path)}:{digest.hexdigest()}"
+
+
 def delete_prefix(prefix: str) -> int:
     """Delete the object ``prefix`` and every object under ``prefix/``; returns how many.
 

@@ -14,7 +14,15 @@ from pipeline.core.choices import DTYPES
 from pipeline.model import weights
 from pipeline.model.libraries import quiet_libraries
 from pipeline.model.scheduler import Sampler, make_flax_scheduler, resolve_sampler
-from pipeline.model.sources import ModelError, check_layout, family, fingerprint, resolve
+from pipeline.model.sources import (
+    ModelError,
+    check_layout,
+    check_unet_file,
+    family,
+    model_fingerprint,
+    resolve,
+    resolve_unet,
+)
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -63,14 +71,15 @@ def _to_bf16(tree):
         lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_spacing: str | None = None
-         ) -> Model:
+def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_spacing: str | None = None,
+         unet: str | None = None) -> Model:
     """Load ``--model`` (``tiny`` or a diffusers-format directory) for sampling.
 
     ``dtype`` is the compute and weight dtype of the networks (``fp32`` or ``bf16``);
     latents and the scheduler always stay in float32. ``scheduler`` and
     ``timestep_spacing``: the run's choices (None: the checkpoint's own), resolved by
-    ``pipeline.model.scheduler.resolve_sampler``.
+    ``pipeline.model.scheduler.resolve_sampler``. ``unet``: a UNet-only safetensors file
+    (local or gs://) whose weights replace the checkpoint's (``--unet``).
     """
     quiet_libraries()  # before the Flax classes are imported: some warn at import
     import jax.numpy as jnp
@@ -82,11 +91,14 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
     directory = resolve(name)
     index = check_layout(directory)
     check_unet(directory)
+    unet_file = resolve_unet(unet) if unet else None
+    if unet_file:
+        check_unet_file(directory, unet_file)
     sampler = resolve_sampler(directory, scheduler, timestep_spacing)
     jdtype = getattr(jnp, DTYPES[dtype])
     tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
     text_encoder, text_params = weights.load_transformers(FlaxCLIPTextModel, directory, "text_encoder", jdtype)
-    unet, unet_params = weights.load_diffusers(FlaxUNet2DConditionModel, directory, "unet", jdtype)
+    unet, unet_params = weights.load_diffusers(FlaxUNet2DConditionModel, directory, "unet", jdtype, unet_file)
     vae, vae_params = weights.load_diffusers(FlaxAutoencoderKL, directory, "vae", jdtype)
     params = {"text_encoder": text_params, "unet": unet_params, "vae": vae_params}
     extra = {}
@@ -99,8 +111,8 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
     flax_scheduler = None
     if sampler.engine == "flax":
         flax_scheduler, params["scheduler"] = make_flax_scheduler(sampler)
-    return Model(path=name, fingerprint=fingerprint(directory), tokenizer=tokenizer, text_encoder=text_encoder,
-                 unet=unet, vae=vae, sampler=sampler, scheduler=flax_scheduler, params=params, **extra)
+    return Model(path=name, fingerprint=model_fingerprint(directory, unet_file), tokenizer=tokenizer,
+                 text_encoder=text_encoder, unet=unet, vae=vae, sampler=sampler, scheduler=flax_scheduler, params=params, **extra)
 
 
 # UNet config keys that the Flax UNet lacks and that would change its output: a
@@ -121,18 +133,22 @@ def check_unet(directory: str) -> None:
 
 
 def describe(name: str, scheduler: str | None = None, timestep_spacing: str | None = None,
-             steps: int | None = None) -> dict:
+             steps: int | None = None, unet: str | None = None) -> dict:
     """What planning needs to know of a model, from its configs alone (no weights loaded);
     ``scheduler``, ``timestep_spacing`` and ``steps``: the run's, checked against the
-    checkpoint's config (``resolve_sampler``)."""
+    checkpoint's config (``resolve_sampler``); ``unet``: the run's --unet file, checked
+    against the checkpoint's UNet and part of the fingerprint."""
     directory = resolve(name)
     check_layout(directory)
     check_unet(directory)
+    unet_file = resolve_unet(unet) if unet else None
+    if unet_file:
+        check_unet_file(directory, unet_file)
 
     def config(component: str, filename: str = "config.json") -> dict:
         with open(os.path.join(directory, component, filename)) as f:
             return json.load(f)
 
     vae_scale = 2 ** (len(config("vae")["block_out_channels"]) - 1)
-    return {"directory": directory, "fingerprint": fingerprint(directory),
+    return {"directory": directory, "fingerprint": model_fingerprint(directory, unet_file),
             "scheduler": resolve_sampler(directory, scheduler, timestep_spacing, steps).choice, "native_size": config("unet")["sample_size"] * vae_scale}

@@ -4,6 +4,8 @@ A checkpoint is a diffusers-format directory (``model_index.json``, ``tokenizer/
 ``text_encoder/``, ``unet/``, ``vae/``, ``scheduler/``; SDXL adds ``tokenizer_2/`` and
 ``text_encoder_2/``): a built-in random model, a local folder, a ``gs://`` prefix
 copied once into the local cache, or a Hugging Face id. ``fingerprint`` pins its bytes.
+``--unet`` names a UNet-only safetensors file (local or ``gs://``, copied once into the
+cache) that replaces the checkpoint's UNet weights; ``model_fingerprint`` pins both.
 """
 from __future__ import annotations
 
@@ -94,6 +96,66 @@ def fingerprint(directory: str) -> str:
                     digest.update(block)
             digest.update(b"\0")
     return digest.hexdigest()
+
+
+def resolve_unet(path: str) -> str:
+    """The local file of ``--unet``: a local safetensors file, or a ``gs://`` object copied
+    once into the cache (keyed by its checksum, renamed into place when complete)."""
+    from pipeline.io import storage
+
+    if not path.endswith(".safetensors"):
+        raise ModelError(f"--unet {path}: give a UNet's PyTorch weights as a .safetensors file")
+    try:
+        sum_ = storage.checksum(path)
+    except FileNotFoundError:
+        raise ModelError(f"--unet {path}: no such file") from None
+    if not storage.is_gcs(path):
+        return path
+    key = hashlib.sha256(f"{path}\0{sum_}".encode()).hexdigest()[:24]
+    target = os.path.join(cache_dir(), "unets", key, "diffusion_pytorch_model.safetensors")
+    if not os.path.isfile(target):
+        scratch = f"{target}.{os.getpid()}.partial"
+        storage.download(path, scratch)
+        os.replace(scratch, target)
+    return target
+
+
+def model_fingerprint(directory: str, unet_file: str | None = None) -> str:
+    """The fingerprint of what a run samples with: the checkpoint's, or with ``--unet``
+    a hash of it and of the UNet file's bytes."""
+    base = fingerprint(directory)
+    if unet_file is None:
+        return base
+    digest = hashlib.sha256(f"{base}\0unet\0".encode())
+    with open(unet_file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_unet_file(directory: str, unet_file: str) -> None:
+    """ModelError unless ``unet_file`` is a safetensors file of a UNet shaped like the
+    checkpoint's (its first and last convolutions, read from the header alone; every
+    weight's shape is checked when a host loads it)."""
+    from safetensors import safe_open
+
+    with open(os.path.join(directory, "unet", "config.json")) as f:
+        config = json.load(f)
+    try:
+        with safe_open(unet_file, "np") as tensors:
+            names = set(tensors.keys())
+            shapes = {name: tuple(tensors.get_slice(name).get_shape()) for name in ("conv_in.weight", "conv_out.weight")
+                      if name in names}
+    except Exception as e:  # not safetensors at all: name the file
+        raise ModelError(f"--unet {unet_file}: not a readable safetensors file ({e})") from None
+    first = config.get("block_out_channels", [320])[0]
+    expected = {"conv_in.weight": (first, config.get("in_channels", 4), 3, 3),
+                "conv_out.weight": (config.get("out_channels", 4), first, 3, 3)}
+    for name, shape in expected.items():
+        if shapes.get(name) != shape:
+            found = shapes.get(name, "missing")
+            raise ModelError(f"--unet {unet_file}: {name} is {found}, the checkpoint's UNet needs {shape} (a UNet "
+                             f"for another architecture, or not a diffusers-format UNet)")
 
 
 def family(index: dict) -> str:

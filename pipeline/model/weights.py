@@ -83,10 +83,11 @@ def transformers_params_from_safetensors(module, path: str) -> dict:
     return unflatten_dict(flat)
 
 
-def load_diffusers(cls, directory: str, component: str, dtype):
-    """(module, params) of a UNet or VAE folder, whatever its weight format."""
+def load_diffusers(cls, directory: str, component: str, dtype, weights_file: str | None = None):
+    """(module, params) of a UNet or VAE folder, whatever its weight format; with
+    ``weights_file`` (PyTorch safetensors), the folder's config with that file's weights."""
     component_dir = os.path.join(directory, component)
-    kind, path = find(component_dir, component)
+    kind, path = ("safetensors", weights_file) if weights_file else find(component_dir, component)
     if kind == "flax":
         return cls.from_pretrained(directory, subfolder=component, dtype=dtype)
     module = cls.from_config(cls.load_config(component_dir), dtype=dtype)

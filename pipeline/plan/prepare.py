@@ -47,7 +47,8 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     from pipeline.model import load as model
 
     settings.validate()
-    described = model.describe(settings.model, settings.scheduler, settings.timestep_spacing, settings.steps)
+    described = model.describe(settings.model, settings.scheduler, settings.timestep_spacing, settings.steps,
+                               settings.unet)
     size = described["native_size"]
     settings = settings.replace(width=settings.width or size, height=settings.height or size,
                                 scheduler=settings.scheduler or described["scheduler"]).validate()
