@@ -56,18 +56,6 @@ def test_each_key_a_sampler_would_not_honour_is_named(config, choice, expected):
     assert [(key, value) for key, value, _ in scheduler_lib.unhonoured(config, choice)] == expected
 
 
-@pytest.fixture(scope="module")
-def trailing_checkpoint(model_cache, tmp_path_factory):
-    """The tiny model with the scheduler config a few-step PyTorch checkpoint ships:
-    DDIM with trailing timesteps."""
-    target = tmp_path_factory.mktemp("trailing") / "tiny-trailing"
-    shutil.copytree(model_lib.resolve("tiny"), target)
-    path = target / "scheduler" / "scheduler_config.json"
-    config = dict(json.loads(path.read_text()), _class_name="DDIMScheduler", timestep_spacing="trailing")
-    path.write_text(json.dumps(config))
-    return str(target)
-
-
 @pytest.mark.parametrize("config, choice, engine", [
     (SD15_PNDM, "ddim", "flax"),
     (SD15_PNDM, "euler", "flax"),
