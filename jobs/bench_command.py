@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 
 from jobs import flags
-from pipeline.core.choices import DTYPES
+from pipeline.core.choices import DTYPES, SCHEDULERS, TIMESTEP_SPACINGS
+from pipeline.core.settings import Settings
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
@@ -99,6 +100,12 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=None, help="use the first N local devices (default: all)")
     parser.add_argument("--matmul-size", type=int, default=None,
                         help="side of the square matmul that measures the peak (default: 4096 on CPU, else 8192)")
+    parser.add_argument("--guidance-scale", type=float, default=Settings().guidance_scale,
+                        help="guidance of the sweep; at <= 1 it runs the guidance-free program (default: %(default)s)")
+    parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
+                        help="sampler of the sweep and of the compared recipes (default: the checkpoint's own)")
+    parser.add_argument("--timestep-spacing", choices=list(TIMESTEP_SPACINGS), default=None,
+                        help="timestep spacing of the sweep and the recipes (default: the checkpoint's own)")
     parser.add_argument("--report", help="write the JSON report here (local path or gs://)")
 
 
@@ -137,7 +144,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
         config = bench.BenchConfig(model=args.model, width=args.width, height=args.height, steps=args.steps,
                                    per_device_batches=args.per_device_batch, batches=args.batches, dtype=args.dtype,
-                                   devices=args.devices, matmul_size=args.matmul_size, report=args.report)
+                                   devices=args.devices, matmul_size=args.matmul_size, report=args.report,
+                                   guidance_scale=args.guidance_scale, scheduler=args.scheduler,
+                                   timestep_spacing=args.timestep_spacing)
         report = bench.run_bench(config)
         print(bench.format_table(report))
     return 0

@@ -24,10 +24,11 @@ def test_batch_sizes_flag_and_bad_configs():
 def test_bench_generator_report(tmp_path, model_cache, capsys):
     path = tmp_path / "report.json"
     code = cli.main(["bench", "generator", "--model", "tiny", "--width", "32", "--height", "32", "--steps", "2",
-                     "--per-device-batch", "1,2", "--batches", "1", "--matmul-size", "512", "--report", str(path)])
+                     "--per-device-batch", "1,2", "--batches", "1", "--matmul-size", "512", "--report", str(path),
+                     "--scheduler", "euler_a", "--timestep-spacing", "trailing"])
     assert code == 0
     table = capsys.readouterr().out
-    assert "ours/seed" in table and "cold/warm" in table
+    assert "ours/seed" in table and "cold/warm" in table and "guidance-free / CFG at 2 steps" in table
     report = json.loads(path.read_text())
     assert report["command"].startswith("promptmill bench generator --model tiny")
     assert report["machine"]["platform"] == "cpu" and report["machine"]["devices"] == 2
@@ -48,6 +49,20 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
         assert 0 < row["utilisation"] <= 1.5 and 0 < row["seed_utilisation"] <= 1.5
     one, two = report["sweep"]
     assert two["flops"]["per_image"] == pytest.approx(one["flops"]["per_image"], rel=0.01)
+
+    compared = report["recipes"]
+    recipes = compared["recipes"]
+    assert {name: (r["scheduler"], r["timestep_spacing"], r["steps"], r["guided"]) for name, r in recipes.items()} == {
+        "cfg": ("euler_a", "trailing", 2, True), "guidance_free": ("euler_a", "trailing", 2, False),
+        "few_step": ("euler_a", "trailing", 4, False), "default": ("ddim", None, 20, True)}  # tiny's own: Flax DDIM
+    cfg, free = recipes["cfg"]["flops"], recipes["guidance_free"]["flops"]
+    # by parts: the guidance-free program encodes and denoises half the rows, and decodes as many
+    assert cfg["unet_call"] == pytest.approx(2 * free["unet_call"], rel=0.01)
+    assert cfg["text_encoder"] == pytest.approx(2 * free["text_encoder"], rel=0.01)
+    assert cfg["vae_decode"] == free["vae_decode"]
+    assert compared["flops_default_over_few_step"] > compared["flops_cfg_over_guidance_free"] > 1
+    assert all(r["images_per_s"] > 0 for r in recipes.values())
+    assert compared["guidance_free_over_cfg"] > 0 and compared["few_step_over_default"] > 0
 
     start = report["startup"]
     assert start["cache_entries"] > 0

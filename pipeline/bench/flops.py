@@ -10,7 +10,7 @@ denoising steps by about (S - 1) UNet calls.
 ``sampler_flops`` therefore costs the parts of a step separately, each as its own XLA
 program at the step's per-device shapes: the text encoder(s) on the [negative; positive]
 prompt ids, one UNet call on the classifier-free-guidance batch (2B), and the VAE
-decode. A step is ``text + S * unet + vae``. The scheduler update and the guidance mix
+decode; a guidance-free program encodes the prompts alone and calls the UNet on B. A step is ``text + S * unet + vae``. The scheduler update and the guidance mix
 are elementwise and left out (well under 0.1% of a step). The whole program's own count
 is reported next to it, with how many UNet calls it implies, so a change in XLA's
 behaviour shows up in the report rather than silently skewing it.
@@ -44,14 +44,16 @@ def _flops(lowered) -> float:
     return float(cost["flops"])
 
 
-def part_flops(model, width: int, height: int, per_device_batch: int) -> dict:
-    """Flops of each part of one sampler step, on one device, for B = ``per_device_batch``."""
+def part_flops(model, width: int, height: int, per_device_batch: int, guided: bool = True) -> dict:
+    """Flops of each part of one sampler step, on one device, for B = ``per_device_batch``
+    (the text encoders and the UNet at 2B when ``guided``, else at B)."""
     import jax
     import jax.numpy as jnp
 
-    b, length = per_device_batch, model.tokenizer.model_max_length
+    length = model.tokenizer.model_max_length
+    b = per_device_batch * (2 if guided else 1)  # rows through the text encoders and the UNet
     channels, h, w = model.latent_shape(width, height)
-    ids = jax.ShapeDtypeStruct((2 * b, length), jnp.int32)
+    ids = jax.ShapeDtypeStruct((b, length), jnp.int32)
     text = 0.0
     for name in sorted(n for n in model.params if n.startswith("text_encoder")):  # SDXL has two
         encoder = getattr(model, name)
@@ -61,20 +63,20 @@ def part_flops(model, width: int, height: int, per_device_batch: int) -> dict:
     added = None
     if getattr(config, "addition_embed_type", None) == "text_time":  # SDXL: pooled text and 6 size/crop ids
         pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-        added = {"text_embeds": jax.ShapeDtypeStruct((2 * b, pooled), model.dtype),
-                 "time_ids": jax.ShapeDtypeStruct((2 * b, 6), model.dtype)}
+        added = {"text_embeds": jax.ShapeDtypeStruct((b, pooled), model.dtype),
+                 "time_ids": jax.ShapeDtypeStruct((b, 6), model.dtype)}
 
     def unet_call(p, x, t, context, added):
         return unet.apply({"params": p}, x, t, encoder_hidden_states=context, added_cond_kwargs=added).sample
 
     unet_flops = _flops(jax.jit(unet_call).lower(
-        _struct(model.params["unet"]), jax.ShapeDtypeStruct((2 * b, channels, h, w), jnp.float32),
-        jax.ShapeDtypeStruct((2 * b,), jnp.int32),
-        jax.ShapeDtypeStruct((2 * b, length, config.cross_attention_dim), model.dtype), added))
+        _struct(model.params["unet"]), jax.ShapeDtypeStruct((b, channels, h, w), jnp.float32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+        jax.ShapeDtypeStruct((b, length, config.cross_attention_dim), model.dtype), added))
 
     vae = model.vae
     vae_flops = _flops(jax.jit(lambda p, z: vae.apply({"params": p}, z, method=vae.decode).sample).lower(
-        _struct(model.params["vae"]), jax.ShapeDtypeStruct((b, channels, h, w), jnp.float32)))
+        _struct(model.params["vae"]), jax.ShapeDtypeStruct((per_device_batch, channels, h, w), jnp.float32)))
     return {"text_encoder": text, "unet_call": unet_flops, "vae_decode": vae_flops}
 
 
@@ -86,16 +88,17 @@ def whole_program_flops(compiled) -> float:
     return float(cost["flops"])
 
 
-def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: int, compiled=None) -> dict:
+def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: int, compiled=None,
+                  guided: bool = True) -> dict:
     """Flops of one device step (``per_device_step``) and of one image, counted by parts.
 
     With ``compiled`` (the Generator's executable), also XLA's own count of the whole
     program and the number of UNet calls that count implies (1.0 while XLA counts a
     loop body once).
     """
-    parts = part_flops(model, width, height, per_device_batch)
+    parts = part_flops(model, width, height, per_device_batch, guided)
     step = parts["text_encoder"] + steps * parts["unet_call"] + parts["vae_decode"]
-    result = {**parts, "steps": steps, "per_device_step": step, "per_image": step / per_device_batch}
+    result = {**parts, "guided": guided, "steps": steps, "per_device_step": step, "per_image": step / per_device_batch}
     if compiled is not None:
         whole = whole_program_flops(compiled)
         result["xla_whole_program"] = whole

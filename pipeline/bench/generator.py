@@ -15,7 +15,18 @@ a sweep, the report gives:
    with ours, and our/seed throughput;
 5. start-up, cold and warm: a fresh process from nothing to a generator that has run
    its first batch, first with an empty persistent compilation cache and then with
-   the cache that the first one filled (``pipeline.bench.startup``).
+   the cache that the first one filled (``pipeline.bench.startup``);
+6. recipes, side by side at the first per-device batch, timed batch by batch in turns:
+   classifier-free guidance (``cfg``) and guidance-free (``guidance_free``) at
+   ``--steps`` with the chosen sampler, the few-step guidance-free recipe
+   (``few_step``: 4 steps, the chosen sampler and spacing) and promptmill's default
+   (``default``: 20 steps, CFG, the checkpoint's own sampler), with FLOPs by parts and
+   the ratios guidance_free/cfg and few_step/default. The recipes share one replicated
+   copy of the weights.
+
+``--guidance-scale``, ``--scheduler`` and ``--timestep-spacing`` set the recipe of the
+sweep (the sampler program is guided when the guidance is > 1, as in a run); the seed
+recipe always runs CFG at its default sampler, as the notebook does.
 
 Both pipelines are in memory together during the sweep (two copies of the weights
 each: loaded and replicated), 16 GB for SD 1.5 in fp32 on one device.
@@ -37,9 +48,11 @@ import shutil
 import tempfile
 
 from pipeline.core import logs
-from pipeline.core.settings import check_size
+from pipeline.core.choices import SCHEDULERS, TIMESTEP_SPACINGS
+from pipeline.core.settings import Settings, check_size
 
-GUIDANCE = 7.5  # the pipelines' default; it does not change the work done
+GUIDANCE = Settings().guidance_scale  # the default; above 1 its value does not change the work done
+FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +67,9 @@ class BenchConfig:
     devices: int | None = None  # None: every local device
     matmul_size: int | None = None  # None: 4096 on CPU, 8192 on accelerators
     report: str | None = None
+    guidance_scale: float = GUIDANCE
+    scheduler: str | None = None  # None: the checkpoint's own
+    timestep_spacing: str | None = None  # None: the checkpoint's own
 
     def validate(self) -> "BenchConfig":
         if not self.per_device_batches or min(self.per_device_batches) < 1:
@@ -64,20 +80,29 @@ class BenchConfig:
             value = getattr(self, name)
             if value is not None:
                 check_size(name, value)
+        if self.scheduler is not None and self.scheduler not in SCHEDULERS:
+            raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
+            raise ValueError(f"--timestep-spacing must be one of {', '.join(TIMESTEP_SPACINGS)}, "
+                             f"got {self.timestep_spacing!r}")
         return self
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance_scale > 1
 
 
 def bench_prompts(count: int, offset: int) -> list[str]:
     return [f"bench prompt {offset + i}: a photograph of a lighthouse on a cliff at dusk" for i in range(count)]
 
 
-def ours_call(generator):
+def ours_call(generator, guidance: float = GUIDANCE):
     """``call(i)``: the Generator on batch ``i``, built with ``Generator.batch`` (tokenising
     included); it returns numpy images, so it waits for the devices."""
     n = generator.batch_size
 
     def call(i):
-        batch = generator.batch(bench_prompts(n, i * n), [""] * n, [GUIDANCE] * n, range(i * n, (i + 1) * n),
+        batch = generator.batch(bench_prompts(n, i * n), [""] * n, [guidance] * n, range(i * n, (i + 1) * n),
                                 [0] * n)
         return generator(batch)
 
@@ -136,10 +161,12 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
     rows = []
     for per_device_batch in config.per_device_batches:
         watch = logs.Stopwatch()
-        generator = Generator(model, width, height, config.steps, per_device_batch, devices=devices)
+        generator = Generator(model, width, height, config.steps, per_device_batch, devices=devices,
+                              guided=config.guided)
         build = watch.seconds()
-        counted = flops.sampler_flops(model, width, height, config.steps, per_device_batch, generator.compiled)
-        ours, seed = ours_call(generator), seed_call(recipe, generator.batch_size, config.steps, width, height)
+        counted = flops.sampler_flops(model, width, height, config.steps, per_device_batch, generator.compiled,
+                                      config.guided)
+        ours, seed = ours_call(generator, config.guidance_scale), seed_call(recipe, generator.batch_size, config.steps, width, height)
         ours_first, seed_first = timed(ours, 0), timed(seed, 0)  # warm-up; the seed's compiles here
         ours_s, seed_s = [], []
         for i in range(1, config.batches + 1):
@@ -161,6 +188,56 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
         del generator, ours
         gc.collect()
     return rows
+
+
+def recipes(config: BenchConfig) -> dict:
+    """The compared recipes: name -> (scheduler, timestep spacing, steps, guidance); None:
+    the checkpoint's own sampler and spacing."""
+    default = Settings()
+    return {"cfg": (config.scheduler, config.timestep_spacing, config.steps, default.guidance_scale),
+            "guidance_free": (config.scheduler, config.timestep_spacing, config.steps, 0.0),
+            "few_step": (config.scheduler, config.timestep_spacing, FEW_STEPS, 0.0),
+            "default": (None, None, default.steps, default.guidance_scale)}
+
+
+def run_recipes(model, config: BenchConfig, devices, width: int, height: int) -> dict:
+    """Images/s and FLOPs per image of each recipe (``recipes``), side by side: one
+    replicated copy of the weights, one generator each, timed batch by batch in turns."""
+    from pipeline.bench import flops
+    from pipeline.generate.generator import Generator, replicate
+    from pipeline.model import load as model_lib
+
+    per_device_batch = config.per_device_batches[0]
+    networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
+    calls, rows = {}, {}
+    for name, (scheduler, spacing, steps, guidance) in recipes(config).items():
+        variant = model_lib.with_sampler(model, scheduler, spacing)
+        state = replicate({"scheduler": variant.params["scheduler"]}, devices) if "scheduler" in variant.params else {}
+        generator = Generator(variant, width, height, steps, per_device_batch, devices=devices, guided=guidance > 1,
+                              params={**networks, **state})
+        calls[name] = ours_call(generator, guidance)
+        counted = flops.sampler_flops(variant, width, height, steps, per_device_batch, guided=guidance > 1)
+        rows[name] = {"scheduler": variant.sampler.choice, "engine": variant.sampler.engine,
+                      "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,
+                      "guidance_scale": guidance, "guided": guidance > 1, "flops": counted,
+                      "batch_size": generator.batch_size, "first_batch_s": round(timed(calls[name], 0), 3)}
+    seconds = {name: [] for name in calls}
+    for i in range(1, config.batches + 1):
+        for name, call in calls.items():
+            seconds[name].append(timed(call, i))
+    for name, row in rows.items():
+        row.update(throughput(row.pop("first_batch_s"), seconds[name], row["batch_size"]))
+    speed = {name: row["images_per_s"] for name, row in rows.items()}
+    work = {name: row["flops"]["per_image"] for name, row in rows.items()}
+    result = {"per_device_batch": per_device_batch, "recipes": rows,
+              "guidance_free_over_cfg": speed["guidance_free"] / speed["cfg"],
+              "few_step_over_default": speed["few_step"] / speed["default"],
+              "flops_cfg_over_guidance_free": work["cfg"] / work["guidance_free"],
+              "flops_default_over_few_step": work["default"] / work["few_step"]}
+    logs.event("bench_recipes", **{name: round(value, 4) for name, value in speed.items()},
+               guidance_free_over_cfg=round(result["guidance_free_over_cfg"], 3),
+               few_step_over_default=round(result["few_step_over_default"], 3))
+    return result
 
 
 def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
@@ -189,7 +266,8 @@ def command_line(config: BenchConfig) -> str:
     flags = {"--model": config.model, "--width": config.width, "--height": config.height, "--steps": config.steps,
              "--per-device-batch": ",".join(map(str, config.per_device_batches)), "--batches": config.batches,
              "--dtype": config.dtype, "--devices": config.devices, "--matmul-size": config.matmul_size,
-             "--report": config.report}
+             "--guidance-scale": config.guidance_scale, "--scheduler": config.scheduler,
+             "--timestep-spacing": config.timestep_spacing, "--report": config.report}
     return " ".join(["promptmill bench generator"] + [f"{k} {v}" for k, v in flags.items() if v is not None])
 
 
@@ -210,7 +288,7 @@ def run_bench(config: BenchConfig) -> dict:
     if config.devices and len(devices) < config.devices:
         raise ValueError(f"--devices {config.devices}: only {len(devices)} local devices")
     watch = logs.Stopwatch()
-    model = model_lib.load(config.model, config.dtype)
+    model = model_lib.load(config.model, config.dtype, config.scheduler, config.timestep_spacing)
     load = watch.seconds()
     width, height = config.width or model.native_size, config.height or model.native_size
     size = config.matmul_size or (4096 if devices[0].platform == "cpu" else 8192)
@@ -221,16 +299,19 @@ def run_bench(config: BenchConfig) -> dict:
     recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)
     seed_load = watch.seconds()
     rows = run_sweep(model, recipe, config, devices, width, height, peak["flops_per_s"])
+    del recipe
+    gc.collect()
+    compared = run_recipes(model, config, devices, width, height)
     # free both models before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
     # and each pipeline also holds a replicated copy)
-    del model, recipe
+    del model
     gc.collect()
     start = run_startup(config, width, height, config.per_device_batches[0])
 
     config_dict = {**dataclasses.asdict(config), "width": width, "height": height}
     report = {"command": command_line(config), "config": config_dict,
               "machine": machine(devices), "load_s": {"ours": round(load, 3), "seed": round(seed_load, 3)},
-              "peak": peak, "sweep": rows, "startup": start}
+              "peak": peak, "sweep": rows, "recipes": compared, "startup": start}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
     return report
@@ -248,6 +329,16 @@ def format_table(report: dict) -> str:
                      f"{row['seed']['images_per_s']:>11.4f} {row['ours_over_seed']:>9.3f} "
                      f"{row['flops']['per_image'] / 1e9:>10.2f} {row['achieved_flops_per_s'] / 1e9:>8.2f} "
                      f"{row['utilisation']:>6.1%} {row['seed_utilisation']:>9.1%}")
+    r = report["recipes"]
+    lines.append(f"recipes (per-device batch {r['per_device_batch']}, timed in turns):")
+    lines.append(f"{'recipe':>14} {'sampler':>8} {'spacing':>9} {'steps':>5} {'guidance':>8} {'img/s':>9} "
+                 f"{'GFLOP/img':>10}")
+    for name, row in r["recipes"].items():
+        lines.append(f"{name:>14} {row['scheduler']:>8} {str(row['timestep_spacing']):>9} {row['steps']:>5} "
+                     f"{row['guidance_scale']:>8} {row['images_per_s']:>9.4f} {row['flops']['per_image'] / 1e9:>10.2f}")
+    lines.append(f"guidance-free / CFG at {report['config']['steps']} steps: {r['guidance_free_over_cfg']:.2f}x "
+                 f"images/s ({r['flops_cfg_over_guidance_free']:.2f}x fewer FLOPs); few-step guidance-free / "
+                 f"20-step CFG default: {r['few_step_over_default']:.2f}x ({r['flops_default_over_few_step']:.2f}x)")
     s = report["startup"]
     cold, warm = s["cold"], s["warm"]
     lines.append(f"start-up to a ready generator (per-device batch {s['per_device_batch']}): "

@@ -54,7 +54,7 @@ def replicate(tree, devices):
 
 class Generator:
     def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
-                 latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True):
+                 latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True, params=None):
         import jax
 
         jax_events.COMPILES.install()
@@ -65,7 +65,8 @@ class Generator:
         self.devices = list(devices or jax.local_devices())
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
-        self.params = replicate(model.params, self.devices)
+        # params: already replicated on these devices (generators of one model may share them)
+        self.params = replicate(model.params, self.devices) if params is None else params
         fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided), devices=self.devices)
         self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
 

@@ -108,11 +108,26 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
             FlaxCLIPTextModelWithProjection, directory, "text_encoder_2", jdtype)
     if dtype == "bf16":  # weights in bf16 too: half the memory and bandwidth
         params = {name: _to_bf16(tree) for name, tree in params.items()}
-    flax_scheduler = None
-    if sampler.engine == "flax":
-        flax_scheduler, params["scheduler"] = make_flax_scheduler(sampler)
+    flax_scheduler, params = _with_sampler_state(sampler, params)
     return Model(path=name, fingerprint=model_fingerprint(directory, unet_file), tokenizer=tokenizer,
                  text_encoder=text_encoder, unet=unet, vae=vae, sampler=sampler, scheduler=flax_scheduler, params=params, **extra)
+
+
+def _with_sampler_state(sampler: Sampler, params: dict) -> tuple[object, dict]:
+    """(the Flax scheduler or None, params with the Flax scheduler's state or without any)."""
+    params = {name: tree for name, tree in params.items() if name != "scheduler"}
+    if sampler.engine != "flax":
+        return None, params
+    flax_scheduler, params["scheduler"] = make_flax_scheduler(sampler)
+    return flax_scheduler, params
+
+
+def with_sampler(model: Model, scheduler: str | None, timestep_spacing: str | None = None) -> Model:
+    """The same networks and weights (nothing reloaded) with another sampler, resolved as
+    ``load`` resolves it."""
+    sampler = resolve_sampler(resolve(model.path), scheduler, timestep_spacing)
+    flax_scheduler, params = _with_sampler_state(sampler, model.params)
+    return dataclasses.replace(model, sampler=sampler, scheduler=flax_scheduler, params=params)
 
 
 # UNet config keys that the Flax UNet lacks and that would change its output: a
