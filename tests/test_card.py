@@ -71,7 +71,16 @@ def test_sections_and_settings():
                    "| dtype | `bf16` |", "| run seed | `1234` |", "| formats | `files, webdataset` |",
                    "| image format | `webp (quality 90)` |", "| planned at | `2024-07-01T12:00:00+00:00` |",
                    "`jax` `0.4.30`", 'load_dataset("parquet", data_files="metadata.parquet"',
-                   "import pyarrow.parquet as pq", "promptmill reproduce KEY [KEY ...] --out OUT"):
+                   "import pyarrow.parquet as pq", "promptmill reproduce KEY [KEY ...] --out OUT",
+                   "| timestep spacing | `the checkpoint's` |",
+                   "| classifier-free guidance | `yes (some record's guidance > 1)` |"):  # an older run: guided
+        assert needed in text, needed
+    assert "UNet weights" not in text
+    fast = Run.from_dict({**RUN_JSON, "settings": {**RUN_JSON["settings"], "guided": False, "guidance_rule": "diffusers",
+                                                   "timestep_spacing": "trailing", "unet": "gs://b/unet.safetensors"}})
+    text = card.render(fast, STATS)
+    for needed in ("| timestep spacing | `trailing` |", "| UNet weights | `gs://b/unet.safetensors` |",
+                   "| classifier-free guidance | `no: guidance-free (every record's guidance <= 1)` |"):
         assert needed in text, needed
 
 
