@@ -23,6 +23,7 @@ SLOW_MODULES = [
     "test_e2e.py",
     "test_readme.py",
     "test_parity.py",
+    "test_pipeline_parity.py",
     "test_bench.py",
     "test_e2e_gcs.py",
     "test_submit.py",
