@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from jobs import flags
+from pipeline.bench.generator import PARTS
 from pipeline.core.choices import DTYPES, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import Settings
 
@@ -106,6 +107,9 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                         help="sampler of the sweep and of the compared recipes (default: the checkpoint's own)")
     parser.add_argument("--timestep-spacing", choices=list(TIMESTEP_SPACINGS), default=None,
                         help="timestep spacing of the sweep and the recipes (default: the checkpoint's own)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="which parts to run, comma-separated: sweep (ours and the seed recipe), recipes "
+                             "(guidance-free, few-step and default side by side), startup (default: %(default)s)")
     parser.add_argument("--report", help="write the JSON report here (local path or gs://)")
 
 
@@ -146,7 +150,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                    per_device_batches=args.per_device_batch, batches=args.batches, dtype=args.dtype,
                                    devices=args.devices, matmul_size=args.matmul_size, report=args.report,
                                    guidance_scale=args.guidance_scale, scheduler=args.scheduler,
-                                   timestep_spacing=args.timestep_spacing)
+                                   timestep_spacing=args.timestep_spacing,
+                                   parts=tuple(p for p in args.parts.split(",") if p))
         report = bench.run_bench(config)
         print(bench.format_table(report))
     return 0

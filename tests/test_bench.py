@@ -19,6 +19,10 @@ def test_batch_sizes_flag_and_bad_configs():
         bench.BenchConfig(per_device_batches=(0,)).validate()
     with pytest.raises(ValueError):
         bench.BenchConfig(width=30).validate()
+    with pytest.raises(ValueError, match="--parts"):
+        bench.BenchConfig(parts=("sweep", "speed")).validate()
+    args = cli.build_parser().parse_args(["bench", "generator", "--parts", "recipes"])
+    assert args.parts == "recipes"
 
 
 def test_bench_generator_report(tmp_path, model_cache, capsys):
@@ -54,15 +58,18 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     recipes = compared["recipes"]
     assert {name: (r["scheduler"], r["timestep_spacing"], r["steps"], r["guided"]) for name, r in recipes.items()} == {
         "cfg": ("euler_a", "trailing", 2, True), "guidance_free": ("euler_a", "trailing", 2, False),
+        "guidance_free_2x": ("euler_a", "trailing", 2, False),
         "few_step": ("euler_a", "trailing", 4, False), "default": ("ddim", None, 20, True)}  # tiny's own: Flax DDIM
     cfg, free = recipes["cfg"]["flops"], recipes["guidance_free"]["flops"]
     # by parts: the guidance-free program encodes and denoises half the rows, and decodes as many
     assert cfg["unet_call"] == pytest.approx(2 * free["unet_call"], rel=0.01)
     assert cfg["text_encoder"] == pytest.approx(2 * free["text_encoder"], rel=0.01)
     assert cfg["vae_decode"] == free["vae_decode"]
+    assert [recipes[name]["batch_size"] for name in ("cfg", "guidance_free", "guidance_free_2x")] == [2, 2, 4]
     assert compared["flops_default_over_few_step"] > compared["flops_cfg_over_guidance_free"] > 1
     assert all(r["images_per_s"] > 0 for r in recipes.values())
     assert compared["guidance_free_over_cfg"] > 0 and compared["few_step_over_default"] > 0
+    assert compared["guidance_free_2x_over_cfg"] > 0
 
     start = report["startup"]
     assert start["cache_entries"] > 0

@@ -52,6 +52,7 @@ from pipeline.core.choices import SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import Settings, check_size
 
 GUIDANCE = Settings().guidance_scale  # the default; above 1 its value does not change the work done
+PARTS = ("sweep", "recipes", "startup")
 FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
 
 
@@ -68,6 +69,7 @@ class BenchConfig:
     matmul_size: int | None = None  # None: 4096 on CPU, 8192 on accelerators
     report: str | None = None
     guidance_scale: float = GUIDANCE
+    parts: tuple[str, ...] = PARTS  # which parts of the report to run
     scheduler: str | None = None  # None: the checkpoint's own
     timestep_spacing: str | None = None  # None: the checkpoint's own
 
@@ -80,6 +82,8 @@ class BenchConfig:
             value = getattr(self, name)
             if value is not None:
                 check_size(name, value)
+        if not self.parts or set(self.parts) - set(PARTS):
+            raise ValueError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {self.parts}")
         if self.scheduler is not None and self.scheduler not in SCHEDULERS:
             raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
         if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
@@ -191,13 +195,16 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
 
 
 def recipes(config: BenchConfig) -> dict:
-    """The compared recipes: name -> (scheduler, timestep spacing, steps, guidance); None:
-    the checkpoint's own sampler and spacing."""
+    """The compared recipes: name -> (scheduler, timestep spacing, steps, guidance,
+    per-device batch factor); None: the checkpoint's own sampler and spacing.
+    ``guidance_free_2x`` runs twice the images per device: the UNet rows, and so about
+    the memory, of the guided program at the sweep's first batch."""
     default = Settings()
-    return {"cfg": (config.scheduler, config.timestep_spacing, config.steps, default.guidance_scale),
-            "guidance_free": (config.scheduler, config.timestep_spacing, config.steps, 0.0),
-            "few_step": (config.scheduler, config.timestep_spacing, FEW_STEPS, 0.0),
-            "default": (None, None, default.steps, default.guidance_scale)}
+    return {"cfg": (config.scheduler, config.timestep_spacing, config.steps, default.guidance_scale, 1),
+            "guidance_free": (config.scheduler, config.timestep_spacing, config.steps, 0.0, 1),
+            "guidance_free_2x": (config.scheduler, config.timestep_spacing, config.steps, 0.0, 2),
+            "few_step": (config.scheduler, config.timestep_spacing, FEW_STEPS, 0.0, 1),
+            "default": (None, None, default.steps, default.guidance_scale, 1)}
 
 
 def run_recipes(model, config: BenchConfig, devices, width: int, height: int) -> dict:
@@ -210,13 +217,14 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
     per_device_batch = config.per_device_batches[0]
     networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
     calls, rows = {}, {}
-    for name, (scheduler, spacing, steps, guidance) in recipes(config).items():
+    for name, (scheduler, spacing, steps, guidance, factor) in recipes(config).items():
         variant = model_lib.with_sampler(model, scheduler, spacing)
         state = replicate({"scheduler": variant.params["scheduler"]}, devices) if "scheduler" in variant.params else {}
-        generator = Generator(variant, width, height, steps, per_device_batch, devices=devices, guided=guidance > 1,
+        generator = Generator(variant, width, height, steps, factor * per_device_batch, devices=devices,
+                              guided=guidance > 1,
                               params={**networks, **state})
         calls[name] = ours_call(generator, guidance)
-        counted = flops.sampler_flops(variant, width, height, steps, per_device_batch, guided=guidance > 1)
+        counted = flops.sampler_flops(variant, width, height, steps, factor * per_device_batch, guided=guidance > 1)
         rows[name] = {"scheduler": variant.sampler.choice, "engine": variant.sampler.engine,
                       "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,
                       "guidance_scale": guidance, "guided": guidance > 1, "flops": counted,
@@ -231,6 +239,7 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
     work = {name: row["flops"]["per_image"] for name, row in rows.items()}
     result = {"per_device_batch": per_device_batch, "recipes": rows,
               "guidance_free_over_cfg": speed["guidance_free"] / speed["cfg"],
+              "guidance_free_2x_over_cfg": speed["guidance_free_2x"] / speed["cfg"],
               "few_step_over_default": speed["few_step"] / speed["default"],
               "flops_cfg_over_guidance_free": work["cfg"] / work["guidance_free"],
               "flops_default_over_few_step": work["default"] / work["few_step"]}
@@ -267,7 +276,8 @@ def command_line(config: BenchConfig) -> str:
              "--per-device-batch": ",".join(map(str, config.per_device_batches)), "--batches": config.batches,
              "--dtype": config.dtype, "--devices": config.devices, "--matmul-size": config.matmul_size,
              "--guidance-scale": config.guidance_scale, "--scheduler": config.scheduler,
-             "--timestep-spacing": config.timestep_spacing, "--report": config.report}
+             "--timestep-spacing": config.timestep_spacing,
+             "--parts": ",".join(config.parts) if tuple(config.parts) != PARTS else None, "--report": config.report}
     return " ".join(["promptmill bench generator"] + [f"{k} {v}" for k, v in flags.items() if v is not None])
 
 
@@ -295,22 +305,26 @@ def run_bench(config: BenchConfig) -> dict:
     peak = flops.matmul_peak(devices, config.dtype, size)
     logs.event("bench_peak", flops_per_s=round(peak["flops_per_s"]), size=size, dtype=config.dtype)
 
-    watch = logs.Stopwatch()
-    recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)
-    seed_load = watch.seconds()
-    rows = run_sweep(model, recipe, config, devices, width, height, peak["flops_per_s"])
-    del recipe
-    gc.collect()
-    compared = run_recipes(model, config, devices, width, height)
-    # free both models before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
-    # and each pipeline also holds a replicated copy)
+    rows = compared = start = seed_load = None
+    if "sweep" in config.parts:
+        watch = logs.Stopwatch()
+        recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)
+        seed_load = watch.seconds()
+        rows = run_sweep(model, recipe, config, devices, width, height, peak["flops_per_s"])
+        del recipe
+        gc.collect()
+    if "recipes" in config.parts:
+        compared = run_recipes(model, config, devices, width, height)
+    # free the model before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
+    # and the generators also hold a replicated copy)
     del model
     gc.collect()
-    start = run_startup(config, width, height, config.per_device_batches[0])
+    if "startup" in config.parts:
+        start = run_startup(config, width, height, config.per_device_batches[0])
 
     config_dict = {**dataclasses.asdict(config), "width": width, "height": height}
     report = {"command": command_line(config), "config": config_dict,
-              "machine": machine(devices), "load_s": {"ours": round(load, 3), "seed": round(seed_load, 3)},
+              "machine": machine(devices), "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
               "peak": peak, "sweep": rows, "recipes": compared, "startup": start}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
@@ -321,28 +335,33 @@ def format_table(report: dict) -> str:
     """The report as a readable table."""
     c, m, peak = report["config"], report["machine"], report["peak"]["flops_per_s"]
     lines = [f"model {c['model']} {c['width']}x{c['height']} steps {c['steps']} {c['dtype']} on "
-             f"{m['devices']} x {m['device_kind']} ({m['platform']}); matmul peak {peak / 1e9:.1f} GFLOP/s",
-             f"{'per-dev batch':>13} {'ours img/s':>11} {'seed img/s':>11} {'ours/seed':>9} {'GFLOP/img':>10} "
-             f"{'GFLOP/s':>8} {'util':>6} {'seed util':>9}"]
-    for row in report["sweep"]:
+             f"{m['devices']} x {m['device_kind']} ({m['platform']}); matmul peak {peak / 1e9:.1f} GFLOP/s"]
+    if report["sweep"]:
+        lines.append(f"{'per-dev batch':>13} {'ours img/s':>11} {'seed img/s':>11} {'ours/seed':>9} {'GFLOP/img':>10} "
+                     f"{'GFLOP/s':>8} {'util':>6} {'seed util':>9}")
+    for row in report["sweep"] or []:
         lines.append(f"{row['per_device_batch']:>13} {row['ours']['images_per_s']:>11.4f} "
                      f"{row['seed']['images_per_s']:>11.4f} {row['ours_over_seed']:>9.3f} "
                      f"{row['flops']['per_image'] / 1e9:>10.2f} {row['achieved_flops_per_s'] / 1e9:>8.2f} "
                      f"{row['utilisation']:>6.1%} {row['seed_utilisation']:>9.1%}")
     r = report["recipes"]
-    lines.append(f"recipes (per-device batch {r['per_device_batch']}, timed in turns):")
-    lines.append(f"{'recipe':>14} {'sampler':>8} {'spacing':>9} {'steps':>5} {'guidance':>8} {'img/s':>9} "
-                 f"{'GFLOP/img':>10}")
-    for name, row in r["recipes"].items():
-        lines.append(f"{name:>14} {row['scheduler']:>8} {str(row['timestep_spacing']):>9} {row['steps']:>5} "
-                     f"{row['guidance_scale']:>8} {row['images_per_s']:>9.4f} {row['flops']['per_image'] / 1e9:>10.2f}")
-    lines.append(f"guidance-free / CFG at {report['config']['steps']} steps: {r['guidance_free_over_cfg']:.2f}x "
-                 f"images/s ({r['flops_cfg_over_guidance_free']:.2f}x fewer FLOPs); few-step guidance-free / "
-                 f"20-step CFG default: {r['few_step_over_default']:.2f}x ({r['flops_default_over_few_step']:.2f}x)")
+    if r:
+        lines.append(f"recipes (per-device batch {r['per_device_batch']}, timed in turns):")
+        lines.append(f"{'recipe':>16} {'sampler':>8} {'spacing':>9} {'steps':>5} {'guidance':>8} {'batch':>5} "
+                     f"{'img/s':>9} {'GFLOP/img':>10}")
+        for name, row in r["recipes"].items():
+            lines.append(f"{name:>16} {row['scheduler']:>8} {str(row['timestep_spacing']):>9} {row['steps']:>5} "
+                         f"{row['guidance_scale']:>8} {row['batch_size']:>5} {row['images_per_s']:>9.4f} "
+                         f"{row['flops']['per_image'] / 1e9:>10.2f}")
+        lines.append(f"guidance-free / CFG at {report['config']['steps']} steps: {r['guidance_free_over_cfg']:.2f}x "
+                     f"images/s ({r['flops_cfg_over_guidance_free']:.2f}x fewer FLOPs), "
+                     f"{r['guidance_free_2x_over_cfg']:.2f}x at twice the images per device; few-step guidance-free / "
+                     f"20-step CFG default: {r['few_step_over_default']:.2f}x ({r['flops_default_over_few_step']:.2f}x)")
     s = report["startup"]
-    cold, warm = s["cold"], s["warm"]
-    lines.append(f"start-up to a ready generator (per-device batch {s['per_device_batch']}): "
-                 f"cold {cold['total_s']:.2f} s (load {cold['load_s']:.2f} s, compile {cold['build_s']:.2f} s), "
-                 f"warm {warm['total_s']:.2f} s (load {warm['load_s']:.2f} s, compile {warm['build_s']:.2f} s, "
-                 f"{warm['cache_hits']} cache hits); cold/warm {s['cold_over_warm']:.2f}")
+    if s:
+        cold, warm = s["cold"], s["warm"]
+        lines.append(f"start-up to a ready generator (per-device batch {s['per_device_batch']}): "
+                     f"cold {cold['total_s']:.2f} s (load {cold['load_s']:.2f} s, compile {cold['build_s']:.2f} s), "
+                     f"warm {warm['total_s']:.2f} s (load {warm['load_s']:.2f} s, compile {warm['build_s']:.2f} s, "
+                     f"{warm['cache_hits']} cache hits); cold/warm {s['cold_over_warm']:.2f}")
     return "\n".join(lines)
