@@ -226,8 +226,13 @@ def _network_outputs(model, size, decode):
 
 
 @pytest.fixture(scope="module")
-def tiny(model_cache):
-    return _network_outputs(model_lib.load("tiny"), 32, decode=True)
+def tiny_model(model_cache):
+    return model_lib.load("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    return _network_outputs(tiny_model, 32, decode=True)
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +267,21 @@ def test_decoded_images_match_across_kernels(tiny):
         np.testing.assert_allclose(outputs[variant][1], outputs["diffusers"][1], atol=1e-3, err_msg=variant)
         assert np.abs(images[variant] - images["diffusers"]).max() <= 1
     assert len(np.unique(images["diffusers"])) > 20  # images, not a flat colour
+
+
+def test_chunked_attention_bounds_the_programs_memory(tiny_model):
+    """XLA's memory analysis of the tiny UNet call (CFG batch 2) and VAE decode at 64x64:
+    diffusers' attention holds each call's whole matrix (the largest, 2 x 8 x 1024^2
+    float32, is 64 MiB), chunked one 1 MiB block of it."""
+    from pipeline.bench import memory
+
+    whole = memory.part_memory(tiny_model, 64, 64, 1, attention=None)
+    chunked = memory.part_memory(tiny_model, 64, 64, 1, attention="chunked", platform="cpu", budget_bytes=MiB)
+    assert whole["unet_call"]["temp"] > 64 * MiB > 8 * MiB > chunked["unet_call"]["temp"]
+    assert chunked["vae_decode"]["temp"] <= whole["vae_decode"]["temp"]
+    for part in ("unet_call", "vae_decode"):
+        # the same weights and inputs, whatever the attention
+        assert chunked[part]["argument"] == whole[part]["argument"] > 0
+        assert chunked[part]["total"] == (chunked[part]["argument"] + chunked[part]["output"]
+                                          - chunked[part]["alias"] + chunked[part]["temp"])
+    assert memory.in_gib({"temp": 3 * 2 ** 29}) == {"temp": 1.5}
