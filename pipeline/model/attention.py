@@ -1,0 +1,315 @@
+"""The attention seam: one place that decides how the UNet's and the VAE's attention run.
+
+diffusers' Flax modules are pinned and never patched. ``use`` intercepts (Flax method
+interception) the ``__call__`` of the two attention modules they have, the transformer
+blocks' ``FlaxAttention`` and the VAE's ``FlaxAttentionBlock``, and recomputes it with
+the module's own bound layers (projections, norm, output projection), replacing only
+the core softmax(Q K^T) V. The core has these kernels:
+
+- ``xla``: the whole [batch, heads, queries, keys] matrix, as diffusers computes it.
+- ``chunked``: the same per query row, one block of query rows at a time (a ``lax.map``
+  over blocks), so only one block's scores are alive. It is exact: every row's softmax
+  sees all of its keys at once (no online rescaling), in the module's dtype as ``xla``.
+- ``pallas``: the Pallas TPU flash-attention kernel of ``jax.experimental.pallas.ops.tpu``
+  (online softmax in float32, keys streamed through VMEM); on a CPU it runs in Pallas'
+  interpret mode, for tests only.
+- ``cudnn``: cuDNN's fused attention through ``jax.nn.dot_product_attention`` on GPU.
+
+The run setting (``IMPLEMENTATIONS``) names what the user asked for; ``choose`` resolves
+it to a kernel per call site from static facts only (platform, shapes, dtype, budget),
+so the same setting on the same model, size and per-device batch always compiles the
+same program. The kernel can change float bits, hence the setting is part of a run.
+
+Layout: the seam always splits heads as [batch, tokens, heads, head_dim] (the layout
+diffusers' ``split_head_dim=True`` uses, and cuDNN's), whatever the module's
+``split_head_dim`` and ``use_memory_efficient_attention`` fields say: under the seam
+those two fields have no effect.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+# The --attention choices: what a run asks for
+IMPLEMENTATIONS = ("auto", "xla", "chunked", "flash")
+# What one attention call runs, as ``choose`` resolves a choice
+KERNELS = ("xla", "chunked", "pallas", "cudnn")
+
+# auto: the Pallas kernel on TPU from this many query and key tokens on. MaxDiffusion's
+# default flash_min_seq_length: on shorter sequences its docs find the kernel's overhead
+# outweighs its gain over XLA's dot-product attention.
+FLASH_MIN_TOKENS = 4096
+# The most bytes of attention scores (batch x heads x queries x keys x dtype) that one call
+# may hold at once: auto chunks a call above it, and chunked sizes its blocks to it.
+# Measured on XLA:CPU (SD 1.5 UNet, 1024x1024, CFG batch 2, float32): 1.02 GiB of temp at
+# 256 MiB, 1.10 GiB at 64 MiB, 1.92 GiB at 1 GiB; and chunks this size ran SD 1.5's
+# 4096-token self-attention no slower than the whole matrix.
+DEFAULT_BUDGET_BYTES = 256 * 2 ** 20
+# Query and key block of the Pallas kernel, in tokens (a multiple of 128, TPU lane width)
+DEFAULT_BLOCK_TOKENS = 512
+_LANES = 128
+# cuDNN's fused attention: head dim at most 128 and a multiple of 8, 16-bit inputs
+# (jax's check allows 256 on Hopper; 128 holds on every GPU it supports)
+_CUDNN_MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One attention call as the seam traced it, and the kernel it ran."""
+    site: str  # "unet" (FlaxAttention) or "vae" (FlaxAttentionBlock)
+    batch: int
+    q_tokens: int
+    kv_tokens: int
+    heads: int
+    head_dim: int
+    dtype: str
+    kernel: str
+
+
+def summary(calls: list[Call]) -> list[dict]:
+    """The distinct calls of a traced program, each with how many times it ran, in the
+    order first seen: one line per call site kind for a log or a benchmark report."""
+    counts: dict[Call, int] = {}
+    for call in calls:
+        counts[call] = counts.get(call, 0) + 1
+    return [{**dataclasses.asdict(call), "count": count} for call, count in counts.items()]
+
+
+def platform_of(name: str) -> str:
+    """"cpu", "gpu" or "tpu" for a jax platform or backend name ("cuda", "rocm": gpu)."""
+    name = name.lower()
+    if name in ("cuda", "rocm", "gpu"):
+        return "gpu"
+    if name in ("cpu", "tpu"):
+        return name
+    raise ValueError(f"attention: unknown platform {name!r}")
+
+
+def score_bytes(batch: int, heads: int, q_tokens: int, kv_tokens: int, dtype_bytes: int) -> int:
+    """Bytes of one call's whole attention matrix."""
+    return batch * heads * q_tokens * kv_tokens * dtype_bytes
+
+
+def cudnn_fits(head_dim: int, dtype_bytes: int) -> bool:
+    """Whether cuDNN's fused attention takes this head dim and dtype."""
+    return dtype_bytes == 2 and head_dim % 8 == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
+
+
+def choose(requested: str, platform: str, q_tokens: int, kv_tokens: int, heads: int, head_dim: int, batch: int,
+           dtype_bytes: int, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> str:
+    """The kernel (one of ``KERNELS``) that one attention call runs; pure.
+
+    - ``xla`` and ``chunked`` are taken as asked.
+    - ``flash``: the Pallas kernel on TPU (and, interpreted, on CPU); on GPU cuDNN where
+      it takes the head dim and dtype, else what ``auto``'s memory rule picks.
+    - ``auto``: the Pallas kernel on TPU for at least ``FLASH_MIN_TOKENS`` query and key
+      tokens; cuDNN on GPU where it fits; otherwise ``chunked`` when the whole matrix
+      would exceed ``budget_bytes``, else ``xla``.
+    """
+    if requested not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {', '.join(IMPLEMENTATIONS)}, got {requested!r}")
+    platform = platform_of(platform)
+    if requested in ("xla", "chunked"):
+        return requested
+    if platform in ("tpu", "cpu") and requested == "flash":
+        return "pallas"
+    if platform == "tpu" and min(q_tokens, kv_tokens) >= FLASH_MIN_TOKENS:
+        return "pallas"
+    if platform == "gpu" and cudnn_fits(head_dim, dtype_bytes):
+        return "cudnn"
+    return "chunked" if score_bytes(batch, heads, q_tokens, kv_tokens, dtype_bytes) > budget_bytes else "xla"
+
+
+# ---- kernels: q, k, v are [batch, tokens, heads, head_dim]; scores are multiplied by
+# ``scale`` unless it is None (the VAE scales q and k beforehand, as diffusers does)
+
+def _xla(q, k, v, scale):
+    """diffusers' own arithmetic: scores, scale and softmax in the inputs' dtype."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    if scale is not None:
+        scores = scores * scale
+    return jnp.einsum("bhqk,bkhd->bqhd", nn.softmax(scores, axis=-1), v)
+
+
+def query_blocks(batch: int, heads: int, q_tokens: int, kv_tokens: int, dtype_bytes: int,
+                 budget_bytes: int = DEFAULT_BUDGET_BYTES) -> tuple[int, int]:
+    """(blocks, rows per block) of ``chunked``: the fewest blocks of query rows whose
+    scores each fit ``budget_bytes`` (one row at least), rows spread as evenly as can be."""
+    row_bytes = score_bytes(batch, heads, 1, kv_tokens, dtype_bytes)
+    blocks = -(-q_tokens // max(1, min(q_tokens, budget_bytes // row_bytes)))
+    return blocks, -(-q_tokens // blocks)
+
+
+def _chunked(q, k, v, scale, budget_bytes: int):
+    """``_xla`` one block of query rows at a time (``query_blocks``).
+
+    A ``lax.map`` keeps one block's scores alive: on XLA:CPU (jax 0.10.2) a Python loop
+    over 16 blocks of a 16384-token call needed 1.08 GiB of temp, the map 0.12 GiB. The
+    queries are padded to whole blocks; padded rows are computed and dropped.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    batch, q_tokens, heads, head_dim = q.shape
+    blocks, rows = query_blocks(batch, heads, q_tokens, k.shape[1], q.dtype.itemsize, budget_bytes)
+    if blocks == 1:
+        return _xla(q, k, v, scale)
+    padded = jnp.pad(q, ((0, 0), (0, blocks * rows - q_tokens), (0, 0), (0, 0)))
+    stacked = padded.reshape(batch, blocks, rows, heads, head_dim).swapaxes(0, 1)
+    out = jax.lax.map(lambda block: _xla(block, k, v, scale), stacked)
+    out = out.swapaxes(0, 1).reshape(batch, blocks * rows, heads, v.shape[-1])
+    return out[:, :q_tokens]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _block(padded: int, most: int) -> int:
+    """The largest multiple of the lane width that divides ``padded`` and is <= ``most``."""
+    return max(b for b in range(_LANES, max(_LANES, most) + 1, _LANES) if padded % b == 0)
+
+
+def _pallas(q, k, v, scale, block_tokens: int, interpret: bool):
+    """The Pallas TPU flash-attention kernel, shapes padded to what it takes.
+
+    Its blocks must divide the key length and be multiples of 128 when keys are streamed,
+    and a head dim above 128 must be a multiple of 128. Queries and keys are padded to
+    whole blocks, padded keys masked out through segment ids (their scores get the
+    kernel's mask value, so they weigh exactly 0), and head dims zero-padded (zeros add
+    nothing to q.k and give zero output columns, which are dropped).
+    """
+    import jax.numpy as jnp
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    batch, q_tokens, heads, head_dim = q.shape
+    kv_tokens = k.shape[1]
+    dim = head_dim if head_dim <= _LANES else _round_up(head_dim, _LANES)
+    q_padded, kv_padded = _round_up(q_tokens, _LANES), _round_up(kv_tokens, _LANES)
+    block_q, block_k = _block(q_padded, block_tokens), _block(kv_padded, block_tokens)
+
+    def layout(x, tokens):  # [B, T, H, D] -> [B, H, T', D'], zero-padded
+        x = jnp.pad(x, ((0, 0), (0, tokens - x.shape[1]), (0, 0), (0, dim - x.shape[3])))
+        return x.transpose(0, 2, 1, 3)
+
+    segments = None
+    if kv_padded != kv_tokens:
+        segments = fa.SegmentIds(q=jnp.ones((batch, q_padded), jnp.int32),
+                                 kv=jnp.broadcast_to((jnp.arange(kv_padded) < kv_tokens).astype(jnp.int32),
+                                                     (batch, kv_padded)))
+    sizes = fa.BlockSizes(block_q=block_q, block_k_major=block_k, block_k=block_k, block_b=1)
+    # interpret=True is Pallas' plain HLO interpreter (a scan over the grid); the
+    # TPU-simulating InterpretParams mode is about 100x slower per call on a CPU
+    mode = pltpu.force_tpu_interpret_mode(True) if interpret else contextlib.nullcontext()
+    with mode:
+        out = fa.flash_attention(layout(q, q_padded), layout(k, kv_padded), layout(v, kv_padded),
+                                 segment_ids=segments, sm_scale=1.0 if scale is None else float(scale),
+                                 block_sizes=sizes)
+    return out.transpose(0, 2, 1, 3)[:, :q_tokens, :, :v.shape[-1]]
+
+
+def _cudnn(q, k, v, scale):
+    import jax
+
+    return jax.nn.dot_product_attention(q, k, v, scale=1.0 if scale is None else scale, implementation="cudnn")
+
+
+def attend(q, k, v, scale, kernel: str, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+           block_tokens: int = DEFAULT_BLOCK_TOKENS, interpret: bool = False):
+    """softmax(q k^T [* scale]) v with ``kernel``; q, k, v and the result are
+    [batch, tokens, heads, head_dim]."""
+    if kernel == "xla":
+        return _xla(q, k, v, scale)
+    if kernel == "chunked":
+        return _chunked(q, k, v, scale, budget_bytes)
+    if kernel == "pallas":
+        return _pallas(q, k, v, scale, block_tokens, interpret)
+    if kernel == "cudnn":
+        return _cudnn(q, k, v, scale)
+    raise ValueError(f"attention kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+
+
+# ---- the interceptor
+
+@dataclasses.dataclass(frozen=True)
+class _Seam:
+    implementation: str
+    platform: str
+    budget_bytes: int
+    block_tokens: int
+    calls: list
+
+    def core(self, site, q, k, v, scale):
+        batch, q_tokens, heads, head_dim = q.shape
+        kernel = choose(self.implementation, self.platform, q_tokens, k.shape[1], heads, head_dim, batch,
+                        q.dtype.itemsize, self.budget_bytes)
+        self.calls.append(Call(site, batch, q_tokens, k.shape[1], heads, head_dim, str(q.dtype), kernel))
+        return attend(q, k, v, scale, kernel, self.budget_bytes, self.block_tokens,
+                      interpret=self.platform == "cpu")
+
+    def unet_attention(self, module, hidden_states, context=None, deterministic=True):
+        """``FlaxAttention.__call__`` with the seam's core."""
+        context = hidden_states if context is None else context
+        batch = hidden_states.shape[0]
+
+        def heads(x):
+            return x.reshape(batch, -1, module.heads, module.dim_head)
+
+        out = self.core("unet", heads(module.query(hidden_states)), heads(module.key(context)),
+                        heads(module.value(context)), module.scale)
+        out = module.proj_attn(out.reshape(batch, -1, module.heads * module.dim_head))
+        return module.dropout_layer(out, deterministic=deterministic)
+
+    def vae_attention(self, module, hidden_states):
+        """``FlaxAttentionBlock.__call__`` with the seam's core."""
+        residual = hidden_states
+        batch, height, width, channels = hidden_states.shape
+        flat = module.group_norm(hidden_states).reshape(batch, height * width, channels)
+
+        def heads(x):
+            return x.reshape(batch, height * width, module.num_heads, -1)
+
+        # diffusers scales q and k by head_dim ** -0.25 each before their product
+        scale = 1 / math.sqrt(math.sqrt(channels / module.num_heads))
+        out = self.core("vae", heads(module.query(flat)) * scale, heads(module.key(flat)) * scale,
+                        heads(module.value(flat)), None)
+        out = module.proj_attn(out.reshape(batch, height * width, channels))
+        return out.reshape(batch, height, width, channels) + residual
+
+
+@contextlib.contextmanager
+def use(implementation: str = "auto", platform: str | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS):
+    """Run the UNet's and the VAE's attention through the seam while tracing in this block.
+
+    ``implementation``: one of ``IMPLEMENTATIONS``; ``platform``: the platform the traced
+    program will run on (default: JAX's default backend); ``budget_bytes``: see
+    ``DEFAULT_BUDGET_BYTES``; ``block_tokens``: the Pallas kernel's block. Yields a list
+    that receives one ``Call`` per attention call traced inside the block (a call whose
+    program comes from a cache is not traced, so not listed). Interception is per thread:
+    enter it in the thread that traces.
+    """
+    import flax.linen as nn
+    import jax
+    from diffusers.models.attention_flax import FlaxAttention
+    from diffusers.models.vae_flax import FlaxAttentionBlock
+
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+    seam = _Seam(implementation, platform_of(platform or jax.default_backend()), budget_bytes, block_tokens, [])
+
+    def interceptor(next_fun, args, kwargs, context):
+        if context.method_name == "__call__":
+            if isinstance(context.module, FlaxAttention):
+                return seam.unet_attention(context.module, *args, **kwargs)
+            if isinstance(context.module, FlaxAttentionBlock):
+                return seam.vae_attention(context.module, *args, **kwargs)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+        yield seam.calls

@@ -1,0 +1,287 @@
+"""The attention seam: kernel choice, and every CPU-runnable kernel against diffusers' own.
+
+``xla`` is checked module by module against diffusers' own call (bf16 included); the
+tiny models' whole UNet and VAE then check chunked and flash against diffusers, all
+variants of a network in one jitted program, so each model compiles once. Chunked runs with a budget small enough that every call splits
+into several query blocks (uneven ones included), and the Pallas kernel, interpreted,
+with 128-token blocks, so a 256-token call spans 2 x 2 blocks and 77 text tokens are
+padded and masked.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipeline.model import attention, load as model_lib
+
+MiB = 2 ** 20
+BUDGET = 64 * 1024  # bytes of scores per chunk in the parity tests: 4 rows of the largest call
+BLOCK = 128  # the Pallas kernel's smallest block
+VARIANTS = ("chunked", "flash")  # xla: test_xla_is_diffusers_own_arithmetic
+
+
+@pytest.mark.parametrize("requested,platform,q,kv,heads,head_dim,batch,dtype_bytes,expected", [
+    # asked for by name: taken as asked, everywhere
+    ("xla", "tpu", 16384, 16384, 8, 40, 2, 4, "xla"),
+    ("chunked", "cpu", 64, 64, 8, 40, 2, 4, "chunked"),
+    ("chunked", "cuda", 4096, 4096, 8, 64, 2, 2, "chunked"),
+    # flash: the Pallas kernel on TPU (and interpreted on CPU), cuDNN on GPU where it fits
+    ("flash", "tpu", 64, 77, 8, 160, 2, 2, "pallas"),
+    ("flash", "cpu", 256, 256, 8, 4, 2, 4, "pallas"),
+    ("flash", "gpu", 4096, 77, 8, 64, 2, 2, "cudnn"),
+    ("flash", "gpu", 4096, 4096, 8, 64, 2, 4, "chunked"),  # cuDNN takes no float32: the memory rule
+    ("flash", "gpu", 256, 256, 8, 160, 2, 2, "xla"),  # head dim above 128
+    # auto on TPU: the kernel from 4096 query and key tokens on
+    ("auto", "tpu", 4096, 4096, 8, 40, 2, 2, "pallas"),
+    ("auto", "tpu", 4096, 4096, 1, 512, 1, 4, "pallas"),  # the VAE at 512x512
+    ("auto", "tpu", 1024, 1024, 8, 80, 2, 2, "xla"),
+    ("auto", "tpu", 4096, 77, 8, 40, 2, 2, "xla"),  # cross-attention: a small matrix
+    ("auto", "tpu", 2048, 2048, 8, 40, 64, 4, "chunked"),  # short but over the budget
+    # auto on GPU: cuDNN where it fits, else the memory rule
+    ("auto", "gpu", 4096, 4096, 8, 40, 2, 2, "cudnn"),
+    ("auto", "rocm", 256, 77, 8, 64, 2, 2, "cudnn"),
+    ("auto", "gpu", 4096, 4096, 8, 4, 2, 2, "chunked"),  # head dim not a multiple of 8
+    ("auto", "gpu", 64, 64, 8, 40, 2, 4, "xla"),
+    # auto on CPU: chunked only above the budget; exactly at it is still xla
+    ("auto", "cpu", 4096, 4096, 8, 40, 2, 4, "chunked"),
+    ("auto", "cpu", 4096, 77, 8, 40, 2, 4, "xla"),
+    ("auto", "cpu", 1024, 1024, 8, 80, 2, 4, "xla"),
+    ("auto", "cpu", 2048, 2048, 8, 80, 2, 4, "xla"),  # 2 * 8 * 2048^2 * 4 bytes = 256 MiB
+    ("auto", "cpu", 2048, 2049, 8, 80, 2, 4, "chunked"),
+])
+def test_choose(requested, platform, q, kv, heads, head_dim, batch, dtype_bytes, expected):
+    assert attention.choose(requested, platform, q, kv, heads, head_dim, batch, dtype_bytes) == expected
+
+
+def test_choose_follows_the_budget_and_refuses_unknown_names():
+    args = ("cpu", 4096, 4096, 8, 40, 2, 4)  # a 1 GiB matrix
+    assert attention.choose("auto", *args, budget_bytes=1024 * MiB) == "xla"
+    assert attention.choose("auto", *args, budget_bytes=1024 * MiB - 1) == "chunked"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        attention.choose("splash", *args)
+    with pytest.raises(ValueError, match="unknown platform"):
+        attention.choose("auto", "metal", *args[1:])
+
+
+@pytest.mark.parametrize("batch,heads,q,kv,dtype_bytes,budget", [
+    (2, 8, 4096, 4096, 4, 256 * MiB), (2, 8, 16384, 16384, 4, 256 * MiB), (1, 1, 16384, 16384, 2, 256 * MiB),
+    (2, 8, 256, 77, 4, BUDGET), (2, 8, 257, 256, 4, BUDGET), (2, 8, 64, 64, 4, 10 ** 9), (2, 8, 64, 64, 4, 1)])
+def test_query_blocks_are_the_fewest_that_fit(batch, heads, q, kv, dtype_bytes, budget):
+    blocks, rows = attention.query_blocks(batch, heads, q, kv, dtype_bytes, budget)
+    row = attention.score_bytes(batch, heads, 1, kv, dtype_bytes)
+    assert blocks * rows >= q > (blocks - 1) * rows  # every row, and no empty block
+    assert rows == 1 or rows * row <= budget
+    fewer = blocks - 1
+    assert fewer == 0 or -(-q // fewer) * row > budget  # one block fewer would not fit
+
+
+def _qkv(shape, kv_tokens, seed=0, dtype=jnp.float32):
+    batch, q_tokens, heads, head_dim = shape
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], shape)
+    k, v = (jax.random.normal(key, (batch, kv_tokens, heads, head_dim)) for key in keys[1:])
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def test_kernels_on_awkward_shapes():
+    """Uneven query blocks; for the Pallas kernel, queries and keys padded to whole blocks
+    (2 x 2 of them), padded keys masked, a head dim above 128 padded to 256."""
+    q, k, v = _qkv((1, 130, 2, 160), 200)
+    scale = 160 ** -0.5
+    reference = attention.attend(q, k, v, scale, "xla")
+    budget = 2 * 200 * 4 * 9  # 9 rows of scores
+    chunked = jax.jit(lambda q, k, v: attention.attend(q, k, v, scale, "chunked", budget_bytes=budget))(q, k, v)
+    assert attention.query_blocks(1, 2, 130, 200, 4, budget) == (15, 9)  # 135 rows, 5 of them padding
+    np.testing.assert_allclose(chunked, reference, atol=1e-6)
+    pallas = jax.jit(lambda q, k, v: attention.attend(q, k, v, scale, "pallas", block_tokens=BLOCK, interpret=True))
+    np.testing.assert_allclose(pallas(q, k, v), reference, atol=1e-5)
+
+
+def test_bf16_kernels_stay_within_bf16_rounding():
+    """In bf16, xla and chunked compute scores and softmax in bf16, as diffusers does; the
+    Pallas kernel keeps scores and its running sums in float32. All stay within a few
+    bf16 roundings of the float32 result."""
+    q, k, v = _qkv((2, 256, 2, 64), 256, seed=1)
+    exact = attention.attend(q, k, v, 0.125, "xla")
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    for kernel, options in [("xla", {}), ("chunked", {"budget_bytes": BUDGET}),
+                            ("pallas", {"block_tokens": BLOCK, "interpret": True})]:
+        out = jax.jit(lambda q, k, v: attention.attend(q, k, v, 0.125, kernel, **options))(*bf16)
+        assert out.dtype == jnp.bfloat16
+        error = np.abs(np.asarray(out, np.float32) - np.asarray(exact))
+        assert 0 < error.max() < 0.05, kernel  # really bf16; a bf16 step at 1 is 1/128
+
+
+def _random_params(module, *inputs):
+    """Random weights of a module's shapes, drawn without running its initialisers."""
+    rng = np.random.default_rng(4)
+    shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), *inputs)
+    return jax.tree_util.tree_map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.3, s.dtype), shapes)
+
+
+def _with_and_without_seam(cases, implementation):
+    """[(diffusers' output or None, the seam's), ...] of (module, params, inputs, seam_only)
+    cases, all in one program."""
+    def apply(params, inputs):
+        pairs = []
+        for (module, _, _, seam_only), p, x in zip(cases, params, inputs):
+            with attention.use(implementation, platform="cpu") as calls:
+                seam = module.apply(p, *x)
+            assert [call.kernel for call in calls] == [implementation]
+            pairs.append((None if seam_only else module.apply(p, *x), seam))
+        return pairs
+    pairs = jax.jit(apply)([case[1] for case in cases], [case[2] for case in cases])
+    return [(None if a is None else np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in pairs]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 ** -7)])
+def test_xla_is_diffusers_own_arithmetic(dtype, tolerance):
+    """Under the seam, ``xla`` gives what each attention module gives without it: the
+    transformer's self- and cross-attention, the VAE's one-head and multi-head blocks; and
+    with diffusers' split_head_dim and use_memory_efficient_attention both set (moot under
+    the seam), the plain module's result. bf16: within one bf16 rounding, as XLA may fuse
+    differently."""
+    from diffusers.models.attention_flax import FlaxAttention
+    from diffusers.models.vae_flax import FlaxAttentionBlock
+
+    keys = jax.random.split(jax.random.PRNGKey(2), 3)
+    tokens = jax.random.normal(keys[0], (2, 64, 32)).astype(dtype)
+    text = jax.random.normal(keys[1], (2, 77, 24)).astype(dtype)
+    image = jax.random.normal(keys[2], (2, 8, 8, 64)).astype(dtype)
+    plain = FlaxAttention(query_dim=32, heads=2, dim_head=16, dtype=dtype)
+    flagged = FlaxAttention(query_dim=32, heads=2, dim_head=16, dtype=dtype, split_head_dim=True,
+                            use_memory_efficient_attention=True)
+    cases = [(plain, (tokens,)), (FlaxAttention(query_dim=32, heads=4, dim_head=8, dtype=dtype), (tokens, text)),
+             (FlaxAttentionBlock(channels=64, dtype=dtype), (image,)),
+             (FlaxAttentionBlock(channels=64, num_head_channels=16, dtype=dtype), (image,))]
+    cases = [(module, _random_params(module, *inputs), inputs, False) for module, inputs in cases]
+    # diffusers' own call fails with both flags set (its chunked path transposes 3-d, gets 4-d)
+    cases.append((flagged, cases[0][1], (tokens,), True))
+    pairs = _with_and_without_seam(cases, "xla")
+    for (module, _, _, _), (expected, seam) in zip(cases[:-1], pairs):
+        assert np.abs(expected).max() > 0.1
+        np.testing.assert_allclose(seam, expected, atol=tolerance, err_msg=repr(module))
+    np.testing.assert_allclose(pairs[-1][1], pairs[0][0], atol=tolerance)  # flags moot: the plain module's result
+
+
+def test_the_seam_ends_with_its_block():
+    from diffusers.models.attention_flax import FlaxAttention
+
+    module = FlaxAttention(query_dim=32, heads=2, dim_head=16)
+    x = jax.ShapeDtypeStruct((1, 8, 32), jnp.float32)
+    params = jax.eval_shape(module.init, jax.random.PRNGKey(0), x)
+    with attention.use("chunked", platform="cpu") as calls:
+        jax.eval_shape(module.apply, params, x)  # tracing is enough: the seam acts while tracing
+    jax.eval_shape(module.apply, params, x)
+    assert calls == [attention.Call("unet", 1, 8, 8, 2, 16, "float32", "chunked")]
+    assert attention.summary(calls * 3) == [{**dataclasses.asdict(calls[0]), "count": 3}]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        with attention.use("fast"):
+            pass
+
+
+def _options(variant):
+    return {"chunked": {"budget_bytes": BUDGET}, "flash": {"block_tokens": BLOCK}}.get(variant, {})
+
+
+def _network_outputs(model, size, decode):
+    """{variant: (UNet output, decoded images or None)} for diffusers' own attention
+    ("diffusers") and each of ``VARIANTS``, all in one program; and {variant: [Call]}."""
+    rng = np.random.default_rng(0)
+    unet, config = model.unet, model.unet.config
+    batch = 2
+    latents = jnp.asarray(rng.standard_normal((batch, *model.latent_shape(size, size))), jnp.float32)
+    context = jnp.asarray(rng.standard_normal((batch, 77, config.cross_attention_dim)), jnp.float32)
+    added = None
+    if model.family == "sdxl":
+        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+        added = {"text_embeds": jnp.asarray(rng.standard_normal((batch, pooled)), jnp.float32),
+                 "time_ids": jnp.full((batch, 6), float(size))}
+    calls = {}
+
+    def networks(params, latents, context, added):
+        prediction = unet.apply({"params": params["unet"]}, latents, jnp.array([500, 500]),
+                                encoder_hidden_states=context, added_cond_kwargs=added).sample
+        if not decode:
+            return prediction, None
+        images = model.vae.apply({"params": params["vae"]}, latents / model.vae.config.scaling_factor,
+                                 method=model.vae.decode).sample
+        return prediction, images
+
+    def everything(params, latents, context, added):
+        outputs = {"diffusers": networks(params, latents, context, added)}
+        for variant in VARIANTS:
+            with attention.use(variant, platform="cpu", **_options(variant)) as calls[variant]:
+                outputs[variant] = networks(params, latents, context, added)
+        return outputs
+
+    # XLA's backend optimisation off: these tests compare kernels, not XLA's optimiser, and
+    # the program (three UNets) compiles a third faster
+    compiled = jax.jit(everything).lower(model.params, latents, context, added).compile(
+        {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+    outputs = compiled(model.params, latents, context, added)
+    return jax.tree_util.tree_map(np.asarray, outputs), calls
+
+
+@pytest.fixture(scope="module")
+def tiny_model(model_cache):
+    return model_lib.load("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    return _network_outputs(tiny_model, 32, decode=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl(model_cache):
+    # 64x64: its attention sits one level down, at 16x16 = 256 tokens (its VAE is the tiny's)
+    return _network_outputs(model_lib.load("tiny-sdxl"), 64, decode=False)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_sdxl"])
+def test_every_kernel_matches_diffusers(request, name):
+    outputs, calls = request.getfixturevalue(name)
+    reference, _ = outputs["diffusers"]
+    assert np.abs(reference).max() > 0.5  # a real prediction, not zeros
+    for variant in VARIANTS:
+        np.testing.assert_allclose(outputs[variant][0], reference, atol=1e-3, err_msg=variant)
+    # the memory-efficient kernels really ran, in pieces
+    self_attention = max(calls["chunked"], key=lambda call: call.q_tokens * call.kv_tokens)
+    assert self_attention.q_tokens == self_attention.kv_tokens == 256
+    assert {call.kernel for call in calls["chunked"]} == {"chunked"}
+    assert all(attention.query_blocks(c.batch, c.heads, c.q_tokens, c.kv_tokens, 4, BUDGET)[0] > 1
+               for c in calls["chunked"])
+    assert {call.kernel for call in calls["flash"]} == {"pallas"}
+    assert {256, 77} <= {call.kv_tokens for call in calls["flash"]}  # keys in 2 blocks; padded text tokens
+
+
+def test_decoded_images_match_across_kernels(tiny):
+    outputs, calls = tiny
+    assert [(c.site, c.q_tokens) for c in calls["chunked"] if c.site == "vae"] == [("vae", 256)]
+    images = {name: np.round(np.clip(decoded / 2 + 0.5, 0, 1) * 255).astype(int)
+              for name, (_, decoded) in outputs.items()}
+    for variant in VARIANTS:
+        np.testing.assert_allclose(outputs[variant][1], outputs["diffusers"][1], atol=1e-3, err_msg=variant)
+        assert np.abs(images[variant] - images["diffusers"]).max() <= 1
+    assert len(np.unique(images["diffusers"])) > 20  # images, not a flat colour
+
+
+def test_chunked_attention_bounds_the_programs_memory(tiny_model):
+    """XLA's memory analysis of the tiny UNet call (CFG batch 2) and VAE decode at 64x64:
+    diffusers' attention holds each call's whole matrix (the largest, 2 x 8 x 1024^2
+    float32, is 64 MiB), chunked one 1 MiB block of it."""
+    from pipeline.bench import memory
+
+    whole = memory.part_memory(tiny_model, 64, 64, 1, attention=None)
+    chunked = memory.part_memory(tiny_model, 64, 64, 1, attention="chunked", platform="cpu", budget_bytes=MiB)
+    assert whole["unet_call"]["temp"] > 64 * MiB > 8 * MiB > chunked["unet_call"]["temp"]
+    assert chunked["vae_decode"]["temp"] <= whole["vae_decode"]["temp"]
+    for part in ("unet_call", "vae_decode"):
+        # the same weights and inputs, whatever the attention
+        assert chunked[part]["argument"] == whole[part]["argument"] > 0
+        assert chunked[part]["total"] == (chunked[part]["argument"] + chunked[part]["output"]
+                                          - chunked[part]["alias"] + chunked[part]["temp"])
+    assert memory.in_gib({"temp": 3 * 2 ** 29}) == {"temp": 1.5}
