@@ -15,7 +15,15 @@ import difflib
 import functools
 import shlex
 
-from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, TIMESTEP_SPACINGS, parse_formats
+from pipeline.core.choices import (
+    ATTENTIONS,
+    DTYPES,
+    FORMATS,
+    IMAGE_FORMATS,
+    SCHEDULERS,
+    TIMESTEP_SPACINGS,
+    parse_formats,
+)
 from pipeline.core.settings import Settings
 from pipeline.model.tiny import PRESETS
 
@@ -52,6 +60,10 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timestep-spacing", choices=list(TIMESTEP_SPACINGS), default=None,
                         help="how the sampler's timesteps spread over the training schedule (trailing: few-step "
                              "models such as SDXL-Lightning; default: the checkpoint's scheduler config)")
+    parser.add_argument("--attention", choices=list(ATTENTIONS), default=d.attention,
+                        help="attention kernels: xla (the whole tokens x tokens matrix), chunked (exact, a block of "
+                             "queries at a time: high resolutions in bounded memory), flash (Pallas on TPU, cuDNN on "
+                             "GPU), auto (per call, from the platform and the shapes) (default: %(default)s)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
                         help="network weights and compute dtype; latents stay float32 (default: %(default)s)")
     parser.add_argument("--format", default=",".join(d.formats),
@@ -78,7 +90,7 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int) -> Setti
     """The one translation of the settings flags (``add_settings_flags``) into Settings."""
     return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet, width=args.width,
                     height=args.height, steps=args.steps, scheduler=args.scheduler,
-                    timestep_spacing=args.timestep_spacing, dtype=args.dtype, formats=parse_formats(args.format),
+                    timestep_spacing=args.timestep_spacing, attention=args.attention, dtype=args.dtype, formats=parse_formats(args.format),
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,

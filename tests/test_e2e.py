@@ -291,6 +291,37 @@ def test_a_guidance_free_few_step_run_is_the_same_on_1x4_and_2x2(tmp_path, model
     assert len(hashes[0]) == 8 and hashes[0] == hashes[1]
 
 
+@pytest.mark.slow
+def test_a_256_tiny_run_fits_in_4_gib_per_process_with_auto_attention(tmp_path, model_cache):
+    """At 256x256 the tiny UNet's first attention has 16384 tokens: its whole score matrix
+    is 8 GiB with guidance, which the auto choice chunks on CPU. About 7 minutes on 2
+    cores, so not in the default run: ``pytest -m slow`` runs it."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    (folder / "p.jsonl").write_text(json.dumps({"prompt": "a lighthouse at dusk"}) + "\n")
+    out = str(tmp_path / "big-out")
+    args = run_args(str(folder / "*.jsonl"), out, 1, 1, "--width", "256", "--height", "256")
+    args[args.index("--steps") + 1] = "1"
+    args[args.index("--batches-per-slice") + 1] = "1"
+    # the run in a process that then reports the peak RSS of itself and of every process it started
+    report = ("import resource, sys; from jobs import cli; code = cli.main(sys.argv[1:]); "
+              "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+              "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", report, *args], cwd=os.path.dirname(os.path.dirname(__file__)),
+                            env=dict(os.environ, PROMPTMILL_CACHE=model_cache), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    own, children = (int(kib) for kib in result.stdout.split("RSS", 1)[1].split())
+    assert max(own, children) < 4 * 2 ** 20, (own, children)  # KiB
+    assert storage.read_json(naming.run_json(out))["settings"]["attention"] == "auto"
+    [row] = metadata(out)
+    with Image.open(io.BytesIO(storage.read_bytes(naming.join(out, row["path"])))) as image:
+        assert image.size == (256, 256)
+
+
 def test_sdxl_bf16_dpmpp_run_end_to_end(tmp_path, model_cache):
     prompts = write_prompts(tmp_path / "xl", 5, bad_rows=False)
     out = str(tmp_path / "xl-out")

@@ -82,6 +82,7 @@ def _generation(run: Run) -> list[str]:
                                       False: "no: guidance-free (every record's guidance <= 1)"}.get(settings.guided)),
         ("size (width x height)", f"{settings.width} x {settings.height}"),
         ("dtype", settings.dtype),
+        ("attention", settings.attention),
         ("run seed", settings.seed),
         ("formats", ", ".join(settings.formats)),
         ("image format", f"{settings.image_format}{quality}"),

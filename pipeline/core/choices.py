@@ -20,6 +20,12 @@ SCHEDULERS = {
     "lcm": (None, {}),  # LCM multistep (LCM and LCM-LoRA models)
 }
 
+# --attention choices: how the UNet's and the VAE's attention run (pipeline.model.attention);
+# "diffusers" (not a flag choice) is diffusers' own attention modules, untouched: runs planned
+# before the attention seam
+ATTENTIONS = ("auto", "xla", "chunked", "flash")
+LEGACY_ATTENTION = "diffusers"
+
 # --timestep-spacing choices (None: the checkpoint's own)
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 

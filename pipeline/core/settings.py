@@ -12,7 +12,16 @@ import hashlib
 import json
 
 from pipeline.core import keys, slicing
-from pipeline.core.choices import DTYPES, FORMATS, IMAGE_FORMATS, SCHEDULERS, TIMESTEP_SPACINGS, parse_formats
+from pipeline.core.choices import (
+    ATTENTIONS,
+    DTYPES,
+    FORMATS,
+    IMAGE_FORMATS,
+    LEGACY_ATTENTION,
+    SCHEDULERS,
+    TIMESTEP_SPACINGS,
+    parse_formats,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +41,9 @@ class Settings:
     batches_per_slice: int = 2
     devices_per_host: int = 1
     dtype: str = "fp32"
+    # attention kernels (pipeline.model.attention): auto picks per call from the platform and
+    # shapes; the choice can change float bits, so it is part of the run
+    attention: str = "auto"
     formats: tuple[str, ...] = ("files",)
     image_format: str = "png"
     quality: int = 95  # jpeg and webp
@@ -77,6 +89,8 @@ class Settings:
                              f"got --format {','.join(self.formats)}")
         if self.guidance_rule not in GUIDANCE_RULES:
             raise ValueError(f"guidance_rule must be one of {', '.join(GUIDANCE_RULES)}, got {self.guidance_rule!r}")
+        if self.attention not in ATTENTIONS + (LEGACY_ATTENTION,):
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
             raise ValueError(f"--timestep-spacing must be one of {', '.join(TIMESTEP_SPACINGS)}, "
                              f"got {self.timestep_spacing!r}")
@@ -122,7 +136,7 @@ def check_size(name: str, value: int) -> int:
 # guidance_rule and guided, the default): at that value they stay out of the fingerprint, so those
 # runs keep theirs (and resume).
 NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
-                  "timestep_spacing": None, "guided": True, "unet": None}
+                  "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION}
 GUIDANCE_RULES = ("diffusers", "always")
 
 

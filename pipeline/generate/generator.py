@@ -54,7 +54,8 @@ def replicate(tree, devices):
 
 class Generator:
     def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
-                 latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True, params=None):
+                 latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True, params=None,
+                 attention: str = "auto"):
         import jax
 
         jax_events.COMPILES.install()
@@ -67,7 +68,8 @@ class Generator:
         self.batch_size = len(self.devices) * per_device_batch
         # params: already replicated on these devices (generators of one model may share them)
         self.params = replicate(model.params, self.devices) if params is None else params
-        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided), devices=self.devices)
+        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
+                                                attention, self.devices[0].platform), devices=self.devices)
         self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:

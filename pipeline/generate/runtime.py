@@ -49,14 +49,14 @@ def make_generator(model, settings: Settings, devices=None) -> Generator:
                             "run 'promptmill plan' for this --out again")
     return Generator(model, settings.width, settings.height, settings.steps, settings.per_device_batch,
                      devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
-                     guided=settings.guided)
+                     guided=settings.guided, attention=settings.attention)
 
 
 def program_tag(run: Run) -> tuple:
     """What decides a compiled generator: runs with equal tags can share one in a process."""
     s = run.settings
     return (s.model, run.model_fingerprint, s.dtype, s.scheduler, s.width, s.height, s.steps, s.per_device_batch,
-            s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided)
+            s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided, s.attention)
 
 
 def open_zarr(out: str, run: Run, model, images: int):

@@ -40,7 +40,8 @@ def truncated(model, texts) -> list[bool]:
 
 
 def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = False,
-                   guidance_rule: str = "diffusers", guided: bool = True):
+                   guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto",
+                   platform: str | None = None):
     """``sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index)``.
 
     Shapes (B = batch): ids int32 [B, L]; guidance float32 [B]; seed words and image
@@ -49,12 +50,13 @@ def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = F
     the last scheduler step and before the division by the VAE's scaling factor.
     Without ``latents`` the program is exactly the images-only one. ``guided``: see
     ``make_denoise_fn`` (a guidance-free program never reads ``negative_ids``).
+    ``attention`` and ``platform``: see ``make_denoise_fn``.
     """
     import jax
 
     latent_shape = model.latent_shape(width, height)
     denoise = make_denoise_fn(model, steps, empty_negative_ids=tokenize(model, [""])[0], return_latents=latents,
-                              guidance_rule=guidance_rule, guided=guided)
+                              guidance_rule=guidance_rule, guided=guided, attention=attention, platform=platform)
 
     def sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index):
         image_keys = keys.fold_keys(seed_hi, seed_lo, image_index)
@@ -154,7 +156,8 @@ class _OwnSteps:
 
 
 def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: bool = False,
-                    guidance_rule: str = "diffusers", guided: bool = True):
+                    guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto",
+                    platform: str | None = None):
     """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
     float32 images in [0, 1], [B, H, W, 3], from given initial latents (float32
     [B, C, H/f, W/f]). ``image_keys`` (B typed keys) are needed by the stochastic
@@ -172,12 +175,27 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
     False is the guidance-free program: the UNet runs on the prompts alone (batch B), no
     negative prompt is encoded, and ``negative_ids`` and ``guidance`` are not read.
 
+    ``attention``: how the UNet's and the VAE's attention run (``pipeline.model.attention``;
+    ``auto`` picks per call from ``platform``, default JAX's, and the shapes);
+    ``"diffusers"``: diffusers' own attention, untouched (runs planned before the seam).
+
     For SDXL, a row whose negative ids equal ``empty_negative_ids`` (the tokenised empty
     prompt) is conditioned on zeros instead, as SDXL was trained
     (``force_zeros_for_empty_prompt``).
     """
+    import contextlib
+
     import jax
     import jax.numpy as jnp
+
+    from pipeline.core.choices import LEGACY_ATTENTION
+    from pipeline.model import attention as attention_lib
+
+    def seam():
+        """Entered while the program is traced: the seam acts on what is traced inside it."""
+        if attention == LEGACY_ATTENTION:
+            return contextlib.nullcontext()
+        return attention_lib.use(attention, platform=platform)
 
     if guidance_rule not in ("diffusers", "always"):
         raise ValueError(f"guidance_rule must be diffusers or always, got {guidance_rule!r}")
@@ -212,6 +230,10 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
         return jnp.concatenate([negative_context, context]), added
 
     def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
+        with seam():
+            return traced(params, prompt_ids, negative_ids, guidance, latents, image_keys)
+
+    def traced(params, prompt_ids, negative_ids, guidance, latents, image_keys):
         batch = prompt_ids.shape[0]
         if stochastic and image_keys is None:
             raise ValueError(f"the {model.sampler.choice} sampler draws noise at each step: it needs the image keys")

@@ -13,6 +13,7 @@ from importlib import metadata
 
 from pipeline import __version__
 from pipeline.core import logs, naming
+from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.core.settings import Run, Settings, fingerprint
 from pipeline.io import beamio, runs, storage
 from pipeline.plan.layout import PlanError, match_prompt_files
@@ -76,6 +77,8 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
         # the guidance rule is a version's, not a flag: a run keeps the one it was planned with;
         # whether it is guided was decided by its plan, which checks it again (decide_guidance)
         asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided)
+        if previous.settings.attention == LEGACY_ATTENTION:  # planned before the attention seam: keeps its program
+            asked = asked.replace(attention=LEGACY_ATTENTION)
         if previous.settings_fingerprint == fingerprint(asked, run.model_fingerprint):
             return previous
         changed = sorted(f.name for f in dataclasses.fields(Settings)  # a moved OUT is the same run
