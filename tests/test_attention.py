@@ -44,12 +44,14 @@ VARIANTS = ("chunked", "flash")  # xla: test_xla_is_diffusers_own_arithmetic
     ("auto", "rocm", 256, 77, 8, 64, 2, 2, "cudnn"),
     ("auto", "gpu", 4096, 4096, 8, 4, 2, 2, "chunked"),  # head dim not a multiple of 8
     ("auto", "gpu", 64, 64, 8, 40, 2, 4, "xla"),
-    # auto on CPU: chunked only above the budget; exactly at it is still xla
+    # auto on CPU: chunked above its budget (16 MiB: cache-sized blocks); exactly at it, xla
     ("auto", "cpu", 4096, 4096, 8, 40, 2, 4, "chunked"),
-    ("auto", "cpu", 4096, 77, 8, 40, 2, 4, "xla"),
-    ("auto", "cpu", 1024, 1024, 8, 80, 2, 4, "xla"),
-    ("auto", "cpu", 2048, 2048, 8, 80, 2, 4, "xla"),  # 2 * 8 * 2048^2 * 4 bytes = 256 MiB
-    ("auto", "cpu", 2048, 2049, 8, 80, 2, 4, "chunked"),
+    ("auto", "cpu", 4096, 77, 8, 40, 2, 4, "chunked"),
+    ("auto", "cpu", 1024, 77, 8, 40, 2, 4, "xla"),
+    ("auto", "cpu", 1024, 1024, 8, 80, 2, 4, "chunked"),
+    ("auto", "cpu", 512, 512, 8, 80, 2, 4, "xla"),  # 2 * 8 * 512^2 * 4 bytes = 16 MiB
+    ("auto", "cpu", 512, 513, 8, 80, 2, 4, "chunked"),
+    ("auto", "tpu", 2048, 2048, 8, 80, 2, 4, "xla"),  # 256 MiB: the TPU's budget
 ])
 def test_choose(requested, platform, q, kv, heads, head_dim, batch, dtype_bytes, expected):
     assert attention.choose(requested, platform, q, kv, heads, head_dim, batch, dtype_bytes) == expected

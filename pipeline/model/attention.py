@@ -41,11 +41,15 @@ KERNELS = ("xla", "chunked", "pallas", "cudnn")
 # outweighs its gain over XLA's dot-product attention.
 FLASH_MIN_TOKENS = 4096
 # The most bytes of attention scores (batch x heads x queries x keys x dtype) that one call
-# may hold at once: auto chunks a call above it, and chunked sizes its blocks to it.
-# Measured on XLA:CPU (SD 1.5 UNet, 1024x1024, CFG batch 2, float32): 1.02 GiB of temp at
-# 256 MiB, 1.10 GiB at 64 MiB, 1.92 GiB at 1 GiB; and chunks this size ran SD 1.5's
-# 4096-token self-attention no slower than the whole matrix.
-DEFAULT_BUDGET_BYTES = 256 * 2 ** 20
+# may hold at once, by platform: auto chunks a call above it, and chunked sizes its blocks
+# to it. On a CPU, blocks that stay in cache are faster than the whole matrix, not only
+# smaller (XLA:CPU, float32, CFG batch 2, against diffusers' own attention: SD 1.5's
+# 4096-token transformer block 1.54 -> 0.98 s, its VAE's 4096-token block 0.94 -> 0.23 s,
+# the tiny UNet at 128x128 2.78 -> 0.78 s; 4 MiB blocks were as fast, 64 and 256 MiB ones
+# slower, 1 MiB ones, of 2 rows, slower still). The UNet call of SD 1.5 at 1024x1024 then
+# needs 1.16 GiB of temp (17.8 GiB whole). Elsewhere chunking only bounds memory, so its
+# blocks are large.
+DEFAULT_BUDGET_BYTES = {"cpu": 16 * 2 ** 20, "gpu": 256 * 2 ** 20, "tpu": 256 * 2 ** 20}
 # Query and key block of the Pallas kernel, in tokens (a multiple of 128, TPU lane width)
 DEFAULT_BLOCK_TOKENS = 512
 _LANES = 128
@@ -97,7 +101,7 @@ def cudnn_fits(head_dim: int, dtype_bytes: int) -> bool:
 
 
 def choose(requested: str, platform: str, q_tokens: int, kv_tokens: int, heads: int, head_dim: int, batch: int,
-           dtype_bytes: int, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> str:
+           dtype_bytes: int, budget_bytes: int | None = None) -> str:
     """The kernel (one of ``KERNELS``) that one attention call runs; pure.
 
     - ``xla`` and ``chunked`` are taken as asked.
@@ -105,7 +109,8 @@ def choose(requested: str, platform: str, q_tokens: int, kv_tokens: int, heads: 
       it takes the head dim and dtype, else what ``auto``'s memory rule picks.
     - ``auto``: the Pallas kernel on TPU for at least ``FLASH_MIN_TOKENS`` query and key
       tokens; cuDNN on GPU where it fits; otherwise ``chunked`` when the whole matrix
-      would exceed ``budget_bytes``, else ``xla``.
+      would exceed ``budget_bytes`` (None: the platform's ``DEFAULT_BUDGET_BYTES``),
+      else ``xla``.
     """
     if requested not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {', '.join(IMPLEMENTATIONS)}, got {requested!r}")
@@ -118,7 +123,8 @@ def choose(requested: str, platform: str, q_tokens: int, kv_tokens: int, heads: 
         return "pallas"
     if platform == "gpu" and cudnn_fits(head_dim, dtype_bytes):
         return "cudnn"
-    return "chunked" if score_bytes(batch, heads, q_tokens, kv_tokens, dtype_bytes) > budget_bytes else "xla"
+    budget = DEFAULT_BUDGET_BYTES[platform] if budget_bytes is None else budget_bytes
+    return "chunked" if score_bytes(batch, heads, q_tokens, kv_tokens, dtype_bytes) > budget else "xla"
 
 
 # ---- kernels: q, k, v are [batch, tokens, heads, head_dim]; scores are multiplied by
@@ -136,7 +142,7 @@ def _xla(q, k, v, scale):
 
 
 def query_blocks(batch: int, heads: int, q_tokens: int, kv_tokens: int, dtype_bytes: int,
-                 budget_bytes: int = DEFAULT_BUDGET_BYTES) -> tuple[int, int]:
+                 budget_bytes: int) -> tuple[int, int]:
     """(blocks, rows per block) of ``chunked``: the fewest blocks of query rows whose
     scores each fit ``budget_bytes`` (one row at least), rows spread as evenly as can be."""
     row_bytes = score_bytes(batch, heads, 1, kv_tokens, dtype_bytes)
@@ -145,12 +151,15 @@ def query_blocks(batch: int, heads: int, q_tokens: int, kv_tokens: int, dtype_by
 
 
 def _chunked(q, k, v, scale, budget_bytes: int):
-    """``_xla`` one block of query rows at a time (``query_blocks``).
+    """``_xla``'s arithmetic, one block of query rows at a time (``query_blocks``).
 
     A ``lax.map`` keeps one block's scores alive: on XLA:CPU (jax 0.10.2) a Python loop
-    over 16 blocks of a 16384-token call needed 1.08 GiB of temp, the map 0.12 GiB. The
-    queries are padded to whole blocks; padded rows are computed and dropped.
+    over 16 blocks of a 16384-token call needed 1.08 GiB of temp, the map 0.12 GiB. Keys,
+    values and query blocks are laid out [batch, heads, tokens, head_dim] before the loop,
+    so its body runs two plain batched matmuls and copies nothing. The queries are padded
+    to whole blocks; padded rows are computed and dropped.
     """
+    import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
@@ -158,10 +167,18 @@ def _chunked(q, k, v, scale, budget_bytes: int):
     blocks, rows = query_blocks(batch, heads, q_tokens, k.shape[1], q.dtype.itemsize, budget_bytes)
     if blocks == 1:
         return _xla(q, k, v, scale)
+    keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def block(queries):  # [batch, heads, rows, head_dim]
+        scores = jnp.einsum("bhqd,bhkd->bhqk", queries, keys)
+        if scale is not None:
+            scores = scores * scale
+        return jnp.einsum("bhqk,bhkd->bhqd", nn.softmax(scores, axis=-1), values)
+
     padded = jnp.pad(q, ((0, 0), (0, blocks * rows - q_tokens), (0, 0), (0, 0)))
-    stacked = padded.reshape(batch, blocks, rows, heads, head_dim).swapaxes(0, 1)
-    out = jax.lax.map(lambda block: _xla(block, k, v, scale), stacked)
-    out = out.swapaxes(0, 1).reshape(batch, blocks * rows, heads, v.shape[-1])
+    stacked = padded.reshape(batch, blocks, rows, heads, head_dim).transpose(1, 0, 3, 2, 4)
+    out = jax.lax.map(block, stacked)  # [blocks, batch, heads, rows, head_dim]
+    out = out.transpose(1, 0, 3, 2, 4).reshape(batch, blocks * rows, heads, v.shape[-1])
     return out[:, :q_tokens]
 
 
@@ -219,10 +236,12 @@ def _cudnn(q, k, v, scale):
     return jax.nn.dot_product_attention(q, k, v, scale=1.0 if scale is None else scale, implementation="cudnn")
 
 
-def attend(q, k, v, scale, kernel: str, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+def attend(q, k, v, scale, kernel: str, budget_bytes: int = DEFAULT_BUDGET_BYTES["cpu"],
            block_tokens: int = DEFAULT_BLOCK_TOKENS, interpret: bool = False):
     """softmax(q k^T [* scale]) v with ``kernel``; q, k, v and the result are
-    [batch, tokens, heads, head_dim]."""
+    [batch, tokens, heads, head_dim]. ``budget_bytes``: chunked's block, in bytes of
+    scores; ``block_tokens``: the Pallas kernel's block; ``interpret``: run the Pallas
+    kernel in interpret mode (on a CPU)."""
     if kernel == "xla":
         return _xla(q, k, v, scale)
     if kernel == "chunked":
@@ -283,16 +302,19 @@ class _Seam:
 
 
 @contextlib.contextmanager
-def use(implementation: str = "auto", platform: str | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+def use(implementation: str = "auto", platform: str | None = None, budget_bytes: int | None = None,
         block_tokens: int = DEFAULT_BLOCK_TOKENS):
     """Run the UNet's and the VAE's attention through the seam while tracing in this block.
 
     ``implementation``: one of ``IMPLEMENTATIONS``; ``platform``: the platform the traced
     program will run on (default: JAX's default backend); ``budget_bytes``: see
-    ``DEFAULT_BUDGET_BYTES``; ``block_tokens``: the Pallas kernel's block. Yields a list
-    that receives one ``Call`` per attention call traced inside the block (a call whose
-    program comes from a cache is not traced, so not listed). Interception is per thread:
-    enter it in the thread that traces.
+    ``DEFAULT_BUDGET_BYTES`` (None: the platform's); ``block_tokens``: the Pallas
+    kernel's block. Yields a list that receives one ``Call`` per attention call traced
+    inside the block.
+
+    The seam acts while JAX traces, so enter it inside the function that ``jit`` or
+    ``pmap`` traces: around a ``jax.jit(f)`` call it has no effect when ``f``'s trace is
+    already cached (the list then stays empty). Interception is per thread.
     """
     import flax.linen as nn
     import jax
@@ -301,7 +323,9 @@ def use(implementation: str = "auto", platform: str | None = None, budget_bytes:
 
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
-    seam = _Seam(implementation, platform_of(platform or jax.default_backend()), budget_bytes, block_tokens, [])
+    platform = platform_of(platform or jax.default_backend())
+    budget = DEFAULT_BUDGET_BYTES[platform] if budget_bytes is None else budget_bytes
+    seam = _Seam(implementation, platform, budget, block_tokens, [])
 
     def interceptor(next_fun, args, kwargs, context):
         if context.method_name == "__call__":
