@@ -31,8 +31,10 @@ import contextlib
 import dataclasses
 import math
 
+from pipeline.core.choices import ATTENTIONS
+
 # The --attention choices: what a run asks for
-IMPLEMENTATIONS = ("auto", "xla", "chunked", "flash")
+IMPLEMENTATIONS = ATTENTIONS
 # What one attention call runs, as ``choose`` resolves a choice
 KERNELS = ("xla", "chunked", "pallas", "cudnn")
 
