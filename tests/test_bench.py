@@ -51,6 +51,9 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
         # (pipeline/flops.py). If this changes, revisit that module.
         assert counted["xla_unet_calls_counted"] == pytest.approx(1.0, abs=0.05)
         assert 0 < row["utilisation"] <= 1.5 and 0 < row["seed_utilisation"] <= 1.5
+        # XLA's memory analysis of the compiled program: the weights are its arguments
+        assert row["memory"]["temp"] > 0 and row["memory"]["argument"] > 0
+        assert row["temp_per_image"] == row["memory"]["temp"] / row["per_device_batch"]
     one, two = report["sweep"]
     assert two["flops"]["per_image"] == pytest.approx(one["flops"]["per_image"], rel=0.01)
 

@@ -6,7 +6,9 @@ a sweep, the report gives:
 1. images/s of ``pipeline.generate.generator.Generator``: built, warmed up with one batch, then
    ``--batches`` batches made by ``Generator.batch`` (tokenising included) and waited
    for on the host (the images come back as numpy arrays);
-2. FLOPs per image from XLA's cost analysis, counted by parts because XLA counts the
+2. the compiled program's device memory from XLA's ``memory_analysis()`` (temp,
+   arguments, outputs; ``pipeline.bench.memory``), and its temp per image;
+   FLOPs per image from XLA's cost analysis, counted by parts because XLA counts the
    denoising loop's body once (``pipeline.bench.flops``), and the FLOP/s this achieves;
 3. the devices' measured matmul peak in the run's dtype, and utilisation =
    achieved / peak;
@@ -159,7 +161,7 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
     machine the speed drifts by 10-20% over minutes, and turns spread that drift
     evenly over both.
     """
-    from pipeline.bench import flops
+    from pipeline.bench import flops, memory
     from pipeline.generate.generator import Generator
 
     rows = []
@@ -180,7 +182,9 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
         seed_t = throughput(seed_first, seed_s, generator.batch_size)
         achieved = counted["per_image"] * ours_t["images_per_s"]
         seed_achieved = counted["per_image"] * seed_t["images_per_s"]  # the same network work per image
+        program = memory.program_memory(generator.compiled)  # one device's program
         rows.append({"per_device_batch": per_device_batch, "batch_size": generator.batch_size,
+                     "memory": program, "temp_per_image": program.get("temp", 0) / per_device_batch,
                      "build_s": round(build, 3), "ours": ours_t, "seed": seed_t, "flops": counted,
                      "achieved_flops_per_s": achieved, "utilisation": achieved / peak,
                      "seed_achieved_flops_per_s": seed_achieved, "seed_utilisation": seed_achieved / peak,
