@@ -275,7 +275,7 @@ def test_generate_dofn_twice_on_one_slice_commits_the_same_bytes(beam_run, tmp_p
     shutil.copytree(naming.join(clean, "plan"), naming.join(out, "plan"))
     shutil.copy(naming.run_json(clean), naming.run_json(out))  # same run: same created_at
     run = runs.read(out)
-    fn = beam_engine.GenerateSlicesFn(out, run)
+    fn = beam_engine.GenerateSlicesFn(out)
     fn.setup()
     with fault_once(1), pytest.raises(TransientFault):
         list(fn.process(1))

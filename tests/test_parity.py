@@ -106,7 +106,7 @@ def test_sdxl_matches_diffusers_pipeline_fp32(diffusers_xl_pipeline, choice, neg
 @pytest.mark.parametrize("choice", ["ddim", "pndm", "euler", "dpmpp"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-sdxl"])
 def test_scheduler_choice_keeps_the_checkpoints_noise_schedule(model_cache, name, choice):
-    scheduler, state = scheduler_lib.make_scheduler(model_lib.resolve(name), choice)
+    scheduler, state = scheduler_lib.make_flax_scheduler(scheduler_lib.resolve_sampler(model_lib.resolve(name), choice))
     assert type(scheduler).__name__ == SCHEDULERS[choice][0]
     config = scheduler.config
     assert (config.beta_schedule, config.beta_start, config.beta_end) == ("scaled_linear", 0.00085, 0.012)

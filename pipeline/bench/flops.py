@@ -10,9 +10,10 @@ denoising steps by about (S - 1) UNet calls.
 ``sampler_flops`` therefore costs the parts of a step separately, each as its own XLA
 program at the step's per-device shapes: the text encoder(s) on the [negative; positive]
 prompt ids, one UNet call on the classifier-free-guidance batch (2B), and the VAE
-decode; a guidance-free program encodes the prompts alone and calls the UNet on B. A step is ``text + S * unet + vae``. The scheduler update and the guidance mix
-are elementwise and left out (well under 0.1% of a step). The whole program's own count
-is reported next to it, with how many UNet calls it implies, so a change in XLA's
+decode; a guidance-free program encodes the prompts alone and calls the UNet on B
+(``pipeline.bench.parts`` lowers each). A step is ``text + S * unet + vae``. The
+scheduler update and the guidance mix are elementwise and left out (well under 0.1% of
+a step). The whole program's own count is reported next to it, with how many UNet calls it implies, so a change in XLA's
 behaviour shows up in the report rather than silently skewing it.
 """
 from __future__ import annotations
@@ -21,12 +22,7 @@ import time
 
 import numpy as np
 
-
-def _struct(tree):
-    """Shapes and dtypes only: lowering needs no real weights."""
-    import jax
-
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+from pipeline.bench import parts
 
 
 def _flops(lowered) -> float:
@@ -47,37 +43,10 @@ def _flops(lowered) -> float:
 def part_flops(model, width: int, height: int, per_device_batch: int, guided: bool = True) -> dict:
     """Flops of each part of one sampler step, on one device, for B = ``per_device_batch``
     (the text encoders and the UNet at 2B when ``guided``, else at B)."""
-    import jax
-    import jax.numpy as jnp
-
-    length = model.tokenizer.model_max_length
-    b = per_device_batch * (2 if guided else 1)  # rows through the text encoders and the UNet
-    channels, h, w = model.latent_shape(width, height)
-    ids = jax.ShapeDtypeStruct((b, length), jnp.int32)
-    text = 0.0
-    for name in sorted(n for n in model.params if n.startswith("text_encoder")):  # SDXL has two
-        encoder = getattr(model, name)
-        text += _flops(jax.jit(lambda p, i, e=encoder: e(i, params=p)[0]).lower(_struct(model.params[name]), ids))
-
-    unet, config = model.unet, model.unet.config
-    added = None
-    if getattr(config, "addition_embed_type", None) == "text_time":  # SDXL: pooled text and 6 size/crop ids
-        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-        added = {"text_embeds": jax.ShapeDtypeStruct((b, pooled), model.dtype),
-                 "time_ids": jax.ShapeDtypeStruct((b, 6), model.dtype)}
-
-    def unet_call(p, x, t, context, added):
-        return unet.apply({"params": p}, x, t, encoder_hidden_states=context, added_cond_kwargs=added).sample
-
-    unet_flops = _flops(jax.jit(unet_call).lower(
-        _struct(model.params["unet"]), jax.ShapeDtypeStruct((b, channels, h, w), jnp.float32),
-        jax.ShapeDtypeStruct((b,), jnp.int32),
-        jax.ShapeDtypeStruct((b, length, config.cross_attention_dim), model.dtype), added))
-
-    vae = model.vae
-    vae_flops = _flops(jax.jit(lambda p, z: vae.apply({"params": p}, z, method=vae.decode).sample).lower(
-        _struct(model.params["vae"]), jax.ShapeDtypeStruct((per_device_batch, channels, h, w), jnp.float32)))
-    return {"text_encoder": text, "unet_call": unet_flops, "vae_decode": vae_flops}
+    rows = per_device_batch * (2 if guided else 1)  # through the text encoders and the UNet
+    return {"text_encoder": sum(_flops(lowered) for lowered in parts.text_encoders(model, rows)),
+            "unet_call": _flops(parts.unet_call(model, width, height, rows)),
+            "vae_decode": _flops(parts.vae_decode(model, width, height, per_device_batch))}
 
 
 def whole_program_flops(compiled) -> float:

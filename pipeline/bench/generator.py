@@ -172,7 +172,8 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
         build = watch.seconds()
         counted = flops.sampler_flops(model, width, height, config.steps, per_device_batch, generator.compiled,
                                       config.guided)
-        ours, seed = ours_call(generator, config.guidance_scale), seed_call(recipe, generator.batch_size, config.steps, width, height)
+        ours = ours_call(generator, config.guidance_scale)
+        seed = seed_call(recipe, generator.batch_size, config.steps, width, height)
         ours_first, seed_first = timed(ours, 0), timed(seed, 0)  # warm-up; the seed's compiles here
         ours_s, seed_s = [], []
         for i in range(1, config.batches + 1):
@@ -328,7 +329,8 @@ def run_bench(config: BenchConfig) -> dict:
 
     config_dict = {**dataclasses.asdict(config), "width": width, "height": height}
     report = {"command": command_line(config), "config": config_dict,
-              "machine": machine(devices), "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
+              "machine": machine(devices),
+              "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
               "peak": peak, "sweep": rows, "recipes": compared, "startup": start}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
@@ -360,7 +362,8 @@ def format_table(report: dict) -> str:
         lines.append(f"guidance-free / CFG at {report['config']['steps']} steps: {r['guidance_free_over_cfg']:.2f}x "
                      f"images/s ({r['flops_cfg_over_guidance_free']:.2f}x fewer FLOPs), "
                      f"{r['guidance_free_2x_over_cfg']:.2f}x at twice the images per device; few-step guidance-free / "
-                     f"20-step CFG default: {r['few_step_over_default']:.2f}x ({r['flops_default_over_few_step']:.2f}x)")
+                     f"20-step CFG default: {r['few_step_over_default']:.2f}x "
+                     f"({r['flops_default_over_few_step']:.2f}x)")
     s = report["startup"]
     if s:
         cold, warm = s["cold"], s["warm"]

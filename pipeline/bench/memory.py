@@ -13,7 +13,7 @@ can be measured on any machine.
 """
 from __future__ import annotations
 
-import numpy as np
+from pipeline.bench import parts
 
 GIB = 2 ** 30
 
@@ -39,13 +39,6 @@ def in_gib(memory: dict, digits: int = 3) -> dict:
     return {name: round(value / GIB, digits) for name, value in memory.items()}
 
 
-def _struct(tree):
-    """Shapes and dtypes only: lowering needs no real weights."""
-    import jax
-
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
-
-
 def part_memory(model, width: int, height: int, per_device_batch: int, guided: bool = True,
                 attention: str | None = "auto", platform: str | None = None, **seam) -> dict:
     """``program_memory`` of one UNet call (at 2B when ``guided``, else B) and of one VAE
@@ -59,9 +52,6 @@ def part_memory(model, width: int, height: int, per_device_batch: int, guided: b
     """
     import contextlib
 
-    import jax
-    import jax.numpy as jnp
-
     from pipeline.model import attention as attention_lib
 
     def seam_block():
@@ -69,31 +59,7 @@ def part_memory(model, width: int, height: int, per_device_batch: int, guided: b
             return contextlib.nullcontext()
         return attention_lib.use(attention, platform=platform, **seam)
 
-    b = per_device_batch * (2 if guided else 1)
-    channels, h, w = model.latent_shape(width, height)
-    unet, config = model.unet, model.unet.config
-    added = None
-    if getattr(config, "addition_embed_type", None) == "text_time":  # SDXL: pooled text and 6 size/crop ids
-        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-        added = {"text_embeds": jax.ShapeDtypeStruct((b, pooled), model.dtype),
-                 "time_ids": jax.ShapeDtypeStruct((b, 6), model.dtype)}
-    length = model.tokenizer.model_max_length
-
-    def unet_call(p, x, t, context, added):
-        with seam_block():
-            return unet.apply({"params": p}, x, t, encoder_hidden_states=context, added_cond_kwargs=added).sample
-
-    unet_memory = program_memory(jax.jit(unet_call).lower(
-        _struct(model.params["unet"]), jax.ShapeDtypeStruct((b, channels, h, w), jnp.float32),
-        jax.ShapeDtypeStruct((b,), jnp.int32),
-        jax.ShapeDtypeStruct((b, length, config.cross_attention_dim), model.dtype), added).compile())
-
-    vae = model.vae
-
-    def vae_decode(p, z):
-        with seam_block():
-            return vae.apply({"params": p}, z, method=vae.decode).sample
-
-    vae_memory = program_memory(jax.jit(vae_decode).lower(
-        _struct(model.params["vae"]), jax.ShapeDtypeStruct((per_device_batch, channels, h, w), jnp.float32)).compile())
-    return {"unet_call": unet_memory, "vae_decode": vae_memory}
+    rows = per_device_batch * (2 if guided else 1)
+    return {"unet_call": program_memory(parts.unet_call(model, width, height, rows, seam_block).compile()),
+            "vae_decode": program_memory(
+                parts.vae_decode(model, width, height, per_device_batch, seam_block).compile())}

@@ -28,7 +28,8 @@ def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
                         ("--timestep-spacing", s.timestep_spacing)):
         if value is not None:
             command += [flag, str(value)]
-    command += ["--steps", str(s.steps), "--dtype", s.dtype, "--attention", s.attention, "--format", ",".join(s.formats),
+    command += ["--steps", str(s.steps), "--dtype", s.dtype, "--attention", s.attention,
+                "--format", ",".join(s.formats),
                 "--image-format", s.image_format, "--quality", str(s.quality),
                 "--guidance-scale", repr(float(s.guidance_scale)), "--seed", str(s.seed),
                 "--per-device-batch", str(s.per_device_batch), "--batches-per-slice", str(s.batches_per_slice),

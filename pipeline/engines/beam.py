@@ -158,9 +158,9 @@ class GenerateSlicesFn(beam.DoFn):
     HOST = 0  # metadata's host column: workers have no host index, and a retried slice
     # must get the same bytes on whatever worker it runs
 
-    def __init__(self, out: str, run: Run):
-        self.out, self.run = out, run  # the run as prepared; re-read from OUT once planned
-        self.worker = None
+    def __init__(self, out: str):
+        self.out = out
+        self.run = self.worker = None  # read from OUT on the first slice (``_ready``)
         self.generated = Metrics.counter("generate", "slices_generated")
         self.skipped = Metrics.counter("generate", "slices_skipped")
         self.redone = Metrics.counter("generate", "slices_redone")
@@ -171,7 +171,6 @@ class GenerateSlicesFn(beam.DoFn):
     def setup(self):
         logs.setup()
         beamio.use_emulator_credentials()
-        self.worker = None
 
     def _ready(self):
         """The process's worker, built on the first slice: only then does run.json hold
@@ -182,7 +181,6 @@ class GenerateSlicesFn(beam.DoFn):
             self.worker = _SHARED.acquire(lambda: _Worker(self.run), runtime.program_tag(self.run))
             self.size = settings.slice_size
             slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings.per_device_batch)
-        return self.worker
 
     def _zarr_arrays(self):
         """(images, latents) zarr arrays, or (None, None); opened on first use, once the
@@ -227,7 +225,7 @@ def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE
     generated = (manifest
                  | "Slices" >> beam.FlatMap(lambda m: range(m["slices"]))
                  | "SpreadSlices" >> beam.Reshuffle()
-                 | "Generate" >> beam.ParDo(GenerateSlicesFn(out, run)))
+                 | "Generate" >> beam.ParDo(GenerateSlicesFn(out)))
     released = (generated
                 | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
                 | "AllGenerated" >> beam.combiners.ToList()

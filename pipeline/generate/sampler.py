@@ -220,7 +220,8 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
             if not guided:
                 return context, {"text_embeds": added["text_embeds"], "time_ids": time_ids}
             if empty_negative_ids is not None:
-                empty = jnp.all(negative_ids == jnp.asarray(empty_negative_ids), axis=tuple(range(1, negative_ids.ndim)))
+                empty = jnp.all(negative_ids == jnp.asarray(empty_negative_ids),
+                                axis=tuple(range(1, negative_ids.ndim)))
                 negative_context = jnp.where(empty[:, None, None], 0, negative_context)
                 negative_added = {"text_embeds": jnp.where(empty[:, None], 0, negative_added["text_embeds"])}
             added = {"text_embeds": jnp.concatenate([negative_added["text_embeds"], added["text_embeds"]]),

@@ -2,7 +2,7 @@
 
 Every model, ``--model tiny`` included, is a diffusers-format directory found by
 ``pipeline.model.sources`` and loaded by ``load``, with the sampler the run chose
-(``make_scheduler``). The rest of promptmill sees only ``Model``.
+(``pipeline.model.scheduler.resolve_sampler``). The rest of promptmill sees only ``Model``.
 """
 from __future__ import annotations
 
@@ -90,10 +90,7 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     directory = resolve(name)
     index = check_layout(directory)
-    check_unet(directory)
-    unet_file = resolve_unet(unet) if unet else None
-    if unet_file:
-        check_unet_file(directory, unet_file)
+    unet_file = _checked_unet(directory, unet)
     sampler = resolve_sampler(directory, scheduler, timestep_spacing)
     jdtype = getattr(jnp, DTYPES[dtype])
     tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
@@ -110,7 +107,8 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
         params = {name: _to_bf16(tree) for name, tree in params.items()}
     flax_scheduler, params = _with_sampler_state(sampler, params)
     return Model(path=name, fingerprint=model_fingerprint(directory, unet_file), tokenizer=tokenizer,
-                 text_encoder=text_encoder, unet=unet, vae=vae, sampler=sampler, scheduler=flax_scheduler, params=params, **extra)
+                 text_encoder=text_encoder, unet=unet, vae=vae, sampler=sampler, scheduler=flax_scheduler,
+                 params=params, **extra)
 
 
 def _with_sampler_state(sampler: Sampler, params: dict) -> tuple[object, dict]:
@@ -135,6 +133,17 @@ def with_sampler(model: Model, scheduler: str | None, timestep_spacing: str | No
 _UNET_KEYS_FLAX_LACKS = ("time_cond_proj_dim", "class_embed_type", "encoder_hid_dim")
 
 
+def _checked_unet(directory: str, unet: str | None) -> str | None:
+    """The local ``--unet`` file (None without one), once the checkpoint's UNet config and
+    the file have been checked against what the Flax UNet runs."""
+    check_unet(directory)
+    if not unet:
+        return None
+    unet_file = resolve_unet(unet)
+    check_unet_file(directory, unet_file)
+    return unet_file
+
+
 def check_unet(directory: str) -> None:
     """ModelError naming each UNet config key the Flax UNet would drop (e.g. an LCM
     UNet's ``time_cond_proj_dim``, the guidance embedding)."""
@@ -155,10 +164,7 @@ def describe(name: str, scheduler: str | None = None, timestep_spacing: str | No
     against the checkpoint's UNet and part of the fingerprint."""
     directory = resolve(name)
     check_layout(directory)
-    check_unet(directory)
-    unet_file = resolve_unet(unet) if unet else None
-    if unet_file:
-        check_unet_file(directory, unet_file)
+    unet_file = _checked_unet(directory, unet)
 
     def config(component: str, filename: str = "config.json") -> dict:
         with open(os.path.join(directory, component, filename)) as f:
@@ -166,4 +172,5 @@ def describe(name: str, scheduler: str | None = None, timestep_spacing: str | No
 
     vae_scale = 2 ** (len(config("vae")["block_out_channels"]) - 1)
     return {"directory": directory, "fingerprint": model_fingerprint(directory, unet_file),
-            "scheduler": resolve_sampler(directory, scheduler, timestep_spacing, steps).choice, "native_size": config("unet")["sample_size"] * vae_scale}
+            "scheduler": resolve_sampler(directory, scheduler, timestep_spacing, steps).choice,
+            "native_size": config("unet")["sample_size"] * vae_scale}

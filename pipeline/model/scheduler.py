@@ -139,11 +139,6 @@ def _steps_view(config: dict) -> dict:
     return {**config, "timestep_spacing": spacing} if spacing and "timestep_spacing" not in config else dict(config)
 
 
-def check_scheduler(directory: str, choice: str | None, timestep_spacing: str | None = None) -> str:
-    """The --scheduler choice of ``resolve_sampler`` (ModelError as it raises)."""
-    return resolve_sampler(directory, choice, timestep_spacing).choice
-
-
 def make_flax_scheduler(sampler: Sampler):
     """(scheduler, state): diffusers' Flax class for a ``flax``-engine sampler, from the
     checkpoint's config (betas, prediction type, offsets kept; only the algorithm
@@ -164,7 +159,3 @@ def make_flax_scheduler(sampler: Sampler):
         scheduler.register_to_config(steps_offset=config.get("steps_offset", 0))
     return scheduler, scheduler.create_state()
 
-
-def make_scheduler(directory: str, choice: str | None, timestep_spacing: str | None = None):
-    """(scheduler, state) of the Flax class that runs ``choice`` on this checkpoint."""
-    return make_flax_scheduler(resolve_sampler(directory, choice, timestep_spacing))
