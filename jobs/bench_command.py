@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from jobs import flags
-from pipeline.bench.generator import PARTS
+from pipeline.bench.generator import DEFAULT_PARTS, BenchConfig
 from pipeline.core.choices import DTYPES, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import Settings
 
@@ -107,9 +107,17 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                         help="sampler of the sweep and of the compared recipes (default: the checkpoint's own)")
     parser.add_argument("--timestep-spacing", choices=list(TIMESTEP_SPACINGS), default=None,
                         help="timestep spacing of the sweep and the recipes (default: the checkpoint's own)")
-    parser.add_argument("--parts", default=",".join(PARTS),
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                         help="which parts to run, comma-separated: sweep (ours and the seed recipe), recipes "
-                             "(guidance-free, few-step and default side by side), startup (default: %(default)s)")
+                             "(guidance-free, few-step and default side by side), attention (each of --attentions "
+                             "side by side: speed, memory, kernels), memory (the sampler's memory at each of "
+                             "--memory-sizes with each of --attentions, from shapes), startup "
+                             "(default: %(default)s)")
+    parser.add_argument("--attentions", default=",".join(BenchConfig.attentions),
+                        help="attention implementations compared by the attention and memory parts, the first "
+                             "the reference; diffusers: diffusers' own attention (default: %(default)s)")
+    parser.add_argument("--memory-sizes", type=_batch_sizes, default=BenchConfig.memory_sizes,
+                        help="square image sizes of the memory part, comma-separated (default: 512,1024)")
     parser.add_argument("--report", help="write the JSON report here (local path or gs://)")
 
 
@@ -151,7 +159,9 @@ def run_bench(args: argparse.Namespace) -> int:
                                    devices=args.devices, matmul_size=args.matmul_size, report=args.report,
                                    guidance_scale=args.guidance_scale, scheduler=args.scheduler,
                                    timestep_spacing=args.timestep_spacing,
-                                   parts=tuple(p for p in args.parts.split(",") if p))
+                                   parts=tuple(p for p in args.parts.split(",") if p),
+                                   attentions=tuple(a for a in args.attentions.split(",") if a),
+                                   memory_sizes=args.memory_sizes)
         report = bench.run_bench(config)
         print(bench.format_table(report))
     return 0

@@ -128,9 +128,11 @@ def _dispatch(args, beam_args: list[str]) -> int:
                                        overwrite=args.overwrite)
         print(json.dumps({k: stats[k] for k in SUMMARY}))
     elif args.command == "plan":
+        from pipeline.generate import fit
         from pipeline.plan import transforms as plan
 
-        settings = flags.settings_from_args(args, args.devices_per_host)
+        settings = fit.resolve_per_device_batch(flags.settings_from_args(args, args.devices_per_host),
+                                                args.overwrite)
         print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite)))
     elif args.command == "generate":
         from pipeline.generate import cluster, host_loop as host

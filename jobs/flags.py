@@ -24,7 +24,7 @@ from pipeline.core.choices import (
     TIMESTEP_SPACINGS,
     parse_formats,
 )
-from pipeline.core.settings import Settings
+from pipeline.core.settings import AUTO, Settings
 from pipeline.model.tiny import PRESETS
 
 _DEFAULTS = Settings()
@@ -79,18 +79,37 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                         help="classifier-free guidance scale for records without one (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed,
                         help="run seed, hashed with a record's id when the record has no seed (default: %(default)s)")
-    parser.add_argument("--per-device-batch", type=int, default=d.per_device_batch,
-                        help="images per device per step (default: %(default)s)")
+    parser.add_argument("--per-device-batch", type=per_device_batch, default=d.per_device_batch,
+                        help="images per device per step, or auto: the largest whose compiled sampler (weights, "
+                             "inputs, temporaries) fits one device of the machine that plans, measured from the "
+                             "compiled program before planning and logged (default: %(default)s)")
+    parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                        help="one device's memory in GiB, for --per-device-batch auto (default: the device's own "
+                             "figure; CPU devices share the machine's memory)")
     parser.add_argument("--batches-per-slice", type=int, default=d.batches_per_slice,
                         help="device steps per slice; slice size = devices per host x per-device batch x this "
                              "(default: %(default)s)")
 
 
+def per_device_batch(text: str) -> int | str:
+    """``--per-device-batch``: a whole number, or ``auto``."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or {AUTO}, got {text!r}") from None
+
+
 def settings_from_args(args: argparse.Namespace, devices_per_host: int) -> Settings:
     """The one translation of the settings flags (``add_settings_flags``) into Settings."""
+    if args.device_memory is not None and args.per_device_batch != AUTO:
+        raise ValueError(f"--device-memory is read only by --per-device-batch auto, and --per-device-batch is "
+                         f"{args.per_device_batch}")
     return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet, width=args.width,
                     height=args.height, steps=args.steps, scheduler=args.scheduler,
-                    timestep_spacing=args.timestep_spacing, attention=args.attention, dtype=args.dtype, formats=parse_formats(args.format),
+                    timestep_spacing=args.timestep_spacing, attention=args.attention, dtype=args.dtype,
+                    formats=parse_formats(args.format), device_memory=args.device_memory,
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,

@@ -14,6 +14,7 @@ import sys
 
 from jobs import flags
 from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, jobset, tpu
+from pipeline.core.settings import AUTO
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
 _DATAFLOW_EXAMPLE = ("promptmill submit dataflow --tpu-type v5e --topology 2x4 --image IMAGE --project P "
@@ -102,7 +103,12 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
 
 
 def _settings(args, devices_per_host: int):
-    return flags.settings_from_args(args, devices_per_host).validate()
+    settings = flags.settings_from_args(args, devices_per_host).validate()
+    if settings.per_device_batch == AUTO:
+        raise ValueError("--per-device-batch auto measures the devices of the machine that plans, and a "
+                         "submission plans elsewhere: give a number (`promptmill plan --per-device-batch auto` on "
+                         "a machine of the TPU type logs the largest that fits, as per_device_batch_chosen)")
+    return settings
 
 
 def _check_common(args, target: str) -> None:

@@ -50,11 +50,13 @@ import shutil
 import tempfile
 
 from pipeline.core import logs
-from pipeline.core.choices import SCHEDULERS, TIMESTEP_SPACINGS
+from pipeline.core.choices import ATTENTIONS, LEGACY_ATTENTION, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import Settings, check_size
+from pipeline.generate.fit import GIB
 
 GUIDANCE = Settings().guidance_scale  # the default; above 1 its value does not change the work done
-PARTS = ("sweep", "recipes", "startup")
+PARTS = ("sweep", "recipes", "attention", "memory", "startup")
+DEFAULT_PARTS = ("sweep", "recipes", "startup")
 FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
 
 
@@ -71,9 +73,13 @@ class BenchConfig:
     matmul_size: int | None = None  # None: 4096 on CPU, 8192 on accelerators
     report: str | None = None
     guidance_scale: float = GUIDANCE
-    parts: tuple[str, ...] = PARTS  # which parts of the report to run
+    parts: tuple[str, ...] = DEFAULT_PARTS  # which parts of the report to run
     scheduler: str | None = None  # None: the checkpoint's own
     timestep_spacing: str | None = None  # None: the checkpoint's own
+    # the attention and memory parts: the implementations compared (the first is the
+    # reference: "diffusers", diffusers' own attention) and the memory part's square sizes
+    attentions: tuple[str, ...] = (LEGACY_ATTENTION, "auto")
+    memory_sizes: tuple[int, ...] = (512, 1024)
 
     def validate(self) -> "BenchConfig":
         if not self.per_device_batches or min(self.per_device_batches) < 1:
@@ -88,6 +94,14 @@ class BenchConfig:
             raise ValueError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {self.parts}")
         if self.scheduler is not None and self.scheduler not in SCHEDULERS:
             raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        known = (LEGACY_ATTENTION,) + ATTENTIONS
+        if not self.attentions or set(self.attentions) - set(known):
+            raise ValueError(f"--attentions takes a comma-separated subset of {', '.join(known)}, "
+                             f"got {self.attentions}")
+        if not self.memory_sizes:
+            raise ValueError("--memory-sizes needs at least one size")
+        for size in self.memory_sizes:
+            check_size("memory-sizes", size)
         if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
             raise ValueError(f"--timestep-spacing must be one of {', '.join(TIMESTEP_SPACINGS)}, "
                              f"got {self.timestep_spacing!r}")
@@ -96,43 +110,6 @@ class BenchConfig:
     @property
     def guided(self) -> bool:
         return self.guidance_scale > 1
-
-
-def bench_prompts(count: int, offset: int) -> list[str]:
-    return [f"bench prompt {offset + i}: a photograph of a lighthouse on a cliff at dusk" for i in range(count)]
-
-
-def ours_call(generator, guidance: float = GUIDANCE):
-    """``call(i)``: the Generator on batch ``i``, built with ``Generator.batch`` (tokenising
-    included); it returns numpy images, so it waits for the devices."""
-    n = generator.batch_size
-
-    def call(i):
-        batch = generator.batch(bench_prompts(n, i * n), [""] * n, [guidance] * n, range(i * n, (i + 1) * n),
-                                [0] * n)
-        return generator(batch)
-
-    return call
-
-
-def seed_call(recipe, batch_size: int, steps: int, width: int, height: int):
-    """``call(i)``: the seed recipe on batch ``i``, down to PIL images."""
-    def call(i):
-        return recipe(bench_prompts(batch_size, i * batch_size), steps, height, width, seed=i)
-
-    return call
-
-
-def timed(call, i: int) -> float:
-    watch = logs.Stopwatch()
-    call(i)
-    return watch.seconds()
-
-
-def throughput(first: float, seconds: list[float], batch_size: int) -> dict:
-    return {"first_batch_s": round(first, 3), "images": batch_size * len(seconds),
-            "batch_seconds": [round(t, 3) for t in seconds], "seconds": round(sum(seconds), 3),
-            "images_per_s": batch_size * len(seconds) / sum(seconds)}
 
 
 def cpu_model() -> str | None:
@@ -162,6 +139,7 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
     evenly over both.
     """
     from pipeline.bench import flops, memory
+    from pipeline.bench.timing import in_turns, ours_call, seed_call
     from pipeline.generate.generator import Generator
 
     rows = []
@@ -173,14 +151,10 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
         counted = flops.sampler_flops(model, width, height, config.steps, per_device_batch, generator.compiled,
                                       config.guided)
         ours = ours_call(generator, config.guidance_scale)
-        seed = seed_call(recipe, generator.batch_size, config.steps, width, height)
-        ours_first, seed_first = timed(ours, 0), timed(seed, 0)  # warm-up; the seed's compiles here
-        ours_s, seed_s = [], []
-        for i in range(1, config.batches + 1):
-            ours_s.append(timed(ours, i))
-            seed_s.append(timed(seed, i))
-        ours_t = throughput(ours_first, ours_s, generator.batch_size)
-        seed_t = throughput(seed_first, seed_s, generator.batch_size)
+        seed = seed_call(recipe, generator.batch_size, config.steps, width, height)  # compiles in its warm-up
+        timings = in_turns({"ours": ours, "seed": seed}, {"ours": generator.batch_size,
+                                                          "seed": generator.batch_size}, config.batches)
+        ours_t, seed_t = timings["ours"], timings["seed"]
         achieved = counted["per_image"] * ours_t["images_per_s"]
         seed_achieved = counted["per_image"] * seed_t["images_per_s"]  # the same network work per image
         program = memory.program_memory(generator.compiled)  # one device's program
@@ -216,6 +190,7 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
     """Images/s and FLOPs per image of each recipe (``recipes``), side by side: one
     replicated copy of the weights, one generator each, timed batch by batch in turns."""
     from pipeline.bench import flops
+    from pipeline.bench.timing import in_turns, ours_call
     from pipeline.generate.generator import Generator, replicate
     from pipeline.model import load as model_lib
 
@@ -233,13 +208,10 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
         rows[name] = {"scheduler": variant.sampler.choice, "engine": variant.sampler.engine,
                       "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,
                       "guidance_scale": guidance, "guided": guidance > 1, "flops": counted,
-                      "batch_size": generator.batch_size, "first_batch_s": round(timed(calls[name], 0), 3)}
-    seconds = {name: [] for name in calls}
-    for i in range(1, config.batches + 1):
-        for name, call in calls.items():
-            seconds[name].append(timed(call, i))
+                      "batch_size": generator.batch_size}
+    timings = in_turns(calls, {name: row["batch_size"] for name, row in rows.items()}, config.batches)
     for name, row in rows.items():
-        row.update(throughput(row.pop("first_batch_s"), seconds[name], row["batch_size"]))
+        row.update(timings[name])
     speed = {name: row["images_per_s"] for name, row in rows.items()}
     work = {name: row["flops"]["per_image"] for name, row in rows.items()}
     result = {"per_device_batch": per_device_batch, "recipes": rows,
@@ -282,7 +254,10 @@ def command_line(config: BenchConfig) -> str:
              "--dtype": config.dtype, "--devices": config.devices, "--matmul-size": config.matmul_size,
              "--guidance-scale": config.guidance_scale, "--scheduler": config.scheduler,
              "--timestep-spacing": config.timestep_spacing,
-             "--parts": ",".join(config.parts) if tuple(config.parts) != PARTS else None, "--report": config.report}
+             "--parts": ",".join(config.parts) if tuple(config.parts) != DEFAULT_PARTS else None,
+             "--attentions": ",".join(config.attentions) if {"attention", "memory"} & set(config.parts) else None,
+             "--memory-sizes": ",".join(map(str, config.memory_sizes)) if "memory" in config.parts else None,
+             "--report": config.report}
     return " ".join(["promptmill bench generator"] + [f"{k} {v}" for k, v in flags.items() if v is not None])
 
 
@@ -290,7 +265,7 @@ def run_bench(config: BenchConfig) -> dict:
     """Run the whole bench; returns the report (and writes it to ``config.report``)."""
     import jax
 
-    from pipeline.bench import flops
+    from pipeline.bench import attention as attention_bench, flops
     from pipeline.bench.baseline import SeedPipeline
     from pipeline.io import storage
     from pipeline.model import load as model_lib
@@ -310,7 +285,7 @@ def run_bench(config: BenchConfig) -> dict:
     peak = flops.matmul_peak(devices, config.dtype, size)
     logs.event("bench_peak", flops_per_s=round(peak["flops_per_s"]), size=size, dtype=config.dtype)
 
-    rows = compared = start = seed_load = None
+    rows = compared = start = seed_load = attention = program_memory = None
     if "sweep" in config.parts:
         watch = logs.Stopwatch()
         recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)
@@ -320,6 +295,10 @@ def run_bench(config: BenchConfig) -> dict:
         gc.collect()
     if "recipes" in config.parts:
         compared = run_recipes(model, config, devices, width, height)
+    if "attention" in config.parts:
+        attention = attention_bench.run_speed(model, config, devices, width, height)
+    if "memory" in config.parts:
+        program_memory = attention_bench.run_memory(config, devices[0].platform)
     # free the model before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
     # and the generators also hold a replicated copy)
     del model
@@ -331,7 +310,8 @@ def run_bench(config: BenchConfig) -> dict:
     report = {"command": command_line(config), "config": config_dict,
               "machine": machine(devices),
               "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
-              "peak": peak, "sweep": rows, "recipes": compared, "startup": start}
+              "peak": peak, "sweep": rows, "recipes": compared, "attention": attention, "memory": program_memory,
+              "startup": start}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
     return report
@@ -364,6 +344,27 @@ def format_table(report: dict) -> str:
                      f"{r['guidance_free_2x_over_cfg']:.2f}x at twice the images per device; few-step guidance-free / "
                      f"20-step CFG default: {r['few_step_over_default']:.2f}x "
                      f"({r['flops_default_over_few_step']:.2f}x)")
+    a = report.get("attention")
+    if a:
+        lines.append(f"attention at {a['width']}x{a['height']}, per-device batch {a['per_device_batch']} "
+                     f"(timed in turns; relative to {a['relative_to']}):")
+        lines.append(f"{'attention':>10} {'img/s':>9} {'relative':>8} {'temp GiB':>9} {'total GiB':>9}  kernels")
+        for name, row in a["implementations"].items():
+            memory = row["memory"]
+            lines.append(f"{name:>10} {row['images_per_s']:>9.4f} {row['over_first']:>8.3f} "
+                         f"{memory.get('temp', 0) / GIB:>9.3f} {memory.get('total', 0) / GIB:>9.3f}  "
+                         f"{row['kernels']}")
+    mem = report.get("memory")
+    if mem:
+        lines.append(f"sampler program memory per image (compiled from shapes, per-device batch "
+                     f"{mem['per_device_batch']}):")
+        lines.append(f"{'attention':>10} {'size':>6} {'temp GiB':>9} {'total GiB':>9}")
+        for row in mem["rows"]:
+            lines.append(f"{row['attention']:>10} {row['size']:>6} {row['temp_per_image'] / GIB:>9.3f} "
+                         f"{row['total_per_image'] / GIB:>9.3f}")
+        for name, growth in mem["temp_growth"].items():
+            lines.append(f"temp {mem['sizes'][-1]}^2 / {mem['sizes'][0]}^2 with {name}: {growth:.2f}x "
+                         f"(pixels {mem['pixel_growth']:.1f}x)")
     s = report["startup"]
     if s:
         cold, warm = s["cold"], s["warm"]

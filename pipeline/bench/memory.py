@@ -15,23 +15,7 @@ from __future__ import annotations
 
 from pipeline.bench import parts
 
-GIB = 2 ** 30
-
-
-def program_memory(compiled) -> dict:
-    """Bytes of a compiled program, from XLA's ``memory_analysis()``: ``temp``,
-    ``argument``, ``output``, ``alias`` (output bytes that reuse argument buffers),
-    ``generated_code`` and ``total`` (argument + output - alias + temp: what the program
-    needs on the device while it runs). Backends that report nothing give {}."""
-    stats = compiled.memory_analysis()
-    if isinstance(stats, (list, tuple)):  # one entry per program on some backends
-        stats = stats[0] if stats else None
-    if stats is None:
-        return {}
-    memory = {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in
-              ("temp", "argument", "output", "alias", "generated_code")}
-    memory["total"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-    return memory
+from pipeline.generate.fit import GIB, program_memory  # noqa: F401 (the bench's memory figures)
 
 
 def in_gib(memory: dict, digits: int = 3) -> dict:

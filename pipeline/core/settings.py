@@ -37,7 +37,9 @@ class Settings:
     timestep_spacing: str | None = None  # None: the checkpoint's scheduler config's own
     guidance_scale: float = 7.5
     seed: int = 0  # the run seed, hashed with a record's id when it has no seed
-    per_device_batch: int = 1
+    per_device_batch: int | str = 1  # "auto": the largest that fits a device, chosen before planning
+    # the memory of one device in GiB, for --per-device-batch auto (None: the device's own figure)
+    device_memory: float | None = None
     batches_per_slice: int = 2
     devices_per_host: int = 1
     dtype: str = "fp32"
@@ -62,6 +64,9 @@ class Settings:
 
     @property
     def slice_size(self) -> int:
+        if self.per_device_batch == AUTO:
+            raise ValueError("--per-device-batch auto is resolved to a number before planning "
+                             "(pipeline.generate.fit.resolve_per_device_batch)")
         return slicing.slice_size(self.devices_per_host, self.per_device_batch, self.batches_per_slice)
 
     def validate(self) -> "Settings":
@@ -100,7 +105,12 @@ class Settings:
             raise ValueError("a run under the 'always' guidance rule guides every image, so it cannot be guidance-free")
         if not isinstance(self.prompt_field, str) or not self.prompt_field:
             raise ValueError(f"--prompt-field must be a non-empty name, got {self.prompt_field!r}")
-        self.slice_size  # validates the three slice factors
+        if self.device_memory is not None and not self.device_memory > 0:
+            raise ValueError(f"--device-memory must be a positive number of GiB, got {self.device_memory}")
+        if self.per_device_batch == AUTO:
+            slicing.slice_size(self.devices_per_host, 1, self.batches_per_slice)  # the two other factors
+        else:
+            self.slice_size  # validates the three slice factors
         return self
 
     def to_dict(self) -> dict:
@@ -125,6 +135,9 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
+AUTO = "auto"  # --per-device-batch auto
+
+
 def check_size(name: str, value: int) -> int:
     """``value`` if it is a positive multiple of 8 (the VAE's scale factor), else ValueError."""
     if value < 8 or value % 8:
@@ -136,7 +149,8 @@ def check_size(name: str, value: int) -> int:
 # guidance_rule and guided, the default): at that value they stay out of the fingerprint, so those
 # runs keep theirs (and resume).
 NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
-                  "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION}
+                  "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
+                  "device_memory": None}
 GUIDANCE_RULES = ("diffusers", "always")
 
 
@@ -145,6 +159,7 @@ def fingerprint(settings: Settings, model_fingerprint: str) -> str:
     decisive = settings.to_dict()
     decisive.pop("out")
     decisive.pop("unet")  # where the --unet file is does not matter: its bytes are in the model fingerprint
+    decisive.pop("device_memory")  # it only chose per_device_batch, which is here
     for name, legacy in NEWER_SETTINGS.items():
         if name in decisive and decisive[name] == legacy:
             decisive.pop(name)

@@ -162,6 +162,7 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
     ``overwrite`` deletes an earlier run in OUT first; without it a re-run resumes.
     """
     from pipeline.collect import transforms as collect
+    from pipeline.generate import fit
     from pipeline.plan import transforms as plan
 
     if num_hosts < 1:
@@ -169,6 +170,8 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
     if compile_cache:
         compile_cache_lib.resolve(compile_cache)  # a bad folder fails here, not in every host
     watch = logs.Stopwatch()
+    # every host's devices are on this machine, and share its memory
+    settings = fit.resolve_per_device_batch(settings, overwrite, num_hosts * settings.devices_per_host)
     manifest = plan.run_plan(settings, beam_args, overwrite)
     logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
                slices=manifest["slices"], slice_size=manifest["slice_size"], seconds=round(watch.seconds(), 2))

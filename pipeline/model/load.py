@@ -27,7 +27,7 @@ from pipeline.model.sources import (
 @dataclasses.dataclass(frozen=True)
 class Model:
     path: str
-    fingerprint: str
+    fingerprint: str | None  # None for an abstract model (``load(abstract=True)``)
     tokenizer: object
     text_encoder: object
     unet: object
@@ -67,12 +67,18 @@ def _to_bf16(tree):
     import jax
     import jax.numpy as jnp
 
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    def cast(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
+        return x.astype(jnp.bfloat16)
+
+    return jax.tree_util.tree_map(cast, tree)
 
 
 def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_spacing: str | None = None,
-         unet: str | None = None) -> Model:
+         unet: str | None = None, abstract: bool = False) -> Model:
     """Load ``--model`` (``tiny`` or a diffusers-format directory) for sampling.
 
     ``dtype`` is the compute and weight dtype of the networks (``fp32`` or ``bf16``);
@@ -80,6 +86,9 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
     ``timestep_spacing``: the run's choices (None: the checkpoint's own), resolved by
     ``pipeline.model.scheduler.resolve_sampler``. ``unet``: a UNet-only safetensors file
     (local or gs://) whose weights replace the checkpoint's (``--unet``).
+
+    ``abstract``: the same model with its networks' params as ``jax.ShapeDtypeStruct``s,
+    from the configs alone (no weight read): enough to lower and compile its programs.
     """
     quiet_libraries()  # before the Flax classes are imported: some warn at import
     import jax.numpy as jnp
@@ -94,19 +103,22 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
     sampler = resolve_sampler(directory, scheduler, timestep_spacing)
     jdtype = getattr(jnp, DTYPES[dtype])
     tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
-    text_encoder, text_params = weights.load_transformers(FlaxCLIPTextModel, directory, "text_encoder", jdtype)
-    unet, unet_params = weights.load_diffusers(FlaxUNet2DConditionModel, directory, "unet", jdtype, unet_file)
-    vae, vae_params = weights.load_diffusers(FlaxAutoencoderKL, directory, "vae", jdtype)
+    text_encoder, text_params = weights.load_transformers(
+        FlaxCLIPTextModel, directory, "text_encoder", jdtype, abstract)
+    unet, unet_params = weights.load_diffusers(
+        FlaxUNet2DConditionModel, directory, "unet", jdtype, unet_file, abstract)
+    vae, vae_params = weights.load_diffusers(FlaxAutoencoderKL, directory, "vae", jdtype, abstract=abstract)
     params = {"text_encoder": text_params, "unet": unet_params, "vae": vae_params}
     extra = {}
     if family(index) == "sdxl":
         extra["tokenizer_2"] = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer_2"))
         extra["text_encoder_2"], params["text_encoder_2"] = weights.load_transformers(
-            FlaxCLIPTextModelWithProjection, directory, "text_encoder_2", jdtype)
+            FlaxCLIPTextModelWithProjection, directory, "text_encoder_2", jdtype, abstract)
     if dtype == "bf16":  # weights in bf16 too: half the memory and bandwidth
         params = {name: _to_bf16(tree) for name, tree in params.items()}
     flax_scheduler, params = _with_sampler_state(sampler, params)
-    return Model(path=name, fingerprint=model_fingerprint(directory, unet_file), tokenizer=tokenizer,
+    fingerprint = None if abstract else model_fingerprint(directory, unet_file)
+    return Model(path=name, fingerprint=fingerprint, tokenizer=tokenizer,
                  text_encoder=text_encoder, unet=unet, vae=vae, sampler=sampler, scheduler=flax_scheduler,
                  params=params, **extra)
 

@@ -83,10 +83,18 @@ def transformers_params_from_safetensors(module, path: str) -> dict:
     return unflatten_dict(flat)
 
 
-def load_diffusers(cls, directory: str, component: str, dtype, weights_file: str | None = None):
+def load_diffusers(cls, directory: str, component: str, dtype, weights_file: str | None = None,
+                   abstract: bool = False):
     """(module, params) of a UNet or VAE folder, whatever its weight format; with
-    ``weights_file`` (PyTorch safetensors), the folder's config with that file's weights."""
+    ``weights_file`` (PyTorch safetensors), the folder's config with that file's weights.
+    ``abstract``: params as float32 ``jax.ShapeDtypeStruct``s, from the config alone (no
+    weight is read or initialised)."""
+    import jax
+
     component_dir = os.path.join(directory, component)
+    if abstract:
+        module = cls.from_config(cls.load_config(component_dir), dtype=dtype)
+        return module, jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
     kind, path = ("safetensors", weights_file) if weights_file else find(component_dir, component)
     if kind == "flax":
         return cls.from_pretrained(directory, subfolder=component, dtype=dtype)
@@ -94,11 +102,15 @@ def load_diffusers(cls, directory: str, component: str, dtype, weights_file: str
     return module, diffusers_params_from_safetensors(module, path)
 
 
-def load_transformers(cls, directory: str, component: str, dtype):
-    """(module, params) of a CLIP text encoder folder, whatever its weight format."""
+def load_transformers(cls, directory: str, component: str, dtype, abstract: bool = False):
+    """(module, params) of a CLIP text encoder folder, whatever its weight format;
+    ``abstract``: see ``load_diffusers``."""
     from transformers import CLIPTextConfig
 
     component_dir = os.path.join(directory, component)
+    if abstract:
+        module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
+        return module, module.params_shape_tree
     kind, path = find(component_dir, component)
     if kind == "flax":
         module = cls.from_pretrained(component_dir, dtype=dtype)

@@ -1,0 +1,102 @@
+"""The attention parts of ``bench generator``: each ``--attention`` side by side.
+
+- ``attention``: one generator per implementation at the bench's size and first
+  per-device batch, all on one replicated copy of the weights, timed batch by batch in
+  turns, each with its compiled program's memory (XLA's ``memory_analysis()``) and the
+  kernels its attention calls ran; images/s relative to the first implementation
+  listed (by default ``diffusers``: diffusers' own attention, untouched, as runs planned
+  before the seam have it).
+- ``memory``: the sampler program of each implementation at each of the square
+  ``--memory-sizes``, compiled from shapes alone (no weights are read, so the largest
+  sizes can be measured on any machine), with its temp per image and how temp grows
+  from the smallest size to the largest, next to how the pixels grow.
+"""
+from __future__ import annotations
+
+from pipeline.core import logs
+
+
+def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool, attention: str,
+             platform: str) -> dict:
+    """{kernel: attention calls} of one sampler step's UNet call and VAE decode, as the
+    seam chooses them (traced from shapes; nothing compiles)."""
+    import contextlib
+
+    from pipeline.bench import parts
+    from pipeline.core.choices import LEGACY_ATTENTION
+    from pipeline.model import attention as attention_lib
+
+    if attention == LEGACY_ATTENTION:
+        return {"diffusers": None}
+    calls = []
+
+    def seam():
+        @contextlib.contextmanager
+        def block():
+            with attention_lib.use(attention, platform=platform) as traced:
+                yield
+            calls.extend(traced)
+        return block()
+
+    parts.unet_call(model, width, height, per_device_batch * (2 if guided else 1), seam)
+    parts.vae_decode(model, width, height, per_device_batch, seam)
+    counted: dict[str, int] = {}
+    for call in calls:
+        counted[call.kernel] = counted.get(call.kernel, 0) + 1
+    return counted
+
+
+def run_speed(model, config, devices, width: int, height: int) -> dict:
+    """Images/s, program memory and kernels of each of ``config.attentions``, in turns."""
+    from pipeline.bench.timing import in_turns, ours_call
+    from pipeline.generate.fit import program_memory
+    from pipeline.generate.generator import Generator, replicate
+
+    per_device_batch = config.per_device_batches[0]
+    shared = replicate(model.params, devices)
+    calls, rows = {}, {}
+    for attention in config.attentions:
+        generator = Generator(model, width, height, config.steps, per_device_batch, devices=devices,
+                              guided=config.guided, params=shared, attention=attention)
+        calls[attention] = ours_call(generator, config.guidance_scale)
+        program = program_memory(generator.compiled)
+        rows[attention] = {"batch_size": generator.batch_size, "memory": program,
+                           "temp_per_image": program.get("temp", 0) / per_device_batch,
+                           "kernels": _kernels(model, width, height, per_device_batch, config.guided, attention,
+                                               devices[0].platform)}
+    timings = in_turns(calls, {name: row["batch_size"] for name, row in rows.items()}, config.batches)
+    first = config.attentions[0]
+    for name, row in rows.items():
+        row.update(timings[name])
+        row["over_first"] = row["images_per_s"] / timings[first]["images_per_s"]
+    logs.event("bench_attention", **{name: round(row["images_per_s"], 4) for name, row in rows.items()},
+               relative_to=first)
+    return {"per_device_batch": per_device_batch, "width": width, "height": height, "relative_to": first,
+            "implementations": rows}
+
+
+def run_memory(config, platform: str) -> dict:
+    """Program memory of each of ``config.attentions`` at each of ``config.memory_sizes``."""
+    from pipeline.generate.fit import sampler_memory
+    from pipeline.model import load as model_lib
+
+    model = model_lib.load(config.model, config.dtype, config.scheduler, config.timestep_spacing, abstract=True)
+    per_device_batch = config.per_device_batches[0]
+    sizes = sorted(config.memory_sizes)
+    rows = []
+    for attention in config.attentions:
+        for size in sizes:
+            program = sampler_memory(model, size, size, config.steps, per_device_batch, config.guided, attention,
+                                     platform)
+            rows.append({"attention": attention, "size": size, "memory": program,
+                         "temp_per_image": program.get("temp", 0) / per_device_batch,
+                         "total_per_image": program.get("total", 0) / per_device_batch})
+            logs.event("bench_memory", attention=attention, size=size,
+                       temp_gib=round(program.get("temp", 0) / 2 ** 30, 3))
+    growth = {}
+    if len(sizes) > 1:
+        for attention in config.attentions:
+            temp = {row["size"]: row["temp_per_image"] for row in rows if row["attention"] == attention}
+            growth[attention] = temp[sizes[-1]] / temp[sizes[0]]
+    return {"per_device_batch": per_device_batch, "sizes": sizes, "rows": rows,
+            "pixel_growth": (sizes[-1] / sizes[0]) ** 2, "temp_growth": growth}

@@ -1,0 +1,174 @@
+"""What a sampler program needs of a device's memory, and the largest per-device batch
+that fits (``--per-device-batch auto``).
+
+The sampler is lowered and compiled from shapes alone (``load(abstract=True)``: no
+weight is read), for the platform of the devices that plan, exactly as a host would
+compile it: same model, size, steps, guidance and attention. XLA's buffer assignment
+(``compiled.memory_analysis()``) then says what it needs before anything runs:
+arguments (the weights and the batch's inputs), outputs, and temporaries, the most
+intermediate bytes alive at once.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from pipeline.core import logs
+
+GIB = 2 ** 30
+# The share of a device's memory that a program may take: the rest is the runtime's,
+# the allocator's fragmentation and the next batch's inputs
+HEADROOM = 0.9
+# The most images per device that ``auto`` considers
+MOST_PER_DEVICE = 256
+
+
+class FitError(ValueError):
+    pass
+
+
+def program_memory(compiled) -> dict:
+    """Bytes of a compiled program, from XLA's ``memory_analysis()``: ``temp``,
+    ``argument``, ``output``, ``alias`` (output bytes that reuse argument buffers),
+    ``generated_code`` and ``total`` (argument + output - alias + temp: what the program
+    needs on the device while it runs). Backends that report nothing give {}."""
+    stats = compiled.memory_analysis()
+    if isinstance(stats, (list, tuple)):  # one entry per program on some backends
+        stats = stats[0] if stats else None
+    if stats is None:
+        return {}
+    memory = {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in
+              ("temp", "argument", "output", "alias", "generated_code")}
+    memory["total"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    return memory
+
+
+def sampler_memory(model, width: int, height: int, steps: int, per_device_batch: int, guided: bool = True,
+                   attention: str = "auto", platform: str | None = None, latents: bool = False) -> dict:
+    """``program_memory`` of one device's sampler program at ``per_device_batch`` images,
+    compiled from shapes (``model``'s params may be arrays or ``ShapeDtypeStruct``s)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pipeline.generate import sampler
+
+    fn = sampler.make_sample_fn(model, width, height, steps, latents, guided=guided, attention=attention,
+                                platform=platform)
+    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), model.params)
+    b = per_device_batch
+    ids = jax.ShapeDtypeStruct((b, *sampler.tokenize(model, [""]).shape[1:]), jnp.int32)
+    words = jax.ShapeDtypeStruct((b,), jnp.uint32)
+    lowered = jax.jit(fn).lower(params, ids, ids, jax.ShapeDtypeStruct((b,), jnp.float32), words, words, words)
+    return program_memory(lowered.compile())
+
+
+def largest_batch(needs: Callable[[int], int], capacity: int, most: int = MOST_PER_DEVICE) -> tuple[int, dict]:
+    """(the largest b in 1..``most`` with ``needs(b) <= capacity``, {b: needs(b)} of every
+    b tried); FitError when even b = 1 does not fit. Pure but for ``needs``.
+
+    ``needs`` is taken to grow with b, as a program's memory does, and to be costly (a
+    compilation): the line through b = 1 and 2 predicts the answer, which is checked,
+    then bisected between the largest b known to fit and the smallest known not to.
+    """
+    tried: dict[int, int] = {}
+
+    def fits(b: int) -> bool:
+        if b not in tried:
+            tried[b] = needs(b)
+        return tried[b] <= capacity
+
+    if not fits(1):
+        raise FitError(f"one image per device needs {tried[1] / GIB:.2f} GiB, more than the "
+                       f"{capacity / GIB:.2f} GiB the device offers")
+    if most == 1 or not fits(2):
+        return 1, tried
+    slope = tried[2] - tried[1]
+    guess = most if slope <= 0 else int(min(most, max(2, 1 + (capacity - tried[1]) // slope)))
+    low, high = 2, most + 1  # low fits; high does not (most + 1: never tried)
+    for b in (guess, guess + 1):
+        if low < b < high:
+            if fits(b):
+                low = b
+            else:
+                high = b
+                break
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low, tried
+
+
+def device_capacity(devices, device_memory_gib: float | None = None, devices_on_machine: int | None = None
+                    ) -> tuple[int, str]:
+    """(bytes one device's program may take, where that figure came from).
+
+    ``device_memory_gib`` (``--device-memory``) wins; else the device's own allocator
+    limit (``memory_stats()["bytes_limit"]``, on GPU and TPU); else, for CPU devices, the
+    machine's physical memory shared by the ``devices_on_machine`` devices that run on
+    it (default: this process's). ``HEADROOM`` of it is offered.
+    """
+    if device_memory_gib is not None:
+        total, source = device_memory_gib * GIB, "--device-memory"
+    else:
+        stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+        if stats and stats.get("bytes_limit"):
+            total, source = stats["bytes_limit"], f"{devices[0].device_kind} bytes_limit"
+        else:
+            machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            total = machine / (devices_on_machine or len(devices))
+            source = f"machine memory / {devices_on_machine or len(devices)} devices"
+    return int(total * HEADROOM), source
+
+
+def choose_per_device_batch(settings, devices=None, devices_on_machine: int | None = None) -> int:
+    """The largest per-device batch whose sampler program (weights, inputs, outputs and
+    temporaries) fits one device of ``devices`` (default: this process's local devices),
+    for ``settings``' model, size, steps, dtype, guidance and attention; logged as the
+    ``per_device_batch_chosen`` event."""
+    import jax
+
+    from pipeline.model import load as model_lib
+
+    devices = devices or jax.local_devices()
+    capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
+    model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
+                           abstract=True)
+    width, height = settings.width or model.native_size, settings.height or model.native_size
+    # before the plan has read the prompts, whether the run is guided is unknown: a guided
+    # program (the UNet at twice the rows) is the larger, so it is the one that must fit
+    guided = settings.guided if settings.guided is not None else True
+    platform = devices[0].platform
+
+    def needs(b: int) -> int:
+        return sampler_memory(model, width, height, settings.steps, b, guided, settings.attention, platform,
+                              settings.save_latents)["total"]
+
+    try:
+        chosen, tried = largest_batch(needs, capacity)
+    except FitError as e:
+        raise FitError(f"--per-device-batch auto: {e} ({source}) for {settings.model} at "
+                       f"{width}x{height}, {settings.dtype}, --attention {settings.attention}") from e
+    logs.event("per_device_batch_chosen", per_device_batch=chosen, capacity_gib=round(capacity / GIB, 3),
+               capacity_from=source, platform=platform,
+               tried_gib={b: round(n / GIB, 3) for b, n in sorted(tried.items())})
+    return chosen
+
+
+def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machine: int | None = None):
+    """``settings`` with ``--per-device-batch auto`` made a number: the one of the run
+    already in OUT, which a resumed run keeps (unless ``overwrite``), else
+    ``choose_per_device_batch``'s. Other settings are returned as they are."""
+    from pipeline.core.settings import AUTO
+    from pipeline.io import runs
+
+    if settings.per_device_batch != AUTO:
+        return settings
+    if not overwrite and runs.exists(settings.out):
+        kept = runs.read(settings.out).settings.per_device_batch
+        logs.event("per_device_batch_kept", per_device_batch=kept, out=settings.out)
+        return settings.replace(per_device_batch=kept)
+    return settings.replace(per_device_batch=choose_per_device_batch(settings, devices_on_machine=devices_on_machine))
