@@ -67,6 +67,26 @@ def test_choose_follows_the_budget_and_refuses_unknown_names():
         attention.choose("auto", "metal", *args[1:])
 
 
+def test_flash_is_refused_for_jobs_on_cpu(tmp_path, capsys):
+    attention.check_platform("flash", "tpu")
+    attention.check_platform("flash", "cuda")
+    for name in ("auto", "xla", "chunked"):
+        attention.check_platform(name, "cpu")
+    with pytest.raises(ValueError, match="--attention flash needs a TPU"):
+        attention.check_platform("flash", "cpu")
+    # every host, beam worker and reproduce builds a Generator: refused there before any work
+    from pipeline.generate.generator import Generator
+
+    with pytest.raises(ValueError, match="--attention flash needs a TPU"):
+        Generator(None, 32, 32, 1, 1, attention="flash")
+    # a local run's hosts are CPU processes: refused before anything is planned or written
+    from jobs import cli
+
+    out = tmp_path / "out"
+    assert cli.main(["run", "--attention", "flash", "--out", str(out), "--no-progress"]) == 1
+    assert "--attention flash needs a TPU" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("batch,heads,q,kv,dtype_bytes,budget", [
     (2, 8, 4096, 4096, 4, 256 * MiB), (2, 8, 16384, 16384, 4, 256 * MiB), (1, 1, 16384, 16384, 2, 256 * MiB),
     (2, 8, 256, 77, 4, BUDGET), (2, 8, 257, 256, 4, BUDGET), (2, 8, 64, 64, 4, 10 ** 9), (2, 8, 64, 64, 4, 1)])

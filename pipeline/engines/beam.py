@@ -53,6 +53,7 @@ from pipeline.core import logs, naming, slicing
 from pipeline.core.settings import Run, Settings
 from pipeline.generate import fit, host_loop, runtime
 from pipeline.io import beamio, runs, storage
+from pipeline.model.attention import check_platform
 from pipeline.plan import transforms as plan
 from pipeline.plan.prepare import prepare
 
@@ -256,6 +257,7 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     watch = logs.Stopwatch()
     if is_local_runner(beam_args):
         use_local_cpu_devices(settings.devices_per_host)
+        check_platform(settings.attention, "cpu")
     settings = fit.resolve_per_device_batch(settings, overwrite)
     settings, run = prepare(settings, overwrite)
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",

@@ -21,6 +21,7 @@ import threading
 from pipeline.core import logs, naming
 from pipeline.generate import cluster, compile_cache as compile_cache_lib
 from pipeline.io import storage
+from pipeline.model.attention import check_platform
 
 STOP_GRACE_S = 10.0
 POLL_S = 0.1
@@ -167,6 +168,7 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
 
     if num_hosts < 1:
         raise ValueError(f"--hosts must be >= 1, got {num_hosts}")
+    check_platform(settings.attention, "cpu")  # the local hosts run on CPU devices (host_env)
     if compile_cache:
         compile_cache_lib.resolve(compile_cache)  # a bad folder fails here, not in every host
     watch = logs.Stopwatch()

@@ -15,7 +15,9 @@ import dataclasses
 
 import numpy as np
 
+from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.generate import jax_events, sampler
+from pipeline.model import attention as attention_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,8 @@ class Generator:
         self.latents = latents
         self.guided = guided  # False: the guidance-free program, which reads no negative prompt
         self.devices = list(devices or jax.local_devices())
+        if attention != LEGACY_ATTENTION:
+            attention_lib.check_platform(attention, self.devices[0].platform)
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
         # params: already replicated on these devices (generators of one model may share them)

@@ -129,6 +129,15 @@ def choose(requested: str, platform: str, q_tokens: int, kv_tokens: int, heads: 
     return "chunked" if score_bytes(batch, heads, q_tokens, kv_tokens, dtype_bytes) > budget else "xla"
 
 
+def check_platform(implementation: str, platform: str) -> None:
+    """ValueError for an implementation that must not run a job on ``platform``: ``flash``
+    on a CPU would run the Pallas kernel in Pallas' interpreter, correct but orders of
+    magnitude slower than ``xla`` or ``chunked``."""
+    if implementation == "flash" and platform_of(platform) == "cpu":
+        raise ValueError("--attention flash needs a TPU (Pallas kernels) or a GPU (cuDNN); on CPU devices it "
+                         "would only run interpreted, far slower than auto, xla or chunked: use one of those")
+
+
 # ---- kernels: q, k, v are [batch, tokens, heads, head_dim]; scores are multiplied by
 # ``scale`` unless it is None (the VAE scales q and k beforehand, as diffusers does)
 
