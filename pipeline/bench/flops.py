@@ -13,8 +13,14 @@ prompt ids, one UNet call on the classifier-free-guidance batch (2B), and the VA
 decode; a guidance-free program encodes the prompts alone and calls the UNet on B
 (``pipeline.bench.parts`` lowers each). A step is ``text + S * unet + vae``. The
 scheduler update and the guidance mix are elementwise and left out (well under 0.1% of
-a step). The whole program's own count is reported next to it, with how many UNet calls it implies, so a change in XLA's
-behaviour shows up in the report rather than silently skewing it.
+a step). The whole program's own count is reported next to it, with how many UNet calls
+it implies, so a change in XLA's behaviour shows up in the report rather than silently
+skewing it.
+
+The parts are costed with diffusers' own attention, whatever ``--attention`` a run uses:
+every implementation computes the same exact attention, so the work per image is the
+same, but the chunked kernel's ``lax.map`` over query blocks is a loop that XLA would
+count once. Utilisation is thus always achieved model FLOPs over the peak (MFU).
 """
 from __future__ import annotations
 
