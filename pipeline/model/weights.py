@@ -105,3 +105,24 @@ def load_transformers(cls, directory: str, component: str, dtype):
         return module, module.params
     module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
     return module, transformers_params_from_safetensors(module, path)
+
+
+def param_shapes(directory: str, component: str) -> dict:
+    """{flat parameter path: shape} of a component's Flax network, from its config alone
+    (``jax.eval_shape``: no weights are read and no initialiser runs)."""
+    import jax
+    from flax.traverse_util import flatten_dict
+
+    component_dir = os.path.join(directory, component)
+    if LIBRARY[component] == "diffusers":
+        from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel
+
+        cls = FlaxUNet2DConditionModel if component == "unet" else FlaxAutoencoderKL
+        module = cls.from_config(cls.load_config(component_dir))
+        tree = jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+    else:
+        from transformers import CLIPTextConfig, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
+
+        cls = FlaxCLIPTextModelWithProjection if component == "text_encoder_2" else FlaxCLIPTextModel
+        tree = cls(CLIPTextConfig.from_pretrained(component_dir), _do_init=False).params_shape_tree
+    return {path: tuple(leaf.shape) for path, leaf in flatten_dict(tree).items()}
