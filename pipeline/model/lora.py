@@ -247,8 +247,12 @@ def match(adapter: Adapter, shapes: dict) -> list[Match]:
             continue
         matches.append(Match(update, *found))
     if unmatched:
+        hint = ""
+        if any(re.match(r"lora_unet_(input_blocks|middle_block|output_blocks)_", key) for key in unmatched):
+            hint = ("; they name the UNet's layers by the original Stability blocks (input_blocks, middle_block, "
+                    "output_blocks), which promptmill does not read: convert the file to diffusers' layer names")
         raise LoraError(f"--lora {adapter.path} ({adapter.format} format): {len(unmatched)} key(s) match no layer "
-                        f"of the model, e.g. {', '.join(unmatched[:_SHOWN])}")
+                        f"of the model, e.g. {', '.join(unmatched[:_SHOWN])}{hint}")
     for found in matches:
         _check_shapes(adapter, found)
     return matches
