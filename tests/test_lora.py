@@ -140,6 +140,29 @@ def test_merged_kernels_are_w_plus_scale_alpha_over_rank_up_down_in_float32(mode
                                   kernel(model.params, "text_encoder", path) + np.float32(scale * 8.0 / 4) * (up @ down).T)
 
 
+def test_older_diffusers_names_and_a_file_without_alphas(models, tmp_path):
+    """The older diffusers names (UNet ``.lora.down``/``.lora.up``, text encoder
+    ``.lora_linear_layer.``), renamed by diffusers' own rules; with neither an adapter
+    config in the header nor ``.alpha`` keys, alpha is the rank."""
+    def older(tensors):
+        for key in list(tensors):
+            value = tensors.pop(key)
+            kind = ".lora." if key.startswith("unet.") else ".lora_linear_layer."
+            tensors[key.replace(".lora_A.", f"{kind}down.").replace(".lora_B.", f"{kind}up.")] = value
+
+    with safe_open(SD_LORA, "np") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    older(tensors)
+    path = str(tmp_path / "older.safetensors")
+    save_file(tensors, path)  # no header: alpha = rank, half the saved file's alpha 8 over rank 4
+    assert lora.read(path).format == "diffusers/PEFT"
+    params = models("sd").params
+    ours, saved = lora.merge(params, [(path, 1.0)]), lora.merge(params, [(SD_LORA, 0.5)])
+    for component in ("unet", "text_encoder"):
+        for key, value in flatten_dict(saved[component]).items():
+            np.testing.assert_array_equal(flatten_dict(ours[component])[key], value, err_msg=str(key))
+
+
 def test_two_loras_compose_additively(models):
     params = models("sd").params
     first, second = files("sd")["diffusers"], files("sd")["kohya"]

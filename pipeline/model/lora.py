@@ -39,7 +39,8 @@ DIFFUSERS, KOHYA = "diffusers/PEFT", "kohya"
 _KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
                    "lora_te2_": "text_encoder_2"}
 _KOHYA_SUFFIXES = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha"}
-_PEFT_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".alpha": "alpha"}
+_PEFT_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".alpha": "alpha",
+                  ".lora.down.weight": "down", ".lora.up.weight": "up"}  # the latter: older text encoder files
 # the adapter configs diffusers' save_lora_weights writes into the safetensors header
 _METADATA_KEY = "lora_adapter_metadata"
 # cross-attention width (the text features' width) of the families a LoRA may be made for
@@ -106,6 +107,7 @@ def read(path: str) -> Adapter:
         return Adapter(path, KOHYA, updates, shapes)
     if any(key.startswith(f"{component}.") for key in keys for component in COMPONENTS):
         renamed = _diffusers_names(keys)
+        _refuse_unknown(path, DIFFUSERS, [key for key in keys if key not in renamed])  # no component's prefix
         updates = _diffusers_updates(path, renamed, alphas, _adapter_configs(path, header))
         return Adapter(path, DIFFUSERS, updates, shapes)
     raise LoraError(f"--lora {path}: not a LoRA in a known format (diffusers/PEFT keys start with unet., "
