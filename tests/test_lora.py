@@ -136,8 +136,8 @@ def test_merged_kernels_are_w_plus_scale_alpha_over_rank_up_down_in_float32(mode
     down = tensors["text_encoder.text_model.encoder.layers.1.mlp.fc1.lora_A.weight"]
     up = tensors["text_encoder.text_model.encoder.layers.1.mlp.fc1.lora_B.weight"]
     path = ("text_model", "encoder", "layers", "1", "mlp", "fc1", "kernel")
-    np.testing.assert_array_equal(kernel(merged, "text_encoder", path),
-                                  kernel(model.params, "text_encoder", path) + np.float32(scale * 8.0 / 4) * (up @ down).T)
+    expected = kernel(model.params, "text_encoder", path) + np.float32(scale * 8.0 / 4) * (up @ down).T
+    np.testing.assert_array_equal(kernel(merged, "text_encoder", path), expected)
 
 
 def test_older_diffusers_names_and_a_file_without_alphas(models, tmp_path):

@@ -23,7 +23,8 @@ METADATA_FIELDS = (
     ("key", "string"), ("id", "string"), ("image_index", "int32"), ("prompt", "string"),
     ("prompt_truncated", "bool_"), ("negative_prompt", "string"), ("seed", "int64"), ("width", "int32"),
     ("height", "int32"), ("steps", "int32"), ("guidance_scale", "float64"), ("scheduler", "string"), ("model", "string"),
-    ("model_fingerprint", "string"), ("loras", "string"), ("dtype", "string"), ("per_device_batch", "int32"), ("slice", "int32"),
+    ("model_fingerprint", "string"), ("loras", "string"), ("dtype", "string"), ("per_device_batch", "int32"),
+    ("slice", "int32"),
     ("position", "int64"), ("host", "int32"), ("sha256", "string"), ("path", "string"), ("source", "string"),
     ("line", "int64"), ("extra", "string"), ("promptmill_version", "string"), ("created_at", "string"),
 )
