@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 
 from pipeline.core.settings import Lora, Run, Settings, lora_spec, parse_lora
 from pipeline.generate import runtime, sampler
-from pipeline.model import load as model_lib, lora
+from pipeline.model import load as model_lib, lora, sources
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 CHECKPOINTS = os.path.join(FIXTURES, "pt_pipelines")
@@ -202,12 +202,12 @@ def test_load_merges_the_adapters_before_the_cast_and_fingerprints_them(models, 
     np.testing.assert_array_equal(got, kernel(expected, "unet", path).astype(jnp.bfloat16))
     plain = models("sd").fingerprint
     assert loaded.fingerprint != plain
-    assert model_lib.describe(SD, loras=[f"{folder}@0.5"])["fingerprint"] == loaded.fingerprint
-    assert model_lib.describe(SD, loras=[f"{SD_LORA}@1.0"])["fingerprint"] not in (loaded.fingerprint, plain)
-    # the same bytes elsewhere: the same fingerprint; other bytes: another
+    assert model_lib.describe(SD, loras=[f"{folder}@0.5"])["fingerprint"] == loaded.fingerprint  # the plan's
+    # another scale: another fingerprint; the same bytes elsewhere: the same
+    assert sources.model_fingerprint(SD, None, [(SD_LORA, 1.0)]) not in (loaded.fingerprint, plain)
     copy = tmp_path / "copy.safetensors"
     shutil.copy(SD_LORA, copy)
-    assert model_lib.describe(SD, loras=[f"{copy}@0.5"])["fingerprint"] == loaded.fingerprint
+    assert sources.model_fingerprint(SD, None, [(str(copy), 0.5)]) == loaded.fingerprint
 
 
 def test_generate_and_reproduce_load_the_planned_adapters(models, tmp_path, model_cache):

@@ -174,13 +174,14 @@ def _checked_loras(directory: str, index: dict, specs) -> list[tuple[str, str, f
     adapters = _resolved_loras(specs)
     if not adapters:
         return adapters
-    components = ("unet", "text_encoder") + (("text_encoder_2",) if family(index) == "sdxl" else ())
-    shapes = {component: weights.param_shapes(directory, component) for component in components}
-    for _, local, _ in adapters:
-        try:
-            lora.match(lora.read(local), shapes)
-        except lora.LoraError as e:
-            raise ModelError(str(e)) from None
+    try:
+        read = [lora.read(local) for _, local, _ in adapters]  # headers only: an unreadable file fails first
+        components = ("unet", "text_encoder") + (("text_encoder_2",) if family(index) == "sdxl" else ())
+        shapes = {component: weights.param_shapes(directory, component) for component in components}
+        for adapter in read:
+            lora.match(adapter, shapes)
+    except lora.LoraError as e:
+        raise ModelError(str(e)) from None
     return adapters
 
 
