@@ -24,7 +24,7 @@ from pipeline.core.choices import (
     TIMESTEP_SPACINGS,
     parse_formats,
 )
-from pipeline.core.settings import AUTO, Settings
+from pipeline.core.settings import AUTO, Settings, lora_spec, parse_lora
 from pipeline.model.tiny import PRESETS
 
 _DEFAULTS = Settings()
@@ -51,6 +51,12 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unet", metavar="PATH", default=None,
                         help="a UNet-only .safetensors file (local or gs://) whose weights replace the model's UNet, "
                              "e.g. SDXL-Lightning's into an SDXL base; part of the run's fingerprint")
+    parser.add_argument("--lora", metavar="PATH[@SCALE]", action="append", default=None,
+                        help="a LoRA adapter merged into the weights once, at load (no cost per image): a "
+                             ".safetensors file or a folder holding pytorch_lora_weights.safetensors, local or gs://, "
+                             "in diffusers/PEFT or kohya format, for the UNet and text encoders; SCALE defaults to "
+                             "1.0. Repeat it to merge several, in order. Each file's sha256 and scale are recorded in "
+                             "run.json and the metadata, and are part of the run's fingerprint")
     parser.add_argument("--width", type=int, default=None, help="image width, a multiple of 8 (default: the model's)")
     parser.add_argument("--height", type=int, default=None, help="image height, a multiple of 8 (default: the model's)")
     parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
@@ -106,7 +112,8 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int) -> Setti
     if args.device_memory is not None and args.per_device_batch != AUTO:
         raise ValueError(f"--device-memory is read only by --per-device-batch auto, and --per-device-batch is "
                          f"{args.per_device_batch}")
-    return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet, width=args.width,
+    return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet,
+                    loras=tuple(lora_spec(*parse_lora(spec)) for spec in args.lora or ()), width=args.width,
                     height=args.height, steps=args.steps, scheduler=args.scheduler,
                     timestep_spacing=args.timestep_spacing, attention=args.attention, dtype=args.dtype,
                     formats=parse_formats(args.format), device_memory=args.device_memory,

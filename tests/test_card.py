@@ -82,6 +82,13 @@ def test_sections_and_settings():
     for needed in ("| timestep spacing | `trailing` |", "| UNet weights | `gs://b/unet.safetensors` |",
                    "| classifier-free guidance | `no: guidance-free (every record's guidance <= 1)` |"):
         assert needed in text, needed
+    assert "LoRA adapters" not in text
+    adapted = Run.from_dict({**RUN_JSON, "settings": {**RUN_JSON["settings"], "loras": ["gs://b/lcm@1.0",
+                                                                                       "/style.safetensors@0.5"]},
+                             "loras": [{"path": "gs://b/lcm", "scale": 1.0, "sha256": "0123456789ab" + "f" * 52},
+                                       {"path": "/style.safetensors", "scale": 0.5, "sha256": "e" * 64}]})
+    assert ("| LoRA adapters | `gs://b/lcm at scale 1 (sha256 0123456789ab); /style.safetensors at scale 0.5 "
+            "(sha256 eeeeeeeeeeee)` |") in card.render(adapted, STATS)
 
 
 def test_model_path_is_escaped():

@@ -210,3 +210,16 @@ def test_pipeline_imports_nothing_of_jobs_and_only_cli_imports_cli():
     for path in glob.glob(os.path.join(root, "jobs", "*.py")):
         if not path.endswith("cli.py"):
             assert "jobs.cli" not in _imports(path), f"{os.path.relpath(path, root)} imports jobs.cli"
+
+
+def test_lora_flags_are_repeatable_and_a_bad_spec_is_one_clear_line(tmp_path, capsys):
+    from jobs import flags
+
+    args = cli.build_parser().parse_args(["plan", "--lora", "style.safetensors", "--lora", "gs://b/lcm@0.5"])
+    settings = flags.settings_from_args(args, 1)
+    assert settings.loras == ("style.safetensors@1.0", "gs://b/lcm@0.5")  # in order, scales made explicit
+    assert flags.settings_from_args(cli.build_parser().parse_args(["plan"]), 1).loras == ()
+    assert cli.main(["plan", "--out", str(tmp_path), "--lora", "style.safetensors@strong"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("promptmill plan: error: --lora style.safetensors@strong: the scale after '@' must be a "
+                          "number, got 'strong'") and err.count("\n") == 1

@@ -122,3 +122,27 @@ def test_a_unet_file_that_does_not_fit_is_refused_at_plan_time(other_unet, model
         prepare.resolve_settings(settings.replace(unet=str(tmp_path / "missing.safetensors")))
     with pytest.raises(model_lib.ModelError, match="as a .safetensors file"):
         prepare.resolve_settings(settings.replace(unet=str(tmp_path / "unet.bin")))
+
+
+def test_a_gcs_lora_is_copied_once_and_fingerprinted_like_the_local_file(gcs_emulator, model_cache, monkeypatch):
+    """--lora gs://: a file or a folder holding pytorch_lora_weights.safetensors."""
+    fixtures = os.path.join(os.path.dirname(__file__), "fixtures")
+    checkpoint, local = os.path.join(fixtures, "pt_pipelines", "sd"), os.path.join(fixtures, "loras", "sd")
+    upload_tree(local, f"gs://{gcs_emulator}/loras/style")
+    folder, file = f"gs://{gcs_emulator}/loras/style", f"gs://{gcs_emulator}/loras/style/{sources.LORA_FILE}"
+    copied = sources.resolve_lora(folder)
+    assert copied.startswith(os.path.join(model_cache, "loras")) and sources.resolve_lora(file) == copied
+    expected = model_lib.describe(checkpoint, loras=[f"{local}@0.5"])
+    described = model_lib.describe(checkpoint, loras=[f"{folder}@0.5"])
+    assert described["fingerprint"] == expected["fingerprint"] != model_lib.describe(checkpoint)["fingerprint"]
+    assert described["loras"] == [{"path": folder, "scale": 0.5, "sha256": expected["loras"][0]["sha256"]}]
+
+    def no_download(*args):
+        raise AssertionError("an unchanged adapter must not be fetched again")
+
+    monkeypatch.setattr(storage, "download", no_download)
+    assert sources.resolve_lora(folder) == copied
+    monkeypatch.undo()
+    with pytest.raises(model_lib.ModelError, match=f"--lora gs://{gcs_emulator}/loras/none: the folder holds no "
+                                                   "pytorch_lora_weights.safetensors"):
+        sources.resolve_lora(f"gs://{gcs_emulator}/loras/none")

@@ -9,18 +9,20 @@ import json
 import pytest
 
 from pipeline.core import naming
-from pipeline.core.settings import NEWER_SETTINGS, Run, Settings, check_size, fingerprint
+from pipeline.core.settings import NEWER_SETTINGS, Lora, Run, Settings, check_size, fingerprint, parse_lora
 from pipeline.io import runs, storage
 
 SETTINGS = Settings(prompts="gs://b/p/*.jsonl", out="gs://b/out", model="/models/sd", width=512, height=768,
                     steps=30, scheduler="euler", guidance_scale=5.0, seed=99, per_device_batch=4,
                     batches_per_slice=3, devices_per_host=8, dtype="bf16", formats=("files", "zarr"),
-                    image_format="webp", quality=80, save_latents=True, prompt_field="text", dedupe=True)
+                    image_format="webp", quality=80, save_latents=True, prompt_field="text", dedupe=True,
+                    loras=("gs://b/loras/style.safetensors@0.8", "/loras/lcm@1.0"))
 
 
 def run_of(settings: Settings) -> Run:
+    loras = tuple(Lora(path, scale, "a" * 64) for path, scale in map(parse_lora, settings.loras))
     return Run.create(settings, "f" * 64, created_at="2026-01-02T03:04:05+00:00",
-                      versions={"promptmill": "0.1.0", "jax": "0.10.2"})
+                      versions={"promptmill": "0.1.0", "jax": "0.10.2"}, loras=loras)
 
 
 def as_stored(run: Run) -> dict:
@@ -41,8 +43,10 @@ def test_run_json_has_the_documented_keys(tmp_path):
     runs.write(out, run_of(SETTINGS))
     stored = storage.read_json(naming.run_json(out))
     assert set(stored) == {"settings", "model_fingerprint", "scheduler", "settings_fingerprint", "versions",
-                           "created_at"}
+                           "created_at", "loras"}
     assert stored["scheduler"] == "euler" and stored["versions"] == {"jax": "0.10.2", "promptmill": "0.1.0"}
+    assert stored["loras"] == [{"path": "gs://b/loras/style.safetensors", "scale": 0.8, "sha256": "a" * 64},
+                               {"path": "/loras/lcm", "scale": 1.0, "sha256": "a" * 64}]
     assert runs.read(out) == run_of(SETTINGS)
 
 
@@ -54,6 +58,7 @@ def test_an_older_run_json_reads_with_the_defaults_and_keeps_its_fingerprint():
     old = as_stored(current)
     for name in NEWER_SETTINGS:
         del old["settings"][name]
+    del old["loras"]
     decisive = {k: v for k, v in old["settings"].items() if k != "out"}
     decisive["model"] = old["model_fingerprint"]
     old["settings_fingerprint"] = hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
@@ -88,6 +93,15 @@ def test_a_run_json_whose_scheduler_disagrees_with_its_settings_is_refused():
         Run.from_dict(stored)
 
 
+def test_a_run_json_whose_loras_disagree_with_its_settings_is_refused():
+    stored = as_stored(run_of(SETTINGS))
+    stored["loras"][0]["scale"] = 0.5
+    with pytest.raises(ValueError, match="records the LoRA adapters.*0.5.*but its settings ask for.*0.8"):
+        Run.from_dict(stored)
+    # the adapters' paths and scales stay out of the settings fingerprint: the model fingerprint pins them
+    assert fingerprint(SETTINGS, "m") == fingerprint(SETTINGS.replace(loras=()), "m")
+
+
 def test_reading_an_unplanned_out_says_to_plan_first(tmp_path):
     with pytest.raises(runs.RunNotPlanned, match="run 'promptmill plan' for this --out first"):
         runs.read(str(tmp_path / "nothing"))
@@ -113,6 +127,7 @@ def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are
     old = as_stored(run)
     for name in NEWER_SETTINGS:
         del old["settings"][name]
+    del old["loras"]
     old["created_at"] = "2025-01-01T00:00:00+00:00"
     old["settings_fingerprint"] = fingerprint(Settings.from_dict(old["settings"]), old["model_fingerprint"])
     storage.write_json(naming.run_json(out), old)

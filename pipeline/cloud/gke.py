@@ -28,6 +28,8 @@ def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
                         ("--timestep-spacing", s.timestep_spacing)):
         if value is not None:
             command += [flag, str(value)]
+    for spec in s.loras:
+        command += ["--lora", spec]
     command += ["--steps", str(s.steps), "--dtype", s.dtype, "--attention", s.attention,
                 "--format", ",".join(s.formats),
                 "--image-format", s.image_format, "--quality", str(s.quality),

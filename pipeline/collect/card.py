@@ -73,6 +73,8 @@ def _generation(run: Run) -> list[str]:
         ("promptmill", versions.get("promptmill", __version__)),
         ("model", settings.model),
         ("UNet weights", settings.unet),
+        ("LoRA adapters", "; ".join(f"{lora.path} at scale {lora.scale:g} (sha256 {lora.sha256[:12]})"
+                                    for lora in run.loras) or None),
         ("model fingerprint", run.model_fingerprint),
         ("scheduler", run.scheduler),
         ("timestep spacing", settings.timestep_spacing or "the checkpoint's"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 
 from pipeline.core import keys, slicing
 from pipeline.core.choices import (
@@ -30,6 +31,8 @@ class Settings:
     out: str = "promptmill-out"
     model: str = "tiny"
     unet: str | None = None  # a UNet-only safetensors file (local or gs://) replacing the checkpoint's UNet weights
+    # LoRA adapters merged into the weights once, at load, in this order: "PATH@SCALE" (parse_lora)
+    loras: tuple[str, ...] = ()
     width: int | None = None  # None: the model's native size
     height: int | None = None
     steps: int = 20
@@ -103,6 +106,8 @@ class Settings:
             raise ValueError(f"guided must be true, false or null, got {self.guided!r}")
         if self.guidance_rule == "always" and self.guided is False:
             raise ValueError("a run under the 'always' guidance rule guides every image, so it cannot be guidance-free")
+        for spec in self.loras:
+            parse_lora(spec)
         if not isinstance(self.prompt_field, str) or not self.prompt_field:
             raise ValueError(f"--prompt-field must be a non-empty name, got {self.prompt_field!r}")
         if self.device_memory is not None and not self.device_memory > 0:
@@ -127,8 +132,9 @@ class Settings:
             raise ValueError(f"unknown run setting(s) {', '.join(unknown)}: the run was planned by another "
                              f"promptmill version")
         values = {**{name: legacy for name, legacy in NEWER_SETTINGS.items() if name not in data}, **data}
-        if "formats" in values:  # JSON has lists
-            values["formats"] = tuple(values["formats"])
+        for name in ("formats", "loras"):  # JSON has lists
+            if name in values:
+                values[name] = tuple(values[name])
         return cls(**values)
 
     def replace(self, **changes) -> "Settings":
@@ -136,6 +142,32 @@ class Settings:
 
 
 AUTO = "auto"  # --per-device-batch auto
+
+
+def parse_lora(spec: str) -> tuple[str, float]:
+    """``PATH[@SCALE]`` (``--lora``) -> (PATH, SCALE), SCALE 1.0 when left out; ValueError
+    naming a bad spec. SCALE is what follows the last '@', unless that holds a '/' (an '@'
+    in a folder's name); a file whose own name has an '@' takes an explicit ``@SCALE``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--lora takes PATH[@SCALE], got {spec!r}")
+    path, at, tail = spec.rpartition("@")
+    if not at or "/" in tail:
+        return spec, 1.0
+    try:
+        scale = float(tail)
+    except ValueError:
+        raise ValueError(f"--lora {spec}: the scale after '@' must be a number, got {tail!r} (a file whose name "
+                         f"holds '@' takes an explicit scale: {spec}@1.0)") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"--lora {spec}: the scale must be finite, got {tail!r}")
+    if not path:
+        raise ValueError(f"--lora {spec}: no path before '@'")
+    return path, scale
+
+
+def lora_spec(path: str, scale: float = 1.0) -> str:
+    """The canonical ``PATH@SCALE`` that ``parse_lora`` reads back."""
+    return f"{path}@{float(scale)!r}"
 
 
 def check_size(name: str, value: int) -> int:
@@ -150,7 +182,7 @@ def check_size(name: str, value: int) -> int:
 # runs keep theirs (and resume).
 NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
                   "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
-                  "device_memory": None}
+                  "device_memory": None, "loras": ()}
 GUIDANCE_RULES = ("diffusers", "always")
 
 
@@ -160,11 +192,24 @@ def fingerprint(settings: Settings, model_fingerprint: str) -> str:
     decisive.pop("out")
     decisive.pop("unet")  # where the --unet file is does not matter: its bytes are in the model fingerprint
     decisive.pop("device_memory")  # it only chose per_device_batch, which is here
+    decisive.pop("loras")  # likewise the --lora files: their bytes and scales are in the model fingerprint
     for name, legacy in NEWER_SETTINGS.items():
         if name in decisive and decisive[name] == legacy:
             decisive.pop(name)
     decisive["model"] = model_fingerprint
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """One ``--lora`` of a planned run: the path as given, its scale, and the sha256 of its
+    file's bytes (which, with the scale, the model fingerprint pins)."""
+    path: str
+    scale: float
+    sha256: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,11 +225,19 @@ class Run:
     settings_fingerprint: str
     created_at: str
     versions: tuple[tuple[str, str], ...] = ()  # (package, version), sorted
+    loras: tuple[Lora, ...] = ()  # the settings' --lora files, in order, with their sha256
+
+    def __post_init__(self):
+        asked = [parse_lora(spec) for spec in self.settings.loras]
+        recorded = [(lora.path, lora.scale) for lora in self.loras]
+        if asked != recorded:
+            raise ValueError(f"run.json records the LoRA adapters {recorded}, but its settings ask for {asked}")
 
     @classmethod
-    def create(cls, settings: Settings, model_fingerprint: str, created_at: str, versions: dict) -> "Run":
+    def create(cls, settings: Settings, model_fingerprint: str, created_at: str, versions: dict,
+               loras: tuple[Lora, ...] = ()) -> "Run":
         return cls(settings, model_fingerprint, fingerprint(settings, model_fingerprint), created_at,
-                   tuple(sorted(versions.items())))
+                   tuple(sorted(versions.items())), tuple(loras))
 
     @property
     def scheduler(self) -> str | None:
@@ -193,7 +246,8 @@ class Run:
     def to_dict(self) -> dict:
         return {"settings": self.settings.to_dict(), "model_fingerprint": self.model_fingerprint,
                 "scheduler": self.settings.scheduler, "settings_fingerprint": self.settings_fingerprint,
-                "versions": dict(self.versions), "created_at": self.created_at}
+                "versions": dict(self.versions), "created_at": self.created_at,
+                "loras": [lora.to_dict() for lora in self.loras]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Run":
@@ -205,4 +259,5 @@ class Run:
         return cls(settings=settings, model_fingerprint=data["model_fingerprint"],
                    settings_fingerprint=data.get("settings_fingerprint") or fingerprint(settings,
                                                                                          data["model_fingerprint"]),
-                   created_at=data["created_at"], versions=tuple(sorted(data.get("versions", {}).items())))
+                   created_at=data["created_at"], versions=tuple(sorted(data.get("versions", {}).items())),
+                   loras=tuple(Lora(**lora) for lora in data.get("loras", ())))

@@ -34,10 +34,12 @@ def load_model(run: Run):
     from pipeline.model import load as model_lib
 
     settings = run.settings
-    model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing, settings.unet)
+    model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing, settings.unet,
+                           settings.loras)
     if model.fingerprint != run.model_fingerprint:
         raise GenerateError(f"model {settings.model!r} has fingerprint {model.fingerprint[:12]}, but the run was "
-                            f"planned with {run.model_fingerprint[:12]}: generating needs the same checkpoint")
+                            f"planned with {run.model_fingerprint[:12]}: generating needs the same checkpoint "
+                            f"(and the same --unet and --lora files)")
     return model
 
 

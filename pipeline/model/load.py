@@ -11,7 +11,8 @@ import json
 import os
 
 from pipeline.core.choices import DTYPES
-from pipeline.model import weights
+from pipeline.core.settings import parse_lora
+from pipeline.model import lora, weights
 from pipeline.model.libraries import quiet_libraries
 from pipeline.model.scheduler import Sampler, make_flax_scheduler, resolve_sampler
 from pipeline.model.sources import (
@@ -19,8 +20,10 @@ from pipeline.model.sources import (
     check_layout,
     check_unet_file,
     family,
+    file_sha256,
     model_fingerprint,
     resolve,
+    resolve_lora,
     resolve_unet,
 )
 
@@ -78,17 +81,21 @@ def _to_bf16(tree):
 
 
 def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_spacing: str | None = None,
-         unet: str | None = None, abstract: bool = False) -> Model:
+         unet: str | None = None, loras: tuple[str, ...] | list[str] = (), abstract: bool = False) -> Model:
     """Load ``--model`` (``tiny`` or a diffusers-format directory) for sampling.
 
     ``dtype`` is the compute and weight dtype of the networks (``fp32`` or ``bf16``);
     latents and the scheduler always stay in float32. ``scheduler`` and
     ``timestep_spacing``: the run's choices (None: the checkpoint's own), resolved by
     ``pipeline.model.scheduler.resolve_sampler``. ``unet``: a UNet-only safetensors file
-    (local or gs://) whose weights replace the checkpoint's (``--unet``).
+    (local or gs://) whose weights replace the checkpoint's (``--unet``). ``loras``: the
+    ``--lora`` specs (``PATH[@SCALE]``), merged in order into the float32 weights
+    (``pipeline.model.lora``) before the cast to ``dtype``; they change parameter values
+    only, never the compiled program.
 
     ``abstract``: the same model with its networks' params as ``jax.ShapeDtypeStruct``s,
-    from the configs alone (no weight read): enough to lower and compile its programs.
+    from the configs alone (no weight read, no adapter merged): enough to lower and compile
+    its programs.
     """
     quiet_libraries()  # before the Flax classes are imported: some warn at import
     import jax.numpy as jnp
@@ -100,6 +107,7 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
     directory = resolve(name)
     index = check_layout(directory)
     unet_file = _checked_unet(directory, unet)
+    adapters = _resolved_loras(loras)
     sampler = resolve_sampler(directory, scheduler, timestep_spacing)
     jdtype = getattr(jnp, DTYPES[dtype])
     tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
@@ -114,10 +122,16 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
         extra["tokenizer_2"] = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer_2"))
         extra["text_encoder_2"], params["text_encoder_2"] = weights.load_transformers(
             FlaxCLIPTextModelWithProjection, directory, "text_encoder_2", jdtype, abstract)
+    if not abstract:
+        try:  # on the host, in float32: before the cast below and before any transfer to devices
+            params = lora.merge(params, [(local, scale) for _, local, scale in adapters])
+        except lora.LoraError as e:
+            raise ModelError(str(e)) from None
     if dtype == "bf16":  # weights in bf16 too: half the memory and bandwidth
         params = {name: _to_bf16(tree) for name, tree in params.items()}
     flax_scheduler, params = _with_sampler_state(sampler, params)
-    fingerprint = None if abstract else model_fingerprint(directory, unet_file)
+    fingerprint = None if abstract else model_fingerprint(
+        directory, unet_file, [(local, scale) for _, local, scale in adapters])
     return Model(path=name, fingerprint=fingerprint, tokenizer=tokenizer,
                  text_encoder=text_encoder, unet=unet, vae=vae, sampler=sampler, scheduler=flax_scheduler,
                  params=params, **extra)
@@ -156,6 +170,35 @@ def _checked_unet(directory: str, unet: str | None) -> str | None:
     return unet_file
 
 
+def _resolved_loras(specs) -> list[tuple[str, str, float]]:
+    """(path as given, local file, scale) of each ``--lora`` spec, in order."""
+    resolved = []
+    for spec in specs:
+        try:
+            path, scale = parse_lora(spec)
+        except ValueError as e:
+            raise ModelError(str(e)) from None
+        resolved.append((path, resolve_lora(path), scale))
+    return resolved
+
+
+def _checked_loras(directory: str, index: dict, specs) -> list[tuple[str, str, float]]:
+    """``_resolved_loras``, once each file has been read and every key matched to a layer
+    of the checkpoint, with fitting shapes (from its configs: no weights are loaded)."""
+    adapters = _resolved_loras(specs)
+    if not adapters:
+        return adapters
+    try:
+        read = [lora.read(local) for _, local, _ in adapters]  # headers only: an unreadable file fails first
+        components = ("unet", "text_encoder") + (("text_encoder_2",) if family(index) == "sdxl" else ())
+        shapes = {component: weights.param_shapes(directory, component) for component in components}
+        for adapter in read:
+            lora.match(adapter, shapes)
+    except lora.LoraError as e:
+        raise ModelError(str(e)) from None
+    return adapters
+
+
 def check_unet(directory: str) -> None:
     """ModelError naming each UNet config key the Flax UNet would drop (e.g. an LCM
     UNet's ``time_cond_proj_dim``, the guidance embedding)."""
@@ -169,20 +212,25 @@ def check_unet(directory: str) -> None:
 
 
 def describe(name: str, scheduler: str | None = None, timestep_spacing: str | None = None,
-             steps: int | None = None, unet: str | None = None) -> dict:
+             steps: int | None = None, unet: str | None = None, loras: tuple[str, ...] | list[str] = ()) -> dict:
     """What planning needs to know of a model, from its configs alone (no weights loaded);
     ``scheduler``, ``timestep_spacing`` and ``steps``: the run's, checked against the
     checkpoint's config (``resolve_sampler``); ``unet``: the run's --unet file, checked
-    against the checkpoint's UNet and part of the fingerprint."""
+    against the checkpoint's UNet and part of the fingerprint; ``loras``: the run's --lora
+    specs, each file read and matched layer by layer against the checkpoint's networks, and
+    part of the fingerprint. ``loras`` in the result: {path, scale, sha256} of each."""
     directory = resolve(name)
-    check_layout(directory)
+    index = check_layout(directory)
     unet_file = _checked_unet(directory, unet)
+    adapters = _checked_loras(directory, index, loras)
 
     def config(component: str, filename: str = "config.json") -> dict:
         with open(os.path.join(directory, component, filename)) as f:
             return json.load(f)
 
     vae_scale = 2 ** (len(config("vae")["block_out_channels"]) - 1)
-    return {"directory": directory, "fingerprint": model_fingerprint(directory, unet_file),
+    return {"directory": directory,
+            "fingerprint": model_fingerprint(directory, unet_file, [(local, scale) for _, local, scale in adapters]),
+            "loras": [{"path": path, "scale": scale, "sha256": file_sha256(local)} for path, local, scale in adapters],
             "scheduler": resolve_sampler(directory, scheduler, timestep_spacing, steps).choice,
             "native_size": config("unet")["sample_size"] * vae_scale}

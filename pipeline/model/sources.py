@@ -5,7 +5,9 @@ A checkpoint is a diffusers-format directory (``model_index.json``, ``tokenizer/
 ``text_encoder_2/``): a built-in random model, a local folder, a ``gs://`` prefix
 copied once into the local cache, or a Hugging Face id. ``fingerprint`` pins its bytes.
 ``--unet`` names a UNet-only safetensors file (local or ``gs://``, copied once into the
-cache) that replaces the checkpoint's UNet weights; ``model_fingerprint`` pins both.
+cache) that replaces the checkpoint's UNet weights, and each ``--lora`` a LoRA adapter's
+file, found the same way (``pipeline.model.lora`` merges it); ``model_fingerprint`` pins
+them all.
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import json
 import os
 import re
 
+from pipeline.core import naming
 from pipeline.model import tiny, weights
 from pipeline.model.cache import cache_dir, materialize
 
+LORA_FILE = "pytorch_lora_weights.safetensors"  # a --lora folder's file, as diffusers' save_lora_weights names it
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
 SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
 
@@ -101,18 +105,42 @@ def fingerprint(directory: str) -> str:
 def resolve_unet(path: str) -> str:
     """The local file of ``--unet``: a local safetensors file, or a ``gs://`` object copied
     once into the cache (keyed by its checksum, renamed into place when complete)."""
-    from pipeline.io import storage
-
     if not path.endswith(".safetensors"):
         raise ModelError(f"--unet {path}: give a UNet's PyTorch weights as a .safetensors file")
+    return _local_file(path, "--unet", "unets", "diffusion_pytorch_model.safetensors")
+
+
+def resolve_lora(path: str) -> str:
+    """The local file of a ``--lora`` PATH: a ``.safetensors`` file, or a folder holding
+    ``pytorch_lora_weights.safetensors`` (diffusers' ``save_lora_weights`` name); local, or
+    ``gs://`` copied once into the cache as ``resolve_unet`` copies."""
+    from pipeline.io import storage
+
+    if path.endswith(".safetensors"):
+        return _local_file(path, "--lora", "loras", os.path.basename(path))
+    if not storage.is_gcs(path) and not os.path.isdir(path):
+        what = "no such file or folder" if not os.path.exists(path) else "not a .safetensors file"
+        raise ModelError(f"--lora {path}: {what} (give a LoRA's .safetensors file, or a folder holding "
+                         f"{LORA_FILE})")
+    try:
+        return _local_file(naming.join(path, LORA_FILE), "--lora", "loras", LORA_FILE)
+    except ModelError:
+        raise ModelError(f"--lora {path}: the folder holds no {LORA_FILE}") from None
+
+
+def _local_file(path: str, flag: str, folder: str, name: str) -> str:
+    """``path`` itself when local, else the ``gs://`` object copied once into the cache under
+    ``folder`` (keyed by its path and checksum, renamed into place when complete)."""
+    from pipeline.io import storage
+
     try:
         sum_ = storage.checksum(path)
-    except FileNotFoundError:
-        raise ModelError(f"--unet {path}: no such file") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise ModelError(f"{flag} {path}: no such file") from None
     if not storage.is_gcs(path):
         return path
     key = hashlib.sha256(f"{path}\0{sum_}".encode()).hexdigest()[:24]
-    target = os.path.join(cache_dir(), "unets", key, "diffusion_pytorch_model.safetensors")
+    target = os.path.join(cache_dir(), folder, key, name)
     if not os.path.isfile(target):
         scratch = f"{target}.{os.getpid()}.partial"
         storage.download(path, scratch)
@@ -120,17 +148,30 @@ def resolve_unet(path: str) -> str:
     return target
 
 
-def model_fingerprint(directory: str, unet_file: str | None = None) -> str:
-    """The fingerprint of what a run samples with: the checkpoint's, or with ``--unet``
-    a hash of it and of the UNet file's bytes."""
-    base = fingerprint(directory)
-    if unet_file is None:
-        return base
-    digest = hashlib.sha256(f"{base}\0unet\0".encode())
-    with open(unet_file, "rb") as f:
+def file_sha256(path: str) -> str:
+    """sha256 of a local file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def model_fingerprint(directory: str, unet_file: str | None = None,
+                      loras: list[tuple[str, float]] | tuple = ()) -> str:
+    """The fingerprint of what a run samples with: the checkpoint's; with ``--unet``, a hash
+    of it and of the UNet file's bytes; with LoRA adapters ((local file, scale), in the order
+    they are merged), chained with each file's sha256 and scale."""
+    value = fingerprint(directory)
+    if unet_file is not None:
+        digest = hashlib.sha256(f"{value}\0unet\0".encode())
+        with open(unet_file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        value = digest.hexdigest()
+    for lora_file, scale in loras:
+        value = hashlib.sha256(f"{value}\0lora\0{file_sha256(lora_file)}\0{float(scale)!r}".encode()).hexdigest()
+    return value
 
 
 def check_unet_file(directory: str, unet_file: str) -> None:

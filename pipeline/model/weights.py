@@ -117,3 +117,22 @@ def load_transformers(cls, directory: str, component: str, dtype, abstract: bool
         return module, module.params
     module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
     return module, transformers_params_from_safetensors(module, path)
+
+
+def param_shapes(directory: str, component: str) -> dict:
+    """{flat parameter path: shape} of a component's Flax network, from its config alone
+    (``abstract``: no weights are read and no initialiser runs)."""
+    import jax.numpy as jnp
+    from flax.traverse_util import flatten_dict
+
+    if LIBRARY[component] == "diffusers":
+        from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel
+
+        cls = FlaxUNet2DConditionModel if component == "unet" else FlaxAutoencoderKL
+        _, tree = load_diffusers(cls, directory, component, jnp.float32, abstract=True)
+    else:
+        from transformers import FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
+
+        cls = FlaxCLIPTextModelWithProjection if component == "text_encoder_2" else FlaxCLIPTextModel
+        _, tree = load_transformers(cls, directory, component, jnp.float32, abstract=True)
+    return {path: tuple(leaf.shape) for path, leaf in flatten_dict(tree).items()}

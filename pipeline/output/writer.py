@@ -23,7 +23,8 @@ METADATA_FIELDS = (
     ("key", "string"), ("id", "string"), ("image_index", "int32"), ("prompt", "string"),
     ("prompt_truncated", "bool_"), ("negative_prompt", "string"), ("seed", "int64"), ("width", "int32"),
     ("height", "int32"), ("steps", "int32"), ("guidance_scale", "float64"), ("scheduler", "string"), ("model", "string"),
-    ("model_fingerprint", "string"), ("dtype", "string"), ("per_device_batch", "int32"), ("slice", "int32"),
+    ("model_fingerprint", "string"), ("loras", "string"), ("dtype", "string"), ("per_device_batch", "int32"),
+    ("slice", "int32"),
     ("position", "int64"), ("host", "int32"), ("sha256", "string"), ("path", "string"), ("source", "string"),
     ("line", "int64"), ("extra", "string"), ("promptmill_version", "string"), ("created_at", "string"),
 )
@@ -46,6 +47,8 @@ def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, trunca
         "negative_prompt": item.negative_prompt, "seed": item.seed, "width": settings.width,
         "height": settings.height, "steps": settings.steps, "guidance_scale": float(guidance),
         "scheduler": run.scheduler, "model": settings.model, "model_fingerprint": run.model_fingerprint,
+        # the LoRA adapters merged into the model: JSON [{path, scale, sha256}], in order
+        "loras": json.dumps([lora.to_dict() for lora in run.loras]),
         "dtype": settings.dtype, "per_device_batch": settings.per_device_batch, "slice": item.slice,
         "position": item.position, "host": host, "sha256": hashlib.sha256(data).hexdigest(), "path": path,
         "source": item.source, "line": item.line, "extra": json.dumps(item.extra, sort_keys=True, ensure_ascii=False),

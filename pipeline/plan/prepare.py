@@ -14,7 +14,7 @@ from importlib import metadata
 from pipeline import __version__
 from pipeline.core import logs, naming
 from pipeline.core.choices import LEGACY_ATTENTION
-from pipeline.core.settings import Run, Settings, fingerprint
+from pipeline.core.settings import Lora, Run, Settings, fingerprint
 from pipeline.io import beamio, runs, storage
 from pipeline.plan.layout import PlanError, match_prompt_files
 
@@ -49,12 +49,13 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
 
     settings.validate()
     described = model.describe(settings.model, settings.scheduler, settings.timestep_spacing, settings.steps,
-                               settings.unet)
+                               settings.unet, settings.loras)
     size = described["native_size"]
     settings = settings.replace(width=settings.width or size, height=settings.height or size,
                                 scheduler=settings.scheduler or described["scheduler"]).validate()
     run = Run.create(settings, described["fingerprint"], versions=_versions(),
-                     created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+                     created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                     loras=tuple(Lora(**lora) for lora in described["loras"]))
     return settings, run
 
 

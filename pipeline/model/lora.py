@@ -1,0 +1,355 @@
+"""LoRA adapters, merged into a model's weights once, at load: W' = W + scale·(alpha/rank)·up·down.
+
+A LoRA file holds, for some Dense layers and convolutions of the UNet and the text
+encoders, a low-rank update: ``down`` (rank x in [x kh x kw]) and ``up`` (out x rank
+[x 1 x 1]), in PyTorch's layout, with an ``alpha`` that scales it by alpha/rank. Two
+formats are read:
+
+- diffusers/PEFT: ``unet.``, ``text_encoder.``, ``text_encoder_2.`` + the layer's module
+  path + ``.lora_A.weight``/``.lora_B.weight`` (older files: ``.lora.down.weight``/
+  ``.lora.up.weight``, ``.lora_linear_layer.``, ``.processor.``: renamed by diffusers' own
+  state-dict rules), alpha from the adapter config diffusers keeps in the safetensors
+  header (``lora_adapter_metadata``), else from ``.alpha`` keys, else the rank;
+- kohya: ``lora_unet_``, ``lora_te_``/``lora_te1_``, ``lora_te2_`` + the module path with
+  '_' for '.' + ``.lora_down.weight``/``.lora_up.weight``/``.alpha``.
+
+Both name a layer by its module path, and diffusers' and transformers' Flax modules keep
+PyTorch's module names ('down_blocks_0/attentions_0/.../attn1/to_q/kernel' for
+'down_blocks.0.attentions.0....attn1.to_q'). So a layer is found by its path joined with
+'_' (kohya's own spelling) in the model's own parameter tree, for every format and
+architecture, with no table of names to keep up to date; two layers whose joined names
+collide would be refused, not guessed between.
+
+The merge runs on the host in float32, before the cast to the run's dtype and the
+transfer to devices: the compiled program is the one without adapters (only parameter
+values change), so an adapter costs nothing per step, and changing it recompiles nothing.
+Every key must find its layer: an unmatched key, a shape that does not fit, or an
+adapter made for another family is a ``LoraError`` that names it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+DIFFUSERS, KOHYA = "diffusers/PEFT", "kohya"
+_KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
+                   "lora_te2_": "text_encoder_2"}
+_KOHYA_SUFFIXES = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha"}
+_PEFT_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".alpha": "alpha",
+                  ".lora.down.weight": "down", ".lora.up.weight": "up"}  # the latter: older text encoder files
+# the adapter configs diffusers' save_lora_weights writes into the safetensors header
+_METADATA_KEY = "lora_adapter_metadata"
+# cross-attention width (the text features' width) of the families a LoRA may be made for
+_FAMILIES = {768: "SD 1.x", 1024: "SD 2.x", 2048: "SDXL"}
+_SHOWN = 5  # unmatched keys named in an error
+
+
+class LoraError(ValueError):
+    """A LoRA file that cannot be merged into the model; the message names the file and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """One layer's low-rank update, as the file holds it."""
+    component: str  # "unet" | "text_encoder" | "text_encoder_2"
+    layer: str  # the layer's module path, '_'-joined (kohya's spelling)
+    down: str  # the file's key of the down (A) matrix, as the file spells it
+    up: str  # ... of the up (B) matrix
+    alpha: float | None  # None: the rank (alpha / rank = 1)
+    rslora: bool = False  # PEFT's rank-stabilised scaling: alpha / sqrt(rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """A LoRA file read for merging: its format, updates, and every tensor's shape."""
+    path: str
+    format: str
+    updates: tuple[Update, ...]
+    shapes: dict  # key -> shape, from the header
+
+    def factor(self, update: Update, scale: float) -> np.float32:
+        """scale · alpha / rank (alpha / sqrt(rank) for rsLoRA), as the merge multiplies."""
+        rank = self.shapes[update.down][0]
+        alpha = rank if update.alpha is None else update.alpha
+        return np.float32(scale * alpha / (np.sqrt(rank) if update.rslora else rank))
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """An update and the Flax kernel it changes."""
+    update: Update
+    path: tuple[str, ...]  # the kernel's path in the component's parameter tree
+    shape: tuple[int, ...]  # the kernel's shape: (in, out), or (kh, kw, in, out)
+
+
+def read(path: str) -> Adapter:
+    """The adapter in the safetensors file ``path``, from its header (and its alpha scalars);
+    LoraError for an unreadable file, an unknown format or a variant that is not plain LoRA."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "np") as f:
+            header = f.metadata() or {}
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+            alphas = {key: float(np.asarray(f.get_tensor(key)).reshape(())) for key in shapes
+                      if key.endswith(".alpha")}
+    except FileNotFoundError:
+        raise LoraError(f"--lora {path}: no such file") from None
+    except Exception as e:  # a truncated or foreign file
+        raise LoraError(f"--lora {path}: not a readable safetensors file ({e})") from None
+    keys = list(shapes)
+    if any(key.startswith(tuple(_KOHYA_PREFIXES)) for key in keys):
+        updates = _kohya_updates(path, keys, alphas)
+        return Adapter(path, KOHYA, updates, shapes)
+    if any(key.startswith(f"{component}.") for key in keys for component in COMPONENTS):
+        renamed = _diffusers_names(keys)
+        _refuse_unknown(path, DIFFUSERS, [key for key in keys if key not in renamed])  # no component's prefix
+        updates = _diffusers_updates(path, renamed, alphas, _adapter_configs(path, header))
+        return Adapter(path, DIFFUSERS, updates, shapes)
+    raise LoraError(f"--lora {path}: not a LoRA in a known format (diffusers/PEFT keys start with unet., "
+                    f"text_encoder., text_encoder_2.; kohya keys with lora_unet_, lora_te_, lora_te1_, lora_te2_); "
+                    f"its first keys: {', '.join(sorted(keys)[:_SHOWN]) or 'none'}")
+
+
+def _kohya_updates(path: str, keys: list[str], alphas: dict) -> tuple[Update, ...]:
+    parts, unknown = {}, []
+    for key in keys:
+        prefix = next((p for p in _KOHYA_PREFIXES if key.startswith(p)), None)
+        suffix = next((s for s in _KOHYA_SUFFIXES if key.endswith(s)), None)
+        if prefix is None or suffix is None:  # LoHa, LoKr, DoRA, full diffs: not a plain LoRA
+            unknown.append(key)
+            continue
+        name = (_KOHYA_PREFIXES[prefix], key[len(prefix):-len(suffix)])
+        parts.setdefault(name, {})[_KOHYA_SUFFIXES[suffix]] = key
+    _refuse_unknown(path, KOHYA, unknown)
+    return _pair(path, KOHYA, parts, lambda name, keys_: alphas.get(keys_.get("alpha")) if "alpha" in keys_ else None)
+
+
+def _diffusers_names(keys: list[str]) -> dict[str, str]:
+    """{key: its PEFT name}: the older diffusers names renamed by diffusers' own rules (UNet
+    attention processors' ``to_q_lora``, ``.lora.down``; text encoders' ``lora_linear_layer``)."""
+    from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
+
+    names = {}
+    for component in COMPONENTS:
+        own = [key for key in keys if key.startswith(f"{component}.")]
+        if component == "unet":
+            renamed = convert_unet_state_dict_to_peft(dict(zip(own, own)))
+        elif any("lora_linear_layer" in key or "to_out_lora" in key for key in own):
+            renamed = convert_state_dict_to_peft(dict(zip(own, own)))
+        else:
+            renamed = {key: key for key in own}
+        names.update({original: new for new, original in renamed.items()})
+    return names
+
+
+def _adapter_configs(path: str, header: dict) -> dict:
+    """{component: the PEFT LoraConfig fields diffusers saved for it} from the header."""
+    raw = header.get(_METADATA_KEY)
+    if not raw:
+        return {}
+    try:
+        packed = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise LoraError(f"--lora {path}: its {_METADATA_KEY} header is not JSON ({e})") from None
+    configs = {}
+    for key, value in packed.items():
+        component, _, field = key.partition(".")
+        configs.setdefault(component, {})[field] = value
+    for component, config in configs.items():
+        if config.get("use_dora"):
+            raise LoraError(f"--lora {path}: its {component} adapter is DoRA (use_dora), which promptmill does not "
+                            f"merge; use a plain LoRA")
+    return configs
+
+
+def _diffusers_updates(path: str, renamed: dict, alphas: dict, configs: dict) -> tuple[Update, ...]:
+    parts, unknown, alpha_of = {}, [], {}
+    for key, name in renamed.items():
+        component = name.split(".", 1)[0]
+        suffix = next((s for s in _PEFT_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:  # lora_magnitude_vector (DoRA), biases of lora_B, anything else
+            unknown.append(key)
+            continue
+        module = name[len(component) + 1:-len(suffix)]
+        parts.setdefault((component, module), {})[_PEFT_SUFFIXES[suffix]] = key
+        if suffix == ".alpha":
+            alpha_of[component, module] = alphas[key]
+    _refuse_unknown(path, DIFFUSERS, unknown)
+
+    def alpha(name, _keys):
+        component, module = name
+        config = configs.get(component)
+        if config is None:  # no adapter config saved: the .alpha keys, else the rank
+            return alpha_of.get(name)
+        for pattern, value in (config.get("alpha_pattern") or {}).items():
+            if re.fullmatch(rf"(.*\.)?(?:{pattern})", module):  # PEFT's rule: a pattern matches a path's tail
+                return float(value)
+        return float(config["lora_alpha"]) if "lora_alpha" in config else None
+
+    updates = _pair(path, DIFFUSERS, parts, alpha)
+    return tuple(dataclasses.replace(u, layer=u.layer.replace(".", "_"),
+                                     rslora=bool(configs.get(u.component, {}).get("use_rslora")))
+                 for u in updates)
+
+
+def _pair(path: str, format_: str, parts: dict, alpha) -> tuple[Update, ...]:
+    """One Update per layer that has both a down and an up; LoraError naming a half pair."""
+    updates, half = [], []
+    for name, keys in sorted(parts.items()):
+        if "down" not in keys or "up" not in keys:
+            half += sorted(keys.values())
+            continue
+        updates.append(Update(component=name[0], layer=name[1], down=keys["down"], up=keys["up"],
+                              alpha=alpha(name, keys)))
+    if half:
+        raise LoraError(f"--lora {path} ({format_} format): {len(half)} key(s) without their down/up partner, "
+                        f"e.g. {', '.join(half[:_SHOWN])}")
+    return tuple(updates)
+
+
+def _refuse_unknown(path: str, format_: str, keys: list[str]) -> None:
+    if keys:
+        raise LoraError(f"--lora {path} ({format_} format): {len(keys)} key(s) are not plain LoRA weights "
+                        f"(down/up/alpha) and match no layer, e.g. {', '.join(sorted(keys)[:_SHOWN])}")
+
+
+# ---------------------------------------------------------------- matching
+
+def kernels(shapes: dict) -> dict[str, dict[str, tuple[tuple[str, ...], tuple[int, ...]]]]:
+    """{component: {'_'-joined layer name: (kernel path, kernel shape)}} of a model's Dense
+    and convolution kernels, from {component: flat {path: shape}}. A joined name that two
+    layers share maps to None (a match on it is refused)."""
+    index = {}
+    for component, flat in shapes.items():
+        own = index.setdefault(component, {})
+        for path, shape in flat.items():
+            if path[-1] != "kernel":
+                continue
+            name = "_".join(path[:-1])
+            own[name] = None if name in own else (tuple(path), tuple(shape))
+    return index
+
+
+def match(adapter: Adapter, shapes: dict) -> list[Match]:
+    """Every update of ``adapter`` with the kernel it changes, for a model whose components'
+    flat parameter shapes are ``shapes`` ({component: {path: shape}}); LoraError for an
+    adapter of another family, a key that matches no layer, or a shape that does not fit."""
+    _check_family(adapter, shapes)
+    index = kernels(shapes)
+    matches, unmatched = [], []
+    for update in adapter.updates:
+        found = index.get(update.component, {}).get(update.layer)
+        if found is None:
+            unmatched += [update.down, update.up]
+            continue
+        matches.append(Match(update, *found))
+    if unmatched:
+        hint = ""
+        if any(re.match(r"lora_unet_(input_blocks|middle_block|output_blocks)_", key) for key in unmatched):
+            hint = ("; they name the UNet's layers by the original Stability blocks (input_blocks, middle_block, "
+                    "output_blocks), which promptmill does not read: convert the file to diffusers' layer names")
+        raise LoraError(f"--lora {adapter.path} ({adapter.format} format): {len(unmatched)} key(s) match no layer "
+                        f"of the model, e.g. {', '.join(unmatched[:_SHOWN])}{hint}")
+    for found in matches:
+        _check_shapes(adapter, found)
+    return matches
+
+
+def _check_family(adapter: Adapter, shapes: dict) -> None:
+    """LoraError when the adapter was made for another family than the model's: one with a
+    second text encoder (SDXL) on a model without, or a UNet whose cross-attention takes
+    text features of another width."""
+    components = {u.component for u in adapter.updates}
+    model = _describe_family(shapes)
+    if "text_encoder_2" in components and "text_encoder_2" not in shapes:
+        raise LoraError(f"--lora {adapter.path}: made for SDXL (it adapts a second text encoder), but the model is "
+                        f"{model}; use a LoRA made for the model's family")
+    width = _model_context_width(shapes)
+    for update in adapter.updates:
+        if update.component == "unet" and update.layer.endswith(("attn2_to_k", "attn2_to_v")):
+            theirs = adapter.shapes[update.down][1]
+            if width is not None and theirs != width:
+                made = _FAMILIES.get(theirs, "another family")
+                raise LoraError(f"--lora {adapter.path}: made for {made} (its UNet's cross-attention takes "
+                                f"{theirs}-wide text features), but the model is {model} ({width}-wide); use a "
+                                f"LoRA made for the model's family")
+            return
+
+
+def _model_context_width(shapes: dict) -> int | None:
+    for path, shape in shapes.get("unet", {}).items():
+        if path[-3:] == ("attn2", "to_k", "kernel"):
+            return int(shape[0])
+    return None
+
+
+def _describe_family(shapes: dict) -> str:
+    width = _model_context_width(shapes)
+    if "text_encoder_2" in shapes:
+        return "SDXL (two text encoders)"
+    return _FAMILIES.get(width, "SD 1.x/2.x") + " (one text encoder)"
+
+
+def _check_shapes(adapter: Adapter, found: Match) -> None:
+    down, up = adapter.shapes[found.update.down], adapter.shapes[found.update.up]
+    kernel = found.shape
+    out, fan_in = kernel[-1], kernel[-2]
+    window = tuple(kernel[:2]) if len(kernel) == 4 else (1, 1)
+    ok = (len(down) in (2, 4) and len(up) in (2, 4) and down[0] == up[1] and down[1] == fan_in and up[0] == out
+          and (tuple(down[2:]) or (1, 1)) == window and tuple(up[2:]) in ((), (1, 1)))
+    if not ok:
+        where = "/".join((found.update.component,) + found.path)
+        raise LoraError(f"--lora {adapter.path} ({adapter.format} format): {found.update.down} {down} and "
+                        f"{found.update.up} {up} do not fit {where} {kernel} (an adapter for another architecture)")
+
+
+# ---------------------------------------------------------------- merging
+
+def delta(down: np.ndarray, up: np.ndarray, kernel_shape: tuple[int, ...]) -> np.ndarray:
+    """up·down in float32, laid out as the Flax kernel: (in, out) for a Dense layer, the
+    transpose of PyTorch's (out, in); (kh, kw, in, out) for a convolution, from PyTorch's
+    (out, in, kh, kw) (the down is the kh x kw convolution, the up a 1 x 1)."""
+    up = np.asarray(up, np.float32).reshape(up.shape[0], up.shape[1])
+    down = np.asarray(down, np.float32)
+    product = up @ down.reshape(down.shape[0], -1)  # (out, in·kh·kw)
+    if len(kernel_shape) == 2:
+        return product.T
+    kh, kw, fan_in, out = kernel_shape
+    return product.reshape(out, fan_in, kh, kw).transpose(2, 3, 1, 0)
+
+
+def merge(params: dict, loras: list[tuple[str, float]]) -> dict:
+    """``params`` ({component: tree}) with each (local file, scale) of ``loras`` merged in
+    order: kernel + float32(scale·alpha/rank)·(up·down), in float32 numpy on the host. The
+    trees are copied where a kernel changes; the parameters given are never modified."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+    from safetensors import safe_open
+
+    if not loras:
+        return params
+    flat = {name: flatten_dict(tree) for name, tree in params.items() if name in COMPONENTS}
+    shapes = {name: {path: tuple(np.shape(leaf)) for path, leaf in tree.items()} for name, tree in flat.items()}
+    changed = {}
+    for path, scale in loras:
+        adapter = read(path)
+        with safe_open(path, "np") as tensors:
+            for found in match(adapter, shapes):
+                update = found.update
+                down, up = tensors.get_tensor(update.down), tensors.get_tensor(update.up)
+                key = (update.component, found.path)
+                kernel = changed.get(key)
+                if kernel is None:
+                    kernel = np.asarray(flat[update.component][found.path], np.float32)
+                changed[key] = kernel + adapter.factor(update, scale) * delta(down, up, found.shape)
+    merged = dict(params)
+    for component in {component for component, _ in changed}:
+        tree = dict(flat[component])
+        tree.update({path: value for (name, path), value in changed.items() if name == component})
+        merged[component] = unflatten_dict(tree)
+    return merged
+
