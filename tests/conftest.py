@@ -33,6 +33,8 @@ SLOW_MODULES = [
     "test_latents.py",
     "test_dataset.py",
     "test_generator.py",
+    "test_lora.py",
+    "test_fit.py",
     "test_weights.py",
     "test_plan_bench.py",
     "test_host_pipeline.py",

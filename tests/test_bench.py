@@ -29,7 +29,9 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     path = tmp_path / "report.json"
     code = cli.main(["bench", "generator", "--model", "tiny", "--width", "32", "--height", "32", "--steps", "2",
                      "--per-device-batch", "1,2", "--batches", "1", "--matmul-size", "512", "--report", str(path),
-                     "--scheduler", "euler_a", "--timestep-spacing", "trailing"])
+                     "--scheduler", "euler_a", "--timestep-spacing", "trailing",
+                     "--parts", "sweep,recipes,attention,memory,startup", "--attentions", "diffusers,auto",
+                     "--memory-sizes", "32,64"])
     assert code == 0
     table = capsys.readouterr().out
     assert "ours/seed" in table and "cold/warm" in table and "guidance-free / CFG at 2 steps" in table
@@ -73,6 +75,22 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     assert all(r["images_per_s"] > 0 for r in recipes.values())
     assert compared["guidance_free_over_cfg"] > 0 and compared["few_step_over_default"] > 0
     assert compared["guidance_free_2x_over_cfg"] > 0
+
+    # attention side by side: speed in turns, each program's memory, the kernels auto chose
+    compared = report["attention"]
+    assert compared["relative_to"] == "diffusers" and list(compared["implementations"]) == ["diffusers", "auto"]
+    for name, row in compared["implementations"].items():
+        assert row["images_per_s"] > 0 and row["memory"]["temp"] > 0 and row["batch_size"] == 2
+    assert compared["implementations"]["diffusers"]["over_first"] == 1.0
+    auto_kernels = compared["implementations"]["auto"]["kernels"]
+    assert auto_kernels and set(auto_kernels) <= {"xla", "chunked"}  # on CPU
+    assert "attention at 32x32" in table and "temp 64^2 / 32^2 with auto" in table
+    # memory from shapes: diffusers' attention grows with the square of the pixels, auto's with the pixels
+    memory = report["memory"]
+    assert [(row["attention"], row["size"]) for row in memory["rows"]] == [
+        ("diffusers", 32), ("diffusers", 64), ("auto", 32), ("auto", 64)]
+    assert memory["pixel_growth"] == 4.0
+    assert memory["temp_growth"]["auto"] <= 4.5 < memory["temp_growth"]["diffusers"]
 
     start = report["startup"]
     assert start["cache_entries"] > 0
