@@ -266,31 +266,51 @@ def test_local_cpu_devices_reach_jax_in_a_fresh_process():
     assert result.stdout.split() == ["3", "cpu"]
 
 
-def test_generate_dofn_twice_on_one_slice_commits_the_same_bytes(beam_run, tmp_path):
-    """The DoFn's ``process`` on slice 1 fails midway (one image stored, no shards, no
-    commit marker), then is called again as a retry would: the slice is committed, and
-    its images and metadata shard are byte for byte the clean run's."""
+def run_bundle(fn, *indices) -> list:
+    """One bundle through the DoFn as a runner drives it; its outputs, in order."""
+    fn.start_bundle()
+    outputs = [output for index in indices for output in fn.process(index)]
+    return outputs + [windowed.value for windowed in fn.finish_bundle() or ()]
+
+
+def same_slice_bytes(out: str, clean: str, index: int) -> int:
+    """Asserts slice ``index``'s images and metadata shard in ``out`` are ``clean``'s, byte
+    for byte; returns how many images it has."""
+    folder = naming.slice_name(index)
+    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(out, "images", folder, "*")))
+    assert images == sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(clean, "images", folder, "*")))
+    for name in images:
+        assert (storage.read_bytes(naming.join(out, "images", folder, name))
+                == storage.read_bytes(naming.join(clean, "images", folder, name)))
+    assert storage.read_bytes(naming.shard_metadata(out, index)) == storage.read_bytes(
+        naming.shard_metadata(clean, index))
+    return len(images)
+
+
+def test_a_bundle_of_slices_fails_midway_and_its_retry_commits_the_same_bytes(beam_run, tmp_path):
+    """One bundle holds all three slices, run as one overlapped host loop. Slice 1 fails
+    midway (one image stored, no shards, no commit marker): the bundle fails, slice 0 is
+    committed (its images were all written first), slice 1 is not. The retried bundle
+    skips slice 0, regenerates 1 and 2, and every slice is byte for byte the clean run's."""
     clean, _, _ = beam_run
     out = str(tmp_path / "out")
     shutil.copytree(naming.join(clean, "plan"), naming.join(out, "plan"))
     shutil.copy(naming.run_json(clean), naming.run_json(out))  # same run: same created_at
+    shutil.copy(naming.manifest(clean), naming.manifest(out))
     run = runs.read(out)
     fn = beam_engine.GenerateSlicesFn(out)
     fn.setup()
     with fault_once(1), pytest.raises(TransientFault):
-        list(fn.process(1))
-    assert not writer.is_committed(out, 1) and len(writer.leftovers(out, run.settings, 1)) == 1
-    [stats] = list(fn.process(1))
-    assert (stats["slice"], stats["images"], stats["compiles_after_warmup"]) == (1, 4, 0)
-    assert writer.is_committed(out, 1)
-    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(out, "images", "00001", "*")))
-    assert images == sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(clean, "images", "00001", "*")))
-    assert len(images) == 4
-    for name in images:
-        assert (storage.read_bytes(naming.join(out, "images", "00001", name))
-                == storage.read_bytes(naming.join(clean, "images", "00001", name)))
-    assert storage.read_bytes(naming.shard_metadata(out, 1)) == storage.read_bytes(naming.shard_metadata(clean, 1))
-    assert list(fn.process(1)) == [{"slice": 1, "skipped": True}]  # a retry after the commit skips it
+        run_bundle(fn, 0, 1, 2)
+    assert writer.is_committed(out, 0) and not writer.is_committed(out, 1)
+    assert len(writer.leftovers(out, run.settings, 1)) == 1
+    with captured_events() as events:
+        outputs = run_bundle(fn, 0, 1, 2)
+    assert outputs[0] == {"slice": 0, "skipped": True}
+    assert [(o["slice"], o["images"], o["compiles_after_warmup"]) for o in outputs[1:]] == [(1, 4, 0), (2, 1, 0)]
+    assert [e["slice"] for e in named(events, "slice_redone")][:1] == [1]
+    assert [same_slice_bytes(out, clean, i) for i in range(3)] == [4, 4, 1]
+    assert run_bundle(fn, 1) == [{"slice": 1, "skipped": True}]  # a retry after the commit skips it
 
 
 def test_a_worker_with_other_devices_than_planned_is_refused_before_loading(beam_run):

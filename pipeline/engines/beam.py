@@ -38,7 +38,9 @@ slices_generated, slices_skipped, slices_redone, images.
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import queue
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +48,10 @@ from concurrent.futures import ThreadPoolExecutor
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils import shared
+from apache_beam.utils.timestamp import MIN_TIMESTAMP
+from apache_beam.utils.windowed_value import WindowedValue
 
 from pipeline.collect import transforms as collect
 from pipeline.core import logs, naming, slicing
@@ -152,16 +157,84 @@ class _Worker:
 _SHARED = shared.Shared()  # per process: the _Worker every DoFn instance of the process uses
 
 
+_END = object()  # the end of a bundle's slices, for ``_BundleRun``'s queue
+
+
+class _BundleRun:
+    """One bundle's slices through ``host_loop.run_slices`` on a thread of its own, so
+    that batches and commits overlap across the bundle's slices exactly as on a pod host:
+    the next slice's first batch is dispatched before the previous slice's last batch is
+    fetched, and a slice commits while the next one runs.
+
+    ``add`` queues a slice; ``finished`` hands over the stats of the slices committed so
+    far; ``close`` waits for the rest and re-raises a failure of the thread.
+    """
+
+    def __init__(self, worker, out: str, run: Run, size: int, host: int, zarr_arrays):
+        self.slots: queue.Queue = queue.Queue()
+        self.committed: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        images, latents = zarr_arrays
+        args = (worker.generator, out, run, self._slots(), size, host, worker.pool)
+
+        def work():
+            try:
+                host_loop.run_slices(*args, zarr_images=images, zarr_latents=latents,
+                                     compiles_at_warm=worker.compiles_at_warm, on_commit=self.committed.put)
+            except BaseException as e:  # noqa: BLE001 (handed to the DoFn's thread, which raises it)
+                self.error = e
+
+        self.thread = threading.Thread(target=work, name="bundle-slices", daemon=True)
+        self.thread.start()
+
+    def _slots(self):
+        while (index := self.slots.get()) is not _END:
+            yield index
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def add(self, index: int) -> None:
+        self._raise()
+        self.slots.put(index)
+
+    def finished(self) -> list[dict]:
+        done = []
+        while not self.committed.empty():
+            done.append(self.committed.get())
+        return done
+
+    def close(self) -> list[dict]:
+        self.slots.put(_END)
+        self.thread.join()
+        self._raise()
+        return self.finished()
+
+
 class GenerateSlicesFn(beam.DoFn):
-    """Generates, writes and commits one slice per element (a slice index); skips a
-    committed slice. Emits the slice's stats (``{"slice", "skipped": True}`` when skipped)."""
+    """Generates, writes and commits the slices (slice indices) of a bundle; skips a
+    committed slice. Emits each slice's stats (``{"slice", "skipped": True}`` when skipped).
+
+    The slices of a bundle run as one host loop (``_BundleRun``): ``process`` queues a
+    slice and emits the stats of those committed so far, ``finish_bundle`` waits for the
+    rest and emits theirs. With one slice per bundle, that slice pays its own tail (its
+    last batch's encoding and its commit, with the devices idle), as every slice did
+    before; with many, only the bundle's last slice does. A failed bundle leaves its
+    slices uncommitted from the failed one on (a slice commits only after its images);
+    the runner's retry skips the committed ones and regenerates the others, byte for byte.
+    """
 
     HOST = 0  # metadata's host column: workers have no host index, and a retried slice
     # must get the same bytes on whatever worker it runs
 
-    def __init__(self, out: str):
+    def __init__(self, out: str, make_worker=None):
         self.out = out
+        # make_worker(run) -> the worker (default: the model loaded once per process, _Worker);
+        # the pipeline bench passes a synthetic device
+        self.make_worker = make_worker
         self.run = self.worker = None  # read from OUT on the first slice (``_ready``)
+        self.bundle: _BundleRun | None = None
         self.generated = Metrics.counter("generate", "slices_generated")
         self.skipped = Metrics.counter("generate", "slices_skipped")
         self.redone = Metrics.counter("generate", "slices_redone")
@@ -179,7 +252,10 @@ class GenerateSlicesFn(beam.DoFn):
         if self.worker is None:
             self.run = runs.read(self.out)
             settings = self.run.settings
-            self.worker = _SHARED.acquire(lambda: _Worker(self.run), runtime.program_tag(self.run))
+            if self.make_worker is not None:
+                self.worker = self.make_worker(self.run)
+            else:
+                self.worker = _SHARED.acquire(lambda: _Worker(self.run), runtime.program_tag(self.run))
             self.size = settings.slice_size
             slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings.per_device_batch)
 
@@ -192,6 +268,29 @@ class GenerateSlicesFn(beam.DoFn):
                 self._zarr = runtime.open_zarr(self.out, self.run, self.worker.model, count)
             return self._zarr
 
+    def start_bundle(self):
+        self._wind_up()
+
+    def teardown(self):
+        self._wind_up()
+
+    def _wind_up(self) -> None:
+        """Let the slices of a bundle that failed before ``finish_bundle`` finish (or fail)
+        before anything else runs, so that no two loops of this process ever write one
+        slice; what they commit, a retry skips."""
+        bundle, self.bundle = self.bundle, None
+        if bundle is not None:
+            try:
+                bundle.close()
+            except Exception as e:  # the failed bundle already failed: only say so
+                logs.event("bundle_wound_up", level=logging.WARNING, error=f"{type(e).__name__}: {e}")
+
+    def _emit(self, stats: dict) -> dict:
+        self.generated.inc()
+        self.images.inc(stats["images"])
+        logs.event("slice_committed", pid=os.getpid(), **stats)
+        return stats
+
     def process(self, index: int):
         self._ready()
         decision = runtime.decide(self.out, self.run.settings, index)
@@ -203,14 +302,17 @@ class GenerateSlicesFn(beam.DoFn):
         if decision.action == "redo":
             self.redone.inc()
             logs.event("slice_redone", slice=index, leftover_objects=decision.leftover_objects)
-        zarr_images, zarr_latents = self._zarr_arrays()
-        stats = host_loop.run_slice(self.worker.generator, self.out, self.run, index, self.size, self.HOST,
-                                    self.worker.pool, zarr_images=zarr_images, zarr_latents=zarr_latents,
-                                    compiles_at_warm=self.worker.compiles_at_warm)
-        self.generated.inc()
-        self.images.inc(stats["images"])
-        logs.event("slice_committed", pid=os.getpid(), **stats)
-        yield stats
+        if self.bundle is None:
+            self.bundle = _BundleRun(self.worker, self.out, self.run, self.size, self.HOST, self._zarr_arrays())
+        self.bundle.add(index)
+        for stats in self.bundle.finished():
+            yield self._emit(stats)
+
+    def finish_bundle(self):
+        bundle, self.bundle = self.bundle, None
+        if bundle is not None:
+            for stats in bundle.close():
+                yield WindowedValue(self._emit(stats), MIN_TIMESTAMP, [GlobalWindow()])
 
 
 def _release(generated: list[int], manifest: dict) -> dict:
