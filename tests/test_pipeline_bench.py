@@ -48,7 +48,7 @@ def test_smoke_synthetic_every_mode(tmp_path):
     assert storage.read_json(config.report) == report
     assert report["config"]["images_per_mode"] == 16
     modes = report["modes"]
-    assert set(modes) == {"generator", "pipeline_local", "sequential"}
+    assert set(modes) == {"generator", "pipeline_local", "beam_local", "sequential"}
     for mode in modes.values():
         assert mode["images"] == 16 and mode["seconds"] > 0 and mode["images_per_s"] > 0
         assert mode["peak_rss_mib"] > 0
@@ -77,6 +77,14 @@ def test_smoke_synthetic_every_mode(tmp_path):
         local["images_per_s"] / modes["sequential"]["images_per_s"], rel=1e-3)
     assert ratios["pipeline_gcs_over_generator"] is None
     assert "pipeline_local" in pipeline_bench.table(report)
+    # the beam engine's DoFn ran the same slices on the DirectRunner, committed, on the same device
+    beam = modes["beam_local"]
+    assert beam["files"] == 16 and beam["runner_wall_s"] >= beam["seconds"]
+    assert all(writer.is_committed(os.path.join(workdir, "beam"), index) for index in range(2))
+    assert 4 * 0.05 * 0.95 <= beam["device_busy_s"] <= beam["seconds"]
+    assert ratios["beam_local_over_generator"] == pytest.approx(
+        beam["images_per_s"] / modes["generator"]["images_per_s"], rel=1e-3)
+    assert "(b') beam local_over_generator" in pipeline_bench.table(report)
 
 
 def test_bad_config_is_refused():

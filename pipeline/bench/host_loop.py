@@ -54,7 +54,7 @@ from pipeline.io import runs, storage
 BUCKET = "promptmill-pipeline-bench"
 GUIDANCE = 7.5
 CREATED_AT = "2026-01-01T00:00:00+00:00"
-MODES = ("generator", "pipeline", "sequential")
+MODES = ("generator", "pipeline", "beam", "sequential")
 
 
 class SyntheticGenerator:
@@ -118,7 +118,7 @@ class PipelineBenchConfig:
     batches_per_slice: int = 2
     steps: int = 2  # tiny only
     gcs: bool = False
-    modes: tuple[str, ...] = ("generator", "pipeline", "sequential")  # which of (a), (b), (c) to run
+    modes: tuple[str, ...] = MODES  # which of (a), (b), (b') and (c) to run
     workdir: str | None = None  # None: a temporary folder, deleted after
     report: str | None = None
 
@@ -138,10 +138,12 @@ class PipelineBenchConfig:
 
 
 def bench_run(width: int, height: int, steps: int, per_device_batch: int, model: str = "synthetic",
-              scheduler: str = "synthetic", fingerprint: str = "0" * 64) -> Run:
+              scheduler: str = "synthetic", fingerprint: str = "0" * 64, batches_per_slice: int = 2,
+              devices_per_host: int = 1) -> Run:
     """The run the benchmark's slices belong to: PNG files only."""
     settings = Settings(width=width, height=height, steps=steps, guidance_scale=GUIDANCE, model=model,
-                        scheduler=scheduler, per_device_batch=per_device_batch)
+                        scheduler=scheduler, per_device_batch=per_device_batch, batches_per_slice=batches_per_slice,
+                        devices_per_host=devices_per_host)
     return Run.create(settings, fingerprint, created_at=CREATED_AT, versions={})
 
 
@@ -217,6 +219,60 @@ def run_pipeline(generator, out: str, run: dict, slices: int, size: int) -> dict
                    slice_seconds=[s["seconds"] for s in stats], rss_after_commit_mib=rss_after_commit)
 
 
+# generators that the beam mode's DoFn finds in this process (the DirectRunner runs it
+# here), by token: a DoFn is pickled, and a device is not
+_IN_PROCESS: dict[str, object] = {}
+
+
+class _InProcessWorker:
+    """``make_worker`` for ``GenerateSlicesFn``: the bench's own generator (no model load,
+    no compile) and a writer pool, as the beam engine's worker holds them."""
+
+    def __init__(self, token: str):
+        self.token = token
+
+    def __call__(self, run):
+        import types
+
+        from pipeline.generate import host_loop
+
+        return types.SimpleNamespace(generator=_IN_PROCESS[self.token], model=None, compiles_at_warm=0,
+                                     pool=ThreadPoolExecutor(host_loop.WRITER_THREADS, thread_name_prefix="writer"))
+
+
+def run_beam(generator, out: str, slices: int) -> dict:
+    """(b'): the beam engine's generate DoFn (``GenerateSlicesFn``) on the DirectRunner over
+    the slices, on the same generator: one bundle's slices as one overlapped host loop.
+    Images/s counts from the first slice's start to the last commit (the slices' own
+    stats), so the runner's start-up is left out; its whole wall time is reported too."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from pipeline.engines.beam import GenerateSlicesFn
+
+    token = uuid.uuid4().hex
+    _IN_PROCESS[token] = generator
+    results = os.path.join(tempfile.mkdtemp(prefix="promptmill-beam-bench-"), "stats")
+    try:
+        watch = logs.Stopwatch()
+        with beam.Pipeline(options=PipelineOptions(["--runner", "DirectRunner"])) as p:
+            _ = (p | beam.Create(list(range(slices)))
+                 | beam.ParDo(GenerateSlicesFn(out, make_worker=_InProcessWorker(token)))
+                 | beam.Map(json.dumps) | beam.io.WriteToText(results))
+        wall = watch.seconds()
+        stats = [json.loads(line) for path in storage.glob(results + "*") for line in
+                 storage.read_text(path).splitlines()]
+    finally:
+        _IN_PROCESS.pop(token, None)
+        shutil.rmtree(os.path.dirname(results), ignore_errors=True)
+    stats.sort(key=lambda s: s["slice"])
+    span = max(s["committed_ts"] for s in stats) - min(s["started_ts"] for s in stats)
+    busy = sum(s["device_busy_s"] for s in stats)
+    return _result(sum(s["images"] for s in stats), span, out=out, runner_wall_s=round(wall, 4),
+                   device_busy_s=round(busy, 4), device_busy_fraction=round(busy / span, 4),
+                   slice_seconds=[s["seconds"] for s in stats])
+
+
 def run_sequential(generator, plan: list[list[records.Item]], folder: str) -> dict:
     """(c): the seed loop: generate a batch and wait, then numpy -> PIL -> PNG file for
     each image in turn, on this thread."""
@@ -246,7 +302,8 @@ def _build_generator(config: PipelineBenchConfig):
     if config.generator == "synthetic":
         width, height = config.width or 512, config.height or 512
         generator = SyntheticGenerator(config.batch, width, height, config.seconds_per_batch)
-        return generator, width, height, bench_run(width, height, 0, config.batch), {
+        run = bench_run(width, height, 0, config.batch, batches_per_slice=config.batches_per_slice)
+        return generator, width, height, run, {
             "device_images_per_s": round(config.batch / config.seconds_per_batch, 4)
             if config.seconds_per_batch else None}
     import jax
@@ -263,7 +320,7 @@ def _build_generator(config: PipelineBenchConfig):
     generator = Generator(model, width, height, config.steps, config.batch // len(devices))
     generator.warm_up()
     run = bench_run(width, height, config.steps, generator.per_device_batch, "tiny", model.sampler.choice,
-                    model.fingerprint)
+                    model.fingerprint, config.batches_per_slice, len(devices))
     return generator, width, height, run, {"devices": len(devices), "platform": devices[0].platform,
                                            "build_s": round(watch.seconds(), 3)}
 
@@ -329,6 +386,12 @@ def run(config: PipelineBenchConfig) -> dict:
                 modes["pipeline_gcs"] = run_pipeline(generator, out, run_dict, config.slices, size)
                 modes["pipeline_gcs"]["files"] = len(storage.glob(naming.join(out, "images", "*", "*.png")))
             logs.event("bench_pipeline_mode", mode="pipeline_gcs", images_per_s=modes["pipeline_gcs"]["images_per_s"])
+        if "beam" in config.modes:
+            beam_out = os.path.join(workdir, "beam")
+            write_plan(beam_out, run_dict, config.slices, size)
+            modes["beam_local"] = run_beam(generator, beam_out, config.slices)
+            modes["beam_local"]["files"] = count_files(os.path.join(beam_out, "images"))
+            logs.event("bench_pipeline_mode", mode="beam_local", images_per_s=modes["beam_local"]["images_per_s"])
         if "sequential" in config.modes:
             sequential = os.path.join(workdir, "sequential")
             modes["sequential"] = run_sequential(generator, plan, sequential)
@@ -340,7 +403,7 @@ def run(config: PipelineBenchConfig) -> dict:
         if config.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     ratios = {f"{b}_over_{a}": _ratio(modes.get(b), modes.get(a))
-              for b in ("pipeline_local", "pipeline_gcs") for a in ("generator", "sequential")}
+              for b in ("pipeline_local", "pipeline_gcs", "beam_local") for a in ("generator", "sequential")}
     report = {"command": command_line(config),
               "config": {**dataclasses.asdict(config), "modes": list(config.modes), "width": width, "height": height,
                          "batch_size": generator.batch_size, "slice_size": size,
@@ -366,6 +429,12 @@ def table(report: dict) -> str:
         lines.append(f"{name:<15} {m['images_per_s']:>9.3f} {m['seconds']:>8.2f} {m.get('input_s', '-'):>8} "
                      f"{m.get('device_wait_s', '-'):>8} {m.get('output_s', '-'):>9} {m.get('bottleneck', '-'):>10} "
                      f"{m.get('device_busy_fraction', '-'):>5} {m['peak_rss_mib']:>12}")
-    lines.append("  ".join(f"{k.replace('pipeline_', '(b) ')} = {v:.3f}" for k, v in report["ratios"].items()
-                           if v is not None))
+    ratios = []
+    names = {"pipeline_": "(b) ", "beam_": "(b') beam "}
+    for name, value in report["ratios"].items():
+        if value is not None:
+            for prefix, label in names.items():
+                name = name.replace(prefix, label)
+            ratios.append(f"{name} = {value:.3f}")
+    lines.append("  ".join(ratios))
     return "\n".join(lines)

@@ -76,7 +76,9 @@ def generate_wall_s(slice_stats: list[dict]) -> float | None:
     """From the first slice's start to the last slice's end, as the hosts recorded them."""
     spans = []
     for stats in slice_stats:
-        if "finished_at" in stats:
+        if "committed_ts" in stats:
+            spans.append((stats["started_ts"], stats["committed_ts"]))
+        elif "finished_at" in stats:
             end = dt.datetime.fromisoformat(stats["finished_at"]).timestamp()
             spans.append((end - stats["seconds"], end))
     return round(max(e for _, e in spans) - min(s for s, _ in spans), 1) if spans else None

@@ -263,6 +263,8 @@ class GenerateSlicesFn(beam.DoFn):
         """(images, latents) zarr arrays, or (None, None); opened on first use, once the
         manifest (their shape) exists."""
         with self._zarr_lock:
+            if "zarr" not in self.run.settings.formats:
+                return None, None
             if self._zarr is None:
                 count = storage.read_json(naming.manifest(self.out))["images"]
                 self._zarr = runtime.open_zarr(self.out, self.run, self.worker.model, count)

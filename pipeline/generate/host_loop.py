@@ -49,6 +49,7 @@ class _Slice:
     def __init__(self, out: str, run: Run, index: int, size: int, host: int, pool, queued,
                  zarr_images=None, zarr_latents=None):
         self.watch = logs.Stopwatch()
+        self.started_ts = time.time()
         self.index, self.size, self.host = index, size, host
         self.items = writer.read_slice_items(out, index)
         self.padded = [*self.items, *[None] * (size - len(self.items))]
@@ -69,7 +70,9 @@ class _Slice:
                  **{name: round(value, 4) for name, value in self.timing.items()},
                  "commit_s": round(clock.seconds(), 4), "compiles_after_warmup": self.compiles,
                  "truncated_prompts": self.truncated_prompts,
-                 "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+                 "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                 # unix times of the slice's start and of its commit, for timelines across slices
+                 "started_ts": round(self.started_ts, 3), "committed_ts": round(time.time(), 3)}
         self.writer.mark(stats)
         return stats
 
