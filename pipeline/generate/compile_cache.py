@@ -173,9 +173,10 @@ def _write(path: str, data: bytes) -> None:
             os.remove(scratch)
 
 
-def load_or_compile(lowered, devices):
+def load_or_compile(lowered, devices, folder: str | None = None):
     """``lowered.compile()``, or the executable an earlier run of this host compiled for
-    the same key (``executable_key``), when ``enable`` turned the cache on.
+    the same key (``executable_key``) in ``folder`` (local or gs://; default: the one
+    ``enable`` chose, none before it).
 
     Returns (the compiled program, whether it was loaded from the cache). A compiled
     program is written to the cache; an entry that cannot be loaded (another jaxlib's,
@@ -187,9 +188,10 @@ def load_or_compile(lowered, devices):
     from pipeline.core import logs
     from pipeline.io import storage
 
-    if _executables is None:
+    folder = folder or _executables
+    if folder is None:
         return lowered.compile(), False
-    path = f"{_executables}/{executable_key(lowered, devices)}"
+    path = f"{folder.rstrip('/')}/{executable_key(lowered, devices)}"
     if storage.exists(path):
         try:
             data, in_tree, out_tree = pickle.loads(storage.read_bytes(path))
