@@ -124,3 +124,23 @@ def test_a_loaded_sampler_writes_the_same_bytes(cold_and_warm):
     images = {out: {path[len(out):]: storage.read_bytes(path) for path in storage.glob(f"{out}/images/**/*.png")}
               for out in cold_and_warm}
     assert len(images[cold]) == 4 and images[cold] == images[warm]
+
+
+def test_a_local_run_is_warm_by_default_unless_told_not(tmp_path, monkeypatch, capsys):
+    from jobs import cli
+
+    monkeypatch.setenv("PROMPTMILL_CACHE", str(tmp_path / "pm"))
+    caches = []
+
+    def run_local(settings, hosts, beam_args, progress, compile_cache, overwrite):
+        caches.append(compile_cache)
+        return dict.fromkeys(cli.SUMMARY, 0)
+
+    monkeypatch.setattr(launcher, "run_local", run_local)
+    base = ["run", "--prompts", "p.jsonl", "--out", str(tmp_path / "out")]
+    assert cli.main(base) == 0
+    assert cli.main([*base, "--compile-cache", str(tmp_path / "mine")]) == 0
+    assert cli.main([*base, "--no-compile-cache"]) == 0
+    assert caches == [str(tmp_path / "pm" / "compile-cache" / "local"), str(tmp_path / "mine"), None]
+    assert cli.main([*base, "--no-compile-cache", "--compile-cache", "x"]) == 1
+    assert "not both" in capsys.readouterr().err

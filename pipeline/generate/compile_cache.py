@@ -51,6 +51,14 @@ def resolve(directory: str) -> str:
     return directory.rstrip("/")
 
 
+def local_default() -> str:
+    """The cache folder of local ``promptmill run``s that name none: under the promptmill
+    cache folder, so a second local run of the same job is warm."""
+    from pipeline.model.cache import cache_dir
+
+    return os.path.join(cache_dir(), "compile-cache", "local")
+
+
 _REMOTE: dict[str, str] = {}  # gs:// cache folder -> its local mirror, for ``push``
 
 
