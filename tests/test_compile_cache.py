@@ -3,6 +3,8 @@
 That a gs:// cache filled by one run's host is used by the next run's, on a fresh
 machine, is shown end to end by the two triggers of one date in tests/test_schedule.py.
 """
+import os
+
 import pytest
 
 from pipeline.engines import local as launcher
@@ -144,3 +146,43 @@ def test_a_local_run_is_warm_by_default_unless_told_not(tmp_path, monkeypatch, c
     assert caches == [str(tmp_path / "pm" / "compile-cache" / "local"), str(tmp_path / "mine"), None]
     assert cli.main([*base, "--no-compile-cache", "--compile-cache", "x"]) == 1
     assert "not both" in capsys.readouterr().err
+
+
+def test_the_host_check_reads_no_checkpoint_byte_when_the_plans_table_matches(tmp_path, monkeypatch, model_cache):
+    """The plan hashes the checkpoint once and writes its file table; a host on a machine
+    that hashed it since it last changed reads none of its bytes. A changed file is
+    refused, named, whatever its size."""
+    import builtins
+    import shutil
+
+    from pipeline.model import sources
+
+    directory = str(tmp_path / "model")
+    shutil.copytree(sources.resolve("tiny"), directory)
+    planned = sources.fingerprint(directory)
+    table = sources.file_table(directory)
+    assert planned == sources.fingerprint(directory) and len(table) > 5
+
+    opened = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if str(file).startswith(directory):
+            opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    sources.check_files(directory, table)
+    assert opened == []
+
+    weights = os.path.join(directory, "unet", "diffusion_flax_model.msgpack")
+    data = bytearray(open(weights, "rb").read())
+    data[-1] ^= 1  # same size, other bytes
+    with real_open(weights, "wb") as f:
+        f.write(data)
+    with pytest.raises(sources.ModelError, match="unet/diffusion_flax_model.msgpack differs"):
+        sources.check_files(directory, table)
+    with real_open(weights, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(sources.ModelError, match="unet/diffusion_flax_model.msgpack has"):
+        sources.check_files(directory, table)

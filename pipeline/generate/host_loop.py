@@ -186,7 +186,7 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
     settings = run.settings
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
     started = logs.Stopwatch()
-    model = runtime.load_model(run)
+    model = runtime.load_model(run, out)
     generator = runtime.make_generator(model, settings)
     size = manifest["slice_size"]
     batches = slicing.batches_per_slice(size, len(generator.devices), settings.per_device_batch)
