@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--devices-per-host", type=int, default=2, help="CPU devices per host (default: %(default)s)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_overwrite_flag(run)
-    add_compile_cache_flag(run)
+    add_compile_cache_flag(run, local_default=True)
 
     plan = sub.add_parser("plan", help="validate prompts and cut them into slices (Beam)")
     dated.append(plan)
@@ -122,9 +122,13 @@ def _dispatch(args, beam_args: list[str]) -> int:
             stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite)
         else:
             from pipeline.engines import local as launcher
+            from pipeline.generate import compile_cache
 
+            if args.compile_cache and args.no_compile_cache:
+                raise ValueError("give --compile-cache DIR or --no-compile-cache, not both")
+            cache = None if args.no_compile_cache else args.compile_cache or compile_cache.local_default()
             stats = launcher.run_local(settings, 2 if args.hosts is None else args.hosts, beam_args,
-                                       progress=not args.no_progress, compile_cache=args.compile_cache,
+                                       progress=not args.no_progress, compile_cache=cache,
                                        overwrite=args.overwrite)
         print(json.dumps({k: stats[k] for k in SUMMARY}))
     elif args.command == "plan":

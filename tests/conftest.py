@@ -38,6 +38,7 @@ SLOW_MODULES = [
     "test_weights.py",
     "test_plan_bench.py",
     "test_host_pipeline.py",
+    "test_compile_cache.py",
 ]
 
 

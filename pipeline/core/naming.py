@@ -58,6 +58,11 @@ def manifest(out: str) -> str:
     return join(out, "plan", "manifest.json")
 
 
+def model_files(out: str) -> str:
+    """The checkpoint's file table (sizes and sha256) the plan was made with."""
+    return join(out, "plan", "model_files.json")
+
+
 def plan_slice(out: str, index: int) -> str:
     return join(out, "plan", "slices", f"{slice_name(index)}.jsonl")
 

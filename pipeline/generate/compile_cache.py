@@ -13,12 +13,26 @@ output byte, so it is not part of ``Settings`` or the run's fingerprint.
 counts hits and written entries (jax.monitoring events), so logs and tests can prove
 that a process loaded its programs rather than compiling them. In a cluster only
 process 0 writes entries (jax's rule, to spare shared filesystems from contention).
+
+That rule, and the devices a pmapped program names (each host's own), leave every host
+but host 0 compiling the sampler on every run, and a pod waits for its slowest host. So
+the sampler, the one program that takes long to compile, has a cache of its own under
+the same folder (``EXECUTABLES``): each host serialises its compiled executable
+(``jax.experimental.serialize_executable``) under a key made of the lowered program and
+the host's device assignment, and loads it back on the next run (``load_or_compile``). An
+executable is the one XLA compiled for exactly that program and those devices, so a
+loaded one computes the same bits as a fresh compilation.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import pickle
+import tempfile
 
 from pipeline.generate import jax_events
+
+EXECUTABLES = "executables"  # the per-host executables' folder, inside the cache folder
 
 
 def resolve(directory: str) -> str:
@@ -35,6 +49,14 @@ def resolve(directory: str) -> str:
     if not directory.startswith("gs://"):
         raise ValueError(f"--compile-cache must be a local folder or gs:// path, got {directory!r}")
     return directory.rstrip("/")
+
+
+def local_default() -> str:
+    """The cache folder of local ``promptmill run``s that name none: under the promptmill
+    cache folder, so a second local run of the same job is warm."""
+    from pipeline.model.cache import cache_dir
+
+    return os.path.join(cache_dir(), "compile-cache", "local")
 
 
 _REMOTE: dict[str, str] = {}  # gs:// cache folder -> its local mirror, for ``push``
@@ -108,7 +130,90 @@ def enable(directory: str) -> str:
     # no override" (see the flag's help in jax/_src/config.py).
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax_events.CACHE.install()
+    global _executables
+    _executables = f"{resolve(directory)}/{EXECUTABLES}"
     return path
+
+
+_executables: str | None = None  # where ``load_or_compile`` keeps executables: set by ``enable``
+# executables this process loaded from / wrote to the per-host cache
+EXECUTABLE_COUNTS = {"hits": 0, "writes": 0}
+
+
+def executable_key(lowered, devices) -> str:
+    """The per-host cache key of ``lowered`` compiled for ``devices``: the program's text,
+    the devices it runs on (ids, kinds, this process among how many) and everything else
+    that decides the compiled code (jax, jaxlib and backend versions, XLA flags)."""
+    import jax
+    import jaxlib
+
+    device = devices[0]
+    parts = [lowered.as_text(),
+             repr([(d.id, d.process_index, d.platform, d.device_kind) for d in devices]),
+             f"process {jax.process_index()} of {jax.process_count()}",
+             f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
+             f"backend {device.client.platform} {device.client.platform_version}",
+             f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}"]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _write(path: str, data: bytes) -> None:
+    """A whole entry under its final name. A local one is renamed into place, so a host
+    reading it meanwhile never sees half of it; a GCS object is uploaded whole."""
+    from pipeline.io import storage
+
+    if storage.is_gcs(path):
+        storage.write_bytes(path, data)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix=".entry-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(scratch, 0o644)  # mkstemp made it private; the cache is shared like jax's
+        os.replace(scratch, path)
+    finally:
+        if os.path.exists(scratch):
+            os.remove(scratch)
+
+
+def load_or_compile(lowered, devices, folder: str | None = None):
+    """``lowered.compile()``, or the executable an earlier run of this host compiled for
+    the same key (``executable_key``) in ``folder`` (local or gs://; default: the one
+    ``enable`` chose, none before it).
+
+    Returns (the compiled program, whether it was loaded from the cache). A compiled
+    program is written to the cache; an entry that cannot be loaded (another jaxlib's,
+    truncated) is logged, compiled again and replaced. Entries are unpickled: the cache
+    folder must be as trusted as the code (so is jax's own cache).
+    """
+    from jax.experimental import serialize_executable
+
+    from pipeline.core import logs
+    from pipeline.io import storage
+
+    folder = folder or _executables
+    if folder is None:
+        return lowered.compile(), False
+    path = f"{folder.rstrip('/')}/{executable_key(lowered, devices)}"
+    if storage.exists(path):
+        try:
+            data, in_tree, out_tree = pickle.loads(storage.read_bytes(path))
+            loaded = serialize_executable.deserialize_and_load(data, in_tree, out_tree,
+                                                               execution_devices=list(devices))
+        except Exception as e:  # noqa: BLE001 - any unreadable entry is replaced, never trusted
+            logs.event("executable_cache_unreadable", path=path, error=f"{type(e).__name__}: {e}")
+        else:
+            EXECUTABLE_COUNTS["hits"] += 1
+            return loaded, True
+    compiled = lowered.compile()
+    _write(path, pickle.dumps(serialize_executable.serialize(compiled)))
+    EXECUTABLE_COUNTS["writes"] += 1
+    return compiled, False
 
 
 def entries(directory: str) -> int:

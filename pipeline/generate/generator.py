@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 
 from pipeline.core.choices import LEGACY_ATTENTION
-from pipeline.generate import jax_events, sampler
+from pipeline.generate import compile_cache, jax_events, sampler
 from pipeline.model import attention as attention_lib
 
 
@@ -74,7 +74,12 @@ class Generator:
         self.params = replicate(model.params, self.devices) if params is None else params
         fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
                                                 attention, self.devices[0].platform), devices=self.devices)
-        self.compiled = fn.lower(self.params, *self._device_shaped(self.padding_batch())).compile()
+        compiles = jax_events.COMPILES.count()
+        lowered = fn.lower(self.params, *self._device_shaped(self.padding_batch()))
+        # from_cache: loaded from this host's executable cache (``compile_cache.enable``);
+        # sampler_compiles: the backend compilations that building the sampler took
+        self.compiled, self.from_cache = compile_cache.load_or_compile(lowered, self.devices)
+        self.sampler_compiles = jax_events.COMPILES.count() - compiles
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """CLIP token ids, padded and truncated to the tokenizer's length."""

@@ -179,6 +179,7 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
     """
     from pipeline.generate import compile_cache as cache_lib
 
+    jax_events.COMPILES.install()  # first: count every compilation of this host (host_ready)
     if compile_cache:  # first: every program this host compiles should go through the cache
         cache_dir = cache_lib.enable(compile_cache)
     host, num_hosts = cluster.initialize(cluster_args)
@@ -187,14 +188,23 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
     run, manifest = runtime.load_planned(out)
     settings = run.settings
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
-    model = runtime.load_model(run)
+    started = logs.Stopwatch()
+    model = runtime.load_model(run, out)
     generator = runtime.make_generator(model, settings)
     size = manifest["slice_size"]
     batches = slicing.batches_per_slice(size, len(generator.devices), settings.per_device_batch)
     compiles_at_warm = generator.warm_up()
-    cache_stats = ({"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT),
-                    "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE)} if compile_cache else {})
-    logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches, **cache_stats)
+    cache_stats = {}
+    if compile_cache:  # jax's cache (host 0 writes it) and this host's executables
+        executables = cache_lib.EXECUTABLE_COUNTS
+        cache_stats = {"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT) + executables["hits"],
+                       "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE) + executables["writes"],
+                       "sampler_from_cache": generator.from_cache}
+    # compiles: the host's backend compilations so far, sampler_compiles those of the
+    # sampler (0 when it came from the cache); ready_s: seconds since host_started
+    logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches,
+               compiles=compiles_at_warm, sampler_compiles=generator.sampler_compiles,
+               ready_s=round(started.seconds(), 3), **cache_stats)
     if compile_cache:
         uploaded = cache_lib.push()
         if uploaded:

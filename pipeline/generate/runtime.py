@@ -28,14 +28,27 @@ def load_planned(out: str) -> tuple[Run, dict]:
     return runs.read(out), storage.read_json(manifest)
 
 
-def load_model(run: Run):
+def load_model(run: Run, out: str | None = None):
     """The run's model, loaded as every host loads it; GenerateError unless its
-    fingerprint is the one the run was planned with."""
-    from pipeline.model import load as model_lib
+    fingerprint is the one the run was planned with.
+
+    With ``out``, whose plan wrote the checkpoint's file table (``naming.model_files``),
+    and neither --unet nor --lora, the files are checked against that table
+    (``sources.check_files``: sizes, and sha256s that are remembered rather than read
+    when the files have not changed) instead of hashing every byte again."""
+    from pipeline.model import load as model_lib, sources
 
     settings = run.settings
+    table = naming.model_files(out) if out else None
+    quick = table is not None and not settings.unet and not settings.loras and storage.exists(table)
     model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing, settings.unet,
-                           settings.loras)
+                           settings.loras, fingerprint=not quick)
+    if quick:
+        try:
+            sources.check_files(sources.resolve(settings.model), storage.read_json(table)["files"])
+        except sources.ModelError as e:
+            raise GenerateError(f"model {settings.model!r}: {e}") from None
+        return dataclasses.replace(model, fingerprint=run.model_fingerprint)
     if model.fingerprint != run.model_fingerprint:
         raise GenerateError(f"model {settings.model!r} has fingerprint {model.fingerprint[:12]}, but the run was "
                             f"planned with {run.model_fingerprint[:12]}: generating needs the same checkpoint "

@@ -81,7 +81,8 @@ def _to_bf16(tree):
 
 
 def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_spacing: str | None = None,
-         unet: str | None = None, loras: tuple[str, ...] | list[str] = (), abstract: bool = False) -> Model:
+         unet: str | None = None, loras: tuple[str, ...] | list[str] = (), abstract: bool = False,
+         fingerprint: bool = True) -> Model:
     """Load ``--model`` (``tiny`` or a diffusers-format directory) for sampling.
 
     ``dtype`` is the compute and weight dtype of the networks (``fp32`` or ``bf16``);
@@ -95,7 +96,8 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
 
     ``abstract``: the same model with its networks' params as ``jax.ShapeDtypeStruct``s,
     from the configs alone (no weight read, no adapter merged): enough to lower and compile
-    its programs.
+    its programs. ``fingerprint=False``: the model's fingerprint is left None (not
+    computed: the caller checks the files another way, ``sources.check_files``).
     """
     quiet_libraries()  # before the Flax classes are imported: some warn at import
     import jax.numpy as jnp
@@ -130,9 +132,9 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
     if dtype == "bf16":  # weights in bf16 too: half the memory and bandwidth
         params = {name: _to_bf16(tree) for name, tree in params.items()}
     flax_scheduler, params = _with_sampler_state(sampler, params)
-    fingerprint = None if abstract else model_fingerprint(
+    value = None if abstract or not fingerprint else model_fingerprint(
         directory, unet_file, [(local, scale) for _, local, scale in adapters])
-    return Model(path=name, fingerprint=fingerprint, tokenizer=tokenizer,
+    return Model(path=name, fingerprint=value, tokenizer=tokenizer,
                  text_encoder=text_encoder, unet=unet, vae=vae, sampler=sampler, scheduler=flax_scheduler,
                  params=params, **extra)
 

@@ -87,19 +87,103 @@ def _fetch_hub(repo_id: str) -> str:
                          "download it elsewhere and pass the folder or a gs:// copy") from e
 
 
-def fingerprint(directory: str) -> str:
-    """sha256 over every file of the checkpoint (relative name and content)."""
-    digest = hashlib.sha256()
+def _files(directory: str) -> list[tuple[str, str]]:
+    """(relative name, path) of every file of a checkpoint, in a fixed order."""
+    found = []
     for root, dirs, files in os.walk(directory):
         dirs.sort()
         for name in sorted(files):
             path = os.path.join(root, name)
-            digest.update(os.path.relpath(path, directory).replace(os.sep, "/").encode() + b"\0")
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            digest.update(b"\0")
+            found.append((os.path.relpath(path, directory).replace(os.sep, "/"), path))
+    return found
+
+
+def _memo_path(path: str) -> str:
+    return os.path.join(cache_dir(), "digests", hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:32])
+
+
+def _stat_key(path: str) -> dict:
+    stat = os.stat(path)
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+
+
+def _remember(path: str, key: dict, sha256: str) -> None:
+    """Keep a file's sha256 for as long as its size, mtime and inode stay the same."""
+    memo = _memo_path(path)
+    os.makedirs(os.path.dirname(memo), exist_ok=True)
+    scratch = f"{memo}.{os.getpid()}.partial"
+    with open(scratch, "w") as f:
+        json.dump({**key, "sha256": sha256}, f)
+    os.replace(scratch, memo)
+
+
+def _remembered(path: str) -> str | None:
+    """The sha256 ``_remember`` kept for ``path``, if the file has not changed since."""
+    try:
+        with open(_memo_path(path)) as f:
+            memo = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return memo.get("sha256") if {k: memo.get(k) for k in ("size", "mtime_ns", "inode")} == _stat_key(path) \
+        else None
+
+
+def fingerprint(directory: str) -> str:
+    """sha256 over every file of the checkpoint (relative name and content).
+
+    The same pass keeps each file's own sha256 (``file_table`` then reads nothing)."""
+    digest = hashlib.sha256()
+    for relative, path in _files(directory):
+        key = _stat_key(path)
+        own = hashlib.sha256()
+        digest.update(relative.encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+                own.update(block)
+        digest.update(b"\0")
+        _remember(path, key, own.hexdigest())
     return digest.hexdigest()
+
+
+def file_table(directory: str) -> dict:
+    """{relative name: {"size", "sha256"}} of every file of a checkpoint, written with the
+    plan so hosts can check their copy (``check_files``). A file hashed since it last
+    changed (by ``fingerprint``, on this machine) is not read again."""
+    table = {}
+    for relative, path in _files(directory):
+        table[relative] = {"size": os.path.getsize(path), "sha256": _remembered(path) or _hash_and_remember(path)}
+    return table
+
+
+def _hash_and_remember(path: str) -> str:
+    key = _stat_key(path)
+    value = file_sha256(path)
+    _remember(path, key, value)
+    return value
+
+
+def check_files(directory: str, table: dict) -> None:
+    """ModelError naming the first file of ``directory`` that differs from the plan's
+    ``table`` (``file_table``): a file missing or extra, another size, or other bytes.
+
+    Sizes are compared first; a file's bytes are read only when its sha256 is not
+    remembered since it last changed, so a host checking the checkpoint its plan hashed
+    on the same machine, or that it checked before, reads none of it."""
+    files = dict(_files(directory))
+    for relative in sorted(set(files) | set(table)):
+        if relative not in files:
+            raise ModelError(f"{directory}: {relative} is missing, but the run was planned with it")
+        if relative not in table:
+            raise ModelError(f"{directory}: {relative} was not part of the checkpoint the run was planned with")
+        if os.path.getsize(files[relative]) != table[relative]["size"]:
+            raise ModelError(f"{directory}: {relative} has {os.path.getsize(files[relative])} bytes, the run was "
+                             f"planned with {table[relative]['size']}: generating needs the same checkpoint")
+    for relative in sorted(files):
+        path = files[relative]
+        if (_remembered(path) or _hash_and_remember(path)) != table[relative]["sha256"]:
+            raise ModelError(f"{directory}: {relative} differs from the file the run was planned with "
+                             f"(another sha256): generating needs the same checkpoint")
 
 
 def resolve_unet(path: str) -> str:

@@ -5,7 +5,9 @@ as Flax msgpack (``diffusion_flax_model.msgpack`` / ``flax_model.msgpack``) or a
 PyTorch safetensors (``diffusion_pytorch_model.safetensors`` / ``model.safetensors``).
 Safetensors are read as numpy arrays and mapped to Flax names and layouts with the
 libraries' own renaming rules; the target tree comes from ``jax.eval_shape``, so no
-random initialisation runs and torch is never imported.
+random initialisation runs and torch is never imported. Flax msgpack is read the same
+way, as numpy arrays checked against that tree. Weights stay on the host until the
+generator puts them on its devices.
 """
 from __future__ import annotations
 
@@ -53,13 +55,45 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
         raise WeightsError(f"{path}: not a readable safetensors file ({e})") from e
 
 
+def _read_msgpack(path: str) -> dict:
+    """The nested dict of numpy arrays in a Flax msgpack file (nothing goes to a device)."""
+    from flax.serialization import msgpack_restore
+
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return msgpack_restore(data)
+    except Exception as e:  # a truncated or foreign file: name it
+        raise WeightsError(f"{path}: not a readable Flax msgpack file ({e})") from e
+
+
+def params_from_msgpack(shapes_tree, path: str) -> dict:
+    """Flax params from a Flax msgpack file, checked against the module's shapes: numpy
+    arrays on the host, as stored, so the cast to the run's dtype happens on the host
+    and each device receives its weights in one transfer."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    shapes = flatten_dict(shapes_tree)
+    flat = {key: np.asarray(value) for key, value in flatten_dict(_read_msgpack(path)).items() if key in shapes}
+    _check_complete(path, shapes, flat)
+    return unflatten_dict(flat)
+
+
+def _shapes(module):
+    """The params' shapes of a diffusers Flax module, from its config alone: no
+    initialiser runs, and the key is a shape too (a concrete one would be computed)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.eval_shape(module.init_weights, jax.ShapeDtypeStruct((2,), jnp.uint32))
+
+
 def diffusers_params_from_safetensors(module, path: str) -> dict:
     """Flax params for a diffusers Flax module (UNet, VAE) from PyTorch safetensors."""
-    import jax
     from diffusers.models.modeling_flax_pytorch_utils import rename_key, rename_key_and_reshape_tensor
     from flax.traverse_util import flatten_dict, unflatten_dict
 
-    shapes = flatten_dict(jax.eval_shape(module.init_weights, jax.random.PRNGKey(0)))
+    shapes = flatten_dict(_shapes(module))
     flat = {}
     for pt_key, tensor in _read_safetensors(path).items():
         key, tensor = rename_key_and_reshape_tensor(tuple(rename_key(pt_key).split(".")), tensor, shapes)
@@ -89,16 +123,13 @@ def load_diffusers(cls, directory: str, component: str, dtype, weights_file: str
     ``weights_file`` (PyTorch safetensors), the folder's config with that file's weights.
     ``abstract``: params as float32 ``jax.ShapeDtypeStruct``s, from the config alone (no
     weight is read or initialised)."""
-    import jax
-
     component_dir = os.path.join(directory, component)
+    module = cls.from_config(cls.load_config(component_dir), dtype=dtype)
     if abstract:
-        module = cls.from_config(cls.load_config(component_dir), dtype=dtype)
-        return module, jax.eval_shape(module.init_weights, jax.random.PRNGKey(0))
+        return module, _shapes(module)
     kind, path = ("safetensors", weights_file) if weights_file else find(component_dir, component)
     if kind == "flax":
-        return cls.from_pretrained(directory, subfolder=component, dtype=dtype)
-    module = cls.from_config(cls.load_config(component_dir), dtype=dtype)
+        return module, params_from_msgpack(_shapes(module), path)
     return module, diffusers_params_from_safetensors(module, path)
 
 
@@ -112,10 +143,11 @@ def load_transformers(cls, directory: str, component: str, dtype, abstract: bool
         module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
         return module, module.params_shape_tree
     kind, path = find(component_dir, component)
-    if kind == "flax":
-        module = cls.from_pretrained(component_dir, dtype=dtype)
-        return module, module.params
+    # _do_init=False: no random initialisation of weights the file replaces anyway (the
+    # eager init took most of a small model's load time)
     module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
+    if kind == "flax":
+        return module, params_from_msgpack(module.params_shape_tree, path)
     return module, transformers_params_from_safetensors(module, path)
 
 

@@ -46,6 +46,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.core import logs, naming, records, slicing
 from pipeline.core.settings import Run, Settings
 from pipeline.io import beamio, runs, storage
+from pipeline.model import sources
 from pipeline.plan.layout import (
     Layout,
     PlanError,
@@ -266,6 +267,9 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare.prepare_out``).
     """
     settings, _ = prepare(settings, overwrite)
+    # hosts check their checkpoint against this table instead of hashing it again;
+    # planning just hashed it (model fingerprint), so this reads nothing
+    storage.write_json(naming.model_files(settings.out), {"files": sources.file_table(sources.resolve(settings.model))})
     p = beam.Pipeline(options=PipelineOptions(beam_args or []))
     _ = p | "Plan" >> Plan(settings)
     result = p.run()
