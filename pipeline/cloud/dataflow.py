@@ -1,4 +1,4 @@
-"""``submit dataflow``: three Dataflow jobs in a row: plan on CPU workers, generate on TPU workers, collect on CPU workers.
+"""``submit dataflow``: three Dataflow jobs in a row: plan on CPU, generate on TPU, collect on CPU workers.
 
 Only generate needs a TPU, so plan (reading and validating the prompts) and collect
 (merging metadata, verifying, the gallery) run as their own jobs on CPU machine types,
