@@ -17,6 +17,7 @@ from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, job
 from pipeline.core.settings import AUTO
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
+TPU_DTYPE = "bf16"  # the submissions' --dtype default: TPU runs compute in bf16
 _DATAFLOW_EXAMPLE = ("promptmill submit dataflow --tpu-type v5e --topology 2x4 --image IMAGE --project P "
                      "--region R --prompts gs://B/prompts/*.jsonl --out gs://B/runs/{date} --date 2025-01-31")
 
@@ -30,9 +31,19 @@ def _require(parser: argparse.ArgumentParser, *dests: str) -> None:
             action.help = (action.help or "").split(" (default:")[0] + " (required: gs://BUCKET/PREFIX)"
 
 
+def _tpu_dtype(parser: argparse.ArgumentParser) -> None:
+    """bf16 by default: what TPU runs use (fp32 weights double the HBM and the memory traffic)."""
+    parser.set_defaults(dtype=TPU_DTYPE)
+    for action in parser._actions:  # argparse has no public way to change an added flag's help
+        if action.dest == "dtype":
+            action.help = (action.help or "").split(" (default:")[0] + \
+                " (default on TPU: %(default)s; --dtype fp32 for float32)"
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     flags.add_settings_flags(parser)
     _require(parser, "out", "prompts")
+    _tpu_dtype(parser)
     flags.add_date_flag(parser)
     parser.add_argument("--tpu-type", help="TPU type: v5e, v6e or v5p (or tpu-v5-lite-podslice, tpu-v6e-slice, "
                         "tpu-v5p-slice); required")
@@ -56,7 +67,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
         description="Launch plan and collect as Dataflow jobs on CPU workers (--cpu-machine-type) and generate as a "
                     "Dataflow job on single-host TPU workers, in that order, each once the one before it is done; "
                     "the committed slices are printed while generate runs, and a job that fails stops the chain. "
-                    "Flags not listed here are passed on to all three jobs as "
+                    "--dtype defaults to bf16. Flags not listed here are passed on to all three jobs as "
                     "Dataflow/Beam options if Beam knows them (e.g. --worker_zone, --network). DATAFLOW_LAUNCHER "
                     "overrides the launcher (python -m pipeline.cloud.dataflow_launch). Example: "
                     + _DATAFLOW_EXAMPLE)
@@ -87,7 +98,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
         "gke", help="plan, generate on a GKE TPU slice (a JobSet, one pod per host), then collect",
         description="Plan (Beam, local unless --plan-beam-args), apply a JobSet that runs `promptmill generate` "
                     "on every host of a TPU slice, follow the committed slices until the JobSet completes, then "
-                    "collect. Flags not listed here are Beam options for plan and "
+                    "collect. --dtype defaults to bf16. Flags not listed here are Beam options for plan and "
                     "collect. kubectl must point at the cluster (KUBECTL overrides the kubectl on PATH).")
     _add_common(gke)
     gke.add_argument("--machine-type", help="TPU machine type, where a topology runs on two (v5e/v6e 2x4: "

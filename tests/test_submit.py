@@ -533,7 +533,32 @@ def test_dataflow_dry_run_prints_three_jobs_plan_and_collect_on_cpu_and_launches
     assert "# 2. generate on TPU workers (v5e 2x4" in out and "# 3. collect on CPU workers (n2-highmem-8):" in out
     assert f"run plan --out {OUT} --settings SETTINGS --" in out and f"run collect --out {OUT} --" in out
     settings = json.loads(lines[lines.index("# settings:") + 1])
-    assert (settings["devices_per_host"], settings["steps"], settings["out"]) == (8, 4, OUT)
+    assert (settings["devices_per_host"], settings["steps"], settings["out"], settings["dtype"]) == (8, 4, OUT, "bf16")
+
+
+def test_submissions_default_to_bf16_and_an_explicit_dtype_wins(launcher, kubectl, capsys):
+    def planned_dtype(argv):
+        code, out, err = cli_main([*argv, "--dry-run"], capsys)
+        assert code == 0, err
+        if argv[1] == "dataflow":
+            lines = out.splitlines()
+            return json.loads(lines[lines.index("# settings:") + 1])["dtype"]
+        return json.loads(out.split("# settings: ", 1)[1].split("\n", 1)[0])["dtype"]
+
+    assert planned_dtype(DATAFLOW) == planned_dtype(GKE) == "bf16"
+    assert planned_dtype([*DATAFLOW, "--dtype", "fp32"]) == planned_dtype([*GKE, "--dtype", "fp32"]) == "fp32"
+    code, out, err = cli_main([*GKE, "--dry-run"], capsys)
+    assert "--dtype bf16" in out  # the plan command the JobSet's hosts will find in run.json
+    from jobs import cli
+
+    parser = cli.build_parser()
+    for target in ("dataflow", "gke"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["submit", target, "--help"])
+        assert "(default on TPU: bf16; --dtype fp32 for float32)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--help"])
+    assert "(default: fp32)" in capsys.readouterr().out  # local runs keep float32
 
 
 def test_cpu_options_refuse_a_tpu_machine_type_and_owned_options():
@@ -855,7 +880,7 @@ def test_dataflow_launches_plan_generate_collect_in_order_on_cpu_tpu_cpu(gcs_emu
             assert call[2:] == ["--", *options[call[1].rsplit("-", 1)[1]]]
     plan_call = calls[0]
     settings = json.loads(plan_call[plan_call.index("--settings") + 1])
-    assert (settings["out"], settings["devices_per_host"]) == (out, 8)
+    assert (settings["out"], settings["dtype"], settings["devices_per_host"]) == (out, "bf16", 8)
     assert "--overwrite" not in plan_call
     progress = [line.split("promptmill submit dataflow: ", 1)[1] for line in err.splitlines()
                 if line.startswith("promptmill submit dataflow: ")]
