@@ -17,6 +17,7 @@ from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, job
 from pipeline.core.settings import AUTO
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
+TPU_DTYPE = "bf16"  # the submissions' --dtype default: TPU runs compute in bf16
 _DATAFLOW_EXAMPLE = ("promptmill submit dataflow --tpu-type v5e --topology 2x4 --image IMAGE --project P "
                      "--region R --prompts gs://B/prompts/*.jsonl --out gs://B/runs/{date} --date 2025-01-31")
 
@@ -30,9 +31,19 @@ def _require(parser: argparse.ArgumentParser, *dests: str) -> None:
             action.help = (action.help or "").split(" (default:")[0] + " (required: gs://BUCKET/PREFIX)"
 
 
+def _tpu_dtype(parser: argparse.ArgumentParser) -> None:
+    """bf16 by default: what TPU runs use (fp32 weights double the HBM and the memory traffic)."""
+    parser.set_defaults(dtype=TPU_DTYPE)
+    for action in parser._actions:  # argparse has no public way to change an added flag's help
+        if action.dest == "dtype":
+            action.help = (action.help or "").split(" (default:")[0] + \
+                " (default on TPU: %(default)s; --dtype fp32 for float32)"
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
     flags.add_settings_flags(parser)
     _require(parser, "out", "prompts")
+    _tpu_dtype(parser)
     flags.add_date_flag(parser)
     parser.add_argument("--tpu-type", help="TPU type: v5e, v6e or v5p (or tpu-v5-lite-podslice, tpu-v6e-slice, "
                         "tpu-v5p-slice); required")
@@ -46,15 +57,20 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def add_submit_parser(sub) -> argparse.ArgumentParser:
     """Add ``submit`` with its ``dataflow`` and ``gke`` subcommands to ``sub`` (the CLI's subparsers)."""
-    submit = sub.add_parser("submit", help="run the job in production: on Dataflow TPU workers, or generate on a "
-                            "GKE TPU slice (JobSet) between a plan and a collect")
+    submit = sub.add_parser("submit", help="run the job in production: generate on Dataflow TPU workers, or on a "
+                            "GKE TPU slice (JobSet), between a plan and a collect")
     targets = submit.add_subparsers(dest="target", required=True)
 
     dataflow = targets.add_parser(
-        "dataflow", help="the whole job as one Beam pipeline on Dataflow, single-host TPU workers",
-        description="Run plan, generate and collect as one Beam pipeline on Dataflow, each worker a single-host TPU "
-                    "slice. Flags not listed here are passed on as Dataflow/Beam options if Beam knows them (e.g. "
-                    "--worker_zone, --network). Example: " + _DATAFLOW_EXAMPLE)
+        "dataflow", help="three Dataflow jobs: plan on CPU workers, generate on single-host TPU workers, collect on "
+                         "CPU workers",
+        description="Launch plan and collect as Dataflow jobs on CPU workers (--cpu-machine-type) and generate as a "
+                    "Dataflow job on single-host TPU workers, in that order, each once the one before it is done; "
+                    "the committed slices are printed while generate runs, and a job that fails stops the chain. "
+                    "--dtype defaults to bf16. Flags not listed here are passed on to all three jobs as "
+                    "Dataflow/Beam options if Beam knows them (e.g. --worker_zone, --network). DATAFLOW_LAUNCHER "
+                    "overrides the launcher (python -m pipeline.cloud.dataflow_launch). Example: "
+                    + _DATAFLOW_EXAMPLE)
     _add_common(dataflow)
     flags.strict(dataflow, beam=True)
     dataflow.add_argument("--project", help="Google Cloud project of the Dataflow job; required")
@@ -62,22 +78,28 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
     dataflow.add_argument("--temp-location", help="gs:// folder for Dataflow's temporary and staged files "
                           "(default: OUT/dataflow/tmp, staging in OUT/dataflow/staging)")
     dataflow.add_argument("--max-workers", type=int, default=1,
-                          help="most TPU workers at once (--max_num_workers; default: %(default)s)")
+                          help="most TPU workers at once for generate (--max_num_workers; default: %(default)s)")
+    dataflow.add_argument("--cpu-machine-type", default=dataflow_lib.DEFAULT_CPU_MACHINE_TYPE,
+                          help="machine type of the plan and collect jobs' CPU workers (default: %(default)s)")
+    dataflow.add_argument("--cpu-max-workers", type=int, default=dataflow_lib.DEFAULT_CPU_MAX_WORKERS,
+                          help="most CPU workers at once for plan and collect (default: %(default)s)")
+    dataflow.add_argument("--poll-seconds", type=float, default=dataflow_lib.DEFAULT_POLL_S,
+                          help="seconds between state and progress checks while a job runs (default: %(default)s)")
     dataflow.add_argument("--harness-threads", type=int, default=1,
                           help="threads per worker (--number_of_worker_harness_threads): each holds a copy of the "
                                "model on the worker's chips (default: %(default)s)")
     dataflow.add_argument("--disk-size-gb", type=int, default=dataflow_lib.DEFAULT_DISK_SIZE_GB,
                           help="worker boot disk, which holds the container image and the model (default: "
                                "%(default)s)")
-    dataflow.add_argument("--job-name", help="Dataflow job name (default: promptmill- and a hash of --out); "
-                          "with --date the date is appended")
+    dataflow.add_argument("--job-name", help="Dataflow job name prefix (default: promptmill- and a hash of --out); "
+                          "with --date the date is appended; the jobs are NAME-plan, NAME-generate, NAME-collect")
 
     gke = targets.add_parser(
         "gke", help="plan, generate on a GKE TPU slice (a JobSet, one pod per host), then collect",
         description="Plan (Beam, local unless --plan-beam-args), apply a JobSet that runs `promptmill generate` "
                     "on every host of a TPU slice, follow the committed slices until the JobSet completes, then "
-                    "collect. Flags not listed here are Beam options for plan and collect. kubectl must point at "
-                    "the cluster (KUBECTL overrides the kubectl on PATH).")
+                    "collect. --dtype defaults to bf16. Flags not listed here are Beam options for plan and "
+                    "collect. kubectl must point at the cluster (KUBECTL overrides the kubectl on PATH).")
     _add_common(gke)
     gke.add_argument("--machine-type", help="TPU machine type, where a topology runs on two (v5e/v6e 2x4: "
                      "ct5lp-hightpu-8t / ct6e-standard-8t, one host, by default; or ...-4t, two hosts)")
@@ -136,12 +158,19 @@ def _build_dataflow(args, beam_args: list[str]) -> dataflow_lib.DataflowJob:
     worker = tpu.for_dataflow(args.tpu_type, args.topology)
     settings = _settings(args, worker.chips)
     name = checks.job_name(args.out, args.job_name, getattr(args, "date", None))
-    options = dataflow_lib.dataflow_options(
-        worker, project=args.project, region=args.region, image=args.image, out=args.out, job=name,
-        temp_location=args.temp_location, max_workers=args.max_workers, harness_threads=args.harness_threads,
-        disk_size_gb=args.disk_size_gb, extra=beam_args)
-    return dataflow_lib.DataflowJob(settings=settings, tpu_slice=worker, options=tuple(options),
-                                    overwrite=args.overwrite)
+    if not args.poll_seconds > 0:
+        raise ValueError(f"--poll-seconds must be positive, got {args.poll_seconds!r}")
+    common = dict(project=args.project, region=args.region, image=args.image, out=args.out,
+                  temp_location=args.temp_location, disk_size_gb=args.disk_size_gb, extra=beam_args)
+    cpu = dict(common, max_workers=args.cpu_max_workers)
+    generate = dataflow_lib.dataflow_options(worker, job=f"{name}-generate", max_workers=args.max_workers,
+                                             harness_threads=args.harness_threads, **common)
+    return dataflow_lib.DataflowJob(
+        settings=settings, tpu_slice=worker, project=args.project, region=args.region,
+        plan_options=tuple(dataflow_lib.cpu_options(args.cpu_machine_type, job=f"{name}-plan", **cpu)),
+        generate_options=tuple(generate),
+        collect_options=tuple(dataflow_lib.cpu_options(args.cpu_machine_type, job=f"{name}-collect", **cpu)),
+        cpu_machine_type=args.cpu_machine_type, overwrite=args.overwrite, poll_s=args.poll_seconds)
 
 
 def _build_gke(args, beam_args: list[str]) -> jobset.GkeJob:
@@ -169,7 +198,7 @@ def run_submit(args, beam_args: list[str]) -> int:
         if args.dry_run:
             print(dataflow_lib.dataflow_dry_run(job))
             return 0
-        stats = dataflow_lib.submit_dataflow(job)
+        stats = dataflow_lib.submit_dataflow(job, emit=_progress("dataflow"))
         print(json.dumps({k: stats[k] for k in SUMMARY}))
         return 0
     if args.target == "gke":

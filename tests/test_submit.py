@@ -6,12 +6,10 @@ import os
 import re
 import sys
 import textwrap
-import types
 
 import pytest
 import yaml
 
-import pipeline.engines
 from pipeline.cloud import checks, dataflow, gke, jobset, kubectl as kubectl_lib, tpu
 from pipeline.core import naming
 from pipeline.core.settings import Settings
@@ -396,18 +394,92 @@ def kubectl(tmp_path, monkeypatch):
             pass
 
 
+FAKE_LAUNCHER = textwrap.dedent(r'''
+    #!PYTHON
+    # A stand-in for the Dataflow launcher (pipeline.cloud.dataflow_launch): records its calls and
+    # answers each stage's states from FAKE_DATAFLOW_SCRIPT ({stage: [state at launch, at query 1, ...]}).
+    # Like the real jobs it writes to OUT, through the GCS emulator's JSON API: plan the manifest
+    # (FAKE_DATAFLOW_SLICES slices), generate one commit marker per RUNNING answer, collect the
+    # dataset's stats.json once DONE. No Beam, no model: a few milliseconds a call.
+    import json, os, sys, urllib.parse, urllib.request
+
+    STATE = os.environ["FAKE_DATAFLOW_STATE"]
+    SCRIPT = json.loads(os.environ["FAKE_DATAFLOW_SCRIPT"])
+    SLICES = int(os.environ.get("FAKE_DATAFLOW_SLICES", "2"))
+
+
+    def put(url, obj):
+        bucket, _, name = url.removeprefix("gs://").partition("/")
+        query = urllib.parse.urlencode({"uploadType": "media", "name": name})
+        request = urllib.request.Request(f"{os.environ['STORAGE_EMULATOR_HOST']}/upload/storage/v1/b/{bucket}/o?"
+                                         f"{query}", data=json.dumps(obj).encode(), method="POST",
+                                         headers={"Content-Type": "application/octet-stream"})
+        urllib.request.urlopen(request).read()
+
+
+    def answer(stage, n):
+        states = SCRIPT[stage]
+        state = states[min(n, len(states) - 1)]
+        with open(os.path.join(STATE, stage + ".out")) as f:
+            out = f.read()
+        if stage == "generate" and state == "RUNNING" and n >= 1 and n - 1 < SLICES:
+            put(f"{out}/shards/{n - 1:05d}_stats.json", {"slice": n - 1})
+        if stage == "collect" and state == "DONE":
+            put(f"{out}/dataset/stats.json", {"images": 2 * SLICES, "records": 2 * SLICES, "rejects": 0,
+                                              "verified": True})
+        print(json.dumps({"job_id": f"2026-fake-{stage}", "state": state}))
+
+
+    def main():
+        args = sys.argv[1:]
+        with open(os.path.join(STATE, "calls.jsonl"), "a") as f:
+            f.write(json.dumps(args) + "\n")
+        if os.environ.get("FAKE_DATAFLOW_BROKEN"):
+            print("fake launcher: no credentials", file=sys.stderr)
+            return 3
+        if args[0] == "run":
+            stage, out = args[1], args[args.index("--out") + 1]
+            with open(os.path.join(STATE, stage + ".out"), "w") as f:
+                f.write(out)
+            if stage == "plan":
+                put(f"{out}/plan/manifest.json", {"records": 2 * SLICES, "images": 2 * SLICES, "rejects": 0,
+                                                  "slices": SLICES, "slice_size": 2})
+            answer(stage, 0)
+            return 0
+        if args[0] == "state":
+            stage = args[1].rsplit("-", 1)[1]
+            counter = os.path.join(STATE, stage + ".queries")
+            n = int(open(counter).read()) + 1 if os.path.exists(counter) else 1
+            with open(counter, "w") as f:
+                f.write(str(n))
+            answer(stage, n)
+            return 0
+        print(f"fake launcher: unsupported {args}", file=sys.stderr)
+        return 2
+
+
+    sys.exit(main())
+''').lstrip().replace("PYTHON", sys.executable)
+DONE_SCRIPT = {"plan": ["PENDING", "RUNNING", "DONE"], "generate": ["PENDING", "RUNNING", "RUNNING", "DONE"],
+               "collect": ["RUNNING", "DONE"]}
+
+
 @pytest.fixture
-def beam_engine(monkeypatch):
-    """A stand-in for pipeline.engines.beam that records run_beam calls (no Dataflow here)."""
-    calls = []
+def launcher(tmp_path, monkeypatch):
+    """DATAFLOW_LAUNCHER -> a fake launcher; yields a reader of its recorded calls."""
+    state = tmp_path / "dataflow-state"
+    state.mkdir()
+    script = tmp_path / "dataflow-launcher"
+    script.write_text(FAKE_LAUNCHER)
+    script.chmod(0o755)
+    monkeypatch.setenv("DATAFLOW_LAUNCHER", str(script))
+    monkeypatch.setenv("FAKE_DATAFLOW_STATE", str(state))
+    monkeypatch.setenv("FAKE_DATAFLOW_SCRIPT", json.dumps(DONE_SCRIPT))
 
-    def run_beam(settings, beam_args, overwrite=False):
-        calls.append((settings, list(beam_args), overwrite))
-        return {"images": 3, "records": 2, "rejects": 1, "verified": True}
+    def calls():
+        log = state / "calls.jsonl"
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
-    fake = types.SimpleNamespace(run_beam=run_beam)
-    monkeypatch.setitem(sys.modules, "pipeline.engines.beam", fake)
-    monkeypatch.setattr(pipeline.engines, "beam", fake, raising=False)  # what ``from pipeline.engines import beam`` reads
     return calls
 
 
@@ -417,30 +489,136 @@ GKE = ["submit", "gke", "--tpu-type", "v5e", "--topology", "4x4", "--image", IMA
        "--prompts", PROMPTS, "--steps", "4"]
 
 
-def test_dataflow_dry_run_prints_settings_and_every_option_and_launches_nothing(beam_engine, capsys):
-    code, out, err = cli_main([*DATAFLOW, "--worker_zone", "us-west4-a", "--dry-run"], capsys)
-    assert code == 0, err
-    assert beam_engine == []
-    s = tpu.for_dataflow("v5e", "2x4")
-    expected = dataflow.dataflow_options(s, project="p", region="us-west4", image=IMAGE, out=OUT,
-                                       job=checks.job_name(OUT), extra=["--worker_zone", "us-west4-a"])
-    lines = out.splitlines()
-    assert "'--dataflow_service_options=worker_accelerator=type:tpu-v5-lite-podslice;topology:2x4'" in lines
+def _dry_run_sections(out: str) -> dict:
+    """``{stage: [options]}`` from a dataflow dry run's ``# STAGE options`` sections."""
     import shlex
 
-    options = [shlex.split(line)[0] for line in lines if line.startswith(("--", "'--"))]
-    assert options == expected
-    settings = json.loads(lines[lines.index("# settings:") + 1])
-    assert (settings["devices_per_host"], settings["steps"], settings["out"]) == (8, 4, OUT)
+    sections, current = {}, None
+    for line in out.splitlines():
+        match = re.fullmatch(r"# (plan|generate|collect) options \(one a line, shell-quoted\):", line)
+        if match:
+            current = sections.setdefault(match.group(1), [])
+        elif line.startswith("#"):
+            current = None
+        elif current is not None:
+            current.append(shlex.split(line)[0])
+    return sections
 
 
-def test_dataflow_launch_calls_run_beam_with_the_options(beam_engine, capsys):
-    code, out, err = cli_main([*DATAFLOW, "--overwrite", "--max-workers", "4"], capsys)
+def test_dataflow_dry_run_prints_three_jobs_plan_and_collect_on_cpu_and_launches_nothing(launcher, capsys):
+    code, out, err = cli_main([*DATAFLOW, "--worker_zone", "us-west4-a", "--cpu-machine-type", "n2-highmem-8",
+                               "--dry-run"], capsys)
     assert code == 0, err
-    ((settings, options, overwrite),) = beam_engine
-    assert (settings.devices_per_host, settings.steps, settings.out, overwrite) == (8, 4, OUT, True)
-    assert "--machine_type=ct5lp-hightpu-8t" in options and "--max_num_workers=4" in options
-    assert json.loads(out) == {"images": 3, "records": 2, "rejects": 1, "verified": True}
+    assert launcher() == []
+    s = tpu.for_dataflow("v5e", "2x4")
+    name = checks.job_name(OUT)
+    kw = dict(project="p", region="us-west4", image=IMAGE, out=OUT, extra=["--worker_zone", "us-west4-a"])
+    sections = _dry_run_sections(out)
+    assert list(sections) == ["plan", "generate", "collect"]  # in launch order
+    assert sections["generate"] == dataflow.dataflow_options(s, job=f"{name}-generate", **kw)
+    assert sections["plan"] == dataflow.cpu_options("n2-highmem-8", job=f"{name}-plan", **kw)
+    assert sections["collect"] == dataflow.cpu_options("n2-highmem-8", job=f"{name}-collect", **kw)
+    for stage in ("plan", "collect"):
+        options = sections[stage]
+        assert _value(options, "machine_type") == ["n2-highmem-8"] and _value(options, "max_num_workers") == ["10"]
+        assert not any("worker_accelerator" in o or "harness_threads" in o for o in options), options
+        assert "--experiments=no_use_multiple_sdk_containers" not in options
+        assert _value(options, "sdk_container_image") == [IMAGE] and options[-1] == "--worker_zone=us-west4-a"
+    assert _value(sections["generate"], "dataflow_service_options") == \
+        ["worker_accelerator=type:tpu-v5-lite-podslice;topology:2x4"]
+    assert _value(sections["generate"], "machine_type") == ["ct5lp-hightpu-8t"]
+    lines = out.splitlines()
+    assert [line.split(" on ")[0] for line in lines if re.match(r"# \d\. ", line)] == \
+        ["# 1. plan", "# 2. generate", "# 3. collect"]
+    assert "# 2. generate on TPU workers (v5e 2x4" in out and "# 3. collect on CPU workers (n2-highmem-8):" in out
+    assert f"run plan --out {OUT} --settings SETTINGS --" in out and f"run collect --out {OUT} --" in out
+    settings = json.loads(lines[lines.index("# settings:") + 1])
+    assert (settings["devices_per_host"], settings["steps"], settings["out"], settings["dtype"]) == (8, 4, OUT, "bf16")
+
+
+def test_submissions_default_to_bf16_and_an_explicit_dtype_wins(launcher, kubectl, capsys):
+    def planned_dtype(argv):
+        code, out, err = cli_main([*argv, "--dry-run"], capsys)
+        assert code == 0, err
+        if argv[1] == "dataflow":
+            lines = out.splitlines()
+            return json.loads(lines[lines.index("# settings:") + 1])["dtype"]
+        return json.loads(out.split("# settings: ", 1)[1].split("\n", 1)[0])["dtype"]
+
+    assert planned_dtype(DATAFLOW) == planned_dtype(GKE) == "bf16"
+    assert planned_dtype([*DATAFLOW, "--dtype", "fp32"]) == planned_dtype([*GKE, "--dtype", "fp32"]) == "fp32"
+    code, out, err = cli_main([*GKE, "--dry-run"], capsys)
+    assert "--dtype bf16" in out  # the plan command the JobSet's hosts will find in run.json
+    from jobs import cli
+
+    parser = cli.build_parser()
+    for target in ("dataflow", "gke"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["submit", target, "--help"])
+        assert "(default on TPU: bf16; --dtype fp32 for float32)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--help"])
+    assert "(default: fp32)" in capsys.readouterr().out  # local runs keep float32
+
+
+def test_cpu_options_refuse_a_tpu_machine_type_and_owned_options():
+    kw = dict(project="p", region="r", image=IMAGE, out=OUT, job="pm-x-plan")
+    with pytest.raises(ValueError, match="--cpu-machine-type must be a CPU machine type"):
+        dataflow.cpu_options("ct5lp-hightpu-8t", **kw)
+    with pytest.raises(ValueError, match="set it with --cpu-max-workers"):
+        dataflow.cpu_options(**kw, extra=["--max_num_workers=50"])
+    with pytest.raises(ValueError, match="only the generate job has one"):
+        dataflow.cpu_options(**kw, extra=["--dataflow_service_options=worker_accelerator=type:x"])
+    with pytest.raises(ValueError, match="--cpu-max-workers must be a positive integer, got 0"):
+        dataflow.cpu_options(**kw, max_workers=0)
+    assert dataflow.cpu_options(**kw, extra=["--machine_type=n2-standard-4", "--network=n"]) == \
+        dataflow.cpu_options(**kw) + ["--network=n"]
+
+
+class ScriptedLauncher:
+    """Answers state queries from a script (an exception is raised); records them."""
+
+    def __init__(self, states):
+        self.states = list(states)
+        self.queries = []
+
+    def state(self, job_id, options):
+        self.queries.append(job_id)
+        state = self.states.pop(0)
+        if isinstance(state, Exception):
+            raise state
+        return state
+
+
+def _dataflow_job(out, **changes):
+    fields = dict(settings=Settings(out=out), tpu_slice=tpu.for_dataflow("v5e", "2x4"), plan_options=("--a=1",),
+                  generate_options=("--b=2",), collect_options=("--c=3",), project="p", region="r", poll_s=0.01)
+    return dataflow.DataflowJob(**{**fields, **changes})
+
+
+def test_wait_for_a_dataflow_stage(tmp_path):
+    out = str(tmp_path / "out")
+    job = _dataflow_job(out)
+    commits = iter([0, 1])
+    messages = []
+    scripted = ScriptedLauncher(["RUNNING", RuntimeError("503"), "RUNNING", "DONE"])
+    dataflow.wait_for_stage(scripted, job, "generate", "j-1", "PENDING", messages.append, total=2,
+                            sleep=lambda s: _commit(out, next(commits, 1)))
+    assert messages == ["0/2 slices committed", "generate job j-1: PENDING", "1/2 slices committed",
+                        "generate job j-1: RUNNING", "2/2 slices committed", "generate job j-1: DONE"]
+    assert scripted.queries == ["j-1"] * 4
+    with pytest.raises(dataflow.StageFailed, match="Dataflow generate job j-2 is DONE but only 2/3 slices are "
+                                                   "committed .*; the collect job.s. were not launched"):
+        dataflow.wait_for_stage(ScriptedLauncher([]), job, "generate", "j-2", "DONE", lambda m: None, total=3)
+    with pytest.raises(dataflow.StageFailed, match="Dataflow plan job j-3 ended in state CANCELLED; the generate "
+                                                   "and collect job.s. were not launched; see `gcloud dataflow jobs "
+                                                   "describe j-3 --project p --region r`"):
+        dataflow.wait_for_stage(ScriptedLauncher(["CANCELLED"]), job, "plan", "j-3", "RUNNING", lambda m: None,
+                                sleep=lambda s: None)
+    errors = [RuntimeError("timeout")] * dataflow.STATE_FAILURES_TOLERATED
+    with pytest.raises(dataflow.StageFailed, match="could not read the state of Dataflow collect job j-4 5 times"):
+        dataflow.wait_for_stage(ScriptedLauncher(errors), job, "collect", "j-4", "RUNNING", lambda m: None,
+                                sleep=lambda s: None)
 
 
 def test_gke_dry_run_prints_every_command_and_the_manifest_and_runs_nothing(kubectl, capsys):
@@ -497,11 +675,11 @@ def test_a_scheduled_gke_dry_run_resolves_date_in_out_and_name(kubectl, capsys):
     ([*GKE, "--steps", "0"], "--steps must be >= 1"),
     ([*GKE, "--plan-beam-args=--runner 'Direct"], "--plan-beam-args must be Beam options in one shell-quoted"),
 ])
-def test_bad_input_is_a_clear_error_and_nothing_is_submitted(argv, message, kubectl, beam_engine, capsys):
+def test_bad_input_is_a_clear_error_and_nothing_is_submitted(argv, message, kubectl, launcher, capsys):
     code, out, err = cli_main(argv, capsys)
     assert code == 1
     assert message in err
-    assert kubectl() == [] and beam_engine == []
+    assert kubectl() == [] and launcher() == []
 
 
 def test_missing_kubectl_is_a_clear_error_before_anything_runs(monkeypatch, tmp_path):
@@ -660,3 +838,115 @@ def test_gke_failed_jobset_is_an_error_and_nothing_is_collected(gcs_prompts, kub
     assert "JobSet pm-e2e failed (FailedJobs; jobset failed: host 1 exit code 137) with 0/2 slices committed" in err
     assert not storage.exists(naming.dataset_file(out, "stats.json"))
     assert [c[2] for c in kubectl()] == ["get", "apply", "get"]
+
+
+# ---------------------------------------------------------------- three Dataflow jobs against a fake launcher
+
+
+def _dataflow_e2e_args(out):
+    return [*DATAFLOW, "--out", out, "--job-name", "pm-df", "--poll-seconds", "0.01"]
+
+
+def _launched_options(calls):
+    """{stage: the options of its `run` call}, in launch order."""
+    return {c[1]: c[c.index("--") + 1:] for c in calls if c[0] == "run"}
+
+
+def test_dataflow_launches_plan_generate_collect_in_order_on_cpu_tpu_cpu(gcs_emulator, launcher, capsys):
+    out = f"gs://{gcs_emulator}/dataflow-e2e/out"
+    code, stdout, err = cli_main(_dataflow_e2e_args(out), capsys)
+    assert code == 0, err
+    assert json.loads(stdout) == {"images": 4, "records": 4, "rejects": 0, "verified": True}
+    calls = launcher()
+    # each job is launched once the one before it is DONE, and polled until then
+    assert [c[:2] for c in calls] == [
+        ["run", "plan"], ["state", "2026-fake-plan"], ["state", "2026-fake-plan"],
+        ["run", "generate"], ["state", "2026-fake-generate"], ["state", "2026-fake-generate"],
+        ["state", "2026-fake-generate"],
+        ["run", "collect"], ["state", "2026-fake-collect"]]
+    options = _launched_options(calls)
+    assert list(options) == ["plan", "generate", "collect"]
+    for stage in ("plan", "collect"):
+        assert _value(options[stage], "machine_type") == ["n2-standard-4"], options[stage]
+        assert not any("worker_accelerator" in o for o in options[stage])
+        assert _value(options[stage], "job_name") == [f"pm-df-{stage}"]
+    assert _value(options["generate"], "dataflow_service_options") == \
+        ["worker_accelerator=type:tpu-v5-lite-podslice;topology:2x4"]
+    assert _value(options["generate"], "machine_type") == ["ct5lp-hightpu-8t"]
+    assert _value(options["generate"], "job_name") == ["pm-df-generate"]
+    # a state query carries its job's options (project, region)
+    for call in calls:
+        if call[0] == "state":
+            assert call[2:] == ["--", *options[call[1].rsplit("-", 1)[1]]]
+    plan_call = calls[0]
+    settings = json.loads(plan_call[plan_call.index("--settings") + 1])
+    assert (settings["out"], settings["dtype"], settings["devices_per_host"]) == (out, "bf16", 8)
+    assert "--overwrite" not in plan_call
+    progress = [line.split("promptmill submit dataflow: ", 1)[1] for line in err.splitlines()
+                if line.startswith("promptmill submit dataflow: ")]
+    assert progress[0] == "plan job 2026-fake-plan launched on CPU workers (n2-standard-4)"
+    assert "generate job 2026-fake-generate launched on TPU workers (v5e 2x4" in err
+    slices = [line for line in progress if line.endswith("slices committed")]
+    assert slices == ["0/2 slices committed", "1/2 slices committed", "2/2 slices committed"]
+    assert progress.index("planned 4 records, 4 images in 2 slices") < progress.index("0/2 slices committed")
+    assert progress[-1] == "collect job 2026-fake-collect: DONE"
+
+
+@pytest.mark.parametrize("stage,message", [
+    ("plan", "Dataflow plan job 2026-fake-plan ended in state FAILED; the generate and collect job(s) were not "
+             "launched; see `gcloud dataflow jobs describe 2026-fake-plan --project p --region us-west4`"),
+    ("generate", "Dataflow generate job 2026-fake-generate ended in state FAILED with 1/2 slices committed; the "
+                 "collect job(s) were not launched"),
+    ("collect", "Dataflow collect job 2026-fake-collect ended in state CANCELLED;"),
+])
+def test_a_dataflow_job_that_fails_stops_the_chain_with_its_id_and_state(stage, message, gcs_emulator, launcher,
+                                                                        monkeypatch, capsys):
+    script = {**DONE_SCRIPT, stage: ["RUNNING", "RUNNING", "CANCELLED" if stage == "collect" else "FAILED"]}
+    monkeypatch.setenv("FAKE_DATAFLOW_SCRIPT", json.dumps(script))
+    out = f"gs://{gcs_emulator}/dataflow-e2e/failed-{stage}"
+    code, stdout, err = cli_main(_dataflow_e2e_args(out), capsys)
+    assert code == 1 and stdout == ""
+    assert message in " ".join(err.split()), err
+    launched = list(_launched_options(launcher()))
+    assert launched == list(dataflow.STAGES[:dataflow.STAGES.index(stage) + 1])
+    assert launcher()[-1][:2] == ["state", f"2026-fake-{stage}"]  # nothing after the failed job's last state
+
+
+def test_a_launcher_that_fails_is_a_clear_error(launcher, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_DATAFLOW_BROKEN", "1")
+    code, stdout, err = cli_main(_dataflow_e2e_args(OUT), capsys)
+    assert code == 1
+    assert f"{os.environ['DATAFLOW_LAUNCHER']} run plan ...` failed (exit code 3): fake launcher: no credentials" in err
+    assert [c[:2] for c in launcher()] == [["run", "plan"]]
+    monkeypatch.setenv("DATAFLOW_LAUNCHER", "/nonexistent/launcher")
+    code, stdout, err = cli_main(_dataflow_e2e_args(OUT), capsys)
+    assert code == 1 and "DATAFLOW_LAUNCHER='/nonexistent/launcher' is not an executable file" in err
+
+
+def test_the_launcher_reads_what_submit_passes_and_builds_each_stage(tmp_path):
+    """The real launcher's side of the seam: its parser takes ``stage_arguments`` as they are, and
+    the generate and collect stages build their pipelines over a planned OUT (built, never run)."""
+    import apache_beam as beam
+
+    from pipeline.cloud import dataflow_launch
+    from pipeline.core.settings import Run
+    from pipeline.io import runs
+
+    out = str(tmp_path / "out")
+    job = _dataflow_job(out, settings=Settings(out=out, dtype="bf16", steps=3), overwrite=True)
+    for stage in dataflow.STAGES:
+        args, options = dataflow_launch.parse(dataflow.stage_arguments(job, stage))
+        assert (args.command, args.stage, args.out, options) == ("run", stage, out, list(job.options(stage)))
+        assert args.overwrite == (stage == "plan") and (args.settings is not None) == (stage == "plan")
+        if stage == "plan":
+            assert Settings.from_dict(json.loads(args.settings)) == job.settings
+    args, options = dataflow_launch.parse(["state", "j-1", "--", "--project=p", "--region=r"])
+    assert (args.command, args.job_id, options) == ("state", "j-1", ["--project=p", "--region=r"])
+    with pytest.raises(runs.RunNotPlanned):
+        dataflow_launch.build_stage(beam.Pipeline(), "generate", out)
+    runs.write(out, Run.create(job.settings, "f" * 64, "2026-01-01T00:00:00+00:00", {}))
+    storage.write_json(naming.manifest(out), {"records": 5, "images": 5, "rejects": 0, "slices": 3, "slice_size": 2})
+    for stage, label in (("generate", "Generate"), ("collect", "Collect")):
+        p = beam.Pipeline()
+        dataflow_launch.build_stage(p, stage, out)
+        assert label in p.applied_labels and "Plan" not in p.applied_labels

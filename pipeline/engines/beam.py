@@ -338,6 +338,17 @@ def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE
     return released | "Collect" >> collect.Collect(out, run, page_size, thumbnails)
 
 
+def build_generate(p, out: str, slices: int):
+    """Only the Generate step, on ``p``, for the ``slices`` slices already planned in ``out``
+    (run.json and the manifest written): what ``submit dataflow`` runs as its TPU job, between
+    a plan job and a collect job on CPU workers. Returns the PCollection of slice stats.
+    The same DoFn as ``build``, so resume, retries and bytes are the same as there."""
+    return (p
+            | "Slices" >> beam.Create(list(range(slices)))
+            | "SpreadSlices" >> beam.Reshuffle()
+            | "Generate" >> beam.ParDo(GenerateSlicesFn(out)))
+
+
 def counters(result, namespace: str) -> dict:
     """The committed Beam counters of ``namespace`` of a finished pipeline, by name."""
     from apache_beam.metrics.metric import MetricsFilter
