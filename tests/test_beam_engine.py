@@ -190,6 +190,9 @@ def test_counters_events_and_nothing_recompiled(beam_run):
     [generated] = named(events, "generated")
     assert generated == {"event": "generated", "slices_generated": 3, "images": 9}
     assert sorted(e["slice"] for e in named(events, "slice_committed")) == [0, 1, 2]
+    # the DirectRunner hands the DoFn bundles of several slices, each run as one host loop
+    bundles = [sorted(e["slices"]) for e in named(events, "bundle_generated")]
+    assert sorted(i for b in bundles for i in b) == [0, 1, 2] and max(map(len, bundles)) > 1
     [planned] = named(events, "planned")
     assert (planned["records"], planned["rejects"], planned["rows_read"]) == (8, 1, 9)
     assert stats["compiles_after_warmup"] == 0 and stats["committed_slices"] == 3

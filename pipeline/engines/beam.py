@@ -174,6 +174,7 @@ class _BundleRun:
         self.slots: queue.Queue = queue.Queue()
         self.committed: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.added: list[int] = []  # the slices queued, in order
         images, latents = zarr_arrays
         args = (worker.generator, out, run, self._slots(), size, host, worker.pool)
 
@@ -197,6 +198,7 @@ class _BundleRun:
 
     def add(self, index: int) -> None:
         self._raise()
+        self.added.append(index)
         self.slots.put(index)
 
     def finished(self) -> list[dict]:
@@ -313,8 +315,11 @@ class GenerateSlicesFn(beam.DoFn):
     def finish_bundle(self):
         bundle, self.bundle = self.bundle, None
         if bundle is not None:
+            watch = logs.Stopwatch()
             for stats in bundle.close():
                 yield WindowedValue(self._emit(stats), MIN_TIMESTAMP, [GlobalWindow()])
+            logs.event("bundle_generated", pid=os.getpid(), slices=bundle.added,
+                       waited_s=round(watch.seconds(), 3))
 
 
 def _release(generated: list[int], manifest: dict) -> dict:
