@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
     collect.add_argument("--gallery-page-size", type=int, default=100,
                          help="thumbnails per page of dataset/index.html and dataset/gallery/ (default: %(default)s)")
+    collect.add_argument("--gallery-max", type=int, default=None, metavar="N",
+                         help="show at most N images in the gallery, an even sample in plan order, for huge runs "
+                              "(default: every image)")
 
     reproduce = sub.add_parser("reproduce", help="regenerate images from their metadata rows and check their sha256")
     dated.append(reproduce)
@@ -142,7 +145,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "collect":
         from pipeline.collect import transforms as collect
 
-        stats = collect.run_collect(args.out, beam_args, page_size=args.gallery_page_size)
+        stats = collect.run_collect(args.out, beam_args, page_size=args.gallery_page_size,
+                                     gallery_max=args.gallery_max)
         print(json.dumps({k: stats[k] for k in SUMMARY}))
     elif args.command == "reproduce":
         from pipeline.generate import reproduce
