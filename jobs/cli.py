@@ -120,9 +120,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
             if args.hosts is not None:
                 raise ValueError("--hosts is for --engine pod; with --engine beam each Beam worker generates on "
                                  "its own --devices-per-host devices")
-            if args.compile_cache:
-                raise ValueError("--compile-cache works with --engine pod only")
-            stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite)
+            stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite,
+                                         compile_cache=args.compile_cache)
         else:
             from pipeline.engines import local as launcher
 

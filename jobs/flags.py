@@ -136,8 +136,9 @@ def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-cache", metavar="DIR",
-                        help="JAX persistent compilation cache folder: hosts load the compiled sampler from it "
-                             "instead of compiling when it is there (local folder; not part of the run's settings)")
+                        help="JAX persistent compilation cache folder: hosts (or the beam engine's workers) load "
+                             "the compiled sampler from it instead of compiling when it is there (local folder or "
+                             "gs:// prefix; not part of the run's settings)")
 
 
 # --- strict flags ------------------------------------------------------------------------
