@@ -278,7 +278,8 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     assert not storage.exists(naming.shard_metadata(out, 2))
 
     run("0:committed:0")  # 3. right after its first commit, between two slices:
-    assert [(e["slice"], e["leftover_objects"]) for e in _host_events(out, "slice_redone")] == [(2, 2)]
+    # the half slice's 2 images and their 2 thumbnails were left over
+    assert [(e["slice"], e["leftover_objects"]) for e in _host_events(out, "slice_redone")] == [(2, 4)]
     committed = _committed(out)  # ... which was the redone half slice
     assert {0, 2} <= set(committed) and 4 not in committed
 
@@ -298,6 +299,7 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     assert image_hashes(out) == image_hashes(two_by_two)  # the bytes of an uninterrupted run
     assert {r["key"]: r["sha256"] for r in rows} == {r["key"]: r["sha256"] for r in metadata(two_by_two)}
     assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 17  # no stray objects
+    assert storage.checksums(naming.join(out, "thumbs")) == storage.checksums(naming.join(two_by_two, "thumbs"))
 
 
 def test_a_guidance_free_few_step_run_is_the_same_on_1x4_and_2x2(tmp_path, model_cache):
