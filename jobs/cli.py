@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
     collect.add_argument("--gallery-page-size", type=int, default=100,
                          help="thumbnails per page of dataset/index.html and dataset/gallery/ (default: %(default)s)")
+    collect.add_argument("--gallery-max", type=int, default=None, metavar="N",
+                         help="show at most N images in the gallery, an even sample in plan order, for huge runs "
+                              "(default: every image)")
 
     reproduce = sub.add_parser("reproduce", help="regenerate images from their metadata rows and check their sha256")
     dated.append(reproduce)
@@ -117,9 +120,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
             if args.hosts is not None:
                 raise ValueError("--hosts is for --engine pod; with --engine beam each Beam worker generates on "
                                  "its own --devices-per-host devices")
-            if args.compile_cache:
-                raise ValueError("--compile-cache works with --engine pod only")
-            stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite)
+            stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite,
+                                         compile_cache=args.compile_cache)
         else:
             from pipeline.engines import local as launcher
             from pipeline.generate import compile_cache
@@ -146,7 +148,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "collect":
         from pipeline.collect import transforms as collect
 
-        stats = collect.run_collect(args.out, beam_args, page_size=args.gallery_page_size)
+        stats = collect.run_collect(args.out, beam_args, page_size=args.gallery_page_size,
+                                     gallery_max=args.gallery_max)
         print(json.dumps({k: stats[k] for k in SUMMARY}))
     elif args.command == "reproduce":
         from pipeline.generate import reproduce

@@ -139,9 +139,9 @@ def add_compile_cache_flag(parser: argparse.ArgumentParser, local_default: bool 
     since local runs use a cache under the promptmill cache folder unless told not to."""
     default = " (default for local pod runs: compile-cache/local under $PROMPTMILL_CACHE)" if local_default else ""
     parser.add_argument("--compile-cache", metavar="DIR",
-                        help="compilation cache folder (local or gs://): every host loads its compiled sampler "
-                             "from it instead of compiling when it is there; not part of the run's settings"
-                             + default)
+                        help="compilation cache folder (local or gs://): every host (or beam engine worker) loads "
+                             "its compiled sampler from it instead of compiling when it is there; not part of the "
+                             "run's settings" + default)
     if local_default:
         parser.add_argument("--no-compile-cache", action="store_true",
                             help="compile every program afresh, with no compilation cache")

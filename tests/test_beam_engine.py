@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -121,8 +122,14 @@ def rejects(out: str) -> dict[str, str]:
 
 
 def comparable(row: dict) -> dict:
-    """A metadata row without the run's own timestamp (``created_at``: when it was planned)."""
-    return {k: v for k, v in row.items() if k != "created_at"}
+    """A metadata row without the run's own timestamp (``created_at``: when it was planned)
+    and without the host that made it (a pod host's index, a beam worker's id)."""
+    return {k: v for k, v in row.items() if k not in ("created_at", "host")}
+
+
+def this_worker() -> int:
+    """The ``host`` column of slices generated in this process (the in-process runners)."""
+    return beam_engine.worker_id(socket.gethostname(), os.getpid())
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +185,10 @@ def test_beam_engine_writes_the_pod_engines_images_metadata_and_rejects(beam_run
     beam_rows, pod_rows = metadata_rows(out), metadata_rows(pod_run)
     assert {k: comparable(r) for k, r in beam_rows.items()} == {k: comparable(r) for k, r in pod_rows.items()}
     assert {r["sha256"] for r in beam_rows.values()} == set(image_hashes(out).values())
+    # the host column: the pod's host index, the id of the beam worker that generated the slice
+    assert {r["host"] for r in pod_rows.values()} == {0}
+    assert {r["host"] for r in beam_rows.values()} == {this_worker()}
+    assert list(stats["hosts"]) == [str(this_worker())]
     assert rejects(out) == rejects(pod_run)
     [reject] = [json.loads(line) for text in rejects(out).values() for line in text.splitlines()]
     assert reject["reason"] == "empty_prompt" and reject["line"] == 5
@@ -287,6 +298,8 @@ def same_slice_bytes(out: str, clean: str, index: int) -> int:
                 == storage.read_bytes(naming.join(clean, "images", folder, name)))
     assert storage.read_bytes(naming.shard_metadata(out, index)) == storage.read_bytes(
         naming.shard_metadata(clean, index))
+    assert storage.checksums(naming.thumbs_dir(out, index)) == storage.checksums(naming.thumbs_dir(clean, index))
+    assert len(storage.checksums(naming.thumbs_dir(out, index))) == len(images)
     return len(images)
 
 
@@ -306,7 +319,7 @@ def test_a_bundle_of_slices_fails_midway_and_its_retry_commits_the_same_bytes(be
     with fault_once(1), pytest.raises(TransientFault):
         run_bundle(fn, 0, 1, 2)
     assert writer.is_committed(out, 0) and not writer.is_committed(out, 1)
-    assert len(writer.leftovers(out, run.settings, 1)) == 1
+    assert len(writer.leftovers(out, run.settings, 1)) == 2  # image, thumbnail
     with captured_events() as events:
         outputs = run_bundle(fn, 0, 1, 2)
     assert outputs[0] == {"slice": 0, "skipped": True}
@@ -323,6 +336,53 @@ def test_a_worker_with_other_devices_than_planned_is_refused_before_loading(beam
     with pytest.raises(beam_engine.BeamEngineError, match=r"has 2 local cpu device\(s\), but the run was planned "
                                                           r"with --devices-per-host 4.*--devices-per-host 2"):
         beam_engine._Worker(run)
+
+
+def test_worker_ids_are_stable_31_bit_and_tell_workers_apart():
+    ids = {beam_engine.worker_id(machine, pid) for machine in ("wk-a", "wk-b", "promptmill-harness-0x1")
+           for pid in (1, 2, 4096, 2**22)}
+    assert len(ids) == 12 and all(0 <= i < 2**31 for i in ids)
+    assert beam_engine.worker_id("wk-a", 7) == beam_engine.worker_id("wk-a", 7)
+
+
+def test_compile_cache_is_on_before_the_worker_compiles(beam_run, tmp_path):
+    """``--compile-cache`` for the beam engine: a worker built with it writes every
+    program it compiles at warm-up into the folder (this process already compiled the
+    run's programs for its own worker, but a new worker's generator compiles anew)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from pipeline.generate import compile_cache
+
+    out, _, _ = beam_run
+    folder = str(tmp_path / "compile-cache")
+    try:
+        with captured_events() as events:
+            worker = beam_engine._Worker(runs.read(out), folder)
+        worker.pool.shutdown()
+    finally:  # the rest of this process compiles without a persistent cache, as before
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
+    [cache] = named(events, "compile_cache")
+    [ready] = named(events, "worker_ready")
+    assert cache["path"] == folder and ready["host"] == this_worker()
+    assert ready["cache_writes"] >= 1 and compile_cache.entries(folder) >= 1
+
+
+def test_cli_passes_compile_cache_to_the_beam_engine(monkeypatch, tmp_path):
+    from jobs import cli
+
+    seen = {}
+
+    def fake_run_beam(settings, beam_args=None, overwrite=False, compile_cache=None):
+        seen.update(out=settings.out, compile_cache=compile_cache, beam_args=beam_args)
+        return {k: 0 for k in cli.SUMMARY}
+
+    monkeypatch.setattr(beam_engine, "run_beam", fake_run_beam)
+    out = str(tmp_path / "out")
+    assert cli.main(["run", "--engine", "beam", "--prompts", "p.jsonl", "--out", out, "--model", "tiny",
+                     "--compile-cache", "cc"]) == 0
+    assert seen == {"out": out, "compile_cache": "cc", "beam_args": []}
 
 
 def test_check_devices_and_the_collect_barrier():

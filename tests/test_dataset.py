@@ -167,6 +167,16 @@ def test_verify_slice_gives_every_key_one_verdict(image_paths, f_verdict):
     assert verify.verify_slice(["a", "a"], [{"key": "a"}], None)["duplicated"] == ["a"]
 
 
+@pytest.mark.parametrize("image_paths", [None, ["s/a.png", "s/b.png", "s/x.png"]])
+def test_a_missing_thumbnail_is_a_missing_key_like_a_missing_image(image_paths):
+    """a: image (if files) and thumbnail; b: no thumbnail; x: a thumbnail never planned.
+    Thumbnails ``None`` (a slice committed before hosts wrote them): not checked."""
+    rows = [{"key": k} for k in ("a", "b")]
+    verdicts = verify.verify_slice(["a", "b"], rows, image_paths, ["t/a.jpg", "t/x.jpg"])
+    assert (verdicts["ok"], verdicts["missing"], verdicts["unexpected"]) == (["a"], ["b"], ["x"])
+    assert verify.verify_slice(["a", "b"], rows, None, None)["ok"] == ["a", "b"]
+
+
 def summary(index, ok, records, verdicts=None, unused_negatives=(0, 0)):
     return {"slice": index, "ok": ok, "records": records, "verdicts": verdicts or {}, "stats": None,
             "truncated_images": 0, "truncated_records": 0, "unused_negative_records": unused_negatives[0],

@@ -3,6 +3,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import time
 
@@ -139,6 +140,41 @@ def test_collect_names_missing_and_duplicated_keys(two_by_two, tmp_path):
     assert f"duplicated: 1 key(s), e.g. {twin['key']}" in message
 
 
+def test_a_thumbnail_missing_from_a_committed_slice_is_a_missing_key(two_by_two, tmp_path):
+    out = str(tmp_path / "no-thumb")
+    shutil.copytree(two_by_two, out)
+    victim = metadata(out)[5]
+    assert storage.read_json(naming.shard_stats(out, victim["slice"]))["thumbnails"] == 4
+    os.remove(naming.thumb_file(out, victim["slice"], victim["key"]))
+    with pytest.raises(collect.CollectError, match=f"missing: 1 key\\(s\\), e.g. {victim['key']}$"):
+        collect.run_collect(out)
+
+
+def test_slices_committed_without_thumbnails_get_them_from_their_images(two_by_two, tmp_path, model_cache):
+    """A run committed before hosts wrote thumbnails: collect makes them for those slices
+    only, from their images, says so in its log, and verifies the dataset."""
+    out = str(tmp_path / "old")
+    shutil.copytree(two_by_two, out)
+    written = storage.checksums(naming.join(out, "thumbs"))
+    assert len(written) == 17
+    for index in (1, 3):  # as an older version committed them: no thumbnails, no count
+        stats_path = naming.shard_stats(out, index)
+        storage.write_json(stats_path, {k: v for k, v in storage.read_json(stats_path).items() if k != "thumbnails"})
+        shutil.rmtree(naming.thumbs_dir(out, index))
+    result = run_cli(["collect", "--out", out, "--gallery-max", "5"], model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    made = _events(result.stderr, "thumbnails_made")
+    assert sorted((e["slice"], e["images"]) for e in made) == [(1, 4), (3, 4)]
+    # made from the PNGs, they are the bytes the hosts made from the pixels
+    assert storage.checksums(naming.join(out, "thumbs")) == written
+    assert storage.read_json(naming.dataset_file(out, "stats.json"))["verified"]
+    # --gallery-max 5: an even sample of the 17 images, in plan order
+    page = storage.read_text(naming.dataset_file(out, "index.html"))
+    keys = [r["key"] for r in sorted(metadata(out), key=lambda r: r["position"])]
+    assert re.findall(r'alt="([^"]+)"', page) == [keys[i * 17 // 5] for i in range(5)]
+    assert "17 images, 5 shown" in page and not storage.exists(naming.dataset_file(out, "gallery/page-00002.html"))
+
+
 def test_cli_collect_exits_non_zero_when_a_slice_is_not_committed(two_by_two, tmp_path, model_cache):
     out = str(tmp_path / "uncommitted")
     shutil.copytree(two_by_two, out)
@@ -242,7 +278,8 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     assert not storage.exists(naming.shard_metadata(out, 2))
 
     run("0:committed:0")  # 3. right after its first commit, between two slices:
-    assert [(e["slice"], e["leftover_objects"]) for e in _host_events(out, "slice_redone")] == [(2, 2)]
+    # the half slice's 2 images and their 2 thumbnails were left over
+    assert [(e["slice"], e["leftover_objects"]) for e in _host_events(out, "slice_redone")] == [(2, 4)]
     committed = _committed(out)  # ... which was the redone half slice
     assert {0, 2} <= set(committed) and 4 not in committed
 
@@ -262,6 +299,7 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     assert image_hashes(out) == image_hashes(two_by_two)  # the bytes of an uninterrupted run
     assert {r["key"]: r["sha256"] for r in rows} == {r["key"]: r["sha256"] for r in metadata(two_by_two)}
     assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 17  # no stray objects
+    assert storage.checksums(naming.join(out, "thumbs")) == storage.checksums(naming.join(two_by_two, "thumbs"))
 
 
 def test_a_guidance_free_few_step_run_is_the_same_on_1x4_and_2x2(tmp_path, model_cache):

@@ -164,3 +164,40 @@ def test_a_run_through_a_faulty_proxy_gives_the_clean_runs_dataset(clean_run, gc
     for part in ("rows", "files", "tar", "parquet"):
         assert faulty[part] == clean[part], part
     np.testing.assert_array_equal(faulty["zarr"], clean["zarr"])
+
+
+def test_collect_reads_no_image_bytes(clean_run, gcs_emulator, model_cache):
+    """Collect of a run in every format, with every GCS request watched by a proxy: it
+    reads plan items, commit markers and metadata shards, and lists images and
+    thumbnails, but downloads no byte of an image (files, tar, image parquet, zarr) or
+    of a thumbnail."""
+    from urllib.parse import unquote, urlsplit
+
+    upstream = int(os.environ["STORAGE_EMULATOR_HOST"].rsplit(":", 1)[1])
+    out = clean_run
+    prefix = out[len(f"gs://{gcs_emulator}/"):] + "/"
+    with FaultyProxy(upstream, failure_rate=0.0, own_links=True) as proxy:  # every download goes through it
+        env = dict(os.environ, **emulator.env_for(f"http://127.0.0.1:{proxy.port}"))
+        result = run_cli(["collect", "--out", out], model_cache, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    read: dict[str, int] = {}  # object under OUT -> bytes downloaded
+    for method, path, size in proxy.requests:
+        url = urlsplit(path)
+        if method == "GET" and "alt=media" in url.query:
+            name = unquote(url.path.split("/o/", 1)[1])
+            assert name.startswith(prefix), name
+            read[name[len(prefix):]] = read.get(name[len(prefix):], 0) + size
+    slices = storage.read_json(naming.manifest(out))["slices"]
+    # the proxy saw collect's reads: every slice's metadata shard and commit marker
+    for index in range(slices):
+        assert read[f"shards/{naming.slice_name(index)}.parquet"] > 0
+        assert f"shards/{naming.slice_name(index)}_stats.json" in read
+    images = {name: size for name, size in read.items()
+              if name.startswith(("images/", "thumbs/", "parquet/", "zarr/")) or name.endswith(".tar")}
+    assert images == {}
+    allowed = re.compile(r"run\.json|plan/manifest\.json|plan/slices/\d{5}\.jsonl|plan/rejects/.+\.jsonl"
+                         r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json")
+    assert [name for name in read if not allowed.fullmatch(name)] == []
+    stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    assert stats["verified"] and stats["images"] == IMAGES
+    assert '<img src="../thumbs/' in storage.read_text(naming.dataset_file(out, "index.html"))

@@ -11,6 +11,8 @@ import pytest
 from PIL import Image
 
 from pipeline.collect import gallery
+from pipeline.core import naming
+from pipeline.output import formats
 
 HREF = re.compile(r'(?:href|src)="([^"]*)"')
 
@@ -56,8 +58,10 @@ def test_page_names():
 
 
 def test_thumb_path_uses_slice_names():
-    assert gallery.thumb_path(0, "a_0000") == "thumbs/00000/a_0000.jpg"
-    assert gallery.thumb_path(123, "b--0123456789abcdef_0007") == "thumbs/00123/b--0123456789abcdef_0007.jpg"
+    # the hosts write thumbnails under OUT, beside the images: ``..`` from dataset/
+    assert gallery.thumb_path(0, "a_0000") == "../thumbs/00000/a_0000.jpg"
+    assert gallery.thumb_path(123, "b--0123456789abcdef_0007") == "../thumbs/00123/b--0123456789abcdef_0007.jpg"
+    assert gallery.thumb_path(7, "k_0001") == "../" + naming.thumb_name(7, "k_0001")
 
 
 @pytest.mark.parametrize("page", ["index.html", "gallery/page-00002.html", "gallery/page-01000.html"])
@@ -106,8 +110,8 @@ def test_pages_stream_100k_rows_into_1000_linked_pages():
                 assert target == "index.html" or re.fullmatch(r"gallery/page-\d{5}\.html", target), target
                 number = 1 if target == "index.html" else int(target[-10:-5])
                 assert 1 <= number <= 1000, target
-            elif target.startswith("thumbs/"):
-                assert re.fullmatch(r"thumbs/\d{5}/rec\d{6}_0000\.jpg", target), target
+            elif target.startswith("../thumbs/"):
+                assert re.fullmatch(r"\.\./thumbs/\d{5}/rec\d{6}_0000\.jpg", target), target
             else:
                 assert re.fullmatch(r"\.\./images/\d{5}/rec\d{6}_0000\.png", target), target
     assert len(names) == 1000
@@ -180,11 +184,11 @@ def test_locations_inside_files_get_no_file_link():
     page_html = gallery.render_page([row(0, path=inside)], 2, 2, 2, "t")
     links = HREF.findall(page_html)
     assert not any("#" in link or "shards" in link for link in links)
-    thumb = "../thumbs/00000/rec000000_0000.jpg"
+    thumb = "../../thumbs/00000/rec000000_0000.jpg"
     assert f'<a href="{thumb}"><img src="{thumb}"' in page_html
     assert f">{inside}</div>" in page_html  # shown as text
     plain = gallery.render_page([row(0)], 2, 2, 2, "t")
-    assert '<a href="../../images/00000/rec000000_0000.png"><img src="../thumbs/00000/rec000000_0000.jpg"' in plain
+    assert '<a href="../../images/00000/rec000000_0000.png"><img src="../../thumbs/00000/rec000000_0000.jpg"' in plain
 
 
 def test_no_external_resources_or_scripts():
@@ -193,17 +197,44 @@ def test_no_external_resources_or_scripts():
     assert page_html.startswith("<!DOCTYPE html>")
 
 
+# -- an even sample -----------------------------------------------------------------
+
+@pytest.mark.parametrize("total,limit", [(10, 3), (10, 10), (10, None), (3, 10), (1000, 7), (7, 1), (0, 5),
+                                         (101, 100)])
+def test_even_sample_keeps_evenly_spaced_rows_in_order(total, limit):
+    consumed = []
+
+    def rows():
+        for i in range(total):
+            consumed.append(i)
+            yield {"i": i}
+
+    kept = [r["i"] for r in gallery.even_sample(rows(), total, limit)]
+    shown = gallery.sample_size(total, limit)
+    assert len(kept) == shown == (total if limit is None else min(total, limit))
+    assert kept == sorted(set(kept)) and (not kept or kept[0] == 0)
+    if shown:  # gaps differ by at most one: evenly spread over the whole run
+        gaps = [b - a for a, b in zip(kept, [*kept[1:], total])]
+        assert max(gaps) - min(gaps) <= 1, gaps
+    assert consumed == list(range(total))  # every row is consumed, kept or not
+
+
+def test_even_sample_refuses_a_cap_below_one():
+    with pytest.raises(ValueError, match=">= 1"):
+        list(gallery.even_sample(iter([]), 0, 0))
+
+
 # -- thumbnails ---------------------------------------------------------------------
 
 def test_thumbnail_is_deterministic_and_fits():
     rng = np.random.default_rng(1)
     source = png(rng.integers(0, 256, (256, 512, 3), dtype=np.uint8))
-    first = gallery.thumbnail(source)
-    assert first == gallery.thumbnail(source)
+    first = formats.thumbnail(source)
+    assert first == formats.thumbnail(source)
     with Image.open(io.BytesIO(first)) as image:
         assert image.format == "JPEG" and image.mode == "RGB" and image.size == (128, 64)
         assert "exif" not in image.info
-    assert gallery.thumbnail(source, size=32) != first
+    assert formats.thumbnail(source, size=32) != first
 
 
 @pytest.mark.parametrize("fmt, mode", [("JPEG", "RGB"), ("WEBP", "RGB"), ("PNG", "RGBA"), ("PNG", "L")])
@@ -211,19 +242,26 @@ def test_thumbnail_reads_other_formats(fmt, mode):
     image = Image.new(mode, (300, 200), 90)
     data = io.BytesIO()
     image.save(data, format=fmt)
-    with Image.open(io.BytesIO(gallery.thumbnail(data.getvalue()))) as thumb:
+    with Image.open(io.BytesIO(formats.thumbnail(data.getvalue()))) as thumb:
         assert thumb.size == (128, 85) and thumb.mode == "RGB"
 
 
+def test_a_thumbnail_of_pixels_is_the_thumbnail_of_their_png():
+    """Hosts make thumbnails from pixels, collect from an old run's PNGs: the same bytes."""
+    pixels = np.random.default_rng(3).integers(0, 256, (96, 64, 3), dtype=np.uint8)
+    assert formats.thumbnail(pixels) == formats.thumbnail(formats.encode(pixels, "png"))
+    assert formats.thumbnail(pixels) != formats.thumbnail(pixels[::-1].copy())
+
+
 def test_thumbnail_does_not_enlarge():
-    with Image.open(io.BytesIO(gallery.thumbnail(png(np.zeros((40, 60, 3), np.uint8))))) as thumb:
+    with Image.open(io.BytesIO(formats.thumbnail(png(np.zeros((40, 60, 3), np.uint8))))) as thumb:
         assert thumb.size == (60, 40)
 
 
 # -- what a browser shows -----------------------------------------------------------
 
 def write_gallery(out, count: int, page_size: int) -> list[dict]:
-    """OUT/images/00000/KEY.png, OUT/dataset/thumbs and the pages; returns the rows."""
+    """OUT/images/00000/KEY.png, OUT/thumbs and the pages; returns the rows."""
     rng = np.random.default_rng(7)
     rows = []
     for i in range(count):
@@ -233,9 +271,9 @@ def write_gallery(out, count: int, page_size: int) -> list[dict]:
         image = out / r["path"]
         image.parent.mkdir(parents=True, exist_ok=True)
         image.write_bytes(data)
-        thumb = out / "dataset" / gallery.thumb_path(r["slice"], r["key"])
+        thumb = out / naming.thumb_name(r["slice"], r["key"])
         thumb.parent.mkdir(parents=True, exist_ok=True)
-        thumb.write_bytes(gallery.thumbnail(data))
+        thumb.write_bytes(formats.thumbnail(data))
         rows.append(r)
     for name, page_html in gallery.pages(iter(rows), count, page_size, "chromium test"):
         page = out / "dataset" / name

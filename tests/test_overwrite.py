@@ -32,7 +32,8 @@ def test_other_settings_are_refused_with_a_hint_and_nothing_changes(planned):
 
 def test_overwrite_deletes_only_what_promptmill_wrote(planned):
     out = planned.out
-    for name in ("shards/00007.tar", "images/00007/old.png", "logs/host-0.log", "dataset/stats.json"):
+    for name in ("shards/00007.tar", "images/00007/old.png", "thumbs/00007/old.jpg", "logs/host-0.log",
+                 "dataset/stats.json"):
         storage.write_bytes(naming.join(out, name), b"from the old run")
     storage.write_bytes(naming.join(out, "notes.txt"), b"the user's own file")
     storage.write_bytes(naming.join(out, "planning", "keep.txt"), b"a folder whose name starts like 'plan'")

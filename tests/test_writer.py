@@ -49,7 +49,9 @@ def test_every_format_is_written_and_committed_last(tmp_path):
     assert table.num_rows == 3 and "image" in table.column_names
     zarr = formats.read_zarr_images(out)
     np.testing.assert_array_equal(zarr[4:7].read().result(), np.stack([image(n) for n in range(3)]))
-    assert storage.read_json(naming.shard_stats(out, 1)) == {"slice": 1, "images": 3}
+    assert storage.read_json(naming.shard_stats(out, 1)) == {"slice": 1, "images": 3, "thumbnails": 3}
+    for n, row in enumerate(rows):  # each image's thumbnail, made from its pixels, in the slice's commit
+        assert storage.read_bytes(naming.thumb_file(out, 1, row["key"])) == formats.thumbnail(image(n))
     assert [r["key"] for r in writer.read_parquet_rows(naming.shard_metadata(out, 1))] == [r["key"] for r in rows]
 
 

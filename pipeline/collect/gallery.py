@@ -1,60 +1,63 @@
 """A static HTML gallery of the dataset (pure functions, streaming).
 
-People want to look at a generated dataset before they load it. Collect writes, under
-``OUT/dataset/``, a JPEG thumbnail per image and a paged gallery: ``index.html`` is
-page 1 and ``gallery/page-NNNNN.html`` the others. Pages are plain HTML5 with inline
-CSS (no scripts, no external resources), so they open from a local folder, a bucket
-or a zip alike.
+People want to look at a generated dataset before they load it. The hosts write a
+JPEG thumbnail of every image as they encode it (``OUT/thumbs/NNNNN/KEY.jpg``, in the
+slice's commit); collect writes, under ``OUT/dataset/``, a paged gallery of them:
+``index.html`` is page 1 and ``gallery/page-NNNNN.html`` the others. Pages are plain
+HTML5 with inline CSS (no scripts, no external resources), so they open from a local
+folder, a bucket or a zip alike.
 
 Every name here is relative to the ``dataset/`` folder, and every link is relative
-to the page it is on, so the folder can be moved. The metadata's ``path`` column is
-relative to OUT, which is ``..`` from ``dataset/``. A location holding ``#`` (an image
-inside a tar, parquet or zarr) is no file a browser can open: its thumbnail links to
-itself and the location is shown as text.
+to the page it is on, so OUT can be moved. The metadata's ``path`` column and the
+thumbnails are relative to OUT, which is ``..`` from ``dataset/``. A location holding
+``#`` (an image inside a tar, parquet or zarr) is no file a browser can open: its
+thumbnail links to itself and the location is shown as text.
 
 ``pages`` holds one page of rows at a time, so a gallery of millions of images is
 written in constant memory; the page list in each page's navigation shows the first,
-the last and the nearby pages only, so thousands of pages stay usable.
+the last and the nearby pages only, so thousands of pages stay usable. ``even_sample``
+caps how many images a huge dataset's gallery shows.
 """
 from __future__ import annotations
 
 import html
-import io
 import posixpath
 from typing import Iterable, Iterator
 from urllib.parse import quote
 
 from pipeline.core import naming
+from pipeline.output import formats
 
-THUMB_SIZE = 128
+THUMB_SIZE = formats.THUMB_SIZE
 NEARBY_PAGES = 3  # the page list shows pages within this distance of the current one
 
 
-def thumbnail(data: bytes, size: int = THUMB_SIZE) -> bytes:
-    """A JPEG of the image ``data`` (any format PIL reads) fitted inside ``size`` x ``size``.
-
-    The aspect ratio is kept and nothing is enlarged. The bytes depend only on the
-    input: no metadata or timestamps are written.
-    """
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as image:
-        image.load()
-        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-            rgba = image.convert("RGBA")  # transparent pixels on white, like a page shows them
-            rgb = Image.new("RGB", rgba.size, (255, 255, 255))
-            rgb.paste(rgba, mask=rgba.getchannel("A"))
-        else:
-            rgb = image.convert("RGB")
-    rgb.thumbnail((size, size), Image.Resampling.LANCZOS)
-    out = io.BytesIO()
-    rgb.save(out, format="JPEG", quality=85, optimize=True)
-    return out.getvalue()
-
-
 def thumb_path(slice_index: int, key: str) -> str:
-    """Where the thumbnail of ``key`` goes, relative to ``dataset/``."""
-    return f"thumbs/{naming.slice_name(slice_index)}/{key}.jpg"
+    """Where the thumbnail of ``key`` is, relative to ``dataset/``: the host wrote it
+    beside the slice's images, under OUT (``naming.thumb_name``)."""
+    return "../" + naming.thumb_name(slice_index, key)
+
+
+def sample_size(total: int, limit: int | None) -> int:
+    """How many of ``total`` images a gallery capped at ``limit`` shows (None: no cap)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"the gallery's cap must be >= 1, got {limit}")
+    return total if limit is None else min(total, limit)
+
+
+def even_sample(rows: Iterable[dict], total: int, limit: int | None) -> Iterator[dict]:
+    """The rows an even sample of ``sample_size(total, limit)`` of ``total`` rows keeps, in
+    their order: row ``i * total // shown`` for i = 0, 1, ... (the first row always).
+
+    Every row of ``rows`` is consumed, kept or not, so a generator that writes as it
+    yields (collect's metadata.parquet) is written whole.
+    """
+    shown = sample_size(total, limit)
+    next_pick = 0  # the index of the next sample
+    for index, row in enumerate(rows):
+        if next_pick < shown and index == next_pick * total // shown:
+            next_pick += 1
+            yield row
 
 
 def page_count(total: int, page_size: int) -> int:

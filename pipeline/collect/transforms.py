@@ -11,12 +11,18 @@ comes out of its generate -> collect barrier. Both then call ``check_verified``.
                  the slice is committed) and its image files are matched by key, and each
                  key is classified: ok, missing (planned, no row or no image), duplicated
                  (more than one row) or unexpected (a row or image never planned there).
-                 Gallery thumbnails of the slice's images are written as it goes.
+                 Images and their thumbnails are checked by listing them, never read: a
+                 thumbnail missing from a committed slice is a missing key, like a
+                 missing image file. Only a slice committed before hosts wrote
+                 thumbnails (its marker has no ``thumbnails`` count) has its images
+                 read, to make its thumbnails (logged as ``thumbnails_made``).
   MatchRejects   the manifest -> the plan's rejects files
   CountRejects   each rejects file -> its rows by reason
   WriteDataset   once, walking the slices in order with one slice's rows in memory at a
                  time: ``dataset/metadata.parquet`` (one row group per slice),
-                 ``dataset/index.html`` and ``dataset/gallery/`` (the paginated gallery),
+                 ``dataset/index.html`` and ``dataset/gallery/`` (the paginated gallery of
+                 the thumbnails under ``OUT/thumbs/``, or an even sample of at most
+                 ``gallery_max`` of them),
                  ``dataset/stats.json`` and the dataset card ``dataset/README.md``
 
 The pure parts live beside this module: ``pipeline.collect.verify`` (a slice's verdicts,
@@ -26,7 +32,10 @@ input rows = planned records (items with image index 0) + rows of the rejects fi
 ``check_verified`` raises ``CollectError`` naming the bad keys, or a broken count.
 Inside the pipeline, objects are read and written through Beam's FileSystems
 (``pipeline.io.beamio``); listings with ``storage.glob``. Counters (namespace
-``collect``): keys_ok, keys_missing, keys_duplicated, keys_unexpected, thumbnails.
+``collect``): keys_ok, keys_missing, keys_duplicated, keys_unexpected, thumbnails_made.
+
+What collect reads grows with the number of slices, not with the dataset's bytes: per
+slice its plan items, commit marker and metadata shard, and listings.
 """
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.collect import card, gallery
 from pipeline.collect.stats import dataset_stats
 from pipeline.collect.verify import unused_negatives, verify_slice
-from pipeline.core import naming
+from pipeline.core import logs, naming
 from pipeline.core.settings import Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.output import formats, writer
@@ -85,13 +94,40 @@ def slice_images(out: str, settings: Settings, index: int, rows: list[dict]) -> 
     return {row["key"]: formats.encode(array[row["position"]].read().result(), "png") for row in rows}
 
 
+def whole_objects(out: str, settings: Settings, index: int) -> list[str]:
+    """The objects that hold a committed slice's images whole (its tar, its image
+    parquet), for the formats the run writes."""
+    found = []
+    if "webdataset" in settings.formats:
+        found.append(naming.shard_tar(out, index))
+    if "parquet" in settings.formats:
+        found.append(naming.image_parquet(out, index))
+    return found
+
+
+def listed_images(out: str, settings: Settings, index: int) -> list[str] | None:
+    """What says a committed slice's images are stored, from listings alone: its image
+    files (``files``), or None when no format writes one file per image. A tar or image
+    parquet missing from the slice counts as every image missing (an empty list)."""
+    if any(not storage.exists(path) for path in whole_objects(out, settings, index)):
+        return []
+    if "files" not in settings.formats:
+        return None
+    return storage.glob(naming.join(out, "images", naming.slice_name(index), "*"))
+
+
 class _VerifySliceFn(beam.DoFn):
-    """One slice index -> its summary (``verify_slice``'s verdicts, counts, its stats)."""
+    """One slice index -> its summary (``verify_slice``'s verdicts, counts, its stats).
+
+    Images and thumbnails are verified by listing them; no image is read. Only a slice
+    committed before hosts wrote thumbnails (its marker has no ``thumbnails``) has its
+    images read, once, to make its thumbnails, when ``thumbnails`` asks for the gallery.
+    """
 
     def __init__(self, out: str, settings: Settings, thumbnails: bool):
         self.out, self.settings, self.thumbnails = out, settings, thumbnails
         self.counters = {}
-        self.thumbs = Metrics.counter("collect", "thumbnails")
+        self.thumbs = Metrics.counter("collect", "thumbnails_made")
 
     def setup(self):
         beamio.use_emulator_credentials()
@@ -102,22 +138,18 @@ class _VerifySliceFn(beam.DoFn):
         committed = storage.exists(stats_path)
         slice_stats = beamio.read_json(stats_path) if committed else None
         rows = _read_table(naming.shard_metadata(self.out, index)).to_pylist() if committed else []
-        files = "files" in self.settings.formats
-        image_paths = (storage.glob(naming.join(self.out, "images", naming.slice_name(index), "*"))
-                       if files else None)
-        verdicts = verify_slice([i["key"] for i in items], rows, image_paths)
+        image_paths = listed_images(self.out, self.settings, index) if committed else None
+        has_thumbs = committed and "thumbnails" in slice_stats
+        thumb_paths = storage.glob(naming.join(naming.thumbs_dir(self.out, index), "*")) if has_thumbs else None
+        verdicts = verify_slice([i["key"] for i in items], rows, image_paths, thumb_paths)
         for verdict, keys in verdicts.items():
             if verdict not in self.counters:
                 self.counters[verdict] = Metrics.counter("collect", f"keys_{verdict}")
             self.counters[verdict].inc(len(keys))
         ok = set(verdicts["ok"])
         good_rows = [row for row in rows if row["key"] in ok]
-        if self.thumbnails and good_rows:
-            images = slice_images(self.out, self.settings, index, good_rows)
-            for row in good_rows:
-                beamio.write_bytes(naming.dataset_file(self.out, gallery.thumb_path(index, row["key"])),
-                                   gallery.thumbnail(images[row["key"]]), "image/jpeg")
-                self.thumbs.inc()
+        if self.thumbnails and good_rows and not has_thumbs:
+            self._make_thumbnails(index, good_rows)
         unused_records, unused_images = unused_negatives(good_rows, self.settings.guidance_rule)
         yield {"slice": index, "records": sum(1 for i in items if i["image_index"] == 0),
                "planned_images": len(items), "stats": slice_stats,
@@ -128,11 +160,22 @@ class _VerifySliceFn(beam.DoFn):
                                         and row["image_index"] == 0),
                "unused_negative_records": unused_records, "unused_negative_images": unused_images}
 
+    def _make_thumbnails(self, index: int, rows: list[dict]) -> None:
+        """A slice committed before hosts wrote thumbnails: make them from its images,
+        where the hosts write them now, so the gallery is the same for every slice."""
+        images = slice_images(self.out, self.settings, index, rows)
+        for row in rows:
+            beamio.write_bytes(naming.thumb_file(self.out, index, row["key"]), formats.thumbnail(images[row["key"]]),
+                               "image/jpeg")
+            self.thumbs.inc()
+        logs.event("thumbnails_made", slice=index, images=len(rows),
+                   why="the slice was committed without thumbnails; its images were read to make them")
+
 
 class VerifySlices(beam.PTransform):
     """Slice indices -> one summary per slice: its records, planned images, committed
-    stats, ok count and the keys of every other verdict. With ``thumbnails``, the gallery
-    thumbnails of each slice's ok images are written as it goes."""
+    stats, ok count and the keys of every other verdict. With ``thumbnails``, a slice
+    committed without thumbnails gets them, made from its images."""
 
     def __init__(self, out: str, settings: Settings, thumbnails: bool = True):
         super().__init__()
@@ -175,9 +218,10 @@ def _ok_rows_table(out: str, summary: dict):
 
 
 def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, started: float, out: str,
-                  page_size: int, thumbnails: bool) -> dict:
+                  page_size: int, thumbnails: bool, gallery_max: int | None = None) -> dict:
     """Writes the dataset's files from every slice's summary and every rejects file's
     counts; returns stats.json's content. ``started``: when collect began (for its wall time).
+    The gallery shows every image, or an even sample of ``gallery_max`` in plan order.
     The card describes the run as ``run.json`` holds it now, with the plan's decisions."""
     import pyarrow.parquet as pq
 
@@ -195,8 +239,11 @@ def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, st
                         yield from table.to_pylist()
 
     if thumbnails:
+        shown = gallery.sample_size(images, gallery_max)
         title = f"promptmill dataset: {run.settings.model}, {images} images"
-        for name, html in gallery.pages(rows(), images, page_size, title):
+        if shown < images:
+            title += f", {shown} shown (an even sample)"
+        for name, html in gallery.pages(gallery.even_sample(rows(), images, gallery_max), shown, page_size, title):
             beamio.write_text(naming.dataset_file(out, name), html, "text/html")
     else:
         collections.deque(rows(), maxlen=0)
@@ -216,16 +263,17 @@ class WriteDataset(beam.PTransform):
     ``reject_counts`` (``CountRejects``'s).
     """
 
-    def __init__(self, out: str, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
+    def __init__(self, out: str, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True,
+                 gallery_max: int | None = None):
         super().__init__()
-        self.out, self.page_size, self.thumbnails = out, page_size, thumbnails
+        self.out, self.page_size, self.thumbnails, self.gallery_max = out, page_size, thumbnails, gallery_max
 
     def expand(self, parts):
         return (parts["manifest"]
                 | "Write" >> beam.Map(write_dataset, beam.pvalue.AsList(parts["summaries"]),
                                       beam.pvalue.AsList(parts["reject_counts"]),
                                       beam.pvalue.AsSingleton(parts["started"]), self.out,
-                                      self.page_size, self.thumbnails))
+                                      self.page_size, self.thumbnails, self.gallery_max))
 
 
 def _slice_indices(manifest: dict):
@@ -247,9 +295,11 @@ class Collect(beam.PTransform):
     hands it over only once every slice is committed.
     """
 
-    def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True):
+    def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True,
+                 gallery_max: int | None = None):
         super().__init__()
         self.out, self.run, self.page_size, self.thumbnails = out, run, page_size, thumbnails
+        self.gallery_max = gallery_max
 
     def expand(self, manifest):
         started = manifest | "StartClock" >> beam.Map(_now)
@@ -260,7 +310,7 @@ class Collect(beam.PTransform):
                          | "MatchRejects" >> beam.FlatMap(_rejects_files, self.out)
                          | "CountRejects" >> CountRejects())
         return ({"manifest": manifest, "started": started, "summaries": summaries, "reject_counts": reject_counts}
-                | "WriteDataset" >> WriteDataset(self.out, self.page_size, self.thumbnails))
+                | "WriteDataset" >> WriteDataset(self.out, self.page_size, self.thumbnails, self.gallery_max))
 
 
 def check_verified(stats: dict) -> None:
@@ -276,8 +326,10 @@ def check_verified(stats: dict) -> None:
 
 
 def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = GALLERY_PAGE_SIZE,
-                gallery_thumbnails: bool = True) -> dict:
-    """Collect ``out`` into ``out/dataset``; returns stats, or raises CollectError."""
+                gallery_thumbnails: bool = True, gallery_max: int | None = None) -> dict:
+    """Collect ``out`` into ``out/dataset``; returns stats, or raises CollectError.
+    ``gallery_max``: the gallery shows an even sample of at most this many images."""
+    gallery.sample_size(0, gallery_max)  # a bad cap fails before the pipeline
     beamio.require_filesystem(out)
     manifest_path = naming.manifest(out)
     if not storage.exists(manifest_path):
@@ -287,7 +339,7 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
         _ = (p
              | "Manifest" >> beam.Create([manifest])
-             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails))
+             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails, gallery_max))
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     check_verified(stats)
     return stats

@@ -2,10 +2,13 @@
 the slice and what the slice's commit wrote (``VerifySlices`` in
 ``pipeline.collect.transforms`` runs it per slice).
 
-  ok          planned once, one metadata row, and its image file (when the run writes files)
-  missing     planned, but no row, or no image file
+  ok          planned once, one metadata row, its image file (when the run writes files)
+              and its thumbnail (when the slice's commit says it wrote thumbnails)
+  missing     planned, but no row, no image file or no thumbnail
   duplicated  planned more than once, or more than one row
-  unexpected  a row or image file that was never planned in this slice
+  unexpected  a row, image file or thumbnail that was never planned in this slice
+
+Images and thumbnails are known from listings only: verifying never reads their bytes.
 """
 from __future__ import annotations
 
@@ -19,34 +22,41 @@ def key_of_image(path: str) -> str:
     return path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
 
 
-def classify(planned: list, rows: list, images: list | None) -> str:
+def classify(planned: list, rows: list, images: list | None, thumbs: list | None = None) -> str:
     """The verdict for one key, from what was planned, written and stored under it.
 
     ``images`` is None when the run writes no image files (its other formats are
-    written whole per slice, before the slice's commit marker).
+    written whole per slice, before the slice's commit marker); ``thumbs`` is None when
+    the slice's thumbnails are not checked (a slice committed before hosts wrote them).
     """
     if not planned:
         return "unexpected"
     if len(planned) > 1 or len(rows) > 1:
         return "duplicated"
-    if not rows or (images is not None and not images):
+    if not rows or (images is not None and not images) or (thumbs is not None and not thumbs):
         return "missing"
     return "ok"
 
 
-def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[str] | None) -> dict[str, list[str]]:
-    """Keys by verdict for one slice (pure): planned keys, its metadata rows, its image files."""
-    by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": []})
+def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[str] | None,
+                 thumb_paths: list[str] | None = None) -> dict[str, list[str]]:
+    """Keys by verdict for one slice (pure): planned keys, its metadata rows, its image
+    files and its thumbnails (None: not checked)."""
+    by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": [],
+                                                               "thumbs": []})
     for key in planned_keys:
         by_key[key]["planned"].append(key)
     for row in rows:
         by_key[row["key"]]["rows"].append(row)
     for path in image_paths or ():
         by_key[key_of_image(path)]["images"].append(path)
+    for path in thumb_paths or ():
+        by_key[key_of_image(path)]["thumbs"].append(path)
     verdicts: dict[str, list[str]] = {v: [] for v in VERDICTS}
     for key in sorted(by_key):
         got = by_key[key]
-        verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"])].append(key)
+        verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"],
+                          None if thumb_paths is None else got["thumbs"])].append(key)
     return verdicts
 
 

@@ -43,7 +43,7 @@ def join(base: str, *parts: str) -> str:
 
 
 # Everything promptmill writes under OUT; ``--overwrite`` deletes exactly these.
-OWNED = ("run.json", "plan", "shards", "images", "parquet", "zarr", "dataset", "logs")
+OWNED = ("run.json", "plan", "shards", "images", "thumbs", "parquet", "zarr", "dataset", "logs")
 
 
 def slice_name(index: int) -> str:
@@ -117,6 +117,21 @@ def zarr_latents(out: str) -> str:
 
 def image_file(out: str, index: int, key: str, ext: str = "png") -> str:
     return join(out, "images", slice_name(index), f"{key}.{ext}")
+
+
+def thumb_name(index: int, key: str) -> str:
+    """The gallery thumbnail of ``key`` in slice ``index``, relative to OUT: a JPEG that the
+    host writes with the image, in the slice's commit (``thumb_file``)."""
+    return f"thumbs/{slice_name(index)}/{key}.jpg"
+
+
+def thumb_file(out: str, index: int, key: str) -> str:
+    return join(out, thumb_name(index, key))
+
+
+def thumbs_dir(out: str, index: int) -> str:
+    """The folder of slice ``index``'s thumbnails, listed by collect."""
+    return join(out, "thumbs", slice_name(index))
 
 
 def dataset_file(out: str, name: str) -> str:

@@ -29,6 +29,18 @@ retry of a committed slice skips it. (The Python FnApiRunner, the DirectRunner's
 engine, does not retry a failed bundle: the job fails and a re-run resumes. Dataflow
 and the BundleBasedDirectRunner retry the bundle.)
 
+The metadata's ``host`` column (and the slice's ``_stats.json``, and so stats.json's
+``hosts``) holds the id of the worker process that generated the slice
+(``worker_id``: a 31-bit hash of its machine's name and process id, logged with both on
+``worker_ready``). Images and their sha256 never depend on it; a slice redone on another
+worker carries that worker's id in its metadata rows, as a pod run resumed with
+another ``--hosts`` carries the new host indices.
+
+``compile_cache`` (``--compile-cache``): each worker process turns JAX's persistent
+compilation cache on before it compiles, so a worker of a later run loads the compiled
+programs instead of compiling them (``pipeline.generate.compile_cache``; a ``gs://``
+folder is mirrored, and what a worker adds is uploaded after its warm-up).
+
 Locally the engine runs on a local runner (DirectRunner by default) with
 ``settings.devices_per_host`` CPU devices, like one host of the local pod engine. On
 Dataflow the worker's local devices must number ``settings.devices_per_host``, since the
@@ -41,8 +53,10 @@ import collections
 import logging
 import os
 import queue
+import socket
 import sys
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import apache_beam as beam
@@ -56,7 +70,8 @@ from apache_beam.utils.windowed_value import WindowedValue
 from pipeline.collect import transforms as collect
 from pipeline.core import logs, naming, slicing
 from pipeline.core.settings import Run, Settings
-from pipeline.generate import fit, host_loop, runtime
+from pipeline.generate import compile_cache as cache_lib
+from pipeline.generate import fit, host_loop, jax_events, runtime
 from pipeline.io import beamio, runs, storage
 from pipeline.model.attention import check_platform
 from pipeline.plan import transforms as plan
@@ -133,25 +148,43 @@ def release_collect(generated: list[int], manifest: dict) -> list[int]:
     return expected
 
 
+def worker_id(machine: str, pid: int) -> int:
+    """The ``host`` column of the slices a worker process generates (pure): a 31-bit
+    hash of its machine's name and its process id, the same for the process's life."""
+    return zlib.crc32(f"{machine}:{pid}".encode()) & 0x7FFFFFFF
+
+
 class _Worker:
     """One worker process's model, compiled generator and writer threads.
 
     Built once per process (and per ``runtime.program_tag``) through ``_SHARED`` and
     shared by every DoFn instance and thread of the process, and by later pipelines in it.
+    With ``compile_cache``, JAX's persistent compilation cache is on before anything compiles.
     """
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, compile_cache: str | None = None):
         import jax
 
+        if compile_cache:  # first: every program this worker compiles should go through the cache
+            cache_dir = cache_lib.enable(compile_cache)
+            logs.event("compile_cache", pid=os.getpid(), path=cache_dir)
         devices = jax.local_devices()
         check_devices(len(devices), run.settings.devices_per_host, devices[0].platform if devices else "")
         watch = logs.Stopwatch()
+        machine = socket.gethostname()
+        self.host = worker_id(machine, os.getpid())
         self.model = runtime.load_model(run)
         self.generator = runtime.make_generator(self.model, run.settings, devices)
         self.compiles_at_warm = self.generator.warm_up()
+        cache_stats = ({"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT),
+                        "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE)} if compile_cache else {})
         self.pool = ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS, thread_name_prefix="writer")
-        logs.event("worker_ready", pid=os.getpid(), devices=len(devices), platform=devices[0].platform,
-                   seconds=round(watch.seconds(), 2))
+        logs.event("worker_ready", host=self.host, machine=machine, pid=os.getpid(), devices=len(devices),
+                   platform=devices[0].platform, seconds=round(watch.seconds(), 2), **cache_stats)
+        if compile_cache:
+            uploaded = cache_lib.push()
+            if uploaded:
+                logs.event("compile_cache_pushed", host=self.host, entries=uploaded)
 
 
 _SHARED = shared.Shared()  # per process: the _Worker every DoFn instance of the process uses
@@ -227,13 +260,10 @@ class GenerateSlicesFn(beam.DoFn):
     the runner's retry skips the committed ones and regenerates the others, byte for byte.
     """
 
-    HOST = 0  # metadata's host column: workers have no host index, and a retried slice
-    # must get the same bytes on whatever worker it runs
-
-    def __init__(self, out: str, make_worker=None):
-        self.out = out
+    def __init__(self, out: str, compile_cache: str | None = None, make_worker=None):
+        self.out, self.compile_cache = out, compile_cache
         # make_worker(run) -> the worker (default: the model loaded once per process, _Worker);
-        # the pipeline bench passes a synthetic device
+        # the pipeline bench passes its own device
         self.make_worker = make_worker
         self.run = self.worker = None  # read from OUT on the first slice (``_ready``)
         self.bundle: _BundleRun | None = None
@@ -257,7 +287,8 @@ class GenerateSlicesFn(beam.DoFn):
             if self.make_worker is not None:
                 self.worker = self.make_worker(self.run)
             else:
-                self.worker = _SHARED.acquire(lambda: _Worker(self.run), runtime.program_tag(self.run))
+                self.worker = _SHARED.acquire(lambda: _Worker(self.run, self.compile_cache),
+                                              runtime.program_tag(self.run))
             self.size = settings.slice_size
             slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings.per_device_batch)
 
@@ -307,7 +338,8 @@ class GenerateSlicesFn(beam.DoFn):
             self.redone.inc()
             logs.event("slice_redone", slice=index, leftover_objects=decision.leftover_objects)
         if self.bundle is None:
-            self.bundle = _BundleRun(self.worker, self.out, self.run, self.size, self.HOST, self._zarr_arrays())
+            self.bundle = _BundleRun(self.worker, self.out, self.run, self.size, self.worker.host,
+                                     self._zarr_arrays())
         self.bundle.add(index)
         for stats in self.bundle.finished():
             yield self._emit(stats)
@@ -327,15 +359,17 @@ def _release(generated: list[int], manifest: dict) -> dict:
     return manifest
 
 
-def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE_SIZE, thumbnails: bool = True):
+def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE_SIZE, thumbnails: bool = True,
+          compile_cache: str | None = None):
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
-    returns the PCollection of stats.json's content."""
+    returns the PCollection of stats.json's content. ``compile_cache``: a folder checked
+    by ``compile_cache.resolve``."""
     out = settings.out
     manifest = p | "Plan" >> plan.Plan(settings)
     generated = (manifest
                  | "Slices" >> beam.FlatMap(lambda m: range(m["slices"]))
                  | "SpreadSlices" >> beam.Reshuffle()
-                 | "Generate" >> beam.ParDo(GenerateSlicesFn(out)))
+                 | "Generate" >> beam.ParDo(GenerateSlicesFn(out, compile_cache)))
     released = (generated
                 | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
                 | "AllGenerated" >> beam.combiners.ToList()
@@ -365,16 +399,21 @@ def counters(result, namespace: str) -> dict:
 
 
 def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,
-             page_size: int = collect.GALLERY_PAGE_SIZE, gallery_thumbnails: bool = True) -> dict:
+             page_size: int = collect.GALLERY_PAGE_SIZE, gallery_thumbnails: bool = True,
+             compile_cache: str | None = None) -> dict:
     """plan -> generate -> collect as one Beam pipeline; returns the dataset stats.
 
     ``beam_args`` are Beam's PipelineOptions (``--runner DataflowRunner ...``; none: the
     DirectRunner). With a local runner, this process and its workers get
     ``settings.devices_per_host`` CPU devices (``use_local_cpu_devices``). ``overwrite``
     deletes an earlier run in OUT first; without it a re-run resumes: committed slices
-    are skipped. Raises ``collect.CollectError`` when the dataset does not match the plan.
+    are skipped. ``compile_cache`` (``--compile-cache``): every worker's persistent
+    compilation cache folder, local (made absolute; on a remote runner, a folder on
+    each worker) or ``gs://``. Raises ``collect.CollectError`` when the dataset does not
+    match the plan.
     """
     watch = logs.Stopwatch()
+    compile_cache = cache_lib.resolve(compile_cache) if compile_cache else None
     if is_local_runner(beam_args):
         use_local_cpu_devices(settings.devices_per_host)
         check_platform(settings.attention, "cpu")
@@ -383,7 +422,7 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
                devices_per_host=settings.devices_per_host, slice_size=settings.slice_size)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
-    build(p, settings, run, page_size, gallery_thumbnails)
+    build(p, settings, run, page_size, gallery_thumbnails, compile_cache)
     result = p.run()
     result.wait_until_finish()
     manifest = storage.read_json(naming.manifest(settings.out))

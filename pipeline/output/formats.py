@@ -19,6 +19,7 @@ from pipeline.core.choices import IMAGE_FORMATS
 from pipeline.io import storage
 
 PNG_COMPRESS_LEVEL = 6
+THUMB_SIZE = 128  # the gallery's thumbnails fit in THUMB_SIZE x THUMB_SIZE
 
 
 def extension(image_format: str) -> str:
@@ -36,6 +37,33 @@ def encode(image: np.ndarray, image_format: str = "png", quality: int = 95) -> b
     buffer = io.BytesIO()
     Image.fromarray(image, mode="RGB").save(buffer, format=pil_format, **options)
     return buffer.getvalue()
+
+
+def thumbnail(image: np.ndarray | bytes, size: int = THUMB_SIZE) -> bytes:
+    """A JPEG of ``image`` fitted inside ``size`` x ``size``: uint8 [H, W, 3] pixels, or
+    encoded bytes in any format PIL reads.
+
+    The aspect ratio is kept and nothing is enlarged. The bytes depend only on the
+    pixels: no metadata or timestamps are written, so a PNG's thumbnail is the same
+    as its pixels' thumbnail.
+    """
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        rgb = Image.fromarray(image, mode="RGB")
+    else:
+        with Image.open(io.BytesIO(image)) as decoded:
+            decoded.load()
+            if decoded.mode in ("RGBA", "LA", "PA") or (decoded.mode == "P" and "transparency" in decoded.info):
+                rgba = decoded.convert("RGBA")  # transparent pixels on white, like a page shows them
+                rgb = Image.new("RGB", rgba.size, (255, 255, 255))
+                rgb.paste(rgba, mask=rgba.getchannel("A"))
+            else:
+                rgb = decoded.convert("RGB")
+    rgb.thumbnail((size, size), Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=85, optimize=True)
+    return out.getvalue()
 
 
 def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:

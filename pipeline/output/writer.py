@@ -1,8 +1,14 @@
-"""The outputs of one slice: images, the metadata shard, and the commit marker.
+"""The outputs of one slice: images, their gallery thumbnails, the metadata shard, and
+the commit marker.
 
 Every name and every byte is deterministic: PNGs carry no timestamps, a row's
 ``created_at`` is the run's (from run.json), and a slice's ``_stats.json`` is written
 last, so a slice without it is simply redone with the same bytes.
+
+The thumbnail of each image (``naming.thumb_file``) is made from its pixels while they
+are in memory, so collect can build the gallery without reading any image back. The
+commit marker says how many thumbnails the slice holds (``thumbnails``); a slice
+committed before hosts wrote them has no such field.
 """
 from __future__ import annotations
 
@@ -97,6 +103,7 @@ def leftovers(out: str, settings: Settings, index: int) -> list[str]:
     """Objects an uncommitted slice already has, from an attempt that died (zarr chunks aside)."""
     chosen = settings.formats
     found = storage.glob(naming.join(out, "images", naming.slice_name(index), "*")) if "files" in chosen else []
+    found += storage.glob(naming.join(naming.thumbs_dir(out, index), "*"))
     candidates = [naming.shard_metadata(out, index)]
     if "webdataset" in chosen:
         candidates.append(naming.shard_tar(out, index))
@@ -141,6 +148,7 @@ class SliceWriter:
         self.image_format, self.quality = run.settings.image_format, run.settings.quality
         self.zarr_images, self.zarr_latents = zarr_images, zarr_latents
         self._pending = []
+        self._rows: list[dict] | None = None  # set by ``finish``
 
     def add(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None, truncated: bool = False) -> None:
         """Queue one image (and, with ``zarr_latents``, its final latents) for writing;
@@ -163,6 +171,7 @@ class SliceWriter:
         location = image_location(self.run.settings, item)
         if "files" in self.formats:
             storage.write_bytes(naming.join(self.out, location), data)
+        storage.write_bytes(naming.thumb_file(self.out, item.slice, item.key), formats.thumbnail(image))
         if "zarr" in self.formats:
             self.zarr_images[item.position].write(image).result()
         if latents is not None:
@@ -195,11 +204,14 @@ class SliceWriter:
                             lambda: formats.image_parquet_bytes(rows, encoded, metadata_schema())))
         for future in [self.pool.submit(lambda p=p, make=make: storage.write_bytes(p, make())) for p, make in objects]:
             future.result()
+        self._rows = rows
         return rows
 
     def mark(self, stats: dict) -> None:
-        """Write the commit marker: the slice counts as done from here on."""
-        storage.write_json(naming.shard_stats(self.out, self.index), stats)
+        """Write the commit marker: the slice counts as done from here on. Once ``finish``
+        has run, the marker also says how many thumbnails the slice holds."""
+        marker = stats if self._rows is None else {**stats, "thumbnails": len(self._rows)}
+        storage.write_json(naming.shard_stats(self.out, self.index), marker)
 
     def commit(self, stats: dict) -> list[dict]:
         rows = self.finish()

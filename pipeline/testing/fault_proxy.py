@@ -19,6 +19,12 @@ Point a client at it through its ``port``; use it as a context manager::
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
         ...
     proxy.counts  # {"forwarded": n, "503": n, "429": n, "dropped": n}
+    proxy.requests  # (method, path, bytes answered) of every forwarded request
+
+With ``failure_rate=0`` it only watches: ``requests`` shows what a client read. The
+emulator's object metadata carries links to itself (``mediaLink``), which some clients
+(Beam's GCS reader) download from; with ``own_links`` the proxy points those links at
+itself, so no download goes around it.
 """
 from __future__ import annotations
 
@@ -37,16 +43,19 @@ class FaultyProxy:
     """Proxy to ``127.0.0.1:upstream_port``. ``counts`` says what happened to each request
     (``forwarded`` or the fault injected), ``upstream_errors`` how many forwarded ones the
     upstream failed (dropped for the client), ``connections`` how many client connections
-    were opened to the proxy."""
+    were opened to the proxy, ``requests`` the method, path and answered body size of
+    each request the upstream answered."""
 
     def __init__(self, upstream_port: int, failure_rate: float = 0.1, seed: int = 0, latency_s: float = 0.0,
-                 max_upstream: int | None = None):
+                 max_upstream: int | None = None, own_links: bool = False):
         self.upstream_port, self.failure_rate, self.latency_s = upstream_port, failure_rate, latency_s
         self.upstream_slots = threading.BoundedSemaphore(max_upstream) if max_upstream else contextlib.nullcontext()
         self.random = random.Random(seed)
         self.lock = threading.Lock()
         self.counts = {"forwarded": 0, **{fault: 0 for fault in FAULTS}}
         self.connections = self.upstream_errors = 0
+        self.requests: list[tuple[str, str, int]] = []
+        self.own_links = own_links
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -82,9 +91,16 @@ class FaultyProxy:
                         proxy.upstream_errors += 1
                     self.close_connection = True
                     return
-                self._reply(response.status, [(k, v) for k, v in response.getheaders()
-                                              if k.lower() not in ("transfer-encoding", "connection",
-                                                                   "content-length")], data)
+                with proxy.lock:
+                    proxy.requests.append((self.command, self.path, len(data)))
+                headers = [(k, v) for k, v in response.getheaders()
+                           if k.lower() not in ("transfer-encoding", "connection", "content-length")]
+                if proxy.own_links:
+                    upstream, here = (f"127.0.0.1:{port}".encode() for port in (proxy.upstream_port, proxy.port))
+                    headers = [(k, v.replace(upstream.decode(), here.decode())) for k, v in headers]
+                    if "json" in response.getheader("Content-Type", ""):
+                        data = data.replace(upstream, here)
+                self._reply(response.status, headers, data)
 
             def _forward(self, body: bytes):
                 upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
