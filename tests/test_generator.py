@@ -37,6 +37,7 @@ def test_no_compilation_after_warm_up(generator):
 
 
 def test_compile_counter_sees_a_compilation():
+    jax_events.COMPILES.install()
     before = jax_events.COMPILES.count()
     jax.jit(lambda x: x * 3 + 1)(np.arange(7.0))
     assert jax_events.COMPILES.count() > before

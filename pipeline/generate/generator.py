@@ -117,9 +117,15 @@ def compile_sampler(model, width: int, height: int, steps: int, per_device_batch
 def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool = False,
                   guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto"):
     """The pmapped sampler for ``devices``, lowered from the shapes of ``model``'s params
-    and of a batch (``compile_sampler``)."""
+    and of a batch (``compile_sampler``).
+
+    The shapes are given to pmap as abstract values (``jax.core.ShapedArray``), not as
+    ``ShapeDtypeStruct``s: in a cluster, pmap turns each argument that is not a device
+    array into a numpy array (to make it global), which a struct is not; abstract values
+    pass through as they are, and on a host's own devices the global shape is the local one."""
     import jax
     import jax.numpy as jnp
+    from jax.core import ShapedArray
 
     devices = list(devices)
     if attention != LEGACY_ATTENTION:
@@ -127,10 +133,10 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
     fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
                                             attention, devices[0].platform), devices=devices)
     shaped = (len(devices), per_device_batch)
-    ids = jax.ShapeDtypeStruct(shaped + sampler.tokenize(model, [""]).shape[1:], jnp.int32)
-    words = jax.ShapeDtypeStruct(shaped, jnp.uint32)
-    return fn.lower(replicated_shapes(model.params, devices), ids, ids, jax.ShapeDtypeStruct(shaped, jnp.float32),
-                    words, words, words)
+    ids = ShapedArray(shaped + sampler.tokenize(model, [""]).shape[1:], jnp.int32)
+    words = ShapedArray(shaped, jnp.uint32)
+    params = jax.tree_util.tree_map(lambda s: ShapedArray(s.shape, s.dtype), replicated_shapes(model.params, devices))
+    return fn.lower(params, ids, ids, ShapedArray(shaped, jnp.float32), words, words, words)
 
 
 class Generator:
