@@ -96,6 +96,15 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     assert start["cache_entries"] > 0
     assert start["cold"]["build_cache_hits"] == 0 and start["warm"]["build_cache_hits"] >= 1
     assert start["cold"]["total_s"] > 0 and start["warm"]["total_s"] > 0 and start["cold_over_warm"] > 0
+    # warm, the sampler is deserialised, not compiled; the time to ready leaves out the first batch
+    assert not start["cold"]["sampler_from_cache"] and start["warm"]["sampler_from_cache"]
+    assert start["warm"]["sampler_compiles"] == 0 < start["cold"]["sampler_compiles"]
+    for side in (start["cold"], start["warm"]):
+        assert side["program_reused"]  # compiled from shapes while the weights loaded, and used
+        parts = sum(side[f"{part}_s"] for part in ("import", "shapes", "load", "wait", "transfer"))
+        assert parts <= side["ready_s"] + 0.01 and side["ready_s"] + side["first_batch_s"] <= side["in_process_s"]
+    assert start["ready_warm_over_cold"] == start["warm"]["ready_s"] / start["cold"]["ready_s"]
+    assert "time to ready" in table and "compile or deserialize" in table
 
 
 def test_sdxl_is_refused_before_any_work(model_cache):

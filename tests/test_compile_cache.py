@@ -114,9 +114,15 @@ def test_on_a_rerun_every_host_loads_its_sampler_and_none_compiles_it(cold_and_w
         assert warm[host]["sampler_from_cache"] and warm[host]["cache_hits"] >= 1
         assert warm[host]["sampler_compiles"] == 0 and warm[host]["cache_writes"] == 0
         assert warm[host]["compiles"] < cold[host]["compiles"]
+        # the sampler was compiled (or loaded) from shapes while the weights loaded
+        for event in (cold[host], warm[host]):
+            assert all(event[f"{part}_s"] >= 0 for part in ("shapes", "load", "compile", "wait", "transfer"))
+            # the time to ready holds every part but the compile (it overlapped the load)
+            assert event["ready_s"] >= sum(event[f"{part}_s"] for part in ("shapes", "load", "wait", "transfer"))
     # time to ready (not asserted: the machine is shared); the test's output shows it
-    print("ready_s cold", {h: e["ready_s"] for h, e in cold.items()},
-          "warm", {h: e["ready_s"] for h, e in warm.items()})
+    for name, events in (("cold", cold), ("warm", warm)):
+        print(name, {h: {k: e[k] for k in ("ready_s", "shapes_s", "load_s", "compile_s", "wait_s", "transfer_s")}
+                     for h, e in events.items()})
 
 
 def test_a_loaded_sampler_writes_the_same_bytes(cold_and_warm):

@@ -1,4 +1,5 @@
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -36,9 +37,38 @@ def test_no_compilation_after_warm_up(generator):
 
 
 def test_compile_counter_sees_a_compilation():
+    jax_events.COMPILES.install()
     before = jax_events.COMPILES.count()
     jax.jit(lambda x: x * 3 + 1)(np.arange(7.0))
     assert jax_events.COMPILES.count() > before
+    # count_here: only the calling thread's (a host compiles its sampler on another)
+    here, before = jax_events.COMPILES.count_here(), jax_events.COMPILES.count()
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(lambda: (jax.jit(lambda x: x * 5 - 2)(np.arange(5.0)),
+                                    jax_events.COMPILES.count_here())[1]).result() >= 1
+    assert jax_events.COMPILES.count() > before and jax_events.COMPILES.count_here() == here
+
+
+def test_the_sampler_lowered_from_shapes_is_the_program_of_the_weights(generator):
+    from pipeline.generate import compile_cache, sampler
+    from pipeline.generate.generator import lower_sampler
+
+    devices = generator.devices
+    abstract = model_lib.load("tiny", abstract=True)  # configs only: no weight read
+    from_shapes = lower_sampler(abstract, 32, 32, 2, 1, devices)
+    fn = jax.pmap(sampler.make_sample_fn(generator.model, 32, 32, 2, platform=devices[0].platform), devices=devices)
+    from_weights = fn.lower(generator.params, *generator._device_shaped(generator.padding_batch()))
+    assert from_shapes.as_text() == from_weights.as_text()
+    assert compile_cache.executable_key(from_shapes, devices) == compile_cache.executable_key(from_weights, devices)
+    # a program is used only with the params and devices it was lowered for
+    program = generator.program
+    assert program.takes(generator.params, devices) and not program.takes(generator.params, devices[:1])
+    half = jax.tree_util.tree_map(lambda x: x.astype(np.float16) if x.dtype == np.float32 else x,
+                                  generator.params["vae"])
+    assert not program.takes({**generator.params, "vae": half}, devices)
+    before = jax_events.COMPILES.count()
+    again = Generator(generator.model, 32, 32, 2, 1, params=generator.params, program=program)
+    assert again.program is program and jax_events.COMPILES.count() == before
 
 
 def test_image_depends_on_its_own_key_only(generator):

@@ -5,6 +5,13 @@ pmapped over them and compiled ahead of time for the run's one set of shapes. Ca
 the compiled executable can never recompile (a wrong shape is an error), and
 ``jax_events.COMPILES`` lets tests and logs prove that nothing else compiles either.
 
+The sampler is lowered from shapes alone (``compile_sampler``): the params as
+``jax.ShapeDtypeStruct``s with the device axis, which gives the very program that
+lowering from the replicated arrays gives (same text, same executable cache key). So a
+host can compile it, or load it from its executable cache, from an abstract model
+(``load(abstract=True)``) on one thread while another reads the weights, and hand the
+result to the Generator (``program``).
+
 With ``latents=True`` the compiled program also returns each image's final latents
 (``sampler.make_sample_fn``); without it, it is the images-only program, and no latents
 ever leave the devices.
@@ -12,6 +19,7 @@ ever leave the devices.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -54,10 +62,92 @@ def replicate(tree, devices):
     return jax.tree_util.tree_map(put, tree)
 
 
+def replicated_shapes(tree, devices=None):
+    """``jax.ShapeDtypeStruct``s of ``tree`` (arrays or structs) as ``replicate`` lays it
+    out on ``devices`` (the device axis first); without ``devices``, of ``tree`` as it is."""
+    import jax
+
+    lead = () if devices is None else (len(devices),)
+    return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(lead + tuple(np.shape(leaf)), leaf.dtype), tree)
+
+
+def _same_shapes(a, b) -> bool:
+    import jax
+
+    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and \
+        jax.tree_util.tree_leaves(a) == jax.tree_util.tree_leaves(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerProgram:
+    """A sampler compiled (or loaded) for one set of devices, and how it was made."""
+    compiled: object
+    params: object  # the replicated params' ShapeDtypeStructs it takes (``replicated_shapes``)
+    devices: tuple
+    from_cache: bool  # loaded from this host's executable cache (``compile_cache.load_or_compile``)
+    compiles: int  # the backend compilations building it took, on its thread (0 when loaded)
+    seconds: float  # lowering and compiling or loading it
+
+    def takes(self, params, devices) -> bool:
+        """Whether it runs on ``devices`` with ``params`` (replicated, as ``replicate``
+        lays them out): the same tree of the same shapes and dtypes it was lowered for."""
+        return self.devices == tuple(devices) and _same_shapes(self.params, replicated_shapes(params))
+
+
+def compile_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices,
+                    latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
+                    attention: str = "auto") -> SamplerProgram:
+    """The pmapped sampler for ``devices``, lowered from shapes alone and compiled, or
+    loaded from the executable cache (``compile_cache.load_or_compile``).
+
+    ``model``'s params may be arrays or ``ShapeDtypeStruct``s (``load(abstract=True)``):
+    only their shapes and dtypes are read, so this can run on a thread while the weights
+    load. The Generator's arguments of the same names mean the same."""
+    jax_events.COMPILES.install()
+    started = time.perf_counter()
+    devices = list(devices)
+    compiles = jax_events.COMPILES.count_here()
+    lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
+                            attention)
+    compiled, from_cache = compile_cache.load_or_compile(lowered, devices)
+    return SamplerProgram(compiled, replicated_shapes(model.params, devices), tuple(devices), from_cache,
+                          jax_events.COMPILES.count_here() - compiles, time.perf_counter() - started)
+
+
+def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool = False,
+                  guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto"):
+    """The pmapped sampler for ``devices``, lowered from the shapes of ``model``'s params
+    and of a batch (``compile_sampler``).
+
+    The shapes are given to pmap as abstract values (``jax.core.ShapedArray``), not as
+    ``ShapeDtypeStruct``s: in a cluster, pmap turns each argument that is not a device
+    array into a numpy array (to make it global), which a struct is not; abstract values
+    pass through as they are, and on a host's own devices the global shape is the local one."""
+    import jax
+    import jax.numpy as jnp
+    from jax.core import ShapedArray
+
+    devices = list(devices)
+    if attention != LEGACY_ATTENTION:
+        attention_lib.check_platform(attention, devices[0].platform)
+    fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
+                                            attention, devices[0].platform), devices=devices)
+    shaped = (len(devices), per_device_batch)
+    ids = ShapedArray(shaped + sampler.tokenize(model, [""]).shape[1:], jnp.int32)
+    words = ShapedArray(shaped, jnp.uint32)
+    params = jax.tree_util.tree_map(lambda s: ShapedArray(s.shape, s.dtype), replicated_shapes(model.params, devices))
+    return fn.lower(params, ids, ids, ShapedArray(shaped, jnp.float32), words, words, words)
+
+
 class Generator:
+    """``program``: the sampler ``compile_sampler`` made for these arguments (e.g. from an
+    abstract model while the weights loaded); it is used when it takes exactly these
+    params on these devices, else the sampler is compiled here. ``params``: the model's
+    params already replicated on ``devices`` (generators of one model may share them)."""
+
     def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
                  latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True, params=None,
-                 attention: str = "auto"):
+                 attention: str = "auto", program: SamplerProgram | None = None):
         import jax
 
         jax_events.COMPILES.install()
@@ -70,16 +160,17 @@ class Generator:
             attention_lib.check_platform(attention, self.devices[0].platform)
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
-        # params: already replicated on these devices (generators of one model may share them)
+        started = time.perf_counter()
         self.params = replicate(model.params, self.devices) if params is None else params
-        fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
-                                                attention, self.devices[0].platform), devices=self.devices)
-        compiles = jax_events.COMPILES.count()
-        lowered = fn.lower(self.params, *self._device_shaped(self.padding_batch()))
+        jax.block_until_ready(self.params)
+        self.transfer_s = time.perf_counter() - started  # putting the weights on the devices
+        if program is None or not program.takes(self.params, self.devices):
+            program = compile_sampler(model, width, height, steps, per_device_batch, self.devices, latents,
+                                      guidance_rule, guided, attention)
+        self.program = program
         # from_cache: loaded from this host's executable cache (``compile_cache.enable``);
         # sampler_compiles: the backend compilations that building the sampler took
-        self.compiled, self.from_cache = compile_cache.load_or_compile(lowered, self.devices)
-        self.sampler_compiles = jax_events.COMPILES.count() - compiles
+        self.compiled, self.from_cache, self.sampler_compiles = program.compiled, program.from_cache, program.compiles
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """CLIP token ids, padded and truncated to the tokenizer's length."""

@@ -189,8 +189,8 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
     settings = run.settings
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
     started = logs.Stopwatch()
-    model = runtime.load_model(run, out)
-    generator = runtime.make_generator(model, settings)
+    # the sampler compiles (or loads) on a thread while the weights load
+    model, generator, parts = runtime.ready_generator(run, out)
     size = manifest["slice_size"]
     batches = slicing.batches_per_slice(size, len(generator.devices), settings.per_device_batch)
     compiles_at_warm = generator.warm_up()
@@ -201,10 +201,12 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
                        "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE) + executables["writes"],
                        "sampler_from_cache": generator.from_cache}
     # compiles: the host's backend compilations so far, sampler_compiles those of the
-    # sampler (0 when it came from the cache); ready_s: seconds since host_started
+    # sampler (0 when it came from the cache); ready_s: seconds since host_started;
+    # shapes_s, load_s, compile_s (overlapping the load), wait_s, transfer_s: ``runtime.ready_generator``
     logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches,
                compiles=compiles_at_warm, sampler_compiles=generator.sampler_compiles,
-               ready_s=round(started.seconds(), 3), **cache_stats)
+               ready_s=round(started.seconds(), 3), **{f"{k}_s": round(v, 3) for k, v in parts.items()},
+               **cache_stats)
     if compile_cache:
         uploaded = cache_lib.push()
         if uploaded:

@@ -22,6 +22,7 @@ class EventCounter:
 
     def __init__(self, *events: str, durations: bool = False):
         self._counts = dict.fromkeys(events, 0)
+        self._by_thread: dict[tuple[int, str], int] = {}  # (thread ident, event) -> count
         self._durations = durations
         self._lock = threading.Lock()
         self._installed = False
@@ -39,14 +40,24 @@ class EventCounter:
 
     def _listener(self, event: str, *args, **kwargs) -> None:
         if event in self._counts:
+            key = (threading.get_ident(), event)
             with self._lock:
                 self._counts[event] += 1
+                self._by_thread[key] = self._by_thread.get(key, 0) + 1
 
     def count(self, event: str | None = None) -> int:
         """How many times ``event`` (or the counter's only event) happened since ``install``."""
         if event is None:
             [event] = self._counts
         return self._counts[event]
+
+    def count_here(self, event: str | None = None) -> int:
+        """``count``, of the events that happened on the calling thread only (jax reports a
+        compilation on the thread that asked for it): what one thread compiled while
+        others ran."""
+        if event is None:
+            [event] = self._counts
+        return self._by_thread.get((threading.get_ident(), event), 0)
 
 
 COMPILES = EventCounter(BACKEND_COMPILE, durations=True)

@@ -7,10 +7,12 @@ resume decisions are the same whichever engine made its images.
 from __future__ import annotations
 
 import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
 
-from pipeline.core import naming
+from pipeline.core import logs, naming
 from pipeline.core.settings import Run, Settings
-from pipeline.generate.generator import Generator
+from pipeline.generate.generator import Generator, SamplerProgram, compile_sampler
 from pipeline.io import runs, storage
 from pipeline.output import writer
 
@@ -56,15 +58,78 @@ def load_model(run: Run, out: str | None = None):
     return model
 
 
-def make_generator(model, settings: Settings, devices=None) -> Generator:
-    """The run's generator on ``devices`` (default: every local device), compiled once:
-    the guided or the guidance-free program, as the plan decided (``Settings.guided``)."""
+def _check_guided(settings: Settings) -> None:
     if settings.guided is None:
         raise GenerateError("the run's settings do not say whether it is guided: its plan did not finish; "
                             "run 'promptmill plan' for this --out again")
+
+
+def make_generator(model, settings: Settings, devices=None, program: SamplerProgram | None = None) -> Generator:
+    """The run's generator on ``devices`` (default: every local device), compiled once:
+    the guided or the guidance-free program, as the plan decided (``Settings.guided``).
+    ``program``: its sampler, compiled already (``compile_run_sampler``)."""
+    _check_guided(settings)
     return Generator(model, settings.width, settings.height, settings.steps, settings.per_device_batch,
                      devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
-                     guided=settings.guided, attention=settings.attention)
+                     guided=settings.guided, attention=settings.attention, program=program)
+
+
+def abstract_model(settings: Settings):
+    """The run's model from its configs alone (``load(abstract=True)``: no weight is read),
+    enough to compile its sampler. Neither --unet nor --lora is needed for that: they
+    change weights, never shapes."""
+    from pipeline.model import load as model_lib
+
+    return model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
+                          abstract=True)
+
+
+def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerProgram:
+    """The run's sampler for ``devices``, compiled (or loaded from the executable cache)
+    from the shapes of ``abstract`` (default: ``abstract_model``)."""
+    _check_guided(settings)
+    abstract = abstract or abstract_model(settings)
+    return compile_sampler(abstract, settings.width, settings.height, settings.steps, settings.per_device_batch,
+                           devices, settings.save_latents, settings.guidance_rule, settings.guided,
+                           settings.attention)
+
+
+def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[object, Generator, dict]:
+    """(the run's model, its generator, seconds of each part): ``load_model`` and
+    ``make_generator``, but the sampler is compiled, or loaded from the executable cache,
+    from shapes (``abstract_model``) on a thread while this one reads, converts and
+    checks the weights. The program is the one ``make_generator`` alone would compile
+    (the same text and cache key), so the images are the same bytes.
+
+    Seconds: ``shapes`` (the configs and the params' shapes, first: the libraries are
+    imported once, before the two threads need them), ``load`` (the weights, on this
+    thread), ``compile`` (the other thread: lowering, then compiling or loading),
+    ``wait`` (for the compile, once the load was done), ``transfer`` (the weights onto
+    the devices)."""
+    import jax
+
+    devices = list(devices or jax.local_devices())
+    _check_guided(run.settings)
+    started = time.perf_counter()
+    abstract = abstract_model(run.settings)
+    shaped = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile") as pool:
+        compiling = pool.submit(compile_run_sampler, run.settings, devices, abstract)
+        model = load_model(run, out)
+        loaded = time.perf_counter()
+        try:
+            program = compiling.result()
+        except Exception as e:  # noqa: BLE001 - the generator compiles it from the weights instead
+            logs.event("sampler_from_shapes_failed", error=f"{type(e).__name__}: {e}")
+            program = None
+        waited = time.perf_counter()
+    generator = make_generator(model, run.settings, devices, program)
+    if program is not None and generator.program is not program:
+        # the weights' shapes or dtypes are not the configs' (e.g. float16 Flax weights)
+        logs.event("sampler_recompiled", reason="the weights' shapes differ from the configs'")
+    timings = {"shapes": shaped - started, "load": loaded - shaped, "compile": program.seconds if program else 0.0,
+               "wait": waited - loaded, "transfer": generator.transfer_s}
+    return model, generator, timings
 
 
 def program_tag(run: Run) -> tuple:
