@@ -366,23 +366,31 @@ FAKE_KUBECTL = textwrap.dedent(r'''
 ''').lstrip().replace("PYTHON", sys.executable)
 
 
-@pytest.fixture
-def kubectl(tmp_path, monkeypatch):
-    """KUBECTL -> a fake kubectl; yields a reader of its recorded calls. Kills what it started."""
-    state = tmp_path / "kubectl-state"
+def fake_executable(tmp_path, monkeypatch, name: str, text: str, variable: str, state_variable: str):
+    """Writes the fake ``name`` and points ``variable`` at it; returns a reader of the calls
+    it records in its state folder (``calls.state``)."""
+    state = tmp_path / f"{name}-state"
     state.mkdir()
-    script = tmp_path / "kubectl"
-    script.write_text(FAKE_KUBECTL)
+    script = tmp_path / name
+    script.write_text(text)
     script.chmod(0o755)
-    monkeypatch.setenv("KUBECTL", str(script))
-    monkeypatch.setenv("FAKE_KUBECTL_STATE", str(state))
-    monkeypatch.setenv("FAKE_KUBECTL_REPO", ROOT)
+    monkeypatch.setenv(variable, str(script))
+    monkeypatch.setenv(state_variable, str(state))
 
     def calls():
         log = state / "calls.jsonl"
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
     calls.state = state
+    return calls
+
+
+@pytest.fixture
+def kubectl(tmp_path, monkeypatch):
+    """KUBECTL -> a fake kubectl; yields a reader of its recorded calls. Kills what it started."""
+    calls = fake_executable(tmp_path, monkeypatch, "kubectl", FAKE_KUBECTL, "KUBECTL", "FAKE_KUBECTL_STATE")
+    monkeypatch.setenv("FAKE_KUBECTL_REPO", ROOT)
+    state = calls.state
     yield calls
     pid_file = state / "supervisor.pid"
     if pid_file.exists():
@@ -467,19 +475,9 @@ DONE_SCRIPT = {"plan": ["PENDING", "RUNNING", "DONE"], "generate": ["PENDING", "
 @pytest.fixture
 def launcher(tmp_path, monkeypatch):
     """DATAFLOW_LAUNCHER -> a fake launcher; yields a reader of its recorded calls."""
-    state = tmp_path / "dataflow-state"
-    state.mkdir()
-    script = tmp_path / "dataflow-launcher"
-    script.write_text(FAKE_LAUNCHER)
-    script.chmod(0o755)
-    monkeypatch.setenv("DATAFLOW_LAUNCHER", str(script))
-    monkeypatch.setenv("FAKE_DATAFLOW_STATE", str(state))
+    calls = fake_executable(tmp_path, monkeypatch, "dataflow-launcher", FAKE_LAUNCHER, "DATAFLOW_LAUNCHER",
+                            "FAKE_DATAFLOW_STATE")
     monkeypatch.setenv("FAKE_DATAFLOW_SCRIPT", json.dumps(DONE_SCRIPT))
-
-    def calls():
-        log = state / "calls.jsonl"
-        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
     return calls
 
 
