@@ -237,7 +237,8 @@ def test_prompt_field_setting_keeps_old_fingerprints():
     settings = Settings()
     old = settings.to_dict()
     # the settings of a run planned before prompt_field (and the later timestep_spacing)
-    for name in ("out", "save_latents", "prompt_field", "dedupe", "timestep_spacing", "unet", "loras"):
+    for name in ("out", "save_latents", "prompt_field", "dedupe", "timestep_spacing", "unet", "loras",
+                 "device_memory"):
         old.pop(name)
     old["model"] = "m"
     import hashlib

@@ -40,7 +40,8 @@ def test_overwrite_deletes_only_what_promptmill_wrote(planned):
     manifest = plan.run_plan(planned.replace(steps=4), overwrite=True)
     assert manifest["slices"] == 1
     names = set(storage.checksums(out))
-    assert {"notes.txt", "planning/keep.txt", "run.json", "plan/manifest.json", "plan/slices/00000.jsonl"} == names
+    assert {"notes.txt", "planning/keep.txt", "run.json", "plan/manifest.json", "plan/model_files.json",
+            "plan/slices/00000.jsonl"} == names
     assert storage.read_json(naming.run_json(out))["settings"]["steps"] == 4
 
 
