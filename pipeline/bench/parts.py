@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
-
-
-def struct(tree):
-    """Shapes and dtypes only: lowering needs no real weights."""
-    import jax
-
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+from pipeline.generate.fit import struct
 
 
 def text_encoders(model, rows: int) -> list:

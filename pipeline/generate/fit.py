@@ -43,19 +43,26 @@ def program_memory(compiled) -> dict:
     return memory
 
 
+def struct(tree):
+    """Shapes and dtypes only (``jax.ShapeDtypeStruct``s): lowering needs no real weights."""
+    import jax
+    import numpy as np
+
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
 def sampler_memory(model, width: int, height: int, steps: int, per_device_batch: int, guided: bool = True,
                    attention: str = "auto", platform: str | None = None, latents: bool = False) -> dict:
     """``program_memory`` of one device's sampler program at ``per_device_batch`` images,
     compiled from shapes (``model``'s params may be arrays or ``ShapeDtypeStruct``s)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from pipeline.generate import sampler
 
     fn = sampler.make_sample_fn(model, width, height, steps, latents, guided=guided, attention=attention,
                                 platform=platform)
-    params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), model.params)
+    params = struct(model.params)
     b = per_device_batch
     ids = jax.ShapeDtypeStruct((b, *sampler.tokenize(model, [""]).shape[1:]), jnp.int32)
     words = jax.ShapeDtypeStruct((b,), jnp.uint32)
