@@ -242,9 +242,9 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     """One OUT, three runs that each lose host 0 to SIGKILL at another point, then the
     same command again: the dataset equals the uninterrupted 2x2 run's, image for image.
 
-    Host 0 loads its programs from the compile cache, so it is ready well before host 1
-    and each crash comes before host 1 has done anything. Slices of 4 run in 2 batches;
-    host 0 owns slices 0, 2 and 4.
+    Both hosts load their programs from the compile cache, so host 1 may have written
+    part of its own slices when host 0 dies; those are redone like host 0's. Slices of 4
+    run in 2 batches; host 0 owns slices 0, 2 and 4.
     """
     from pipeline.core import crashpoints
 
@@ -278,8 +278,10 @@ def test_killed_before_first_commit_mid_slice_and_between_slices_then_resumed(tw
     assert not storage.exists(naming.shard_metadata(out, 2))
 
     run("0:committed:0")  # 3. right after its first commit, between two slices:
-    # the half slice's 2 images and their 2 thumbnails were left over
-    assert [(e["slice"], e["leftover_objects"]) for e in _host_events(out, "slice_redone")] == [(2, 4)]
+    # the half slice's 2 images and their 2 thumbnails were left over (host 0 owns the even
+    # slices; host 1, as warm as host 0 now, may have left half slices of its own, redone too)
+    assert [(e["slice"], e["leftover_objects"]) for e in _host_events(out, "slice_redone")
+            if e["slice"] % 2 == 0] == [(2, 4)]
     committed = _committed(out)  # ... which was the redone half slice
     assert {0, 2} <= set(committed) and 4 not in committed
 
