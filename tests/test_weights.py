@@ -88,3 +88,70 @@ def test_sdxl_without_its_second_text_encoder_is_named(tmp_path, model_cache):
     assert json.loads((target / "model_index.json").read_text())["text_encoder_2"][0] == "transformers"
     with pytest.raises(model_lib.ModelError, match="missing component 'text_encoder_2/'"):
         model_lib.load(str(target))
+
+
+def _mapped(array) -> bool:
+    """Whether ``array`` is a view of a memory-mapped file."""
+    while array is not None:
+        if isinstance(array, np.memmap):
+            return True
+        array = getattr(array, "base", None)
+    return False
+
+
+def test_safetensors_written_array_by_array_are_read_back_mapped_and_by_the_library(tmp_path):
+    import ml_dtypes
+    from safetensors import safe_open
+
+    arrays = {"a/kernel": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((2,), np.float16),
+              "c": np.asarray([1.5, -2.0], ml_dtypes.bfloat16), "d": np.zeros((0, 3), np.float32)}
+    path = str(tmp_path / "w.safetensors")
+    weights.write_safetensors(path, arrays)
+    mapped = weights.read_mapped(path)
+    assert list(mapped) == list(arrays)
+    for name, array in arrays.items():
+        assert mapped[name].dtype == array.dtype and mapped[name].shape == array.shape
+        np.testing.assert_array_equal(mapped[name].astype(np.float32), array.astype(np.float32))
+        assert _mapped(mapped[name])  # a view of the file, not a copy
+    with safe_open(path, "np") as f:  # the format's own reader agrees
+        np.testing.assert_array_equal(f.get_tensor("a/kernel"), arrays["a/kernel"])
+        np.testing.assert_array_equal(f.get_tensor("b"), arrays["b"])
+    with open(path, "r+b") as f:  # cut off the last bytes
+        f.truncate(os.path.getsize(path) - 4)
+    with pytest.raises(weights.WeightsError, match=r"w.safetensors: not a readable safetensors file.*past the end"):
+        weights.read_mapped(path)
+
+
+def test_weights_are_converted_once_and_memory_mapped_after(tmp_path, model_cache):
+    """The first load converts a component's weights and keeps them; the next load maps
+    them (read-only views, the same bits); a changed source is converted anew; a broken
+    converted file is replaced."""
+    import shutil
+
+    directory = str(tmp_path / "ckpt")
+    shutil.copytree(model_lib.resolve("tiny"), directory)
+    assert weights.converted_files(directory) == []
+    first = model_lib.load(directory)
+    converted = weights.converted_files(directory)
+    assert len(converted) == 3  # text encoder, UNet, VAE
+    second = model_lib.load(directory)
+    for name in ("text_encoder", "unet", "vae"):
+        a, b = flatten_dict(first.params[name]), flatten_dict(second.params[name])
+        assert set(a) == set(b)
+        for key in a:
+            np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=f"{name}/{key}")
+            assert _mapped(b[key]) and not _mapped(a[key]), f"{name}/{key}"
+    unet = os.path.join(directory, "unet", weights.FLAX_FILES["diffusers"])
+    before = weights.converted_path(unet, os.path.dirname(unet))
+    os.utime(unet, ns=(os.stat(unet).st_atime_ns, os.stat(unet).st_mtime_ns + 10**9))  # "changed"
+    assert weights.converted_path(unet, os.path.dirname(unet)) != before
+    third = model_lib.load(directory)
+    assert len(weights.converted_files(directory)) == 3 and os.path.isfile(before)
+    assert not _mapped(flatten_dict(third.params["unet"])[("conv_in", "kernel")])  # converted anew
+    broken = weights.converted_path(unet, os.path.dirname(unet))
+    with open(broken, "wb") as f:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    fourth = model_lib.load(directory)
+    np.testing.assert_array_equal(np.asarray(flatten_dict(fourth.params["unet"])[("conv_in", "kernel")]),
+                                  np.asarray(flatten_dict(first.params["unet"])[("conv_in", "kernel")]))
+    assert _mapped(flatten_dict(model_lib.load(directory).params["unet"])[("conv_in", "kernel")])

@@ -8,10 +8,21 @@ libraries' own renaming rules; the target tree comes from ``jax.eval_shape``, so
 random initialisation runs and torch is never imported. Flax msgpack is read the same
 way, as numpy arrays checked against that tree. Weights stay on the host until the
 generator puts them on its devices.
+
+Converting costs more than the bytes: parsing, renaming, transposing, and tracing each
+module's init for its shapes. So each component's weights are converted once per
+machine and kept in the promptmill cache as one safetensors file of Flax names and
+layouts (``converted``), keyed by the source file (path, size, mtime, inode) and the
+component's config; every later load memory-maps that file (``read_mapped``): its
+arrays are views of the page cache, and their only copy is the one onto the devices.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import struct
+import tempfile
 import types
 
 import numpy as np
@@ -46,13 +57,133 @@ def _check_complete(where: str, shapes: dict, flat: dict) -> None:
                                f"the model expects {tuple(spec.shape)}")
 
 
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+# safetensors' dtype names (https://github.com/huggingface/safetensors, the format's spec)
+_SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+                       "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
+
+def read_mapped(path: str) -> dict[str, np.ndarray]:
+    """{name: array} of a safetensors file, memory-mapped: each array is a read-only view
+    of the file (nothing is read until used, and pages are shared with other processes).
+
+    The format is an 8-byte little-endian header length, a JSON header ({name: dtype,
+    shape, data_offsets}) and the bytes; bf16 is read through ml_dtypes (jax's)."""
     try:
-        return load_file(path)
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        size = os.path.getsize(path) - 8 - length
+        data = np.memmap(path, np.uint8, mode="r", offset=8 + length) if size else np.zeros(0, np.uint8)
+        arrays = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            if end > size or start > end:
+                raise ValueError(f"{name}'s bytes {start}..{end} are past the end of the data ({size} bytes)")
+            arrays[name] = np.asarray(data[start:end]).view(_dtype(info["dtype"])).reshape(info["shape"])
+        return arrays
+    except FileNotFoundError:
+        raise
     except Exception as e:  # a truncated or foreign file: name it
-        raise WeightsError(f"{path}: not a readable safetensors file ({e})") from e
+        raise WeightsError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+
+
+def _dtype(name: str):
+    if name == "BF16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    if name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype {name} is not supported")
+    return _SAFETENSORS_DTYPES[name]
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    return read_mapped(path)
+
+
+def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """A safetensors file of ``arrays`` ({name: array}), written array by array (no copy
+    of the whole in memory), into a scratch file renamed into place: processes that
+    write the same file at once each write a whole one, and no reader sees half of one."""
+    names = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+    header, offset = {}, 0
+    for name, array in arrays.items():
+        dtype = "BF16" if array.dtype.name == "bfloat16" else names.get(array.dtype)
+        if dtype is None:
+            raise WeightsError(f"{path}: cannot store {name} of dtype {array.dtype}")
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix=".weights-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)) + encoded)
+            for array in arrays.values():
+                f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+        os.chmod(scratch, 0o644)  # mkstemp made it private; the cache is shared
+        os.replace(scratch, path)
+    finally:
+        if os.path.exists(scratch):
+            os.remove(scratch)
+
+
+CONVERTED_VERSION = "1"  # bump whenever the conversion's result could change
+
+
+def converted_path(source: str, component_dir: str) -> str:
+    """Where the converted weights of ``source`` (a component's weights file) are kept:
+    keyed by the file (path, size, mtime, inode: a changed file is converted anew), the
+    component's config (the module they were checked against) and the libraries whose
+    renaming rules convert them."""
+    import diffusers
+    import transformers
+
+    from pipeline.model.cache import cache_dir
+
+    stat = os.stat(source)
+    with open(os.path.join(component_dir, "config.json"), "rb") as f:
+        config = f.read()
+    parts = [CONVERTED_VERSION, os.path.abspath(source), str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ino),
+             diffusers.__version__, transformers.__version__]
+    key = hashlib.sha256("\0".join(parts).encode() + b"\0" + config).hexdigest()[:32]
+    return os.path.join(cache_dir(), "weights", f"{key}.safetensors")
+
+
+def converted_files(directory: str) -> list[str]:
+    """The converted files (``converted_path``) of a checkpoint's components' weights on
+    this machine, those that exist."""
+    found = []
+    for component in LIBRARY:
+        component_dir = os.path.join(directory, component)
+        if os.path.isdir(component_dir):
+            path = converted_path(find(component_dir, component)[1], component_dir)
+            if os.path.isfile(path):
+                found.append(path)
+    return found
+
+
+def converted(source: str, component_dir: str, convert) -> dict:
+    """Flax params of ``source``: memory-mapped from its converted file when this machine
+    converted it before, else ``convert()`` (read, converted and checked against the
+    module's shapes), kept as that file for the next load. An unreadable converted file
+    is logged and replaced."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+
+    from pipeline.core import logs
+
+    path = converted_path(source, component_dir)
+    if os.path.isfile(path):
+        try:
+            return unflatten_dict({tuple(name.split("/")): array for name, array in read_mapped(path).items()})
+        except WeightsError as e:
+            logs.event("converted_weights_unreadable", path=path, error=str(e))
+    params = convert()
+    write_safetensors(path, {"/".join(key): np.asarray(value) for key, value in flatten_dict(params).items()})
+    return params
 
 
 def _read_msgpack(path: str) -> dict:
@@ -129,8 +260,8 @@ def load_diffusers(cls, directory: str, component: str, dtype, weights_file: str
         return module, _shapes(module)
     kind, path = ("safetensors", weights_file) if weights_file else find(component_dir, component)
     if kind == "flax":
-        return module, params_from_msgpack(_shapes(module), path)
-    return module, diffusers_params_from_safetensors(module, path)
+        return module, converted(path, component_dir, lambda: params_from_msgpack(_shapes(module), path))
+    return module, converted(path, component_dir, lambda: diffusers_params_from_safetensors(module, path))
 
 
 def load_transformers(cls, directory: str, component: str, dtype, abstract: bool = False):
@@ -147,8 +278,8 @@ def load_transformers(cls, directory: str, component: str, dtype, abstract: bool
     # eager init took most of a small model's load time)
     module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
     if kind == "flax":
-        return module, params_from_msgpack(module.params_shape_tree, path)
-    return module, transformers_params_from_safetensors(module, path)
+        return module, converted(path, component_dir, lambda: params_from_msgpack(module.params_shape_tree, path))
+    return module, converted(path, component_dir, lambda: transformers_params_from_safetensors(module, path))
 
 
 def param_shapes(directory: str, component: str) -> dict:
