@@ -3,6 +3,7 @@
 That a gs:// cache filled by one run's host is used by the next run's, on a fresh
 machine, is shown end to end by the two triggers of one date in tests/test_schedule.py.
 """
+import dataclasses
 import os
 
 import pytest
@@ -73,6 +74,57 @@ def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path):
     assert compile_cache.load_or_compile(lowered, devices, folder)[1]
 
 
+def test_the_index_finds_a_sampler_without_tracing_it_and_it_makes_the_same_images(tmp_path, model_cache,
+                                                                                    monkeypatch):
+    import jax
+    import numpy as np
+
+    from pipeline.core.settings import Settings
+    from pipeline.generate import generator, runtime
+    from pipeline.model import load
+
+    monkeypatch.setattr(compile_cache, "_executables", str(tmp_path / "executables"))
+    traced = []
+    lower = generator.lower_sampler
+    monkeypatch.setattr(generator, "lower_sampler", lambda *a, **k: traced.append(1) or lower(*a, **k))
+    settings = Settings(model="tiny", width=32, height=32, steps=1, per_device_batch=1, guided=True)
+    devices = jax.local_devices()[:1]
+    cold = runtime.compile_run_sampler(settings, devices)
+    assert cold.lowered and not cold.from_cache and traced == [1]
+    warm = runtime.compile_run_sampler(settings, devices)
+    assert not warm.lowered and warm.from_cache and warm.compiles == 0 and traced == [1]
+    model = load.load("tiny")
+    images = [runtime.make_generator(model, settings, devices, program) for program in (cold, warm)]
+    assert all(g.program_given for g in images)
+    batch = images[0].batch_of([("a red cube", "", 7.5, 3, 0)])
+    np.testing.assert_array_equal(images[0](batch), images[1](batch))
+    # other settings, another program: the index knows none for them
+    key = compile_cache.index_key(runtime.sampler_description(dataclasses.replace(settings, steps=2)), devices)
+    assert key != compile_cache.index_key(runtime.sampler_description(settings), devices)
+    assert compile_cache.load_indexed(key, devices) is None
+
+
+def test_a_checkpoints_program_digest_is_its_configs_not_its_weights(tmp_path, model_cache):
+    import json
+    import shutil
+
+    from pipeline.model import load
+
+    tiny = load.resolve("tiny")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    shutil.copytree(tiny, a)
+    shutil.copytree(tiny, b)
+    with open(os.path.join(b, "vae", "diffusion_flax_model.msgpack"), "r+b") as f:  # other weights
+        f.seek(100)
+        f.write(b"\x01\x02\x03")
+    assert load.program_digest(a) == load.program_digest(b) == load.program_digest("tiny")
+    config = json.loads(open(os.path.join(b, "unet", "config.json")).read())
+    config["attention_head_dim"] = 4
+    with open(os.path.join(b, "unet", "config.json"), "w") as f:
+        json.dump(config, f)
+    assert load.program_digest(b) != load.program_digest(a)
+
+
 @pytest.fixture(scope="module")
 def cold_and_warm(tmp_path_factory, model_cache):
     """The same 2-host x 1-device run twice, into two OUTs, with one compile cache."""
@@ -112,16 +164,18 @@ def test_on_a_rerun_every_host_loads_its_sampler_and_none_compiles_it(cold_and_w
         assert cold[host]["cache_writes"] >= 1
         # warm: every host loaded it, and nothing it compiled was the sampler
         assert warm[host]["sampler_from_cache"] and warm[host]["cache_hits"] >= 1
+        # found through the index: not even traced
+        assert cold[host]["sampler_lowered"] and not warm[host]["sampler_lowered"]
         assert warm[host]["sampler_compiles"] == 0 and warm[host]["cache_writes"] == 0
         assert warm[host]["compiles"] < cold[host]["compiles"]
         # the sampler was compiled (or loaded) from shapes while the weights loaded
         for event in (cold[host], warm[host]):
-            assert all(event[f"{part}_s"] >= 0 for part in ("shapes", "load", "compile", "wait", "transfer"))
+            assert all(event[f"{part}_s"] >= 0 for part in ("load", "compile", "wait", "transfer"))
             # the time to ready holds every part but the compile (it overlapped the load)
-            assert event["ready_s"] >= sum(event[f"{part}_s"] for part in ("shapes", "load", "wait", "transfer"))
+            assert event["ready_s"] >= sum(event[f"{part}_s"] for part in ("load", "wait", "transfer"))
     # time to ready (not asserted: the machine is shared); the test's output shows it
     for name, events in (("cold", cold), ("warm", warm)):
-        print(name, {h: {k: e[k] for k in ("ready_s", "shapes_s", "load_s", "compile_s", "wait_s", "transfer_s")}
+        print(name, {h: {k: e[k] for k in ("ready_s", "load_s", "compile_s", "wait_s", "transfer_s")}
                      for h, e in events.items()})
 
 

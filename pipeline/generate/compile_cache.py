@@ -22,10 +22,21 @@ the same folder (``EXECUTABLES``): each host serialises its compiled executable
 the host's device assignment, and loads it back on the next run (``load_or_compile``). An
 executable is the one XLA compiled for exactly that program and those devices, so a
 loaded one computes the same bits as a fresh compilation.
+
+Lowering the sampler to find that key takes seconds too (tracing a whole UNet in
+Python), so a host also keeps an index from what the program is made of to its
+executable (``INDEX``, ``index_key``): the caller's description of the program (the
+model's configs, the sampler's settings), promptmill's own source code, the versions of
+the libraries that trace it, and the host's devices. A warm host finds its executable
+through the index without tracing anything (``load_indexed``). The executable keeps its
+own key, so a program that lowers to the same text under another description is
+compiled once.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import pickle
 import tempfile
@@ -33,6 +44,7 @@ import tempfile
 from pipeline.generate import jax_events
 
 EXECUTABLES = "executables"  # the per-host executables' folder, inside the cache folder
+INDEX = "index"  # inside EXECUTABLES: what a program is made of -> its executable's key
 
 
 def resolve(directory: str) -> str:
@@ -140,25 +152,60 @@ _executables: str | None = None  # where ``load_or_compile`` keeps executables: 
 EXECUTABLE_COUNTS = {"hits": 0, "writes": 0}
 
 
-def executable_key(lowered, devices) -> str:
-    """The per-host cache key of ``lowered`` compiled for ``devices``: the program's text,
-    the devices it runs on (ids, kinds, this process among how many) and everything else
-    that decides the compiled code (jax, jaxlib and backend versions, XLA flags)."""
+def _host_parts(devices) -> list[str]:
+    """What decides the compiled code besides the program: the devices it runs on (ids,
+    kinds, this process among how many), jax, jaxlib and backend versions, XLA flags."""
     import jax
     import jaxlib
 
     device = devices[0]
-    parts = [lowered.as_text(),
-             repr([(d.id, d.process_index, d.platform, d.device_kind) for d in devices]),
-             f"process {jax.process_index()} of {jax.process_count()}",
-             f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
-             f"backend {device.client.platform} {device.client.platform_version}",
-             f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}"]
+    return [repr([(d.id, d.process_index, d.platform, d.device_kind) for d in devices]),
+            f"process {jax.process_index()} of {jax.process_count()}",
+            f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
+            f"backend {device.client.platform} {device.client.platform_version}",
+            f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}"]
+
+
+def _digest(parts: list[str]) -> str:
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def executable_key(lowered, devices) -> str:
+    """The per-host cache key of ``lowered`` compiled for ``devices``: the program's text
+    and ``_host_parts``."""
+    return _digest([lowered.as_text()] + _host_parts(devices))
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 of promptmill's own Python sources (the ``pipeline`` package): the code that
+    builds every program."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read())
+            digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def index_key(description: dict, devices) -> str:
+    """The index key of a program (``INDEX``): the caller's ``description`` of it (JSON:
+    e.g. the model's configs and the sampler's settings), promptmill's sources, the
+    libraries that trace it, and ``_host_parts``. Anything else that could change the
+    lowered program is a change to one of these."""
+    from importlib import metadata
+
+    libraries = [f"{name} {metadata.version(name)}" for name in ("flax", "diffusers", "transformers", "numpy")]
+    return _digest([json.dumps(description, sort_keys=True), code_digest()] + libraries + _host_parts(devices))
 
 
 def _write(path: str, data: bytes) -> None:
@@ -181,7 +228,22 @@ def _write(path: str, data: bytes) -> None:
             os.remove(scratch)
 
 
-def load_or_compile(lowered, devices, folder: str | None = None):
+def _load(path: str, devices):
+    """The executable at ``path``, loaded onto ``devices``; None (logged) if unreadable."""
+    from jax.experimental import serialize_executable
+
+    from pipeline.core import logs
+    from pipeline.io import storage
+
+    try:
+        data, in_tree, out_tree = pickle.loads(storage.read_bytes(path))
+        return serialize_executable.deserialize_and_load(data, in_tree, out_tree, execution_devices=list(devices))
+    except Exception as e:  # noqa: BLE001 - any unreadable entry is replaced, never trusted
+        logs.event("executable_cache_unreadable", path=path, error=f"{type(e).__name__}: {e}")
+        return None
+
+
+def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[str, object] | None = None):
     """``lowered.compile()``, or the executable an earlier run of this host compiled for
     the same key (``executable_key``) in ``folder`` (local or gs://; default: the one
     ``enable`` chose, none before it).
@@ -189,31 +251,55 @@ def load_or_compile(lowered, devices, folder: str | None = None):
     Returns (the compiled program, whether it was loaded from the cache). A compiled
     program is written to the cache; an entry that cannot be loaded (another jaxlib's,
     truncated) is logged, compiled again and replaced. Entries are unpickled: the cache
-    folder must be as trusted as the code (so is jax's own cache).
+    folder must be as trusted as the code (so is jax's own cache). ``index``: (its
+    ``index_key``, what ``load_indexed`` should return with it), recorded in the index.
     """
     from jax.experimental import serialize_executable
 
-    from pipeline.core import logs
     from pipeline.io import storage
 
     folder = folder or _executables
     if folder is None:
         return lowered.compile(), False
-    path = f"{folder.rstrip('/')}/{executable_key(lowered, devices)}"
-    if storage.exists(path):
-        try:
-            data, in_tree, out_tree = pickle.loads(storage.read_bytes(path))
-            loaded = serialize_executable.deserialize_and_load(data, in_tree, out_tree,
-                                                               execution_devices=list(devices))
-        except Exception as e:  # noqa: BLE001 - any unreadable entry is replaced, never trusted
-            logs.event("executable_cache_unreadable", path=path, error=f"{type(e).__name__}: {e}")
-        else:
-            EXECUTABLE_COUNTS["hits"] += 1
-            return loaded, True
-    compiled = lowered.compile()
-    _write(path, pickle.dumps(serialize_executable.serialize(compiled)))
-    EXECUTABLE_COUNTS["writes"] += 1
-    return compiled, False
+    folder = folder.rstrip("/")
+    key = executable_key(lowered, devices)
+    path = f"{folder}/{key}"
+    compiled = _load(path, devices) if storage.exists(path) else None
+    hit = compiled is not None
+    if hit:
+        EXECUTABLE_COUNTS["hits"] += 1
+    else:
+        compiled = lowered.compile()
+        _write(path, pickle.dumps(serialize_executable.serialize(compiled)))
+        EXECUTABLE_COUNTS["writes"] += 1
+    if index is not None:
+        _write(f"{folder}/{INDEX}/{index[0]}", pickle.dumps({"executable": key, "extra": index[1]}))
+    return compiled, hit
+
+
+def load_indexed(key: str, devices, folder: str | None = None):
+    """(the executable the index names for ``key`` (``index_key``), loaded onto ``devices``,
+    and the ``extra`` recorded with it), or None: no cache, no entry, or an unreadable one
+    (then the caller lowers and compiles, and ``load_or_compile`` replaces it)."""
+    from pipeline.io import storage
+
+    folder = folder or _executables
+    if folder is None:
+        return None
+    folder = folder.rstrip("/")
+    path = f"{folder}/{INDEX}/{key}"
+    if not storage.exists(path):
+        return None
+    try:
+        entry = pickle.loads(storage.read_bytes(path))
+        executable = f"{folder}/{entry['executable']}"
+    except Exception:  # noqa: BLE001 - an unreadable index entry is rewritten after the compile
+        return None
+    compiled = _load(executable, devices) if storage.exists(executable) else None
+    if compiled is None:
+        return None
+    EXECUTABLE_COUNTS["hits"] += 1
+    return compiled, entry["extra"]
 
 
 def entries(directory: str) -> int:

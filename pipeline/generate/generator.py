@@ -87,6 +87,7 @@ class SamplerProgram:
     from_cache: bool  # loaded from this host's executable cache (``compile_cache.load_or_compile``)
     compiles: int  # the backend compilations building it took, on its thread (0 when loaded)
     seconds: float  # lowering and compiling or loading it
+    lowered: bool = True  # False: found through the executable cache's index, nothing traced
 
     def takes(self, params, devices) -> bool:
         """Whether it runs on ``devices`` with ``params`` (replicated, as ``replicate``
@@ -96,22 +97,41 @@ class SamplerProgram:
 
 def compile_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices,
                     latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
-                    attention: str = "auto") -> SamplerProgram:
+                    attention: str = "auto", index_key: str | None = None) -> SamplerProgram:
     """The pmapped sampler for ``devices``, lowered from shapes alone and compiled, or
     loaded from the executable cache (``compile_cache.load_or_compile``).
 
     ``model``'s params may be arrays or ``ShapeDtypeStruct``s (``load(abstract=True)``):
     only their shapes and dtypes are read, so this can run on a thread while the weights
-    load. The Generator's arguments of the same names mean the same."""
+    load. The Generator's arguments of the same names mean the same. ``index_key``: the
+    ``compile_cache.index_key`` of these arguments, under which ``indexed_sampler`` finds
+    the executable next time without lowering it."""
     jax_events.COMPILES.install()
     started = time.perf_counter()
     devices = list(devices)
     compiles = jax_events.COMPILES.count_here()
     lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
                             attention)
-    compiled, from_cache = compile_cache.load_or_compile(lowered, devices)
-    return SamplerProgram(compiled, replicated_shapes(model.params, devices), tuple(devices), from_cache,
+    params = replicated_shapes(model.params, devices)
+    compiled, from_cache = compile_cache.load_or_compile(lowered, devices,
+                                                         index=(index_key, params) if index_key else None)
+    return SamplerProgram(compiled, params, tuple(devices), from_cache,
                           jax_events.COMPILES.count_here() - compiles, time.perf_counter() - started)
+
+
+def indexed_sampler(index_key: str, devices) -> SamplerProgram | None:
+    """The sampler ``compile_sampler(..., index_key=index_key)`` made on an earlier run of
+    this host, loaded from the executable cache without lowering anything; None if there
+    is none (or no cache)."""
+    jax_events.COMPILES.install()
+    started = time.perf_counter()
+    compiles = jax_events.COMPILES.count_here()
+    found = compile_cache.load_indexed(index_key, list(devices))
+    if found is None:
+        return None
+    compiled, params = found
+    return SamplerProgram(compiled, params, tuple(devices), True, jax_events.COMPILES.count_here() - compiles,
+                          time.perf_counter() - started, lowered=False)
 
 
 def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool = False,
@@ -164,13 +184,15 @@ class Generator:
         self.params = replicate(model.params, self.devices) if params is None else params
         jax.block_until_ready(self.params)
         self.transfer_s = time.perf_counter() - started  # putting the weights on the devices
-        if program is None or not program.takes(self.params, self.devices):
+        self.program_given = program is not None and program.takes(self.params, self.devices)
+        if not self.program_given:  # none given, or made for other shapes
             program = compile_sampler(model, width, height, steps, per_device_batch, self.devices, latents,
                                       guidance_rule, guided, attention)
         self.program = program
         # from_cache: loaded from this host's executable cache (``compile_cache.enable``);
         # sampler_compiles: the backend compilations that building the sampler took
         self.compiled, self.from_cache, self.sampler_compiles = program.compiled, program.from_cache, program.compiles
+        self.sampler_lowered = program.lowered  # False: found through the executable cache's index
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """CLIP token ids, padded and truncated to the tokenizer's length."""

@@ -199,10 +199,10 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
         executables = cache_lib.EXECUTABLE_COUNTS
         cache_stats = {"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT) + executables["hits"],
                        "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE) + executables["writes"],
-                       "sampler_from_cache": generator.from_cache}
+                       "sampler_from_cache": generator.from_cache, "sampler_lowered": generator.sampler_lowered}
     # compiles: the host's backend compilations so far, sampler_compiles those of the
     # sampler (0 when it came from the cache); ready_s: seconds since host_started;
-    # shapes_s, load_s, compile_s (overlapping the load), wait_s, transfer_s: ``runtime.ready_generator``
+    # load_s, compile_s (overlapping the load), wait_s, transfer_s: ``runtime.ready_generator``
     logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches,
                compiles=compiles_at_warm, sampler_compiles=generator.sampler_compiles,
                ready_s=round(started.seconds(), 3), **{f"{k}_s": round(v, 3) for k, v in parts.items()},

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.core import logs, naming
 from pipeline.core.settings import Run, Settings
-from pipeline.generate.generator import Generator, SamplerProgram, compile_sampler
+from pipeline.generate.generator import Generator, SamplerProgram, compile_sampler, indexed_sampler
 from pipeline.io import runs, storage
 from pipeline.output import writer
 
@@ -84,37 +84,57 @@ def abstract_model(settings: Settings):
                           abstract=True)
 
 
+def sampler_description(settings: Settings) -> dict:
+    """What the run's sampler program is made of, for the executable cache's index
+    (``compile_cache.index_key``): the checkpoint's configs and tokenizer files (never its
+    weights: --unet and --lora change values, not shapes) and the settings the program is
+    built from."""
+    from pipeline.model import load as model_lib
+
+    s = settings
+    return {"checkpoint": model_lib.program_digest(s.model), "dtype": s.dtype, "scheduler": s.scheduler,
+            "timestep_spacing": s.timestep_spacing, "width": s.width, "height": s.height, "steps": s.steps,
+            "per_device_batch": s.per_device_batch, "latents": s.save_latents, "guidance_rule": s.guidance_rule,
+            "guided": s.guided, "attention": s.attention}
+
+
 def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerProgram:
-    """The run's sampler for ``devices``, compiled (or loaded from the executable cache)
-    from the shapes of ``abstract`` (default: ``abstract_model``)."""
+    """The run's sampler for ``devices``: found through the executable cache's index when
+    this host made it before (nothing is traced), else compiled (or loaded from the
+    executable cache) from the shapes of ``abstract`` (default: ``abstract_model``)."""
+    from pipeline.generate import compile_cache
+
     _check_guided(settings)
+    devices = list(devices)
+    key = compile_cache.index_key(sampler_description(settings), devices)
+    program = indexed_sampler(key, devices)
+    if program is not None:
+        return program
     abstract = abstract or abstract_model(settings)
     return compile_sampler(abstract, settings.width, settings.height, settings.steps, settings.per_device_batch,
                            devices, settings.save_latents, settings.guidance_rule, settings.guided,
-                           settings.attention)
+                           settings.attention, index_key=key)
 
 
 def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[object, Generator, dict]:
     """(the run's model, its generator, seconds of each part): ``load_model`` and
-    ``make_generator``, but the sampler is compiled, or loaded from the executable cache,
-    from shapes (``abstract_model``) on a thread while this one reads, converts and
-    checks the weights. The program is the one ``make_generator`` alone would compile
-    (the same text and cache key), so the images are the same bytes.
+    ``make_generator``, but the sampler is made on a thread while this one reads and
+    checks the weights (``compile_run_sampler``: found through the executable cache's
+    index, else lowered from the configs' shapes and compiled or loaded). The program is
+    the one ``make_generator`` alone would compile (the same text and cache key), so the
+    images are the same bytes.
 
-    Seconds: ``shapes`` (the configs and the params' shapes, first: the libraries are
-    imported once, before the two threads need them), ``load`` (the weights, on this
-    thread), ``compile`` (the other thread: lowering, then compiling or loading),
-    ``wait`` (for the compile, once the load was done), ``transfer`` (the weights onto
-    the devices)."""
+    Seconds: ``load`` (the weights, on this thread: memory-mapped once converted on this
+    machine, ``weights.converted``), ``compile`` (the other thread: finding, or lowering
+    and compiling or loading, the sampler), ``wait`` (for it, once the load was done),
+    ``transfer`` (the weights onto the devices)."""
     import jax
 
     devices = list(devices or jax.local_devices())
     _check_guided(run.settings)
     started = time.perf_counter()
-    abstract = abstract_model(run.settings)
-    shaped = time.perf_counter()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile") as pool:
-        compiling = pool.submit(compile_run_sampler, run.settings, devices, abstract)
+        compiling = pool.submit(compile_run_sampler, run.settings, devices)
         model = load_model(run, out)
         loaded = time.perf_counter()
         try:
@@ -127,7 +147,7 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
     if program is not None and generator.program is not program:
         # the weights' shapes or dtypes are not the configs' (e.g. float16 Flax weights)
         logs.event("sampler_recompiled", reason="the weights' shapes differ from the configs'")
-    timings = {"shapes": shaped - started, "load": loaded - shaped, "compile": program.seconds if program else 0.0,
+    timings = {"load": loaded - started, "compile": program.seconds if program else 0.0,
                "wait": waited - loaded, "transfer": generator.transfer_s}
     return model, generator, timings
 
