@@ -358,15 +358,19 @@ def test_compile_cache_is_on_before_the_worker_compiles(beam_run, tmp_path):
     folder = str(tmp_path / "compile-cache")
     try:
         with captured_events() as events:
-            worker = beam_engine._Worker(runs.read(out), folder)
-        worker.pool.shutdown()
+            for _ in range(2):  # the second as a restarted worker on the same machine
+                beam_engine._Worker(runs.read(out), out, folder).pool.shutdown()
     finally:  # the rest of this process compiles without a persistent cache, as before
         jax.config.update("jax_enable_compilation_cache", False)
         compilation_cache.reset_cache()
-    [cache] = named(events, "compile_cache")
-    [ready] = named(events, "worker_ready")
-    assert cache["path"] == folder and ready["host"] == this_worker()
-    assert ready["cache_writes"] >= 1 and compile_cache.entries(folder) >= 1
+        compile_cache._executables = None
+    cache = named(events, "compile_cache")
+    cold, warm = named(events, "worker_ready")
+    assert cache[0]["path"] == folder and cold["host"] == this_worker()
+    assert cold["cache_writes"] >= 1 and compile_cache.entries(folder) >= 1
+    # the sampler: compiled and kept by the first, found (not even traced) by the second
+    assert not cold["sampler_from_cache"] and cold["sampler_lowered"]
+    assert warm["sampler_from_cache"] and not warm["sampler_lowered"] and warm["load_s"] >= 0
 
 
 def test_cli_passes_compile_cache_to_the_beam_engine(monkeypatch, tmp_path):

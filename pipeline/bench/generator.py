@@ -18,9 +18,9 @@ a sweep, the report gives:
 5. start-up, cold and warm: a fresh process from nothing to a generator that has run
    its first batch, first with an empty compile cache and then with the cache that the
    first one filled (``pipeline.bench.startup``), side by side: the time to ready
-   (before the first batch) broken into import, configs and shapes, weights loaded
-   (with the sampler compiled or deserialised beside them), transfer, and the first
-   batch apart;
+   (before the first batch) broken into import, weights loaded (converted on the cold
+   start, memory-mapped on the warm one; the sampler compiled, or found in the
+   executable cache, beside them), transfer, and the first batch apart;
 6. recipes, side by side at the first per-device batch, timed batch by batch in turns:
    classifier-free guidance (``cfg``) and guidance-free (``guidance_free``) at
    ``--steps`` with the chosen sampler, the few-step guidance-free recipe
@@ -230,10 +230,15 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
 
 
 def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
-    """Cold and warm start of a fresh process with the persistent compilation cache."""
+    """Cold and warm start of a fresh process: cold as on a machine that never ran the
+    model (an empty compile cache, and no weights converted: this model's converted
+    files are removed first), warm with what the cold one left."""
     from pipeline.bench import startup
     from pipeline.generate import compile_cache
+    from pipeline.model import sources, weights
 
+    for path in weights.converted_files(sources.resolve(config.model)):
+        os.remove(path)
     folder = tempfile.mkdtemp(prefix="promptmill-bench-cache-")
     try:
         args = (config.model, width, height, config.steps, per_device_batch, config.dtype, config.devices, folder)
@@ -252,7 +257,7 @@ def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: 
 
 
 # the rows of the start-up table: (label, key of the probe's result)
-STARTUP_ROWS = (("import", "import_s"), ("configs and shapes", "shapes_s"), ("load weights, check files", "load_s"),
+STARTUP_ROWS = (("import", "import_s"), ("load weights, check files", "load_s"),
                 ("compile or deserialize (beside the load)", "compile_s"), ("wait for the compile", "wait_s"),
                 ("transfer to devices", "transfer_s"), ("time to ready", "ready_s"),
                 ("first batch", "first_batch_s"), ("fresh process in all", "total_s"))

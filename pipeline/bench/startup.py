@@ -24,19 +24,19 @@ _T0 = time.perf_counter()  # as early as this module can see: before jax is impo
 
 def ready(model: str, width: int, height: int, steps: int, per_device_batch: int, dtype: str = "fp32",
           devices: int | None = None, compile_cache: str | None = None) -> dict:
-    """Get a Generator ready as a host does (``runtime.ready_generator``) and run its first
-    batch; returns the seconds of each part.
+    """Get a Generator ready as a host does (``runtime.ready_generator``, for a run of these
+    settings) and run its first batch; returns the seconds of each part.
 
-    Parts, in order: ``import`` (jax, the model libraries, promptmill), ``shapes`` (the
-    configs and the params' shapes: ``load(abstract=True)``), then at once ``load`` (the
-    weights read and converted, and the files checked against the checkpoint's file
-    table as a host checks them against its plan's) and, on a thread, ``compile`` (the
-    sampler lowered from the shapes and compiled, or loaded from the executable cache);
+    Parts, in order: ``import`` (jax, the model libraries, promptmill), then at once
+    ``load`` (the weights read, or memory-mapped once converted on this machine, and the
+    files checked against the checkpoint's file table as a host checks them against its
+    plan's) and, on a thread, ``compile`` (the sampler found through the executable
+    cache's index, else lowered from the configs' shapes and compiled or loaded);
     ``wait`` (for the compile once the load was done), ``transfer`` (the weights onto the
     devices). ``ready``: the time to ready, from the start of this module to a generator
     that can run its first batch; ``first_batch`` after it. The file table itself is the
     plan's work and is left out (``table_s``)."""
-    from concurrent.futures import ThreadPoolExecutor
+    import tempfile
 
     import jax
 
@@ -44,9 +44,11 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
 
     if compile_cache:
         cache_lib.enable(compile_cache)
-    from pipeline.generate import jax_events
-    from pipeline.generate.generator import Generator, compile_sampler
-    from pipeline.model import load as model_lib, sources
+    from pipeline.core import naming
+    from pipeline.core.settings import Run, Settings
+    from pipeline.generate import jax_events, runtime
+    from pipeline.io import storage
+    from pipeline.model import sources
     from pipeline.model.libraries import quiet_libraries
 
     quiet_libraries()
@@ -55,34 +57,25 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
 
     cache = jax_events.CACHE.install()
     imported = time.perf_counter()
-    table_started = time.perf_counter()
-    directory = sources.resolve(model)
-    table = sources.file_table(directory)  # the plan's work: reads nothing once hashed on this machine
-    table_s = time.perf_counter() - table_started
-    hits_before = cache.count(jax_events.CACHE_HIT) + cache_lib.EXECUTABLE_COUNTS["hits"]
-    started = time.perf_counter()
     local = jax.local_devices()[:devices] if devices else jax.local_devices()
-    abstract = model_lib.load(model, dtype, abstract=True)
-    shaped = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile") as pool:
-        compiling = pool.submit(compile_sampler, abstract, width, height, steps, per_device_batch, local)
-        loaded_model = model_lib.load(model, dtype, fingerprint=False)
-        sources.check_files(directory, table)
-        loaded = time.perf_counter()
-        program = compiling.result()
-        waited = time.perf_counter()
-    generator = Generator(loaded_model, width, height, steps, per_device_batch, devices=local, program=program)
+    settings = Settings(model=model, width=width, height=height, steps=steps, per_device_batch=per_device_batch,
+                        dtype=dtype, guided=True)
+    run = Run.create(settings, "", "", {})
+    with tempfile.TemporaryDirectory() as out:  # the plan's file table, as a host finds it
+        table_started = time.perf_counter()
+        storage.write_json(naming.model_files(out), {"files": sources.file_table(sources.resolve(model))})
+        table_s = time.perf_counter() - table_started
+        hits_before = cache.count(jax_events.CACHE_HIT) + cache_lib.EXECUTABLE_COUNTS["hits"]
+        _, generator, parts = runtime.ready_generator(run, out, local)
     built = time.perf_counter()
     build_hits = cache.count(jax_events.CACHE_HIT) + cache_lib.EXECUTABLE_COUNTS["hits"] - hits_before
     generator.warm_up()  # the first execution: the generator is ready after it
     done = time.perf_counter()
-    return {"import_s": round(imported - _T0, 3), "shapes_s": round(shaped - started, 3),
-            "load_s": round(loaded - shaped, 3), "compile_s": round(program.seconds, 3),
-            "wait_s": round(waited - loaded, 3), "transfer_s": round(generator.transfer_s, 3),
+    return {"import_s": round(imported - _T0, 3), **{f"{k}_s": round(v, 3) for k, v in parts.items()},
             "ready_s": round(built - _T0 - table_s, 3), "first_batch_s": round(done - built, 3),
             "in_process_s": round(done - _T0, 3), "table_s": round(table_s, 3), "devices": len(generator.devices),
-            "sampler_from_cache": generator.from_cache, "sampler_compiles": generator.sampler_compiles,
-            "program_reused": generator.program is program,
+            "sampler_from_cache": generator.from_cache, "sampler_lowered": generator.sampler_lowered,
+            "sampler_compiles": generator.sampler_compiles, "program_reused": generator.program_given,
             "cache_hits": cache.count(jax_events.CACHE_HIT) + cache_lib.EXECUTABLE_COUNTS["hits"],
             "cache_writes": cache.count(jax_events.CACHE_WRITE) + cache_lib.EXECUTABLE_COUNTS["writes"],
             "build_cache_hits": build_hits}

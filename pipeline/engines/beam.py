@@ -162,7 +162,7 @@ class _Worker:
     With ``compile_cache``, JAX's persistent compilation cache is on before anything compiles.
     """
 
-    def __init__(self, run: Run, compile_cache: str | None = None):
+    def __init__(self, run: Run, out: str, compile_cache: str | None = None):
         import jax
 
         if compile_cache:  # first: every program this worker compiles should go through the cache
@@ -173,11 +173,17 @@ class _Worker:
         watch = logs.Stopwatch()
         machine = socket.gethostname()
         self.host = worker_id(machine, os.getpid())
-        self.model = runtime.load_model(run)
-        self.generator = runtime.make_generator(self.model, run.settings, devices)
+        # as a pod host gets ready: the files checked against the plan's table, the sampler
+        # made (or found in the executable cache) on a thread while the weights load
+        self.model, self.generator, parts = runtime.ready_generator(run, out, devices)
         self.compiles_at_warm = self.generator.warm_up()
-        cache_stats = ({"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT),
-                        "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE)} if compile_cache else {})
+        cache_stats = ({"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT)
+                        + cache_lib.EXECUTABLE_COUNTS["hits"],
+                        "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE)
+                        + cache_lib.EXECUTABLE_COUNTS["writes"],
+                        "sampler_from_cache": self.generator.from_cache,
+                        "sampler_lowered": self.generator.sampler_lowered} if compile_cache else {})
+        cache_stats.update({f"{k}_s": round(v, 3) for k, v in parts.items()})
         self.pool = ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS, thread_name_prefix="writer")
         logs.event("worker_ready", host=self.host, machine=machine, pid=os.getpid(), devices=len(devices),
                    platform=devices[0].platform, seconds=round(watch.seconds(), 2), **cache_stats)
@@ -287,7 +293,7 @@ class GenerateSlicesFn(beam.DoFn):
             if self.make_worker is not None:
                 self.worker = self.make_worker(self.run)
             else:
-                self.worker = _SHARED.acquire(lambda: _Worker(self.run, self.compile_cache),
+                self.worker = _SHARED.acquire(lambda: _Worker(self.run, self.out, self.compile_cache),
                                               runtime.program_tag(self.run))
             self.size = settings.slice_size
             slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings.per_device_batch)

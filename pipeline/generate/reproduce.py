@@ -1,7 +1,8 @@
 """``reproduce``: regenerate images from their metadata rows and check their sha256.
 
 The same program as the hosts: the run's settings from run.json, the model loaded and
-fingerprinted as hosts load it, and a Generator with the run's per-device batch on one
+checked as hosts load and check it (``runtime.ready_generator``: against the plan's file
+table, or the fingerprint without one), and a Generator with the run's per-device batch on one
 local device (an image's bytes depend on the per-device batch, not on the number of
 devices). The keys fill device batches in the order given, and the last batch is filled
 with padding rows as the host loop fills a slice's last batch: an image's bytes do not depend
@@ -59,7 +60,7 @@ def reproduce(out: str, keys: list[str], save: str | None = None, emit=None) -> 
     from pipeline.generate import runtime
 
     settings = run.settings
-    generator = runtime.make_generator(runtime.load_model(run), settings, devices=jax.local_devices()[:1])
+    _, generator, _ = runtime.ready_generator(run, out, jax.local_devices()[:1])
     results = []
     for start in range(0, len(rows), generator.batch_size):
         chunk = rows[start:start + generator.batch_size]
