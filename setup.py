@@ -17,6 +17,7 @@ setup(
         "transformers>=4.57,<5",
         "apache-beam>=2.60,<3",
         "google-cloud-storage>=2.14,<4",
+        "filelock>=3.12",  # one download of a gs:// checkpoint per machine (pipeline.model.cache)
         "numpy",
         "pillow>=10",
         "pyarrow>=14",

@@ -17,7 +17,7 @@ from pipeline.output import formats, writer
 from pipeline.testing import emulator
 from pipeline.testing.fault_proxy import FaultyProxy
 from tests.conftest import run_cli
-from tests.test_e2e import run_args, write_prompts
+from tests.test_e2e import STEPS, run_args, write_prompts
 
 # Each case is a record whose id is hostile; the prompt names the case.
 HOSTILE_IDS = {
@@ -201,3 +201,38 @@ def test_collect_reads_no_image_bytes(clean_run, gcs_emulator, model_cache):
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     assert stats["verified"] and stats["images"] == IMAGES
     assert '<img src="../thumbs/' in storage.read_text(naming.dataset_file(out, "index.html"))
+
+
+def test_planning_a_gcs_model_downloads_no_weights_and_hosts_check_it_by_listing(gcs_emulator, gcs_inputs,
+                                                                                model_cache, tmp_path):
+    """A plan of a gs:// model, every GCS request watched by a proxy, on a machine whose
+    cache does not hold the model: it downloads the configs (to describe the model) and
+    no weights file; its fingerprint and file table are the objects' checksums. A host
+    loading the model then checks it against that table without reading an object."""
+    from pipeline.generate import runtime
+    from pipeline.io import runs
+    from pipeline.model import sources
+    from tests.test_model_sources import downloads, watched
+
+    prompts, model = gcs_inputs
+    out = f"gs://{gcs_emulator}/runs/plan-only"
+    args = ["plan", "--prompts", prompts, "--out", out, "--model", model, "--devices-per-host", "1", "--steps", STEPS,
+            "--per-device-batch", "1", "--batches-per-slice", "2"]
+    upstream = int(os.environ["STORAGE_EMULATOR_HOST"].rsplit(":", 1)[1])
+    with FaultyProxy(upstream, failure_rate=0.0, own_links=True) as proxy:
+        env = dict(os.environ, **emulator.env_for(f"http://127.0.0.1:{proxy.port}"))
+        result = run_cli(args, str(tmp_path / "fresh-cache"), env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    fetched = downloads(proxy, model)
+    assert "model_index.json" in fetched and "unet/config.json" in fetched
+    assert [name for name in fetched if not name.endswith((".json", ".txt"))] == []
+    listed = storage.object_checksums(model)
+    assert storage.read_json(naming.model_files(out))["files"] == listed
+    run = runs.read(out)
+    assert run.model_fingerprint == sources.fingerprint(model) == sources.listing_fingerprint(listed)
+
+    sources.resolve(model)  # this machine's copy, as the host's load makes it before checking
+    with watched() as proxy:
+        loaded = runtime.load_model(run, out)
+    assert loaded.fingerprint == run.model_fingerprint
+    assert downloads(proxy, model) == {}

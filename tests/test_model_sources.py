@@ -1,10 +1,20 @@
-"""--model from a gs:// prefix (copied once into the cache) and from a hub id."""
+"""--model from a gs:// prefix (copied once per machine into the cache, fingerprinted by
+its objects' checksums) and from a hub id."""
+import contextlib
+import hashlib
 import os
+import subprocess
+import sys
+import time
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
 from pipeline.io import storage
 from pipeline.model import load as model_lib, sources
+from pipeline.testing.fault_proxy import FaultyProxy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def upload_tree(local_dir, prefix):
@@ -22,13 +32,22 @@ def test_gcs_model_is_copied_once_and_loads_like_the_local_one(gcs_emulator, mod
     upload_tree(local, prefix)
     fetched = model_lib.resolve(prefix)
     assert fetched.startswith(os.path.join(model_cache, "models", "remote"))
-    assert sources.fingerprint(fetched) == sources.fingerprint(local)
-    assert model_lib.describe(prefix)["fingerprint"] == sources.fingerprint(local)
+    assert storage.object_checksums(fetched) == storage.object_checksums(local)  # the same bytes
+    # a gs:// checkpoint's fingerprint is its objects' checksums: the prefix's, its copy's and the plan's agree
+    assert sources.fingerprint(fetched) == sources.fingerprint(prefix) == model_lib.describe(prefix)["fingerprint"]
+    assert sources.fingerprint(prefix) != sources.fingerprint(local)
+    # a local checkpoint's is still the hash of its files' names and bytes
+    content = hashlib.sha256()
+    for relative, path in sorted((os.path.relpath(os.path.join(root, name), local).replace(os.sep, "/"),
+                                  os.path.join(root, name)) for root, _, names in os.walk(local) for name in names):
+        with open(path, "rb") as f:
+            content.update(relative.encode() + b"\0" + f.read() + b"\0")
+    assert sources.fingerprint(local) == content.hexdigest()
 
-    def no_download(*args):
+    def no_download(*args, **kwargs):
         raise AssertionError("an unchanged checkpoint must not be fetched again")
 
-    monkeypatch.setattr(storage, "download", no_download)
+    monkeypatch.setattr(storage, "download_verified", no_download)
     assert model_lib.resolve(prefix) == fetched
     monkeypatch.undo()
 
@@ -146,3 +165,156 @@ def test_a_gcs_lora_is_copied_once_and_fingerprinted_like_the_local_file(gcs_emu
     with pytest.raises(model_lib.ModelError, match=f"--lora gs://{gcs_emulator}/loras/none: the folder holds no "
                                                    "pytorch_lora_weights.safetensors"):
         sources.resolve_lora(f"gs://{gcs_emulator}/loras/none")
+
+
+@contextlib.contextmanager
+def watched():
+    """Every GCS request of this process goes through a proxy that records it."""
+    previous = os.environ["STORAGE_EMULATOR_HOST"]
+    with FaultyProxy(int(previous.rsplit(":", 1)[1]), failure_rate=0.0, own_links=True) as proxy:
+        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
+        storage.reset_gcs_client()
+        try:
+            yield proxy
+        finally:
+            os.environ["STORAGE_EMULATOR_HOST"] = previous
+            storage.reset_gcs_client()
+
+
+def downloads(proxy, prefix: str) -> dict[str, list[int]]:
+    """{object name under gs:// ``prefix``: the body size of each media GET of it}."""
+    under = prefix.split("/", 3)[3] + "/"
+    found: dict[str, list[int]] = {}
+    for method, path, size in proxy.requests:
+        url = urlsplit(path)
+        if method == "GET" and "alt=media" in url.query:
+            name = unquote(url.path.split("/o/", 1)[1])
+            if name.startswith(under):
+                found.setdefault(name[len(under):], []).append(size)
+    return found
+
+
+def corrupt_listing(path: str) -> None:
+    """Give an object another crc32c (the emulator lets its metadata be patched): its bytes
+    no longer match what it is listed with, as if they were corrupted on the way."""
+    blob = storage.gcs_client().bucket(path.split("/")[2]).blob(path.split("/", 3)[3])
+    blob.reload()
+    blob.crc32c = "AAAAAA=="
+    blob.patch()
+
+
+def test_a_large_object_downloads_in_parallel_chunks_with_the_same_bytes(gcs_emulator, tmp_path, monkeypatch):
+    from pipeline.core import logs
+
+    data = os.urandom((1 << 20) + 17)
+    path = f"gs://{gcs_emulator}/chunks/big.bin"
+    storage.write_bytes(path, data)
+    listed = storage.object_checksums(f"gs://{gcs_emulator}/chunks")["big.bin"]
+    assert listed["size"] == len(data) and listed["md5"] and listed["crc32c"]
+    with watched() as proxy:
+        storage.download_verified(path, str(tmp_path / "chunked"), listed, chunk_size=256 << 10, workers=4)
+    assert (tmp_path / "chunked").read_bytes() == data
+    chunks = downloads(proxy, f"gs://{gcs_emulator}/chunks")["big.bin"]
+    assert len(chunks) == 5 and sum(chunks) == len(data) and max(chunks) == 256 << 10
+
+    # listed without a crc32c (the chunks' checksums cannot be combined): one whole download, logged
+    events = []
+    monkeypatch.setattr(logs, "event", lambda name, **fields: events.append((name, fields)))
+    with watched() as proxy:
+        storage.download_verified(path, str(tmp_path / "whole"), dict(listed, crc32c=None), chunk_size=256 << 10)
+    assert (tmp_path / "whole").read_bytes() == data
+    assert downloads(proxy, f"gs://{gcs_emulator}/chunks") == {"big.bin": [len(data)]}
+    assert [name for name, fields in events if fields.get("path") == path] == ["download_whole"]
+
+
+def test_a_download_that_does_not_match_its_listing_is_an_error_naming_the_object(gcs_emulator, model_cache,
+                                                                                  tmp_path, monkeypatch):
+    path = f"gs://{gcs_emulator}/corrupt/big.bin"
+    storage.write_bytes(path, os.urandom((1 << 20) + 5))
+    listed = storage.object_checksums(f"gs://{gcs_emulator}/corrupt")["big.bin"]
+    corrupt_listing(path)
+    bad = storage.object_checksums(f"gs://{gcs_emulator}/corrupt")["big.bin"]
+    target = tmp_path / "big.bin"
+    with pytest.raises(storage.ChecksumError, match=f"{path}: the downloaded ranges' crc32c differs"):
+        storage.download_verified(path, str(target), bad, chunk_size=256 << 10)  # in chunks
+    with pytest.raises(storage.ChecksumError, match=f"{path}: "):
+        storage.download_verified(path, str(target), bad, chunk_size=4 << 20)  # whole
+    with pytest.raises(storage.ChecksumError, match=f"{path}: now has crc32c AAAAAA==, but it was listed with"):
+        storage.download_verified(path, str(target), listed, chunk_size=256 << 10)  # changed since listed
+    assert not target.exists()
+
+    # a checkpoint with an object whose bytes do not match its listing is refused, naming it; nothing is cached
+    local = model_lib.resolve("tiny")
+    prefix = f"gs://{gcs_emulator}/models/tiny-corrupt"
+    upload_tree(local, prefix)
+    corrupt_listing(f"{prefix}/unet/diffusion_flax_model.msgpack")
+    monkeypatch.setenv("PROMPTMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(storage, "CHUNK_SIZE", 1 << 20)  # the 3 MB UNet in chunks
+    with pytest.raises(model_lib.ModelError, match=f"{prefix}: unet/diffusion_flax_model.msgpack does not match "
+                                                   "its listed checksum"):
+        model_lib.resolve(prefix)
+    remote = tmp_path / "cache" / "models" / "remote"
+    assert [name for name in os.listdir(remote) if not name.endswith((".lock", ".objects.json"))] == []
+
+
+CHILD = """
+import os, sys, time
+from pipeline.core import logs
+from pipeline.model import sources
+logs.setup()
+open(sys.argv[2], "w").close()
+while not os.path.exists(sys.argv[3]):  # every process starts resolving at the same moment
+    time.sleep(0.005)
+print(sources.resolve(sys.argv[1]))
+"""
+
+
+def test_processes_on_one_machine_download_a_gcs_checkpoint_once(gcs_emulator, model_cache, tmp_path):
+    local = model_lib.resolve("tiny")
+    prefix = f"gs://{gcs_emulator}/models/tiny-once"
+    upload_tree(local, prefix)
+    listed = storage.object_checksums(prefix)
+    cache, go, count = tmp_path / "cache", tmp_path / "go", 4
+    with watched() as proxy:
+        env = dict(os.environ, PROMPTMILL_CACHE=str(cache))
+        children = [subprocess.Popen([sys.executable, "-c", CHILD, prefix, str(tmp_path / f"ready-{i}"), str(go)],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for i in range(count)]
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{i}").exists() for i in range(count)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        go.touch()
+        results = [child.communicate(timeout=120) for child in children]
+    assert all(child.returncode == 0 for child in children), [err[-2000:] for _, err in results]
+    folders = {out.strip() for out, _ in results}
+    assert len(folders) == 1 and folders.pop().startswith(str(cache / "models" / "remote"))
+    fetched = downloads(proxy, prefix)
+    assert {name: sum(sizes) for name, sizes in fetched.items()} == {name: o["size"] for name, o in listed.items()}
+    assert all(len(sizes) == 1 for sizes in fetched.values())  # each object once, whole (all under one chunk)
+    assert sum('"cache_wait"' in err for _, err in results) >= 1  # the others waited for the first
+
+
+def test_a_host_checks_a_gcs_model_by_listing_it_and_refuses_a_changed_object(gcs_emulator, model_cache):
+    local = model_lib.resolve("tiny")
+    prefix = f"gs://{gcs_emulator}/models/tiny-check"
+    upload_tree(local, prefix)
+    table = sources.model_table(prefix)  # what the plan writes
+    weights = "unet/diffusion_flax_model.msgpack"
+    assert table[weights] == storage.object_checksums(local)[weights]  # size, md5 and crc32c
+    with watched() as proxy:
+        sources.check_model(prefix, table)
+    assert proxy.requests and downloads(proxy, prefix) == {}  # listed: not one byte read, nothing fetched
+
+    config = f"{prefix}/scheduler/scheduler_config.json"
+    original = storage.read_bytes(config)
+    storage.write_bytes(config, original.replace(b"0.012", b"0.013"))  # same size, other bytes
+    with pytest.raises(model_lib.ModelError, match=f"{prefix}: scheduler/scheduler_config.json differs from the "
+                                                   "object the run was planned with"):
+        sources.check_model(prefix, table)
+    storage.write_bytes(config, original + b" ")
+    with pytest.raises(model_lib.ModelError, match=f"scheduler/scheduler_config.json has {len(original) + 1} bytes"):
+        sources.check_model(prefix, table)
+    storage.write_bytes(config, original)
+    storage.write_bytes(f"{prefix}/unet/extra.bin", b"x")
+    with pytest.raises(model_lib.ModelError, match="unet/extra.bin was not part of the checkpoint"):
+        sources.check_model(prefix, table)

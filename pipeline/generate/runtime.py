@@ -47,7 +47,7 @@ def load_model(run: Run, out: str | None = None):
                            settings.loras, fingerprint=not quick)
     if quick:
         try:
-            sources.check_files(sources.resolve(settings.model), storage.read_json(table)["files"])
+            sources.check_model(settings.model, storage.read_json(table)["files"])
         except sources.ModelError as e:
             raise GenerateError(f"model {settings.model!r}: {e}") from None
         return dataclasses.replace(model, fingerprint=run.model_fingerprint)

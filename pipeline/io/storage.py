@@ -13,15 +13,25 @@ crash is harmless). GCS goes through google-cloud-storage with its retry policy 
 """
 from __future__ import annotations
 
+import base64
 import functools
 import glob as _glob
+import hashlib
 import json
 import os
 import re
 from typing import IO, Iterator
 
+from pipeline.core import logs
+
 GCS_PREFIX = "gs://"
 _WILDCARD = re.compile(r"[*?\[]")
+# Large objects download in ranges of CHUNK_SIZE on CHUNK_WORKERS threads. 32 MiB is
+# transfer_manager's own default: each range pays its request's latency once, and a
+# 3.4 GB UNet still spreads over every worker. Threads, not processes: the work is
+# network and crc32c (C, outside the GIL), and a host process must not fork.
+CHUNK_SIZE = 32 << 20
+CHUNK_WORKERS = 8
 
 
 def is_gcs(path: str) -> bool:
@@ -264,3 +274,157 @@ def iter_lines(path: str) -> Iterator[bytes]:
     with open_read(path) as f:
         for raw in f:
             yield raw.rstrip(b"\r\n")
+
+
+class ChecksumError(OSError):
+    """A downloaded object whose bytes differ from the size or checksum it was listed
+    with; the message names the object."""
+
+
+def object_checksums(prefix: str) -> dict[str, dict]:
+    """{name relative to ``prefix``: {"size", "md5", "crc32c"}} of every object under it.
+
+    On GCS these come with the listing, base64 as GCS gives them, and nothing is read;
+    either checksum may be None (a composite object has no md5). For a local folder
+    they are computed from the files' bytes, in the same encoding.
+    """
+    prefix = prefix.rstrip("/")
+    if is_gcs(prefix):
+        bucket, name = _split_gcs(prefix + "/")
+        blobs = gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
+        return {b.name[len(name):]: {"size": b.size, "md5": b.md5_hash, "crc32c": b.crc32c}
+                for b in blobs if not b.name.endswith("/")}
+    found = {}
+    for path in glob(prefix):
+        hashes = _Hashing(None, md5=True, crc32c=True)
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                hashes.write(block)
+        found[os.path.relpath(path, prefix).replace(os.sep, "/")] = hashes.listed()
+    return found
+
+
+class _Hashing:
+    """A write-only stream that keeps the size, md5 and/or crc32c of what passes through
+    it to ``sink`` (None: nowhere)."""
+
+    def __init__(self, sink, md5: bool, crc32c: bool):
+        import google_crc32c
+
+        self.sink, self.size = sink, 0
+        self.md5 = hashlib.md5() if md5 else None
+        self.crc32c = google_crc32c.Checksum() if crc32c else None
+
+    def write(self, data: bytes) -> int:
+        self.size += len(data)
+        for digest in (self.md5, self.crc32c):
+            if digest is not None:
+                digest.update(data)
+        return self.sink.write(data) if self.sink is not None else len(data)
+
+    def listed(self) -> dict:
+        """{"size", "md5", "crc32c"} as GCS lists them (None for a checksum not kept)."""
+        encode = lambda digest: base64.b64encode(digest.digest()).decode() if digest is not None else None  # noqa: E731
+        return {"size": self.size, "md5": encode(self.md5), "crc32c": encode(self.crc32c)}
+
+
+def _mismatch(path: str, expected: dict, found: dict) -> str | None:
+    """What differs between an object's listed size and checksums and its downloaded ones
+    (only those both sides have), or None."""
+    differ = [key for key in ("size", "md5", "crc32c")
+              if expected.get(key) is not None and found.get(key) is not None and expected[key] != found[key]]
+    if not differ:
+        return None
+    return f"{path}: downloaded {', '.join(f'{k} {found[k]}' for k in differ)}, but it was listed with " \
+           f"{', '.join(f'{k} {expected[k]}' for k in differ)}"
+
+
+def download_verified(path: str, local_path: str, expected: dict, chunk_size: int | None = None,
+                      workers: int | None = None) -> None:
+    """Copy one object to a local file and check it against ``expected``, its
+    {"size", "md5", "crc32c"} as ``object_checksums`` listed them.
+
+    A GCS object larger than ``chunk_size`` with a listed crc32c downloads in ranges of
+    ``chunk_size`` on ``workers`` threads (google-cloud-storage's
+    ``transfer_manager.download_chunks_concurrently``), which combines the ranges'
+    crc32c into the whole object's as they arrive (defaults: ``CHUNK_SIZE``,
+    ``CHUNK_WORKERS``). Only crc32c combines that way, so a
+    large object listed without one downloads whole, and says so in the log
+    (``download_whole``). A whole download is hashed as it streams to disk; either way
+    no byte is read twice. The object is pinned to the listed checksums: one that has
+    changed since, or bytes that differ from them, raise ``ChecksumError`` naming it,
+    and leave no file behind.
+    """
+    chunk_size, workers = chunk_size or CHUNK_SIZE, workers or CHUNK_WORKERS
+    os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
+    try:
+        if not is_gcs(path):
+            with open(path, "rb") as source, open(local_path, "wb") as target:
+                hashes = _Hashing(target, md5=expected.get("md5") is not None,
+                                  crc32c=expected.get("crc32c") is not None)
+                for block in iter(lambda: source.read(1 << 20), b""):
+                    hashes.write(block)
+            found = hashes.listed()
+        elif expected["size"] > chunk_size and expected.get("crc32c"):
+            found = _download_chunked(path, local_path, expected, chunk_size, workers)
+        else:
+            if expected["size"] > chunk_size:
+                logs.event("download_whole", path=path, size=expected["size"],
+                           reason="no crc32c listed: only crc32c combines over ranges, so it is read whole "
+                                  "and checked by md5")
+            found = _download_whole(path, local_path, expected)
+        problem = _mismatch(path, expected, found)
+        if problem:
+            raise ChecksumError(problem)
+    except BaseException:
+        if os.path.exists(local_path):
+            os.remove(local_path)
+        raise
+
+
+def _data_corruption():
+    try:
+        from google.cloud.storage.exceptions import DataCorruption
+    except ImportError:  # google-cloud-storage 2.x keeps it in google-resumable-media
+        from google.resumable_media.common import DataCorruption
+    return DataCorruption
+
+
+def _download_chunked(path: str, local_path: str, expected: dict, chunk_size: int, workers: int) -> dict:
+    from google.api_core.exceptions import NotFound
+    from google.cloud.storage import transfer_manager
+
+    blob = _blob(path)
+    try:
+        blob.reload(retry=_retry())  # its generation pins the ranges to one version of the object
+    except NotFound:
+        raise FileNotFoundError(path) from None
+    now = {"size": blob.size, "md5": blob.md5_hash, "crc32c": blob.crc32c}
+    changed = _mismatch(path, expected, now)
+    if changed:
+        raise ChecksumError(changed.replace("downloaded", "now has", 1))
+    try:
+        # checks the crc32c combined from the ranges against the blob's, which is the listed one
+        transfer_manager.download_chunks_concurrently(
+            blob, local_path, chunk_size=chunk_size, download_kwargs={"retry": _retry(), "timeout": 600},
+            worker_type=transfer_manager.THREAD, max_workers=workers, crc32c_checksum=True)
+    except _data_corruption() as e:
+        raise ChecksumError(f"{path}: the downloaded ranges' crc32c differs from the listed {expected['crc32c']} "
+                            f"({e})") from None
+    return {"size": os.path.getsize(local_path)}
+
+
+def _download_whole(path: str, local_path: str, expected: dict) -> dict:
+    from google.api_core.exceptions import NotFound
+
+    with open(local_path, "wb") as f:
+        # one checksum is enough: crc32c when listed (cheaper), else md5
+        hashes = _Hashing(f, md5=not expected.get("crc32c") and expected.get("md5") is not None,
+                          crc32c=bool(expected.get("crc32c")))
+        try:
+            _blob(path).download_to_file(hashes, retry=_retry(), timeout=600)
+        except NotFound:
+            raise FileNotFoundError(path) from None
+        except _data_corruption() as e:  # the client's own check against the server's x-goog-hash
+            raise ChecksumError(f"{path}: {e}") from None
+    return hashes.listed()

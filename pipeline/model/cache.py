@@ -5,32 +5,55 @@ import os
 import shutil
 import tempfile
 
+from pipeline.core import logs
+
 
 def cache_dir() -> str:
     """promptmill's local cache folder: ``$PROMPTMILL_CACHE``, else ``~/.cache/promptmill``."""
     return os.environ.get("PROMPTMILL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "promptmill")
 
 
-def materialize(target: str, fill) -> str:
-    """Make the local cache folder ``target`` once; returns it.
+def is_made(target: str) -> bool:
+    """Whether the cache folder ``target`` (a checkpoint) is complete: ``materialize`` renames
+    a folder into place only once it is."""
+    return os.path.isfile(os.path.join(target, "model_index.json"))
 
+
+def materialize(target: str, fill) -> str:
+    """Make the local cache folder ``target`` once per machine; returns it.
+
+    Processes asking for the same folder at once take turns on a file lock beside it
+    (``TARGET.lock``): the first fills it, the others wait and then find it made, so a
+    checkpoint is downloaded or built once per machine, not once per process.
     ``fill(scratch)`` writes into a private scratch folder beside ``target``, which is
-    then renamed into place (a local, atomic rename). Processes racing for the same
-    folder each fill their own scratch; the first rename wins, and no reader ever sees
-    a half-written folder.
+    then renamed into place (a local, atomic rename): a crash leaves no half-written
+    folder, and its lock (an ``flock``) dies with the process, so the next one starts over.
     """
-    if os.path.isfile(os.path.join(target, "model_index.json")):
+    from filelock import FileLock, Timeout
+
+    if is_made(target):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}-", dir=os.path.dirname(target))
+    lock = FileLock(f"{target}.lock")
     try:
-        fill(scratch)
-        os.chmod(scratch, 0o755)  # mkdtemp made it private
+        lock.acquire(timeout=0)
+    except Timeout:
+        logs.event("cache_wait", folder=target, reason="another process on this machine is making it")
+        lock.acquire()
+    try:
+        if is_made(target):
+            return target
+        scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}-", dir=os.path.dirname(target))
         try:
-            os.rename(scratch, target)
-        except OSError:
-            if not os.path.isfile(os.path.join(target, "model_index.json")):
-                raise
+            fill(scratch)
+            os.chmod(scratch, 0o755)  # mkdtemp made it private
+            try:
+                os.rename(scratch, target)
+            except OSError:  # made meanwhile by a process that took no lock (an older promptmill)
+                if not is_made(target):
+                    raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        lock.release()
     return target

@@ -244,8 +244,10 @@ def describe(name: str, scheduler: str | None = None, timestep_spacing: str | No
     checkpoint's config (``resolve_sampler``); ``unet``: the run's --unet file, checked
     against the checkpoint's UNet and part of the fingerprint; ``loras``: the run's --lora
     specs, each file read and matched layer by layer against the checkpoint's networks, and
-    part of the fingerprint. ``loras`` in the result: {path, scale, sha256} of each."""
-    directory = resolve(name)
+    part of the fingerprint. ``loras`` in the result: {path, scale, sha256} of each. Of a
+    gs:// checkpoint only the configs are downloaded, and its fingerprint is its objects'
+    checksums (``sources.fingerprint``)."""
+    directory = resolve(name, weights=False)
     index = check_layout(directory)
     unet_file = _checked_unet(directory, unet)
     adapters = _checked_loras(directory, index, loras)

@@ -3,7 +3,9 @@
 A checkpoint is a diffusers-format directory (``model_index.json``, ``tokenizer/``,
 ``text_encoder/``, ``unet/``, ``vae/``, ``scheduler/``; SDXL adds ``tokenizer_2/`` and
 ``text_encoder_2/``): a built-in random model, a local folder, a ``gs://`` prefix
-copied once into the local cache, or a Hugging Face id. ``fingerprint`` pins its bytes.
+copied once per machine into the local cache, or a Hugging Face id. ``fingerprint`` pins
+its bytes (a ``gs://`` checkpoint's through its objects' checksums: planning downloads
+only its configs, and hosts check it by listing it, ``check_model``).
 ``--unet`` names a UNet-only safetensors file (local or ``gs://``, copied once into the
 cache) that replaces the checkpoint's UNet weights, and each ``--lora`` a LoRA adapter's
 file, found the same way (``pipeline.model.lora`` merges it); ``model_fingerprint`` pins
@@ -18,7 +20,7 @@ import re
 
 from pipeline.core import naming
 from pipeline.model import tiny, weights
-from pipeline.model.cache import cache_dir, materialize
+from pipeline.model.cache import cache_dir, is_made, materialize
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # a --lora folder's file, as diffusers' save_lora_weights names it
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
@@ -33,19 +35,21 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.txt", "*.msgpack", "*.safetensors"]
 
 
-def resolve(name: str) -> str:
+def resolve(name: str, weights: bool = True) -> str:
     """The local diffusers-format directory for ``--model``.
 
     A built-in random model's name, a local folder, a ``gs://`` prefix (copied once
     into the cache, keyed by the objects' checksums), or a Hugging Face id (fetched
-    through the hub's own cache, where the network allows).
+    through the hub's own cache, where the network allows). ``weights=False``: for a
+    ``gs://`` prefix, a folder of its configs alone (``fetch_remote``), enough to
+    describe the model; every other source is whole either way.
     """
     from pipeline.io import storage
 
     if name in tiny.PRESETS:
         return tiny.ensure(os.path.join(cache_dir(), "models"), name)
     if storage.is_gcs(name):
-        return fetch_remote(name)
+        return fetch_remote(name, weights)
     if os.path.isdir(name):
         return name
     if _HUB_ID.fullmatch(name) and not os.path.exists(name):
@@ -54,27 +58,153 @@ def resolve(name: str) -> str:
                      f"Hugging Face id, or one of the built-in random models: {', '.join(tiny.PRESETS)})")
 
 
-def fetch_remote(prefix: str) -> str:
-    """Copy a remote checkpoint into the local cache once; returns the local folder.
+# what describing a checkpoint reads: model_index.json, every component's config, the
+# tokenizers' vocabularies and merges, the scheduler's config (never a weights file)
+CONFIG_SUFFIXES = (".json", ".txt")
+CHECKSUMS = ("size", "md5", "crc32c")  # what a gs:// checkpoint's file table keeps of each object
 
-    The cache key is a hash of every object's name, size and checksum, so a changed
-    checkpoint is fetched anew and an unchanged one never is. The copy is made in a
-    scratch folder and renamed into place (a local rename), so a crash leaves no
-    half-copied model behind.
-    """
+
+def _remote_root() -> str:
+    return os.path.join(cache_dir(), "models", "remote")
+
+
+def _configs_root() -> str:
+    return os.path.join(cache_dir(), "models", "remote-configs")
+
+
+def _listed(prefix: str) -> dict:
+    """{relative name: {"size", "md5", "crc32c"}} of a gs:// checkpoint's objects (the listing)."""
     from pipeline.io import storage
 
-    sums = storage.checksums(prefix)
-    if "model_index.json" not in sums:
+    objects = storage.object_checksums(prefix)
+    if "model_index.json" not in objects:
         raise ModelError(f"{prefix}: missing model_index.json (not a diffusers-format checkpoint)")
-    key = hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()[:24]
-    target = os.path.join(cache_dir(), "models", "remote", key)
+    return {relative: {key: entry[key] for key in CHECKSUMS} for relative, entry in objects.items()}
 
-    def copy(scratch: str) -> None:
-        for relative in sorted(sums):
-            storage.download(f"{prefix.rstrip('/')}/{relative}", os.path.join(scratch, relative))
 
-    return materialize(target, copy)
+def _cache_key(objects: dict) -> str:
+    """The cache folder of a remote checkpoint: a hash of every object's name, size and
+    checksum (md5, else crc32c)."""
+    sums = {relative: f"{entry['size']}:{entry['md5'] or entry['crc32c']}" for relative, entry in objects.items()}
+    return hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()[:24]
+
+
+def fetch_remote(prefix: str, weights: bool = True) -> str:
+    """Copy a remote checkpoint into the local cache once per machine; returns the local folder.
+
+    The cache key is a hash of every object's name, size and checksum, so a changed
+    checkpoint is fetched anew and an unchanged one never is. Each object is checked
+    against its listed checksums as it downloads (``storage.download_verified``: large
+    ones in parallel ranges); a mismatch is a ModelError naming it. Processes on one
+    machine asking at once download it once (``cache.materialize``: the others wait),
+    into a scratch folder renamed into place, so a crash leaves no half-copied model.
+    The listing is kept beside the copy (``KEY.objects.json``): the copy's fingerprint
+    is the listing's (``fingerprint``).
+
+    ``weights=False``: the whole copy if the cache has it, else a folder of the configs
+    alone (``CONFIG_SUFFIXES``), made the same way under ``remote-configs/KEY``; its
+    listing still names every object, weights included (``check_layout`` reads it).
+    """
+    objects = _listed(prefix)
+    key = _cache_key(objects)
+    _keep_listing(key, objects)
+    whole = os.path.join(_remote_root(), key)
+    if not weights and not is_made(whole):
+        configs = {relative: entry for relative, entry in objects.items() if relative.endswith(CONFIG_SUFFIXES)}
+        return materialize(os.path.join(_configs_root(), key), lambda scratch: _copy(prefix, configs, scratch))
+    return materialize(whole, lambda scratch: _copy(prefix, objects, scratch))
+
+
+def _copy(prefix: str, objects: dict, scratch: str) -> None:
+    from pipeline.io import storage
+
+    for relative in sorted(objects):
+        try:
+            storage.download_verified(f"{prefix.rstrip('/')}/{relative}", os.path.join(scratch, relative),
+                                      objects[relative])
+        except storage.ChecksumError as e:
+            raise ModelError(f"{prefix}: {relative} does not match its listed checksum ({e}); fetch it again "
+                             f"once the checkpoint is no longer being written") from None
+
+
+def _listing_path(key: str) -> str:
+    return os.path.join(_remote_root(), f"{key}.objects.json")
+
+
+def _keep_listing(key: str, objects: dict) -> None:
+    """Write a remote checkpoint's listing beside its cache folders, before either is made
+    (its content follows from ``key``, so processes racing to write it agree)."""
+    path = _listing_path(key)
+    if os.path.isfile(path):
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    scratch = f"{path}.{os.getpid()}.partial"
+    with open(scratch, "w") as f:
+        json.dump(objects, f, sort_keys=True)
+    os.replace(scratch, path)
+
+
+def _remote_objects(directory: str) -> dict | None:
+    """The listing of the gs:// checkpoint ``directory`` is a cache copy of (whole or
+    configs only), or None for any other folder."""
+    parent, key = os.path.split(os.path.abspath(directory))
+    if parent not in (os.path.abspath(_remote_root()), os.path.abspath(_configs_root())):
+        return None
+    try:
+        with open(_listing_path(key)) as f:
+            objects = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return objects if _cache_key(objects) == key else None
+
+
+def listing_fingerprint(objects: dict) -> str:
+    """sha256 over each object's relative name, size, md5 and crc32c (``_listed``), in name order."""
+    rows = [[relative, *(objects[relative].get(key) for key in CHECKSUMS)] for relative in sorted(objects)]
+    return hashlib.sha256(json.dumps(["gcs-objects", rows]).encode()).hexdigest()
+
+
+def model_table(name: str) -> dict:
+    """The table the plan writes for hosts to check ``--model`` against (``check_model``):
+    for a gs:// prefix its objects' {"size", "md5", "crc32c"} from the listing (nothing
+    downloaded); else ``file_table`` of the local folder."""
+    from pipeline.io import storage
+
+    return _listed(name) if storage.is_gcs(name) else file_table(resolve(name))
+
+
+def check_model(name: str, table: dict) -> None:
+    """ModelError naming the first file of ``--model`` that differs from the plan's
+    ``table`` (``model_table``).
+
+    A gs:// checkpoint planned by its checksums is checked by listing it again
+    (``check_objects``: no byte read; the host's copy is the one keyed by those
+    checksums, checked as it downloaded); any other by its local files (``check_files``)."""
+    from pipeline.io import storage
+
+    if storage.is_gcs(name) and not any("sha256" in entry for entry in table.values()):
+        check_objects(name, table)
+    else:
+        check_files(resolve(name), table)
+
+
+def check_objects(prefix: str, table: dict) -> None:
+    """ModelError naming the first object under ``prefix`` that differs from the plan's
+    ``table`` (``model_table``): missing or extra, another size, or another checksum.
+    Reads the listing only."""
+    listed = _listed(prefix)
+    for relative in sorted(set(listed) | set(table)):
+        if relative not in listed:
+            raise ModelError(f"{prefix}: {relative} is missing, but the run was planned with it")
+        if relative not in table:
+            raise ModelError(f"{prefix}: {relative} was not part of the checkpoint the run was planned with")
+        if listed[relative]["size"] != table[relative]["size"]:
+            raise ModelError(f"{prefix}: {relative} has {listed[relative]['size']} bytes, the run was planned "
+                             f"with {table[relative]['size']}: generating needs the same checkpoint")
+    for relative in sorted(listed):
+        if any(listed[relative][key] != table[relative].get(key) for key in ("md5", "crc32c")):
+            raise ModelError(f"{prefix}: {relative} differs from the object the run was planned with (another "
+                             f"checksum): generating needs the same checkpoint")
 
 
 def _fetch_hub(repo_id: str) -> str:
@@ -131,7 +261,21 @@ def _remembered(path: str) -> str | None:
 def fingerprint(directory: str) -> str:
     """sha256 over every file of the checkpoint (relative name and content).
 
-    The same pass keeps each file's own sha256 (``file_table`` then reads nothing)."""
+    The same pass keeps each file's own sha256 (``file_table`` then reads nothing).
+
+    A gs:// checkpoint's fingerprint is of its objects' checksums instead, not of their
+    bytes: ``listing_fingerprint`` of each object's name, size, md5 and crc32c as GCS
+    lists them, so planning downloads no weight. ``directory`` may be the gs:// prefix
+    itself, or its copy in the cache (``fetch_remote``, whole or configs only), which has
+    the same fingerprint: it is keyed by those checksums and was checked against them
+    as it downloaded."""
+    from pipeline.io import storage
+
+    if storage.is_gcs(directory):
+        return listing_fingerprint(_listed(directory))
+    objects = _remote_objects(directory)
+    if objects is not None:
+        return listing_fingerprint(objects)
     digest = hashlib.sha256()
     for relative, path in _files(directory):
         key = _stat_key(path)
@@ -290,6 +434,9 @@ def family(index: dict) -> str:
 
 def check_layout(directory: str) -> dict:
     """Read ``model_index.json`` and check that every component is present."""
+    objects = _remote_objects(directory)
+    # a gs:// checkpoint's configs-only copy: its listing says which files it has
+    names = set(objects) if objects is not None and _configs_only(directory) else None
     index_path = os.path.join(directory, "model_index.json")
     if not os.path.isfile(index_path):
         raise ModelError(f"{directory}: missing model_index.json (not a diffusers-format checkpoint)")
@@ -297,7 +444,9 @@ def check_layout(directory: str) -> dict:
         index = json.load(f)
     components = COMPONENTS + (SDXL_COMPONENTS if family(index) == "sdxl" else ())
     for component in components:
-        if component not in index or not os.path.isdir(os.path.join(directory, component)):
+        present = os.path.isdir(os.path.join(directory, component)) if names is None else \
+            any(name.startswith(f"{component}/") for name in names)
+        if component not in index or not present:
             raise ModelError(f"{directory}: missing component '{component}/'")
     for component in components:
         if component in weights.LIBRARY:
@@ -305,9 +454,25 @@ def check_layout(directory: str) -> dict:
             if not os.path.isfile(os.path.join(sub, "config.json")):
                 raise ModelError(f"{directory}: missing {component}/config.json")
             try:
-                weights.find(sub, component)
+                if names is None:
+                    weights.find(sub, component)
+                else:
+                    _find_listed(sub, component, names)
             except weights.WeightsError as e:
                 raise ModelError(str(e)) from None
     if not os.path.isfile(os.path.join(directory, "scheduler", "scheduler_config.json")):
         raise ModelError(f"{directory}: missing scheduler/scheduler_config.json")
     return index
+
+
+def _configs_only(directory: str) -> bool:
+    return os.path.dirname(os.path.abspath(directory)) == os.path.abspath(_configs_root())
+
+
+def _find_listed(component_dir: str, component: str, names: set) -> None:
+    """``weights.find`` for a component whose weights are listed but not downloaded."""
+    library = weights.LIBRARY[component]
+    files = (weights.FLAX_FILES[library], weights.SAFETENSORS_FILES[library])
+    if not any(f"{component}/{name}" in names for name in files):
+        raise weights.WeightsError(f"{component_dir}: no weights for '{component}' (expected {files[0]} "
+                                   f"or {files[1]})")

@@ -269,7 +269,7 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     settings, _ = prepare(settings, overwrite)
     # hosts check their checkpoint against this table instead of hashing it again;
     # planning just hashed it (model fingerprint), so this reads nothing
-    storage.write_json(naming.model_files(settings.out), {"files": sources.file_table(sources.resolve(settings.model))})
+    storage.write_json(naming.model_files(settings.out), {"files": sources.model_table(settings.model)})
     p = beam.Pipeline(options=PipelineOptions(beam_args or []))
     _ = p | "Plan" >> Plan(settings)
     result = p.run()
