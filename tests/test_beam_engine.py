@@ -335,7 +335,7 @@ def test_a_worker_with_other_devices_than_planned_is_refused_before_loading(beam
     run = dataclasses.replace(run, settings=run.settings.replace(devices_per_host=4))
     with pytest.raises(beam_engine.BeamEngineError, match=r"has 2 local cpu device\(s\), but the run was planned "
                                                           r"with --devices-per-host 4.*--devices-per-host 2"):
-        beam_engine._Worker(run)
+        beam_engine._Worker(run, out)
 
 
 def test_worker_ids_are_stable_31_bit_and_tell_workers_apart():

@@ -148,7 +148,7 @@ def enable(directory: str) -> str:
 
 
 _executables: str | None = None  # where ``load_or_compile`` keeps executables: set by ``enable``
-# executables this process loaded from / wrote to the per-host cache
+# executables (and index entries) this process loaded from / wrote to the per-host cache
 EXECUTABLE_COUNTS = {"hits": 0, "writes": 0}
 
 
@@ -274,6 +274,7 @@ def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[st
         EXECUTABLE_COUNTS["writes"] += 1
     if index is not None:
         _write(f"{folder}/{INDEX}/{index[0]}", pickle.dumps({"executable": key, "extra": index[1]}))
+        EXECUTABLE_COUNTS["writes"] += 1
     return compiled, hit
 
 

@@ -36,8 +36,9 @@ def load_model(run: Run, out: str | None = None):
 
     With ``out``, whose plan wrote the checkpoint's file table (``naming.model_files``),
     and neither --unet nor --lora, the files are checked against that table
-    (``sources.check_files``: sizes, and sha256s that are remembered rather than read
-    when the files have not changed) instead of hashing every byte again."""
+    (``sources.check_model``: for a local checkpoint, sizes and sha256s that are
+    remembered rather than read when the files have not changed; for gs://, the objects'
+    listed checksums) instead of hashing every byte again."""
     from pipeline.model import load as model_lib, sources
 
     settings = run.settings

@@ -106,7 +106,7 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
 
     if dtype not in DTYPES:
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    directory = resolve(name)
+    directory = resolve(name, weights=not abstract)  # shapes come from the configs alone
     index = check_layout(directory)
     unet_file = _checked_unet(directory, unet)
     adapters = _resolved_loras(loras)
@@ -146,19 +146,20 @@ def program_digest(name: str) -> str:
     """sha256 of what a checkpoint's programs are built from: every file of it but its
     weights (model_index.json, the configs, the scheduler's and the tokenizers' files), by
     relative name and content. Weights change values, never a program; their shapes come
-    from the configs."""
+    from the configs (so a gs:// checkpoint's configs alone are fetched for it)."""
     import hashlib
 
-    directory = resolve(name)
+    directory = resolve(name, weights=False)
     digest = hashlib.sha256()
     for root, dirs, files in os.walk(directory):
         dirs.sort()
         for file in sorted(files):
+            if file.endswith(_WEIGHT_SUFFIXES):
+                continue
             path = os.path.join(root, file)
             digest.update(os.path.relpath(path, directory).replace(os.sep, "/").encode() + b"\0")
-            if not file.endswith(_WEIGHT_SUFFIXES):
-                with open(path, "rb") as f:
-                    digest.update(f.read())
+            with open(path, "rb") as f:
+                digest.update(f.read())
             digest.update(b"\0")
     return digest.hexdigest()
 
