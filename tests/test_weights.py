@@ -103,7 +103,7 @@ def test_safetensors_written_array_by_array_are_read_back_mapped_and_by_the_libr
     import ml_dtypes
     from safetensors import safe_open
 
-    arrays = {"a/kernel": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((2,), np.float16),
+    arrays = {"a/kernel": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((3,), np.float16),
               "c": np.asarray([1.5, -2.0], ml_dtypes.bfloat16), "d": np.zeros((0, 3), np.float32)}
     path = str(tmp_path / "w.safetensors")
     weights.write_safetensors(path, arrays)
@@ -111,6 +111,7 @@ def test_safetensors_written_array_by_array_are_read_back_mapped_and_by_the_libr
     assert list(mapped) == list(arrays)
     for name, array in arrays.items():
         assert mapped[name].dtype == array.dtype and mapped[name].shape == array.shape
+        assert mapped[name].ctypes.data % weights.ALIGN == 0  # usable in place by a CPU device
         np.testing.assert_array_equal(mapped[name].astype(np.float32), array.astype(np.float32))
         assert _mapped(mapped[name])  # a view of the file, not a copy
     with safe_open(path, "np") as f:  # the format's own reader agrees
@@ -155,3 +156,19 @@ def test_weights_are_converted_once_and_memory_mapped_after(tmp_path, model_cach
     np.testing.assert_array_equal(np.asarray(flatten_dict(fourth.params["unet"])[("conv_in", "kernel")]),
                                   np.asarray(flatten_dict(first.params["unet"])[("conv_in", "kernel")]))
     assert _mapped(flatten_dict(model_lib.load(directory).params["unet"])[("conv_in", "kernel")])
+
+
+def test_mapped_weights_go_onto_cpu_devices_without_a_copy(tmp_path, model_cache):
+    """The converted file's arrays are aligned for XLA's CPU client, which then uses them
+    in place: the transfer onto the devices copies nothing (every device reads the one
+    mapped copy)."""
+    import jax
+
+    from pipeline.generate.generator import replicate
+
+    model_lib.load("tiny")  # converted once (by this or an earlier test)
+    kernel = flatten_dict(model_lib.load("tiny").params["unet"])[("conv_in", "kernel")]
+    assert _mapped(kernel)
+    placed = replicate({"k": kernel}, jax.local_devices())["k"]
+    assert [s.data.unsafe_buffer_pointer() for s in placed.addressable_shards] == \
+        [kernel.ctypes.data] * len(jax.local_devices())

@@ -258,8 +258,9 @@ def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: 
 
 # the rows of the start-up table: (label, key of the probe's result)
 STARTUP_ROWS = (("import", "import_s"), ("load weights, check files", "load_s"),
-                ("compile or deserialize (beside the load)", "compile_s"), ("wait for the compile", "wait_s"),
-                ("transfer to devices", "transfer_s"), ("time to ready", "ready_s"),
+                ("transfer to devices", "transfer_s"),
+                ("compile or deserialize (beside load and transfer)", "compile_s"),
+                ("wait for the compile", "wait_s"), ("time to ready", "ready_s"),
                 ("first batch", "first_batch_s"), ("fresh process in all", "total_s"))
 
 

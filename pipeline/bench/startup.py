@@ -27,12 +27,12 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     """Get a Generator ready as a host does (``runtime.ready_generator``, for a run of these
     settings) and run its first batch; returns the seconds of each part.
 
-    Parts, in order: ``import`` (jax, the model libraries, promptmill), then at once
-    ``load`` (the weights read, or memory-mapped once converted on this machine, and the
-    files checked against the checkpoint's file table as a host checks them against its
-    plan's) and, on a thread, ``compile`` (the sampler found through the executable
-    cache's index, else lowered from the configs' shapes and compiled or loaded);
-    ``wait`` (for the compile once the load was done), ``transfer`` (the weights onto the
+    Parts, in order: ``import`` (jax, the model libraries, promptmill), then ``load`` (the
+    weights read, or memory-mapped once converted on this machine, and the files checked
+    against the checkpoint's file table as a host checks them against its plan's) and
+    ``transfer`` (the weights onto the devices) while, on a thread, ``compile`` (the
+    sampler found through the executable cache's index, else lowered from the configs'
+    shapes and compiled or loaded); ``wait`` (for the compile once the weights were on the
     devices). ``ready``: the time to ready, from the start of this module to a generator
     that can run its first batch; ``first_batch`` after it. The file table itself is the
     plan's work and is left out (``table_s``)."""

@@ -65,14 +65,16 @@ def _check_guided(settings: Settings) -> None:
                             "run 'promptmill plan' for this --out again")
 
 
-def make_generator(model, settings: Settings, devices=None, program: SamplerProgram | None = None) -> Generator:
+def make_generator(model, settings: Settings, devices=None, program: SamplerProgram | None = None,
+                   params=None) -> Generator:
     """The run's generator on ``devices`` (default: every local device), compiled once:
     the guided or the guidance-free program, as the plan decided (``Settings.guided``).
-    ``program``: its sampler, compiled already (``compile_run_sampler``)."""
+    ``program``: its sampler, compiled already (``compile_run_sampler``); ``params``: the
+    model's params already on ``devices`` (``generator.replicate``)."""
     _check_guided(settings)
     return Generator(model, settings.width, settings.height, settings.steps, settings.per_device_batch,
                      devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
-                     guided=settings.guided, attention=settings.attention, program=program)
+                     guided=settings.guided, attention=settings.attention, program=program, params=params)
 
 
 def abstract_model(settings: Settings):
@@ -126,10 +128,13 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
     images are the same bytes.
 
     Seconds: ``load`` (the weights, on this thread: memory-mapped once converted on this
-    machine, ``weights.converted``), ``compile`` (the other thread: finding, or lowering
-    and compiling or loading, the sampler), ``wait`` (for it, once the load was done),
-    ``transfer`` (the weights onto the devices)."""
+    machine, ``weights.converted``), ``transfer`` (then the weights onto the devices, on
+    this thread too: on CPU devices a mapped array is used in place), ``compile`` (the
+    other thread, meanwhile: finding, or lowering and compiling or loading, the sampler),
+    ``wait`` (for it, once the weights were on the devices)."""
     import jax
+
+    from pipeline.generate.generator import replicate
 
     devices = list(devices or jax.local_devices())
     _check_guided(run.settings)
@@ -138,18 +143,20 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
         compiling = pool.submit(compile_run_sampler, run.settings, devices)
         model = load_model(run, out)
         loaded = time.perf_counter()
+        params = jax.block_until_ready(replicate(model.params, devices))
+        transferred = time.perf_counter()
         try:
             program = compiling.result()
         except Exception as e:  # noqa: BLE001 - the generator compiles it from the weights instead
             logs.event("sampler_from_shapes_failed", error=f"{type(e).__name__}: {e}")
             program = None
         waited = time.perf_counter()
-    generator = make_generator(model, run.settings, devices, program)
+    generator = make_generator(model, run.settings, devices, program, params)
     if program is not None and generator.program is not program:
         # the weights' shapes or dtypes are not the configs' (e.g. float16 Flax weights)
         logs.event("sampler_recompiled", reason="the weights' shapes differ from the configs'")
-    timings = {"load": loaded - started, "compile": program.seconds if program else 0.0,
-               "wait": waited - loaded, "transfer": generator.transfer_s}
+    timings = {"load": loaded - started, "transfer": transferred - loaded,
+               "compile": program.seconds if program else 0.0, "wait": waited - transferred}
     return model, generator, timings
 
 

@@ -76,7 +76,7 @@ def read_mapped(path: str) -> dict[str, np.ndarray]:
         data = np.memmap(path, np.uint8, mode="r", offset=8 + length) if size else np.zeros(0, np.uint8)
         arrays = {}
         for name, info in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or name.startswith(_PADDING):
                 continue
             start, end = info["data_offsets"]
             if end > size or start > end:
@@ -103,26 +103,42 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     return read_mapped(path)
 
 
+_PADDING = "__padding__"  # the names of the filler entries ``write_safetensors`` adds; never read as weights
+ALIGN = 64  # bytes: XLA's CPU client uses a host array in place when it is this aligned
+
+
 def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
     """A safetensors file of ``arrays`` ({name: array}), written array by array (no copy
     of the whole in memory), into a scratch file renamed into place: processes that
-    write the same file at once each write a whole one, and no reader sees half of one."""
+    write the same file at once each write a whole one, and no reader sees half of one.
+
+    Every array starts ``ALIGN`` bytes into a page-aligned mapping of the file, so that
+    devices that share the host's memory (CPU) can use the mapped arrays without a copy:
+    the header is padded with spaces, and an array that would start unaligned follows a
+    small filler entry of its own (the format allows no unnamed gap)."""
     names = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
-    header, offset = {}, 0
+    header, order, offset = {}, [], 0
     for name, array in arrays.items():
         dtype = "BF16" if array.dtype.name == "bfloat16" else names.get(array.dtype)
         if dtype is None:
             raise WeightsError(f"{path}: cannot store {name} of dtype {array.dtype}")
+        gap = -offset % ALIGN
+        if gap:
+            filler = f"{_PADDING}.{len(order)}"
+            header[filler] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            order.append(np.zeros(gap, np.uint8))
+            offset += gap
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        order.append(array)
         offset += array.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    encoded += b" " * (-(8 + len(encoded)) % ALIGN)  # the data starts aligned too
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, scratch = tempfile.mkstemp(prefix=".weights-", dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)) + encoded)
-            for array in arrays.values():
+            for array in order:
                 f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
         os.chmod(scratch, 0o644)  # mkstemp made it private; the cache is shared
         os.replace(scratch, path)
@@ -131,7 +147,7 @@ def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
             os.remove(scratch)
 
 
-CONVERTED_VERSION = "1"  # bump whenever the conversion's result could change
+CONVERTED_VERSION = "2"  # bump whenever the conversion's result could change
 
 
 def converted_path(source: str, component_dir: str) -> str:
