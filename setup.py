@@ -23,6 +23,8 @@ setup(
         "pyarrow>=14",
         "tqdm>=4.60",
         "pyyaml>=6",  # submit gke renders JobSet manifests
+        "safetensors>=0.4",  # PyTorch weights, LoRA files and the converted weights (pipeline.model.weights)
+        "tensorstore>=0.1.60",  # the zarr format
     ],
     extras_require={
         "tpu": ["jax[tpu]>=0.7,<0.11"],
