@@ -88,6 +88,10 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     assert [(row["attention"], row["size"]) for row in memory["rows"]] == [
         ("diffusers", 32), ("diffusers", 64), ("auto", 32), ("auto", 64)]
     assert memory["pixel_growth"] == 4.0
+    # the bench's own size was measured by the attention part: its programs are not compiled again
+    assert [row["measured"] for row in memory["rows"]] == ["attention part", "from shapes"] * 2
+    assert [row["memory"] for row in memory["rows"] if row["size"] == 32] == \
+        [compared["implementations"][name]["memory"] for name in ("diffusers", "auto")]
     assert memory["temp_growth"]["auto"] <= 4.5 < memory["temp_growth"]["diffusers"]
 
     start = report["startup"]

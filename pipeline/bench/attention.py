@@ -75,8 +75,12 @@ def run_speed(model, config, devices, width: int, height: int) -> dict:
             "implementations": rows}
 
 
-def run_memory(config, platform: str) -> dict:
-    """Program memory of each of ``config.attentions`` at each of ``config.memory_sizes``."""
+def run_memory(config, platform: str, speed: dict | None = None) -> dict:
+    """Program memory of each of ``config.attentions`` at each of ``config.memory_sizes``.
+
+    ``speed``: the attention part's result; its programs' memory is reused for its own
+    size when that is one of the (square) sizes: a program compiled from shapes on one
+    device has the memory of the pmapped program per device (``fit.sampler_memory``)."""
     from pipeline.generate.fit import sampler_memory
     from pipeline.model import load as model_lib
 
@@ -84,11 +88,15 @@ def run_memory(config, platform: str) -> dict:
     per_device_batch = config.per_device_batches[0]
     sizes = sorted(config.memory_sizes)
     rows = []
+    known = {}
+    if speed and speed["width"] == speed["height"] and speed["per_device_batch"] == per_device_batch:
+        known = {(name, speed["width"]): row["memory"] for name, row in speed["implementations"].items()}
     for attention in config.attentions:
         for size in sizes:
-            program = sampler_memory(model, size, size, config.steps, per_device_batch, config.guided, attention,
-                                     platform)
+            program = known.get((attention, size)) or sampler_memory(
+                model, size, size, config.steps, per_device_batch, config.guided, attention, platform)
             rows.append({"attention": attention, "size": size, "memory": program,
+                         "measured": "attention part" if (attention, size) in known else "from shapes",
                          "temp_per_image": program.get("temp", 0) / per_device_batch,
                          "total_per_image": program.get("total", 0) / per_device_batch})
             logs.event("bench_memory", attention=attention, size=size,

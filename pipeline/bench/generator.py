@@ -315,7 +315,7 @@ def run_bench(config: BenchConfig) -> dict:
     if "attention" in config.parts:
         attention = attention_bench.run_speed(model, config, devices, width, height)
     if "memory" in config.parts:
-        program_memory = attention_bench.run_memory(config, devices[0].platform)
+        program_memory = attention_bench.run_memory(config, devices[0].platform, attention)
     # free the model before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
     # and the generators also hold a replicated copy)
     del model

@@ -185,20 +185,31 @@ def converted_files(directory: str) -> list[str]:
 def converted(source: str, component_dir: str, convert) -> dict:
     """Flax params of ``source``: memory-mapped from its converted file when this machine
     converted it before, else ``convert()`` (read, converted and checked against the
-    module's shapes), kept as that file for the next load. An unreadable converted file
-    is logged and replaced."""
+    module's shapes), kept as that file for the next load; processes converting the same
+    file at once take turns on a file lock, so the second maps what the first wrote. An
+    unreadable converted file is logged and replaced."""
     from flax.traverse_util import flatten_dict, unflatten_dict
 
     from pipeline.core import logs
 
+    from filelock import FileLock
+
+    def mapped():
+        return unflatten_dict({tuple(name.split("/")): array for name, array in read_mapped(path).items()})
+
     path = converted_path(source, component_dir)
     if os.path.isfile(path):
         try:
-            return unflatten_dict({tuple(name.split("/")): array for name, array in read_mapped(path).items()})
+            return mapped()
         except WeightsError as e:
             logs.event("converted_weights_unreadable", path=path, error=str(e))
-    params = convert()
-    write_safetensors(path, {"/".join(key): np.asarray(value) for key, value in flatten_dict(params).items()})
+            os.remove(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with FileLock(f"{path}.lock"):  # processes of one machine convert it once: the others wait, then map it
+        if os.path.isfile(path):
+            return mapped()
+        params = convert()
+        write_safetensors(path, {"/".join(key): np.asarray(value) for key, value in flatten_dict(params).items()})
     return params
 
 
