@@ -104,6 +104,28 @@ def test_the_index_finds_a_sampler_without_tracing_it_and_it_makes_the_same_imag
     assert compile_cache.load_indexed(key, devices) is None
 
 
+def test_the_index_key_follows_jax_configuration_but_not_the_caches_folder(tmp_path):
+    import jax
+
+    devices = jax.local_devices()
+    key = compile_cache.index_key({"model": "m"}, devices)
+    assert compile_cache.index_key({"model": "m"}, devices) == key
+    assert compile_cache.index_key({"model": "n"}, devices) != key
+    before = jax.config.values["jax_default_matmul_precision"]
+    try:  # tracing reads it: another precision is another program
+        jax.config.update("jax_default_matmul_precision", "highest")
+        assert compile_cache.index_key({"model": "m"}, devices) != key
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
+    assert compile_cache.index_key({"model": "m"}, devices[:1]) != key  # other devices
+    folder = jax.config.values["jax_compilation_cache_dir"]
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        assert compile_cache.index_key({"model": "m"}, devices) == key
+    finally:
+        jax.config.update("jax_compilation_cache_dir", folder)
+
+
 def test_a_checkpoints_program_digest_is_its_configs_not_its_weights(tmp_path, model_cache):
     import json
     import shutil

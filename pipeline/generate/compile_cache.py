@@ -199,13 +199,24 @@ def code_digest() -> str:
 
 def index_key(description: dict, devices) -> str:
     """The index key of a program (``INDEX``): the caller's ``description`` of it (JSON:
-    e.g. the model's configs and the sampler's settings), promptmill's sources, the
-    libraries that trace it, and ``_host_parts``. Anything else that could change the
+    e.g. the model's configs and the sampler's settings), promptmill's sources, jax's
+    configuration, the libraries that trace it, and ``_host_parts``. Anything else that could change the
     lowered program is a change to one of these."""
     from importlib import metadata
 
     libraries = [f"{name} {metadata.version(name)}" for name in ("flax", "diffusers", "transformers", "numpy")]
-    return _digest([json.dumps(description, sort_keys=True), code_digest()] + libraries + _host_parts(devices))
+    return _digest([json.dumps(description, sort_keys=True), code_digest(), _jax_config()] + libraries
+                   + _host_parts(devices))
+
+
+def _jax_config() -> str:
+    """jax's configuration (e.g. the default matmul precision, x64), which tracing reads;
+    the caches' own settings left out (they decide where programs are kept, not what
+    they are)."""
+    import jax
+
+    values = [f"{name}={value!r}" for name, value in sorted(jax.config.values.items()) if "cache" not in name]
+    return "\n".join(value for value in values if " at 0x" not in value)
 
 
 def _write(path: str, data: bytes) -> None:
