@@ -90,3 +90,22 @@ def test_rewriting_a_slice_gives_byte_identical_objects(tmp_path):
     write_slice(out)
     assert storage.checksums(out) == first
     assert any(name.startswith("zarr/") for name in first) and any(name.endswith(".tar") for name in first)
+
+
+def test_reading_parquet_metadata_starts_no_thread(tmp_path):
+    """A process that reads metadata rows and exits at once (``reproduce`` refusing a key)
+    must leave no library thread starting: none is made."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = ("import io, os, pyarrow as pa, pyarrow.parquet as pq\n"
+            "from pipeline.output import writer\n"
+            "buffer = io.BytesIO(); pq.write_table(pa.table({'key': ['a', 'b']}), buffer)\n"
+            "before = len(os.listdir('/proc/self/task'))\n"
+            "rows = writer.parquet_table(buffer.getvalue()).to_pylist()\n"
+            "print(rows == [{'key': 'a'}, {'key': 'b'}], len(os.listdir('/proc/self/task')) - before)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "0"]

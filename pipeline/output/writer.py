@@ -76,14 +76,16 @@ def parquet_bytes(rows: list[dict]) -> bytes:
 def parquet_table(data: bytes):
     """A Parquet file's bytes as a pyarrow Table.
 
-    Decoded on the calling thread: with pyarrow's threads, reading from an in-memory
-    buffer can leave an I/O thread running at interpreter exit, and the process then
-    aborts ("terminate called without an active exception") after doing its work.
+    Decoded on the calling thread, through ``ParquetFile`` rather than ``read_table``:
+    the latter goes through pyarrow's datasets, which start a thread of their own even
+    with ``use_threads=False``; a process that exits right after (``reproduce`` refusing
+    an unknown key) can then abort at exit ("terminate called without an active
+    exception") after doing its work.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(pa.BufferReader(data), use_threads=False, pre_buffer=False)
+    return pq.ParquetFile(pa.BufferReader(data), pre_buffer=False).read(use_threads=False)
 
 
 def read_parquet_rows(path: str) -> list[dict]:
