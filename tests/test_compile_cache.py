@@ -130,7 +130,7 @@ def test_a_checkpoints_program_digest_is_its_configs_not_its_weights(tmp_path, m
     import json
     import shutil
 
-    from pipeline.model import load
+    from pipeline.model import load, sources
 
     tiny = load.resolve("tiny")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -139,12 +139,12 @@ def test_a_checkpoints_program_digest_is_its_configs_not_its_weights(tmp_path, m
     with open(os.path.join(b, "vae", "diffusion_flax_model.msgpack"), "r+b") as f:  # other weights
         f.seek(100)
         f.write(b"\x01\x02\x03")
-    assert load.program_digest(a) == load.program_digest(b) == load.program_digest("tiny")
+    assert sources.program_digest(a) == sources.program_digest(b) == sources.program_digest("tiny")
     config = json.loads(open(os.path.join(b, "unet", "config.json")).read())
     config["attention_head_dim"] = 4
     with open(os.path.join(b, "unet", "config.json"), "w") as f:
         json.dump(config, f)
-    assert load.program_digest(b) != load.program_digest(a)
+    assert sources.program_digest(b) != sources.program_digest(a)
 
 
 @pytest.fixture(scope="module")

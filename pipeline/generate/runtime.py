@@ -92,10 +92,10 @@ def sampler_description(settings: Settings) -> dict:
     (``compile_cache.index_key``): the checkpoint's configs and tokenizer files (never its
     weights: --unet and --lora change values, not shapes) and the settings the program is
     built from."""
-    from pipeline.model import load as model_lib
+    from pipeline.model import sources
 
     s = settings
-    return {"checkpoint": model_lib.program_digest(s.model), "dtype": s.dtype, "scheduler": s.scheduler,
+    return {"checkpoint": sources.program_digest(s.model), "dtype": s.dtype, "scheduler": s.scheduler,
             "timestep_spacing": s.timestep_spacing, "width": s.width, "height": s.height, "steps": s.steps,
             "per_device_batch": s.per_device_batch, "latents": s.save_latents, "guidance_rule": s.guidance_rule,
             "guided": s.guided, "attention": s.attention}

@@ -139,31 +139,6 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
                  params=params, **extra)
 
 
-_WEIGHT_SUFFIXES = (".msgpack", ".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".onnx", ".h5")
-
-
-def program_digest(name: str) -> str:
-    """sha256 of what a checkpoint's programs are built from: every file of it but its
-    weights (model_index.json, the configs, the scheduler's and the tokenizers' files), by
-    relative name and content. Weights change values, never a program; their shapes come
-    from the configs (so a gs:// checkpoint's configs alone are fetched for it)."""
-    import hashlib
-
-    directory = resolve(name, weights=False)
-    digest = hashlib.sha256()
-    for root, dirs, files in os.walk(directory):
-        dirs.sort()
-        for file in sorted(files):
-            if file.endswith(_WEIGHT_SUFFIXES):
-                continue
-            path = os.path.join(root, file)
-            digest.update(os.path.relpath(path, directory).replace(os.sep, "/").encode() + b"\0")
-            with open(path, "rb") as f:
-                digest.update(f.read())
-            digest.update(b"\0")
-    return digest.hexdigest()
-
-
 def _with_sampler_state(sampler: Sampler, params: dict) -> tuple[object, dict]:
     """(the Flax scheduler or None, params with the Flax scheduler's state or without any)."""
     params = {name: tree for name, tree in params.items() if name != "scheduler"}

@@ -228,6 +228,22 @@ def _files(directory: str) -> list[tuple[str, str]]:
     return found
 
 
+def program_digest(name: str) -> str:
+    """sha256 of what a checkpoint's programs are built from: its configs alone
+    (``CONFIG_SUFFIXES``: model_index.json, the components' and the scheduler's configs,
+    the tokenizers' files), by relative name and content. Weights change values, never a
+    program; their shapes come from the configs. A gs:// checkpoint's configs alone are
+    fetched for it, and give the digest its whole copy gives."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for relative, path in _files(resolve(name, weights=False)):
+        if relative.endswith(CONFIG_SUFFIXES):
+            with open(path, "rb") as f:
+                digest.update(relative.encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()
+
+
 def _memo_path(path: str) -> str:
     return os.path.join(cache_dir(), "digests", hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:32])
 

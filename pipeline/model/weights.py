@@ -99,10 +99,6 @@ def _dtype(name: str):
     return _SAFETENSORS_DTYPES[name]
 
 
-def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    return read_mapped(path)
-
-
 _PADDING = "__padding__"  # the names of the filler entries ``write_safetensors`` adds; never read as weights
 ALIGN = 64  # bytes: XLA's CPU client uses a host array in place when it is this aligned
 
@@ -253,7 +249,7 @@ def diffusers_params_from_safetensors(module, path: str) -> dict:
 
     shapes = flatten_dict(_shapes(module))
     flat = {}
-    for pt_key, tensor in _read_safetensors(path).items():
+    for pt_key, tensor in read_mapped(path).items():
         key, tensor = rename_key_and_reshape_tensor(tuple(rename_key(pt_key).split(".")), tensor, shapes)
         if key in shapes:  # anything else (buffers, unused heads) is not a weight of the Flax module
             flat[key] = np.asarray(tensor, dtype=np.float32)
@@ -269,7 +265,7 @@ def transformers_params_from_safetensors(module, path: str) -> dict:
     shapes = flatten_dict(module.params_shape_tree)
     # The converter only reads the target's key names and shapes and its prefix.
     target = types.SimpleNamespace(params=module.params_shape_tree, base_model_prefix=module.base_model_prefix)
-    converted = flatten_dict(convert_pytorch_state_dict_to_flax(_read_safetensors(path), target))
+    converted = flatten_dict(convert_pytorch_state_dict_to_flax(read_mapped(path), target))
     flat = {k: np.asarray(v, dtype=np.float32) for k, v in converted.items() if k in shapes}  # drops position_ids
     _check_complete(path, shapes, flat)
     return unflatten_dict(flat)
