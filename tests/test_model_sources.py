@@ -168,10 +168,12 @@ def test_a_gcs_lora_is_copied_once_and_fingerprinted_like_the_local_file(gcs_emu
 
 
 @contextlib.contextmanager
-def watched():
-    """Every GCS request of this process goes through a proxy that records it."""
+def watched(latency_s: float = 0.0):
+    """Every GCS request of this process goes through a proxy that records it (and holds
+    each for ``latency_s``)."""
     previous = os.environ["STORAGE_EMULATOR_HOST"]
-    with FaultyProxy(int(previous.rsplit(":", 1)[1]), failure_rate=0.0, own_links=True) as proxy:
+    with FaultyProxy(int(previous.rsplit(":", 1)[1]), failure_rate=0.0, latency_s=latency_s,
+                     own_links=True) as proxy:
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
         storage.reset_gcs_client()
         try:
@@ -275,7 +277,9 @@ def test_processes_on_one_machine_download_a_gcs_checkpoint_once(gcs_emulator, m
     upload_tree(local, prefix)
     listed = storage.object_checksums(prefix)
     cache, go, count = tmp_path / "cache", tmp_path / "go", 4
-    with watched() as proxy:
+    # each request held 0.25 s, so the first process is still downloading (a dozen objects)
+    # when the others reach the lock, however busy the machine
+    with watched(latency_s=0.25) as proxy:
         env = dict(os.environ, PROMPTMILL_CACHE=str(cache))
         children = [subprocess.Popen([sys.executable, "-c", CHILD, prefix, str(tmp_path / f"ready-{i}"), str(go)],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
