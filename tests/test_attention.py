@@ -204,6 +204,23 @@ def test_the_seam_ends_with_its_block():
             pass
 
 
+def test_own_networks_attend_through_the_active_seam_and_xla_outside_one():
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 40, 2, 8)), jnp.float32) for _ in range(3))
+    plain = attention.compute("flux", q, k, v, 0.5)  # no seam: xla
+    np.testing.assert_allclose(plain, attention.attend(q, k, v, 0.5, "xla"), atol=0)
+    with attention.use("chunked", platform="cpu", budget_bytes=2 * 40 * 4 * 8) as calls:
+        chunked = attention.compute("flux", q, k, v, 0.5)
+        with attention.use("xla", platform="cpu") as inner:
+            attention.compute("t5", q, k, v, None)
+        attention.compute("flux", q, k, v, 0.5)  # the outer seam again
+    assert [c.site for c in inner] == ["t5"] and [c.kernel for c in inner] == ["xla"]
+    assert [(c.site, c.kernel) for c in calls] == [("flux", "chunked")] * 2
+    np.testing.assert_allclose(chunked, plain, atol=1e-6)
+    attention.compute("flux", q, k, v, 0.5)
+    assert len(calls) == 2  # the block has ended
+
+
 def _options(variant):
     return {"chunked": {"budget_bytes": BUDGET}, "flash": {"block_tokens": BLOCK}}.get(variant, {})
 

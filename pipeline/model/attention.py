@@ -4,7 +4,10 @@ diffusers' Flax modules are pinned and never patched. ``use`` intercepts (Flax m
 interception) the ``__call__`` of the two attention modules they have, the transformer
 blocks' ``FlaxAttention`` and the VAE's ``FlaxAttentionBlock``, and recomputes it with
 the module's own bound layers (projections, norm, output projection), replacing only
-the core softmax(Q K^T) V. The core has these kernels:
+the core softmax(Q K^T) V. promptmill's own Flax networks (``pipeline.model.nets``: the
+FLUX.1 transformer, the scorers' towers) call ``compute`` for their core instead, which
+goes through the seam that is active on the tracing thread (``xla`` outside one). The
+core has these kernels:
 
 - ``xla``: the whole [batch, heads, queries, keys] matrix, as diffusers computes it.
 - ``chunked``: the same per query row, one block of query rows at a time (a ``lax.map``
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 
 from pipeline.core.choices import ATTENTIONS
 
@@ -63,7 +67,7 @@ _CUDNN_MAX_HEAD_DIM = 128
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One attention call as the seam traced it, and the kernel it ran."""
-    site: str  # "unet" (FlaxAttention) or "vae" (FlaxAttentionBlock)
+    site: str  # "unet" (FlaxAttention), "vae" (FlaxAttentionBlock), or an own network's (``compute``)
     batch: int
     q_tokens: int
     kv_tokens: int
@@ -264,7 +268,22 @@ def attend(q, k, v, scale, kernel: str, budget_bytes: int = DEFAULT_BUDGET_BYTES
     raise ValueError(f"attention kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
 
 
-# ---- the interceptor
+# ---- the interceptor, and the seam our own networks call
+
+_ACTIVE = threading.local()  # the seam ``use`` opened on this thread, while its block runs
+
+
+def compute(site: str, q, k, v, scale):
+    """softmax(q k^T [* scale]) v for one attention call of promptmill's own networks, q, k,
+    v and the result [batch, tokens, heads, head_dim]: through the seam active on this
+    thread (``use``: its implementation picks the kernel and the call is recorded under
+    ``site``), else ``xla``. Call it while the program is traced, as the diffusers modules'
+    attention is intercepted then."""
+    seam = getattr(_ACTIVE, "seam", None)
+    if seam is None:
+        return _xla(q, k, v, scale)
+    return seam.core(site, q, k, v, scale)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Seam:
@@ -346,5 +365,10 @@ def use(implementation: str = "auto", platform: str | None = None, budget_bytes:
                 return seam.vae_attention(context.module, *args, **kwargs)
         return next_fun(*args, **kwargs)
 
-    with nn.intercept_methods(interceptor):
-        yield seam.calls
+    outer = getattr(_ACTIVE, "seam", None)
+    _ACTIVE.seam = seam
+    try:
+        with nn.intercept_methods(interceptor):
+            yield seam.calls
+    finally:
+        _ACTIVE.seam = outer
