@@ -27,10 +27,14 @@ setup(
         "tensorstore>=0.1.60",  # the zarr format
     ],
     extras_require={
+        # the TPU runtime for hosts on TPU VMs, and libtpu's compiler for the TPU check of
+        # `submit` and `bench tpu`, which compiles TPU programs on a machine without a TPU
         "tpu": ["jax[tpu]>=0.7,<0.11"],
         # gs:// inside the Beam pipelines (plan, collect) and Dataflow; hosts need only google-cloud-storage
         "gcp": ["apache-beam[gcp]>=2.60,<3"],
         "test": ["apache-beam[gcp]>=2.60,<3", "pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8",
+                 # the suite compiles real TPU programs for the TPU check (libtpu, no TPU needed)
+                 "jax[tpu]>=0.7,<0.11",
                  "webdataset>=0.2",
                  # pytest.ini runs the suite on two worker processes
                  "pytest-xdist>=3.6",

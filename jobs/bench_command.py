@@ -1,4 +1,4 @@
-"""``promptmill bench generator|upload|plan|pipeline``: the benchmarks' flags and the call into ``pipeline.bench``.
+"""``promptmill bench generator|upload|plan|pipeline|tpu``: the benchmarks' flags and the call into ``pipeline.bench``.
 
 jobs/cli.py adds the parser with ``add_bench_parser`` and dispatches to ``run_bench``.
 """
@@ -9,7 +9,7 @@ import argparse
 from jobs import flags
 from pipeline.bench.generator import DEFAULT_PARTS, BenchConfig
 from pipeline.core.choices import DTYPES, SCHEDULERS, TIMESTEP_SPACINGS
-from pipeline.core.settings import Settings
+from pipeline.core.settings import AUTO, Settings
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
@@ -45,6 +45,25 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                             "'--direct_num_workers 2 --direct_running_mode multi_processing' (default: none)")
     plan_bench.add_argument("--report", "--json", dest="report", help="write the JSON report here")
     flags.strict(plan_bench, beam_strings=("--beam-args",))
+    tpu = targets.add_parser("tpu", help="compile the host program for TPU chips here, without a TPU (libtpu): "
+                             "memory per chip, whether it fits, FLOPs, attention kernels and compile time, over "
+                             "per-device batches, attention implementations, TPU types and sizes")
+    tpu.add_argument("--model", default="tiny", help="checkpoint or built-in model (its shapes only: "
+                     "random-sd15, random-sdxl and the like need no weights) (default: %(default)s)")
+    tpu.add_argument("--sizes", type=_batch_sizes, default=(None,), metavar="N[,N...]",
+                     help="square image sizes (default: the model's own)")
+    tpu.add_argument("--steps", type=int, default=20, help="denoising steps (default: %(default)s)")
+    tpu.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="(default: %(default)s)")
+    tpu.add_argument("--per-device-batch", type=_batches_or_auto, default=(1,), metavar="B[,B...]|auto",
+                     help="images per chip to compile, or auto: the largest that fits each target (default: 1)")
+    tpu.add_argument("--attentions", default="auto", help="attention implementations, comma-separated "
+                     "(default: %(default)s)")
+    tpu.add_argument("--targets", default="v5e:2x2", help="TPU hosts to compile for, TYPE:TOPOLOGY[:MACHINE_TYPE], "
+                     "comma-separated, from the TPU table (default: %(default)s)")
+    tpu.add_argument("--guidance-scale", type=float, default=Settings().guidance_scale,
+                     help="above 1 the guided program (the UNet at twice the rows) (default: %(default)s)")
+    tpu.add_argument("--report", help="write the JSON report here")
+    flags.strict(tpu)
     pipe = targets.add_parser("pipeline", help="images/s of the generator alone, the full host pipeline (local "
                               "disk, GCS emulator) and the seed's sequential loop, on the same slices")
     pipe.add_argument("--generator", choices=("synthetic", "tiny"), default="synthetic",
@@ -73,6 +92,12 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _batches_or_auto(text: str) -> tuple:
+    if text == AUTO:
+        return (AUTO,)
+    return _batch_sizes(text)
 
 
 def _latencies_ms(text: str) -> tuple[float, ...]:
@@ -142,6 +167,18 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.report:
             storage.write_json(args.report, report)
         print(plan_bench.table(report))
+    elif args.target == "tpu":
+        from pipeline.bench import tpu as tpu_bench
+        from pipeline.io import storage
+
+        report = tpu_bench.run(tpu_bench.TpuBenchConfig(
+            model=args.model, sizes=args.sizes, steps=args.steps, dtype=args.dtype,
+            per_device_batches=args.per_device_batch, attentions=tuple(a for a in args.attentions.split(",") if a),
+            targets=tuple(tpu_bench.parse_target(t) for t in args.targets.split(",") if t),
+            guidance_scale=args.guidance_scale, report=args.report))
+        if args.report:
+            storage.write_json(args.report, report)
+        print(tpu_bench.table(report))
     elif args.target == "pipeline":
         from pipeline.bench import host_loop as pipeline_bench
 

@@ -7,6 +7,7 @@ other unknown flag is an error that names the closest known one (``jobs.flags.ch
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jobs import flags
@@ -15,6 +16,16 @@ from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag
 from jobs.submit_command import SUMMARY, add_submit_parser, run_submit
 
 _settings = flags.settings_from_args  # the one translation of the settings flags; the old name, still used by tests
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(plan)
     plan.add_argument("--devices-per-host", type=int, default=1,
                       help="devices of each generate host; sets the slice size (default: %(default)s)")
+    plan.add_argument("--hosts", type=_positive_int, default=1,
+                      help="generate hosts the run will have: with --per-device-batch auto, the batch is at most "
+                           "what the run fills, ceil(images / (hosts x devices per host)) (default: %(default)s)")
     add_overwrite_flag(plan)
 
     gen = sub.add_parser("generate", help="generate this host's slices (one process per host)")
@@ -77,8 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
         flags.strict(command)
 
     add_submit_parser(sub)  # submit dataflow|gke, with its own --date
-    add_bench_parser(sub)  # bench generator|upload|plan|pipeline
+    add_bench_parser(sub)  # bench generator|upload|plan|pipeline|tpu
     return parser
+
+
+# Commands whose own process has nothing to run on an accelerator: local runs put their hosts
+# on CPU devices, and submissions compile for TPUs without one (the TPU check). With libtpu
+# installed, JAX would otherwise look for a TPU at its first use, slowly and with warnings.
+# A host (`generate`), `reproduce`, `plan` and `bench generator` use whatever the machine has.
+_CPU_COMMANDS = ("run", "submit")
+_CPU_BENCH = ("tpu",)
+
+
+def _cpu_only(args) -> None:
+    if args.command in _CPU_COMMANDS or (args.command == "bench" and args.target in _CPU_BENCH):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     beam_args = flags.check_extra(args, extra)  # an unknown flag exits 2 here, before anything runs
+    _cpu_only(args)
     logs.setup()
     try:
         if hasattr(args, "date"):
@@ -137,9 +165,10 @@ def _dispatch(args, beam_args: list[str]) -> int:
         from pipeline.generate import fit
         from pipeline.plan import transforms as plan
 
-        settings = fit.resolve_per_device_batch(flags.settings_from_args(args, args.devices_per_host),
-                                                args.overwrite)
-        print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite)))
+        asked = flags.settings_from_args(args, args.devices_per_host)
+        settings = fit.resolve_per_device_batch(asked, args.overwrite)
+        print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite,
+                                       fit.cap_hosts(asked, args.hosts, args.overwrite))))
     elif args.command == "generate":
         from pipeline.generate import cluster, host_loop as host
 

@@ -90,8 +90,9 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "inputs, temporaries) fits one device of the machine that plans, measured from the "
                              "compiled program before planning and logged (default: %(default)s)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
-                        help="one device's memory in GiB, for --per-device-batch auto (default: the device's own "
-                             "figure; CPU devices share the machine's memory)")
+                        help="one device's memory in GiB, for --per-device-batch auto and a submission's TPU check "
+                             "(default: the device's own figure, for a TPU chip what XLA reports usable of its HBM; "
+                             "CPU devices share the machine's memory)")
     parser.add_argument("--batches-per-slice", type=int, default=d.batches_per_slice,
                         help="device steps per slice; slice size = devices per host x per-device batch x this "
                              "(default: %(default)s)")
@@ -107,9 +108,10 @@ def per_device_batch(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a whole number or {AUTO}, got {text!r}") from None
 
 
-def settings_from_args(args: argparse.Namespace, devices_per_host: int) -> Settings:
-    """The one translation of the settings flags (``add_settings_flags``) into Settings."""
-    if args.device_memory is not None and args.per_device_batch != AUTO:
+def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_check: bool = False) -> Settings:
+    """The one translation of the settings flags (``add_settings_flags``) into Settings.
+    ``tpu_check``: a submission, whose TPU check reads ``--device-memory`` as the chip's."""
+    if args.device_memory is not None and args.per_device_batch != AUTO and not tpu_check:
         raise ValueError(f"--device-memory is read only by --per-device-batch auto, and --per-device-batch is "
                          f"{args.per_device_batch}")
     return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet,

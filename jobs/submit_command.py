@@ -8,13 +8,13 @@ planned, applied or launched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
 
 from jobs import flags
-from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, jobset, tpu
-from pipeline.core.settings import AUTO
+from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, jobset, program_check, tpu
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
 TPU_DTYPE = "bf16"  # the submissions' --dtype default: TPU runs compute in bf16
@@ -52,7 +52,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         "(e.g. REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG); required")
     flags.add_overwrite_flag(parser)
     parser.add_argument("--dry-run", action="store_true",
-                        help="print everything that would be run or launched, and run nothing")
+                        help="print everything that would be run or launched, and run nothing (the TPU check runs)")
+    parser.add_argument("--no-tpu-check", action="store_true",
+                        help="skip the TPU check: by default the program of one host is compiled here for the "
+                             "target TPU chip, from shapes alone (libtpu: pip install \"promptmill[tpu]\"), and a "
+                             "program that does not fit is refused before anything launches; --per-device-batch "
+                             "auto resolves against the chip the same way")
 
 
 def add_submit_parser(sub) -> argparse.ArgumentParser:
@@ -124,13 +129,14 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
     return submit
 
 
-def _settings(args, devices_per_host: int):
-    settings = flags.settings_from_args(args, devices_per_host).validate()
-    if settings.per_device_batch == AUTO:
-        raise ValueError("--per-device-batch auto measures the devices of the machine that plans, and a "
-                         "submission plans elsewhere: give a number (`promptmill plan --per-device-batch auto` on "
-                         "a machine of the TPU type logs the largest that fits, as per_device_batch_chosen)")
-    return settings
+def _checked(args, job):
+    """``job`` (validated, its settings as the flags give them) with its settings checked
+    against its TPU slice's chips (``program_check.resolve_submission``: ``--per-device-batch
+    auto`` resolved), the ``tpu_program`` report and the plan's ``cap_hosts``. Runs last, once
+    every other flag was found good: the check compiles for minutes at real sizes."""
+    settings, report, cap = program_check.resolve_submission(job.settings, job.tpu_slice, skip=args.no_tpu_check,
+                                                             overwrite=args.overwrite, look=not args.dry_run)
+    return dataclasses.replace(job, settings=settings, tpu_program=report, cap_hosts=cap)
 
 
 def _check_common(args, target: str) -> None:
@@ -156,7 +162,7 @@ def _build_dataflow(args, beam_args: list[str]) -> dataflow_lib.DataflowJob:
     checks.require_value("--project", args.project, "dataflow", "my-project")
     checks.require_value("--region", args.region, "dataflow", "us-west4")
     worker = tpu.for_dataflow(args.tpu_type, args.topology)
-    settings = _settings(args, worker.chips)
+    settings = flags.settings_from_args(args, worker.chips, tpu_check=True).validate()
     name = checks.job_name(args.out, args.job_name, getattr(args, "date", None))
     if not args.poll_seconds > 0:
         raise ValueError(f"--poll-seconds must be positive, got {args.poll_seconds!r}")
@@ -165,26 +171,26 @@ def _build_dataflow(args, beam_args: list[str]) -> dataflow_lib.DataflowJob:
     cpu = dict(common, max_workers=args.cpu_max_workers)
     generate = dataflow_lib.dataflow_options(worker, job=f"{name}-generate", max_workers=args.max_workers,
                                              harness_threads=args.harness_threads, **common)
-    return dataflow_lib.DataflowJob(
+    return _checked(args, dataflow_lib.DataflowJob(
         settings=settings, tpu_slice=worker, project=args.project, region=args.region,
         plan_options=tuple(dataflow_lib.cpu_options(args.cpu_machine_type, job=f"{name}-plan", **cpu)),
         generate_options=tuple(generate),
         collect_options=tuple(dataflow_lib.cpu_options(args.cpu_machine_type, job=f"{name}-collect", **cpu)),
-        cpu_machine_type=args.cpu_machine_type, overwrite=args.overwrite, poll_s=args.poll_seconds)
+        cpu_machine_type=args.cpu_machine_type, overwrite=args.overwrite, poll_s=args.poll_seconds))
 
 
 def _build_gke(args, beam_args: list[str]) -> jobset.GkeJob:
     _check_common(args, "gke")
     chosen = tpu.lookup(args.tpu_type, args.topology, args.machine_type)
-    settings = _settings(args, chosen.chips_per_host)
     plan_args = _beam_args("--plan-beam-args", args.plan_beam_args, beam_args)
     collect_args = _beam_args("--collect-beam-args", args.collect_beam_args, beam_args)
-    return jobset.GkeJob(
+    settings = flags.settings_from_args(args, chosen.chips_per_host, tpu_check=True).validate()
+    return _checked(args, jobset.GkeJob(
         settings=settings, tpu_slice=chosen, name=checks.job_name(args.out, args.name, getattr(args, "date", None)),
         image=args.image, namespace=args.namespace, max_restarts=args.max_restarts,
         coordinator_port=args.coordinator_port, service_account=args.service_account,
         plan_beam_args=tuple(plan_args), collect_beam_args=tuple(collect_args), overwrite=args.overwrite,
-        poll_s=args.poll_seconds).validate()
+        poll_s=args.poll_seconds).validate())
 
 
 def _progress(target: str):

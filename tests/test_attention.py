@@ -221,6 +221,19 @@ def test_own_networks_attend_through_the_active_seam_and_xla_outside_one():
     assert len(calls) == 2  # the block has ended
 
 
+def test_a_recorder_sees_the_calls_of_every_seam_traced_inside_it():
+    q = jnp.zeros((1, 8, 2, 4), jnp.float32)
+    with attention.record() as recorded:
+        with attention.use("xla", platform="cpu"):
+            attention.compute("flux", q, q, q, 1.0)
+        attention.compute("t5", q, q, q, 1.0)  # no seam: nothing to record
+        with attention.use("chunked", platform="cpu"):
+            attention.compute("flux", q, q, q, 1.0)
+    with attention.use("xla", platform="cpu"):
+        attention.compute("flux", q, q, q, 1.0)
+    assert [c.kernel for c in recorded] == ["xla", "chunked"]
+
+
 def _options(variant):
     return {"chunked": {"budget_bytes": BUDGET}, "flash": {"block_tokens": BLOCK}}.get(variant, {})
 

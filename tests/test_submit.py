@@ -481,10 +481,11 @@ def launcher(tmp_path, monkeypatch):
     return calls
 
 
+# The TPU check (tests/test_tpu_check.py) compiles for a minute; these tests are about the rest
 DATAFLOW = ["submit", "dataflow", "--tpu-type", "v5e", "--topology", "2x4", "--image", IMAGE, "--project", "p",
-            "--region", "us-west4", "--out", OUT, "--prompts", PROMPTS, "--steps", "4"]
+            "--region", "us-west4", "--out", OUT, "--prompts", PROMPTS, "--steps", "4", "--no-tpu-check"]
 GKE = ["submit", "gke", "--tpu-type", "v5e", "--topology", "4x4", "--image", IMAGE, "--out", OUT,
-       "--prompts", PROMPTS, "--steps", "4"]
+       "--prompts", PROMPTS, "--steps", "4", "--no-tpu-check"]
 
 
 def _dry_run_sections(out: str) -> dict:
@@ -797,7 +798,7 @@ def _gke_e2e_args(prefix, out):
     return ["submit", "gke", "--tpu-type", "v5e", "--topology", "2x4", "--machine-type", "ct5lp-hightpu-4t",
             "--image", IMAGE, "--prompts", f"{prefix}/prompts/*.jsonl", "--out", out, "--model", "tiny",
             "--steps", "2", "--per-device-batch", "1", "--batches-per-slice", "1", "--poll-seconds", "2",
-            "--name", "pm-e2e"]
+            "--name", "pm-e2e", "--no-tpu-check"]
 
 
 def test_gke_end_to_end_with_a_fake_kubectl(gcs_prompts, kubectl, capsys):
@@ -826,6 +827,7 @@ def test_gke_end_to_end_with_a_fake_kubectl(gcs_prompts, kubectl, capsys):
         "devices_per_host"] == 4
     assert gke.committed_slices(out, 2) == 2
     assert "2/2 slices committed" in err and "JobSet pm-e2e applied" in err
+    assert '"event": "tpu_check_skipped", "reason": "--no-tpu-check"' in err
 
 
 def test_gke_failed_jobset_is_an_error_and_nothing_is_collected(gcs_prompts, kubectl, monkeypatch, capsys):

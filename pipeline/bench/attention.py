@@ -22,7 +22,7 @@ def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool
     seam chooses them (traced from shapes; nothing compiles)."""
     import contextlib
 
-    from pipeline.bench import parts
+    from pipeline.generate import parts
     from pipeline.core.choices import LEGACY_ATTENTION
     from pipeline.model import attention as attention_lib
 

@@ -11,7 +11,7 @@ denoising steps by about (S - 1) UNet calls.
 program at the step's per-device shapes: the text encoder(s) on the [negative; positive]
 prompt ids, one UNet call on the classifier-free-guidance batch (2B), and the VAE
 decode; a guidance-free program encodes the prompts alone and calls the UNet on B
-(``pipeline.bench.parts`` lowers each). A step is ``text + S * unet + vae``. The
+(``pipeline.generate.parts`` lowers each). A step is ``text + S * unet + vae``. The
 scheduler update and the guidance mix are elementwise and left out (well under 0.1% of
 a step). The whole program's own count is reported next to it, with how many UNet calls
 it implies, so a change in XLA's behaviour shows up in the report rather than silently
@@ -28,31 +28,7 @@ import time
 
 import numpy as np
 
-from pipeline.bench import parts
-
-
-def _flops(lowered) -> float:
-    """XLA's flop count of a lowered program.
-
-    The count of the lowered (unoptimised) module is within 0.01% of the compiled one
-    for the UNet of SD 1.5 and costs no compilation (0.3 s instead of 6 s on a CPU).
-    Backends that cannot cost a lowered module get it compiled first.
-    """
-    cost = lowered.cost_analysis()
-    if not cost or "flops" not in cost:
-        cost = lowered.compile().cost_analysis()
-    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
-        cost = cost[0]
-    return float(cost["flops"])
-
-
-def part_flops(model, width: int, height: int, per_device_batch: int, guided: bool = True) -> dict:
-    """Flops of each part of one sampler step, on one device, for B = ``per_device_batch``
-    (the text encoders and the UNet at 2B when ``guided``, else at B)."""
-    rows = per_device_batch * (2 if guided else 1)  # through the text encoders and the UNet
-    return {"text_encoder": sum(_flops(lowered) for lowered in parts.text_encoders(model, rows)),
-            "unet_call": _flops(parts.unet_call(model, width, height, rows)),
-            "vae_decode": _flops(parts.vae_decode(model, width, height, per_device_batch))}
+from pipeline.generate.parts import part_flops
 
 
 def whole_program_flops(compiled) -> float:

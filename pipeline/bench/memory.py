@@ -13,7 +13,7 @@ can be measured on any machine.
 """
 from __future__ import annotations
 
-from pipeline.bench import parts
+from pipeline.generate import parts
 
 from pipeline.generate.fit import GIB, program_memory  # noqa: F401 (the bench's memory figures)
 

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Callable
 
-from pipeline.cloud import checks, tpu
+from pipeline.cloud import checks, program_check, tpu
 from pipeline.cloud.gke import committed_slices
 from pipeline.core import naming
 from pipeline.io import storage
@@ -200,6 +200,8 @@ class DataflowJob:
     cpu_machine_type: str = DEFAULT_CPU_MACHINE_TYPE
     overwrite: bool = False
     poll_s: float = DEFAULT_POLL_S
+    tpu_program: dict | None = None  # the TPU check's report (``pipeline.cloud.program_check``); None: skipped
+    cap_hosts: int | None = None  # hosts the plan caps an auto per-device batch for (``plan.Plan``)
 
     @property
     def out(self) -> str:
@@ -231,6 +233,8 @@ def stage_arguments(job: DataflowJob, stage: str) -> list[str]:
         arguments += ["--settings", json.dumps(job.settings.to_dict(), sort_keys=True)]
         if job.overwrite:
             arguments.append("--overwrite")
+        if job.cap_hosts is not None:
+            arguments += ["--cap-hosts", str(job.cap_hosts)]
     return [*arguments, "--", *job.options(stage)]
 
 
@@ -271,6 +275,7 @@ def dataflow_dry_run(job: DataflowJob) -> str:
     lines = [
         "# promptmill submit dataflow --dry-run: nothing was launched. It would launch three Dataflow jobs, in order, "
         "each once the one before it is DONE:",
+        "# " + program_check.summary(job.tpu_program),
         "# settings:",
         json.dumps(job.settings.to_dict(), sort_keys=True),
     ]
@@ -352,6 +357,9 @@ def submit_dataflow(job: DataflowJob, emit: Callable[[str], None] = print, launc
             manifest = storage.read_json(naming.manifest(job.out))
             total = manifest["slices"]
             emit(f"planned {manifest['records']} records, {manifest['images']} images in {total} slices")
+            # a plan that made the run guided runs a larger program than the one checked
+            program_check.check_planned(job.out, job.settings if job.tpu_program else None,
+                                        job.tpu_slice)
     stats = storage.read_json(naming.dataset_file(job.out, "stats.json"))
     collect.check_verified(stats)
     return stats

@@ -7,7 +7,7 @@ with another executable (the tests point it at a fake). Each call prints one JSO
 (``RUNNING``, ``DONE``, ``FAILED``, ...), and exits 0; a failure exits non-zero with the
 reason on stderr.
 
-    python -m pipeline.cloud.dataflow_launch run plan --out OUT --settings JSON [--overwrite] -- OPTION...
+    python -m pipeline.cloud.dataflow_launch run plan --out OUT --settings JSON [--overwrite] [--cap-hosts N] -- OPTION...
     python -m pipeline.cloud.dataflow_launch run generate --out OUT -- OPTION...
     python -m pipeline.cloud.dataflow_launch run collect --out OUT -- OPTION...
     python -m pipeline.cloud.dataflow_launch state JOB_ID -- OPTION...
@@ -28,8 +28,10 @@ import sys
 STAGES = ("plan", "generate", "collect")
 
 
-def build_stage(p, stage: str, out: str, settings_json: str | None = None, overwrite: bool = False) -> None:
-    """Put ``stage``'s transforms for ``out`` on the pipeline ``p``."""
+def build_stage(p, stage: str, out: str, settings_json: str | None = None, overwrite: bool = False,
+                cap_hosts: int | None = None) -> None:
+    """Put ``stage``'s transforms for ``out`` on the pipeline ``p``; ``cap_hosts``: see
+    ``pipeline.plan.transforms.Plan`` (plan only)."""
     import apache_beam as beam
 
     from pipeline.core import naming
@@ -44,7 +46,7 @@ def build_stage(p, stage: str, out: str, settings_json: str | None = None, overw
         if settings_json is None:
             raise ValueError("run plan needs --settings")
         settings, _ = prepare(Settings.from_dict(json.loads(settings_json)), overwrite)
-        _ = p | "Plan" >> plan.Plan(settings)
+        _ = p | "Plan" >> plan.Plan(settings, cap_hosts)
         return
     runs.read(out)  # a clear error when nothing was planned in OUT
     manifest = storage.read_json(naming.manifest(out))
@@ -64,13 +66,13 @@ def build_stage(p, stage: str, out: str, settings_json: str | None = None, overw
 
 
 def launch(stage: str, out: str, options: list[str], settings_json: str | None = None,
-           overwrite: bool = False) -> dict:
+           overwrite: bool = False, cap_hosts: int | None = None) -> dict:
     """Submit ``stage`` as a Dataflow job; ``{"job_id", "state"}`` once Dataflow accepted it."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
     p = beam.Pipeline(options=PipelineOptions(options))
-    build_stage(p, stage, out, settings_json, overwrite)
+    build_stage(p, stage, out, settings_json, overwrite, cap_hosts)
     result = p.run()  # the DataflowRunner returns once the job is created, without waiting for it
     return {"job_id": result.job_id(), "state": str(result.state)}
 
@@ -95,6 +97,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--out", required=True)
     run.add_argument("--settings", help="the run's settings as JSON (plan only)")
     run.add_argument("--overwrite", action="store_true", help="delete an earlier run in OUT first (plan only)")
+    run.add_argument("--cap-hosts", type=int, help="the per-device batch was chosen by auto: lower it to what the "
+                     "run fills on this many hosts (plan only)")
     state = commands.add_parser("state", help="a Dataflow job's state")
     state.add_argument("job_id")
     return top
@@ -114,7 +118,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, options = parse(sys.argv[1:] if argv is None else list(argv))
     if args.command == "run":
-        answer = launch(args.stage, args.out, options, args.settings, args.overwrite)
+        answer = launch(args.stage, args.out, options, args.settings, args.overwrite, args.cap_hosts)
     else:
         answer = job_state(args.job_id, options)
     print(json.dumps(answer), flush=True)

@@ -13,7 +13,7 @@ import shlex
 import time
 from typing import Callable
 
-from pipeline.cloud import jobset, kubectl as kubectl_lib
+from pipeline.cloud import jobset, kubectl as kubectl_lib, program_check
 from pipeline.core import naming
 from pipeline.io import storage
 
@@ -51,6 +51,7 @@ def gke_dry_run(job: jobset.GkeJob) -> str:
     lines = [
         "# promptmill submit gke --dry-run: nothing was run. It would run, in order:",
         f"# TPU slice: {job.tpu_slice.describe()}",
+        "# " + program_check.summary(job.tpu_program),
         "# 1. plan (Beam):",
         "#    " + shlex.join(plan_command(job.settings, job.plan_beam_args) + (["--overwrite"] if job.overwrite else [])),
         f"# 2. {base} get jobset {job.name} -o json --ignore-not-found"
@@ -139,9 +140,12 @@ def submit_gke(job: jobset.GkeJob, emit: Callable[[str], None] = print, kubectl:
     from pipeline.plan import transforms as plan
 
     kubectl = kubectl or kubectl_lib.Kubectl(job.namespace)  # a missing kubectl fails here, before anything is done
-    manifest = plan.run_plan(job.settings, list(job.plan_beam_args), job.overwrite)
+    manifest = plan.run_plan(job.settings, list(job.plan_beam_args), job.overwrite, job.cap_hosts)
     emit(f"planned {manifest['records']} records, {manifest['images']} images in {manifest['slices']} slices "
          f"for {job.tpu_slice.hosts} host(s) x {job.tpu_slice.chips_per_host} chips")
+    # a plan that made the run guided runs a larger program than the one checked
+    program_check.check_planned(job.out, job.settings if job.tpu_program else None,
+                                job.tpu_slice)
     apply_jobset(kubectl, job, emit)
     wait_for_jobset(kubectl, job, manifest["slices"], emit, sleep)
     return collect.run_collect(job.out, list(job.collect_beam_args))

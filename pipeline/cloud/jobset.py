@@ -45,6 +45,8 @@ class GkeJob:
     collect_beam_args: tuple[str, ...] = ()
     overwrite: bool = False
     poll_s: float = DEFAULT_POLL_S
+    tpu_program: dict | None = None  # the TPU check's report (``pipeline.cloud.program_check``); None: skipped
+    cap_hosts: int | None = None  # hosts the plan caps an auto per-device batch for (``plan.Plan``)
 
     @property
     def out(self) -> str:

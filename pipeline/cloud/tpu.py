@@ -20,6 +20,9 @@ Sources (checked while writing this table):
     (Google's TPU VM provisioning tables list ct6e-standard-8t only for 2x4).
   * v5p: Cloud TPU's v5p page: 2x2x1 = 4 chips on 1 host, 2x2x2 = 8 on 2, 2x4x4 = 32
     on 8, 4x4x4 = 64 on 16; xpk: ct5p-hightpu-4t, tpu-v5p-slice, also 2x2x4 (16 on 4).
+  * HBM per chip: Cloud TPU's system architecture pages (cloud.google.com/tpu/docs/v5e,
+    /v6e, /v5p): v5e 16 GiB, v6e 32 GiB, v5p 95 GiB. XLA lets one program use a little
+    less (a v5e chip: 15.75 GiB); the TPU check (``pipeline.generate.tpu_check``) asks XLA.
   * Dataflow ("Dataflow support for TPUs", cloud.google.com/dataflow/docs/tpu/tpu-support):
     only single-host slices; tpu-v5-lite-podslice 1x1/2x2/2x4 require
     ct5lp-hightpu-1t/4t/8t, tpu-v6e-slice 1x1 requires ct6e-standard-1t, and the v6e
@@ -40,12 +43,13 @@ class TpuType:
     name: str  # what --tpu-type takes: v5e, v6e, v5p
     accelerator: str  # GKE's cloud.google.com/gke-tpu-accelerator and Dataflow's worker_accelerator type
     dims: int  # topology dimensions: 2 (AxB) or 3 (AxBxC)
+    hbm_gib: float  # high-bandwidth memory of one chip
 
 
 TYPES = {t.name: t for t in (
-    TpuType("v5e", "tpu-v5-lite-podslice", 2),
-    TpuType("v6e", "tpu-v6e-slice", 2),
-    TpuType("v5p", "tpu-v5p-slice", 3),
+    TpuType("v5e", "tpu-v5-lite-podslice", 2, 16.0),
+    TpuType("v6e", "tpu-v6e-slice", 2, 32.0),
+    TpuType("v5p", "tpu-v5p-slice", 3, 95.0),
 )}
 # Other names people use for the same types (the accelerator labels, Cloud TPU's names).
 _ALIASES = {**{t.accelerator: t.name for t in TYPES.values()}, "v5litepod": "v5e", "trillium": "v6e"}
@@ -125,6 +129,10 @@ class TpuSlice:
     @property
     def single_host(self) -> bool:
         return self.hosts == 1
+
+    @property
+    def hbm_gib(self) -> float:
+        return TYPES[self.tpu_type].hbm_gib
 
     def describe(self) -> str:
         return (f"{self.tpu_type} {self.topology} on {self.machine_type}: {self.chips} chips, "

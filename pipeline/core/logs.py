@@ -16,11 +16,24 @@ class _JsonLines(logging.Formatter):
         return json.dumps(fields, ensure_ascii=False, default=str)
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when an event is logged, not to the
+    stream it was at ``setup`` (a caller that redirects stderr later still gets the events)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup(level: int = logging.INFO) -> logging.Logger:
     """Send promptmill's events to stderr as JSON lines (idempotent)."""
     logger = logging.getLogger(LOGGER)
     if not any(getattr(h, "_promptmill", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(_JsonLines())
         handler._promptmill = True
         logger.addHandler(handler)

@@ -67,3 +67,14 @@ def pad_mask(num_real: int, size: int) -> list[bool]:
     if not 0 <= num_real <= size:
         raise ValueError(f"a slice holds 0..{size} real items, got {num_real}")
     return [True] * num_real + [False] * (size - num_real)
+
+
+def most_per_device(images: int, hosts: int, devices_per_host: int) -> int:
+    """The most images per device step that a run of ``images`` images can fill on
+    ``hosts`` hosts of ``devices_per_host`` devices: ceil(images / (hosts x devices)),
+    at least 1. A larger per-device batch only adds padding rows: every device would run
+    rows that are never written."""
+    for name, value in (("hosts", hosts), ("devices_per_host", devices_per_host)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return max(1, math.ceil(images / (hosts * devices_per_host)))

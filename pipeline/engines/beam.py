@@ -286,7 +286,7 @@ class GenerateSlicesFn(beam.DoFn):
 
     def _ready(self):
         """The process's worker, built on the first slice: only then does run.json hold
-        the plan's decisions (``plan.transforms.decide_guidance``)."""
+        the plan's decisions (``plan.transforms.decide``)."""
         if self.worker is None:
             self.run = runs.read(self.out)
             settings = self.run.settings
@@ -366,12 +366,12 @@ def _release(generated: list[int], manifest: dict) -> dict:
 
 
 def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE_SIZE, thumbnails: bool = True,
-          compile_cache: str | None = None):
+          compile_cache: str | None = None, cap_hosts: int | None = None):
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
     returns the PCollection of stats.json's content. ``compile_cache``: a folder checked
-    by ``compile_cache.resolve``."""
+    by ``compile_cache.resolve``; ``cap_hosts``: see ``plan.Plan``."""
     out = settings.out
-    manifest = p | "Plan" >> plan.Plan(settings)
+    manifest = p | "Plan" >> plan.Plan(settings, cap_hosts)
     generated = (manifest
                  | "Slices" >> beam.FlatMap(lambda m: range(m["slices"]))
                  | "SpreadSlices" >> beam.Reshuffle()
@@ -423,12 +423,14 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     if is_local_runner(beam_args):
         use_local_cpu_devices(settings.devices_per_host)
         check_platform(settings.attention, "cpu")
+    # workers come and go, so the batch is capped for one worker's devices
+    cap = fit.cap_hosts(settings, 1, overwrite)
     settings = fit.resolve_per_device_batch(settings, overwrite)
     settings, run = prepare(settings, overwrite)
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
                devices_per_host=settings.devices_per_host, slice_size=settings.slice_size)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
-    build(p, settings, run, page_size, gallery_thumbnails, compile_cache)
+    build(p, settings, run, page_size, gallery_thumbnails, compile_cache, cap)
     result = p.run()
     result.wait_until_finish()
     manifest = storage.read_json(naming.manifest(settings.out))

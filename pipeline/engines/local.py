@@ -173,8 +173,9 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
         compile_cache_lib.resolve(compile_cache)  # a bad folder fails here, not in every host
     watch = logs.Stopwatch()
     # every host's devices are on this machine, and share its memory
+    cap = fit.cap_hosts(settings, num_hosts, overwrite)
     settings = fit.resolve_per_device_batch(settings, overwrite, num_hosts * settings.devices_per_host)
-    manifest = plan.run_plan(settings, beam_args, overwrite)
+    manifest = plan.run_plan(settings, beam_args, overwrite, cap)
     logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
                slices=manifest["slices"], slice_size=manifest["slice_size"], seconds=round(watch.seconds(), 2))
     done = run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress, compile_cache)

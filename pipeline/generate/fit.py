@@ -179,3 +179,18 @@ def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machi
         logs.event("per_device_batch_kept", per_device_batch=kept, out=settings.out)
         return settings.replace(per_device_batch=kept)
     return settings.replace(per_device_batch=choose_per_device_batch(settings, devices_on_machine=devices_on_machine))
+
+
+def cap_hosts(asked, hosts: int, overwrite: bool = False) -> int | None:
+    """``hosts`` when ``asked`` (the settings as given) has ``--per-device-batch auto``
+    chosen afresh for this plan, else None (a number was given, or a resumed run keeps the
+    batch its slices were cut with). The plan then lowers auto's choice, the most that fits
+    a device, to the most the run can fill on ``hosts`` hosts
+    (``pipeline.plan.transforms.decide_per_device_batch``): a larger batch would only run
+    padding rows."""
+    from pipeline.core.settings import AUTO
+    from pipeline.io import runs
+
+    if asked.per_device_batch != AUTO or (not overwrite and runs.exists(asked.out)):
+        return None
+    return hosts

@@ -273,6 +273,20 @@ def attend(q, k, v, scale, kernel: str, budget_bytes: int = DEFAULT_BUDGET_BYTES
 _ACTIVE = threading.local()  # the seam ``use`` opened on this thread, while its block runs
 
 
+@contextlib.contextmanager
+def record():
+    """Yields a list that receives one ``Call`` per attention call traced on this thread
+    while the block runs, by whichever seam traces it: what a compiled program's attention
+    calls ran, seen from outside the function that opened the seam."""
+    calls: list[Call] = []
+    outer = getattr(_ACTIVE, "recorders", ())
+    _ACTIVE.recorders = (*outer, calls)
+    try:
+        yield calls
+    finally:
+        _ACTIVE.recorders = outer
+
+
 def compute(site: str, q, k, v, scale):
     """softmax(q k^T [* scale]) v for one attention call of promptmill's own networks, q, k,
     v and the result [batch, tokens, heads, head_dim]: through the seam active on this
@@ -297,7 +311,10 @@ class _Seam:
         batch, q_tokens, heads, head_dim = q.shape
         kernel = choose(self.implementation, self.platform, q_tokens, k.shape[1], heads, head_dim, batch,
                         q.dtype.itemsize, self.budget_bytes)
-        self.calls.append(Call(site, batch, q_tokens, k.shape[1], heads, head_dim, str(q.dtype), kernel))
+        call = Call(site, batch, q_tokens, k.shape[1], heads, head_dim, str(q.dtype), kernel)
+        self.calls.append(call)
+        for recorder in getattr(_ACTIVE, "recorders", ()):
+            recorder.append(call)
         return attend(q, k, v, scale, kernel, self.budget_bytes, self.block_tokens,
                       interpret=self.platform == "cpu")
 

@@ -12,7 +12,7 @@ import os
 
 from pipeline.core.choices import DTYPES
 from pipeline.core.settings import parse_lora
-from pipeline.model import lora, weights
+from pipeline.model import lora, tiny, weights
 from pipeline.model.libraries import quiet_libraries
 from pipeline.model.scheduler import Sampler, make_flax_scheduler, resolve_sampler
 from pipeline.model.sources import (
@@ -106,8 +106,13 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
 
     if dtype not in DTYPES:
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    directory = resolve(name, weights=not abstract)  # shapes come from the configs alone
+    directory = resolve(name, weights=not abstract, shapes=abstract)  # shapes come from the configs alone
     index = check_layout(directory)
+    if not abstract and tiny.shapes_only(directory):
+        raise ModelError(f"model {name!r} is a shapes-only built-in model: its weights are never written, so it "
+                         f"can be compiled and measured (the TPU check, `promptmill bench`) but not run; use "
+                         f"{', '.join(n for n, p in tiny.PRESETS.items() if not p.get('shapes_only'))} to run a "
+                         f"random model")
     unet_file = _checked_unet(directory, unet)
     adapters = _resolved_loras(loras)
     sampler = resolve_sampler(directory, scheduler, timestep_spacing)

@@ -35,19 +35,22 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.txt", "*.msgpack", "*.safetensors"]
 
 
-def resolve(name: str, weights: bool = True) -> str:
+def resolve(name: str, weights: bool = True, shapes: bool = False) -> str:
     """The local diffusers-format directory for ``--model``.
 
     A built-in random model's name, a local folder, a ``gs://`` prefix (copied once
     into the cache, keyed by the objects' checksums), or a Hugging Face id (fetched
     through the hub's own cache, where the network allows). ``weights=False``: for a
     ``gs://`` prefix, a folder of its configs alone (``fetch_remote``), enough to
-    describe the model; every other source is whole either way.
+    describe the model; every other source is whole either way. ``shapes`` (with
+    ``weights=False``): a built-in random model not built yet may be its configs alone
+    too (``tiny.ensure``), for what needs its shapes only; a plan, whose fingerprint the
+    hosts check against the whole model, never asks for that.
     """
     from pipeline.io import storage
 
     if name in tiny.PRESETS:
-        return tiny.ensure(os.path.join(cache_dir(), "models"), name)
+        return tiny.ensure(os.path.join(cache_dir(), "models"), name, shapes=shapes and not weights)
     if storage.is_gcs(name):
         return fetch_remote(name, weights)
     if os.path.isdir(name):
@@ -237,7 +240,7 @@ def program_digest(name: str) -> str:
     import hashlib
 
     digest = hashlib.sha256()
-    for relative, path in _files(resolve(name, weights=False)):
+    for relative, path in _files(resolve(name, weights=False, shapes=True)):
         if relative.endswith(CONFIG_SUFFIXES):
             with open(path, "rb") as f:
                 digest.update(relative.encode() + b"\0" + f.read() + b"\0")
@@ -469,6 +472,8 @@ def check_layout(directory: str) -> dict:
             sub = os.path.join(directory, component)
             if not os.path.isfile(os.path.join(sub, "config.json")):
                 raise ModelError(f"{directory}: missing {component}/config.json")
+            if tiny.shapes_only(directory):
+                continue  # a built-in with its configs alone: shapes, never weights
             try:
                 if names is None:
                     weights.find(sub, component)

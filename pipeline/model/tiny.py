@@ -15,7 +15,7 @@ import os
 import tempfile
 import zlib
 
-from pipeline.model.cache import materialize
+from pipeline.model.cache import is_made, materialize
 from pipeline.model.libraries import quiet_libraries
 
 SEED = 0
@@ -49,6 +49,25 @@ PRESETS = {
                   projection_class_embeddings_input_dim=32 + 6 * 8),  # pooled text + 6 time ids
         scheduler=("FlaxEulerDiscreteScheduler", dict(_SD_SCHEDULE, timestep_spacing="leading"))),
     # SD 1.5's architecture and sizes with random weights: for benchmarks, not tests.
+    # SDXL base 1.0's architecture and sizes, shapes only: its weights (7 GB in bf16) are never
+    # written. For the TPU check, FLOP counts and memory benchmarks, which need its shapes alone.
+    "random-sdxl": dict(
+        version="random-sdxl-v1", family="sdxl", shapes_only=True,
+        text=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                  projection_dim=768, vocab_size=49408, hidden_act="quick_gelu"),
+        text_2=dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
+                    projection_dim=1280, vocab_size=49408, hidden_act="gelu"),
+        vae=dict(in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2,
+                 block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                 up_block_types=("UpDecoderBlock2D",) * 4, sample_size=1024, scaling_factor=0.13025),
+        unet=dict(sample_size=128, in_channels=4, out_channels=4, layers_per_block=2,
+                  block_out_channels=(320, 640, 1280),
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+                  attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10),
+                  use_linear_projection=True, cross_attention_dim=2048, addition_embed_type="text_time",
+                  addition_time_embed_dim=256, projection_class_embeddings_input_dim=1280 + 6 * 256),
+        scheduler=("FlaxEulerDiscreteScheduler", dict(_SD_SCHEDULE, timestep_spacing="leading"))),
     "random-sd15": dict(
         version="random-sd15-v1", family="sd",
         text=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
@@ -104,8 +123,18 @@ def _random_params(shapes, seed: int):
     return jax.tree_util.tree_map_with_path(leaf, shapes)
 
 
-def build(directory: str, name: str = "tiny") -> None:
-    """Build the random model ``name`` from ``SEED`` and save it in diffusers format."""
+SHAPES_ONLY = "promptmill_shapes_only.json"  # marks a built-in model saved without weights
+
+
+def shapes_only(directory: str) -> bool:
+    """Whether ``directory`` is a built-in model saved with its configs alone."""
+    return os.path.isfile(os.path.join(directory, SHAPES_ONLY))
+
+
+def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
+    """Build the random model ``name`` from ``SEED`` and save it in diffusers format; with
+    ``shapes``, and always for a ``shapes_only`` preset, as its configs and tokenizers
+    alone (marked ``SHAPES_ONLY``)."""
     import diffusers
     import jax
     from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
@@ -130,24 +159,54 @@ def build(directory: str, name: str = "tiny") -> None:
     vae = diffusers.FlaxAutoencoderKL(**preset["vae"])
     scheduler_class, scheduler_config = preset["scheduler"]
     scheduler = getattr(diffusers, scheduler_class)(**scheduler_config)
-    shapes_key = jax.random.PRNGKey(SEED)  # only shapes are taken from the initialisers
-    params = {"text_encoder": _random_params(text_encoder.params_shape_tree, SEED),
-              "unet": _random_params(jax.eval_shape(unet.init_weights, shapes_key), SEED + 1),
-              "vae": _random_params(jax.eval_shape(vae.init_weights, shapes_key), SEED + 2),
-              "scheduler": scheduler.create_state()}
     components = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler)
     if preset["family"] == "sdxl":
         text_encoder_2 = text_model(FlaxCLIPTextModelWithProjection, preset["text_2"])
-        params["text_encoder_2"] = _random_params(text_encoder_2.params_shape_tree, SEED + 3)
         pipe = diffusers.FlaxStableDiffusionXLPipeline(text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
                                                        dtype=jax.numpy.float32, **components)
     else:
         pipe = diffusers.FlaxStableDiffusionPipeline(safety_checker=None, feature_extractor=None,
                                                      dtype=jax.numpy.float32, **components)
+    if shapes or preset.get("shapes_only"):
+        _save_shapes(directory, name, pipe)
+        return
+    shapes_key = jax.random.PRNGKey(SEED)  # only shapes are taken from the initialisers
+    params = {"text_encoder": _random_params(text_encoder.params_shape_tree, SEED),
+              "unet": _random_params(jax.eval_shape(unet.init_weights, shapes_key), SEED + 1),
+              "vae": _random_params(jax.eval_shape(vae.init_weights, shapes_key), SEED + 2),
+              "scheduler": scheduler.create_state()}
+    if preset["family"] == "sdxl":
+        params["text_encoder_2"] = _random_params(text_encoder_2.params_shape_tree, SEED + 3)
     pipe.save_pretrained(directory, params=params)
 
 
-def ensure(models_dir: str, name: str = "tiny") -> str:
+def ensure(models_dir: str, name: str = "tiny", shapes: bool = False) -> str:
     """The cached random model's directory, building it on first use (once, even when
-    several host processes ask at the same time: see ``cache.materialize``)."""
-    return materialize(os.path.join(models_dir, PRESETS[name]["version"]), lambda scratch: build(scratch, name))
+    several host processes ask at the same time: see ``cache.materialize``).
+
+    ``shapes``: its configs alone will do (a program is compiled from its shapes): the
+    whole model if it was built already, else its configs and tokenizers, built without
+    weights (a minute and gigabytes less for the real-size presets)."""
+    whole = os.path.join(models_dir, PRESETS[name]["version"])
+    if PRESETS[name].get("shapes_only") or not shapes or is_made(whole):
+        return materialize(whole, lambda scratch: build(scratch, name))
+    return materialize(f"{whole}-shapes", lambda scratch: build(scratch, name, shapes=True))
+
+
+def _save_shapes(directory: str, name: str, pipe) -> None:
+    """Model_index.json, every component's config and the tokenizers, laid out as the
+    pipeline's ``save_pretrained`` lays them out, and no weights (``SHAPES_ONLY``)."""
+    pipe.save_config(directory)  # model_index.json
+    for part, component in pipe.components.items():
+        if component is None:
+            continue
+        target = os.path.join(directory, part)
+        if part.startswith("tokenizer"):
+            component.save_pretrained(target)
+        elif part.startswith("text_encoder"):
+            component.config.save_pretrained(target)
+        else:
+            component.save_config(target)
+    with open(os.path.join(directory, SHAPES_ONLY), "w") as f:
+        json.dump({"preset": name, "why": "a built-in random model saved without weights: its shapes are for the "
+                   "TPU check, FLOP counts and memory benchmarks"}, f)

@@ -138,6 +138,7 @@ class Layout:
     images: int
     rejects_by_reason: dict
     guided: bool  # some kept record's guidance is > 1: the run needs the guided program
+    slice_size: int | None = None  # the run's slice size, once the plan decided it (``transforms.decide``)
 
 
 def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

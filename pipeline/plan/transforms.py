@@ -16,9 +16,12 @@ stages (prompt pattern -> the manifest); the per-file logic they run is in
                  ``--dedupe``, later records whose prompt was already seen are rejected
                  (``duplicate_prompt``); each file's first global position, in (source,
                  line) order; whether any kept record's guidance is > 1
-  DecideGuidance the Layout -> ``run.json`` gets ``guided``: the run's program is the
+  Decide         the Layout -> ``run.json`` gets ``guided``: the run's program is the
                  guided one if any kept record is, else the guidance-free one
-                 (``decide_guidance``); before any slice is written
+                 (``decide_guidance``); and, for a ``--per-device-batch auto`` chosen
+                 for this plan (``cap_hosts``), a per-device batch no larger than the run
+                 can fill (``decide_per_device_batch``), hence the slice size; before any
+                 slice is written
   PlaceRecords   each file again, with the Layout -> its rejects file, every slice that
                  lies wholly inside the file (written at once), and a part file of each
                  slice it shares with other files (at most two per file)
@@ -37,6 +40,7 @@ records_planned, images_planned, slices_written.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 import apache_beam as beam
@@ -104,6 +108,34 @@ def layout_of_saved(paths: list[str], dedupe: bool) -> Layout:
     return layout
 
 
+def decide(layout: Layout, out: str, cap_hosts: int | None = None) -> Layout:
+    """``decide_guidance``, then ``decide_per_device_batch``; the layout with the run's
+    slice size, as run.json now holds it."""
+    decide_guidance(layout, out)
+    settings = decide_per_device_batch(layout, out, cap_hosts)
+    return dataclasses.replace(layout, slice_size=settings.slice_size)
+
+
+def decide_per_device_batch(layout: Layout, out: str, cap_hosts: int | None) -> Settings:
+    """The run's settings, once ``out``'s run.json holds a per-device batch no larger than
+    the run can fill on ``cap_hosts`` hosts (``slicing.most_per_device``), when the batch
+    was chosen by ``--per-device-batch auto`` for this plan (``cap_hosts`` not None; a
+    resumed run keeps the batch its slices were cut with). Logged as
+    ``per_device_batch_capped`` when lowered."""
+    run = runs.read(out)
+    settings = run.settings
+    if cap_hosts is None:
+        return settings
+    most = slicing.most_per_device(layout.images, cap_hosts, settings.devices_per_host)
+    if settings.per_device_batch <= most:
+        return settings
+    logs.event("per_device_batch_capped", out=out, fits=settings.per_device_batch, per_device_batch=most,
+               images=layout.images, hosts=cap_hosts, devices_per_host=settings.devices_per_host)
+    settings = settings.replace(per_device_batch=most).validate()
+    runs.write(out, Run.create(settings, run.model_fingerprint, run.created_at, dict(run.versions), run.loras))
+    return settings
+
+
 def decide_guidance(layout: Layout, out: str) -> Layout:
     """Record in ``out``'s run.json whether the run is guided (some kept record has
     guidance > 1, or the run guides every image under the older rule); returns the
@@ -128,8 +160,8 @@ class _PlaceFn(beam.DoFn):
     """The second pass over one file: rejects, whole slices, and the shared slices' items."""
     SHARED = "shared"
 
-    def __init__(self, out: str, size: int, run_seed: int, root: str, prompt_field: str):
-        self.out, self.size, self.args = out, size, (run_seed, root, prompt_field)
+    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str):
+        self.out, self.args = out, (run_seed, root, prompt_field)
         self.rejected = Metrics.counter("plan", "rows_rejected")
         self.planned = Metrics.counter("plan", "records_planned")
         self.images = Metrics.counter("plan", "images_planned")
@@ -139,6 +171,7 @@ class _PlaceFn(beam.DoFn):
         beamio.use_emulator_credentials()
 
     def process(self, path: str, layout: Layout):
+        size = layout.slice_size
         first, drops = layout.first.get(path, 0), layout.drops.get(path, {})
         end = first + layout.images_of.get(path, 0)
         position, current, pending = first, None, []
@@ -156,22 +189,22 @@ class _PlaceFn(beam.DoFn):
                     self.rejected.inc()
                     continue
                 self.planned.inc()
-                for item in records.expand(result, position, self.size):
+                for item in records.expand(result, position, size):
                     if item.slice != current:
-                        yield from self._flush(current, pending, first, end, layout.images)
+                        yield from self._flush(current, pending, first, end, layout.images, size)
                         current, pending = item.slice, []
                     pending.append(item)
                 self.images.inc(result.num_images)
                 position += result.num_images
-        yield from self._flush(current, pending, first, end, layout.images)
+        yield from self._flush(current, pending, first, end, layout.images, size)
         if position != end:
             raise PlanError(f"{path} changed while it was planned: {position - first} images on the second "
                             f"read, {end - first} on the first")
 
-    def _flush(self, index, items, first, end, total):
+    def _flush(self, index, items, first, end, total, size):
         if index is None:
             return
-        start, stop = index * self.size, min((index + 1) * self.size, total)
+        start, stop = index * size, min((index + 1) * size, total)
         if first <= start and stop <= end:  # the slice lies wholly in this file
             self.slices.inc()
             yield write_slice(self.out, index, items)
@@ -202,21 +235,21 @@ class _JoinPartsFn(beam.DoFn):
 
 
 class WriteManifest(beam.PTransform):
-    def __init__(self, out: str, size: int):
+    def __init__(self, out: str):
         super().__init__()
-        self.out, self.size = out, size
+        self.out = out
 
     def expand(self, inputs):
         layout, written = inputs
 
         def write(_, layout: Layout, slice_ids):
             rejects = sum(layout.rejects_by_reason.values())
-            manifest = {"slice_size": self.size, "slices": len(slice_ids), "records": layout.records,
+            manifest = {"slice_size": layout.slice_size, "slices": len(slice_ids), "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
                         "input_rows": layout.rows, "input_files": len(layout.first)}
             if layout.records + rejects != layout.rows:
                 raise PlanError(f"{layout.rows} input rows, but {layout.records} records and {rejects} rejects")
-            if sorted(slice_ids) != list(range(slicing.num_slices(layout.images, self.size))):
+            if sorted(slice_ids) != list(range(slicing.num_slices(layout.images, layout.slice_size))):
                 raise PlanError(f"slices are not contiguous: {sorted(slice_ids)[:10]}")
             beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
@@ -232,16 +265,19 @@ class Plan(beam.PTransform):
     written to ``settings.out`` with every slice and rejects file under ``plan/``.
 
     Applied to the pipeline itself (``p | "Plan" >> Plan(settings)``); the files are
-    matched when the pipeline is built.
+    matched when the pipeline is built. ``cap_hosts``: the hosts that will generate the
+    run, when its per-device batch was just chosen by ``--per-device-batch auto`` (the
+    most that fits a device): the plan lowers it to what the run can fill
+    (``decide_per_device_batch``).
     """
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, cap_hosts: int | None = None):
         super().__init__()
-        self.settings = settings
+        self.settings, self.cap_hosts = settings, cap_hosts
 
     def expand(self, pbegin):
         settings, out = self.settings, self.settings.out
-        size, dedupe = settings.slice_size, settings.dedupe
+        dedupe = settings.dedupe
         args = (settings.seed, input_root(settings.prompts), settings.prompt_field)
         files = (pbegin
                  | "MatchFiles" >> beam.Create(match_prompt_files(settings.prompts))
@@ -250,28 +286,30 @@ class Plan(beam.PTransform):
                   | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, dedupe, settings.guidance_scale))
                   | "AllScans" >> beam.combiners.ToList()
                   | "Layout" >> beam.Map(layout_of_saved, dedupe)
-                  | "DecideGuidance" >> beam.Map(decide_guidance, out))
+                  | "Decide" >> beam.Map(decide, out, self.cap_hosts))
         placed = (files
-                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, size, *args), beam.pvalue.AsSingleton(layout))
+                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args), beam.pvalue.AsSingleton(layout))
                   .with_outputs(_PlaceFn.SHARED, main="written"))
         joined = (placed[_PlaceFn.SHARED]
                   | "GroupShared" >> beam.GroupByKey()
                   | "JoinShared" >> beam.ParDo(_JoinPartsFn(out)))
         written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
-        return (layout, written) | "WriteManifest" >> WriteManifest(out, size)
+        return (layout, written) | "WriteManifest" >> WriteManifest(out)
 
 
-def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False) -> dict:
+def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,
+             cap_hosts: int | None = None) -> dict:
     """Plan ``settings.prompts`` into ``settings.out``; returns the manifest.
 
     ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare.prepare_out``).
+    ``cap_hosts``: see ``Plan``.
     """
     settings, _ = prepare(settings, overwrite)
     # hosts check their checkpoint against this table instead of hashing it again;
     # planning just hashed it (model fingerprint), so this reads nothing
     storage.write_json(naming.model_files(settings.out), {"files": sources.model_table(settings.model)})
     p = beam.Pipeline(options=PipelineOptions(beam_args or []))
-    _ = p | "Plan" >> Plan(settings)
+    _ = p | "Plan" >> Plan(settings, cap_hosts)
     result = p.run()
     result.wait_until_finish()
     logs.event("plan_counters", **counters(result))

@@ -1,0 +1,441 @@
+"""The TPU check: compile, on this machine and without a TPU, the very program one host
+of a TPU slice will run, and say whether it fits the chip.
+
+libtpu compiles real TPU programs for a described topology
+(``jax.experimental.topologies.get_topology_desc``: deviceless, ahead-of-time), so a
+submission can be refused before anything is provisioned. The program is lowered from
+shapes alone (``load(abstract=True)``: the checkpoint's configs, no weight byte read),
+with the run's sampler, family, size, steps, dtype, guidance mode, attention (``auto``
+resolves on the TPU platform, so the Pallas kernel appears where a host would run it)
+and per-device batch, pmapped over one host's chips exactly as
+``generator.lower_sampler`` lowers it on the host itself. Hosts exchange nothing, so one
+host's program is the same in a 4-chip slice and in a 256-chip one: the check compiles
+for a topology of one host's chips.
+
+XLA's buffer assignment (``memory_analysis``) gives each chip's argument (the weights
+and inputs), temporary and total bytes; a program too large for the chip does not
+compile at all (RESOURCE_EXHAUSTED), and the figures are read from XLA's message. The
+chip's usable HBM is what XLA reports available (15.75 GiB of a v5e chip's 16), probed
+once per chip kind; a program fits when its total is at most ``fit.HEADROOM`` of it,
+the rule ``--per-device-batch auto`` applies to every device.
+
+``largest_batch`` finds the most images per chip that fit: the memory of the step's
+parts (text encoders, one denoiser call, the VAE decode: ``parts``) at a few batches,
+each much cheaper to compile than the whole sampler, predicts it; then the whole
+program is compiled at that batch to confirm it. Results are kept in the compile
+cache's folder (``compile_cache.remember``), keyed by what the program is made of, so an
+unchanged submission does not compile again.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import tempfile
+import time
+from importlib import metadata
+
+from pipeline.core import logs
+from pipeline.generate import compile_cache, fit, parts
+
+GIB = fit.GIB
+INSTALL_HINT = ('install the TPU compiler with pip install "promptmill[tpu]" (it brings libtpu, the version '
+                'jax[tpu] pins), or pass --no-tpu-check to submit without the check')
+
+
+class TpuCheckError(RuntimeError):
+    """The check could not run (no libtpu, a topology libtpu does not know)."""
+
+
+class DoesNotFit(ValueError):
+    """The run's program does not fit the target chip; the message has the figures."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The chips of one host of a TPU slice: ``tpu_type`` (v5e, v6e, v5p), the host's
+    ``chips``, and each chip's HBM in GiB as the TPU table lists it."""
+    tpu_type: str
+    chips: int
+    hbm_gib: float
+    topology: str = ""  # the whole slice's, for reports
+    machine_type: str = ""
+    usable_gib: float | None = None  # what one program may use; None: what XLA reports for the chip
+
+    @property
+    def host_topology(self) -> tuple[str, tuple[int, int, int]]:
+        """(libtpu's topology name, chips per host bounds) of one host's chips."""
+        shapes = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
+        if self.chips not in shapes:
+            raise TpuCheckError(f"a TPU host of {self.chips} chips is not one the check knows (1, 4 or 8)")
+        bounds = shapes[self.chips]
+        dims = bounds if self.tpu_type == "v5p" else bounds[:2]
+        return f"{self.tpu_type}:{'x'.join(map(str, dims))}", bounds
+
+
+def libtpu_version() -> str | None:
+    try:
+        return metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def require_libtpu() -> str:
+    version = libtpu_version()
+    if version is None:
+        raise TpuCheckError(f"the TPU check needs libtpu, which is not installed: {INSTALL_HINT}")
+    return version
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Hold back what libtpu prints on the process's stderr while it loads without a TPU
+    (no TPU_ACCELERATOR_TYPE, no TPU_WORKER_HOSTNAMES: warnings about the machine it is
+    not running on); yields a function returning the text, for an error message."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lambda: (held.seek(0), held.read().decode("utf-8", "replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+_DEVICES: dict[tuple, list] = {}
+
+
+def host_devices(target: Target) -> list:
+    """The chips of one host of ``target``: compile-only TPU devices (no TPU needed)."""
+    name, bounds = target.host_topology
+    if (name, bounds) not in _DEVICES:
+        require_libtpu()
+        # libtpu takes a machine-wide lock file so that two processes never drive one TPU;
+        # compiling for described chips drives none, and two checks (two submissions, or a
+        # test suite's workers) may well run at once
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        from jax.experimental import topologies
+
+        with _quiet_stderr() as held:
+            try:
+                topology = topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                                        chips_per_host_bounds=bounds)
+            except Exception as e:  # noqa: BLE001 - libtpu's reasons, with what it printed
+                raise TpuCheckError(f"libtpu cannot describe {name} ({type(e).__name__}: {e}) {held()[-500:]}") \
+                    from None
+        _DEVICES[(name, bounds)] = [d for d in topology.devices if d.process_index == 0]
+    return _DEVICES[(name, bounds)]
+
+
+_SIZE = re.compile(r"([0-9.]+)\s*([KMGT]?)(i?B?)?")
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _bytes(text: str) -> int:
+    number, unit, _ = _SIZE.fullmatch(text.strip()).groups()
+    return int(float(number) * _UNITS[unit])
+
+
+def out_of_memory(message: str) -> dict | None:
+    """{"temp", "available"} bytes from XLA's out-of-HBM compile error, e.g. "the total
+    memory required for HLO temporaries (8.07T) exceeds available HBM (15.75G)"; None for
+    another error (pure)."""
+    if "Ran out of memory" not in message and "RESOURCE_EXHAUSTED" not in message:
+        return None
+    found = {}
+    for key, pattern in (("temp", r"required for HLO temporaries \(([^)]+)\)"),
+                         ("available", r"available HBM \(([^)]+)\)")):
+        match = re.search(pattern, message)
+        if match:
+            found[key] = _bytes(match.group(1))
+    return found or None
+
+
+_AVAILABLE: dict[str, int] = {}
+
+
+def available_hbm(device) -> int | None:
+    """The HBM XLA lets one program of this chip kind use, in bytes (a v5e chip: 15.75 GiB
+    of its 16), read from the compiler's refusal of a program far too large; None if it
+    says no figure. Probed once per chip kind (a compile of well under a second)."""
+    kind = device.device_kind
+    if kind not in _AVAILABLE:
+        import jax
+        import jax.numpy as jnp
+
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        # a sort keeps the whole 64 GiB product alive: XLA cannot tile it away
+        program = jax.jit(lambda x: jnp.sort(x @ x.T, axis=0)[:8])
+        try:
+            program.lower(jax.ShapeDtypeStruct((2 ** 17, 128), jnp.float32, sharding=sharding)).compile()
+            _AVAILABLE[kind] = None
+        except Exception as e:  # noqa: BLE001 - the refusal is the answer
+            _AVAILABLE[kind] = (out_of_memory(str(e)) or {}).get("available")
+    return _AVAILABLE[kind]
+
+
+def _nbytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(leaf.shape, dtype=np.int64) * np.dtype(leaf.dtype).itemsize
+                   for leaf in jax.tree_util.tree_leaves(tree)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled (or refused) host program on a target chip, in bytes per chip."""
+    per_device_batch: int
+    argument: int
+    temp: int
+    total: int
+    compiled: bool  # False: XLA refused it for memory; argument and temp are then from its message and shapes
+    compile_s: float
+    xla_flops: float | None = None  # XLA's count of the whole program (a loop's body counted once)
+    optimal_seconds: float | None = None  # XLA's own time estimate, where it gives one
+    kernels: tuple = ()  # attention.summary of the program's attention calls
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"kernels": list(self.kernels)}
+
+
+def _program_args(settings) -> dict:
+    """The arguments of ``generator.lower_sampler`` a run's settings decide."""
+    return dict(steps=settings.steps, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
+                guided=run_guided(settings), attention=settings.attention)
+
+
+def run_guided(settings) -> bool:
+    """Whether the checked program is the guided one: the plan's decision when there is
+    one, else what ``--guidance-scale`` alone implies (records that carry their own
+    guidance above 1 make a run guided: ``submit`` checks again once the plan decided)."""
+    return settings.guided if settings.guided is not None else settings.guidance_scale > 1
+
+
+def size_of(settings, model) -> tuple[int, int]:
+    return settings.width or model.native_size, settings.height or model.native_size
+
+
+def compile_program(settings, target: Target, per_device_batch: int, model=None) -> Program:
+    """The host program of ``settings`` at ``per_device_batch`` images per chip, compiled
+    for ``target``'s chips; a program XLA refuses for memory comes back with
+    ``compiled=False`` and the figures of its message."""
+    from pipeline.generate import generator, runtime
+    from pipeline.model import attention
+
+    devices = host_devices(target)
+    model = model or runtime.abstract_model(settings)
+    width, height = size_of(settings, model)
+    args = _program_args(settings)
+    started = time.perf_counter()
+    with attention.record() as calls:
+        lowered = generator.lower_sampler(model, width, height, per_device_batch=per_device_batch, devices=devices,
+                                          **args)
+    params = _nbytes(model.params)
+    kernels = tuple(attention.summary(calls))
+    try:
+        with _quiet_stderr():
+            compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - an out-of-memory refusal is a result; anything else is raised
+        found = out_of_memory(str(e))
+        if found is None or "temp" not in found:
+            raise
+        return Program(per_device_batch, params, found["temp"], params + found["temp"], False,
+                       time.perf_counter() - started, kernels=kernels)
+    seconds = time.perf_counter() - started
+    memory = fit.program_memory(compiled)
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    return Program(per_device_batch, memory["argument"], memory["temp"], memory["total"], True, seconds,
+                   cost.get("flops"), cost.get("optimal_seconds"), kernels)
+
+
+def capacity(target: Target) -> tuple[int, int]:
+    """(bytes a program may take on one of ``target``'s chips, the chip's usable HBM):
+    ``fit.HEADROOM`` of what XLA reports available, or of the table's HBM without a report."""
+    if target.usable_gib is not None:
+        return int(target.usable_gib * GIB * fit.HEADROOM), int(target.usable_gib * GIB)
+    reported = available_hbm(host_devices(target)[0])
+    usable = reported if reported else int(target.hbm_gib * GIB)
+    return int(usable * fit.HEADROOM), usable
+
+
+def parts_memory(settings, target: Target, per_device_batch: int, model) -> int:
+    """The most bytes any part of a step needs beyond its own weights, at
+    ``per_device_batch`` images per chip, compiled for one of ``target``'s chips: the
+    text encoders (2B rows when guided), one denoiser call, the VAE decode (B), each
+    with the run's attention on the TPU platform."""
+    import jax
+
+    from pipeline.model import attention
+
+    device = host_devices(target)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    width, height = size_of(settings, model)
+    rows = per_device_batch * (2 if run_guided(settings) else 1)
+
+    @contextlib.contextmanager
+    def seam():
+        with attention.use(settings.attention, platform="tpu"):
+            yield
+
+    programs = [(sum(_nbytes(model.params[name]) for name in model.params if name.startswith("text_encoder")),
+                 lowered) for lowered in parts.text_encoders(model, rows, sharding)]
+    programs.append((_nbytes(model.params["unet"]), parts.unet_call(model, width, height, rows, seam, sharding)))
+    programs.append((_nbytes(model.params["vae"]),
+                     parts.vae_decode(model, width, height, per_device_batch, seam, sharding)))
+    most = 0
+    for weights, lowered in programs:
+        try:
+            with _quiet_stderr():
+                memory = fit.program_memory(lowered.compile())
+            beyond = memory["total"] - weights
+        except Exception as e:  # noqa: BLE001 - too large to compile: its temporaries, from XLA's message
+            found = out_of_memory(str(e))
+            if found is None or "temp" not in found:
+                raise
+            beyond = found["temp"]
+        most = max(most, beyond)
+    return most
+
+
+def _description(settings, target: Target, per_device_batch) -> dict:
+    from pipeline.generate import runtime
+
+    described = runtime.sampler_description(settings.replace(per_device_batch=per_device_batch
+                                                             if per_device_batch is not None else 1))
+    described.update({"per_device_batch": per_device_batch, "guided": run_guided(settings),
+                      "tpu_type": target.tpu_type, "chips": target.chips, "libtpu": libtpu_version(), "check": 1})
+    return described
+
+
+def _remembered(kind: str, settings, target: Target, per_device_batch, make):
+    """``make()`` (a JSON-able dict), or what it gave the last time for the same program
+    on the same target (``compile_cache.remember``)."""
+    described = {"kind": kind, **_description(settings, target, per_device_batch)}
+    if kind == "largest":  # a compiled program's figures are the chip's; what fits depends on its memory
+        described.update(hbm_gib=target.hbm_gib, usable_gib=target.usable_gib)
+    key = compile_cache.index_key(described, host_devices(target))
+    found = compile_cache.recall(key)
+    if found is not None:
+        return found, True
+    value = make()
+    compile_cache.remember(key, value)
+    return value, False
+
+
+def check(settings, target: Target, per_device_batch: int | None = None) -> dict:
+    """The ``tpu_program`` report of ``settings``' host program on ``target`` at
+    ``per_device_batch`` (default: the settings'): per chip argument, temporary and
+    total GiB, the chip's HBM and what XLA reports usable, whether it fits, compile
+    time, versions, flops per image and XLA's time estimate, the attention kernels."""
+    import jax
+
+    from pipeline.generate import runtime
+
+    b = per_device_batch or settings.per_device_batch
+    model = runtime.abstract_model(settings)
+    width, height = size_of(settings, model)
+    limit, usable = capacity(target)
+
+    def make():
+        program = compile_program(settings, target, b, model)
+        flops = parts.image_flops(model, width, height, settings.steps, 1, run_guided(settings))
+        return {**program.to_dict(), "flops_per_image": flops}
+
+    found, cached = _remembered("program", settings, target, b, make)
+    program = {k: v for k, v in found.items() if k != "flops_per_image"}
+    report = {"model": settings.model, "width": width, "height": height, "steps": settings.steps,
+              "dtype": settings.dtype, "attention": settings.attention, "guided": run_guided(settings),
+              "tpu_type": target.tpu_type, "topology": target.topology, "machine_type": target.machine_type,
+              "chips_per_host": target.chips, "per_device_batch": b,
+              "argument_gib": round(program["argument"] / GIB, 3), "temp_gib": round(program["temp"] / GIB, 3),
+              "total_gib": round(program["total"] / GIB, 3), "hbm_gib": target.hbm_gib,
+              "usable_gib": round(usable / GIB, 3), "limit_gib": round(limit / GIB, 3),
+              "fits": program["compiled"] and program["total"] <= limit, "compiled": program["compiled"],
+              "compile_s": round(program["compile_s"], 2), "from_cache": cached,
+              "flops_per_image": found["flops_per_image"],
+              "xla_flops_per_image": program["xla_flops"] / b if program["xla_flops"] else None,
+              "optimal_seconds": program["optimal_seconds"], "kernels": program["kernels"],
+              "jax": jax.__version__, "libtpu": libtpu_version()}
+    return report
+
+
+def largest_batch(settings, target: Target, most: int = fit.MOST_PER_DEVICE) -> tuple[int, dict]:
+    """(the most images per chip whose host program fits ``target``, {batch: estimated or
+    compiled total bytes} of the search); DoesNotFit when one image does not.
+
+    The whole program at one image per chip is compiled first; the parts' memory at a
+    few batches, offset by how much the whole needed beyond the parts at one image,
+    predicts the rest (``fit.largest_batch``); the whole program is compiled at the
+    answer to confirm it, and a confirmation that fails is bisected with whole programs."""
+    def make():
+        return _search(settings, target, most)
+
+    found, _ = _remembered("largest", settings, target, None, make)
+    if found["batch"] is None:
+        raise DoesNotFit(found["message"])
+    return found["batch"], {int(b): n for b, n in found["tried"].items()}
+
+
+def _search(settings, target: Target, most: int) -> dict:
+    from pipeline.generate import runtime
+
+    model = runtime.abstract_model(settings)
+    limit, _ = capacity(target)
+    whole: dict[int, dict] = {}
+
+    def whole_total(b: int) -> int:
+        if b not in whole:
+            whole[b] = check(settings, target, b)
+        report = whole[b]
+        return int(report["total_gib"] * GIB) if report["compiled"] else limit + 1
+
+    one = whole_total(1)
+    if one > limit:
+        return {"batch": None, "tried": {1: one}, "message": refusal(whole[1], None)}
+    offset = one - (_nbytes(model.params) + parts_memory(settings, target, 1, model))
+    estimated: dict[int, int] = {1: one}
+
+    def needs(b: int) -> int:
+        if b not in estimated:
+            estimated[b] = _nbytes(model.params) + parts_memory(settings, target, b, model) + offset
+        return estimated[b]
+
+    chosen, tried = fit.largest_batch(needs, limit, most)
+    low, high = 1, None
+    if whole_total(chosen) <= limit:
+        low = chosen
+    else:
+        high = chosen
+        while high - low > 1:
+            middle = (low + high) // 2
+            if whole_total(middle) <= limit:
+                low = middle
+            else:
+                high = middle
+    logs.event("tpu_batch_searched", tpu_type=target.tpu_type, chips=target.chips, per_device_batch=low,
+               limit_gib=round(limit / GIB, 3), whole_compiled=sorted(whole),
+               estimated_gib={b: round(n / GIB, 3) for b, n in sorted(tried.items())})
+    return {"batch": low, "tried": {**{b: n for b, n in tried.items()}, **{b: whole_total(b) for b in whole}},
+            "message": None}
+
+
+def describe_run(report: dict) -> str:
+    return (f"{report['model']} {report['width']}x{report['height']} {report['dtype']} "
+            f"({'guided' if report['guided'] else 'guidance-free'}, {report['steps']} steps, --attention "
+            f"{report['attention']})")
+
+
+def refusal(report: dict, fitting: int | None) -> str:
+    """What ``submit`` says of a program that does not fit: its figures, and what would."""
+    needs = f"needs {report['total_gib']:.2f} GiB" if report["compiled"] else \
+        f"needs {report['total_gib']:.2f} GiB ({report['temp_gib']:.2f} of temporaries, by XLA's refusal to " \
+        f"compile it)"
+    text = (f"{describe_run(report)} at {report['per_device_batch']} image(s) per chip {needs} of a "
+            f"{report['tpu_type']} chip's {report['hbm_gib']:g} GiB ({report['usable_gib']:.2f} GiB usable, "
+            f"{report['limit_gib']:.2f} GiB with {round((1 - fit.HEADROOM) * 100)}% headroom)")
+    if fitting is None:
+        return text + "; not even one image per chip fits: use a larger TPU type, a smaller size, or bf16"
+    return text + f"; {fitting} per chip fit{'s' if fitting == 1 else ''}"

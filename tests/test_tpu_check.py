@@ -1,0 +1,204 @@
+"""The TPU check: real TPU programs compiled here, without a TPU (libtpu's deviceless
+compile), for the hosts of the TPU table; what fits, what is refused, and what
+``--per-device-batch auto`` resolves to.
+
+The compiles use the tiny models at the smallest sizes that still show what they test (a
+minute each on 2 cores): 128x128 for the Pallas attention kernel (4096-token calls), 32x32
+otherwise. Results are kept in the session's compile cache, so a program is compiled once.
+"""
+import json
+import os
+import shutil
+
+import pytest
+
+from jobs import cli
+from pipeline.cloud import program_check, tpu
+from pipeline.core import slicing
+from pipeline.core.settings import AUTO, Settings
+from pipeline.generate import fit, tpu_check
+
+GIB = 2 ** 30
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- pure parts
+
+@pytest.mark.parametrize("message,expected", [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (8.07T) exceeds "
+     "available HBM (15.75G).", {"temp": int(8.07 * 2 ** 40), "available": int(15.75 * GIB)}),
+    ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. ... required for HLO temporaries (512.5M) exceeds "
+     "available HBM (31.25G)", {"temp": int(512.5 * 2 ** 20), "available": int(31.25 * GIB)}),
+    ("INVALID_ARGUMENT: something else", None),
+])
+def test_xla_out_of_memory_messages_are_read(message, expected):
+    assert tpu_check.out_of_memory(message) == expected
+
+
+@pytest.mark.parametrize("s,name,bounds", [
+    (tpu.lookup("v5e", "1x1"), "v5e:1x1", (1, 1, 1)),
+    (tpu.lookup("v5e", "2x4"), "v5e:2x4", (2, 4, 1)),  # one 8-chip host
+    (tpu.lookup("v5e", "2x4", "ct5lp-hightpu-4t"), "v5e:2x2", (2, 2, 1)),  # two 4-chip hosts: one host's chips
+    (tpu.lookup("v6e", "16x16"), "v6e:2x2", (2, 2, 1)),
+    (tpu.lookup("v5p", "4x4x4"), "v5p:2x2x1", (2, 2, 1)),
+])
+def test_the_check_compiles_for_one_hosts_chips(s, name, bounds):
+    target = program_check.target(s)
+    assert target.host_topology == (name, bounds)
+    assert target.hbm_gib == {"v5e": 16, "v6e": 32, "v5p": 95}[s.tpu_type]
+
+
+@pytest.mark.parametrize("images,hosts,devices,most", [(43, 2, 2, 11), (44, 2, 2, 11), (45, 2, 2, 12), (1, 4, 8, 1),
+                                                       (0, 1, 1, 1), (1000, 1, 4, 250)])
+def test_most_per_device_is_what_a_run_fills(images, hosts, devices, most):
+    assert slicing.most_per_device(images, hosts, devices) == most
+
+
+REPORT = {"model": "random-sdxl", "width": 1024, "height": 1024, "dtype": "bf16", "guided": True, "steps": 20,
+          "attention": "auto", "per_device_batch": 16, "total_gib": 21.3, "temp_gib": 14.2, "compiled": True,
+          "tpu_type": "v5e", "hbm_gib": 16.0, "usable_gib": 15.75, "limit_gib": 14.175}
+
+
+def test_the_refusal_names_the_figures_and_what_fits():
+    report = REPORT
+    assert tpu_check.refusal(report, 10) == (
+        "random-sdxl 1024x1024 bf16 (guided, 20 steps, --attention auto) at 16 image(s) per chip needs 21.30 GiB of "
+        "a v5e chip's 16 GiB (15.75 GiB usable, 14.18 GiB with 10% headroom); 10 per chip fit")
+    assert "not even one image per chip fits" in tpu_check.refusal(report, None)
+
+
+def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypatch):
+    """The parts predict; the whole program decides: an estimate the whole program does
+    not confirm is bisected with whole programs."""
+    limit = 100 * 2 ** 20
+    whole = {b: (10 + 12 * b) * 2 ** 20 for b in range(1, 300)}  # fits up to 7
+    compiled = []
+
+    def check(settings, target, b):
+        compiled.append(b)
+        return {**REPORT, "per_device_batch": b, "total_gib": whole[b] / GIB}
+
+    monkeypatch.setattr(tpu_check, "capacity", lambda target: (limit, limit))
+    monkeypatch.setattr(tpu_check, "check", check)
+    monkeypatch.setattr(tpu_check, "_nbytes", lambda tree: 0)
+    monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: type("M", (), {"params": {}}))
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: (8 + 10 * b) * 2 ** 20)  # predicts 8
+    target = tpu_check.Target("v5e", 4, 16.0)
+    found = tpu_check._search(Settings(), target, 256)
+    assert found["batch"] == 7 and compiled == [1, 8, 4, 6, 7]  # 8 refused by the whole program: bisected
+    assert all(whole[b] > limit for b in compiled if b > 7)
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: (6 + 12 * b) * 2 ** 20)  # exact
+    compiled.clear()
+    assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [1, 7]
+    whole[1] = limit + 1
+    refused = tpu_check._search(Settings(), target, 256)
+    assert refused["batch"] is None and "not even one image per chip fits" in refused["message"]
+
+
+# ---------------------------------------------------------------- real TPU programs
+
+def _events(text: str, name: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{") and f'"event": "{name}"' in line]
+
+
+@pytest.fixture(scope="module")
+def no_weights(tmp_path_factory, model_cache):
+    """The tiny checkpoint with every weight file replaced by bytes no reader accepts: a
+    check that read one would fail."""
+    from pipeline.model import sources
+
+    folder = tmp_path_factory.mktemp("no-weights") / "tiny"
+    shutil.copytree(sources.resolve("tiny"), folder)
+    weights = [p for p in folder.rglob("*") if p.suffix in (".msgpack", ".safetensors")]
+    assert weights
+    for path in weights:
+        path.write_bytes(b"\xff" * 64)
+    return str(folder)
+
+
+def test_a_v5e_host_program_with_the_pallas_kernel_compiles_from_shapes_alone(no_weights):
+    """tiny at 128x128: the UNet's first attention and the VAE's are 4096-token calls, where
+    auto runs the Pallas kernel on TPU; the program contains it and compiles for a v5e host."""
+    settings = Settings(model=no_weights, width=128, height=128, steps=1, dtype="bf16", per_device_batch=1,
+                        devices_per_host=4, guidance_scale=1.0).validate()
+    report = tpu_check.check(settings, program_check.target(tpu.lookup("v5e", "2x2")))
+    assert report["compiled"] and report["fits"] and report["chips_per_host"] == 4
+    kernels = {(k["site"], k["q_tokens"], k["kv_tokens"]): k["kernel"] for k in report["kernels"]}
+    assert kernels[("unet", 4096, 4096)] == kernels[("vae", 4096, 4096)] == "pallas"
+    assert kernels[("unet", 1024, 1024)] == "xla"  # below the kernel's threshold
+    # the weights, in bf16, are the arguments; the chip's usable HBM is XLA's figure
+    assert 0 < report["argument_gib"] < report["total_gib"] < 1 and report["usable_gib"] == 15.75
+    assert report["hbm_gib"] == 16 and report["libtpu"] == tpu_check.libtpu_version()
+    assert report["flops_per_image"] > 0 and not report["guided"]
+
+
+def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(model_cache, capsys):
+    """tiny-sdxl on one 8-chip v6e host: the dry run logs the tpu_program event and says it
+    fits; the same program on a chip of a hundredth of a GiB (--device-memory) is refused
+    with the figures, before anything is planned or launched."""
+    argv = ["submit", "gke", "--dry-run", "--tpu-type", "v6e", "--topology", "2x4", "--image", "img",
+            "--prompts", "gs://b/p.jsonl", "--out", "gs://b/out", "--model", "tiny-sdxl", "--steps", "1",
+            "--per-device-batch", "1"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    [event] = _events(err, "tpu_program")
+    assert event["fits"] and event["tpu_type"] == "v6e" and event["chips_per_host"] == 8
+    assert event["dtype"] == "bf16" and event["per_device_batch"] == 1 and event["usable_gib"] == 31.25
+    for field in ("argument_gib", "temp_gib", "total_gib", "hbm_gib", "compile_s", "jax", "libtpu", "topology"):
+        assert field in event
+    assert "# TPU check: the host program fits" in out and "\n---\n" in out
+    assert "TPU_ACCELERATOR_TYPE" not in err  # libtpu's warnings without a TPU are held back
+
+    assert cli.main([*argv, "--device-memory", "0.01"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("promptmill submit: error: the TPU check refuses this submission: tiny-sdxl 32x32 "
+                              "bf16 (guided, 1 steps, --attention auto) at 1 image(s) per chip needs ")
+    assert "of a v6e chip's 0.01 GiB" in message and "not even one image per chip fits" in message
+
+
+def test_without_libtpu_a_submission_says_how_to_install_it_or_skip(monkeypatch, capsys):
+    monkeypatch.setattr(tpu_check, "libtpu_version", lambda: None)
+    argv = ["submit", "gke", "--dry-run", "--tpu-type", "v5e", "--topology", "2x2", "--image", "img",
+            "--prompts", "gs://b/p.jsonl", "--out", "gs://b/out"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert 'pip install "promptmill[tpu]"' in err and "--no-tpu-check" in err
+    assert cli.main([*argv, "--no-tpu-check"]) == 0
+    assert "# TPU check: skipped (--no-tpu-check)" in capsys.readouterr().out
+    assert cli.main([*argv, "--no-tpu-check", "--per-device-batch", "auto"]) == 1
+    assert "--per-device-batch auto is resolved by the TPU check" in capsys.readouterr().err
+
+
+def test_auto_never_picks_more_than_the_run_fills(tmp_path, model_cache, monkeypatch):
+    """The README demo (43 images on 2 hosts x 2 devices) with --per-device-batch auto: the
+    tiny model fits 256 images a device, the run fills ceil(43 / 4) = 11; a resumed plan
+    keeps what its slices were cut with."""
+    monkeypatch.setattr(fit, "choose_per_device_batch", lambda settings, **kw: 256)
+    out = str(tmp_path / "out")
+    argv = ["plan", "--prompts", os.path.join(ROOT, "examples", "prompts.jsonl"), "--out", out,
+            "--per-device-batch", "auto", "--devices-per-host", "2", "--hosts", "2"]
+    assert cli.main(argv) == 0
+    from pipeline.io import runs, storage
+    from pipeline.core import naming
+
+    manifest = storage.read_json(naming.manifest(out))
+    assert manifest["images"] == 43 and runs.read(out).settings.per_device_batch == 11
+    assert manifest["slice_size"] == 2 * 11 * 2 and manifest["slices"] == 1
+    monkeypatch.setattr(fit, "choose_per_device_batch", lambda settings, **kw: pytest.fail("chosen again"))
+    assert cli.main(argv) == 0 and runs.read(out).settings.per_device_batch == 11
+
+
+def test_a_submission_resolves_auto_against_the_target_chip_and_caps_it_for_the_slices_hosts(monkeypatch):
+    checked = []
+    monkeypatch.setattr(tpu_check, "largest_batch", lambda settings, target: (40, {}))
+    monkeypatch.setattr(tpu_check, "check", lambda settings, target: checked.append(settings.per_device_batch) or {
+        "fits": True, "kernels": []})
+    s = tpu.lookup("v5e", "4x4")  # 4 hosts of 4 chips
+    settings, report, cap = program_check.resolve_submission(
+        Settings(out="gs://b/out", per_device_batch=AUTO, devices_per_host=4), s, look=False)
+    assert settings.per_device_batch == 40 and checked == [40] and cap == 4
+    settings, report, cap = program_check.resolve_submission(
+        Settings(out="gs://b/out", per_device_batch=3, devices_per_host=4), s, look=False)
+    assert settings.per_device_batch == 3 and cap is None
