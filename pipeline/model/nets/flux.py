@@ -26,6 +26,7 @@ Parameter names are diffusers' PyTorch names split at the dots (``convert``), so
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -424,9 +425,9 @@ class FluxTransformer(nn.Module):
 LAYOUT = convert.Layout(stacks=("transformer_blocks", "single_transformer_blocks"))
 
 
-def param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the transformer, from its config alone (nothing is
-    computed: a 12B model's shapes come in a moment)."""
+@functools.lru_cache(maxsize=8)
+def _param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """``param_shapes``, traced once per config."""
     module = FluxTransformer(config)
     ids = np.zeros((1, 3), np.float32)
     guidance = jnp.zeros((1,)) if config.guidance_embeds else None
@@ -437,6 +438,12 @@ def param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
                            jnp.zeros((1,)), ids, ids, guidance)["params"]
 
     return convert.flat_shapes(jax.eval_shape(init))
+
+
+def param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{flat param path: shape} of the transformer, from its config alone (nothing is
+    computed: a 12B model's shapes come in a moment)."""
+    return dict(_param_shapes(config))  # a copy: the cached one is shared
 
 
 def from_torch(state: Mapping[str, np.ndarray], config: FluxConfig, where: str = "transformer") -> dict:

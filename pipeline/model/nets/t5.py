@@ -29,6 +29,7 @@ sum with ``wo``'s output promoting it; only its very first residual sum is in bf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -272,11 +273,17 @@ LAYOUT = convert.Layout(
     ignored=("decoder.", "lm_head."))
 
 
-def param_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the encoder, from its config alone (nothing is computed)."""
+@functools.lru_cache(maxsize=8)
+def _param_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """``param_shapes``, traced once per config."""
     module = T5Encoder(config)
     tree = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
     return convert.flat_shapes(tree)
+
+
+def param_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{flat param path: shape} of the encoder, from its config alone (nothing is computed)."""
+    return dict(_param_shapes(config))  # a copy: the cached one is shared
 
 
 def from_torch(state: Mapping[str, np.ndarray], config: T5Config, where: str = "text_encoder_2") -> dict:

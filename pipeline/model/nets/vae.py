@@ -19,6 +19,7 @@ tiling is off) do not change its images, here as there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,11 +131,17 @@ def vae_decode(module: VaeDecoder, params, latents, config: VaeConfig):
     return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
 
 
-def param_shapes(config: VaeConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the decoder, from its config alone."""
+@functools.lru_cache(maxsize=8)
+def _param_shapes(config: VaeConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """``param_shapes``, traced once per config."""
     module = VaeDecoder(config)
     tree = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, config.latent_channels, 1, 1))))
     return convert.flat_shapes(tree["params"])
+
+
+def param_shapes(config: VaeConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{flat param path: shape} of the decoder, from its config alone."""
+    return dict(_param_shapes(config))  # a copy: the cached one is shared
 
 
 # the PyTorch weights a decode never reads
@@ -160,11 +167,11 @@ def from_torch(state: Mapping[str, np.ndarray], config: VaeConfig, where: str = 
             odd.append(f"{name} has shape {tuple(tensor.shape)}, the decoder expects {shapes[key].shape} (Flax layout)")
         else:
             flat[key] = array
+    if odd:
+        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
     missing = sorted("/".join(key) for key in shapes if key not in flat)
     if missing:
         raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
-    if odd:
-        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
     if unknown:
         raise WeightsError(f"{where}: {len(unknown)} weight(s) the decoder does not have, e.g. "
                            f"{', '.join(sorted(unknown)[:5])}")
