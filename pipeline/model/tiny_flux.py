@@ -239,7 +239,8 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
         clip_tok.save_pretrained(os.path.join(directory, "tokenizer"))
     t5_tokenizer().save_pretrained(os.path.join(directory, "tokenizer_2"))
     clip = CLIPTextConfig(**clip_config(name, clip_tok))
-    t5_hf = T5Config(**t5_config(name))
+    # T5EncoderModel turns these off in the config it saves: it is an encoder alone
+    t5_hf = T5Config(**t5_config(name), is_encoder_decoder=False, use_cache=False)
     for component, config, architecture in (("text_encoder", clip, "CLIPTextModel"),
                                             ("text_encoder_2", t5_hf, "T5EncoderModel")):
         config.architectures = [architecture]
