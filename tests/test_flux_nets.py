@@ -246,6 +246,15 @@ def test_vae_config_refuses_what_the_flax_decoder_would_drop():
     assert (parsed.scaling_factor, parsed.shift_factor) == (0.3611, 0.1159)
     # what FluxPipeline's decode never reads is no reason to refuse
     vae.VaeConfig.from_dict({**config, "force_upcast": False, "latents_mean": [0.0] * 16, "sample_size": 1024})
+    # a post-quant conv, where a config has one, is decoded through and loaded by diffusers' names
+    with_conv = vae.VaeConfig.from_dict({**config, "use_post_quant_conv": True})
+    assert vae.param_shapes(with_conv)[("post_quant_conv", "kernel")] == (1, 1, 16, 16)
+    assert ("post_quant_conv", "kernel") not in vae.param_shapes(parsed)
+    stored = state("schnell", "vae")
+    conv = {"post_quant_conv.weight": np.ones((16, 16, 1, 1), np.float32), "post_quant_conv.bias": np.zeros(16)}
+    assert vae.from_torch({**stored, **conv}, with_conv)["post_quant_conv"]["kernel"].shape == (1, 1, 16, 16)
+    with pytest.raises(weights.WeightsError, match="missing.*post_quant_conv"):
+        vae.from_torch(stored, with_conv)
     for key, value in (("act_fn", "gelu"), ("mid_block_add_attention", False), ("shift_factor", None),
                        ("up_block_types", ["UpDecoderBlock2D", "AttnUpDecoderBlock2D"]), ("norm_num_groups", 3),
                        ("_class_name", "AutoencoderKLFlux2"), ("scaling_factor", 0)):

@@ -300,9 +300,9 @@ class FluxAttention(nn.Module):
     of the image (or joint) stream, with ``context`` the text stream's own (``add_*``),
     concatenated [text; image]; rotated; attention through the seam (scale 1/sqrt(head
     dim)). Returns the image part through ``to_out`` and the text part through
-    ``to_add_out`` when there is a context, else (``pre_only``) the joint output unprojected."""
+    ``to_add_out`` when there is a context (double blocks), else the joint output
+    unprojected (single blocks: diffusers' ``pre_only``)."""
     config: FluxConfig
-    pre_only: bool = False
     dtype: Any = jnp.float32
 
     def _heads(self, x, name):
@@ -327,7 +327,7 @@ class FluxAttention(nn.Module):
             return out
         text, image = out[:, :context.shape[1]], out[:, context.shape[1]:]
         image = _Indexed(x.shape[-1], "0", self.dtype, name="to_out")(image)
-        return image, nn.Dense(context.shape[-1], dtype=self.dtype, name="to_add_out")(text)
+        return image, nn.Dense(x.shape[-1], dtype=self.dtype, name="to_add_out")(text)
 
 
 class DoubleBlock(nn.Module):
@@ -365,7 +365,7 @@ class SingleBlock(nn.Module):
         width = x.shape[-1]
         normed, (gate,) = AdaLayerNormZero(3, self.dtype, name="norm")(x, emb)
         mlp = nn.gelu(nn.Dense(int(width * MLP_RATIO), dtype=self.dtype, name="proj_mlp")(normed), approximate=True)
-        attn = FluxAttention(self.config, pre_only=True, dtype=self.dtype, name="attn")(normed, cos, sin)
+        attn = FluxAttention(self.config, dtype=self.dtype, name="attn")(normed, cos, sin)
         out = nn.Dense(width, dtype=self.dtype, name="proj_out")(jnp.concatenate([attn, mlp], axis=2))
         return x + gate[:, None] * out, None
 
