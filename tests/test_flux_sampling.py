@@ -138,7 +138,7 @@ def test_schnell_reads_no_guidance(checkpoints):
 def test_tokenize_is_flux_pipelines(checkpoints, variant):
     """The ids FluxPipeline's encoders got: CLIP padded and cut at 77, T5 padded and cut at the
     run's max_sequence_length with its end token kept; the long prompt is cut by both."""
-    nets, _, clip_tokenizer, t5_tokenizer, text = checkpoints[variant]
+    _, _, clip_tokenizer, t5_tokenizer, text = checkpoints[variant]
     prompts = [str(p) for p in text["prompts"]]
     length = int(text["max_sequence_length"])
     clip_ids, t5_ids = fs.tokenize(clip_tokenizer, t5_tokenizer, prompts, length)

@@ -12,7 +12,8 @@ ids and initial latents in, images out.
   state, the initial latents packed 2x2, the flow-matching Euler loop (a
   ``lax.fori_loop``, the schedule made once on the host by ``pipeline.model.flow``) with
   one transformer call per step (the embedded guidance of [dev]; never classifier-free
-  guidance), then the latents unpacked and decoded to float images in [0, 1].
+  guidance), then the latents unpacked and decoded to float images in [0, 1]; ``sample``
+  is its body, over a schedule passed as arrays.
 
 Latents and the flow steps stay in float32 whatever the networks' dtype, as promptmill's
 SD sampler keeps them (diffusers' bf16 pipeline rounds its latents to bf16 between
@@ -189,7 +190,10 @@ def make_denoise(nets: FluxNets, steps: int, height: int, width: int, return_lat
 
     The schedule (``flow.make_schedule`` of the checkpoint's scheduler config, for
     (height/2f)(width/2f) image tokens) is made here, on the host, once; the loop is a
-    ``lax.fori_loop`` of ``steps`` transformer calls."""
+    ``lax.fori_loop`` of ``steps`` transformer calls. The transformer's and the VAE's
+    attention run through the seam that is active while the function is traced
+    (``pipeline.model.attention.use``, entered by the caller, as the SD sampler does),
+    else through XLA's."""
     f = nets.vae_scale_factor
     if height % (2 * f) or width % (2 * f):
         raise ValueError(f"height and width must be multiples of {2 * f} (twice the VAE's scale factor, for the 2x2 "

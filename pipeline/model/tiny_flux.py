@@ -252,7 +252,7 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
     t5_cfg = t5.T5Config.from_dict(t5_hf.to_dict())
     flux_cfg = flux.FluxConfig.from_dict(transformer_config(name))
     vae_cfg = vae.VaeConfig.from_dict(vae_config(name))
-    clip_module = transformers_clip(clip)
+    clip_module = _flax_clip(clip)
     full_vae = diffusers.FlaxAutoencoderKL.from_config(vae_config(name))
     states = {
         "text_encoder": convert.to_torch(convert.unflatten(random_params(
@@ -271,7 +271,7 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
         weights_lib.write_safetensors(path, _stored(state, dtype), align=False, metadata={"format": "pt"})
 
 
-def transformers_clip(config):
+def _flax_clip(config):
     """transformers' Flax CLIP text model of ``config`` (params not initialised)."""
     from transformers import FlaxCLIPTextModel
 

@@ -176,7 +176,7 @@ def timestep_embedding(t, channels: int = TIME_CHANNELS, max_period: float = 100
     half = channels // 2
     # the exponents in float32 as torch makes them; their exp correctly rounded, as torch's
     # float32 exp nearly always is (numpy's float32 exp is off by an ulp in 53 of these 128,
-    # which moves a sinusoid of t = 1000 by 4e-4)
+    # which moves a sinusoid of t = 5000 by 4e-4)
     exponents = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32) / np.float32(half)
     freqs = np.exp(exponents.astype(np.float64)).astype(np.float32)
     args = t.astype(jnp.float32)[:, None] * jnp.asarray(freqs, jnp.float32)[None, :]
@@ -257,7 +257,7 @@ class AdaLayerNormContinuous(nn.Module):
         return layer_norm(x) * (1 + scale[:, None]) + shift[:, None]
 
 
-class _Indexed(nn.Module):  # a Dense named "0" inside a module: PyTorch's ``to_out.0``, ``ff.net.2``
+class _Indexed(nn.Module):  # a Dense named by its index inside a module: PyTorch's ``to_out.0``
     features: int
     index: str
     dtype: Any = jnp.float32
