@@ -40,10 +40,13 @@ SLOW_MODULES = [
     "test_generator.py",
     "test_lora.py",
     "test_fit.py",
+    "test_flux_sampling.py",
+    "test_flux_nets.py",
     "test_weights.py",
     "test_plan_bench.py",
     "test_host_pipeline.py",
     "test_compile_cache.py",
+    "test_tiny_flux.py",
 ]
 
 

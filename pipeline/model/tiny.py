@@ -85,7 +85,7 @@ PRESETS = {
 }
 
 
-def _write_tokenizer_files(folder: str) -> tuple[str, str]:
+def write_tokenizer_files(folder: str) -> tuple[str, str]:
     """A byte-level CLIP BPE vocabulary with no merges: 512 symbols plus 2 specials."""
     from transformers.models.clip.tokenization_clip import bytes_to_unicode
 
@@ -142,7 +142,7 @@ def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
     quiet_libraries()
     preset = PRESETS[name]
     with tempfile.TemporaryDirectory() as scratch:
-        files = _write_tokenizer_files(scratch)
+        files = write_tokenizer_files(scratch)
         tokenizer = CLIPTokenizer(*files, model_max_length=MAX_LENGTH)
         # SDXL's second tokenizer pads with "!" rather than the end token
         tokenizer_2 = CLIPTokenizer(*files, model_max_length=MAX_LENGTH, pad_token="!")

@@ -103,7 +103,8 @@ _PADDING = "__padding__"  # the names of the filler entries ``write_safetensors`
 ALIGN = 64  # bytes: XLA's CPU client uses a host array in place when it is this aligned
 
 
-def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
+def write_safetensors(path: str, arrays: dict[str, np.ndarray], align: bool = True,
+                      metadata: dict[str, str] | None = None) -> None:
     """A safetensors file of ``arrays`` ({name: array}), written array by array (no copy
     of the whole in memory), into a scratch file renamed into place: processes that
     write the same file at once each write a whole one, and no reader sees half of one.
@@ -111,14 +112,17 @@ def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
     Every array starts ``ALIGN`` bytes into a page-aligned mapping of the file, so that
     devices that share the host's memory (CPU) can use the mapped arrays without a copy:
     the header is padded with spaces, and an array that would start unaligned follows a
-    small filler entry of its own (the format allows no unnamed gap)."""
+    small filler entry of its own (the format allows no unnamed gap). ``align=False``
+    writes the arrays back to back with no filler, as PyTorch's ``save_file`` does (a
+    checkpoint for other programs to read: the built-in random ones); ``metadata`` is the
+    header's ``__metadata__`` (PyTorch's files say {"format": "pt"})."""
     names = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
-    header, order, offset = {}, [], 0
+    header, order, offset = ({"__metadata__": dict(metadata)} if metadata else {}), [], 0
     for name, array in arrays.items():
         dtype = "BF16" if array.dtype.name == "bfloat16" else names.get(array.dtype)
         if dtype is None:
             raise WeightsError(f"{path}: cannot store {name} of dtype {array.dtype}")
-        gap = -offset % ALIGN
+        gap = -offset % ALIGN if align else 0
         if gap:
             filler = f"{_PADDING}.{len(order)}"
             header[filler] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
@@ -128,7 +132,7 @@ def write_safetensors(path: str, arrays: dict[str, np.ndarray]) -> None:
         order.append(array)
         offset += array.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-(8 + len(encoded)) % ALIGN)  # the data starts aligned too
+    encoded += b" " * (-(8 + len(encoded)) % (ALIGN if align else 8))  # the data starts aligned too
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, scratch = tempfile.mkstemp(prefix=".weights-", dir=os.path.dirname(path))
     try:
@@ -322,3 +326,50 @@ def param_shapes(directory: str, component: str) -> dict:
         cls = FlaxCLIPTextModelWithProjection if component == "text_encoder_2" else FlaxCLIPTextModel
         _, tree = load_transformers(cls, directory, component, jnp.float32, abstract=True)
     return {path: tuple(leaf.shape) for path, leaf in flatten_dict(tree).items()}
+
+
+# ---- sharded safetensors: a checkpoint split over several files, named by an index
+
+def read_sharded(component_dir: str, index_name: str) -> dict[str, np.ndarray]:
+    """{name: array} of a component whose safetensors weights are split over several
+    files: ``index_name`` (e.g. ``model.safetensors.index.json``) holds a ``weight_map``
+    of each weight's file, as ``save_pretrained`` writes it. Every file is memory-mapped
+    (``read_mapped``) and nothing is copied. WeightsError naming the index, the file or
+    the weight when the index is unreadable, names a file outside the folder or one that
+    is missing, or maps a weight its file does not hold."""
+    index_path = os.path.join(component_dir, index_name)
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError("weight_map is not a {weight: file} object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WeightsError(f"{index_path}: not a readable safetensors index ({type(e).__name__}: {e})") from e
+    arrays: dict[str, np.ndarray] = {}
+    for file in sorted(set(weight_map.values())):
+        if os.path.basename(file) != file or file.startswith("."):
+            raise WeightsError(f"{index_path}: shard {file!r} is not a file name in {component_dir}")
+        shard = os.path.join(component_dir, file)
+        if not os.path.isfile(shard):
+            raise WeightsError(f"{index_path}: shard {file} is missing from {component_dir}")
+        held = read_mapped(shard)
+        wanted = [name for name, owner in weight_map.items() if owner == file]
+        absent = [name for name in wanted if name not in held]
+        if absent:
+            raise WeightsError(f"{index_path}: {file} lacks {len(absent)} weight(s) the index puts there, e.g. "
+                               f"{', '.join(absent[:5])}")
+        arrays.update({name: held[name] for name in wanted})
+    return arrays
+
+
+def read_safetensors_weights(component_dir: str, library: str) -> dict[str, np.ndarray]:
+    """{name: array} of a component's PyTorch safetensors weights, memory-mapped: the
+    single file ``SAFETENSORS_FILES[library]`` or, when it is absent, the shards its
+    ``.index.json`` names (``read_sharded``)."""
+    name = SAFETENSORS_FILES[library]
+    single = os.path.join(component_dir, name)
+    if os.path.isfile(single):
+        return read_mapped(single)
+    if os.path.isfile(os.path.join(component_dir, f"{name}.index.json")):
+        return read_sharded(component_dir, f"{name}.index.json")
+    raise WeightsError(f"{component_dir}: no PyTorch safetensors weights (expected {name} or {name}.index.json)")

@@ -1,0 +1,158 @@
+"""PyTorch state dicts <-> the params of promptmill's own networks, by one naming rule.
+
+The rule (``torch_name``): a Flax parameter's path is its PyTorch name split at the
+dots, except for
+- the leaf: Flax's ``kernel`` is a Linear's ``weight``, stored transposed ([in, out]
+  for PyTorch's [out, in]); ``scale`` (a norm's) and ``embedding`` (an Embedding's) are
+  ``weight`` as stored; ``bias`` is ``bias``;
+- the stacks: a path under one of the network's scanned stacks (``Layout.stacks``, e.g.
+  ``transformer_blocks``) holds every block's weight on a leading axis, block ``i``
+  being PyTorch's ``transformer_blocks.{i}.…``;
+- the few weights a network moves (``Layout.moved``), e.g. T5's relative position
+  bias, which every layer uses but the first layer stores.
+
+Arrays keep their stored dtype: a bf16 checkpoint stays bf16 (a 12B model must never
+have a float32 copy in host memory). A transpose is a view of the memory-mapped file;
+a stack is one copy, in the stored dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from pipeline.model.weights import WeightsError
+
+# Flax leaf name -> PyTorch parameter name
+LEAVES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a network's naming rule needs besides the rule itself."""
+    stacks: tuple[str, ...]  # "/"-joined Flax paths of its scanned stacks
+    moved: Mapping[str, str] = dataclasses.field(default_factory=dict)  # "/"-joined Flax path -> PyTorch name
+    aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # name -> other names (tied)
+    ignored: tuple[str, ...] = ()  # PyTorch name prefixes that are not weights of the network
+
+
+# transformers' Flax CLIP text model follows the rule as it is (no stacks); the position
+# ids some PyTorch CLIP files hold are a buffer, not a weight
+CLIP_TEXT = Layout(stacks=(), ignored=("text_model.embeddings.position_ids",))
+
+
+def stack_of(path: tuple[str, ...], layout: Layout) -> str | None:
+    """The stack ``path`` lies under, or None."""
+    joined = "/".join(path)
+    return next((stack for stack in layout.stacks if joined.startswith(stack + "/")), None)
+
+
+def torch_name(path: tuple[str, ...], layout: Layout, index: int | None = None) -> str:
+    """The PyTorch name of the Flax parameter at ``path`` (of block ``index`` for a
+    stacked one)."""
+    joined = "/".join(path)
+    if joined in layout.moved:
+        return layout.moved[joined]
+    if path[-1] not in LEAVES:
+        raise ValueError(f"no PyTorch name for the Flax parameter {joined}: its leaf is not one of {', '.join(LEAVES)}")
+    names = list(path[:-1]) + [LEAVES[path[-1]]]
+    stack = stack_of(path, layout)
+    if stack is not None:
+        if index is None:
+            raise ValueError(f"{joined} is stacked: a block index is needed")
+        depth = stack.count("/") + 1
+        names = names[:depth] + [str(index)] + names[depth:]
+    return ".".join(names)
+
+
+def flatten(tree, prefix=()) -> dict[tuple[str, ...], object]:
+    """{path: leaf} of a nested mapping."""
+    if isinstance(tree, Mapping):
+        flat = {}
+        for key, value in tree.items():
+            flat.update(flatten(value, prefix + (str(key),)))
+        return flat
+    return {prefix: tree}
+
+
+def unflatten(flat: Mapping[tuple[str, ...], object]) -> dict:
+    """``flatten``'s inverse: a nested dict."""
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _blocks(path, shape, layout) -> list[int | None]:
+    return list(range(shape[0])) if stack_of(path, layout) is not None else [None]
+
+
+def torch_shapes(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout) -> dict[str, tuple[int, ...]]:
+    """{PyTorch name: shape} of the network whose flat Flax param shapes are ``shapes``:
+    what its PyTorch checkpoint holds."""
+    out = {}
+    for path, shape in shapes.items():
+        shape = tuple(shape)
+        for index in _blocks(path, shape, layout):
+            one = shape[1:] if index is not None else shape
+            out[torch_name(path, layout, index)] = one[::-1] if path[-1] == "kernel" else one
+    return out
+
+
+def from_torch(state: Mapping[str, np.ndarray], shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout,
+               where: str) -> dict:
+    """Nested Flax params from a PyTorch state dict ({name: array}, e.g. memory-mapped
+    safetensors), for a network whose flat param shapes are ``shapes``. Each array keeps
+    its dtype. WeightsError, naming ``where`` and the weights, when any is missing, has
+    another shape than the network's, or is not a weight of the network (names under
+    ``layout.ignored`` excepted)."""
+    flat, missing, odd, used = {}, [], [], set()
+    for path, shape in shapes.items():
+        shape, arrays = tuple(shape), []
+        for index in _blocks(path, shape, layout):
+            name = torch_name(path, layout, index)
+            found = next((n for n in (name, *layout.aliases.get(name, ())) if n in state), None)
+            if found is None:
+                missing.append(name)
+                continue
+            used.update((name, *layout.aliases.get(name, ())))
+            array = state[found]
+            expected = shape[1:] if index is not None else shape
+            if path[-1] == "kernel":
+                expected = expected[::-1]
+            if tuple(array.shape) != expected:
+                odd.append(f"{found} has shape {tuple(array.shape)}, the network expects {expected}")
+                continue
+            arrays.append(array.T if path[-1] == "kernel" else array)
+        if len(arrays) == len(_blocks(path, shape, layout)):
+            flat[path] = np.stack(arrays) if stack_of(path, layout) is not None else arrays[0]
+    if missing:
+        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
+    if odd:
+        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
+    unknown = sorted(name for name in state if name not in used and not name.startswith(layout.ignored))
+    if unknown:
+        raise WeightsError(f"{where}: {len(unknown)} weight(s) the network does not have, e.g. "
+                           f"{', '.join(unknown[:5])}")
+    return unflatten(flat)
+
+
+def to_torch(params: Mapping, layout: Layout) -> dict[str, np.ndarray]:
+    """The PyTorch state dict ({name: numpy array}, each in its param's dtype) of nested
+    Flax params: ``from_torch``'s inverse."""
+    out = {}
+    for path, value in flatten(params).items():
+        array = np.asarray(value)
+        for index in _blocks(path, array.shape, layout):
+            one = array[index] if index is not None else array
+            out[torch_name(path, layout, index)] = one.T if path[-1] == "kernel" else one
+    return out
+
+
+def flat_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{path: shape} of a nested tree of arrays or ``jax.ShapeDtypeStruct``s."""
+    return {path: tuple(leaf.shape) for path, leaf in flatten(tree).items()}

@@ -1,0 +1,458 @@
+"""FLUX.1's rectified-flow transformer (diffusers' ``FluxTransformer2DModel``) as our own
+Flax Linen modules (Linen, like the rest of promptmill's networks: ``pipeline.model.nets``).
+
+The forward pass, as diffusers 0.39 computes it (checked against its PyTorch module and
+its ``FluxPipeline`` with fixtures: tests/test_flux_nets.py):
+- ``x_embedder`` (packed latents -> width) and ``context_embedder`` (T5 states -> width);
+- ``time_text_embed``: the timestep (times 1000) as a 256-channel sinusoid through an
+  MLP, plus the pooled CLIP embedding through an MLP, plus, with ``guidance_embeds``,
+  the guidance (times 1000) through its own MLP: one conditioning vector per image;
+- ``transformer_blocks`` (double stream): text and image tokens keep their own weights
+  (AdaLN-zero modulation from the conditioning, q/k/v with RMS-normed q and k, a GELU-tanh
+  feed-forward) but attend jointly over [text; image];
+- ``single_transformer_blocks``: one stream over [text; image], attention and an MLP in
+  parallel, one output projection;
+- ``norm_out`` (a continuous AdaLN: scale then shift) and ``proj_out``, on image tokens.
+Rotary embeddings over (t, h, w) position ids (``axes_dims_rope`` channels each, theta
+10000) rotate every query and key. Each attention call goes through
+``pipeline.model.attention.compute`` (the seam: xla, chunked, flash or cuDNN), after the
+rotation. Both block stacks are ``nn.scan``-ned over weights stacked on a leading layer
+axis: one block is traced and compiled whatever the depth.
+
+Parameter names are diffusers' PyTorch names split at the dots (``convert``), so
+``from_torch`` loads a diffusers checkpoint by rule. The network computes in its dtype
+(fp32 or bf16), the norms in float32, the rotation in float32, as diffusers does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipeline.model import attention
+from pipeline.model.nets import convert
+
+ROPE_THETA = 10000  # fixed in diffusers (FluxPosEmbed(theta=10000))
+TIME_CHANNELS = 256  # the sinusoidal projection of timestep and guidance
+MLP_RATIO = 4.0  # single blocks' MLP width, and the feed-forwards' (diffusers' defaults, not in the config)
+NORM_EPS = 1e-6  # every LayerNorm and q/k RMSNorm of the transformer
+CLASS_NAME = "FluxTransformer2DModel"
+_DEFAULTS = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
+                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                 pooled_projection_dim=768, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxConfig:
+    """What the transformer's output depends on; ``from_dict`` reads its config.json."""
+    in_channels: int = 64
+    out_channels: int = 64
+    num_layers: int = 19
+    num_single_layers: int = 38
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    pooled_projection_dim: int = 768
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> FluxConfig:
+        """The config of a diffusers ``transformer/config.json`` (missing keys at
+        ``FluxTransformer2DModel``'s defaults). ValueError naming the key and value for
+        anything this module does not do; keys diffusers' class does not take are
+        ignored, as ``from_config`` ignores them."""
+        def refuse(key, why):
+            raise ValueError(f"transformer config: {key}={config.get(key)!r} {why}")
+
+        if config.get("_class_name", CLASS_NAME) != CLASS_NAME:
+            refuse("_class_name", f"is not {CLASS_NAME}")
+        values = {key: config.get(key, default) for key, default in _DEFAULTS.items()}
+        if values["patch_size"] != 1:
+            refuse("patch_size", "is not 1 (FLUX.1's; packing 2x2 latents is done outside the transformer)")
+        for key in ("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+                    "pooled_projection_dim"):
+            if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 1:
+                refuse(key, "must be a positive integer")
+        for key in ("num_layers", "num_single_layers"):
+            if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 0:
+                refuse(key, "must be an integer >= 0")
+        out = values["out_channels"]
+        if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 1):
+            refuse("out_channels", "must be a positive integer or null")
+        if not isinstance(values["guidance_embeds"], bool):
+            refuse("guidance_embeds", "must be true or false")
+        axes = values["axes_dims_rope"]
+        if (not isinstance(axes, (list, tuple)) or not axes
+                or not all(isinstance(a, int) and not isinstance(a, bool) and a > 0 and a % 2 == 0 for a in axes)):
+            refuse("axes_dims_rope", "must be a list of positive even integers")
+        if sum(axes) != values["attention_head_dim"]:
+            refuse("axes_dims_rope", f"sums to {sum(axes)}, not attention_head_dim {values['attention_head_dim']}")
+        return cls(in_channels=values["in_channels"], out_channels=out or values["in_channels"],
+                   num_layers=values["num_layers"], num_single_layers=values["num_single_layers"],
+                   attention_head_dim=values["attention_head_dim"],
+                   num_attention_heads=values["num_attention_heads"],
+                   joint_attention_dim=values["joint_attention_dim"],
+                   pooled_projection_dim=values["pooled_projection_dim"], guidance_embeds=values["guidance_embeds"],
+                   axes_dims_rope=tuple(axes))
+
+
+# ---- pure helpers: packing and position ids, as FluxPipeline makes them
+
+def pack_latents(latents):
+    """[B, C, H, W] latents -> [B, (H/2)(W/2), 4C] tokens, each a 2x2 patch (channel-major,
+    then row, then column), as diffusers' ``FluxPipeline._pack_latents``. numpy or jax."""
+    batch, channels, height, width = latents.shape
+    patches = latents.reshape(batch, channels, height // 2, 2, width // 2, 2).transpose(0, 2, 4, 1, 3, 5)
+    return patches.reshape(batch, (height // 2) * (width // 2), channels * 4)
+
+
+def unpack_latents(tokens, height: int, width: int):
+    """``pack_latents``' inverse: [B, (H/2)(W/2), 4C] -> [B, C, H, W], ``height`` and
+    ``width`` the latents' (the image's divided by the VAE's scale factor)."""
+    batch, _, features = tokens.shape
+    patches = tokens.reshape(batch, height // 2, width // 2, features // 4, 2, 2).transpose(0, 3, 1, 4, 2, 5)
+    return patches.reshape(batch, features // 4, height, width)
+
+
+def latent_image_ids(height: int, width: int) -> np.ndarray:
+    """float32 [height * width, 3] position ids of the packed image tokens, ``height`` x
+    ``width`` the packed grid (the latents' halved): (0, row, column), row-major, as
+    ``FluxPipeline._prepare_latent_image_ids``."""
+    ids = np.zeros((height, width, 3), np.float32)
+    ids[..., 1] = np.arange(height)[:, None]
+    ids[..., 2] = np.arange(width)[None, :]
+    return ids.reshape(height * width, 3)
+
+
+def text_ids(length: int) -> np.ndarray:
+    """float32 [length, 3] position ids of the text tokens: zeros, as FluxPipeline's."""
+    return np.zeros((length, 3), np.float32)
+
+
+def rotary_tables(ids, axes_dims: tuple[int, ...], theta: float = ROPE_THETA):
+    """(cos, sin), each float32 [tokens, sum(axes_dims)], of position ids [tokens, axes]:
+    per axis, angles position * theta^(-2j/dim) for j < dim/2, each repeated twice
+    (pairs of channels rotate together), the axes side by side.
+
+    Computed on the host in float64, as diffusers does, when ``ids`` is a numpy array
+    (FluxPipeline's are, and a traced program folds the tables in as constants); in
+    float32 on the device when it is traced."""
+    host = isinstance(ids, np.ndarray)
+    xp = np if host else jnp
+    ids = ids.astype(np.float64 if host else jnp.float32)
+    cos, sin = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        angles = ids[:, axis, None] * (freqs if host else freqs.astype(np.float32))[None, :]
+        cos.append(xp.repeat(xp.cos(angles), 2, axis=1))
+        sin.append(xp.repeat(xp.sin(angles), 2, axis=1))
+    return xp.concatenate(cos, axis=1).astype(np.float32), xp.concatenate(sin, axis=1).astype(np.float32)
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate each (even, odd) channel pair of x [B, tokens, heads, head_dim] by its
+    angle, in float32, the result in x's dtype (diffusers' ``apply_rotary_emb``)."""
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    out = x.astype(jnp.float32) * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    return out.astype(x.dtype)
+
+
+def timestep_embedding(t, channels: int = TIME_CHANNELS, max_period: float = 10000.0):
+    """float32 [B, channels]: [cos, sin] of t * max_period^(-j/(channels/2)), diffusers'
+    ``get_timestep_embedding`` with ``flip_sin_to_cos=True`` and no frequency shift."""
+    half = channels // 2
+    # the exponents in float32 as torch makes them; their exp correctly rounded, as torch's
+    # float32 exp nearly always is (numpy's float32 exp is off by an ulp in 53 of these 128,
+    # which moves a sinusoid of t = 5000 by 4e-4)
+    exponents = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32) / np.float32(half)
+    freqs = np.exp(exponents.astype(np.float64)).astype(np.float32)
+    args = t.astype(jnp.float32)[:, None] * jnp.asarray(freqs, jnp.float32)[None, :]
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def layer_norm(x, eps: float = NORM_EPS):
+    """LayerNorm without scale or bias, computed in float32, in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    variance = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
+
+
+# ---- modules
+
+class RMSNorm(nn.Module):
+    """PyTorch's ``nn.RMSNorm`` over the last axis: normalised in float32, cast back to x's
+    dtype, then scaled."""
+    eps: float = NORM_EPS
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        normed = (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        return normed * scale.astype(x.dtype)
+
+
+class MLPEmbedding(nn.Module):
+    """``linear_1``, SiLU, ``linear_2``: diffusers' ``TimestepEmbedding`` and
+    ``PixArtAlphaTextProjection(act_fn="silu")`` alike."""
+    features: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.features, dtype=self.dtype, name="linear_1")(x)
+        return nn.Dense(self.features, dtype=self.dtype, name="linear_2")(nn.silu(x))
+
+
+class TimeTextEmbedding(nn.Module):
+    """diffusers' ``CombinedTimestep[Guidance]TextProjEmbeddings``: the conditioning vector."""
+    config: FluxConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, timestep, guidance, pooled):
+        width = self.config.inner_dim
+        emb = MLPEmbedding(width, self.dtype, name="timestep_embedder")(timestep_embedding(timestep).astype(self.dtype))
+        if self.config.guidance_embeds:
+            emb = emb + MLPEmbedding(width, self.dtype, name="guidance_embedder")(
+                timestep_embedding(guidance).astype(self.dtype))
+        return emb + MLPEmbedding(width, self.dtype, name="text_embedder")(pooled)
+
+
+class AdaLayerNormZero(nn.Module):
+    """``linear(silu(emb))`` in ``chunks`` parts, the first two (shift, scale) applied to
+    the normed x: (x', the other parts). 6 parts in double blocks, 3 in single ones."""
+    chunks: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, emb):
+        parts = jnp.split(nn.Dense(self.chunks * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(emb)),
+                          self.chunks, axis=1)
+        shift, scale = parts[0], parts[1]
+        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None], parts[2:]
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """diffusers' ``AdaLayerNormContinuous`` (``norm_out``): scale first, then shift."""
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, emb):
+        scale, shift = jnp.split(nn.Dense(2 * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(emb)), 2, axis=1)
+        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None]
+
+
+class _Indexed(nn.Module):  # a Dense named by its index inside a module: PyTorch's ``to_out.0``
+    features: int
+    index: str
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(self.features, dtype=self.dtype, name=self.index)(x)
+
+
+class _GeluProjection(nn.Module):  # diffusers' ``GELU(approximate="tanh")``: ``proj``, then the activation
+    features: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.gelu(nn.Dense(self.features, dtype=self.dtype, name="proj")(x), approximate=True)
+
+
+class _FeedForwardNet(nn.Module):  # ``net.0`` (GELU-tanh projection), ``net.2`` (output; net.1 is dropout)
+    dim: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        hidden = _GeluProjection(int(self.dim * MLP_RATIO), self.dtype, name="0")(x)
+        return nn.Dense(self.dim, dtype=self.dtype, name="2")(hidden)
+
+
+class FeedForward(nn.Module):
+    """diffusers' ``FeedForward(activation_fn="gelu-approximate")``."""
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        return _FeedForwardNet(x.shape[-1], self.dtype, name="net")(x)
+
+
+class FluxAttention(nn.Module):
+    """diffusers' ``FluxAttention`` and ``FluxAttnProcessor``: q, k, v (RMS-normed q and k)
+    of the image (or joint) stream, with ``context`` the text stream's own (``add_*``),
+    concatenated [text; image]; rotated; attention through the seam (scale 1/sqrt(head
+    dim)). Returns the image part through ``to_out`` and the text part through
+    ``to_add_out`` when there is a context (double blocks), else the joint output
+    unprojected (single blocks: diffusers' ``pre_only``)."""
+    config: FluxConfig
+    dtype: Any = jnp.float32
+
+    def _heads(self, x, name):
+        cfg = self.config
+        out = nn.Dense(cfg.inner_dim, dtype=self.dtype, name=name)(x)
+        return out.reshape(*x.shape[:2], cfg.num_attention_heads, cfg.attention_head_dim)
+
+    @nn.compact
+    def __call__(self, x, cos, sin, context=None):
+        cfg = self.config
+        q = RMSNorm(name="norm_q")(self._heads(x, "to_q"))
+        k = RMSNorm(name="norm_k")(self._heads(x, "to_k"))
+        v = self._heads(x, "to_v")
+        if context is not None:
+            q = jnp.concatenate([RMSNorm(name="norm_added_q")(self._heads(context, "add_q_proj")), q], axis=1)
+            k = jnp.concatenate([RMSNorm(name="norm_added_k")(self._heads(context, "add_k_proj")), k], axis=1)
+            v = jnp.concatenate([self._heads(context, "add_v_proj"), v], axis=1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention.compute("flux", q, k, v, cfg.attention_head_dim ** -0.5)
+        out = out.reshape(*out.shape[:2], cfg.inner_dim).astype(q.dtype)
+        if context is None:
+            return out
+        text, image = out[:, :context.shape[1]], out[:, context.shape[1]:]
+        image = _Indexed(x.shape[-1], "0", self.dtype, name="to_out")(image)
+        return image, nn.Dense(x.shape[-1], dtype=self.dtype, name="to_add_out")(text)
+
+
+class DoubleBlock(nn.Module):
+    """diffusers' ``FluxTransformerBlock``; the scan body: ((text, image), conditioning,
+    cos, sin) -> ((text, image), None)."""
+    config: FluxConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, carry, emb, cos, sin):
+        context, x = carry
+        normed, (gate_msa, shift_mlp, scale_mlp, gate_mlp) = AdaLayerNormZero(6, self.dtype, name="norm1")(x, emb)
+        normed_context, (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp) = AdaLayerNormZero(
+            6, self.dtype, name="norm1_context")(context, emb)
+        attn, context_attn = FluxAttention(self.config, dtype=self.dtype, name="attn")(normed, cos, sin,
+                                                                                      normed_context)
+        x = x + gate_msa[:, None] * attn
+        hidden = layer_norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        x = x + gate_mlp[:, None] * FeedForward(self.dtype, name="ff")(hidden)
+        context = context + c_gate_msa[:, None] * context_attn
+        hidden = layer_norm(context) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+        context = context + c_gate_mlp[:, None] * FeedForward(self.dtype, name="ff_context")(hidden)
+        return (context, x), None
+
+
+class SingleBlock(nn.Module):
+    """diffusers' ``FluxSingleTransformerBlock`` over the joint [text; image] tokens; the
+    scan body: (tokens, conditioning, cos, sin) -> (tokens, None). diffusers concatenates
+    and splits the streams in every block; here once around the stack (the same values)."""
+    config: FluxConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, emb, cos, sin):
+        width = x.shape[-1]
+        normed, (gate,) = AdaLayerNormZero(3, self.dtype, name="norm")(x, emb)
+        mlp = nn.gelu(nn.Dense(int(width * MLP_RATIO), dtype=self.dtype, name="proj_mlp")(normed), approximate=True)
+        attn = FluxAttention(self.config, dtype=self.dtype, name="attn")(normed, cos, sin)
+        out = nn.Dense(width, dtype=self.dtype, name="proj_out")(jnp.concatenate([attn, mlp], axis=2))
+        return x + gate[:, None] * out, None
+
+
+def _stack(block, length: int):
+    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                   in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=length)
+
+
+class FluxTransformer(nn.Module):
+    """``FluxTransformer(config, dtype)(hidden_states, encoder_hidden_states,
+    pooled_projections, timestep, img_ids, txt_ids, guidance=None) -> [B, N, out_channels]``,
+    diffusers' ``FluxTransformer2DModel.forward`` with the same arguments:
+
+    - hidden_states [B, N, in_channels]: packed latents (``pack_latents``);
+    - encoder_hidden_states [B, L, joint_attention_dim]: T5's last hidden state;
+    - pooled_projections [B, pooled_projection_dim]: CLIP's pooled output;
+    - timestep [B]: what FluxPipeline passes, its scheduler timestep / 1000 (sigma); the
+      transformer multiplies it by 1000 in its dtype, as diffusers does;
+    - img_ids [N, 3], txt_ids [L, 3]: position ids (``latent_image_ids``, ``text_ids``);
+      numpy arrays get float64 rotary tables made on the host (``rotary_tables``);
+    - guidance [B]: the embedded guidance scale, also multiplied by 1000; required with
+      ``guidance_embeds`` and refused without (diffusers fails on either mismatch).
+    Returns the velocity prediction in the module's dtype."""
+    config: FluxConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                 guidance=None):
+        cfg = self.config
+        if cfg.guidance_embeds and guidance is None:
+            raise ValueError("this transformer embeds guidance (guidance_embeds): it needs a guidance scale per image")
+        if not cfg.guidance_embeds and guidance is not None:
+            raise ValueError("this transformer has no guidance embedding (guidance_embeds is false): "
+                             "it takes no guidance")
+        x = nn.Dense(cfg.inner_dim, dtype=self.dtype, name="x_embedder")(hidden_states)
+        timestep = timestep.astype(self.dtype) * 1000
+        if guidance is not None:
+            guidance = guidance.astype(self.dtype) * 1000
+        emb = TimeTextEmbedding(cfg, self.dtype, name="time_text_embed")(timestep, guidance, pooled_projections)
+        context = nn.Dense(cfg.inner_dim, dtype=self.dtype, name="context_embedder")(encoder_hidden_states)
+        xp = np if isinstance(txt_ids, np.ndarray) and isinstance(img_ids, np.ndarray) else jnp
+        cos, sin = rotary_tables(xp.concatenate([txt_ids, img_ids], axis=0), cfg.axes_dims_rope)
+        cos, sin = jnp.asarray(cos), jnp.asarray(sin)
+        if cfg.num_layers:
+            (context, x), _ = _stack(DoubleBlock, cfg.num_layers)(cfg, self.dtype, name="transformer_blocks")(
+                (context, x), emb, cos, sin)
+        if cfg.num_single_layers:
+            joint, _ = _stack(SingleBlock, cfg.num_single_layers)(cfg, self.dtype, name="single_transformer_blocks")(
+                jnp.concatenate([context, x], axis=1), emb, cos, sin)
+            x = joint[:, context.shape[1]:]
+        x = AdaLayerNormContinuous(self.dtype, name="norm_out")(x, emb)
+        return nn.Dense(cfg.out_channels, dtype=self.dtype, name="proj_out")(x)
+
+
+LAYOUT = convert.Layout(stacks=("transformer_blocks", "single_transformer_blocks"))
+
+
+@functools.lru_cache(maxsize=8)
+def _param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """``param_shapes``, traced once per config."""
+    module = FluxTransformer(config)
+    ids = np.zeros((1, 3), np.float32)
+    guidance = jnp.zeros((1,)) if config.guidance_embeds else None
+
+    def init():
+        return module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, config.in_channels)),
+                           jnp.zeros((1, 1, config.joint_attention_dim)), jnp.zeros((1, config.pooled_projection_dim)),
+                           jnp.zeros((1,)), ids, ids, guidance)["params"]
+
+    return convert.flat_shapes(jax.eval_shape(init))
+
+
+def param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """{flat param path: shape} of the transformer, from its config alone (nothing is
+    computed: a 12B model's shapes come in a moment)."""
+    return dict(_param_shapes(config))  # a copy: the cached one is shared
+
+
+def from_torch(state: Mapping[str, np.ndarray], config: FluxConfig, where: str = "transformer") -> dict:
+    """Params from a ``FluxTransformer2DModel`` state dict ({name: array}), each array in
+    its stored dtype, blocks stacked; WeightsError naming any missing, misshapen or
+    unknown weight."""
+    return convert.from_torch(state, param_shapes(config), LAYOUT, where)
+
+
+def to_torch(params: Mapping, config: FluxConfig) -> dict[str, np.ndarray]:
+    """The ``FluxTransformer2DModel`` state dict of ``params``: ``from_torch``'s inverse."""
+    return convert.to_torch(params, LAYOUT)
