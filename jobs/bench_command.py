@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from jobs import flags
-from pipeline.bench.generator import DEFAULT_PARTS, BenchConfig
+from pipeline.bench.generator import DEFAULT_PARTS, GUIDANCE, BenchConfig
 from pipeline.core.choices import DTYPES, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import AUTO, Settings
 
@@ -60,8 +60,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                      "(default: %(default)s)")
     tpu.add_argument("--targets", default="v5e:2x2", help="TPU hosts to compile for, TYPE:TOPOLOGY[:MACHINE_TYPE], "
                      "comma-separated, from the TPU table (default: %(default)s)")
-    tpu.add_argument("--guidance-scale", type=float, default=Settings().guidance_scale,
-                     help="above 1 the guided program (the UNet at twice the rows) (default: %(default)s)")
+    tpu.add_argument("--guidance-scale", type=float, default=None,
+                     help="above 1 the guided program of SD and SDXL (the UNet at twice the rows) (default: the "
+                          "model family's)")
     tpu.add_argument("--report", help="write the JSON report here")
     flags.strict(tpu)
     pipe = targets.add_parser("pipeline", help="images/s of the generator alone, the full host pipeline (local "
@@ -126,7 +127,7 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=None, help="use the first N local devices (default: all)")
     parser.add_argument("--matmul-size", type=int, default=None,
                         help="side of the square matmul that measures the peak (default: 4096 on CPU, else 8192)")
-    parser.add_argument("--guidance-scale", type=float, default=Settings().guidance_scale,
+    parser.add_argument("--guidance-scale", type=float, default=GUIDANCE,
                         help="guidance of the sweep; at <= 1 it runs the guidance-free program (default: %(default)s)")
     parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                         help="sampler of the sweep and of the compared recipes (default: the checkpoint's own)")

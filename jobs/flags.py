@@ -25,7 +25,7 @@ from pipeline.core.choices import (
     parse_formats,
 )
 from pipeline.core.settings import AUTO, Settings, lora_spec, parse_lora
-from pipeline.model.tiny import PRESETS
+from pipeline.model.builtin import NAMES as BUILTIN_MODELS, shapes_only
 
 _DEFAULTS = Settings()
 
@@ -44,10 +44,11 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "as duplicate_prompt; counted in the stats")
     parser.add_argument("--out", default=d.out, help="output folder or gs://bucket/prefix (default: %(default)s)")
     parser.add_argument("--model", default=d.model,
-                        help="diffusers-format checkpoint: a local folder, a gs:// prefix (copied once into the "
-                             "local cache), a Hugging Face id where the network allows, or a built-in random "
-                             f"model ({', '.join(PRESETS)}: random weights, so their images are noise; for tests, "
-                             "demos and benchmarks) (default: %(default)s)")
+                        help="diffusers-format checkpoint (SD 1.x/2.x, SDXL or FLUX.1): a local folder, a gs:// "
+                             "prefix (copied once into the local cache), a Hugging Face id where the network allows, "
+                             f"or a built-in random model ({', '.join(BUILTIN_MODELS)}: random weights, so their "
+                             f"images are noise; for tests, demos and benchmarks; {', '.join(shapes_only())} have "
+                             "shapes only, for the TPU check and benchmarks) (default: %(default)s)")
     parser.add_argument("--unet", metavar="PATH", default=None,
                         help="a UNet-only .safetensors file (local or gs://) whose weights replace the model's UNet, "
                              "e.g. SDXL-Lightning's into an SDXL base; part of the run's fingerprint")
@@ -62,7 +63,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
     parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                         help="sampling algorithm (default: the checkpoint's own; euler_a: Euler ancestral, as "
-                             "SD-Turbo and SDXL-Turbo ship; lcm: LCM multistep, for LCM and LCM-LoRA models)")
+                             "SD-Turbo and SDXL-Turbo ship; lcm: LCM multistep, for LCM and LCM-LoRA models; "
+                             "flow_euler: flow-matching Euler, FLUX.1's only one)")
     parser.add_argument("--timestep-spacing", choices=list(TIMESTEP_SPACINGS), default=None,
                         help="how the sampler's timesteps spread over the training schedule (trailing: few-step "
                              "models such as SDXL-Lightning; default: the checkpoint's scheduler config)")
@@ -82,7 +84,13 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --format zarr: also write each image's final latents (float32, before VAE "
                              "decoding) to OUT/zarr/latents")
     parser.add_argument("--guidance-scale", type=float, default=d.guidance_scale,
-                        help="classifier-free guidance scale for records without one (default: %(default)s)")
+                        help="guidance scale for records without one: SD and SDXL: classifier-free guidance (above 1; "
+                             "default 7.5); FLUX.1 [dev]: the guidance embedded in the transformer, one call per step "
+                             "(default 3.5); FLUX.1 [schnell] takes none (a scale given is counted in the stats and "
+                             "said on the card) (default: the model family's)")
+    parser.add_argument("--max-sequence-length", type=int, default=d.max_sequence_length, metavar="N",
+                        help="FLUX.1: T5 tokens a prompt is encoded to, at most 512 (a longer prompt is cut and "
+                             "counted); FLUX.1 [schnell]'s authors use 256 (default: 512, as diffusers' FluxPipeline)")
     parser.add_argument("--seed", type=int, default=d.seed,
                         help="run seed, hashed with a record's id when the record has no seed (default: %(default)s)")
     parser.add_argument("--per-device-batch", type=per_device_batch, default=d.per_device_batch,
@@ -120,6 +128,7 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_chec
                     timestep_spacing=args.timestep_spacing, attention=args.attention, dtype=args.dtype,
                     formats=parse_formats(args.format), device_memory=args.device_memory,
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
+                    max_sequence_length=args.max_sequence_length,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,
                     save_latents=args.save_latents, prompt_field=args.prompt_field, dedupe=args.dedupe)

@@ -247,7 +247,7 @@ def _network_outputs(model, size, decode):
     latents = jnp.asarray(rng.standard_normal((batch, *model.latent_shape(size, size))), jnp.float32)
     context = jnp.asarray(rng.standard_normal((batch, 77, config.cross_attention_dim)), jnp.float32)
     added = None
-    if model.family == "sdxl":
+    if model.family.name == "sdxl":
         pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
         added = {"text_embeds": jnp.asarray(rng.standard_normal((batch, pooled)), jnp.float32),
                  "time_ids": jnp.full((batch, 6), float(size))}
@@ -329,9 +329,9 @@ def test_chunked_attention_bounds_the_programs_memory(tiny_model):
 
     whole = memory.part_memory(tiny_model, 64, 64, 1, attention=None)
     chunked = memory.part_memory(tiny_model, 64, 64, 1, attention="chunked", platform="cpu", budget_bytes=MiB)
-    assert whole["unet_call"]["temp"] > 64 * MiB > 8 * MiB > chunked["unet_call"]["temp"]
+    assert whole["denoiser_call"]["temp"] > 64 * MiB > 8 * MiB > chunked["denoiser_call"]["temp"]
     assert chunked["vae_decode"]["temp"] <= whole["vae_decode"]["temp"]
-    for part in ("unet_call", "vae_decode"):
+    for part in ("denoiser_call", "vae_decode"):
         # the same weights and inputs, whatever the attention
         assert chunked[part]["argument"] == whole[part]["argument"] > 0
         assert chunked[part]["total"] == (chunked[part]["argument"] + chunked[part]["output"]

@@ -46,12 +46,12 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
         assert row["ours"]["images_per_s"] > 0 and row["seed"]["images_per_s"] > 0
         assert row["ours_over_seed"] > 0
         counted = row["flops"]
-        assert counted["unet_call"] > 0 and counted["vae_decode"] > 0 and counted["text_encoder"] > 0
+        assert counted["denoiser_call"] > 0 and counted["vae_decode"] > 0 and counted["text_encoder"] > 0
         assert counted["per_device_step"] == pytest.approx(
-            counted["text_encoder"] + 2 * counted["unet_call"] + counted["vae_decode"])
+            counted["text_encoder"] + 2 * counted["denoiser_call"] + counted["vae_decode"])
         # XLA counts the fori_loop's body once: the reason the flops are counted by parts
         # (pipeline/flops.py). If this changes, revisit that module.
-        assert counted["xla_unet_calls_counted"] == pytest.approx(1.0, abs=0.05)
+        assert counted["xla_denoiser_calls_counted"] == pytest.approx(1.0, abs=0.05)
         assert 0 < row["utilisation"] <= 1.5 and 0 < row["seed_utilisation"] <= 1.5
         # XLA's memory analysis of the compiled program: the weights are its arguments
         assert row["memory"]["temp"] > 0 and row["memory"]["argument"] > 0
@@ -65,7 +65,7 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
         "few_step": ("euler_a", "trailing", 4, False), "default": ("ddim", None, 20, True)}  # tiny's own: Flax DDIM
     cfg, free = recipes["cfg"]["flops"], recipes["guidance_free"]["flops"]
     # by parts: the guidance-free program encodes and denoises half the rows, and decodes as many
-    assert cfg["unet_call"] == pytest.approx(2 * free["unet_call"], rel=0.01)
+    assert cfg["denoiser_call"] == pytest.approx(2 * free["denoiser_call"], rel=0.01)
     assert cfg["text_encoder"] == pytest.approx(2 * free["text_encoder"], rel=0.01)
     assert cfg["vae_decode"] == free["vae_decode"]
     assert [recipes[name]["batch_size"] for name in ("cfg", "guidance_free", "guidance_free_2x")] == [2, 2, 4]

@@ -116,10 +116,9 @@ def test_runs_planned_before_the_rule_keep_guiding_every_image(generator):
 
 
 def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_batch(generator, monkeypatch):
-    from pipeline.generate import sampler
-
     encoded, unet_batches = [], []
-    real_encode, model = sampler.make_encode_fn, generator.model
+    model = generator.model
+    real_encode = model.family.make_encode_fn
 
     def spy_encode(m):
         encode = real_encode(m)
@@ -133,7 +132,7 @@ def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_
             unet_batches.append(sample.shape[0])
             return model.unet.apply(variables, sample, *args, **kwargs)
 
-    monkeypatch.setattr(sampler, "make_encode_fn", spy_encode)
+    monkeypatch.setattr(model.family, "make_encode_fn", spy_encode)
     spied = dataclasses.replace(model, unet=SpyUnet())
     free = Generator(spied, width=32, height=32, steps=2, per_device_batch=1, guided=False)
     assert (encoded, unet_batches) == ([1], [1])  # per device: the prompt alone, batch B

@@ -66,6 +66,7 @@ def test_runs_planned_before_save_latents_keep_their_fingerprint():
     old.pop("unet")  # likewise
     old.pop("loras")  # likewise
     old.pop("device_memory")  # likewise
+    old.pop("max_sequence_length")  # likewise
     loaded = Settings.from_dict(json.loads(json.dumps(old)))
     assert loaded.save_latents is False
     decisive = dict(old, model="m")

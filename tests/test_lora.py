@@ -187,7 +187,7 @@ def test_an_adapter_leaves_the_compiled_program_unchanged(models):
     model = models("sd")
     merged = dataclasses.replace(model, params=lora.merge(model.params, [(SD_LORA, 1.0)]))
     counted = flops.part_flops(merged, 32, 32, 1, guided=False)
-    assert counted == flops.part_flops(model, 32, 32, 1, guided=False) and counted["unet_call"] > 0
+    assert counted == flops.part_flops(model, 32, 32, 1, guided=False) and counted["denoiser_call"] > 0
     assert jax.tree_util.tree_structure(merged.params) == jax.tree_util.tree_structure(model.params)
     assert {x.dtype for x in jax.tree_util.tree_leaves(merged.params["unet"])} == {np.dtype(np.float32)}
 

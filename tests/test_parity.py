@@ -84,7 +84,7 @@ def diffusers_xl_pipeline(model_cache):
 def test_sdxl_matches_diffusers_pipeline_fp32(diffusers_xl_pipeline, choice, negatives):
     pipe, params = diffusers_xl_pipeline
     ours = model_lib.load("tiny-sdxl", "fp32", choice)
-    assert ours.family == "sdxl"
+    assert ours.family.name == "sdxl"
     pipe.scheduler, params = ours.scheduler, {**params, "scheduler": ours.params["scheduler"]}
     prompts = ["a red house by a lake", "a cat"]
     latents = jnp.stack([keys.initial_latents(keys.image_key(s, i), ours.latent_shape(SIZE, SIZE))

@@ -38,8 +38,7 @@ def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool
             calls.extend(traced)
         return block()
 
-    parts.unet_call(model, width, height, per_device_batch * (2 if guided else 1), seam)
-    parts.vae_decode(model, width, height, per_device_batch, seam)
+    parts.parts(model, width, height, per_device_batch, guided, seam)
     counted: dict[str, int] = {}
     for call in calls:
         counted[call.kernel] = counted.get(call.kernel, 0) + 1

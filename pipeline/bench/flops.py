@@ -48,13 +48,13 @@ def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: 
     loop body once).
     """
     parts = part_flops(model, width, height, per_device_batch, guided)
-    step = parts["text_encoder"] + steps * parts["unet_call"] + parts["vae_decode"]
+    step = parts["text_encoder"] + steps * parts["denoiser_call"] + parts["vae_decode"]
     result = {**parts, "guided": guided, "steps": steps, "per_device_step": step, "per_image": step / per_device_batch}
     if compiled is not None:
         whole = whole_program_flops(compiled)
         result["xla_whole_program"] = whole
-        result["xla_unet_calls_counted"] = round(
-            (whole - parts["text_encoder"] - parts["vae_decode"]) / parts["unet_call"], 3)
+        result["xla_denoiser_calls_counted"] = round(
+            (whole - parts["text_encoder"] - parts["vae_decode"]) / parts["denoiser_call"], 3)
     return result
 
 

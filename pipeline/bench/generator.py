@@ -57,7 +57,7 @@ from pipeline.core.choices import ATTENTIONS, LEGACY_ATTENTION, SCHEDULERS, TIME
 from pipeline.core.settings import Settings, check_size
 from pipeline.generate.fit import GIB
 
-GUIDANCE = Settings().guidance_scale  # the default; above 1 its value does not change the work done
+GUIDANCE = 7.5  # SD's default guidance; above 1 its value does not change the work done
 PARTS = ("sweep", "recipes", "attention", "memory", "startup")
 DEFAULT_PARTS = ("sweep", "recipes", "startup")
 FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
@@ -182,11 +182,11 @@ def recipes(config: BenchConfig) -> dict:
     ``guidance_free_2x`` runs twice the images per device: the UNet rows, and so about
     the memory, of the guided program at the sweep's first batch."""
     default = Settings()
-    return {"cfg": (config.scheduler, config.timestep_spacing, config.steps, default.guidance_scale, 1),
+    return {"cfg": (config.scheduler, config.timestep_spacing, config.steps, GUIDANCE, 1),
             "guidance_free": (config.scheduler, config.timestep_spacing, config.steps, 0.0, 1),
             "guidance_free_2x": (config.scheduler, config.timestep_spacing, config.steps, 0.0, 2),
             "few_step": (config.scheduler, config.timestep_spacing, FEW_STEPS, 0.0, 1),
-            "default": (None, None, default.steps, default.guidance_scale, 1)}
+            "default": (None, None, default.steps, GUIDANCE, 1)}
 
 
 def run_recipes(model, config: BenchConfig, devices, width: int, height: int) -> dict:
@@ -288,7 +288,7 @@ def run_bench(config: BenchConfig) -> dict:
     from pipeline.model import load as model_lib
 
     config.validate()
-    if model_lib.family(model_lib.check_layout(model_lib.resolve(config.model))) != "sd":
+    if model_lib.family_of(model_lib.resolve(config.model))[0].name != "sd":
         # the seed recipe is FlaxStableDiffusionPipeline's; SDXL's would be another baseline
         raise ValueError(f"bench generator compares with the SD 1.x/2.x notebook recipe; {config.model!r} is SDXL")
     devices = jax.local_devices()[:config.devices] if config.devices else jax.local_devices()

@@ -26,7 +26,7 @@ def in_gib(memory: dict, digits: int = 3) -> dict:
 def part_memory(model, width: int, height: int, per_device_batch: int, guided: bool = True,
                 attention: str | None = "auto", platform: str | None = None, **seam) -> dict:
     """``program_memory`` of one UNet call (at 2B when ``guided``, else B) and of one VAE
-    decode (at B), for B = ``per_device_batch``: {"unet_call": {...}, "vae_decode": {...}}.
+    decode (at B), for B = ``per_device_batch``: {"denoiser_call": {...}, "vae_decode": {...}}.
 
     ``attention``: the seam's implementation (``pipeline.model.attention.use``), or None
     for diffusers' own attention; ``platform`` and ``seam`` (``budget_bytes``,
@@ -43,7 +43,7 @@ def part_memory(model, width: int, height: int, per_device_batch: int, guided: b
             return contextlib.nullcontext()
         return attention_lib.use(attention, platform=platform, **seam)
 
-    rows = per_device_batch * (2 if guided else 1)
-    return {"unet_call": program_memory(parts.unet_call(model, width, height, rows, seam_block).compile()),
-            "vae_decode": program_memory(
-                parts.vae_decode(model, width, height, per_device_batch, seam_block).compile())}
+    return {"denoiser_call": program_memory(parts.lowered(model, width, height, per_device_batch, guided,
+                                                          "denoiser", seam_block).compile()),
+            "vae_decode": program_memory(parts.lowered(model, width, height, per_device_batch, guided, "vae_decode",
+                                                       seam_block).compile())}

@@ -33,7 +33,7 @@ class TpuBenchConfig:
     per_device_batches: tuple = (1,)  # numbers, or AUTO: the largest that fits each target
     attentions: tuple[str, ...] = ("auto",)
     targets: tuple[tuple[str, str, str | None], ...] = (("v5e", "2x2", None),)  # (type, topology, machine type)
-    guidance_scale: float = 7.5
+    guidance_scale: float | None = None  # None: the model family's
     report: str | None = None
 
 

@@ -25,7 +25,8 @@ def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
     s = settings
     command = ["promptmill", "plan", "--prompts", s.prompts, "--out", s.out, "--model", s.model]
     for flag, value in (("--unet", s.unet), ("--width", s.width), ("--height", s.height), ("--scheduler", s.scheduler),
-                        ("--timestep-spacing", s.timestep_spacing)):
+                        ("--timestep-spacing", s.timestep_spacing), ("--max-sequence-length", s.max_sequence_length),
+                        ("--guidance-scale", None if s.guidance_scale is None else repr(float(s.guidance_scale)))):
         if value is not None:
             command += [flag, str(value)]
     for spec in s.loras:
@@ -33,7 +34,7 @@ def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
     command += ["--steps", str(s.steps), "--dtype", s.dtype, "--attention", s.attention,
                 "--format", ",".join(s.formats),
                 "--image-format", s.image_format, "--quality", str(s.quality),
-                "--guidance-scale", repr(float(s.guidance_scale)), "--seed", str(s.seed),
+                "--seed", str(s.seed),
                 "--per-device-batch", str(s.per_device_batch), "--batches-per-slice", str(s.batches_per_slice),
                 "--devices-per-host", str(s.devices_per_host), "--prompt-field", s.prompt_field]
     for flag, value in (("--save-latents", s.save_latents), ("--dedupe", s.dedupe)):

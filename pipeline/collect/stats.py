@@ -37,9 +37,13 @@ def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, co
         "duplicates": {"ids": by_reason.get("duplicate_id", 0), "prompts": by_reason.get("duplicate_prompt", 0)},
         "truncated_prompts": {"records": sum(s["truncated_records"] for s in summaries),
                               "images": sum(s["truncated_images"] for s in summaries)},
-        # negative prompts of unguided images (guidance <= 1): they played no part
+        # negative prompts of unguided images (guidance <= 1; every image of a family without
+        # classifier-free guidance): they played no part
         "negative_prompts_unused": {"records": sum(s["unused_negative_records"] for s in summaries),
                                     "images": sum(s["unused_negative_images"] for s in summaries)},
+        # a guidance given to a model that takes none (FLUX.1 [schnell]): it played no part
+        "guidance_unused": {"records": sum(s.get("unused_guidance_records", 0) for s in summaries),
+                            "images": sum(s.get("unused_guidance_images", 0) for s in summaries)},
         "slices": manifest["slices"], "committed_slices": len(slice_stats),
         "problems": {kind: {"count": len(keys), "keys": keys[:MAX_KEYS_IN_MESSAGE]}
                      for kind, keys in sorted(problems.items())},

@@ -51,7 +51,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.collect import card, gallery
 from pipeline.collect.stats import dataset_stats
-from pipeline.collect.verify import unused_negatives, verify_slice
+from pipeline.collect.verify import unused_guidance, unused_negatives, verify_slice
 from pipeline.core import logs, naming
 from pipeline.core.settings import Run, Settings
 from pipeline.io import beamio, runs, storage
@@ -151,6 +151,7 @@ class _VerifySliceFn(beam.DoFn):
         if self.thumbnails and good_rows and not has_thumbs:
             self._make_thumbnails(index, good_rows)
         unused_records, unused_images = unused_negatives(good_rows, self.settings.guidance_rule)
+        guidance_records, guidance_images = unused_guidance(good_rows, self.settings.guidance_rule)
         yield {"slice": index, "records": sum(1 for i in items if i["image_index"] == 0),
                "planned_images": len(items), "stats": slice_stats,
                "verdicts": {v: keys for v, keys in verdicts.items() if v != "ok" and keys},
@@ -158,7 +159,8 @@ class _VerifySliceFn(beam.DoFn):
                "truncated_images": sum(1 for row in good_rows if row.get("prompt_truncated")),
                "truncated_records": sum(1 for row in good_rows if row.get("prompt_truncated")
                                         and row["image_index"] == 0),
-               "unused_negative_records": unused_records, "unused_negative_images": unused_images}
+               "unused_negative_records": unused_records, "unused_negative_images": unused_images,
+               "unused_guidance_records": guidance_records, "unused_guidance_images": guidance_images}
 
     def _make_thumbnails(self, index: int, rows: list[dict]) -> None:
         """A slice committed before hosts wrote thumbnails: make them from its images,

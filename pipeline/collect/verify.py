@@ -63,8 +63,21 @@ def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[st
 def unused_negatives(rows: list[dict], guidance_rule: str) -> tuple[int, int]:
     """(records, images) among metadata ``rows`` whose negative prompt played no part:
     under diffusers' rule an image with guidance <= 1 is not guided, so its negative
-    prompt does nothing (pure)."""
-    if guidance_rule != "diffusers":
+    prompt does nothing; a family without classifier-free guidance (the "embedded" and
+    "unused" rules: FLUX.1) never uses one (pure)."""
+    if guidance_rule in ("embedded", "unused"):
+        unused = [row for row in rows if row["negative_prompt"]]
+    elif guidance_rule == "diffusers":
+        unused = [row for row in rows if row["negative_prompt"] and row["guidance_scale"] <= 1]
+    else:
         return 0, 0
-    unused = [row for row in rows if row["negative_prompt"] and row["guidance_scale"] <= 1]
+    return sum(1 for row in unused if row["image_index"] == 0), len(unused)
+
+
+def unused_guidance(rows: list[dict], guidance_rule: str) -> tuple[int, int]:
+    """(records, images) among metadata ``rows`` given a guidance the model cannot use:
+    under the "unused" rule (FLUX.1 [schnell], which takes none) any guidance but 0 (pure)."""
+    if guidance_rule != "unused":
+        return 0, 0
+    unused = [row for row in rows if row["guidance_scale"] != 0]
     return sum(1 for row in unused if row["image_index"] == 0), len(unused)

@@ -18,7 +18,9 @@ SCHEDULERS = {
     "dpmpp": ("FlaxDPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
     "euler_a": (None, {}),  # Euler ancestral (SD-Turbo, SDXL-Turbo)
     "lcm": (None, {}),  # LCM multistep (LCM and LCM-LoRA models)
+    "flow_euler": (None, {}),  # flow-matching Euler (FLUX.1: FlowMatchEulerDiscreteScheduler)
 }
+FLOW_SCHEDULERS = ("flow_euler",)  # the rectified-flow families' samplers
 
 # --attention choices: how the UNet's and the VAE's attention run (pipeline.model.attention);
 # "diffusers" (not a flag choice) is diffusers' own attention modules, untouched: runs planned

@@ -38,7 +38,12 @@ class Settings:
     steps: int = 20
     scheduler: str | None = None  # None: the checkpoint's own (resolved when planning)
     timestep_spacing: str | None = None  # None: the checkpoint's scheduler config's own
-    guidance_scale: float = 7.5
+    # None: the model family's default (SD and SDXL 7.5, FLUX.1 [dev] 3.5, [schnell] 0: it takes
+    # none), resolved when planning: run.json holds the number
+    guidance_scale: float | None = None
+    # FLUX.1's T5 sequence length in tokens (None: the family's, 512, resolved when planning);
+    # refused for families without a T5 encoder
+    max_sequence_length: int | None = None
     seed: int = 0  # the run seed, hashed with a record's id when it has no seed
     per_device_batch: int | str = 1  # "auto": the largest that fits a device, chosen before planning
     # the memory of one device in GiB, for --per-device-batch auto (None: the device's own figure)
@@ -55,9 +60,11 @@ class Settings:
     save_latents: bool = False  # zarr: also OUT/zarr/latents, the final latents before VAE decoding
     prompt_field: str = "prompt"  # the prompt's column / key in jsonl, json, csv, tsv and parquet inputs
     dedupe: bool = False  # plan: a record whose prompt an earlier record has is rejected (duplicate_prompt)
-    # classifier-free guidance: "diffusers" runs it only for images whose guidance is > 1 and uses the
-    # conditional prediction alone at guidance <= 1, as diffusers does; "always" (runs planned before
-    # the rule) guided every image. Not a flag: a run keeps the rule it was planned with.
+    # how guidance acts. Classifier-free guidance: "diffusers" runs it only for images whose guidance
+    # is > 1 and uses the conditional prediction alone at guidance <= 1, as diffusers does; "always"
+    # (runs planned before the rule) guided every image. Families without it: "embedded" (FLUX.1
+    # [dev]: each image's guidance is an input of the transformer) and "unused" (FLUX.1 [schnell]:
+    # none). Not a flag: decided by the model's family when planning, and a run keeps it.
     guidance_rule: str = "diffusers"
     # whether the run's program runs classifier-free guidance (UNet batch 2B, negative prompts
     # encoded) or is guidance-free (batch B, no negative prompts): decided by the plan, True
@@ -106,6 +113,15 @@ class Settings:
             raise ValueError(f"guided must be true, false or null, got {self.guided!r}")
         if self.guidance_rule == "always" and self.guided is False:
             raise ValueError("a run under the 'always' guidance rule guides every image, so it cannot be guidance-free")
+        if self.guidance_rule in NO_CFG_RULES and self.guided:
+            raise ValueError(f"a run under the {self.guidance_rule!r} guidance rule has no classifier-free guidance")
+        if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
+                self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
+            raise ValueError(f"--guidance-scale must be a finite number, got {self.guidance_scale!r}")
+        if self.max_sequence_length is not None and (isinstance(self.max_sequence_length, bool) or not isinstance(
+                self.max_sequence_length, int) or not 1 <= self.max_sequence_length <= MAX_SEQUENCE_LENGTH):
+            raise ValueError(f"--max-sequence-length must be a whole number of T5 tokens from 1 to "
+                             f"{MAX_SEQUENCE_LENGTH}, got {self.max_sequence_length!r}")
         for spec in self.loras:
             parse_lora(spec)
         if not isinstance(self.prompt_field, str) or not self.prompt_field:
@@ -182,8 +198,10 @@ def check_size(name: str, value: int) -> int:
 # runs keep theirs (and resume).
 NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
                   "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
-                  "device_memory": None, "loras": ()}
-GUIDANCE_RULES = ("diffusers", "always")
+                  "device_memory": None, "loras": (), "max_sequence_length": None}
+GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused")
+NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free
+MAX_SEQUENCE_LENGTH = 512  # the longest T5 sequence FLUX.1 takes (diffusers' FluxPipeline refuses more)
 
 
 def fingerprint(settings: Settings, model_fingerprint: str) -> str:
@@ -226,6 +244,7 @@ class Run:
     created_at: str
     versions: tuple[tuple[str, str], ...] = ()  # (package, version), sorted
     loras: tuple[Lora, ...] = ()  # the settings' --lora files, in order, with their sha256
+    license: str | None = None  # the licence the checkpoint states (its model card), if any
 
     def __post_init__(self):
         asked = [parse_lora(spec) for spec in self.settings.loras]
@@ -235,9 +254,14 @@ class Run:
 
     @classmethod
     def create(cls, settings: Settings, model_fingerprint: str, created_at: str, versions: dict,
-               loras: tuple[Lora, ...] = ()) -> "Run":
+               loras: tuple[Lora, ...] = (), license: str | None = None) -> "Run":
         return cls(settings, model_fingerprint, fingerprint(settings, model_fingerprint), created_at,
-                   tuple(sorted(versions.items())), tuple(loras))
+                   tuple(sorted(versions.items())), tuple(loras), license)
+
+    def with_settings(self, settings: Settings) -> "Run":
+        """The same run with ``settings`` (a plan's decision) and their fingerprint."""
+        return dataclasses.replace(self, settings=settings,
+                                   settings_fingerprint=fingerprint(settings, self.model_fingerprint))
 
     @property
     def scheduler(self) -> str | None:
@@ -247,7 +271,8 @@ class Run:
         return {"settings": self.settings.to_dict(), "model_fingerprint": self.model_fingerprint,
                 "scheduler": self.settings.scheduler, "settings_fingerprint": self.settings_fingerprint,
                 "versions": dict(self.versions), "created_at": self.created_at,
-                "loras": [lora.to_dict() for lora in self.loras]}
+                "loras": [lora.to_dict() for lora in self.loras],
+                **({"license": self.license} if self.license is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Run":
@@ -260,4 +285,4 @@ class Run:
                    settings_fingerprint=data.get("settings_fingerprint") or fingerprint(settings,
                                                                                          data["model_fingerprint"]),
                    created_at=data["created_at"], versions=tuple(sorted(data.get("versions", {}).items())),
-                   loras=tuple(Lora(**lora) for lora in data.get("loras", ())))
+                   loras=tuple(Lora(**lora) for lora in data.get("loras", ())), license=data.get("license"))

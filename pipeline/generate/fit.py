@@ -43,26 +43,24 @@ def program_memory(compiled) -> dict:
     return memory
 
 
-def struct(tree):
-    """Shapes and dtypes only (``jax.ShapeDtypeStruct``s): lowering needs no real weights."""
-    import jax
-    import numpy as np
-
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
 def sampler_memory(model, width: int, height: int, steps: int, per_device_batch: int, guided: bool = True,
-                   attention: str = "auto", platform: str | None = None, latents: bool = False) -> dict:
+                   attention: str = "auto", platform: str | None = None, latents: bool = False,
+                   guidance_rule: str | None = None) -> dict:
     """``program_memory`` of one device's sampler program at ``per_device_batch`` images,
-    compiled from shapes (``model``'s params may be arrays or ``ShapeDtypeStruct``s)."""
+    compiled from shapes (``model``'s params may be arrays or ``ShapeDtypeStruct``s);
+    ``guidance_rule``: default the model's family's (``Family.guidance_rule``)."""
     import jax
     import jax.numpy as jnp
 
     from pipeline.generate import sampler
+    from pipeline.model.families.shapes import struct
 
-    fn = sampler.make_sample_fn(model, width, height, steps, latents, guided=guided, attention=attention,
+    rule = guidance_rule if guidance_rule is not None else model.family.guidance_rule(model)
+    fn = sampler.make_sample_fn(model, width, height, steps, latents, rule, guided=guided, attention=attention,
                                 platform=platform)
-    params = struct(model.params)
+    params = struct(model.params, model.param_dtype)
     b = per_device_batch
     ids = jax.ShapeDtypeStruct((b, *sampler.tokenize(model, [""]).shape[1:]), jnp.int32)
     words = jax.ShapeDtypeStruct((b,), jnp.uint32)
@@ -143,11 +141,11 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
     devices = devices or jax.local_devices()
     capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
     model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
-                           abstract=True)
+                           abstract=True, max_sequence_length=settings.max_sequence_length)
     width, height = settings.width or model.native_size, settings.height or model.native_size
     # before the plan has read the prompts, whether the run is guided is unknown: a guided
     # program (the UNet at twice the rows) is the larger, so it is the one that must fit
-    guided = settings.guided if settings.guided is not None else True
+    guided = settings.guided if settings.guided is not None else model.family.cfg
     platform = devices[0].platform
 
     def needs(b: int) -> int:

@@ -44,31 +44,41 @@ class Batch:
 PADDING_ROW = ("", "", 0.0, 0, 0)
 
 
-def replicate(tree, devices):
+def replicate(tree, devices, dtype=None):
     """Put one copy of every leaf on each device, laid out as pmap expects.
 
     The host array is broadcast as a view and sliced per device, so no device ever
     holds more than one copy (stacking on device 0 first would need D copies there).
+    ``dtype``: floating leaves are cast to it on the devices (``Model.param_dtype``: the
+    host keeps its weights in their stored dtype).
     """
     import jax
+    import jax.numpy as jnp
 
     mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
 
     def put(leaf):
         leaf = np.asarray(leaf)
-        return jax.device_put(np.broadcast_to(leaf, (len(devices),) + leaf.shape), sharding)
+        placed = jax.device_put(np.broadcast_to(leaf, (len(devices),) + leaf.shape), sharding)
+        if dtype is not None and jnp.issubdtype(placed.dtype, jnp.floating) and placed.dtype != dtype:
+            placed = placed.astype(dtype)
+        return placed
 
     return jax.tree_util.tree_map(put, tree)
 
 
-def replicated_shapes(tree, devices=None):
+def replicated_shapes(tree, devices=None, dtype=None):
     """``jax.ShapeDtypeStruct``s of ``tree`` (arrays or structs) as ``replicate`` lays it
-    out on ``devices`` (the device axis first); without ``devices``, of ``tree`` as it is."""
+    out on ``devices`` (the device axis first; ``dtype``: as ``replicate`` casts it);
+    without ``devices``, of ``tree`` as it is."""
     import jax
 
+    from pipeline.model.families.shapes import struct
+
     lead = () if devices is None else (len(devices),)
-    return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(lead + tuple(np.shape(leaf)), leaf.dtype), tree)
+    return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(lead + tuple(leaf.shape), leaf.dtype),
+                                  struct(tree, dtype))
 
 
 def _same_shapes(a, b) -> bool:
@@ -112,7 +122,7 @@ def compile_sampler(model, width: int, height: int, steps: int, per_device_batch
     compiles = jax_events.COMPILES.count_here()
     lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
                             attention)
-    params = replicated_shapes(model.params, devices)
+    params = replicated_shapes(model.params, devices, model.param_dtype)
     compiled, from_cache = compile_cache.load_or_compile(lowered, devices,
                                                          index=(index_key, params) if index_key else None)
     return SamplerProgram(compiled, params, tuple(devices), from_cache,
@@ -155,7 +165,8 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
     shaped = (len(devices), per_device_batch)
     ids = ShapedArray(shaped + sampler.tokenize(model, [""]).shape[1:], jnp.int32)
     words = ShapedArray(shaped, jnp.uint32)
-    params = jax.tree_util.tree_map(lambda s: ShapedArray(s.shape, s.dtype), replicated_shapes(model.params, devices))
+    params = jax.tree_util.tree_map(lambda s: ShapedArray(s.shape, s.dtype),
+                                    replicated_shapes(model.params, devices, model.param_dtype))
     return fn.lower(params, ids, ids, ShapedArray(shaped, jnp.float32), words, words, words)
 
 
@@ -181,7 +192,7 @@ class Generator:
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
         started = time.perf_counter()
-        self.params = replicate(model.params, self.devices) if params is None else params
+        self.params = replicate(model.params, self.devices, model.param_dtype) if params is None else params
         jax.block_until_ready(self.params)
         self.transfer_s = time.perf_counter() - started  # putting the weights on the devices
         self.program_given = program is not None and program.takes(self.params, self.devices)

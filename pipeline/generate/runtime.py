@@ -45,7 +45,7 @@ def load_model(run: Run, out: str | None = None):
     table = naming.model_files(out) if out else None
     quick = table is not None and not settings.unet and not settings.loras and storage.exists(table)
     model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing, settings.unet,
-                           settings.loras, fingerprint=not quick)
+                           settings.loras, fingerprint=not quick, max_sequence_length=settings.max_sequence_length)
     if quick:
         try:
             sources.check_model(settings.model, storage.read_json(table)["files"])
@@ -84,7 +84,7 @@ def abstract_model(settings: Settings):
     from pipeline.model import load as model_lib
 
     return model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
-                          abstract=True)
+                          abstract=True, max_sequence_length=settings.max_sequence_length)
 
 
 def sampler_description(settings: Settings) -> dict:
@@ -98,7 +98,8 @@ def sampler_description(settings: Settings) -> dict:
     return {"checkpoint": sources.program_digest(s.model), "dtype": s.dtype, "scheduler": s.scheduler,
             "timestep_spacing": s.timestep_spacing, "width": s.width, "height": s.height, "steps": s.steps,
             "per_device_batch": s.per_device_batch, "latents": s.save_latents, "guidance_rule": s.guidance_rule,
-            "guided": s.guided, "attention": s.attention}
+            "guided": s.guided, "attention": s.attention,
+            **({"max_sequence_length": s.max_sequence_length} if s.max_sequence_length is not None else {})}
 
 
 def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerProgram:
@@ -146,7 +147,7 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
         compiling = pool.submit(compile_run_sampler, run.settings, devices)
         model = load_model(run, out)
         loaded = time.perf_counter()
-        params = jax.block_until_ready(replicate(model.params, devices))
+        params = jax.block_until_ready(replicate(model.params, devices, model.param_dtype))
         transferred = time.perf_counter()
         try:
             program = compiling.result()
@@ -167,7 +168,8 @@ def program_tag(run: Run) -> tuple:
     """What decides a compiled generator: runs with equal tags can share one in a process."""
     s = run.settings
     return (s.model, run.model_fingerprint, s.dtype, s.scheduler, s.width, s.height, s.steps, s.per_device_batch,
-            s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided, s.attention)
+            s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided, s.attention,
+            s.max_sequence_length)
 
 
 def open_zarr(out: str, run: Run, model, images: int):
@@ -181,7 +183,7 @@ def open_zarr(out: str, run: Run, model, images: int):
     zarr_latents = None
     if settings.save_latents:
         zarr_latents = formats.open_zarr_latents(out, images, model.latent_shape(settings.width, settings.height),
-                                                 model.vae.config.scaling_factor)
+                                                 model.family.latents_note(model))
     return zarr_images, zarr_latents
 
 

@@ -200,17 +200,24 @@ class Program:
         return dataclasses.asdict(self) | {"kernels": list(self.kernels)}
 
 
-def _program_args(settings) -> dict:
+def _program_args(settings, model) -> dict:
     """The arguments of ``generator.lower_sampler`` a run's settings decide."""
-    return dict(steps=settings.steps, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
-                guided=run_guided(settings), attention=settings.attention)
+    rule = settings.guidance_rule if settings.guided is not None else model.family.guidance_rule(model)
+    return dict(steps=settings.steps, latents=settings.save_latents, guidance_rule=rule,
+                guided=run_guided(settings, model), attention=settings.attention)
 
 
-def run_guided(settings) -> bool:
+def run_guided(settings, model=None) -> bool:
     """Whether the checked program is the guided one: the plan's decision when there is
     one, else what ``--guidance-scale`` alone implies (records that carry their own
-    guidance above 1 make a run guided: ``submit`` checks again once the plan decided)."""
-    return settings.guided if settings.guided is not None else settings.guidance_scale > 1
+    guidance above 1 make a run guided: ``submit`` checks again once the plan decided;
+    without one, the family's default guides where the family has classifier-free
+    guidance at all)."""
+    if settings.guided is not None:
+        return settings.guided
+    if model is not None and not model.family.cfg:
+        return False
+    return settings.guidance_scale is None or settings.guidance_scale > 1
 
 
 def size_of(settings, model) -> tuple[int, int]:
@@ -227,7 +234,7 @@ def compile_program(settings, target: Target, per_device_batch: int, model=None)
     devices = host_devices(target)
     model = model or runtime.abstract_model(settings)
     width, height = size_of(settings, model)
-    args = _program_args(settings)
+    args = _program_args(settings, model)
     started = time.perf_counter()
     with attention.record() as calls:
         lowered = generator.lower_sampler(model, width, height, per_device_batch=per_device_batch, devices=devices,
@@ -273,18 +280,15 @@ def parts_memory(settings, target: Target, per_device_batch: int, model) -> int:
     device = host_devices(target)[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     width, height = size_of(settings, model)
-    rows = per_device_batch * (2 if run_guided(settings) else 1)
 
     @contextlib.contextmanager
     def seam():
         with attention.use(settings.attention, platform="tpu"):
             yield
 
-    programs = [(sum(_nbytes(model.params[name]) for name in model.params if name.startswith("text_encoder")),
-                 lowered) for lowered in parts.text_encoders(model, rows, sharding)]
-    programs.append((_nbytes(model.params["unet"]), parts.unet_call(model, width, height, rows, seam, sharding)))
-    programs.append((_nbytes(model.params["vae"]),
-                     parts.vae_decode(model, width, height, per_device_batch, seam, sharding)))
+    programs = [(sum(_nbytes(model.params[name]) for name in components), lowered)
+                for _, components, lowered in parts.parts(model, width, height, per_device_batch,
+                                                          run_guided(settings, model), seam, sharding)]
     most = 0
     for weights, lowered in programs:
         try:
@@ -305,7 +309,8 @@ def _description(settings, target: Target, per_device_batch) -> dict:
 
     described = runtime.sampler_description(settings.replace(per_device_batch=per_device_batch
                                                              if per_device_batch is not None else 1))
-    described.update({"per_device_batch": per_device_batch, "guided": run_guided(settings),
+    described.update({"per_device_batch": per_device_batch, "guided": settings.guided,
+                      "guidance_scale": settings.guidance_scale,
                       "tpu_type": target.tpu_type, "chips": target.chips, "libtpu": libtpu_version(), "check": 1})
     return described
 
@@ -341,13 +346,13 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
 
     def make():
         program = compile_program(settings, target, b, model)
-        flops = parts.image_flops(model, width, height, settings.steps, 1, run_guided(settings))
+        flops = parts.image_flops(model, width, height, settings.steps, 1, run_guided(settings, model))
         return {**program.to_dict(), "flops_per_image": flops}
 
     found, cached = _remembered("program", settings, target, b, make)
     program = {k: v for k, v in found.items() if k != "flops_per_image"}
     report = {"model": settings.model, "width": width, "height": height, "steps": settings.steps,
-              "dtype": settings.dtype, "attention": settings.attention, "guided": run_guided(settings),
+              "dtype": settings.dtype, "attention": settings.attention, "guided": run_guided(settings, model),
               "tpu_type": target.tpu_type, "topology": target.topology, "machine_type": target.machine_type,
               "chips_per_host": target.chips, "per_device_batch": b,
               "argument_gib": round(program["argument"] / GIB, 3), "temp_gib": round(program["temp"] / GIB, 3),

@@ -34,7 +34,7 @@ import re
 
 import numpy as np
 
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "transformer")
 DIFFUSERS, KOHYA = "diffusers/PEFT", "kohya"
 _KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
                    "lora_te2_": "text_encoder_2"}
@@ -46,6 +46,9 @@ _METADATA_KEY = "lora_adapter_metadata"
 # cross-attention width (the text features' width) of the families a LoRA may be made for
 _FAMILIES = {768: "SD 1.x", 1024: "SD 2.x", 2048: "SDXL"}
 _SHOWN = 5  # unmatched keys named in an error
+# FLUX.1 LoRAs that name BFL's original blocks (img_attn_qkv, ...): kohya's and the original format
+_FLUX_NATIVE = ("lora_unet_double_blocks_", "lora_unet_single_blocks_", "diffusion_model.double_blocks.",
+                "diffusion_model.single_blocks.", "lora_transformer_double_blocks_", "lora_transformer_single_blocks_")
 
 
 class LoraError(ValueError):
@@ -83,7 +86,8 @@ class Match:
     """An update and the Flax kernel it changes."""
     update: Update
     path: tuple[str, ...]  # the kernel's path in the component's parameter tree
-    shape: tuple[int, ...]  # the kernel's shape: (in, out), or (kh, kw, in, out)
+    shape: tuple[int, ...]  # the kernel's shape: (in, out), or (kh, kw, in, out); one block's, when stacked
+    index: int | None = None  # the block, in a stacked (scanned) kernel of all blocks
 
 
 def read(path: str) -> Adapter:
@@ -102,6 +106,12 @@ def read(path: str) -> Adapter:
     except Exception as e:  # a truncated or foreign file
         raise LoraError(f"--lora {path}: not a readable safetensors file ({e})") from None
     keys = list(shapes)
+    flux_native = [key for key in keys if key.startswith(_FLUX_NATIVE)]
+    if flux_native:
+        raise LoraError(f"--lora {path}: a FLUX.1 LoRA in kohya's or Black Forest Labs' own format (keys such as "
+                        f"{flux_native[0]}, naming the original double/single blocks), which promptmill does not "
+                        f"read yet; use one in diffusers' format (transformer.transformer_blocks.N..., as diffusers' "
+                        f"save_lora_weights writes it)")
     if any(key.startswith(tuple(_KOHYA_PREFIXES)) for key in keys):
         updates = _kohya_updates(path, keys, alphas)
         return Adapter(path, KOHYA, updates, shapes)
@@ -220,27 +230,41 @@ def _refuse_unknown(path: str, format_: str, keys: list[str]) -> None:
 
 # ---------------------------------------------------------------- matching
 
-def kernels(shapes: dict) -> dict[str, dict[str, tuple[tuple[str, ...], tuple[int, ...]]]]:
-    """{component: {'_'-joined layer name: (kernel path, kernel shape)}} of a model's Dense
-    and convolution kernels, from {component: flat {path: shape}}. A joined name that two
-    layers share maps to None (a match on it is refused)."""
+def kernels(shapes: dict, layouts: dict | None = None) -> dict[str, dict[str, tuple]]:
+    """{component: {'_'-joined layer name: (kernel path, kernel shape, block index)}} of a
+    model's Dense and convolution kernels, from {component: flat {path: shape}}. A
+    component of promptmill's own networks (``layouts``: {component:
+    ``nets.convert.Layout``}) names its layers by PyTorch's names (``convert.torch_name``),
+    one per block of a stacked kernel (block index, and one block's shape). A joined name
+    that two layers share maps to None (a match on it is refused)."""
+    from pipeline.model.nets import convert
+
+    layouts = layouts or {}
     index = {}
     for component, flat in shapes.items():
         own = index.setdefault(component, {})
+        layout = layouts.get(component)
         for path, shape in flat.items():
             if path[-1] != "kernel":
                 continue
-            name = "_".join(path[:-1])
-            own[name] = None if name in own else (tuple(path), tuple(shape))
+            path, shape = tuple(path), tuple(shape)
+            if layout is None or convert.stack_of(path, layout) is None:
+                entries = [("_".join(path[:-1]), shape, None)]
+            else:
+                entries = [(convert.torch_name(path, layout, i).removesuffix(".weight").replace(".", "_"), shape[1:], i)
+                           for i in range(shape[0])]
+            for name, one, block in entries:
+                own[name] = None if name in own else (path, one, block)
     return index
 
 
-def match(adapter: Adapter, shapes: dict) -> list[Match]:
+def match(adapter: Adapter, shapes: dict, layouts: dict | None = None) -> list[Match]:
     """Every update of ``adapter`` with the kernel it changes, for a model whose components'
-    flat parameter shapes are ``shapes`` ({component: {path: shape}}); LoraError for an
-    adapter of another family, a key that matches no layer, or a shape that does not fit."""
+    flat parameter shapes are ``shapes`` ({component: {path: shape}}; ``layouts``: see
+    ``kernels``); LoraError for an adapter of another family, a key that matches no
+    layer, or a shape that does not fit."""
     _check_family(adapter, shapes)
-    index = kernels(shapes)
+    index = kernels(shapes, layouts)
     matches, unmatched = [], []
     for update in adapter.updates:
         found = index.get(update.component, {}).get(update.layer)
@@ -266,6 +290,12 @@ def _check_family(adapter: Adapter, shapes: dict) -> None:
     text features of another width."""
     components = {u.component for u in adapter.updates}
     model = _describe_family(shapes)
+    if "transformer" in components and "transformer" not in shapes:
+        raise LoraError(f"--lora {adapter.path}: made for FLUX.1 (it adapts a transformer), but the model is {model}; "
+                        f"use a LoRA made for the model's family")
+    if "unet" in components and "unet" not in shapes:
+        raise LoraError(f"--lora {adapter.path}: made for SD or SDXL (it adapts a UNet), but the model is {model}; "
+                        f"use a LoRA made for the model's family")
     if "text_encoder_2" in components and "text_encoder_2" not in shapes:
         raise LoraError(f"--lora {adapter.path}: made for SDXL (it adapts a second text encoder), but the model is "
                         f"{model}; use a LoRA made for the model's family")
@@ -289,6 +319,8 @@ def _model_context_width(shapes: dict) -> int | None:
 
 
 def _describe_family(shapes: dict) -> str:
+    if "transformer" in shapes:
+        return "FLUX.1 (a transformer)"
     width = _model_context_width(shapes)
     if "text_encoder_2" in shapes:
         return "SDXL (two text encoders)"
@@ -323,10 +355,12 @@ def delta(down: np.ndarray, up: np.ndarray, kernel_shape: tuple[int, ...]) -> np
     return product.reshape(out, fan_in, kh, kw).transpose(2, 3, 1, 0)
 
 
-def merge(params: dict, loras: list[tuple[str, float]]) -> dict:
+def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = None) -> dict:
     """``params`` ({component: tree}) with each (local file, scale) of ``loras`` merged in
-    order: kernel + float32(scale·alpha/rank)·(up·down), in float32 numpy on the host. The
-    trees are copied where a kernel changes; the parameters given are never modified."""
+    order: kernel + float32(scale·alpha/rank)·(up·down), in float32 numpy on the host, then
+    back in the kernel's dtype (a stacked kernel, ``layouts``: see ``kernels``, is merged
+    block by block into one float32 copy of the stack). The trees are copied where a
+    kernel changes; the parameters given are never modified."""
     from flax.traverse_util import flatten_dict, unflatten_dict
     from safetensors import safe_open
 
@@ -338,18 +372,25 @@ def merge(params: dict, loras: list[tuple[str, float]]) -> dict:
     for path, scale in loras:
         adapter = read(path)
         with safe_open(path, "np") as tensors:
-            for found in match(adapter, shapes):
+            for found in match(adapter, shapes, layouts):
                 update = found.update
                 down, up = tensors.get_tensor(update.down), tensors.get_tensor(update.up)
                 key = (update.component, found.path)
                 kernel = changed.get(key)
                 if kernel is None:
                     kernel = np.asarray(flat[update.component][found.path], np.float32)
-                changed[key] = kernel + adapter.factor(update, scale) * delta(down, up, found.shape)
+                step = adapter.factor(update, scale) * delta(down, up, found.shape)
+                if found.index is None:
+                    changed[key] = kernel + step
+                else:
+                    kernel = kernel.copy() if key not in changed else kernel
+                    kernel[found.index] += step
+                    changed[key] = kernel
     merged = dict(params)
     for component in {component for component, _ in changed}:
         tree = dict(flat[component])
-        tree.update({path: value for (name, path), value in changed.items() if name == component})
+        tree.update({path: value.astype(np.asarray(flat[name][path]).dtype, copy=False)
+                     for (name, path), value in changed.items() if name == component})
         merged[component] = unflatten_dict(tree)
     return merged
 

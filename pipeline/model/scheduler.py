@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 
-from pipeline.core.choices import SCHEDULERS, TIMESTEP_SPACINGS
+from pipeline.core.choices import FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.model import steps
 from pipeline.model.sources import ModelError
 
@@ -98,6 +98,9 @@ def resolve_sampler(directory: str, choice: str | None, timestep_spacing: str | 
     choice = choice or checkpoint_scheduler(directory)
     if choice not in SCHEDULERS:
         raise ModelError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {choice!r}")
+    if choice in FLOW_SCHEDULERS:
+        raise ModelError(f"--scheduler {choice} is the rectified-flow sampler of FLUX.1; {directory} is a diffusion "
+                         f"model (SD, SDXL): use one of {', '.join(c for c in SCHEDULERS if c not in FLOW_SCHEDULERS)}")
     config = read_scheduler_config(directory)
     overridden: tuple[str, ...] = ()
     if timestep_spacing is not None:

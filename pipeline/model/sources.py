@@ -19,12 +19,10 @@ import os
 import re
 
 from pipeline.core import naming
-from pipeline.model import tiny, weights
+from pipeline.model import builtin, tiny, weights
 from pipeline.model.cache import cache_dir, is_made, materialize
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # a --lora folder's file, as diffusers' save_lora_weights names it
-COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
-SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
 
 
 class ModelError(ValueError):
@@ -49,8 +47,8 @@ def resolve(name: str, weights: bool = True, shapes: bool = False) -> str:
     """
     from pipeline.io import storage
 
-    if name in tiny.PRESETS:
-        return tiny.ensure(os.path.join(cache_dir(), "models"), name, shapes=shapes and not weights)
+    if name in builtin.PRESETS:
+        return builtin.ensure(name, shapes=shapes and not weights)
     if storage.is_gcs(name):
         return fetch_remote(name, weights)
     if os.path.isdir(name):
@@ -58,7 +56,7 @@ def resolve(name: str, weights: bool = True, shapes: bool = False) -> str:
     if _HUB_ID.fullmatch(name) and not os.path.exists(name):
         return _fetch_hub(name)
     raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, a gs:// prefix, a "
-                     f"Hugging Face id, or one of the built-in random models: {', '.join(tiny.PRESETS)})")
+                     f"Hugging Face id, or one of the built-in random models: {', '.join(builtin.NAMES)})")
 
 
 # what describing a checkpoint reads: model_index.json, every component's config, the
@@ -446,54 +444,44 @@ def check_unet_file(directory: str, unet_file: str) -> None:
                              f"for another architecture, or not a diffusers-format UNet)")
 
 
-def family(index: dict) -> str:
-    """'sdxl' for a checkpoint with a second text encoder, else 'sd' (SD 1.x / 2.x)."""
-    return "sdxl" if index.get("text_encoder_2", [None])[0] else "sd"
-
-
-def check_layout(directory: str) -> dict:
-    """Read ``model_index.json`` and check that every component is present."""
+def check_layout(directory: str, components, libraries: dict) -> None:
+    """Check that every component folder a checkpoint's family needs (``components``) is
+    present, and that each one holding weights (``libraries``: {component: library})
+    has its config and weights; ModelError naming the first missing piece."""
     objects = _remote_objects(directory)
     # a gs:// checkpoint's configs-only copy: its listing says which files it has
     names = set(objects) if objects is not None and _configs_only(directory) else None
-    index_path = os.path.join(directory, "model_index.json")
-    if not os.path.isfile(index_path):
-        raise ModelError(f"{directory}: missing model_index.json (not a diffusers-format checkpoint)")
-    with open(index_path) as f:
+    with open(os.path.join(directory, "model_index.json")) as f:
         index = json.load(f)
-    components = COMPONENTS + (SDXL_COMPONENTS if family(index) == "sdxl" else ())
     for component in components:
         present = os.path.isdir(os.path.join(directory, component)) if names is None else \
             any(name.startswith(f"{component}/") for name in names)
         if component not in index or not present:
             raise ModelError(f"{directory}: missing component '{component}/'")
-    for component in components:
-        if component in weights.LIBRARY:
-            sub = os.path.join(directory, component)
-            if not os.path.isfile(os.path.join(sub, "config.json")):
-                raise ModelError(f"{directory}: missing {component}/config.json")
-            if tiny.shapes_only(directory):
-                continue  # a built-in with its configs alone: shapes, never weights
-            try:
-                if names is None:
-                    weights.find(sub, component)
-                else:
-                    _find_listed(sub, component, names)
-            except weights.WeightsError as e:
-                raise ModelError(str(e)) from None
-    if not os.path.isfile(os.path.join(directory, "scheduler", "scheduler_config.json")):
+    for component, library in libraries.items():
+        sub = os.path.join(directory, component)
+        if not os.path.isfile(os.path.join(sub, "config.json")):
+            raise ModelError(f"{directory}: missing {component}/config.json")
+        if tiny.shapes_only(directory):
+            continue  # a built-in with its configs alone: shapes, never weights
+        try:
+            if names is None:
+                weights.find(sub, component, library)
+            else:
+                _find_listed(sub, component, library, names)
+        except weights.WeightsError as e:
+            raise ModelError(str(e)) from None
+    if "scheduler" in components and not os.path.isfile(os.path.join(directory, "scheduler",
+                                                                     "scheduler_config.json")):
         raise ModelError(f"{directory}: missing scheduler/scheduler_config.json")
-    return index
 
 
 def _configs_only(directory: str) -> bool:
     return os.path.dirname(os.path.abspath(directory)) == os.path.abspath(_configs_root())
 
 
-def _find_listed(component_dir: str, component: str, names: set) -> None:
+def _find_listed(component_dir: str, component: str, library: str, names: set) -> None:
     """``weights.find`` for a component whose weights are listed but not downloaded."""
-    library = weights.LIBRARY[component]
-    files = (weights.FLAX_FILES[library], weights.SAFETENSORS_FILES[library])
+    files = weights.weight_file_names(library)
     if not any(f"{component}/{name}" in names for name in files):
-        raise weights.WeightsError(f"{component_dir}: no weights for '{component}' (expected {files[0]} "
-                                   f"or {files[1]})")
+        raise weights.WeightsError(f"{component_dir}: no weights for '{component}' (expected {' or '.join(files)})")

@@ -207,6 +207,11 @@ def _save_shapes(directory: str, name: str, pipe) -> None:
             component.config.save_pretrained(target)
         else:
             component.save_config(target)
+    mark_shapes_only(directory, name)
+
+
+def mark_shapes_only(directory: str, name: str) -> None:
+    """Mark a built-in model's folder as saved without weights (``shapes_only``)."""
     with open(os.path.join(directory, SHAPES_ONLY), "w") as f:
         json.dump({"preset": name, "why": "a built-in random model saved without weights: its shapes are for the "
                    "TPU check, FLOP counts and memory benchmarks"}, f)

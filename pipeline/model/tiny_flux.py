@@ -31,7 +31,7 @@ import tempfile
 import zlib
 
 from pipeline.model import tiny
-from pipeline.model.cache import materialize
+from pipeline.model.cache import is_made, materialize
 
 SEED = 0
 CLIP_MAX_LENGTH = tiny.MAX_LENGTH  # 77, FluxPipeline's CLIP length
@@ -88,10 +88,11 @@ PRESETS = {
                           scheduler=DEV_SCHEDULER),
     # FLUX.1's sizes: configs only (build(..., weights=False)), for the TPU check and FLOP counts
     "random-flux": dict(version="random-flux-v1", variant="schnell", weights_dtype="bfloat16", text=_CLIP_L,
-                        t5=_T5_XXL, transformer=_FLUX_TRANSFORMER, vae=_FLUX_VAE, scheduler=SCHNELL_SCHEDULER),
+                        t5=_T5_XXL, transformer=_FLUX_TRANSFORMER, vae=_FLUX_VAE, scheduler=SCHNELL_SCHEDULER,
+                        shapes_only=True),
     "random-flux-dev": dict(version="random-flux-dev-v1", variant="dev", weights_dtype="bfloat16", text=_CLIP_L,
                             t5=_T5_XXL, transformer=dict(_FLUX_TRANSFORMER, guidance_embeds=True), vae=_FLUX_VAE,
-                            scheduler=DEV_SCHEDULER),
+                            scheduler=DEV_SCHEDULER, shapes_only=True),
 }
 
 # The T5 vocabulary: whole words (preferred by the Unigram scores), and every single
@@ -247,6 +248,7 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
         config.dtype = dtype
         config.save_pretrained(os.path.join(directory, component))
     if not weights:
+        tiny.mark_shapes_only(directory, name)
         return
 
     t5_cfg = t5.T5Config.from_dict(t5_hf.to_dict())
@@ -278,8 +280,14 @@ def _flax_clip(config):
     return FlaxCLIPTextModel(config, _do_init=False)
 
 
-def ensure(models_dir: str, name: str = "tiny-flux", weights: bool = True) -> str:
+def ensure(models_dir: str, name: str = "tiny-flux", shapes: bool = False) -> str:
     """The cached random model's directory, building it on first use (once per machine,
-    see ``cache.materialize``); ``weights=False`` caches the configs-only version."""
-    version = PRESETS[name]["version"] + ("" if weights else "-configs")
-    return materialize(os.path.join(models_dir, version), lambda scratch: build(scratch, name, weights))
+    see ``cache.materialize``). ``shapes``: its configs alone will do: the whole model if
+    it was built already, else its configs and tokenizers (always so for a
+    ``shapes_only`` preset, whose weights are never written)."""
+    whole = os.path.join(models_dir, PRESETS[name]["version"])
+    if PRESETS[name].get("shapes_only"):
+        return materialize(whole, lambda scratch: build(scratch, name, weights=False))
+    if not shapes or is_made(whole):
+        return materialize(whole, lambda scratch: build(scratch, name))
+    return materialize(f"{whole}-shapes", lambda scratch: build(scratch, name, weights=False))

@@ -29,22 +29,44 @@ import numpy as np
 
 FLAX_FILES = {"diffusers": "diffusion_flax_model.msgpack", "transformers": "flax_model.msgpack"}
 SAFETENSORS_FILES = {"diffusers": "diffusion_pytorch_model.safetensors", "transformers": "model.safetensors"}
-LIBRARY = {"unet": "diffusers", "vae": "diffusers", "text_encoder": "transformers", "text_encoder_2": "transformers"}
+LIBRARY = {"unet": "diffusers", "vae": "diffusers", "transformer": "diffusers", "text_encoder": "transformers",
+           "text_encoder_2": "transformers"}
 
 
 class WeightsError(ValueError):
     pass
 
 
-def find(component_dir: str, component: str) -> tuple[str, str]:
-    """("flax" | "safetensors", path) of a component's weights; Flax msgpack wins."""
-    library = LIBRARY[component]
-    for kind, name in (("flax", FLAX_FILES[library]), ("safetensors", SAFETENSORS_FILES[library])):
+def weight_file_names(library: str) -> tuple[str, ...]:
+    """The weight files a component of ``library`` may have, in the order ``find`` prefers
+    them: Flax msgpack, PyTorch safetensors, and the index of sharded safetensors."""
+    return FLAX_FILES[library], SAFETENSORS_FILES[library], f"{SAFETENSORS_FILES[library]}.index.json"
+
+
+def find(component_dir: str, component: str, library: str | None = None) -> tuple[str, str]:
+    """("flax" | "safetensors" | "sharded", path) of a component's weights (``library``:
+    whose file names; default by the component's name): Flax msgpack wins, then a single
+    safetensors file, then the index of sharded ones."""
+    library = library or LIBRARY[component]
+    for kind, name in zip(("flax", "safetensors", "sharded"), weight_file_names(library)):
         path = os.path.join(component_dir, name)
         if os.path.isfile(path):
             return kind, path
-    raise WeightsError(f"{component_dir}: no weights for '{component}' (expected {FLAX_FILES[library]} "
-                       f"or {SAFETENSORS_FILES[library]})")
+    raise WeightsError(f"{component_dir}: no weights for '{component}' (expected "
+                       f"{' or '.join(weight_file_names(library))})")
+
+
+def source_files(source: str) -> list[str]:
+    """The files whose bytes a component's weights are: ``source`` itself, or for the
+    index of sharded safetensors the index and every shard it names."""
+    if not source.endswith(".index.json"):
+        return [source]
+    try:
+        with open(source) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise WeightsError(f"{source}: not a readable safetensors index ({type(e).__name__}: {e})") from e
+    return [source] + [os.path.join(os.path.dirname(source), os.path.basename(shard)) for shard in shards]
 
 
 def _check_complete(where: str, shapes: dict, flat: dict) -> None:
@@ -151,20 +173,22 @@ CONVERTED_VERSION = "2"  # bump whenever the conversion's result could change
 
 
 def converted_path(source: str, component_dir: str) -> str:
-    """Where the converted weights of ``source`` (a component's weights file) are kept:
-    keyed by the file (path, size, mtime, inode: a changed file is converted anew), the
-    component's config (the module they were checked against) and the libraries whose
-    renaming rules convert them."""
+    """Where the converted weights of ``source`` (a component's weights file, or the index
+    of its shards) are kept: keyed by its files (path, size, mtime, inode: a changed file
+    is converted anew; ``source_files``), the component's config (the module they were
+    checked against) and the libraries whose renaming rules convert them."""
     import diffusers
     import transformers
 
     from pipeline.model.cache import cache_dir
 
-    stat = os.stat(source)
+    parts = [CONVERTED_VERSION]
+    for path in source_files(source):
+        stat = os.stat(path)
+        parts += [os.path.abspath(path), str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ino)]
     with open(os.path.join(component_dir, "config.json"), "rb") as f:
         config = f.read()
-    parts = [CONVERTED_VERSION, os.path.abspath(source), str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ino),
-             diffusers.__version__, transformers.__version__]
+    parts += [diffusers.__version__, transformers.__version__]
     key = hashlib.sha256("\0".join(parts).encode() + b"\0" + config).hexdigest()[:32]
     return os.path.join(cache_dir(), "weights", f"{key}.safetensors")
 
@@ -175,7 +199,7 @@ def converted_files(directory: str) -> list[str]:
     found = []
     for component in LIBRARY:
         component_dir = os.path.join(directory, component)
-        if os.path.isdir(component_dir):
+        if os.path.isfile(os.path.join(component_dir, "config.json")):
             path = converted_path(find(component_dir, component)[1], component_dir)
             if os.path.isfile(path):
                 found.append(path)
@@ -253,7 +277,7 @@ def diffusers_params_from_safetensors(module, path: str) -> dict:
 
     shapes = flatten_dict(_shapes(module))
     flat = {}
-    for pt_key, tensor in read_mapped(path).items():
+    for pt_key, tensor in read_weights(path).items():
         key, tensor = rename_key_and_reshape_tensor(tuple(rename_key(pt_key).split(".")), tensor, shapes)
         if key in shapes:  # anything else (buffers, unused heads) is not a weight of the Flax module
             flat[key] = np.asarray(tensor, dtype=np.float32)
@@ -269,7 +293,7 @@ def transformers_params_from_safetensors(module, path: str) -> dict:
     shapes = flatten_dict(module.params_shape_tree)
     # The converter only reads the target's key names and shapes and its prefix.
     target = types.SimpleNamespace(params=module.params_shape_tree, base_model_prefix=module.base_model_prefix)
-    converted = flatten_dict(convert_pytorch_state_dict_to_flax(read_mapped(path), target))
+    converted = flatten_dict(convert_pytorch_state_dict_to_flax(read_weights(path), target))
     flat = {k: np.asarray(v, dtype=np.float32) for k, v in converted.items() if k in shapes}  # drops position_ids
     _check_complete(path, shapes, flat)
     return unflatten_dict(flat)
@@ -360,6 +384,14 @@ def read_sharded(component_dir: str, index_name: str) -> dict[str, np.ndarray]:
                                f"{', '.join(absent[:5])}")
         arrays.update({name: held[name] for name in wanted})
     return arrays
+
+
+def read_weights(path: str) -> dict[str, np.ndarray]:
+    """{name: array} of a safetensors file, or of the shards a ``.index.json`` names,
+    memory-mapped (``read_mapped``, ``read_sharded``)."""
+    if path.endswith(".index.json"):
+        return read_sharded(os.path.dirname(path), os.path.basename(path))
+    return read_mapped(path)
 
 
 def read_safetensors_weights(component_dir: str, library: str) -> dict[str, np.ndarray]:

@@ -141,16 +141,12 @@ def read_zarr_images(out: str):
     return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out))}).result()
 
 
-LATENTS_NOTE = ("final latents of each image: the scheduler's output after the last step, before the division "
-                "by the VAE's scaling_factor; decode(latents / scaling_factor) gives the image. Row = position, "
-                "as in zarr/images.")
-
-
-def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], scaling_factor: float):
+def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], note: dict):
     """``--save-latents``: the zarr3 array [count, C, H/f, W/f] float32, one chunk per image.
 
-    Opened by every host like ``open_zarr_images``; its attributes say which latents
-    these are (``LATENTS_NOTE``) and the VAE scaling factor to divide them by.
+    Opened by every host like ``open_zarr_images``; its attributes (``note``: the model
+    family's ``latents_note``) say which latents these are and how to decode them (the
+    VAE's scaling factor, FLUX.1's shift).
     """
     import tensorstore as ts
 
@@ -160,7 +156,7 @@ def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], 
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *shape]}},
                          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                                     {"name": "zstd", "configuration": {"level": 3}}],
-                         "attributes": {"latents": LATENTS_NOTE, "vae_scaling_factor": float(scaling_factor)}}}
+                         "attributes": dict(note)}}
     return ts.open(spec, create=True, open=True).result()
 
 

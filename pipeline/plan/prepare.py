@@ -49,13 +49,23 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
 
     settings.validate()
     described = model.describe(settings.model, settings.scheduler, settings.timestep_spacing, settings.steps,
-                               settings.unet, settings.loras)
-    size = described["native_size"]
-    settings = settings.replace(width=settings.width or size, height=settings.height or size,
-                                scheduler=settings.scheduler or described["scheduler"]).validate()
+                               settings.unet, settings.loras, settings.max_sequence_length)
+    size, multiple = described["native_size"], described["size_multiple"]
+    for name in ("width", "height"):
+        value = getattr(settings, name)
+        if value is not None and value % multiple:
+            raise PlanError(f"--{name} {value}: {settings.model}'s images are multiples of {multiple} pixels each way "
+                            f"({described['family']}: the VAE's scale factor{' x 2 for the 2x2 latent packing' if multiple > 8 else ''})")
+    guidance = settings.guidance_scale if settings.guidance_scale is not None else described["default_guidance"]
+    resolved = dict(width=settings.width or size, height=settings.height or size,
+                    scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),
+                    max_sequence_length=described["max_sequence_length"])
+    if not described["cfg"]:  # no classifier-free guidance: the program is decided by the family, now
+        resolved.update(guidance_rule=described["guidance_rule"], guided=False)
+    settings = settings.replace(**resolved).validate()
     run = Run.create(settings, described["fingerprint"], versions=_versions(),
                      created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                     loras=tuple(Lora(**lora) for lora in described["loras"]))
+                     loras=tuple(Lora(**lora) for lora in described["loras"]), license=described["license"])
     return settings, run
 
 

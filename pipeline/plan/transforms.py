@@ -48,7 +48,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.core import logs, naming, records, slicing
-from pipeline.core.settings import Run, Settings
+from pipeline.core.settings import NO_CFG_RULES, Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.model import sources
 from pipeline.plan.layout import (
@@ -132,7 +132,7 @@ def decide_per_device_batch(layout: Layout, out: str, cap_hosts: int | None) -> 
     logs.event("per_device_batch_capped", out=out, fits=settings.per_device_batch, per_device_batch=most,
                images=layout.images, hosts=cap_hosts, devices_per_host=settings.devices_per_host)
     settings = settings.replace(per_device_batch=most).validate()
-    runs.write(out, Run.create(settings, run.model_fingerprint, run.created_at, dict(run.versions), run.loras))
+    runs.write(out, run.with_settings(settings))
     return settings
 
 
@@ -143,10 +143,12 @@ def decide_guidance(layout: Layout, out: str) -> Layout:
     mix two programs."""
     run = runs.read(out)
     settings = run.settings
+    if settings.guidance_rule in NO_CFG_RULES:  # a family without classifier-free guidance: decided when prepared
+        return layout
     guided = layout.guided or settings.guidance_rule == "always"
     if settings.guided is None:
         settings = settings.replace(guided=guided).validate()
-        runs.write(out, Run.create(settings, run.model_fingerprint, run.created_at, dict(run.versions), run.loras))
+        runs.write(out, run.with_settings(settings))
         logs.event("guidance_decided", out=out, guided=guided)
     elif settings.guided != guided:
         planned = "guided" if settings.guided else "guidance-free"

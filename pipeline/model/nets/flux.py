@@ -370,9 +370,9 @@ class SingleBlock(nn.Module):
         return x + gate[:, None] * out, None
 
 
-def _stack(block, length: int):
+def _stack(block, length: int, unroll: int = 1):
     return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                   in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=length)
+                   in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=length, unroll=unroll)
 
 
 class FluxTransformer(nn.Module):
@@ -389,9 +389,12 @@ class FluxTransformer(nn.Module):
       numpy arrays get float64 rotary tables made on the host (``rotary_tables``);
     - guidance [B]: the embedded guidance scale, also multiplied by 1000; required with
       ``guidance_embeds`` and refused without (diffusers fails on either mismatch).
-    Returns the velocity prediction in the module's dtype."""
+    Returns the velocity prediction in the module's dtype. ``unroll``: blocks per loop
+    iteration of each scanned stack (``nn.scan``'s; the same arithmetic): at the stack's
+    depth, XLA's cost analysis, which counts a loop's body once, counts every block."""
     config: FluxConfig
     dtype: Any = jnp.float32
+    unroll: int = 1
 
     @nn.compact
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
@@ -412,10 +415,12 @@ class FluxTransformer(nn.Module):
         cos, sin = rotary_tables(xp.concatenate([txt_ids, img_ids], axis=0), cfg.axes_dims_rope)
         cos, sin = jnp.asarray(cos), jnp.asarray(sin)
         if cfg.num_layers:
-            (context, x), _ = _stack(DoubleBlock, cfg.num_layers)(cfg, self.dtype, name="transformer_blocks")(
+            (context, x), _ = _stack(DoubleBlock, cfg.num_layers, min(self.unroll, cfg.num_layers))(
+                cfg, self.dtype, name="transformer_blocks")(
                 (context, x), emb, cos, sin)
         if cfg.num_single_layers:
-            joint, _ = _stack(SingleBlock, cfg.num_single_layers)(cfg, self.dtype, name="single_transformer_blocks")(
+            joint, _ = _stack(SingleBlock, cfg.num_single_layers, min(self.unroll, cfg.num_single_layers))(
+                cfg, self.dtype, name="single_transformer_blocks")(
                 jnp.concatenate([context, x], axis=1), emb, cos, sin)
             x = joint[:, context.shape[1]:]
         x = AdaLayerNormContinuous(self.dtype, name="norm_out")(x, emb)

@@ -231,9 +231,12 @@ class T5Block(nn.Module):
 
 
 class T5Stack(nn.Module):
-    """PyTorch's ``encoder``: the position bias, the scanned blocks, the final norm."""
+    """PyTorch's ``encoder``: the position bias, the scanned blocks, the final norm.
+    ``unroll``: layers per loop iteration (``nn.scan``'s): the same arithmetic, a loop
+    XLA's cost analysis counts whole when it is all the layers."""
     config: T5Config
     dtype: Any = jnp.float32
+    unroll: int = 1
 
     @nn.compact
     def __call__(self, embeds):
@@ -244,21 +247,23 @@ class T5Stack(nn.Module):
                          name="relative_attention_bias")
         bias = table(jnp.asarray(buckets)).transpose(2, 0, 1)  # [heads, L, L]
         blocks = nn.scan(T5Block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
-                         length=cfg.num_layers)
+                         length=cfg.num_layers, unroll=self.unroll)
         x, _ = blocks(cfg, self.dtype, name="block")(embeds.astype(jnp.float32), bias)
         return T5LayerNorm(cfg.layer_norm_epsilon, self.dtype, name="final_layer_norm")(x)
 
 
 class T5Encoder(nn.Module):
     """``T5Encoder(config, dtype)(input_ids [B, L] int) -> last hidden state [B, L, d_model]``
-    in ``dtype``, as ``T5EncoderModel(input_ids)[0]`` without an attention mask."""
+    in ``dtype``, as ``T5EncoderModel(input_ids)[0]`` without an attention mask.
+    ``unroll``: see ``T5Stack``."""
     config: T5Config
     dtype: Any = jnp.float32
+    unroll: int = 1
 
     @nn.compact
     def __call__(self, input_ids):
         embeds = nn.Embed(self.config.vocab_size, self.config.d_model, dtype=self.dtype, name="shared")(input_ids)
-        return T5Stack(self.config, self.dtype, name="encoder")(embeds)
+        return T5Stack(self.config, self.dtype, self.unroll, name="encoder")(embeds)
 
 
 # The naming rule's exceptions (``convert``): the position bias every layer uses lives in

@@ -1,0 +1,152 @@
+"""What every model family provides, and the ``Model`` a family loads.
+
+A family (``Family``) is what a checkpoint is made of and how its images are made: the
+pipeline classes of ``model_index.json`` it takes and the components they need, how its
+networks are loaded (from the configs alone for shapes, or with their weights), what a
+plan needs to know of it (its native size, the sampler its scheduler config asks for,
+its guidance and its size rule), how its prompts are tokenised, the denoising function
+the sampler runs (text conditioning, the denoiser's loop, the VAE decode) and the parts
+of a step lowered on their own for FLOP counts and the TPU check.
+
+The rest of promptmill sees ``Model`` and calls its family; nothing outside
+``pipeline.model.families`` branches on which family a model is.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded (or, ``abstract``, shapes-only) checkpoint, as its family made it."""
+    path: str
+    fingerprint: str | None  # None for an abstract model (``load(abstract=True)``)
+    family: "Family"
+    tokenizer: object  # the first (CLIP) tokenizer
+    text_encoder: object
+    vae: object
+    sampler: object  # the family's resolved sampler (its choice, config and engine)
+    params: dict  # {component: tree}; for an abstract model, jax.ShapeDtypeStructs
+    dtype: object  # the networks' compute dtype (jax.numpy)
+    latent_channels: int
+    vae_scale_factor: int
+    native_size: int
+    scheduler: object = None  # diffusers' Flax scheduler of a "flax"-engine SD sampler, else None
+    unet: object = None  # SD and SDXL
+    tokenizer_2: object = None  # SDXL's second CLIP tokenizer, FLUX.1's T5 tokenizer
+    text_encoder_2: object = None  # SDXL's second CLIP text encoder, FLUX.1's T5 encoder
+    transformer: object = None  # FLUX.1
+    max_sequence_length: int | None = None  # FLUX.1's T5 length
+    # the dtype of floating params on the devices, when the host keeps them in another
+    # (FLUX.1: stored bf16 in an fp32 run, cast on the devices); None: as on the host
+    param_dtype: object = None
+
+    def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
+        """(C, H/f, W/f): one image's initial latents, as diffusers draws them."""
+        f = self.vae_scale_factor
+        return (self.latent_channels, height // f, width // f)
+
+
+@dataclasses.dataclass(frozen=True)
+class Described:
+    """What a plan needs to know of a checkpoint, from its configs alone."""
+    family: str
+    native_size: int
+    scheduler: str  # the sampler choice the run will record (``--scheduler``'s value)
+    size_multiple: int  # width and height must be multiples of it
+    default_guidance: float  # what --guidance-scale is when not given
+    guidance_rule: str  # how guidance acts (``Settings.guidance_rule``): diffusers, embedded or unused
+    cfg: bool  # whether the family has classifier-free guidance at all
+    max_sequence_length: int | None = None  # the resolved T5 length (FLUX.1)
+    license: str | None = None  # the licence the checkpoint states, if any
+
+
+class Family:
+    """The interface of a model family (see the module docstring); one object per family,
+    registered in ``pipeline.model.families.FAMILIES``. Methods that take a model take
+    the ``Model`` this family's ``load`` made."""
+    name: str = ""
+    title: str = ""  # for people: "SD 1.x/2.x", "SDXL", "FLUX.1"
+    pipeline_classes: tuple[str, ...] = ()  # model_index.json _class_name values it takes
+    cfg: bool = True  # whether it has classifier-free guidance (a guided program) at all
+
+    def guidance_rule(self, model: Model) -> str:
+        """How a new run's guidance acts (``Settings.guidance_rule``)."""
+        return "diffusers"
+
+    def lora_layouts(self) -> dict:
+        """{component: ``nets.convert.Layout``} of promptmill's own networks, whose layers a
+        LoRA names by PyTorch's names (a stacked block by its index)."""
+        return {}
+
+    def claims(self, index: dict) -> bool:
+        """Whether ``model_index.json`` (``index``) is a checkpoint of this family."""
+        return index.get("_class_name", "").removeprefix("Flax") in self.pipeline_classes
+
+    def components(self, index: dict) -> tuple[str, ...]:
+        """The folders a checkpoint of this family must have."""
+        raise NotImplementedError
+
+    def weight_libraries(self, index: dict) -> dict[str, str]:
+        """{component: "diffusers" | "transformers"}: the components that hold weights, by
+        the library whose file names they use (``weights.FLAX_FILES`` /
+        ``SAFETENSORS_FILES``)."""
+        raise NotImplementedError
+
+    def describe(self, directory: str, scheduler: str | None, timestep_spacing: str | None, steps: int | None,
+                 max_sequence_length: int | None, unet_file: str | None) -> Described:
+        """What a plan needs to know of the checkpoint (configs alone); ModelError for a
+        setting the family refuses (a sampler, spacing, length or file it cannot honour)."""
+        raise NotImplementedError
+
+    def load(self, directory: str, name: str, dtype, scheduler: str | None, timestep_spacing: str | None,
+             unet_file: str | None, loras: list[tuple[str, float]], abstract: bool,
+             max_sequence_length: int | None) -> Model:
+        """The model's networks and params (``loras``: (local file, scale) merged in
+        order); ``abstract``: params as ShapeDtypeStructs from the configs alone."""
+        raise NotImplementedError
+
+    def lora_shapes(self, directory: str) -> dict:
+        """{component: {flat param path: shape}} of the layers a LoRA may adapt (configs alone)."""
+        raise NotImplementedError
+
+    def tokenize(self, model: Model, texts):
+        """int32 token ids of ``texts``, one row per text."""
+        raise NotImplementedError
+
+    def truncated(self, model: Model, texts) -> list[bool]:
+        """Whether each text is longer than a text encoder takes (``tokenize`` cuts it)."""
+        raise NotImplementedError
+
+    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None,
+                     return_latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
+                     seam=contextlib.nullcontext):
+        """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys)``:
+        float32 images [B, H, W, 3] in [0, 1] from initial latents [B, C, H/f, W/f]
+        (with ``return_latents``, also the final latents). ``seam()`` is entered while
+        the function is traced (the attention seam)."""
+        raise NotImplementedError
+
+    def decode_latents(self, model: Model, vae_params, latents):
+        """float32 images [B, H, W, 3] in [0, 1] from final latents as the sampler returns
+        them (``make_denoise(..., return_latents=True)``)."""
+        raise NotImplementedError
+
+    def latents_note(self, model: Model) -> dict:
+        """Attributes of a run's saved final latents: how to decode them."""
+        raise NotImplementedError
+
+    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool,
+              seam=contextlib.nullcontext, sharding=None, count: bool = False
+              ) -> list[tuple[str, tuple[str, ...], object]]:
+        """(label, the param components it reads, the lowered program) of each part of a
+        sampler step, at one device's shapes: the text encoders, one denoiser call, the
+        VAE decode; lowered from shapes alone (``sharding``: where its inputs live).
+        ``count``: lowered for XLA's cost analysis, which counts a loop's body once: a
+        network's repeated layers are unrolled (the same arithmetic)."""
+        raise NotImplementedError
+
+    def denoiser_calls(self, steps: int) -> int:
+        """How many times one image's step runs the denoiser part (``parts``)."""
+        return steps

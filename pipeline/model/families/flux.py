@@ -1,0 +1,298 @@
+"""FLUX.1 [schnell] and [dev]: rectified-flow transformers, in promptmill's own Flax networks.
+
+A diffusers ``FluxPipeline`` checkpoint: CLIP-L (``text_encoder``, transformers' Flax
+CLIP: its pooled output), the T5 v1.1 encoder (``text_encoder_2``,
+``pipeline.model.nets.t5``), ``FluxTransformer2DModel`` (``transformer``,
+``pipeline.model.nets.flux``), the 16-channel VAE without quant convs (``vae``,
+``pipeline.model.nets.vae``) and ``FlowMatchEulerDiscreteScheduler``
+(``pipeline.model.flow``). Sampling is ``pipeline.model.flux_sampling``: initial latents
+``normal(image_key, (16, H/f, W/f))``, packed 2x2 into tokens, one transformer call per
+flow-matching Euler step, unpacked and decoded ``z / scaling_factor + shift_factor``.
+
+Guidance: never classifier-free. [dev] (``guidance_embeds``) takes each image's
+``--guidance-scale`` as an embedding (``guidance_rule`` "embedded", default 3.5, as
+FluxPipeline); [schnell] takes none (``"unused"``: a guidance given is counted in the
+stats and said on the card, its default 0.0 as its authors run it). Negative prompts are
+never used (counted likewise). Sizes are multiples of 2f (16 for FLUX.1's VAE).
+
+Weights are PyTorch safetensors (single files or shards with their index), converted
+once per machine by the networks' naming rule into stacked Flax arrays in their stored
+dtype (bf16 for FLUX.1's own files: a 12B model never gets a float32 copy on the host),
+memory-mapped afterwards (``weights.converted``). A run whose ``--dtype`` differs from
+the stored one casts them on the devices (``Model.param_dtype``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+from pipeline.model import flow, flux_sampling, lora, weights
+from pipeline.model.families.base import Described, Family, Model
+from pipeline.model.nets import convert, flux as flux_net, t5, vae as vae_net
+from pipeline.model.scheduler import Sampler
+from pipeline.model.sources import ModelError
+
+COMPONENTS = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "transformer", "vae", "scheduler")
+LIBRARIES = {"text_encoder": "transformers", "text_encoder_2": "transformers", "transformer": "diffusers",
+             "vae": "diffusers"}
+DEV_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: the embedded guidance of [dev]
+SCHNELL_GUIDANCE = 0.0  # [schnell] takes none; its authors pass 0.0
+SAMPLER = "flow_euler"  # the --scheduler choice of flow-matching Euler
+
+
+def _config(directory: str, component: str, filename: str = "config.json") -> dict:
+    with open(os.path.join(directory, component, filename)) as f:
+        return json.load(f)
+
+
+def license_of(directory: str) -> str | None:
+    """The licence a checkpoint states in its model card (README.md's YAML front matter
+    ``license:``, as the Hugging Face hub keeps it), or None."""
+    path = os.path.join(directory, "README.md")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(65536)
+    except OSError:
+        return None
+    if not text.startswith("---"):
+        return None
+    front = text[3:].split("\n---", 1)[0]
+    for line in front.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "license" and value.strip():
+            return value.strip().strip("'\"")
+    return None
+
+
+class Flux(Family):
+    name, title = "flux", "FLUX.1"
+    pipeline_classes = ("FluxPipeline",)
+    cfg = False
+
+    def guidance_rule(self, model: Model) -> str:
+        return "embedded" if model.transformer.config.guidance_embeds else "unused"
+
+    def components(self, index: dict) -> tuple[str, ...]:
+        return COMPONENTS
+
+    def weight_libraries(self, index: dict) -> dict[str, str]:
+        return dict(LIBRARIES)
+
+    def _nets(self, directory: str, dtype=None) -> flux_sampling.FluxNets:
+        try:
+            return flux_sampling.read_nets(directory, dtype)
+        except ValueError as e:
+            raise ModelError(str(e)) from None
+
+    def describe(self, directory, scheduler, timestep_spacing, steps, max_sequence_length, unet_file) -> Described:
+        if unet_file is not None:
+            raise ModelError("--unet replaces a UNet's weights; FLUX.1 has a transformer, not a UNet")
+        if scheduler not in (None, SAMPLER):
+            raise ModelError(f"--scheduler {scheduler}: FLUX.1 samples with flow-matching Euler "
+                             f"(FlowMatchEulerDiscreteScheduler), --scheduler {SAMPLER}")
+        if timestep_spacing is not None:
+            raise ModelError(f"--timestep-spacing {timestep_spacing}: FLUX.1's flow-matching sigmas are "
+                             f"linspace(1, 1/N, N), shifted as its scheduler config says; there is no spacing to set")
+        nets = self._nets(directory)
+        length = flux_sampling.MAX_SEQUENCE_LENGTH if max_sequence_length is None else max_sequence_length
+        if not 1 <= length <= flux_sampling.MAX_SEQUENCE_LENGTH:
+            raise ModelError(f"--max-sequence-length must be from 1 to {flux_sampling.MAX_SEQUENCE_LENGTH} (T5 "
+                             f"tokens, as FluxPipeline allows), got {max_sequence_length}")
+        if steps is not None:
+            try:
+                flow.make_schedule(nets.scheduler_config, steps, 1)
+            except ValueError as e:
+                raise ModelError(f"{directory}: {e}") from None
+        embeds = nets.guidance_embeds
+        return Described(family=self.name, native_size=_config(directory, "vae").get("sample_size", 1024),
+                         scheduler=SAMPLER, size_multiple=2 * nets.vae_scale_factor,
+                         default_guidance=DEV_GUIDANCE if embeds else SCHNELL_GUIDANCE,
+                         guidance_rule="embedded" if embeds else "unused", cfg=False, max_sequence_length=length,
+                         license=license_of(directory))
+
+    def load(self, directory, name, dtype, scheduler, timestep_spacing, unet_file, loras, abstract,
+             max_sequence_length) -> Model:
+        import jax
+        import jax.numpy as jnp
+        from transformers import CLIPTokenizer, T5TokenizerFast
+
+        described = self.describe(directory, scheduler, timestep_spacing, None, max_sequence_length, unet_file)
+        jdtype = getattr(jnp, dtype)
+        nets = self._nets(directory, jdtype)
+        tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
+        tokenizer_2 = T5TokenizerFast.from_pretrained(os.path.join(directory, "tokenizer_2"))
+        if abstract:  # the networks' shapes, in the run's dtype: what the devices hold
+            shapes = self._flat_shapes(nets)
+            params = {component: convert.unflatten({path: jax.ShapeDtypeStruct(shape, jdtype)
+                                                    for path, shape in flat.items()})
+                      for component, flat in shapes.items()}
+        else:
+            params = self._params(directory, nets)
+            if loras:
+                try:  # a merged layer is the one copy made on the host, cast back to its stored dtype
+                    params = lora.merge(params, loras, layouts=self.lora_layouts())
+                except lora.LoraError as e:
+                    raise ModelError(str(e)) from None
+        f = nets.vae_scale_factor
+        return Model(path=name, fingerprint=None, family=self, tokenizer=tokenizer, text_encoder=nets.clip,
+                     vae=nets.vae, sampler=Sampler(SAMPLER, nets.scheduler_config, "flow"), params=params,
+                     dtype=jdtype, latent_channels=nets.latent_channels, vae_scale_factor=f,
+                     native_size=described.native_size, tokenizer_2=tokenizer_2, text_encoder_2=nets.t5,
+                     transformer=nets.transformer, max_sequence_length=described.max_sequence_length,
+                     param_dtype=jdtype)
+
+    @staticmethod
+    def _flat_shapes(nets: flux_sampling.FluxNets) -> dict:
+        return {"text_encoder": convert.flat_shapes(nets.clip.params_shape_tree),
+                "text_encoder_2": t5.param_shapes(nets.t5.config),
+                "transformer": flux_net.param_shapes(nets.transformer.config),
+                "vae": vae_net.param_shapes(nets.vae.config)}
+
+    def _params(self, directory: str, nets: flux_sampling.FluxNets) -> dict:
+        """Each component's params, converted once per machine from its safetensors (by the
+        networks' naming rule, in the stored dtype) and memory-mapped after."""
+        clip_shapes = convert.flat_shapes(nets.clip.params_shape_tree)
+        rules = {"text_encoder": lambda state, where: convert.from_torch(state, clip_shapes, convert.CLIP_TEXT, where),
+                 "text_encoder_2": lambda state, where: t5.from_torch(state, nets.t5.config, where),
+                 "transformer": lambda state, where: flux_net.from_torch(state, nets.transformer.config, where),
+                 "vae": lambda state, where: vae_net.from_torch(state, nets.vae.config, where)}
+        params = {}
+        for component, rule in rules.items():
+            component_dir = os.path.join(directory, component)
+            kind, source = weights.find(component_dir, component, LIBRARIES[component])
+            if kind == "flax":
+                raise ModelError(f"{component_dir}: FLUX.1 reads PyTorch safetensors weights, not Flax msgpack")
+            library = LIBRARIES[component]
+            params[component] = weights.converted(
+                source, component_dir,
+                lambda rule=rule, component_dir=component_dir, library=library: rule(
+                    weights.read_safetensors_weights(component_dir, library), component_dir))
+        return params
+
+    def lora_layouts(self) -> dict:
+        return {"transformer": flux_net.LAYOUT, "text_encoder": convert.CLIP_TEXT, "text_encoder_2": t5.LAYOUT}
+
+    def lora_shapes(self, directory: str) -> dict:
+        nets = self._nets(directory)
+        return {component: flat for component, flat in self._flat_shapes(nets).items() if component != "vae"}
+
+    # ---- prompts
+
+    def tokenize(self, model: Model, texts):
+        """int32 [N, 77 + L]: each text's CLIP ids then its T5 ids (``--max-sequence-length``)."""
+        import numpy as np
+
+        clip_ids, t5_ids = flux_sampling.tokenize(model.tokenizer, model.tokenizer_2, texts, model.max_sequence_length)
+        return np.concatenate([clip_ids, t5_ids], axis=1).astype(np.int32)
+
+    def truncated(self, model: Model, texts) -> list[bool]:
+        """Cut by T5 (longer than ``--max-sequence-length`` tokens) or by CLIP (77, its pooled
+        embedding): some text encoder saw only its start."""
+        texts = list(texts)
+        by_t5 = flux_sampling.truncated(model.tokenizer_2, texts, model.max_sequence_length)
+        by_clip = flux_sampling.truncated(model.tokenizer, texts, model.tokenizer.model_max_length)
+        return [a or b for a, b in zip(by_t5, by_clip)]
+
+    # ---- sampling
+
+    def _sampling_nets(self, model: Model) -> flux_sampling.FluxNets:
+        return flux_sampling.FluxNets(clip=model.text_encoder, t5=model.text_encoder_2, transformer=model.transformer,
+                                      vae=model.vae, scheduler_config=model.sampler.config)
+
+    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None,
+                     return_latents: bool = False, guidance_rule: str = "embedded", guided: bool = False,
+                     seam=contextlib.nullcontext):
+        """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
+        ``flux_sampling.make_denoise`` on the ids ``tokenize`` made (``negative_ids`` and
+        ``image_keys`` are never read: no classifier-free guidance, a deterministic
+        sampler); ``guidance`` is embedded under the "embedded" rule ([dev]) and not read
+        under "unused" ([schnell])."""
+        if guided:
+            raise ValueError("FLUX.1 has no classifier-free guidance: its program is never the guided one")
+        embedded = model.transformer.config.guidance_embeds
+        if guidance_rule != ("embedded" if embedded else "unused"):
+            raise ValueError(f"guidance_rule {guidance_rule!r} does not fit this FLUX.1 transformer (guidance_embeds "
+                             f"{embedded})")
+        nets, f = self._sampling_nets(model), model.vae_scale_factor
+        clip_length = model.tokenizer.model_max_length
+
+        def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
+            # the schedule follows the image's token count: made on the host, as the program is traced
+            inner = flux_sampling.make_denoise(nets, steps, latents.shape[2] * f, latents.shape[3] * f,
+                                               return_latents)
+            with seam():
+                return inner(params, prompt_ids[:, :clip_length], prompt_ids[:, clip_length:], latents,
+                             guidance if embedded else None)
+
+        return denoise
+
+    def decode_latents(self, model: Model, vae_params, latents):
+        return vae_net.vae_decode(model.vae, vae_params, latents, model.vae.config)
+
+    def latents_note(self, model: Model) -> dict:
+        return {"latents": ("final latents of each image, unpacked [C, H/f, W/f]: the flow's output after the last "
+                            "step, before the VAE's scaling and shift; decode(latents / scaling_factor + "
+                            "shift_factor) gives the image. Row = position, as in zarr/images."),
+                "vae_scaling_factor": float(model.vae.config.scaling_factor),
+                "vae_shift_factor": float(model.vae.config.shift_factor)}
+
+    # ---- parts
+
+    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool,
+              seam=contextlib.nullcontext, sharding=None, count: bool = False):
+        """CLIP (pooled) and T5 on B prompts, one transformer call on B images, the VAE
+        decode. ``count``: the scanned layers unrolled, so that XLA's cost analysis (which
+        counts a loop's body once) counts every one of them."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from pipeline.model.families import shapes
+
+        b = per_device_batch
+        make = shapes.on(sharding)
+
+        def placed(component):
+            return shapes.params(model.params[component], sharding, model.param_dtype)
+
+        t5_net, transformer = model.text_encoder_2, model.transformer
+        if count:
+            t5_net = t5_net.clone(unroll=t5_net.config.num_layers)
+            transformer = transformer.clone(unroll=max(transformer.config.num_layers,
+                                                       transformer.config.num_single_layers))
+        length = model.max_sequence_length
+        found = [("text_encoder", ("text_encoder",), jax.jit(
+                     lambda p, i: model.text_encoder(i, params=p).pooler_output).lower(
+                     placed("text_encoder"), make((b, model.tokenizer.model_max_length), jnp.int32))),
+                 ("text_encoder", ("text_encoder_2",), jax.jit(
+                     lambda p, i: t5_net.apply({"params": p}, i)).lower(
+                     placed("text_encoder_2"), make((b, length), jnp.int32)))]
+        channels, rows, cols = model.latent_shape(width, height)
+        tokens = (rows // 2) * (cols // 2)
+        config = transformer.config
+        image_ids = flux_net.latent_image_ids(rows // 2, cols // 2)
+        txt_ids = flux_net.text_ids(length)
+        embedded = config.guidance_embeds
+
+        def call(p, x, context, pooled, t, guidance):
+            with seam():
+                return transformer.apply({"params": p}, x, context, pooled, t, np.asarray(image_ids),
+                                         np.asarray(txt_ids), guidance if embedded else None)
+
+        found.append(("denoiser", ("transformer",), jax.jit(call).lower(
+            placed("transformer"), make((b, tokens, config.in_channels), jnp.float32),
+            make((b, length, config.joint_attention_dim), model.dtype),
+            make((b, config.pooled_projection_dim), model.dtype), make((b,), jnp.float32),
+            make((b,), jnp.float32))))
+
+        def decode(p, z):
+            with seam():
+                return vae_net.vae_decode(model.vae, p, z, model.vae.config)
+
+        found.append(("vae_decode", ("vae",), jax.jit(decode).lower(
+            placed("vae"), make((b, channels, rows, cols), jnp.float32))))
+        return found
+
+
+FLUX = Flux()
