@@ -95,6 +95,17 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _flops_recipes(text: str) -> tuple:
+    recipes = []
+    for part in text.split(","):
+        try:
+            model, steps, guidance = part.split(":")
+            recipes.append((model, int(steps), float(guidance)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected MODEL:STEPS:GUIDANCE, comma-separated, got {part!r}") from None
+    return tuple(recipes)
+
+
 def _batches_or_auto(text: str) -> tuple:
     if text == AUTO:
         return (AUTO,)
@@ -134,7 +145,8 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timestep-spacing", choices=list(TIMESTEP_SPACINGS), default=None,
                         help="timestep spacing of the sweep and the recipes (default: the checkpoint's own)")
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
-                        help="which parts to run, comma-separated: sweep (ours and the seed recipe), recipes "
+                        help="which parts to run, comma-separated: flops (FLOPs per image by part of --flops-recipes, "
+                             "from shapes alone: no weights), sweep (ours and the seed recipe), recipes "
                              "(guidance-free, few-step and default side by side), attention (each of --attentions "
                              "side by side: speed, memory, kernels), memory (the sampler's memory at each of "
                              "--memory-sizes with each of --attentions, from shapes), startup "
@@ -144,6 +156,11 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                              "the reference; diffusers: diffusers' own attention (default: %(default)s)")
     parser.add_argument("--memory-sizes", type=_batch_sizes, default=BenchConfig.memory_sizes,
                         help="square image sizes of the memory part, comma-separated (default: 512,1024)")
+    parser.add_argument("--flops-recipes", type=_flops_recipes, default=None, metavar="MODEL:STEPS:GUIDANCE[,...]",
+                        help="the flops part's recipes, costed from shapes alone at --width x --height (default "
+                             "1024x1024): default random-flux:4:0,random-flux-dev:28:3.5,random-sdxl:4:0,"
+                             "random-sdxl:20:7.5 (FLUX.1 [schnell] and [dev], SDXL-Lightning's 4 steps, SDXL's "
+                             "default)")
     parser.add_argument("--report", help="write the JSON report here (local path or gs://)")
 
 
@@ -199,7 +216,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                    timestep_spacing=args.timestep_spacing,
                                    parts=tuple(p for p in args.parts.split(",") if p),
                                    attentions=tuple(a for a in args.attentions.split(",") if a),
-                                   memory_sizes=args.memory_sizes)
+                                   memory_sizes=args.memory_sizes,
+                                   **({"flops_recipes": args.flops_recipes} if args.flops_recipes else {}))
         report = bench.run_bench(config)
         print(bench.format_table(report))
     return 0

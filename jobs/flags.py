@@ -101,9 +101,20 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                         help="one device's memory in GiB, for --per-device-batch auto and a submission's TPU check "
                              "(default: the device's own figure, for a TPU chip what XLA reports usable of its HBM; "
                              "CPU devices share the machine's memory)")
+    parser.add_argument("--fsdp", type=fsdp_degree, default=d.fsdp, metavar="N|auto",
+                        help="shard each host's weights over groups of N of its devices (FSDP), gathered layer by "
+                             "layer as they are used; every device still computes its own images. N divides the "
+                             "devices per host; auto: the smallest N at which one image per device fits (for a "
+                             "submission, on the target TPU chip). 1: a whole copy on every device "
+                             "(default: %(default)s)")
     parser.add_argument("--batches-per-slice", type=int, default=d.batches_per_slice,
                         help="device steps per slice; slice size = devices per host x per-device batch x this "
                              "(default: %(default)s)")
+
+
+def fsdp_degree(text: str) -> int | str:
+    """``--fsdp``: a whole number, or ``auto``."""
+    return per_device_batch(text)
 
 
 def per_device_batch(text: str) -> int | str:
@@ -130,7 +141,7 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_chec
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     max_sequence_length=args.max_sequence_length,
                     seed=args.seed, per_device_batch=args.per_device_batch,
-                    batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host,
+                    batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host, fsdp=args.fsdp,
                     save_latents=args.save_latents, prompt_field=args.prompt_field, dedupe=args.dedupe)
 
 

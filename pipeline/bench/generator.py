@@ -58,7 +58,11 @@ from pipeline.core.settings import Settings, check_size
 from pipeline.generate.fit import GIB
 
 GUIDANCE = 7.5  # SD's default guidance; above 1 its value does not change the work done
-PARTS = ("sweep", "recipes", "attention", "memory", "startup")
+PARTS = ("sweep", "recipes", "attention", "memory", "startup", "flops")
+# the flops part's default recipes (MODEL, steps, guidance): FLUX.1 [schnell] 4 steps and [dev] 28
+# steps, beside SDXL-Lightning's 4 guidance-free steps and SDXL's default 20 guided ones
+FLOPS_RECIPES = (("random-flux", 4, 0.0), ("random-flux-dev", 28, 3.5), ("random-sdxl", 4, 0.0),
+                 ("random-sdxl", 20, 7.5))
 DEFAULT_PARTS = ("sweep", "recipes", "startup")
 FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
 
@@ -83,6 +87,8 @@ class BenchConfig:
     # reference: "diffusers", diffusers' own attention) and the memory part's square sizes
     attentions: tuple[str, ...] = (LEGACY_ATTENTION, "auto")
     memory_sizes: tuple[int, ...] = (512, 1024)
+    # the flops part: (model, steps, guidance) of each recipe, costed from shapes at width x height
+    flops_recipes: tuple[tuple[str, int, float], ...] = FLOPS_RECIPES
 
     def validate(self) -> "BenchConfig":
         if not self.per_device_batches or min(self.per_device_batches) < 1:
@@ -274,8 +280,32 @@ def command_line(config: BenchConfig) -> str:
              "--parts": ",".join(config.parts) if tuple(config.parts) != DEFAULT_PARTS else None,
              "--attentions": ",".join(config.attentions) if {"attention", "memory"} & set(config.parts) else None,
              "--memory-sizes": ",".join(map(str, config.memory_sizes)) if "memory" in config.parts else None,
+             "--flops-recipes": ",".join(f"{m}:{s}:{g:g}" for m, s, g in config.flops_recipes)
+             if "flops" in config.parts and config.flops_recipes != FLOPS_RECIPES else None,
              "--report": config.report}
     return " ".join(["promptmill bench generator"] + [f"{k} {v}" for k, v in flags.items() if v is not None])
+
+
+def run_flops(config: BenchConfig) -> dict:
+    """FLOPs per image by part of each of ``config.flops_recipes``, from shapes alone (no
+    weights: the real-size built-in models need none), at the config's size (default
+    1024x1024) and dtype: the text encoders, one denoiser call (a UNet's, on 2B rows when
+    guided, or a transformer's), the VAE decode, and the whole image (text + steps x
+    denoiser + decode)."""
+    from pipeline.generate import parts
+    from pipeline.model import load as model_lib
+
+    width, height = config.width or 1024, config.height or 1024
+    rows = []
+    for name, steps, guidance in config.flops_recipes:
+        model = model_lib.load(name, config.dtype, abstract=True)
+        guided = model.family.cfg and guidance > 1
+        counted = parts.part_flops(model, width, height, 1, guided)
+        per_image = parts.image_flops(model, width, height, steps, 1, guided)
+        rows.append({"model": name, "family": model.family.name, "steps": steps, "guidance_scale": guidance,
+                     "guided": guided, **counted, "per_image": per_image})
+        logs.event("bench_flops", **rows[-1])
+    return {"width": width, "height": height, "dtype": config.dtype, "rows": rows}
 
 
 def run_bench(config: BenchConfig) -> dict:
@@ -288,6 +318,11 @@ def run_bench(config: BenchConfig) -> dict:
     from pipeline.model import load as model_lib
 
     config.validate()
+    if set(config.parts) == {"flops"}:  # shapes alone: no weights loaded, nothing run
+        report = {"command": command_line(config), "config": dataclasses.asdict(config), "flops": run_flops(config)}
+        if config.report:
+            storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
+        return report
     if model_lib.family_of(model_lib.resolve(config.model))[0].name != "sd":
         # the seed recipe is FlaxStableDiffusionPipeline's; SDXL's would be another baseline
         raise ValueError(f"bench generator compares with the SD 1.x/2.x notebook recipe; {config.model!r} is SDXL")
@@ -328,14 +363,28 @@ def run_bench(config: BenchConfig) -> dict:
               "machine": machine(devices),
               "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
               "peak": peak, "sweep": rows, "recipes": compared, "attention": attention, "memory": program_memory,
-              "startup": start}
+              "startup": start, "flops": run_flops(config) if "flops" in config.parts else None}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
     return report
 
 
+def format_flops(flops_report: dict) -> list[str]:
+    f = flops_report
+    lines = [f"FLOPs per image by part at {f['width']}x{f['height']} ({f['dtype']}, from shapes; TFLOP):",
+             f"{'model':>16} {'steps':>5} {'guidance':>8} {'guided':>6} {'text':>7} {'denoiser call':>13} "
+             f"{'VAE decode':>10} {'per image':>9}"]
+    for row in f["rows"]:
+        lines.append(f"{row['model']:>16} {row['steps']:>5} {row['guidance_scale']:>8} {str(row['guided']):>6} "
+                     f"{row['text_encoder'] / 1e12:>7.2f} {row['denoiser_call'] / 1e12:>13.2f} "
+                     f"{row['vae_decode'] / 1e12:>10.2f} {row['per_image'] / 1e12:>9.1f}")
+    return lines
+
+
 def format_table(report: dict) -> str:
     """The report as a readable table."""
+    if "machine" not in report:  # the flops part alone
+        return "\n".join(format_flops(report["flops"]))
     c, m, peak = report["config"], report["machine"], report["peak"]["flops_per_s"]
     lines = [f"model {c['model']} {c['width']}x{c['height']} steps {c['steps']} {c['dtype']} on "
              f"{m['devices']} x {m['device_kind']} ({m['platform']}); matmul peak {peak / 1e9:.1f} GFLOP/s"]
@@ -393,4 +442,6 @@ def format_table(report: dict) -> str:
         lines.append(f"sampler from the executable cache: cold {cold['sampler_from_cache']}, warm "
                      f"{warm['sampler_from_cache']} ({warm['cache_hits']} cache hits); time to ready warm/cold "
                      f"{s['ready_warm_over_cold']:.2f}, fresh process cold/warm {s['cold_over_warm']:.2f}")
+    if report.get("flops"):
+        lines += format_flops(report["flops"])
     return "\n".join(lines)

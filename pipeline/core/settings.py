@@ -50,6 +50,10 @@ class Settings:
     device_memory: float | None = None
     batches_per_slice: int = 2
     devices_per_host: int = 1
+    # FSDP (pipeline.generate.sharding): each host's weights sharded over groups of this many of
+    # its devices, gathered as they are used; 1: a whole copy on every device (the pmapped
+    # program); "auto": the smallest that fits one image per device, chosen before planning
+    fsdp: int | str = 1
     dtype: str = "fp32"
     # attention kernels (pipeline.model.attention): auto picks per call from the platform and
     # shapes; the choice can change float bits, so it is part of the run
@@ -132,6 +136,14 @@ class Settings:
             slicing.slice_size(self.devices_per_host, 1, self.batches_per_slice)  # the two other factors
         else:
             self.slice_size  # validates the three slice factors
+        if self.fsdp != AUTO:
+            if isinstance(self.fsdp, bool) or not isinstance(self.fsdp, int) or self.fsdp < 1:
+                raise ValueError(f"--fsdp must be a whole number >= 1 or auto, got {self.fsdp!r}")
+            if self.devices_per_host % self.fsdp:
+                divisors = [n for n in range(1, self.devices_per_host + 1) if self.devices_per_host % n == 0]
+                raise ValueError(f"--fsdp {self.fsdp} must divide the devices of a host ({self.devices_per_host}): "
+                                 f"the weights are sharded over groups of {self.fsdp} of them; possible: "
+                                 f"{', '.join(map(str, divisors))}")
         return self
 
     def to_dict(self) -> dict:
@@ -198,7 +210,7 @@ def check_size(name: str, value: int) -> int:
 # runs keep theirs (and resume).
 NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
                   "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
-                  "device_memory": None, "loras": (), "max_sequence_length": None}
+                  "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1}
 GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused")
 NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free
 MAX_SEQUENCE_LENGTH = 512  # the longest T5 sequence FLUX.1 takes (diffusers' FluxPipeline refuses more)
@@ -245,6 +257,9 @@ class Run:
     versions: tuple[tuple[str, str], ...] = ()  # (package, version), sorted
     loras: tuple[Lora, ...] = ()  # the settings' --lora files, in order, with their sha256
     license: str | None = None  # the licence the checkpoint states (its model card), if any
+    # with --fsdp > 1: where each component's weights live ({component: {weights_gib, placement}},
+    # ``pipeline.generate.sharding``'s rule), as the plan found it
+    sharding: dict | None = None
 
     def __post_init__(self):
         asked = [parse_lora(spec) for spec in self.settings.loras]
@@ -254,9 +269,9 @@ class Run:
 
     @classmethod
     def create(cls, settings: Settings, model_fingerprint: str, created_at: str, versions: dict,
-               loras: tuple[Lora, ...] = (), license: str | None = None) -> "Run":
+               loras: tuple[Lora, ...] = (), license: str | None = None, sharding: dict | None = None) -> "Run":
         return cls(settings, model_fingerprint, fingerprint(settings, model_fingerprint), created_at,
-                   tuple(sorted(versions.items())), tuple(loras), license)
+                   tuple(sorted(versions.items())), tuple(loras), license, sharding)
 
     def with_settings(self, settings: Settings) -> "Run":
         """The same run with ``settings`` (a plan's decision) and their fingerprint."""
@@ -272,7 +287,8 @@ class Run:
                 "scheduler": self.settings.scheduler, "settings_fingerprint": self.settings_fingerprint,
                 "versions": dict(self.versions), "created_at": self.created_at,
                 "loras": [lora.to_dict() for lora in self.loras],
-                **({"license": self.license} if self.license is not None else {})}
+                **({"license": self.license} if self.license is not None else {}),
+                **({"sharding": self.sharding} if self.sharding is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Run":
@@ -285,4 +301,5 @@ class Run:
                    settings_fingerprint=data.get("settings_fingerprint") or fingerprint(settings,
                                                                                          data["model_fingerprint"]),
                    created_at=data["created_at"], versions=tuple(sorted(data.get("versions", {}).items())),
-                   loras=tuple(Lora(**lora) for lora in data.get("loras", ())), license=data.get("license"))
+                   loras=tuple(Lora(**lora) for lora in data.get("loras", ())), license=data.get("license"),
+                   sharding=data.get("sharding"))

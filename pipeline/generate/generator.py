@@ -25,6 +25,7 @@ import numpy as np
 
 from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.generate import compile_cache, jax_events, sampler
+from pipeline.model import sharding
 from pipeline.model import attention as attention_lib
 
 
@@ -56,11 +57,11 @@ def replicate(tree, devices, dtype=None):
     import jax.numpy as jnp
 
     mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+    spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
 
     def put(leaf):
         leaf = np.asarray(leaf)
-        placed = jax.device_put(np.broadcast_to(leaf, (len(devices),) + leaf.shape), sharding)
+        placed = jax.device_put(np.broadcast_to(leaf, (len(devices),) + leaf.shape), spread)
         if dtype is not None and jnp.issubdtype(placed.dtype, jnp.floating) and placed.dtype != dtype:
             placed = placed.astype(dtype)
         return placed
@@ -98,18 +99,43 @@ class SamplerProgram:
     compiles: int  # the backend compilations building it took, on its thread (0 when loaded)
     seconds: float  # lowering and compiling or loading it
     lowered: bool = True  # False: found through the executable cache's index, nothing traced
+    fsdp: int = 1  # the weights' FSDP degree it was made for
 
-    def takes(self, params, devices) -> bool:
-        """Whether it runs on ``devices`` with ``params`` (replicated, as ``replicate``
-        lays them out): the same tree of the same shapes and dtypes it was lowered for."""
-        return self.devices == tuple(devices) and _same_shapes(self.params, replicated_shapes(params))
+    def takes(self, params, devices, fsdp: int = 1) -> bool:
+        """Whether it runs on ``devices`` with ``params`` (as ``place_params`` lays them out
+        at ``fsdp``): the same tree of the same shapes and dtypes it was lowered for."""
+        return self.devices == tuple(devices) and self.fsdp == fsdp and \
+            _same_shapes(self.params, replicated_shapes(params))
+
+
+def program_params(model, devices, fsdp: int = 1):
+    """``jax.ShapeDtypeStruct``s of the params as the host's program takes them: replicated
+    (``replicated_shapes``, with the device axis) at ``fsdp`` 1, else their global shapes
+    (the mesh's shardings are the program's own)."""
+    from pipeline.model.families.shapes import struct
+
+    if fsdp == 1:
+        return replicated_shapes(model.params, devices, model.param_dtype)
+    return struct(model.params, model.param_dtype)
+
+
+def place_params(model, devices, fsdp: int = 1):
+    """The model's params on ``devices`` as the host's program takes them: replicated
+    (``replicate``) at ``fsdp`` 1, else on the host's FSDP mesh (``sharding.place``: each
+    device its shard)."""
+    if fsdp == 1:
+        return replicate(model.params, devices, model.param_dtype)
+    the_mesh = sharding.mesh(devices, fsdp)
+    shardings = sharding.param_shardings(model.params, sharding.layout_of(model.params, fsdp), the_mesh)
+    return sharding.place(model.params, shardings, model.param_dtype)
 
 
 def compile_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices,
                     latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
-                    attention: str = "auto", index_key: str | None = None) -> SamplerProgram:
-    """The pmapped sampler for ``devices``, lowered from shapes alone and compiled, or
-    loaded from the executable cache (``compile_cache.load_or_compile``).
+                    attention: str = "auto", index_key: str | None = None, fsdp: int = 1) -> SamplerProgram:
+    """The host's sampler for ``devices`` (pmapped, or at ``fsdp`` > 1 one program over the
+    host's FSDP mesh), lowered from shapes alone and compiled, or loaded from the
+    executable cache (``compile_cache.load_or_compile``).
 
     ``model``'s params may be arrays or ``ShapeDtypeStruct``s (``load(abstract=True)``):
     only their shapes and dtypes are read, so this can run on a thread while the weights
@@ -121,18 +147,18 @@ def compile_sampler(model, width: int, height: int, steps: int, per_device_batch
     devices = list(devices)
     compiles = jax_events.COMPILES.count_here()
     lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
-                            attention)
-    params = replicated_shapes(model.params, devices, model.param_dtype)
+                            attention, fsdp)
+    params = program_params(model, devices, fsdp)
     compiled, from_cache = compile_cache.load_or_compile(lowered, devices,
                                                          index=(index_key, params) if index_key else None)
     return SamplerProgram(compiled, params, tuple(devices), from_cache,
-                          jax_events.COMPILES.count_here() - compiles, time.perf_counter() - started)
+                          jax_events.COMPILES.count_here() - compiles, time.perf_counter() - started, fsdp=fsdp)
 
 
-def indexed_sampler(index_key: str, devices) -> SamplerProgram | None:
+def indexed_sampler(index_key: str, devices, fsdp: int = 1) -> SamplerProgram | None:
     """The sampler ``compile_sampler(..., index_key=index_key)`` made on an earlier run of
     this host, loaded from the executable cache without lowering anything; None if there
-    is none (or no cache)."""
+    is none (or no cache). ``fsdp``: what the key's description says."""
     jax_events.COMPILES.install()
     started = time.perf_counter()
     compiles = jax_events.COMPILES.count_here()
@@ -141,13 +167,13 @@ def indexed_sampler(index_key: str, devices) -> SamplerProgram | None:
         return None
     compiled, params = found
     return SamplerProgram(compiled, params, tuple(devices), True, jax_events.COMPILES.count_here() - compiles,
-                          time.perf_counter() - started, lowered=False)
+                          time.perf_counter() - started, lowered=False, fsdp=fsdp)
 
 
 def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool = False,
-                  guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto"):
-    """The pmapped sampler for ``devices``, lowered from the shapes of ``model``'s params
-    and of a batch (``compile_sampler``).
+                  guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto", fsdp: int = 1):
+    """The host's sampler for ``devices``, lowered from the shapes of ``model``'s params
+    and of a batch (``compile_sampler``): pmapped at ``fsdp`` 1, else ``lower_fsdp``.
 
     The shapes are given to pmap as abstract values (``jax.core.ShapedArray``), not as
     ``ShapeDtypeStruct``s: in a cluster, pmap turns each argument that is not a device
@@ -160,6 +186,9 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
     devices = list(devices)
     if attention != LEGACY_ATTENTION:
         attention_lib.check_platform(attention, devices[0].platform)
+    if fsdp != 1:
+        return lower_fsdp(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
+                          attention, fsdp)
     fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
                                             attention, devices[0].platform), devices=devices)
     shaped = (len(devices), per_device_batch)
@@ -170,15 +199,43 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
     return fn.lower(params, ids, ids, ShapedArray(shaped, jnp.float32), words, words, words)
 
 
+def lower_fsdp(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool,
+               guidance_rule: str, guided: bool, attention: str, fsdp: int):
+    """The sampler as one program over the host's FSDP mesh (``sharding``): the batch of
+    D x per-device batch images split over the D devices, the weights of the sharded
+    components split over groups of ``fsdp`` of them, from shapes alone."""
+    import jax
+    import jax.numpy as jnp
+
+    the_mesh = sharding.mesh(devices, fsdp)
+    params = sharding.shaped(model.params, sharding.param_shardings(model.params,
+                                                                    sharding.layout_of(model.params, fsdp), the_mesh),
+                             model.param_dtype)
+    n = len(devices) * per_device_batch
+    ids = sampler.tokenize(model, [""]).shape[1:]
+    one = sharding.batch_sharding(the_mesh, 1)
+    images = sharding.batch_sharding(the_mesh, 4)
+    fn = jax.jit(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention,
+                                        devices[0].platform),
+                 out_shardings=(images, sharding.batch_sharding(the_mesh, 4)) if latents else images)
+    ids_struct = jax.ShapeDtypeStruct((n, *ids), jnp.int32, sharding=sharding.batch_sharding(the_mesh, 1 + len(ids)))
+    words = jax.ShapeDtypeStruct((n,), jnp.uint32, sharding=one)
+    return fn.lower(params, ids_struct, ids_struct, jax.ShapeDtypeStruct((n,), jnp.float32, sharding=one), words,
+                    words, words)
+
+
 class Generator:
     """``program``: the sampler ``compile_sampler`` made for these arguments (e.g. from an
     abstract model while the weights loaded); it is used when it takes exactly these
     params on these devices, else the sampler is compiled here. ``params``: the model's
-    params already replicated on ``devices`` (generators of one model may share them)."""
+    params already on ``devices`` as the program takes them (``place_params``; generators
+    of one model may share them). ``fsdp``: the weights sharded over groups of that many
+    devices (``pipeline.generate.sharding``); 1, the pmapped program with a whole copy on
+    every device."""
 
     def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
                  latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True, params=None,
-                 attention: str = "auto", program: SamplerProgram | None = None):
+                 attention: str = "auto", program: SamplerProgram | None = None, fsdp: int = 1):
         import jax
 
         jax_events.COMPILES.install()
@@ -191,14 +248,16 @@ class Generator:
             attention_lib.check_platform(attention, self.devices[0].platform)
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
+        self.fsdp = fsdp
+        self._mesh = sharding.mesh(self.devices, fsdp) if fsdp != 1 else None
         started = time.perf_counter()
-        self.params = replicate(model.params, self.devices, model.param_dtype) if params is None else params
+        self.params = place_params(model, self.devices, fsdp) if params is None else params
         jax.block_until_ready(self.params)
         self.transfer_s = time.perf_counter() - started  # putting the weights on the devices
-        self.program_given = program is not None and program.takes(self.params, self.devices)
+        self.program_given = program is not None and program.takes(self.params, self.devices, fsdp)
         if not self.program_given:  # none given, or made for other shapes
             program = compile_sampler(model, width, height, steps, per_device_batch, self.devices, latents,
-                                      guidance_rule, guided, attention)
+                                      guidance_rule, guided, attention, fsdp=fsdp)
         self.program = program
         # from_cache: loaded from this host's executable cache (``compile_cache.enable``);
         # sampler_compiles: the backend compilations that building the sampler took
@@ -242,8 +301,15 @@ class Generator:
         return jax_events.COMPILES.count()
 
     def _device_shaped(self, batch: Batch) -> tuple:
+        """The batch's arrays as the program takes them: [devices, per-device batch, ...]
+        for pmap; at fsdp > 1, the whole batch split over the mesh's devices."""
+        import jax
+
+        arrays = [np.asarray(a) for a in dataclasses.astuple(batch)]
+        if self._mesh is not None:
+            return tuple(jax.device_put(a, sharding.batch_sharding(self._mesh, a.ndim)) for a in arrays)
         d, b = len(self.devices), self.per_device_batch
-        return tuple(np.asarray(a).reshape((d, b) + np.asarray(a).shape[1:]) for a in dataclasses.astuple(batch))
+        return tuple(a.reshape((d, b) + a.shape[1:]) for a in arrays)
 
     def dispatch(self, batch: Batch):
         """Start a device step; returns the device array, or (images, latents) with
@@ -260,7 +326,7 @@ class Generator:
 
     def _host(self, array) -> np.ndarray:
         array = np.asarray(array)
-        return array.reshape((self.batch_size,) + array.shape[2:])
+        return array.reshape((self.batch_size,) + array.shape[1 if self._mesh is not None else 2:])
 
     def __call__(self, batch: Batch) -> np.ndarray:
         """uint8 images [N, height, width, 3] of one batch, in batch order (latents, if

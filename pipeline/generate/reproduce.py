@@ -60,7 +60,12 @@ def reproduce(out: str, keys: list[str], save: str | None = None, emit=None) -> 
     from pipeline.generate import runtime
 
     settings = run.settings
-    _, generator, _ = runtime.ready_generator(run, out, jax.local_devices()[:1])
+    # one device, or the FSDP group the run's weights were sharded over (an image's bytes
+    # depend on that program, not on how many such groups a host has)
+    if jax.local_device_count() < settings.fsdp:
+        raise ReproduceError(f"the run shards its weights over {settings.fsdp} devices (--fsdp); this process has "
+                             f"{jax.local_device_count()}")
+    _, generator, _ = runtime.ready_generator(run, out, jax.local_devices()[:settings.fsdp])
     results = []
     for start in range(0, len(rows), generator.batch_size):
         chunk = rows[start:start + generator.batch_size]

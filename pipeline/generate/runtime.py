@@ -74,7 +74,8 @@ def make_generator(model, settings: Settings, devices=None, program: SamplerProg
     _check_guided(settings)
     return Generator(model, settings.width, settings.height, settings.steps, settings.per_device_batch,
                      devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
-                     guided=settings.guided, attention=settings.attention, program=program, params=params)
+                     guided=settings.guided, attention=settings.attention, program=program, params=params,
+                     fsdp=settings.fsdp)
 
 
 def abstract_model(settings: Settings):
@@ -99,7 +100,8 @@ def sampler_description(settings: Settings) -> dict:
             "timestep_spacing": s.timestep_spacing, "width": s.width, "height": s.height, "steps": s.steps,
             "per_device_batch": s.per_device_batch, "latents": s.save_latents, "guidance_rule": s.guidance_rule,
             "guided": s.guided, "attention": s.attention,
-            **({"max_sequence_length": s.max_sequence_length} if s.max_sequence_length is not None else {})}
+            **({"max_sequence_length": s.max_sequence_length} if s.max_sequence_length is not None else {}),
+            **({"fsdp": s.fsdp} if s.fsdp != 1 else {})}
 
 
 def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerProgram:
@@ -111,13 +113,13 @@ def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerPr
     _check_guided(settings)
     devices = list(devices)
     key = compile_cache.index_key(sampler_description(settings), devices)
-    program = indexed_sampler(key, devices)
+    program = indexed_sampler(key, devices, settings.fsdp)
     if program is not None:
         return program
     abstract = abstract or abstract_model(settings)
     return compile_sampler(abstract, settings.width, settings.height, settings.steps, settings.per_device_batch,
                            devices, settings.save_latents, settings.guidance_rule, settings.guided,
-                           settings.attention, index_key=key)
+                           settings.attention, index_key=key, fsdp=settings.fsdp)
 
 
 def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[object, Generator, dict]:
@@ -135,7 +137,7 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
     ``wait`` (for it, once the weights were on the devices)."""
     import jax
 
-    from pipeline.generate.generator import replicate
+    from pipeline.generate.generator import place_params
 
     from pipeline.model.libraries import import_libraries
 
@@ -147,7 +149,10 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
         compiling = pool.submit(compile_run_sampler, run.settings, devices)
         model = load_model(run, out)
         loaded = time.perf_counter()
-        params = jax.block_until_ready(replicate(model.params, devices, model.param_dtype))
+        if run.settings.fsdp != 1:
+            logs.event("fsdp_layout", fsdp=run.settings.fsdp, components=run.sharding,
+                       rule="the denoiser, and text encoders of 1 GiB or more, are sharded; the rest replicated")
+        params = jax.block_until_ready(place_params(model, devices, run.settings.fsdp))
         transferred = time.perf_counter()
         try:
             program = compiling.result()
@@ -169,7 +174,7 @@ def program_tag(run: Run) -> tuple:
     s = run.settings
     return (s.model, run.model_fingerprint, s.dtype, s.scheduler, s.width, s.height, s.steps, s.per_device_batch,
             s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided, s.attention,
-            s.max_sequence_length)
+            s.max_sequence_length, s.fsdp)
 
 
 def open_zarr(out: str, run: Run, model, images: int):

@@ -65,8 +65,28 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     settings = settings.replace(**resolved).validate()
     run = Run.create(settings, described["fingerprint"], versions=_versions(),
                      created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                     loras=tuple(Lora(**lora) for lora in described["loras"]), license=described["license"])
+                     loras=tuple(Lora(**lora) for lora in described["loras"]), license=described["license"],
+                     sharding=_sharding(settings))
     return settings, run
+
+
+def _sharding(settings: Settings) -> dict | None:
+    """With --fsdp > 1: where each component's weights live, by the sharding rule
+    (``pipeline.generate.sharding``), from the model's shapes alone; logged."""
+    if settings.fsdp == 1:
+        return None
+    if not isinstance(settings.fsdp, int):
+        raise PlanError("--fsdp auto is resolved to a number before planning (pipeline.generate.fit)")
+    from pipeline.model import load as model_lib, sharding
+
+    params = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
+                            abstract=True, max_sequence_length=settings.max_sequence_length).params
+    sizes = sharding.component_bytes(params)
+    placed = sharding.layout_of(params, settings.fsdp).describe(sizes)
+    logs.event("fsdp_layout", fsdp=settings.fsdp, components=placed,
+               rule=f"the denoiser, and text encoders of {sharding.ENCODER_SHARDED_FROM / 2 ** 30:g} GiB or more, are "
+                    f"sharded; the rest replicated")
+    return placed
 
 
 def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:

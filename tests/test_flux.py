@@ -1,0 +1,124 @@
+"""FLUX.1 through promptmill's family seam: loaded as any checkpoint is (``load``), planned
+(its refusals), sampled by the generator, and run end to end on local hosts.
+
+The networks and the sampling maths are checked against diffusers' PyTorch FluxPipeline
+in test_flux_nets.py and test_flux_sampling.py; here the same fixture checkpoints go
+through ``load.load`` (weights converted once and memory-mapped, the family's sampler)
+and must give FluxPipeline's images within 2 levels; and a tiny [dev] run is
+byte-identical between 1x4 and 2x2 hosts x devices, and ``reproduce`` regenerates it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from pipeline.core import naming
+from pipeline.core.settings import Settings
+from pipeline.generate import sampler
+from pipeline.io import storage
+from pipeline.model import families, load as model_lib
+from pipeline.output import writer
+from tests.conftest import run_cli
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
+
+
+@pytest.mark.parametrize("case", ["schnell-g0-s2-32x32", "dev-g3.5-s2-32x32"])
+def test_a_flux_checkpoint_loaded_like_any_other_makes_diffusers_images(case, model_cache):
+    fixture = dict(np.load(os.path.join(FIXTURES, f"{case}.npz")))
+    variant, steps = str(fixture["variant"]), int(fixture["steps"])
+    model = model_lib.load(os.path.join(FIXTURES, variant), "fp32",
+                           max_sequence_length=int(fixture["max_sequence_length"]))
+    assert model.family is families.FLUX and model.latent_shape(32, 32) == tuple(fixture["latents"].shape[1:])
+    assert model.sampler.choice == "flow_euler" and model.param_dtype == jax.numpy.float32
+    again = model_lib.load(os.path.join(FIXTURES, variant), "fp32",
+                           max_sequence_length=int(fixture["max_sequence_length"]))
+    leaf = again.params["transformer"]["transformer_blocks"]["attn"]["to_q"]["kernel"]
+    assert isinstance(leaf.base if leaf.base is not None else leaf, np.memmap)  # converted once, then mapped
+    rule = model.family.guidance_rule(model)
+    assert rule == ("embedded" if variant == "dev" else "unused")
+    denoise = jax.jit(sampler.make_denoise_fn(model, steps, guided=False, guidance_rule=rule))
+    prompts = [str(p) for p in fixture["prompts"]]
+    ids = sampler.tokenize(model, prompts)
+    assert ids.shape == (2, 77 + int(fixture["max_sequence_length"]))
+    params = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), model.params)
+    guidance = np.full((2,), fixture["guidance_scale"], np.float32)
+    images = np.asarray(sampler.to_uint8(denoise(params, ids, np.zeros_like(ids), guidance, fixture["latents"])))
+    assert np.abs(images.astype(int) - fixture["images_uint8"]).max() <= 2
+    assert sampler.truncated(model, prompts) == [False, True]  # the long prompt is cut by both encoders
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(model="random-flux", width=520), "multiples of 16 pixels each way"),  # FLUX.1's VAE: 2 x 8
+    (dict(scheduler="ddim"), "FLUX.1 samples with flow-matching Euler"),
+    (dict(timestep_spacing="trailing"), "there is no spacing to set"),
+    (dict(max_sequence_length=600), "--max-sequence-length must be a whole number of T5 tokens from 1 to 512"),
+])
+def test_a_flux_plan_refuses_what_flux_cannot_do(change, message, tmp_path, model_cache):
+    from pipeline.plan.prepare import resolve_settings
+
+    with pytest.raises(ValueError, match=message):
+        resolve_settings(Settings(**{"model": "tiny-flux", "out": str(tmp_path), **change}))
+
+
+def test_sd_refuses_a_t5_length_and_other_pipelines_are_refused_by_name(tmp_path, model_cache):
+    from pipeline.plan.prepare import resolve_settings
+
+    with pytest.raises(ValueError, match="--max-sequence-length sets FLUX.1's T5 length"):
+        resolve_settings(Settings(model="tiny", out=str(tmp_path), max_sequence_length=64))
+    with pytest.raises(ValueError, match="--scheduler flow_euler is the rectified-flow sampler of FLUX.1"):
+        resolve_settings(Settings(model="tiny", out=str(tmp_path), scheduler="flow_euler"))
+    for name in ("StableDiffusion3Pipeline", "ZImagePipeline", "Flux2Pipeline"):
+        with pytest.raises(families.FamilyError, match=f"names the pipeline '{name}', which promptmill does not run"):
+            families.detect({"_class_name": name}, "ckpt")
+    assert families.detect({"_class_name": "FluxPipeline"}, "c") is families.FLUX
+    assert families.detect({"_class_name": "FlaxStableDiffusionXLPipeline"}, "c") is families.SDXL
+    assert families.detect({"text_encoder": ["transformers", "CLIPTextModel"]}, "c") is families.SD  # no class name
+
+
+def _prompts(tmp_path):
+    rows = [{"prompt": "a red fox in the snow", "id": "fox", "seed": 5},
+            {"prompt": "a blue whale in the deep ocean", "id": "whale", "seed": 5},  # one seed, another prompt
+            {"prompt": "a full moon", "id": "moon", "negative_prompt": "blurry", "guidance_scale": 5.0},
+            {"prompt": "a painting of a city at night " * 4, "id": "city", "num_images": 2}]  # > 16 T5 tokens
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_flux_dev_run_is_the_same_on_1x4_and_2x2_and_reproduces(tmp_path, model_cache):
+    prompts = _prompts(tmp_path)
+    hashes, outs = [], []
+    for hosts, devices in ((2, 2), (1, 4)):
+        out = str(tmp_path / f"flux-{hosts}x{devices}")
+        result = run_cli(["run", "--prompts", prompts, "--out", out, "--model", "tiny-flux-dev", "--hosts", str(hosts),
+                          "--devices-per-host", str(devices), "--steps", "2", "--max-sequence-length", "16",
+                          "--per-device-batch", "1", "--batches-per-slice", "1", "--no-progress"], model_cache)
+        assert result.returncode == 0, result.stderr[-4000:]
+        rows = {r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+        hashes.append({key: row["sha256"] for key, row in rows.items()})
+        outs.append(out)
+    assert len(hashes[0]) == 5 and hashes[0] == hashes[1]
+    assert rows["fox_0000"]["sha256"] != rows["whale_0000"]["sha256"]  # one seed, two prompts: two images
+    assert [rows[k]["guidance_scale"] for k in ("fox_0000", "moon_0000")] == [3.5, 5.0]  # [dev]'s default, its own
+    assert rows["city_0001"]["prompt_truncated"] and not rows["fox_0000"]["prompt_truncated"]
+    run = storage.read_json(naming.run_json(outs[0]))["settings"]
+    assert (run["guidance_rule"], run["guided"], run["scheduler"], run["max_sequence_length"], run["width"]) == \
+        ("embedded", False, "flow_euler", 16, 32)
+    stats = storage.read_json(naming.dataset_file(outs[0], "stats.json"))
+    assert stats["verified"] and stats["negative_prompts_unused"] == {"records": 1, "images": 1}
+    assert stats["guidance_unused"] == {"records": 0, "images": 0}
+    card = storage.read_text(naming.dataset_file(outs[0], "README.md"))
+    assert "embedded guidance (FLUX.1 [dev])" in card and "| T5 sequence length | `16` |" in card
+
+    result = run_cli(["reproduce", "whale_0000", "city_0001", "--out", outs[1]], model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [line["match"] for line in lines] == [True, True]
+    assert hashlib.sha256(storage.read_bytes(naming.join(outs[1], rows["whale_0000"]["path"]))).hexdigest() == \
+        lines[0]["sha256"]
