@@ -131,6 +131,16 @@ def wait_for_jobset(kubectl: kubectl_lib.Kubectl, job: jobset.GkeJob, total: int
         sleep(job.poll_s)
 
 
+def stopped_following(job: jobset.GkeJob) -> str:
+    """What ``submit gke`` says when Ctrl-C or SIGTERM stops it while the JobSet runs: the
+    JobSet is left running, never cancelled silently, and this is how to cancel it."""
+    base = shlex.join(kubectl_lib.kubectl_base(job.namespace, os.environ.get("KUBECTL") or "kubectl"))
+    return (f"stopped following JobSet {job.name}; it keeps running, and what it commits is kept. Watch it: "
+            f"`promptmill status {job.out}`; follow it again (and collect once it is done): the same submit command; "
+            f"cancel it: `{base} delete jobset {job.name}` (every host stops at its next batch; the same submit "
+            f"command later resumes from the committed slices)")
+
+
 def submit_gke(job: jobset.GkeJob, emit: Callable[[str], None] = print, kubectl: kubectl_lib.Kubectl | None = None,
                sleep: Callable[[float], None] = time.sleep) -> dict:
     """plan -> kubectl apply -> wait -> collect; returns collect's stats."""
@@ -143,5 +153,9 @@ def submit_gke(job: jobset.GkeJob, emit: Callable[[str], None] = print, kubectl:
     emit(f"planned {manifest['records']} records, {manifest['images']} images in {manifest['slices']} slices "
          f"for {job.tpu_slice.hosts} host(s) x {job.tpu_slice.chips_per_host} chips")
     apply_jobset(kubectl, job, emit)
-    wait_for_jobset(kubectl, job, manifest["slices"], emit, sleep)
+    try:
+        wait_for_jobset(kubectl, job, manifest["slices"], emit, sleep)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts)
+        emit(stopped_following(job))
+        raise
     return collect.run_collect(job.out, list(job.collect_beam_args))
