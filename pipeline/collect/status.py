@@ -138,6 +138,16 @@ def _read_json(path: str):
     return storage.read_json(path) if storage.exists(path) else None
 
 
+def _read_progress(path: str) -> dict | None:
+    """A progress object, or None when it cannot be read now: a local one is rewritten in
+    place every few seconds (GCS replaces objects whole), so it may be caught half-written."""
+    try:
+        found = storage.read_json(path)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def gather(out: str) -> tuple[Run, dict | None, dict[int, float], list[dict], dict | None]:
     """What ``report`` needs, read from ``out``: run.json (RunNotPlanned if there is
     none), the manifest (None while planning), the commit markers' times, the progress
@@ -148,7 +158,7 @@ def gather(out: str) -> tuple[Run, dict | None, dict[int, float], list[dict], di
         committed = pool.submit(runs.committed, out)
         stats = pool.submit(_read_json, naming.dataset_file(out, "stats.json"))
         paths = storage.glob(naming.join(naming.progress_dir(out), "*.json"))
-        progress = [p for p in pool.map(_read_json, paths) if isinstance(p, dict)]
+        progress = [p for p in pool.map(_read_progress, paths) if p is not None]
         return run, manifest.result(), committed.result(), progress, stats.result()
 
 

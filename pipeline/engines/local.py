@@ -66,7 +66,11 @@ def log_dir_for(out: str) -> str:
     return naming.join(out, "logs") if not storage.is_gcs(out) else tempfile.mkdtemp(prefix="promptmill-logs-")
 
 
-class _Host:
+class Host:
+    """One host process, in a session of its own (a Ctrl-C in the launcher's terminal
+    reaches the launcher only, which stops the hosts itself): its stderr goes to
+    ``log_path``, and its JSON events to ``events`` as (index, event)."""
+
     def __init__(self, index: int, command: list[str], env: dict, log_path: str, events: queue.Queue):
         self.index = index
         self.tail = collections.deque(maxlen=40)
@@ -100,7 +104,7 @@ class _Host:
         self.log.close()
 
 
-def stop_hosts(hosts: list[_Host], grace_s: float = STOP_GRACE_S) -> None:
+def stop_hosts(hosts: list[Host], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every host still running (they stop together at their next batch), wait up
     to ``grace_s`` for all of them, then SIGKILL those left. A second Ctrl-C or SIGTERM
     during the wait (a KeyboardInterrupt here) kills them at once, and is raised again.
@@ -127,7 +131,7 @@ def stop_hosts(hosts: list[_Host], grace_s: float = STOP_GRACE_S) -> None:
         raise
 
 
-def _kill(hosts: list[_Host], reason: str) -> None:
+def _kill(hosts: list[Host], reason: str) -> None:
     left = [h.index for h in hosts if h.process.poll() is None]
     for h in hosts:
         h.signal(signal.SIGKILL)
@@ -159,7 +163,7 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     coordinator = f"127.0.0.1:{cluster.free_port()}"
     env = {**host_env(devices_per_host), stopping.LAUNCHER_ENV: str(os.getpid())}
     events: queue.Queue = queue.Queue()
-    hosts = [_Host(i, host_command(out, coordinator, num_hosts, i, compile_cache), env,
+    hosts = [Host(i, host_command(out, coordinator, num_hosts, i, compile_cache), env,
                    os.path.join(log_dir, f"host-{i}.log"), events) for i in range(num_hosts)]
     with open(os.path.join(log_dir, "hosts.json"), "w") as f:
         json.dump({str(h.index): h.process.pid for h in hosts}, f)
