@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.strict(status)
 
     add_submit_parser(sub)  # submit dataflow|gke, with its own --date
-    add_bench_parser(sub)  # bench generator|upload|plan|pipeline
+    add_bench_parser(sub)  # bench generator|upload|plan|status|pipeline
     return parser
 
 
