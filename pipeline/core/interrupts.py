@@ -23,13 +23,14 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-_received: list[int] = []  # the signals ``raising`` turned into Interrupted, in this process
+_received: list[int] = []  # the signals the last ``raising`` block turned into Interrupted
 
 
 def received() -> int | None:
-    """The last signal ``raising`` took, or None: a library that catches the
-    ``Interrupted`` and raises its own error instead (Beam does, naming the step) still
-    ended because of it."""
+    """The last signal taken since the last ``raising`` block began (during it, or after
+    it, when its error is handled), or None: a library that catches the ``Interrupted``
+    and raises its own error instead (Beam does, naming the step) still ended because
+    of it."""
     return _received[-1] if _received else None
 
 
@@ -60,6 +61,7 @@ def raising(signals=(signal.SIGTERM,)):
         _received.append(signum)
         raise Interrupted(signum)
 
+    _received.clear()
     previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
