@@ -127,3 +127,20 @@ def test_cli_status_text_json_and_watch(tmp_path, capsys):
 def test_status_of_an_out_without_a_run_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path / "nothing")]) == 1
     assert "run.json does not exist: run 'promptmill plan' for this --out first" in capsys.readouterr().err
+
+
+def test_the_status_bench_commits_a_share_of_a_planned_run_and_times_status(tmp_path):
+    """``promptmill bench status`` on a small planned OUT, locally: what it commits is what
+    status then counts (the 1,000,000-prompt figures are in docs/benchmarks.md)."""
+    from pipeline.bench import status as status_bench
+
+    out = str(tmp_path / "out")
+    runs.write(out, _run())
+    storage.write_json(naming.manifest(out), MANIFEST)
+    report = status_bench.run(out, committed=0.6, hosts=2, repeats=1, gcs=False)
+    assert (report["committed_slices"], report["objects_under_shards"], report["progress_objects"]) == (3, 9, 2)
+    local = report["local"]
+    assert local["reported"]["committed"]["slices"] == 3 and local["reported"]["committed"]["images"] == 12
+    assert local["reported"]["hosts"] == 2 and local["reported"]["state"] == "generating"
+    assert len(local["wall_s"]) == 1 and "gcs" not in report
+    assert "local" in status_bench.table(report)

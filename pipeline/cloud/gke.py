@@ -153,9 +153,16 @@ def submit_gke(job: jobset.GkeJob, emit: Callable[[str], None] = print, kubectl:
     emit(f"planned {manifest['records']} records, {manifest['images']} images in {manifest['slices']} slices "
          f"for {job.tpu_slice.hosts} host(s) x {job.tpu_slice.chips_per_host} chips")
     apply_jobset(kubectl, job, emit)
+    follow_jobset(kubectl, job, manifest["slices"], emit, sleep)
+    return collect.run_collect(job.out, list(job.collect_beam_args))
+
+
+def follow_jobset(kubectl: kubectl_lib.Kubectl, job: jobset.GkeJob, total: int, emit: Callable[[str], None],
+                  sleep: Callable[[float], None] = time.sleep) -> int:
+    """``wait_for_jobset``; at Ctrl-C or SIGTERM (a KeyboardInterrupt, ``pipeline.core.interrupts``)
+    it says how to watch, follow or cancel the JobSet it leaves running, and raises again."""
     try:
-        wait_for_jobset(kubectl, job, manifest["slices"], emit, sleep)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts)
+        return wait_for_jobset(kubectl, job, total, emit, sleep)
+    except KeyboardInterrupt:
         emit(stopped_following(job))
         raise
-    return collect.run_collect(job.out, list(job.collect_beam_args))
