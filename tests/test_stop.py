@@ -1,8 +1,8 @@
 """Stopping real runs, and watching them: the tiny model, two local hosts of two CPU
-devices, one OUT taken through a stop of ``promptmill run``, a SIGTERM to one host of a
-GKE-style pair (hosts that find their cluster from TPU_WORKER_ID and
-TPU_WORKER_HOSTNAMES, as the JobSet's pods do), and the same ``promptmill run`` again,
-which must end with the bytes of an uninterrupted generation of the same plan.
+devices, one OUT taken through a stop of ``promptmill run``, then a SIGTERM to one host
+of a GKE-style pair (hosts that find their cluster from TPU_WORKER_ID and
+TPU_WORKER_HOSTNAMES, as the JobSet's pods do), then the hosts' same command again and
+collect, which must end with the bytes of an uninterrupted generation of the same plan.
 
 Waits are for log events and files, with generous deadlines; the only time bound checked
 is the issue's: no process of a stopped run is left 15 s after the signal."""
@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -144,12 +143,11 @@ def test_status_of_a_run_stopped_midway_reads_no_image_and_no_metadata(stopped_r
         "plan/manifest.json", "progress/host-00000.json", "progress/host-00001.json", "run.json"]
 
 
-@pytest.fixture(scope="module")
-def stopped_host(stopped_run, model_cache):
-    """The same OUT on two GKE-style hosts; host 1 gets SIGTERM once it has committed a slice."""
-    out = stopped_run["out"]
-    before = set(runs.committed(out))
-    base = {**host_env(2, _env(model_cache)), cluster.WORKER_HOSTNAMES: "127.0.0.1,127.0.0.1",
+def gke_hosts(out: str, cache: str, sigterm_to: int | None = None) -> tuple[list[int], list[str]]:
+    """``promptmill generate --out OUT`` on two GKE-style hosts, as the JobSet's pods run
+    it; with ``sigterm_to``, that host gets SIGTERM once it has committed a slice. Returns
+    their exit codes and stderr."""
+    base = {**host_env(2, _env(cache)), cluster.WORKER_HOSTNAMES: "127.0.0.1,127.0.0.1",
             cluster.COORDINATOR_PORT: str(cluster.free_port())}
     command = [sys.executable, "-m", "jobs.cli", "generate", "--out", out,
                "--compile-cache", compile_cache.local_default()]
@@ -159,14 +157,27 @@ def stopped_host(stopped_run, model_cache):
     readers = [threading.Thread(target=lambda i=i: lines[i].extend(hosts[i].stderr)) for i in range(2)]
     for reader in readers:
         reader.start()
-    _wait_for(lambda: any('"slice_committed"' in line for line in list(lines[1])) or hosts[1].poll() is not None,
-              "host 1's first commit")
-    hosts[1].send_signal(signal.SIGTERM)
-    codes = [h.wait(timeout=DEADLINE_S) for h in hosts]
-    for reader in readers:
-        reader.join()
-    return {"out": out, "codes": codes, "stderr": ["".join(l) for l in lines], "before": before,
-            "committed": sorted(runs.committed(out))}
+    try:
+        if sigterm_to is not None:
+            _wait_for(lambda: any('"slice_committed"' in line for line in list(lines[sigterm_to]))
+                      or hosts[sigterm_to].poll() is not None, f"host {sigterm_to}'s first commit")
+            hosts[sigterm_to].send_signal(signal.SIGTERM)
+        codes = [h.wait(timeout=DEADLINE_S) for h in hosts]
+    finally:
+        for h in hosts:
+            h.kill()
+        for reader in readers:
+            reader.join()
+    return codes, ["".join(l) for l in lines]
+
+
+@pytest.fixture(scope="module")
+def stopped_host(stopped_run, model_cache):
+    """The same OUT on two GKE-style hosts; host 1 gets SIGTERM once it has committed a slice."""
+    out = stopped_run["out"]
+    before = set(runs.committed(out))
+    codes, stderr = gke_hosts(out, model_cache, sigterm_to=1)
+    return {"out": out, "codes": codes, "stderr": stderr, "before": before, "committed": sorted(runs.committed(out))}
 
 
 def test_sigterm_to_one_host_stops_both_at_the_same_batch_with_nothing_partial(stopped_host):
@@ -191,39 +202,38 @@ def test_sigterm_to_one_host_stops_both_at_the_same_batch_with_nothing_partial(s
 
 
 @pytest.fixture(scope="module")
-def resumed(stopped_host, prompts, model_cache):
-    """The first command again, to the end."""
+def resumed(stopped_host, model_cache):
+    """The hosts' same command again, to the end, then collect (as ``submit gke`` runs it)."""
+    from pipeline.collect import transforms as collect
+
     out = stopped_host["out"]
-    result = subprocess.run(run_command(prompts, out), cwd=ROOT, env=_env(model_cache), capture_output=True,
-                            text=True, timeout=DEADLINE_S)
-    return {"out": out, "result": result, "before": stopped_host["committed"]}
+    codes, stderr = gke_hosts(out, model_cache)
+    stats = collect.run_collect(out) if codes == [0, 0] else None
+    return {"out": out, "codes": codes, "stderr": stderr, "stats": stats, "before": stopped_host["committed"]}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(stopped_run, tmp_path_factory, model_cache):
-    """{key: sha256} of the same plan generated in one go, in this process, by the host
-    loop's own code (as one host with two devices, as each host of the runs has)."""
-    from pipeline.generate import host_loop, runtime
-
+    """{key: sha256} of the same plan generated in one go, by one host with two devices
+    (as each host of the runs has), into another OUT."""
     out = str(tmp_path_factory.mktemp("uninterrupted") / "out")
-    storage.write_bytes(naming.run_json(out), storage.read_bytes(naming.run_json(stopped_run["out"])))
-    for path in storage.glob(naming.join(stopped_run["out"], "plan")):
+    for path in [naming.run_json(stopped_run["out"]), *storage.glob(naming.join(stopped_run["out"], "plan"))]:
         storage.write_bytes(naming.join(out, os.path.relpath(path, stopped_run["out"])), storage.read_bytes(path))
-    run, manifest = runtime.load_planned(out)
-    _, generator, _ = runtime.ready_generator(run, out)
-    with ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS) as pool:
-        host_loop.run_slices(generator, out, run, range(manifest["slices"]), manifest["slice_size"], 0, pool)
+    command = [sys.executable, "-m", "jobs.cli", "generate", "--out", out, "--coordinator",
+               f"127.0.0.1:{cluster.free_port()}", "--num-hosts", "1", "--host-id", "0",
+               "--compile-cache", compile_cache.local_default()]
+    result = subprocess.run(command, cwd=ROOT, env=host_env(2, _env(model_cache)), capture_output=True, text=True,
+                            timeout=DEADLINE_S)
+    assert result.returncode == 0, result.stderr[-3000:]
     return _sha256s(out)
 
 
 def test_the_same_command_resumes_to_the_bytes_of_an_uninterrupted_run(resumed, uninterrupted):
-    result = resumed["result"]
-    assert result.returncode == 0, result.stderr[-4000:]
-    [generated] = _events(result.stderr, "generated")
-    assert generated["slices_skipped"] == len(resumed["before"])
-    assert generated["slices_generated"] == SLICES - len(resumed["before"])
-    stats = storage.read_json(naming.dataset_file(resumed["out"], "stats.json"))
-    assert stats["verified"] and stats["images"] == RECORDS
+    assert resumed["codes"] == [0, 0], [s[-3000:] for s in resumed["stderr"]]
+    done = [e for s in resumed["stderr"] for e in _events(s, "host_done")]
+    assert sum(e["slices_skipped"] for e in done) == len(resumed["before"])
+    assert sum(e["slices_generated"] for e in done) == SLICES - len(resumed["before"])
+    assert resumed["stats"]["verified"] and resumed["stats"]["images"] == RECORDS
     assert len(uninterrupted) == RECORDS and _sha256s(resumed["out"]) == uninterrupted
 
 
