@@ -99,6 +99,9 @@ def initialize(args: ClusterArgs) -> tuple[int, int]:
     # cluster (the local test bed: N processes on 127.0.0.1); the setting does nothing
     # on TPU or GPU.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # on by default, but a host stops on SIGTERM through it (``pipeline.generate.stopping``),
+    # so a JAX_ENABLE_PREEMPTION_SERVICE=false in the environment must not turn it off
+    jax.config.update("jax_enable_preemption_service", True)
     how, kwargs = plan_initialize(args, os.environ, tpu_present())
     logs.event("cluster_join", how=how, **{k: v for k, v in kwargs.items() if k != "process_id"})
     try:

@@ -26,6 +26,7 @@ from pipeline.core import logs, naming
 from pipeline.io import storage
 
 INTERVAL_S = 5.0
+CLOSE_TIMEOUT_S = 10.0
 RATE_WINDOW_S = 300.0  # the rate is over the slices committed in the last five minutes
 MAX_LISTED = 50  # slice indices kept per list (redone); the count is always whole
 # the host's state after each of these events
@@ -131,14 +132,24 @@ class Progress(logging.Handler):
             if not self._finished.is_set():
                 self._write()
 
-    def close(self) -> None:
-        """Stop listening and writing, then write the last state (once; later calls do nothing)."""
+    def _last_write(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join()
+        self._write()
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop listening and writing, then write the last state (once; later calls do
+        nothing). Waits at most ``timeout_s`` for it: a stopping host must not wait out the
+        storage layer's retries on an unreachable bucket."""
         if self._finished.is_set():
             return
         self._finished.set()
         self._urgent.set()
         self._logger.removeHandler(self)
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
-        self._write()
+        last = threading.Thread(target=self._last_write, name="progress-last", daemon=True)
+        last.start()
+        last.join(timeout_s)
+        if last.is_alive():
+            logs.event("progress_not_written", level=logging.WARNING, path=self.path,
+                       error=f"the last write took more than {timeout_s:g} s; left behind")
         super().close()
