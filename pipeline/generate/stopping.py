@@ -10,14 +10,19 @@ sets that step to one past the highest step any host has reached when the notice
 arrives, and a host learns of it only when it asks at exactly that step, so every host
 asks once per batch it dispatches, counting from 1 (``SyncStop``; padding batches
 count, skipped slices do not). A notice that comes while the host loads and compiles
-is answered at step 1, before the first batch. Verified on jax 0.10.2 with two local
-CPU processes: both hosts stop at the same step about a second after the SIGTERM (the
-service looks for a notice once a second), and a single process behaves the same.
+is answered at step 1, before the first batch. The hosts start their first batch
+together (a barrier), so their counts stay in step and none runs on far past the others.
 
-What the service does not do, ``pipeline.generate.cluster.finish`` does: a host that
-has run all its batches asks no more, so it learns that the run stopped from the other
-hosts' outcomes; and a stopped host must leave without JAX's shutdown, whose barrier
-waits for every host (``exit_now``).
+Verified on jax 0.10.2 with two local CPU processes before building on it: both hosts
+stop at the same step 0.5-1.3 s after the SIGTERM (the service looks for a notice once a
+second), and a single process behaves the same. Two things it does not do:
+  * a host that has run all its batches (waiting for the others) asks no more, and
+    never learns of the stop: ``pipeline.generate.cluster.finish`` has every host publish
+    its outcome, done or stopped, and wait for all of them instead of at a barrier;
+  * a stopped host that then exits as usual hangs in JAX's shutdown, whose barrier waits
+    for every host (seen: until the other host died, then aborted): a stopped host
+    leaves with ``exit_now``, once host 0, which runs the coordination service, knows
+    the others are leaving (``cluster.leave``).
 
 **SIGINT** (Ctrl-C on a ``promptmill generate`` in a terminal) is turned into the same
 notice (``forward_sigint``); a second one ends the host at once.
