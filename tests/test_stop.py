@@ -214,17 +214,13 @@ def resumed(stopped_host, model_cache):
 
 @pytest.fixture(scope="module")
 def uninterrupted(stopped_run, tmp_path_factory, model_cache):
-    """{key: sha256} of the same plan generated in one go, by one host with two devices
-    (as each host of the runs has), into another OUT."""
+    """{key: sha256} of the same plan generated in one go into another OUT, by two hosts
+    (whose programs the runs above compiled already, and which share the two cores)."""
     out = str(tmp_path_factory.mktemp("uninterrupted") / "out")
     for path in [naming.run_json(stopped_run["out"]), *storage.glob(naming.join(stopped_run["out"], "plan"))]:
         storage.write_bytes(naming.join(out, os.path.relpath(path, stopped_run["out"])), storage.read_bytes(path))
-    command = [sys.executable, "-m", "jobs.cli", "generate", "--out", out, "--coordinator",
-               f"127.0.0.1:{cluster.free_port()}", "--num-hosts", "1", "--host-id", "0",
-               "--compile-cache", compile_cache.local_default()]
-    result = subprocess.run(command, cwd=ROOT, env=host_env(2, _env(model_cache)), capture_output=True, text=True,
-                            timeout=DEADLINE_S)
-    assert result.returncode == 0, result.stderr[-3000:]
+    codes, stderr = gke_hosts(out, model_cache)
+    assert codes == [0, 0], [s[-3000:] for s in stderr]
     return _sha256s(out)
 
 
