@@ -43,8 +43,9 @@ def test_the_rate_counts_the_images_after_the_windows_first_commit_up_to_now():
 def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
     committed = {0: NOW - 100, 2: NOW - 60, 4: NOW - 10}  # 4 + 4 + 1 images
     hosts = [_host(0, "generating", NOW - 3, redone_slices=[2]), _host(1, "failed", NOW - 400, failure="OSError: x")]
-    r = status.report("gs://b/o", _run(), MANIFEST, committed, hosts, None, NOW)
+    r = status.report("gs://b/o", _run(), MANIFEST, committed, hosts, None, NOW, host_logs=frozenset({1}))
     assert r["state"] == "generating"
+    assert [h["log"] for h in r["hosts"]] == [None, "gs://b/o/logs/host-1.log"]
     assert r["planned"] == {"slices": 5, "images": 17, "records": 15}
     assert (r["committed"]["slices"], r["committed"]["images"]) == (3, 9)
     assert r["rejects"] == {"count": 2, "by_reason": {"empty_prompt": 1, "invalid_json": 1}}

@@ -138,6 +138,7 @@ def test_status_of_a_run_stopped_midway_reads_no_image_and_no_metadata(stopped_r
     assert [(h["host"], h["state"], h["last_event"]) for h in r["hosts"]] == [(0, "stopped", "host_stopped"),
                                                                                (1, "stopped", "host_stopped")]
     assert sum(h["slices"] for h in r["hosts"]) == len(committed)
+    assert [h["log"] for h in r["hosts"]] == [naming.join(out, "logs", f"host-{i}.log") for i in range(2)]
     assert not r["collect"]["ran"]
     assert sorted(os.path.relpath(p, out) for p in read) == [
         "plan/manifest.json", "progress/host-00000.json", "progress/host-00001.json", "run.json"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import signal
 import sys
 import time
@@ -29,6 +30,7 @@ from pipeline.io import runs, storage
 RATE_WINDOW_S = 600.0  # the rate is over the commits of the last ten minutes
 STALE_AFTER_S = 12 * progress_lib.INTERVAL_S  # a running host's progress older than this: it stopped writing
 MAX_LISTED = 20  # slice indices shown per list
+_HOST_LOG = re.compile(r"host-(\d+)\.log")
 
 
 def slice_images(index: int, manifest: dict) -> int:
@@ -98,14 +100,17 @@ def run_state(committed: int, planned: int, hosts: list[dict], collect: dict) ->
 
 
 def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float], progress: list[dict],
-           dataset_stats: dict | None, now: float) -> dict:
-    """The status of the run in ``out`` (pure), from what ``gather`` read."""
+           dataset_stats: dict | None, now: float, host_logs: frozenset[int] = frozenset()) -> dict:
+    """The status of the run in ``out`` (pure), from what ``gather`` read; ``host_logs``:
+    the hosts whose log a local run keeps in ``OUT/logs``."""
     planned_slices = manifest["slices"] if manifest else 0
     indices = sorted(i for i in committed if i < planned_slices)
     sizes = [slice_images(i, manifest) for i in indices] if manifest else []
     images = sum(sizes)
     rate = commit_rate([committed[i] for i in indices], sizes, now)
     hosts = sorted((host_view(p, now) for p in progress), key=lambda h: (h["host"] is None, h["host"], h["name"]))
+    for h in hosts:  # a local run's launcher keeps each host's log under OUT
+        h["log"] = naming.join(out, "logs", f"host-{h['host']}.log") if h["host"] in host_logs else None
     collect = {"ran": dataset_stats is not None,
                "verified": dataset_stats.get("verified") if dataset_stats else None,
                "images": dataset_stats.get("images") if dataset_stats else None,
@@ -148,10 +153,11 @@ def _read_progress(path: str) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def gather(out: str) -> tuple[Run, dict | None, dict[int, float], list[dict], dict | None]:
+def gather(out: str) -> tuple[Run, dict | None, dict[int, float], list[dict], dict | None, frozenset[int]]:
     """What ``report`` needs, read from ``out``: run.json (RunNotPlanned if there is
     none), the manifest (None while planning), the commit markers' times, the progress
-    objects, and collect's stats (None until it ran)."""
+    objects, collect's stats (None until it ran), and the hosts whose log is under OUT
+    (a local run's; those of a gs:// run are not)."""
     run = runs.read(out)
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="status") as pool:
         manifest = pool.submit(_read_json, naming.manifest(out))
@@ -159,14 +165,23 @@ def gather(out: str) -> tuple[Run, dict | None, dict[int, float], list[dict], di
         stats = pool.submit(_read_json, naming.dataset_file(out, "stats.json"))
         paths = storage.glob(naming.join(naming.progress_dir(out), "*.json"))
         progress = [p for p in pool.map(_read_progress, paths) if p is not None]
-        return run, manifest.result(), committed.result(), progress, stats.result()
+        return run, manifest.result(), committed.result(), progress, stats.result(), _local_host_logs(out)
+
+
+def _local_host_logs(out: str) -> frozenset[int]:
+    """The hosts whose log a local run's launcher keeps in ``OUT/logs`` (none on gs://)."""
+    folder = naming.join(out, "logs")
+    if storage.is_gcs(out) or not os.path.isdir(folder):
+        return frozenset()
+    return frozenset(int(match.group(1)) for match in map(_HOST_LOG.fullmatch, os.listdir(folder)) if match)
 
 
 def status(out: str) -> dict:
     """The status of the run in ``out`` now, with how long reading it took (``seconds``)."""
     watch = logs.Stopwatch()
-    found = gather(out)
-    return {**report(out, *found, now=time.time()), "seconds": round(watch.seconds(), 3)}
+    run, manifest, committed, progress, stats, host_logs = gather(out)
+    return {**report(out, run, manifest, committed, progress, stats, time.time(), host_logs),
+            "seconds": round(watch.seconds(), 3)}
 
 
 def _ago(seconds: float | None) -> str:
@@ -223,8 +238,9 @@ def format_text(r: dict) -> str:
         label = f"host {h['host']}" if h["host"] is not None else h["name"]
         state = h["state"] + (" (stale: no update " + _ago(h["updated_age_s"]) + ")" if h["stale"] else "")
         rate_h = f", {h['images_per_s']:.3g} images/s" if h["images_per_s"] else ""
+        log = f"; log {h['log']}" if h.get("log") else ""
         lines.append(f"  {'hosts' if k == 0 else '':8}  {label}: {state}; {h['last_event']} {_ago(h['last_event_age_s'])}; "
-                     f"{h['slices']} slices, {h['images']} images this attempt{rate_h}")
+                     f"{h['slices']} slices, {h['images']} images this attempt{rate_h}{log}")
     if r["redone_slices"]:
         lines.append(f"  redone    slices {_listed(r['redone_slices'])} (left half-written by an earlier attempt)")
     for f in r["failed_hosts"]:
