@@ -1,4 +1,4 @@
-"""``promptmill bench generator|upload|plan|pipeline|tpu``: the benchmarks' flags and the call into ``pipeline.bench``.
+"""``promptmill bench generator|upload|plan|status|pipeline|tpu``: the benchmarks' flags and the call into ``pipeline.bench``.
 
 jobs/cli.py adds the parser with ``add_bench_parser`` and dispatches to ``run_bench``.
 """
@@ -65,6 +65,24 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                           "model family's)")
     tpu.add_argument("--report", help="write the JSON report here")
     flags.strict(tpu)
+    status_bench = targets.add_parser("status", help="seconds of `promptmill status` on a big planned run with a "
+                                      "share of its slices committed, locally and on a GCS emulator")
+    status_bench.add_argument("--out", help="a planned local OUT to use (e.g. `bench plan --workdir W`'s W/out; its "
+                              "shards/ and progress/ are replaced) (default: plan one in --workdir)")
+    status_bench.add_argument("--prompts", type=int, default=1_000_000, help="prompts to plan without --out "
+                              "(default: %(default)s)")
+    status_bench.add_argument("--workdir", help="where to plan without --out, kept after (default: a temporary "
+                              "folder)")
+    status_bench.add_argument("--plan-flags", default="--devices-per-host 4 --per-device-batch 8 "
+                              "--batches-per-slice 2", help="plan flags without --out, one quoted string "
+                              "(default: %(default)s: slices of 64)")
+    status_bench.add_argument("--committed", type=float, default=0.01,
+                              help="share of the slices committed (default: %(default)s)")
+    status_bench.add_argument("--hosts", type=int, default=16, help="progress objects (default: %(default)s)")
+    status_bench.add_argument("--repeats", type=int, default=3, help="status runs per place (default: %(default)s)")
+    status_bench.add_argument("--no-gcs", action="store_true", help="time the local OUT only")
+    status_bench.add_argument("--report", help="write the JSON report here")
+    flags.strict(status_bench)
     pipe = targets.add_parser("pipeline", help="images/s of the generator alone, the full host pipeline (local "
                               "disk, GCS emulator) and the seed's sequential loop, on the same slices")
     pipe.add_argument("--generator", choices=("synthetic", "tiny"), default="synthetic",
@@ -197,6 +215,18 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.report:
             storage.write_json(args.report, report)
         print(tpu_bench.table(report))
+    elif args.target == "status":
+        import shlex
+
+        from pipeline.bench import status as status_bench
+        from pipeline.io import storage
+
+        report = status_bench.run(args.out, args.prompts, workdir=args.workdir, plan_flags=tuple(
+            shlex.split(args.plan_flags)), committed=args.committed, hosts=args.hosts, repeats=args.repeats,
+            gcs=not args.no_gcs)
+        if args.report:
+            storage.write_json(args.report, report)
+        print(status_bench.table(report))
     elif args.target == "pipeline":
         from pipeline.bench import host_loop as pipeline_bench
 

@@ -90,8 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (gen, reproduce):
         flags.strict(command)
 
+    status = sub.add_parser("status", help="where a run stands: slices and images committed, rate and ETA, "
+                            "hosts, collect (reads no image and no metadata shard)")
+    status.add_argument("out", metavar="OUT", help="the run's output folder or gs:// prefix")
+    status.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    status.add_argument("--watch", type=float, metavar="N", help="print it again every N seconds, until Ctrl-C")
+    flags.strict(status)
+
     add_submit_parser(sub)  # submit dataflow|gke, with its own --date
-    add_bench_parser(sub)  # bench generator|upload|plan|pipeline|tpu
+    add_bench_parser(sub)  # bench generator|upload|plan|status|pipeline|tpu
     return parser
 
 
@@ -109,7 +116,7 @@ def _cpu_only(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.core import logs
+    from pipeline.core import interrupts, logs
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -121,11 +128,16 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline.cloud import dates as schedule
 
             args.out = schedule.resolve_out(args.out, args.date)
-        return _dispatch(args, beam_args)
-    except KeyboardInterrupt:
-        print("promptmill: interrupted", file=sys.stderr)
-        return 130
+        with interrupts.raising():  # SIGTERM stops a command as Ctrl-C does: hosts and workers first
+            return _dispatch(args, beam_args)
+    except KeyboardInterrupt as e:
+        print(f"promptmill {args.command}: stopped by {interrupts.signal_name(e)}", file=sys.stderr)
+        return interrupts.exit_code(e)
     except (ValueError, RuntimeError, OSError) as e:
+        if interrupts.received() is not None:  # e.g. Beam's error for the step that took the SIGTERM
+            stopped = interrupts.Interrupted(interrupts.received())
+            print(f"promptmill {args.command}: stopped by {interrupts.signal_name(stopped)}", file=sys.stderr)
+            return interrupts.exit_code(stopped)
         print(f"promptmill {args.command}: error: {e}", file=sys.stderr)
         return 1
     except Exception as e:
@@ -190,6 +202,14 @@ def _dispatch(args, beam_args: list[str]) -> int:
             print(f"promptmill reproduce: {len(mismatched)} of {len(results)} image(s) differ from their metadata's "
                   f"sha256: {', '.join(mismatched)}", file=sys.stderr)
             return 1
+    elif args.command == "status":
+        from pipeline.collect import status
+
+        if args.watch is not None:
+            status.watch(args.out, args.watch, args.json)
+        else:
+            report = status.status(args.out)
+            print(json.dumps(report, sort_keys=True) if args.json else status.format_text(report))
     elif args.command == "submit":
         return run_submit(args, beam_args)
     elif args.command == "bench":

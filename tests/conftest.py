@@ -31,6 +31,7 @@ SLOW_MODULES = [
     "test_pipeline_parity.py",
     "test_bench.py",
     "test_e2e_gcs.py",
+    "test_stop.py",
     "test_submit.py",
     "test_schedule.py",
     "test_bf16.py",

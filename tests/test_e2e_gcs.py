@@ -236,3 +236,35 @@ def test_planning_a_gcs_model_downloads_no_weights_and_hosts_check_it_by_listing
         loaded = runtime.load_model(run, out)
     assert loaded.fingerprint == run.model_fingerprint
     assert downloads(proxy, model) == {}
+
+
+def test_status_of_a_gcs_run_reads_no_image_and_no_metadata_shard(clean_run, gcs_emulator):
+    """``promptmill status`` of the finished gs:// run, every GCS request watched by a
+    proxy: the hosts' progress objects are there, and it downloads run.json, the
+    manifest, those objects and collect's stats, and nothing else (the commit markers
+    are listed, not read)."""
+    from urllib.parse import unquote, urlsplit
+
+    from pipeline.collect import status
+
+    upstream = os.environ["STORAGE_EMULATOR_HOST"]
+    out = clean_run
+    prefix = out[len(f"gs://{gcs_emulator}/"):] + "/"
+    with FaultyProxy(int(upstream.rsplit(":", 1)[1]), failure_rate=0.0, own_links=True) as proxy:
+        os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
+        storage.reset_gcs_client()
+        try:
+            report = status.status(out)
+        finally:
+            os.environ["STORAGE_EMULATOR_HOST"] = upstream
+            storage.reset_gcs_client()
+    slices = storage.read_json(naming.manifest(out))["slices"]
+    assert report["state"] == "collected" and report["collect"]["verified"]
+    assert (report["committed"]["slices"], report["committed"]["images"]) == (slices, IMAGES)
+    assert [(h["host"], h["state"]) for h in report["hosts"]] == [(0, "done"), (1, "done")]
+    assert sum(h["images"] for h in report["hosts"]) == IMAGES
+    downloaded = sorted(unquote(urlsplit(path).path.split("/o/", 1)[1])[len(prefix):]
+                        for method, path, _ in proxy.requests if method == "GET" and "alt=media" in path)
+    assert downloaded == ["dataset/stats.json", "plan/manifest.json", "progress/host-00000.json",
+                          "progress/host-00001.json", "run.json"]
+    assert len(proxy.requests) < 20  # a handful of requests, whatever the run's size

@@ -950,3 +950,57 @@ def test_the_launcher_reads_what_submit_passes_and_builds_each_stage(tmp_path):
         p = beam.Pipeline()
         dataflow_launch.build_stage(p, stage, out)
         assert label in p.applied_labels and "Plan" not in p.applied_labels
+
+
+# ---------------------------------------------------------------- stopped while following
+
+
+def _interrupt(seconds):
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_following_a_jobset_leaves_it_running_and_says_how_to_cancel_it(tmp_path):
+    out = str(tmp_path / "out")
+    job = gke_job(tpu.lookup("v5e", "4x4"), settings=Settings(out=out), poll_s=0.01)
+    kubectl = ScriptedKubectl(["running"])
+    messages = []
+    with pytest.raises(KeyboardInterrupt):
+        gke.follow_jobset(kubectl, job, 3, messages.append, sleep=_interrupt)
+    assert kubectl.calls == []  # nothing deleted: following stopped, the JobSet did not
+    assert messages[-1].startswith("stopped following JobSet pm-test; it keeps running")
+    assert f"`promptmill status {out}`" in messages[-1]
+    assert re.search(r"cancel it: `\S*kubectl --namespace team-a delete jobset pm-test`", messages[-1])
+
+
+class _Launches:
+    """A Dataflow launcher whose launch answers at once, or is interrupted."""
+
+    def __init__(self, interrupted_launch=False):
+        self.interrupted_launch = interrupted_launch
+        self.launched = []
+
+    def launch(self, job, stage):
+        if self.interrupted_launch:
+            raise KeyboardInterrupt
+        self.launched.append(stage)
+        return "2026-11-20_01-j7", "JOB_STATE_RUNNING"
+
+    def state(self, job_id, options):
+        return "JOB_STATE_RUNNING"
+
+
+def test_ctrl_c_while_following_a_dataflow_job_leaves_it_running_and_says_how_to_cancel_it(tmp_path):
+    job = _dataflow_job(str(tmp_path / "out"))
+    messages, launcher = [], _Launches()
+    with pytest.raises(KeyboardInterrupt):
+        dataflow.submit_dataflow(job, messages.append, launcher=launcher, sleep=_interrupt)
+    assert launcher.launched == ["plan"]  # and nothing else: no cancel, no later job
+    assert messages[-1].startswith("stopped following Dataflow plan job 2026-11-20_01-j7; it keeps running; "
+                                   "the generate and collect job(s) will not be launched")
+    assert "`gcloud dataflow jobs cancel 2026-11-20_01-j7 --project p --region r`" in messages[-1]
+    messages = []
+    with pytest.raises(KeyboardInterrupt):
+        dataflow.submit_dataflow(job, messages.append, launcher=_Launches(interrupted_launch=True))
+    assert messages == [dataflow.stopped_following(job, "plan", None)]
+    assert "it may have been submitted: see `gcloud dataflow jobs list --project p --region r --status active`" \
+        in messages[0]

@@ -342,6 +342,22 @@ def wait_for_stage(launcher: Launcher, job: DataflowJob, stage: str, job_id: str
                                   f"row: {e}") from e
 
 
+def stopped_following(job: DataflowJob, stage: str, job_id: str | None) -> str:
+    """What ``submit dataflow`` says when Ctrl-C or SIGTERM stops it: the Dataflow job is
+    left running, never cancelled silently, and this is how to cancel it."""
+    where = f"--project {job.project} --region {job.region}"
+    later = STAGES[STAGES.index(stage) + 1:]
+    not_launched = f"; the {' and '.join(later)} job(s) will not be launched" if later else ""
+    if job_id is None:
+        return (f"stopped while launching the Dataflow {stage} job{not_launched}; it may have been submitted: see "
+                f"`gcloud dataflow jobs list {where} --status active`, and cancel it with `gcloud dataflow jobs "
+                f"cancel JOB_ID {where}`")
+    return (f"stopped following Dataflow {stage} job {job_id}; it keeps running{not_launched}. Watch it: "
+            f"`promptmill status {job.out}`; cancel it: `gcloud dataflow jobs cancel {job_id} {where}` (or let it "
+            f"finish its work in progress: `gcloud dataflow jobs drain {job_id} {where}`); the same submit command "
+            f"later resumes from the committed slices")
+
+
 def submit_dataflow(job: DataflowJob, emit: Callable[[str], None] = print, launcher: Launcher | None = None,
                     sleep: Callable[[float], None] = time.sleep) -> dict:
     """plan (CPU) -> generate (TPU) -> collect (CPU) on Dataflow, each waited on; returns the dataset stats."""
@@ -350,9 +366,14 @@ def submit_dataflow(job: DataflowJob, emit: Callable[[str], None] = print, launc
     launcher = launcher or Launcher()  # a bad DATAFLOW_LAUNCHER fails here, before anything is launched
     total = None
     for stage in STAGES:
-        job_id, state = launcher.launch(job, stage)
-        emit(f"{stage} job {job_id} launched on {job.workers(stage)}")
-        wait_for_stage(launcher, job, stage, job_id, state, emit, total if stage == "generate" else None, sleep)
+        job_id = None
+        try:
+            job_id, state = launcher.launch(job, stage)
+            emit(f"{stage} job {job_id} launched on {job.workers(stage)}")
+            wait_for_stage(launcher, job, stage, job_id, state, emit, total if stage == "generate" else None, sleep)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts)
+            emit(stopped_following(job, stage, job_id))
+            raise
         if stage == "plan":
             manifest = storage.read_json(naming.manifest(job.out))
             total = manifest["slices"]

@@ -133,6 +133,16 @@ def wait_for_jobset(kubectl: kubectl_lib.Kubectl, job: jobset.GkeJob, total: int
         sleep(job.poll_s)
 
 
+def stopped_following(job: jobset.GkeJob) -> str:
+    """What ``submit gke`` says when Ctrl-C or SIGTERM stops it while the JobSet runs: the
+    JobSet is left running, never cancelled silently, and this is how to cancel it."""
+    base = shlex.join(kubectl_lib.kubectl_base(job.namespace, os.environ.get("KUBECTL") or "kubectl"))
+    return (f"stopped following JobSet {job.name}; it keeps running, and what it commits is kept. Watch it: "
+            f"`promptmill status {job.out}`; follow it again (and collect once it is done): the same submit command; "
+            f"cancel it: `{base} delete jobset {job.name}` (every host stops at its next batch; the same submit "
+            f"command later resumes from the committed slices)")
+
+
 def submit_gke(job: jobset.GkeJob, emit: Callable[[str], None] = print, kubectl: kubectl_lib.Kubectl | None = None,
                sleep: Callable[[float], None] = time.sleep) -> dict:
     """plan -> kubectl apply -> wait -> collect; returns collect's stats."""
@@ -148,5 +158,16 @@ def submit_gke(job: jobset.GkeJob, emit: Callable[[str], None] = print, kubectl:
     program_check.check_planned(job.out, job.settings if job.tpu_program else None,
                                 job.tpu_slice)
     apply_jobset(kubectl, job, emit)
-    wait_for_jobset(kubectl, job, manifest["slices"], emit, sleep)
+    follow_jobset(kubectl, job, manifest["slices"], emit, sleep)
     return collect.run_collect(job.out, list(job.collect_beam_args))
+
+
+def follow_jobset(kubectl: kubectl_lib.Kubectl, job: jobset.GkeJob, total: int, emit: Callable[[str], None],
+                  sleep: Callable[[float], None] = time.sleep) -> int:
+    """``wait_for_jobset``; at Ctrl-C or SIGTERM (a KeyboardInterrupt, ``pipeline.core.interrupts``)
+    it says how to watch, follow or cancel the JobSet it leaves running, and raises again."""
+    try:
+        return wait_for_jobset(kubectl, job, total, emit, sleep)
+    except KeyboardInterrupt:
+        emit(stopped_following(job))
+        raise

@@ -43,7 +43,7 @@ def join(base: str, *parts: str) -> str:
 
 
 # Everything promptmill writes under OUT; ``--overwrite`` deletes exactly these.
-OWNED = ("run.json", "plan", "shards", "images", "thumbs", "parquet", "zarr", "dataset", "logs")
+OWNED = ("run.json", "plan", "shards", "images", "thumbs", "parquet", "zarr", "dataset", "logs", "progress")
 
 
 def slice_name(index: int) -> str:
@@ -96,6 +96,15 @@ def shard_stats(out: str, index: int) -> str:
     return join(out, "shards", f"{slice_name(index)}_stats.json")
 
 
+_MARKER = re.compile(r"(\d{5,})_stats\.json")
+
+
+def marker_slice(path: str) -> int | None:
+    """The slice whose commit marker ``path`` names (``shard_stats``), else None."""
+    match = _MARKER.fullmatch(path.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
 def shard_tar(out: str, index: int) -> str:
     """The slice's WebDataset shard."""
     return join(out, "shards", f"{slice_name(index)}.tar")
@@ -136,3 +145,18 @@ def thumbs_dir(out: str, index: int) -> str:
 
 def dataset_file(out: str, name: str) -> str:
     return join(out, "dataset", name)
+
+
+def progress_dir(out: str) -> str:
+    """The hosts' progress objects, which ``promptmill status`` lists and reads."""
+    return join(out, "progress")
+
+
+def progress_name(host: int) -> str:
+    """The progress object's name of pod host ``host``."""
+    return f"host-{host:05d}"
+
+
+def progress_file(out: str, name: str) -> str:
+    """One host's progress object (``name``: ``progress_name``), rewritten while it runs."""
+    return join(progress_dir(out), f"{name}.json")

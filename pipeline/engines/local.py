@@ -5,6 +5,14 @@ Each host is ``promptmill generate`` in its own process with D CPU devices
 127.0.0.1 port. The launcher follows the hosts' JSON log lines for progress, keeps each
 host's log under ``OUT/logs`` (or a temporary folder when OUT is remote), and, as soon
 as one host fails or dies, stops the others and raises ``HostFailure`` naming it.
+
+Stopping: when the launcher is interrupted (Ctrl-C, or SIGTERM through
+``pipeline.core.interrupts``), or leaves for any other reason, it sends every host
+SIGTERM, and the hosts stop together at their next batch (``pipeline.generate.stopping``);
+those still running ``STOP_GRACE_S`` later, or at a second signal, are killed. Each host
+knows the launcher's pid and stops by itself once the launcher is gone, so even a
+SIGKILLed launcher leaves no host behind. A host that exits 143 was stopped (a SIGTERM
+reached a host of the run): the others stop at the same batch, and ``HostsStopped`` says so.
 """
 from __future__ import annotations
 
@@ -17,10 +25,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from pipeline.core import logs, naming
-from pipeline.generate import cluster, compile_cache as compile_cache_lib
-from pipeline.io import storage
+from pipeline.generate import cluster, compile_cache as compile_cache_lib, stopping
+from pipeline.io import runs, storage
 from pipeline.model.attention import check_platform
 
 STOP_GRACE_S = 10.0
@@ -29,6 +38,10 @@ POLL_S = 0.1
 
 class HostFailure(RuntimeError):
     pass
+
+
+class HostsStopped(HostFailure):
+    """The hosts stopped before the end, at a SIGTERM to one of them: a re-run resumes."""
 
 
 def host_env(devices_per_host: int, base: dict | None = None) -> dict:
@@ -53,10 +66,15 @@ def log_dir_for(out: str) -> str:
     return naming.join(out, "logs") if not storage.is_gcs(out) else tempfile.mkdtemp(prefix="promptmill-logs-")
 
 
-class _Host:
+class Host:
+    """One host process, in a session of its own (a Ctrl-C in the launcher's terminal
+    reaches the launcher only, which stops the hosts itself): its stderr goes to
+    ``log_path``, and its JSON events to ``events`` as (index, event)."""
+
     def __init__(self, index: int, command: list[str], env: dict, log_path: str, events: queue.Queue):
         self.index = index
         self.tail = collections.deque(maxlen=40)
+        self.ready = False  # it logged host_ready: warm, about to generate
         self.log = open(log_path, "w", encoding="utf-8")
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         text=True, errors="replace", start_new_session=True)
@@ -70,25 +88,57 @@ class _Host:
             self.tail.append(line.rstrip())
             event = logs.parse(line)
             if event is not None:
+                self.ready = self.ready or event["event"] == "host_ready"
                 events.put((self.index, event))
 
-    def stop(self) -> None:
-        """SIGTERM the host's process group, then SIGKILL after a grace period."""
-        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
-            if self.process.poll() is not None:
-                return
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the host's process group, if it still runs."""
+        if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, sig)
             except ProcessLookupError:
-                return
-            try:
-                self.process.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
+                pass
 
     def close(self) -> None:
         self.reader.join(timeout=5)
         self.log.close()
+
+
+def stop_hosts(hosts: list[Host], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every host still running (they stop together at their next batch), wait up
+    to ``grace_s`` for all of them, then SIGKILL those left. A second Ctrl-C or SIGTERM
+    during the wait (a KeyboardInterrupt here) kills them at once, and is raised again.
+
+    Until every host is ready none has run a batch (they start together), and a host
+    takes SIGTERM as a preemption notice it answers only at its first batch: then they
+    are killed at once, losing nothing, rather than after their warm-up."""
+    running = [h for h in hosts if h.process.poll() is None]
+    if not running:
+        return
+    if not all(h.ready for h in hosts):
+        _kill(hosts, "not every host was ready: nothing had been generated")
+        return
+    for h in running:
+        h.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    try:
+        for h in running:
+            h.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill(hosts, f"still running {grace_s:g} s after SIGTERM")
+    except KeyboardInterrupt:
+        _kill(hosts, "a second signal")
+        raise
+
+
+def _kill(hosts: list[Host], reason: str) -> None:
+    left = [h.index for h in hosts if h.process.poll() is None]
+    for h in hosts:
+        h.signal(signal.SIGKILL)
+    for h in hosts:
+        h.process.wait()
+    if left:
+        logs.event("hosts_killed", hosts=left, reason=reason)
 
 
 def _describe_exit(code: int) -> str:
@@ -111,9 +161,9 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     log_dir = log_dir_for(out)
     os.makedirs(log_dir, exist_ok=True)
     coordinator = f"127.0.0.1:{cluster.free_port()}"
-    env = host_env(devices_per_host)
+    env = {**host_env(devices_per_host), stopping.LAUNCHER_ENV: str(os.getpid())}
     events: queue.Queue = queue.Queue()
-    hosts = [_Host(i, host_command(out, coordinator, num_hosts, i, compile_cache), env,
+    hosts = [Host(i, host_command(out, coordinator, num_hosts, i, compile_cache), env,
                    os.path.join(log_dir, f"host-{i}.log"), events) for i in range(num_hosts)]
     with open(os.path.join(log_dir, "hosts.json"), "w") as f:
         json.dump({str(h.index): h.process.pid for h in hosts}, f)
@@ -135,24 +185,43 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
             if failed:
                 first = failed[0]
                 code = first.process.returncode
-                for h in hosts:
-                    h.stop()
+                stop_hosts(hosts)  # a stopped host's peers stop at the same batch: this only waits for them
+                if code == stopping.EXIT_STOPPED:
+                    raise HostsStopped(f"host {first.index} of {num_hosts} stopped (exit {code}: a SIGTERM reached "
+                                       f"a host of the run), and every host stopped at the same batch; "
+                                       f"{_committed(out)} slices are committed and kept: run the same command "
+                                       f"again to resume. Logs: {log_dir}")
                 tail = "\n    ".join(list(first.tail)[-15:])
                 raise HostFailure(f"host {first.index} of {num_hosts} failed ({_describe_exit(code)}); "
                                   f"stopped the other hosts. Log: {os.path.join(log_dir, f'host-{first.index}.log')}"
                                   f"\n  last lines of host {first.index}:\n    {tail}")
             if all(h.process.poll() == 0 for h in hosts):
                 break
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts): stop, then say where the run is
+        try:
+            stop_hosts(hosts)
+        finally:
+            logs.event("run_stopped", out=out, committed=_committed(out),
+                       resume="committed slices are kept: run the same command again to resume")
+        raise
     finally:
         bar.close()
-        for h in hosts:
-            h.stop()
-            h.close()
+        try:
+            stop_hosts(hosts)
+        finally:
+            for h in hosts:
+                h.close()
     while not events.empty():
         index, event = events.get()
         if event["event"] == "host_done":
             done[index] = event
     return [done[i] for i in sorted(done)]
+
+
+def _committed(out: str) -> str:
+    """"K/N": the slices committed in ``out`` of those planned (from a listing)."""
+    planned = storage.read_json(naming.manifest(out))["slices"]
+    return f"{sum(index < planned for index in runs.committed(out))}/{planned}"
 
 
 def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, progress: bool = True,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,9 @@ def initialize(args: ClusterArgs) -> tuple[int, int]:
     # cluster (the local test bed: N processes on 127.0.0.1); the setting does nothing
     # on TPU or GPU.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # on by default, but a host stops on SIGTERM through it (``pipeline.generate.stopping``),
+    # so a JAX_ENABLE_PREEMPTION_SERVICE=false in the environment must not turn it off
+    jax.config.update("jax_enable_preemption_service", True)
     how, kwargs = plan_initialize(args, os.environ, tpu_present())
     logs.event("cluster_join", how=how, **{k: v for k, v in kwargs.items() if k != "process_id"})
     try:
@@ -130,6 +134,63 @@ def wait_for_all(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     from jax._src import distributed  # the client's barrier has no public wrapper
 
     distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+END_KEY = "promptmill/end/{host}"  # a host's outcome: "done" or "stopped"
+LEFT_KEY = "promptmill/left/{host}"  # a stopped run's host, leaving now
+LEAVE_TIMEOUT_S = 30.0
+
+
+def _client():
+    from jax._src import distributed  # the coordination service's key-value store has no public wrapper
+
+    return distributed.global_state.client
+
+
+STOPPED_WAIT_S = 120.0  # how long a stopped host waits for the others' outcomes
+
+
+def finish(host: int, num_hosts: int, outcome: str, timeout_s: float | None = None) -> dict[int, str]:
+    """Publish this host's ``outcome`` ("done": it ran all its batches, or "stopped": it
+    stopped at the preemption sync point) and wait for every host's; returns them by host,
+    "gone" for a host that gave none within ``timeout_s`` (default: ``BARRIER_TIMEOUT_S``
+    when done, ``STOPPED_WAIT_S`` when stopped, since the others stop within a batch or two).
+
+    Where a barrier would wait forever for a stopped host, this wait ends with the last
+    host's outcome; a host that finished its batches long before learns here that the
+    run stopped. (With one host, nothing to wait for.)
+    """
+    if num_hosts == 1:
+        return {host: outcome}
+    if timeout_s is None:
+        timeout_s = STOPPED_WAIT_S if outcome == "stopped" else BARRIER_TIMEOUT_S
+    client = _client()
+    client.key_value_set(END_KEY.format(host=host), outcome)
+    deadline = time.monotonic() + timeout_s
+    outcomes = {}
+    for h in range(num_hosts):
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            outcomes[h] = client.blocking_key_value_get(END_KEY.format(host=h), left_ms)
+        except Exception:  # noqa: BLE001 - the client raises a plain XlaRuntimeError on a timeout
+            outcomes[h] = "gone"
+    return outcomes
+
+
+def leave(host: int, num_hosts: int, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+    """Before a stopped host exits: host 0, which runs the coordination service, waits
+    until every other host has said it leaves (at most ``timeout_s``), since a host still
+    using the service when it goes would be aborted by JAX rather than exit 143."""
+    if num_hosts == 1:
+        return
+    client = _client()
+    client.key_value_set(LEFT_KEY.format(host=host), "1")
+    if host == 0:
+        for h in range(1, num_hosts):
+            try:
+                client.blocking_key_value_get(LEFT_KEY.format(host=h), int(timeout_s * 1000))
+            except Exception:  # noqa: BLE001 - that host is gone or late: leave anyway
+                return
 
 
 def free_port() -> int:

@@ -8,14 +8,15 @@ devices but are never written.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from pipeline.core import crashpoints, logs, slicing
+from pipeline.core import crashpoints, interrupts, logs, naming, slicing
 from pipeline.core.settings import Run
-from pipeline.generate import cluster, jax_events, runtime
+from pipeline.generate import cluster, jax_events, progress, runtime, stopping
 from pipeline.generate.generator import Generator
 from pipeline.output import writer
 
@@ -79,7 +80,8 @@ class _Slice:
 
 def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host: int, pool,
                zarr_images=None, zarr_latents=None, compiles_at_warm: int = 0,
-               on_commit: Callable[[dict], None] | None = None) -> list[dict]:
+               on_commit: Callable[[dict], None] | None = None,
+               stop: Callable[[], bool] | None = None) -> list[dict]:
     """Generate, write and commit the slices ``slots`` names, in order; returns their stats.
 
     A slot is a slice index, or ``None`` for a padding slot (its device steps run, nothing
@@ -89,6 +91,11 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
     commit marker are written by one committer thread, in slot order, while the next
     slice runs. A failure in any worker fails the loop and that slice is never committed.
     ``on_commit`` runs on the committer thread after each commit marker.
+
+    ``stop`` (``stopping.SyncStop``) is asked before each batch is dispatched; once it says
+    so, nothing new is dispatched: the batch in flight is handed over only if it is its
+    slice's last (that slice is whole, and commits), the slice under way is left
+    uncommitted, and the loop returns once the commit in progress is written.
     """
     default_guidance = run.settings.guidance_scale
     n = generator.batch_size
@@ -143,8 +150,11 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
     device = _DeviceClock()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="committer") as committer, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-clock") as watcher:
-        previous = None
+        previous, stopped = None, False
         for state, chunk, last in steps():
+            if stop is not None and stop():
+                stopped = True
+                break
             clock = logs.Stopwatch()
             batch = generator.batch_of([None if item is None else item.inputs(default_guidance) for item in chunk])
             cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
@@ -157,7 +167,7 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
             if previous is not None:
                 hand_over(*previous)
             previous = dispatched
-        if previous is not None:
+        if previous is not None and (not stopped or previous[4]):
             hand_over(*previous)
         committed_previous()
     return done
@@ -176,16 +186,56 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
 
     With ``compile_cache`` (a folder), compiled programs are loaded from JAX's persistent
     compilation cache there, or compiled and written to it (``pipeline.generate.compile_cache``).
+
+    A SIGTERM to any host of the run stops every host at the same batch
+    (``pipeline.generate.stopping``): each logs ``host_stopped`` and the process exits
+    143, its committed slices kept for a re-run to skip. While it runs, the host keeps
+    its progress object under ``out`` (``pipeline.generate.progress``).
     """
     from pipeline.generate import compile_cache as cache_lib
 
+    stopping.watch_launcher_from_env()  # first: a host never outlives the `promptmill run` that started it
     jax_events.COMPILES.install()  # first: count every compilation of this host (host_ready)
     if compile_cache:  # first: every program this host compiles should go through the cache
         cache_dir = cache_lib.enable(compile_cache)
-    host, num_hosts = cluster.initialize(cluster_args)
-    if compile_cache:
-        logs.event("compile_cache", host=host, path=cache_dir)
-    run, manifest = runtime.load_planned(out)
+    host, num_hosts = cluster.initialize(cluster_args)  # from here, JAX's preemption service holds SIGTERM
+    try:
+        stopping.forward_sigint()
+        if compile_cache:
+            logs.event("compile_cache", host=host, path=cache_dir)
+        run, manifest = runtime.load_planned(out)
+    except KeyboardInterrupt as e:  # a signal Python took while the host joined, before JAX's service did
+        _stopped_early(host, e)
+    tracker = progress.Progress(out, naming.progress_name(host), host, num_hosts).start()
+    try:
+        summary = _run_host(out, run, manifest, host, num_hosts, compile_cache)
+    except KeyboardInterrupt as e:
+        _stopped_early(host, e, tracker)
+    except BaseException as e:
+        logs.event("host_failed", level=logging.ERROR, host=host, error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        tracker.close()
+    if summary["stopped"]:
+        cluster.leave(host, num_hosts)
+        stopping.exit_now(stopping.EXIT_STOPPED)
+    return summary
+
+
+def _stopped_early(host: int, error: KeyboardInterrupt, tracker: progress.Progress | None = None) -> None:
+    """Leave at once, before the first batch (nothing to commit), without JAX's shutdown,
+    whose barrier would wait for the other hosts."""
+    logs.event("host_stopped", host=host, signal=interrupts.signal_name(error), step=None, slices=[])
+    if tracker is not None:
+        tracker.close()
+    stopping.exit_now(interrupts.exit_code(error))
+
+
+def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, compile_cache: str | None) -> dict:
+    """``generate`` once the host has joined the cluster: returns its summary, whose
+    ``stopped`` says whether the run stopped before this host's slices were all done."""
+    from pipeline.generate import compile_cache as cache_lib
+
     settings = run.settings
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
     started = logs.Stopwatch()
@@ -236,15 +286,28 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
         logs.event("slice_committed", **stats)
         crashpoints.reached("committed", host)
 
+    # every host starts its first batch together, so that their batch counts, which the
+    # preemption sync point compares, keep in step (``stopping``)
+    cluster.wait_for_all("promptmill-generate-start")
+    stop = stopping.SyncStop()
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
         done = run_slices(generator, out, run, slots(), size, host, pool, zarr_images, zarr_latents,
-                          compiles_at_warm, on_commit=committed)
+                          compiles_at_warm, on_commit=committed, stop=stop)
     recompiles = jax_events.COMPILES.count() - compiles_at_warm
-    # host 0 runs the coordination service: every host waits here until all are done
-    cluster.wait_for_all("promptmill-generate-done")
+    # host 0 runs the coordination service: every host waits here until all are done (or one stopped)
+    outcomes = cluster.finish(host, num_hosts, "stopped" if stop.stopped_at else "done")
     summary = {"host": host, "images": sum(s["images"] for s in done), "seconds": round(watch.seconds(), 3),
                "slices_generated": len(done), "slices_redone": counts["redone"], "slices_skipped": counts["skipped"],
                "compiles_after_warmup": recompiles}
-    logs.event("host_done", **summary)
-    return summary
+    stopped_hosts = sorted(h for h, outcome in outcomes.items() if outcome == "stopped")
+    gone = sorted(h for h, outcome in outcomes.items() if outcome == "gone")
+    if gone and not stop.stopped_at:
+        raise RuntimeError(f"host(s) {gone} of {num_hosts} did not finish within {cluster.BARRIER_TIMEOUT_S} s")
+    if stopped_hosts:
+        # slices: those this host committed in this attempt; a re-run skips them
+        logs.event("host_stopped", **summary, step=stop.stopped_at, batches=stop.step - bool(stop.stopped_at),
+                   slices=sorted(s["slice"] for s in done), stopped_hosts=stopped_hosts, gone_hosts=gone)
+    else:
+        logs.event("host_done", **summary)
+    return {**summary, "stopped": bool(stopped_hosts)}

@@ -27,3 +27,14 @@ def read(out: str) -> Run:
 
 def write(out: str, run: Run) -> None:
     storage.write_json(naming.run_json(out), run.to_dict())
+
+
+def committed(out: str) -> dict[int, float]:
+    """{slice: when its commit marker was written, unix seconds} of every committed slice of
+    ``out``, from one listing of ``OUT/shards`` (no marker is read)."""
+    found = {}
+    for path, when in storage.modified_times(naming.join(out, "shards"), "_stats.json").items():
+        index = naming.marker_slice(path)
+        if index is not None and path == naming.shard_stats(out, index):
+            found[index] = when
+    return found

@@ -1,0 +1,147 @@
+"""``promptmill status``: the report from what a run wrote (pure), and what it reads.
+
+Real runs, stopped and finished, are in tests/test_stop.py; a gs:// run read through a
+recording proxy is in tests/test_e2e_gcs.py."""
+import json
+import os
+
+import pytest
+
+from jobs import cli
+from pipeline.collect import status
+from pipeline.core import naming
+from pipeline.core.settings import Run, Settings
+from pipeline.io import runs, storage
+
+MANIFEST = {"slices": 5, "slice_size": 4, "images": 17, "records": 15, "rejects": 2,
+            "rejects_by_reason": {"empty_prompt": 1, "invalid_json": 1}, "input_rows": 17}
+NOW = 10_000.0
+
+
+def _run(**changes):
+    settings = Settings(out="o", model="tiny", width=32, height=32, steps=3, scheduler="ddim", devices_per_host=2,
+                        guided=True, **changes)
+    return Run.create(settings, "f" * 64, "2025-01-01T00:00:00+00:00", {})
+
+
+def _host(host, state, updated, **fields):
+    return {"name": naming.progress_name(host), "host": host, "state": state, "updated_at": updated,
+            "last_event": "slice_committed", "last_event_at": updated, "slices": 1, "images": 4,
+            "images_per_s": 2.0, "redone_slices": [], **fields}
+
+
+def test_a_committed_slice_holds_slice_size_images_and_the_last_one_the_rest():
+    assert [status.slice_images(i, MANIFEST) for i in range(5)] == [4, 4, 4, 4, 1]
+
+
+def test_the_rate_counts_the_images_after_the_windows_first_commit_up_to_now():
+    assert status.commit_rate([NOW - 100, NOW - 50, NOW - 20], [4, 4, 4], NOW) == 8 / 100
+    assert status.commit_rate([NOW - 5000, NOW - 20], [4, 4], NOW) is None  # one commit in the window
+    assert status.commit_rate([], [], NOW) is None
+
+
+def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
+    committed = {0: NOW - 100, 2: NOW - 60, 4: NOW - 10}  # 4 + 4 + 1 images
+    hosts = [_host(0, "generating", NOW - 3, redone_slices=[2]), _host(1, "failed", NOW - 400, failure="OSError: x")]
+    r = status.report("gs://b/o", _run(), MANIFEST, committed, hosts, None, NOW, host_logs=frozenset({1}))
+    assert r["state"] == "generating"
+    assert [h["log"] for h in r["hosts"]] == [None, "gs://b/o/logs/host-1.log"]
+    assert r["planned"] == {"slices": 5, "images": 17, "records": 15}
+    assert (r["committed"]["slices"], r["committed"]["images"]) == (3, 9)
+    assert r["rejects"] == {"count": 2, "by_reason": {"empty_prompt": 1, "invalid_json": 1}}
+    assert r["rate"]["images_per_s"] == 0.05 and r["rate"]["eta_s"] == 160.0  # 5 images / 100 s; 8 left
+    assert [(h["host"], h["state"], h["stale"]) for h in r["hosts"]] == [(0, "generating", False), (1, "failed", False)]
+    assert r["redone_slices"] == [2]
+    assert r["failed_hosts"] == [{"name": "host-00001", "failure": "OSError: x"}]
+    assert r["collect"] == {"ran": False, "verified": None, "images": None, "problems": {}}
+    text = status.format_text(r)
+    for line in ("state     generating", "slices    3/5 committed (60%); images 9/17",
+                 "rejects   2 (empty_prompt: 1, invalid_json: 1)", "0.05 images/s over the last 10 min; ETA 3 min",
+                 "host 0: generating; slice_committed 3 s ago", "redone    slices 2", "failed    host-00001: OSError: x",
+                 "collect   not run", "model=tiny 32x32 steps=3 scheduler=ddim"):
+        assert line in text, (line, text)
+
+
+@pytest.mark.parametrize("hosts,committed,stats,state", [
+    ([_host(0, "stopped", NOW - 5)], {0: NOW - 9}, None, "stopped"),
+    ([_host(0, "generating", NOW - 3600)], {0: NOW - 9}, None, "idle"),  # stale: its host stopped writing
+    ([_host(0, "failed", NOW - 5), _host(1, "stopped", NOW - 5)], {0: NOW - 9}, None, "failed"),
+    ([_host(0, "done", NOW - 5)], dict.fromkeys(range(5), NOW - 9), None, "generated"),
+    ([], dict.fromkeys(range(5), NOW - 9), {"verified": True, "images": 17}, "collected"),
+    ([], dict.fromkeys(range(5), NOW - 9), {"verified": False, "problems": {"missing": {"count": 2}}},
+     "collected_unverified"),
+])
+def test_the_runs_state(hosts, committed, stats, state):
+    r = status.report("o", _run(), MANIFEST, committed, hosts, stats, NOW)
+    assert r["state"] == state
+    assert r["rate"]["eta_s"] is None or state == "generating"
+    if state == "idle":
+        assert r["hosts"][0]["stale"] and "(stale: no update 60 min ago)" in status.format_text(r)
+    if state == "collected_unverified":
+        assert "collect   ran, NOT verified (missing: 2)" in status.format_text(r)
+
+
+def test_before_the_manifest_the_run_is_planning():
+    r = status.report("o", _run(), None, {}, [], None, NOW)
+    assert r["state"] == "planning" and "plan      not written yet" in status.format_text(r)
+
+
+def _planned_out(tmp_path):
+    out = str(tmp_path / "out")
+    runs.write(out, _run())
+    storage.write_json(naming.manifest(out), MANIFEST)
+    for index in (0, 1, 4):
+        storage.write_json(naming.shard_stats(out, index), {"slice": index})
+        storage.write_bytes(naming.shard_metadata(out, index), b"PAR1 not read")
+        storage.write_bytes(naming.image_file(out, index, f"k{index}"), b"PNG not read")
+    storage.write_json(naming.join(out, "shards", "sub", "00003_stats.json"), {})  # not a marker of OUT
+    storage.write_json(naming.progress_file(out, "host-00000"), _host(0, "stopped", 1.0))
+    storage.write_text(naming.progress_file(out, "host-00001"), '{"name": "host-0')  # caught half-written
+    return out
+
+
+def test_status_reads_only_run_json_the_manifest_and_progress_objects(tmp_path, monkeypatch):
+    out = _planned_out(tmp_path)
+    read = []
+    real = storage.read_bytes
+    monkeypatch.setattr(storage, "read_bytes", lambda path: read.append(path) or real(path))
+    r = status.status(out)
+    assert (r["committed"]["slices"], r["committed"]["images"]) == (3, 9)
+    assert [h["name"] for h in r["hosts"]] == ["host-00000"]
+    assert sorted(os.path.relpath(p, out) for p in read) == [
+        "plan/manifest.json", "progress/host-00000.json", "progress/host-00001.json", "run.json"]
+
+
+def test_cli_status_text_json_and_watch(tmp_path, capsys):
+    out = _planned_out(tmp_path)
+    assert cli.main(["status", out]) == 0
+    assert "slices    3/5 committed (60%); images 9/17" in capsys.readouterr().out
+    assert cli.main(["status", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["committed"]["slices"] == 3
+    printed, naps = [], []
+    status.watch(out, 2.5, as_json=True, emit=printed.append, sleep=naps.append, rounds=2)
+    assert [json.loads(p)["committed"]["slices"] for p in printed] == [3, 3] and naps == [2.5]
+    assert cli.main(["status", out, "--watch", "0"]) == 1
+    assert "--watch takes a positive number of seconds, got 0" in capsys.readouterr().err
+
+
+def test_status_of_an_out_without_a_run_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["status", str(tmp_path / "nothing")]) == 1
+    assert "run.json does not exist: run 'promptmill plan' for this --out first" in capsys.readouterr().err
+
+
+def test_the_status_bench_commits_a_share_of_a_planned_run_and_times_status(tmp_path):
+    """``promptmill bench status`` on a small planned OUT, locally: what it commits is what
+    status then counts (the 1,000,000-prompt figures are in docs/benchmarks.md)."""
+    from pipeline.bench import status as status_bench
+
+    out = str(tmp_path / "out")
+    runs.write(out, _run())
+    storage.write_json(naming.manifest(out), MANIFEST)
+    report = status_bench.run(out, committed=0.6, hosts=2, repeats=1, gcs=False)
+    assert (report["committed_slices"], report["objects_under_shards"], report["progress_objects"]) == (3, 9, 2)
+    local = report["local"]
+    assert local["reported"]["committed"]["slices"] == 3 and local["reported"]["committed"]["images"] == 12
+    assert local["reported"]["hosts"] == 2 and local["reported"]["state"] == "generating"
+    assert len(local["wall_s"]) == 1 and "gcs" not in report
+    assert "local" in status_bench.table(report)

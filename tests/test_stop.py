@@ -1,0 +1,262 @@
+"""Stopping real runs, and watching them: the tiny model, two local hosts of two CPU
+devices, one OUT taken through a stop of ``promptmill run``, then a SIGTERM to one host
+of a GKE-style pair (hosts that find their cluster from TPU_WORKER_ID and
+TPU_WORKER_HOSTNAMES, as the JobSet's pods do), then the hosts' same command again and
+collect, which must end with the bytes of an uninterrupted generation of the same plan.
+
+Waits are for log events and files, with generous deadlines; the only time bound checked
+is the issue's: no process of a stopped run is left 15 s after the signal."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline.collect import status
+from pipeline.core import logs, naming
+from pipeline.engines.local import host_env
+from pipeline.generate import cluster, compile_cache, stopping
+from pipeline.io import runs, storage
+from pipeline.output import writer
+from tests.conftest import ROOT
+
+RECORDS = 95  # and one bad row: 95 images in 24 slices of 4, the last one of 3
+SLICES = 24
+DEADLINE_S = 300  # for anything that should take seconds, on a busy machine
+NO_PROCESS_AFTER_S = 15  # the issue's bound
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stop-prompts")
+    rows = [json.dumps({"id": f"r{n:03d}", "prompt": f"prompt number {n}, a {'red' if n % 2 else 'blue'} object"})
+            for n in range(RECORDS)]
+    rows.insert(7, json.dumps({"id": "empty", "prompt": ""}))
+    (folder / "p.jsonl").write_text("\n".join(rows) + "\n")
+    return str(folder / "p.jsonl")
+
+
+def run_command(prompts, out):
+    return [sys.executable, "-m", "jobs.cli", "run", "--prompts", prompts, "--out", out, "--model", "tiny",
+            "--hosts", "2", "--devices-per-host", "2", "--steps", "1", "--per-device-batch", "1",
+            "--batches-per-slice", "2", "--no-progress"]
+
+
+def _env(cache, **extra):
+    return dict(os.environ, PROMPTMILL_CACHE=cache, **extra)
+
+
+def _events(text: str, name: str) -> list[dict]:
+    return [e for e in map(logs.parse, text.splitlines()) if e and e["event"] == name]
+
+
+def _host_log_events(out: str, name: str) -> list[dict]:
+    return [e for path in storage.glob(naming.join(out, "logs", "host-*.log"))
+            for e in _events(storage.read_text(path), name)]
+
+
+def _wait_for(condition, what: str, deadline_s: float = DEADLINE_S):
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _processes_of(out: str) -> list[str]:
+    """The command lines of the running processes that name ``out`` (launcher, hosts, workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().split(") ", 1)[1].startswith("Z")
+        except OSError:
+            continue
+        if out in command and not zombie:
+            found.append(command)
+    return found
+
+
+def _sha256s(out: str) -> dict[str, str]:
+    """{key: sha256} of every committed slice's metadata rows."""
+    return {row["key"]: row["sha256"] for index in sorted(runs.committed(out))
+            for row in writer.read_parquet_rows(naming.shard_metadata(out, index))}
+
+
+@pytest.fixture(scope="module")
+def stopped_run(prompts, tmp_path_factory, model_cache):
+    """``promptmill run``, sent SIGTERM once a host has committed a slice."""
+    out = str(tmp_path_factory.mktemp("stop") / "out")
+    err = open(out + ".stderr", "w")
+    launcher = subprocess.Popen(run_command(prompts, out), cwd=ROOT, env=_env(model_cache), stderr=err)
+    _wait_for(lambda: _host_log_events(out, "slice_committed") or launcher.poll() is not None, "a commit")
+    signalled = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    code = launcher.wait(timeout=DEADLINE_S)
+    hosts = list(storage.read_json(naming.join(out, "logs", "hosts.json")).values())
+    while _processes_of(out) and time.monotonic() - signalled < NO_PROCESS_AFTER_S:
+        time.sleep(0.05)
+    left = _processes_of(out)
+    err.close()
+    return {"out": out, "code": code, "stderr": open(out + ".stderr").read(), "left": left, "hosts": hosts,
+            "committed": sorted(runs.committed(out))}
+
+
+def test_sigterm_to_promptmill_run_stops_every_host_and_leaves_no_process(stopped_run):
+    r = stopped_run
+    assert r["code"] == 143, r["stderr"][-3000:]
+    assert r["left"] == []  # launcher, hosts and anything they started: gone within 15 s of the signal
+    assert "promptmill run: stopped by SIGTERM" in r["stderr"]
+    [stopped] = _events(r["stderr"], "run_stopped")
+    assert stopped["committed"] == f"{len(r['committed'])}/{SLICES}" and "run the same command" in stopped["resume"]
+    # the hosts stopped themselves at the same batch, and what they committed is kept
+    events = _host_log_events(r["out"], "host_stopped")
+    assert sorted(e["host"] for e in events) == [0, 1]
+    assert len({e["step"] for e in events}) == 1 and events[0]["step"] >= 2
+    assert sorted(i for e in events for i in e["slices"]) == r["committed"]
+    assert 0 < len(r["committed"]) < SLICES
+
+
+def test_status_of_a_run_stopped_midway_reads_no_image_and_no_metadata(stopped_run, monkeypatch):
+    out = stopped_run["out"]
+    read = []
+    real = storage.read_bytes
+    monkeypatch.setattr(storage, "read_bytes", lambda path: read.append(path) or real(path))
+    r = status.status(out)
+    committed = stopped_run["committed"]
+    assert r["state"] == "stopped"
+    assert r["planned"] == {"slices": SLICES, "images": RECORDS, "records": RECORDS}
+    assert r["committed"]["slices"] == len(committed)
+    assert r["committed"]["images"] == 4 * len(committed) - (SLICES - 1 in committed)  # the last slice holds 3
+    assert r["rejects"] == {"count": 1, "by_reason": {"empty_prompt": 1}}
+    assert [(h["host"], h["state"], h["last_event"]) for h in r["hosts"]] == [(0, "stopped", "host_stopped"),
+                                                                               (1, "stopped", "host_stopped")]
+    assert sum(h["slices"] for h in r["hosts"]) == len(committed)
+    assert [h["log"] for h in r["hosts"]] == [naming.join(out, "logs", f"host-{i}.log") for i in range(2)]
+    assert not r["collect"]["ran"]
+    assert sorted(os.path.relpath(p, out) for p in read) == [
+        "plan/manifest.json", "progress/host-00000.json", "progress/host-00001.json", "run.json"]
+
+
+def gke_hosts(out: str, cache: str, sigterm_to: int | None = None) -> tuple[list[int], list[str]]:
+    """``promptmill generate --out OUT`` on two GKE-style hosts, as the JobSet's pods run
+    it; with ``sigterm_to``, that host gets SIGTERM once it has committed a slice. Returns
+    their exit codes and stderr."""
+    base = {**host_env(2, _env(cache)), cluster.WORKER_HOSTNAMES: "127.0.0.1,127.0.0.1",
+            cluster.COORDINATOR_PORT: str(cluster.free_port())}
+    command = [sys.executable, "-m", "jobs.cli", "generate", "--out", out,
+               "--compile-cache", compile_cache.local_default()]
+    hosts = [subprocess.Popen(command, cwd=ROOT, env={**base, cluster.WORKER_ID: str(i)}, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    lines = [[], []]
+    readers = [threading.Thread(target=lambda i=i: lines[i].extend(hosts[i].stderr)) for i in range(2)]
+    for reader in readers:
+        reader.start()
+    try:
+        if sigterm_to is not None:
+            _wait_for(lambda: any('"slice_committed"' in line for line in list(lines[sigterm_to]))
+                      or hosts[sigterm_to].poll() is not None, f"host {sigterm_to}'s first commit")
+            hosts[sigterm_to].send_signal(signal.SIGTERM)
+        codes = [h.wait(timeout=DEADLINE_S) for h in hosts]
+    finally:
+        for h in hosts:
+            h.kill()
+        for reader in readers:
+            reader.join()
+    return codes, ["".join(l) for l in lines]
+
+
+@pytest.fixture(scope="module")
+def stopped_host(stopped_run, model_cache):
+    """The same OUT on two GKE-style hosts; host 1 gets SIGTERM once it has committed a slice."""
+    out = stopped_run["out"]
+    before = set(runs.committed(out))
+    codes, stderr = gke_hosts(out, model_cache, sigterm_to=1)
+    return {"out": out, "codes": codes, "stderr": stderr, "before": before, "committed": sorted(runs.committed(out))}
+
+
+def test_sigterm_to_one_host_stops_both_at_the_same_batch_with_nothing_partial(stopped_host):
+    r = stopped_host
+    assert r["codes"] == [143, 143], [s[-3000:] for s in r["stderr"]]
+    [first], [second] = (_events(s, "host_stopped") for s in r["stderr"])
+    assert first["step"] == second["step"] and first["stopped_hosts"] == second["stopped_hosts"] == [0, 1]
+    new = sorted(set(r["committed"]) - r["before"])
+    assert sorted(first["slices"] + second["slices"]) == new and len(r["committed"]) < SLICES
+    assert sorted(e["slice"] for s in r["stderr"] for e in _events(s, "slice_skipped")) == sorted(r["before"])
+    planned = {i: [json.loads(line)["key"] for line in storage.read_text(naming.plan_slice(r["out"], i)).splitlines()]
+               for i in range(SLICES)}
+    for index in range(SLICES):  # a slice is whole and committed, or it has no metadata shard and no marker
+        if index in r["committed"]:
+            rows = writer.read_parquet_rows(naming.shard_metadata(r["out"], index))
+            assert sorted(row["key"] for row in rows) == sorted(planned[index])
+            for row in rows:
+                data = storage.read_bytes(naming.join(r["out"], row["path"]))
+                assert hashlib.sha256(data).hexdigest() == row["sha256"]
+        else:
+            assert not storage.exists(naming.shard_metadata(r["out"], index)), index
+
+
+@pytest.fixture(scope="module")
+def resumed(stopped_host, model_cache):
+    """The hosts' same command again, to the end, then collect (as ``submit gke`` runs it)."""
+    from pipeline.collect import transforms as collect
+
+    out = stopped_host["out"]
+    codes, stderr = gke_hosts(out, model_cache)
+    stats = collect.run_collect(out) if codes == [0, 0] else None
+    return {"out": out, "codes": codes, "stderr": stderr, "stats": stats, "before": stopped_host["committed"]}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(stopped_run, tmp_path_factory, model_cache):
+    """{key: sha256} of the same plan generated in one go into another OUT, by two hosts
+    (whose programs the runs above compiled already, and which share the two cores)."""
+    out = str(tmp_path_factory.mktemp("uninterrupted") / "out")
+    for path in [naming.run_json(stopped_run["out"]), *storage.glob(naming.join(stopped_run["out"], "plan"))]:
+        storage.write_bytes(naming.join(out, os.path.relpath(path, stopped_run["out"])), storage.read_bytes(path))
+    codes, stderr = gke_hosts(out, model_cache)
+    assert codes == [0, 0], [s[-3000:] for s in stderr]
+    return _sha256s(out)
+
+
+def test_the_same_command_resumes_to_the_bytes_of_an_uninterrupted_run(resumed, uninterrupted):
+    assert resumed["codes"] == [0, 0], [s[-3000:] for s in resumed["stderr"]]
+    done = [e for s in resumed["stderr"] for e in _events(s, "host_done")]
+    assert sum(e["slices_skipped"] for e in done) == len(resumed["before"])
+    assert sum(e["slices_generated"] for e in done) == SLICES - len(resumed["before"])
+    assert resumed["stats"]["verified"] and resumed["stats"]["images"] == RECORDS
+    assert len(uninterrupted) == RECORDS and _sha256s(resumed["out"]) == uninterrupted
+
+
+def test_status_of_a_finished_run(resumed):
+    r = status.status(resumed["out"])
+    assert r["state"] == "collected"
+    assert (r["committed"]["slices"], r["committed"]["images"]) == (SLICES, RECORDS)
+    assert r["collect"] == {"ran": True, "verified": True, "images": RECORDS, "problems": {}}
+    assert [(h["host"], h["state"]) for h in r["hosts"]] == [(0, "done"), (1, "done")]
+    assert r["rate"]["eta_s"] is None
+    assert "collect   verified: 95 images" in status.format_text(r)
+
+
+@pytest.mark.slow
+def test_the_hosts_of_a_sigkilled_launcher_stop_by_themselves(prompts, tmp_path, model_cache):
+    """The launcher cannot handle SIGKILL: its hosts notice they lost their parent and stop
+    as at a SIGTERM, at the same batch. (tests/test_stopping.py shows the same watch on
+    small processes in the default run.)"""
+    out = str(tmp_path / "out")
+    launcher = subprocess.Popen(run_command(prompts, out), cwd=ROOT, env=_env(model_cache),
+                                stderr=subprocess.DEVNULL)
+    _wait_for(lambda: _host_log_events(out, "slice_committed") or launcher.poll() is not None, "a commit")
+    launcher.kill()
+    launcher.wait()
+    _wait_for(lambda: not _processes_of(out), "the hosts to exit", deadline_s=stopping.ORPHAN_GRACE_S + 30)
+    # their logs went to the launcher, which is gone; their progress objects say how they ended
+    r = status.status(out)
+    assert [(h["host"], h["state"]) for h in r["hosts"]] == [(0, "stopped"), (1, "stopped")]
+    assert r["committed"]["slices"] == sum(h["slices"] for h in r["hosts"]) > 0
