@@ -137,6 +137,44 @@ def test_each_block_of_a_stacked_kernel_gets_its_own_update_in_the_stored_dtype(
         np.testing.assert_array_equal(np.asarray(merged[path]), np.asarray(plain[path]))
 
 
+def test_a_stacked_bf16_kernel_is_merged_without_a_float32_copy_of_the_stack(tmp_path):
+    """The merge's one copy of a changed kernel is in its stored dtype; float32 is one block
+    at a time: its peak host allocation stays below the float32 stack's size (a 12B bf16
+    model never gets a float32 copy). numpy reports its buffers to tracemalloc."""
+    import tracemalloc
+
+    from pipeline.model import lora
+    from pipeline.model.nets import convert
+
+    blocks, width, rank = 16, 256, 4
+    rng = np.random.default_rng(0)
+    stack = rng.standard_normal((blocks, width, width)).astype(jnp.bfloat16)
+    params = {"transformer": {"transformer_blocks": {"attn": {"to_q": {"kernel": stack}}}}}
+    tensors = {}
+    for i in range(blocks):
+        tensors[f"transformer.transformer_blocks.{i}.attn.to_q.lora_A.weight"] = rng.standard_normal(
+            (rank, width)).astype(np.float32)
+        tensors[f"transformer.transformer_blocks.{i}.attn.to_q.lora_B.weight"] = rng.standard_normal(
+            (width, rank)).astype(np.float32)
+    path = str(tmp_path / "stacked.safetensors")
+    save_file(tensors, path)
+    layouts = {"transformer": convert.Layout(stacks=("transformer_blocks",))}
+    lora.merge(params, [(path, 1.0)], layouts)  # imports and caches warmed up outside the trace
+    tracemalloc.start()
+    try:
+        merged = lora.merge(params, [(path, 1.0)], layouts)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < stack.size * 4, f"peak {peak} bytes; the float32 stack is {stack.size * 4}"
+    got = merged["transformer"]["transformer_blocks"]["attn"]["to_q"]["kernel"]
+    assert got.dtype == stack.dtype and got is not stack
+    last = f"transformer.transformer_blocks.{blocks - 1}.attn.to_q"
+    expected = stack[-1].astype(np.float32) + (tensors[f"{last}.lora_B.weight"] @ tensors[f"{last}.lora_A.weight"]).T
+    np.testing.assert_array_equal(got[-1], expected.astype(stack.dtype))
+    assert not np.array_equal(got[0], stack[0])
+
+
 def test_describe_accepts_it_and_fingerprints_it(loaded, reference):
     spec = f"{TRANSFORMER_LORA}@0.5"
     described = model_lib.describe(DEV, loras=[spec], max_sequence_length=int(reference["max_sequence_length"]))
