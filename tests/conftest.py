@@ -48,6 +48,7 @@ SLOW_MODULES = [
     "test_host_pipeline.py",
     "test_compile_cache.py",
     "test_tiny_flux.py",
+    "test_flux_lora.py",
 ]
 
 

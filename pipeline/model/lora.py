@@ -358,9 +358,12 @@ def delta(down: np.ndarray, up: np.ndarray, kernel_shape: tuple[int, ...]) -> np
 def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = None) -> dict:
     """``params`` ({component: tree}) with each (local file, scale) of ``loras`` merged in
     order: kernel + float32(scale·alpha/rank)·(up·down), in float32 numpy on the host, then
-    back in the kernel's dtype (a stacked kernel, ``layouts``: see ``kernels``, is merged
-    block by block into one float32 copy of the stack). The trees are copied where a
-    kernel changes; the parameters given are never modified."""
+    back in the kernel's dtype. A changed kernel is copied once, in its dtype (the one copy
+    a merge makes), and merged one block at a time (a stacked kernel, ``layouts``: see
+    ``kernels``): float32 is only ever one block's worth, so a bf16 model is never held in
+    float32. The parameters given are never modified."""
+    import contextlib
+
     from flax.traverse_util import flatten_dict, unflatten_dict
     from safetensors import safe_open
 
@@ -368,29 +371,32 @@ def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = N
         return params
     flat = {name: flatten_dict(tree) for name, tree in params.items() if name in COMPONENTS}
     shapes = {name: {path: tuple(np.shape(leaf)) for path, leaf in tree.items()} for name, tree in flat.items()}
-    changed = {}
+    # (component, kernel path) -> {block: [(file, factor, match)]}: a kernel's updates, in the files' order
+    steps: dict = {}
     for path, scale in loras:
         adapter = read(path)
-        with safe_open(path, "np") as tensors:
-            for found in match(adapter, shapes, layouts):
-                update = found.update
-                down, up = tensors.get_tensor(update.down), tensors.get_tensor(update.up)
-                key = (update.component, found.path)
-                kernel = changed.get(key)
-                if kernel is None:
-                    kernel = np.asarray(flat[update.component][found.path], np.float32)
-                step = adapter.factor(update, scale) * delta(down, up, found.shape)
-                if found.index is None:
-                    changed[key] = kernel + step
-                else:
-                    kernel = kernel.copy() if key not in changed else kernel
-                    kernel[found.index] += step
-                    changed[key] = kernel
+        for found in match(adapter, shapes, layouts):
+            blocks = steps.setdefault((found.update.component, found.path), {})
+            blocks.setdefault(found.index, []).append((path, adapter.factor(found.update, scale), found))
+    changed = {}
+    with contextlib.ExitStack() as files:
+        tensors = {path: files.enter_context(safe_open(path, "np")) for path in {path for path, _ in loras}}
+        for key, blocks in steps.items():
+            component, kernel_path = key
+            kernel = np.array(flat[component][kernel_path])  # writable, in the stored dtype
+            for index, updates in blocks.items():
+                where = ... if index is None else index
+                value = kernel[where].astype(np.float32)
+                for path, factor, found in updates:
+                    down = tensors[path].get_tensor(found.update.down)
+                    up = tensors[path].get_tensor(found.update.up)
+                    value += factor * delta(down, up, found.shape)
+                kernel[where] = value  # back in the kernel's dtype
+            changed[key] = kernel
     merged = dict(params)
     for component in {component for component, _ in changed}:
         tree = dict(flat[component])
-        tree.update({path: value.astype(np.asarray(flat[name][path]).dtype, copy=False)
-                     for (name, path), value in changed.items() if name == component})
+        tree.update({path: value for (name, path), value in changed.items() if name == component})
         merged[component] = unflatten_dict(tree)
     return merged
 
