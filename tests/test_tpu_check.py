@@ -82,12 +82,12 @@ def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypat
     monkeypatch.setattr(tpu_check, "check", check)
     monkeypatch.setattr(tpu_check, "_nbytes", lambda tree: 0)
     monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: type("M", (), {"params": {}}))
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: (8 + 10 * b) * 2 ** 20)  # predicts 8
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: (8 + 10 * b) * 2 ** 20)  # 22 + 10(b-1): 8
     target = tpu_check.Target("v5e", 4, 16.0)
     found = tpu_check._search(Settings(), target, 256)
     assert found["batch"] == 7 and compiled == [1, 8, 4, 6, 7]  # 8 refused by the whole program: bisected
     assert all(whole[b] > limit for b in compiled if b > 7)
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: (6 + 12 * b) * 2 ** 20)  # exact
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: (9 + 12 * b) * 2 ** 20)  # grows as the whole
     compiled.clear()
     assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [1, 7]
     whole[1] = limit + 1

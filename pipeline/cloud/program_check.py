@@ -35,14 +35,17 @@ def check_submission(settings, s: tpu.TpuSlice, skip: bool = False) -> tuple[obj
     ``tpu_program`` report or None when ``skip``); ValueError, with the figures, for a
     program that does not fit or cannot be checked."""
     if skip:
-        if settings.per_device_batch == AUTO:
-            raise ValueError("--per-device-batch auto is resolved by the TPU check against the target chip: give a "
-                             "number with --no-tpu-check")
+        for flag, value in (("--per-device-batch", settings.per_device_batch), ("--fsdp", settings.fsdp)):
+            if value == AUTO:
+                raise ValueError(f"{flag} auto is resolved by the TPU check against the target chip: give a number "
+                                 f"with --no-tpu-check")
         logs.event("tpu_check_skipped", reason="--no-tpu-check", tpu_type=s.tpu_type, topology=s.topology)
         return settings, None
     chip = target(s, settings.device_memory)
     try:
         tpu_check.require_libtpu()
+        if settings.fsdp == AUTO:
+            settings = settings.replace(fsdp=smallest_fsdp(settings, chip)).validate()
         if settings.per_device_batch == AUTO:
             chosen, _ = tpu_check.largest_batch(settings, chip)
             logs.event("per_device_batch_chosen", per_device_batch=chosen, platform="tpu", tpu_type=s.tpu_type,
@@ -63,6 +66,23 @@ def check_submission(settings, s: tpu.TpuSlice, skip: bool = False) -> tuple[obj
     return settings, report
 
 
+def smallest_fsdp(settings, chip: tpu_check.Target) -> int:
+    """``--fsdp auto`` on ``chip``: the smallest N dividing the host's chips whose program fits
+    one image per chip; logged as ``fsdp_chosen``. DoesNotFit when none does."""
+    from pipeline.model import sharding
+
+    tried = {}
+    for n in sharding.divisors(chip.chips):
+        report = tpu_check.check(settings.replace(fsdp=n, per_device_batch=1), chip)
+        tried[n] = report["total_gib"]
+        if report["fits"]:
+            logs.event("fsdp_chosen", fsdp=n, platform="tpu", tpu_type=chip.tpu_type, tried_gib=tried)
+            return n
+    raise tpu_check.DoesNotFit(f"{tpu_check.describe_run(report)}: one image per chip needs "
+                               f"{', '.join(f'{v:.2f} GiB at --fsdp {k}' for k, v in tried.items())} of a "
+                               f"{chip.tpu_type} chip's {chip.hbm_gib:g} GiB; none fits")
+
+
 def resolve_submission(settings, s: tpu.TpuSlice, skip: bool = False, overwrite: bool = False,
                        look: bool = True) -> tuple[object, dict | None, int | None]:
     """``check_submission`` for a submission of ``settings`` to ``s``, and the hosts the plan
@@ -72,12 +92,14 @@ def resolve_submission(settings, s: tpu.TpuSlice, skip: bool = False, overwrite:
     from pipeline.io import runs
 
     cap = None
-    if settings.per_device_batch == AUTO:
-        if look and not overwrite and runs.exists(settings.out):
-            kept = runs.read(settings.out).settings.per_device_batch
-            logs.event("per_device_batch_kept", per_device_batch=kept, out=settings.out)
-            settings = settings.replace(per_device_batch=kept)
-        else:
+    if AUTO in (settings.per_device_batch, settings.fsdp):
+        if look and not overwrite and runs.exists(settings.out):  # a resumed run keeps what its slices were made with
+            planned = runs.read(settings.out).settings
+            kept = {name: getattr(planned, name) for name in ("per_device_batch", "fsdp")
+                    if getattr(settings, name) == AUTO}
+            logs.event("auto_settings_kept", out=settings.out, **kept)
+            settings = settings.replace(**kept)
+        elif settings.per_device_batch == AUTO:
             cap = s.hosts
     settings, report = check_submission(settings, s, skip)
     return settings, report, cap

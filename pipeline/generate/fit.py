@@ -47,10 +47,12 @@ def program_memory(compiled) -> dict:
 
 def sampler_memory(model, width: int, height: int, steps: int, per_device_batch: int, guided: bool = True,
                    attention: str = "auto", platform: str | None = None, latents: bool = False,
-                   guidance_rule: str | None = None) -> dict:
+                   guidance_rule: str | None = None, fsdp: int = 1, devices=None) -> dict:
     """``program_memory`` of one device's sampler program at ``per_device_batch`` images,
     compiled from shapes (``model``'s params may be arrays or ``ShapeDtypeStruct``s);
-    ``guidance_rule``: default the model's family's (``Family.guidance_rule``)."""
+    ``guidance_rule``: default the model's family's (``Family.guidance_rule``). ``fsdp`` > 1:
+    the FSDP program of one group of ``fsdp`` of ``devices`` (a device's memory is the
+    same in a host of one group or of many)."""
     import jax
     import jax.numpy as jnp
 
@@ -58,6 +60,16 @@ def sampler_memory(model, width: int, height: int, steps: int, per_device_batch:
     from pipeline.model.families.shapes import struct
 
     rule = guidance_rule if guidance_rule is not None else model.family.guidance_rule(model)
+    if fsdp != 1:
+        from pipeline.generate.generator import lower_fsdp
+
+        devices = list(devices or jax.local_devices())
+        if len(devices) < fsdp:
+            raise FitError(f"--fsdp {fsdp}: measuring its program needs {fsdp} devices, this process has "
+                           f"{len(devices)}")
+        lowered = lower_fsdp(model, width, height, steps, per_device_batch, devices[:fsdp], latents, rule, guided,
+                             attention, fsdp)
+        return program_memory(lowered.compile())
     fn = sampler.make_sample_fn(model, width, height, steps, latents, rule, guided=guided, attention=attention,
                                 platform=platform)
     params = struct(model.params, model.param_dtype)
@@ -150,7 +162,7 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
 
     def needs(b: int) -> int:
         return sampler_memory(model, width, height, settings.steps, b, guided, settings.attention, platform,
-                              settings.save_latents)["total"]
+                              settings.save_latents, fsdp=settings.fsdp, devices=devices)["total"]
 
     try:
         chosen, tried = largest_batch(needs, capacity)
@@ -164,12 +176,14 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
 
 
 def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machine: int | None = None):
-    """``settings`` with ``--per-device-batch auto`` made a number: the one of the run
-    already in OUT, which a resumed run keeps (unless ``overwrite``), else
-    ``choose_per_device_batch``'s. Other settings are returned as they are."""
+    """``settings`` with ``--fsdp auto`` (``resolve_fsdp``, first) and ``--per-device-batch
+    auto`` made numbers: the one of the run already in OUT, which a resumed run keeps
+    (unless ``overwrite``), else ``choose_per_device_batch``'s at the run's FSDP degree.
+    Other settings are returned as they are."""
     from pipeline.core.settings import AUTO
     from pipeline.io import runs
 
+    settings = resolve_fsdp(settings, overwrite, devices_on_machine)
     if settings.per_device_batch != AUTO:
         return settings
     if not overwrite and runs.exists(settings.out):
@@ -177,6 +191,52 @@ def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machi
         logs.event("per_device_batch_kept", per_device_batch=kept, out=settings.out)
         return settings.replace(per_device_batch=kept)
     return settings.replace(per_device_batch=choose_per_device_batch(settings, devices_on_machine=devices_on_machine))
+
+
+def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -> int:
+    """``--fsdp auto``: the smallest N dividing the devices per host whose program fits one
+    image per device (weights, inputs and temporaries, as ``choose_per_device_batch``
+    measures them); logged as ``fsdp_chosen``. FitError when none does."""
+    import jax
+
+    from pipeline.model import load as model_lib, sharding
+
+    devices = devices or jax.local_devices()
+    capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
+    model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
+                           abstract=True, max_sequence_length=settings.max_sequence_length)
+    width, height = settings.width or model.native_size, settings.height or model.native_size
+    guided = settings.guided if settings.guided is not None else model.family.cfg
+    tried = {}
+    for n in sharding.divisors(settings.devices_per_host):
+        if n > len(devices):
+            break
+        tried[n] = sampler_memory(model, width, height, settings.steps, 1, guided, settings.attention,
+                                  devices[0].platform, settings.save_latents, fsdp=n, devices=devices)["total"]
+        if tried[n] <= capacity:
+            logs.event("fsdp_chosen", fsdp=n, capacity_gib=round(capacity / GIB, 3), capacity_from=source,
+                       tried_gib={k: round(v / GIB, 3) for k, v in tried.items()})
+            return n
+    raise FitError(f"--fsdp auto: one image per device needs "
+                   f"{', '.join(f'{v / GIB:.2f} GiB at --fsdp {k}' for k, v in tried.items())}, more than the "
+                   f"{capacity / GIB:.2f} GiB a device offers ({source}), for {settings.model} at {width}x{height}, "
+                   f"{settings.dtype}")
+
+
+def resolve_fsdp(settings, overwrite: bool = False, devices_on_machine: int | None = None):
+    """``settings`` with ``--fsdp auto`` made a number: the run's already in OUT (a resumed
+    run keeps it, unless ``overwrite``), else ``choose_fsdp``'s. Resolved before the
+    per-device batch, which is then the largest that fits at that N."""
+    from pipeline.core.settings import AUTO
+    from pipeline.io import runs
+
+    if settings.fsdp != AUTO:
+        return settings
+    if not overwrite and runs.exists(settings.out):
+        kept = runs.read(settings.out).settings.fsdp
+        logs.event("fsdp_kept", fsdp=kept, out=settings.out)
+        return settings.replace(fsdp=kept)
+    return settings.replace(fsdp=choose_fsdp(settings, devices_on_machine=devices_on_machine))
 
 
 def cap_hosts(asked, hosts: int, overwrite: bool = False) -> int | None:

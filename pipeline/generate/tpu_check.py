@@ -238,7 +238,7 @@ def compile_program(settings, target: Target, per_device_batch: int, model=None)
     started = time.perf_counter()
     with attention.record() as calls:
         lowered = generator.lower_sampler(model, width, height, per_device_batch=per_device_batch, devices=devices,
-                                          **args)
+                                          fsdp=settings.fsdp, **args)
     params = _nbytes(model.params)
     kernels = tuple(attention.summary(calls))
     try:
@@ -353,6 +353,7 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
     program = {k: v for k, v in found.items() if k != "flops_per_image"}
     report = {"model": settings.model, "width": width, "height": height, "steps": settings.steps,
               "dtype": settings.dtype, "attention": settings.attention, "guided": run_guided(settings, model),
+              "fsdp": settings.fsdp,
               "tpu_type": target.tpu_type, "topology": target.topology, "machine_type": target.machine_type,
               "chips_per_host": target.chips, "per_device_batch": b,
               "argument_gib": round(program["argument"] / GIB, 3), "temp_gib": round(program["temp"] / GIB, 3),
@@ -400,12 +401,12 @@ def _search(settings, target: Target, most: int) -> dict:
     one = whole_total(1)
     if one > limit:
         return {"batch": None, "tried": {1: one}, "message": refusal(whole[1], None)}
-    offset = one - (_nbytes(model.params) + parts_memory(settings, target, 1, model))
+    base = parts_memory(settings, target, 1, model)
     estimated: dict[int, int] = {1: one}
 
-    def needs(b: int) -> int:
+    def needs(b: int) -> int:  # the whole program at one image, grown as its largest part grows
         if b not in estimated:
-            estimated[b] = _nbytes(model.params) + parts_memory(settings, target, b, model) + offset
+            estimated[b] = one + parts_memory(settings, target, b, model) - base
         return estimated[b]
 
     chosen, tried = fit.largest_batch(needs, limit, most)
@@ -428,9 +429,10 @@ def _search(settings, target: Target, most: int) -> dict:
 
 
 def describe_run(report: dict) -> str:
+    fsdp = f", --fsdp {report['fsdp']}" if report.get("fsdp", 1) != 1 else ""
     return (f"{report['model']} {report['width']}x{report['height']} {report['dtype']} "
             f"({'guided' if report['guided'] else 'guidance-free'}, {report['steps']} steps, --attention "
-            f"{report['attention']})")
+            f"{report['attention']}{fsdp})")
 
 
 def refusal(report: dict, fitting: int | None) -> str:

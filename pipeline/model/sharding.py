@@ -32,7 +32,7 @@ import dataclasses
 import numpy as np
 
 DATA, FSDP = "data", "fsdp"
-MIN_SHARDED = 2 ** 14  # elements: a weight smaller than this is replicated
+MIN_SHARDED = 2 ** 8  # elements: a matrix smaller than this is replicated (a gather costs more than it saves)
 ENCODER_SHARDED_FROM = 2 ** 30  # bytes: a text encoder this large is sharded too
 DENOISERS = ("unet", "transformer")
 

@@ -1,0 +1,104 @@
+"""FSDP inside a host (``--fsdp N``): the sharding rule, and the sharded program against
+the replicated one on CPU devices (two, in this process).
+
+The sharded runs end to end (1x4 vs 2x2 hosts x devices, byte for byte, and ``reproduce``)
+are in test_flux.py, beside the replicated ones they are compared with.
+"""
+import jax
+import numpy as np
+import pytest
+
+from pipeline.core.settings import AUTO, Settings
+from pipeline.generate import fit
+from pipeline.generate.generator import Generator
+from pipeline.model import load as model_lib, sharding
+
+
+@pytest.mark.parametrize("shape,fsdp,axis", [
+    ((3072, 3072), 2, 1),  # a square matrix: the last axis on a tie
+    ((4096, 3072), 4, 0),  # the larger of the two
+    ((19, 3072, 12288), 8, 2),  # a scanned stack: never its blocks axis
+    ((3, 3, 320, 640), 2, 3),  # a convolution: input or output channels
+    ((3, 3, 4, 320), 8, 3),  # 8 divides only the output channels
+    ((768,), 2, None),  # a vector (bias, norm): replicated
+    ((7, 9), 2, None),  # too small
+    ((302, 301), 4, None),  # 4 divides neither axis
+    ((3072, 3072), 1, None),
+])
+def test_a_weight_is_split_along_the_larger_axis_n_divides(shape, fsdp, axis):
+    assert sharding.leaf_axis(shape, fsdp) == axis
+
+
+def test_the_rule_shards_the_denoiser_and_large_text_encoders_only():
+    gib = 2 ** 30
+    sizes = {"text_encoder": gib // 4, "text_encoder_2": 9 * gib, "transformer": 22 * gib, "vae": gib // 6}
+    assert sharding.sharded_components(sizes, 2) == ("text_encoder_2", "transformer")
+    assert sharding.sharded_components({"text_encoder": gib // 4, "unet": 2 * gib, "vae": gib // 6}, 4) == ("unet",)
+    assert sharding.sharded_components(sizes, 1) == ()
+
+
+def test_an_n_that_does_not_divide_the_hosts_devices_is_refused():
+    Settings(devices_per_host=4, fsdp=2).validate()
+    Settings(devices_per_host=4, fsdp=AUTO).validate()
+    with pytest.raises(ValueError, match=r"--fsdp 3 must divide the devices of a host \(4\).*possible: 1, 2, 4"):
+        Settings(devices_per_host=4, fsdp=3).validate()
+    with pytest.raises(ValueError, match="--fsdp must be a whole number >= 1 or auto"):
+        Settings(fsdp=0).validate()
+    from jobs import cli
+
+    args = cli.build_parser().parse_args(["run", "--fsdp", "auto"])
+    assert args.fsdp == AUTO
+
+
+@pytest.fixture(scope="module")
+def devices():
+    found = jax.local_devices()
+    assert len(found) >= 2  # tests/conftest.py gives this process two CPU devices
+    return found[:2]
+
+
+ROWS = [("a red fox in the snow", "", 3.5, 5, 0), ("a blue whale", "", 3.5, 9, 2)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-flux-dev"])
+def test_fsdp_2_makes_the_images_of_fsdp_1_with_half_the_sharded_weights_on_each_device(name, devices,
+                                                                                        model_cache):
+    model = model_lib.load(name, "fp32")
+    rule = model.family.guidance_rule(model)
+    images, programs = {}, {}
+    for fsdp in (1, 2):
+        generator = Generator(model, 32, 32, 2, 1, devices=devices, guided=False, guidance_rule=rule, fsdp=fsdp)
+        images[fsdp] = generator(generator.batch_of(ROWS))
+        programs[fsdp] = fit.program_memory(generator.compiled)
+    diff = np.abs(images[1].astype(int) - images[2].astype(int))
+    assert diff.max() <= 2, diff.max()
+    assert not np.array_equal(images[2][0], images[2][1])
+    # each device holds every replicated weight and half of each sharded one (in the run's dtype)
+    from pipeline.model.families.shapes import struct
+
+    sizes = sharding.component_bytes(struct(model.params, model.param_dtype))
+    sharded = [c for c in sharding.layout_of(model.params, 2).sharded]
+    assert sharded == [next(c for c in sizes if c in sharding.DENOISERS)]
+    saved = programs[1]["argument"] - programs[2]["argument"]
+    assert 0.4 * sizes[sharded[0]] < saved <= 0.5 * sizes[sharded[0]]
+
+
+def test_fsdp_auto_takes_the_smallest_n_that_fits(devices, model_cache, monkeypatch, tmp_path):
+    measured, original = {}, fit.sampler_memory
+
+    def sampler_memory(model, *args, fsdp=1, devices=None):  # each program compiled once in this test
+        if fsdp not in measured:
+            measured[fsdp] = original(model, *args, fsdp=fsdp, devices=devices)
+        return measured[fsdp]
+
+    monkeypatch.setattr(fit, "sampler_memory", sampler_memory)
+    model = model_lib.load("tiny", "fp32", abstract=True)
+    one = fit.sampler_memory(model, 32, 32, 1, 1, True, fsdp=1)["total"]
+    two = fit.sampler_memory(model, 32, 32, 1, 1, True, fsdp=2, devices=devices)["total"]
+    assert two < one
+    asked = Settings(out=str(tmp_path / "out"), width=32, height=32, steps=1, devices_per_host=2, fsdp=AUTO,
+                     device_memory=(one + two) / 2 / fit.HEADROOM / fit.GIB)
+    assert fit.resolve_fsdp(asked).fsdp == 2  # one image does not fit replicated; it does at 2
+    assert fit.resolve_fsdp(asked.replace(device_memory=2 * one / fit.HEADROOM / fit.GIB)).fsdp == 1
+    with pytest.raises(fit.FitError, match="--fsdp auto: one image per device needs"):
+        fit.resolve_fsdp(asked.replace(device_memory=two / 4 / fit.GIB))
