@@ -58,6 +58,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                      help="images per chip to compile, or auto: the largest that fits each target (default: 1)")
     tpu.add_argument("--attentions", default="auto", help="attention implementations, comma-separated "
                      "(default: %(default)s)")
+    tpu.add_argument("--fsdp", type=_batches_or_auto, default=(1,), metavar="N[,N...]|auto",
+                     help="FSDP degrees to compile (those a target's host cannot have are skipped), or auto: the "
+                          "smallest that fits each target (default: 1)")
     tpu.add_argument("--targets", default="v5e:2x2", help="TPU hosts to compile for, TYPE:TOPOLOGY[:MACHINE_TYPE], "
                      "comma-separated, from the TPU table (default: %(default)s)")
     tpu.add_argument("--guidance-scale", type=float, default=None,
@@ -167,13 +170,15 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                              "from shapes alone: no weights), sweep (ours and the seed recipe), recipes "
                              "(guidance-free, few-step and default side by side), attention (each of --attentions "
                              "side by side: speed, memory, kernels), memory (the sampler's memory at each of "
-                             "--memory-sizes with each of --attentions, from shapes), startup "
-                             "(default: %(default)s)")
+                             "--memory-sizes with each of --attentions, from shapes), startup, fsdp (images/s at "
+                             "each --fsdp degree side by side) (default: %(default)s)")
     parser.add_argument("--attentions", default=",".join(BenchConfig.attentions),
                         help="attention implementations compared by the attention and memory parts, the first "
                              "the reference; diffusers: diffusers' own attention (default: %(default)s)")
     parser.add_argument("--memory-sizes", type=_batch_sizes, default=BenchConfig.memory_sizes,
                         help="square image sizes of the memory part, comma-separated (default: 512,1024)")
+    parser.add_argument("--fsdp", type=_batch_sizes, default=BenchConfig.fsdps, metavar="N[,N...]",
+                        help="the fsdp part's FSDP degrees, timed side by side (default: 1,2)")
     parser.add_argument("--flops-recipes", type=_flops_recipes, default=None, metavar="MODEL:STEPS:GUIDANCE[,...]",
                         help="the flops part's recipes, costed from shapes alone at --width x --height (default "
                              "1024x1024): default random-flux:4:0,random-flux-dev:28:3.5,random-sdxl:4:0,"
@@ -210,7 +215,7 @@ def run_bench(args: argparse.Namespace) -> int:
         report = tpu_bench.run(tpu_bench.TpuBenchConfig(
             model=args.model, sizes=args.sizes, steps=args.steps, dtype=args.dtype,
             per_device_batches=args.per_device_batch, attentions=tuple(a for a in args.attentions.split(",") if a),
-            targets=tuple(tpu_bench.parse_target(t) for t in args.targets.split(",") if t),
+            fsdps=args.fsdp, targets=tuple(tpu_bench.parse_target(t) for t in args.targets.split(",") if t),
             guidance_scale=args.guidance_scale, report=args.report))
         if args.report:
             storage.write_json(args.report, report)
@@ -246,7 +251,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                    timestep_spacing=args.timestep_spacing,
                                    parts=tuple(p for p in args.parts.split(",") if p),
                                    attentions=tuple(a for a in args.attentions.split(",") if a),
-                                   memory_sizes=args.memory_sizes,
+                                   memory_sizes=args.memory_sizes, fsdps=args.fsdp,
                                    **({"flops_recipes": args.flops_recipes} if args.flops_recipes else {}))
         report = bench.run_bench(config)
         print(bench.format_table(report))

@@ -58,7 +58,7 @@ from pipeline.core.settings import Settings, check_size
 from pipeline.generate.fit import GIB
 
 GUIDANCE = 7.5  # SD's default guidance; above 1 its value does not change the work done
-PARTS = ("sweep", "recipes", "attention", "memory", "startup", "flops")
+PARTS = ("sweep", "recipes", "attention", "memory", "startup", "flops", "fsdp")
 # the flops part's default recipes (MODEL, steps, guidance): FLUX.1 [schnell] 4 steps and [dev] 28
 # steps, beside SDXL-Lightning's 4 guidance-free steps and SDXL's default 20 guided ones
 FLOPS_RECIPES = (("random-flux", 4, 0.0), ("random-flux-dev", 28, 3.5), ("random-sdxl", 4, 0.0),
@@ -89,6 +89,7 @@ class BenchConfig:
     memory_sizes: tuple[int, ...] = (512, 1024)
     # the flops part: (model, steps, guidance) of each recipe, costed from shapes at width x height
     flops_recipes: tuple[tuple[str, int, float], ...] = FLOPS_RECIPES
+    fsdps: tuple[int, ...] = (1, 2)  # the fsdp part: FSDP degrees timed side by side
 
     def validate(self) -> "BenchConfig":
         if not self.per_device_batches or min(self.per_device_batches) < 1:
@@ -280,6 +281,7 @@ def command_line(config: BenchConfig) -> str:
              "--parts": ",".join(config.parts) if tuple(config.parts) != DEFAULT_PARTS else None,
              "--attentions": ",".join(config.attentions) if {"attention", "memory"} & set(config.parts) else None,
              "--memory-sizes": ",".join(map(str, config.memory_sizes)) if "memory" in config.parts else None,
+             "--fsdp": ",".join(map(str, config.fsdps)) if "fsdp" in config.parts else None,
              "--flops-recipes": ",".join(f"{m}:{s}:{g:g}" for m, s, g in config.flops_recipes)
              if "flops" in config.parts and config.flops_recipes != FLOPS_RECIPES else None,
              "--report": config.report}
@@ -308,6 +310,29 @@ def run_flops(config: BenchConfig) -> dict:
     return {"width": width, "height": height, "dtype": config.dtype, "rows": rows}
 
 
+def run_fsdp(model, config: BenchConfig, devices, width: int, height: int) -> dict:
+    """Images/s of the generator at each of ``config.fsdps`` (the weights sharded over groups
+    of N devices, ``--fsdp N``), at the first per-device batch, timed batch by batch in
+    turns; with each program's argument bytes per device (its share of the weights)."""
+    from pipeline.bench.timing import in_turns, ours_call
+    from pipeline.generate.fit import program_memory
+    from pipeline.generate.generator import Generator
+
+    per_device_batch = config.per_device_batches[0]
+    generators = {fsdp: Generator(model, width, height, config.steps, per_device_batch, devices=devices,
+                                  guided=model.family.cfg and config.guided,
+                                  guidance_rule=model.family.guidance_rule(model), fsdp=fsdp)
+                  for fsdp in config.fsdps}
+    timings = in_turns({str(n): ours_call(g, config.guidance_scale) for n, g in generators.items()},
+                       {str(n): g.batch_size for n, g in generators.items()}, config.batches)
+    rows = {n: {**timings[str(n)], "argument_bytes": program_memory(g.compiled)["argument"]}
+            for n, g in generators.items()}
+    first = rows[config.fsdps[0]]["images_per_s"]
+    for row in rows.values():
+        row["over_first"] = row["images_per_s"] / first
+    return {"per_device_batch": per_device_batch, "devices": len(devices), "rows": {str(n): r for n, r in rows.items()}}
+
+
 def run_bench(config: BenchConfig) -> dict:
     """Run the whole bench; returns the report (and writes it to ``config.report``)."""
     import jax
@@ -323,9 +348,11 @@ def run_bench(config: BenchConfig) -> dict:
         if config.report:
             storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
         return report
-    if model_lib.family_of(model_lib.resolve(config.model))[0].name != "sd":
+    if {"sweep", "recipes"} & set(config.parts) and model_lib.family_of(model_lib.resolve(config.model))[0].name \
+            != "sd":
         # the seed recipe is FlaxStableDiffusionPipeline's; SDXL's would be another baseline
-        raise ValueError(f"bench generator compares with the SD 1.x/2.x notebook recipe; {config.model!r} is SDXL")
+        raise ValueError(f"bench generator's sweep and recipes compare with the SD 1.x/2.x notebook recipe; "
+                         f"{config.model!r} is not SD 1.x/2.x: run the other parts (--parts fsdp,flops,...)")
     devices = jax.local_devices()[:config.devices] if config.devices else jax.local_devices()
     if config.devices and len(devices) < config.devices:
         raise ValueError(f"--devices {config.devices}: only {len(devices)} local devices")
@@ -351,6 +378,7 @@ def run_bench(config: BenchConfig) -> dict:
         attention = attention_bench.run_speed(model, config, devices, width, height)
     if "memory" in config.parts:
         program_memory = attention_bench.run_memory(config, devices[0].platform, attention)
+    sharded = run_fsdp(model, config, devices, width, height) if "fsdp" in config.parts else None
     # free the model before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
     # and the generators also hold a replicated copy)
     del model
@@ -363,7 +391,7 @@ def run_bench(config: BenchConfig) -> dict:
               "machine": machine(devices),
               "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
               "peak": peak, "sweep": rows, "recipes": compared, "attention": attention, "memory": program_memory,
-              "startup": start, "flops": run_flops(config) if "flops" in config.parts else None}
+              "startup": start, "flops": run_flops(config) if "flops" in config.parts else None, "fsdp": sharded}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
     return report
@@ -444,4 +472,12 @@ def format_table(report: dict) -> str:
                      f"{s['ready_warm_over_cold']:.2f}, fresh process cold/warm {s['cold_over_warm']:.2f}")
     if report.get("flops"):
         lines += format_flops(report["flops"])
+    f = report.get("fsdp")
+    if f:
+        lines.append(f"--fsdp side by side (per-device batch {f['per_device_batch']}, {f['devices']} devices, "
+                     f"timed in turns):")
+        lines.append(f"{'fsdp':>5} {'img/s':>9} {'relative':>8} {'argument MiB/device':>19}")
+        for n, row in f["rows"].items():
+            lines.append(f"{n:>5} {row['images_per_s']:>9.4f} {row['over_first']:>8.3f} "
+                         f"{row['argument_bytes'] / 2 ** 20:>19.2f}")
     return "\n".join(lines)

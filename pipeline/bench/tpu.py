@@ -32,6 +32,7 @@ class TpuBenchConfig:
     dtype: str = "bf16"
     per_device_batches: tuple = (1,)  # numbers, or AUTO: the largest that fits each target
     attentions: tuple[str, ...] = ("auto",)
+    fsdps: tuple = (1,)  # FSDP degrees (each dividing the host's chips), or AUTO: the smallest that fits
     targets: tuple[tuple[str, str, str | None], ...] = (("v5e", "2x2", None),)  # (type, topology, machine type)
     guidance_scale: float | None = None  # None: the model family's
     report: str | None = None
@@ -59,10 +60,19 @@ def run(config: TpuBenchConfig) -> dict:
         for type_name, topology, machine in config.targets:
             chosen = tpu.lookup(type_name, topology, machine)
             target = program_check.target(chosen)
-            for attention in config.attentions:
+            for attention, fsdp in [(a, f) for a in config.attentions for f in config.fsdps]:
+                if fsdp != AUTO and chosen.chips_per_host % fsdp:
+                    continue  # a degree this host cannot have
                 settings = Settings(model=config.model, width=size, height=size, steps=config.steps,
                                     dtype=config.dtype, attention=attention, guidance_scale=config.guidance_scale,
-                                    devices_per_host=chosen.chips_per_host).validate()
+                                    devices_per_host=chosen.chips_per_host, fsdp=fsdp).validate()
+                if fsdp == AUTO:
+                    try:
+                        settings = settings.replace(fsdp=program_check.smallest_fsdp(settings, target))
+                    except tpu_check.DoesNotFit as e:
+                        rows.append({"searched": True, "model": config.model, "tpu_type": chosen.tpu_type,
+                                     "attention": attention, "fits": False, "refusal": str(e)})
+                        continue
                 for batch in config.per_device_batches:
                     started = time.perf_counter()
                     row = {"searched": batch == AUTO}
@@ -85,9 +95,9 @@ def run(config: TpuBenchConfig) -> dict:
 
 def table(report: dict) -> str:
     """The report as a readable table."""
-    head = (f"{'model':>12} {'size':>9} {'tpu':>4} {'host':>5} {'attention':>9} {'batch':>5} {'fits':>5} "
-            f"{'total GiB':>9} {'args GiB':>8} {'temp GiB':>8} {'of GiB':>6} {'TFLOP/img':>9} {'kernels':>14} "
-            f"{'compile s':>9}")
+    head = (f"{'model':>12} {'size':>9} {'tpu':>4} {'host':>5} {'attention':>9} {'fsdp':>4} {'batch':>5} {'fits':>5} "
+            f"{'total GiB':>9} {'args GiB':>8} {'temp GiB':>8} {'of GiB':>6} {'gather GiB':>10} {'TFLOP/img':>9} "
+            f"{'kernels':>14} {'compile s':>9}")
     lines = [f"TPU programs compiled here (jax {report['jax']}, libtpu {report['libtpu']}); batch: images per chip"
              + (" (searched: the largest that fits)" if any(r["searched"] for r in report["rows"]) else ""), head]
     for row in report["rows"]:
@@ -96,8 +106,9 @@ def table(report: dict) -> str:
             continue
         kernels = ",".join(sorted({k["kernel"] for k in row["kernels"]})) or "-"
         lines.append(f"{row['model']:>12} {row['width']:>4}x{row['height']:<4} {row['tpu_type']:>4} "
-                     f"{row['chips_per_host']:>5} {row['attention']:>9} {row['per_device_batch']:>5} "
+                     f"{row['chips_per_host']:>5} {row['attention']:>9} {row['fsdp']:>4} {row['per_device_batch']:>5} "
                      f"{'yes' if row['fits'] else 'no':>5} {row['total_gib']:>9.2f} {row['argument_gib']:>8.2f} "
-                     f"{row['temp_gib']:>8.2f} {row['limit_gib']:>6.2f} {row['flops_per_image'] / 1e12:>9.2f} "
-                     f"{kernels:>14} {row['compile_s']:>9.1f}" + (" (cached)" if row["from_cache"] else ""))
+                     f"{row['temp_gib']:>8.2f} {row['limit_gib']:>6.2f} {row['all_gather_gib']:>10.3f} "
+                     f"{row['flops_per_image'] / 1e12:>9.2f} {kernels:>14} {row['compile_s']:>9.1f}"
+                     + (" (cached)" if row["from_cache"] else ""))
     return "\n".join(lines)

@@ -46,7 +46,14 @@ def settings_line(run: Run) -> str:
     parts = [f"model={s.model}", size, f"steps={s.steps}", f"scheduler={s.scheduler}"]
     if s.timestep_spacing:
         parts.append(f"spacing={s.timestep_spacing}")
-    parts += [f"guidance={s.guidance_scale:g}" + ("" if s.guided is not False else " (guidance-free)"),
+    guidance = "the family's" if s.guidance_scale is None else f"{s.guidance_scale:g}"
+    kind = {"embedded": " (embedded)", "unused": " (not used)"}.get(s.guidance_rule,
+                                                                    "" if s.guided is not False else " (guidance-free)")
+    if s.max_sequence_length is not None:
+        parts.append(f"t5_tokens={s.max_sequence_length}")
+    if s.fsdp != 1:
+        parts.append(f"fsdp={s.fsdp}")
+    parts += [f"guidance={guidance}{kind}",
               f"dtype={s.dtype}", f"batch={s.per_device_batch}/device", f"devices/host={s.devices_per_host}",
               f"slice={s.slice_size}", f"formats={','.join(s.formats)}", f"image={s.image_format}",
               f"seed={s.seed}"]

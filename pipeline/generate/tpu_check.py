@@ -36,6 +36,8 @@ import tempfile
 import time
 from importlib import metadata
 
+import numpy as np
+
 from pipeline.core import logs
 from pipeline.generate import compile_cache, fit, parts
 
@@ -195,6 +197,7 @@ class Program:
     xla_flops: float | None = None  # XLA's count of the whole program (a loop's body counted once)
     optimal_seconds: float | None = None  # XLA's own time estimate, where it gives one
     kernels: tuple = ()  # attention.summary of the program's attention calls
+    all_gather_bytes: int = 0  # what its all-gathers write (FSDP's gathered weights), each counted once
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"kernels": list(self.kernels)}
@@ -254,8 +257,32 @@ def compile_program(settings, target: Target, per_device_batch: int, model=None)
     memory = fit.program_memory(compiled)
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    estimate = cost.get("optimal_seconds")
     return Program(per_device_batch, memory["argument"], memory["temp"], memory["total"], True, seconds,
-                   cost.get("flops"), cost.get("optimal_seconds"), kernels)
+                   cost.get("flops"), estimate if estimate is not None and estimate >= 0 else None, kernels,
+                   all_gather_bytes(compiled.as_text()))
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8}
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+def all_gather_bytes(hlo_text: str) -> int:
+    """Bytes the all-gathers of a compiled program write, summed over its HLO text: each
+    all-gather (or its async start) counted once with its result's size, so one inside a
+    loop's body counts once whatever the trip count (pure)."""
+    total = 0
+    for line in hlo_text.splitlines():
+        if " all-gather(" not in line and " all-gather-start(" not in line:
+            continue
+        result = line.split("=", 1)[1].split("all-gather", 1)[0]
+        shapes = [(kind, dims) for kind, dims in _SHAPE.findall(result) if kind in _DTYPE_BYTES]
+        if not shapes:
+            continue
+        kind, dims = shapes[-1]  # an async start's result is (operand, result): the last
+        total += _DTYPE_BYTES[kind] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
 
 
 def capacity(target: Target) -> tuple[int, int]:
@@ -364,6 +391,7 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
               "flops_per_image": found["flops_per_image"],
               "xla_flops_per_image": program["xla_flops"] / b if program["xla_flops"] else None,
               "optimal_seconds": program["optimal_seconds"], "kernels": program["kernels"],
+              "all_gather_gib": round(program.get("all_gather_bytes", 0) / GIB, 3),
               "jax": jax.__version__, "libtpu": libtpu_version()}
     return report
 
