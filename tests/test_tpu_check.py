@@ -65,6 +65,23 @@ def test_the_refusal_names_the_figures_and_what_fits():
         "random-sdxl 1024x1024 bf16 (guided, 20 steps, --attention auto) at 16 image(s) per chip needs 21.30 GiB of "
         "a v5e chip's 16 GiB (15.75 GiB usable, 14.18 GiB with 10% headroom); 10 per chip fit")
     assert "not even one image per chip fits" in tpu_check.refusal(report, None)
+    assert tpu_check.refusal(report, 10, estimated=True).endswith(
+        "; about 10 per chip fit (estimated from the step's parts: --per-device-batch auto finds and confirms the "
+        "largest)")
+
+
+def test_a_refusal_estimates_what_fits_from_the_refused_program_and_the_parts(monkeypatch):
+    """No other whole program is compiled: the refused one's total, grown or shrunk as the
+    parts of a step do."""
+    limit = 100 * 2 ** 20
+    monkeypatch.setattr(tpu_check, "capacity", lambda target: (limit, limit))
+    monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: None)
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: 12 * b * 2 ** 20)
+    report = {**REPORT, "per_device_batch": 16, "total_gib": (10 + 12 * 16) / 1024}  # the whole: 10 + 12b MiB
+    assert tpu_check.estimated_fit(Settings(), tpu_check.Target("v5e", 4, 16.0), report) == 7
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: 200 * b * 2 ** 20)
+    assert tpu_check.estimated_fit(Settings(), tpu_check.Target("v5e", 4, 16.0),
+                                   {**report, "total_gib": 3300 / 1024}) is None
 
 
 def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypatch):
@@ -129,6 +146,7 @@ def test_a_v5e_host_program_with_the_pallas_kernel_compiles_from_shapes_alone(no
     # the weights, in bf16, are the arguments; the chip's usable HBM is XLA's figure
     assert 0 < report["argument_gib"] < report["total_gib"] < 1 and report["usable_gib"] == 15.75
     assert report["hbm_gib"] == 16 and report["libtpu"] == tpu_check.libtpu_version()
+    assert report["pallas_calls"] >= 2  # the compiled program holds the kernels, as Mosaic custom calls
     assert report["flops_per_image"] > 0 and not report["guided"]
 
 

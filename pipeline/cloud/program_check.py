@@ -58,11 +58,9 @@ def check_submission(settings, s: tpu.TpuSlice, skip: bool = False) -> tuple[obj
         raise ValueError(str(e)) from None
     logs.event("tpu_program", **report)
     if not report["fits"]:
-        try:
-            fitting, _ = tpu_check.largest_batch(settings, chip)
-        except tpu_check.DoesNotFit:
-            fitting = None
-        raise ValueError(f"the TPU check refuses this submission: {tpu_check.refusal(report, fitting)}")
+        fitting = tpu_check.estimated_fit(settings, chip, report) if report["per_device_batch"] > 1 else None
+        raise ValueError(f"the TPU check refuses this submission: "
+                         f"{tpu_check.refusal(report, fitting, estimated=fitting is not None)}")
     return settings, report
 
 

@@ -99,6 +99,9 @@ def _generation(run: Run) -> list[str]:
             True: "yes (some record's guidance > 1)",
             False: "no: guidance-free (every record's guidance <= 1)"}.get(settings.guided)),
         ("T5 sequence length", settings.max_sequence_length),
+        ("FSDP (weights sharded over N devices)", settings.fsdp if settings.fsdp != 1 else None),
+        ("sharded components", ", ".join(name for name, where in (run.sharding or {}).items()
+                                         if where.get("placement", "").startswith("sharded")) or None),
         ("model licence", run.license),
         ("size (width x height)", f"{settings.width} x {settings.height}"),
         ("dtype", settings.dtype),

@@ -198,6 +198,7 @@ class Program:
     optimal_seconds: float | None = None  # XLA's own time estimate, where it gives one
     kernels: tuple = ()  # attention.summary of the program's attention calls
     all_gather_bytes: int = 0  # what its all-gathers write (FSDP's gathered weights), each counted once
+    pallas_calls: int = 0  # the compiled program's Pallas (Mosaic) kernels, as custom calls in its HLO
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"kernels": list(self.kernels)}
@@ -258,9 +259,10 @@ def compile_program(settings, target: Target, per_device_batch: int, model=None)
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     estimate = cost.get("optimal_seconds")
+    text = compiled.as_text()
     return Program(per_device_batch, memory["argument"], memory["temp"], memory["total"], True, seconds,
                    cost.get("flops"), estimate if estimate is not None and estimate >= 0 else None, kernels,
-                   all_gather_bytes(compiled.as_text()))
+                   all_gather_bytes(text), text.count('custom_call_target="tpu_custom_call"'))
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
@@ -392,6 +394,7 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
               "xla_flops_per_image": program["xla_flops"] / b if program["xla_flops"] else None,
               "optimal_seconds": program["optimal_seconds"], "kernels": program["kernels"],
               "all_gather_gib": round(program.get("all_gather_bytes", 0) / GIB, 3),
+              "pallas_calls": program.get("pallas_calls", 0),
               "jax": jax.__version__, "libtpu": libtpu_version()}
     return report
 
@@ -456,6 +459,32 @@ def _search(settings, target: Target, most: int) -> dict:
             "message": None}
 
 
+def estimated_fit(settings, target: Target, report: dict, most: int = fit.MOST_PER_DEVICE) -> int | None:
+    """For a refusal: about how many images per chip fit, from the refused program's own
+    total (``report``) and how the parts of a step grow with the batch (no other whole
+    program compiled: ``largest_batch`` confirms an answer, this one only estimates it).
+    None when not even one is predicted to fit."""
+    from pipeline.generate import runtime
+
+    model = runtime.abstract_model(settings)
+    limit, _ = capacity(target)
+    asked = report["per_device_batch"]
+    total = int(report["total_gib"] * GIB)
+    base = parts_memory(settings, target, asked, model)
+    cache: dict[int, int] = {}
+
+    def needs(b: int) -> int:
+        if b not in cache:
+            cache[b] = total + parts_memory(settings, target, b, model) - base
+        return cache[b]
+
+    try:
+        found, _ = fit.largest_batch(needs, limit, min(most, max(1, asked - 1)))
+    except fit.FitError:
+        return None
+    return found
+
+
 def describe_run(report: dict) -> str:
     fsdp = f", --fsdp {report['fsdp']}" if report.get("fsdp", 1) != 1 else ""
     return (f"{report['model']} {report['width']}x{report['height']} {report['dtype']} "
@@ -463,8 +492,9 @@ def describe_run(report: dict) -> str:
             f"{report['attention']}{fsdp})")
 
 
-def refusal(report: dict, fitting: int | None) -> str:
-    """What ``submit`` says of a program that does not fit: its figures, and what would."""
+def refusal(report: dict, fitting: int | None, estimated: bool = False) -> str:
+    """What ``submit`` says of a program that does not fit: its figures, and what would
+    (``estimated``: from the parts' growth, not compiled whole)."""
     needs = f"needs {report['total_gib']:.2f} GiB" if report["compiled"] else \
         f"needs {report['total_gib']:.2f} GiB ({report['temp_gib']:.2f} of temporaries, by XLA's refusal to " \
         f"compile it)"
@@ -472,5 +502,8 @@ def refusal(report: dict, fitting: int | None) -> str:
             f"{report['tpu_type']} chip's {report['hbm_gib']:g} GiB ({report['usable_gib']:.2f} GiB usable, "
             f"{report['limit_gib']:.2f} GiB with {round((1 - fit.HEADROOM) * 100)}% headroom)")
     if fitting is None:
-        return text + "; not even one image per chip fits: use a larger TPU type, a smaller size, or bf16"
+        return text + "; not even one image per chip fits: use a larger TPU type, a smaller size, bf16 or --fsdp"
+    if estimated:
+        return text + f"; about {fitting} per chip fit (estimated from the step's parts: --per-device-batch auto " \
+                      f"finds and confirms the largest)"
     return text + f"; {fitting} per chip fit{'s' if fitting == 1 else ''}"
