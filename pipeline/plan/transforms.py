@@ -114,7 +114,8 @@ def decide_guidance(layout: Layout, out: str) -> Layout:
     guided = layout.guided or settings.guidance_rule == "always"
     if settings.guided is None:
         settings = settings.replace(guided=guided).validate()
-        runs.write(out, Run.create(settings, run.model_fingerprint, run.created_at, dict(run.versions), run.loras))
+        runs.write(out, Run.create(settings, run.model_fingerprint, run.created_at, dict(run.versions), run.loras,
+                                   dict(run.scorers)))
         logs.event("guidance_decided", out=out, guided=guided)
     elif settings.guided != guided:
         planned = "guided" if settings.guided else "guidance-free"
