@@ -109,7 +109,9 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                         help="timestep spacing of the sweep and the recipes (default: the checkpoint's own)")
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                         help="which parts to run, comma-separated: sweep (ours and the seed recipe), recipes "
-                             "(guidance-free, few-step and default side by side), attention (each of --attentions "
+                             "(guidance-free, few-step and default side by side), scoring (images/s with and without "
+                             "--score clip,aesthetic,safety side by side, at --steps with CFG and 1-step "
+                             "guidance-free), attention (each of --attentions "
                              "side by side: speed, memory, kernels), memory (the sampler's memory at each of "
                              "--memory-sizes with each of --attentions, from shapes), startup "
                              "(default: %(default)s)")
@@ -118,6 +120,9 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                              "the reference; diffusers: diffusers' own attention (default: %(default)s)")
     parser.add_argument("--memory-sizes", type=_batch_sizes, default=BenchConfig.memory_sizes,
                         help="square image sizes of the memory part, comma-separated (default: 512,1024)")
+    parser.add_argument("--scorers", choices=("random", "tiny"), default="random",
+                        help="the scoring part's scorers: random (CLIP ViT-L/14, SD's safety checker and LAION's head "
+                             "at their real sizes, random weights) or tiny (default: %(default)s)")
     parser.add_argument("--report", help="write the JSON report here (local path or gs://)")
 
 
@@ -161,7 +166,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                    timestep_spacing=args.timestep_spacing,
                                    parts=tuple(p for p in args.parts.split(",") if p),
                                    attentions=tuple(a for a in args.attentions.split(",") if a),
-                                   memory_sizes=args.memory_sizes)
+                                   memory_sizes=args.memory_sizes, scorers=args.scorers)
         report = bench.run_bench(config)
         print(bench.format_table(report))
     return 0

@@ -31,7 +31,7 @@ import numpy as np
 from pipeline.bench import parts
 
 
-def _flops(lowered) -> float:
+def lowered_flops(lowered) -> float:
     """XLA's flop count of a lowered program.
 
     The count of the lowered (unoptimised) module is within 0.01% of the compiled one
@@ -50,9 +50,9 @@ def part_flops(model, width: int, height: int, per_device_batch: int, guided: bo
     """Flops of each part of one sampler step, on one device, for B = ``per_device_batch``
     (the text encoders and the UNet at 2B when ``guided``, else at B)."""
     rows = per_device_batch * (2 if guided else 1)  # through the text encoders and the UNet
-    return {"text_encoder": sum(_flops(lowered) for lowered in parts.text_encoders(model, rows)),
-            "unet_call": _flops(parts.unet_call(model, width, height, rows)),
-            "vae_decode": _flops(parts.vae_decode(model, width, height, per_device_batch))}
+    return {"text_encoder": sum(lowered_flops(lowered) for lowered in parts.text_encoders(model, rows)),
+            "unet_call": lowered_flops(parts.unet_call(model, width, height, rows)),
+            "vae_decode": lowered_flops(parts.vae_decode(model, width, height, per_device_batch))}
 
 
 def whole_program_flops(compiled) -> float:
