@@ -279,3 +279,28 @@ def test_planning_checks_the_scorers_against_the_image_size(model_cache, tmp_pat
                                           "but the model takes 30x30"):
         models.describe(settings, "m")
     assert models.describe(settings.replace(clip_model=CLIP_DIR), "m")["fingerprints"]["clip"]
+
+
+def test_the_gallery_orders_by_a_score_and_shows_a_dropped_row_without_a_picture():
+    import io
+
+    from pipeline.collect import gallery
+    from pipeline.output import formats
+
+    rows = [{"key": f"k{i}", "slice": 0, "position": i, "prompt": "p", "seed": 1, "path": f"images/00000/k{i}.png",
+             "clip_similarity": value, "nsfw": i == 1, "nsfw_score": 0.01 if i == 1 else -0.2,
+             "dropped": "min_clip_similarity: clip_similarity 0.05 < 0.1" if i == 2 else None}
+            for i, value in enumerate([0.1, 0.3, 0.05, 0.2, None])]
+    assert [r["key"] for r in gallery.ranked(iter(rows), "clip_similarity", None)] == ["k1", "k3", "k0", "k2", "k4"]
+    assert [r["key"] for r in gallery.ranked(iter(rows), "clip_similarity", 2)] == ["k1", "k3"]
+    page = gallery.render_page(rows, 1, 1, 5, "t")
+    assert page.count('class="dropped"') == 1 and page.count("<img ") == 4 and "k2.jpg" not in page
+    assert "dropped: min_clip_similarity: clip_similarity 0.05 &lt; 0.1" in page
+    assert page.count("flagged by the safety checker") == 1 and "clip 0.300" in page
+    gallery.check_order("aesthetic", ("clip", "aesthetic"))
+    with pytest.raises(ValueError, match="--gallery-order nsfw_score: the run did not compute it"):
+        gallery.check_order("nsfw_score", ("clip",))
+    # a flagged image's thumbnail is blurred: the same size, far less detail
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    sharp, blurred = (np.asarray(Image.open(io.BytesIO(formats.thumbnail(noise, blur=b))), float) for b in (0, 1))
+    assert sharp.shape == blurred.shape and blurred.std() < sharp.std() / 4

@@ -277,7 +277,8 @@ def run_scoring(model, config: BenchConfig, devices, width: int, height: int) ->
                               params={**networks, **state})
         calls[name], calls[f"{name}_scored"] = ours_call(generator, guidance), scored_call(generator, scorer, guidance)
         sizes[name] = sizes[f"{name}_scored"] = generator.batch_size
-        work[name] = flops.sampler_flops(model, width, height, steps, per_device_batch, guided=guidance > 1)["per_image"]
+        counted = flops.sampler_flops(model, width, height, steps, per_device_batch, guided=guidance > 1)
+        work[name] = counted["per_image"]
     timings = in_turns(calls, sizes, config.batches)
     rows = {}
     for name, (steps, guidance) in recipes_run.items():

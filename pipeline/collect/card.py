@@ -143,7 +143,8 @@ def _counts(stats: dict) -> list[str]:
                       f"planned images = images + dropped: "
                       f"{'yes' if kept.get('holds') else 'no'}.", "",
                   "| rule | images |", "| --- | ---: |"]
-        lines += [f"| {_cell(code(rule))} | {_count(n)} |" for rule, n in sorted((dropped.get("by_rule") or {}).items())]
+        by_rule = sorted((dropped.get("by_rule") or {}).items())
+        lines += [f"| {_cell(code(rule))} | {_count(n)} |" for rule, n in by_rule]
     reasons = stats.get("rejects_by_reason") or {}
     if reasons:
         lines += ["", "Rejected rows by reason:", "", "| reason | rows |", "| --- | ---: |"]
