@@ -83,7 +83,7 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
 
     quiet_libraries()  # before the Flax classes: they warn at every instance
     import jax.numpy as jnp
-    from transformers import CLIPConfig, CLIPTokenizer, FlaxCLIPModel
+    from transformers import CLIPConfig, FlaxCLIPModel
 
     flag = "--clip-model"
     if not os.path.isfile(os.path.join(directory, "config.json")):
@@ -91,17 +91,29 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
     config = CLIPConfig.from_pretrained(directory)
     if config.model_type != "clip":
         raise ScorerError(f"{flag} {path}: its config is a {config.model_type!r} model, not CLIP")
-    try:
-        tokenizer = CLIPTokenizer.from_pretrained(directory)
-    except (OSError, TypeError, ValueError) as e:
-        raise ScorerError(f"{flag} {path}: no CLIP tokenizer in {directory} (vocab.json and merges.txt): "
-                          f"{type(e).__name__}: {e}") from None
+    tokenizer = _tokenizer(directory, path)
     pre, _ = preprocess.read(directory, config.vision_config.image_size)
     model = FlaxCLIPModel(config, dtype=jnp.float32, _do_init=False)
     shapes = model.params_shape_tree
     params = shapes if abstract else load_params(directory, shapes, flag, model.base_model_prefix)
     return Clip(path=path, directory=directory, config=config, module=model.module, tokenizer=tokenizer,
                 preprocessing=pre, params=params)
+
+
+def _tokenizer(directory: str, path: str):
+    """The folder's CLIP tokenizer: the Python one from vocab.json and merges.txt (as the
+    sampler's; it may be shared by threads), else the fast one from tokenizer.json alone.
+    They tokenise alike (CLIPProcessor loads the fast one)."""
+    from transformers import CLIPTokenizer, CLIPTokenizerFast
+
+    errors = []
+    for cls in (CLIPTokenizer, CLIPTokenizerFast):
+        try:
+            return cls.from_pretrained(directory)
+        except (OSError, TypeError, ValueError, AttributeError) as e:
+            errors.append(f"{cls.__name__}: {type(e).__name__}: {e}")
+    raise ScorerError(f"--clip-model {path}: no CLIP tokenizer in {directory} (vocab.json and merges.txt, or "
+                      f"tokenizer.json): {'; '.join(errors)}")
 
 
 def tokenize(clip: Clip, texts) -> "np.ndarray":
