@@ -173,6 +173,9 @@ class SliceWriter:
         scores by column, which the run's filters read (``filters.dropped_reason``)."""
         if self.zarr_latents is not None and latents is None:
             raise ValueError(f"slice {self.index}: --save-latents, but no latents for {item.key}")
+        if self.run.settings.scores and scores is None:  # a filter would read them: never guess
+            raise ValueError(f"slice {self.index}: the run scores its images (--score "
+                             f"{','.join(self.run.settings.scores)}), but {item.key} came without scores")
         latents = None if self.zarr_latents is None else np.array(latents, np.float32, copy=True)
         self._slots.acquire()
         try:
