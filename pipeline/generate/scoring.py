@@ -192,6 +192,7 @@ def ready_scorer(run, devices) -> tuple[Scorer | None, dict]:
         return None, {}
     devices = list(devices)
     started = time.perf_counter()
+    models.import_libraries()  # once, here: both threads need them (see libraries.import_libraries)
 
     def program() -> ScorerProgram:
         key = compile_cache.index_key(description(settings), devices)
