@@ -136,7 +136,9 @@ def _counts(stats: dict) -> list[str]:
         if key in stats or key in ("images", "records", "input_rows", "rejects"):
             lines.append(f"| {name} | {_count(stats.get(key, 0))} |")
     dropped = stats.get("dropped")
-    if dropped:
+    if dropped and not dropped.get("images"):
+        lines += ["", "The score filters dropped no image."]
+    elif dropped:
         kept = stats.get("image_conservation", {})
         lines += ["", f"Dropped by the score filters: {_count(dropped.get('images'))} image(s), each with its "
                       f"metadata row (its `dropped` column says which rule and value) and in no image output; "
