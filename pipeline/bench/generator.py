@@ -245,12 +245,16 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
     return result
 
 
+SCORING_RECIPES = {"cfg": None, "one_step": (1, 0.0)}  # None: --steps, with guidance
+
+
 def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
-                reference: tuple[int, int] = (512, 20)) -> dict:
+                reference: tuple[int, int] | None = (512, 20), recipes_run=tuple(SCORING_RECIPES)) -> dict:
     """Images/s with and without every score (``SCORERS[config.scorers]``), side by side, timed in turns:
     at ``--steps`` with guidance (``cfg``) and the 1-step guidance-free recipe
-    (``one_step``); and the FLOPs per image of the scoring program and of the samplers, also
-    at ``reference`` (size, steps: the issue's 512x512 with 20 steps), from shapes alone."""
+    (``one_step``) (``recipes_run``: some of them); and the FLOPs per image of the scoring
+    program and of the samplers, also at ``reference`` (size, steps: the issue's 512x512 with
+    20 steps; None: not), from shapes alone."""
     import jax
 
     from pipeline.bench import flops
@@ -272,7 +276,7 @@ def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
     scorer_flops = flops.whole_program_flops(scorer.program.compiled) / per_device_batch
     networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
     state = replicate({"scheduler": model.params["scheduler"]}, devices) if "scheduler" in model.params else {}
-    recipes_run = {"cfg": (config.steps, GUIDANCE), "one_step": (1, 0.0)}
+    recipes_run = {name: SCORING_RECIPES[name] or (config.steps, GUIDANCE) for name in recipes_run}
     calls, sizes, work = {}, {}, {}
     for name, (steps, guidance) in recipes_run.items():
         generator = Generator(model, width, height, steps, per_device_batch, devices=devices, guided=guidance > 1,
@@ -289,19 +293,19 @@ def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
                       "overhead": 1 - scored["images_per_s"] / plain["images_per_s"],
                       "sampler_flops_per_image": work[name],
                       "scorer_flops_over_sampler": scorer_flops / work[name]}
-    # the issue's case, from shapes alone: SD at 512x512 with 20 steps, guided and 1-step guidance-free
-    size, steps_at = reference
-    abstract = _abstract(config)
-    at_512 = {name: flops.sampler_flops(abstract, size, size, steps, 1, guided=guidance > 1)["per_image"]
-              for name, (steps, guidance) in {"cfg_20_steps": (steps_at, GUIDANCE), "one_step": (1, 0.0)}.items()}
-    scorer_512 = flops.lowered_flops(scoring.lower_scorer(models.load(settings.replace(width=size, height=size),
-                                                                abstract=True), size, size, 1, devices[:1]))
     result = {"per_device_batch": per_device_batch, "scorers": dict(chosen, scores=list(chosen["scores"])),
               "scorer_load_s": round(load_s, 3), "scorer_compile_s": round(compile_s, 3),
-              "scorer_flops_per_image": scorer_flops, "recipes": rows,
-              "flops_at_512": {"size": size, "steps": steps_at, "scorer_per_image": scorer_512,
-                               **{f"{name}_sampler_per_image": value for name, value in at_512.items()},
-                               **{f"{name}_scorer_over_sampler": scorer_512 / value for name, value in at_512.items()}}}
+              "scorer_flops_per_image": scorer_flops, "recipes": rows, "flops_at_512": None}
+    if reference is not None:  # the issue's case, from shapes alone: SD at 512x512 with 20 steps, and 1-step
+        size, steps_at = reference
+        abstract = _abstract(config)
+        at_512 = {name: flops.sampler_flops(abstract, size, size, steps, 1, guided=guidance > 1)["per_image"]
+                  for name, (steps, guidance) in {"cfg_20_steps": (steps_at, GUIDANCE), "one_step": (1, 0.0)}.items()}
+        scorer_512 = flops.lowered_flops(scoring.lower_scorer(
+            models.load(settings.replace(width=size, height=size), abstract=True), size, size, 1, devices[:1]))
+        result["flops_at_512"] = {"size": size, "steps": steps_at, "scorer_per_image": scorer_512,
+                                  **{f"{name}_sampler_per_image": v for name, v in at_512.items()},
+                                  **{f"{name}_scorer_over_sampler": scorer_512 / v for name, v in at_512.items()}}
     logs.event("bench_scoring", **{f"{name}_overhead": round(row["overhead"], 4) for name, row in rows.items()},
                **{f"{name}_flops_ratio": round(row["scorer_flops_over_sampler"], 4) for name, row in rows.items()})
     del scorer, networks
@@ -484,9 +488,10 @@ def format_table(report: dict) -> str:
                          f"{row['scored']['images_per_s']:>12.4f} {row['overhead']:>8.1%} "
                          f"{row['scorer_flops_over_sampler']:>20.2%}")
         f = sc["flops_at_512"]
-        lines.append(f"at {f['size']}x{f['size']}: scorer {f['scorer_per_image'] / 1e9:.1f} GFLOP/image, "
-                     f"{f['cfg_20_steps_scorer_over_sampler']:.2%} of a {f['steps']}-step CFG image, "
-                     f"{f['one_step_scorer_over_sampler']:.2%} of a 1-step guidance-free one")
+        if f:
+            lines.append(f"at {f['size']}x{f['size']}: scorer {f['scorer_per_image'] / 1e9:.1f} GFLOP/image, "
+                         f"{f['cfg_20_steps_scorer_over_sampler']:.2%} of a {f['steps']}-step CFG image, "
+                         f"{f['one_step_scorer_over_sampler']:.2%} of a 1-step guidance-free one")
     s = report["startup"]
     if s:
         cold, warm = s["cold"], s["warm"]
