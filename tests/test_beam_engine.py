@@ -465,6 +465,9 @@ def test_compile_cache_is_on_before_the_worker_compiles(beam_run, tmp_path):
     # the sampler: compiled and kept by the first, found (not even traced) by the second
     assert not cold["sampler_from_cache"] and cold["sampler_lowered"]
     assert warm["sampler_from_cache"] and not warm["sampler_lowered"] and warm["load_s"] >= 0
+    # the scoring program too (the run scores its images)
+    assert not cold["scorer_from_cache"] and cold["scorer_lowered"]
+    assert warm["scorer_from_cache"] and not warm["scorer_lowered"]
 
 
 def test_cli_passes_compile_cache_to_the_beam_engine(monkeypatch, tmp_path):

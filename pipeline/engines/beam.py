@@ -184,7 +184,8 @@ class _Worker:
                         "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE)
                         + cache_lib.EXECUTABLE_COUNTS["writes"],
                         "sampler_from_cache": self.generator.from_cache,
-                        "sampler_lowered": self.generator.sampler_lowered} if compile_cache else {})
+                        "sampler_lowered": self.generator.sampler_lowered,
+                        **scoring.cache_stats(self.scorer)} if compile_cache else {})
         cache_stats.update({f"{k}_s": round(v, 3) for k, v in parts.items()})
         self.pool = ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS, thread_name_prefix="writer")
         logs.event("worker_ready", host=self.host, machine=machine, pid=os.getpid(), devices=len(devices),

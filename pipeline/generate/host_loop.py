@@ -209,7 +209,8 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
         executables = cache_lib.EXECUTABLE_COUNTS
         cache_stats = {"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT) + executables["hits"],
                        "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE) + executables["writes"],
-                       "sampler_from_cache": generator.from_cache, "sampler_lowered": generator.sampler_lowered}
+                       "sampler_from_cache": generator.from_cache, "sampler_lowered": generator.sampler_lowered,
+                       **scoring.cache_stats(scorer)}
     # compiles: the host's backend compilations so far, sampler_compiles those of the
     # sampler (0 when it came from the cache); ready_s: seconds since host_started;
     # load_s, compile_s (overlapping the load), wait_s, transfer_s: ``runtime.ready_generator``

@@ -216,6 +216,15 @@ def ready_scorer(run, devices) -> tuple[Scorer | None, dict]:
                     "scorer_ready": time.perf_counter() - started}
 
 
+def cache_stats(scorer: Scorer | None) -> dict:
+    """For a host's ready event: whether the scoring program came from the executable cache
+    (``scorer_from_cache``) and was traced (``scorer_lowered``: False when found through the
+    index); {} without a scorer."""
+    if scorer is None:
+        return {}
+    return {"scorer_from_cache": scorer.program.from_cache, "scorer_lowered": scorer.program.lowered}
+
+
 def warm_up(generator, scorer: Scorer | None) -> int:
     """Run one padding batch through the sampler and, with ``scorer``, the scoring program
     on its images (each program's first execution); returns the process's compile count
