@@ -39,6 +39,7 @@ SLOW_MODULES = [
     "test_dataset.py",
     "test_generator.py",
     "test_lora.py",
+    "test_scorers.py",
     "test_fit.py",
     "test_weights.py",
     "test_plan_bench.py",
