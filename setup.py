@@ -41,7 +41,9 @@ setup(
                  # metadata.parquet must load in Hugging Face datasets; <5.1 keeps huggingface-hub<1 for transformers 4
                  "datasets>=3,<5.1",
                  # the rendered GKE manifests are checked against Kubernetes' own object schemas
-                 "kubernetes-validate>=1.30,<2"],
+                 "kubernetes-validate>=1.30,<2",
+                 # OUT/zarr must open in xarray (a zarr v3 group with dimension names)
+                 "xarray>=2025.1", "zarr>=3"],
     },
     entry_points={"console_scripts": ["promptmill=jobs.cli:main"]},
 )

@@ -168,7 +168,9 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                         help="which parts to run, comma-separated: flops (FLOPs per image by part of --flops-recipes, "
                              "from shapes alone: no weights), sweep (ours and the seed recipe), recipes "
-                             "(guidance-free, few-step and default side by side), attention (each of --attentions "
+                             "(guidance-free, few-step and default side by side), scoring (images/s with and without "
+                             "--score clip,aesthetic,safety side by side, at --steps with CFG and 1-step "
+                             "guidance-free), attention (each of --attentions "
                              "side by side: speed, memory, kernels), memory (the sampler's memory at each of "
                              "--memory-sizes with each of --attentions, from shapes), startup, fsdp (images/s at "
                              "each --fsdp degree side by side) (default: %(default)s)")
@@ -184,6 +186,9 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                              "1024x1024): default random-flux:4:0,random-flux-dev:28:3.5,random-sdxl:4:0,"
                              "random-sdxl:20:7.5 (FLUX.1 [schnell] and [dev], SDXL-Lightning's 4 steps, SDXL's "
                              "default)")
+    parser.add_argument("--scorers", choices=("random", "tiny"), default="random",
+                        help="the scoring part's scorers: random (CLIP ViT-L/14, SD's safety checker and LAION's head "
+                             "at their real sizes, random weights) or tiny (default: %(default)s)")
     parser.add_argument("--report", help="write the JSON report here (local path or gs://)")
 
 
@@ -251,7 +256,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                    timestep_spacing=args.timestep_spacing,
                                    parts=tuple(p for p in args.parts.split(",") if p),
                                    attentions=tuple(a for a in args.attentions.split(",") if a),
-                                   memory_sizes=args.memory_sizes, fsdps=args.fsdp,
+                                   memory_sizes=args.memory_sizes, fsdps=args.fsdp, scorers=args.scorers,
                                    **({"flops_recipes": args.flops_recipes} if args.flops_recipes else {}))
         report = bench.run_bench(config)
         print(bench.format_table(report))

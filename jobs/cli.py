@@ -14,6 +14,7 @@ from jobs import flags
 from jobs.bench_command import add_bench_parser, run_bench
 from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag, add_settings_flags
 from jobs.submit_command import SUMMARY, add_submit_parser, run_submit
+from pipeline.collect.gallery import ORDERS as GALLERY_ORDERS
 
 _settings = flags.settings_from_args  # the one translation of the settings flags; the old name, still used by tests
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     collect.add_argument("--gallery-max", type=int, default=None, metavar="N",
                          help="show at most N images in the gallery, an even sample in plan order, for huge runs "
                               "(default: every image)")
+    collect.add_argument("--gallery-order", choices=GALLERY_ORDERS, default="position",
+                         help="the gallery's order: plan order (position), or a score's, highest first (with "
+                              "--gallery-max N, the N highest) (default: %(default)s)")
 
     reproduce = sub.add_parser("reproduce", help="regenerate images from their metadata rows and check their sha256")
     dated.append(reproduce)
@@ -190,7 +194,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
         from pipeline.collect import transforms as collect
 
         stats = collect.run_collect(args.out, beam_args, page_size=args.gallery_page_size,
-                                     gallery_max=args.gallery_max)
+                                     gallery_max=args.gallery_max, gallery_order=args.gallery_order)
         print(json.dumps({k: stats[k] for k in SUMMARY}))
     elif args.command == "reproduce":
         from pipeline.generate import reproduce

@@ -21,11 +21,14 @@ from pipeline.core.choices import (
     FORMATS,
     IMAGE_FORMATS,
     SCHEDULERS,
+    SCORES,
     TIMESTEP_SPACINGS,
     parse_formats,
+    parse_scores,
 )
 from pipeline.core.settings import AUTO, Settings, lora_spec, parse_lora
 from pipeline.model.builtin import NAMES as BUILTIN_MODELS, shapes_only
+from pipeline.model.scorers import presets as scorer_presets
 
 _DEFAULTS = Settings()
 
@@ -110,6 +113,33 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches-per-slice", type=int, default=d.batches_per_slice,
                         help="device steps per slice; slice size = devices per host x per-device batch x this "
                              "(default: %(default)s)")
+    parser.add_argument("--score", default="",
+                        help=f"scores computed for every image on the devices that made it, comma-separated: "
+                             f"{', '.join(SCORES)}. clip: clip_similarity, the cosine of the image's and the prompt's "
+                             f"CLIP embeddings (--clip-model); aesthetic: LAION's aesthetic predictor on CLIP's image "
+                             f"embedding (--clip-model, --aesthetic-head); safety: nsfw and nsfw_score, diffusers' "
+                             f"safety checker (--safety-checker, default the model's own safety_checker/). Written "
+                             f"to the metadata; they never change an image")
+    parser.add_argument("--clip-model", metavar="PATH", default=None,
+                        help="CLIP in transformers' format (Flax msgpack or safetensors): a local folder, gs:// "
+                             "prefix, Hugging Face id (openai/clip-vit-large-patch14 is the usual one) or a built-in "
+                             f"random one ({', '.join(scorer_presets.CLIPS)}; their scores mean nothing)")
+    parser.add_argument("--aesthetic-head", metavar="PATH", default=None,
+                        help="LAION's improved aesthetic predictor as a safetensors file with its state dict's names "
+                             "(layers.0.weight, ...; the README says how to make it from the .pth), local or gs://, "
+                             f"or a built-in random one ({', '.join(scorer_presets.HEADS)})")
+    parser.add_argument("--safety-checker", metavar="PATH", default=None,
+                        help="diffusers' safety checker: a safety_checker folder or a checkpoint holding one, local, "
+                             "gs:// or a hub id, or a built-in random one "
+                             f"({', '.join(scorer_presets.CHECKERS)}) (default: the model's own safety_checker/)")
+    parser.add_argument("--min-clip-similarity", type=float, default=None, metavar="X",
+                        help="keep only images whose clip_similarity is >= X (LAION-5B used 0.28 with ViT-B/32); "
+                             "the others go to no image output, and their metadata rows say why (dropped)")
+    parser.add_argument("--min-aesthetic", type=float, default=None, metavar="Y",
+                        help="keep only images whose aesthetic score is >= Y; the others' rows say why (dropped)")
+    parser.add_argument("--drop-nsfw", action="store_true",
+                        help="keep out of every image output the images the safety checker flags; their rows say "
+                             "why (dropped)")
 
 
 def fsdp_degree(text: str) -> int | str:
@@ -142,7 +172,10 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_chec
                     max_sequence_length=args.max_sequence_length,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host, fsdp=args.fsdp,
-                    save_latents=args.save_latents, prompt_field=args.prompt_field, dedupe=args.dedupe)
+                    save_latents=args.save_latents, prompt_field=args.prompt_field, dedupe=args.dedupe,
+                    scores=parse_scores(args.score), clip_model=args.clip_model, aesthetic_head=args.aesthetic_head,
+                    safety_checker=args.safety_checker, min_clip_similarity=args.min_clip_similarity,
+                    min_aesthetic=args.min_aesthetic, drop_nsfw=args.drop_nsfw)
 
 
 def add_date_flag(parser: argparse.ArgumentParser) -> None:

@@ -40,6 +40,7 @@ SLOW_MODULES = [
     "test_dataset.py",
     "test_generator.py",
     "test_lora.py",
+    "test_scorers.py",
     "test_fit.py",
     "test_flux_sampling.py",
     "test_flux_nets.py",

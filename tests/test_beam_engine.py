@@ -8,6 +8,7 @@ only the first one compiles.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -50,10 +52,18 @@ def write_prompts(folder) -> str:
     return str(folder / "*.jsonl")
 
 
+# every score, with the built-in random scorers, in both engines' runs
+SCORES = dict(scores=("clip", "aesthetic", "safety"), clip_model="tiny-clip", aesthetic_head="tiny-aesthetic",
+              safety_checker="tiny-safety-checker")
+SCORE_FLAGS = ["--score", "clip,aesthetic,safety", "--clip-model", "tiny-clip", "--aesthetic-head", "tiny-aesthetic",
+               "--safety-checker", "tiny-safety-checker"]
+SCORE_COLUMNS = ("clip_similarity", "aesthetic", "nsfw", "nsfw_score")
+
+
 def beam_settings(prompts: str, out: str) -> Settings:
     """The settings ``promptmill run`` builds from the pod run's flags below."""
     return Settings(prompts=prompts, out=out, model="tiny", steps=STEPS, per_device_batch=1, batches_per_slice=2,
-                    devices_per_host=2)
+                    devices_per_host=2, **SCORES)
 
 
 @contextlib.contextmanager
@@ -148,7 +158,7 @@ def pod_started(prompts, tmp_path_factory, model_cache):
     out, log = str(folder / "out"), folder / "cli.log"
     command = [sys.executable, "-m", "jobs.cli", "run", "--prompts", prompts, "--out", out, "--model", "tiny",
                "--hosts", "1", "--devices-per-host", "2", "--steps", str(STEPS), "--per-device-batch", "1",
-               "--batches-per-slice", "2", "--no-progress"]
+               "--batches-per-slice", "2", "--no-progress", *SCORE_FLAGS]
     with open(log, "w") as sink:
         process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PROMPTMILL_CACHE=model_cache),
                                    stdout=sink, stderr=subprocess.STDOUT)
@@ -183,7 +193,9 @@ def test_beam_engine_writes_the_pod_engines_images_metadata_and_rejects(beam_run
         assert storage.read_bytes(naming.plan_slice(out, index)) == storage.read_bytes(naming.plan_slice(pod_run, index))
     assert image_hashes(out) == image_hashes(pod_run) and len(image_hashes(out)) == 9
     beam_rows, pod_rows = metadata_rows(out), metadata_rows(pod_run)
+    # every column, the scores included: each image scored on the devices that made it, alike in both engines
     assert {k: comparable(r) for k, r in beam_rows.items()} == {k: comparable(r) for k, r in pod_rows.items()}
+    assert all(r[name] is not None for r in beam_rows.values() for name in SCORE_COLUMNS)
     assert {r["sha256"] for r in beam_rows.values()} == set(image_hashes(out).values())
     # the host column: the pod's host index, the id of the beam worker that generated the slice
     assert {r["host"] for r in pod_rows.values()} == {0}
@@ -327,6 +339,88 @@ def test_a_bundle_of_slices_fails_midway_and_its_retry_commits_the_same_bytes(be
     assert [e["slice"] for e in named(events, "slice_redone")][:1] == [1]
     assert [same_slice_bytes(out, clean, i) for i in range(3)] == [4, 4, 1]
     assert run_bundle(fn, 1) == [{"slice": 1, "skipped": True}]  # a retry after the commit skips it
+    # the metadata's scores are exactly what the worker's scoring program gives the written
+    # images with their prompts (whichever device and batch place each had)
+    import jax
+
+    generator, scorer = fn.worker.generator, fn.worker.scorer
+    rows = sorted(writer.read_parquet_rows(naming.shard_metadata(out, 0)), key=lambda r: -r["position"])
+    mesh = jax.sharding.Mesh(np.array(generator.devices), ("replica",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+    for start in range(0, len(rows), generator.batch_size):
+        chunk = rows[start:start + generator.batch_size]
+        images = np.stack([np.asarray(Image.open(io.BytesIO(storage.read_bytes(naming.join(out, r["path"])))))
+                           for r in chunk])
+        on_devices = jax.device_put(images.reshape(len(generator.devices), -1, 32, 32, 3), sharding)
+        found = scorer.fetch(scorer.dispatch(on_devices, generator, scorer.tokenize([r["prompt"] for r in chunk])))
+        for k, row in enumerate(chunk):
+            assert tuple(row[name] for name in SCORE_COLUMNS) == tuple(found[name][k].item() for name in SCORE_COLUMNS)
+
+
+def test_a_filtered_run_keeps_every_row_and_puts_no_dropped_image_in_any_output(beam_run, prompts, tmp_path):
+    """--min-clip-similarity, --min-aesthetic and --drop-nsfw, with every format: each image
+    a filter fails keeps its metadata row (its reason naming the rules and values) and is
+    in no image output (no file, tar entry, image parquet row or thumbnail; zeros in zarr,
+    beside a True in zarr's dropped array); the stats and the card count them by rule; the
+    gallery shows the row without a picture; xarray opens OUT/zarr. Thresholds come from the
+    clean run's scores (the same images, so the same scores), so each rule drops some."""
+    import xarray
+
+    from pipeline.core import filters
+
+    clean, _, _ = beam_run
+    clean_rows = metadata_rows(clean)
+    clips = sorted(r["clip_similarity"] for r in clean_rows.values())
+    aesthetics = sorted(r["aesthetic"] for r in clean_rows.values())
+    assert 0 < sum(r["nsfw"] for r in clean_rows.values()) < 9  # the built-in checker flags some of these
+    out = str(tmp_path / "out")
+    settings = beam_settings(prompts, out).replace(formats=("files", "webdataset", "parquet", "zarr"),
+                                                   min_clip_similarity=clips[2], min_aesthetic=aesthetics[1],
+                                                   drop_nsfw=True)
+    expected = {key: filters.dropped_reason(settings, {n: row[n] for n in SCORE_COLUMNS})
+                for key, row in clean_rows.items()}
+    dropped = {key for key, reason in expected.items() if reason}
+    kept = set(clean_rows) - dropped
+    by_rule = collections.Counter(rule for reason in expected.values() for rule in filters.rules_of(reason))
+    assert kept and set(by_rule) == set(filters.RULES) and by_rule["min_clip_similarity"] == 2
+
+    stats = beam_engine.run_beam(settings)
+    assert stats["verified"] and stats["images"] == len(kept) and stats["records"] == 8
+    assert stats["dropped"] == {"images": len(dropped), "by_rule": dict(sorted(by_rule.items()))}
+    assert stats["image_conservation"] == {"planned_images": 9, "images": len(kept), "dropped": len(dropped),
+                                           "holds": True}
+    rows = metadata_rows(out)  # every planned image keeps its row: the same bytes and scores as unfiltered
+    assert {k: r["dropped"] for k, r in rows.items()} == expected
+    assert {k: (r["sha256"], *(r[n] for n in SCORE_COLUMNS)) for k, r in rows.items()} == \
+        {k: (r["sha256"], *(r[n] for n in SCORE_COLUMNS)) for k, r in clean_rows.items()}
+    assert {k for k, r in rows.items() if r["path"]} == kept
+    keys_of = lambda paths: {p.rsplit("/", 1)[-1].split(".")[0] for p in paths}  # noqa: E731
+    assert keys_of(storage.glob(naming.join(out, "images", "*", "*.png"))) == kept
+    assert keys_of(storage.glob(naming.join(out, "thumbs", "*", "*.jpg"))) == kept
+    members = set()
+    for index in range(3):
+        with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, index)))) as tar:
+            members |= {name.split(".")[0] for name in tar.getnames()}
+        members_parquet = writer.read_parquet_rows(naming.image_parquet(out, index))
+        assert {r["key"] for r in members_parquet} == {k for k in kept if clean_rows[k]["slice"] == index}
+    assert members == kept
+    dataset = xarray.open_zarr(naming.join(out, "zarr"))
+    assert dataset["images"].dims == ("image", "height", "width", "channel")
+    assert dataset["dropped"].dims == ("image",) and dataset.sizes["image"] == 9
+    flags = dataset["dropped"].values
+    for key, row in rows.items():
+        pixels = dataset["images"][row["position"]].values
+        assert flags[row["position"]] == (key in dropped)
+        if key in dropped:
+            assert not pixels.any()
+        else:
+            with Image.open(io.BytesIO(storage.read_bytes(naming.join(out, row["path"])))) as image:
+                assert np.array_equal(pixels, np.asarray(image))
+    card = storage.read_text(naming.dataset_file(out, "README.md"))
+    assert f"Dropped by the score filters: {len(dropped)} image(s)" in card and "| `drop_nsfw` |" in card
+    assert "## Scores" in card and "| `clip_similarity` | 9 |" in card
+    page = storage.read_text(naming.dataset_file(out, "index.html"))
+    assert page.count('class="dropped"') == len(dropped) and page.count("<img ") == len(kept)
 
 
 def test_a_worker_with_other_devices_than_planned_is_refused_before_loading(beam_run):
@@ -371,6 +465,9 @@ def test_compile_cache_is_on_before_the_worker_compiles(beam_run, tmp_path):
     # the sampler: compiled and kept by the first, found (not even traced) by the second
     assert not cold["sampler_from_cache"] and cold["sampler_lowered"]
     assert warm["sampler_from_cache"] and not warm["sampler_lowered"] and warm["load_s"] >= 0
+    # the scoring program too (the run scores its images)
+    assert not cold["scorer_from_cache"] and cold["scorer_lowered"]
+    assert warm["scorer_from_cache"] and not warm["scorer_lowered"]
 
 
 def test_cli_passes_compile_cache_to_the_beam_engine(monkeypatch, tmp_path):

@@ -124,3 +124,37 @@ def test_sdxl_is_refused_before_any_work(model_cache):
     # the seed recipe is FlaxStableDiffusionPipeline's: there is no SD 1.x baseline for SDXL
     with pytest.raises(ValueError, match="SDXL"):
         bench.run_bench(bench.BenchConfig(model="tiny-sdxl", width=32, height=32))
+
+
+def test_the_scoring_part_times_the_generator_with_and_without_scores(model_cache):
+    """``--parts scoring``: the same generator with and without the scoring program, in
+    turns; the overhead and the FLOPs the scorers add (here with the tiny scorers, the
+    real-size ones being the bench's default, one recipe and the reference size's FLOPs
+    at 64x64: the suite's time)."""
+    from pipeline.model import load as model_lib
+
+    config = bench.BenchConfig(model="tiny", width=32, height=32, steps=1, batches=1, parts=("scoring",),
+                               scorers="tiny").validate()
+    assert "--scorers tiny" in bench.command_line(config)
+    model = model_lib.load("tiny")
+    import jax
+
+    report = bench.run_scoring(model, config, jax.local_devices(), 32, 32, reference=(64, 2),
+                               recipes_run=("one_step",))
+    assert report["scorers"]["clip_model"] == "tiny-clip" and report["scorer_flops_per_image"] > 0
+    assert list(report["recipes"]) == ["one_step"]
+    for name, steps in (("one_step", 1),):
+        row = report["recipes"][name]
+        assert row["steps"] == steps and row["plain"]["images_per_s"] > 0 and row["scored"]["images_per_s"] > 0
+        assert row["overhead"] == 1 - row["scored"]["images_per_s"] / row["plain"]["images_per_s"]
+        assert 0 < row["scorer_flops_over_sampler"] < 1
+    at_512 = report["flops_at_512"]
+    assert at_512["one_step_scorer_over_sampler"] > at_512["cfg_20_steps_scorer_over_sampler"] > 0
+    assert "scoring overhead" in bench.format_table({**EMPTY_REPORT, "scoring": report})
+    with pytest.raises(ValueError, match="--scorers must be one of random, tiny"):
+        bench.BenchConfig(scorers="huge").validate()
+
+
+EMPTY_REPORT = {"config": {"model": "tiny", "width": 32, "height": 32, "steps": 1, "dtype": "fp32"},
+                "machine": {"devices": 2, "device_kind": "cpu", "platform": "cpu"}, "peak": {"flops_per_s": 1.0},
+                "sweep": None, "recipes": None, "startup": None}

@@ -19,6 +19,10 @@ from pipeline.output import writer
 from tests.conftest import run_cli
 
 STEPS = "3"
+# every score, with the built-in random scorers (their scores mean nothing, but are computed as real ones are)
+SCORE_ARGS = ("--score", "clip,aesthetic,safety", "--clip-model", "tiny-clip", "--aesthetic-head", "tiny-aesthetic",
+              "--safety-checker", "tiny-safety-checker")
+SCORE_COLUMNS = ("clip_similarity", "aesthetic", "nsfw", "nsfw_score")
 
 
 def write_prompts(folder, count, bad_rows=True):
@@ -111,17 +115,31 @@ def test_collect_verified_and_nothing_recompiled(two_by_two):
 
 @pytest.fixture(scope="module")
 def one_by_four(prompts, tmp_path_factory, model_cache):
+    """The 2x2 run's settings on 1 host x 4 devices, with every score (two_by_two has none)."""
     out = str(tmp_path_factory.mktemp("run-1x4") / "out")
-    result = run_cli(run_args(prompts, out, 1, 4), model_cache)
+    result = run_cli(run_args(prompts, out, 1, 4, *SCORE_ARGS), model_cache)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
 
-def test_topology_independence_1x4_vs_2x2(two_by_two, one_by_four):
+def scores(out):
+    return {row["key"]: tuple(row[name] for name in SCORE_COLUMNS) for row in metadata(out)}
+
+
+def test_topology_independence_1x4_vs_2x2_and_scores_change_no_image(two_by_two, one_by_four):
+    """The same images on 1x4 as on 2x2, byte for byte, though the 1x4 run also scored
+    them on its devices (--score clip,aesthetic,safety) and the 2x2 run did not."""
     out = one_by_four
     assert storage.read_json(naming.manifest(out))["slice_size"] == 8  # other slices, other positions
     one, two = image_hashes(out), image_hashes(two_by_two)
     assert len(one) == 17 and one == two
+    assert all(None not in values for values in scores(out).values())
+    assert all(set(values) == {None} for values in scores(two_by_two).values())
+    stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    assert stats["compiles_after_warmup"] == 0 and stats["scores"]["clip_similarity"]["count"] == 17
+    assert "dropped" not in stats  # no filter: nothing can be dropped
+    ready = _host_events(out, "host_ready")
+    assert ready and all(e["scorer_compile_s"] > 0 for e in ready)
 
 
 def test_collect_names_missing_and_duplicated_keys(two_by_two, tmp_path):
@@ -315,20 +333,23 @@ def test_a_guidance_free_few_step_run_is_the_same_on_1x4_and_2x2(tmp_path, model
     rows[4]["guidance_scale"] = 1.0  # <= 1: still unguided
     (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     prompts = str(folder / "*.jsonl")
-    hashes = []
+    hashes, scored = [], []
     for hosts, devices in ((2, 2), (1, 4)):
         out = str(tmp_path / f"free-{hosts}x{devices}")
         args = run_args(prompts, out, hosts, devices, "--guidance-scale", "0", "--scheduler", "euler_a",
-                        "--timestep-spacing", "trailing")
+                        "--timestep-spacing", "trailing", *SCORE_ARGS)
         args[args.index("--steps") + 1] = "2"
         result = run_cli(args, model_cache)
         assert result.returncode == 0, result.stderr[-4000:]
         run = storage.read_json(naming.run_json(out))["settings"]
         assert (run["guided"], run["scheduler"], run["timestep_spacing"]) == (False, "euler_a", "trailing")
         hashes.append(image_hashes(out))
+        scored.append(scores(out))
         stats = storage.read_json(naming.dataset_file(out, "stats.json"))
         assert stats["verified"] and stats["negative_prompts_unused"]["records"] == 1  # record 1, at guidance 0
     assert len(hashes[0]) == 8 and hashes[0] == hashes[1]
+    # every image's scores, computed on the devices that made it, are the same on 1x4 as on 2x2
+    assert len(scored[0]) == 8 and scored[0] == scored[1] and all(None not in v for v in scored[0].values())
 
 
 @pytest.mark.slow
@@ -395,7 +416,9 @@ def test_other_settings_are_refused_then_overwrite_starts_over(two_by_two, one_b
 
     refused = run_cli(run_args(prompts, out, 2, 2), model_cache)
     assert refused.returncode == 1
-    assert "already holds a run with other settings (changed: devices_per_host)" in refused.stderr
+    # the scores too: a run without them does not resume a run with them (nor the other way)
+    assert ("already holds a run with other settings (changed: aesthetic_head, clip_model, devices_per_host, "
+            "safety_checker, scores)") in refused.stderr
     assert "--overwrite" in refused.stderr
     assert storage.checksums(out) == before
 

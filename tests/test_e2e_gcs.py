@@ -192,11 +192,13 @@ def test_collect_reads_no_image_bytes(clean_run, gcs_emulator, model_cache):
     for index in range(slices):
         assert read[f"shards/{naming.slice_name(index)}.parquet"] > 0
         assert f"shards/{naming.slice_name(index)}_stats.json" in read
+    # (the zarr arrays' metadata is read, to consolidate it into OUT/zarr/zarr.json for xarray)
     images = {name: size for name, size in read.items()
-              if name.startswith(("images/", "thumbs/", "parquet/", "zarr/")) or name.endswith(".tar")}
+              if (name.startswith(("images/", "thumbs/", "parquet/", "zarr/")) or name.endswith(".tar"))
+              and not re.fullmatch(r"zarr/\w+/zarr\.json", name)}
     assert images == {}
     allowed = re.compile(r"run\.json|plan/manifest\.json|plan/slices/\d{5}\.jsonl|plan/rejects/.+\.jsonl"
-                         r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json")
+                         r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json|zarr/\w+/zarr\.json")
     assert [name for name in read if not allowed.fullmatch(name)] == []
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     assert stats["verified"] and stats["images"] == IMAGES

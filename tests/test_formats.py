@@ -86,3 +86,33 @@ def test_zarr_images_round_trip_one_chunk_per_image(tmp_path):
     np.testing.assert_array_equal(back[1].read().result(), image(1))
     assert back.chunk_layout.read_chunk.shape == (1, 32, 48, 3)
 
+
+
+def test_out_zarr_is_a_group_that_xarray_opens_and_an_older_array_still_opens(tmp_path):
+    """OUT/zarr: a zarr v3 group whose arrays name their dimensions (images, latents and
+    dropped share "image"), consolidated by collect; an images array an older promptmill
+    made without dimension names is opened as it is."""
+    import warnings
+
+    import tensorstore as ts
+    import xarray
+
+    out = str(tmp_path / "out")
+    images = formats.open_zarr_images(out, 3, 8, 16)
+    images[1].write(np.full((8, 16, 3), 9, np.uint8)).result()
+    formats.open_zarr_latents(out, 3, (4, 1, 2), 0.18215)
+    formats.open_zarr_dropped(out, 3, 2)[0:2].write(np.array([True, False])).result()
+    formats.consolidate_zarr(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # xarray warns when it finds no consolidated metadata
+        dataset = xarray.open_zarr(f"{out}/zarr")
+    assert dataset["images"].dims == formats.IMAGE_DIMS and dataset["latents"].dims == formats.LATENT_DIMS
+    assert dataset.sizes["image"] == 3 and dataset["dropped"].values.tolist() == [True, False, False]
+    assert dataset["images"][1].values.min() == 9 and not dataset["images"][2].values.any()
+    old = str(tmp_path / "old")
+    ts.open({"driver": "zarr3", "kvstore": formats.zarr_kvstore(f"{old}/zarr/images"),
+             "metadata": {"shape": [3, 8, 16, 3], "data_type": "uint8",
+                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, 8, 16, 3]}},
+                          "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}]}},
+            create=True).result()
+    assert formats.open_zarr_images(old, 3, 8, 16).shape == (3, 8, 16, 3)

@@ -67,6 +67,9 @@ def test_runs_planned_before_save_latents_keep_their_fingerprint():
     old.pop("loras")  # likewise
     old.pop("device_memory")  # likewise
     old.pop("max_sequence_length")  # likewise
+    for name in ("scores", "clip_model", "aesthetic_head", "safety_checker", "min_clip_similarity", "min_aesthetic",
+                 "drop_nsfw"):
+        old.pop(name)  # likewise
     loaded = Settings.from_dict(json.loads(json.dumps(old)))
     assert loaded.save_latents is False
     decisive = dict(old, model="m")

@@ -43,7 +43,7 @@ def test_run_json_has_the_documented_keys(tmp_path):
     runs.write(out, run_of(SETTINGS))
     stored = storage.read_json(naming.run_json(out))
     assert set(stored) == {"settings", "model_fingerprint", "scheduler", "settings_fingerprint", "versions",
-                           "created_at", "loras"}
+                           "created_at", "loras", "scorers"}
     assert stored["scheduler"] == "euler" and stored["versions"] == {"jax": "0.10.2", "promptmill": "0.1.0"}
     assert stored["loras"] == [{"path": "gs://b/loras/style.safetensors", "scale": 0.8, "sha256": "a" * 64},
                                {"path": "/loras/lcm", "scale": 1.0, "sha256": "a" * 64}]

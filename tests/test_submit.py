@@ -243,7 +243,10 @@ def test_plan_command_round_trips_through_the_cli():
                         scheduler="dpmpp", guidance_scale=3.25, seed=12, per_device_batch=2, batches_per_slice=3,
                         devices_per_host=8, dtype="bf16", formats=("files", "zarr"), image_format="webp",
                         quality=80, save_latents=True, prompt_field="text", dedupe=True,
-                        unet="gs://b/unet.safetensors", loras=("gs://b/loras/style@0.75", "gs://b/lcm.safetensors@1.0"))
+                        unet="gs://b/unet.safetensors", loras=("gs://b/loras/style@0.75", "gs://b/lcm.safetensors@1.0"),
+                        scores=("clip", "aesthetic", "safety"), clip_model="gs://b/clip",
+                        aesthetic_head="gs://b/a.safetensors", safety_checker="gs://b/sd", min_clip_similarity=0.28,
+                        min_aesthetic=5.5, drop_nsfw=True)
     command = gke.plan_command(settings, ["--runner", "DirectRunner"])
     assert command[:2] == ["promptmill", "plan"] and command[-2:] == ["--runner", "DirectRunner"]
     args, extra = cli.build_parser().parse_known_args(command[1:])

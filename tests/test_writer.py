@@ -109,3 +109,39 @@ def test_reading_parquet_metadata_starts_no_thread(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["True", "0"]
+
+
+def test_a_filtered_image_keeps_its_row_and_is_in_no_image_output(tmp_path):
+    """The slice writer's part of the filters: the dropped image's row (its reason, its
+    sha256, no path), no file, tar entry, image parquet row or thumbnail, zeros in zarr and
+    True in zarr's dropped array; a flagged image that is kept gets a blurred thumbnail;
+    an image without scores in a scored run is refused rather than guessed."""
+    out = str(tmp_path)
+    settings = RUN.settings.replace(scores=("aesthetic", "safety"), clip_model="c", aesthetic_head="h",
+                                    safety_checker="s", min_aesthetic=5.0, batches_per_slice=4)  # slices of 4
+    run = Run.create(settings, "f" * 64, created_at=RUN.created_at, versions={},
+                     scorers={"clip": "a", "aesthetic": "b", "safety": "c"})
+    scores = [{"aesthetic": 6.0, "nsfw": False, "nsfw_score": -0.1},
+              {"aesthetic": 4.5, "nsfw": False, "nsfw_score": -0.2},
+              {"aesthetic": 5.0, "nsfw": True, "nsfw_score": 0.03}]
+    zarr = formats.open_zarr_images(out, 12, 8, 16)
+    with ThreadPoolExecutor(4) as pool:
+        slice_writer = writer.SliceWriter(out, run, 1, 0, pool, zarr)
+        with pytest.raises(ValueError, match="came without scores"):
+            slice_writer.add(items()[0], image(0))
+        for n, item in enumerate(items()):
+            slice_writer.add(item, image(n + 1), scores=scores[n])
+        rows = slice_writer.commit({"slice": 1, "images": 3})
+    assert [(r["dropped"], r["path"] != "") for r in rows] == [
+        (None, True), ("min_aesthetic: aesthetic 4.5 < 5", False), (None, True)]
+    assert rows[1]["sha256"] and rows[2]["nsfw"] is True and rows[1]["aesthetic"] == 4.5
+    assert not os.path.exists(naming.join(out, "images", "00001", "rec_0001.png"))
+    assert not storage.exists(naming.thumb_file(out, 1, "rec_0001"))
+    assert storage.read_bytes(naming.thumb_file(out, 1, "rec_0002")) == formats.thumbnail(image(3), blur=True)
+    with tarfile.open(naming.shard_tar(out, 1)) as tar:
+        assert {name.split(".")[0] for name in tar.getnames()} == {"rec_0000", "rec_0002"}
+    assert pq.read_table(naming.image_parquet(out, 1)).column("key").to_pylist() == ["rec_0000", "rec_0002"]
+    assert not zarr[5].read().result().any() and zarr[6].read().result().all()
+    dropped = formats.open_zarr_dropped(out, 12, 4)[4:8].read().result()
+    assert dropped.tolist() == [False, True, False, False]
+    assert storage.read_json(naming.shard_stats(out, 1)) == {"slice": 1, "images": 3, "thumbnails": 2, "dropped": 1}

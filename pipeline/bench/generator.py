@@ -21,7 +21,14 @@ a sweep, the report gives:
    (before the first batch) broken into import, weights loaded (converted on the cold
    start, memory-mapped on the warm one; the sampler compiled, or found in the
    executable cache, beside them), transfer, and the first batch apart;
-6. recipes, side by side at the first per-device batch, timed batch by batch in turns:
+6. scoring overhead (part ``scoring``): the generator with and without ``--score
+   clip,aesthetic,safety`` (``pipeline.generate.scoring``, with the ViT-L/14-sized random
+   scorers of ``SCORERS``, ``--scorers``) side by side, timed batch by batch in turns, at ``--steps`` with
+   guidance (``cfg``) and for the 1-step guidance-free recipe (``one_step``); the
+   overhead is 1 - scored images/s / plain images/s. Beside it, the FLOPs per image of
+   the scoring program (XLA's cost analysis: it has no loop) against the sampler's, at the
+   run's size and at 512x512 with 20 steps (from shapes, nothing run);
+7. recipes, side by side at the first per-device batch, timed batch by batch in turns:
    classifier-free guidance (``cfg``) and guidance-free (``guidance_free``) at
    ``--steps`` with the chosen sampler, the few-step guidance-free recipe
    (``few_step``: 4 steps, the chosen sampler and spacing) and promptmill's default
@@ -58,11 +65,17 @@ from pipeline.core.settings import Settings, check_size
 from pipeline.generate.fit import GIB
 
 GUIDANCE = 7.5  # SD's default guidance; above 1 its value does not change the work done
-PARTS = ("sweep", "recipes", "attention", "memory", "startup", "flops", "fsdp")
+PARTS = ("sweep", "recipes", "attention", "memory", "startup", "scoring", "flops", "fsdp")
 # the flops part's default recipes (MODEL, steps, guidance): FLUX.1 [schnell] 4 steps and [dev] 28
 # steps, beside SDXL-Lightning's 4 guidance-free steps and SDXL's default 20 guided ones
 FLOPS_RECIPES = (("random-flux", 4, 0.0), ("random-flux-dev", 28, 3.5), ("random-sdxl", 4, 0.0),
                  ("random-sdxl", 20, 7.5))
+# the scoring part's scorers (--scorers): random ones of the real sizes (CLIP ViT-L/14, SD 1.x's
+# safety checker, LAION's head), or the tiny ones; built once into the cache like the random models
+SCORERS = {"random": dict(scores=("clip", "aesthetic", "safety"), clip_model="random-clip-vit-l-14",
+                          aesthetic_head="random-aesthetic", safety_checker="random-safety-checker"),
+           "tiny": dict(scores=("clip", "aesthetic", "safety"), clip_model="tiny-clip", aesthetic_head="tiny-aesthetic",
+                        safety_checker="tiny-safety-checker")}
 DEFAULT_PARTS = ("sweep", "recipes", "startup")
 FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
 
@@ -90,6 +103,7 @@ class BenchConfig:
     # the flops part: (model, steps, guidance) of each recipe, costed from shapes at width x height
     flops_recipes: tuple[tuple[str, int, float], ...] = FLOPS_RECIPES
     fsdps: tuple[int, ...] = (1, 2)  # the fsdp part: FSDP degrees timed side by side
+    scorers: str = "random"  # the scoring part's scorers (SCORERS)
 
     def validate(self) -> "BenchConfig":
         if not self.per_device_batches or min(self.per_device_batches) < 1:
@@ -108,6 +122,8 @@ class BenchConfig:
         if not self.attentions or set(self.attentions) - set(known):
             raise ValueError(f"--attentions takes a comma-separated subset of {', '.join(known)}, "
                              f"got {self.attentions}")
+        if self.scorers not in SCORERS:
+            raise ValueError(f"--scorers must be one of {', '.join(SCORERS)}, got {self.scorers!r}")
         if not self.memory_sizes:
             raise ValueError("--memory-sizes needs at least one size")
         for size in self.memory_sizes:
@@ -236,6 +252,81 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
     return result
 
 
+SCORING_RECIPES = {"cfg": None, "one_step": (1, 0.0)}  # None: --steps, with guidance
+
+
+def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
+                reference: tuple[int, int] | None = (512, 20), recipes_run=tuple(SCORING_RECIPES)) -> dict:
+    """Images/s with and without every score (``SCORERS[config.scorers]``), side by side, timed in turns:
+    at ``--steps`` with guidance (``cfg``) and the 1-step guidance-free recipe
+    (``one_step``) (``recipes_run``: some of them); and the FLOPs per image of the scoring
+    program and of the samplers, also at ``reference`` (size, steps: the issue's 512x512 with
+    20 steps; None: not), from shapes alone."""
+    import jax
+
+    from pipeline.bench import flops
+    from pipeline.bench.timing import in_turns, ours_call, scored_call
+    from pipeline.generate import scoring
+    from pipeline.generate.generator import Generator, replicate
+    from pipeline.model.scorers import models
+
+    per_device_batch = config.per_device_batches[0]
+    chosen = SCORERS[config.scorers]
+    settings = Settings(**chosen, width=width, height=height, per_device_batch=per_device_batch).validate()
+    watch = logs.Stopwatch()
+    scorers = models.load(settings)
+    models.check_images(scorers, width, height)
+    load_s = watch.seconds()
+    watch = logs.Stopwatch()
+    scorer = scoring.Scorer(scorers, width, height, per_device_batch, devices)
+    compile_s = watch.seconds()
+    scorer_flops = flops.whole_program_flops(scorer.program.compiled) / per_device_batch
+    networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
+    state = replicate({"scheduler": model.params["scheduler"]}, devices) if "scheduler" in model.params else {}
+    recipes_run = {name: SCORING_RECIPES[name] or (config.steps, GUIDANCE) for name in recipes_run}
+    calls, sizes, work = {}, {}, {}
+    for name, (steps, guidance) in recipes_run.items():
+        generator = Generator(model, width, height, steps, per_device_batch, devices=devices, guided=guidance > 1,
+                              params={**networks, **state})
+        calls[name], calls[f"{name}_scored"] = ours_call(generator, guidance), scored_call(generator, scorer, guidance)
+        sizes[name] = sizes[f"{name}_scored"] = generator.batch_size
+        counted = flops.sampler_flops(model, width, height, steps, per_device_batch, guided=guidance > 1)
+        work[name] = counted["per_image"]
+    timings = in_turns(calls, sizes, config.batches)
+    rows = {}
+    for name, (steps, guidance) in recipes_run.items():
+        plain, scored = timings[name], timings[f"{name}_scored"]
+        rows[name] = {"steps": steps, "guidance_scale": guidance, "plain": plain, "scored": scored,
+                      "overhead": 1 - scored["images_per_s"] / plain["images_per_s"],
+                      "sampler_flops_per_image": work[name],
+                      "scorer_flops_over_sampler": scorer_flops / work[name]}
+    result = {"per_device_batch": per_device_batch, "scorers": dict(chosen, scores=list(chosen["scores"])),
+              "scorer_load_s": round(load_s, 3), "scorer_compile_s": round(compile_s, 3),
+              "scorer_flops_per_image": scorer_flops, "recipes": rows, "flops_at_512": None}
+    if reference is not None:  # the issue's case, from shapes alone: SD at 512x512 with 20 steps, and 1-step
+        size, steps_at = reference
+        abstract = _abstract(config)
+        at_512 = {name: flops.sampler_flops(abstract, size, size, steps, 1, guided=guidance > 1)["per_image"]
+                  for name, (steps, guidance) in {"cfg_20_steps": (steps_at, GUIDANCE), "one_step": (1, 0.0)}.items()}
+        scorer_512 = flops.lowered_flops(scoring.lower_scorer(
+            models.load(settings.replace(width=size, height=size), abstract=True), size, size, 1, devices[:1]))
+        result["flops_at_512"] = {"size": size, "steps": steps_at, "scorer_per_image": scorer_512,
+                                  **{f"{name}_sampler_per_image": v for name, v in at_512.items()},
+                                  **{f"{name}_scorer_over_sampler": scorer_512 / v for name, v in at_512.items()}}
+    logs.event("bench_scoring", **{f"{name}_overhead": round(row["overhead"], 4) for name, row in rows.items()},
+               **{f"{name}_flops_ratio": round(row["scorer_flops_over_sampler"], 4) for name, row in rows.items()})
+    del scorer, networks
+    gc.collect()
+    jax.clear_caches()
+    return result
+
+
+def _abstract(config: BenchConfig):
+    from pipeline.model import load as model_lib
+
+    return model_lib.load(config.model, config.dtype, config.scheduler, config.timestep_spacing, abstract=True)
+
+
 def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
     """Cold and warm start of a fresh process: cold as on a machine that never ran the
     model (an empty compile cache, and no weights converted: this model's converted
@@ -284,6 +375,7 @@ def command_line(config: BenchConfig) -> str:
              "--fsdp": ",".join(map(str, config.fsdps)) if "fsdp" in config.parts else None,
              "--flops-recipes": ",".join(f"{m}:{s}:{g:g}" for m, s, g in config.flops_recipes)
              if "flops" in config.parts and config.flops_recipes != FLOPS_RECIPES else None,
+             "--scorers": config.scorers if "scoring" in config.parts and config.scorers != "random" else None,
              "--report": config.report}
     return " ".join(["promptmill bench generator"] + [f"{k} {v}" for k, v in flags.items() if v is not None])
 
@@ -364,7 +456,7 @@ def run_bench(config: BenchConfig) -> dict:
     peak = flops.matmul_peak(devices, config.dtype, size)
     logs.event("bench_peak", flops_per_s=round(peak["flops_per_s"]), size=size, dtype=config.dtype)
 
-    rows = compared = start = seed_load = attention = program_memory = None
+    rows = compared = start = seed_load = attention = program_memory = scored = None
     if "sweep" in config.parts:
         watch = logs.Stopwatch()
         recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)
@@ -379,6 +471,8 @@ def run_bench(config: BenchConfig) -> dict:
     if "memory" in config.parts:
         program_memory = attention_bench.run_memory(config, devices[0].platform, attention)
     sharded = run_fsdp(model, config, devices, width, height) if "fsdp" in config.parts else None
+    if "scoring" in config.parts:
+        scored = run_scoring(model, config, devices, width, height)
     # free the model before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
     # and the generators also hold a replicated copy)
     del model
@@ -391,7 +485,8 @@ def run_bench(config: BenchConfig) -> dict:
               "machine": machine(devices),
               "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
               "peak": peak, "sweep": rows, "recipes": compared, "attention": attention, "memory": program_memory,
-              "startup": start, "flops": run_flops(config) if "flops" in config.parts else None, "fsdp": sharded}
+              "startup": start, "scoring": scored, "flops": run_flops(config) if "flops" in config.parts else None,
+              "fsdp": sharded}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
     return report
@@ -459,6 +554,22 @@ def format_table(report: dict) -> str:
         for name, growth in mem["temp_growth"].items():
             lines.append(f"temp {mem['sizes'][-1]}^2 / {mem['sizes'][0]}^2 with {name}: {growth:.2f}x "
                          f"(pixels {mem['pixel_growth']:.1f}x)")
+    sc = report.get("scoring")
+    if sc:
+        lines.append(f"scoring overhead (--score {','.join(sc['scorers']['scores'])}: {sc['scorers']['clip_model']}, "
+                     f"{sc['scorers']['aesthetic_head']}, {sc['scorers']['safety_checker']}; per-device batch "
+                     f"{sc['per_device_batch']}; timed in turns):")
+        lines.append(f"{'recipe':>10} {'steps':>5} {'plain img/s':>11} {'scored img/s':>12} {'overhead':>8} "
+                     f"{'scorer/sampler FLOPs':>20}")
+        for name, row in sc["recipes"].items():
+            lines.append(f"{name:>10} {row['steps']:>5} {row['plain']['images_per_s']:>11.4f} "
+                         f"{row['scored']['images_per_s']:>12.4f} {row['overhead']:>8.1%} "
+                         f"{row['scorer_flops_over_sampler']:>20.2%}")
+        f = sc["flops_at_512"]
+        if f:
+            lines.append(f"at {f['size']}x{f['size']}: scorer {f['scorer_per_image'] / 1e9:.1f} GFLOP/image, "
+                         f"{f['cfg_20_steps_scorer_over_sampler']:.2%} of a {f['steps']}-step CFG image, "
+                         f"{f['one_step_scorer_over_sampler']:.2%} of a 1-step guidance-free one")
     s = report["startup"]
     if s:
         cold, warm = s["cold"], s["warm"]

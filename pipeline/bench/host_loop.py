@@ -237,6 +237,7 @@ class _InProcessWorker:
         from pipeline.generate import host_loop
 
         return types.SimpleNamespace(generator=_IN_PROCESS[self.token], model=None, compiles_at_warm=0, host=0,
+                                     scorer=None,
                                      pool=ThreadPoolExecutor(host_loop.WRITER_THREADS, thread_name_prefix="writer"))
 
 

@@ -26,6 +26,23 @@ def ours_call(generator, guidance: float):
     return call
 
 
+def scored_call(generator, scorer, guidance: float):
+    """``ours_call`` with every image scored by ``scorer`` (``pipeline.generate.scoring``) on the
+    devices, as a host runs them: the prompts tokenised for CLIP too, the scoring program
+    dispatched on the sampler's output, and both fetched, so it waits for both."""
+    n = generator.batch_size
+
+    def call(i):
+        prompts = bench_prompts(n, i * n)
+        batch = generator.batch(prompts, [""] * n, [guidance] * n, range(i * n, (i + 1) * n), [0] * n)
+        ids = scorer.tokenize(prompts)
+        generated = generator.dispatch(batch)
+        scored = scorer.dispatch(generated, generator, ids)
+        return generator.fetch(generated), scorer.fetch(scored)
+
+    return call
+
+
 def seed_call(recipe, batch_size: int, steps: int, width: int, height: int):
     """``call(i)``: the seed recipe on batch ``i``, down to PIL images."""
     def call(i):

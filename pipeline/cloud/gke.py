@@ -37,9 +37,18 @@ def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
                 "--seed", str(s.seed),
                 "--per-device-batch", str(s.per_device_batch), "--batches-per-slice", str(s.batches_per_slice),
                 "--devices-per-host", str(s.devices_per_host), "--prompt-field", s.prompt_field]
-    for flag, value in (("--save-latents", s.save_latents), ("--dedupe", s.dedupe)):
+    for flag, value in (("--save-latents", s.save_latents), ("--dedupe", s.dedupe), ("--drop-nsfw", s.drop_nsfw)):
         if value:
             command.append(flag)
+    if s.scores:
+        command += ["--score", ",".join(s.scores)]
+    for flag, value in (("--clip-model", s.clip_model), ("--aesthetic-head", s.aesthetic_head),
+                        ("--safety-checker", s.safety_checker)):
+        if value is not None:
+            command += [flag, value]
+    for flag, value in (("--min-clip-similarity", s.min_clip_similarity), ("--min-aesthetic", s.min_aesthetic)):
+        if value is not None:
+            command += [flag, repr(float(value))]
     return command + list(beam_args)
 
 

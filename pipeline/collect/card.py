@@ -79,8 +79,24 @@ GUIDANCE_MEANING = {
 }
 
 
+def _with_fingerprint(path, fingerprint) -> str | None:
+    return None if fingerprint is None else f"{path} (fingerprint {fingerprint[:12]})"
+
+
+def _filters(settings) -> list[str]:
+    found = []
+    if settings.min_clip_similarity is not None:
+        found.append(f"clip_similarity >= {settings.min_clip_similarity:g}")
+    if settings.min_aesthetic is not None:
+        found.append(f"aesthetic >= {settings.min_aesthetic:g}")
+    if settings.drop_nsfw:
+        found.append("not flagged by the safety checker")
+    return found
+
+
 def _generation(run: Run) -> list[str]:
     settings = run.settings
+    scorers = dict(run.scorers)
     versions = dict(run.versions)
     quality = f" (quality {settings.quality})" if settings.image_format != "png" else ""
     rows = [
@@ -110,6 +126,12 @@ def _generation(run: Run) -> list[str]:
         ("formats", ", ".join(settings.formats)),
         ("image format", f"{settings.image_format}{quality}"),
         ("per-device batch", settings.per_device_batch),
+        ("scores", ", ".join(settings.scores) or None),
+        ("CLIP model", _with_fingerprint(settings.clip_model, scorers.get("clip"))),
+        ("aesthetic head", _with_fingerprint(settings.aesthetic_head, scorers.get("aesthetic"))),
+        ("safety checker", _with_fingerprint(settings.safety_checker or "the model's safety_checker/",
+                                             scorers.get("safety"))),
+        ("filters", "; ".join(_filters(settings)) or None),
         ("settings fingerprint", run.settings_fingerprint),
         ("planned at", run.created_at),
     ]
@@ -135,6 +157,18 @@ def _counts(stats: dict) -> list[str]:
                       ("slices", "slices")):
         if key in stats or key in ("images", "records", "input_rows", "rejects"):
             lines.append(f"| {name} | {_count(stats.get(key, 0))} |")
+    dropped = stats.get("dropped")
+    if dropped and not dropped.get("images"):
+        lines += ["", "The score filters dropped no image."]
+    elif dropped:
+        kept = stats.get("image_conservation", {})
+        lines += ["", f"Dropped by the score filters: {_count(dropped.get('images'))} image(s), each with its "
+                      f"metadata row (its `dropped` column says which rule and value) and in no image output; "
+                      f"planned images = images + dropped: "
+                      f"{'yes' if kept.get('holds') else 'no'}.", "",
+                  "| rule | images |", "| --- | ---: |"]
+        by_rule = sorted((dropped.get("by_rule") or {}).items())
+        lines += [f"| {_cell(code(rule))} | {_count(n)} |" for rule, n in by_rule]
     reasons = stats.get("rejects_by_reason") or {}
     if reasons:
         lines += ["", "Rejected rows by reason:", "", "| reason | rows |", "| --- | ---: |"]
@@ -149,6 +183,26 @@ def _counts(stats: dict) -> list[str]:
             lines.append(f"| {_cell(code(host))} | {_count(h.get('slices'))} | {_count(h.get('images'))} | "
                          f"{f'{seconds:,.1f}' if isinstance(seconds, (int, float)) else '–'} | "
                          f"{f'{rate:,.3f}' if isinstance(rate, (int, float)) else '–'} |")
+    return lines
+
+
+def _scores(stats: dict) -> list[str]:
+    """The scores' quantiles over every scored image, kept or dropped."""
+    scores = {name: value for name, value in (stats.get("scores") or {}).items() if "quantiles" in value}
+    if not scores:
+        return []
+    names = list(next(iter(scores.values()))["quantiles"])
+    lines = ["## Scores", "", "Computed for every image on the devices that made it (kept or dropped); the "
+             "columns `clip_similarity`, `aesthetic`, `nsfw_score` and `nsfw` of `metadata.parquet`.", "",
+             "| score | images | mean | min | " + " | ".join(names) + " | max |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
+    for name, value in scores.items():
+        cells = [f"{value['quantiles'][q]:.4f}" for q in names]
+        lines.append(f"| {_cell(code(name))} | {_count(value['count'])} | {value['mean']:.4f} | {value['min']:.4f} | "
+                     + " | ".join(cells) + f" | {value['max']:.4f} |")
+    flagged = (stats.get("scores") or {}).get("nsfw")
+    if flagged:
+        lines += ["", f"Flagged by the safety checker (`nsfw`): {_count(flagged.get('flagged'))} image(s)."]
     return lines
 
 
@@ -170,6 +224,9 @@ def render(run: Run, stats: dict) -> str:
     ]
     lines += _generation(run)
     lines += [""] + _counts(stats)
+    score_lines = _scores(stats)
+    if score_lines:
+        lines += [""] + score_lines
     lines += [
         "", "## How to load it", "",
         "With pyarrow:", "",

@@ -16,11 +16,18 @@ thumbnail links to itself and the location is shown as text.
 ``pages`` holds one page of rows at a time, so a gallery of millions of images is
 written in constant memory; the page list in each page's navigation shows the first,
 the last and the nearby pages only, so thousands of pages stay usable. ``even_sample``
-caps how many images a huge dataset's gallery shows.
+caps how many images a huge dataset's gallery shows. ``ranked`` orders it by a score
+instead, highest first (holding the rows it shows).
+
+A row whose image a score filter dropped is shown without a picture, with the reason;
+an image the safety checker flagged has a blurred thumbnail (the host blurred it) and
+says so. Each cell shows the row's scores.
 """
 from __future__ import annotations
 
+import heapq
 import html
+import math
 import posixpath
 from typing import Iterable, Iterator
 from urllib.parse import quote
@@ -30,6 +37,33 @@ from pipeline.output import formats
 
 THUMB_SIZE = formats.THUMB_SIZE
 NEARBY_PAGES = 3  # the page list shows pages within this distance of the current one
+# --gallery-order: plan order, or a score's (highest first), and the --score each needs
+ORDERS = ("position", "clip_similarity", "aesthetic", "nsfw_score")
+ORDER_SCORES = {"clip_similarity": "clip", "aesthetic": "aesthetic", "nsfw_score": "safety"}
+
+
+def check_order(order: str, scores) -> None:
+    """ValueError unless the gallery can be in ``order`` for a run with ``scores``."""
+    if order not in ORDERS:
+        raise ValueError(f"--gallery-order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if order in ORDER_SCORES and ORDER_SCORES[order] not in scores:
+        raise ValueError(f"--gallery-order {order}: the run did not compute it (it was planned with --score "
+                         f"{','.join(scores) or 'not given'})")
+
+
+def ranked(rows: Iterable[dict], order: str, limit: int | None) -> list[dict]:
+    """The rows by the score ``order``, highest first (ties and unscored rows in plan
+    order, unscored last): all of them, or the ``limit`` highest. Every row of ``rows``
+    is consumed; only the kept ones are held."""
+    def key(row):
+        value = row.get(order)
+        missing = value is None or (isinstance(value, float) and math.isnan(value))
+        return (0 if missing else 1, 0.0 if missing else value, -row["position"])
+
+    if limit is None:
+        return sorted(rows, key=key, reverse=True)
+    sample_size(0, limit)
+    return heapq.nlargest(limit, rows, key=key)
 
 
 def thumb_path(slice_index: int, key: str) -> str:
@@ -136,20 +170,35 @@ def _nav(page: int, total_pages: int) -> str:
     return '<nav class="pages">' + " ".join(items) + "</nav>"
 
 
+def _scores(row: dict) -> str:
+    """The row's scores as a caption line (none: empty)."""
+    parts = []
+    for name, label in (("clip_similarity", "clip"), ("aesthetic", "aesthetic"), ("nsfw_score", "nsfw")):
+        value = row.get(name)
+        if value is not None:
+            parts.append(f"{label} {value:.3f}")
+    return f'<div class="scores">{html.escape(" · ".join(parts))}</div>' if parts else ""
+
+
 def _cell(row: dict, here: str) -> str:
     key = str(row["key"])
+    prompt = str(row.get("prompt") or "")
+    caption = (f'<figcaption><div class="prompt" title="{html.escape(prompt)}">{html.escape(prompt)}</div>'
+               f'<div class="meta">seed {html.escape(str(row.get("seed")))}</div>{_scores(row)}'
+               f'<div class="key">{html.escape(key)}</div>')
+    dropped = row.get("dropped")
+    if dropped:  # no output holds it, and no thumbnail was made: the row alone, and why
+        return (f'<figure class="dropped"><div class="nopic" title="{html.escape(dropped)}">dropped: '
+                f'{html.escape(dropped)}</div>{caption}</figcaption></figure>')
     thumb = relative(here, thumb_path(int(row["slice"]), key))
     path = str(row["path"])
     target = image_target(path)
     href = thumb if target is None else relative(here, target)
-    prompt = str(row.get("prompt") or "")
     location = "" if target is not None else f'<div class="loc" title="{html.escape(path)}">{html.escape(path)}</div>'
+    flagged = '<div class="flag">flagged by the safety checker (thumbnail blurred)</div>' if row.get("nsfw") else ""
     return (
         f'<figure><a href="{_href(href)}"><img src="{_href(thumb)}" width="{THUMB_SIZE}" height="{THUMB_SIZE}" '
-        f'loading="lazy" alt="{html.escape(key)}"></a>'
-        f'<figcaption><div class="prompt" title="{html.escape(prompt)}">{html.escape(prompt)}</div>'
-        f'<div class="meta">seed {html.escape(str(row.get("seed")))}</div>'
-        f'<div class="key">{html.escape(key)}</div>{location}</figcaption></figure>'
+        f'loading="lazy" alt="{html.escape(key)}"></a>{caption}{flagged}{location}</figcaption></figure>'
     )
 
 
@@ -170,8 +219,11 @@ figure img{{display:block;width:{THUMB_SIZE}px;height:{THUMB_SIZE}px;object-fit:
 figcaption{{margin-top:12px;font-size:12px;overflow:hidden}}
 figcaption .prompt{{display:-webkit-box;-webkit-line-clamp:3;-webkit-box-orient:vertical;overflow:hidden;
   overflow-wrap:anywhere}}
-figcaption .meta,figcaption .key,figcaption .loc{{color:#666;white-space:nowrap;overflow:hidden;
-  text-overflow:ellipsis}}
+figcaption .meta,figcaption .key,figcaption .loc,figcaption .scores{{color:#666;white-space:nowrap;
+  overflow:hidden;text-overflow:ellipsis}}
+figcaption .flag{{color:#a40}}
+.nopic{{width:{THUMB_SIZE}px;height:{THUMB_SIZE}px;margin:8px auto 0;box-sizing:border-box;padding:8px;
+  border:1px dashed #bbb;color:#777;font-size:11px;overflow:hidden;overflow-wrap:anywhere}}
 .empty{{margin:32px 0;color:#555}}
 """
 

@@ -2,19 +2,46 @@
 slice's verification summary, every rejects file's counts by reason, and the manifest.
 
 ``verified`` holds when no key is missing, duplicated or unexpected and conservation
-holds: input rows = planned records + rejects.
+holds: input rows = planned records + rejects. With score filters, every planned image
+is accounted for too: planned images = images + dropped images (each dropped one has
+its metadata row, with the rules it failed).
 """
 from __future__ import annotations
 
 import collections
 import datetime as dt
 
+import numpy as np
+
+QUANTILES = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
+
+
+def score_stats(values: dict[str, np.ndarray], flagged: int | None = None) -> dict:
+    """Each score's count, mean, min, quantiles (``QUANTILES``, numpy's linear
+    interpolation) and max (pure), from its values over every scored image, kept or
+    dropped; ``flagged``: how many images the safety checker flagged."""
+    found = {}
+    for name, array in sorted(values.items()):
+        array = np.asarray(array, np.float64)
+        if not len(array):
+            continue
+        found[name] = {"count": int(len(array)), "mean": round(float(array.mean()), 6),
+                       "min": round(float(array.min()), 6),
+                       "quantiles": {f"p{round(q * 100):02d}": round(float(v), 6)
+                                     for q, v in zip(QUANTILES, np.quantile(array, QUANTILES))},
+                       "max": round(float(array.max()), 6)}
+    if flagged is not None:
+        found["nsfw"] = {"flagged": int(flagged)}
+    return found
+
 MAX_KEYS_IN_MESSAGE = 20  # keys kept per kind of problem
 
 
-def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, collect_s: float) -> dict:
+def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, collect_s: float,
+                  scores: dict | None = None) -> dict:
     """stats.json's content (pure), from ``VerifySlices``'s summaries (any order) and
-    ``CountRejects``'s counts; ``collect_s``: collect's wall time so far."""
+    ``CountRejects``'s counts; ``collect_s``: collect's wall time so far; ``scores``:
+    ``score_stats`` of a run with --score."""
     summaries = sorted(summaries, key=lambda s: s["slice"])
     problems: dict[str, list[str]] = {}
     for summary in summaries:
@@ -28,6 +55,18 @@ def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, co
     records = sum(s["records"] for s in summaries)
     rejects = sum(by_reason.values())
     input_rows = manifest["input_rows"]
+    dropped = sum(s.get("dropped", 0) for s in summaries)
+    by_rule = collections.Counter()
+    for summary in summaries:
+        by_rule.update(summary.get("dropped_by_rule") or {})
+    extra = {}
+    if scores:
+        extra["scores"] = scores
+    if dropped or any("dropped" in s for s in summaries):
+        # every planned image is an image, a dropped one, or a problem above
+        extra["dropped"] = {"images": dropped, "by_rule": dict(sorted(by_rule.items()))}
+        extra["image_conservation"] = {"planned_images": manifest["images"], "images": images, "dropped": dropped,
+                                       "holds": images + dropped == manifest["images"]}
     return {
         "verified": not problems and records + rejects == input_rows, "images": images, "records": records,
         "planned_images": manifest["images"], "input_rows": input_rows, "rejects": rejects,
@@ -50,6 +89,7 @@ def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, co
         "hosts": host_stats(slice_stats),
         "wall_times": {"generate_s": generate_wall_s(slice_stats), "collect_s": collect_s},
         "compiles_after_warmup": sum(s.get("compiles_after_warmup", 0) for s in slice_stats),
+        **extra,
     }
 
 

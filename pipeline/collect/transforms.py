@@ -19,7 +19,8 @@ comes out of its generate -> collect barrier. Both then call ``check_verified``.
   MatchRejects   the manifest -> the plan's rejects files
   CountRejects   each rejects file -> its rows by reason
   WriteDataset   once, walking the slices in order with one slice's rows in memory at a
-                 time: ``dataset/metadata.parquet`` (one row group per slice),
+                 time (a gallery ordered by a score keeps its shown rows): ``dataset/metadata.parquet``
+                 (one row group per slice: every image made, a dropped one with its reason),
                  ``dataset/index.html`` and ``dataset/gallery/`` (the paginated gallery of
                  the thumbnails under ``OUT/thumbs/``, or an even sample of at most
                  ``gallery_max`` of them),
@@ -50,9 +51,9 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.collect import card, gallery
-from pipeline.collect.stats import dataset_stats
-from pipeline.collect.verify import unused_guidance, unused_negatives, verify_slice
-from pipeline.core import logs, naming
+from pipeline.collect.stats import dataset_stats, score_stats
+from pipeline.collect.verify import ACCOUNTED, unused_guidance, unused_negatives, verify_slice
+from pipeline.core import filters, logs, naming
 from pipeline.core.settings import Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.output import formats, writer
@@ -146,16 +147,20 @@ class _VerifySliceFn(beam.DoFn):
             if verdict not in self.counters:
                 self.counters[verdict] = Metrics.counter("collect", f"keys_{verdict}")
             self.counters[verdict].inc(len(keys))
-        ok = set(verdicts["ok"])
-        good_rows = [row for row in rows if row["key"] in ok]
-        if self.thumbnails and good_rows and not has_thumbs:
-            self._make_thumbnails(index, good_rows)
+        ok, dropped = set(verdicts["ok"]), set(verdicts["dropped"])
+        good_rows = [row for row in rows if row["key"] in ok or row["key"] in dropped]  # every image made
+        if self.thumbnails and ok and not has_thumbs:
+            self._make_thumbnails(index, [row for row in good_rows if row["key"] in ok])
         unused_records, unused_images = unused_negatives(good_rows, self.settings.guidance_rule)
         guidance_records, guidance_images = unused_guidance(good_rows, self.settings.guidance_rule)
+        filtered = {}
+        if filters.active_rules(self.settings):  # the images a filter kept out, by rule
+            filtered = {"dropped": len(dropped), "dropped_by_rule": dict(collections.Counter(
+                rule for row in good_rows if row["key"] in dropped for rule in filters.rules_of(row["dropped"])))}
         yield {"slice": index, "records": sum(1 for i in items if i["image_index"] == 0),
                "planned_images": len(items), "stats": slice_stats,
-               "verdicts": {v: keys for v, keys in verdicts.items() if v != "ok" and keys},
-               "ok": len(ok), "all_ok": len(ok) == len(items) == len(rows),
+               "verdicts": {v: keys for v, keys in verdicts.items() if v not in ACCOUNTED and keys},
+               "ok": len(ok), "all_ok": len(ok) + len(dropped) == len(items) == len(rows), **filtered,
                "truncated_images": sum(1 for row in good_rows if row.get("prompt_truncated")),
                "truncated_records": sum(1 for row in good_rows if row.get("prompt_truncated")
                                         and row["image_index"] == 0),
@@ -220,37 +225,66 @@ def _ok_rows_table(out: str, summary: dict):
 
 
 def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, started: float, out: str,
-                  page_size: int, thumbnails: bool, gallery_max: int | None = None) -> dict:
+                  page_size: int, thumbnails: bool, gallery_max: int | None = None,
+                  gallery_order: str = "position") -> dict:
     """Writes the dataset's files from every slice's summary and every rejects file's
     counts; returns stats.json's content. ``started``: when collect began (for its wall time).
-    The gallery shows every image, or an even sample of ``gallery_max`` in plan order.
-    The card describes the run as ``run.json`` holds it now, with the plan's decisions."""
+    The gallery shows every row (a dropped image's without a picture), or an even sample of
+    ``gallery_max`` in plan order; ``gallery_order``: a score's order instead, highest first
+    (with ``gallery_max``, the highest ones). The card describes the run as ``run.json``
+    holds it now, with the plan's decisions."""
+    import numpy as np
     import pyarrow.parquet as pq
 
     run = runs.read(out)
     summaries = sorted(summaries, key=lambda s: s["slice"])
     images = sum(s["ok"] for s in summaries)
+    total = images + sum(s.get("dropped", 0) for s in summaries)  # the rows: every image made
+    values: dict[str, list] = collections.defaultdict(list)  # each score's values, slice by slice
+    flagged = [0]
 
     def rows():  # one slice's rows in memory at a time, in position order
         with beamio.open_write(naming.dataset_file(out, "metadata.parquet"), "application/vnd.apache.parquet") as f:
             with pq.ParquetWriter(f, writer.metadata_schema()) as parquet:
                 for summary in summaries:
-                    if summary["ok"]:
+                    if summary["ok"] or summary.get("dropped"):
                         table = _ok_rows_table(out, summary)
                         parquet.write_table(table)
+                        for name in ("clip_similarity", "aesthetic", "nsfw_score"):
+                            column = table.column(name).drop_null().to_numpy()
+                            if len(column):
+                                values[name].append(column)
+                        flagged[0] += sum(1 for v in table.column("nsfw").to_pylist() if v)
                         yield from table.to_pylist()
 
     if thumbnails:
-        shown = gallery.sample_size(images, gallery_max)
+        if gallery_order == "position":
+            shown = gallery.sample_size(total, gallery_max)
+            picked = gallery.even_sample(rows(), total, gallery_max)
+        else:
+            picked = gallery.ranked(rows(), gallery_order, gallery_max)
+            shown = len(picked)
         title = f"promptmill dataset: {run.settings.model}, {images} images"
-        if shown < images:
-            title += f", {shown} shown (an even sample)"
-        for name, html in gallery.pages(gallery.even_sample(rows(), images, gallery_max), shown, page_size, title):
+        if total > images:
+            title += f" and {total - images} dropped by filters"
+        if shown < total:
+            title += f", {shown} shown" + (" (an even sample)" if gallery_order == "position" else
+                                          f" (the highest {gallery_order})")
+        elif gallery_order != "position":
+            title += f", by {gallery_order}"
+        for name, html in gallery.pages(picked, shown, page_size, title):
             beamio.write_text(naming.dataset_file(out, name), html, "text/html")
     else:
         collections.deque(rows(), maxlen=0)
 
-    stats = dataset_stats(manifest, summaries, reject_counts, collect_s=round(time.time() - started, 1))
+    scores = None
+    if run.settings.scores:
+        scores = score_stats({name: np.concatenate(parts) for name, parts in values.items()},
+                             flagged[0] if "safety" in run.settings.scores else None)
+    stats = dataset_stats(manifest, summaries, reject_counts, collect_s=round(time.time() - started, 1),
+                          scores=scores)
+    if "zarr" in run.settings.formats:
+        formats.consolidate_zarr(out)
     beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
     beamio.write_text(naming.dataset_file(out, "README.md"), card.render(run, stats), "text/markdown")
     return stats
@@ -266,16 +300,17 @@ class WriteDataset(beam.PTransform):
     """
 
     def __init__(self, out: str, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True,
-                 gallery_max: int | None = None):
+                 gallery_max: int | None = None, gallery_order: str = "position"):
         super().__init__()
         self.out, self.page_size, self.thumbnails, self.gallery_max = out, page_size, thumbnails, gallery_max
+        self.gallery_order = gallery_order
 
     def expand(self, parts):
         return (parts["manifest"]
                 | "Write" >> beam.Map(write_dataset, beam.pvalue.AsList(parts["summaries"]),
                                       beam.pvalue.AsList(parts["reject_counts"]),
                                       beam.pvalue.AsSingleton(parts["started"]), self.out,
-                                      self.page_size, self.thumbnails, self.gallery_max))
+                                      self.page_size, self.thumbnails, self.gallery_max, self.gallery_order))
 
 
 def _slice_indices(manifest: dict):
@@ -298,10 +333,10 @@ class Collect(beam.PTransform):
     """
 
     def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True,
-                 gallery_max: int | None = None):
+                 gallery_max: int | None = None, gallery_order: str = "position"):
         super().__init__()
         self.out, self.run, self.page_size, self.thumbnails = out, run, page_size, thumbnails
-        self.gallery_max = gallery_max
+        self.gallery_max, self.gallery_order = gallery_max, gallery_order
 
     def expand(self, manifest):
         started = manifest | "StartClock" >> beam.Map(_now)
@@ -312,7 +347,8 @@ class Collect(beam.PTransform):
                          | "MatchRejects" >> beam.FlatMap(_rejects_files, self.out)
                          | "CountRejects" >> CountRejects())
         return ({"manifest": manifest, "started": started, "summaries": summaries, "reject_counts": reject_counts}
-                | "WriteDataset" >> WriteDataset(self.out, self.page_size, self.thumbnails, self.gallery_max))
+                | "WriteDataset" >> WriteDataset(self.out, self.page_size, self.thumbnails, self.gallery_max,
+                                                 self.gallery_order))
 
 
 def check_verified(stats: dict) -> None:
@@ -328,9 +364,11 @@ def check_verified(stats: dict) -> None:
 
 
 def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = GALLERY_PAGE_SIZE,
-                gallery_thumbnails: bool = True, gallery_max: int | None = None) -> dict:
+                gallery_thumbnails: bool = True, gallery_max: int | None = None,
+                gallery_order: str = "position") -> dict:
     """Collect ``out`` into ``out/dataset``; returns stats, or raises CollectError.
-    ``gallery_max``: the gallery shows an even sample of at most this many images."""
+    ``gallery_max``: the gallery shows an even sample of at most this many images;
+    ``gallery_order``: or a score's order, highest first (``gallery.ORDERS``)."""
     gallery.sample_size(0, gallery_max)  # a bad cap fails before the pipeline
     beamio.require_filesystem(out)
     manifest_path = naming.manifest(out)
@@ -338,10 +376,11 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
         raise CollectError(f"{manifest_path} does not exist: nothing was planned in {out}")
     manifest = storage.read_json(manifest_path)
     run = runs.read(out)
+    gallery.check_order(gallery_order, run.settings.scores)
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
         _ = (p
              | "Manifest" >> beam.Create([manifest])
-             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails, gallery_max))
+             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails, gallery_max, gallery_order))
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     check_verified(stats)
     return stats

@@ -4,9 +4,12 @@ the slice and what the slice's commit wrote (``VerifySlices`` in
 
   ok          planned once, one metadata row, its image file (when the run writes files)
               and its thumbnail (when the slice's commit says it wrote thumbnails)
+  dropped     planned once, one metadata row whose ``dropped`` reason says a filter kept
+              the image out, and no image file and no thumbnail (it is accounted for)
   missing     planned, but no row, no image file or no thumbnail
   duplicated  planned more than once, or more than one row
-  unexpected  a row, image file or thumbnail that was never planned in this slice
+  unexpected  a row, image file or thumbnail that was never planned in this slice, or an
+              image file or thumbnail of an image a filter dropped
 
 Images and thumbnails are known from listings only: verifying never reads their bytes.
 """
@@ -14,7 +17,8 @@ from __future__ import annotations
 
 import collections
 
-VERDICTS = ("ok", "missing", "duplicated", "unexpected")
+VERDICTS = ("ok", "dropped", "missing", "duplicated", "unexpected")
+ACCOUNTED = ("ok", "dropped")  # the verdicts of a planned image that is where it should be
 
 
 def key_of_image(path: str) -> str:
@@ -33,6 +37,8 @@ def classify(planned: list, rows: list, images: list | None, thumbs: list | None
         return "unexpected"
     if len(planned) > 1 or len(rows) > 1:
         return "duplicated"
+    if rows and rows[0].get("dropped"):
+        return "unexpected" if images or thumbs else "dropped"
     if not rows or (images is not None and not images) or (thumbs is not None and not thumbs):
         return "missing"
     return "ok"

@@ -34,6 +34,11 @@ TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 # --format choices, in canonical order
 FORMATS = ("files", "webdataset", "parquet", "zarr")
 
+# --score choices, in canonical order: what the scorers compute on the devices that made the
+# images (pipeline.generate.scoring), and the metadata columns each one fills
+SCORES = ("clip", "aesthetic", "safety")
+SCORE_COLUMNS = {"clip": ("clip_similarity",), "aesthetic": ("aesthetic",), "safety": ("nsfw", "nsfw_score")}
+
 # --image-format choices -> (PIL format name, file extension)
 IMAGE_FORMATS = {"png": ("PNG", "png"), "jpeg": ("JPEG", "jpg"), "webp": ("WEBP", "webp")}
 
@@ -45,3 +50,12 @@ def parse_formats(text: str) -> tuple[str, ...]:
     if unknown or not chosen:
         raise ValueError(f"--format takes a comma-separated subset of {', '.join(FORMATS)}, got {text!r}")
     return tuple(f for f in FORMATS if f in chosen)
+
+
+def parse_scores(text: str) -> tuple[str, ...]:
+    """``"safety,clip"`` -> ("clip", "safety"), validated, in canonical order; "" -> ()."""
+    chosen = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = chosen - set(SCORES)
+    if unknown:
+        raise ValueError(f"--score takes a comma-separated subset of {', '.join(SCORES)}, got {text!r}")
+    return tuple(s for s in SCORES if s in chosen)

@@ -20,8 +20,10 @@ from pipeline.core.choices import (
     IMAGE_FORMATS,
     LEGACY_ATTENTION,
     SCHEDULERS,
+    SCORES,
     TIMESTEP_SPACINGS,
     parse_formats,
+    parse_scores,
 )
 
 
@@ -75,6 +77,19 @@ class Settings:
     # when any planned record has guidance > 1 (under the "diffusers" rule); None until then.
     # Not a flag. Per run, never per batch, so an image's bits never depend on its neighbours.
     guided: bool | None = None
+    # scores computed on the devices that made the images (pipeline.generate.scoring): a subset
+    # of SCORES; each reads its model: clip_model (CLIP in transformers' format: a built-in name,
+    # local folder, gs:// or hub id), aesthetic_head (a safetensors file of LAION's improved
+    # aesthetic predictor), safety_checker (diffusers' safety checker; None: the checkpoint's own)
+    scores: tuple[str, ...] = ()
+    clip_model: str | None = None
+    aesthetic_head: str | None = None
+    safety_checker: str | None = None
+    # filters (pipeline.core.filters): an image failing one is written to no image output, and its
+    # metadata row keeps a ``dropped`` reason
+    min_clip_similarity: float | None = None
+    min_aesthetic: float | None = None
+    drop_nsfw: bool = False
 
     @property
     def slice_size(self) -> int:
@@ -132,6 +147,7 @@ class Settings:
             raise ValueError(f"--prompt-field must be a non-empty name, got {self.prompt_field!r}")
         if self.device_memory is not None and not self.device_memory > 0:
             raise ValueError(f"--device-memory must be a positive number of GiB, got {self.device_memory}")
+        self._validate_scores()
         if self.per_device_batch == AUTO:
             slicing.slice_size(self.devices_per_host, 1, self.batches_per_slice)  # the two other factors
         else:
@@ -145,6 +161,43 @@ class Settings:
                                  f"the weights are sharded over groups of {self.fsdp} of them; possible: "
                                  f"{', '.join(map(str, divisors))}")
         return self
+
+    def _validate_scores(self) -> None:
+        """The scores, their models and the filters: each asked for by what reads it."""
+        if tuple(self.scores) != parse_scores(",".join(self.scores)):
+            raise ValueError(f"--score must list some of {', '.join(SCORES)}, got {','.join(self.scores)!r}")
+        wanted = {"clip_model": ("clip", "aesthetic"), "aesthetic_head": ("aesthetic",), "safety_checker": ("safety",)}
+        flags = {"clip_model": "--clip-model", "aesthetic_head": "--aesthetic-head",
+                 "safety_checker": "--safety-checker"}
+        for name, readers in wanted.items():
+            if getattr(self, name) is not None and not set(readers) & set(self.scores):
+                raise ValueError(f"{flags[name]} is read only by --score {' or '.join(readers)}, which the run does "
+                                 f"not compute (--score {','.join(self.scores) or 'not given'})")
+        if set(self.scores) & {"clip", "aesthetic"} and not self.clip_model:
+            what = " and ".join(s for s in ("clip", "aesthetic") if s in self.scores)
+            raise ValueError(f"--score {what} needs --clip-model: a CLIP checkpoint in transformers' format (a "
+                             f"local folder, gs://, a hub id such as openai/clip-vit-large-patch14, or a built-in "
+                             f"random one)")
+        if "aesthetic" in self.scores and not self.aesthetic_head:
+            raise ValueError("--score aesthetic needs --aesthetic-head: LAION's improved aesthetic predictor as a "
+                             "safetensors file (see the README)")
+        for name, score in (("min_clip_similarity", "clip"), ("min_aesthetic", "aesthetic")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number, got {value!r}")
+            if score not in self.scores:
+                raise ValueError(f"{flag} filters on the {score} score, which the run does not compute: add "
+                                 f"--score {','.join(parse_scores(','.join((*self.scores, score))))}")
+        if self.min_clip_similarity is not None and not -1 <= self.min_clip_similarity <= 1:
+            raise ValueError(f"--min-clip-similarity is a cosine, in [-1, 1], got {self.min_clip_similarity}")
+        if self.drop_nsfw not in (True, False):
+            raise ValueError(f"drop_nsfw must be true or false, got {self.drop_nsfw!r}")
+        if self.drop_nsfw and "safety" not in self.scores:
+            raise ValueError(f"--drop-nsfw filters on the safety checker's decision, which the run does not "
+                             f"compute: add --score {','.join(parse_scores(','.join((*self.scores, 'safety'))))}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -160,7 +213,7 @@ class Settings:
             raise ValueError(f"unknown run setting(s) {', '.join(unknown)}: the run was planned by another "
                              f"promptmill version")
         values = {**{name: legacy for name, legacy in NEWER_SETTINGS.items() if name not in data}, **data}
-        for name in ("formats", "loras"):  # JSON has lists
+        for name in ("formats", "loras", "scores"):  # JSON has lists
             if name in values:
                 values[name] = tuple(values[name])
         return cls(**values)
@@ -210,16 +263,23 @@ def check_size(name: str, value: int) -> int:
 # runs keep theirs (and resume).
 NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
                   "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
-                  "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1}
+                  "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1, "scores": (),
+                  "clip_model": None, "aesthetic_head": None, "safety_checker": None, "min_clip_similarity": None,
+                  "min_aesthetic": None, "drop_nsfw": False}
 GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused")
 NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free
 MAX_SEQUENCE_LENGTH = 512  # the longest T5 sequence FLUX.1 takes (diffusers' FluxPipeline refuses more)
 
 
-def fingerprint(settings: Settings, model_fingerprint: str) -> str:
-    """Hash of everything that decides the bytes of the outputs."""
+def fingerprint(settings: Settings, model_fingerprint: str, scorers: dict | None = None) -> str:
+    """Hash of everything that decides the bytes of the outputs. ``scorers``: the
+    fingerprints of the scorer models the run reads ({"clip", "aesthetic", "safety"}: what
+    ``Run.scorers`` holds); they stand in for the settings naming where those models are,
+    as ``model_fingerprint`` stands in for the model's path."""
     decisive = settings.to_dict()
     decisive.pop("out")
+    for name in ("clip_model", "aesthetic_head", "safety_checker"):
+        decisive.pop(name)  # where a scorer model is does not matter: its bytes are in ``scorers``
     decisive.pop("unet")  # where the --unet file is does not matter: its bytes are in the model fingerprint
     decisive.pop("device_memory")  # it only chose per_device_batch, which is here
     decisive.pop("loras")  # likewise the --lora files: their bytes and scales are in the model fingerprint
@@ -227,6 +287,8 @@ def fingerprint(settings: Settings, model_fingerprint: str) -> str:
         if name in decisive and decisive[name] == legacy:
             decisive.pop(name)
     decisive["model"] = model_fingerprint
+    if scorers:
+        decisive["scorers"] = dict(sorted(scorers.items()))
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
 
 
@@ -237,6 +299,43 @@ class Lora:
     path: str
     scale: float
     sha256: str
+
+    def _validate_scores(self) -> None:
+        """The scores, their models and the filters: each asked for by what reads it."""
+        if tuple(self.scores) != parse_scores(",".join(self.scores)):
+            raise ValueError(f"--score must list some of {', '.join(SCORES)}, got {','.join(self.scores)!r}")
+        wanted = {"clip_model": ("clip", "aesthetic"), "aesthetic_head": ("aesthetic",), "safety_checker": ("safety",)}
+        flags = {"clip_model": "--clip-model", "aesthetic_head": "--aesthetic-head",
+                 "safety_checker": "--safety-checker"}
+        for name, readers in wanted.items():
+            if getattr(self, name) is not None and not set(readers) & set(self.scores):
+                raise ValueError(f"{flags[name]} is read only by --score {' or '.join(readers)}, which the run does "
+                                 f"not compute (--score {','.join(self.scores) or 'not given'})")
+        if set(self.scores) & {"clip", "aesthetic"} and not self.clip_model:
+            what = " and ".join(s for s in ("clip", "aesthetic") if s in self.scores)
+            raise ValueError(f"--score {what} needs --clip-model: a CLIP checkpoint in transformers' format (a "
+                             f"local folder, gs://, a hub id such as openai/clip-vit-large-patch14, or a built-in "
+                             f"random one)")
+        if "aesthetic" in self.scores and not self.aesthetic_head:
+            raise ValueError("--score aesthetic needs --aesthetic-head: LAION's improved aesthetic predictor as a "
+                             "safetensors file (see the README)")
+        for name, score in (("min_clip_similarity", "clip"), ("min_aesthetic", "aesthetic")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number, got {value!r}")
+            if score not in self.scores:
+                raise ValueError(f"{flag} filters on the {score} score, which the run does not compute: add "
+                                 f"--score {','.join(parse_scores(','.join((*self.scores, score))))}")
+        if self.min_clip_similarity is not None and not -1 <= self.min_clip_similarity <= 1:
+            raise ValueError(f"--min-clip-similarity is a cosine, in [-1, 1], got {self.min_clip_similarity}")
+        if self.drop_nsfw not in (True, False):
+            raise ValueError(f"drop_nsfw must be true or false, got {self.drop_nsfw!r}")
+        if self.drop_nsfw and "safety" not in self.scores:
+            raise ValueError(f"--drop-nsfw filters on the safety checker's decision, which the run does not "
+                             f"compute: add --score {','.join(parse_scores(','.join((*self.scores, 'safety'))))}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -260,23 +359,35 @@ class Run:
     # with --fsdp > 1: where each component's weights live ({component: {weights_gib, placement}},
     # ``pipeline.generate.sharding``'s rule), as the plan found it
     sharding: dict | None = None
+    # the scorer models' fingerprints, by score ("clip" for clip and aesthetic's CLIP, "aesthetic"
+    # for the head, "safety" for the checker): (score, fingerprint), sorted
+    scorers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         asked = [parse_lora(spec) for spec in self.settings.loras]
         recorded = [(lora.path, lora.scale) for lora in self.loras]
         if asked != recorded:
             raise ValueError(f"run.json records the LoRA adapters {recorded}, but its settings ask for {asked}")
+        needed = set(scorer_models(self.settings))
+        if needed != {name for name, _ in self.scorers}:
+            raise ValueError(f"run.json records scorer models {sorted(name for name, _ in self.scorers)}, but its "
+                             f"settings read {sorted(needed)} (--score {','.join(self.settings.scores)})")
 
     @classmethod
     def create(cls, settings: Settings, model_fingerprint: str, created_at: str, versions: dict,
-               loras: tuple[Lora, ...] = (), license: str | None = None, sharding: dict | None = None) -> "Run":
-        return cls(settings, model_fingerprint, fingerprint(settings, model_fingerprint), created_at,
-                   tuple(sorted(versions.items())), tuple(loras), license, sharding)
+               loras: tuple[Lora, ...] = (), license: str | None = None, sharding: dict | None = None,
+               scorers: dict | None = None) -> "Run":
+        scorers = dict(scorers or {})
+        return cls(settings, model_fingerprint, fingerprint(settings, model_fingerprint, scorers), created_at,
+                   tuple(sorted(versions.items())), tuple(loras), license, sharding, tuple(sorted(scorers.items())))
+
+    def fingerprint_of(self, settings: Settings) -> str:
+        """The settings fingerprint ``settings`` would have with this run's model and scorer models."""
+        return fingerprint(settings, self.model_fingerprint, dict(self.scorers))
 
     def with_settings(self, settings: Settings) -> "Run":
         """The same run with ``settings`` (a plan's decision) and their fingerprint."""
-        return dataclasses.replace(self, settings=settings,
-                                   settings_fingerprint=fingerprint(settings, self.model_fingerprint))
+        return dataclasses.replace(self, settings=settings, settings_fingerprint=self.fingerprint_of(settings))
 
     @property
     def scheduler(self) -> str | None:
@@ -286,7 +397,7 @@ class Run:
         return {"settings": self.settings.to_dict(), "model_fingerprint": self.model_fingerprint,
                 "scheduler": self.settings.scheduler, "settings_fingerprint": self.settings_fingerprint,
                 "versions": dict(self.versions), "created_at": self.created_at,
-                "loras": [lora.to_dict() for lora in self.loras],
+                "loras": [lora.to_dict() for lora in self.loras], "scorers": dict(self.scorers),
                 **({"license": self.license} if self.license is not None else {}),
                 **({"sharding": self.sharding} if self.sharding is not None else {})}
 
@@ -297,9 +408,18 @@ class Run:
         if data.get("scheduler") not in (None, settings.scheduler):
             raise ValueError(f"run.json names scheduler {data['scheduler']!r} but its settings say "
                              f"{settings.scheduler!r}")
+        scorers = data.get("scorers") or {}
         return cls(settings=settings, model_fingerprint=data["model_fingerprint"],
-                   settings_fingerprint=data.get("settings_fingerprint") or fingerprint(settings,
-                                                                                         data["model_fingerprint"]),
+                   settings_fingerprint=data.get("settings_fingerprint") or fingerprint(
+                       settings, data["model_fingerprint"], scorers),
                    created_at=data["created_at"], versions=tuple(sorted(data.get("versions", {}).items())),
                    loras=tuple(Lora(**lora) for lora in data.get("loras", ())), license=data.get("license"),
-                   sharding=data.get("sharding"))
+                   sharding=data.get("sharding"), scorers=tuple(sorted(scorers.items())))
+
+
+def scorer_models(settings: Settings) -> tuple[str, ...]:
+    """The scorer models a run reads, by the name ``Run.scorers`` records them under:
+    "clip" (clip or aesthetic), "aesthetic" (the head), "safety" (the checker)."""
+    scores = set(settings.scores)
+    return tuple(name for name, needs in (("clip", {"clip", "aesthetic"}), ("aesthetic", {"aesthetic"}),
+                                          ("safety", {"safety"})) if scores & needs)

@@ -71,7 +71,7 @@ from pipeline.collect import transforms as collect
 from pipeline.core import logs, naming, slicing
 from pipeline.core.settings import Run, Settings
 from pipeline.generate import compile_cache as cache_lib
-from pipeline.generate import fit, host_loop, jax_events, runtime
+from pipeline.generate import fit, host_loop, jax_events, runtime, scoring
 from pipeline.io import beamio, runs, storage
 from pipeline.model.attention import check_platform
 from pipeline.plan import transforms as plan
@@ -176,13 +176,16 @@ class _Worker:
         # as a pod host gets ready: the files checked against the plan's table, the sampler
         # made (or found in the executable cache) on a thread while the weights load
         self.model, self.generator, parts = runtime.ready_generator(run, out, devices)
-        self.compiles_at_warm = self.generator.warm_up()
+        self.scorer, scorer_parts = scoring.ready_scorer(run, devices)  # None without --score
+        parts.update(scorer_parts)
+        self.compiles_at_warm = scoring.warm_up(self.generator, self.scorer)
         cache_stats = ({"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT)
                         + cache_lib.EXECUTABLE_COUNTS["hits"],
                         "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE)
                         + cache_lib.EXECUTABLE_COUNTS["writes"],
                         "sampler_from_cache": self.generator.from_cache,
-                        "sampler_lowered": self.generator.sampler_lowered} if compile_cache else {})
+                        "sampler_lowered": self.generator.sampler_lowered,
+                        **scoring.cache_stats(self.scorer)} if compile_cache else {})
         cache_stats.update({f"{k}_s": round(v, 3) for k, v in parts.items()})
         self.pool = ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS, thread_name_prefix="writer")
         logs.event("worker_ready", host=self.host, machine=machine, pid=os.getpid(), devices=len(devices),
@@ -220,7 +223,8 @@ class _BundleRun:
         def work():
             try:
                 host_loop.run_slices(*args, zarr_images=images, zarr_latents=latents,
-                                     compiles_at_warm=worker.compiles_at_warm, on_commit=self.committed.put)
+                                     compiles_at_warm=worker.compiles_at_warm, on_commit=self.committed.put,
+                                     scorer=worker.scorer)
             except BaseException as e:  # noqa: BLE001 (handed to the DoFn's thread, which raises it)
                 self.error = e
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 from pipeline.core import crashpoints, interrupts, logs, naming, slicing
 from pipeline.core.settings import Run
-from pipeline.generate import cluster, jax_events, progress, runtime, stopping
+from pipeline.generate import cluster, jax_events, progress, runtime, scoring, stopping
 from pipeline.generate.generator import Generator
 from pipeline.output import writer
 
@@ -81,7 +81,7 @@ class _Slice:
 def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host: int, pool,
                zarr_images=None, zarr_latents=None, compiles_at_warm: int = 0,
                on_commit: Callable[[dict], None] | None = None,
-               stop: Callable[[], bool] | None = None) -> list[dict]:
+               stop: Callable[[], bool] | None = None, scorer=None) -> list[dict]:
     """Generate, write and commit the slices ``slots`` names, in order; returns their stats.
 
     A slot is a slice index, or ``None`` for a padding slot (its device steps run, nothing
@@ -96,6 +96,9 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
     so, nothing new is dispatched: the batch in flight is handed over only if it is its
     slice's last (that slice is whole, and commits), the slice under way is left
     uncommitted, and the loop returns once the commit in progress is written.
+
+    ``scorer`` (``scoring.Scorer``): each batch's images are scored on the devices right after
+    they are made, and their scores go to the writers with them.
     """
     default_guidance = run.settings.guidance_scale
     n = generator.batch_size
@@ -122,10 +125,11 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
             on_commit(stats)
         return stats
 
-    def hand_over(state, chunk, cut, handle, last, done_at) -> None:  # a dispatched batch, to the writers
+    def hand_over(state, chunk, cut, handle, last, done_at, scored) -> None:  # a dispatched batch, to the writers
         nonlocal committing
         clock = logs.Stopwatch()
         images, latents = generator.fetch(handle)
+        scores = None if scored is None else scorer.fetch(scored)
         busy = device.busy(done_at.result())
         if state is None:  # padding slot
             return
@@ -137,7 +141,8 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
         for k, (item, image) in enumerate(zip(chunk, images)):
             if item is not None:
                 state.truncated_prompts += cut[k]
-                state.writer.add(item, image, None if latents is None else latents[k], cut[k])
+                state.writer.add(item, image, None if latents is None else latents[k], cut[k],
+                                 None if scores is None else {name: values[k] for name, values in scores.items()})
         state.batches_handed += 1
         if state.batches_handed == 1:
             crashpoints.reached("mid_slice", host, before=lambda: (committed_previous(), state.writer.wait_images()))
@@ -157,13 +162,17 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
                 break
             clock = logs.Stopwatch()
             batch = generator.batch_of([None if item is None else item.inputs(default_guidance) for item in chunk])
-            cut = generator.truncated([item.prompt if item is not None else "" for item in chunk])
+            prompts = [item.prompt if item is not None else "" for item in chunk]
+            cut = generator.truncated(prompts)
+            ids = None if scorer is None else scorer.tokenize(prompts + [""] * (n - len(prompts)))
             if state is not None:
                 state.timing["input_s"] += clock.seconds()
             dispatched_at = time.perf_counter()
             handle = generator.dispatch(batch)
-            done_at = watcher.submit(_done_at, generator, handle, dispatched_at)
-            dispatched = (state, chunk, cut, handle, last, done_at)
+            scored = None if scorer is None else scorer.dispatch(handle, generator, ids)
+            # the devices are busy until the step's last program (the scorer's, if any) is done
+            done_at = watcher.submit(_done_at, generator, handle if scored is None else scored, dispatched_at)
+            dispatched = (state, chunk, cut, handle, last, done_at, scored)
             if previous is not None:
                 hand_over(*previous)
             previous = dispatched
@@ -174,10 +183,10 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
 
 
 def run_slice(generator: Generator, out: str, run: Run, index: int, size: int, host: int, pool,
-              zarr_images=None, compiles_at_warm: int = 0, zarr_latents=None) -> dict:
+              zarr_images=None, compiles_at_warm: int = 0, zarr_latents=None, scorer=None) -> dict:
     """Generate one slice, write it in every chosen format and commit it; returns its stats."""
     [stats] = run_slices(generator, out, run, [index], size, host, pool, zarr_images, zarr_latents,
-                         compiles_at_warm)
+                         compiles_at_warm, scorer=scorer)
     return stats
 
 
@@ -241,15 +250,18 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     started = logs.Stopwatch()
     # the sampler compiles (or loads) on a thread while the weights load
     model, generator, parts = runtime.ready_generator(run, out)
+    scorer, scorer_parts = scoring.ready_scorer(run, generator.devices)  # None without --score
+    parts.update(scorer_parts)
     size = manifest["slice_size"]
     batches = slicing.batches_per_slice(size, len(generator.devices), settings.per_device_batch)
-    compiles_at_warm = generator.warm_up()
+    compiles_at_warm = scoring.warm_up(generator, scorer)
     cache_stats = {}
     if compile_cache:  # jax's cache (host 0 writes it) and this host's executables
         executables = cache_lib.EXECUTABLE_COUNTS
         cache_stats = {"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT) + executables["hits"],
                        "cache_writes": jax_events.CACHE.count(jax_events.CACHE_WRITE) + executables["writes"],
-                       "sampler_from_cache": generator.from_cache, "sampler_lowered": generator.sampler_lowered}
+                       "sampler_from_cache": generator.from_cache, "sampler_lowered": generator.sampler_lowered,
+                       **scoring.cache_stats(scorer)}
     # compiles: the host's backend compilations so far, sampler_compiles those of the
     # sampler (0 when it came from the cache); ready_s: seconds since host_started;
     # load_s, compile_s (overlapping the load), wait_s, transfer_s: ``runtime.ready_generator``
@@ -293,7 +305,7 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
         done = run_slices(generator, out, run, slots(), size, host, pool, zarr_images, zarr_latents,
-                          compiles_at_warm, on_commit=committed, stop=stop)
+                          compiles_at_warm, on_commit=committed, stop=stop, scorer=scorer)
     recompiles = jax_events.COMPILES.count() - compiles_at_warm
     # host 0 runs the coordination service: every host waits here until all are done (or one stopped)
     outcomes = cluster.finish(host, num_hosts, "stopped" if stop.stopped_at else "done")

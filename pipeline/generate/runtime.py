@@ -174,7 +174,8 @@ def program_tag(run: Run) -> tuple:
     s = run.settings
     return (s.model, run.model_fingerprint, s.dtype, s.scheduler, s.width, s.height, s.steps, s.per_device_batch,
             s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided, s.attention,
-            s.max_sequence_length, s.fsdp)
+            s.max_sequence_length, s.fsdp,
+            s.scores, run.scorers)  # the scorers too: a worker holds its scoring program beside the sampler
 
 
 def open_zarr(out: str, run: Run, model, images: int):

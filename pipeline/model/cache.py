@@ -13,13 +13,14 @@ def cache_dir() -> str:
     return os.environ.get("PROMPTMILL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "promptmill")
 
 
-def is_made(target: str) -> bool:
+def is_made(target: str, marker: str = "model_index.json") -> bool:
     """Whether the cache folder ``target`` (a checkpoint) is complete: ``materialize`` renames
-    a folder into place only once it is."""
-    return os.path.isfile(os.path.join(target, "model_index.json"))
+    a folder into place only once it is. ``marker``: the file every such folder holds (a
+    diffusers checkpoint's ``model_index.json``; a transformers model's ``config.json``)."""
+    return os.path.isfile(os.path.join(target, marker))
 
 
-def materialize(target: str, fill) -> str:
+def materialize(target: str, fill, marker: str = "model_index.json") -> str:
     """Make the local cache folder ``target`` once per machine; returns it.
 
     Processes asking for the same folder at once take turns on a file lock beside it
@@ -28,10 +29,11 @@ def materialize(target: str, fill) -> str:
     ``fill(scratch)`` writes into a private scratch folder beside ``target``, which is
     then renamed into place (a local, atomic rename): a crash leaves no half-written
     folder, and its lock (an ``flock``) dies with the process, so the next one starts over.
+    ``marker``: see ``is_made``.
     """
     from filelock import FileLock, Timeout
 
-    if is_made(target):
+    if is_made(target, marker):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
     lock = FileLock(f"{target}.lock")
@@ -41,7 +43,7 @@ def materialize(target: str, fill) -> str:
         logs.event("cache_wait", folder=target, reason="another process on this machine is making it")
         lock.acquire()
     try:
-        if is_made(target):
+        if is_made(target, marker):
             return target
         scratch = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}-", dir=os.path.dirname(target))
         try:
@@ -50,7 +52,7 @@ def materialize(target: str, fill) -> str:
             try:
                 os.rename(scratch, target)
             except OSError:  # made meanwhile by a process that took no lock (an older promptmill)
-                if not is_made(target):
+                if not is_made(target, marker):
                     raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -73,13 +73,15 @@ def _configs_root() -> str:
     return os.path.join(cache_dir(), "models", "remote-configs")
 
 
-def _listed(prefix: str) -> dict:
-    """{relative name: {"size", "md5", "crc32c"}} of a gs:// checkpoint's objects (the listing)."""
+def _listed(prefix: str, marker: str = "model_index.json") -> dict:
+    """{relative name: {"size", "md5", "crc32c"}} of a gs:// checkpoint's objects (the listing);
+    ModelError unless it holds ``marker`` (a diffusers checkpoint's ``model_index.json``)."""
     from pipeline.io import storage
 
     objects = storage.object_checksums(prefix)
-    if "model_index.json" not in objects:
-        raise ModelError(f"{prefix}: missing model_index.json (not a diffusers-format checkpoint)")
+    if marker not in objects:
+        what = "a diffusers-format checkpoint" if marker == "model_index.json" else "a model folder"
+        raise ModelError(f"{prefix}: missing {marker} (not {what})")
     return {relative: {key: entry[key] for key in CHECKSUMS} for relative, entry in objects.items()}
 
 
@@ -90,7 +92,7 @@ def _cache_key(objects: dict) -> str:
     return hashlib.sha256(json.dumps(sorted(sums.items())).encode()).hexdigest()[:24]
 
 
-def fetch_remote(prefix: str, weights: bool = True) -> str:
+def fetch_remote(prefix: str, weights: bool = True, marker: str = "model_index.json") -> str:
     """Copy a remote checkpoint into the local cache once per machine; returns the local folder.
 
     The cache key is a hash of every object's name, size and checksum, so a changed
@@ -105,15 +107,18 @@ def fetch_remote(prefix: str, weights: bool = True) -> str:
     ``weights=False``: the whole copy if the cache has it, else a folder of the configs
     alone (``CONFIG_SUFFIXES``), made the same way under ``remote-configs/KEY``; its
     listing still names every object, weights included (``check_layout`` reads it).
+    ``marker``: the file that makes a folder a model (a transformers model's folder, such as
+    a CLIP scorer's, holds ``config.json`` rather than ``model_index.json``).
     """
-    objects = _listed(prefix)
+    objects = _listed(prefix, marker)
     key = _cache_key(objects)
     _keep_listing(key, objects)
     whole = os.path.join(_remote_root(), key)
-    if not weights and not is_made(whole):
+    if not weights and not is_made(whole, marker):
         configs = {relative: entry for relative, entry in objects.items() if relative.endswith(CONFIG_SUFFIXES)}
-        return materialize(os.path.join(_configs_root(), key), lambda scratch: _copy(prefix, configs, scratch))
-    return materialize(whole, lambda scratch: _copy(prefix, objects, scratch))
+        return materialize(os.path.join(_configs_root(), key), lambda scratch: _copy(prefix, configs, scratch),
+                           marker)
+    return materialize(whole, lambda scratch: _copy(prefix, objects, scratch), marker)
 
 
 def _copy(prefix: str, objects: dict, scratch: str) -> None:
@@ -371,6 +376,12 @@ def resolve_lora(path: str) -> str:
         return _local_file(naming.join(path, LORA_FILE), "--lora", "loras", LORA_FILE)
     except ModelError:
         raise ModelError(f"--lora {path}: the folder holds no {LORA_FILE}") from None
+
+
+def resolve_file(path: str, flag: str, folder: str) -> str:
+    """The local file of a ``flag`` PATH: ``path`` itself when local, else the ``gs://``
+    object copied once into the cache under ``folder`` (as ``resolve_unet`` copies)."""
+    return _local_file(path, flag, folder, os.path.basename(path))
 
 
 def _local_file(path: str, flag: str, folder: str, name: str) -> str:

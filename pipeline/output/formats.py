@@ -39,13 +39,17 @@ def encode(image: np.ndarray, image_format: str = "png", quality: int = 95) -> b
     return buffer.getvalue()
 
 
-def thumbnail(image: np.ndarray | bytes, size: int = THUMB_SIZE) -> bytes:
+BLUR_RADIUS = THUMB_SIZE // 8  # a flagged image's thumbnail: shapes and colours, no detail
+
+
+def thumbnail(image: np.ndarray | bytes, size: int = THUMB_SIZE, blur: bool = False) -> bytes:
     """A JPEG of ``image`` fitted inside ``size`` x ``size``: uint8 [H, W, 3] pixels, or
     encoded bytes in any format PIL reads.
 
     The aspect ratio is kept and nothing is enlarged. The bytes depend only on the
     pixels: no metadata or timestamps are written, so a PNG's thumbnail is the same
-    as its pixels' thumbnail.
+    as its pixels' thumbnail. ``blur``: the thumbnail is blurred beyond recognition (an
+    image the safety checker flagged: the gallery shows that it is there, not what it is).
     """
     from PIL import Image
 
@@ -61,6 +65,10 @@ def thumbnail(image: np.ndarray | bytes, size: int = THUMB_SIZE) -> bytes:
             else:
                 rgb = decoded.convert("RGB")
     rgb.thumbnail((size, size), Image.Resampling.LANCZOS)
+    if blur:
+        from PIL import ImageFilter
+
+        rgb = rgb.filter(ImageFilter.GaussianBlur(BLUR_RADIUS * max(rgb.size) / size))
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=85, optimize=True)
     return out.getvalue()
@@ -120,19 +128,60 @@ def zarr_kvstore(path: str) -> dict:
     return {"driver": "file", "path": path}
 
 
-def open_zarr_images(out: str, count: int, height: int, width: int):
-    """The dataset's zarr3 image array [count, H, W, 3] uint8, one chunk per image.
+# OUT/zarr is a zarr v3 group (its zarr.json) whose arrays name their dimensions, so that
+# xarray.open_zarr(OUT/zarr) opens it as a Dataset; arrays of one dimension name share its size
+ZARR_GROUP = {"zarr_format": 3, "node_type": "group",
+              "attributes": {"promptmill": "images, latents and dropped are indexed by image position (the "
+                                           "metadata's position column)"}}
+IMAGE_DIMS = ("image", "height", "width", "channel")
+LATENT_DIMS = ("image", "latent_channel", "latent_height", "latent_width")
 
-    Every host opens it with ``create`` and ``open``: the metadata is the same from any
-    host, so whichever writes it first writes the same bytes.
-    """
+
+def write_zarr_group(out: str) -> None:
+    """``OUT/zarr/zarr.json``: the group's metadata, the same bytes from any host."""
+    storage.write_bytes(naming.join(out, "zarr", "zarr.json"), json.dumps(ZARR_GROUP, sort_keys=True).encode())
+
+
+def _open_array(spec: dict):
+    """``ts.open(spec, create=True, open=True)``; an array an older promptmill made without
+    dimension names is opened as it is (its data is the same)."""
     import tensorstore as ts
 
+    try:
+        return ts.open(spec, create=True, open=True).result()
+    except ValueError as e:
+        if "dimension_names" not in str(e):
+            raise
+        metadata = {k: v for k, v in spec["metadata"].items() if k != "dimension_names"}
+        return ts.open({**spec, "metadata": metadata}, create=True, open=True).result()
+
+
+def open_zarr_images(out: str, count: int, height: int, width: int):
+    """The dataset's zarr3 image array [count, H, W, 3] uint8, one chunk per image, in the
+    ``OUT/zarr`` group (``write_zarr_group``), its dimensions named ``IMAGE_DIMS``.
+
+    Every host opens it with ``create`` and ``open``: the metadata is the same from any
+    host, so whichever writes it first writes the same bytes. A position never written
+    (a dropped image's) reads as zeros, the array's fill value.
+    """
+    write_zarr_group(out)
     spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out)),
             "metadata": {"shape": [max(count, 1), height, width, 3], "data_type": "uint8",
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, height, width, 3]}},
-                         "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}]}}
-    return ts.open(spec, create=True, open=True).result()
+                         "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}],
+                         "dimension_names": list(IMAGE_DIMS)}}
+    return _open_array(spec)
+
+
+def open_zarr_dropped(out: str, count: int, slice_size: int):
+    """``OUT/zarr/dropped``: bool [count], True where a filter kept the image out (its
+    images row stays zeros); one chunk per slice, so each slice's commit writes its own."""
+    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.join(out, "zarr", "dropped")),
+            "metadata": {"shape": [max(count, 1)], "data_type": "bool",
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [slice_size]}},
+                         "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}],
+                         "dimension_names": ["image"]}}
+    return _open_array(spec)
 
 
 def read_zarr_images(out: str):
@@ -148,19 +197,32 @@ def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], 
     family's ``latents_note``) say which latents these are and how to decode them (the
     VAE's scaling factor, FLUX.1's shift).
     """
-    import tensorstore as ts
-
     shape = [int(n) for n in latent_shape]
     spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out)),
             "metadata": {"shape": [max(count, 1), *shape], "data_type": "float32",
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *shape]}},
                          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                                     {"name": "zstd", "configuration": {"level": 3}}],
-                         "attributes": dict(note)}}
-    return ts.open(spec, create=True, open=True).result()
+                         "attributes": dict(note), "dimension_names": list(LATENT_DIMS)}}
+    return _open_array(spec)
 
 
 def read_zarr_latents(out: str):
     import tensorstore as ts
 
     return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out))}).result()
+
+
+def consolidate_zarr(out: str) -> None:
+    """Rewrite ``OUT/zarr/zarr.json`` with the metadata of the group's arrays inlined, as
+    zarr-python's ``consolidate_metadata`` does for zarr v3, so that ``xarray.open_zarr``
+    reads one object instead of one per array (and does not warn). Collect calls it once
+    every array is made; the arrays' own metadata stays where it is."""
+    arrays = {}
+    for name in ("images", "latents", "dropped"):
+        path = naming.join(out, "zarr", name, "zarr.json")
+        if storage.exists(path):
+            arrays[name] = storage.read_json(path)
+    group = {**ZARR_GROUP, "consolidated_metadata": {"kind": "inline", "must_understand": False,
+                                                     "metadata": arrays}}
+    storage.write_bytes(naming.join(out, "zarr", "zarr.json"), json.dumps(group, sort_keys=True).encode())

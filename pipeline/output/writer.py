@@ -19,7 +19,7 @@ import threading
 import numpy as np
 
 from pipeline import __version__
-from pipeline.core import naming
+from pipeline.core import filters, naming
 from pipeline.core.records import Item
 from pipeline.core.settings import Run, Settings
 from pipeline.io import storage
@@ -33,7 +33,12 @@ METADATA_FIELDS = (
     ("slice", "int32"),
     ("position", "int64"), ("host", "int32"), ("sha256", "string"), ("path", "string"), ("source", "string"),
     ("line", "int64"), ("extra", "string"), ("promptmill_version", "string"), ("created_at", "string"),
+    # --score (pipeline.generate.scoring): null when the run does not compute the score
+    ("clip_similarity", "float64"), ("aesthetic", "float64"), ("nsfw", "bool_"), ("nsfw_score", "float64"),
+    # the filters' reason for keeping the image out of every image output (pipeline.core.filters); null: kept
+    ("dropped", "string"),
 )
+SCORE_FIELDS = ("clip_similarity", "aesthetic", "nsfw", "nsfw_score")
 
 
 def metadata_schema():
@@ -42,9 +47,14 @@ def metadata_schema():
     return pa.schema([(name, getattr(pa, kind)()) for name, kind in METADATA_FIELDS])
 
 
-def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, truncated: bool = False) -> dict:
+def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, truncated: bool = False,
+                 scores: dict | None = None, dropped: str | None = None) -> dict:
     """The metadata of one image (``METADATA_FIELDS``); ``truncated``: the prompt was
-    longer than the text encoder takes, and only its start was used."""
+    longer than the text encoder takes, and only its start was used; ``scores``: its
+    scores by column (``SCORE_FIELDS``); ``dropped``: why a filter kept it out of every
+    image output (its ``path`` is then empty: no output holds it; its ``sha256`` is still
+    that of its encoded bytes, so ``reproduce`` can check it)."""
+    scores = scores or {}
     settings = run.settings
     guidance = item.guidance_scale if item.guidance_scale is not None else settings.guidance_scale
     return {
@@ -60,6 +70,9 @@ def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, trunca
         "source": item.source, "line": item.line, "extra": json.dumps(item.extra, sort_keys=True, ensure_ascii=False),
         "promptmill_version": __version__,
         "created_at": run.created_at,  # when the run was first planned: a redone slice gets the same bytes
+        **{name: None if scores.get(name) is None else (bool(scores[name]) if name == "nsfw" else float(scores[name]))
+           for name in SCORE_FIELDS},
+        "dropped": dropped,
     }
 
 
@@ -149,18 +162,24 @@ class SliceWriter:
         self.formats = run.settings.formats
         self.image_format, self.quality = run.settings.image_format, run.settings.quality
         self.zarr_images, self.zarr_latents = zarr_images, zarr_latents
+        self.filtered = bool(filters.active_rules(run.settings))  # a filter may keep an image out
         self._pending = []
         self._rows: list[dict] | None = None  # set by ``finish``
 
-    def add(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None, truncated: bool = False) -> None:
+    def add(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None, truncated: bool = False,
+            scores: dict | None = None) -> None:
         """Queue one image (and, with ``zarr_latents``, its final latents) for writing;
-        ``truncated``: its prompt was cut to the text encoder's length."""
+        ``truncated``: its prompt was cut to the text encoder's length; ``scores``: its
+        scores by column, which the run's filters read (``filters.dropped_reason``)."""
         if self.zarr_latents is not None and latents is None:
             raise ValueError(f"slice {self.index}: --save-latents, but no latents for {item.key}")
+        if self.run.settings.scores and scores is None:  # a filter would read them: never guess
+            raise ValueError(f"slice {self.index}: the run scores its images (--score "
+                             f"{','.join(self.run.settings.scores)}), but {item.key} came without scores")
         latents = None if self.zarr_latents is None else np.array(latents, np.float32, copy=True)
         self._slots.acquire()
         try:
-            future = self.pool.submit(self._write_one, item, np.array(image, copy=True), latents, truncated)
+            future = self.pool.submit(self._write_one, item, np.array(image, copy=True), latents, truncated, scores)
         except BaseException:
             self._slots.release()
             raise
@@ -168,12 +187,16 @@ class SliceWriter:
         self._pending.append(future)
 
     def _write_one(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None,
-                   truncated: bool = False) -> tuple[dict, bytes]:
+                   truncated: bool = False, scores: dict | None = None) -> tuple[dict, bytes]:
         data = formats.encode(image, self.image_format, self.quality)
+        dropped = filters.dropped_reason(self.run.settings, scores or {}) if self.filtered else None
+        if dropped is not None:  # in no image output: its row alone says it was made, and why it is not there
+            return metadata_row(item, self.run, self.host, data, "", truncated, scores, dropped), None
         location = image_location(self.run.settings, item)
         if "files" in self.formats:
             storage.write_bytes(naming.join(self.out, location), data)
-        storage.write_bytes(naming.thumb_file(self.out, item.slice, item.key), formats.thumbnail(image))
+        flagged = bool(scores and scores.get("nsfw"))
+        storage.write_bytes(naming.thumb_file(self.out, item.slice, item.key), formats.thumbnail(image, blur=flagged))
         if "zarr" in self.formats:
             self.zarr_images[item.position].write(image).result()
         if latents is not None:
@@ -181,7 +204,7 @@ class SliceWriter:
         # the encoded bytes are kept for the slice's tar or image parquet only: with files
         # and zarr alone, a queued slice holds its rows, not its images
         keep = "webdataset" in self.formats or "parquet" in self.formats
-        return metadata_row(item, self.run, self.host, data, location, truncated), data if keep else None
+        return metadata_row(item, self.run, self.host, data, location, truncated, scores), data if keep else None
 
     def wait_images(self) -> None:
         """Block until every image added so far is stored (or one failed)."""
@@ -195,24 +218,44 @@ class SliceWriter:
         never reaches ``mark``.
         """
         results = [future.result() for future in self._pending]
-        rows, encoded = [r for r, _ in results], [d for _, d in results]
+        rows = [r for r, _ in results]
+        # a dropped image has no tar entry and no image parquet row, only its metadata row
+        kept = [(r, d) for r, d in results if r["dropped"] is None]
+        kept_rows, encoded = [r for r, _ in kept], [d for _, d in kept]
         objects = [(naming.shard_metadata(self.out, self.index), lambda: parquet_bytes(rows))]
         if "webdataset" in self.formats:
             ext = formats.extension(self.image_format)
             objects.append((naming.shard_tar(self.out, self.index),
-                            lambda: formats.tar_bytes(formats.webdataset_members(rows, encoded, ext))))
+                            lambda: formats.tar_bytes(formats.webdataset_members(kept_rows, encoded, ext))))
         if "parquet" in self.formats:
             objects.append((naming.image_parquet(self.out, self.index),
-                            lambda: formats.image_parquet_bytes(rows, encoded, metadata_schema())))
-        for future in [self.pool.submit(lambda p=p, make=make: storage.write_bytes(p, make())) for p, make in objects]:
+                            lambda: formats.image_parquet_bytes(kept_rows, encoded, metadata_schema())))
+        if "zarr" in self.formats and self.filtered and rows:
+            objects.append((None, lambda: self._write_dropped(rows)))
+        for future in [self.pool.submit(lambda p=p, make=make: make() if p is None else storage.write_bytes(p, make()))
+                       for p, make in objects]:
             future.result()
         self._rows = rows
         return rows
 
+    def _write_dropped(self, rows: list[dict]) -> None:
+        """The slice's part of ``OUT/zarr/dropped`` (its own chunk): which of its positions a
+        filter kept out of ``OUT/zarr/images``."""
+        size = self.run.settings.slice_size
+        array = formats.open_zarr_dropped(self.out, self.zarr_images.shape[0], size)
+        first = self.index * size
+        flags = np.zeros(min(size, array.shape[0] - first), bool)
+        for row in rows:
+            flags[row["position"] - first] = row["dropped"] is not None
+        array[first:first + len(flags)].write(flags).result()
+
     def mark(self, stats: dict) -> None:
         """Write the commit marker: the slice counts as done from here on. Once ``finish``
-        has run, the marker also says how many thumbnails the slice holds."""
-        marker = stats if self._rows is None else {**stats, "thumbnails": len(self._rows)}
+        has run, the marker also says how many thumbnails the slice holds (a dropped image
+        has none)."""
+        marker = stats if self._rows is None else {
+            **stats, "thumbnails": sum(1 for row in self._rows if row["dropped"] is None),
+            **({"dropped": sum(1 for row in self._rows if row["dropped"] is not None)} if self.filtered else {})}
         storage.write_json(naming.shard_stats(self.out, self.index), marker)
 
     def commit(self, stats: dict) -> list[dict]:

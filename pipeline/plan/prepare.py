@@ -14,7 +14,7 @@ from importlib import metadata
 from pipeline import __version__
 from pipeline.core import logs, naming
 from pipeline.core.choices import LEGACY_ATTENTION
-from pipeline.core.settings import Lora, Run, Settings, fingerprint
+from pipeline.core.settings import Lora, Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.plan.layout import PlanError, match_prompt_files
 
@@ -46,6 +46,7 @@ def _versions() -> dict:
 def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     """Settings with the model's defaults filled in, and the run they plan."""
     from pipeline.model import load as model
+    from pipeline.model.scorers import models as scorer_models
 
     settings.validate()
     described = model.describe(settings.model, settings.scheduler, settings.timestep_spacing, settings.steps,
@@ -66,7 +67,8 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     run = Run.create(settings, described["fingerprint"], versions=_versions(),
                      created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                      loras=tuple(Lora(**lora) for lora in described["loras"]), license=described["license"],
-                     sharding=_sharding(settings))
+                     sharding=_sharding(settings),
+                     scorers=scorer_models.describe(settings, described["fingerprint"])["fingerprints"])
     return settings, run
 
 
@@ -110,12 +112,14 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
         asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided)
         if previous.settings.attention == LEGACY_ATTENTION:  # planned before the attention seam: keeps its program
             asked = asked.replace(attention=LEGACY_ATTENTION)
-        if previous.settings_fingerprint == fingerprint(asked, run.model_fingerprint):
+        if previous.settings_fingerprint == run.fingerprint_of(asked):
             return previous
         changed = sorted(f.name for f in dataclasses.fields(Settings)  # a moved OUT is the same run
                          if f.name != "out" and getattr(previous.settings, f.name) != getattr(asked, f.name))
         if previous.model_fingerprint != run.model_fingerprint:
             changed.append("model weights")
+        if previous.scorers != run.scorers and set(dict(previous.scorers)) == set(dict(run.scorers)):
+            changed.append("scorer model weights")
         raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
                         "use another --out, or add --overwrite to delete the old run and start over")
     runs.write(out, run)
