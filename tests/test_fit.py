@@ -99,9 +99,9 @@ def test_auto_picks_the_largest_batch_that_fits_and_a_resumed_run_keeps_it(tmp_p
     # each batch's program is compiled once in this test (they take seconds each)
     compiled, original = {}, fit.sampler_memory
 
-    def sampler_memory(model, width, height, steps, b, *args):
+    def sampler_memory(model, width, height, steps, b, *args, **kwargs):
         if b not in compiled:
-            compiled[b] = original(model, width, height, steps, b, *args)
+            compiled[b] = original(model, width, height, steps, b, *args, **kwargs)
         return compiled[b]
 
     monkeypatch.setattr(fit, "sampler_memory", sampler_memory)

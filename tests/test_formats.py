@@ -100,7 +100,7 @@ def test_out_zarr_is_a_group_that_xarray_opens_and_an_older_array_still_opens(tm
     out = str(tmp_path / "out")
     images = formats.open_zarr_images(out, 3, 8, 16)
     images[1].write(np.full((8, 16, 3), 9, np.uint8)).result()
-    formats.open_zarr_latents(out, 3, (4, 1, 2), 0.18215)
+    formats.open_zarr_latents(out, 3, (4, 1, 2), {"vae_scaling_factor": 0.18215})
     formats.open_zarr_dropped(out, 3, 2)[0:2].write(np.array([True, False])).result()
     formats.consolidate_zarr(out)
     with warnings.catch_warnings():

@@ -67,6 +67,7 @@ def test_runs_planned_before_save_latents_keep_their_fingerprint():
     old.pop("loras")  # likewise
     old.pop("device_memory")  # likewise
     old.pop("max_sequence_length")  # likewise
+    old.pop("fsdp")  # likewise
     for name in ("scores", "clip_model", "aesthetic_head", "safety_checker", "min_clip_similarity", "min_aesthetic",
                  "drop_nsfw"):
         old.pop(name)  # likewise
