@@ -102,3 +102,25 @@ def test_fsdp_auto_takes_the_smallest_n_that_fits(devices, model_cache, monkeypa
     assert fit.resolve_fsdp(asked.replace(device_memory=2 * one / fit.HEADROOM / fit.GIB)).fsdp == 1
     with pytest.raises(fit.FitError, match="--fsdp auto: one image per device needs"):
         fit.resolve_fsdp(asked.replace(device_memory=two / 4 / fit.GIB))
+
+
+def test_the_pallas_kernel_runs_per_device_in_a_program_partitioned_over_a_mesh(devices):
+    """XLA cannot partition a Pallas (Mosaic) kernel: under ``--fsdp`` the seam runs it on each
+    device's own rows (shard_map); interpreted here, it gives XLA's attention."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pipeline.model import attention
+
+    the_mesh = sharding.mesh(devices, 2)
+    rng = np.random.default_rng(1)
+    q, k, v = (jax.numpy.asarray(rng.standard_normal((4, 256, 2, 8)), jax.numpy.float32) for _ in range(3))
+
+    def attend(q, k, v):
+        with attention.use("flash", platform="cpu", block_tokens=128, mesh=the_mesh) as calls:
+            out = attention.compute("flux", q, k, v, 0.35)
+        assert [c.kernel for c in calls] == ["pallas"]
+        return out
+
+    rows = NamedSharding(the_mesh, PartitionSpec((sharding.DATA, sharding.FSDP)))
+    out = jax.jit(attend, in_shardings=(rows, rows, rows), out_shardings=rows)(q, k, v)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(attention.attend(q, k, v, 0.35, "xla")), atol=1e-5)

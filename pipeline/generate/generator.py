@@ -216,7 +216,7 @@ def lower_fsdp(model, width: int, height: int, steps: int, per_device_batch: int
     one = sharding.batch_sharding(the_mesh, 1)
     images = sharding.batch_sharding(the_mesh, 4)
     fn = jax.jit(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention,
-                                        devices[0].platform),
+                                        devices[0].platform, the_mesh),
                  out_shardings=(images, sharding.batch_sharding(the_mesh, 4)) if latents else images)
     ids_struct = jax.ShapeDtypeStruct((n, *ids), jnp.int32, sharding=sharding.batch_sharding(the_mesh, 1 + len(ids)))
     words = jax.ShapeDtypeStruct((n,), jnp.uint32, sharding=one)

@@ -27,7 +27,7 @@ def truncated(model, texts) -> list[bool]:
     return model.family.truncated(model, texts)
 
 
-def _seam(attention: str, platform: str | None):
+def _seam(attention: str, platform: str | None, mesh=None):
     """The attention seam's context factory, entered while the program is traced."""
     import contextlib
 
@@ -36,12 +36,12 @@ def _seam(attention: str, platform: str | None):
 
     if attention == LEGACY_ATTENTION:
         return contextlib.nullcontext
-    return lambda: attention_lib.use(attention, platform=platform)
+    return lambda: attention_lib.use(attention, platform=platform, mesh=mesh)
 
 
 def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = False,
                    guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto",
-                   platform: str | None = None):
+                   platform: str | None = None, mesh=None):
     """``sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index)``.
 
     Shapes (B = batch): ids int32 [B, ...] (``tokenize``); guidance float32 [B]; seed words
@@ -49,13 +49,14 @@ def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = F
     pair (images, final latents float32 [B, C, height/f, width/f]). Without ``latents`` the
     program is exactly the images-only one. ``guided``: see ``make_denoise_fn`` (a
     guidance-free program never reads ``negative_ids``). ``attention`` and ``platform``: see
-    ``make_denoise_fn``.
+    ``make_denoise_fn``; ``mesh``: the mesh an FSDP program is partitioned over.
     """
     import jax
 
     latent_shape = model.latent_shape(width, height)
     denoise = make_denoise_fn(model, steps, empty_negative_ids=tokenize(model, [""])[0], return_latents=latents,
-                              guidance_rule=guidance_rule, guided=guided, attention=attention, platform=platform)
+                              guidance_rule=guidance_rule, guided=guided, attention=attention, platform=platform,
+                              mesh=mesh)
 
     def sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index):
         image_keys = keys.fold_keys(seed_hi, seed_lo, image_index)
@@ -83,7 +84,7 @@ def decode_latents(model, vae_params, latents):
 
 def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: bool = False,
                     guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto",
-                    platform: str | None = None):
+                    platform: str | None = None, mesh=None):
     """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
     float32 images in [0, 1], [B, H, W, 3], from given initial latents (float32
     [B, C, H/f, W/f]); the family's (``Family.make_denoise``: see it for ``guided``,
@@ -95,4 +96,4 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
     """
     return model.family.make_denoise(model, steps, empty_negative_ids=empty_negative_ids,
                                      return_latents=return_latents, guidance_rule=guidance_rule, guided=guided,
-                                     seam=_seam(attention, platform))
+                                     seam=_seam(attention, platform, mesh))

@@ -251,17 +251,31 @@ def _cudnn(q, k, v, scale):
     return jax.nn.dot_product_attention(q, k, v, scale=1.0 if scale is None else scale, implementation="cudnn")
 
 
+def _per_device(kernel, mesh, q, k, v):
+    """``kernel(q, k, v)`` run on each device's own rows of the batch (``shard_map`` over
+    every axis of ``mesh``): in a program partitioned over a mesh (``--fsdp``), XLA cannot
+    partition a Pallas (Mosaic) kernel by itself, but attention never mixes rows."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    rows = PartitionSpec(tuple(mesh.axis_names))
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(rows, rows, rows), out_specs=rows, check_vma=False)(q, k, v)
+
+
 def attend(q, k, v, scale, kernel: str, budget_bytes: int = DEFAULT_BUDGET_BYTES["cpu"],
-           block_tokens: int = DEFAULT_BLOCK_TOKENS, interpret: bool = False):
+           block_tokens: int = DEFAULT_BLOCK_TOKENS, interpret: bool = False, mesh=None):
     """softmax(q k^T [* scale]) v with ``kernel``; q, k, v and the result are
     [batch, tokens, heads, head_dim]. ``budget_bytes``: chunked's block, in bytes of
     scores; ``block_tokens``: the Pallas kernel's block; ``interpret``: run the Pallas
-    kernel in interpret mode (on a CPU)."""
+    kernel in interpret mode (on a CPU); ``mesh``: the mesh a partitioned program runs
+    over (the Pallas kernel then runs per device, ``_per_device``)."""
     if kernel == "xla":
         return _xla(q, k, v, scale)
     if kernel == "chunked":
         return _chunked(q, k, v, scale, budget_bytes)
     if kernel == "pallas":
+        if mesh is not None:
+            return _per_device(lambda a, b, c: _pallas(a, b, c, scale, block_tokens, interpret), mesh, q, k, v)
         return _pallas(q, k, v, scale, block_tokens, interpret)
     if kernel == "cudnn":
         return _cudnn(q, k, v, scale)
@@ -306,6 +320,7 @@ class _Seam:
     budget_bytes: int
     block_tokens: int
     calls: list
+    mesh: object = None  # the mesh of a partitioned program (``use``)
 
     def core(self, site, q, k, v, scale):
         batch, q_tokens, heads, head_dim = q.shape
@@ -316,7 +331,7 @@ class _Seam:
         for recorder in getattr(_ACTIVE, "recorders", ()):
             recorder.append(call)
         return attend(q, k, v, scale, kernel, self.budget_bytes, self.block_tokens,
-                      interpret=self.platform == "cpu")
+                      interpret=self.platform == "cpu", mesh=self.mesh)
 
     def unet_attention(self, module, hidden_states, context=None, deterministic=True):
         """``FlaxAttention.__call__`` with the seam's core."""
@@ -350,14 +365,15 @@ class _Seam:
 
 @contextlib.contextmanager
 def use(implementation: str = "auto", platform: str | None = None, budget_bytes: int | None = None,
-        block_tokens: int = DEFAULT_BLOCK_TOKENS):
+        block_tokens: int = DEFAULT_BLOCK_TOKENS, mesh=None):
     """Run the UNet's and the VAE's attention through the seam while tracing in this block.
 
     ``implementation``: one of ``IMPLEMENTATIONS``; ``platform``: the platform the traced
     program will run on (default: JAX's default backend); ``budget_bytes``: see
     ``DEFAULT_BUDGET_BYTES`` (None: the platform's); ``block_tokens``: the Pallas
-    kernel's block. Yields a list that receives one ``Call`` per attention call traced
-    inside the block.
+    kernel's block; ``mesh``: the mesh the traced program is partitioned over (an FSDP
+    program: its Pallas kernels run per device). Yields a list that receives one ``Call``
+    per attention call traced inside the block.
 
     The seam acts while JAX traces, so enter it inside the function that ``jit`` or
     ``pmap`` traces: around a ``jax.jit(f)`` call it has no effect when ``f``'s trace is
@@ -372,7 +388,7 @@ def use(implementation: str = "auto", platform: str | None = None, budget_bytes:
         raise ValueError(f"attention must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     platform = platform_of(platform or jax.default_backend())
     budget = DEFAULT_BUDGET_BYTES[platform] if budget_bytes is None else budget_bytes
-    seam = _Seam(implementation, platform, budget, block_tokens, [])
+    seam = _Seam(implementation, platform, budget, block_tokens, [], mesh)
 
     def interceptor(next_fun, args, kwargs, context):
         if context.method_name == "__call__":
