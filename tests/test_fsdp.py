@@ -81,6 +81,24 @@ def test_fsdp_2_makes_the_images_of_fsdp_1_with_half_the_sharded_weights_on_each
     assert sharded == [next(c for c in sizes if c in sharding.DENOISERS)]
     saved = programs[1]["argument"] - programs[2]["argument"]
     assert 0.4 * sizes[sharded[0]] < saved <= 0.5 * sizes[sharded[0]]
+    # the share the TPU check reports for a program XLA refused, from shapes: about XLA's own
+    # figure (which leaves out the weights a program never reads, e.g. tiny's unused pooler)
+    for fsdp in (1, 2):
+        share = sharding.device_bytes(model.params, fsdp, model.param_dtype)
+        assert 0.75 * share < programs[fsdp]["argument"] < share + 64 * 1024, (fsdp, share, programs[fsdp])
+
+
+def test_a_device_holds_a_sharded_weights_share_and_every_replicated_weight():
+    f32 = np.float32
+    params = {"unet": {"kernel": jax.ShapeDtypeStruct((512, 64), f32), "bias": jax.ShapeDtypeStruct((64,), f32)},
+              "vae": {"kernel": jax.ShapeDtypeStruct((512, 64), f32)},
+              "text_encoder": {"ids": jax.ShapeDtypeStruct((77, 8), np.int32)}}
+    matrix, bias, ids = 512 * 64 * 4, 64 * 4, 77 * 8 * 4
+    assert sharding.device_bytes(params, 1) == 2 * matrix + bias + ids
+    assert sharding.device_bytes(params, 4) == matrix // 4 + bias + matrix + ids
+    # floating weights in the run's dtype; integers as they are
+    assert sharding.device_bytes(params, 2, jax.numpy.bfloat16) == \
+        matrix // 4 + bias // 2 + matrix // 2 + ids
 
 
 def test_fsdp_auto_takes_the_smallest_n_that_fits(devices, model_cache, monkeypatch, tmp_path):

@@ -40,6 +40,7 @@ import numpy as np
 
 from pipeline.core import logs
 from pipeline.generate import compile_cache, fit, parts
+from pipeline.model import sharding
 
 GIB = fit.GIB
 INSTALL_HINT = ('install the TPU compiler with pip install "promptmill[tpu]" (it brings libtpu, the version '
@@ -166,11 +167,11 @@ def available_hbm(device) -> int | None:
         import jax
         import jax.numpy as jnp
 
-        sharding = jax.sharding.SingleDeviceSharding(device)
+        single = jax.sharding.SingleDeviceSharding(device)
         # a sort keeps the whole 64 GiB product alive: XLA cannot tile it away
         program = jax.jit(lambda x: jnp.sort(x @ x.T, axis=0)[:8])
         try:
-            program.lower(jax.ShapeDtypeStruct((2 ** 17, 128), jnp.float32, sharding=sharding)).compile()
+            program.lower(jax.ShapeDtypeStruct((2 ** 17, 128), jnp.float32, sharding=single)).compile()
             _AVAILABLE[kind] = None
         except Exception as e:  # noqa: BLE001 - the refusal is the answer
             _AVAILABLE[kind] = (out_of_memory(str(e)) or {}).get("available")
@@ -243,7 +244,7 @@ def compile_program(settings, target: Target, per_device_batch: int, model=None)
     with attention.record() as calls:
         lowered = generator.lower_sampler(model, width, height, per_device_batch=per_device_batch, devices=devices,
                                           fsdp=settings.fsdp, **args)
-    params = _nbytes(model.params)
+    params = sharding.device_bytes(model.params, settings.fsdp, model.param_dtype)  # each chip's share
     kernels = tuple(attention.summary(calls))
     try:
         with _quiet_stderr():
@@ -307,7 +308,7 @@ def parts_memory(settings, target: Target, per_device_batch: int, model) -> int:
     from pipeline.model import attention
 
     device = host_devices(target)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    single = jax.sharding.SingleDeviceSharding(device)
     width, height = size_of(settings, model)
 
     @contextlib.contextmanager
@@ -317,7 +318,7 @@ def parts_memory(settings, target: Target, per_device_batch: int, model) -> int:
 
     programs = [(sum(_nbytes(model.params[name]) for name in components), lowered)
                 for _, components, lowered in parts.parts(model, width, height, per_device_batch,
-                                                          run_guided(settings, model), seam, sharding)]
+                                                          run_guided(settings, model), seam, single)]
     most = 0
     for weights, lowered in programs:
         try:
@@ -340,7 +341,7 @@ def _description(settings, target: Target, per_device_batch) -> dict:
                                                              if per_device_batch is not None else 1))
     described.update({"per_device_batch": per_device_batch, "guided": settings.guided,
                       "guidance_scale": settings.guidance_scale,
-                      "tpu_type": target.tpu_type, "chips": target.chips, "libtpu": libtpu_version(), "check": 1})
+                      "tpu_type": target.tpu_type, "chips": target.chips, "libtpu": libtpu_version(), "check": 2})
     return described
 
 

@@ -97,6 +97,24 @@ def component_bytes(params) -> dict[str, int]:
             for name, tree in params.items()}
 
 
+def device_bytes(params, fsdp: int, dtype=None) -> int:
+    """The bytes of weights each device holds at ``--fsdp fsdp``, as ``shaped`` lays the
+    params out (floating leaves in ``dtype`` when given): a sharded leaf's 1/fsdp, a
+    replicated leaf whole. What a program's arguments take per device, without compiling it."""
+    import jax
+
+    from pipeline.model.families.shapes import struct
+
+    layout = layout_of(params, fsdp)
+    total = 0
+    for component, tree in params.items():
+        for leaf in jax.tree_util.tree_leaves(struct(tree, dtype)):
+            size = int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+            split = component in layout.sharded and leaf_axis(tuple(leaf.shape), fsdp) is not None
+            total += size // fsdp if split else size
+    return total
+
+
 def layout_of(params, fsdp: int) -> Layout:
     return Layout(fsdp, sharded_components(component_bytes(params), fsdp))
 
