@@ -40,14 +40,15 @@ def whole_program_flops(compiled) -> float:
 
 
 def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: int, compiled=None,
-                  guided: bool = True) -> dict:
+                  guided: bool = True, parts: dict | None = None) -> dict:
     """Flops of one device step (``per_device_step``) and of one image, counted by parts.
 
     With ``compiled`` (the Generator's executable), also XLA's own count of the whole
     program and the number of UNet calls that count implies (1.0 while XLA counts a
-    loop body once).
+    loop body once). ``parts``: ``part_flops`` of the same model, size, batch and
+    guidance, counted before (the parts do not depend on the sampler or the steps).
     """
-    parts = part_flops(model, width, height, per_device_batch, guided)
+    parts = parts or part_flops(model, width, height, per_device_batch, guided)
     step = parts["text_encoder"] + steps * parts["denoiser_call"] + parts["vae_decode"]
     result = {**parts, "guided": guided, "steps": steps, "per_device_step": step, "per_image": step / per_device_batch}
     if compiled is not None:

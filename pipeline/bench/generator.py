@@ -222,7 +222,7 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
 
     per_device_batch = config.per_device_batches[0]
     networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
-    calls, rows = {}, {}
+    calls, rows, counted_parts = {}, {}, {}  # (batch, guided) -> part_flops: recipes share them
     for name, (scheduler, spacing, steps, guidance, factor) in recipes(config).items():
         variant = model_lib.with_sampler(model, scheduler, spacing)
         state = replicate({"scheduler": variant.params["scheduler"]}, devices) if "scheduler" in variant.params else {}
@@ -230,7 +230,11 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
                               guided=guidance > 1,
                               params={**networks, **state})
         calls[name] = ours_call(generator, guidance)
-        counted = flops.sampler_flops(variant, width, height, steps, factor * per_device_batch, guided=guidance > 1)
+        shape = (factor * per_device_batch, guidance > 1)
+        if shape not in counted_parts:
+            counted_parts[shape] = flops.part_flops(variant, width, height, *shape)
+        counted = flops.sampler_flops(variant, width, height, steps, shape[0], guided=shape[1],
+                                      parts=counted_parts[shape])
         rows[name] = {"scheduler": variant.sampler.choice, "engine": variant.sampler.engine,
                       "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,
                       "guidance_scale": guidance, "guided": guidance > 1, "flops": counted,

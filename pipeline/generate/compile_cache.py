@@ -34,6 +34,7 @@ compiled once.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -255,6 +256,26 @@ def _load(path: str, devices):
         return None
 
 
+_RECENT: "collections.OrderedDict[str, object]" = collections.OrderedDict()  # executable_key -> executable
+RECENT_PROGRAMS = 8  # the compiled programs a process keeps, most recent first
+
+
+def _compiled_once(lowered, devices):
+    """``lowered.compile()``, or the executable this process compiled last for the same
+    program and devices (``executable_key``): a process that builds several generators of
+    one program (a benchmark's parts, a bench's recipes) compiles it once. The executable
+    is immutable; it is the one XLA compiled for that very program text."""
+    key = executable_key(lowered, devices)
+    if key in _RECENT:
+        _RECENT.move_to_end(key)
+        return _RECENT[key]
+    compiled = lowered.compile()
+    _RECENT[key] = compiled
+    while len(_RECENT) > RECENT_PROGRAMS:
+        _RECENT.popitem(last=False)
+    return compiled
+
+
 def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[str, object] | None = None):
     """``lowered.compile()``, or the executable an earlier run of this host compiled for
     the same key (``executable_key``) in ``folder`` (local or gs://; default: the one
@@ -272,7 +293,7 @@ def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[st
 
     folder = folder or _executables
     if folder is None:
-        return lowered.compile(), False
+        return _compiled_once(lowered, devices), False
     folder = folder.rstrip("/")
     key = executable_key(lowered, devices)
     path = f"{folder}/{key}"
