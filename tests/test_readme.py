@@ -139,3 +139,7 @@ def _check_demo(clone, result):
     assert stats["verified"] and stats["records"] == 40 and stats["images"] == 43 and stats["rejects"] == 0
     assert len(list((out / "images").glob("*/*.png"))) == 43
     assert json.loads(result.stdout.strip().splitlines()[-1])["verified"] is True
+    # with libtpu installed (the test extra has it), a local run asks for CPU devices: neither
+    # the launcher nor a host goes looking for a TPU, or prints libtpu's warnings about it
+    logs = [result.stderr] + [path.read_text() for path in (out / "logs").glob("host-*.log")]
+    assert len(logs) == 3 and not any("TPU_ACCELERATOR_TYPE" in text or "libtpu" in text for text in logs)
