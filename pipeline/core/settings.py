@@ -300,43 +300,6 @@ class Lora:
     scale: float
     sha256: str
 
-    def _validate_scores(self) -> None:
-        """The scores, their models and the filters: each asked for by what reads it."""
-        if tuple(self.scores) != parse_scores(",".join(self.scores)):
-            raise ValueError(f"--score must list some of {', '.join(SCORES)}, got {','.join(self.scores)!r}")
-        wanted = {"clip_model": ("clip", "aesthetic"), "aesthetic_head": ("aesthetic",), "safety_checker": ("safety",)}
-        flags = {"clip_model": "--clip-model", "aesthetic_head": "--aesthetic-head",
-                 "safety_checker": "--safety-checker"}
-        for name, readers in wanted.items():
-            if getattr(self, name) is not None and not set(readers) & set(self.scores):
-                raise ValueError(f"{flags[name]} is read only by --score {' or '.join(readers)}, which the run does "
-                                 f"not compute (--score {','.join(self.scores) or 'not given'})")
-        if set(self.scores) & {"clip", "aesthetic"} and not self.clip_model:
-            what = " and ".join(s for s in ("clip", "aesthetic") if s in self.scores)
-            raise ValueError(f"--score {what} needs --clip-model: a CLIP checkpoint in transformers' format (a "
-                             f"local folder, gs://, a hub id such as openai/clip-vit-large-patch14, or a built-in "
-                             f"random one)")
-        if "aesthetic" in self.scores and not self.aesthetic_head:
-            raise ValueError("--score aesthetic needs --aesthetic-head: LAION's improved aesthetic predictor as a "
-                             "safetensors file (see the README)")
-        for name, score in (("min_clip_similarity", "clip"), ("min_aesthetic", "aesthetic")):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{flag} must be a finite number, got {value!r}")
-            if score not in self.scores:
-                raise ValueError(f"{flag} filters on the {score} score, which the run does not compute: add "
-                                 f"--score {','.join(parse_scores(','.join((*self.scores, score))))}")
-        if self.min_clip_similarity is not None and not -1 <= self.min_clip_similarity <= 1:
-            raise ValueError(f"--min-clip-similarity is a cosine, in [-1, 1], got {self.min_clip_similarity}")
-        if self.drop_nsfw not in (True, False):
-            raise ValueError(f"drop_nsfw must be true or false, got {self.drop_nsfw!r}")
-        if self.drop_nsfw and "safety" not in self.scores:
-            raise ValueError(f"--drop-nsfw filters on the safety checker's decision, which the run does not "
-                             f"compute: add --score {','.join(parse_scores(','.join((*self.scores, 'safety'))))}")
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

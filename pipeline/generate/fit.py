@@ -181,16 +181,24 @@ def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machi
     (unless ``overwrite``), else ``choose_per_device_batch``'s at the run's FSDP degree.
     Other settings are returned as they are."""
     from pipeline.core.settings import AUTO
-    from pipeline.io import runs
 
     settings = resolve_fsdp(settings, overwrite, devices_on_machine)
     if settings.per_device_batch != AUTO:
         return settings
+    return _kept_or_chosen(settings, overwrite, "per_device_batch",
+                           lambda: choose_per_device_batch(settings, devices_on_machine=devices_on_machine))
+
+
+def _kept_or_chosen(settings, overwrite: bool, name: str, choose):
+    """``settings`` with the setting ``name`` (asked for as auto) the run's already in OUT
+    (a resumed run keeps it, logged as ``<name>_kept``) unless ``overwrite``, else ``choose()``."""
+    from pipeline.io import runs
+
     if not overwrite and runs.exists(settings.out):
-        kept = runs.read(settings.out).settings.per_device_batch
-        logs.event("per_device_batch_kept", per_device_batch=kept, out=settings.out)
-        return settings.replace(per_device_batch=kept)
-    return settings.replace(per_device_batch=choose_per_device_batch(settings, devices_on_machine=devices_on_machine))
+        kept = getattr(runs.read(settings.out).settings, name)
+        logs.event(f"{name}_kept", **{name: kept}, out=settings.out)
+        return settings.replace(**{name: kept})
+    return settings.replace(**{name: choose()})
 
 
 def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -> int:
@@ -228,15 +236,10 @@ def resolve_fsdp(settings, overwrite: bool = False, devices_on_machine: int | No
     run keeps it, unless ``overwrite``), else ``choose_fsdp``'s. Resolved before the
     per-device batch, which is then the largest that fits at that N."""
     from pipeline.core.settings import AUTO
-    from pipeline.io import runs
 
     if settings.fsdp != AUTO:
         return settings
-    if not overwrite and runs.exists(settings.out):
-        kept = runs.read(settings.out).settings.fsdp
-        logs.event("fsdp_kept", fsdp=kept, out=settings.out)
-        return settings.replace(fsdp=kept)
-    return settings.replace(fsdp=choose_fsdp(settings, devices_on_machine=devices_on_machine))
+    return _kept_or_chosen(settings, overwrite, "fsdp", lambda: choose_fsdp(settings, devices_on_machine=devices_on_machine))
 
 
 def cap_hosts(asked, hosts: int, overwrite: bool = False) -> int | None:

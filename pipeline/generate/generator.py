@@ -159,15 +159,24 @@ def indexed_sampler(index_key: str, devices, fsdp: int = 1) -> SamplerProgram | 
     """The sampler ``compile_sampler(..., index_key=index_key)`` made on an earlier run of
     this host, loaded from the executable cache without lowering anything; None if there
     is none (or no cache). ``fsdp``: what the key's description says."""
+    found = load_indexed_program(index_key, devices)
+    if found is None:
+        return None
+    compiled, params, compiles, seconds = found
+    return SamplerProgram(compiled, params, tuple(devices), True, compiles, seconds, lowered=False, fsdp=fsdp)
+
+
+def load_indexed_program(index_key: str, devices) -> tuple | None:
+    """(executable, its params' shapes, compiles it took, seconds) of the program an earlier
+    run of this host compiled under ``index_key`` (``compile_cache.load_indexed``); None if
+    there is none."""
     jax_events.COMPILES.install()
     started = time.perf_counter()
     compiles = jax_events.COMPILES.count_here()
     found = compile_cache.load_indexed(index_key, list(devices))
     if found is None:
         return None
-    compiled, params = found
-    return SamplerProgram(compiled, params, tuple(devices), True, jax_events.COMPILES.count_here() - compiles,
-                          time.perf_counter() - started, lowered=False, fsdp=fsdp)
+    return (*found, jax_events.COMPILES.count_here() - compiles, time.perf_counter() - started)
 
 
 def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool = False,

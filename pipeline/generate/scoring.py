@@ -29,7 +29,7 @@ import numpy as np
 from pipeline.core import logs
 from pipeline.core.choices import SCORE_COLUMNS
 from pipeline.generate import compile_cache, jax_events
-from pipeline.generate.generator import replicate, replicated_shapes
+from pipeline.generate.generator import load_indexed_program, replicate, replicated_shapes
 from pipeline.model.scorers import aesthetic, clip as clip_lib, models, preprocess, safety
 
 COLUMNS = tuple(column for columns in SCORE_COLUMNS.values() for column in columns)
@@ -117,15 +117,11 @@ def compile_scorer(scorers: models.Scorers, width: int, height: int, per_device_
 def indexed_scorer(index_key: str, devices) -> ScorerProgram | None:
     """The program an earlier run of this host compiled under ``index_key``, loaded without
     lowering anything; None if there is none."""
-    jax_events.COMPILES.install()
-    started = time.perf_counter()
-    compiles = jax_events.COMPILES.count_here()
-    found = compile_cache.load_indexed(index_key, list(devices))
+    found = load_indexed_program(index_key, devices)
     if found is None:
         return None
-    compiled, params = found
-    return ScorerProgram(compiled, params, tuple(devices), True, jax_events.COMPILES.count_here() - compiles,
-                         time.perf_counter() - started, lowered=False)
+    compiled, params, compiles, seconds = found
+    return ScorerProgram(compiled, params, tuple(devices), True, compiles, seconds, lowered=False)
 
 
 class Scorer:

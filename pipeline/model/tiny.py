@@ -99,12 +99,14 @@ def write_tokenizer_files(folder: str) -> tuple[str, str]:
     return vocab_file, merges_file
 
 
-def _random_params(shapes, seed: int):
+def random_params(shapes, seed: int, embeddings: tuple[str, ...] = ("['embedding']",)):
     """Weights for a tree of ShapeDtypeStructs, from numpy, leaf by leaf.
 
     Flax's own initialisers would run the whole model eagerly (tens of seconds on a
     CPU); the shapes come from ``jax.eval_shape`` instead and each leaf is drawn from
-    a generator seeded by (seed, leaf path), so the result does not depend on order.
+    a generator seeded by (seed, leaf path), so the result does not depend on order:
+    ones for norms' scales, zeros for biases, else normal with 1/sqrt(fan-in) (0.02 for
+    the parameters whose names end in one of ``embeddings``).
     """
     import jax
     import numpy as np
@@ -117,7 +119,7 @@ def _random_params(shapes, seed: int):
             return np.zeros(spec.shape, np.float32)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         fan_in = int(np.prod(spec.shape[:-1])) or 1
-        std = 0.02 if name.endswith("['embedding']") else fan_in ** -0.5
+        std = 0.02 if name.endswith(embeddings) else fan_in ** -0.5
         return (rng.standard_normal(spec.shape) * std).astype(np.float32)
 
     return jax.tree_util.tree_map_with_path(leaf, shapes)
@@ -171,12 +173,12 @@ def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
         _save_shapes(directory, name, pipe)
         return
     shapes_key = jax.random.PRNGKey(SEED)  # only shapes are taken from the initialisers
-    params = {"text_encoder": _random_params(text_encoder.params_shape_tree, SEED),
-              "unet": _random_params(jax.eval_shape(unet.init_weights, shapes_key), SEED + 1),
-              "vae": _random_params(jax.eval_shape(vae.init_weights, shapes_key), SEED + 2),
+    params = {"text_encoder": random_params(text_encoder.params_shape_tree, SEED),
+              "unet": random_params(jax.eval_shape(unet.init_weights, shapes_key), SEED + 1),
+              "vae": random_params(jax.eval_shape(vae.init_weights, shapes_key), SEED + 2),
               "scheduler": scheduler.create_state()}
     if preset["family"] == "sdxl":
-        params["text_encoder_2"] = _random_params(text_encoder_2.params_shape_tree, SEED + 3)
+        params["text_encoder_2"] = random_params(text_encoder_2.params_shape_tree, SEED + 3)
     pipe.save_pretrained(directory, params=params)
 
 

@@ -58,27 +58,12 @@ def _root() -> str:
     return os.path.join(cache_dir(), "models", "scorers")
 
 
-def _leaf(path, spec, seed: int):
-    """A random weight for one parameter: ones for norms' scales, zeros for biases, else
-    normal with 1/sqrt(fan-in) (0.02 for embeddings), from (seed, the parameter's name)."""
-    import jax
-
-    name = jax.tree_util.keystr(path)
-    if name.endswith("['scale']"):
-        return np.ones(spec.shape, np.float32)
-    if name.endswith("['bias']"):
-        return np.zeros(spec.shape, np.float32)
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    fan_in = int(np.prod(spec.shape[:-1])) or 1
-    std = 0.02 if name.endswith(("['embedding']", "_embedding']", "embeds']")) else fan_in ** -0.5
-    return (rng.standard_normal(spec.shape) * std).astype(np.float32)
-
-
 def random_params(shapes, seed: int):
-    """Weights for a tree of ShapeDtypeStructs, leaf by leaf (no initialiser is run)."""
-    import jax
+    """Weights for a tree of ShapeDtypeStructs, leaf by leaf (no initialiser is run), as the
+    tiny models draw theirs, with CLIP's embeddings among the embeddings."""
+    from pipeline.model import tiny
 
-    return jax.tree_util.tree_map_with_path(lambda path, spec: _leaf(path, spec, seed), shapes)
+    return tiny.random_params(shapes, seed, embeddings=("['embedding']", "_embedding']", "embeds']"))
 
 
 def _write_tokenizer(folder: str) -> None:
