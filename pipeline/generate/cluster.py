@@ -139,6 +139,7 @@ def wait_for_all(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
 END_KEY = "promptmill/end/{host}"  # a host's outcome: "done" or "stopped"
 LEFT_KEY = "promptmill/left/{host}"  # a stopped run's host, leaving now
 LEAVE_TIMEOUT_S = 30.0
+LEAVE_GRACE_S = 1.0  # host 0's wait, once every host said it leaves, for their processes to end
 
 
 def _client():
@@ -178,9 +179,11 @@ def finish(host: int, num_hosts: int, outcome: str, timeout_s: float | None = No
 
 
 def leave(host: int, num_hosts: int, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
-    """Before a stopped host exits: host 0, which runs the coordination service, waits
-    until every other host has said it leaves (at most ``timeout_s``), since a host still
-    using the service when it goes would be aborted by JAX rather than exit 143."""
+    """The last thing a stopped host does before its process ends (``stopping.exit_now``):
+    host 0, which runs the coordination service, waits until every other host has said it
+    leaves (at most ``timeout_s``), then ``LEAVE_GRACE_S`` more for their processes to
+    end: a host still connected to the service when it goes would be aborted by JAX
+    (SIGABRT) rather than exit 143. The other hosts say it and return, to end at once."""
     if num_hosts == 1:
         return
     client = _client()
@@ -191,6 +194,7 @@ def leave(host: int, num_hosts: int, timeout_s: float = LEAVE_TIMEOUT_S) -> None
                 client.blocking_key_value_get(LEFT_KEY.format(host=h), int(timeout_s * 1000))
             except Exception:  # noqa: BLE001 - that host is gone or late: leave anyway
                 return
+        time.sleep(LEAVE_GRACE_S)
 
 
 def free_port() -> int:

@@ -226,8 +226,7 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
     finally:
         tracker.close()
     if summary["stopped"]:
-        cluster.leave(host, num_hosts)
-        stopping.exit_now(stopping.EXIT_STOPPED)
+        stopping.exit_now(stopping.EXIT_STOPPED, last=lambda: cluster.leave(host, num_hosts))
     return summary
 
 

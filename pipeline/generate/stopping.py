@@ -124,14 +124,18 @@ def watch_launcher_from_env(env=None) -> threading.Thread | None:
     return watch_launcher(int(value))
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int, last: Callable[[], None] | None = None) -> None:
     """End the process with ``code`` after flushing its logs, without Python's exit:
     JAX's shutdown at exit waits at a barrier for every host, and after a stop some never
-    come (they are gone, or waiting elsewhere)."""
+    come (they are gone, or waiting elsewhere). ``last``: called just before the end,
+    once the logs are flushed (``cluster.leave``: nothing slow may come between a host
+    saying it leaves and its process ending)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
+    if last is not None:
+        last()
     os._exit(code)

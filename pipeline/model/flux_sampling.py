@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 from pipeline.model import flow
-from pipeline.model.nets import convert, flux, t5, vae
+from pipeline.model.nets import convert  # the networks (flax, jax) are imported where they are used
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 length, and the most it allows
 
@@ -97,6 +97,7 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
     from transformers import CLIPTextConfig, FlaxCLIPTextModel
 
     from pipeline.model.libraries import quiet_libraries
+    from pipeline.model.nets import flux, t5, vae
 
     quiet_libraries()
     dtype = jnp.float32 if dtype is None else dtype
@@ -124,6 +125,7 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     transposes are the only copies). WeightsError naming any missing, misshapen or
     unknown weight."""
     from pipeline.model import weights
+    from pipeline.model.nets import flux, t5, vae
 
     def state(component, library):
         return weights.read_safetensors_weights(os.path.join(directory, component), library)
@@ -151,6 +153,8 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, sigmas, 
     host; see it for the arguments."""
     import jax
     import jax.numpy as jnp
+
+    from pipeline.model.nets import flux, t5, vae
 
     batch, _, rows, cols = latents.shape
     if nets.guidance_embeds and guidance is None:

@@ -29,7 +29,7 @@ import os
 
 from pipeline.model import flow, flux_sampling, lora, weights
 from pipeline.model.families.base import Described, Family, Model
-from pipeline.model.nets import convert, flux as flux_net, t5, vae as vae_net
+from pipeline.model.nets import convert  # the networks themselves (flax, jax) where they are used
 from pipeline.model.scheduler import Sampler
 from pipeline.model.sources import ModelError
 
@@ -144,6 +144,8 @@ class Flux(Family):
 
     @staticmethod
     def _flat_shapes(nets: flux_sampling.FluxNets) -> dict:
+        from pipeline.model.nets import flux as flux_net, t5, vae as vae_net
+
         return {"text_encoder": convert.flat_shapes(nets.clip.params_shape_tree),
                 "text_encoder_2": t5.param_shapes(nets.t5.config),
                 "transformer": flux_net.param_shapes(nets.transformer.config),
@@ -152,6 +154,8 @@ class Flux(Family):
     def _params(self, directory: str, nets: flux_sampling.FluxNets) -> dict:
         """Each component's params, converted once per machine from its safetensors (by the
         networks' naming rule, in the stored dtype) and memory-mapped after."""
+        from pipeline.model.nets import flux as flux_net, t5, vae as vae_net
+
         clip_shapes = convert.flat_shapes(nets.clip.params_shape_tree)
         rules = {"text_encoder": lambda state, where: convert.from_torch(state, clip_shapes, convert.CLIP_TEXT, where),
                  "text_encoder_2": lambda state, where: t5.from_torch(state, nets.t5.config, where),
@@ -171,6 +175,8 @@ class Flux(Family):
         return params
 
     def lora_layouts(self) -> dict:
+        from pipeline.model.nets import flux as flux_net, t5
+
         return {"transformer": flux_net.LAYOUT, "text_encoder": convert.CLIP_TEXT, "text_encoder_2": t5.LAYOUT}
 
     def lora_shapes(self, directory: str) -> dict:
@@ -228,6 +234,7 @@ class Flux(Family):
         return denoise
 
     def decode_latents(self, model: Model, vae_params, latents):
+        from pipeline.model.nets import vae as vae_net
         return vae_net.vae_decode(model.vae, vae_params, latents, model.vae.config)
 
     def latents_note(self, model: Model) -> dict:
@@ -249,6 +256,7 @@ class Flux(Family):
         import numpy as np
 
         from pipeline.model.families import shapes
+        from pipeline.model.nets import flux as flux_net, vae as vae_net
 
         b = per_device_batch
         make = shapes.on(sharding)
