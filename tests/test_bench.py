@@ -27,14 +27,15 @@ def test_batch_sizes_flag_and_bad_configs():
 
 def test_bench_generator_report(tmp_path, model_cache, capsys):
     path = tmp_path / "report.json"
-    code = cli.main(["bench", "generator", "--model", "tiny", "--width", "32", "--height", "32", "--steps", "2",
+    # at --steps 4 the guidance-free recipe and the few-step one are one program, compiled once
+    code = cli.main(["bench", "generator", "--model", "tiny", "--width", "32", "--height", "32", "--steps", "4",
                      "--per-device-batch", "1", "--batches", "1", "--matmul-size", "512", "--report", str(path),
                      "--scheduler", "euler_a", "--timestep-spacing", "trailing",
                      "--parts", "sweep,recipes,attention,memory,startup", "--attentions", "diffusers,auto",
                      "--memory-sizes", "32,64"])
     assert code == 0
     table = capsys.readouterr().out
-    assert "ours/seed" in table and "cold/warm" in table and "guidance-free / CFG at 2 steps" in table
+    assert "ours/seed" in table and "cold/warm" in table and "guidance-free / CFG at 4 steps" in table
     report = json.loads(path.read_text())
     assert report["command"].startswith("promptmill bench generator --model tiny")
     assert report["machine"]["platform"] == "cpu" and report["machine"]["devices"] == 2
@@ -48,7 +49,7 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
         counted = row["flops"]
         assert counted["denoiser_call"] > 0 and counted["vae_decode"] > 0 and counted["text_encoder"] > 0
         assert counted["per_device_step"] == pytest.approx(
-            counted["text_encoder"] + 2 * counted["denoiser_call"] + counted["vae_decode"])
+            counted["text_encoder"] + 4 * counted["denoiser_call"] + counted["vae_decode"])
         # XLA counts the fori_loop's body once: the reason the flops are counted by parts
         # (pipeline/flops.py). If this changes, revisit that module.
         assert counted["xla_denoiser_calls_counted"] == pytest.approx(1.0, abs=0.05)
@@ -60,8 +61,8 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     compared = report["recipes"]
     recipes = compared["recipes"]
     assert {name: (r["scheduler"], r["timestep_spacing"], r["steps"], r["guided"]) for name, r in recipes.items()} == {
-        "cfg": ("euler_a", "trailing", 2, True), "guidance_free": ("euler_a", "trailing", 2, False),
-        "guidance_free_2x": ("euler_a", "trailing", 2, False),
+        "cfg": ("euler_a", "trailing", 4, True), "guidance_free": ("euler_a", "trailing", 4, False),
+        "guidance_free_2x": ("euler_a", "trailing", 4, False),
         "few_step": ("euler_a", "trailing", 4, False), "default": ("ddim", None, 20, True)}  # tiny's own: Flax DDIM
     cfg, free = recipes["cfg"]["flops"], recipes["guidance_free"]["flops"]
     # by parts: the guidance-free program encodes and denoises half the rows, and decodes as many
