@@ -12,6 +12,12 @@ import pytest
 # alike, or within a tolerance; the README's demo runs with the defaults.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite starts a few hundred Python processes (hosts, launchers, workers): each reads
+# its imports' bytecode from the __pycache__ folders the first one wrote, even where the
+# environment says not to write them (PYTHONDONTWRITEBYTECODE), so the install need not
+# compile the whole of every dependency ahead of time.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
