@@ -112,6 +112,33 @@ def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypat
     assert refused["batch"] is None and "not even one image per chip fits" in refused["message"]
 
 
+def test_a_stopped_search_goes_on_without_compiling_its_parts_again(monkeypatch, tmp_path, model_cache):
+    """Each batch's parts are remembered in the compile cache's folder, keyed by the
+    program and the target: a second search at the same batch compiles nothing; another
+    batch, attention or TPU type is compiled."""
+    from pipeline.generate import compile_cache
+
+    monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    compiled = []
+
+    def compile_parts(settings, target, b, model):
+        compiled.append((settings.attention, target.tpu_type, b))
+        return 1000 * b + len(compiled)
+
+    monkeypatch.setattr(tpu_check, "_compiled_parts_memory", compile_parts)
+    v5e, v6e = (program_check.target(tpu.lookup(name, "2x2")) for name in ("v5e", "v6e"))
+    settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4).validate()
+    first = [tpu_check.parts_memory(settings, v5e, b, None) for b in (1, 2)]
+    assert first == [1001, 2002] and compiled == [("auto", "v5e", 1), ("auto", "v5e", 2)]
+    assert [tpu_check.parts_memory(settings, v5e, b, None) for b in (2, 1)] == [2002, 1001]
+    assert len(compiled) == 2  # remembered: what a stopped search had compiled is not compiled again
+    assert len(list((tmp_path / compile_cache.CHECKS).iterdir())) == 2
+    tpu_check.parts_memory(settings.replace(attention="xla"), v5e, 1, None)
+    tpu_check.parts_memory(settings, v6e, 1, None)
+    tpu_check.parts_memory(settings, v5e, 3, None)
+    assert compiled[2:] == [("xla", "v5e", 1), ("auto", "v6e", 1), ("auto", "v5e", 3)]
+
+
 # ---------------------------------------------------------------- real TPU programs
 
 def _events(text: str, name: str) -> list[dict]:

@@ -302,7 +302,15 @@ def parts_memory(settings, target: Target, per_device_batch: int, model) -> int:
     """The most bytes any part of a step needs beyond its own weights, at
     ``per_device_batch`` images per chip, compiled for one of ``target``'s chips: the
     text encoders (2B rows when guided), one denoiser call, the VAE decode (B), each
-    with the run's attention on the TPU platform."""
+    with the run's attention on the TPU platform. Remembered like a whole program's
+    figures, so a search that was stopped goes on where it was, compiling again none of
+    the parts it had compiled."""
+    found, _ = _remembered("parts", settings, target, per_device_batch,
+                           lambda: {"beyond": _compiled_parts_memory(settings, target, per_device_batch, model)})
+    return found["beyond"]
+
+
+def _compiled_parts_memory(settings, target: Target, per_device_batch: int, model) -> int:
     import jax
 
     from pipeline.model import attention
