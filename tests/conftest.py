@@ -110,6 +110,21 @@ def run_cli(args, cache, timeout=600, env=None):
                           text=True, timeout=timeout)
 
 
+def rewritten(tmp_path, source, change, name="lora.safetensors"):
+    """A copy of the safetensors file ``source`` under ``tmp_path``, its tensors (a dict,
+    header metadata kept) changed in place by ``change``; returns its path."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(source, "np") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+        metadata = f.metadata()
+    change(tensors)
+    path = str(tmp_path / name)
+    save_file(tensors, path, metadata=metadata)
+    return path
+
+
 @pytest.fixture(scope="session")
 def gcs_emulator():
     """A GCS emulator on a free 127.0.0.1 port, with every GCS client pointed at it.

@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 
 from pipeline.generate import sampler
 from pipeline.model import load as model_lib, sources
+from tests.conftest import rewritten
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DEV = os.path.join(FIXTURES, "flux", "dev")
@@ -187,16 +188,6 @@ def test_describe_accepts_it_and_fingerprints_it(loaded, reference):
 # ---------------------------------------------------------------- refused at plan time
 
 
-def rewritten(tmp_path, change, name="lora.safetensors", source=TRANSFORMER_FILE):
-    with safe_open(source, "np") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
-        metadata = f.metadata()
-    change(tensors)
-    path = str(tmp_path / name)
-    save_file(tensors, path, metadata=metadata)
-    return path
-
-
 @pytest.mark.parametrize("key", ["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight",
                                  "lora_unet_single_blocks_1_linear1.lora_up.weight",
                                  "diffusion_model.double_blocks.0.txt_mlp.0.lora_A.weight"])
@@ -224,7 +215,7 @@ def test_a_key_that_matches_no_layer_is_refused_naming_it(tmp_path):
 
     with pytest.raises(model_lib.ModelError, match=r"diffusers/PEFT format\): 2 key\(s\) match no layer of the "
                                                    r"model, e\.g\. transformer\.transformer_blocks\.2\.attn\.to_q"):
-        model_lib.describe(DEV, loras=[rewritten(tmp_path, third_block)])
+        model_lib.describe(DEV, loras=[rewritten(tmp_path, TRANSFORMER_FILE, third_block)])
 
     def wider(tensors):
         tensors["transformer.single_transformer_blocks.1.proj_mlp.lora_A.weight"] = np.zeros((4, 32), np.float32)
@@ -232,4 +223,4 @@ def test_a_key_that_matches_no_layer_is_refused_naming_it(tmp_path):
     with pytest.raises(model_lib.ModelError, match=r"single_transformer_blocks\.1\.proj_mlp\.lora_A\.weight "
                                                    r"\(4, 32\).*do not fit transformer/single_transformer_blocks/"
                                                    r"proj_mlp/kernel \(24, 96\)"):
-        model_lib.describe(DEV, loras=[rewritten(tmp_path, wider, "wider.safetensors")])
+        model_lib.describe(DEV, loras=[rewritten(tmp_path, TRANSFORMER_FILE, wider, "wider.safetensors")])

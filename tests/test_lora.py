@@ -26,6 +26,7 @@ from safetensors.numpy import save_file
 from pipeline.core.settings import Lora, Run, Settings, lora_spec, parse_lora
 from pipeline.generate import runtime, sampler
 from pipeline.model import load as model_lib, lora, sources
+from tests.conftest import rewritten
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 CHECKPOINTS = os.path.join(FIXTURES, "pt_pipelines")
@@ -224,30 +225,18 @@ def test_generate_and_reproduce_load_the_planned_adapters(models, tmp_path, mode
     np.testing.assert_array_equal(kernel(model.params, "text_encoder", path),
                                   kernel(lora.merge(models("sd").params, [(SD_LORA, 0.5)]), "text_encoder", path))
     # a changed adapter file is caught before any image is made
-    changed = tmp_path / "changed.safetensors"
-    with safe_open(SD_LORA, "np") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
-        metadata = f.metadata()
-    key = next(iter(tensors))
-    tensors[key] = tensors[key] * 2
-    save_file(tensors, str(changed), metadata=metadata)
-    planned = dataclasses.replace(run, settings=run.settings.replace(loras=(lora_spec(str(changed), 0.5),)),
-                                  loras=(Lora(str(changed), 0.5, run.loras[0].sha256),))
+    def doubled(tensors):
+        key = next(iter(tensors))
+        tensors[key] = tensors[key] * 2
+
+    changed = rewritten(tmp_path, SD_LORA, doubled, "changed.safetensors")
+    planned = dataclasses.replace(run, settings=run.settings.replace(loras=(lora_spec(changed, 0.5),)),
+                                  loras=(Lora(changed, 0.5, run.loras[0].sha256),))
     with pytest.raises(runtime.GenerateError, match="the same --unet and --lora files"):
         runtime.load_model(planned)
 
 
 # ---------------------------------------------------------------- errors, at plan time
-
-
-def rewritten(tmp_path, source, change, name="lora.safetensors"):
-    with safe_open(source, "np") as f:
-        tensors = {key: f.get_tensor(key) for key in f.keys()}
-        metadata = f.metadata()
-    change(tensors)
-    path = str(tmp_path / name)
-    save_file(tensors, path, metadata=metadata)
-    return path
 
 
 def test_an_unmatched_key_is_an_error_naming_it_and_the_format(tmp_path):
