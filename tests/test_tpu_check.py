@@ -160,12 +160,19 @@ def no_weights(tmp_path_factory, model_cache):
     return str(folder)
 
 
-def test_a_v5e_host_program_with_the_pallas_kernel_compiles_from_shapes_alone(no_weights):
+def test_a_v5e_host_program_with_the_pallas_kernel_compiles_from_shapes_alone(no_weights, monkeypatch):
     """tiny at 128x128: the UNet's first attention and the VAE's are 4096-token calls, where
-    auto runs the Pallas kernel on TPU; the program contains it and compiles for a v5e host."""
+    auto runs the Pallas kernel on TPU; the program contains it and compiles for a v5e host.
+    What the compile found is kept by the program's text: once promptmill's code changes
+    around a program that stays the same, it is not compiled again."""
+    import jax
+
+    from pipeline.generate import compile_cache
+
     settings = Settings(model=no_weights, width=128, height=128, steps=1, dtype="bf16", per_device_batch=1,
                         devices_per_host=4, guidance_scale=1.0).validate()
-    report = tpu_check.check(settings, program_check.target(tpu.lookup("v5e", "2x2")))
+    v5e = program_check.target(tpu.lookup("v5e", "2x2"))
+    report = tpu_check.check(settings, v5e)
     assert report["compiled"] and report["fits"] and report["chips_per_host"] == 4
     kernels = {(k["site"], k["q_tokens"], k["kv_tokens"]): k["kernel"] for k in report["kernels"]}
     assert kernels[("unet", 4096, 4096)] == kernels[("vae", 4096, 4096)] == "pallas"
@@ -175,6 +182,13 @@ def test_a_v5e_host_program_with_the_pallas_kernel_compiles_from_shapes_alone(no
     assert report["hbm_gib"] == 16 and report["libtpu"] == tpu_check.libtpu_version()
     assert report["pallas_calls"] >= 2  # the compiled program holds the kernels, as Mosaic custom calls
     assert report["flops_per_image"] > 0 and not report["guided"]
+
+    monkeypatch.setattr(compile_cache, "code_digest", lambda: "promptmill's next version")
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: pytest.fail("compiled again"))
+    again = tpu_check.check(settings, v5e)
+    assert not again["from_cache"]  # a new version: the check's own index does not know it
+    same = ("argument_gib", "temp_gib", "total_gib", "compile_s", "pallas_calls", "kernels", "xla_flops_per_image")
+    assert {k: again[k] for k in same} == {k: report[k] for k in same}
 
 
 def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(model_cache, capsys):

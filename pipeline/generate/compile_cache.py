@@ -182,6 +182,13 @@ def executable_key(lowered, devices) -> str:
     return _digest([lowered.as_text()] + _host_parts(devices))
 
 
+def figures_key(lowered, devices) -> str:
+    """The key under which ``remember`` keeps what compiling ``lowered`` for ``devices``
+    found (its memory and costs, not the executable): the program itself, so it holds
+    across changes to the code that built it which leave the program as it was."""
+    return _digest(["figures", executable_key(lowered, devices)])
+
+
 @functools.lru_cache(maxsize=1)
 def code_digest() -> str:
     """sha256 of promptmill's own Python sources (the ``pipeline`` package): the code that

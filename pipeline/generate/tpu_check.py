@@ -240,30 +240,56 @@ def compile_program(settings, target: Target, per_device_batch: int, model=None)
     model = model or runtime.abstract_model(settings)
     width, height = size_of(settings, model)
     args = _program_args(settings, model)
-    started = time.perf_counter()
     with attention.record() as calls:
         lowered = generator.lower_sampler(model, width, height, per_device_batch=per_device_batch, devices=devices,
                                           fsdp=settings.fsdp, **args)
     params = sharding.device_bytes(model.params, settings.fsdp, model.param_dtype)  # each chip's share
     kernels = tuple(attention.summary(calls))
-    try:
-        with _quiet_stderr():
-            compiled = lowered.compile()
-    except Exception as e:  # noqa: BLE001 - an out-of-memory refusal is a result; anything else is raised
-        found = out_of_memory(str(e))
-        if found is None or "temp" not in found:
-            raise
-        return Program(per_device_batch, params, found["temp"], params + found["temp"], False,
-                       time.perf_counter() - started, kernels=kernels)
-    seconds = time.perf_counter() - started
+    found = compiled_figures(lowered, target, _whole_figures)
+    if "refused_temp" in found:
+        return Program(per_device_batch, params, found["refused_temp"], params + found["refused_temp"], False,
+                       found["compile_s"], kernels=kernels)
+    return Program(per_device_batch, found["argument"], found["temp"], found["total"], True, found["compile_s"],
+                   found["xla_flops"], found["optimal_seconds"], kernels, found["all_gather_bytes"],
+                   found["pallas_calls"])
+
+
+def _whole_figures(compiled) -> dict:
     memory = fit.program_memory(compiled)
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     estimate = cost.get("optimal_seconds")
     text = compiled.as_text()
-    return Program(per_device_batch, memory["argument"], memory["temp"], memory["total"], True, seconds,
-                   cost.get("flops"), estimate if estimate is not None and estimate >= 0 else None, kernels,
-                   all_gather_bytes(text), text.count('custom_call_target="tpu_custom_call"'))
+    return {"argument": memory["argument"], "temp": memory["temp"], "total": memory["total"],
+            "xla_flops": cost.get("flops"), "optimal_seconds": estimate if estimate is not None and estimate >= 0
+            else None, "all_gather_bytes": all_gather_bytes(text),
+            "pallas_calls": text.count('custom_call_target="tpu_custom_call"')}
+
+
+def compiled_figures(lowered, target: Target, figures) -> dict:
+    """``figures(executable)`` (a JSON-able dict) of ``lowered`` compiled for ``target``'s
+    chips, or ``{"refused_temp": bytes}`` when XLA refuses it for memory (the temporaries
+    of its message); either with ``compile_s``, the seconds XLA took. Remembered by the
+    program's own text (``compile_cache.figures_key``), so a program compiled before for
+    the same chips with the same libtpu is not compiled again, whatever else changed."""
+    key = compile_cache.figures_key(lowered, host_devices(target))
+    found = compile_cache.recall(key)
+    if found is not None:
+        return found
+    started = time.perf_counter()
+    try:
+        with _quiet_stderr():
+            executable = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - an out-of-memory refusal is a result; anything else is raised
+        refused = out_of_memory(str(e))
+        if refused is None or "temp" not in refused:
+            raise
+        value = {"refused_temp": refused["temp"]}
+    else:
+        value = figures(executable)
+    value["compile_s"] = time.perf_counter() - started
+    compile_cache.remember(key, value)
+    return value
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
@@ -329,15 +355,8 @@ def _compiled_parts_memory(settings, target: Target, per_device_batch: int, mode
                                                           run_guided(settings, model), seam, single)]
     most = 0
     for weights, lowered in programs:
-        try:
-            with _quiet_stderr():
-                memory = fit.program_memory(lowered.compile())
-            beyond = memory["total"] - weights
-        except Exception as e:  # noqa: BLE001 - too large to compile: its temporaries, from XLA's message
-            found = out_of_memory(str(e))
-            if found is None or "temp" not in found:
-                raise
-            beyond = found["temp"]
+        found = compiled_figures(lowered, target, lambda executable: {"total": fit.program_memory(executable)["total"]})
+        beyond = found["refused_temp"] if "refused_temp" in found else found["total"] - weights
         most = max(most, beyond)
     return most
 
