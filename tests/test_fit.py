@@ -58,6 +58,22 @@ def test_largest_batch_when_the_line_guesses_wrong():
     assert chosen == 10
 
 
+@pytest.mark.parametrize("capacity, expected", [(1000, 46), (1600, 86), (700, 26)])
+def test_largest_batch_when_the_first_image_costs_more_than_the_next(capacity, expected):
+    # 100 MiB-like units: the second image adds 110, every one after it 15 (as SD 1.5's
+    # decode on a TPU chip does); the line through 1 and 2 guesses far too few, the line
+    # through 2 and that guess finds the edge, with no bisection up to the cap
+    calls = []
+
+    def needs(b):
+        calls.append(b)
+        return 230 + 110 * min(b - 1, 1) + 15 * max(b - 2, 0)
+
+    chosen, tried = fit.largest_batch(needs, capacity)
+    assert chosen == expected and tried[expected] <= capacity < tried[expected + 1]
+    assert len(calls) == len(set(calls)) <= 6
+
+
 def test_device_capacity_sources():
     cpu = types.SimpleNamespace(memory_stats=lambda: None, device_kind="cpu")
     tpu = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 16 * GIB}, device_kind="TPU v5 lite")
