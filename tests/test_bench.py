@@ -112,6 +112,35 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     assert "time to ready" in table and "compile or deserialize" in table
 
 
+def test_the_matmul_peak_keeps_no_more_than_two_products_alive(monkeypatch):
+    """Timed over enough calls to last ``min_seconds``: on an accelerator that is thousands of
+    products, so each must be dropped as the next is queued (kept in a list, an H100's
+    80 GB filled before a second had passed)."""
+    import weakref
+
+    import jax
+
+    from pipeline.bench import flops
+
+    real_pmap, most = jax.pmap, []
+
+    def pmap(f, **kwargs):  # counts the outputs of each pmapped function still alive at each call
+        compiled, alive, index = real_pmap(f, **kwargs), [], len(most)
+        most.append(0)
+
+        def call(x):
+            out = compiled(x)
+            alive.append(weakref.ref(out))
+            most[index] = max(most[index], sum(ref() is not None for ref in alive))
+            return out
+        return call
+
+    monkeypatch.setattr(jax, "pmap", pmap)
+    result = flops.matmul_peak(jax.devices()[:1], "fp32", 32, min_seconds=0.05)
+    assert result["calls"] >= 16 and result["flops_per_s"] > 0
+    assert max(most) <= 2  # the product in hand and the one being made
+
+
 def test_flops_per_image_do_not_depend_on_the_batch(model_cache):
     from pipeline.bench import flops
     from pipeline.model import load
