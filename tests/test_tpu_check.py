@@ -76,10 +76,10 @@ def test_a_refusal_estimates_what_fits_from_the_refused_program_and_the_parts(mo
     limit = 100 * 2 ** 20
     monkeypatch.setattr(tpu_check, "capacity", lambda target: (limit, limit))
     monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: None)
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: 12 * b * 2 ** 20)
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: 12 * b * 2 ** 20)
     report = {**REPORT, "per_device_batch": 16, "total_gib": (10 + 12 * 16) / 1024}  # the whole: 10 + 12b MiB
     assert tpu_check.estimated_fit(Settings(), tpu_check.Target("v5e", 4, 16.0), report) == 7
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: 200 * b * 2 ** 20)
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: 200 * b * 2 ** 20)
     assert tpu_check.estimated_fit(Settings(), tpu_check.Target("v5e", 4, 16.0),
                                    {**report, "total_gib": 3300 / 1024}) is None
 
@@ -99,12 +99,12 @@ def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypat
     monkeypatch.setattr(tpu_check, "check", check)
     monkeypatch.setattr(tpu_check, "_nbytes", lambda tree: 0)
     monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: type("M", (), {"params": {}}))
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: (8 + 10 * b) * 2 ** 20)  # 22 + 10(b-1): 8
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (8 + 10 * b) * 2 ** 20)  # 22 + 10(b-1): 8
     target = tpu_check.Target("v5e", 4, 16.0)
     found = tpu_check._search(Settings(), target, 256)
     assert found["batch"] == 7 and compiled == [1, 8, 4, 6, 7]  # 8 refused by the whole program: bisected
     assert all(whole[b] > limit for b in compiled if b > 7)
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m: (9 + 12 * b) * 2 ** 20)  # grows as the whole
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (9 + 12 * b) * 2 ** 20)  # grows as the whole
     compiled.clear()
     assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [1, 7]
     whole[1] = limit + 1
@@ -121,9 +121,9 @@ def test_a_stopped_search_goes_on_without_compiling_its_parts_again(monkeypatch,
     monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
     compiled = []
 
-    def compile_parts(settings, target, b, model):
+    def compile_parts(settings, target, b, model, enough):
         compiled.append((settings.attention, target.tpu_type, b))
-        return 1000 * b + len(compiled)
+        return 1000 * b + len(compiled), True
 
     monkeypatch.setattr(tpu_check, "_compiled_parts_memory", compile_parts)
     v5e, v6e = (program_check.target(tpu.lookup(name, "2x2")) for name in ("v5e", "v6e"))
@@ -137,6 +137,46 @@ def test_a_stopped_search_goes_on_without_compiling_its_parts_again(monkeypatch,
     tpu_check.parts_memory(settings, v6e, 1, None)
     tpu_check.parts_memory(settings, v5e, 3, None)
     assert compiled[2:] == [("xla", "v5e", 1), ("auto", "v6e", 1), ("auto", "v5e", 3)]
+
+
+def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_chip(monkeypatch, tmp_path,
+                                                                                    model_cache):
+    """A search compiles the parts of batches that do not fit too: the VAE decode, which
+    needs the most at large batches, is compiled first, and once a part is past what could
+    fit, the others are not compiled (minutes each at real sizes). The lower bound that is
+    remembered answers "too much" again, and is compiled anew where a larger bound is asked."""
+    import jax
+
+    from pipeline.generate import compile_cache, runtime
+
+    monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    monkeypatch.setattr(tpu_check, "host_devices", lambda target: jax.devices("cpu")[:4])
+    needs = {"text_encoder": 10, "denoiser": 50, "vae_decode": 80}  # bytes beyond weights, per image
+    compiled = []
+
+    def parts(model, width, height, b, guided, seam, sharding, count=False):
+        return [(label, (), (label, b)) for label in needs]
+
+    def figures(lowered, target, measure):
+        compiled.append(lowered)
+        label, b = lowered
+        return {"total": needs[label] * b}
+
+    monkeypatch.setattr(tpu_check.parts, "parts", parts)
+    monkeypatch.setattr(tpu_check, "compiled_figures", figures)
+    settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4).validate()
+    model = runtime.abstract_model(settings)
+    v5e = program_check.target(tpu.lookup("v5e", "2x2"))
+    assert tpu_check.parts_memory(settings, v5e, 2, model) == 160  # the most of all three
+    assert compiled == [("vae_decode", 2), ("denoiser", 2), ("text_encoder", 2)]
+    compiled.clear()
+    assert tpu_check.parts_memory(settings, v5e, 3, model, enough=200) == 240  # at least 240: too much
+    assert compiled == [("vae_decode", 3)]
+    assert tpu_check.parts_memory(settings, v5e, 3, model, enough=200) == 240 and len(compiled) == 1
+    assert tpu_check.parts_memory(settings, v5e, 3, model, enough=230) == 240 and len(compiled) == 1
+    assert tpu_check.parts_memory(settings, v5e, 3, model, enough=300) == 240  # the bound says nothing here
+    assert compiled[1:] == [("vae_decode", 3), ("denoiser", 3), ("text_encoder", 3)]
+    assert tpu_check.parts_memory(settings, v5e, 3, model) == 240 and len(compiled) == 4  # now complete
 
 
 # ---------------------------------------------------------------- real TPU programs

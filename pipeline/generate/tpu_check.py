@@ -324,19 +324,32 @@ def capacity(target: Target) -> tuple[int, int]:
     return int(usable * fit.HEADROOM), usable
 
 
-def parts_memory(settings, target: Target, per_device_batch: int, model) -> int:
+def parts_memory(settings, target: Target, per_device_batch: int, model, enough: int | None = None) -> int:
     """The most bytes any part of a step needs beyond its own weights, at
     ``per_device_batch`` images per chip, compiled for one of ``target``'s chips: the
     text encoders (2B rows when guided), one denoiser call, the VAE decode (B), each
     with the run's attention on the TPU platform. Remembered like a whole program's
     figures, so a search that was stopped goes on where it was, compiling again none of
-    the parts it had compiled."""
-    found, _ = _remembered("parts", settings, target, per_device_batch,
-                           lambda: {"beyond": _compiled_parts_memory(settings, target, per_device_batch, model)})
+    the parts it had compiled.
+
+    ``enough``: bytes past which the answer no longer matters (the program would not fit).
+    The parts are then compiled from the last, the VAE decode (the one that needs the most
+    at large batches), and the first part past ``enough`` ends it: what is returned and
+    remembered is a lower bound, used again only where it still says "too much"."""
+    def make():
+        beyond, complete = _compiled_parts_memory(settings, target, per_device_batch, model, enough)
+        return {"beyond": beyond} if complete else {"beyond": beyond, "at_least": True}
+
+    def usable(found):
+        return not found.get("at_least") or (enough is not None and found["beyond"] > enough)
+
+    found, _ = _remembered("parts", settings, target, per_device_batch, make, usable)
     return found["beyond"]
 
 
-def _compiled_parts_memory(settings, target: Target, per_device_batch: int, model) -> int:
+def _compiled_parts_memory(settings, target: Target, per_device_batch: int, model,
+                           enough: int | None = None) -> tuple[int, bool]:
+    """(the most bytes a part needs beyond its weights, whether every part was compiled)."""
     import jax
 
     from pipeline.model import attention
@@ -354,11 +367,13 @@ def _compiled_parts_memory(settings, target: Target, per_device_batch: int, mode
                 for _, components, lowered in parts.parts(model, width, height, per_device_batch,
                                                           run_guided(settings, model), seam, single)]
     most = 0
-    for weights, lowered in programs:
+    for weights, lowered in reversed(programs):
         found = compiled_figures(lowered, target, lambda executable: {"total": fit.program_memory(executable)["total"]})
         beyond = found["refused_temp"] if "refused_temp" in found else found["total"] - weights
         most = max(most, beyond)
-    return most
+        if enough is not None and most > enough:
+            return most, False
+    return most, True
 
 
 def _description(settings, target: Target, per_device_batch) -> dict:
@@ -372,15 +387,15 @@ def _description(settings, target: Target, per_device_batch) -> dict:
     return described
 
 
-def _remembered(kind: str, settings, target: Target, per_device_batch, make):
+def _remembered(kind: str, settings, target: Target, per_device_batch, make, usable=lambda found: True):
     """``make()`` (a JSON-able dict), or what it gave the last time for the same program
-    on the same target (``compile_cache.remember``)."""
+    on the same target (``compile_cache.remember``), where ``usable`` says it will do."""
     described = {"kind": kind, **_description(settings, target, per_device_batch)}
     if kind == "largest":  # a compiled program's figures are the chip's; what fits depends on its memory
         described.update(hbm_gib=target.hbm_gib, usable_gib=target.usable_gib)
     key = compile_cache.index_key(described, host_devices(target))
     found = compile_cache.recall(key)
-    if found is not None:
+    if found is not None and usable(found):
         return found, True
     value = make()
     compile_cache.remember(key, value)
@@ -464,8 +479,8 @@ def _search(settings, target: Target, most: int) -> dict:
     estimated: dict[int, int] = {1: one}
 
     def needs(b: int) -> int:  # the whole program at one image, grown as its largest part grows
-        if b not in estimated:
-            estimated[b] = one + parts_memory(settings, target, b, model) - base
+        if b not in estimated:  # (past limit - one + base, a part's exact figure does not matter)
+            estimated[b] = one + parts_memory(settings, target, b, model, limit - one + base) - base
         return estimated[b]
 
     chosen, tried = fit.largest_batch(needs, limit, most)
@@ -503,7 +518,7 @@ def estimated_fit(settings, target: Target, report: dict, most: int = fit.MOST_P
 
     def needs(b: int) -> int:
         if b not in cache:
-            cache[b] = total + parts_memory(settings, target, b, model) - base
+            cache[b] = total + parts_memory(settings, target, b, model, limit - total + base) - base
         return cache[b]
 
     try:
