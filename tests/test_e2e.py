@@ -259,15 +259,17 @@ def test_killed_mid_slice_and_between_slices_then_resumed(two_by_two, prompts, t
     """One OUT, two runs that each lose host 0 to SIGKILL at another point, then the same
     command again: the dataset equals the uninterrupted 2x2 run's, image for image.
 
-    Both hosts load their programs from the compile cache after the first run, so host 1
-    may have written part of its own slices when host 0 dies; those are redone like host
-    0's. Slices of 4 run in 2 batches; host 0 owns slices 0, 2 and 4. (A host killed before
-    its first commit leaves less behind than either point: nothing committed, at most a
-    half slice, as here.)
+    The --compile-cache folder starts as a copy of the one the 2x2 run filled, so both
+    hosts load their programs from it from the first run on, and host 1 may have written
+    part of its own slices when host 0 dies; those are redone like host 0's. Slices of 4
+    run in 2 batches; host 0 owns slices 0, 2 and 4. (A host killed before its first
+    commit leaves less behind than either point: nothing committed, at most a half slice,
+    as here.)
     """
     from pipeline.core import crashpoints
 
     out, compile_cache = str(tmp_path / "crashed"), str(tmp_path / "compile-cache")
+    shutil.copytree(os.path.join(model_cache, "compile-cache", "local"), compile_cache)
 
     def run(crash=None):
         env = {k: v for k, v in os.environ.items() if k != crashpoints.ENV}
@@ -282,9 +284,10 @@ def test_killed_mid_slice_and_between_slices_then_resumed(two_by_two, prompts, t
         return result
 
     run("0:mid_slice:1")  # 1. in its second slice, after the first batch's images are stored
-    # --compile-cache reached the hosts: host 0 filled the cache, and loads from it from now on
-    [ready] = [e for e in _host_events(out, "host_ready") if e["host"] == 0]
-    assert ready["cache_writes"] > 0
+    # --compile-cache reached the hosts: each loaded its program from that folder
+    assert sorted((e["host"], e["path"]) for e in _host_events(out, "compile_cache")) == [
+        (0, compile_cache), (1, compile_cache)]
+    assert [(e["cache_hits"] > 0, e["sampler_from_cache"]) for e in _host_events(out, "host_ready")] == [(True, True)] * 2
     assert compile_cache not in storage.read_text(naming.run_json(out))  # an execution option, not a setting
     committed = _committed(out)
     assert committed.get(0) == 0 and 2 not in committed
