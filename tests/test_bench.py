@@ -74,6 +74,9 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     assert all(r["images_per_s"] > 0 for r in recipes.values())
     assert compared["guidance_free_over_cfg"] > 0 and compared["few_step_over_default"] > 0
     assert compared["guidance_free_2x_over_cfg"] > 0
+    # at --steps 4 the few-step recipe is the guidance-free program: built and timed once
+    assert recipes["few_step"]["same_program_as"] == "guidance_free" and "same_program_as" not in recipes["cfg"]
+    assert recipes["few_step"]["images_per_s"] == recipes["guidance_free"]["images_per_s"]
 
     # attention side by side: speed in turns, each program's memory, the kernels auto chose
     compared = report["attention"]

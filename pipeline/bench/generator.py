@@ -223,7 +223,15 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
     per_device_batch = config.per_device_batches[0]
     networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
     calls, rows, counted_parts = {}, {}, {}  # (batch, guided) -> part_flops: recipes share them
+    first_of = {}  # a recipe's program -> the first recipe that runs it (at --steps 4, few_step is guidance_free)
+    same_as = {}
     for name, (scheduler, spacing, steps, guidance, factor) in recipes(config).items():
+        program = (scheduler, spacing, steps, guidance > 1, factor)
+        if program in first_of:
+            same_as[name] = first_of[program]
+            rows[name] = {**rows[same_as[name]], "guidance_scale": guidance}
+            continue
+        first_of[program] = name
         variant = model_lib.with_sampler(model, scheduler, spacing)
         state = replicate({"scheduler": variant.params["scheduler"]}, devices) if "scheduler" in variant.params else {}
         generator = Generator(variant, width, height, steps, factor * per_device_batch, devices=devices,
@@ -239,9 +247,11 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
                       "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,
                       "guidance_scale": guidance, "guided": guidance > 1, "flops": counted,
                       "batch_size": generator.batch_size}
-    timings = in_turns(calls, {name: row["batch_size"] for name, row in rows.items()}, config.batches)
+    timings = in_turns(calls, {name: rows[name]["batch_size"] for name in calls}, config.batches)
     for name, row in rows.items():
-        row.update(timings[name])
+        row.update(timings[same_as.get(name, name)])  # one program, timed once
+        if name in same_as:
+            row["same_program_as"] = same_as[name]
     speed = {name: row["images_per_s"] for name, row in rows.items()}
     work = {name: row["flops"]["per_image"] for name, row in rows.items()}
     result = {"per_device_batch": per_device_batch, "recipes": rows,
