@@ -267,9 +267,10 @@ def test_killed_mid_slice_and_between_slices_then_resumed(two_by_two, prompts, t
     as here.)
     """
     from pipeline.core import crashpoints
+    from pipeline.generate import compile_cache as cache_lib
 
     out, compile_cache = str(tmp_path / "crashed"), str(tmp_path / "compile-cache")
-    shutil.copytree(os.path.join(model_cache, "compile-cache", "local"), compile_cache)
+    shutil.copytree(cache_lib.local_default(), compile_cache)  # the folder the 2x2 run filled
 
     def run(crash=None):
         env = {k: v for k, v in os.environ.items() if k != crashpoints.ENV}
