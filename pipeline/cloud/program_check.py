@@ -58,7 +58,8 @@ def check_submission(settings, s: tpu.TpuSlice, skip: bool = False) -> tuple[obj
         raise ValueError(str(e)) from None
     logs.event("tpu_program", **report)
     if not report["fits"]:
-        fitting = tpu_check.estimated_fit(settings, chip, report) if report["per_device_batch"] > 1 else None
+        fitting = tpu_check.estimated_fit(settings, chip, report) \
+            if report["per_device_batch"] > 1 and not report["crashed"] else None
         raise ValueError(f"the TPU check refuses this submission: "
                          f"{tpu_check.refusal(report, fitting, estimated=fitting is not None)}")
     return settings, report

@@ -25,6 +25,10 @@ each much cheaper to compile than the whole sampler, predicts it; then the whole
 program is compiled at that batch to confirm it. Results are kept in the compile
 cache's folder (``compile_cache.remember``), keyed by what the program is made of, so an
 unchanged submission does not compile again.
+
+Every compile runs in a child process (``compile_process``): a program that crashes
+libtpu's compiler is then a result, one that does not compile (``crashed``, remembered),
+and the submitting process lives to say so.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from importlib import metadata
 import numpy as np
 
 from pipeline.core import logs
-from pipeline.generate import compile_cache, fit, parts
+from pipeline.generate import compile_cache, compile_process, fit, parts
 from pipeline.model import sharding
 
 GIB = fit.GIB
@@ -95,9 +99,12 @@ def require_libtpu() -> str:
 def _quiet_stderr():
     """Hold back what libtpu prints on the process's stderr while it loads without a TPU
     (no TPU_ACCELERATOR_TYPE, no TPU_WORKER_HOSTNAMES: warnings about the machine it is
-    not running on); yields a function returning the text, for an error message."""
+    not running on); yields a function returning the text, for an error message. In a
+    compiling child (``compile_process``) it is held in the file its parent named, which
+    the parent reads if the compiler crashes."""
     saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as held:
+    named = os.environ.get(compile_process.HELD)
+    with (open(named, "w+b") if named else tempfile.TemporaryFile(mode="w+b")) as held:
         os.dup2(held.fileno(), 2)
         try:
             yield lambda: (held.seek(0), held.read().decode("utf-8", "replace"))[1]
@@ -200,6 +207,7 @@ class Program:
     kernels: tuple = ()  # attention.summary of the program's attention calls
     all_gather_bytes: int = 0  # what its all-gathers write (FSDP's gathered weights), each counted once
     pallas_calls: int = 0  # the compiled program's Pallas (Mosaic) kernels, as custom calls in its HLO
+    crashed: str | None = None  # the signal libtpu's compiler died of on it (then compiled is False, temp 0)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"kernels": list(self.kernels)}
@@ -324,6 +332,29 @@ def capacity(target: Target) -> tuple[int, int]:
     return int(usable * fit.HEADROOM), usable
 
 
+def _compile(call: str, *args):
+    """``call(*args)`` (a function of this module that compiles) in a process of its own,
+    so that a compiler crash is a result, not the end of the check: ``compile_process``."""
+    try:
+        return compile_process.run(f"{__name__}:{call}", *args)
+    except compile_process.Crashed:
+        raise
+    except compile_process.Failed as e:
+        raise TpuCheckError(f"the TPU check could not compile: {e}") from None
+
+
+def _crash(e: compile_process.Crashed, settings, target: Target, per_device_batch: int, what: str) -> None:
+    """Log a compile that crashed; TpuCheckError when it was not the compiler's own crash
+    (the process was killed from outside or ran out of this machine's memory), which says
+    nothing about the program and is not remembered."""
+    logs.event("tpu_compile_crashed", level=30, what=what, tpu_type=target.tpu_type, per_device_batch=per_device_batch,
+               signal=e.signal_name, compiler=e.compiler, seconds=round(e.seconds, 1), printed=e.printed[-400:])
+    if not e.compiler:
+        raise TpuCheckError(f"the TPU check's compile of {what} of {describe_settings(settings)} at {per_device_batch} "
+                            f"image(s) per {target.tpu_type} chip was stopped: {e} (out of memory on this machine? "
+                            f"run it again, or on a machine with more memory)") from None
+
+
 def parts_memory(settings, target: Target, per_device_batch: int, model, enough: int | None = None) -> int:
     """The most bytes any part of a step needs beyond its own weights, at
     ``per_device_batch`` images per chip, compiled for one of ``target``'s chips: the
@@ -335,16 +366,37 @@ def parts_memory(settings, target: Target, per_device_batch: int, model, enough:
     ``enough``: bytes past which the answer no longer matters (the program would not fit).
     The parts are then compiled from the last, the VAE decode (the one that needs the most
     at large batches), and the first part past ``enough`` ends it: what is returned and
-    remembered is a lower bound, used again only where it still says "too much"."""
+    remembered is a lower bound, used again only where it still says "too much".
+
+    A part that crashes libtpu's compiler does not compile: past any ``enough`` (the
+    batch cannot run), and a TpuCheckError where the figure itself is needed."""
     def make():
-        beyond, complete = _compiled_parts_memory(settings, target, per_device_batch, model, enough)
+        try:
+            beyond, complete = _compile("compiled_parts", settings, target, per_device_batch, enough)
+        except compile_process.Crashed as e:
+            _crash(e, settings, target, per_device_batch, "the parts of a step")
+            return {"beyond": None, "crashed": e.signal_name}
         return {"beyond": beyond} if complete else {"beyond": beyond, "at_least": True}
 
     def usable(found):
-        return not found.get("at_least") or (enough is not None and found["beyond"] > enough)
+        return (not found.get("at_least") or found.get("crashed") is not None
+                or (enough is not None and found["beyond"] > enough))
 
     found, _ = _remembered("parts", settings, target, per_device_batch, make, usable)
+    if found.get("crashed"):
+        if enough is None:
+            raise TpuCheckError(f"libtpu's compiler crashed ({found['crashed']}) on a part of a step of "
+                                f"{describe_settings(settings)} at {per_device_batch} image(s) per {target.tpu_type} "
+                                f"chip, so what the batch needs cannot be estimated: try another attention or size")
+        return enough + 1
     return found["beyond"]
+
+
+def compiled_parts(settings, target: Target, per_device_batch: int, enough: int | None = None) -> tuple[int, bool]:
+    """``_compiled_parts_memory`` of ``settings``' model (a compiling child's call)."""
+    from pipeline.generate import runtime
+
+    return _compiled_parts_memory(settings, target, per_device_batch, runtime.abstract_model(settings), enough)
 
 
 def _compiled_parts_memory(settings, target: Target, per_device_batch: int, model,
@@ -417,7 +469,12 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
     limit, usable = capacity(target)
 
     def make():
-        program = compile_program(settings, target, b, model)
+        try:
+            program = _compile("compile_program", settings, target, b)
+        except compile_process.Crashed as e:
+            _crash(e, settings, target, b, "the host program")
+            weights = sharding.device_bytes(model.params, settings.fsdp, model.param_dtype)
+            program = Program(b, weights, 0, weights, False, e.seconds, crashed=e.signal_name)
         flops = parts.image_flops(model, width, height, settings.steps, 1, run_guided(settings, model))
         return {**program.to_dict(), "flops_per_image": flops}
 
@@ -437,7 +494,7 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
               "xla_flops_per_image": program["xla_flops"] / b if program["xla_flops"] else None,
               "optimal_seconds": program["optimal_seconds"], "kernels": program["kernels"],
               "all_gather_gib": round(program.get("all_gather_bytes", 0) / GIB, 3),
-              "pallas_calls": program.get("pallas_calls", 0),
+              "pallas_calls": program.get("pallas_calls", 0), "crashed": program.get("crashed"),
               "jax": jax.__version__, "libtpu": libtpu_version()}
     return report
 
@@ -528,6 +585,12 @@ def estimated_fit(settings, target: Target, report: dict, most: int = fit.MOST_P
     return found
 
 
+def describe_settings(settings) -> str:
+    """``describe_run`` of settings not yet checked (no report to read)."""
+    size = f" {settings.width}x{settings.height}" if settings.width and settings.height else ""
+    return f"{settings.model}{size} {settings.dtype} ({settings.steps} steps, --attention {settings.attention})"
+
+
 def describe_run(report: dict) -> str:
     fsdp = f", --fsdp {report['fsdp']}" if report.get("fsdp", 1) != 1 else ""
     return (f"{report['model']} {report['width']}x{report['height']} {report['dtype']} "
@@ -538,6 +601,11 @@ def describe_run(report: dict) -> str:
 def refusal(report: dict, fitting: int | None, estimated: bool = False) -> str:
     """What ``submit`` says of a program that does not fit: its figures, and what would
     (``estimated``: from the parts' growth, not compiled whole)."""
+    if report.get("crashed"):
+        return (f"{describe_run(report)} at {report['per_device_batch']} image(s) per chip does not compile for a "
+                f"{report['tpu_type']} chip: libtpu's compiler crashed ({report['crashed']}) on it, as it would on "
+                f"the TPU host; another --per-device-batch may compile (auto searches the ones that do"
+                f"{f', and about {fitting} per chip fit' if fitting else ''})")
     needs = f"needs {report['total_gib']:.2f} GiB" if report["compiled"] else \
         f"needs {report['total_gib']:.2f} GiB ({report['temp_gib']:.2f} of temporaries, by XLA's refusal to " \
         f"compile it)"

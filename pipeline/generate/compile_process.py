@@ -1,0 +1,98 @@
+"""The TPU check's compiles, each in a Python process of its own.
+
+libtpu's compiler can crash on a program (a segmentation fault, an aborted internal
+check) instead of refusing it with an error. In the submitting process that would end
+``submit`` there and then, with nothing said. So the check compiles in a child: ``run``
+calls one of the check's compiling functions in a fresh interpreter and returns what
+it returned, and a child that dies of a signal raises ``Crashed``: which signal, whether
+it is the compiler's own crash (``compiler``: the same program would crash a TPU host's
+compile too, so the check may remember it) or the machine's (killed from outside, out of
+memory), how long it ran, and the end of what libtpu printed.
+
+The child finds what was compiled before (the compile cache's folder, by the program's
+text) as the parent would, and keeps what it compiles there.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+COMMAND = [sys.executable, "-c", "import sys; from pipeline.generate import compile_process as c; "
+                              "sys.exit(c.main(sys.argv[1:]))"]  # this module by its name: its errors unpickle
+HELD = "PROMPTMILL_HELD_STDERR"  # where the child keeps what libtpu prints (tpu_check._quiet_stderr)
+COMPILER_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+CALLS = ("pipeline.generate.tpu_check:compile_program", "pipeline.generate.tpu_check:compiled_parts")  # what it runs
+
+
+class Failed(RuntimeError):
+    """A compiling child ended without an answer (and not of a signal)."""
+
+
+class Crashed(Failed):
+    """A child compiling for the check died of a signal."""
+
+    def __init__(self, signal_name: str, compiler: bool, seconds: float, printed: str):
+        self.signal_name, self.compiler, self.seconds, self.printed = signal_name, compiler, seconds, printed
+        said = f"; it printed: {printed.strip()[-400:]}" if printed.strip() else ""
+        super().__init__(f"the compiling process died of {signal_name} after {seconds:.0f} s{said}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def run(call: str, *args):
+    """``call(*args)`` (``module:function``, one of ``CALLS``) in a child process; its
+    result, or the exception it raised, raised again here (``Failed`` for one not of
+    promptmill's own); ``Crashed`` when the child died of a signal."""
+    if call not in CALLS:
+        raise ValueError(f"a compiling child runs one of {', '.join(CALLS)}, not {call!r}")
+    with tempfile.TemporaryDirectory(prefix="promptmill-compile-") as folder:
+        request, answer, held = (os.path.join(folder, name) for name in ("request", "answer", "stderr"))
+        with open(request, "wb") as f:
+            pickle.dump((call, args), f)
+        env = {**os.environ, HELD: held}
+        env.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no accelerator here
+        started = time.perf_counter()
+        process = subprocess.run([*COMMAND, request, answer], env=env)
+        seconds = time.perf_counter() - started
+        if process.returncode < 0:
+            number = -process.returncode
+            printed = open(held, encoding="utf-8", errors="replace").read() if os.path.exists(held) else ""
+            raise Crashed(_signal_name(number), number in COMPILER_SIGNALS, seconds, printed)
+        if not os.path.exists(answer):
+            raise Failed(f"the compiling process exited with {process.returncode} and no answer")
+        with open(answer, "rb") as f:
+            ok, value = pickle.load(f)
+    if not ok:
+        raise value
+    return value
+
+
+def main(argv: list[str]) -> int:
+    request, answer = argv
+    with open(request, "rb") as f:
+        call, args = pickle.load(f)
+    module, name = call.split(":")
+    try:
+        result = (True, getattr(importlib.import_module(module), name)(*args))
+    except Exception as e:  # noqa: BLE001 - handed to the parent, the compiler's own errors as text
+        ours = type(e).__module__.startswith("pipeline.") or isinstance(e, ValueError)
+        result = (False, e if ours else Failed(f"libtpu could not compile the program ({type(e).__name__}: {e})"))
+    try:
+        data = pickle.dumps(result)
+    except Exception:  # noqa: BLE001 - an error that does not pickle, as text
+        data = pickle.dumps((False, Failed(f"{type(result[1]).__name__}: {result[1]}")))
+    with open(answer, "wb") as f:
+        f.write(data)
+    return 0
+
