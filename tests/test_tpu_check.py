@@ -348,6 +348,17 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
                               "bf16 (guided, 1 steps, --attention auto) at 1 image(s) per chip needs ")
     assert "of a v6e chip's 0.01 GiB" in message and "not even one image per chip fits" in message
 
+    # with scores, the scoring program is compiled for the chips too: its weights stay beside the sampler's
+    assert cli.main([*argv, "--score", "clip,aesthetic,safety", "--clip-model", "tiny-clip", "--aesthetic-head",
+                     "tiny-aesthetic", "--safety-checker", "tiny-safety-checker"]) == 0
+    [scored] = _events(capsys.readouterr().err, "tpu_program")
+    assert scored["scores"] == ["clip", "aesthetic", "safety"] and scored["fits"]
+    assert scored["argument_gib"] == event["argument_gib"] and scored["temp_gib"] == event["temp_gib"]  # the sampler
+    assert 0 < scored["scorer_argument_gib"] < scored["scorer_total_gib"]
+    assert scored["total_gib"] == pytest.approx(max(event["total_gib"] + scored["scorer_argument_gib"],
+                                                    scored["scorer_total_gib"] + event["argument_gib"]), abs=0.002)
+    assert scored["total_gib"] > event["total_gib"]
+
 
 def test_without_libtpu_a_submission_says_how_to_install_it_or_skip(monkeypatch, capsys):
     monkeypatch.setattr(tpu_check, "libtpu_version", lambda: None)

@@ -27,7 +27,8 @@ COMMAND = [sys.executable, "-c", "import sys; from pipeline.generate import comp
                               "sys.exit(c.main(sys.argv[1:]))"]  # this module by its name: its errors unpickle
 HELD = "PROMPTMILL_HELD_STDERR"  # where the child keeps what libtpu prints (tpu_check._quiet_stderr)
 COMPILER_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
-CALLS = ("pipeline.generate.tpu_check:compile_program", "pipeline.generate.tpu_check:compiled_parts")  # what it runs
+CALLS = tuple(f"pipeline.generate.tpu_check:{name}" for name in  # what a child runs
+              ("compile_program", "compiled_parts", "compile_scorer_program"))
 
 
 class Failed(RuntimeError):

@@ -262,6 +262,34 @@ def compile_program(settings, target: Target, per_device_batch: int, model=None)
                    found["pallas_calls"])
 
 
+def compile_scorer_program(settings, target: Target, per_device_batch: int, width: int, height: int) -> dict:
+    """The bytes per chip (``argument``, ``temp``, ``total``) of the run's scoring program
+    (``--score``: ``scoring.lower_scorer``, from the scorer models' configs alone) at
+    ``per_device_batch`` images per chip, compiled for ``target``'s chips; a program XLA
+    refuses for memory comes back with ``refused_temp``."""
+    from pipeline.generate import scoring
+    from pipeline.model.scorers import models
+
+    devices = host_devices(target)
+    scorers = models.load(settings, abstract=True)
+    lowered = scoring.lower_scorer(scorers, width, height, per_device_batch, devices)
+    found = compiled_figures(lowered, target, lambda executable: {
+        k: v for k, v in fit.program_memory(executable).items() if k in ("argument", "temp", "total")})
+    if "refused_temp" in found:
+        weights = _nbytes(scorers.params)
+        found.update(argument=weights, temp=found["refused_temp"], total=weights + found["refused_temp"])
+    return found
+
+
+def with_scorer(program: dict, scorer: dict | None) -> int:
+    """What a chip needs for the sampler and the scoring program together: both programs'
+    arguments (their weights) stay on the chip, while a chip runs one program at a time,
+    so only the running one's temporaries are live; the sampler's total without scores."""
+    if scorer is None:
+        return program["total"]
+    return max(program["total"] + scorer["argument"], scorer["total"] + program["argument"])
+
+
 def _whole_figures(compiled) -> dict:
     memory = fit.program_memory(compiled)
     cost = compiled.cost_analysis()
@@ -433,6 +461,10 @@ def _description(settings, target: Target, per_device_batch) -> dict:
 
     described = runtime.sampler_description(settings.replace(per_device_batch=per_device_batch
                                                              if per_device_batch is not None else 1))
+    if settings.scores:
+        from pipeline.model.scorers import models
+
+        described["scorers"] = models.program_description(settings)
     described.update({"per_device_batch": per_device_batch, "guided": settings.guided,
                       "guidance_scale": settings.guidance_scale,
                       "tpu_type": target.tpu_type, "chips": target.chips, "libtpu": libtpu_version(), "check": 2})
@@ -458,7 +490,9 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
     """The ``tpu_program`` report of ``settings``' host program on ``target`` at
     ``per_device_batch`` (default: the settings'): per chip argument, temporary and
     total GiB, the chip's HBM and what XLA reports usable, whether it fits, compile
-    time, versions, flops per image and XLA's time estimate, the attention kernels."""
+    time, versions, flops per image and XLA's time estimate, the attention kernels.
+    With ``--score``, the scoring program is compiled too (``scorer_*_gib``), and the
+    total is what the two need together (``with_scorer``)."""
     import jax
 
     from pipeline.generate import runtime
@@ -469,26 +503,36 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
     limit, usable = capacity(target)
 
     def make():
+        scorer, what = None, "the host program"
         try:
             program = _compile("compile_program", settings, target, b)
+            if settings.scores and program.compiled:
+                what = "the scoring program"
+                scorer = _compile("compile_scorer_program", settings, target, b, width, height)
         except compile_process.Crashed as e:
-            _crash(e, settings, target, b, "the host program")
+            _crash(e, settings, target, b, what)
             weights = sharding.device_bytes(model.params, settings.fsdp, model.param_dtype)
             program = Program(b, weights, 0, weights, False, e.seconds, crashed=e.signal_name)
+        if scorer is not None and "refused_temp" in scorer:
+            program = dataclasses.replace(program, compiled=False)
         flops = parts.image_flops(model, width, height, settings.steps, 1, run_guided(settings, model))
-        return {**program.to_dict(), "flops_per_image": flops}
+        return {**program.to_dict(), "flops_per_image": flops, "scorer": scorer}
 
     found, cached = _remembered("program", settings, target, b, make)
-    program = {k: v for k, v in found.items() if k != "flops_per_image"}
+    program = {k: v for k, v in found.items() if k not in ("flops_per_image", "scorer")}
+    scorer = found.get("scorer")
     report = {"model": settings.model, "width": width, "height": height, "steps": settings.steps,
               "dtype": settings.dtype, "attention": settings.attention, "guided": run_guided(settings, model),
               "fsdp": settings.fsdp,
               "tpu_type": target.tpu_type, "topology": target.topology, "machine_type": target.machine_type,
               "chips_per_host": target.chips, "per_device_batch": b,
               "argument_gib": round(program["argument"] / GIB, 3), "temp_gib": round(program["temp"] / GIB, 3),
-              "total_gib": round(program["total"] / GIB, 3), "hbm_gib": target.hbm_gib,
+              "total_gib": round(with_scorer(program, scorer) / GIB, 3), "hbm_gib": target.hbm_gib,
               "usable_gib": round(usable / GIB, 3), "limit_gib": round(limit / GIB, 3),
-              "fits": program["compiled"] and program["total"] <= limit, "compiled": program["compiled"],
+              "fits": program["compiled"] and with_scorer(program, scorer) <= limit, "compiled": program["compiled"],
+              "scores": list(settings.scores),
+              **({f"scorer_{k}_gib": round(scorer[k] / GIB, 3) for k in ("argument", "temp", "total")}
+                 if scorer else {}),
               "compile_s": round(program["compile_s"], 2), "from_cache": cached,
               "flops_per_image": found["flops_per_image"],
               "xla_flops_per_image": program["xla_flops"] / b if program["xla_flops"] else None,
@@ -593,6 +637,7 @@ def describe_settings(settings) -> str:
 
 def describe_run(report: dict) -> str:
     fsdp = f", --fsdp {report['fsdp']}" if report.get("fsdp", 1) != 1 else ""
+    fsdp += f", --score {','.join(report['scores'])}" if report.get("scores") else ""
     return (f"{report['model']} {report['width']}x{report['height']} {report['dtype']} "
             f"({'guided' if report['guided'] else 'guidance-free'}, {report['steps']} steps, --attention "
             f"{report['attention']}{fsdp})")
