@@ -201,7 +201,7 @@ def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeyp
     limit, mib = 100 * 2 ** 20, 2 ** 20
     compiled = []
 
-    def compile(call, settings, target, b, enough=None):
+    def compile(call, settings, target, b, enough=None, model=None):
         assert call == "compiled_parts"
         compiled.append(b)
         if b >= 6:

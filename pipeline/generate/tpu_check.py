@@ -400,7 +400,7 @@ def parts_memory(settings, target: Target, per_device_batch: int, model, enough:
     batch cannot run), and a TpuCheckError where the figure itself is needed."""
     def make():
         try:
-            beyond, complete = _compile("compiled_parts", settings, target, per_device_batch, enough)
+            beyond, complete = _compile("compiled_parts", settings, target, per_device_batch, enough, model)
         except compile_process.Crashed as e:
             _crash(e, settings, target, per_device_batch, "the parts of a step")
             return {"beyond": None, "crashed": e.signal_name}
@@ -420,11 +420,14 @@ def parts_memory(settings, target: Target, per_device_batch: int, model, enough:
     return found["beyond"]
 
 
-def compiled_parts(settings, target: Target, per_device_batch: int, enough: int | None = None) -> tuple[int, bool]:
-    """``_compiled_parts_memory`` of ``settings``' model (a compiling child's call)."""
+def compiled_parts(settings, target: Target, per_device_batch: int, enough: int | None = None,
+                   model=None) -> tuple[int, bool]:
+    """``_compiled_parts_memory`` (a compiling child's call), of ``model`` or, when None,
+    of ``settings``' model from shapes."""
     from pipeline.generate import runtime
 
-    return _compiled_parts_memory(settings, target, per_device_batch, runtime.abstract_model(settings), enough)
+    return _compiled_parts_memory(settings, target, per_device_batch, model or runtime.abstract_model(settings),
+                                  enough)
 
 
 def _compiled_parts_memory(settings, target: Target, per_device_batch: int, model,
@@ -505,7 +508,7 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
     def make():
         scorer, what = None, "the host program"
         try:
-            program = _compile("compile_program", settings, target, b)
+            program = _compile("compile_program", settings, target, b, model)  # the shapes travel: no reload
             if settings.scores and program.compiled:
                 what = "the scoring program"
                 scorer = _compile("compile_scorer_program", settings, target, b, width, height)
