@@ -323,7 +323,7 @@ def test_a_v5e_host_program_with_the_pallas_kernel_compiles_from_shapes_alone(no
     assert {k: again[k] for k in same} == {k: report[k] for k in same}
 
 
-def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(model_cache, capsys):
+def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(model_cache, capfd):
     """tiny-sdxl on one 8-chip v6e host: the dry run logs the tpu_program event and says it
     fits; the same program on a chip of a hundredth of a GiB (--device-memory) is refused
     with the figures, before anything is planned or launched."""
@@ -331,7 +331,7 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
             "--prompts", "gs://b/p.jsonl", "--out", "gs://b/out", "--model", "tiny-sdxl", "--steps", "1",
             "--per-device-batch", "1"]
     assert cli.main(argv) == 0
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     [event] = _events(err, "tpu_program")
     assert event["fits"] and event["tpu_type"] == "v6e" and event["chips_per_host"] == 8
     assert event["dtype"] == "bf16" and event["per_device_batch"] == 1 and event["usable_gib"] == 31.25
@@ -339,9 +339,10 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
         assert field in event
     assert "# TPU check: the host program fits" in out and "\n---\n" in out
     assert "TPU_ACCELERATOR_TYPE" not in err  # libtpu's warnings without a TPU are held back
+    assert "deprecated" not in err  # nor the libraries' warnings, in the compiling child (stderr's file, captured)
 
     assert cli.main([*argv, "--device-memory", "0.01"]) == 1
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()
     assert out == ""
     message = err.strip().splitlines()[-1]
     assert message.startswith("promptmill submit: error: the TPU check refuses this submission: tiny-sdxl 32x32 "
@@ -351,7 +352,7 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
     # with scores, the scoring program is compiled for the chips too: its weights stay beside the sampler's
     assert cli.main([*argv, "--score", "clip,aesthetic,safety", "--clip-model", "tiny-clip", "--aesthetic-head",
                      "tiny-aesthetic", "--safety-checker", "tiny-safety-checker"]) == 0
-    [scored] = _events(capsys.readouterr().err, "tpu_program")
+    [scored] = _events(capfd.readouterr().err, "tpu_program")
     assert scored["scores"] == ["clip", "aesthetic", "safety"] and scored["fits"]
     assert scored["argument_gib"] == event["argument_gib"] and scored["temp_gib"] == event["temp_gib"]  # the sampler
     assert 0 < scored["scorer_argument_gib"] < scored["scorer_total_gib"]

@@ -81,6 +81,9 @@ def run(call: str, *args):
 
 def main(argv: list[str]) -> int:
     request, answer = argv
+    from pipeline.model import libraries
+
+    libraries.quiet_libraries()  # before the model's classes are unpickled: each would warn
     with open(request, "rb") as f:
         call, args = pickle.load(f)
     module, name = call.split(":")
