@@ -376,7 +376,7 @@ def _crash(e: compile_process.Crashed, settings, target: Target, per_device_batc
     (the process was killed from outside or ran out of this machine's memory), which says
     nothing about the program and is not remembered."""
     logs.event("tpu_compile_crashed", level=30, what=what, tpu_type=target.tpu_type, per_device_batch=per_device_batch,
-               signal=e.signal_name, compiler=e.compiler, seconds=round(e.seconds, 1), printed=e.printed[-400:])
+               signal=e.signal_name, compiler=e.compiler, seconds=round(e.seconds, 1), printed=e.printed[-2000:])
     if not e.compiler:
         raise TpuCheckError(f"the TPU check's compile of {what} of {describe_settings(settings)} at {per_device_batch} "
                             f"image(s) per {target.tpu_type} chip was stopped: {e} (out of memory on this machine? "
