@@ -66,6 +66,10 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     tpu.add_argument("--guidance-scale", type=float, default=None,
                      help="above 1 the guided program of SD and SDXL (the UNet at twice the rows) (default: the "
                           "model family's)")
+    tpu.add_argument("--scorers", choices=("random", "tiny"), default=None,
+                     help="compile the scoring program too, with every score by these scorers: random (CLIP ViT-L/14, "
+                          "SD's safety checker and LAION's head at their real sizes, shapes only) or tiny; the total is "
+                          "what the sampler and the scorer need together (default: no scores)")
     tpu.add_argument("--report", help="write the JSON report here")
     flags.strict(tpu)
     status_bench = targets.add_parser("status", help="seconds of `promptmill status` on a big planned run with a "
@@ -221,7 +225,7 @@ def run_bench(args: argparse.Namespace) -> int:
             model=args.model, sizes=args.sizes, steps=args.steps, dtype=args.dtype,
             per_device_batches=args.per_device_batch, attentions=tuple(a for a in args.attentions.split(",") if a),
             fsdps=args.fsdp, targets=tuple(tpu_bench.parse_target(t) for t in args.targets.split(",") if t),
-            guidance_scale=args.guidance_scale, report=args.report))
+            guidance_scale=args.guidance_scale, scorers=args.scorers, report=args.report))
         if args.report:
             storage.write_json(args.report, report)
         print(tpu_bench.table(report))

@@ -355,10 +355,28 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
     [scored] = _events(capfd.readouterr().err, "tpu_program")
     assert scored["scores"] == ["clip", "aesthetic", "safety"] and scored["fits"]
     assert scored["argument_gib"] == event["argument_gib"] and scored["temp_gib"] == event["temp_gib"]  # the sampler
+    assert scored["sampler_total_gib"] == event["total_gib"]
     assert 0 < scored["scorer_argument_gib"] < scored["scorer_total_gib"]
     assert scored["total_gib"] == pytest.approx(max(event["total_gib"] + scored["scorer_argument_gib"],
                                                     scored["scorer_total_gib"] + event["argument_gib"]), abs=0.002)
     assert scored["total_gib"] > event["total_gib"]
+
+
+def test_bench_tpu_compiles_the_sampler_and_the_scorer_for_the_chips(tmp_path, model_cache, capsys):
+    """The dry run's program above (the module's compile cache has its figures), as a bench
+    row with the tiny scorers: the table and the JSON report have the scorer's share."""
+    path = tmp_path / "tpu.json"
+    assert cli.main(["bench", "tpu", "--model", "tiny-sdxl", "--steps", "1", "--targets", "v6e:2x4",
+                     "--scorers", "tiny", "--report", str(path)]) == 0
+    table = capsys.readouterr().out
+    [row] = json.loads(path.read_text())["rows"]
+    assert row["scores"] == ["clip", "aesthetic", "safety"] and row["fits"] and row["chips_per_host"] == 8
+    assert row["total_gib"] == pytest.approx(max(row["sampler_total_gib"] + row["scorer_argument_gib"],
+                                                 row["scorer_total_gib"] + row["argument_gib"]), abs=0.002)
+    assert row["total_gib"] > row["sampler_total_gib"] > row["argument_gib"]
+    assert "with the scorer's" in table and "v6e" in table
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "tpu", "--scorers", "large"])
 
 
 def test_without_libtpu_a_submission_says_how_to_install_it_or_skip(monkeypatch, capsys):

@@ -5,7 +5,8 @@ per-device batch, the host program is compiled for the target's chips by libtpu
 (``pipeline.generate.tpu_check.check``), from shapes alone: memory per chip (arguments,
 temporaries, total), whether it fits the chip's HBM, FLOPs per image (by parts, every
 step counted) and XLA's own count and time estimate, the attention kernels, and the
-compile time on this machine. ``--per-device-batch auto`` instead finds the largest
+compile time on this machine; with ``--scorers``, the scoring program too, and what the
+two need together (``tpu_check.with_scorer``). ``--per-device-batch auto`` instead finds the largest
 batch that fits each target (``tpu_check.largest_batch``: the parts predict it, the whole
 program confirms it). Results are kept in the compile cache folder, so a repeated sweep
 compiles nothing it compiled before (its rows say ``from_cache``).
@@ -35,6 +36,7 @@ class TpuBenchConfig:
     fsdps: tuple = (1,)  # FSDP degrees (each dividing the host's chips), or AUTO: the smallest that fits
     targets: tuple[tuple[str, str, str | None], ...] = (("v5e", "2x2", None),)  # (type, topology, machine type)
     guidance_scale: float | None = None  # None: the model family's
+    scorers: str | None = None  # with every score, by these scorers (generator.SCORERS); None: no scores
     report: str | None = None
 
 
@@ -51,10 +53,14 @@ def run(config: TpuBenchConfig) -> dict:
     """Every combination of the sweep, compiled (or searched) in turn; the report."""
     import jax
 
+    from pipeline.bench.generator import SCORERS
     from pipeline.cloud import program_check, tpu
     from pipeline.generate import tpu_check
 
     tpu_check.require_libtpu()
+    if config.scorers is not None and config.scorers not in SCORERS:
+        raise ValueError(f"--scorers must be one of {', '.join(SCORERS)}, got {config.scorers!r}")
+    scoring = SCORERS[config.scorers] if config.scorers else {}
     rows = []
     for size in config.sizes:
         for type_name, topology, machine in config.targets:
@@ -65,7 +71,7 @@ def run(config: TpuBenchConfig) -> dict:
                     continue  # a degree this host cannot have
                 settings = Settings(model=config.model, width=size, height=size, steps=config.steps,
                                     dtype=config.dtype, attention=attention, guidance_scale=config.guidance_scale,
-                                    devices_per_host=chosen.chips_per_host, fsdp=fsdp).validate()
+                                    devices_per_host=chosen.chips_per_host, fsdp=fsdp, **scoring).validate()
                 if fsdp == AUTO:
                     try:
                         settings = settings.replace(fsdp=program_check.smallest_fsdp(settings, target))
@@ -110,5 +116,8 @@ def table(report: dict) -> str:
                      f"{'yes' if row['fits'] else 'no':>5} {row['total_gib']:>9.2f} {row['argument_gib']:>8.2f} "
                      f"{row['temp_gib']:>8.2f} {row['limit_gib']:>6.2f} {row['all_gather_gib']:>10.3f} "
                      f"{row['flops_per_image'] / 1e12:>9.2f} {kernels:>14} {row['compile_s']:>9.1f}"
+                     + (f" (with the scorer's {row['scorer_argument_gib']:.2f} GiB of weights and "
+                        f"{row['scorer_temp_gib']:.2f} of temporaries)" if "scorer_total_gib" in row else "")
+                     + (f" (libtpu crashed: {row['crashed']})" if row.get("crashed") else "")
                      + (" (cached)" if row["from_cache"] else ""))
     return "\n".join(lines)
