@@ -374,6 +374,7 @@ def test_bench_tpu_compiles_the_sampler_and_the_scorer_for_the_chips(tmp_path, m
     assert row["total_gib"] == pytest.approx(max(row["sampler_total_gib"] + row["scorer_argument_gib"],
                                                  row["scorer_total_gib"] + row["argument_gib"]), abs=0.002)
     assert row["total_gib"] > row["sampler_total_gib"] > row["argument_gib"]
+    assert row["scorer_compile_s"] > 0
     assert "with the scorer's" in table and "v6e" in table
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "tpu", "--scorers", "large"])

@@ -535,7 +535,8 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
               "fits": program["compiled"] and with_scorer(program, scorer) <= limit, "compiled": program["compiled"],
               "scores": list(settings.scores),
               **({f"scorer_{k}_gib": round(scorer[k] / GIB, 3) for k in ("argument", "temp", "total")}
-                 | {"sampler_total_gib": round(program["total"] / GIB, 3)} if scorer else {}),
+                 | {"sampler_total_gib": round(program["total"] / GIB, 3),
+                    "scorer_compile_s": round(scorer["compile_s"], 2)} if scorer else {}),
               "compile_s": round(program["compile_s"], 2), "from_cache": cached,
               "flops_per_image": found["flops_per_image"],
               "xla_flops_per_image": program["xla_flops"] / b if program["xla_flops"] else None,
