@@ -459,12 +459,14 @@ def _compiled_parts_memory(settings, target: Target, per_device_batch: int, mode
     return most, True
 
 
-def _description(settings, target: Target, per_device_batch) -> dict:
+def _description(settings, target: Target, per_device_batch, scorers: bool = False) -> dict:
+    """What a remembered result is of; ``scorers``: with the scoring program's models (the
+    sampler and its parts are the same programs with scores or without)."""
     from pipeline.generate import runtime
 
     described = runtime.sampler_description(settings.replace(per_device_batch=per_device_batch
                                                              if per_device_batch is not None else 1))
-    if settings.scores:
+    if scorers and settings.scores:
         from pipeline.model.scorers import models
 
         described["scorers"] = models.program_description(settings)
@@ -477,7 +479,7 @@ def _description(settings, target: Target, per_device_batch) -> dict:
 def _remembered(kind: str, settings, target: Target, per_device_batch, make, usable=lambda found: True):
     """``make()`` (a JSON-able dict), or what it gave the last time for the same program
     on the same target (``compile_cache.remember``), where ``usable`` says it will do."""
-    described = {"kind": kind, **_description(settings, target, per_device_batch)}
+    described = {"kind": kind, **_description(settings, target, per_device_batch, kind in ("scorer", "largest"))}
     if kind == "largest":  # a compiled program's figures are the chip's; what fits depends on its memory
         described.update(hbm_gib=target.hbm_gib, usable_gib=target.usable_gib)
     key = compile_cache.index_key(described, host_devices(target))
@@ -506,24 +508,33 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
     limit, usable = capacity(target)
 
     def make():
-        scorer, what = None, "the host program"
         try:
             program = _compile("compile_program", settings, target, b, model)  # the shapes travel: no reload
-            if settings.scores and program.compiled:
-                what = "the scoring program"
-                scorer = _compile("compile_scorer_program", settings, target, b, width, height)
         except compile_process.Crashed as e:
-            _crash(e, settings, target, b, what)
+            _crash(e, settings, target, b, "the host program")
             weights = sharding.device_bytes(model.params, settings.fsdp, model.param_dtype)
             program = Program(b, weights, 0, weights, False, e.seconds, crashed=e.signal_name)
-        if scorer is not None and "refused_temp" in scorer:
-            program = dataclasses.replace(program, compiled=False)
         flops = parts.image_flops(model, width, height, settings.steps, 1, run_guided(settings, model))
-        return {**program.to_dict(), "flops_per_image": flops, "scorer": scorer}
+        return {**program.to_dict(), "flops_per_image": flops}
+
+    def make_scorer():
+        try:
+            return _compile("compile_scorer_program", settings, target, b, width, height)
+        except compile_process.Crashed as e:
+            _crash(e, settings, target, b, "the scoring program")
+            return {"crashed": e.signal_name}
 
     found, cached = _remembered("program", settings, target, b, make)
-    program = {k: v for k, v in found.items() if k not in ("flops_per_image", "scorer")}
-    scorer = found.get("scorer")
+    program = {k: v for k, v in found.items() if k != "flops_per_image"}
+    scorer = None
+    if settings.scores and program["compiled"]:  # a program of its own, remembered on its own
+        scorer, scorer_cached = _remembered("scorer", settings, target, b, make_scorer)
+        cached = cached and scorer_cached
+        if scorer.get("crashed"):
+            program.update(compiled=False, crashed=scorer["crashed"])
+            scorer = None
+        elif "refused_temp" in scorer:
+            program["compiled"] = False
     report = {"model": settings.model, "width": width, "height": height, "steps": settings.steps,
               "dtype": settings.dtype, "attention": settings.attention, "guided": run_guided(settings, model),
               "fsdp": settings.fsdp,
