@@ -225,18 +225,25 @@ def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeyp
 
 
 SEGFAULT = "import os, signal; open(os.environ['PROMPTMILL_HELD_STDERR'], 'w').write('F1125 {}'); os.kill(os.getpid(), signal.{})"
+# a real compiling child, whose compiler prints and crashes on the program it was given
+CRASHING_COMPILER = ("import os, signal, sys, jax.stages as s; s.Lowered.compile = lambda self, *a, **k: "
+                     "(os.write(2, b'F1125 check failed'), os.kill(os.getpid(), signal.SIGSEGV)); "
+                     "from pipeline.generate import compile_process as c; sys.exit(c.main(sys.argv[1:]))")
 
 
 def test_a_compiler_crash_is_a_refusal_that_says_so_and_is_remembered(monkeypatch, tmp_path, model_cache, capsys):
     """The compile runs in a child process: one that dies of SIGSEGV (as libtpu's compiler
     did on a real program) ends the submission with a refusal naming the crash and what
     libtpu printed, and the next submission of the same program is refused without
-    compiling; one killed from outside (SIGKILL) is an error, and nothing is remembered."""
+    compiling, even after promptmill's code changed (the crash is kept under the program's
+    own text too); one killed from outside (SIGKILL) is an error, and nothing is
+    remembered."""
     import sys
 
     from pipeline.generate import compile_cache, compile_process
 
     monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    real = compile_process.COMMAND
     argv = ["submit", "gke", "--dry-run", "--tpu-type", "v5e", "--topology", "2x2", "--image", "img",
             "--prompts", "gs://b/p.jsonl", "--out", "gs://b/out", "--model", "tiny", "--steps", "1"]
     monkeypatch.setattr(compile_process, "COMMAND", [sys.executable, "-c", SEGFAULT.format("killed", "SIGKILL")])
@@ -246,7 +253,7 @@ def test_a_compiler_crash_is_a_refusal_that_says_so_and_is_remembered(monkeypatc
     [event] = _events(err, "tpu_compile_crashed")
     assert event["signal"] == "SIGKILL" and not event["compiler"] and event["per_device_batch"] == 2
 
-    monkeypatch.setattr(compile_process, "COMMAND", [sys.executable, "-c", SEGFAULT.format("check failed", "SIGSEGV")])
+    monkeypatch.setattr(compile_process, "COMMAND", [sys.executable, "-c", CRASHING_COMPILER])
     assert cli.main([*argv, "--per-device-batch", "2"]) == 1  # not remembered: compiled again, and crashed
     err = capsys.readouterr().err
     message = err.strip().splitlines()[-1]
@@ -254,13 +261,26 @@ def test_a_compiler_crash_is_a_refusal_that_says_so_and_is_remembered(monkeypatc
     assert ("at 2 image(s) per chip does not compile for a v5e chip: libtpu's compiler crashed (SIGSEGV) on it"
             in message)
     [event] = _events(err, "tpu_compile_crashed")
-    assert event["signal"] == "SIGSEGV" and event["compiler"] and event["printed"] == "F1125 check failed"
+    assert event["signal"] == "SIGSEGV" and event["compiler"] and event["printed"].startswith("F1125 check failed")
+    assert not event["remembered"]
     [program] = _events(err, "tpu_program")
     assert program["crashed"] == "SIGSEGV" and not program["compiled"] and not program["fits"]
+    crashes = [json.load(open(p)) for p in (tmp_path / compile_cache.CHECKS).glob("*.json")]
+    assert sum(set(c) == {"crashed", "compile_s"} for c in crashes) == 1  # by the program's own text
 
     monkeypatch.setattr(compile_process, "COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])
     assert cli.main([*argv, "--per-device-batch", "2"]) == 1  # remembered: no child started
     assert "libtpu's compiler crashed (SIGSEGV)" in capsys.readouterr().err.strip().splitlines()[-1]
+
+    monkeypatch.setattr(compile_process, "COMMAND", real)
+    monkeypatch.setattr(compile_cache, "code_digest", lambda: "promptmill changed")  # a new index key
+    assert cli.main([*argv, "--per-device-batch", "2"]) == 1  # a real child, which finds the crash, not compiling
+    err = capsys.readouterr().err
+    assert "libtpu's compiler crashed (SIGSEGV)" in err.strip().splitlines()[-1]
+    [event] = _events(err, "tpu_compile_crashed")
+    assert event["remembered"] and event["signal"] == "SIGSEGV"
+
+    monkeypatch.setattr(compile_process, "COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])
     assert cli.main([*argv, "--per-device-batch", "3"]) == 1  # another program: a child, which says nothing
     assert "exited with 3 and no answer" in capsys.readouterr().err.strip().splitlines()[-1]
 

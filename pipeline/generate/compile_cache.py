@@ -46,6 +46,7 @@ from pipeline.generate import jax_events
 
 EXECUTABLES = "executables"  # the per-host executables' folder, inside the cache folder
 CHECKS = "checks"  # results of programs compiled for other machines (the TPU check), by index key
+CHECKS_FOLDER = "PROMPTMILL_CHECKS_FOLDER"  # a compiling child's parent's ``checks_folder``
 INDEX = "index"  # inside EXECUTABLES: what a program is made of -> its executable's key
 
 
@@ -350,20 +351,25 @@ def entries(directory: str) -> int:
     return sum(1 for name in os.listdir(directory) if name.endswith("-cache"))
 
 
-def _checks_folder(folder: str | None) -> str:
+def checks_folder(folder: str | None = None) -> str:
+    """Where ``remember`` keeps results: under ``folder``, else the one a compiling
+    child's parent named (``CHECKS_FOLDER``: both keep their results in one place), else
+    under this machine's ``local_default``."""
+    if folder is None and os.environ.get(CHECKS_FOLDER):
+        return os.environ[CHECKS_FOLDER]
     return os.path.join(folder or local_default(), CHECKS)
 
 
 def remember(key: str, value: dict, folder: str | None = None) -> None:
     """Keep ``value`` (JSON), what compiling the program of ``key`` (``index_key``) for
     another machine found, under ``folder`` (default: this machine's ``local_default``)."""
-    _write(os.path.join(_checks_folder(folder), f"{key}.json"), json.dumps(value, sort_keys=True).encode())
+    _write(os.path.join(checks_folder(folder), f"{key}.json"), json.dumps(value, sort_keys=True).encode())
 
 
 def recall(key: str, folder: str | None = None) -> dict | None:
     """What ``remember`` kept for ``key``, or None (none, or unreadable)."""
     try:
-        with open(os.path.join(_checks_folder(folder), f"{key}.json")) as f:
+        with open(os.path.join(checks_folder(folder), f"{key}.json")) as f:
             return json.load(f)
     except (OSError, ValueError):
         return None

@@ -10,10 +10,14 @@ compile too, so the check may remember it) or the machine's (killed from outside
 memory), how long it ran, and the end of what libtpu printed.
 
 The child finds what was compiled before (the compile cache's folder, by the program's
-text) as the parent would, and keeps what it compiles there.
+text) as the parent would, and keeps what it compiles there. Before each compile it
+notes which program it is on (``compiling``), so a crash names the program (``Crashed.
+program``) and the check can remember the crash by the program's own text, as it
+remembers figures.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -23,9 +27,12 @@ import sys
 import tempfile
 import time
 
+from pipeline.generate import compile_cache
+
 COMMAND = [sys.executable, "-c", "import sys; from pipeline.generate import compile_process as c; "
                               "sys.exit(c.main(sys.argv[1:]))"]  # this module by its name: its errors unpickle
 HELD = "PROMPTMILL_HELD_STDERR"  # where the child keeps what libtpu prints (tpu_check._quiet_stderr)
+NOTE = "PROMPTMILL_COMPILING"  # where the child notes the program it is compiling (``compiling``)
 COMPILER_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
 CALLS = tuple(f"pipeline.generate.tpu_check:{name}" for name in  # what a child runs
               ("compile_program", "compiled_parts", "compile_scorer_program"))
@@ -38,10 +45,32 @@ class Failed(RuntimeError):
 class Crashed(Failed):
     """A child compiling for the check died of a signal."""
 
-    def __init__(self, signal_name: str, compiler: bool, seconds: float, printed: str):
+    def __init__(self, signal_name: str, compiler: bool, seconds: float, printed: str, program: str | None = None,
+                 remembered: bool = False):
         self.signal_name, self.compiler, self.seconds, self.printed = signal_name, compiler, seconds, printed
+        self.program, self.remembered = program, remembered  # the program's key; a crash found in the cache
         said = f"; it printed: {printed.strip()[-400:]}" if printed.strip() else ""
-        super().__init__(f"the compiling process died of {signal_name} after {seconds:.0f} s{said}")
+        super().__init__(f"the compiling process died of {signal_name} after {seconds:.0f} s{said}"
+                         f"{' (an earlier compile of the same program)' if remembered else ''}")
+
+    def __reduce__(self):  # handed from a child to its parent whole
+        return type(self), (self.signal_name, self.compiler, self.seconds, self.printed, self.program,
+                             self.remembered)
+
+
+@contextlib.contextmanager
+def compiling(key: str):
+    """Note, for the parent, that this child is compiling the program of ``key`` (the
+    compile cache's figures key) until the block ends; nothing outside a child."""
+    path = os.environ.get(NOTE)
+    if path:
+        with open(path, "w") as f:
+            f.write(key)
+    try:
+        yield
+    finally:
+        if path and os.path.exists(path):
+            os.remove(path)
 
 
 def _signal_name(number: int) -> str:
@@ -51,6 +80,13 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 def run(call: str, *args):
     """``call(*args)`` (``module:function``, one of ``CALLS``) in a child process; its
     result, or the exception it raised, raised again here (``Failed`` for one not of
@@ -58,18 +94,19 @@ def run(call: str, *args):
     if call not in CALLS:
         raise ValueError(f"a compiling child runs one of {', '.join(CALLS)}, not {call!r}")
     with tempfile.TemporaryDirectory(prefix="promptmill-compile-") as folder:
-        request, answer, held = (os.path.join(folder, name) for name in ("request", "answer", "stderr"))
+        request, answer, held, note = (os.path.join(folder, name)
+                                       for name in ("request", "answer", "stderr", "compiling"))
         with open(request, "wb") as f:
             pickle.dump((call, args), f)
-        env = {**os.environ, HELD: held}
+        env = {**os.environ, HELD: held, NOTE: note, compile_cache.CHECKS_FOLDER: compile_cache.checks_folder()}
         env.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no accelerator here
         started = time.perf_counter()
         process = subprocess.run([*COMMAND, request, answer], env=env)
         seconds = time.perf_counter() - started
         if process.returncode < 0:
             number = -process.returncode
-            printed = open(held, encoding="utf-8", errors="replace").read() if os.path.exists(held) else ""
-            raise Crashed(_signal_name(number), number in COMPILER_SIGNALS, seconds, printed)
+            printed, program = _read(held), _read(note).strip() or None
+            raise Crashed(_signal_name(number), number in COMPILER_SIGNALS, seconds, printed, program)
         if not os.path.exists(answer):
             raise Failed(f"the compiling process exited with {process.returncode} and no answer")
         with open(answer, "rb") as f:

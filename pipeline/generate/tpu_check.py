@@ -307,14 +307,17 @@ def compiled_figures(lowered, target: Target, figures) -> dict:
     chips, or ``{"refused_temp": bytes}`` when XLA refuses it for memory (the temporaries
     of its message); either with ``compile_s``, the seconds XLA took. Remembered by the
     program's own text (``compile_cache.figures_key``), so a program compiled before for
-    the same chips with the same libtpu is not compiled again, whatever else changed."""
+    the same chips with the same libtpu is not compiled again, whatever else changed; one
+    that crashed the compiler before raises ``compile_process.Crashed`` again at once."""
     key = compile_cache.figures_key(lowered, host_devices(target))
     found = compile_cache.recall(key)
+    if found is not None and "crashed" in found:  # this program crashed libtpu's compiler before (``_crash``)
+        raise compile_process.Crashed(found["crashed"], True, found.get("compile_s", 0.0), "", key, remembered=True)
     if found is not None:
         return found
     started = time.perf_counter()
     try:
-        with _quiet_stderr():
+        with _quiet_stderr(), compile_process.compiling(key):
             executable = lowered.compile()
     except Exception as e:  # noqa: BLE001 - an out-of-memory refusal is a result; anything else is raised
         refused = out_of_memory(str(e))
@@ -376,7 +379,10 @@ def _crash(e: compile_process.Crashed, settings, target: Target, per_device_batc
     (the process was killed from outside or ran out of this machine's memory), which says
     nothing about the program and is not remembered."""
     logs.event("tpu_compile_crashed", level=30, what=what, tpu_type=target.tpu_type, per_device_batch=per_device_batch,
-               signal=e.signal_name, compiler=e.compiler, seconds=round(e.seconds, 1), printed=e.printed[-2000:])
+               signal=e.signal_name, compiler=e.compiler, seconds=round(e.seconds, 1), printed=e.printed[-2000:],
+               remembered=e.remembered)
+    if e.compiler and e.program and not e.remembered:  # by the program's text: it holds across code changes
+        compile_cache.remember(e.program, {"crashed": e.signal_name, "compile_s": e.seconds})
     if not e.compiler:
         raise TpuCheckError(f"the TPU check's compile of {what} of {describe_settings(settings)} at {per_device_batch} "
                             f"image(s) per {target.tpu_type} chip was stopped: {e} (out of memory on this machine? "
