@@ -94,31 +94,39 @@ def test_a_refusal_estimates_what_fits_from_the_refused_program_and_the_parts(mo
 
 
 def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypatch):
-    """The parts predict; the whole program decides: an estimate the whole program does
-    not confirm is bisected with whole programs."""
-    limit = 100 * 2 ** 20
-    whole = {b: (10 + 12 * b) * 2 ** 20 for b in range(1, 300)}  # fits up to 7
+    """The parts predict; the whole program decides, and what it measured beyond its parts
+    corrects the next prediction. No whole program at one image is compiled unless the
+    parts say nothing larger fits."""
+    limit, mib = 100 * 2 ** 20, 2 ** 20
+    whole = {b: (10 + 12 * b) * mib for b in range(1, 300)}  # fits up to 7
     compiled = []
 
     def check(settings, target, b):
         compiled.append(b)
-        return {**REPORT, "per_device_batch": b, "total_gib": whole[b] / GIB}
+        return {**REPORT, "per_device_batch": b, "total_gib": whole[b] / GIB, "compiled": True}
 
     monkeypatch.setattr(tpu_check, "capacity", lambda target: (limit, limit))
     monkeypatch.setattr(tpu_check, "check", check)
-    monkeypatch.setattr(tpu_check, "_nbytes", lambda tree: 0)
-    monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: type("M", (), {"params": {}}))
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (8 + 10 * b) * 2 ** 20)  # 22 + 10(b-1): 8
+    monkeypatch.setattr(tpu_check.sharding, "device_bytes", lambda params, fsdp, dtype: 0)  # the weights, a lower bound
+    monkeypatch.setattr("pipeline.generate.runtime.abstract_model",
+                        lambda settings: type("M", (), {"params": {}, "param_dtype": None}))
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (8 + 10 * b) * mib)
     target = tpu_check.Target("v5e", 4, 16.0)
     found = tpu_check._search(Settings(), target, 256)
-    assert found["batch"] == 7 and compiled == [1, 8, 4, 6, 7]  # 8 refused by the whole program: bisected
-    assert all(whole[b] > limit for b in compiled if b > 7)
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (9 + 12 * b) * 2 ** 20)  # grows as the whole
+    # the parts alone say 9; the whole at 9 needs 20 MiB beyond them, so 7; confirmed, and 8 is 7's 94 + 10 MiB
+    assert found["batch"] == 7 and compiled == [9, 7]
+    assert found["tried"][8] == whole[7] + 10 * mib and found["tried"][7] == whole[7]
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (9 + 12 * b) * mib)  # as the whole
     compiled.clear()
-    assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [1, 7]
+    assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [7]
+    whole.update({b: (2 + 12 * b) * mib for b in whole})  # the parts overestimate: the whole at 7 shows 8 fits
+    compiled.clear()
+    assert tpu_check._search(Settings(), target, 256)["batch"] == 8 and compiled == [7, 8]
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: 200 * b * mib)
     whole[1] = limit + 1
-    refused = tpu_check._search(Settings(), target, 256)
-    assert refused["batch"] is None and "not even one image per chip fits" in refused["message"]
+    compiled.clear()
+    refused = tpu_check._search(Settings(), target, 256)  # the parts say none: the whole at 1 gives the figures
+    assert refused["batch"] is None and "not even one image per chip fits" in refused["message"] and compiled == [1]
 
 
 def test_a_stopped_search_goes_on_without_compiling_its_parts_again(monkeypatch, tmp_path, model_cache):

@@ -568,10 +568,9 @@ def largest_batch(settings, target: Target, most: int = fit.MOST_PER_DEVICE) -> 
     """(the most images per chip whose host program fits ``target``, {batch: estimated or
     compiled total bytes} of the search); DoesNotFit when one image does not.
 
-    The whole program at one image per chip is compiled first; the parts' memory at a
-    few batches, offset by how much the whole needed beyond the parts at one image,
-    predicts the rest (``fit.largest_batch``); the whole program is compiled at the
-    answer to confirm it, and a confirmation that fails is bisected with whole programs."""
+    The parts of a step predict, the whole program decides (``_search``): no whole program
+    is compiled but at the batches the parts point to, each a confirmation, and what one
+    measured corrects the next prediction."""
     def make():
         return _search(settings, target, most)
 
@@ -582,6 +581,15 @@ def largest_batch(settings, target: Target, most: int = fit.MOST_PER_DEVICE) -> 
 
 
 def _search(settings, target: Target, most: int) -> dict:
+    """The whole program at b needs about ``offset`` + parts(b): its weights and what its
+    largest part needs beyond its own, plus what only the whole holds (the latents, the
+    text embeddings, the images). Before any whole program is compiled ``offset`` is the
+    weights alone, a lower bound; each whole program compiled sets it to what that one
+    measured beyond its parts. ``fit.largest_batch`` predicts from the parts, in (low,
+    high), the batches known to fit and not to; the whole program at the prediction
+    decides, and the search ends when the parts, so corrected, point to no batch between.
+    A whole program at one image is compiled only where no larger one fits (the answer, or
+    the refusal's figures), where the old search began with it (an hour for SDXL on v6e)."""
     from pipeline.generate import runtime
 
     model = runtime.abstract_model(settings)
@@ -594,34 +602,34 @@ def _search(settings, target: Target, most: int) -> dict:
         report = whole[b]
         return int(report["total_gib"] * GIB) if report["compiled"] else limit + 1
 
-    one = whole_total(1)
-    if one > limit:
-        return {"batch": None, "tried": {1: one}, "message": refusal(whole[1], None)}
-    base = parts_memory(settings, target, 1, model)
-    estimated: dict[int, int] = {1: one}
+    def parts_of(b: int, enough: int | None = None) -> int:
+        return parts_memory(settings, target, b, model, enough)
 
-    def needs(b: int) -> int:  # the whole program at one image, grown as its largest part grows
-        if b not in estimated:  # (past limit - one + base, a part's exact figure does not matter)
-            estimated[b] = one + parts_memory(settings, target, b, model, limit - one + base) - base
-        return estimated[b]
+    offset = sharding.device_bytes(model.params, settings.fsdp, model.param_dtype)
+    low, high, tried = 0, most + 1, {}
+    while high - low > 1:
+        def needs(b: int, offset=offset) -> int:  # past limit - offset, a part's exact figure does not matter
+            return offset + parts_of(b, limit - offset)
 
-    chosen, tried = fit.largest_batch(needs, limit, most)
-    low, high = 1, None
-    if whole_total(chosen) <= limit:
-        low = chosen
-    else:
-        high = chosen
-        while high - low > 1:
-            middle = (low + high) // 2
-            if whole_total(middle) <= limit:
-                low = middle
-            else:
-                high = middle
+        try:
+            chosen, tried = fit.largest_batch(needs, limit, high - 1)
+        except fit.FitError:
+            chosen = 1 if low == 0 and 1 not in whole else 0  # the parts say none: the whole at 1 says why
+        if chosen <= low:
+            break
+        total = whole_total(chosen)
+        if total <= limit:
+            low = chosen
+        else:
+            high = chosen
+        if high - low > 1 and whole[chosen]["compiled"]:  # what the whole needs beyond its parts, measured
+            offset = total - parts_of(chosen, limit)
+    if low == 0:
+        return {"batch": None, "tried": {1: whole_total(1)}, "message": refusal(whole[1], None)}
     logs.event("tpu_batch_searched", tpu_type=target.tpu_type, chips=target.chips, per_device_batch=low,
                limit_gib=round(limit / GIB, 3), whole_compiled=sorted(whole),
                estimated_gib={b: round(n / GIB, 3) for b, n in sorted(tried.items())})
-    return {"batch": low, "tried": {**{b: n for b, n in tried.items()}, **{b: whole_total(b) for b in whole}},
-            "message": None}
+    return {"batch": low, "tried": {**tried, **{b: whole_total(b) for b in whole}}, "message": None}
 
 
 def estimated_fit(settings, target: Target, report: dict, most: int = fit.MOST_PER_DEVICE) -> int | None:
