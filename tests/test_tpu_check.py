@@ -7,6 +7,7 @@ minute each on 2 cores): 128x128 for the Pallas attention kernel (4096-token cal
 otherwise. Results are kept in the session's compile cache, so a program is compiled once.
 """
 import json
+import math
 import os
 import shutil
 
@@ -113,15 +114,22 @@ def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypat
     monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (8 + 10 * b) * mib)
     target = tpu_check.Target("v5e", 4, 16.0)
     found = tpu_check._search(Settings(), target, 256)
-    # the parts alone say 9; the whole at 9 needs 20 MiB beyond them, so 7; confirmed, and 8 is 7's 94 + 10 MiB
+    # the parts alone say 9; the whole at 9 needs 118/98 of its parts, so 7; confirmed, and 8 is 94/78 of 88 MiB
     assert found["batch"] == 7 and compiled == [9, 7]
-    assert found["tried"][8] == whole[7] + 10 * mib and found["tried"][7] == whole[7]
+    assert found["tried"][8] == math.ceil(94 / 78 * 88 * mib) and found["tried"][7] == whole[7]
     monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (9 + 12 * b) * mib)  # as the whole
     compiled.clear()
     assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [7]
     whole.update({b: (2 + 12 * b) * mib for b in whole})  # the parts overestimate: the whole at 7 shows 8 fits
     compiled.clear()
     assert tpu_check._search(Settings(), target, 256)["batch"] == 8 and compiled == [7, 8]
+    crashes = range(6, 300)  # the compiler crashes on the whole program from 6 images: bisected below the first
+    monkeypatch.setattr(tpu_check, "check", lambda settings, target, b: check(settings, target, b) if b not in crashes
+                        else {**check(settings, target, b), "total_gib": 0.0, "compiled": False, "crashed": "SIGSEGV"})
+    compiled.clear()
+    # the parts say 7, which crashes; 3 compiles, and the parts would say 8 again, but after a crash are not asked
+    assert tpu_check._search(Settings(), target, 256)["batch"] == 5 and compiled == [7, 3, 5, 6]
+    monkeypatch.setattr(tpu_check, "check", check)
     monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: 200 * b * mib)
     whole[1] = limit + 1
     compiled.clear()
@@ -175,13 +183,13 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
     def parts(model, width, height, b, guided, seam, sharding, count=False):
         return [(label, (), (label, b)) for label in needs]
 
-    def figures(lowered, target, measure):
+    def figures(lowered, target):
         compiled.append(lowered)
         label, b = lowered
         return {"total": needs[label] * b}
 
     monkeypatch.setattr(tpu_check.parts, "parts", parts)
-    monkeypatch.setattr(tpu_check, "compiled_figures", figures)
+    monkeypatch.setattr(tpu_check, "assigned_figures", figures)
     monkeypatch.setattr(tpu_check, "_compile", _inline)
     settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4).validate()
     model = runtime.abstract_model(settings)
@@ -209,12 +217,12 @@ def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeyp
     limit, mib = 100 * 2 ** 20, 2 ** 20
     compiled = []
 
-    def compile(call, settings, target, b, enough=None, model=None):
-        assert call == "compiled_parts"
+    def compile(call, settings, target, b, index, model=None):
+        assert call == "assigned_part" and index == -1
         compiled.append(b)
         if b >= 6:
             raise compile_process.Crashed("SIGSEGV", True, 40.0, "")
-        return (8 + 10 * b) * mib, True  # alone, the parts would say 8 fit (the whole program: 7)
+        return (8 + 10 * b) * mib, 1  # one part; alone, it would say 8 fit (the whole program: 7)
 
     monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
     monkeypatch.setattr(tpu_check, "host_devices", lambda target: jax.devices("cpu")[:4])

@@ -183,11 +183,13 @@ def executable_key(lowered, devices) -> str:
     return _digest([lowered.as_text()] + _host_parts(devices))
 
 
-def figures_key(lowered, devices) -> str:
+def figures_key(lowered, devices, kind: str = "figures") -> str:
     """The key under which ``remember`` keeps what compiling ``lowered`` for ``devices``
     found (its memory and costs, not the executable): the program itself, so it holds
-    across changes to the code that built it which leave the program as it was."""
-    return _digest(["figures", executable_key(lowered, devices)])
+    across changes to the code that built it which leave the program as it was.
+    ``kind``: what was kept ("figures" of a whole compile, "assigned" of one stopped at
+    XLA's buffer assignment)."""
+    return _digest([kind, executable_key(lowered, devices)])
 
 
 @functools.lru_cache(maxsize=1)

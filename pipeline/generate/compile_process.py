@@ -33,9 +33,10 @@ COMMAND = [sys.executable, "-c", "import sys; from pipeline.generate import comp
                               "sys.exit(c.main(sys.argv[1:]))"]  # this module by its name: its errors unpickle
 HELD = "PROMPTMILL_HELD_STDERR"  # where the child keeps what libtpu prints (tpu_check._quiet_stderr)
 NOTE = "PROMPTMILL_COMPILING"  # where the child notes the program it is compiling (``compiling``)
+SCRATCH = "PROMPTMILL_COMPILE_SCRATCH"  # a folder of the parent's for the child's files, removed after it ends
 COMPILER_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
 CALLS = tuple(f"pipeline.generate.tpu_check:{name}" for name in  # what a child runs
-              ("compile_program", "compiled_parts", "compile_scorer_program"))
+              ("compile_program", "assigned_part", "compile_scorer_program"))
 
 
 class Failed(RuntimeError):
@@ -73,6 +74,13 @@ def compiling(key: str):
             os.remove(path)
 
 
+def scratch() -> str | None:
+    """In a compiling child, a folder for its files that its parent removes once the child
+    has ended (a compile the child leaves unfinished may still be writing to it); None
+    elsewhere."""
+    return os.environ.get(SCRATCH)
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -98,12 +106,13 @@ def run(call: str, *args):
                                        for name in ("request", "answer", "stderr", "compiling"))
         with open(request, "wb") as f:
             pickle.dump((call, args), f)
-        env = {**os.environ, HELD: held, NOTE: note, compile_cache.CHECKS_FOLDER: compile_cache.checks_folder()}
+        env = {**os.environ, HELD: held, NOTE: note, SCRATCH: folder,
+               compile_cache.CHECKS_FOLDER: compile_cache.checks_folder()}
         env.setdefault("JAX_PLATFORMS", "cpu")  # compile-only TPU devices need no accelerator here
         started = time.perf_counter()
         process = subprocess.run([*COMMAND, request, answer], env=env)
         seconds = time.perf_counter() - started
-        if process.returncode < 0:
+        if process.returncode < 0 and not os.path.exists(answer):  # a child that answered, then died, answered
             number = -process.returncode
             printed, program = _read(held), _read(note).strip() or None
             raise Crashed(_signal_name(number), number in COMPILER_SIGNALS, seconds, printed, program)
@@ -133,7 +142,10 @@ def main(argv: list[str]) -> int:
         data = pickle.dumps(result)
     except Exception:  # noqa: BLE001 - an error that does not pickle, as text
         data = pickle.dumps((False, Failed(f"{type(result[1]).__name__}: {result[1]}")))
-    with open(answer, "wb") as f:
+    with open(answer + ".part", "wb") as f:
         f.write(data)
-    return 0
+    os.replace(answer + ".part", answer)  # whole, or not there
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # now: a compile left unfinished (``tpu_check.assigned_figures``) must not hold the exit
 

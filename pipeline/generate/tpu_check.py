@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import tempfile
@@ -406,7 +407,7 @@ def parts_memory(settings, target: Target, per_device_batch: int, model, enough:
     batch cannot run), and a TpuCheckError where the figure itself is needed."""
     def make():
         try:
-            beyond, complete = _compile("compiled_parts", settings, target, per_device_batch, enough, model)
+            beyond, complete = _compiled_parts_memory(settings, target, per_device_batch, model, enough)
         except compile_process.Crashed as e:
             _crash(e, settings, target, per_device_batch, "the parts of a step")
             return {"beyond": None, "crashed": e.signal_name}
@@ -426,25 +427,33 @@ def parts_memory(settings, target: Target, per_device_batch: int, model, enough:
     return found["beyond"]
 
 
-def compiled_parts(settings, target: Target, per_device_batch: int, enough: int | None = None,
-                   model=None) -> tuple[int, bool]:
-    """``_compiled_parts_memory`` (a compiling child's call), of ``model`` or, when None,
-    of ``settings``' model from shapes."""
-    from pipeline.generate import runtime
-
-    return _compiled_parts_memory(settings, target, per_device_batch, model or runtime.abstract_model(settings),
-                                  enough)
-
-
 def _compiled_parts_memory(settings, target: Target, per_device_batch: int, model,
                            enough: int | None = None) -> tuple[int, bool]:
-    """(the most bytes a part needs beyond its weights, whether every part was compiled)."""
+    """(the most bytes a part needs beyond its weights, whether every part was compiled):
+    each part in a compiling child of its own (``assigned_part``), from the last, the VAE
+    decode, up to the first."""
+    most, index, count = 0, 1, None
+    while count is None or index <= count:
+        beyond, count = _compile("assigned_part", settings, target, per_device_batch, -index, model)
+        most = max(most, beyond)
+        if enough is not None and most > enough:
+            return most, index == count
+        index += 1
+    return most, True
+
+
+def assigned_part(settings, target: Target, per_device_batch: int, index: int, model=None) -> tuple[int, int]:
+    """(the bytes part ``index`` of a step (``parts.parts``' order) needs beyond its own
+    weights on one of ``target``'s chips, by XLA's buffer assignment
+    (``assigned_figures``); how many parts there are): a compiling child's call, of
+    ``model`` or, when None, of ``settings``' model from shapes."""
     import jax
 
+    from pipeline.generate import runtime
     from pipeline.model import attention
 
-    device = host_devices(target)[0]
-    single = jax.sharding.SingleDeviceSharding(device)
+    model = model or runtime.abstract_model(settings)
+    single = jax.sharding.SingleDeviceSharding(host_devices(target)[0])
     width, height = size_of(settings, model)
 
     @contextlib.contextmanager
@@ -452,17 +461,93 @@ def _compiled_parts_memory(settings, target: Target, per_device_batch: int, mode
         with attention.use(settings.attention, platform="tpu"):
             yield
 
-    programs = [(sum(_nbytes(model.params[name]) for name in components), lowered)
-                for _, components, lowered in parts.parts(model, width, height, per_device_batch,
-                                                          run_guided(settings, model), seam, single)]
-    most = 0
-    for weights, lowered in reversed(programs):
-        found = compiled_figures(lowered, target, lambda executable: {"total": fit.program_memory(executable)["total"]})
-        beyond = found["refused_temp"] if "refused_temp" in found else found["total"] - weights
-        most = max(most, beyond)
-        if enough is not None and most > enough:
-            return most, False
-    return most, True
+    programs = parts.parts(model, width, height, per_device_batch, run_guided(settings, model), seam, single)
+    _, components, lowered = programs[index]
+    found = assigned_figures(lowered, target)
+    weights = sum(_nbytes(model.params[name]) for name in components)
+    return (found["refused_temp"] if "refused_temp" in found else found["total"] - weights), len(programs)
+
+
+_REPORT = re.compile(r"Memory Space: default \(color=0\)\s+Total bytes: (\d+)")
+
+
+def memory_report(folder: str, complete: bool = False) -> int | None:
+    """The HBM bytes of the memory-usage report XLA dumped into ``folder`` (its default
+    memory space: parameters, outputs, temporaries and constants as buffer assignment
+    placed them), once the dump written after it exists (or ``complete``: the compile
+    ended); None before. Pure but for reading ``folder``."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    reports = sorted(n for n in names if n.endswith("-memory-usage-report.txt"))
+    if not reports or not (complete or any(n.endswith("_after_buffer_assignment.txt") for n in names)):
+        return None
+    with open(os.path.join(folder, reports[-1]), encoding="utf-8", errors="replace") as f:
+        found = _REPORT.search(f.read())
+    if found is None:
+        raise TpuCheckError(f"XLA's memory-usage report {reports[-1]} names no default memory space")
+    return int(found.group(1))
+
+
+def assigned_figures(lowered, target: Target) -> dict:
+    """``{"total": bytes}`` that XLA's buffer assignment placed in one of ``target``'s
+    chips' HBM for ``lowered`` (``memory_report``), or ``{"refused_temp": bytes}`` when XLA
+    refuses it for memory; with ``compile_s``, the seconds it took to get there.
+
+    Buffer assignment comes early in a TPU compile: the code generation after it takes
+    the rest, 50 to 70 times as long for a VAE decode. A compiling child
+    (``compile_process``) answers as soon as the report is written and is ended with the
+    compile unfinished; elsewhere the compile runs to its end. The backend places a
+    little more after buffer assignment (SD 1.5's VAE decode at 512x512 measured 70 MB
+    more in the whole compile, 14% of what it needs beyond its weights), so these figures
+    predict and a whole compile decides (``_search``). Remembered by the program's own
+    text, as ``compiled_figures`` are."""
+    import threading
+
+    key = compile_cache.figures_key(lowered, host_devices(target), kind="assigned")
+    found = compile_cache.recall(key)
+    if found is not None and "crashed" in found:
+        raise compile_process.Crashed(found["crashed"], True, found.get("compile_s", 0.0), "", key, remembered=True)
+    if found is not None:
+        return found
+    child = compile_process.scratch()  # a child's dump goes in its parent's folder, removed after the child ends
+    folder = tempfile.mkdtemp(prefix="xla-dump-", dir=child)
+    ended, failed = threading.Event(), []
+
+    def compile_it():
+        try:
+            lowered.compile(compiler_options={"xla_dump_to": folder})
+        except Exception as e:  # noqa: BLE001 - read below
+            failed.append(e)
+        finally:
+            ended.set()
+
+    started = time.perf_counter()
+    with _quiet_stderr(), compile_process.compiling(key):
+        threading.Thread(target=compile_it, daemon=True).start()
+        total = None
+        while total is None:
+            done = ended.wait(0.2)
+            total = memory_report(folder, complete=done)
+            if done and total is None:
+                break
+        seconds = time.perf_counter() - started
+        if child is None:
+            ended.wait()  # nothing ends this process's compile: let it finish
+    if child is None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    if total is not None:
+        value = {"total": total}
+    else:
+        refused = out_of_memory(str(failed[0])) if failed else None
+        if refused is None or "temp" not in refused:
+            if failed:
+                raise failed[0]
+            raise TpuCheckError("XLA wrote no memory-usage report for a part of a step")
+        value = {"refused_temp": refused["temp"]}
+    value["compile_s"] = seconds
+    compile_cache.remember(key, value)
+    return value
 
 
 def _description(settings, target: Target, per_device_batch, scorers: bool = False) -> dict:
@@ -581,15 +666,19 @@ def largest_batch(settings, target: Target, most: int = fit.MOST_PER_DEVICE) -> 
 
 
 def _search(settings, target: Target, most: int) -> dict:
-    """The whole program at b needs about ``offset`` + parts(b): its weights and what its
-    largest part needs beyond its own, plus what only the whole holds (the latents, the
-    text embeddings, the images). Before any whole program is compiled ``offset`` is the
-    weights alone, a lower bound; each whole program compiled sets it to what that one
-    measured beyond its parts. ``fit.largest_batch`` predicts from the parts, in (low,
-    high), the batches known to fit and not to; the whole program at the prediction
-    decides, and the search ends when the parts, so corrected, point to no batch between.
-    A whole program at one image is compiled only where no larger one fits (the answer, or
-    the refusal's figures), where the old search began with it (an hour for SDXL on v6e)."""
+    """The whole program at b needs about its weights + ``scale`` x parts(b), what its
+    largest part needs beyond its own weights: the parts' figures come from XLA's buffer
+    assignment (``assigned_figures``), a little under what the whole compile finds, and
+    the whole holds what only it holds (the latents, the text embeddings, the images).
+    Before any whole program is compiled ``scale`` is 1, a lower bound; each whole program
+    compiled sets it to what that one measured beyond its weights, over its parts.
+    ``fit.largest_batch`` predicts from the parts, below ``high``, the smallest batch known
+    not to fit; the whole program at the prediction decides, and the search ends when the
+    parts, so corrected, point to no batch above ``low``, the largest known to fit. A whole
+    program at one image is compiled only where the parts say nothing fits (the refusal's
+    figures, or the answer). A whole program that does not compile halves the gap next:
+    XLA's refusal corrects nothing, and a compiler crash (``tpu_compile_crashed``) is one
+    the parts cannot foresee, so after one the rest of the search is bisected."""
     from pipeline.generate import runtime
 
     model = runtime.abstract_model(settings)
@@ -602,28 +691,32 @@ def _search(settings, target: Target, most: int) -> dict:
         report = whole[b]
         return int(report["total_gib"] * GIB) if report["compiled"] else limit + 1
 
-    def parts_of(b: int, enough: int | None = None) -> int:
-        return parts_memory(settings, target, b, model, enough)
-
-    offset = sharding.device_bytes(model.params, settings.fsdp, model.param_dtype)
-    low, high, tried = 0, most + 1, {}
+    weights = sharding.device_bytes(model.params, settings.fsdp, model.param_dtype)
+    scale, low, high, tried, halve, crashed = 1.0, 0, most + 1, {}, False, False
     while high - low > 1:
-        def needs(b: int, offset=offset) -> int:  # past limit - offset, a part's exact figure does not matter
-            return offset + parts_of(b, limit - offset)
+        def needs(b: int, scale=scale) -> int:  # past the limit, a part's exact figure does not matter
+            return weights + math.ceil(scale * parts_memory(settings, target, b, model, int((limit - weights) / scale)))
 
-        try:
-            chosen, tried = fit.largest_batch(needs, limit, high - 1)
-        except fit.FitError:
-            chosen = 1 if low == 0 and 1 not in whole else 0  # the parts say none: the whole at 1 says why
-        if chosen <= low:
-            break
+        if halve or crashed:
+            chosen = (low + high) // 2
+        else:
+            try:
+                chosen, tried = fit.largest_batch(needs, limit, high - 1)
+            except fit.FitError:
+                chosen = 1 if low == 0 and 1 not in whole else 0  # the parts say none: the whole at 1 says why
+            if chosen <= low:
+                break
         total = whole_total(chosen)
         if total <= limit:
             low = chosen
         else:
             high = chosen
-        if high - low > 1 and whole[chosen]["compiled"]:  # what the whole needs beyond its parts, measured
-            offset = total - parts_of(chosen, limit)
+        # a whole program XLA refused says nothing the parts can be corrected by: the next batch halves the
+        # gap; one that crashed the compiler, a crash the parts' buffer assignment cannot see: so does every next
+        halve, crashed = not whole[chosen]["compiled"], crashed or bool(whole[chosen].get("crashed"))
+        beyond = parts_memory(settings, target, chosen, model, limit)
+        if high - low > 1 and whole[chosen]["compiled"] and 0 < beyond <= limit and total > weights:
+            scale = (total - weights) / beyond  # what the whole needs beyond its weights, measured
     if low == 0:
         return {"batch": None, "tried": {1: whole_total(1)}, "message": refusal(whole[1], None)}
     logs.event("tpu_batch_searched", tpu_type=target.tpu_type, chips=target.chips, per_device_batch=low,
