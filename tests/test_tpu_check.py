@@ -240,6 +240,53 @@ def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeyp
         tpu_check.parts_memory(settings, target, 7, None)  # where the figure itself is needed
 
 
+REPORT_TEXT = """Memory Space: default (color=0)
+Total bytes: 512287264 (488.55MiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+
+Memory Space: vmem (color=1)
+Total bytes: 80749568 (77.01MiB)
+"""
+
+
+def test_the_memory_usage_report_is_read_once_xla_has_written_it_whole(tmp_path):
+    """The HBM total is the default memory space's, not VMEM's; the report counts only once
+    the dump XLA writes after it is there, or once the compile has ended."""
+    assert tpu_check.memory_report(str(tmp_path / "none")) is None
+    (tmp_path / "m.jit_decode.after_optimizations-memory-usage-report.txt").write_text(REPORT_TEXT)
+    assert tpu_check.memory_report(str(tmp_path)) is None  # it may still be being written
+    assert tpu_check.memory_report(str(tmp_path), complete=True) == 512287264
+    (tmp_path / "m.jit_decode.after_optimizations_after_buffer_assignment.txt").write_text("HloModule")
+    assert tpu_check.memory_report(str(tmp_path)) == 512287264
+    (tmp_path / "m.jit_decode.after_optimizations-memory-usage-report.txt").write_text("Memory Space: vmem (color=1)")
+    with pytest.raises(tpu_check.TpuCheckError, match="names no default memory space"):
+        tpu_check.memory_report(str(tmp_path))
+
+
+def test_a_part_is_measured_at_buffer_assignment_in_a_child_of_its_own(tmp_path, model_cache, monkeypatch):
+    """tiny's VAE decode for a v5e chip, in a real compiling child that answers once XLA's
+    memory-usage report is written: what it needs beyond its weights is close to what the
+    whole compile of the same program finds (the backend moves a little after buffer
+    assignment), and each figure is kept by the program's text, apart."""
+    from pipeline.generate import compile_cache, runtime
+
+    monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    # at 256x256 the decode's activations (about 0.1 GiB) are in HBM; smaller, XLA keeps them in VMEM
+    settings = Settings(model="tiny", width=256, height=256, steps=1, dtype="bf16", devices_per_host=4).validate()
+    v5e = program_check.target(tpu.lookup("v5e", "2x2"))
+    beyond, count = tpu_check._compile("assigned_part", settings, v5e, 2, -1, None)
+    assert count == 3  # the text encoder, the UNet, the VAE decode
+    model = runtime.abstract_model(settings)
+    [*_, (label, _, lowered)] = tpu_check.lowered_parts(settings, v5e, 2, model)
+    assert label == "vae_decode"
+    whole = tpu_check.compiled_figures(lowered, v5e, lambda e: {"total": fit.program_memory(e)["total"]})
+    weights = tpu_check._nbytes(model.params["vae"])
+    assert 0.9 * (whole["total"] - weights) <= beyond <= 1.1 * (whole["total"] - weights)
+    kept = [json.load(open(p)) for p in (tmp_path / compile_cache.CHECKS).glob("*.json")]
+    assert len(kept) == 2 and {k["total"] for k in kept} == {whole["total"], beyond + weights}
+    assert not list(tmp_path.glob("**/xla-dump-*"))  # the child's dump went with its folder
+
+
 SEGFAULT = "import os, signal; open(os.environ['PROMPTMILL_HELD_STDERR'], 'w').write('F1125 {}'); os.kill(os.getpid(), signal.{})"
 # a real compiling child, whose compiler prints and crashes on the program it was given
 CRASHING_COMPILER = ("import os, signal, sys, jax.stages as s; s.Lowered.compile = lambda self, *a, **k: "

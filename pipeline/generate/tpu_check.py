@@ -20,11 +20,13 @@ once per chip kind; a program fits when its total is at most ``fit.HEADROOM`` of
 the rule ``--per-device-batch auto`` applies to every device.
 
 ``largest_batch`` finds the most images per chip that fit: the memory of the step's
-parts (text encoders, one denoiser call, the VAE decode: ``parts``) at a few batches,
-each much cheaper to compile than the whole sampler, predicts it; then the whole
-program is compiled at that batch to confirm it. Results are kept in the compile
-cache's folder (``compile_cache.remember``), keyed by what the program is made of, so an
-unchanged submission does not compile again.
+parts (text encoders, one denoiser call, the VAE decode: ``parts``) at a few batches
+predicts it, each part compiled only up to XLA's buffer assignment (``assigned_figures``:
+seconds, where a whole compile of SDXL's UNet for v6e takes half an hour on 2 cores);
+then the whole program is compiled at that batch to confirm it, and what it measured
+corrects the next prediction. Results are kept in the compile cache's folder
+(``compile_cache.remember``), keyed by what the program is made of, so an unchanged
+submission does not compile again.
 
 Every compile runs in a child process (``compile_process``): a program that crashes
 libtpu's compiler is then a result, one that does not compile (``crashed``, remembered),
@@ -447,12 +449,23 @@ def assigned_part(settings, target: Target, per_device_batch: int, index: int, m
     weights on one of ``target``'s chips, by XLA's buffer assignment
     (``assigned_figures``); how many parts there are): a compiling child's call, of
     ``model`` or, when None, of ``settings``' model from shapes."""
-    import jax
-
     from pipeline.generate import runtime
-    from pipeline.model import attention
 
     model = model or runtime.abstract_model(settings)
+    programs = lowered_parts(settings, target, per_device_batch, model)
+    _, components, lowered = programs[index]
+    found = assigned_figures(lowered, target)
+    weights = sum(_nbytes(model.params[name]) for name in components)
+    return (found["refused_temp"] if "refused_temp" in found else found["total"] - weights), len(programs)
+
+
+def lowered_parts(settings, target: Target, per_device_batch: int, model) -> list:
+    """``parts.parts`` of ``settings``' run, lowered for one of ``target``'s chips with the
+    run's attention on the TPU platform."""
+    import jax
+
+    from pipeline.model import attention
+
     single = jax.sharding.SingleDeviceSharding(host_devices(target)[0])
     width, height = size_of(settings, model)
 
@@ -461,11 +474,7 @@ def assigned_part(settings, target: Target, per_device_batch: int, index: int, m
         with attention.use(settings.attention, platform="tpu"):
             yield
 
-    programs = parts.parts(model, width, height, per_device_batch, run_guided(settings, model), seam, single)
-    _, components, lowered = programs[index]
-    found = assigned_figures(lowered, target)
-    weights = sum(_nbytes(model.params[name]) for name in components)
-    return (found["refused_temp"] if "refused_temp" in found else found["total"] - weights), len(programs)
+    return parts.parts(model, width, height, per_device_batch, run_guided(settings, model), seam, single)
 
 
 _REPORT = re.compile(r"Memory Space: default \(color=0\)\s+Total bytes: (\d+)")
