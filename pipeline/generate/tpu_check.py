@@ -608,6 +608,8 @@ def check(settings, target: Target, per_device_batch: int | None = None) -> dict
     limit, usable = capacity(target)
 
     def make():
+        logs.event("tpu_program_compiling", model=settings.model, tpu_type=target.tpu_type, chips=target.chips,
+                   per_device_batch=b, attention=settings.attention)  # minutes to an hour at real sizes
         try:
             program = _compile("compile_program", settings, target, b, model)  # the shapes travel: no reload
         except compile_process.Crashed as e:
@@ -715,6 +717,9 @@ def _search(settings, target: Target, most: int) -> dict:
                 chosen = 1 if low == 0 and 1 not in whole else 0  # the parts say none: the whole at 1 says why
             if chosen <= low:
                 break
+        logs.event("tpu_batch_predicted", tpu_type=target.tpu_type, per_device_batch=chosen, low=low,
+                   high=high if high <= most else None, scale=round(scale, 4), halved=halve or crashed,
+                   estimated_gib=round(tried[chosen] / GIB, 3) if chosen in tried and not (halve or crashed) else None)
         total = whole_total(chosen)
         if total <= limit:
             low = chosen
