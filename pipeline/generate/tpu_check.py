@@ -504,11 +504,11 @@ def assigned_figures(lowered, target: Target) -> dict:
     Buffer assignment comes early in a TPU compile: the code generation after it takes
     the rest, 50 to 70 times as long for a VAE decode. A compiling child
     (``compile_process``) answers as soon as the report is written and is ended with the
-    compile unfinished; elsewhere the compile runs to its end. The backend places a
-    little more after buffer assignment (SD 1.5's VAE decode at 512x512 measured 70 MB
-    more in the whole compile, 14% of what it needs beyond its weights), so these figures
-    predict and a whole compile decides (``_search``). Remembered by the program's own
-    text, as ``compiled_figures`` are."""
+    compile unfinished; elsewhere the compile runs to its end. The backend moves buffers
+    after buffer assignment (SD 1.5's VAE decode at 512x512 on v6e measured 70 MB more in
+    the whole compile, 14% of what it needs beyond its weights; a small program's
+    temporaries can move into VMEM), so these figures predict and a whole compile decides
+    (``_search``). Remembered by the program's own text, as ``compiled_figures`` are."""
     import threading
 
     key = compile_cache.figures_key(lowered, host_devices(target), kind="assigned")
