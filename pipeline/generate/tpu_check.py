@@ -305,6 +305,16 @@ def _whole_figures(compiled) -> dict:
             "pallas_calls": text.count('custom_call_target="tpu_custom_call"')}
 
 
+def _recalled(key: str) -> dict | None:
+    """What was kept for the program of ``key`` (``compile_cache.figures_key``), or None;
+    ``compile_process.Crashed`` again at once for one that crashed libtpu's compiler before
+    (``_crash``)."""
+    found = compile_cache.recall(key)
+    if found is not None and "crashed" in found:
+        raise compile_process.Crashed(found["crashed"], True, found.get("compile_s", 0.0), "", key, remembered=True)
+    return found
+
+
 def compiled_figures(lowered, target: Target, figures) -> dict:
     """``figures(executable)`` (a JSON-able dict) of ``lowered`` compiled for ``target``'s
     chips, or ``{"refused_temp": bytes}`` when XLA refuses it for memory (the temporaries
@@ -313,9 +323,7 @@ def compiled_figures(lowered, target: Target, figures) -> dict:
     the same chips with the same libtpu is not compiled again, whatever else changed; one
     that crashed the compiler before raises ``compile_process.Crashed`` again at once."""
     key = compile_cache.figures_key(lowered, host_devices(target))
-    found = compile_cache.recall(key)
-    if found is not None and "crashed" in found:  # this program crashed libtpu's compiler before (``_crash``)
-        raise compile_process.Crashed(found["crashed"], True, found.get("compile_s", 0.0), "", key, remembered=True)
+    found = _recalled(key)
     if found is not None:
         return found
     started = time.perf_counter()
@@ -512,9 +520,7 @@ def assigned_figures(lowered, target: Target) -> dict:
     import threading
 
     key = compile_cache.figures_key(lowered, host_devices(target), kind="assigned")
-    found = compile_cache.recall(key)
-    if found is not None and "crashed" in found:
-        raise compile_process.Crashed(found["crashed"], True, found.get("compile_s", 0.0), "", key, remembered=True)
+    found = _recalled(key)
     if found is not None:
         return found
     child = compile_process.scratch()  # a child's dump goes in its parent's folder, removed after the child ends
