@@ -135,6 +135,12 @@ def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypat
     compiled.clear()
     refused = tpu_check._search(Settings(), target, 256)  # the parts say none: the whole at 1 gives the figures
     assert refused["batch"] is None and "not even one image per chip fits" in refused["message"] and compiled == [1]
+    # the parts need not grow with the batch (XLA's buffer assignment): at one image they say none fits, the
+    # whole at 1 fits; the parts above 1 are asked before the search ends: 9, no; rescaled, 7, which fits
+    whole.update({b: (10 + 12 * b) * mib for b in whole})
+    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (105 if b == 1 else 8 + 10 * b) * mib)
+    compiled.clear()
+    assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [1, 9, 7]
 
 
 def test_a_stopped_search_goes_on_without_compiling_its_parts_again(monkeypatch, tmp_path, model_cache):

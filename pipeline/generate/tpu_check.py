@@ -691,7 +691,7 @@ def _search(settings, target: Target, most: int) -> dict:
     compiled sets it to what that one measured beyond its weights, over its parts.
     ``fit.largest_batch`` predicts from the parts, below ``high``, the smallest batch known
     not to fit; the whole program at the prediction decides, and the search ends when the
-    parts, so corrected, point to no batch above ``low``, the largest known to fit. A whole
+    parts, so corrected, say ``low`` + 1 does not fit, ``low`` the largest known to fit. A whole
     program at one image is compiled only where the parts say nothing fits (the refusal's
     figures, or the answer). A whole program that does not compile halves the gap next:
     XLA's refusal corrects nothing, and a compiler crash (``tpu_compile_crashed``) is one
@@ -720,9 +720,15 @@ def _search(settings, target: Target, most: int) -> dict:
             try:
                 chosen, tried = fit.largest_batch(needs, limit, high - 1)
             except fit.FitError:
-                chosen = 1 if low == 0 and 1 not in whole else 0  # the parts say none: the whole at 1 says why
-            if chosen <= low:
-                break
+                # the parts say none: the whole at 1 says why
+                chosen, tried = (1 if low == 0 and 1 not in whole else 0), {}
+            if chosen <= low:  # the parts, corrected, point at or below what fits; they need not grow with the
+                if low + 1 not in tried:  # batch everywhere, so above low they are asked again before it ends
+                    tried = {**tried, low + 1: needs(low + 1)}
+                if tried[low + 1] > limit:
+                    break
+                above, more = fit.largest_batch(lambda b: needs(low + b), limit, high - 1 - low)
+                chosen, tried = low + above, {**tried, **{low + b: n for b, n in more.items()}}
         logs.event("tpu_batch_predicted", tpu_type=target.tpu_type, per_device_batch=chosen, low=low,
                    high=high if high <= most else None, scale=round(scale, 4), halved=halve or crashed,
                    estimated_gib=round(tried[chosen] / GIB, 3) if chosen in tried and not (halve or crashed) else None)
