@@ -723,12 +723,15 @@ def _search(settings, target: Target, most: int) -> dict:
                 # the parts say none: the whole at 1 says why
                 chosen, tried = (1 if low == 0 and 1 not in whole else 0), {}
             if chosen <= low:  # the parts, corrected, point at or below what fits; they need not grow with the
-                if low + 1 not in tried:  # batch everywhere, so above low they are asked again before it ends
-                    tried = {**tried, low + 1: needs(low + 1)}
-                if tried[low + 1] > limit:
+                def above(b: int, low=low) -> int:  # batch everywhere, so above low they are asked again
+                    if low + b not in tried:
+                        tried[low + b] = needs(low + b)
+                    return tried[low + b]
+
+                try:
+                    chosen = low + fit.largest_batch(above, limit, high - 1 - low)[0]
+                except fit.FitError:  # nor does low + 1 fit: the search ends
                     break
-                above, more = fit.largest_batch(lambda b: needs(low + b), limit, high - 1 - low)
-                chosen, tried = low + above, {**tried, **{low + b: n for b, n in more.items()}}
         logs.event("tpu_batch_predicted", tpu_type=target.tpu_type, per_device_batch=chosen, low=low,
                    high=high if high <= most else None, scale=round(scale, 4), halved=halve or crashed,
                    estimated_gib=round(tried[chosen] / GIB, 3) if chosen in tried and not (halve or crashed) else None)
