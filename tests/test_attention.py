@@ -121,6 +121,34 @@ def test_kernels_on_awkward_shapes():
     np.testing.assert_allclose(pallas(q, k, v), reference, atol=1e-5)
 
 
+def _dot_batching_dims(platform: str) -> set[str]:
+    """The batching dims of every product in a seam's xla attention (the tiny UNet's shape),
+    as lowered for ``platform``."""
+    import re
+
+    q, k, v = _qkv((2, 256, 8, 4), 77)
+
+    def call(q, k, v):
+        with attention.use("xla", platform=platform):
+            return attention.compute("unet", q, k, v, 0.5)
+
+    text = jax.jit(call).lower(q, k, v).as_text()
+    return set(re.findall(r"batching_dims = (\[[^]]*\] x \[[^]]*\])", text))
+
+
+def test_on_cpu_xla_runs_its_products_heads_first_within_rounding_of_the_other_layout():
+    """On CPU devices the xla kernel lays q, k, v out [batch, heads, tokens, head_dim] before
+    its products (XLA:CPU runs the [batch, tokens, heads, head_dim] products of many small
+    heads several times slower); the TPU program keeps its layout. Both agree within
+    float rounding."""
+    assert _dot_batching_dims("cpu") == {"[0, 1] x [0, 1]"}
+    assert _dot_batching_dims("tpu") == {"[0, 2] x [0, 2]", "[0, 2] x [0, 1]"}
+    q, k, v = _qkv((2, 256, 8, 4), 77, seed=2)
+    for kernel in ("xla", "chunked"):  # chunked in one block is xla
+        first = attention.attend(q, k, v, 0.5, kernel, heads_first=True)
+        np.testing.assert_allclose(first, attention.attend(q, k, v, 0.5, kernel), atol=1e-6)
+
+
 def test_bf16_kernels_stay_within_bf16_rounding():
     """In bf16, xla and chunked compute scores and softmax in bf16, as diffusers does; the
     Pallas kernel keeps scores and its running sums in float32. All stay within a few
