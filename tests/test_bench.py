@@ -98,6 +98,9 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
         [compared["implementations"][name]["memory"] for name in ("diffusers", "auto")]
     assert memory["temp_growth"]["auto"] <= 4.5 < memory["temp_growth"]["diffusers"]
 
+    # the sweep's sampler is the cfg recipe's and auto's in the attention part: compiled once, built on thrice
+    assert report["programs"] == {"compiled": 5, "shared": 2}
+
     start = report["startup"]
     assert start["cache_entries"] > 0
     assert start["cold"]["build_cache_hits"] == 0 and start["warm"]["build_cache_hits"] >= 1

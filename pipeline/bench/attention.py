@@ -45,18 +45,21 @@ def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool
     return counted
 
 
-def run_speed(model, config, devices, width: int, height: int) -> dict:
-    """Images/s, program memory and kernels of each of ``config.attentions``, in turns."""
+def run_speed(model, config, devices, width: int, height: int, programs=None) -> dict:
+    """Images/s, program memory and kernels of each of ``config.attentions``, in turns.
+    ``programs``: the bench run's compiled samplers (``pipeline.bench.programs``)."""
+    from pipeline.bench.programs import Programs
     from pipeline.bench.timing import in_turns, ours_call
     from pipeline.generate.fit import program_memory
-    from pipeline.generate.generator import Generator, replicate
+    from pipeline.generate.generator import replicate
 
+    programs = programs or Programs()
     per_device_batch = config.per_device_batches[0]
     shared = replicate(model.params, devices)
     calls, rows = {}, {}
     for attention in config.attentions:
-        generator = Generator(model, width, height, config.steps, per_device_batch, devices=devices,
-                              guided=config.guided, params=shared, attention=attention)
+        generator = programs.generator(model, width, height, config.steps, per_device_batch, devices,
+                                       guided=config.guided, params=shared, attention=attention)
         calls[attention] = ours_call(generator, config.guidance_scale)
         program = program_memory(generator.compiled)
         rows[attention] = {"batch_size": generator.batch_size, "memory": program,

@@ -59,6 +59,7 @@ import platform
 import shutil
 import tempfile
 
+from pipeline.bench.programs import Programs
 from pipeline.core import logs
 from pipeline.core.choices import ATTENTIONS, LEGACY_ATTENTION, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import Settings, check_size
@@ -157,22 +158,23 @@ def machine(devices) -> dict:
             "python": platform.python_version(), "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: int, peak: float) -> list[dict]:
+def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: int, peak: float,
+              programs: Programs | None = None) -> list[dict]:
     """One row per per-device batch size: ours and the seed recipe, and the FLOPs.
 
     The two are timed batch by batch in turns, not one after the other: on a shared
     machine the speed drifts by 10-20% over minutes, and turns spread that drift
-    evenly over both.
+    evenly over both. ``programs``: the bench run's compiled samplers (``Programs``).
     """
     from pipeline.bench import flops, memory
     from pipeline.bench.timing import in_turns, ours_call, seed_call
-    from pipeline.generate.generator import Generator
 
+    programs = programs or Programs()
     rows = []
     for per_device_batch in config.per_device_batches:
         watch = logs.Stopwatch()
-        generator = Generator(model, width, height, config.steps, per_device_batch, devices=devices,
-                              guided=config.guided)
+        generator = programs.generator(model, width, height, config.steps, per_device_batch, devices,
+                                       guided=config.guided)
         build = watch.seconds()
         counted = flops.sampler_flops(model, width, height, config.steps, per_device_batch, generator.compiled,
                                       config.guided)
@@ -212,13 +214,16 @@ def recipes(config: BenchConfig) -> dict:
             "default": (None, None, default.steps, GUIDANCE, 1)}
 
 
-def run_recipes(model, config: BenchConfig, devices, width: int, height: int) -> dict:
+def run_recipes(model, config: BenchConfig, devices, width: int, height: int,
+                programs: Programs | None = None) -> dict:
     """Images/s and FLOPs per image of each recipe (``recipes``), side by side: one
     replicated copy of the weights, one generator each, timed batch by batch in turns."""
     from pipeline.bench import flops
     from pipeline.bench.timing import in_turns, ours_call
-    from pipeline.generate.generator import Generator, replicate
+    from pipeline.generate.generator import replicate
     from pipeline.model import load as model_lib
+
+    programs = programs or Programs()
 
     per_device_batch = config.per_device_batches[0]
     networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
@@ -234,9 +239,8 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int) ->
         first_of[program] = name
         variant = model_lib.with_sampler(model, scheduler, spacing)
         state = replicate({"scheduler": variant.params["scheduler"]}, devices) if "scheduler" in variant.params else {}
-        generator = Generator(variant, width, height, steps, factor * per_device_batch, devices=devices,
-                              guided=guidance > 1,
-                              params={**networks, **state})
+        generator = programs.generator(variant, width, height, steps, factor * per_device_batch, devices,
+                                       guided=guidance > 1, params={**networks, **state})
         calls[name] = ours_call(generator, guidance)
         shape = (factor * per_device_batch, guidance > 1)
         if shape not in counted_parts:
@@ -270,7 +274,8 @@ SCORING_RECIPES = {"cfg": None, "one_step": (1, 0.0)}  # None: --steps, with gui
 
 
 def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
-                reference: tuple[int, int] | None = (512, 20), recipes_run=tuple(SCORING_RECIPES)) -> dict:
+                reference: tuple[int, int] | None = (512, 20), recipes_run=tuple(SCORING_RECIPES),
+                programs: Programs | None = None) -> dict:
     """Images/s with and without every score (``SCORERS[config.scorers]``), side by side, timed in turns:
     at ``--steps`` with guidance (``cfg``) and the 1-step guidance-free recipe
     (``one_step``) (``recipes_run``: some of them); and the FLOPs per image of the scoring
@@ -281,8 +286,10 @@ def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
     from pipeline.bench import flops
     from pipeline.bench.timing import in_turns, ours_call, scored_call
     from pipeline.generate import scoring
-    from pipeline.generate.generator import Generator, replicate
+    from pipeline.generate.generator import replicate
     from pipeline.model.scorers import models
+
+    programs = programs or Programs()
 
     per_device_batch = config.per_device_batches[0]
     chosen = SCORERS[config.scorers]
@@ -300,8 +307,8 @@ def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
     recipes_run = {name: SCORING_RECIPES[name] or (config.steps, GUIDANCE) for name in recipes_run}
     calls, sizes, work = {}, {}, {}
     for name, (steps, guidance) in recipes_run.items():
-        generator = Generator(model, width, height, steps, per_device_batch, devices=devices, guided=guidance > 1,
-                              params={**networks, **state})
+        generator = programs.generator(model, width, height, steps, per_device_batch, devices, guided=guidance > 1,
+                                       params={**networks, **state})
         calls[name], calls[f"{name}_scored"] = ours_call(generator, guidance), scored_call(generator, scorer, guidance)
         sizes[name] = sizes[f"{name}_scored"] = generator.batch_size
         counted = flops.sampler_flops(model, width, height, steps, per_device_batch, guided=guidance > 1)
@@ -471,22 +478,23 @@ def run_bench(config: BenchConfig) -> dict:
     logs.event("bench_peak", flops_per_s=round(peak["flops_per_s"]), size=size, dtype=config.dtype)
 
     rows = compared = start = seed_load = attention = program_memory = scored = None
+    programs = Programs()  # a sampler that several parts time is compiled once
     if "sweep" in config.parts:
         watch = logs.Stopwatch()
         recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)
         seed_load = watch.seconds()
-        rows = run_sweep(model, recipe, config, devices, width, height, peak["flops_per_s"])
+        rows = run_sweep(model, recipe, config, devices, width, height, peak["flops_per_s"], programs)
         del recipe
         gc.collect()
     if "recipes" in config.parts:
-        compared = run_recipes(model, config, devices, width, height)
+        compared = run_recipes(model, config, devices, width, height, programs)
     if "attention" in config.parts:
-        attention = attention_bench.run_speed(model, config, devices, width, height)
+        attention = attention_bench.run_speed(model, config, devices, width, height, programs)
     if "memory" in config.parts:
         program_memory = attention_bench.run_memory(config, devices[0].platform, attention)
     sharded = run_fsdp(model, config, devices, width, height) if "fsdp" in config.parts else None
     if "scoring" in config.parts:
-        scored = run_scoring(model, config, devices, width, height)
+        scored = run_scoring(model, config, devices, width, height, programs=programs)
     # free the model before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
     # and the generators also hold a replicated copy)
     del model
@@ -500,7 +508,9 @@ def run_bench(config: BenchConfig) -> dict:
               "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
               "peak": peak, "sweep": rows, "recipes": compared, "attention": attention, "memory": program_memory,
               "startup": start, "scoring": scored, "flops": run_flops(config) if "flops" in config.parts else None,
-              "fsdp": sharded}
+              "fsdp": sharded,
+              # samplers compiled, and generators built on a sampler an earlier part compiled
+              "programs": {"compiled": programs.compiled, "shared": programs.shared}}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
     return report

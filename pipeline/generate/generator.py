@@ -132,7 +132,8 @@ def place_params(model, devices, fsdp: int = 1):
 
 def compile_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices,
                     latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
-                    attention: str = "auto", index_key: str | None = None, fsdp: int = 1) -> SamplerProgram:
+                    attention: str = "auto", index_key: str | None = None, fsdp: int = 1,
+                    lowered=None) -> SamplerProgram:
     """The host's sampler for ``devices`` (pmapped, or at ``fsdp`` > 1 one program over the
     host's FSDP mesh), lowered from shapes alone and compiled, or loaded from the
     executable cache (``compile_cache.load_or_compile``).
@@ -141,13 +142,15 @@ def compile_sampler(model, width: int, height: int, steps: int, per_device_batch
     only their shapes and dtypes are read, so this can run on a thread while the weights
     load. The Generator's arguments of the same names mean the same. ``index_key``: the
     ``compile_cache.index_key`` of these arguments, under which ``indexed_sampler`` finds
-    the executable next time without lowering it."""
+    the executable next time without lowering it. ``lowered``: the program ``lower_sampler``
+    made of these same arguments, when the caller has it already."""
     jax_events.COMPILES.install()
     started = time.perf_counter()
     devices = list(devices)
     compiles = jax_events.COMPILES.count_here()
-    lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
-                            attention, fsdp)
+    if lowered is None:
+        lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
+                                attention, fsdp)
     params = program_params(model, devices, fsdp)
     compiled, from_cache = compile_cache.load_or_compile(lowered, devices,
                                                          index=(index_key, params) if index_key else None)

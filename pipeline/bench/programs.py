@@ -1,0 +1,41 @@
+"""Samplers compiled once per bench run.
+
+Several parts of ``bench generator`` time the same sampler: the sweep at its first batch
+size, the ``cfg`` recipe, ``auto`` in the attention part, the scoring part's ``cfg``.
+``Programs`` keys each sampler by the text of its lowered program and the devices it
+runs on, so two parts share an executable only when they run the same program; each
+part still builds its own Generator (its own timing, its own params) on it. On a real
+model that is minutes of compilation saved per repeated program.
+"""
+from __future__ import annotations
+
+import hashlib
+
+
+class Programs:
+    def __init__(self):
+        self._compiled: dict[str, object] = {}
+        self.shared = 0  # Generators built on a program compiled for an earlier one
+
+    @property
+    def compiled(self) -> int:
+        return len(self._compiled)
+
+    def generator(self, model, width: int, height: int, steps: int, per_device_batch: int, devices,
+                  guided: bool = True, params=None, attention: str = "auto"):
+        """``Generator(model, width, height, steps, per_device_batch, devices=devices,
+        guided=guided, params=params, attention=attention)``, its sampler compiled here
+        only if no earlier call lowered the same program for the same devices."""
+        from pipeline.generate.generator import Generator, compile_sampler, lower_sampler
+
+        lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, guided=guided,
+                                attention=attention)
+        key = hashlib.sha256(repr([d.id for d in devices]).encode() + lowered.as_text().encode()).hexdigest()
+        program = self._compiled.get(key)
+        if program is None:
+            program = self._compiled[key] = compile_sampler(model, width, height, steps, per_device_batch, devices,
+                                                            guided=guided, attention=attention, lowered=lowered)
+        else:
+            self.shared += 1
+        return Generator(model, width, height, steps, per_device_batch, devices=devices, guided=guided, params=params,
+                         attention=attention, program=program)
