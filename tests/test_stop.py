@@ -27,6 +27,10 @@ from tests.conftest import ROOT
 
 RECORDS = 95  # and one bad row: 95 images in 24 slices of 4, the last one of 3
 SLICES = 24
+# Steps enough that a run lasts seconds after its first commit: the stop reaches the hosts
+# 0.5-1.3 s after the SIGTERM (pipeline.generate.stopping), later on a busy machine, and a
+# 1-step tiny run once finished its remaining slices in 1.6 s, before the stop reached it.
+STEPS = "8"
 DEADLINE_S = 300  # for anything that should take seconds, on a busy machine
 NO_PROCESS_AFTER_S = 15  # the bound
 
@@ -43,7 +47,7 @@ def prompts(tmp_path_factory):
 
 def run_command(prompts, out):
     return [sys.executable, "-m", "jobs.cli", "run", "--prompts", prompts, "--out", out, "--model", "tiny",
-            "--hosts", "2", "--devices-per-host", "2", "--steps", "1", "--per-device-batch", "1",
+            "--hosts", "2", "--devices-per-host", "2", "--steps", STEPS, "--per-device-batch", "1",
             "--batches-per-slice", "2", "--no-progress"]
 
 
