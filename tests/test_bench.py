@@ -113,7 +113,9 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     for side in (start["cold"], start["warm"]):
         assert side["program_reused"]  # made on a thread while the weights loaded, and used
         parts = sum(side[f"{part}_s"] for part in ("import", "load", "wait", "transfer"))
-        assert parts <= side["ready_s"] + 0.01 and side["ready_s"] + side["first_batch_s"] <= side["in_process_s"]
+        # (each figure is rounded to the millisecond: a sum of two may pass the total by one)
+        assert parts <= side["ready_s"] + 0.01
+        assert side["ready_s"] + side["first_batch_s"] <= side["in_process_s"] + 0.0015
     assert start["ready_warm_over_cold"] == start["warm"]["ready_s"] / start["cold"]["ready_s"]
     assert "time to ready" in table and "compile or deserialize" in table
 
