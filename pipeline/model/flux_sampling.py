@@ -98,6 +98,7 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
 
     from pipeline.model.libraries import quiet_libraries
     from pipeline.model.nets import flux, t5, vae
+    from pipeline.model.shapes import transformers_model
 
     quiet_libraries()
     dtype = jnp.float32 if dtype is None else dtype
@@ -112,8 +113,8 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
         vae_config = vae.VaeConfig.from_dict(_config(directory, "vae"))
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
-    clip = FlaxCLIPTextModel(CLIPTextConfig.from_pretrained(os.path.join(directory, "text_encoder")), dtype=dtype,
-                             _do_init=False)
+    clip = transformers_model(FlaxCLIPTextModel, CLIPTextConfig.from_pretrained(os.path.join(directory, "text_encoder")),
+                              dtype)
     return FluxNets(clip=clip, t5=t5.T5Encoder(t5_config, dtype), transformer=flux.FluxTransformer(flux_config, dtype),
                     vae=vae.VaeDecoder(vae_config, dtype), scheduler_config=scheduler_config)
 

@@ -263,11 +263,10 @@ def params_from_msgpack(shapes_tree, path: str) -> dict:
 
 def _shapes(module):
     """The params' shapes of a diffusers Flax module, from its config alone: no
-    initialiser runs, and the key is a shape too (a concrete one would be computed)."""
-    import jax
-    import jax.numpy as jnp
+    initialiser runs, and its trace is kept (``shapes.diffusers_shapes``)."""
+    from pipeline.model.shapes import diffusers_shapes
 
-    return jax.eval_shape(module.init_weights, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    return diffusers_shapes(module)
 
 
 def diffusers_params_from_safetensors(module, path: str) -> dict:
@@ -320,14 +319,15 @@ def load_transformers(cls, directory: str, component: str, dtype, abstract: bool
     ``abstract``: see ``load_diffusers``."""
     from transformers import CLIPTextConfig
 
+    from pipeline.model.shapes import transformers_model
+
     component_dir = os.path.join(directory, component)
+    # _do_init=False: no random initialisation of weights the file replaces anyway (the
+    # eager init took most of a small model's load time); built once per process
+    module = transformers_model(cls, CLIPTextConfig.from_pretrained(component_dir), dtype)
     if abstract:
-        module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
         return module, module.params_shape_tree
     kind, path = find(component_dir, component)
-    # _do_init=False: no random initialisation of weights the file replaces anyway (the
-    # eager init took most of a small model's load time)
-    module = cls(CLIPTextConfig.from_pretrained(component_dir), dtype=dtype, _do_init=False)
     if kind == "flax":
         return module, converted(path, component_dir, lambda: params_from_msgpack(module.params_shape_tree, path))
     return module, converted(path, component_dir, lambda: transformers_params_from_safetensors(module, path))

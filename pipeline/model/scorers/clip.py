@@ -85,6 +85,8 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
     import jax.numpy as jnp
     from transformers import CLIPConfig, FlaxCLIPModel
 
+    from pipeline.model.shapes import transformers_model
+
     flag = "--clip-model"
     if not os.path.isfile(os.path.join(directory, "config.json")):
         raise ScorerError(f"{flag} {path}: no config.json in {directory} (not a transformers-format CLIP model)")
@@ -93,7 +95,7 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
         raise ScorerError(f"{flag} {path}: its config is a {config.model_type!r} model, not CLIP")
     tokenizer = _tokenizer(directory, path)
     pre, _ = preprocess.read(directory, config.vision_config.image_size)
-    model = FlaxCLIPModel(config, dtype=jnp.float32, _do_init=False)
+    model = transformers_model(FlaxCLIPModel, config, jnp.float32)  # built once per process
     shapes = model.params_shape_tree
     params = shapes if abstract else load_params(directory, shapes, flag, model.base_model_prefix)
     return Clip(path=path, directory=directory, config=config, module=model.module, tokenizer=tokenizer,
