@@ -317,6 +317,7 @@ def load_diffusers(cls, directory: str, component: str, dtype, weights_file: str
 def load_transformers(cls, directory: str, component: str, dtype, abstract: bool = False):
     """(module, params) of a CLIP text encoder folder, whatever its weight format;
     ``abstract``: see ``load_diffusers``."""
+    import jax
     from transformers import CLIPTextConfig
 
     from pipeline.model.shapes import transformers_model
@@ -325,8 +326,8 @@ def load_transformers(cls, directory: str, component: str, dtype, abstract: bool
     # _do_init=False: no random initialisation of weights the file replaces anyway (the
     # eager init took most of a small model's load time); built once per process
     module = transformers_model(cls, CLIPTextConfig.from_pretrained(component_dir), dtype)
-    if abstract:
-        return module, module.params_shape_tree
+    if abstract:  # a copy of the tree: the model is shared
+        return module, jax.tree_util.tree_map(lambda leaf: leaf, module.params_shape_tree)
     kind, path = find(component_dir, component)
     if kind == "flax":
         return module, converted(path, component_dir, lambda: params_from_msgpack(module.params_shape_tree, path))

@@ -82,6 +82,7 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
     from pipeline.model.libraries import quiet_libraries
 
     quiet_libraries()  # before the Flax classes: they warn at every instance
+    import jax
     import jax.numpy as jnp
     from transformers import CLIPConfig, FlaxCLIPModel
 
@@ -97,7 +98,7 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
     pre, _ = preprocess.read(directory, config.vision_config.image_size)
     model = transformers_model(FlaxCLIPModel, config, jnp.float32)  # built once per process
     shapes = model.params_shape_tree
-    params = shapes if abstract else load_params(directory, shapes, flag, model.base_model_prefix)
+    params = jax.tree_util.tree_map(lambda leaf: leaf, shapes) if abstract else load_params(directory, shapes, flag, model.base_model_prefix)
     return Clip(path=path, directory=directory, config=config, module=model.module, tokenizer=tokenizer,
                 preprocessing=pre, params=params)
 
