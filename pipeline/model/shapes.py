@@ -62,14 +62,17 @@ def _read(path: str) -> dict | None:
 
 def _write(path: str, flat: dict) -> None:
     """Kept for the next process, written whole or not at all (a failed write costs a trace)."""
+    scratch = None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, scratch = tempfile.mkstemp(prefix=".shapes-", dir=os.path.dirname(path))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({name: [list(shape), dtype] for name, (shape, dtype) in flat.items()}, f)
+        os.chmod(scratch, 0o644)  # mkstemp made it private; the cache is shared
         os.replace(scratch, path)
     except OSError:
-        pass
+        if scratch and os.path.exists(scratch):
+            os.remove(scratch)
 
 
 def _trace(module) -> dict:
