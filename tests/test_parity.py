@@ -113,3 +113,23 @@ def test_scheduler_choice_keeps_the_checkpoints_noise_schedule(model_cache, name
     assert config.num_train_timesteps == 1000 and config.prediction_type == "epsilon"
     if choice == "dpmpp":
         assert (config.algorithm_type, config.solver_order) == ("dpmsolver++", 2)
+
+
+@pytest.mark.parametrize("choice", ["ddim", "pndm", "euler", "dpmpp"])
+def test_flax_schedulers_are_built_as_diffusers_from_config_builds_them(choice):
+    """``flax_from_config`` (no import of every compatible class) against diffusers' own
+    ``from_config``: the same config, dropped keys kept alike, the same state, on a config
+    with another class's keys, a key no class takes and values off the defaults."""
+    import diffusers
+
+    cls = getattr(diffusers, SCHEDULERS[choice][0])
+    config = {"num_train_timesteps": 999, "beta_start": 0.001, "beta_end": 0.02, "beta_schedule": "linear",
+              "prediction_type": "v_prediction", "steps_offset": 1, "skip_prk_steps": True, "set_alpha_to_one": False,
+              "clip_sample": False, "timestep_spacing": "trailing", "solver_order": 3, "no_class_takes_this": 7,
+              **SCHEDULERS[choice][1]}
+    ours, theirs = scheduler_lib.flax_from_config(cls, config), cls.from_config(config)
+    assert type(ours) is type(theirs) and dict(ours.config) == dict(theirs.config)
+    assert ours.config["no_class_takes_this"] == 7 and ours.config.num_train_timesteps == 999
+    for mine, reference in zip(jax.tree_util.tree_leaves(ours.create_state()),
+                               jax.tree_util.tree_leaves(theirs.create_state()), strict=True):
+        np.testing.assert_array_equal(np.asarray(mine), np.asarray(reference))

@@ -142,6 +142,23 @@ def _steps_view(config: dict) -> dict:
     return {**config, "timestep_spacing": spacing} if spacing and "timestep_spacing" not in config else dict(config)
 
 
+def flax_from_config(cls, config: dict):
+    """``cls.from_config(config)`` for a diffusers Flax scheduler class and a config without
+    private (``_``) keys: the class built from the keys its ``__init__`` takes, every other
+    key kept in its ``config`` as diffusers keeps it for compatible classes. Built here
+    because diffusers' ``from_config`` first imports every compatible scheduler class to
+    list their keys, scipy with the LMS one: most of a second of every host's start-up,
+    for keys that the class ignores either way (tests/test_parity.py checks the two agree)."""
+    import inspect
+
+    expected = (set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+                - set(cls.ignore_for_config) - set(getattr(cls, "_flax_internal_args", ())))
+    taken = {k: v for k, v in config.items() if k in expected}
+    scheduler = cls(**taken)
+    scheduler.register_to_config(**{k: v for k, v in config.items() if k not in taken})
+    return scheduler
+
+
 def make_flax_scheduler(sampler: Sampler):
     """(scheduler, state): diffusers' Flax class for a ``flax``-engine sampler, from the
     checkpoint's config (betas, prediction type, offsets kept; only the algorithm
@@ -152,10 +169,10 @@ def make_flax_scheduler(sampler: Sampler):
         raise ValueError(f"the {sampler.choice} sampler runs on the {sampler.engine} engine, not a Flax class")
     class_name, overrides = SCHEDULERS[sampler.choice]
     config = {k: v for k, v in sampler.config.items() if not k.startswith("_")}
-    # from_config keeps the keys the class knows and drops the others (e.g. PNDM's
-    # skip_prk_steps when switching to Euler); HONOURED_CONFIG lists the dropped keys
-    # that would change sampling, and resolve_sampler sent those elsewhere
-    scheduler = getattr(diffusers, class_name).from_config({**config, **overrides})
+    # the class keeps the keys it knows and drops the others (e.g. PNDM's skip_prk_steps
+    # when switching to Euler); HONOURED_CONFIG lists the dropped keys that would change
+    # sampling, and resolve_sampler sent those elsewhere
+    scheduler = flax_from_config(getattr(diffusers, class_name), {**config, **overrides})
     if "steps_offset" not in scheduler.config:
         # Flax DPM-Solver reads config.steps_offset for "leading" spacing but does not
         # accept it as an argument; carry the checkpoint's value over.
