@@ -28,3 +28,17 @@ def test_only_the_named_host_point_and_count_fire(monkeypatch):
     assert fired == []
     crashpoints.reached("committed", 1, before=lambda: fired.append("before"))
     assert fired == ["before", crashpoints.signal.SIGKILL]
+
+
+def test_the_pause_after_each_batch(monkeypatch):
+    slept = []
+    monkeypatch.setattr(crashpoints.time, "sleep", slept.append)
+    monkeypatch.delenv(crashpoints.PAUSE_ENV, raising=False)
+    crashpoints.batch_dispatched()
+    monkeypatch.setenv(crashpoints.PAUSE_ENV, "0.25")
+    crashpoints.batch_dispatched()
+    assert slept == [0.25]
+    assert crashpoints.pause_seconds(None) == 0 and crashpoints.pause_seconds("2") == 2
+    for bad in ("soon", "-1", "60", "nan"):
+        with pytest.raises(ValueError, match="PROMPTMILL_PAUSE_AFTER_BATCH must be seconds"):
+            crashpoints.pause_seconds(bad)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from pipeline.collect import status
-from pipeline.core import logs, naming
+from pipeline.core import crashpoints, logs, naming
 from pipeline.engines.local import host_env
 from pipeline.generate import cluster, compile_cache, stopping
 from pipeline.io import runs, storage
@@ -27,10 +27,13 @@ from tests.conftest import ROOT
 
 RECORDS = 95  # and one bad row: 95 images in 24 slices of 4, the last one of 3
 SLICES = 24
-# Steps enough that a run lasts seconds after its first commit: the stop reaches the hosts
-# 0.5-1.3 s after the SIGTERM (pipeline.generate.stopping), later on a busy machine, and a
-# 1-step tiny run once finished its remaining slices in 1.6 s, before the stop reached it.
-STEPS = "8"
+STEPS = "1"
+# The runs to stop pause after each batch (pipeline.core.crashpoints), so that they last
+# seconds after their first commit on any machine: the stop reaches the hosts 0.5-1.3 s
+# after the SIGTERM (pipeline.generate.stopping), later on a busy machine, and a 1-step
+# tiny run once finished its remaining slices in 1.6 s, before the stop reached it. Each
+# host runs 24 batches: 10 s of pauses, without computing more than the images.
+PAUSE = {crashpoints.PAUSE_ENV: "0.4"}
 DEADLINE_S = 300  # for anything that should take seconds, on a busy machine
 NO_PROCESS_AFTER_S = 15  # the issue's bound
 
@@ -98,7 +101,7 @@ def stopped_run(prompts, tmp_path_factory, model_cache):
     """``promptmill run``, sent SIGTERM once a host has committed a slice."""
     out = str(tmp_path_factory.mktemp("stop") / "out")
     err = open(out + ".stderr", "w")
-    launcher = subprocess.Popen(run_command(prompts, out), cwd=ROOT, env=_env(model_cache), stderr=err)
+    launcher = subprocess.Popen(run_command(prompts, out), cwd=ROOT, env=_env(model_cache, **PAUSE), stderr=err)
     _wait_for(lambda: _host_log_events(out, "slice_committed") or launcher.poll() is not None, "a commit")
     signalled = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
@@ -150,9 +153,10 @@ def test_status_of_a_run_stopped_midway_reads_no_image_and_no_metadata(stopped_r
 
 def gke_hosts(out: str, cache: str, sigterm_to: int | None = None) -> tuple[list[int], list[str]]:
     """``promptmill generate --out OUT`` on two GKE-style hosts, as the JobSet's pods run
-    it; with ``sigterm_to``, that host gets SIGTERM once it has committed a slice. Returns
-    their exit codes and stderr."""
-    base = {**host_env(2, _env(cache)), cluster.WORKER_HOSTNAMES: "127.0.0.1,127.0.0.1",
+    it; with ``sigterm_to``, the hosts pause after each batch and that host gets SIGTERM
+    once it has committed a slice. Returns their exit codes and stderr."""
+    paused = PAUSE if sigterm_to is not None else {}
+    base = {**host_env(2, _env(cache, **paused)), cluster.WORKER_HOSTNAMES: "127.0.0.1,127.0.0.1",
             cluster.COORDINATOR_PORT: str(cluster.free_port())}
     command = [sys.executable, "-m", "jobs.cli", "generate", "--out", out,
                "--compile-cache", compile_cache.local_default()]
@@ -254,7 +258,7 @@ def test_the_hosts_of_a_sigkilled_launcher_stop_by_themselves(prompts, tmp_path,
     as at a SIGTERM, at the same batch. (tests/test_stopping.py shows the same watch on
     small processes in the default run.)"""
     out = str(tmp_path / "out")
-    launcher = subprocess.Popen(run_command(prompts, out), cwd=ROOT, env=_env(model_cache),
+    launcher = subprocess.Popen(run_command(prompts, out), cwd=ROOT, env=_env(model_cache, **PAUSE),
                                 stderr=subprocess.DEVNULL)
     _wait_for(lambda: _host_log_events(out, "slice_committed") or launcher.poll() is not None, "a commit")
     launcher.kill()

@@ -1,4 +1,5 @@
-"""Deterministic crash points, to test resume after a host dies.
+"""Deterministic crash points, to test resume after a host dies, and a pause after each
+batch, to test stopping a run midway.
 
 ``PROMPTMILL_CRASH_AT=HOST:POINT:N`` makes host HOST kill itself with SIGKILL, as a
 ``kill -9`` from outside would, the N-th time (from 0) it reaches POINT:
@@ -8,6 +9,10 @@
   slice's shards and commit marker;
 * ``committed``: right after a slice's commit marker, before the next slice.
 
+``PROMPTMILL_PAUSE_AFTER_BATCH=S`` makes every host sleep S seconds after dispatching
+each batch: a run that lasts long enough to be stopped midway, on any machine, without
+computing more images than it makes.
+
 Unset (always, outside tests), every call is a dictionary lookup.
 """
 from __future__ import annotations
@@ -15,9 +20,11 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import time
 from typing import Callable
 
 ENV = "PROMPTMILL_CRASH_AT"
+PAUSE_ENV = "PROMPTMILL_PAUSE_AFTER_BATCH"
 POINTS = ("ready", "mid_slice", "committed")
 _reached: collections.Counter = collections.Counter()
 
@@ -49,3 +56,23 @@ def reached(point: str, host: int, before: Callable[[], None] | None = None) -> 
 
         logs.event("crash_point", host=host, point=point, n=count)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_seconds(value: str | None) -> float:
+    """``PROMPTMILL_PAUSE_AFTER_BATCH``'s seconds (0 when unset); ValueError naming the problem."""
+    if not value:
+        return 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < 60:
+        raise ValueError(f"{PAUSE_ENV} must be seconds from 0 to 60, got {value!r}")
+    return seconds
+
+
+def batch_dispatched() -> None:
+    """A host dispatched a batch: sleep if ``PROMPTMILL_PAUSE_AFTER_BATCH`` says so."""
+    value = os.environ.get(PAUSE_ENV)
+    if value:
+        time.sleep(pause_seconds(value))

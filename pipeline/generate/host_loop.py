@@ -170,6 +170,7 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
             dispatched_at = time.perf_counter()
             handle = generator.dispatch(batch)
             scored = None if scorer is None else scorer.dispatch(handle, generator, ids)
+            crashpoints.batch_dispatched()
             # the devices are busy until the step's last program (the scorer's, if any) is done
             done_at = watcher.submit(_done_at, generator, handle if scored is None else scored, dispatched_at)
             dispatched = (state, chunk, cut, handle, last, done_at, scored)
