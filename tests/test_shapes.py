@@ -1,5 +1,5 @@
-"""A network's parameter shapes are traced once per machine (diffusers networks) or per
-process (transformers models built without weights), and are the traced ones."""
+"""A network's parameter shapes are traced once per machine (diffusers networks and
+transformers models), and are the traced ones."""
 import json
 import os
 import threading
@@ -85,9 +85,12 @@ def test_threads_asking_at_once_share_one_trace(fresh, model_cache):
     assert all(_as_pairs(r) == _as_pairs(results[0]) for r in results)
 
 
-def test_a_transformers_model_without_weights_is_built_once_per_config_and_dtype(fresh, model_cache):
+def test_a_transformers_model_without_weights_is_built_once_per_config_and_dtype(fresh, model_cache, monkeypatch):
     from transformers import CLIPTextConfig, FlaxCLIPTextModel
 
+    traced = []
+    real = shapes._transformers_trace
+    monkeypatch.setattr(shapes, "_transformers_trace", lambda *a: traced.append(a[0].__name__) or real(*a))
     config = CLIPTextConfig.from_pretrained(os.path.join(model_lib.resolve("tiny"), "text_encoder"))
     a = shapes.transformers_model(FlaxCLIPTextModel, config, jnp.float32)
     assert shapes.transformers_model(FlaxCLIPTextModel, CLIPTextConfig.from_dict(config.to_dict()), jnp.float32) is a
@@ -95,6 +98,38 @@ def test_a_transformers_model_without_weights_is_built_once_per_config_and_dtype
     other = CLIPTextConfig.from_dict({**config.to_dict(), "hidden_size": config.hidden_size * 2})
     b = shapes.transformers_model(FlaxCLIPTextModel, other, jnp.float32)
     assert b is not a and a.params_shape_tree != b.params_shape_tree
+    assert traced == ["FlaxCLIPTextModel"] * 3
+    # another process on the same machine: the shapes from the cache folder, nothing traced
+    shapes._models.clear()
+    again = shapes.transformers_model(FlaxCLIPTextModel, config, jnp.float32)
+    assert traced == ["FlaxCLIPTextModel"] * 3 and again is not a
+    assert jax.tree_util.tree_structure(again.params_shape_tree) == jax.tree_util.tree_structure(a.params_shape_tree)
+    assert _as_pairs(again.params_shape_tree) == _as_pairs(a.params_shape_tree)
     # a model's abstract and concrete loads (a host's two threads) share it
     abstract = model_lib.load("tiny", abstract=True)
     assert model_lib.load("tiny").text_encoder is abstract.text_encoder
+
+
+@pytest.mark.parametrize("name", ["FlaxCLIPTextModel", "FlaxCLIPTextModelWithProjection"])
+def test_a_transformers_model_is_the_librarys_own_shapes_module_and_call(model_cache, name):
+    """Against transformers' model object of the same class, config and dtype: the same
+    shapes, the same module and prefix, and the same outputs, hidden states included."""
+    import numpy as np
+    import transformers
+    from transformers import CLIPTextConfig
+
+    cls = getattr(transformers, name)
+    directory = os.path.join(model_lib.resolve("tiny-sdxl"),
+                             "text_encoder_2" if name.endswith("Projection") else "text_encoder")
+    config = CLIPTextConfig.from_pretrained(directory)
+    ours, theirs = shapes.transformers_model(cls, config, jnp.float32), cls(config, dtype=jnp.float32, _do_init=False)
+    assert _as_pairs(ours.params_shape_tree) == _as_pairs(theirs.params_shape_tree)
+    assert ours.module == theirs.module and ours.base_model_prefix == theirs.base_model_prefix
+    params = model_lib.load("tiny-sdxl").params["text_encoder_2" if name.endswith("Projection") else "text_encoder"]
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 77)), jnp.int32)
+    for hidden in (None, True):
+        mine, reference = ours(ids, params=params, output_hidden_states=hidden), \
+            theirs(ids, params=params, output_hidden_states=hidden)
+        assert jax.tree_util.tree_structure(mine) == jax.tree_util.tree_structure(reference)
+        for x, y in zip(jax.tree_util.tree_leaves(mine), jax.tree_util.tree_leaves(reference), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

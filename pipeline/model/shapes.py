@@ -7,10 +7,11 @@ to compile its sampler while its weights load. So:
 * a diffusers network's shapes (``diffusers_shapes``) are kept in this process and in
   the promptmill cache folder (``shapes/``), keyed by the network's class, its config
   and the versions of the libraries that trace it: a machine traces each config once;
-* a transformers model built without its weights (``transformers_model``, ``_do_init=False``:
-  its constructor traces its shapes too) is built once per process and shared, read-only,
-  by whoever asks for the same class, config and dtype (a host's two threads both load
-  the text encoder: one for its shapes, one for its weights).
+* a transformers model (``transformers_model``) is its Flax module and its shapes, kept
+  the same way (transformers' own model object traces its initialiser in its constructor,
+  weights or not), with the call of transformers' CLIP text models; built once per
+  process and shared, read-only, by whoever asks for the same class, config and dtype (a
+  host's two threads both load the text encoder: one for its shapes, one for its weights).
 """
 from __future__ import annotations
 
@@ -107,16 +108,71 @@ def diffusers_shapes(module) -> dict:
                            for name, (shape, dtype) in flat.items()})
 
 
-def transformers_model(cls, config, dtype):
-    """``cls(config, dtype=dtype, _do_init=False)``, a transformers Flax model without
-    weights (its ``params_shape_tree`` traced by its constructor), built once per process
-    for each class, config and dtype. Shared: callers read it (``module``,
-    ``params_shape_tree``, ``__call__`` with their own params) and never set its params."""
-    import jax.numpy as jnp
+@dataclasses.dataclass(frozen=True, eq=False)
+class TransformersModel:
+    """A transformers Flax model without weights, as promptmill uses one: the Flax module
+    the library's model object holds (``module_class(config, dtype)``), that object's
+    ``params_shape_tree`` and ``base_model_prefix``, and, for the CLIP text models, their
+    call. Params are always passed in."""
+    config: object
+    module: object
+    params_shape_tree: dict
+    base_model_prefix: str
 
-    key = (cls, config.to_json_string(use_diff=False), jnp.dtype(dtype).name)
+    def __call__(self, input_ids, params, output_hidden_states=None):
+        """transformers' ``FlaxCLIPTextPreTrainedModel.__call__`` with the arguments a run
+        gives it: the ids alone (every token attended, positions in order), deterministic,
+        the config's output flags unless ``output_hidden_states`` says otherwise."""
+        import jax.numpy as jnp
+
+        config = self.config
+        hidden = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        positions = jnp.broadcast_to(jnp.arange(jnp.atleast_2d(input_ids).shape[-1]), input_ids.shape)
+        return self.module.apply({"params": params}, jnp.array(input_ids, dtype="i4"),
+                                 jnp.array(jnp.ones_like(input_ids), dtype="i4"), jnp.array(positions, dtype="i4"),
+                                 True, config.output_attentions, hidden, config.return_dict)
+
+
+def _transformers_key(cls, config_json: str, dtype_name: str) -> str:
+    import flax
+    import jax
+    import transformers
+
+    text = json.dumps([cls.__module__, cls.__qualname__, config_json, dtype_name, transformers.__version__,
+                       flax.__version__, jax.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _transformers_trace(cls, config, dtype) -> dict:
+    """The flat shapes of ``cls``' params, traced by the library's own model object."""
+    from flax.traverse_util import flatten_dict
+
+    tree = cls(config, dtype=dtype, _do_init=False).params_shape_tree
+    return {"/".join(path): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in flatten_dict(tree).items()}
+
+
+def transformers_model(cls, config, dtype) -> TransformersModel:
+    """The ``TransformersModel`` of transformers' Flax model class ``cls`` (e.g.
+    ``FlaxCLIPTextModel``) for ``config`` and ``dtype``: its shapes traced once per
+    machine (see the module's docstring), the model built once per process. Shared:
+    callers read it and pass their own params."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax.traverse_util import unflatten_dict
+
+    config_json, dtype_name = config.to_json_string(use_diff=False), jnp.dtype(dtype).name
     with _models_lock:
-        model = _models.get(key)
+        model = _models.get((cls, config_json, dtype_name))
         if model is None:
-            model = _models[key] = cls(config, dtype=dtype, _do_init=False)
+            path = _path(_transformers_key(cls, config_json, dtype_name))
+            flat = _read(path)
+            if flat is None:
+                flat = _transformers_trace(cls, config, dtype)
+                _write(path, flat)
+            tree = unflatten_dict({tuple(name.split("/")): jax.ShapeDtypeStruct(shape, np.dtype(kind))
+                                   for name, (shape, kind) in flat.items()})
+            model = _models[(cls, config_json, dtype_name)] = TransformersModel(
+                config=config, module=cls.module_class(config=config, dtype=dtype), params_shape_tree=tree,
+                base_model_prefix=cls.base_model_prefix)
     return model

@@ -285,7 +285,7 @@ def diffusers_params_from_safetensors(module, path: str) -> dict:
 
 
 def transformers_params_from_safetensors(module, path: str) -> dict:
-    """Flax params for a transformers Flax CLIP text model built with ``_do_init=False``."""
+    """Flax params for a transformers Flax CLIP text model (``shapes.TransformersModel``)."""
     from flax.traverse_util import flatten_dict, unflatten_dict
     from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
 
@@ -323,8 +323,8 @@ def load_transformers(cls, directory: str, component: str, dtype, abstract: bool
     from pipeline.model.shapes import transformers_model
 
     component_dir = os.path.join(directory, component)
-    # _do_init=False: no random initialisation of weights the file replaces anyway (the
-    # eager init took most of a small model's load time); built once per process
+    # no random initialisation of weights the file replaces anyway (the eager init took most
+    # of a small model's load time); its shapes traced once per machine, built once per process
     module = transformers_model(cls, CLIPTextConfig.from_pretrained(component_dir), dtype)
     if abstract:  # a copy of the tree: the model is shared
         return module, jax.tree_util.tree_map(lambda leaf: leaf, module.params_shape_tree)

@@ -96,7 +96,7 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
         raise ScorerError(f"{flag} {path}: its config is a {config.model_type!r} model, not CLIP")
     tokenizer = _tokenizer(directory, path)
     pre, _ = preprocess.read(directory, config.vision_config.image_size)
-    model = transformers_model(FlaxCLIPModel, config, jnp.float32)  # built once per process
+    model = transformers_model(FlaxCLIPModel, config, jnp.float32)  # shapes traced once per machine
     shapes = model.params_shape_tree
     params = jax.tree_util.tree_map(lambda leaf: leaf, shapes) if abstract else load_params(directory, shapes, flag, model.base_model_prefix)
     return Clip(path=path, directory=directory, config=config, module=model.module, tokenizer=tokenizer,
