@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from jobs import cli
 from pipeline.collect import transforms as collect
 from pipeline.core import naming
 from pipeline.core.settings import Settings
@@ -168,7 +169,7 @@ def test_a_thumbnail_missing_from_a_committed_slice_is_a_missing_key(two_by_two,
         collect.run_collect(out)
 
 
-def test_slices_committed_without_thumbnails_get_them_from_their_images(two_by_two, tmp_path, model_cache):
+def test_slices_committed_without_thumbnails_get_them_from_their_images(two_by_two, tmp_path, model_cache, capfd):
     """A run committed before hosts wrote thumbnails: collect makes them for those slices
     only, from their images, says so in its log, and verifies the dataset."""
     out = str(tmp_path / "old")
@@ -179,9 +180,9 @@ def test_slices_committed_without_thumbnails_get_them_from_their_images(two_by_t
         stats_path = naming.shard_stats(out, index)
         storage.write_json(stats_path, {k: v for k, v in storage.read_json(stats_path).items() if k != "thumbnails"})
         shutil.rmtree(naming.thumbs_dir(out, index))
-    result = run_cli(["collect", "--out", out, "--gallery-max", "5"], model_cache)
-    assert result.returncode == 0, result.stderr[-4000:]
-    made = _events(result.stderr, "thumbnails_made")
+    code, err = cli.main(["collect", "--out", out, "--gallery-max", "5"]), capfd.readouterr().err
+    assert code == 0, err[-4000:]
+    made = _events(err, "thumbnails_made")
     assert sorted((e["slice"], e["images"]) for e in made) == [(1, 4), (3, 4)]
     # made from the PNGs, they are the bytes the hosts made from the pixels
     assert storage.checksums(naming.join(out, "thumbs")) == written
@@ -193,13 +194,12 @@ def test_slices_committed_without_thumbnails_get_them_from_their_images(two_by_t
     assert "17 images, 5 shown" in page and not storage.exists(naming.dataset_file(out, "gallery/page-00002.html"))
 
 
-def test_cli_collect_exits_non_zero_when_a_slice_is_not_committed(two_by_two, tmp_path, model_cache):
+def test_cli_collect_exits_non_zero_when_a_slice_is_not_committed(two_by_two, tmp_path, model_cache, capfd):
     out = str(tmp_path / "uncommitted")
     shutil.copytree(two_by_two, out)
     os.remove(naming.shard_stats(out, 2))
-    result = run_cli(["collect", "--out", out], model_cache)
-    assert result.returncode == 1
-    assert "missing: 4 key(s)" in result.stderr
+    assert cli.main(["collect", "--out", out]) == 1
+    assert "missing: 4 key(s)" in capfd.readouterr().err
 
 
 def test_diffusers_alone_reproduces_an_image_from_its_metadata(two_by_two, model_cache):
@@ -404,9 +404,9 @@ def test_sdxl_bf16_dpmpp_run_end_to_end(tmp_path, model_cache):
 
 @pytest.mark.parametrize("flag,value,message", [("--width", "30", "--width must be a positive multiple of 8"),
                                                 ("--steps", "0", "--steps must be >= 1")])
-def test_bad_settings_are_refused_before_any_work(tmp_path, model_cache, prompts, flag, value, message):
-    result = run_cli(["plan", "--prompts", prompts, "--out", str(tmp_path / "o"), flag, value], model_cache)
-    assert result.returncode == 1 and message in result.stderr
+def test_bad_settings_are_refused_before_any_work(tmp_path, model_cache, prompts, flag, value, message, capfd):
+    assert cli.main(["plan", "--prompts", prompts, "--out", str(tmp_path / "o"), flag, value]) == 1
+    assert message in capfd.readouterr().err
     assert not os.path.exists(tmp_path / "o")
 
 
