@@ -82,17 +82,20 @@ def model_cache(tmp_path_factory):
 
     Under pytest-xdist each worker has its own cache (its compile-cache mirrors are keyed
     by gs:// paths that every worker's emulator shares), but the workers share one
-    ``models`` folder: the first builds the tiny model while the others wait for it.
-    Models are written to a scratch folder and renamed into place, so sharing is safe.
+    ``models`` folder, where the first builds the tiny model while the others wait for it,
+    and one ``shapes`` folder. Models and shapes are written to a scratch file or folder
+    and renamed into place, so sharing is safe.
     """
     import fcntl
 
     path = str(tmp_path_factory.mktemp("promptmill-cache"))
     os.environ["PROMPTMILL_CACHE"] = path
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = tmp_path_factory.getbasetemp().parent / "promptmill-models"  # the run's root, above each worker's
-        shared.mkdir(exist_ok=True)
-        os.symlink(shared, os.path.join(path, "models"))
+        root = tmp_path_factory.getbasetemp().parent  # the run's root, above each worker's
+        for folder in ("models", "shapes"):
+            (root / f"promptmill-{folder}").mkdir(exist_ok=True)
+            os.symlink(root / f"promptmill-{folder}", os.path.join(path, folder))
+        shared = root / "promptmill-models"
         from pipeline.model import load
 
         with open(shared / ".lock", "w") as lock:
