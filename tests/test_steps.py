@@ -1,4 +1,4 @@
-"""The pure-JAX sampler steps (pipeline/model/steps.py) against diffusers' PyTorch schedulers.
+"""Our sampler schedules and steps (pipeline/model/steps.py, stepping.py) against diffusers' PyTorch schedulers.
 
 The fixtures under tests/fixtures/schedulers/ were written once by
 tests/fixtures/make_scheduler_fixtures.sh with torch and diffusers 0.39; these tests need
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model import steps
+from pipeline.model import stepping, steps
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "schedulers")
 FILES = ("ddim", "euler", "euler_a", "lcm")
@@ -59,8 +59,8 @@ def _run(schedule, model_outputs, noise, latents):
     sample = jnp.asarray(latents) * schedule.init_noise_sigma
     scaled, outputs = [], []
     for i in range(schedule.num_steps):
-        scaled.append(np.asarray(steps.scale_input(schedule, i, sample)))
-        sample = steps.step(schedule, i, jnp.asarray(model_outputs[i]), sample,
+        scaled.append(np.asarray(stepping.scale_input(schedule, i, sample)))
+        sample = stepping.step(schedule, i, jnp.asarray(model_outputs[i]), sample,
                             jnp.asarray(noise[i]) if schedule.stochastic else None)
         outputs.append(np.asarray(sample))
     return np.stack(scaled), np.stack(outputs)
@@ -164,18 +164,18 @@ def test_a_whole_chain_runs_in_one_jitted_fori_loop(sampler):
         return jax.random.normal(jax.random.fold_in(key, i), shape) if schedule.stochastic else None
 
     def model(i, sample):  # a stand-in network that reads its scaled input
-        return model_outputs[i] + 0.01 * steps.scale_input(schedule, i, sample)
+        return model_outputs[i] + 0.01 * stepping.scale_input(schedule, i, sample)
 
     @jax.jit
     def loop(schedule, latents):
         def body(i, sample):
-            return steps.step(schedule, i, model(i, sample), sample, noise(i))
+            return stepping.step(schedule, i, model(i, sample), sample, noise(i))
         return jax.lax.fori_loop(0, schedule.num_steps, body, latents * schedule.init_noise_sigma)
 
     looped = loop(schedule, latents)
     sample = latents * schedule.init_noise_sigma
     for i in range(schedule.num_steps):
-        sample = steps.step(schedule, i, model(i, sample), sample, noise(i))
+        sample = stepping.step(schedule, i, model(i, sample), sample, noise(i))
     # compiled as one program, XLA may round differently from op-by-op (x / sqrt(a) can
     # become x * rsqrt(a)), and random model outputs reach magnitudes near 50 here
     np.testing.assert_allclose(np.asarray(looped), np.asarray(sample), rtol=1e-6, atol=1e-6)
@@ -336,10 +336,10 @@ def test_step_takes_noise_exactly_when_the_sampler_is_stochastic():
         schedule = steps.make_schedule(SD, sampler, 2)
         if schedule.stochastic:
             with pytest.raises(ValueError, match="noise"):
-                steps.step(schedule, 0, sample, sample)
+                stepping.step(schedule, 0, sample, sample)
         else:
             with pytest.raises(ValueError, match="no noise"):
-                steps.step(schedule, 0, sample, sample, sample)
+                stepping.step(schedule, 0, sample, sample, sample)
     assert steps.STOCHASTIC == {"euler_a", "lcm"}
 
 
@@ -347,10 +347,10 @@ def test_stochastic_steps_use_their_noise():
     sample = jnp.ones((1, 4, 2, 2))
     for sampler in ("euler_a", "lcm"):
         schedule = steps.make_schedule(SD, sampler, 4)
-        a = steps.step(schedule, 0, sample, sample, jnp.zeros_like(sample))
-        b = steps.step(schedule, 0, sample, sample, jnp.ones_like(sample))
+        a = stepping.step(schedule, 0, sample, sample, jnp.zeros_like(sample))
+        b = stepping.step(schedule, 0, sample, sample, jnp.ones_like(sample))
         assert not np.allclose(a, b)
     # LCM's last step returns the denoised sample, whatever the noise
     lcm = steps.make_schedule(SD, "lcm", 4)
-    np.testing.assert_array_equal(steps.step(lcm, 3, sample, sample, jnp.zeros_like(sample)),
-                                  steps.step(lcm, 3, sample, sample, jnp.ones_like(sample)))
+    np.testing.assert_array_equal(stepping.step(lcm, 3, sample, sample, jnp.zeros_like(sample)),
+                                  stepping.step(lcm, 3, sample, sample, jnp.ones_like(sample)))

@@ -4,7 +4,7 @@ or refused, never silently changed.
 Two engines run the samplers:
 - ``flax``: diffusers' Flax scheduler class (``ddim``, ``pndm``, ``euler``, ``dpmpp``),
   when the checkpoint's config asks only for what that class does;
-- ``steps``: promptmill's own pure-JAX steps (``pipeline.model.steps``: ``ddim``,
+- ``steps``: promptmill's own pure-JAX steps (``pipeline.model.steps``, ``stepping``: ``ddim``,
   ``euler``, ``euler_a``, ``lcm``), which follow diffusers' PyTorch schedulers, for what
   the Flax classes lack: trailing or linspace spacing for DDIM, trailing spacing, Karras
   or exponential sigmas for Euler, zero-SNR betas, Euler ancestral and LCM.

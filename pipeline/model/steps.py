@@ -1,4 +1,4 @@
-"""Pure-JAX sampler steps: DDIM, Euler, Euler ancestral and LCM, as diffusers' PyTorch schedulers define them.
+"""Sampler schedules: DDIM, Euler, Euler ancestral and LCM, as diffusers' PyTorch schedulers define them.
 
 diffusers' Flax schedulers lack trailing Euler, any spacing for DDIM, Euler ancestral and
 LCM, and they silently drop config keys they do not know. These functions follow the
@@ -12,12 +12,15 @@ Two halves:
   shape. Anything a config asks for that this module does not do is refused here, by
   ``unsupported``, naming the key and its value, so a caller can refuse it at plan time.
 - ``scale_input(schedule, i, sample)`` and ``step(schedule, i, model_output, sample,
-  noise)`` are pure and traceable: ``i`` may be the counter of a ``lax.fori_loop``. The
-  stochastic samplers (``euler_a``, ``lcm``) take the noise of step ``i`` as an argument,
-  so the caller decides where it comes from (per image, ``fold_in(image_key, i)``).
+  noise)`` (``pipeline.model.stepping``, the device side) are pure and traceable: ``i``
+  may be the counter of a ``lax.fori_loop``. The stochastic samplers (``euler_a``,
+  ``lcm``) take the noise of step ``i`` as an argument, so the caller decides where it
+  comes from (per image, ``fold_in(image_key, i)``).
 
-A ``Schedule`` is a pytree whose array fields are leaves and whose sampler and
-prediction type are static, so it can be passed into ``jit`` as an argument.
+This half needs numpy alone: planning checks a checkpoint's sampler without importing
+JAX. Once ``pipeline.model.stepping`` is imported, a ``Schedule`` is a pytree whose array
+fields are leaves and whose sampler and prediction type are static, so it can be passed
+into ``jit`` as an argument.
 
 Host arithmetic mirrors diffusers' own to the bit where that is cheap (float32
 ``torch.linspace`` and a double-accumulated ``torch.cumprod``), so the timesteps come out
@@ -30,8 +33,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pipeline.core.choices import TIMESTEP_SPACINGS
@@ -263,11 +264,6 @@ class Schedule:
         return self.sampler in STOCHASTIC
 
 
-jax.tree_util.register_dataclass(
-    Schedule,
-    data_fields=["timesteps", "sigmas", "alpha_t", "alpha_prev", "c_skip", "c_out", "inject", "init_noise_sigma"],
-    meta_fields=["sampler", "prediction_type", "clip_range"])
-
 
 def make_schedule(config: Mapping[str, Any], sampler: str, steps: int) -> Schedule:
     """The schedule of ``sampler`` for ``steps`` inference steps under a checkpoint's
@@ -385,83 +381,3 @@ def _euler(cfg, sampler, steps, alphas) -> Schedule:
     # scaled as a variance-preserving sample (sqrt(sigma^2 + 1)), as diffusers does
     init = peak if cfg["timestep_spacing"] in ("linspace", "trailing") else np.sqrt(peak ** 2 + np.float32(1))
     return _filled(sampler, cfg, timesteps, sigmas=sigmas, init_noise_sigma=np.float32(init))
-
-
-# ---------------------------------------------------------------------------------------
-# Device side: traceable, pure
-
-
-def scale_input(schedule: Schedule, i, sample: jax.Array) -> jax.Array:
-    """The network's input at step ``i``: ``sample / sqrt(sigma_i^2 + 1)`` for the Euler
-    samplers (their latents live at variance sigma^2 + 1), ``sample`` itself otherwise."""
-    if schedule.sampler not in ("euler", "euler_a"):
-        return sample
-    sigma = jnp.asarray(schedule.sigmas)[i]
-    return sample / jnp.sqrt(sigma ** 2 + 1)
-
-
-def _x0_from_alpha(schedule: Schedule, alpha_t, model_output, sample):
-    """Predicted clean sample and noise from a variance-preserving prediction."""
-    beta_t = 1 - alpha_t
-    kind = schedule.prediction_type
-    if kind == "epsilon":
-        x0 = (sample - jnp.sqrt(beta_t) * model_output) / jnp.sqrt(alpha_t)
-        eps = model_output
-    elif kind == "v_prediction":  # Salimans & Ho 2022, v = alpha eps - sigma x0
-        x0 = jnp.sqrt(alpha_t) * sample - jnp.sqrt(beta_t) * model_output
-        eps = jnp.sqrt(alpha_t) * model_output + jnp.sqrt(beta_t) * sample
-    elif kind == "sample":
-        x0 = model_output
-        eps = (sample - jnp.sqrt(alpha_t) * x0) / jnp.sqrt(beta_t)
-    else:
-        raise ValueError(f"prediction_type {kind!r} is not supported by {schedule.sampler}")
-    if schedule.clip_range is not None:
-        x0 = jnp.clip(x0, -schedule.clip_range, schedule.clip_range)
-    return x0, eps
-
-
-def _x0_from_sigma(schedule: Schedule, sigma, model_output, sample):
-    kind = schedule.prediction_type
-    if kind == "epsilon":
-        return sample - sigma * model_output
-    if kind == "v_prediction":
-        return model_output * (-sigma / jnp.sqrt(sigma ** 2 + 1)) + sample / (sigma ** 2 + 1)
-    if kind in ("sample", "original_sample") and schedule.sampler == "euler":
-        return model_output
-    raise ValueError(f"prediction_type {kind!r} is not supported by {schedule.sampler}")
-
-
-def step(schedule: Schedule, i, model_output: jax.Array, sample: jax.Array, noise: jax.Array | None = None
-         ) -> jax.Array:
-    """The sample after step ``i`` (float32), given the network's output at step ``i``.
-
-    ``noise`` (same shape as ``sample``, unit normal) is required by the stochastic
-    samplers and refused by the others. For LCM the result of the last step is the
-    denoised sample itself, and its noise is not used.
-    """
-    if schedule.stochastic and noise is None:
-        raise ValueError(f"the {schedule.sampler} sampler needs the step's noise")
-    if not schedule.stochastic and noise is not None:
-        raise ValueError(f"the {schedule.sampler} sampler is deterministic and takes no noise")
-    model_output = model_output.astype(jnp.float32)
-    sample = sample.astype(jnp.float32)
-    if schedule.sampler == "ddim":  # Song et al. 2021, eq. 12 with eta = 0
-        alpha_prev = jnp.asarray(schedule.alpha_prev)[i]
-        x0, eps = _x0_from_alpha(schedule, jnp.asarray(schedule.alpha_t)[i], model_output, sample)
-        return jnp.sqrt(alpha_prev) * x0 + jnp.sqrt(1 - alpha_prev) * eps
-    if schedule.sampler == "lcm":  # Luo et al. 2023, algorithm 1 (multistep consistency sampling)
-        alpha_prev = jnp.asarray(schedule.alpha_prev)[i]
-        x0, _ = _x0_from_alpha(schedule, jnp.asarray(schedule.alpha_t)[i], model_output, sample)
-        denoised = jnp.asarray(schedule.c_out)[i] * x0 + jnp.asarray(schedule.c_skip)[i] * sample
-        renoised = jnp.sqrt(alpha_prev) * denoised + jnp.sqrt(1 - alpha_prev) * noise.astype(jnp.float32)
-        return jnp.where(jnp.asarray(schedule.inject)[i] > 0, renoised, denoised)
-    sigmas = jnp.asarray(schedule.sigmas)
-    sigma, sigma_next = sigmas[i], sigmas[i + 1]
-    x0 = _x0_from_sigma(schedule, sigma, model_output, sample)
-    derivative = (sample - x0) / sigma
-    if schedule.sampler == "euler":  # Karras et al. 2022, algorithm 2 without churn
-        return sample + derivative * (sigma_next - sigma)
-    # ancestral: step down to sigma_down deterministically, then add sigma_up of fresh noise
-    sigma_up = jnp.sqrt(sigma_next ** 2 * (sigma ** 2 - sigma_next ** 2) / sigma ** 2)
-    sigma_down = jnp.sqrt(sigma_next ** 2 - sigma_up ** 2)
-    return sample + derivative * (sigma_down - sigma) + noise.astype(jnp.float32) * sigma_up

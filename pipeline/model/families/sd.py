@@ -353,13 +353,14 @@ class _FlaxSteps:
 
 
 class _OwnSteps:
-    """The loop of a ``steps``-engine sampler: ``pipeline.model.steps`` over a schedule
-    computed once, on the host, when the program is traced (no state)."""
+    """The loop of a ``steps``-engine sampler: ``pipeline.model.stepping`` over a schedule
+    that ``pipeline.model.steps`` computed once, on the host, when the program is traced
+    (no state)."""
 
     def __init__(self, model, steps: int):
-        from pipeline.model import steps as steps_lib
+        from pipeline.model import stepping, steps as steps_lib
 
-        self.lib = steps_lib
+        self.lib = stepping
         self.schedule = steps_lib.make_schedule(model.sampler.config, model.sampler.choice, steps)
 
     def start(self, params, latents):

@@ -1,0 +1,94 @@
+"""Sampler steps on the devices: the traceable, pure half of ``pipeline.model.steps``.
+
+``scale_input`` and ``step`` read a ``Schedule`` that ``steps.make_schedule`` computed on
+the host; ``i`` may be the counter of a ``lax.fori_loop``. Importing this module makes a
+``Schedule`` a pytree (its arrays leaves, its sampler, prediction type and clip range
+static), so it can be passed into ``jit`` as an argument.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pipeline.model.steps import Schedule
+
+jax.tree_util.register_dataclass(
+    Schedule,
+    data_fields=["timesteps", "sigmas", "alpha_t", "alpha_prev", "c_skip", "c_out", "inject", "init_noise_sigma"],
+    meta_fields=["sampler", "prediction_type", "clip_range"])
+
+
+def scale_input(schedule: Schedule, i, sample: jax.Array) -> jax.Array:
+    """The network's input at step ``i``: ``sample / sqrt(sigma_i^2 + 1)`` for the Euler
+    samplers (their latents live at variance sigma^2 + 1), ``sample`` itself otherwise."""
+    if schedule.sampler not in ("euler", "euler_a"):
+        return sample
+    sigma = jnp.asarray(schedule.sigmas)[i]
+    return sample / jnp.sqrt(sigma ** 2 + 1)
+
+
+def _x0_from_alpha(schedule: Schedule, alpha_t, model_output, sample):
+    """Predicted clean sample and noise from a variance-preserving prediction."""
+    beta_t = 1 - alpha_t
+    kind = schedule.prediction_type
+    if kind == "epsilon":
+        x0 = (sample - jnp.sqrt(beta_t) * model_output) / jnp.sqrt(alpha_t)
+        eps = model_output
+    elif kind == "v_prediction":  # Salimans & Ho 2022, v = alpha eps - sigma x0
+        x0 = jnp.sqrt(alpha_t) * sample - jnp.sqrt(beta_t) * model_output
+        eps = jnp.sqrt(alpha_t) * model_output + jnp.sqrt(beta_t) * sample
+    elif kind == "sample":
+        x0 = model_output
+        eps = (sample - jnp.sqrt(alpha_t) * x0) / jnp.sqrt(beta_t)
+    else:
+        raise ValueError(f"prediction_type {kind!r} is not supported by {schedule.sampler}")
+    if schedule.clip_range is not None:
+        x0 = jnp.clip(x0, -schedule.clip_range, schedule.clip_range)
+    return x0, eps
+
+
+def _x0_from_sigma(schedule: Schedule, sigma, model_output, sample):
+    kind = schedule.prediction_type
+    if kind == "epsilon":
+        return sample - sigma * model_output
+    if kind == "v_prediction":
+        return model_output * (-sigma / jnp.sqrt(sigma ** 2 + 1)) + sample / (sigma ** 2 + 1)
+    if kind in ("sample", "original_sample") and schedule.sampler == "euler":
+        return model_output
+    raise ValueError(f"prediction_type {kind!r} is not supported by {schedule.sampler}")
+
+
+def step(schedule: Schedule, i, model_output: jax.Array, sample: jax.Array, noise: jax.Array | None = None
+         ) -> jax.Array:
+    """The sample after step ``i`` (float32), given the network's output at step ``i``.
+
+    ``noise`` (same shape as ``sample``, unit normal) is required by the stochastic
+    samplers and refused by the others. For LCM the result of the last step is the
+    denoised sample itself, and its noise is not used.
+    """
+    if schedule.stochastic and noise is None:
+        raise ValueError(f"the {schedule.sampler} sampler needs the step's noise")
+    if not schedule.stochastic and noise is not None:
+        raise ValueError(f"the {schedule.sampler} sampler is deterministic and takes no noise")
+    model_output = model_output.astype(jnp.float32)
+    sample = sample.astype(jnp.float32)
+    if schedule.sampler == "ddim":  # Song et al. 2021, eq. 12 with eta = 0
+        alpha_prev = jnp.asarray(schedule.alpha_prev)[i]
+        x0, eps = _x0_from_alpha(schedule, jnp.asarray(schedule.alpha_t)[i], model_output, sample)
+        return jnp.sqrt(alpha_prev) * x0 + jnp.sqrt(1 - alpha_prev) * eps
+    if schedule.sampler == "lcm":  # Luo et al. 2023, algorithm 1 (multistep consistency sampling)
+        alpha_prev = jnp.asarray(schedule.alpha_prev)[i]
+        x0, _ = _x0_from_alpha(schedule, jnp.asarray(schedule.alpha_t)[i], model_output, sample)
+        denoised = jnp.asarray(schedule.c_out)[i] * x0 + jnp.asarray(schedule.c_skip)[i] * sample
+        renoised = jnp.sqrt(alpha_prev) * denoised + jnp.sqrt(1 - alpha_prev) * noise.astype(jnp.float32)
+        return jnp.where(jnp.asarray(schedule.inject)[i] > 0, renoised, denoised)
+    sigmas = jnp.asarray(schedule.sigmas)
+    sigma, sigma_next = sigmas[i], sigmas[i + 1]
+    x0 = _x0_from_sigma(schedule, sigma, model_output, sample)
+    derivative = (sample - x0) / sigma
+    if schedule.sampler == "euler":  # Karras et al. 2022, algorithm 2 without churn
+        return sample + derivative * (sigma_next - sigma)
+    # ancestral: step down to sigma_down deterministically, then add sigma_up of fresh noise
+    sigma_up = jnp.sqrt(sigma_next ** 2 * (sigma ** 2 - sigma_next ** 2) / sigma ** 2)
+    sigma_down = jnp.sqrt(sigma_next ** 2 - sigma_up ** 2)
+    return sample + derivative * (sigma_down - sigma) + noise.astype(jnp.float32) * sigma_up
