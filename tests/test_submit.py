@@ -801,7 +801,7 @@ def _gke_e2e_args(prefix, out):
     return ["submit", "gke", "--tpu-type", "v5e", "--topology", "2x4", "--machine-type", "ct5lp-hightpu-4t",
             "--image", IMAGE, "--prompts", f"{prefix}/prompts/*.jsonl", "--out", out, "--model", "tiny",
             "--steps", "2", "--per-device-batch", "1", "--batches-per-slice", "1", "--poll-seconds", "2",
-            "--name", "pm-e2e", "--no-tpu-check"]
+            "--name", "pm-e2e", "--no-tpu-check", "--dtype", "fp32"]  # (bf16, the default, is emulated on CPU)
 
 
 def test_gke_end_to_end_with_a_fake_kubectl(gcs_prompts, kubectl, capsys):
