@@ -85,27 +85,37 @@ def _trace(module) -> dict:
     return {"/".join(path): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in flatten_dict(tree).items()}
 
 
+def _kept(key: str, trace) -> dict:
+    """The flat shapes kept under ``key`` in the cache folder, else ``trace()``'s, kept there."""
+    path = _path(key)
+    flat = _read(path)
+    if flat is None:
+        flat = trace()
+        _write(path, flat)
+    return flat
+
+
+def _tree(flat: dict) -> dict:
+    """Flat shapes as a nested dict of ``jax.ShapeDtypeStruct``s (a new one each call)."""
+    import jax
+    import numpy as np
+    from flax.traverse_util import unflatten_dict
+
+    return unflatten_dict({tuple(name.split("/")): jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+                           for name, (shape, dtype) in flat.items()})
+
+
 def diffusers_shapes(module) -> dict:
     """The params of a diffusers Flax network (UNet, VAE) as a nested dict of
     ``jax.ShapeDtypeStruct``s, from its config alone: no initialiser runs, and the
     initialiser's trace runs once per machine (see the module's docstring). A new dict
     each call: callers may change theirs."""
-    import jax
-    import numpy as np
-    from flax.traverse_util import unflatten_dict
-
     key = _key(module)
     with _shapes_lock:
         flat = _shapes.get(key)
         if flat is None:
-            path = _path(key)
-            flat = _read(path)
-            if flat is None:
-                flat = _trace(module)
-                _write(path, flat)
-            _shapes[key] = flat
-    return unflatten_dict({tuple(name.split("/")): jax.ShapeDtypeStruct(shape, np.dtype(dtype))
-                           for name, (shape, dtype) in flat.items()})
+            flat = _shapes[key] = _kept(key, lambda: _trace(module))
+    return _tree(flat)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -156,23 +166,15 @@ def transformers_model(cls, config, dtype) -> TransformersModel:
     ``FlaxCLIPTextModel``) for ``config`` and ``dtype``: its shapes traced once per
     machine (see the module's docstring), the model built once per process. Shared:
     callers read it and pass their own params."""
-    import jax
     import jax.numpy as jnp
-    import numpy as np
-    from flax.traverse_util import unflatten_dict
 
     config_json, dtype_name = config.to_json_string(use_diff=False), jnp.dtype(dtype).name
     with _models_lock:
         model = _models.get((cls, config_json, dtype_name))
         if model is None:
-            path = _path(_transformers_key(cls, config_json, dtype_name))
-            flat = _read(path)
-            if flat is None:
-                flat = _transformers_trace(cls, config, dtype)
-                _write(path, flat)
-            tree = unflatten_dict({tuple(name.split("/")): jax.ShapeDtypeStruct(shape, np.dtype(kind))
-                                   for name, (shape, kind) in flat.items()})
+            key = _transformers_key(cls, config_json, dtype_name)
+            flat = _kept(key, lambda: _transformers_trace(cls, config, dtype))
             model = _models[(cls, config_json, dtype_name)] = TransformersModel(
-                config=config, module=cls.module_class(config=config, dtype=dtype), params_shape_tree=tree,
+                config=config, module=cls.module_class(config=config, dtype=dtype), params_shape_tree=_tree(flat),
                 base_model_prefix=cls.base_model_prefix)
     return model
