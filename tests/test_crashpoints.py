@@ -40,5 +40,5 @@ def test_the_pause_after_each_batch(monkeypatch):
     assert slept == [0.25]
     assert crashpoints.pause_seconds(None) == 0 and crashpoints.pause_seconds("2") == 2
     for bad in ("soon", "-1", "60", "nan"):
-        with pytest.raises(ValueError, match="PROMPTMILL_PAUSE_AFTER_BATCH must be seconds"):
+        with pytest.raises(ValueError, match="PROMPTMILL_PAUSE_AFTER_BATCH must be seconds, at least 0 and below 60"):
             crashpoints.pause_seconds(bad)

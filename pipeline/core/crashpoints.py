@@ -10,8 +10,8 @@ batch, to test stopping a run midway.
 * ``committed``: right after a slice's commit marker, before the next slice.
 
 ``PROMPTMILL_PAUSE_AFTER_BATCH=S`` makes every host sleep S seconds after dispatching
-each batch: a run that lasts long enough to be stopped midway, on any machine, without
-computing more images than it makes.
+each batch: a run that lasts long enough to be stopped midway, on any machine, with no
+more work for its devices.
 
 Unset (always, outside tests), every call is a dictionary lookup.
 """
@@ -67,7 +67,7 @@ def pause_seconds(value: str | None) -> float:
     except ValueError:
         seconds = -1.0
     if not 0 <= seconds < 60:
-        raise ValueError(f"{PAUSE_ENV} must be seconds from 0 to 60, got {value!r}")
+        raise ValueError(f"{PAUSE_ENV} must be seconds, at least 0 and below 60, got {value!r}")
     return seconds
 
 
