@@ -98,7 +98,9 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
     pre, _ = preprocess.read(directory, config.vision_config.image_size)
     model = transformers_model(FlaxCLIPModel, config, jnp.float32)  # shapes traced once per machine
     shapes = model.params_shape_tree
-    params = jax.tree_util.tree_map(lambda leaf: leaf, shapes) if abstract else load_params(directory, shapes, flag, model.base_model_prefix)
+    # abstract: a copy of the shapes, the model being shared
+    params = (jax.tree_util.tree_map(lambda leaf: leaf, shapes) if abstract
+              else load_params(directory, shapes, flag, model.base_model_prefix))
     return Clip(path=path, directory=directory, config=config, module=model.module, tokenizer=tokenizer,
                 preprocessing=pre, params=params)
 
