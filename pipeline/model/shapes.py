@@ -39,8 +39,13 @@ def _key(module) -> str:
     import jax
 
     fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.name not in ("parent", "name")}
-    text = json.dumps([type(module).__module__, type(module).__qualname__, fields, diffusers.__version__,
-                       flax.__version__, jax.__version__], sort_keys=True, default=repr)
+    return _digest([type(module).__module__, type(module).__qualname__, fields, diffusers.__version__,
+                    flax.__version__, jax.__version__])
+
+
+def _digest(parts: list) -> str:
+    """The cache key of what a model's shapes depend on (``parts``, JSON-able)."""
+    text = json.dumps(parts, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -79,9 +84,14 @@ def _write(path: str, flat: dict) -> None:
 def _trace(module) -> dict:
     import jax
     import jax.numpy as jnp
+
+    return _flat(jax.eval_shape(module.init_weights, jax.ShapeDtypeStruct((2,), jnp.uint32)))
+
+
+def _flat(tree: dict) -> dict:
+    """A nested dict of shaped leaves as flat shapes (``"a/b": (shape, dtype name)``), as kept."""
     from flax.traverse_util import flatten_dict
 
-    tree = jax.eval_shape(module.init_weights, jax.ShapeDtypeStruct((2,), jnp.uint32))
     return {"/".join(path): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in flatten_dict(tree).items()}
 
 
@@ -148,17 +158,13 @@ def _transformers_key(cls, config_json: str, dtype_name: str) -> str:
     import jax
     import transformers
 
-    text = json.dumps([cls.__module__, cls.__qualname__, config_json, dtype_name, transformers.__version__,
-                       flax.__version__, jax.__version__])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return _digest([cls.__module__, cls.__qualname__, config_json, dtype_name, transformers.__version__,
+                    flax.__version__, jax.__version__])
 
 
 def _transformers_trace(cls, config, dtype) -> dict:
     """The flat shapes of ``cls``' params, traced by the library's own model object."""
-    from flax.traverse_util import flatten_dict
-
-    tree = cls(config, dtype=dtype, _do_init=False).params_shape_tree
-    return {"/".join(path): (tuple(leaf.shape), str(leaf.dtype)) for path, leaf in flatten_dict(tree).items()}
+    return _flat(cls(config, dtype=dtype, _do_init=False).params_shape_tree)
 
 
 def transformers_model(cls, config, dtype) -> TransformersModel:

@@ -264,7 +264,6 @@ class Schedule:
         return self.sampler in STOCHASTIC
 
 
-
 def make_schedule(config: Mapping[str, Any], sampler: str, steps: int) -> Schedule:
     """The schedule of ``sampler`` for ``steps`` inference steps under a checkpoint's
     scheduler ``config`` (missing keys at the PyTorch class's defaults).
