@@ -71,6 +71,9 @@ def test_the_plan_decides_per_run_whether_it_is_guided_and_keeps_that_decision(t
     plan.run_plan(settings)  # a re-plan resumes the same run
     assert runs.read(out) == first
     (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(layout.PlanError, match="p.jsonl: its content changed"):  # the input table sees it first
+        plan.run_plan(settings)
+    storage.delete([naming.plan_inputs(out)])  # as a run planned before input tables: the plan still refuses
     with pytest.raises(layout.PlanError, match="holds a guidance-free run, but now some record's guidance is > 1"):
         plan.run_plan(settings)
     plan.run_plan(settings, overwrite=True)

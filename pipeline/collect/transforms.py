@@ -57,6 +57,7 @@ from pipeline.core import filters, logs, naming
 from pipeline.core.settings import Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.output import formats, writer
+from pipeline.plan import input_table
 
 GALLERY_PAGE_SIZE = 100
 
@@ -377,6 +378,7 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
     manifest = storage.read_json(manifest_path)
     run = runs.read(out)
     gallery.check_order(gallery_order, run.settings.scores)
+    input_table.check(out, run.settings.prompts, "collect")  # the slices were planned from these inputs
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
         _ = (p
              | "Manifest" >> beam.Create([manifest])

@@ -42,8 +42,32 @@ def join(base: str, *parts: str) -> str:
     return path
 
 
-# Everything promptmill writes under OUT; ``--overwrite`` deletes exactly these.
-OWNED = ("run.json", "plan", "shards", "images", "thumbs", "parquet", "zarr", "dataset", "logs", "progress")
+# Everything promptmill writes under OUT, by name relative to OUT; ``--overwrite`` deletes
+# exactly the objects these match, never another (a user's own file in OUT is kept). An output
+# added later joins this list: a test holds every object of a run with every output to it.
+OWNED = re.compile(r"""(?x)
+    run\.json
+  | plan/(manifest|model_files|inputs)\.json
+  | plan/(slices|parts|rejects|scans)/[^/]+\.(jsonl|npz)
+  | shards/\d{5,}(\.tar|\.parquet|_stats\.json)
+  | images/\d{5,}/[A-Za-z0-9_-]+\.(png|jpg|webp)
+  | thumbs/\d{5,}/[A-Za-z0-9_-]+\.jpg
+  | parquet/\d{5,}\.parquet
+  | zarr/zarr\.json
+  | zarr/(images|latents|dropped)/.+
+  | dataset/(metadata\.parquet|stats\.json|README\.md|index\.html|gallery/page-\d{5,}\.html)
+  | logs/host-\d+(\.attempt-\d+)?\.log
+  | progress/host-\d{5,}\.json
+  | (.+/)?\.promptmill-tmp-[^/]+
+""")
+
+
+def owned(name: str) -> bool:
+    """Whether promptmill writes an object of this name (relative to OUT)."""
+    return OWNED.fullmatch(name) is not None
+
+
+TEMP_PREFIX = ".promptmill-tmp-"  # a local file being written, renamed to its name once whole
 
 
 def slice_name(index: int) -> str:
@@ -56,6 +80,11 @@ def run_json(out: str) -> str:
 
 def manifest(out: str) -> str:
     return join(out, "plan", "manifest.json")
+
+
+def plan_inputs(out: str) -> str:
+    """The input table: every prompt file the plan read, with its size and checksum."""
+    return join(out, "plan", "inputs.json")
 
 
 def model_files(out: str) -> str:

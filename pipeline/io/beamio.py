@@ -8,9 +8,9 @@ promptmill has one storage layer per runtime:
 * outside Beam (host processes, the CLI, code before and after a pipeline):
   ``pipeline.io.storage``.
 
-Both give the same objects: whole objects written under their final names (no temp
-file and rename; GCS commits an upload on close, and an exception inside the ``with``
-cancels it), the same names and the same bytes. Writes are always UNCOMPRESSED, so a
+Both give the same objects: whole objects under their final names (GCS commits an
+upload on close, and an exception inside the ``with`` cancels it; a local file is
+written under a temporary name and renamed), the same names and the same bytes. Writes are always UNCOMPRESSED, so a
 name ending in ``.gz`` is never gzipped behind our back. Pattern expansion stays with
 ``storage.glob``: Beam's match differs (a folder matches itself, not the files under
 it; ``**/`` needs at least one folder; ``*`` matches dotfiles locally), so pipelines
@@ -21,8 +21,10 @@ expand patterns into file lists with ``storage.glob`` and read each file here.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
+import zlib
 from typing import Iterator
 
 import apache_beam as beam
@@ -78,8 +80,79 @@ def _filesystems():
 use_emulator_credentials()  # in every process that imports this, Beam workers included
 
 
+class TruncatedInput(OSError):
+    """A compressed object that ends before its compressed stream does (a cut or partial
+    upload): its rows so far are not the file's rows, so nothing may be planned from it."""
+
+
+class _StrictGzip(io.RawIOBase):
+    """The decompressed bytes of a gzip stream (one member or several, as ``cat a.gz b.gz``
+    makes) that raises ``TruncatedInput`` where the stream ends inside a member, even at a
+    flush point, and ``OSError`` on bytes after a member that are not another member.
+    Beam's own gzip reader returns what it has at such an end, silently."""
+
+    def __init__(self, raw, path: str):
+        super().__init__()
+        self._raw, self._path = raw, path
+        self._z = zlib.decompressobj(zlib.MAX_WBITS | 16)
+        self._pending = b""  # compressed bytes not yet given to the decompressor
+        self._member_open = False  # bytes of the current member were read, its end not yet
+        self._eof = False
+        self._rest = b""  # decompressed bytes not yet read
+
+    def readable(self) -> bool:
+        return True
+
+    def _next_block(self) -> bytes:
+        """Up to READ_CHUNK decompressed bytes; b"" at the end of the whole stream."""
+        while True:
+            if not self._pending:
+                if self._eof:
+                    return b""
+                self._pending = self._raw.read(READ_CHUNK)
+                if not self._pending:
+                    self._eof = True
+                    if self._member_open:
+                        raise TruncatedInput(f"{self._path}: the gzip stream ends early (the file was cut off "
+                                             f"or is still being written)")
+                    return b""
+            if self._z.eof:  # the bytes after a member: another member, or garbage
+                if not self._pending.startswith(b"\x1f\x8b"[:len(self._pending)]):
+                    raise OSError(f"{self._path}: bytes after the end of the gzip stream that are not gzip")
+                self._z = zlib.decompressobj(zlib.MAX_WBITS | 16)
+            self._member_open = True
+            try:
+                block = self._z.decompress(self._pending, READ_CHUNK)
+            except zlib.error as e:
+                raise OSError(f"{self._path}: not a valid gzip stream ({e})") from None
+            self._pending = self._z.unconsumed_tail or self._z.unused_data
+            if self._z.eof:
+                self._member_open = False
+            if block:
+                return block
+
+    def readinto(self, buffer) -> int:
+        if not self._rest:
+            self._rest = self._next_block()
+        n = min(len(buffer), len(self._rest))
+        buffer[:n] = self._rest[:n]
+        self._rest = self._rest[n:]
+        return n
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+
+
 def open_read(path: str, compression_type: str = CompressionTypes.UNCOMPRESSED):
-    """A binary stream of the object; ``CompressionTypes.AUTO`` decompresses by name."""
+    """A binary stream of the object; ``CompressionTypes.AUTO`` decompresses by name. A
+    ``.gz`` object is read strictly (``_StrictGzip``): one that ends early raises
+    ``TruncatedInput`` rather than looking like a shorter file."""
+    if compression_type == CompressionTypes.AUTO and path.lower().endswith(".gz"):
+        raw = _filesystems().open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+        return _StrictGzip(raw, path)  # unbuffered: the rows before a cut are read before it raises
     return _filesystems().open(path, compression_type=compression_type)
 
 
@@ -134,8 +207,15 @@ def iter_lines(path: str, compression_type: str = CompressionTypes.AUTO) -> Iter
 def open_write(path: str, mime_type: str = "application/octet-stream"):
     """A binary stream that becomes one whole object under its final name when closed.
 
-    For objects too big to build in memory first; parent folders are created.
+    For objects too big to build in memory first; parent folders are created. A local
+    file is written under a temporary name and renamed once closed
+    (``storage.local_writer``), so a full disk never leaves a truncated file under its
+    final name; an exception inside the ``with`` leaves nothing.
     """
+    if "://" not in path:
+        from pipeline.io import storage
+
+        return storage.local_writer(path)
     return _filesystems().create(path, mime_type=mime_type, compression_type=CompressionTypes.UNCOMPRESSED)
 
 

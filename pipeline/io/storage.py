@@ -7,13 +7,16 @@ FileSystems inside the plan and collect pipelines (``pipeline.io.beamio``), and
 tensorstore's own ``gcs`` kvstore for zarr outputs (``pipeline.output.formats``).
 
 Objects are written whole under their final names (GCS has no atomic rename, so we
-never write-then-rename; names and contents are deterministic, so a rewrite after a
-crash is harmless). GCS goes through google-cloud-storage with its retry policy on
+never write-then-rename there: an upload is committed whole or not at all; a local file
+is written under a temporary name beside it and renamed, so no truncated file ever has
+a final name; names and contents are deterministic, so a rewrite after a crash is
+harmless). GCS goes through google-cloud-storage with its retry policy on
 429/5xx and connection errors; ``STORAGE_EMULATOR_HOST`` points it at an emulator.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import glob as _glob
 import hashlib
@@ -23,6 +26,7 @@ import re
 from typing import IO, Iterator
 
 from pipeline.core import logs
+from pipeline.core.naming import TEMP_PREFIX
 
 GCS_PREFIX = "gs://"
 _WILDCARD = re.compile(r"[*?\[]")
@@ -32,6 +36,8 @@ _WILDCARD = re.compile(r"[*?\[]")
 # network and crc32c (C, outside the GIL), and a host process must not fork.
 CHUNK_SIZE = 32 << 20
 CHUNK_WORKERS = 8
+_UMASK = os.umask(0o022)  # read once, at import (the only way to read it), and put back
+os.umask(_UMASK)
 
 
 def is_gcs(path: str) -> bool:
@@ -79,13 +85,54 @@ def _retry():
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """Write one whole object under its final name."""
+    """Write one whole object under its final name: a GCS object is uploaded whole; a
+    local file is written under a temporary name beside it and renamed, so a full disk
+    or a kill never leaves a truncated file under the final name."""
     if is_gcs(path):
         _blob(path).upload_from_string(data, retry=_retry(), timeout=120)
         return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "wb") as f:
+    with local_writer(path) as f:
         f.write(data)
+
+
+@contextlib.contextmanager
+def local_writer(path: str):
+    """A binary file that appears at ``path`` only once closed whole (written under a
+    ``naming.TEMP_PREFIX`` name in the same folder, then renamed); removed on error."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.chmod(scratch, 0o666 & ~_UMASK)  # as open() would have made it
+        os.replace(scratch, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(scratch)
+        raise
+
+
+def delete(paths: list[str]) -> int:
+    """Delete these objects (local or gs://, in parallel); returns how many. A missing
+    one counts as deleted (a retried delete may find it gone)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(path):
+        if is_gcs(path):
+            from google.api_core.exceptions import NotFound
+
+            with contextlib.suppress(NotFound):
+                _blob(path).delete(retry=_retry(), timeout=60)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, paths))
+    return len(paths)
 
 
 def read_bytes(path: str) -> bytes:

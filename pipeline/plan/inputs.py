@@ -17,7 +17,7 @@ extension   content                                                             
 For CSV and TSV the header is line 1, so the first data row is line 2 (later if a
 quoted field spans lines). A line or row number of 0 in a reject means the whole file
 (a ``.json`` file that is not valid JSON, a Parquet file that cannot be read, a CSV
-header with a repeated name).
+header with a repeated name or without the prompt column).
 
 ``read_rows(path)`` yields ``(path, number, payload)``; the payload is
 
@@ -59,6 +59,11 @@ class UnsupportedInput(ValueError):
     pass
 
 
+class TruncatedFile(ValueError):
+    """A compressed prompt file that ends early: the plan fails rather than planning the
+    rows before the cut as if they were the whole file."""
+
+
 def format_of(path: str) -> str:
     """The format of ``path`` by its extension (``.gz`` stripped first); ValueError if unknown."""
     name = path.rsplit("/", 1)[-1].lower()
@@ -84,7 +89,21 @@ def check_formats(paths) -> None:
 
 
 def read_rows(path: str, prompt_field: str = "prompt") -> Iterator[tuple[str, int, object]]:
-    """The rows of one prompt file: ``(path, number, payload)`` (see the module doc)."""
+    """The rows of one prompt file: ``(path, number, payload)`` (see the module doc).
+
+    A compressed file that ends early raises ``TruncatedFile``, naming the file and the
+    rows read before the cut: a shorter file must never pass for the whole one."""
+    rows = 0
+    try:
+        for row in _rows(path, prompt_field):
+            rows += 1
+            yield row
+    except beamio.TruncatedInput as e:
+        raise TruncatedFile(f"{e}: {rows} row(s) read before the cut; nothing is planned from a partial file. "
+                            f"Replace {path} with the whole file and plan again") from None
+
+
+def _rows(path: str, prompt_field: str):
     fmt = format_of(path)
     if fmt in LINE_FORMATS:
         for number, raw in enumerate(beamio.iter_lines(path), start=1):
@@ -140,6 +159,11 @@ def _read_delimited(path: str, delimiter: str, prompt_field: str):
                 if repeated:
                     yield path, 0, Reject(path, 0, "bad_header",
                                           f"the header repeats column names: {', '.join(map(repr, repeated))}", raw)
+                    return
+                if prompt_field not in header:  # no row could have a prompt: one reject for the file
+                    yield path, 0, Reject(path, 0, "bad_header",
+                                          f"the header has no {prompt_field!r} column (--prompt-field); its columns: "
+                                          f"{', '.join(map(repr, header))[:_RAW_CHARS]}", raw)
                     return
                 continue
             if len(cells) != len(header):

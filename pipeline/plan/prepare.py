@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 from importlib import metadata
 
 from pipeline import __version__
@@ -16,6 +17,7 @@ from pipeline.core import logs, naming
 from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.core.settings import Lora, Run, Settings
 from pipeline.io import beamio, runs, storage
+from pipeline.plan import input_table
 from pipeline.plan.layout import PlanError, match_prompt_files
 
 
@@ -57,6 +59,13 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
         if value is not None and value % multiple:
             raise PlanError(f"--{name} {value}: {settings.model}'s images are multiples of {multiple} pixels each way "
                             f"({described['family']}: the VAE's scale factor{' x 2 for the 2x2 latent packing' if multiple > 8 else ''})")
+        if value is not None and value > described["max_size"]:
+            raise PlanError(f"--{name} {value}: {described['family']} images are at most {described['max_size']} "
+                            f"pixels each way ({described['max_size'] * described['max_size'] / size ** 2:g} times "
+                            f"the model's native area, {size}x{size})")
+    if not described["min_steps"] <= settings.steps <= described["max_steps"]:
+        raise PlanError(f"--steps {settings.steps}: {settings.model} runs {described['min_steps']} to "
+                        f"{described['max_steps']} steps ({described['steps_bound'] or described['family']})")
     guidance = settings.guidance_scale if settings.guidance_scale is not None else described["default_guidance"]
     resolved = dict(width=settings.width or size, height=settings.height or size,
                     scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),
@@ -99,12 +108,13 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
       and so its ``created_at``, is kept, so every rewritten object has the same bytes.
     * An OUT holding a run with other settings is refused, since it would mix two runs'
       slices in one dataset, unless ``overwrite``.
-    ``overwrite`` deletes everything promptmill wrote under OUT (``naming.OWNED``) first.
+    ``overwrite`` deletes what an earlier promptmill run wrote under OUT first
+    (``clear_run``). The input table (``input_table``) is written before ``run.json``
+    for a new run, and checked against the inputs for a resumed one.
     """
+    pattern = run.settings.prompts
     if overwrite:
-        deleted = sum(storage.delete_prefix(naming.join(out, name)) for name in naming.OWNED)
-        if deleted:
-            logs.event("overwrite", out=out, objects_deleted=deleted)
+        clear_run(out)
     elif runs.exists(out):
         previous = runs.read(out)
         # the guidance rule is a version's, not a flag: a run keeps the one it was planned with;
@@ -113,6 +123,7 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
         if previous.settings.attention == LEGACY_ATTENTION:  # planned before the attention seam: keeps its program
             asked = asked.replace(attention=LEGACY_ATTENTION)
         if previous.settings_fingerprint == run.fingerprint_of(asked):
+            input_table.check(out, pattern, "resume")
             return previous
         changed = sorted(f.name for f in dataclasses.fields(Settings)  # a moved OUT is the same run
                          if f.name != "out" and getattr(previous.settings, f.name) != getattr(asked, f.name))
@@ -122,5 +133,43 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
             changed.append("scorer model weights")
         raise PlanError(f"{out} already holds a run with other settings (changed: {', '.join(changed)}); "
                         "use another --out, or add --overwrite to delete the old run and start over")
+    elif not storage.is_gcs(out) and os.path.exists(out) and not os.path.isdir(out):
+        raise PlanError(f"--out {out} is a file, not a folder: give a folder for the run's outputs")
+    input_table.record(out, pattern)  # before run.json: a run.json without a table is an earlier version's
     runs.write(out, run)
     return run
+
+
+def clear_run(out: str) -> int:
+    """Delete what an earlier promptmill run wrote under ``out`` (``naming.owned``) and
+    nothing else; returns how many objects were deleted. ``out`` must be empty, hold a
+    promptmill run (its ``run.json`` reads as one), or hold only objects that promptmill
+    writes (a plan stopped before its run.json): a folder holding anything else and no
+    run is refused, since its files are a user's."""
+    if not storage.is_gcs(out) and os.path.exists(out) and not os.path.isdir(out):
+        raise PlanError(f"--out {out} is a file, not a folder: give a folder for the run's outputs")
+    relative = {path: path[len(out.rstrip("/")) + 1:] for path in storage.glob(out)}
+    foreign = sorted(name for name in relative.values() if not naming.owned(name))
+    if runs.exists(out):
+        try:
+            runs.read(out)
+        except (ValueError, KeyError, TypeError) as e:
+            raise PlanError(f"{naming.run_json(out)} is not a promptmill run's ({e}); --overwrite deletes only what "
+                            f"a promptmill run wrote: use another --out") from None
+    elif foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise PlanError(f"{out} holds files that no promptmill run wrote ({shown}) and no run.json: "
+                        f"--overwrite deletes only what a promptmill run wrote; use an empty or new --out")
+    doomed = [path for path, name in relative.items() if naming.owned(name)]
+    deleted = storage.delete(doomed)
+    if not storage.is_gcs(out):  # the folders the deletions emptied go too (GCS has no folders)
+        root = os.path.abspath(out)
+        for folder in sorted({os.path.dirname(os.path.abspath(p)) for p in doomed}, key=len, reverse=True):
+            while folder != root and folder.startswith(root + os.sep) and os.path.isdir(folder) \
+                    and not os.listdir(folder):
+                os.rmdir(folder)
+                folder = os.path.dirname(folder)
+    if deleted or foreign:
+        logs.event("overwrite", out=out, objects_deleted=deleted, objects_kept=len(foreign),
+                   **({"kept": foreign[:10]} if foreign else {}))
+    return deleted
