@@ -13,6 +13,7 @@ import json
 import math
 
 from pipeline.core import keys, slicing
+from pipeline.core.records import MAX_GUIDANCE, MIN_GUIDANCE
 from pipeline.core.choices import (
     ATTENTIONS,
     DTYPES,
@@ -103,8 +104,11 @@ class Settings:
         for name in ("width", "height"):
             if getattr(self, name) is not None:
                 check_size(name, getattr(self, name))
-        if self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        _check_int("--steps", self.steps, 1, MAX_STEPS, "a sampler's steps; each family may allow fewer")
+        _check_int("--per-device-batch", self.per_device_batch, 1, MAX_PER_DEVICE_BATCH, "images per device "
+                   "and batch", AUTO)
+        _check_int("--batches-per-slice", self.batches_per_slice, 1, MAX_BATCHES_PER_SLICE, "batches per slice")
+        _check_int("--devices-per-host", self.devices_per_host, 1, MAX_DEVICES_PER_HOST, "devices of one host")
         if not 0 <= self.seed < keys.MAX_SEED:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
         if self.dtype not in DTYPES:
@@ -135,8 +139,9 @@ class Settings:
         if self.guidance_rule in NO_CFG_RULES and self.guided:
             raise ValueError(f"a run under the {self.guidance_rule!r} guidance rule has no classifier-free guidance")
         if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
-                self.guidance_scale, (int, float)) or not math.isfinite(self.guidance_scale)):
-            raise ValueError(f"--guidance-scale must be a finite number, got {self.guidance_scale!r}")
+                self.guidance_scale, (int, float)) or not MIN_GUIDANCE <= self.guidance_scale <= MAX_GUIDANCE):
+            raise ValueError(f"--guidance-scale must be a number in [{MIN_GUIDANCE:g}, {MAX_GUIDANCE:g}] (as a "
+                             f"record's guidance_scale), got {self.guidance_scale!r}")
         if self.max_sequence_length is not None and (isinstance(self.max_sequence_length, bool) or not isinstance(
                 self.max_sequence_length, int) or not 1 <= self.max_sequence_length <= MAX_SEQUENCE_LENGTH):
             raise ValueError(f"--max-sequence-length must be a whole number of T5 tokens from 1 to "
@@ -145,8 +150,10 @@ class Settings:
             parse_lora(spec)
         if not isinstance(self.prompt_field, str) or not self.prompt_field:
             raise ValueError(f"--prompt-field must be a non-empty name, got {self.prompt_field!r}")
-        if self.device_memory is not None and not self.device_memory > 0:
-            raise ValueError(f"--device-memory must be a positive number of GiB, got {self.device_memory}")
+        if self.device_memory is not None and (isinstance(self.device_memory, bool) or not isinstance(
+                self.device_memory, (int, float)) or not 0 < self.device_memory <= MAX_DEVICE_MEMORY):
+            raise ValueError(f"--device-memory must be a number of GiB in (0, {MAX_DEVICE_MEMORY}], "
+                             f"got {self.device_memory}")
         self._validate_scores()
         if self.per_device_batch == AUTO:
             slicing.slice_size(self.devices_per_host, 1, self.batches_per_slice)  # the two other factors
@@ -252,10 +259,31 @@ def lora_spec(path: str, scale: float = 1.0) -> str:
 
 
 def check_size(name: str, value: int) -> int:
-    """``value`` if it is a positive multiple of 8 (the VAE's scale factor), else ValueError."""
-    if value < 8 or value % 8:
+    """``value`` if it is a positive multiple of 8 (the VAE's scale factor) up to
+    ``MAX_SIZE``, else ValueError (each family may allow less: ``Described.max_size``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8:
         raise ValueError(f"--{name} must be a positive multiple of 8, got {value}")
+    if value > MAX_SIZE:
+        raise ValueError(f"--{name} must be at most {MAX_SIZE} pixels, got {value}")
     return value
+
+
+def _check_int(flag: str, value, low: int, high: int, what: str, *also) -> None:
+    """ValueError naming ``flag`` and its bounds unless ``value`` is a whole number in
+    [low, high] (or one of ``also``)."""
+    if value in also and isinstance(value, str):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{flag} must be a whole number from {low} to {high} ({what}), got {value!r}")
+
+
+# Bounds of the run settings that no family changes (the family's own are ``Described``'s)
+MAX_STEPS = 1000  # the training schedules' timesteps: more steps only repeat them
+MAX_SIZE = 8192  # pixels each way; each family has its own, lower, maximum
+MAX_PER_DEVICE_BATCH = 256
+MAX_BATCHES_PER_SLICE = 4096
+MAX_DEVICES_PER_HOST = 64
+MAX_DEVICE_MEMORY = 4096  # GiB
 
 
 # Settings added after runs were first planned, with the value those runs had (for all but

@@ -110,11 +110,14 @@ def resolve_sampler(directory: str, choice: str | None, timestep_spacing: str | 
         config, overridden = {**config, "timestep_spacing": timestep_spacing}, ("timestep_spacing",)
     flax_problems = unhonoured(config, choice, overridden)
     if choice in HONOURED_CONFIG and not flax_problems:
-        return Sampler(choice, config, "flax")
+        sampler = Sampler(choice, config, "flax")
+        _check_steps(directory, sampler, num_steps)
+        return sampler
     if choice in steps.SAMPLERS:
         refused = steps.unsupported(_steps_view(config), choice)
         if not refused:
             sampler = Sampler(choice, _steps_view(config), "steps")
+            _check_steps(directory, sampler, num_steps)
             if num_steps is not None:
                 try:
                     steps.make_schedule(sampler.config, choice, num_steps)
@@ -129,6 +132,27 @@ def resolve_sampler(directory: str, choice: str | None, timestep_spacing: str | 
     raise ModelError(f"{directory}: {source} asks for {asked}, which the {choice} sampler does not do; promptmill "
                      f"would not sample as asked, so it refuses: pick another --scheduler or --timestep-spacing, "
                      f"or edit the checkpoint's scheduler config")
+
+
+def step_range(sampler: Sampler) -> tuple[int, int, str]:
+    """(fewest, most) steps ``sampler`` runs correctly, and why. Past the training
+    schedule's timesteps the samplers repeat timesteps (diffusers' FlaxDDIMScheduler at
+    1001 steps of 1000 gives one unique timestep; its DPM-Solver++ repeats one at 1000);
+    diffusers' PNDM without ``skip_prk_steps`` starts with Runge-Kutta steps that need 4."""
+    train = int(sampler.config.get("num_train_timesteps", 1000))
+    low, high = 1, train - 1 if sampler.choice == "dpmpp" else train
+    why = f"the {sampler.choice} sampler over the checkpoint's {train} training timesteps"
+    if sampler.choice == "pndm" and sampler.engine == "flax" and not sampler.config.get("skip_prk_steps"):
+        low, why = 4, why + " (PNDM's Runge-Kutta start, without skip_prk_steps, takes 4 or more)"
+    return low, high, why
+
+
+def _check_steps(directory: str, sampler: Sampler, num_steps: int | None) -> None:
+    if num_steps is None:
+        return
+    low, high, why = step_range(sampler)
+    if not low <= num_steps <= high:
+        raise ModelError(f"--steps {num_steps}: {directory} runs {low} to {high} steps ({why})")
 
 
 # Flax classes without a spacing key, and the spacing they run

@@ -60,6 +60,13 @@ class Described:
     cfg: bool  # whether the family has classifier-free guidance at all
     max_sequence_length: int | None = None  # the resolved T5 length (FLUX.1)
     license: str | None = None  # the licence the checkpoint states, if any
+    # the bounds of the family's settings, checked at plan time (``prepare.resolve_settings``):
+    # the step counts its sampler runs correctly (``steps_bound`` says why), and the largest
+    # width and height its networks are run at
+    min_steps: int = 1
+    max_steps: int = 1000
+    steps_bound: str = ""
+    max_size: int = 4096
 
 
 class Family:

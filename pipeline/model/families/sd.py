@@ -17,7 +17,7 @@ import os
 from pipeline.core import keys
 from pipeline.model import lora, weights
 from pipeline.model.families.base import Described, Family, Model
-from pipeline.model.scheduler import Sampler, make_flax_scheduler, resolve_sampler
+from pipeline.model.scheduler import Sampler, make_flax_scheduler, resolve_sampler, step_range
 from pipeline.model.sources import ModelError
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
@@ -90,10 +90,11 @@ class StableDiffusion(Family):
             raise ModelError(f"--max-sequence-length sets FLUX.1's T5 length; {self.title}'s CLIP text encoders take "
                              f"{_config(directory, 'text_encoder').get('max_position_embeddings', 77)} tokens")
         vae_scale = 2 ** (len(_config(directory, "vae")["block_out_channels"]) - 1)
+        sampler = resolve_sampler(directory, scheduler, timestep_spacing, steps)
+        low, high, why = step_range(sampler)
         return Described(family=self.name, native_size=_config(directory, "unet")["sample_size"] * vae_scale,
-                         scheduler=resolve_sampler(directory, scheduler, timestep_spacing, steps).choice,
-                         size_multiple=SIZE_MULTIPLE, default_guidance=DEFAULT_GUIDANCE, guidance_rule="diffusers",
-                         cfg=True)
+                         scheduler=sampler.choice, size_multiple=SIZE_MULTIPLE, default_guidance=DEFAULT_GUIDANCE,
+                         guidance_rule="diffusers", cfg=True, min_steps=low, max_steps=high, steps_bound=why)
 
     def load(self, directory, name, dtype, scheduler, timestep_spacing, unet_file, loras, abstract,
              max_sequence_length) -> Model:
