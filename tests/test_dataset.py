@@ -246,6 +246,7 @@ def test_the_gallery_renders_every_thumbnail_in_chromium(dirty_run, tmp_path, mo
     assert result.returncode == 0, result.stderr[-4000:]
     pages = sorted(storage.glob(naming.join(out, "dataset", "gallery", "*.html")))
     assert [p.rsplit("/", 1)[1] for p in pages] == ["page-00002.html", "page-00003.html"]
+    assert [name for name in storage.checksums(out) if not naming.owned(name)] == []  # what --overwrite deletes
     chromium.screenshot(pages[-1], tmp_path / "last.png", 1000, 1000)
     assert chromium.count_thumbnails(tmp_path / "last.png") == EXPECTED_IMAGES - 8
     chromium.screenshot(naming.dataset_file(out, "index.html"), shot, 1000, 1000)

@@ -106,6 +106,12 @@ def test_all_formats_with_prompts_model_and_output_on_gcs(clean_run, gcs_inputs,
 
 
 @pytest.mark.parametrize("case", list(HOSTILE_IDS))
+def test_every_object_the_run_wrote_is_one_overwrite_would_delete(clean_run):
+    """naming.OWNED names every object of a run with every format (what --overwrite deletes)."""
+    names = [path[len(clean_run) + 1:] for path in CREATED[clean_run] if path.startswith(clean_run + "/")]
+    assert names and [name for name in names if not naming.owned(name)] == []
+
+
 def test_a_hostile_id_gets_a_safe_unique_key_inside_out(clean_run, case):
     out, record_id = clean_run, HOSTILE_IDS[case]
     rows = metadata(out)

@@ -2,6 +2,7 @@
 a compressed input that ends early is an error, and every bad row of a battery is a
 reject with its reason (checked in-process row by row, then once through one Beam plan
 over a single file that holds them all, with conservation of rows)."""
+import collections
 import gzip
 import json
 import logging
@@ -10,8 +11,8 @@ import zlib
 import pytest
 
 from jobs import cli
-from pipeline.core import naming
-from pipeline.core.settings import Settings
+from pipeline.core import naming, records
+from pipeline.core.settings import Run, Settings
 from pipeline.io import storage
 from pipeline.plan import input_table, inputs, layout
 from pipeline.plan import transforms as plan
@@ -96,14 +97,14 @@ def _flushed_gz(n=10):
     return z.compress(_rows(4).encode()) + z.flush(zlib.Z_FULL_FLUSH)
 
 
-@pytest.mark.parametrize("name,data,rows", [
+@pytest.mark.parametrize("name,data,rows", [pytest.param(*case, id=case[0]) for case in [
     ("cut-mid-row.jsonl.gz", _jsonl_gz()[:len(_jsonl_gz()) // 2], None),
     ("cut-at-flush.jsonl.gz", _flushed_gz(), 4),
     ("cut.csv.gz", gzip.compress(("prompt\n" + "".join(f"p{n}\n" for n in range(100))).encode())[:-12], None),
     ("cut.txt.gz", gzip.compress("".join(f"p{n}\n" for n in range(40)).encode())[:-5], None),
     ("cut.json.gz", gzip.compress(json.dumps(["a", "b"]).encode())[:-3], 0),
     ("cut.parquet.gz", None, 0),
-])
+]])
 def test_a_compressed_input_that_ends_early_fails_the_plan_naming_it(tmp_path, model_cache, capfd, name, data, rows):
     if data is None:  # a parquet file, gzipped, cut
         import pyarrow as pa
@@ -140,3 +141,136 @@ def test_a_csv_header_without_the_prompt_column_is_one_reject_naming_its_columns
     [(_, line, reject)] = list(inputs.read_rows(str(tmp_path / "p.csv")))
     assert (line, reject.reason) == (0, "bad_header")
     assert "no 'prompt' column" in reject.message and "'text', 'seed'" in reject.message
+
+
+# --- the bad-row battery: input -> reject reason, in-process, then once through Beam ---
+
+LONG_ID = "x" * 65_537
+BATTERY = [  # (a JSONL line, the reason it is rejected for; None: it is a record)
+    (b'{"prompt": ""}', "empty_prompt"),
+    (b'{"prompt": "  \\t "}', "empty_prompt"),
+    (b'not json', "invalid_json"),
+    (b'{"prompt": "a"} trailing', "invalid_json"),
+    (b'[1, 2]', "not_an_object"),
+    (b'"just a string"', "not_an_object"),
+    (b'{"prompt": 5}', "prompt_not_string"),
+    (b'{"prompt": null}', "missing_prompt"),
+    (b'{"text": "no prompt field"}', "missing_prompt"),
+    (b'{"prompt": "a", "num_images": 0}', "bad_num_images"),
+    (b'{"prompt": "a", "num_images": 101}', "bad_num_images"),
+    (b'{"prompt": "a", "num_images": 1.5}', "bad_num_images"),
+    (b'{"prompt": "a", "num_images": true}', "bad_num_images"),
+    (b'{"prompt": "a", "num_images": 1e400}', "bad_num_images"),
+    (b'{"prompt": "a", "seed": -1}', "bad_seed"),
+    (b'{"prompt": "a", "seed": 9223372036854775808}', "bad_seed"),
+    (b'{"prompt": "a", "seed": "x"}', "bad_seed"),
+    (b'{"prompt": "a", "guidance_scale": 1e300}', "bad_guidance_scale"),
+    (b'{"prompt": "a", "guidance_scale": -5}', "bad_guidance_scale"),
+    (b'{"prompt": "a", "guidance_scale": NaN}', "bad_guidance_scale"),
+    (b'{"prompt": "a", "guidance_scale": Infinity}', "bad_guidance_scale"),
+    (b'{"prompt": "a", "guidance_scale": true}', "bad_guidance_scale"),
+    (b'{"prompt": "a", "negative_prompt": 5}', "bad_negative_prompt"),
+    (b'{"prompt": "a", "id": ["list"]}', "bad_id"),
+    (('{"prompt": "a", "id": "%s"}' % LONG_ID).encode(), "bad_id"),
+    (b'\xff\xfe{"prompt": "a"}', "invalid_utf8"),
+    (b'{"prompt": "\\ud800 half a pair"}', "invalid_text"),
+    (b'{"prompt": "a", "tag": {"k": "\\udfff"}}', "invalid_text"),
+    (b'{"prompt": "a", "prompt": "b"}', "repeated_field"),
+    (b'{"prompt": "a", "seed": 1, "seed": 2}', "repeated_field"),
+    # hostile but valid: kept as records, their keys derived safely
+    (b'{"prompt": "a NUL \\u0000 and an escape \\u001b[31m"}', None),
+    (b'{"prompt": "a", "id": "../../etc/passwd"}', None),
+    (b'{"prompt": "a", "num_images": "3", "guidance_scale": "5"}', None),
+]
+
+
+@pytest.mark.parametrize("line,reason", BATTERY, ids=[f"{n}-{r}" for n, (_, r) in enumerate(BATTERY)])
+def test_the_battery_row_by_row(line, reason):
+    result = layout.validate_payload("battery.jsonl", 7, line, 0, "", "prompt")
+    if reason is None:
+        assert isinstance(result, records.Record)
+        [item, *_] = records.expand(result, 0, 4)
+        json.dumps(item.to_json(), ensure_ascii=False).encode("utf-8")  # every output can hold it
+    else:
+        assert isinstance(result, records.Reject) and result.reason == reason, result
+        assert (result.source, result.line) == ("battery.jsonl", 7) and result.message
+        json.dumps(result.to_json(), ensure_ascii=False).encode("utf-8")  # the rejects file can hold it
+
+
+def test_one_plan_over_every_bad_row_conserves_them(tmp_path, model_cache):
+    """One Beam plan of a single file holding the whole battery and a few good rows: every
+    row is a record or a reject with its reason, and the counts add up."""
+    good = [b'{"prompt": "good %d"}' % n for n in range(3)]
+    lines = good[:1] + [line for line, _ in BATTERY] + good[1:]
+    (tmp_path / "battery.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    out = str(tmp_path / "out")
+    manifest = plan.run_plan(Settings(prompts=str(tmp_path / "battery.jsonl"), out=out, steps=2))
+    expected = collections.Counter(reason for _, reason in BATTERY if reason)
+    assert manifest["input_rows"] == len(lines)
+    assert manifest["records"] + manifest["rejects"] == manifest["input_rows"]
+    assert manifest["rejects_by_reason"] == dict(expected)
+    assert manifest["records"] == len(good) + sum(1 for _, reason in BATTERY if reason is None)
+    rejected = [json.loads(line) for path in storage.glob(naming.join(out, "plan", "rejects", "*.jsonl"))
+                for line in storage.read_text(path).splitlines()]
+    assert sorted(r["line"] for r in rejected) == [n + 2 for n, (_, reason) in enumerate(BATTERY) if reason]
+
+
+# --- run-level settings get the bounds records get, and the family's own --------------
+
+@pytest.mark.parametrize("flags,message", [
+    (["--guidance-scale", "1e300"], "--guidance-scale must be a number in [0, 100]"),
+    (["--guidance-scale", "-5"], "--guidance-scale must be a number in [0, 100]"),
+    (["--guidance-scale", "nan"], "--guidance-scale must be a number in [0, 100]"),
+    (["--steps", "10000"], "--steps must be a whole number from 1 to 1000"),
+    (["--steps", "0"], "--steps must be a whole number from 1 to 1000"),
+    (["--scheduler", "ddim", "--steps", "1000"], None),
+    (["--scheduler", "pndm", "--steps", "3"], "runs 4 to 1000 steps (the pndm sampler"),
+    (["--scheduler", "dpmpp", "--steps", "1000"], "runs 1 to 999 steps"),
+    (["--height", "100000"], "--height must be at most 8192 pixels"),
+    (["--width", "8192"], "images are at most 4096 pixels each way"),
+    (["--per-device-batch", "100000"], "--per-device-batch must be a whole number from 1 to 256"),
+    (["--batches-per-slice", "0"], "--batches-per-slice must be a whole number from 1 to 4096"),
+    (["--device-memory", "inf", "--per-device-batch", "auto"], "--device-memory must be a number of GiB"),
+])
+def test_run_level_settings_are_bounded_at_plan_time(tmp_path, model_cache, capfd, flags, message):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    out = tmp_path / "out"
+    code = cli.main(["plan", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), *flags])
+    err = capfd.readouterr().err
+    if message is None:
+        assert code == 0, err
+    else:
+        assert code == 1 and message in err, err
+        assert not storage.exists(naming.run_json(str(out)))
+
+
+# --- the smaller ones ------------------------------------------------------------------
+
+def test_a_malformed_model_index_is_an_error_naming_the_file(tmp_path, model_cache, capfd):
+    import shutil
+
+    from pipeline.model import load as model_lib
+
+    model = tmp_path / "model"
+    shutil.copytree(model_lib.resolve("tiny"), model)
+    (model / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline", bad}')
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    assert cli.main(["plan", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out"),
+                     "--model", str(model)]) == 1
+    err = capfd.readouterr().err
+    assert f"{model / 'model_index.json'} is not valid JSON: Expecting property name" in err
+
+
+def test_control_characters_are_escaped_in_the_gallery_and_the_card():
+    from pipeline.collect import card, gallery
+    from tests.test_card import RUN_JSON, STATS
+
+    hostile = "a NUL \x00, an escape \x1b[31m, a DEL \x7f and a C1 \x85"
+    row = {"key": "k_0000", "prompt": hostile, "seed": 1, "slice": 0, "path": "images/00000/k_0000.png",
+           "dropped": "clip_similarity \x00 < 0.2"}
+    [(_, page)] = list(gallery.pages(iter([row, dict(row, key="j_0000", dropped=None)]), 2, 10, "title \x00"))
+    assert not any(c in page for c in "\x00\x1b\x7f\x85")
+    assert "a NUL \\x00, an escape \\x1b[31m, a DEL \\x7f and a C1 \\x85" in page
+    run = Run.from_dict(dict(RUN_JSON, settings=dict(RUN_JSON["settings"], model="/m\x00del\x1b")))
+    text = card.render(run, dict(STATS, rejects_by_reason={"bad\x00reason": 1}))
+    assert not any(c in text for c in "\x00\x1b") and "/m\\x00del\\x1b" in text

@@ -31,9 +31,21 @@ def size_category(images: int) -> str:
     return "n>1B"
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
+
+
+def visible(text: str) -> str:
+    """``text`` with every control character (C0 but tab and newline, DEL, C1), lone
+    surrogate and noncharacter written as a visible escape (``\\x00``, ``\\ud800``): a
+    prompt's NUL or terminal escape never reaches an HTML or Markdown output raw."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                        else f"\\u{ord(m.group()):04x}", text)
+
+
 def code(value) -> str:
-    """``value`` as a Markdown code span, shown verbatim whatever it holds."""
-    text = " ".join(str(value).split("\n"))
+    """``value`` as a Markdown code span, shown verbatim whatever it holds (control
+    characters made ``visible``)."""
+    text = " ".join(visible(str(value)).replace("\t", " ").split("\n"))
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * (longest + 1)
     pad = " " if text.startswith("`") or text.endswith("`") or not text.strip() else ""

@@ -32,6 +32,7 @@ import posixpath
 from typing import Iterable, Iterator
 from urllib.parse import quote
 
+from pipeline.collect.card import visible
 from pipeline.core import naming
 from pipeline.output import formats
 
@@ -180,25 +181,31 @@ def _scores(row: dict) -> str:
     return f'<div class="scores">{html.escape(" · ".join(parts))}</div>' if parts else ""
 
 
+def _text(value) -> str:
+    """User data (a prompt, a key, a reason) as HTML text or attribute: escaped, its
+    control characters made visible (``card.visible``: a NUL never reaches the page)."""
+    return html.escape(visible(str(value)), quote=True)
+
+
 def _cell(row: dict, here: str) -> str:
     key = str(row["key"])
     prompt = str(row.get("prompt") or "")
-    caption = (f'<figcaption><div class="prompt" title="{html.escape(prompt)}">{html.escape(prompt)}</div>'
-               f'<div class="meta">seed {html.escape(str(row.get("seed")))}</div>{_scores(row)}'
-               f'<div class="key">{html.escape(key)}</div>')
+    caption = (f'<figcaption><div class="prompt" title="{_text(prompt)}">{_text(prompt)}</div>'
+               f'<div class="meta">seed {_text(str(row.get("seed")))}</div>{_scores(row)}'
+               f'<div class="key">{_text(key)}</div>')
     dropped = row.get("dropped")
     if dropped:  # no output holds it, and no thumbnail was made: the row alone, and why
-        return (f'<figure class="dropped"><div class="nopic" title="{html.escape(dropped)}">dropped: '
-                f'{html.escape(dropped)}</div>{caption}</figcaption></figure>')
+        return (f'<figure class="dropped"><div class="nopic" title="{_text(dropped)}">dropped: '
+                f'{_text(dropped)}</div>{caption}</figcaption></figure>')
     thumb = relative(here, thumb_path(int(row["slice"]), key))
     path = str(row["path"])
     target = image_target(path)
     href = thumb if target is None else relative(here, target)
-    location = "" if target is not None else f'<div class="loc" title="{html.escape(path)}">{html.escape(path)}</div>'
+    location = "" if target is not None else f'<div class="loc" title="{_text(path)}">{_text(path)}</div>'
     flagged = '<div class="flag">flagged by the safety checker (thumbnail blurred)</div>' if row.get("nsfw") else ""
     return (
         f'<figure><a href="{_href(href)}"><img src="{_href(thumb)}" width="{THUMB_SIZE}" height="{THUMB_SIZE}" '
-        f'loading="lazy" alt="{html.escape(key)}"></a>{caption}{flagged}{location}</figcaption></figure>'
+        f'loading="lazy" alt="{_text(key)}"></a>{caption}{flagged}{location}</figcaption></figure>'
     )
 
 
@@ -246,7 +253,7 @@ def render_page(rows: list[dict], page: int, total_pages: int, total_images: int
         summary = f"Page {page} of {total_pages}, no images"
         body = '<p class="empty">This dataset has no images.</p>'
     nav = _nav(page, total_pages)
-    safe_title = html.escape(title)
+    safe_title = _text(title)
     return (
         "<!DOCTYPE html>\n"
         f'<html lang="en"><head><meta charset="utf-8">'

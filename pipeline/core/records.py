@@ -97,6 +97,37 @@ def _int_field(row: dict, name: str, lo: int, hi: int, default: int | None) -> i
     return value
 
 
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _check_text(value, field: str | None = None) -> None:
+    """``_Bad`` (invalid_text) where a string of the row, at any depth, holds a lone UTF-16
+    surrogate (JSON's ``"\\ud800"``): no UTF-8 output (slices, metadata, tar names) can
+    hold it."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        if found:
+            raise _Bad("invalid_text", f"{field!r} holds a lone UTF-16 surrogate (\\u{ord(found.group()):04x}), "
+                                       f"which is not text: no UTF-8 output can hold it")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, field)
+            _check_text(item, key if field is None else field)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_text(item, field)
+
+
+def _unique_keys(pairs):
+    """A JSON object's dict, or ``_Bad`` (repeated_field) when it names a field twice: which
+    value was meant is not ours to guess (``json`` would keep the last in silence)."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        repeated = sorted({key for key, _ in pairs if sum(k == key for k, _ in pairs) > 1})
+        raise _Bad("repeated_field", f"the object names {', '.join(map(repr, repeated))} more than once")
+    return row
+
+
 def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
               max_images: int = 100, prompt_field: str = "prompt") -> Record:
     """Validate one decoded row; raise ``_Bad`` with a reason code.
@@ -106,6 +137,7 @@ def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
     """
     if not isinstance(row, dict):
         raise _Bad("not_an_object", f"a row must be a JSON object, got {type(row).__name__}")
+    _check_text(row)
     if prompt_field not in row or row[prompt_field] is None:
         raise _Bad("missing_prompt", f"the row has no {prompt_field!r} field")
     prompt = row[prompt_field]
@@ -160,11 +192,10 @@ def parse_jsonl_line(raw: bytes, source: str, line: int, run_seed: int, auto_id:
     if not text.strip():
         return None
     try:
-        row = json.loads(text)
+        row = json.loads(text, object_pairs_hook=_unique_keys)
+        return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field)
     except json.JSONDecodeError as e:
         return Reject(source, line, "invalid_json", f"the line is not valid JSON: {e.msg} at column {e.colno}", text)
-    try:
-        return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field)
     except _Bad as bad:
         return Reject(source, line, bad.reason, bad.message, text)
 
@@ -185,7 +216,8 @@ def parse_decoded(row, source: str, line: int, run_seed: int, auto_id: str,
     try:
         return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field)
     except _Bad as bad:
-        return Reject(source, line, bad.reason, bad.message, json.dumps(row, ensure_ascii=False, default=str))
+        raw = json.dumps(row, ensure_ascii=bad.reason == "invalid_text", default=str)  # a surrogate, escaped
+        return Reject(source, line, bad.reason, bad.message, raw)
 
 
 def expand(record: Record, first_position: int, slice_size: int) -> list[Item]:

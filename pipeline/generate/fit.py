@@ -194,7 +194,7 @@ def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machi
     Other settings are returned as they are."""
     from pipeline.core.settings import AUTO
 
-    settings = resolve_fsdp(settings, overwrite, devices_on_machine)
+    settings = resolve_fsdp(settings.validate(), overwrite, devices_on_machine)  # bad settings fail first
     if settings.per_device_batch != AUTO:
         return settings
     return _kept_or_chosen(settings, overwrite, "per_device_batch",

@@ -22,11 +22,11 @@ steps); in float32 the images are FluxPipeline's within float rounding.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 from pipeline.model import flow
+from pipeline.model.sources import read_json_file
 from pipeline.model.nets import convert  # the networks (flax, jax) are imported where they are used
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 length, and the most it allows
@@ -85,8 +85,7 @@ class FluxNets:
 
 
 def _config(directory: str, component: str, name: str = "config.json") -> dict:
-    with open(os.path.join(directory, component, name)) as f:
-        return json.load(f)
+    return read_json_file(os.path.join(directory, component, name))
 
 
 def read_nets(directory: str, dtype=None) -> FluxNets:

@@ -9,7 +9,6 @@ calls its family.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from pipeline.core.choices import DTYPES
@@ -23,6 +22,7 @@ from pipeline.model.sources import (
     check_unet_file,
     file_sha256,
     model_fingerprint,
+    read_json_file,
     resolve,
     resolve_lora,
     resolve_unet,
@@ -36,8 +36,7 @@ def family_of(directory: str) -> tuple[families.Family, dict]:
     index_path = os.path.join(directory, "model_index.json")
     if not os.path.isfile(index_path):
         raise ModelError(f"{directory}: missing model_index.json (not a diffusers-format checkpoint)")
-    with open(index_path) as f:
-        index = json.load(f)
+    index = read_json_file(index_path)
     try:
         family = families.detect(index, directory)
     except families.FamilyError as e:

@@ -14,12 +14,11 @@ Anything neither engine does is refused, naming the key and its value
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from pipeline.core.choices import FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.model import steps
-from pipeline.model.sources import ModelError
+from pipeline.model.sources import ModelError, read_json_file
 
 # checkpoint scheduler class names (with or without the Flax prefix) -> --scheduler choice
 CHECKPOINT_SCHEDULERS = {"DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",
@@ -59,8 +58,7 @@ class Sampler:
 
 
 def read_scheduler_config(directory: str) -> dict:
-    with open(os.path.join(directory, "scheduler", "scheduler_config.json")) as f:
-        return json.load(f)
+    return read_json_file(os.path.join(directory, "scheduler", "scheduler_config.json"))
 
 
 def checkpoint_scheduler(directory: str) -> str:

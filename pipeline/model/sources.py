@@ -29,6 +29,18 @@ class ModelError(ValueError):
     """A checkpoint that cannot be used; the message names the missing or bad piece."""
 
 
+def read_json_file(path: str):
+    """A checkpoint's JSON file (``model_index.json``, a config), or ModelError naming the
+    file and where it stops being JSON."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.txt", "*.msgpack", "*.safetensors"]
 
@@ -436,8 +448,7 @@ def check_unet_file(directory: str, unet_file: str) -> None:
     weight's shape is checked when a host loads it)."""
     from safetensors import safe_open
 
-    with open(os.path.join(directory, "unet", "config.json")) as f:
-        config = json.load(f)
+    config = read_json_file(os.path.join(directory, "unet", "config.json"))
     try:
         with safe_open(unet_file, "np") as tensors:
             names = set(tensors.keys())
@@ -462,8 +473,7 @@ def check_layout(directory: str, components, libraries: dict) -> None:
     objects = _remote_objects(directory)
     # a gs:// checkpoint's configs-only copy: its listing says which files it has
     names = set(objects) if objects is not None and _configs_only(directory) else None
-    with open(os.path.join(directory, "model_index.json")) as f:
-        index = json.load(f)
+    index = read_json_file(os.path.join(directory, "model_index.json"))
     for component in components:
         present = os.path.isdir(os.path.join(directory, component)) if names is None else \
             any(name.startswith(f"{component}/") for name in names)

@@ -24,14 +24,13 @@ the stored one casts them on the devices (``Model.param_dtype``).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 from pipeline.model import flow, flux_sampling, lora, weights
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.nets import convert  # the networks themselves (flax, jax) where they are used
 from pipeline.model.scheduler import Sampler
-from pipeline.model.sources import ModelError
+from pipeline.model.sources import ModelError, read_json_file
 
 COMPONENTS = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "transformer", "vae", "scheduler")
 LIBRARIES = {"text_encoder": "transformers", "text_encoder_2": "transformers", "transformer": "diffusers",
@@ -42,8 +41,7 @@ SAMPLER = "flow_euler"  # the --scheduler choice of flow-matching Euler
 
 
 def _config(directory: str, component: str, filename: str = "config.json") -> dict:
-    with open(os.path.join(directory, component, filename)) as f:
-        return json.load(f)
+    return read_json_file(os.path.join(directory, component, filename))
 
 
 def license_of(directory: str) -> str | None:

@@ -11,14 +11,13 @@ made: this module is where they live behind the family seam.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 from pipeline.core import keys
 from pipeline.model import lora, weights
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.scheduler import Sampler, make_flax_scheduler, resolve_sampler, step_range
-from pipeline.model.sources import ModelError
+from pipeline.model.sources import ModelError, read_json_file
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
 SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
@@ -31,8 +30,7 @@ _UNET_KEYS_FLAX_LACKS = ("time_cond_proj_dim", "class_embed_type", "encoder_hid_
 
 
 def _config(directory: str, component: str, filename: str = "config.json") -> dict:
-    with open(os.path.join(directory, component, filename)) as f:
-        return json.load(f)
+    return read_json_file(os.path.join(directory, component, filename))
 
 
 def check_unet(directory: str) -> None:
