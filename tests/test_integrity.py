@@ -274,3 +274,27 @@ def test_control_characters_are_escaped_in_the_gallery_and_the_card():
     run = Run.from_dict(dict(RUN_JSON, settings=dict(RUN_JSON["settings"], model="/m\x00del\x1b")))
     text = card.render(run, dict(STATS, rejects_by_reason={"bad\x00reason": 1}))
     assert not any(c in text for c in "\x00\x1b") and "/m\\x00del\\x1b" in text
+
+
+def test_a_local_write_that_fails_leaves_no_file_under_its_final_name(tmp_path, monkeypatch):
+    """A full disk mid-write (collect's metadata.parquet, any object): the final name never
+    holds a truncated file, and no scratch file is left."""
+    import errno
+
+    from pipeline.io import beamio
+
+    target = tmp_path / "dataset" / "metadata.parquet"
+    with pytest.raises(OSError, match="No space"):
+        with beamio.open_write(str(target)) as f:
+            f.write(b"x" * 102_400)
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert list(tmp_path.rglob("*")) == [tmp_path / "dataset"]
+    target.write_bytes(b"the old, whole file")
+    real_replace = storage.os.replace
+    monkeypatch.setattr(storage.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+    with pytest.raises(OSError):
+        storage.write_bytes(str(target), b"new bytes")
+    monkeypatch.setattr(storage.os, "replace", real_replace)
+    assert target.read_bytes() == b"the old, whole file" and len(list(target.parent.iterdir())) == 1
+    storage.write_bytes(str(target), b"new bytes")
+    assert target.read_bytes() == b"new bytes" and oct(target.stat().st_mode & 0o777) == oct(0o666 & ~storage._UMASK)
