@@ -3,6 +3,8 @@
 Flags a subcommand does not know are passed to Beam as PipelineOptions (run, plan, collect
 and submit), e.g. ``--runner DirectRunner --direct_num_workers 2``, if Beam knows them; any
 other unknown flag is an error that names the closest known one (``jobs.flags.check_extra``).
+No flag is abbreviated, and a flag that takes one value given twice is an error
+(``jobs.flags.Parser``).
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="promptmill", description="Generate image datasets from text prompts "
-                                     "with Stable Diffusion in JAX/Flax, on TPU pods or local CPU devices.")
+    # a flags.Parser, as every subcommand's parser then is: no abbreviations, no flag twice
+    parser = flags.Parser(prog="promptmill", description="Generate image datasets from text prompts with Stable "
+                          "Diffusion in JAX/Flax, on TPU pods or local CPU devices. Flags are written in full (no "
+                          "abbreviations), and a flag that takes one value is given once (--lora repeats).")
     sub = parser.add_subparsers(dest="command", required=True)
     dated = []
 
@@ -181,7 +185,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
         from pipeline.generate import fit
         from pipeline.plan import transforms as plan
 
-        asked = flags.settings_from_args(args, args.devices_per_host)
+        # tpu_check: --device-memory is kept in run.json, for a submission's check after its plan
+        asked = flags.settings_from_args(args, args.devices_per_host, tpu_check=True)
         settings = fit.resolve_per_device_batch(asked, args.overwrite)
         print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite,
                                        fit.cap_hosts(asked, args.hosts, args.overwrite))))

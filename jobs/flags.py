@@ -1,12 +1,17 @@
 """The flags more than one command shares, their translation into Settings, and the strict check
 of the flags a parser did not take.
 
+Flags are strict (DESIGN.md, "Trust"): every promptmill parser is a ``Parser``, which takes no
+abbreviation (``--ste`` is not ``--steps``) and refuses a flag that takes one value when it is given
+twice (``--steps 1 --steps 2``: which one was meant?), naming both values; ``--lora`` repeats.
+
 A command that runs a Beam pipeline (``run``, ``plan``, ``collect``, ``submit``) hands the
 flags it does not know to Beam as PipelineOptions. Beam itself only warns about an option it
 does not know ("Discarding unparseable args") and runs without it, so a typo such as
 ``--guidence-scale 0`` would silently run with the default. ``check_extra`` refuses such a flag
 before anything runs: a flag is accepted only if the command or Beam's PipelineOptions define
-it, and the error names the closest flag of either.
+it, exactly (an abbreviation of either is refused), a Beam option that takes one value is given
+once, and the error names the closest flag, the command's own before Beam's.
 """
 from __future__ import annotations
 
@@ -31,6 +36,82 @@ from pipeline.model.builtin import NAMES as BUILTIN_MODELS, shapes_only
 from pipeline.model.scorers import presets as scorer_presets
 
 _DEFAULTS = Settings()
+_GIVEN = "flags_given_"  # the namespace attribute where a parse keeps the flags it took: {dest: (flag, value)}
+
+
+class _Once:
+    """An action that takes a flag once per parse (mixed into argparse's store actions).
+
+    A second occurrence of the flag (or of another flag with the same dest) is an error naming
+    both values: argparse would keep the last one and drop the first in silence. Positionals
+    are left to argparse."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None:
+            given = getattr(namespace, _GIVEN, None)
+            if given is None:
+                given = {}
+                setattr(namespace, _GIVEN, given)
+            if self.dest in given:
+                raise argparse.ArgumentError(None, _twice(given[self.dest], (option_string, values), self.nargs == 0))
+            given[self.dest] = (option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _twice(first: tuple[str, object], second: tuple[str, object], bare: bool) -> str:
+    """The error for a flag that takes one value given twice: ``--steps given twice (1 and 2): give it once``."""
+    (flag, old), (again, new) = first, second
+    values = "" if bare else f" ({_shown(old)} and {_shown(new)})"
+    if flag == again:
+        return f"{flag} given twice{values}: give it once"
+    return f"{flag} and {again} are one flag, given twice{values}: give it once"
+
+
+# argparse's own store actions (its private classes, which ``action="store"`` and the like name): the
+# flags keep their behaviour, and only the once-check is added
+class _StoreOnce(_Once, argparse._StoreAction):
+    pass
+
+
+class _StoreConstOnce(_Once, argparse._StoreConstAction):
+    pass
+
+
+class _StoreTrueOnce(_Once, argparse._StoreTrueAction):
+    pass
+
+
+class _StoreFalseOnce(_Once, argparse._StoreFalseAction):
+    pass
+
+
+_ONCE_ACTIONS = {None: _StoreOnce, "store": _StoreOnce, "store_const": _StoreConstOnce,
+                 "store_true": _StoreTrueOnce, "store_false": _StoreFalseOnce}
+
+
+class Parser(argparse.ArgumentParser):
+    """Every promptmill parser, subcommands included (``add_subparsers`` makes its parsers of
+    the parent's class). No abbreviations (``allow_abbrev`` is always off: ``--ste`` is not
+    ``--steps``), and every single-valued flag (store, store_true, store_const, store_false)
+    is taken once: given twice, it is an error naming both values, never last-wins. Flags that
+    accumulate (``action="append"``, e.g. ``--lora``) still do."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        for name, action in _ONCE_ACTIONS.items():
+            self.register("action", name, action)
+
+
+class _RaisingParser(Parser):
+    """A Parser whose errors are ValueErrors (for flags read back in-process, not typed by a user)."""
+
+    def error(self, message):
+        raise ValueError(f"{self.prog}: {message}")
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +159,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
                         help="network weights and compute dtype; latents stay float32 (default: %(default)s)")
     parser.add_argument("--format", default=",".join(d.formats),
-                        help=f"output formats, comma-separated: {', '.join(FORMATS)} (default: %(default)s)")
+                        help=f"output formats, comma-separated in one --format (given twice, it is an error): "
+                             f"{', '.join(FORMATS)} (default: %(default)s)")
     parser.add_argument("--image-format", choices=list(IMAGE_FORMATS), default=d.image_format,
                         help="image encoding (default: %(default)s)")
     parser.add_argument("--quality", type=int, default=d.quality,
@@ -101,9 +183,10 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "inputs, temporaries) fits one device of the machine that plans, measured from the "
                              "compiled program before planning and logged (default: %(default)s)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
-                        help="one device's memory in GiB, for --per-device-batch auto and a submission's TPU check "
-                             "(default: the device's own figure, for a TPU chip what XLA reports usable of its HBM; "
-                             "CPU devices share the machine's memory)")
+                        help="one device's memory in GiB, for --per-device-batch auto, --fsdp auto and a "
+                             "submission's TPU check; plan records it in run.json, where a submission's check after "
+                             "its plan reads it (default: the device's own figure, for a TPU chip what XLA reports "
+                             "usable of its HBM; CPU devices share the machine's memory)")
     parser.add_argument("--fsdp", type=fsdp_degree, default=d.fsdp, metavar="N|auto",
                         help="shard each host's weights over groups of N of its devices (FSDP), gathered layer by "
                              "layer as they are used; every device still computes its own images. N divides the "
@@ -114,7 +197,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                         help="device steps per slice; slice size = devices per host x per-device batch x this "
                              "(default: %(default)s)")
     parser.add_argument("--score", default="",
-                        help=f"scores computed for every image on the devices that made it, comma-separated: "
+                        help=f"scores computed for every image on the devices that made it, comma-separated in one "
+                             f"--score (given twice, it is an error): "
                              f"{', '.join(SCORES)}. clip: clip_similarity, the cosine of the image's and the prompt's "
                              f"CLIP embeddings (--clip-model); aesthetic: LAION's aesthetic predictor on CLIP's image "
                              f"embedding (--clip-model, --aesthetic-head); safety: nsfw and nsfw_score, diffusers' "
@@ -158,11 +242,14 @@ def per_device_batch(text: str) -> int | str:
 
 
 def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_check: bool = False) -> Settings:
-    """The one translation of the settings flags (``add_settings_flags``) into Settings.
-    ``tpu_check``: a submission, whose TPU check reads ``--device-memory`` as the chip's."""
-    if args.device_memory is not None and args.per_device_batch != AUTO and not tpu_check:
-        raise ValueError(f"--device-memory is read only by --per-device-batch auto, and --per-device-batch is "
-                         f"{args.per_device_batch}")
+    """The one translation of the settings flags (``add_settings_flags``) into Settings; its
+    inverse is ``pipeline.cloud.gke.settings_flags``. ``tpu_check``: settings a TPU check reads,
+    which takes ``--device-memory`` as the chip's: a submission's, or a plan's (``run.json``
+    keeps it for the check a submission repeats after its plan); elsewhere ``--device-memory``
+    is refused unless ``--per-device-batch auto`` or ``--fsdp auto`` reads it."""
+    if args.device_memory is not None and AUTO not in (args.per_device_batch, args.fsdp) and not tpu_check:
+        raise ValueError(f"--device-memory is read only by --per-device-batch auto and --fsdp auto, and "
+                         f"--per-device-batch is {args.per_device_batch}, --fsdp {args.fsdp}")
     return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet,
                     loras=tuple(lora_spec(*parse_lora(spec)) for spec in args.lora or ()), width=args.width,
                     height=args.height, steps=args.steps, scheduler=args.scheduler,
@@ -176,6 +263,17 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_chec
                     scores=parse_scores(args.score), clip_model=args.clip_model, aesthetic_head=args.aesthetic_head,
                     safety_checker=args.safety_checker, min_clip_similarity=args.min_clip_similarity,
                     min_aesthetic=args.min_aesthetic, drop_nsfw=args.drop_nsfw)
+
+
+def settings_from_flags(tokens: list[str] | tuple[str, ...], tpu_check: bool = True) -> Settings:
+    """The Settings that the settings flags ``tokens`` (``add_settings_flags`` and
+    ``--devices-per-host``, as ``promptmill plan`` takes them) give: what a plan command
+    (``pipeline.cloud.gke.settings_flags``) reads back as. A bad or unknown flag is a ValueError."""
+    parser = _RaisingParser(prog="promptmill plan", add_help=False)
+    add_settings_flags(parser)
+    parser.add_argument("--devices-per-host", type=int, default=_DEFAULTS.devices_per_host)
+    args = parser.parse_args(list(tokens))
+    return settings_from_args(args, args.devices_per_host, tpu_check=tpu_check)
 
 
 def add_date_flag(parser: argparse.ArgumentParser) -> None:
@@ -248,58 +346,116 @@ def _looks_like_flag(token: str) -> bool:
     return False
 
 
-def unknown_flags(tokens: list[str], known: dict[str, argparse.Action]) -> list[str]:
-    """The flags among ``tokens`` that ``known`` does not define, and stray values, in order.
+def _scan(tokens: list[str], known: dict[str, argparse.Action]) -> list[tuple[str, str | None, bool]]:
+    """(flag or stray value, its value or None, whether it is a stray value) for each of ``tokens``.
 
     ``--name=value`` and ``--name value`` both work. As in argparse, the token after a flag
     that takes a value is its value unless it looks like a flag itself (a negative number is a
-    value); an unknown flag is taken to take one, so only the flag is reported. ``--`` ends
-    the options.
+    value); an unknown flag is taken to take one. ``--`` ends the options.
     """
-    unknown = []
+    found = []
     i = 0
     while i < len(tokens):
         token = tokens[i]
         if token == "--":
             break
         if not _looks_like_flag(token):
-            unknown.append(token)  # a value with no flag before it
+            found.append((token, None, True))  # a value with no flag before it
             i += 1
             continue
-        name, eq, _ = token.partition("=")
+        name, eq, value = token.partition("=")
         action = known.get(name)
-        if action is None:
-            unknown.append(name)
-            takes_value = True  # unknown: a value after it belongs to it
-        else:
-            takes_value = action.nargs != 0
-        if not eq and takes_value and i + 1 < len(tokens) and not _looks_like_flag(tokens[i + 1]):
-            i += 1
+        takes_value = action is None or action.nargs != 0  # unknown: a value after it belongs to it
+        if not eq:
+            value = None
+            if takes_value and i + 1 < len(tokens) and not _looks_like_flag(tokens[i + 1]):
+                i += 1
+                value = tokens[i]
+        found.append((name, value, False))
         i += 1
-    return unknown
+    return found
 
 
-def _describe(unknown: list[str], candidates: list[str]) -> str:
+def unknown_flags(tokens: list[str], known: dict[str, argparse.Action]) -> list[str]:
+    """The flags among ``tokens`` that ``known`` does not define (exactly: no abbreviations),
+    and stray values, in order (``_scan`` says how values are told from flags); an unknown flag
+    is taken to take a value, so only the flag is reported."""
+    return [name for name, _, stray in _scan(tokens, known) if stray or name not in known]
+
+
+def repeated_flags(tokens: list[str], known: dict[str, argparse.Action]) -> list[str]:
+    """What is wrong with each single-valued flag of ``known`` (a store action of any kind, by
+    dest) that ``tokens`` give more than once; flags that accumulate (append) may repeat."""
+    first: dict[str, tuple[str, object]] = {}
+    problems = []
+    for name, value, stray in _scan(tokens, known):
+        action = None if stray else known.get(name)
+        if not isinstance(action, (argparse._StoreAction, argparse._StoreConstAction)):  # argparse's store actions
+            continue
+        if action.dest in first:
+            problems.append(_twice(first[action.dest], (name, value), action.nargs == 0))
+        else:
+            first[action.dest] = (name, value)
+    return problems
+
+
+def _norm(flag: str) -> str:
+    """A flag's name as compared for suggestions: no leading dashes, '_' as '-' (Beam's style vs ours)."""
+    return flag.lstrip("-").replace("_", "-")
+
+
+def suggestions(token: str, own: list[str] | tuple = (), beam: list[str] | tuple = ()) -> list[str]:
+    """The flags to suggest for the unknown flag ``token``, the command's own (``own``) before
+    Beam's (``beam``): the same name with the other word separator (``--job-name`` for Beam's
+    ``--job_name``); else the flags it abbreviates (``--ste``: ``--steps``), at most three; else
+    the closest name (difflib; an own flag must be closer than a Beam option, so a Beam option
+    typed with a typo is not taken for an unrelated flag of ours)."""
+    name = _norm(token)
+    for pool in (own, beam):
+        same = [flag for flag in pool if _norm(flag) == name]
+        if same:
+            return same[:1]
+    if len(name) >= 2:
+        for pool in (own, beam):
+            longer = [flag for flag in pool if _norm(flag).startswith(name)]
+            if longer:
+                return longer[:3]
+    for pool, cutoff in ((own, 0.7), (beam, 0.6)):
+        by_name = {_norm(flag): flag for flag in pool}
+        close = difflib.get_close_matches(name, list(by_name), n=1, cutoff=cutoff)
+        if close:
+            return [by_name[close[0]]]
+    return []
+
+
+def _either(flags: list[str]) -> str:
+    return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} or {flags[-1]}"
+
+
+def _describe(unknown: list[str], own: list[str] | tuple = (), beam: list[str] | tuple = ()) -> str:
     parts = []
     for token in unknown:
         if not _looks_like_flag(token):
             parts.append(repr(token))
             continue
-        close = difflib.get_close_matches(token, candidates, n=1, cutoff=0.6)
-        parts.append(f"{token} (did you mean {close[0]}?)" if close else token)
+        close = suggestions(token, own, beam)
+        parts.append(f"{token} (did you mean {_either(close)}?)" if close else token)
     return ", ".join(parts)
 
 
 def check_beam_args(tokens: list[str], command: str | None = None, suggest: list[str] | tuple = ()) -> str | None:
-    """None if every flag of ``tokens`` is a Beam option; else what is wrong, for an error message
-    that names the closest Beam option or flag of ``suggest`` (``command``'s flags)."""
-    unknown = unknown_flags(tokens, _beam_actions())
+    """None if every flag of ``tokens`` is a Beam option, exactly (Beam would refuse an
+    abbreviation too, but only warn and drop it), and each single-valued one is given once;
+    else what is wrong, for an error message that names the closest flag of ``suggest``
+    (``command``'s flags) or Beam option."""
+    beam = _beam_actions()
+    unknown = unknown_flags(tokens, beam)
     if not unknown:
-        return None
-    candidates = sorted(set(suggest) | set(_beam_actions()))
+        repeated = repeated_flags(tokens, beam)
+        return "; ".join(repeated) if repeated else None
     one = len(unknown) == 1
     who = f"neither {command} nor Beam's pipeline options know" if command else "Beam's pipeline options do not know"
-    return (f"unrecognized argument{'' if one else 's'}: {_describe(unknown, candidates)}; "
+    return (f"unrecognized argument{'' if one else 's'}: {_describe(unknown, list(suggest), sorted(beam))}; "
             f"{who} {'it' if one else 'them'}")
 
 
@@ -311,7 +467,7 @@ def check_extra(args: argparse.Namespace, extra: list[str]) -> list[str]:
     one quoted string (``--plan-beam-args``) are checked by the same rule.
     """
     parser: argparse.ArgumentParser = args.flags_parser_
-    own = sorted(_flag_actions(parser))
+    own = list(_flag_actions(parser))  # in the order the command defines them
     if extra and not args.flags_beam_:
         unknown = unknown_flags(extra, _flag_actions(parser))
         word = "argument" if len(unknown) == 1 else "arguments"

@@ -74,7 +74,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
                     "the committed slices are printed while generate runs, and a job that fails stops the chain. "
                     "--dtype defaults to bf16. Flags not listed here are passed on to all three jobs as "
                     "Dataflow/Beam options if Beam knows them (e.g. --worker_zone, --network). DATAFLOW_LAUNCHER "
-                    "overrides the launcher (python -m pipeline.cloud.dataflow_launch). Example: "
+                    "overrides the launcher (python -m jobs.dataflow_launch). Example: "
                     + _DATAFLOW_EXAMPLE)
     _add_common(dataflow)
     flags.strict(dataflow, beam=True)
@@ -136,7 +136,20 @@ def _checked(args, job):
     every other flag was found good: the check compiles for minutes at real sizes."""
     settings, report, cap = program_check.resolve_submission(job.settings, job.tpu_slice, skip=args.no_tpu_check,
                                                              overwrite=args.overwrite, look=not args.dry_run)
-    return dataclasses.replace(job, settings=settings, tpu_program=report, cap_hosts=cap)
+    return dataclasses.replace(job, settings=_as_planned(settings), tpu_program=report, cap_hosts=cap)
+
+
+def _as_planned(settings):
+    """``settings``, once it is sure that the plan reads them back from its flags as they are:
+    GKE's plan command and the Dataflow plan job's launcher carry them as ``promptmill plan``'s
+    flags (``gke.settings_flags``), and what is planned must be what the TPU check checked. A
+    RuntimeError names the settings that would differ (a flag that cannot say a value)."""
+    planned = flags.settings_from_flags(gke_lib.settings_flags(settings))
+    differ = [f"{f.name} ({getattr(settings, f.name)!r}, planned as {getattr(planned, f.name)!r})"
+              for f in dataclasses.fields(settings) if getattr(settings, f.name) != getattr(planned, f.name)]
+    if differ:
+        raise RuntimeError(f"the plan would not read back the settings the submission checked: {', '.join(differ)}")
+    return settings
 
 
 def _check_common(args, target: str) -> None:

@@ -180,6 +180,139 @@ def test_beam_option_flags_are_beams_own():
     assert "--guidance-scale" not in known and "--help" not in known
 
 
+# ---------------------------------------------------------------- no abbreviations, no last-wins
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--prompts", "a.jsonl", "--prompts", "b.jsonl"], "--prompts given twice (a.jsonl and b.jsonl)"),
+    (["plan", "--steps", "1", "--steps=2"], "--steps given twice (1 and 2)"),
+    (["run", "--model", "tiny", "--model", "tiny-flux"], "--model given twice (tiny and tiny-flux)"),
+    (["plan", "--steps", "2", "--steps", "2"], "--steps given twice (2 and 2)"),  # even the same value
+    (["plan", "--dedupe", "--dedupe"], "--dedupe given twice: give it once"),
+    (["plan", "--format", "files", "--format", "zarr"], "--format given twice (files and zarr)"),
+    (["run", "--score", "clip", "--score=safety"], "--score given twice (clip and safety)"),
+    (["plan", "--per-device-batch", "auto", "--per-device-batch", "2"], "--per-device-batch given twice (auto and 2)"),
+    ([*DATAFLOW, "--project", "q"], "--project given twice (p and q)"),
+    ([*DATAFLOW, "--region=s"], "--region given twice (r and s)"),
+    ([*GKE, "--out", "gs://b/other"], "--out given twice (gs://b/run and gs://b/other)"),
+    (["generate", "--out", "a", "--host-id", "0", "--host-id", "1"], "--host-id given twice (0 and 1)"),
+    (["status", "o", "--json", "--json"], "--json given twice: give it once"),
+    (["bench", "plan", "--report", "a.json", "--json", "b.json"],
+     "--report and --json are one flag, given twice (a.json and b.json): give it once"),
+    # Beam's single-valued options, which promptmill passes on: Beam would keep the last
+    (["plan", "--runner", "DirectRunner", "--runner=DataflowRunner"],
+     "--runner given twice (DirectRunner and DataflowRunner): give it once"),
+    ([*DATAFLOW, "--worker_zone", "a", "--worker_zone", "b"], "--worker_zone given twice (a and b)"),
+    (["plan", "--machine_type", "a", "--worker_machine_type", "b"],
+     "--machine_type and --worker_machine_type are one flag, given twice (a and b)"),
+    ([*GKE, "--plan-beam-args", "--runner DirectRunner --runner DirectRunner"],
+     "--plan-beam-args '--runner DirectRunner --runner DirectRunner': --runner given twice"),
+])
+def test_a_flag_that_takes_one_value_given_twice_is_refused_naming_both(argv, message, dispatched, capsys):
+    err = refused(argv, capsys)
+    assert message in err and "error: " in err, err
+    assert dispatched == []
+
+
+def test_flags_that_accumulate_still_do(dispatched):
+    assert cli.main(["plan", "--lora", "a.safetensors", "--lora", "b@0.5", "--experiments=x", "--experiment",
+                     "y"]) == 0
+    [(args, beam_args)] = dispatched
+    assert args.lora == ["a.safetensors", "b@0.5"] and beam_args == ["--experiments=x", "--experiment", "y"]
+
+
+def _value_for(action) -> list[str]:
+    if action.nargs == 0:
+        return []
+    return [str(list(action.choices)[0])] if action.choices else ["1"]
+
+
+def test_every_single_valued_flag_of_every_command_is_taken_once():
+    """Each store flag (store, store_true, store_const, store_false) of every command: once is
+    fine, twice is an error naming the flag; and no command takes abbreviations."""
+    import argparse
+
+    from jobs import flags
+
+    checked = 0
+    top = cli.build_parser()
+    for name, parser in _leaf_parsers(top):
+        assert parser.allow_abbrev is False and isinstance(parser, flags.Parser), name
+        path = name.split()[1:]
+        for action in parser._actions:
+            if not action.option_strings or not isinstance(action, (argparse._StoreAction,
+                                                                    argparse._StoreConstAction)):
+                continue
+            assert isinstance(action, flags._Once), f"{name} {action.option_strings[0]}"
+            flag, value = action.option_strings[-1], _value_for(action)
+            with pytest.raises(SystemExit) as e:
+                top.parse_known_args([*path, flag, *value, flag, *value])
+            assert e.value.code == 2, f"{name} {flag}"
+            checked += 1
+    assert checked > 150
+
+
+def test_twice_is_reported_as_the_cli_reports_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--steps", "1", "--steps", "2"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "promptmill plan: error: --steps given twice (1 and 2): give it once"
+
+
+@pytest.mark.parametrize("argv,abbreviation,meant", [
+    (["plan", "--ste", "1"], "--ste", "--steps"),
+    (["plan", "--step", "1"], "--step", "--steps"),
+    (["run", "--host", "2"], "--host", "--hosts"),
+    (["plan", "--prompt", "x"], "--prompt", "--prompts or --prompt-field"),
+    ([*GKE, "--max-restart", "2"], "--max-restart", "--max-restarts"),
+    ([*DATAFLOW, "--proj", "p2"], "--proj", "--project"),
+    (["generate", "--out", "o", "--coord", "h:1"], "--coord", "--coordinator"),
+    # an abbreviation of a Beam option is refused before Beam sees it
+    (["plan", "--direct_num", "2"], "--direct_num", "--direct_num_workers"),
+    (["collect", "--out", "o", "--temp_loc", "gs://b/t"], "--temp_loc", "--temp_location"),
+])
+def test_abbreviations_are_refused_naming_the_flag(argv, abbreviation, meant, dispatched, capsys):
+    err = refused(argv, capsys)
+    assert f"unrecognized argument: {abbreviation} (did you mean {meant}?)" in err
+    assert dispatched == []
+
+
+def test_an_abbreviation_in_a_beam_options_string_is_refused(dispatched, capsys):
+    err = refused([*GKE, "--collect-beam-args", "--run DirectRunner"], capsys)
+    assert "--collect-beam-args '--run DirectRunner': unrecognized argument: --run (did you mean --runner" in err
+
+
+@pytest.mark.parametrize("argv,unknown,meant", [
+    (["plan", "--frobnicate"], "--frobnicate", None),  # nothing close: no guess, and never a Beam option first
+    (["plan", "--stpes", "3"], "--stpes", "--steps"),
+    (["plan", "--guidance_scale", "3"], "--guidance_scale", "--guidance-scale"),  # Beam's style for ours
+    (["plan", "--job-name", "x"], "--job-name", "--job_name"),  # ours for Beam's: plan has no --job-name
+    (["plan", "--runer", "DirectRunner"], "--runer", "--runner"),  # no flag of ours is close
+])
+def test_suggestions_come_from_our_flags_before_beams(argv, unknown, meant, dispatched, capsys):
+    err = refused(argv, capsys)
+    line = err.splitlines()[-1]
+    if meant is None:
+        assert f"unrecognized argument: {unknown};" in line and "did you mean" not in line
+    else:
+        assert f"unrecognized argument: {unknown} (did you mean {meant}?)" in line
+
+
+def test_device_memory_is_refused_only_where_nothing_reads_it():
+    from jobs import flags
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["run", "--per-device-batch", "4", "--device-memory", "16"])
+    with pytest.raises(ValueError, match="--device-memory is read only by --per-device-batch auto and --fsdp auto"):
+        flags.settings_from_args(args, 1)
+    args = parser.parse_args(["run", "--fsdp", "auto", "--per-device-batch", "4", "--device-memory", "16"])
+    assert flags.settings_from_args(args, 2).device_memory == 16.0  # --fsdp auto reads it
+    # a plan keeps it in run.json, for the TPU check a submission repeats after its plan
+    args = parser.parse_args(["plan", "--per-device-batch", "4", "--device-memory", "16"])
+    assert flags.settings_from_args(args, 1, tpu_check=True).device_memory == 16.0
+
+
 # ---------------------------------------------------------------- one-way imports
 
 def _imports(path: str) -> set[str]:

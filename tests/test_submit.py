@@ -1,9 +1,12 @@
 """promptmill submit dataflow|gke: the rendered JobSet and Dataflow options for every supported
 slice, schema checks, dry runs, bad input, the wait loop, and a real GKE-style run against a
 fake kubectl that starts the manifest's hosts as local processes (GCS emulator, tiny model)."""
+import argparse
+import dataclasses
 import json
 import os
 import re
+import shlex
 import sys
 import textwrap
 
@@ -236,25 +239,93 @@ def test_job_names_follow_out_and_carry_the_date():
     assert checks.job_name(OUT, "Nightly_SD", "2025-01-31T23:30:00-02:00") == "nightly-sd-20250201"
 
 
-def test_plan_command_round_trips_through_the_cli():
-    from jobs import cli, flags
+# Every Settings field at a value other than its default, valid (Settings.validate): what a plan
+# command and the Dataflow plan job carry, and must read back as they are.
+ALL_CHANGED = Settings(
+    prompts=PROMPTS, out=OUT, model="gs://b/models/sd", unet="gs://b/unet.safetensors",
+    loras=("gs://b/loras/style@0.75", "gs://b/lcm.safetensors@1.0"), width=64, height=48, steps=7,
+    scheduler="dpmpp", timestep_spacing="trailing", guidance_scale=3.25, max_sequence_length=256, seed=12,
+    per_device_batch=3, device_memory=15.5, batches_per_slice=3, devices_per_host=8, fsdp=2, dtype="bf16",
+    attention="chunked", formats=("files", "zarr"), image_format="webp", quality=80, save_latents=True,
+    prompt_field="text", dedupe=True, guidance_rule="always", guided=True, scores=("clip", "aesthetic", "safety"),
+    clip_model="gs://b/clip", aesthetic_head="gs://b/a.safetensors", safety_checker="gs://b/sd",
+    min_clip_similarity=0.28, min_aesthetic=5.5, drop_nsfw=True).validate()
 
-    settings = Settings(prompts=PROMPTS, out=OUT, model="gs://b/models/sd", width=64, height=48, steps=7,
-                        scheduler="dpmpp", guidance_scale=3.25, seed=12, per_device_batch=2, batches_per_slice=3,
-                        devices_per_host=8, dtype="bf16", formats=("files", "zarr"), image_format="webp",
-                        quality=80, save_latents=True, prompt_field="text", dedupe=True,
-                        unet="gs://b/unet.safetensors", loras=("gs://b/loras/style@0.75", "gs://b/lcm.safetensors@1.0"),
-                        scores=("clip", "aesthetic", "safety"), clip_model="gs://b/clip",
-                        aesthetic_head="gs://b/a.safetensors", safety_checker="gs://b/sd", min_clip_similarity=0.28,
-                        min_aesthetic=5.5, drop_nsfw=True)
-    command = gke.plan_command(settings, ["--runner", "DirectRunner"])
-    assert command[:2] == ["promptmill", "plan"] and command[-2:] == ["--runner", "DirectRunner"]
-    args, extra = cli.build_parser().parse_known_args(command[1:])
-    assert extra == ["--runner", "DirectRunner"] and flags.check_extra(args, extra) == extra
-    assert flags.settings_from_args(args, args.devices_per_host) == settings
-    plain = Settings(prompts=PROMPTS, out=OUT)
-    args, _ = cli.build_parser().parse_known_args(gke.plan_command(plain)[1:])
-    assert flags.settings_from_args(args, args.devices_per_host) == plain
+
+def _flag_fields(settings: Settings) -> Settings:
+    """``settings`` with the fields that are no flag (gke.NOT_FLAGS) at their defaults: what a plan reads back."""
+    return settings.replace(**{f.name: f.default for f in dataclasses.fields(Settings) if f.name in gke.NOT_FLAGS})
+
+
+def _plan_parser():
+    from jobs import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["plan"]
+
+
+def test_every_settings_field_is_a_plan_flag_or_said_not_to_be():
+    """A new Settings field fails here until it is a flag of `promptmill plan` (read back by
+    settings_from_args) or listed in gke.NOT_FLAGS with the reason; and ALL_CHANGED changes it."""
+    names = [f.name for f in dataclasses.fields(Settings)]
+    unchanged = [f.name for f in dataclasses.fields(Settings) if getattr(ALL_CHANGED, f.name) == f.default]
+    assert unchanged == [], f"give ALL_CHANGED a value other than the default for {unchanged}"
+    assert set(gke.NOT_FLAGS) <= set(names) and all(gke.NOT_FLAGS.values())
+    actions = {flag: action for action in _plan_parser()._actions for flag in action.option_strings}
+    for name in names:
+        if name in gke.NOT_FLAGS:
+            assert gke.setting_flag(name) not in actions, f"{name} is a flag: take it out of gke.NOT_FLAGS"
+            continue
+        flag = gke.setting_flag(name)
+        assert flag in actions, f"Settings.{name}: promptmill plan has no {flag}; add the flag or list it in NOT_FLAGS"
+        assert actions[flag].dest == flag[2:].replace("-", "_")
+        # what an absent flag reads back as is the field's default (settings_flags leaves out None and ())
+        default = dataclasses.fields(Settings)[names.index(name)].default
+        if default is None or default == () or default is False:
+            assert actions[flag].default in (None, "", False), flag
+    assert {gke.setting_flag(n) for n in names if n not in gke.NOT_FLAGS} >= {
+        "--fsdp", "--device-memory", "--guidance-scale", "--max-sequence-length", "--devices-per-host", "--lora"}
+
+
+def test_plan_command_round_trips_every_setting_through_the_cli(monkeypatch):
+    """GKE's plan command, run by the real CLI (planning faked), plans the same settings."""
+    from jobs import cli
+
+    planned = []
+    monkeypatch.setattr("pipeline.plan.transforms.run_plan",
+                        lambda settings, beam_args, overwrite, cap: planned.append((settings, beam_args)) or {})
+    monkeypatch.setattr("pipeline.generate.fit.resolve_per_device_batch", lambda settings, overwrite: settings)
+    monkeypatch.setattr("pipeline.generate.fit.cap_hosts", lambda settings, hosts, overwrite: None)
+    for settings in (ALL_CHANGED, Settings(prompts=PROMPTS, out=OUT), Settings(fsdp=2, devices_per_host=4),
+                     Settings(per_device_batch="auto", fsdp="auto", device_memory=16, devices_per_host=4),
+                     Settings(prompts="-odd name.jsonl", prompt_field="--text", seed=2**63 - 1)):
+        command = gke.plan_command(settings, ["--runner", "DirectRunner"])
+        assert command[:2] == ["promptmill", "plan"] and command[-2:] == ["--runner", "DirectRunner"]
+        assert cli.main(command[1:]) == 0
+        assert planned.pop() == (_flag_fields(settings), ["--runner", "DirectRunner"])
+    command = gke.plan_command(Settings(fsdp=2, devices_per_host=4, device_memory=15.5))
+    assert ("--fsdp", "2") in zip(command, command[1:]) and ("--device-memory", "15.5") in zip(command, command[1:])
+    # defaults are written out too: a plan reads the same settings whatever its own defaults
+    assert ("--dtype", "fp32") in zip(command, command[1:]) and "--save-latents" not in command
+
+
+def test_settings_the_flags_cannot_say_are_refused():
+    with pytest.raises(ValueError, match="formats=\\(\\) cannot be given as flags"):
+        gke.settings_flags(Settings(formats=()))
+    with pytest.raises(ValueError, match="steps=None cannot be given as flags"):
+        gke.settings_flags(Settings(steps=None))
+
+
+def test_the_dataflow_plan_job_reads_back_every_setting():
+    """The Dataflow plan job's launcher arguments, read by the real launcher's parser, give the same settings."""
+    from jobs import dataflow_launch
+
+    for settings in (ALL_CHANGED, Settings(out=OUT, fsdp=2, devices_per_host=8)):
+        job = _dataflow_job(OUT, settings=settings, overwrite=True, cap_hosts=2)
+        args, options = dataflow_launch.parse(dataflow.stage_arguments(job, "plan"))
+        assert (args.command, args.stage, args.out, args.overwrite, args.cap_hosts) == ("run", "plan", OUT, True, 2)
+        assert options == list(job.options("plan"))
+        assert dataflow_launch.plan_settings(args) == _flag_fields(settings)
 
 
 # ---------------------------------------------------------------- the CLI
@@ -491,6 +562,18 @@ GKE = ["submit", "gke", "--tpu-type", "v5e", "--topology", "4x4", "--image", IMA
        "--prompts", PROMPTS, "--steps", "4", "--no-tpu-check"]
 
 
+def given(argv: list[str], *pairs: str) -> list[str]:
+    """``argv`` with each FLAG VALUE of ``pairs`` in place of that flag's value where ``argv``
+    has it, else appended: a flag given twice is an error, never last-wins."""
+    argv = list(argv)
+    for flag, value in zip(pairs[::2], pairs[1::2]):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return argv
+
+
 def _dry_run_sections(out: str) -> dict:
     """``{stage: [options]}`` from a dataflow dry run's ``# STAGE options`` sections."""
     import shlex
@@ -533,7 +616,8 @@ def test_dataflow_dry_run_prints_three_jobs_plan_and_collect_on_cpu_and_launches
     assert [line.split(" on ")[0] for line in lines if re.match(r"# \d\. ", line)] == \
         ["# 1. plan", "# 2. generate", "# 3. collect"]
     assert "# 2. generate on TPU workers (v5e 2x4" in out and "# 3. collect on CPU workers (n2-highmem-8):" in out
-    assert f"run plan --out {OUT} --settings SETTINGS --" in out and f"run collect --out {OUT} --" in out
+    assert f"run plan --prompts '{PROMPTS}' --out {OUT} --model tiny --steps 4 " in out
+    assert "--devices-per-host 8 --fsdp 1 --dtype bf16 " in out and f"run collect --out {OUT} -- OPTIONS" in out
     settings = json.loads(lines[lines.index("# settings:") + 1])
     assert (settings["devices_per_host"], settings["steps"], settings["out"], settings["dtype"]) == (8, 4, OUT, "bf16")
 
@@ -646,7 +730,7 @@ def test_gke_dry_run_prints_every_command_and_the_manifest_and_runs_nothing(kube
 
 
 def test_a_scheduled_gke_dry_run_resolves_date_in_out_and_name(kubectl, capsys):
-    code, out, err = cli_main([*GKE, "--out", "gs://bucket/runs/{date}", "--date", "2025-03-01T05:00:00Z",
+    code, out, err = cli_main([*given(GKE, "--out", "gs://bucket/runs/{date}"), "--date", "2025-03-01T05:00:00Z",
                                "--name", "nightly", "--dry-run"], capsys)
     assert code == 0, err
     (js,) = [d for d in yaml.safe_load_all(out) if d is not None]
@@ -655,26 +739,87 @@ def test_a_scheduled_gke_dry_run_resolves_date_in_out_and_name(kubectl, capsys):
     assert container["command"] == ["promptmill", "generate", "--out", "gs://bucket/runs/2025-03-01"]
 
 
+# ALL_CHANGED's settings as submit flags, written out by hand, after DATAFLOW's or GKE's with
+# --steps 7 (dtype: submit's default, bf16); devices_per_host comes from the TPU slice, and the
+# fields of gke.NOT_FLAGS from the plan
+SUBMIT_ALL_CHANGED = [
+    "--model", "gs://b/models/sd", "--unet", "gs://b/unet.safetensors", "--lora", "gs://b/loras/style@0.75",
+    "--lora", "gs://b/lcm.safetensors", "--width", "64", "--height", "48", "--scheduler", "dpmpp",
+    "--timestep-spacing", "trailing", "--guidance-scale", "3.25", "--max-sequence-length", "256", "--seed", "12",
+    "--per-device-batch", "3", "--device-memory", "15.5", "--batches-per-slice", "3", "--fsdp", "2",
+    "--attention", "chunked", "--format", "zarr,files", "--image-format", "webp", "--quality", "80",
+    "--save-latents", "--prompt-field", "text", "--dedupe", "--score", "safety,clip,aesthetic",
+    "--clip-model", "gs://b/clip", "--aesthetic-head", "gs://b/a.safetensors", "--safety-checker", "gs://b/sd",
+    "--min-clip-similarity", "0.28", "--min-aesthetic", "5.5", "--drop-nsfw"]
+
+
+def _printed(out: str, start: str) -> list[str]:
+    """The words of the one dry-run line ``#    START...``."""
+    [line] = [line for line in out.splitlines() if line.startswith("#    " + start)]
+    return shlex.split(line[len("#    "):])
+
+
+def test_what_a_gke_dry_run_prints_plans_every_setting_it_checked(kubectl, monkeypatch, capsys):
+    """Every setting given to submit gke is in the printed plan command, which the real CLI
+    plans as the same settings (the planning itself faked)."""
+    from jobs import cli
+
+    argv = [*given(GKE, "--steps", "7"), *SUBMIT_ALL_CHANGED, "--overwrite"]
+    code, out, err = cli_main([*argv, "--plan-beam-args", "--runner DirectRunner", "--dry-run"], capsys)
+    assert code == 0, err
+    checked = _flag_fields(ALL_CHANGED).replace(devices_per_host=4)  # v5e 4x4: 4 hosts of 4 chips
+    assert Settings.from_dict(json.loads(out.split("# settings: ", 1)[1].split("\n", 1)[0])) == checked
+    command = _printed(out, "promptmill plan ")
+    assert command[-3:] == ["--runner", "DirectRunner", "--overwrite"]
+    planned = []
+    monkeypatch.setattr("pipeline.plan.transforms.run_plan",
+                        lambda settings, beam_args, overwrite, cap: planned.append((settings, overwrite)) or {})
+    assert cli.main(command[1:]) == 0
+    assert planned == [(checked, True)]
+
+
+def test_what_a_dataflow_dry_run_prints_plans_every_setting_it_checked(monkeypatch, capsys):
+    """Every setting given to submit dataflow is in the printed plan job's launcher command,
+    which the real launcher reads back as the same settings (the launch itself faked)."""
+    from jobs import dataflow_launch as launcher_cli
+
+    monkeypatch.delenv("DATAFLOW_LAUNCHER", raising=False)
+    argv = [*given(DATAFLOW, "--steps", "7"), *SUBMIT_ALL_CHANGED]
+    code, out, err = cli_main([*argv, "--dry-run"], capsys)
+    assert code == 0, err
+    checked = _flag_fields(ALL_CHANGED)  # v5e 2x4 on Dataflow: one host of 8 chips
+    lines = out.splitlines()
+    assert Settings.from_dict(json.loads(lines[lines.index("# settings:") + 1])) == checked
+    command = _printed(out, shlex.join(dataflow.launcher_command()) + " run plan ")
+    assert command[:5] == [*dataflow.launcher_command(), "run", "plan"] and command[-2:] == ["--", "OPTIONS"]
+    launched = []
+    monkeypatch.setattr("pipeline.cloud.dataflow_launch.launch",
+                        lambda *a: launched.append(a) or {"job_id": "j", "state": "PENDING"})
+    assert launcher_cli.main(command[3:]) == 0
+    [(stage, out_, options, settings, overwrite, cap)] = launched
+    assert (stage, out_, options, settings, overwrite, cap) == ("plan", OUT, ["OPTIONS"], checked, False, None)
+
+
 @pytest.mark.parametrize("argv,message", [
-    ([*DATAFLOW, "--out", "/tmp/promptmill-out"], "--out must be a gs://BUCKET/PREFIX path for submit dataflow"),
-    ([*DATAFLOW, "--prompts", "prompts/*.jsonl"], "--prompts must be a gs://BUCKET/PREFIX path"),
-    ([*DATAFLOW, "--image", ""], "submit dataflow needs --image, e.g. --image"),
-    ([*DATAFLOW, "--project", ""], "submit dataflow needs --project"),
-    ([*DATAFLOW, "--tpu-type", "v9"], "unknown --tpu-type 'v9'; supported: v5e, v6e, v5p"),
-    ([*DATAFLOW, "--topology", "2by4"], "--topology must be chips per dimension joined by 'x'"),
-    ([*DATAFLOW, "--topology", "4x4"], "cannot run on Dataflow: it needs 4 hosts"),
+    (given(DATAFLOW, "--out", "/tmp/promptmill-out"), "--out must be a gs://BUCKET/PREFIX path for submit dataflow"),
+    (given(DATAFLOW, "--prompts", "prompts/*.jsonl"), "--prompts must be a gs://BUCKET/PREFIX path"),
+    (given(DATAFLOW, "--image", ""), "submit dataflow needs --image, e.g. --image"),
+    (given(DATAFLOW, "--project", ""), "submit dataflow needs --project"),
+    (given(DATAFLOW, "--tpu-type", "v9"), "unknown --tpu-type 'v9'; supported: v5e, v6e, v5p"),
+    (given(DATAFLOW, "--topology", "2by4"), "--topology must be chips per dimension joined by 'x'"),
+    (given(DATAFLOW, "--topology", "4x4"), "cannot run on Dataflow: it needs 4 hosts"),
     ([*DATAFLOW, "--machine_type", "ct5lp-hightpu-4t"], "conflicts with what submit dataflow sets"),
     ([*DATAFLOW, "--model", "tests"], "is a folder on this machine"),
-    ([*GKE, "--out", "promptmill-out"], "--out must be a gs://BUCKET/PREFIX path for submit gke"),
-    ([*GKE, "--image", ""], "submit gke needs --image"),
-    ([*GKE, "--tpu-type", "tpu-v9"], "unknown --tpu-type 'tpu-v9'"),
-    ([*GKE, "--topology", "4x4x4"], "--tpu-type v5e does not support --topology 4x4x4"),
-    ([*GKE, "--topology", "4 x 4"], "--topology must be chips per dimension"),
+    (given(GKE, "--out", "promptmill-out"), "--out must be a gs://BUCKET/PREFIX path for submit gke"),
+    (given(GKE, "--image", ""), "submit gke needs --image"),
+    (given(GKE, "--tpu-type", "tpu-v9"), "unknown --tpu-type 'tpu-v9'"),
+    (given(GKE, "--topology", "4x4x4"), "--tpu-type v5e does not support --topology 4x4x4"),
+    (given(GKE, "--topology", "4 x 4"), "--topology must be chips per dimension"),
     ([*GKE, "--machine-type", "ct5lp-hightpu-8t"], "v5e 4x4 does not run on --machine-type ct5lp-hightpu-8t"),
     ([*GKE, "--coordinator-port", "0"], "--coordinator-port must be in [1, 65535]"),
     ([*GKE, "--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
     ([*GKE, "--poll-seconds", "0"], "--poll-seconds must be > 0"),
-    ([*GKE, "--steps", "0"], "--steps must be >= 1"),
+    (given(GKE, "--steps", "0"), "--steps must be"),
     ([*GKE, "--plan-beam-args=--runner 'Direct"], "--plan-beam-args must be Beam options in one shell-quoted"),
 ])
 def test_bad_input_is_a_clear_error_and_nothing_is_submitted(argv, message, kubectl, launcher, capsys):
@@ -847,7 +992,7 @@ def test_gke_failed_jobset_is_an_error_and_nothing_is_collected(gcs_prompts, kub
 
 
 def _dataflow_e2e_args(out):
-    return [*DATAFLOW, "--out", out, "--job-name", "pm-df", "--poll-seconds", "0.01"]
+    return [*given(DATAFLOW, "--out", out), "--job-name", "pm-df", "--poll-seconds", "0.01"]
 
 
 def _launched_options(calls):
@@ -882,8 +1027,10 @@ def test_dataflow_launches_plan_generate_collect_in_order_on_cpu_tpu_cpu(gcs_emu
         if call[0] == "state":
             assert call[2:] == ["--", *options[call[1].rsplit("-", 1)[1]]]
     plan_call = calls[0]
-    settings = json.loads(plan_call[plan_call.index("--settings") + 1])
-    assert (settings["out"], settings["dtype"], settings["devices_per_host"]) == (out, "bf16", 8)
+    from jobs import dataflow_launch as launcher_cli
+
+    settings = launcher_cli.plan_settings(launcher_cli.parse(plan_call)[0])  # as the real launcher reads them
+    assert (settings.out, settings.dtype, settings.devices_per_host) == (out, "bf16", 8)
     assert "--overwrite" not in plan_call
     progress = [line.split("promptmill submit dataflow: ", 1)[1] for line in err.splitlines()
                 if line.startswith("promptmill submit dataflow: ")]
@@ -931,20 +1078,26 @@ def test_the_launcher_reads_what_submit_passes_and_builds_each_stage(tmp_path):
     the generate and collect stages build their pipelines over a planned OUT (built, never run)."""
     import apache_beam as beam
 
+    from jobs import dataflow_launch as launcher_cli
     from pipeline.cloud import dataflow_launch
     from pipeline.core.settings import Run
     from pipeline.io import runs
 
     out = str(tmp_path / "out")
     job = _dataflow_job(out, settings=Settings(out=out, dtype="bf16", steps=3), overwrite=True)
+    assert dataflow.launcher_command()[1:] == ["-m", "jobs.dataflow_launch"]
     for stage in dataflow.STAGES:
-        args, options = dataflow_launch.parse(dataflow.stage_arguments(job, stage))
+        args, options = launcher_cli.parse(dataflow.stage_arguments(job, stage))
         assert (args.command, args.stage, args.out, options) == ("run", stage, out, list(job.options(stage)))
-        assert args.overwrite == (stage == "plan") and (args.settings is not None) == (stage == "plan")
+        assert getattr(args, "overwrite", False) == (stage == "plan")
         if stage == "plan":
-            assert Settings.from_dict(json.loads(args.settings)) == job.settings
-    args, options = dataflow_launch.parse(["state", "j-1", "--", "--project=p", "--region=r"])
+            assert launcher_cli.plan_settings(args) == job.settings
+    args, options = launcher_cli.parse(["state", "j-1", "--", "--project=p", "--region=r"])
     assert (args.command, args.job_id, options) == ("state", "j-1", ["--project=p", "--region=r"])
+    with pytest.raises(SystemExit):  # the generate and collect jobs take no settings: they read run.json
+        launcher_cli.parse(["run", "generate", "--out", out, "--steps", "3", "--"])
+    with pytest.raises(ValueError, match="needs its settings"):
+        dataflow_launch.build_stage(beam.Pipeline(), "plan", out)
     with pytest.raises(runs.RunNotPlanned):
         dataflow_launch.build_stage(beam.Pipeline(), "generate", out)
     runs.write(out, Run.create(job.settings, "f" * 64, "2026-01-01T00:00:00+00:00", {}))

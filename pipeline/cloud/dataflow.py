@@ -14,7 +14,10 @@ process per worker, since a TPU can be opened by one process only. The CPU jobs'
 the same container and locations, a CPU machine type and no accelerator.
 
 Every launch and every state query goes through one seam, the launcher executable
-(``pipeline.cloud.dataflow_launch``, or ``DATAFLOW_LAUNCHER``; the tests use a fake). The
+(``python -m jobs.dataflow_launch``, whose work ``pipeline.cloud.dataflow_launch`` does, or
+``DATAFLOW_LAUNCHER``; the tests use a fake). The plan job gets the run's settings as the flags
+``promptmill plan`` takes (``pipeline.cloud.gke.settings_flags``, every setting), which the
+launcher reads back with the CLI's own parser, as ``submit gke``'s plan command is read. The
 option builders and the dry run are pure: ``--dry-run`` prints exactly what would be launched.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from typing import Callable
 
 from pipeline.cloud import checks, program_check, tpu
-from pipeline.cloud.gke import committed_slices
+from pipeline.cloud.gke import committed_slices, settings_flags
 from pipeline.core import naming
 from pipeline.io import storage
 
@@ -217,24 +220,27 @@ class DataflowJob:
 
 
 def launcher_command() -> list[str]:
-    """``DATAFLOW_LAUNCHER`` (an executable), or this Python running ``pipeline.cloud.dataflow_launch``."""
+    """``DATAFLOW_LAUNCHER`` (an executable), or this Python running the launcher's command line,
+    ``jobs.dataflow_launch`` (it reads the plan's settings flags with the CLI's parser; the work is
+    ``pipeline.cloud.dataflow_launch``'s)."""
     override = os.environ.get("DATAFLOW_LAUNCHER")
     if override:
         if not (os.path.isfile(override) and os.access(override, os.X_OK)):
             raise RuntimeError(f"DATAFLOW_LAUNCHER={override!r} is not an executable file")
         return [override]
-    return [sys.executable, "-m", "pipeline.cloud.dataflow_launch"]
+    return [sys.executable, "-m", "jobs.dataflow_launch"]
 
 
 def stage_arguments(job: DataflowJob, stage: str) -> list[str]:
-    """The launcher's arguments that submit ``stage`` (``pipeline.cloud.dataflow_launch``)."""
-    arguments = ["run", stage, "--out", job.out]
-    if stage == "plan":
-        arguments += ["--settings", json.dumps(job.settings.to_dict(), sort_keys=True)]
-        if job.overwrite:
-            arguments.append("--overwrite")
-        if job.cap_hosts is not None:
-            arguments += ["--cap-hosts", str(job.cap_hosts)]
+    """The launcher's arguments that submit ``stage`` (``jobs.dataflow_launch``); the plan's
+    carry every setting as ``promptmill plan``'s flags (``settings_flags``, with ``--out``)."""
+    if stage != "plan":
+        return ["run", stage, "--out", job.out, "--", *job.options(stage)]
+    arguments = ["run", stage, *settings_flags(job.settings)]
+    if job.overwrite:
+        arguments.append("--overwrite")
+    if job.cap_hosts is not None:
+        arguments += ["--cap-hosts", str(job.cap_hosts)]
     return [*arguments, "--", *job.options(stage)]
 
 
@@ -281,11 +287,9 @@ def dataflow_dry_run(job: DataflowJob) -> str:
     ]
     for number, stage in enumerate(STAGES, 1):
         arguments = stage_arguments(job, stage)
-        shown = [a if a != json.dumps(job.settings.to_dict(), sort_keys=True) else "SETTINGS" for a in arguments]
         lines += [
             f"# {number}. {stage} on {job.workers(stage)}:",
-            f"#    {launcher} {shlex.join(shown[:shown.index('--') + 1])} OPTIONS"
-            + ("   (SETTINGS: the settings above)" if stage == "plan" else ""),
+            f"#    {launcher} {shlex.join(arguments[:arguments.index('--') + 1])} OPTIONS",
             f"# {stage} options (one a line, shell-quoted):",
             format_options(job.options(stage)),
         ]

@@ -7,6 +7,7 @@ committed slices, so a restart, or re-running the same command, resumes.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -20,36 +21,69 @@ from pipeline.io import storage
 KUBECTL_FAILURES_TOLERATED = 5  # consecutive failed status polls before the wait gives up
 
 
+# Settings fields that are no flag of `promptmill plan`, and why. settings_flags leaves them
+# out, so a plan command plans them as they are decided there.
+NOT_FLAGS = {
+    "guidance_rule": "decided by the model's family when the run is planned (prepare); a resumed run keeps its own",
+    "guided": "decided by the plan: whether any planned record has guidance above 1 (under the diffusers rule)",
+}
+# The fields whose flag is not --NAME-WITH-DASHES (the flag names one item of the tuple)
+FLAG_NAMES = {"loras": "--lora", "formats": "--format", "scores": "--score"}
+REPEATED = ("loras",)  # one flag per item (action="append"); any other tuple is one comma-separated flag
+
+
+def setting_flag(name: str) -> str:
+    """The ``promptmill plan`` flag of the Settings field ``name``."""
+    return FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+
+
+def settings_flags(settings) -> list[str]:
+    """The ``promptmill plan`` flags that give ``settings``: the inverse of ``jobs/flags.py``'s
+    ``settings_from_args`` (``jobs.flags.settings_from_flags`` reads them back).
+
+    Every field of Settings (``dataclasses.fields``) is a flag but those of ``NOT_FLAGS``:
+    ``--NAME-WITH-DASHES VALUE`` (``FLAG_NAMES`` for the others), a number or ``auto`` as
+    text, a float as its repr (which reads back to the same float), a store_true flag when
+    true, a tuple as one comma-separated flag (``--format``, ``--score``) or one flag per
+    item (``--lora PATH@SCALE``, ``REPEATED``); None and an empty tuple are left out, which
+    reads back as the default. Every other value is written out, defaults too: a plan
+    command reads the same settings whatever the command's own defaults (submit's ``--dtype``
+    is bf16, plan's fp32). A value that starts with '-' is written ``--flag=VALUE``, so it is
+    never taken for a flag. ``devices_per_host`` is ``--devices-per-host``, a flag of ``plan``
+    (a submission sets it from the TPU slice). A value the flags cannot say is a ValueError.
+    """
+    tokens: list[str] = []
+    for field in dataclasses.fields(settings):
+        if field.name in NOT_FLAGS:
+            continue
+        value = getattr(settings, field.name)
+        flag = setting_flag(field.name)
+        if value is None or value == ():
+            if value != field.default:
+                raise ValueError(f"{field.name}={value!r} cannot be given as flags: without {flag}, a plan "
+                                 f"takes {field.default!r}")
+            continue
+        if isinstance(value, bool):
+            if value:
+                tokens.append(flag)
+            elif field.default is not False:
+                raise ValueError(f"{field.name}=False cannot be given as flags: {flag} only turns it on")
+            continue
+        if isinstance(value, (tuple, list)):
+            items = [str(item) for item in value] if field.name in REPEATED else [",".join(map(str, value))]
+        elif isinstance(value, float):
+            items = [repr(value)]
+        else:
+            items = [str(value)]
+        for item in items:
+            tokens += [f"{flag}={item}"] if item.startswith("-") else [flag, item]
+    return tokens
+
+
 def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
-    """The ``promptmill plan`` command line that plans ``settings`` (what submit gke runs first)."""
-    s = settings
-    command = ["promptmill", "plan", "--prompts", s.prompts, "--out", s.out, "--model", s.model]
-    for flag, value in (("--unet", s.unet), ("--width", s.width), ("--height", s.height), ("--scheduler", s.scheduler),
-                        ("--timestep-spacing", s.timestep_spacing), ("--max-sequence-length", s.max_sequence_length),
-                        ("--guidance-scale", None if s.guidance_scale is None else repr(float(s.guidance_scale)))):
-        if value is not None:
-            command += [flag, str(value)]
-    for spec in s.loras:
-        command += ["--lora", spec]
-    command += ["--steps", str(s.steps), "--dtype", s.dtype, "--attention", s.attention,
-                "--format", ",".join(s.formats),
-                "--image-format", s.image_format, "--quality", str(s.quality),
-                "--seed", str(s.seed),
-                "--per-device-batch", str(s.per_device_batch), "--batches-per-slice", str(s.batches_per_slice),
-                "--devices-per-host", str(s.devices_per_host), "--prompt-field", s.prompt_field]
-    for flag, value in (("--save-latents", s.save_latents), ("--dedupe", s.dedupe), ("--drop-nsfw", s.drop_nsfw)):
-        if value:
-            command.append(flag)
-    if s.scores:
-        command += ["--score", ",".join(s.scores)]
-    for flag, value in (("--clip-model", s.clip_model), ("--aesthetic-head", s.aesthetic_head),
-                        ("--safety-checker", s.safety_checker)):
-        if value is not None:
-            command += [flag, value]
-    for flag, value in (("--min-clip-similarity", s.min_clip_similarity), ("--min-aesthetic", s.min_aesthetic)):
-        if value is not None:
-            command += [flag, repr(float(value))]
-    return command + list(beam_args)
+    """The ``promptmill plan`` command line that plans ``settings`` (what submit gke runs first):
+    every setting, as ``settings_flags`` writes them, then ``beam_args``."""
+    return ["promptmill", "plan", *settings_flags(settings), *beam_args]
 
 
 def gke_dry_run(job: jobset.GkeJob) -> str:
@@ -64,6 +98,8 @@ def gke_dry_run(job: jobset.GkeJob) -> str:
         "# " + program_check.summary(job.tpu_program),
         "# 1. plan (Beam):",
         "#    " + shlex.join(plan_command(job.settings, job.plan_beam_args) + (["--overwrite"] if job.overwrite else [])),
+        *([f"#    (run in-process, with the per-device batch that auto chose for the chip lowered to what the run "
+           f"fills on {job.cap_hosts} host(s))"] if job.cap_hosts is not None else []),
         f"# 2. {base} get jobset {job.name} -o json --ignore-not-found"
         "   (a finished JobSet of this name is deleted first; a running one is waited on, not applied again)",
         f"# 3. {base} apply -f -   (stdin: the manifest below)",
