@@ -74,6 +74,258 @@ def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path):
     assert compile_cache.load_or_compile(lowered, devices, folder)[1]
 
 
+class _Payload:
+    """A pickle that makes ``path`` (a folder) when unpickled: code run by loading it."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
+@pytest.fixture
+def warnings_logged(caplog):
+    """caplog, holding promptmill's events of warning level and above (whether or not
+    ``logs.setup`` has stopped them propagating)."""
+    import logging
+
+    logger = logging.getLogger("promptmill")
+    stopped = not logger.propagate  # else caplog's handler, on the root logger, sees them already
+    if stopped:
+        logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="promptmill"):
+            yield caplog
+    finally:
+        if stopped:
+            logger.removeHandler(caplog.handler)
+
+
+def _unreadable(caplog) -> list:
+    import logging
+
+    return [r for r in caplog.records
+            if r.getMessage() == "executable_cache_unreadable" and r.levelno == logging.WARNING]
+
+
+def _cached_sin(tmp_path):
+    """(devices, the sin program lowered, its input, the compiled program, the cache
+    folder, the index key): the program compiled into a fresh cache and indexed."""
+    import jax
+
+    devices = jax.local_devices()
+    lowered, x = _sin_program(devices)
+    folder = str(tmp_path / "executables")
+    key = compile_cache.index_key({"program": "sin"}, devices)
+    compiled, hit = compile_cache.load_or_compile(lowered, devices, folder, index=(key, _extra()))
+    assert not hit and compile_cache.load_indexed(key, devices, folder) is not None
+    return devices, lowered, x, compiled, folder, key
+
+
+def _extra():
+    import jax
+    import jax.numpy as jnp
+
+    return {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "b": [jax.ShapeDtypeStruct((4,), jnp.bfloat16), None]}
+
+
+def test_a_cache_of_pickles_runs_no_code_and_is_compiled_again(tmp_path, warnings_logged):
+    import pickle
+
+    import numpy as np
+
+    pickle.loads(pickle.dumps(_Payload(tmp_path / "probe")))  # the payload does run, when unpickled
+    assert (tmp_path / "probe").is_dir()
+    devices, lowered, x, compiled, folder, key = _cached_sin(tmp_path)
+    marker = tmp_path / "ran"
+    replaced = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(root, name), "wb") as f:
+                f.write(pickle.dumps(_Payload(marker)))
+            replaced += 1
+    assert replaced == 2  # the executable and its index entry
+    assert compile_cache.load_indexed(key, devices, folder) is None
+    assert not marker.exists() and len(_unreadable(warnings_logged)) == 1
+    again, hit = compile_cache.load_or_compile(_sin_program(devices)[0], devices, folder, index=(key, _extra()))
+    assert not hit and not marker.exists() and len(_unreadable(warnings_logged)) == 2
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(compiled(x)))
+    # replaced: found again, through the index too
+    assert compile_cache.load_or_compile(_sin_program(devices)[0], devices, folder)[1]
+    loaded, extra = compile_cache.load_indexed(key, devices, folder)
+    assert extra == _extra()
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(compiled(x)))
+
+
+def _rewrite(path, edit):
+    """Rewrite the entry at ``path`` as (header, bytes) -> (header, bytes) says, with
+    digests and length that match its new bytes and description."""
+    import hashlib
+    import json
+
+    blob = open(path, "rb").read()
+    end = blob.index(b"\n", len(compile_cache.ENTRY_MAGIC))
+    header, data = edit(json.loads(blob[len(compile_cache.ENTRY_MAGIC):end]), blob[end + 1:])
+    header.update(size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                  program_sha256=hashlib.sha256(json.dumps(header["program"], sort_keys=True,
+                                                           separators=(",", ":")).encode()).hexdigest())
+    with open(path, "wb") as f:
+        f.write(compile_cache.ENTRY_MAGIC + json.dumps(header).encode() + b"\n" + data)
+
+
+def test_a_well_formed_entry_of_pickled_bytes_runs_no_code(tmp_path, warnings_logged):
+    import pickle
+
+    devices, lowered, x, compiled, folder, key = _cached_sin(tmp_path)
+    marker = tmp_path / "ran"
+    path = os.path.join(folder, compile_cache.executable_key(lowered, devices))
+    _rewrite(path, lambda header, data: (header, pickle.dumps(_Payload(marker))))
+    assert compile_cache.load_indexed(key, devices, folder) is None
+    assert compile_cache.load_or_compile(_sin_program(devices)[0], devices, folder)[1] is False
+    assert not marker.exists() and len(_unreadable(warnings_logged)) == 2
+    assert compile_cache.load_indexed(key, devices, folder) is not None  # replaced
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "flipped description", "other key", "other devices",
+                                    "other description"])
+def test_a_damaged_entry_is_compiled_again_with_a_warning(damage, tmp_path, warnings_logged):
+    import numpy as np
+
+    devices, lowered, x, compiled, folder, key = _cached_sin(tmp_path)
+    path = os.path.join(folder, compile_cache.executable_key(lowered, devices))
+    if damage.startswith("flipped"):
+        data = open(path, "rb").read()
+        at = len(data) - 100 if damage == "flipped byte" else data.index(b'"shape":[2,3]') + len(b'"shape":[2,')
+        data = bytearray(data)
+        data[at] ^= 1  # in the executable's bytes; or a 3 turned into a 2 in the description
+        open(path, "wb").write(bytes(data))
+    elif damage == "other key":
+        _rewrite(path, lambda header, data: ({**header, "key": "0" * 64}, data))
+    elif damage == "other description":  # consistent, digest and all, but not this program's
+        _rewrite(path, lambda header, data: ({**header, "program": {**header["program"], "no_kwargs": True}}, data))
+    else:
+        _rewrite(path, lambda header, data: ({**header, "devices": header["devices"][::-1]}, data))
+    if damage != "other description":  # which the index, without the lowering, cannot tell from its own
+        assert compile_cache.load_indexed(key, devices, folder) is None
+        assert len(_unreadable(warnings_logged)) == 1
+    again, hit = compile_cache.load_or_compile(_sin_program(devices)[0], devices, folder)
+    assert not hit and len(_unreadable(warnings_logged)) == (1 if damage == "other description" else 2)
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(compiled(x)))
+    assert compile_cache.load_or_compile(_sin_program(devices)[0], devices, folder)[1]  # replaced
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """A pytree class of the tests' own (as a scheduler's state is a flax dataclass)."""
+    scale: object
+    shift: object
+
+
+def _register_state():
+    import jax
+
+    if not getattr(_State, "_registered", False):
+        jax.tree_util.register_dataclass(_State, data_fields=["scale", "shift"], meta_fields=[])
+        _State._registered = True
+
+
+def test_a_program_over_a_mesh_loads_through_the_index_as_it_was_compiled(tmp_path):
+    """An FSDP-like program (jit over a (data, fsdp) mesh, a dict and a dataclass in its
+    arguments, one argument unused): loaded without its lowering, it has the compiled
+    program's types, shardings and trees, and computes the same bits."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    _register_state()
+    devices = jax.local_devices()[:2]
+    mesh = Mesh(np.array(devices).reshape(1, 2), ("data", "fsdp"))
+    rows = NamedSharding(mesh, P(("data", "fsdp"), None))
+    split = NamedSharding(mesh, P(None, "fsdp"))
+
+    def fn(params, state, x, unused):
+        return {"y": jnp.tanh(x @ params["w"]) * state.scale + state.shift, "n": jnp.sum(x)}
+
+    args = ({"w": jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=split)},
+            _State(jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P())),
+                   jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))),
+            jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=rows), jax.ShapeDtypeStruct((3,), jnp.int32))
+    lower = lambda: jax.jit(fn, out_shardings={"y": rows, "n": NamedSharding(mesh, P())}).lower(*args)
+    folder = str(tmp_path / "executables")
+    key = compile_cache.index_key({"program": "mesh"}, devices)
+    extra = {"w": args[0]["w"]}
+    compiled, hit = compile_cache.load_or_compile(lower(), devices, folder, index=(key, extra))
+    assert not hit
+    loaded, kept = compile_cache.load_indexed(key, devices, folder)
+    rebuilt, hit = compile_cache.load_or_compile(lower(), devices, folder)
+    assert hit and kept == extra
+    values = ({"w": jax.device_put(np.arange(16, dtype=np.float32).reshape(4, 4) / 16, split)},
+              _State(jnp.float32(2), jnp.float32(1)),
+              jax.device_put(np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4), rows), np.zeros(3, np.int32))
+    for program in (loaded, rebuilt):
+        assert program.in_avals == compiled.in_avals and program.in_tree == compiled.in_tree
+        assert program.input_shardings == compiled.input_shardings
+        assert program.output_shardings == compiled.output_shardings and program.out_tree == compiled.out_tree
+        out, fresh = program(*values), compiled(*values)
+        for name in ("y", "n"):
+            np.testing.assert_array_equal(np.asarray(out[name]), np.asarray(fresh[name]))
+            assert out[name].sharding == fresh[name].sharding
+
+
+def test_local_cache_folders_are_private_and_others_writable_ones_refused(tmp_path):
+    import stat
+
+    import jax
+
+    devices = jax.local_devices()
+    folder = tmp_path / "cc" / "deeper" / "executables"
+    compile_cache.load_or_compile(_sin_program(devices)[0], devices, str(folder),
+                                  index=(compile_cache.index_key({"program": "modes"}, devices), _extra()))
+    mode = lambda path: stat.S_IMODE(os.stat(path).st_mode)
+    for made in (tmp_path / "cc", tmp_path / "cc" / "deeper", folder, folder / compile_cache.INDEX):
+        assert mode(made) == 0o700, made
+    files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+    assert len(files) == 2 and all(mode(f) == 0o600 for f in files)
+    compile_cache.remember("k", {"x": 1}, str(tmp_path / "cc"))
+    assert mode(tmp_path / "cc" / compile_cache.CHECKS) == 0o700
+    assert mode(tmp_path / "cc" / compile_cache.CHECKS / "k.json") == 0o600
+
+    for loose in (0o770, 0o707, 0o722):
+        os.chmod(folder, loose)
+        with pytest.raises(compile_cache.UnsafeCacheFolder, match=f"folder {folder}: .*writable by its group"):
+            compile_cache.load_or_compile(_sin_program(devices)[0], devices, str(folder))
+        with pytest.raises(compile_cache.UnsafeCacheFolder, match=str(folder)):
+            compile_cache.load_indexed("k" * 64, devices, str(folder))
+    os.chmod(folder, 0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o775)
+    with pytest.raises(compile_cache.UnsafeCacheFolder, match=f"{shared}: it is writable by its group"):
+        compile_cache.enable(str(shared))
+    os.chmod(tmp_path / "cc" / compile_cache.CHECKS, 0o777)
+    with pytest.raises(compile_cache.UnsafeCacheFolder, match=compile_cache.CHECKS):
+        compile_cache.recall("k", str(tmp_path / "cc"))
+
+
+def test_the_module_unpickles_nothing():
+    """No pickle, nor jax's pickling executable serialiser, anywhere in the module."""
+    import ast
+
+    source = open(compile_cache.__file__).read()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+    assert not {name for name in imported
+                if any(bad in name for bad in ("pickle", "serialize_executable", "marshal", "shelve", "dill"))}
+    assert "deserialize_and_load" not in source and "pickle." not in source and "loads(" not in \
+        source.replace("json.loads(", "")
+
+
 def test_the_index_finds_a_sampler_without_tracing_it_and_it_makes_the_same_images(tmp_path, model_cache,
                                                                                     monkeypatch):
     import jax
