@@ -405,7 +405,7 @@ def test_sdxl_bf16_dpmpp_run_end_to_end(tmp_path, model_cache):
 
 
 @pytest.mark.parametrize("flag,value,message", [("--width", "30", "--width must be a positive multiple of 8"),
-                                                ("--steps", "0", "--steps must be >= 1")])
+                                                ("--steps", "0", "--steps must be a whole number from 1 to 1000")])
 def test_bad_settings_are_refused_before_any_work(tmp_path, model_cache, prompts, flag, value, message, capfd):
     assert cli.main(["plan", "--prompts", prompts, "--out", str(tmp_path / "o"), flag, value]) == 1
     assert message in capfd.readouterr().err

@@ -97,7 +97,7 @@ def test_flags_take_auto_and_refuse_what_auto_would_ignore():
     args = parser.parse_args(["run", "--per-device-batch", "4", "--device-memory", "16"])
     with pytest.raises(ValueError, match="--device-memory is read only by --per-device-batch auto"):
         flags.settings_from_args(args, 1)
-    with pytest.raises(ValueError, match="--device-memory must be a positive"):
+    with pytest.raises(ValueError, match="--device-memory must be a number of GiB in"):
         Settings(per_device_batch=AUTO, device_memory=0).validate()
     # device_memory only chose the batch: it is not part of the run's fingerprint
     from pipeline.core.settings import fingerprint

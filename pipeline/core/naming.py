@@ -57,6 +57,7 @@ OWNED = re.compile(r"""(?x)
   | zarr/(images|latents|dropped)/.+
   | dataset/(metadata\.parquet|stats\.json|README\.md|index\.html|gallery/page-\d{5,}\.html)
   | logs/host-\d+(\.attempt-\d+)?\.log
+  | logs/hosts\.json
   | progress/host-\d{5,}\.json
   | (.+/)?\.promptmill-tmp-[^/]+
 """)
