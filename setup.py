@@ -3,7 +3,9 @@ from setuptools import find_packages, setup
 setup(
     name="promptmill",
     version="0.1.0",
-    description="Generate image datasets from text prompts with Stable Diffusion in JAX/Flax on TPU pods.",
+    # the model families' titles, as the registry has them (tests/test_families.py checks it)
+    description="Generate image datasets from text prompts with diffusion models (SD 1.x/2.x, SDXL, FLUX.1) in "
+                "JAX/Flax on TPU pods.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
@@ -17,13 +19,13 @@ setup(
         "transformers>=4.57,<5",
         "apache-beam>=2.60,<3",
         "google-cloud-storage>=2.14,<4",
-        "filelock>=3.12",  # one download of a gs:// checkpoint per machine (pipeline.model.cache)
+        "filelock>=3.12",  # one download of a gs:// checkpoint per machine (pipeline.model.loading.cache)
         "numpy",
         "pillow>=10",
         "pyarrow>=14",
         "tqdm>=4.60",
         "pyyaml>=6",  # submit gke renders JobSet manifests
-        "safetensors>=0.4",  # PyTorch weights, LoRA files and the converted weights (pipeline.model.weights)
+        "safetensors>=0.4",  # PyTorch weights, LoRA files and the converted weights (pipeline.model.loading.weights)
         "tensorstore>=0.1.60",  # the zarr format
     ],
     extras_require={

@@ -17,6 +17,7 @@ from jobs.bench_command import add_bench_parser, run_bench
 from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag, add_settings_flags
 from jobs.submit_command import SUMMARY, add_submit_parser, run_submit
 from pipeline.collect.gallery import ORDERS as GALLERY_ORDERS
+from pipeline.model import families
 
 _settings = flags.settings_from_args  # the one translation of the settings flags; the old name, still used by tests
 
@@ -33,9 +34,10 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     # a flags.Parser, as every subcommand's parser then is: no abbreviations, no flag twice
-    parser = flags.Parser(prog="promptmill", description="Generate image datasets from text prompts with Stable "
-                          "Diffusion in JAX/Flax, on TPU pods or local CPU devices. Flags are written in full (no "
-                          "abbreviations), and a flag that takes one value is given once (--lora repeats).")
+    parser = flags.Parser(prog="promptmill", description=f"Generate image datasets from text prompts with diffusion "
+                          f"models ({families.titles()}) in JAX/Flax, on TPU pods or local CPU devices. Flags are "
+                          f"written in full (no abbreviations), and a flag that takes one value is given once (--lora "
+                          f"repeats).")
     sub = parser.add_subparsers(dest="command", required=True)
     dated = []
 

@@ -32,7 +32,7 @@ from pipeline.core.choices import (
     parse_scores,
 )
 from pipeline.core.settings import AUTO, Settings, lora_spec, parse_lora
-from pipeline.model.builtin import NAMES as BUILTIN_MODELS, shapes_only
+from pipeline.model.families import BUILTINS, guidance_help, sequence_help, shapes_only_builtins, size_rules, titles
 from pipeline.model.scorers import presets as scorer_presets
 
 _DEFAULTS = Settings()
@@ -128,10 +128,10 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "as duplicate_prompt; counted in the stats")
     parser.add_argument("--out", default=d.out, help="output folder or gs://bucket/prefix (default: %(default)s)")
     parser.add_argument("--model", default=d.model,
-                        help="diffusers-format checkpoint (SD 1.x/2.x, SDXL or FLUX.1): a local folder, a gs:// "
+                        help=f"diffusers-format checkpoint ({titles()}): a local folder, a gs:// "
                              "prefix (copied once into the local cache), a Hugging Face id where the network allows, "
-                             f"or a built-in random model ({', '.join(BUILTIN_MODELS)}: random weights, so their "
-                             f"images are noise; for tests, demos and benchmarks; {', '.join(shapes_only())} have "
+                             f"or a built-in random model ({', '.join(BUILTINS)}: random weights, so their "
+                             f"images are noise; for tests, demos and benchmarks; {', '.join(shapes_only_builtins())} have "
                              "shapes only, for the TPU check and benchmarks) (default: %(default)s)")
     parser.add_argument("--unet", metavar="PATH", default=None,
                         help="a UNet-only .safetensors file (local or gs://) whose weights replace the model's UNet, "
@@ -139,11 +139,13 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", metavar="PATH[@SCALE]", action="append", default=None,
                         help="a LoRA adapter merged into the weights once, at load (no cost per image): a "
                              ".safetensors file or a folder holding pytorch_lora_weights.safetensors, local or gs://, "
-                             "in diffusers/PEFT or kohya format, for the UNet and text encoders; SCALE defaults to "
+                             "in diffusers/PEFT or kohya format, for the denoiser and text encoders; SCALE defaults to "
                              "1.0. Repeat it to merge several, in order. Each file's sha256 and scale are recorded in "
                              "run.json and the metadata, and are part of the run's fingerprint")
-    parser.add_argument("--width", type=int, default=None, help="image width, a multiple of 8 (default: the model's)")
-    parser.add_argument("--height", type=int, default=None, help="image height, a multiple of 8 (default: the model's)")
+    for side in ("width", "height"):
+        parser.add_argument(f"--{side}", type=int, default=None,
+                            help=f"image {side} in pixels, a multiple of the model's size unit ({size_rules()}) "
+                                 f"(default: the model's)")
     parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
     parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                         help="sampling algorithm (default: the checkpoint's own; euler_a: Euler ancestral, as "
@@ -169,13 +171,12 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --format zarr: also write each image's final latents (float32, before VAE "
                              "decoding) to OUT/zarr/latents")
     parser.add_argument("--guidance-scale", type=float, default=d.guidance_scale,
-                        help="guidance scale for records without one: SD and SDXL: classifier-free guidance (above 1; "
-                             "default 7.5); FLUX.1 [dev]: the guidance embedded in the transformer, one call per step "
-                             "(default 3.5); FLUX.1 [schnell] takes none (a scale given is counted in the stats and "
-                             "said on the card) (default: the model family's)")
+                        help=f"guidance scale for records without one, as the model's family means it: "
+                             f"{guidance_help()}; a scale a model takes none of is counted in the stats and said on "
+                             f"the card (default: the model family's)")
     parser.add_argument("--max-sequence-length", type=int, default=d.max_sequence_length, metavar="N",
-                        help="FLUX.1: T5 tokens a prompt is encoded to, at most 512 (a longer prompt is cut and "
-                             "counted); FLUX.1 [schnell]'s authors use 256 (default: 512, as diffusers' FluxPipeline)")
+                        help=f"the text tokens a prompt is encoded to, for families whose text encoder takes a "
+                             f"length ({sequence_help()}); a longer prompt is cut and counted (default: the family's)")
     parser.add_argument("--seed", type=int, default=d.seed,
                         help="run seed, hashed with a record's id when the record has no seed (default: %(default)s)")
     parser.add_argument("--per-device-batch", type=per_device_batch, default=d.per_device_batch,

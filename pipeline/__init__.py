@@ -1,3 +1,3 @@
-"""promptmill: text prompts to image datasets with Stable Diffusion in JAX/Flax."""
+"""promptmill: text prompts to image datasets with diffusion models in JAX/Flax."""
 
 __version__ = "0.1.0"

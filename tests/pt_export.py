@@ -1,7 +1,7 @@
 """Write the PyTorch-safetensors twin of a Flax diffusers-format checkpoint (tests only).
 
 The Flax -> PyTorch naming here is written independently of the libraries' PyTorch ->
-Flax converters that ``pipeline.model.weights`` uses, so a round trip checks one against the
+Flax converters that ``pipeline.model.loading.weights`` uses, so a round trip checks one against the
 other.
 """
 import json

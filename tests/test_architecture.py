@@ -416,8 +416,83 @@ def test_no_module_uses_another_modules_private_names():
     _fail_with("uses of another module's _private names", found)
 
 
+FAMILIES = "pipeline.model.families"  # a family is one folder here; the package itself is the registry
+FAMILY_NAMES = ("sd", "sdxl", "flux")  # the names the registry knows today (what no other code may compare)
+
+
+def family_of(module: str) -> str | None:
+    """The family whose folder holds ``module`` (``pipeline.model.families.flux.sampling``
+    -> "flux"), else None (the registry and its shared modules belong to no family)."""
+    prefix = FAMILIES + "."
+    if not module.startswith(prefix):
+        return None
+    rest = module[len(prefix):].split(".")
+    return rest[0] if len(rest) > 1 else None
+
+
+def family_seam_violations(edges: list[Edge], packages=(FAMILIES,)) -> list[str]:
+    """Imports of a family's own modules from outside its folder: only the registry
+    (``pipeline.model.families`` itself) imports a family."""
+    found = []
+    for edge in edges:
+        owner = family_of(edge.target)
+        if owner is not None and edge.source != FAMILIES and family_of(edge.source) != owner:
+            found.append(f"{edge.source} (line {edge.line}) imports {edge.target}, {owner}'s own module: go through "
+                         f"the registry ({FAMILIES}) and the Family interface")
+    return found
+
+
+def family_name_comparisons(source: str, names=FAMILY_NAMES) -> list[int]:
+    """Lines of ``source`` that compare a value with a family's name (``== "flux"``,
+    ``"sdxl" != x``, ``in ("sd", ...)``): what a family is must be asked of it, never told
+    from its name."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        literals = []
+        for operand in operands:
+            if isinstance(operand, ast.Constant):
+                literals.append(operand.value)
+            elif isinstance(operand, (ast.Tuple, ast.List, ast.Set)):
+                literals += [e.value for e in operand.elts if isinstance(e, ast.Constant)]
+        if any(value in names for value in literals if isinstance(value, str)):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_registry_imports_a_family():
+    _fail_with("imports of a family's own modules from outside its folder", family_seam_violations(_tree_edges()[2]))
+
+
+def test_no_code_outside_the_families_compares_a_familys_name():
+    found = [f"{relative} line {line}" for name, (relative, _, source) in sorted(_sources().items())
+             if not name.startswith(FAMILIES) for line in family_name_comparisons(source)]
+    _fail_with("comparisons with a family's name outside pipeline/model/families", found)
+
+
 # ---------------------------------------------------------------------------------------
 # The helpers, on tiny synthetic sources and graphs
+
+
+def test_family_of_and_the_seam():
+    assert family_of("pipeline.model.families.flux.sampling") == "flux"
+    assert family_of("pipeline.model.families.base") is None and family_of("pipeline.model.families") is None
+    assert family_of("pipeline.model.load") is None
+    edges = [Edge("pipeline.model.load", "pipeline.model.families", 1),
+             Edge("pipeline.model.families", "pipeline.model.families.sd.family", 2),
+             Edge("pipeline.model.families.sd.family", "pipeline.model.families.sd.presets", 3),
+             Edge("pipeline.generate.sampler", "pipeline.model.families.flux.sampling", 4),
+             Edge("pipeline.model.families.flux.family", "pipeline.model.families.sd.presets", 5)]
+    found = family_seam_violations(edges)
+    assert len(found) == 2 and "pipeline.generate.sampler (line 4)" in found[0] and "(line 5)" in found[1]
+
+
+def test_family_name_comparisons():
+    source = ('a = x == "flux"\nb = "sdxl" != y\nc = z in ("sd", "other")\nd = name == "fluxion"\n'
+              'e = {"flux": 1}\nf = x is None\n')
+    assert family_name_comparisons(source) == [1, 2, 3]
 
 MODULES = {"pipeline", "pipeline.core", "pipeline.core.keys", "pipeline.core.settings", "pipeline.io",
            "pipeline.io.storage", "pipeline.model", "pipeline.model.load", "pipeline.output",

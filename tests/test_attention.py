@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model import attention, load as model_lib
+from pipeline.model.layers import attention
+from pipeline.model import load as model_lib
 
 MiB = 2 ** 20
 BUDGET = 64 * 1024  # bytes of scores per chunk in the parity tests: 4 rows of the largest call
@@ -270,7 +271,7 @@ def _network_outputs(model, size, decode):
     """{variant: (UNet output, decoded images or None)} for diffusers' own attention
     ("diffusers") and each of ``VARIANTS``, all in one program; and {variant: [Call]}."""
     rng = np.random.default_rng(0)
-    unet, config = model.unet, model.unet.config
+    unet, config = model.nets.unet, model.nets.unet.config
     batch = 2
     latents = jnp.asarray(rng.standard_normal((batch, *model.latent_shape(size, size))), jnp.float32)
     context = jnp.asarray(rng.standard_normal((batch, 77, config.cross_attention_dim)), jnp.float32)
@@ -286,8 +287,8 @@ def _network_outputs(model, size, decode):
                                 encoder_hidden_states=context, added_cond_kwargs=added).sample
         if not decode:
             return prediction, None
-        images = model.vae.apply({"params": params["vae"]}, latents / model.vae.config.scaling_factor,
-                                 method=model.vae.decode).sample
+        images = model.nets.vae.apply({"params": params["vae"]}, latents / model.nets.vae.config.scaling_factor,
+                                 method=model.nets.vae.decode).sample
         return prediction, images
 
     def everything(params, latents, context, added):

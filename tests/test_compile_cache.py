@@ -382,21 +382,21 @@ def test_a_checkpoints_program_digest_is_its_configs_not_its_weights(tmp_path, m
     import json
     import shutil
 
-    from pipeline.model import load, sources
+    from pipeline.model import load as model_load
 
-    tiny = load.resolve("tiny")
+    tiny = model_load.resolve("tiny")
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     shutil.copytree(tiny, a)
     shutil.copytree(tiny, b)
     with open(os.path.join(b, "vae", "diffusion_flax_model.msgpack"), "r+b") as f:  # other weights
         f.seek(100)
         f.write(b"\x01\x02\x03")
-    assert sources.program_digest(a) == sources.program_digest(b) == sources.program_digest("tiny")
+    assert model_load.program_digest(a) == model_load.program_digest(b) == model_load.program_digest("tiny")
     config = json.loads(open(os.path.join(b, "unet", "config.json")).read())
     config["attention_head_dim"] = 4
     with open(os.path.join(b, "unet", "config.json"), "w") as f:
         json.dump(config, f)
-    assert sources.program_digest(b) != sources.program_digest(a)
+    assert model_load.program_digest(b) != model_load.program_digest(a)
 
 
 @pytest.fixture(scope="module")
@@ -489,10 +489,11 @@ def test_the_host_check_reads_no_checkpoint_byte_when_the_plans_table_matches(tm
     import builtins
     import shutil
 
-    from pipeline.model import sources
+    from pipeline.model.loading import sources
+    from pipeline.model import load as model_load
 
     directory = str(tmp_path / "model")
-    shutil.copytree(sources.resolve("tiny"), directory)
+    shutil.copytree(model_load.resolve("tiny"), directory)
     planned = sources.fingerprint(directory)
     table = sources.file_table(directory)
     assert planned == sources.fingerprint(directory) and len(table) > 5

@@ -105,13 +105,13 @@ def test_all_formats_with_prompts_model_and_output_on_gcs(clean_run, gcs_inputs,
         np.testing.assert_array_equal(zarr[row["position"]].read().result(), pixels[row["key"]])
 
 
-@pytest.mark.parametrize("case", list(HOSTILE_IDS))
 def test_every_object_the_run_wrote_is_one_overwrite_would_delete(clean_run):
     """naming.OWNED names every object of a run with every format (what --overwrite deletes)."""
     names = [path[len(clean_run) + 1:] for path in CREATED[clean_run] if path.startswith(clean_run + "/")]
     assert names and [name for name in names if not naming.owned(name)] == []
 
 
+@pytest.mark.parametrize("case", list(HOSTILE_IDS))
 def test_a_hostile_id_gets_a_safe_unique_key_inside_out(clean_run, case):
     out, record_id = clean_run, HOSTILE_IDS[case]
     rows = metadata(out)
@@ -219,7 +219,8 @@ def test_planning_a_gcs_model_downloads_no_weights_and_hosts_check_it_by_listing
     loading the model then checks it against that table without reading an object."""
     from pipeline.generate import runtime
     from pipeline.io import runs
-    from pipeline.model import sources
+    from pipeline.model.loading import sources
+    from pipeline.model import load as model_load
     from tests.test_model_sources import downloads, watched
 
     prompts, model = gcs_inputs
@@ -239,7 +240,7 @@ def test_planning_a_gcs_model_downloads_no_weights_and_hosts_check_it_by_listing
     run = runs.read(out)
     assert run.model_fingerprint == sources.fingerprint(model) == sources.listing_fingerprint(listed)
 
-    sources.resolve(model)  # this machine's copy, as the host's load makes it before checking
+    model_load.resolve(model)  # this machine's copy, as the host's load makes it before checking
     with watched() as proxy:
         loaded = runtime.load_model(run, out)
     assert loaded.fingerprint == run.model_fingerprint

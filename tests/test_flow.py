@@ -1,4 +1,4 @@
-"""Flow-matching Euler (``pipeline.model.flow``) against diffusers' ``FlowMatchEulerDiscreteScheduler``.
+"""Flow-matching Euler (``pipeline.model.sampling.flow``) against diffusers' ``FlowMatchEulerDiscreteScheduler``.
 
 ``tests/fixtures/flux/schedules.npz`` holds the sigmas and timesteps that diffusers' PyTorch
 scheduler set, the way FluxPipeline calls it (``sigmas=np.linspace(1, 1/N, N)``, ``mu`` from
@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model import flow, tiny_flux
+from pipeline.model.sampling import flow
+from pipeline.model.families.flux import presets as tiny_flux
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
 

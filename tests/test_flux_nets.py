@@ -1,4 +1,4 @@
-"""promptmill's own FLUX.1 networks (``pipeline.model.nets``) against diffusers' and
+"""promptmill's own FLUX.1 networks (``pipeline.model.layers``) against diffusers' and
 transformers' PyTorch modules, on checkpoints they wrote.
 
 ``tests/fixtures/flux`` holds a tiny FLUX.1 [schnell]-like (bf16) and [dev]-like (fp16)
@@ -22,9 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model import attention, weights
-from pipeline.model import flux_sampling as fs
-from pipeline.model.nets import convert, flux, t5, vae
+from pipeline.model.layers import attention
+from pipeline.model.loading import weights
+from pipeline.model.families.flux import sampling as fs
+from pipeline.model.loading import convert
+from pipeline.model.families.flux import transformer as flux
+from pipeline.model.layers import t5, vae
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
 VARIANTS = ("schnell", "dev")

@@ -1,4 +1,4 @@
-"""FLUX.1 sampling end to end (``pipeline.model.flux_sampling``) against diffusers' PyTorch
+"""FLUX.1 sampling end to end (``pipeline.model.families.flux.sampling``) against diffusers' PyTorch
 ``FluxPipeline``, on checkpoints it wrote.
 
 ``tests/fixtures/flux`` holds a tiny FLUX.1 [schnell]-like and [dev]-like checkpoint saved by
@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 from transformers import CLIPTokenizer, T5TokenizerFast
 
-from pipeline.model import flow
-from pipeline.model import flux_sampling as fs
-from pipeline.model.nets import flux
+from pipeline.model.sampling import flow
+from pipeline.model.families.flux import sampling as fs
+from pipeline.model.families.flux import transformer as flux
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
 VARIANTS = ("schnell", "dev")

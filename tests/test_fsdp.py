@@ -127,7 +127,7 @@ def test_the_pallas_kernel_runs_per_device_in_a_program_partitioned_over_a_mesh(
     device's own rows (shard_map); interpreted here, it gives XLA's attention."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from pipeline.model import attention
+    from pipeline.model.layers import attention
 
     the_mesh = sharding.mesh(devices, 2)
     rng = np.random.default_rng(1)

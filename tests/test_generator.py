@@ -126,11 +126,11 @@ def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_
 
     class SpyUnet:  # records the batch of every UNet call while the program is traced
         def __getattr__(self, name):
-            return getattr(model.unet, name)
+            return getattr(model.nets.unet, name)
 
         def apply(self, variables, sample, *args, **kwargs):
             unet_batches.append(sample.shape[0])
-            return model.unet.apply(variables, sample, *args, **kwargs)
+            return model.nets.unet.apply(variables, sample, *args, **kwargs)
 
     monkeypatch.setattr(model.family, "make_encode_fn", spy_encode)
     spied = dataclasses.replace(model, unet=SpyUnet())

@@ -97,7 +97,7 @@ def test_run_writes_latents_that_decode_to_the_zarr_images(tmp_path, model_cache
     assert np.isfinite(latents).all()
     assert all(np.abs(latents[p]).max() > 0 for p in range(7))  # every position was written
     attributes = json.loads(storage.read_text(naming.join(naming.zarr_latents(out), "zarr.json")))["attributes"]
-    assert attributes["vae_scaling_factor"] == model.vae.config.scaling_factor
+    assert attributes["vae_scaling_factor"] == model.nets.vae.config.scaling_factor
     # --overwrite's list of what promptmill writes holds every object of the run, zarr and latents included
     assert [name for name in storage.checksums(out) if not naming.owned(name)] == []
     assert "before the division" in attributes["latents"]

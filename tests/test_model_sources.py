@@ -11,7 +11,8 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from pipeline.io import storage
-from pipeline.model import load as model_lib, sources
+from pipeline.model import load as model_lib
+from pipeline.model.loading import sources
 from pipeline.testing.fault_proxy import FaultyProxy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +73,7 @@ def test_hub_id_that_cannot_be_fetched_is_a_clear_error(monkeypatch, model_cache
 
 
 def test_unknown_model_names_the_options(model_cache):
-    with pytest.raises(model_lib.ModelError, match="built-in random models: tiny, tiny-sdxl"):
+    with pytest.raises(model_lib.ModelError, match="built-in random models: tiny, random-sd15, tiny-sdxl"):
         model_lib.resolve("/no/such/folder")
 
 
@@ -262,12 +263,13 @@ def test_a_download_that_does_not_match_its_listing_is_an_error_naming_the_objec
 CHILD = """
 import os, sys, time
 from pipeline.core import logs
-from pipeline.model import sources
+from pipeline.model.loading import sources
+from pipeline.model import load as model_load
 logs.setup()
 open(sys.argv[2], "w").close()
 while not os.path.exists(sys.argv[3]):  # every process starts resolving at the same moment
     time.sleep(0.005)
-print(sources.resolve(sys.argv[1]))
+print(model_load.resolve(sys.argv[1]))
 """
 
 
@@ -302,11 +304,11 @@ def test_a_host_checks_a_gcs_model_by_listing_it_and_refuses_a_changed_object(gc
     local = model_lib.resolve("tiny")
     prefix = f"gs://{gcs_emulator}/models/tiny-check"
     upload_tree(local, prefix)
-    table = sources.model_table(prefix)  # what the plan writes
+    table = model_lib.model_table(prefix)  # what the plan writes
     weights = "unet/diffusion_flax_model.msgpack"
     assert table[weights] == storage.object_checksums(local)[weights]  # size, md5 and crc32c
     with watched() as proxy:
-        sources.check_model(prefix, table)
+        model_lib.check_model(prefix, table)
     assert proxy.requests and downloads(proxy, prefix) == {}  # listed: not one byte read, nothing fetched
 
     config = f"{prefix}/scheduler/scheduler_config.json"
@@ -314,11 +316,11 @@ def test_a_host_checks_a_gcs_model_by_listing_it_and_refuses_a_changed_object(gc
     storage.write_bytes(config, original.replace(b"0.012", b"0.013"))  # same size, other bytes
     with pytest.raises(model_lib.ModelError, match=f"{prefix}: scheduler/scheduler_config.json differs from the "
                                                    "object the run was planned with"):
-        sources.check_model(prefix, table)
+        model_lib.check_model(prefix, table)
     storage.write_bytes(config, original + b" ")
     with pytest.raises(model_lib.ModelError, match=f"scheduler/scheduler_config.json has {len(original) + 1} bytes"):
-        sources.check_model(prefix, table)
+        model_lib.check_model(prefix, table)
     storage.write_bytes(config, original)
     storage.write_bytes(f"{prefix}/unet/extra.bin", b"x")
     with pytest.raises(model_lib.ModelError, match="unet/extra.bin was not part of the checkpoint"):
-        sources.check_model(prefix, table)
+        model_lib.check_model(prefix, table)

@@ -7,7 +7,8 @@ import pytest
 from pipeline.core import keys
 from pipeline.generate import sampler
 from pipeline.core.choices import SCHEDULERS
-from pipeline.model import load as model_lib, scheduler as scheduler_lib
+from pipeline.model import load as model_lib
+from pipeline.model.sampling import scheduler as scheduler_lib
 
 STEPS = 4
 SIZE = 32

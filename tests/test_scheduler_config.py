@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from pipeline.core.settings import Settings
-from pipeline.model import load as model_lib, scheduler as scheduler_lib
+from pipeline.model import load as model_lib
+from pipeline.model.sampling import scheduler as scheduler_lib
 from pipeline.plan import prepare
 
 # scheduler_config.json as diffusers' PyTorch classes write them for released checkpoints
@@ -115,7 +116,7 @@ def test_the_plan_honours_the_checkpoints_spacing_or_refuses_it(trailing_checkpo
     with pytest.raises(model_lib.ModelError, match="timestep_spacing='trailing'"):
         model_lib.load(trailing_checkpoint, "fp32", "pndm")  # and a host loading it refuses too
     model = model_lib.load(trailing_checkpoint, "fp32")
-    assert (model.sampler.engine, model.sampler.config["timestep_spacing"], model.scheduler) == ("steps", "trailing",
+    assert (model.sampler.engine, model.sampler.config["timestep_spacing"], model.nets.scheduler) == ("steps", "trailing",
                                                                                                  None)
 
 

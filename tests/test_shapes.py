@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pipeline.model import load as model_lib, shapes
+from pipeline.model import load as model_lib
+from pipeline.model.loading import shapes
 
 
 @pytest.fixture
@@ -107,7 +108,7 @@ def test_a_transformers_model_without_weights_is_built_once_per_config_and_dtype
     assert _as_pairs(again.params_shape_tree) == _as_pairs(a.params_shape_tree)
     # a model's abstract and concrete loads (a host's two threads) share it
     abstract = model_lib.load("tiny", abstract=True)
-    assert model_lib.load("tiny").text_encoder is abstract.text_encoder
+    assert model_lib.load("tiny").nets.text_encoder is abstract.nets.text_encoder
 
 
 @pytest.mark.parametrize("name", ["FlaxCLIPTextModel", "FlaxCLIPTextModelWithProjection"])

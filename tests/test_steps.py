@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model import stepping, steps
+from pipeline.model.sampling import stepping, steps
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "schedulers")
 FILES = ("ddim", "euler", "euler_a", "lcm")

@@ -1,4 +1,4 @@
-"""The built-in random FLUX.1 models (``pipeline.model.tiny_flux``) are laid out as diffusers'
+"""The built-in random FLUX.1 models (``pipeline.model.families.flux.presets``) are laid out as diffusers'
 own ``FluxPipeline.save_pretrained`` lays out a checkpoint, and ``random-flux`` has FLUX.1's
 real sizes.
 
@@ -18,8 +18,11 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline.model import flow, tiny_flux, weights
-from pipeline.model.nets import flux, t5, vae
+from pipeline.model.sampling import flow
+from pipeline.model.families.flux import presets as tiny_flux
+from pipeline.model.loading import weights
+from pipeline.model.families.flux import transformer as flux
+from pipeline.model.layers import t5, vae
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")

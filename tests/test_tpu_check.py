@@ -371,10 +371,11 @@ def _events(text: str, name: str) -> list[dict]:
 def no_weights(tmp_path_factory, model_cache):
     """The tiny checkpoint with every weight file replaced by bytes no reader accepts: a
     check that read one would fail."""
-    from pipeline.model import sources
+    from pipeline.model.loading import sources
+    from pipeline.model import load as model_load
 
     folder = tmp_path_factory.mktemp("no-weights") / "tiny"
-    shutil.copytree(sources.resolve("tiny"), folder)
+    shutil.copytree(model_load.resolve("tiny"), folder)
     weights = [p for p in folder.rglob("*") if p.suffix in (".msgpack", ".safetensors")]
     assert weights
     for path in weights:

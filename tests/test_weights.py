@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 
-from pipeline.model import load as model_lib, weights
+from pipeline.model import load as model_lib
+from pipeline.model.loading import weights
 from tests.pt_export import write_twin
 
 

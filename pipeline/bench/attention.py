@@ -24,7 +24,7 @@ def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool
 
     from pipeline.generate import parts
     from pipeline.core.choices import LEGACY_ATTENTION
-    from pipeline.model import attention as attention_lib
+    from pipeline.model.layers import attention as attention_lib
 
     if attention == LEGACY_ATTENTION:
         return {"diffusers": None}

@@ -354,9 +354,10 @@ def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: 
     files are removed first), warm with what the cold one left."""
     from pipeline.bench import startup
     from pipeline.generate import compile_cache
-    from pipeline.model import sources, weights
+    from pipeline.model.loading import sources, weights
+    from pipeline.model import load as model_load
 
-    for path in weights.converted_files(sources.resolve(config.model)):
+    for path in weights.converted_files(model_load.resolve(config.model)):
         os.remove(path)
     folder = tempfile.mkdtemp(prefix="promptmill-bench-cache-")
     try:
@@ -461,8 +462,8 @@ def run_bench(config: BenchConfig) -> dict:
         if config.report:
             storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
         return report
-    if {"sweep", "recipes"} & set(config.parts) and model_lib.family_of(model_lib.resolve(config.model))[0].name \
-            != "sd":
+    if {"sweep", "recipes"} & set(config.parts) and \
+            not model_lib.family_of(model_lib.resolve(config.model))[0].notebook_baseline:
         # the seed recipe is FlaxStableDiffusionPipeline's; SDXL's would be another baseline
         raise ValueError(f"bench generator's sweep and recipes compare with the SD 1.x/2.x notebook recipe; "
                          f"{config.model!r} is not SD 1.x/2.x: run the other parts (--parts fsdp,flops,...)")

@@ -28,7 +28,7 @@ def part_memory(model, width: int, height: int, per_device_batch: int, guided: b
     """``program_memory`` of one UNet call (at 2B when ``guided``, else B) and of one VAE
     decode (at B), for B = ``per_device_batch``: {"denoiser_call": {...}, "vae_decode": {...}}.
 
-    ``attention``: the seam's implementation (``pipeline.model.attention.use``), or None
+    ``attention``: the seam's implementation (``pipeline.model.layers.attention.use``), or None
     for diffusers' own attention; ``platform`` and ``seam`` (``budget_bytes``,
     ``block_tokens``) are passed to ``use``. ``model`` needs ``unet``, ``vae``, ``params``
     (arrays or ShapeDtypeStructs), ``dtype``, ``latent_shape`` and ``tokenizer``, as
@@ -36,7 +36,7 @@ def part_memory(model, width: int, height: int, per_device_batch: int, guided: b
     """
     import contextlib
 
-    from pipeline.model import attention as attention_lib
+    from pipeline.model.layers import attention as attention_lib
 
     def seam_block():
         if attention is None:

@@ -81,13 +81,13 @@ def _front_matter(images: int) -> list[str]:
 
 # What the guidance scale does, by the run's guidance rule (its model family's)
 GUIDANCE_MEANING = {
-    "diffusers": "classifier-free guidance (SD, SDXL): an image whose guidance is above 1 runs the UNet on its "
-                 "negative and its prompt and mixes them; at 1 or below, the prompt alone",
+    "diffusers": "classifier-free guidance: an image whose guidance is above 1 runs the denoiser on its negative "
+                 "and its prompt and mixes them; at 1 or below, the prompt alone",
     "always": "classifier-free guidance on every image (a run planned before guidance <= 1 went unguided)",
-    "embedded": "embedded guidance (FLUX.1 [dev]): each image's guidance scale is an input of the transformer, one "
-                "call per step; negative prompts are not used",
-    "unused": "none (FLUX.1 [schnell] takes no guidance): a guidance scale given plays no part, and neither do "
-              "negative prompts; both are counted below",
+    "embedded": "embedded guidance: each image's guidance scale is an input of the denoiser, one call per step; "
+                "negative prompts are not used",
+    "unused": "none (the model takes no guidance): a guidance scale given plays no part, and neither do negative "
+              "prompts; both are counted below",
 }
 
 

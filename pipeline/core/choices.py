@@ -10,7 +10,7 @@ from __future__ import annotations
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 # --scheduler choices -> (diffusers Flax class, config overrides); None: no Flax class,
-# promptmill's own steps run it (pipeline.model.steps)
+# promptmill's own steps run it (pipeline.model.sampling.steps)
 SCHEDULERS = {
     "ddim": ("FlaxDDIMScheduler", {}),
     "pndm": ("FlaxPNDMScheduler", {}),
@@ -22,7 +22,7 @@ SCHEDULERS = {
 }
 FLOW_SCHEDULERS = ("flow_euler",)  # the rectified-flow families' samplers
 
-# --attention choices: how the UNet's and the VAE's attention run (pipeline.model.attention);
+# --attention choices: how the UNet's and the VAE's attention run (pipeline.model.layers.attention);
 # "diffusers" (not a flag choice) is diffusers' own attention modules, untouched: runs planned
 # before the attention seam
 ATTENTIONS = ("auto", "xla", "chunked", "flash")

@@ -58,7 +58,7 @@ class Settings:
     # program); "auto": the smallest that fits one image per device, chosen before planning
     fsdp: int | str = 1
     dtype: str = "fp32"
-    # attention kernels (pipeline.model.attention): auto picks per call from the platform and
+    # attention kernels (pipeline.model.layers.attention): auto picks per call from the platform and
     # shapes; the choice can change float bits, so it is part of the run
     attention: str = "auto"
     formats: tuple[str, ...] = ("files",)
@@ -144,7 +144,7 @@ class Settings:
                              f"record's guidance_scale), got {self.guidance_scale!r}")
         if self.max_sequence_length is not None and (isinstance(self.max_sequence_length, bool) or not isinstance(
                 self.max_sequence_length, int) or not 1 <= self.max_sequence_length <= MAX_SEQUENCE_LENGTH):
-            raise ValueError(f"--max-sequence-length must be a whole number of T5 tokens from 1 to "
+            raise ValueError(f"--max-sequence-length must be a whole number of text tokens from 1 to "
                              f"{MAX_SEQUENCE_LENGTH}, got {self.max_sequence_length!r}")
         for spec in self.loras:
             parse_lora(spec)
@@ -296,7 +296,7 @@ NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": Fal
                   "min_aesthetic": None, "drop_nsfw": False}
 GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused")
 NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free
-MAX_SEQUENCE_LENGTH = 512  # the longest T5 sequence FLUX.1 takes (diffusers' FluxPipeline refuses more)
+MAX_SEQUENCE_LENGTH = 512  # the longest text sequence any family takes; each family may allow less
 
 
 def fingerprint(settings: Settings, model_fingerprint: str, scorers: dict | None = None) -> str:

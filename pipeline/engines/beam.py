@@ -73,7 +73,7 @@ from pipeline.core.settings import Run, Settings
 from pipeline.generate import compile_cache as cache_lib
 from pipeline.generate import fit, host_loop, jax_events, runtime, scoring
 from pipeline.io import beamio, runs, storage
-from pipeline.model.attention import check_platform
+from pipeline.model.layers.attention import check_platform
 from pipeline.plan import transforms as plan
 from pipeline.plan.prepare import prepare
 

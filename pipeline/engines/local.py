@@ -30,7 +30,7 @@ import time
 from pipeline.core import logs, naming
 from pipeline.generate import cluster, compile_cache as compile_cache_lib, stopping
 from pipeline.io import runs, storage
-from pipeline.model.attention import check_platform
+from pipeline.model.layers.attention import check_platform
 
 STOP_GRACE_S = 10.0
 POLL_S = 0.1

@@ -99,7 +99,7 @@ def resolve(directory: str) -> str:
 def local_default() -> str:
     """The cache folder of local ``promptmill run``s that name none: under the promptmill
     cache folder, so a second local run of the same job is warm."""
-    from pipeline.model.cache import cache_dir
+    from pipeline.model.loading.cache import cache_dir
 
     return os.path.join(cache_dir(), "compile-cache", "local")
 
@@ -110,7 +110,7 @@ _REMOTE: dict[str, str] = {}  # gs:// cache folder -> its local mirror, for ``pu
 def _mirror(remote: str) -> str:
     import hashlib
 
-    from pipeline.model.cache import cache_dir
+    from pipeline.model.loading.cache import cache_dir
 
     return os.path.join(cache_dir(), "compile-cache", hashlib.sha256(remote.encode()).hexdigest()[:16])
 

@@ -127,7 +127,7 @@ def run(call: str, *args):
 
 def main(argv: list[str]) -> int:
     request, answer = argv
-    from pipeline.model import libraries
+    from pipeline.model.loading import libraries
 
     libraries.quiet_libraries()  # before the model's classes are unpickled: each would warn
     with open(request, "rb") as f:

@@ -26,7 +26,7 @@ import numpy as np
 from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.generate import compile_cache, jax_events, sampler
 from pipeline.model import sharding
-from pipeline.model import attention as attention_lib
+from pipeline.model.layers import attention as attention_lib
 
 
 @dataclasses.dataclass(frozen=True)

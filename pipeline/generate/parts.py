@@ -6,7 +6,7 @@ one device's shapes, as the model's family lowers them (``Family.parts``).
 memory and speed, and the TPU check (``pipeline.generate.tpu_check``) compiles them for a
 TPU chip to learn how the program's memory grows with the batch. ``seam`` is a context
 manager factory entered while a part is traced (the attention seam of
-``pipeline.model.attention``); by default nothing is entered. ``sharding``: where the
+``pipeline.model.layers.attention``); by default nothing is entered. ``sharding``: where the
 part's inputs live (e.g. one chip of a TPU topology, ``jax.sharding.SingleDeviceSharding``),
 default JAX's default device.
 """

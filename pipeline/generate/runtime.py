@@ -36,10 +36,11 @@ def load_model(run: Run, out: str | None = None):
 
     With ``out``, whose plan wrote the checkpoint's file table (``naming.model_files``),
     and neither --unet nor --lora, the files are checked against that table
-    (``sources.check_model``: for a local checkpoint, sizes and sha256s that are
+    (``load.check_model``: for a local checkpoint, sizes and sha256s that are
     remembered rather than read when the files have not changed; for gs://, the objects'
     listed checksums) instead of hashing every byte again."""
-    from pipeline.model import load as model_lib, sources
+    from pipeline.model import load as model_lib
+    from pipeline.model.loading import sources
 
     settings = run.settings
     table = naming.model_files(out) if out else None
@@ -48,7 +49,7 @@ def load_model(run: Run, out: str | None = None):
                            settings.loras, fingerprint=not quick, max_sequence_length=settings.max_sequence_length)
     if quick:
         try:
-            sources.check_model(settings.model, storage.read_json(table)["files"])
+            model_lib.check_model(settings.model, storage.read_json(table)["files"])
         except sources.ModelError as e:
             raise GenerateError(f"model {settings.model!r}: {e}") from None
         return dataclasses.replace(model, fingerprint=run.model_fingerprint)
@@ -93,10 +94,10 @@ def sampler_description(settings: Settings) -> dict:
     (``compile_cache.index_key``): the checkpoint's configs and tokenizer files (never its
     weights: --unet and --lora change values, not shapes) and the settings the program is
     built from."""
-    from pipeline.model import sources
+    from pipeline.model import load as model_lib
 
     s = settings
-    return {"checkpoint": sources.program_digest(s.model), "dtype": s.dtype, "scheduler": s.scheduler,
+    return {"checkpoint": model_lib.program_digest(s.model), "dtype": s.dtype, "scheduler": s.scheduler,
             "timestep_spacing": s.timestep_spacing, "width": s.width, "height": s.height, "steps": s.steps,
             "per_device_batch": s.per_device_batch, "latents": s.save_latents, "guidance_rule": s.guidance_rule,
             "guided": s.guided, "attention": s.attention,
@@ -139,7 +140,7 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
 
     from pipeline.generate.generator import place_params
 
-    from pipeline.model.libraries import import_libraries
+    from pipeline.model.loading.libraries import import_libraries
 
     devices = list(devices or jax.local_devices())
     _check_guided(run.settings)

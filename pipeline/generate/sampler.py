@@ -32,7 +32,7 @@ def _seam(attention: str, platform: str | None, mesh=None):
     import contextlib
 
     from pipeline.core.choices import LEGACY_ATTENTION
-    from pipeline.model import attention as attention_lib
+    from pipeline.model.layers import attention as attention_lib
 
     if attention == LEGACY_ATTENTION:
         return contextlib.nullcontext
@@ -90,7 +90,7 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
     [B, C, H/f, W/f]); the family's (``Family.make_denoise``: see it for ``guided``,
     ``guidance_rule``, ``empty_negative_ids`` and ``return_latents``).
 
-    ``attention``: how the networks' attention runs (``pipeline.model.attention``; ``auto``
+    ``attention``: how the networks' attention runs (``pipeline.model.layers.attention``; ``auto``
     picks per call from ``platform``, default JAX's, and the shapes); ``"diffusers"``:
     diffusers' own attention, untouched (runs planned before the seam).
     """

@@ -245,7 +245,7 @@ def compile_program(settings, target: Target, per_device_batch: int, model=None)
     for ``target``'s chips; a program XLA refuses for memory comes back with
     ``compiled=False`` and the figures of its message."""
     from pipeline.generate import generator, runtime
-    from pipeline.model import attention
+    from pipeline.model.layers import attention
 
     devices = host_devices(target)
     model = model or runtime.abstract_model(settings)
@@ -472,7 +472,7 @@ def lowered_parts(settings, target: Target, per_device_batch: int, model) -> lis
     run's attention on the TPU platform."""
     import jax
 
-    from pipeline.model import attention
+    from pipeline.model.layers import attention
 
     single = jax.sharding.SingleDeviceSharding(host_devices(target)[0])
     width, height = size_of(settings, model)

@@ -1,7 +1,7 @@
 """Loading a diffusers-format checkpoint: the narrow model interface.
 
 Every model, ``--model tiny`` included, is a diffusers-format directory found by
-``pipeline.model.sources``; its ``model_index.json`` says its family
+``pipeline.model.loading.sources``; its ``model_index.json`` says its family
 (``pipeline.model.families``: SD 1.x/2.x, SDXL, FLUX.1), which loads it (``load``) and
 describes it for a plan (``describe``). The rest of promptmill sees only ``Model`` and
 calls its family.
@@ -13,22 +13,39 @@ import os
 
 from pipeline.core.choices import DTYPES
 from pipeline.core.settings import parse_lora
-from pipeline.model import families, lora, tiny
+from pipeline.model import families
+from pipeline.model.loading import lora, sources
+from pipeline.model.loading import builtin
 from pipeline.model.families.base import Model
-from pipeline.model.libraries import quiet_libraries
-from pipeline.model.sources import (
+from pipeline.model.loading.libraries import quiet_libraries
+from pipeline.model.loading.sources import (
     ModelError,
     check_layout,
     check_unet_file,
     file_sha256,
     model_fingerprint,
     read_json_file,
-    resolve,
     resolve_lora,
     resolve_unet,
 )
 
 __all__ = ["Model", "ModelError", "describe", "family_of", "load", "resolve", "with_sampler"]
+
+
+def resolve(name: str, weights: bool = True, shapes: bool = False) -> str:
+    """The local diffusers-format directory for ``--model``: a built-in random model's
+    name (built once per machine, ``families.builtin_folder``), or a local folder, a
+    ``gs://`` prefix or a Hugging Face id (``sources.resolve``). ``weights=False``: for a
+    ``gs://`` prefix, a folder of its configs alone, enough to describe the model;
+    ``shapes`` (with ``weights=False``): a built-in model not built yet may be its configs
+    alone too, for what needs its shapes only; a plan, whose fingerprint the hosts check
+    against the whole model, never asks for that."""
+    if name in families.BUILTINS:
+        return families.builtin_folder(name, shapes=shapes and not weights)
+    try:
+        return sources.resolve(name, weights)
+    except ModelError as e:
+        raise ModelError(f"{e}; or one of the built-in random models: {', '.join(families.BUILTINS)}") from None
 
 
 def family_of(directory: str) -> tuple[families.Family, dict]:
@@ -55,7 +72,7 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
     ``timestep_spacing``: the run's choices (None: the checkpoint's own), resolved by its
     family. ``unet``: a UNet-only safetensors file (local or gs://) whose weights replace
     the checkpoint's (``--unet``). ``loras``: the ``--lora`` specs (``PATH[@SCALE]``),
-    merged in order (``pipeline.model.lora``); they change parameter values only, never
+    merged in order (``pipeline.model.loading.lora``); they change parameter values only, never
     the compiled program. ``max_sequence_length``: FLUX.1's T5 length (None: 512).
 
     ``abstract``: the same model with its networks' params as ``jax.ShapeDtypeStruct``s,
@@ -68,10 +85,10 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     directory = resolve(name, weights=not abstract, shapes=abstract)  # shapes come from the configs alone
     family, _ = family_of(directory)
-    if not abstract and tiny.shapes_only(directory):
+    if not abstract and builtin.shapes_only(directory):
         raise ModelError(f"model {name!r} is a shapes-only built-in model: its weights are never written, so it "
                          f"can be compiled and measured (the TPU check, `promptmill bench`) but not run; use "
-                         f"{', '.join(tiny.runnable())} to run a random model")
+                         f"{', '.join(families.runnable_builtins())} to run a random model")
     unet_file = _unet_file(directory, unet)
     adapters = _resolved_loras(loras)
     model = family.load(directory, name, DTYPES[dtype], scheduler, timestep_spacing, unet_file,
@@ -82,16 +99,40 @@ def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_
 
 
 def with_sampler(model: Model, scheduler: str | None, timestep_spacing: str | None = None) -> Model:
-    """The same SD or SDXL networks and weights (nothing reloaded) with another sampler,
-    resolved as ``load`` resolves it."""
-    from pipeline.model.families import sd
-    from pipeline.model.scheduler import resolve_sampler
+    """The same networks and weights (nothing reloaded) with another sampler, resolved as
+    ``load`` resolves it (``Family.with_sampler``: a family with one sampler refuses)."""
+    return model.family.with_sampler(model, resolve(model.path), scheduler, timestep_spacing)
 
-    if not isinstance(model.family, sd.StableDiffusion):
-        raise ModelError(f"{model.family.title} has one sampler; --scheduler chooses among SD's")
-    sampler = resolve_sampler(resolve(model.path), scheduler, timestep_spacing)
-    flax_scheduler, params = sd.with_sampler_state(sampler, model.params)
-    return dataclasses.replace(model, sampler=sampler, scheduler=flax_scheduler, params=params)
+
+def model_table(name: str) -> dict:
+    """The table the plan writes for hosts to check ``--model`` against (``check_model``):
+    for a gs:// prefix its objects' {"size", "md5", "crc32c"} from the listing (nothing
+    downloaded); else ``sources.file_table`` of the local folder."""
+    from pipeline.io import storage
+
+    return sources.listed(name) if storage.is_gcs(name) else sources.file_table(resolve(name))
+
+
+def check_model(name: str, table: dict) -> None:
+    """ModelError naming the first file of ``--model`` that differs from the plan's
+    ``table`` (``model_table``).
+
+    A gs:// checkpoint planned by its checksums is checked by listing it again
+    (``sources.check_objects``: no byte read; the host's copy is the one keyed by those
+    checksums, checked as it downloaded); any other by its local files (``sources.check_files``)."""
+    from pipeline.io import storage
+
+    if storage.is_gcs(name) and not any("sha256" in entry for entry in table.values()):
+        sources.check_objects(name, table)
+    else:
+        sources.check_files(resolve(name), table)
+
+
+def program_digest(name: str) -> str:
+    """sha256 of what ``--model``'s programs are built from: its configs alone
+    (``sources.configs_digest``). A gs:// checkpoint's configs alone are fetched for it,
+    and give the digest its whole copy gives."""
+    return sources.configs_digest(resolve(name, weights=False, shapes=True))
 
 
 def _unet_file(directory: str, unet: str | None) -> str | None:

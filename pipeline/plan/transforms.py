@@ -50,7 +50,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.core import logs, naming, records, slicing
 from pipeline.core.settings import NO_CFG_RULES, Run, Settings
 from pipeline.io import beamio, runs, storage
-from pipeline.model import sources
+from pipeline.model import load as model_lib
 from pipeline.plan.layout import (
     Layout,
     PlanError,
@@ -309,7 +309,7 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     settings, _ = prepare(settings, overwrite)
     # hosts check their checkpoint against this table instead of hashing it again;
     # planning just hashed it (model fingerprint), so this reads nothing
-    storage.write_json(naming.model_files(settings.out), {"files": sources.model_table(settings.model)})
+    storage.write_json(naming.model_files(settings.out), {"files": model_lib.model_table(settings.model)})
     p = beam.Pipeline(options=PipelineOptions(beam_args or []))
     _ = p | "Plan" >> Plan(settings, cap_hosts)
     result = p.run()

@@ -1,29 +1,130 @@
-"""Model families: what a checkpoint is made of, and how its images are made.
+"""The registry of model families: what a checkpoint is made of, and how its images are made.
 
-Each family is one module here with one object implementing ``base.Family``, and one
-entry in ``FAMILIES``; ``detect`` finds a checkpoint's family from its
-``model_index.json`` (the pipeline class diffusers saved it with) and refuses, naming
-it, a pipeline no family takes.
+A family is one folder here (``families/<name>/``: its ``Family`` object, its denoiser,
+its sampling, its built-in presets, its component table, its LoRA layer names), and
+one line in ``BUILTIN``. Nothing outside its folder imports it: the rest of promptmill
+asks this registry (``detect``, ``BY_NAME``, ``BUILTINS``) and calls the ``Family``
+interface (``base``).
 
 - ``sd``: SD 1.x/2.x (``sd``) and SDXL (``sdxl``): diffusers' Flax UNet and VAE,
   transformers' Flax CLIP text encoders, classifier-free guidance, the SD samplers;
-- ``flux``: FLUX.1 [schnell] and [dev]: promptmill's own Flax networks
-  (``pipeline.model.nets``: the rectified-flow transformer, the T5 encoder, the
-  16-channel VAE decode) with transformers' Flax CLIP, flow-matching Euler, and
-  guidance embedded in the transformer ([dev]) or none ([schnell]).
+- ``flux``: FLUX.1 [schnell] and [dev]: promptmill's own rectified-flow transformer,
+  the shared T5 encoder and 16-channel VAE decode (``pipeline.model.layers``),
+  transformers' Flax CLIP, flow-matching Euler, and guidance embedded in the
+  transformer ([dev]) or none ([schnell]).
+
+A family that lives outside the package is registered without editing it, in every
+process of a run (the hosts and Beam workers import this registry as the launcher
+does): name its object as ``module:attribute`` in the ``PROMPTMILL_FAMILIES``
+environment variable (comma-separated), or in the ``promptmill.families`` entry-point
+group of an installed package. It is a ``Family`` whose name and pipeline classes no
+other family has.
 """
 from __future__ import annotations
 
-from pipeline.model.families.base import Described, Family, Model  # noqa: F401 (the seam's types)
-from pipeline.model.families.flux import FLUX
-from pipeline.model.families.sd import SD, SDXL
+import importlib
+import os
 
-FAMILIES: tuple[Family, ...] = (SD, SDXL, FLUX)
-BY_NAME = {family.name: family for family in FAMILIES}
+from pipeline.model.families.base import Described, Family, Model  # noqa: F401 (the seam's types)
+from pipeline.model.families.flux.family import FLUX
+from pipeline.model.families.sd.family import SD, SDXL
+
+BUILTIN: tuple[Family, ...] = (SD, SDXL, FLUX)
+PLUGINS_ENV = "PROMPTMILL_FAMILIES"  # "module:attribute[,module:attribute...]": families outside the package
+ENTRY_POINTS = "promptmill.families"  # the entry-point group of installed packages' families
 
 
 class FamilyError(ValueError):
     pass
+
+
+def _plugin(spec: str, where: str) -> Family:
+    module, colon, attribute = spec.strip().partition(":")
+    if not colon or not module or not attribute:
+        raise FamilyError(f"{where}: {spec!r} must name a family as module:attribute")
+    try:
+        found = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        raise FamilyError(f"{where}: cannot import the family {spec!r}: {e}") from None
+    if not isinstance(found, Family):
+        raise FamilyError(f"{where}: {spec!r} is a {type(found).__name__}, not a promptmill Family")
+    return found
+
+
+def plugins() -> tuple[Family, ...]:
+    """The families registered from outside the package: ``PLUGINS_ENV``, then the
+    ``ENTRY_POINTS`` group."""
+    from importlib import metadata
+
+    found = [_plugin(spec, PLUGINS_ENV) for spec in os.environ.get(PLUGINS_ENV, "").split(",") if spec.strip()]
+    for entry in metadata.entry_points(group=ENTRY_POINTS):
+        found.append(_plugin(entry.value, f"entry point {entry.name} ({ENTRY_POINTS})"))
+    return tuple(found)
+
+
+def _registered() -> tuple[Family, ...]:
+    families = list(BUILTIN)
+    for family in plugins():
+        if family in families:
+            continue
+        taken = {f.name for f in families}
+        classes = {c for f in families for c in f.pipeline_classes}
+        if family.name in taken or classes & set(family.pipeline_classes):
+            raise FamilyError(f"the family {family.name!r} ({type(family).__module__}) takes a name or pipeline class "
+                              f"that a registered family has")
+        families.append(family)
+    return tuple(families)
+
+
+FAMILIES: tuple[Family, ...] = _registered()
+BY_NAME = {family.name: family for family in FAMILIES}
+# the built-in random models (``--model tiny``, ...), by name: the family whose presets hold each
+BUILTINS: dict[str, Family] = {name: family for family in FAMILIES for name in family.builtins()}
+
+
+def builtin_folder(name: str, shapes: bool = False) -> str:
+    """The folder of the built-in model ``name``, built once per machine (``shapes``: its
+    configs alone will do, for what needs its shapes only)."""
+    return BUILTINS[name].ensure_builtin(name, shapes)
+
+
+def runnable_builtins() -> tuple[str, ...]:
+    """The built-in models that have weights."""
+    return tuple(name for name, family in BUILTINS.items() if not family.builtins()[name].get("shapes_only"))
+
+
+def shapes_only_builtins() -> tuple[str, ...]:
+    """The built-in models that are shapes alone (the TPU check, FLOP counts, memory benchmarks)."""
+    return tuple(name for name in BUILTINS if name not in runnable_builtins())
+
+
+def titles() -> str:
+    """The families' titles for people ("SD 1.x/2.x, SDXL, FLUX.1"), in registry order."""
+    return ", ".join(family.title for family in FAMILIES)
+
+
+def _by_family(texts: dict) -> str:
+    """``{title: text}`` joined for a help text, one family or a group of titles per text."""
+    grouped: dict[str, list[str]] = {}
+    for title, text in texts.items():
+        if text:
+            grouped.setdefault(text, []).append(title)
+    return "; ".join(f"{' and '.join(titles)}: {text}" for text, titles in grouped.items())
+
+
+def size_rules() -> str:
+    """Each family's size rule, for help texts ("SD 1.x/2.x and SDXL: 8; FLUX.1: 16")."""
+    return _by_family({family.title: family.size_rule for family in FAMILIES})
+
+
+def guidance_help() -> str:
+    """What each family does with a guidance scale, for help texts."""
+    return _by_family({family.title: family.guidance_help for family in FAMILIES})
+
+
+def sequence_help() -> str:
+    """The families whose text length is a setting, and its bounds, for help texts."""
+    return _by_family({family.title: family.sequence_help for family in FAMILIES})
 
 
 def detect(index: dict, where: str) -> Family:

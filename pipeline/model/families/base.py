@@ -23,21 +23,15 @@ class Model:
     path: str
     fingerprint: str | None  # None for an abstract model (``load(abstract=True)``)
     family: "Family"
-    tokenizer: object  # the first (CLIP) tokenizer
-    text_encoder: object
-    vae: object
+    # the family's own networks, tokenizers and what its sampling reads (a dataclass of the
+    # family's, e.g. SD's UNet and CLIP, FLUX.1's transformer and T5): only the family reads it
+    nets: object
     sampler: object  # the family's resolved sampler (its choice, config and engine)
     params: dict  # {component: tree}; for an abstract model, jax.ShapeDtypeStructs
     dtype: object  # the networks' compute dtype (jax.numpy)
     latent_channels: int
     vae_scale_factor: int
     native_size: int
-    scheduler: object = None  # diffusers' Flax scheduler of a "flax"-engine SD sampler, else None
-    unet: object = None  # SD and SDXL
-    tokenizer_2: object = None  # SDXL's second CLIP tokenizer, FLUX.1's T5 tokenizer
-    text_encoder_2: object = None  # SDXL's second CLIP text encoder, FLUX.1's T5 encoder
-    transformer: object = None  # FLUX.1
-    max_sequence_length: int | None = None  # FLUX.1's T5 length
     # the dtype of floating params on the devices, when the host keeps them in another
     # (FLUX.1: stored bf16 in an fp32 run, cast on the devices); None: as on the host
     param_dtype: object = None
@@ -77,6 +71,29 @@ class Family:
     title: str = ""  # for people: "SD 1.x/2.x", "SDXL", "FLUX.1"
     pipeline_classes: tuple[str, ...] = ()  # model_index.json _class_name values it takes
     cfg: bool = True  # whether it has classifier-free guidance (a guided program) at all
+    # for people (help texts, the card): the family's size unit, what its guidance scale does,
+    # and its text length setting (empty: none)
+    size_rule: str = "8"
+    guidance_help: str = ""
+    sequence_help: str = ""
+    # whether diffusers' Flax notebook recipe (FlaxStableDiffusionPipeline) runs it: the seed
+    # baseline that ``bench generator``'s sweep and recipes compare with
+    notebook_baseline: bool = False
+
+    def with_sampler(self, model: Model, directory: str, scheduler: str | None,
+                     timestep_spacing: str | None) -> Model:
+        """``model``'s networks and weights (nothing reloaded) with another sampler."""
+        from pipeline.model.loading.sources import ModelError
+
+        raise ModelError(f"{self.title} has one sampler; --scheduler chooses among SD's")
+
+    def builtins(self) -> dict:
+        """{name: preset} of the family's built-in random models (``--model tiny``, ...)."""
+        return {}
+
+    def ensure_builtin(self, name: str, shapes: bool = False) -> str:
+        """The folder of the built-in model ``name`` (one of ``builtins``), built once per machine."""
+        raise NotImplementedError
 
     def guidance_rule(self, model: Model) -> str:
         """How a new run's guidance acts (``Settings.guidance_rule``)."""

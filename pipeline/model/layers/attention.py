@@ -4,7 +4,7 @@ diffusers' Flax modules are pinned and never patched. ``use`` intercepts (Flax m
 interception) the ``__call__`` of the two attention modules they have, the transformer
 blocks' ``FlaxAttention`` and the VAE's ``FlaxAttentionBlock``, and recomputes it with
 the module's own bound layers (projections, norm, output projection), replacing only
-the core softmax(Q K^T) V. promptmill's own Flax networks (``pipeline.model.nets``: the
+the core softmax(Q K^T) V. promptmill's own Flax networks (``pipeline.model.layers``: the
 FLUX.1 transformer, the scorers' towers) call ``compute`` for their core instead, which
 goes through the seam that is active on the tracing thread (``xla`` outside one). The
 core has these kernels:

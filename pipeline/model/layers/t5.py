@@ -4,7 +4,7 @@ our own Flax Linen module.
 Our own because transformers 4.57's ``FlaxT5EncoderModel`` calls ``jnp.clip(a_min=...,
 a_max=...)``, which jax 0.10 no longer has, and promptmill never patches site-packages;
 Linen, like the diffusers and transformers modules promptmill runs (see
-``pipeline.model.nets``).
+``pipeline.model.layers``).
 
 What it computes, as transformers' PyTorch ``T5EncoderModel`` does (checked against it
 with fixtures: tests/test_flux_nets.py):
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipeline.model.nets import convert
+from pipeline.model.loading import convert
 
 # transformers' activation names (ACT2FN) that T5 configs use, as functions
 ACTIVATIONS = {
@@ -151,7 +151,7 @@ class T5LayerNorm(nn.Module):
 class T5SelfAttention(nn.Module):
     """Multi-head self-attention with an additive position bias and unscaled scores.
 
-    Its core stays here, not in ``pipeline.model.attention``: the seam's kernels take no
+    Its core stays here, not in ``pipeline.model.layers.attention``: the seam's kernels take no
     additive bias, and T5 runs once per prompt (not once per denoising step) on at most
     512 tokens, so its scores matrix is small. The softmax is in float32, as transformers
     computes it."""

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipeline.model.nets import convert
-from pipeline.model.weights import WeightsError
+from pipeline.model.loading import convert
+from pipeline.model.loading.weights import WeightsError
 
 CLASS_NAME = "AutoencoderKL"
 _DEFAULTS = dict(out_channels=3, up_block_types=("UpDecoderBlock2D",), block_out_channels=(64,), layers_per_block=1,

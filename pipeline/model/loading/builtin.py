@@ -1,33 +1,98 @@
-"""The built-in random models, by ``--model`` name: SD-shaped ones (``pipeline.model.tiny``)
-and FLUX.1-shaped ones (``pipeline.model.tiny_flux``), each built once per machine into
-the cache and loaded like a user's checkpoint. Their images are noise.
+"""The built-in random models' mechanism: what every family's presets share.
 
-Some are ``shapes_only``: real-size models whose weights are never written (the TPU
-check, FLOP counts and memory benchmarks need their shapes alone); they cannot run.
+A family names its built-in random models (``--model tiny``, ``random-flux``, ...) in
+its own folder (``families/<name>/presets.py``: configs, and how to build and save
+them in diffusers format) and the registry gathers them (``pipeline.model.families``:
+``builtin_folder``). Here is what they have in common, and no family: building a
+model once per machine into the cache (``ensure``), weights drawn leaf by leaf
+(``random_params``), the tokenizer files of a byte-level CLIP vocabulary, and the
+mark of a real-size model saved with its configs alone (``SHAPES_ONLY``: its weights
+are never written; the TPU check, FLOP counts and memory benchmarks need its shapes
+alone, and it cannot run). Their images are noise.
 """
 from __future__ import annotations
 
+import json
 import os
+import zlib
 
-from pipeline.model import tiny, tiny_flux
-from pipeline.model.cache import cache_dir
+from pipeline.model.loading.cache import cache_dir, is_made, materialize
 
-PRESETS = {**tiny.PRESETS, **tiny_flux.PRESETS}
-NAMES = tuple(PRESETS)
-
-
-def ensure(name: str, shapes: bool = False) -> str:
-    """The folder of the built-in model ``name`` (``shapes``: its configs alone will do)."""
-    models = os.path.join(cache_dir(), "models")
-    if name in tiny.PRESETS:
-        return tiny.ensure(models, name, shapes=shapes)
-    return tiny_flux.ensure(models, name, shapes=shapes)
+SHAPES_ONLY = "promptmill_shapes_only.json"  # marks a built-in model saved without weights
+CLIP_MAX_LENGTH = 77  # the built-in CLIP tokenizers' length, as CLIP's
+CLIP_SPECIAL = ("<|startoftext|>", "<|endoftext|>")
 
 
-def runnable() -> tuple[str, ...]:
-    """The built-in models that have weights."""
-    return tuple(name for name, preset in PRESETS.items() if not preset.get("shapes_only"))
+def models_dir() -> str:
+    """Where the built-in models are built, once per machine."""
+    return os.path.join(cache_dir(), "models")
 
 
-def shapes_only() -> tuple[str, ...]:
-    return tuple(name for name, preset in PRESETS.items() if preset.get("shapes_only"))
+def ensure(version: str, build, shapes: bool = False, shapes_only_preset: bool = False) -> str:
+    """The cached folder of a built-in model (``version``: its folder's name), built on
+    first use by ``build(folder, weights)`` (once, even when several host processes ask at
+    the same time: see ``cache.materialize``).
+
+    ``shapes``: its configs alone will do (a program is compiled from its shapes): the
+    whole model if it was built already, else its configs and tokenizers, built without
+    weights (a minute and gigabytes less for the real-size presets). A
+    ``shapes_only_preset`` is never built with weights."""
+    whole = os.path.join(models_dir(), version)
+    if shapes_only_preset:
+        return materialize(whole, lambda scratch: build(scratch, False))
+    if not shapes or is_made(whole):
+        return materialize(whole, lambda scratch: build(scratch, True))
+    return materialize(f"{whole}-shapes", lambda scratch: build(scratch, False))
+
+
+def shapes_only(directory: str) -> bool:
+    """Whether ``directory`` is a built-in model saved with its configs alone."""
+    return os.path.isfile(os.path.join(directory, SHAPES_ONLY))
+
+
+def mark_shapes_only(directory: str, name: str) -> None:
+    """Mark a built-in model's folder as saved without weights (``shapes_only``)."""
+    with open(os.path.join(directory, SHAPES_ONLY), "w") as f:
+        json.dump({"preset": name, "why": "a built-in random model saved without weights: its shapes are for the "
+                   "TPU check, FLOP counts and memory benchmarks"}, f)
+
+
+def random_params(shapes, seed: int, embeddings: tuple[str, ...] = ("['embedding']",)):
+    """Weights for a tree of ShapeDtypeStructs, from numpy, leaf by leaf.
+
+    Flax's own initialisers would run the whole model eagerly (tens of seconds on a
+    CPU); the shapes come from ``jax.eval_shape`` instead and each leaf is drawn from
+    a generator seeded by (seed, leaf path), so the result does not depend on order:
+    ones for norms' scales, zeros for biases, else normal with 1/sqrt(fan-in) (0.02 for
+    the parameters whose names end in one of ``embeddings``).
+    """
+    import jax
+    import numpy as np
+
+    def leaf(path, spec):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("['scale']"):
+            return np.ones(spec.shape, np.float32)
+        if name.endswith("['bias']"):
+            return np.zeros(spec.shape, np.float32)
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        fan_in = int(np.prod(spec.shape[:-1])) or 1
+        std = 0.02 if name.endswith(embeddings) else fan_in ** -0.5
+        return (rng.standard_normal(spec.shape) * std).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+
+def write_clip_tokenizer_files(folder: str) -> tuple[str, str]:
+    """A byte-level CLIP BPE vocabulary with no merges: 512 symbols plus 2 specials
+    (``CLIP_SPECIAL``); (vocab.json, merges.txt)."""
+    from transformers.models.clip.tokenization_clip import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols] + list(CLIP_SPECIAL))}
+    vocab_file, merges_file = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(merges_file, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")
+    return vocab_file, merges_file

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from pipeline.model.weights import WeightsError
+from pipeline.model.loading.weights import WeightsError
 
 # Flax leaf name -> PyTorch parameter name
 LEAVES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}

@@ -43,8 +43,6 @@ _PEFT_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".alpha": "a
                   ".lora.down.weight": "down", ".lora.up.weight": "up"}  # the latter: older text encoder files
 # the adapter configs diffusers' save_lora_weights writes into the safetensors header
 _METADATA_KEY = "lora_adapter_metadata"
-# cross-attention width (the text features' width) of the families a LoRA may be made for
-_FAMILIES = {768: "SD 1.x", 1024: "SD 2.x", 2048: "SDXL"}
 _SHOWN = 5  # unmatched keys named in an error
 # FLUX.1 LoRAs that name BFL's original blocks (img_attn_qkv, ...): kohya's and the original format
 _FLUX_NATIVE = ("lora_unet_double_blocks_", "lora_unet_single_blocks_", "diffusion_model.double_blocks.",
@@ -237,7 +235,7 @@ def kernels(shapes: dict, layouts: dict | None = None) -> dict[str, dict[str, tu
     ``nets.convert.Layout``}) names its layers by PyTorch's names (``convert.torch_name``),
     one per block of a stacked kernel (block index, and one block's shape). A joined name
     that two layers share maps to None (a match on it is refused)."""
-    from pipeline.model.nets import convert
+    from pipeline.model.loading import convert
 
     layouts = layouts or {}
     index = {}
@@ -285,29 +283,23 @@ def match(adapter: Adapter, shapes: dict, layouts: dict | None = None) -> list[M
 
 
 def _check_family(adapter: Adapter, shapes: dict) -> None:
-    """LoraError when the adapter was made for another family than the model's: one with a
-    second text encoder (SDXL) on a model without, or a UNet whose cross-attention takes
-    text features of another width."""
-    components = {u.component for u in adapter.updates}
-    model = _describe_family(shapes)
-    if "transformer" in components and "transformer" not in shapes:
-        raise LoraError(f"--lora {adapter.path}: made for FLUX.1 (it adapts a transformer), but the model is {model}; "
-                        f"use a LoRA made for the model's family")
-    if "unet" in components and "unet" not in shapes:
-        raise LoraError(f"--lora {adapter.path}: made for SD or SDXL (it adapts a UNet), but the model is {model}; "
-                        f"use a LoRA made for the model's family")
-    if "text_encoder_2" in components and "text_encoder_2" not in shapes:
-        raise LoraError(f"--lora {adapter.path}: made for SDXL (it adapts a second text encoder), but the model is "
-                        f"{model}; use a LoRA made for the model's family")
+    """LoraError when the adapter was made for another kind of model than ``shapes``': it
+    adapts a component the model lacks (a UNet, a transformer, a second text encoder), or
+    a UNet whose cross-attention takes text features of another width."""
+    components = sorted({u.component for u in adapter.updates})
+    missing = [c for c in components if c not in shapes]
+    if missing:
+        raise LoraError(f"--lora {adapter.path}: made for another model family: it adapts {', '.join(missing)}, "
+                        f"which the model does not have (it has {', '.join(sorted(shapes))}); use a LoRA made for "
+                        f"the model's family")
     width = _model_context_width(shapes)
     for update in adapter.updates:
         if update.component == "unet" and update.layer.endswith(("attn2_to_k", "attn2_to_v")):
             theirs = adapter.shapes[update.down][1]
             if width is not None and theirs != width:
-                made = _FAMILIES.get(theirs, "another family")
-                raise LoraError(f"--lora {adapter.path}: made for {made} (its UNet's cross-attention takes "
-                                f"{theirs}-wide text features), but the model is {model} ({width}-wide); use a "
-                                f"LoRA made for the model's family")
+                raise LoraError(f"--lora {adapter.path}: made for another model family: its UNet's cross-attention "
+                                f"takes {theirs}-wide text features, the model's {width}-wide; use a LoRA made for "
+                                f"the model's family")
             return
 
 
@@ -316,15 +308,6 @@ def _model_context_width(shapes: dict) -> int | None:
         if path[-3:] == ("attn2", "to_k", "kernel"):
             return int(shape[0])
     return None
-
-
-def _describe_family(shapes: dict) -> str:
-    if "transformer" in shapes:
-        return "FLUX.1 (a transformer)"
-    width = _model_context_width(shapes)
-    if "text_encoder_2" in shapes:
-        return "SDXL (two text encoders)"
-    return _FAMILIES.get(width, "SD 1.x/2.x") + " (one text encoder)"
 
 
 def _check_shapes(adapter: Adapter, found: Match) -> None:

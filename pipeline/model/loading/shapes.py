@@ -50,7 +50,7 @@ def _digest(parts: list) -> str:
 
 
 def _path(key: str) -> str:
-    from pipeline.model.cache import cache_dir
+    from pipeline.model.loading.cache import cache_dir
 
     return os.path.join(cache_dir(), SHAPES, f"{key}.json")
 

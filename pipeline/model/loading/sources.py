@@ -8,7 +8,7 @@ its bytes (a ``gs://`` checkpoint's through its objects' checksums: planning dow
 only its configs, and hosts check it by listing it, ``check_model``).
 ``--unet`` names a UNet-only safetensors file (local or ``gs://``, copied once into the
 cache) that replaces the checkpoint's UNet weights, and each ``--lora`` a LoRA adapter's
-file, found the same way (``pipeline.model.lora`` merges it); ``model_fingerprint`` pins
+file, found the same way (``pipeline.model.loading.lora`` merges it); ``model_fingerprint`` pins
 them all.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import os
 import re
 
 from pipeline.core import naming
-from pipeline.model import builtin, tiny, weights
-from pipeline.model.cache import cache_dir, is_made, materialize
+from pipeline.model.loading import builtin, weights
+from pipeline.model.loading.cache import cache_dir, is_made, materialize
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # a --lora folder's file, as diffusers' save_lora_weights names it
 
@@ -45,30 +45,26 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.txt", "*.msgpack", "*.safetensors"]
 
 
-def resolve(name: str, weights: bool = True, shapes: bool = False) -> str:
-    """The local diffusers-format directory for ``--model``.
+def resolve(name: str, weights: bool = True) -> str:
+    """The local diffusers-format directory of a checkpoint that is not built in
+    (``pipeline.model.load.resolve`` takes the built-in names first).
 
-    A built-in random model's name, a local folder, a ``gs://`` prefix (copied once
-    into the cache, keyed by the objects' checksums), or a Hugging Face id (fetched
-    through the hub's own cache, where the network allows). ``weights=False``: for a
-    ``gs://`` prefix, a folder of its configs alone (``fetch_remote``), enough to
-    describe the model; every other source is whole either way. ``shapes`` (with
-    ``weights=False``): a built-in random model not built yet may be its configs alone
-    too (``tiny.ensure``), for what needs its shapes only; a plan, whose fingerprint the
-    hosts check against the whole model, never asks for that.
+    A local folder, a ``gs://`` prefix (copied once into the cache, keyed by the
+    objects' checksums), or a Hugging Face id (fetched through the hub's own cache,
+    where the network allows). ``weights=False``: for a ``gs://`` prefix, a folder of its
+    configs alone (``fetch_remote``), enough to describe the model; every other source
+    is whole either way.
     """
     from pipeline.io import storage
 
-    if name in builtin.PRESETS:
-        return builtin.ensure(name, shapes=shapes and not weights)
     if storage.is_gcs(name):
         return fetch_remote(name, weights)
     if os.path.isdir(name):
         return name
     if _HUB_ID.fullmatch(name) and not os.path.exists(name):
         return _fetch_hub(name)
-    raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, a gs:// prefix, a "
-                     f"Hugging Face id, or one of the built-in random models: {', '.join(builtin.NAMES)})")
+    raise ModelError(f"model {name!r} is not a directory (give a diffusers-format folder, a gs:// prefix or a "
+                     f"Hugging Face id)")
 
 
 # what describing a checkpoint reads: model_index.json, every component's config, the
@@ -85,7 +81,7 @@ def _configs_root() -> str:
     return os.path.join(cache_dir(), "models", "remote-configs")
 
 
-def _listed(prefix: str, marker: str = "model_index.json") -> dict:
+def listed(prefix: str, marker: str = "model_index.json") -> dict:
     """{relative name: {"size", "md5", "crc32c"}} of a gs:// checkpoint's objects (the listing);
     ModelError unless it holds ``marker`` (a diffusers checkpoint's ``model_index.json``)."""
     from pipeline.io import storage
@@ -122,7 +118,7 @@ def fetch_remote(prefix: str, weights: bool = True, marker: str = "model_index.j
     ``marker``: the file that makes a folder a model (a transformers model's folder, such as
     a CLIP scorer's, holds ``config.json`` rather than ``model_index.json``).
     """
-    objects = _listed(prefix, marker)
+    objects = listed(prefix, marker)
     key = _cache_key(objects)
     _keep_listing(key, objects)
     whole = os.path.join(_remote_root(), key)
@@ -182,45 +178,21 @@ def listing_fingerprint(objects: dict) -> str:
     return hashlib.sha256(json.dumps(["gcs-objects", rows]).encode()).hexdigest()
 
 
-def model_table(name: str) -> dict:
-    """The table the plan writes for hosts to check ``--model`` against (``check_model``):
-    for a gs:// prefix its objects' {"size", "md5", "crc32c"} from the listing (nothing
-    downloaded); else ``file_table`` of the local folder."""
-    from pipeline.io import storage
-
-    return _listed(name) if storage.is_gcs(name) else file_table(resolve(name))
-
-
-def check_model(name: str, table: dict) -> None:
-    """ModelError naming the first file of ``--model`` that differs from the plan's
-    ``table`` (``model_table``).
-
-    A gs:// checkpoint planned by its checksums is checked by listing it again
-    (``check_objects``: no byte read; the host's copy is the one keyed by those
-    checksums, checked as it downloaded); any other by its local files (``check_files``)."""
-    from pipeline.io import storage
-
-    if storage.is_gcs(name) and not any("sha256" in entry for entry in table.values()):
-        check_objects(name, table)
-    else:
-        check_files(resolve(name), table)
-
-
 def check_objects(prefix: str, table: dict) -> None:
     """ModelError naming the first object under ``prefix`` that differs from the plan's
-    ``table`` (``model_table``): missing or extra, another size, or another checksum.
+    ``table`` (``load.model_table``): missing or extra, another size, or another checksum.
     Reads the listing only."""
-    listed = _listed(prefix)
-    for relative in sorted(set(listed) | set(table)):
-        if relative not in listed:
+    found = listed(prefix)
+    for relative in sorted(set(found) | set(table)):
+        if relative not in found:
             raise ModelError(f"{prefix}: {relative} is missing, but the run was planned with it")
         if relative not in table:
             raise ModelError(f"{prefix}: {relative} was not part of the checkpoint the run was planned with")
-        if listed[relative]["size"] != table[relative]["size"]:
-            raise ModelError(f"{prefix}: {relative} has {listed[relative]['size']} bytes, the run was planned "
+        if found[relative]["size"] != table[relative]["size"]:
+            raise ModelError(f"{prefix}: {relative} has {found[relative]['size']} bytes, the run was planned "
                              f"with {table[relative]['size']}: generating needs the same checkpoint")
-    for relative in sorted(listed):
-        if any(listed[relative][key] != table[relative].get(key) for key in ("md5", "crc32c")):
+    for relative in sorted(found):
+        if any(found[relative][key] != table[relative].get(key) for key in ("md5", "crc32c")):
             raise ModelError(f"{prefix}: {relative} differs from the object the run was planned with (another "
                              f"checksum): generating needs the same checkpoint")
 
@@ -246,16 +218,15 @@ def _files(directory: str) -> list[tuple[str, str]]:
     return found
 
 
-def program_digest(name: str) -> str:
+def configs_digest(directory: str) -> str:
     """sha256 of what a checkpoint's programs are built from: its configs alone
     (``CONFIG_SUFFIXES``: model_index.json, the components' and the scheduler's configs,
     the tokenizers' files), by relative name and content. Weights change values, never a
-    program; their shapes come from the configs. A gs:// checkpoint's configs alone are
-    fetched for it, and give the digest its whole copy gives."""
+    program; their shapes come from the configs."""
     import hashlib
 
     digest = hashlib.sha256()
-    for relative, path in _files(resolve(name, weights=False, shapes=True)):
+    for relative, path in _files(directory):
         if relative.endswith(CONFIG_SUFFIXES):
             with open(path, "rb") as f:
                 digest.update(relative.encode() + b"\0" + f.read() + b"\0")
@@ -306,7 +277,7 @@ def fingerprint(directory: str) -> str:
     from pipeline.io import storage
 
     if storage.is_gcs(directory):
-        return listing_fingerprint(_listed(directory))
+        return listing_fingerprint(listed(directory))
     objects = _remote_objects(directory)
     if objects is not None:
         return listing_fingerprint(objects)
@@ -483,13 +454,13 @@ def check_layout(directory: str, components, libraries: dict) -> None:
         sub = os.path.join(directory, component)
         if not os.path.isfile(os.path.join(sub, "config.json")):
             raise ModelError(f"{directory}: missing {component}/config.json")
-        if tiny.shapes_only(directory):
+        if builtin.shapes_only(directory):
             continue  # a built-in with its configs alone: shapes, never weights
         try:
             if names is None:
                 weights.find(sub, component, library)
             else:
-                _find_listed(sub, component, library, names)
+                _findlisted(sub, component, library, names)
         except weights.WeightsError as e:
             raise ModelError(str(e)) from None
     if "scheduler" in components and not os.path.isfile(os.path.join(directory, "scheduler",
@@ -501,7 +472,7 @@ def _configs_only(directory: str) -> bool:
     return os.path.dirname(os.path.abspath(directory)) == os.path.abspath(_configs_root())
 
 
-def _find_listed(component_dir: str, component: str, library: str, names: set) -> None:
+def _findlisted(component_dir: str, component: str, library: str, names: set) -> None:
     """``weights.find`` for a component whose weights are listed but not downloaded."""
     files = weights.weight_file_names(library)
     if not any(f"{component}/{name}" in names for name in files):

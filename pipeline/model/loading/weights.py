@@ -180,7 +180,7 @@ def converted_path(source: str, component_dir: str) -> str:
     import diffusers
     import transformers
 
-    from pipeline.model.cache import cache_dir
+    from pipeline.model.loading.cache import cache_dir
 
     parts = [CONVERTED_VERSION]
     for path in source_files(source):
@@ -264,7 +264,7 @@ def params_from_msgpack(shapes_tree, path: str) -> dict:
 def _shapes(module):
     """The params' shapes of a diffusers Flax module, from its config alone: no
     initialiser runs, and its trace is kept (``shapes.diffusers_shapes``)."""
-    from pipeline.model.shapes import diffusers_shapes
+    from pipeline.model.loading.shapes import diffusers_shapes
 
     return diffusers_shapes(module)
 
@@ -320,7 +320,7 @@ def load_transformers(cls, directory: str, component: str, dtype, abstract: bool
     import jax
     from transformers import CLIPTextConfig
 
-    from pipeline.model.shapes import transformers_model
+    from pipeline.model.loading.shapes import transformers_model
 
     component_dir = os.path.join(directory, component)
     # no random initialisation of weights the file replaces anyway (the eager init took most

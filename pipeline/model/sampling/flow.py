@@ -11,7 +11,7 @@ terminal sigma 0 is appended. The timesteps are the sigmas times
 sigma, for 1000 training timesteps), and the transformer multiplies it by 1000 again.
 A step is ``x + (sigma_next - sigma) * v`` in float32, ``v`` the transformer's velocity.
 
-Two halves, as ``pipeline.model.steps``:
+Two halves, as ``pipeline.model.sampling.steps``:
 - ``make_schedule(config, steps, image_seq_len)`` runs once on the host, in numpy, with
   diffusers' own float32 arithmetic (its sigmas to the bit), after ``unsupported`` has
   refused, naming key and value, anything in the config it does not reproduce;
@@ -113,11 +113,20 @@ class FlowSchedule:
         return len(self.timesteps)
 
 
-def make_schedule(config: Mapping[str, Any], steps: int, image_seq_len: int) -> FlowSchedule:
-    """The schedule of ``steps`` steps for an image of ``image_seq_len`` packed tokens, as
-    FluxPipeline calls ``set_timesteps(sigmas=np.linspace(1, 1/N, N), mu=mu)``: the same
-    float32 arithmetic as diffusers (numpy on the host). ValueError naming what
-    ``unsupported`` refuses, or a step count below 1."""
+def pipeline_mu(config: Mapping[str, Any], image_seq_len: int, steps: int) -> float:
+    """FluxPipeline's ``mu`` of a resolved config (``calculate_shift``): the default ``mu``
+    of ``make_schedule``; a family whose pipeline computes another passes its own."""
+    return calculate_shift(image_seq_len, config["base_image_seq_len"], config["max_image_seq_len"],
+                           config["base_shift"], config["max_shift"])
+
+
+def make_schedule(config: Mapping[str, Any], steps: int, image_seq_len: int, mu_of=pipeline_mu) -> FlowSchedule:
+    """The schedule of ``steps`` steps for an image of ``image_seq_len`` packed tokens, as a
+    flow-matching pipeline calls ``set_timesteps(sigmas=np.linspace(1, 1/N, N), mu=mu)``:
+    the same float32 arithmetic as diffusers (numpy on the host). ``mu_of(config,
+    image_seq_len, steps)``: the pipeline's ``mu`` (default FluxPipeline's,
+    ``pipeline_mu``), used where the config has ``use_dynamic_shifting``. ValueError
+    naming what ``unsupported`` refuses, or a step count below 1."""
     refused = unsupported(config)
     if refused:
         raise ValueError("flow-matching scheduler config: " + "; ".join(f"{k}={v!r}" for k, v in refused)
@@ -129,8 +138,7 @@ def make_schedule(config: Mapping[str, Any], steps: int, image_seq_len: int) -> 
         raise ValueError(f"flow-matching scheduler config: shift_terminal={cfg['shift_terminal']!r} stretches the "
                          f"schedule to end there, which a single step cannot (diffusers' sigmas are NaN): use 2 "
                          f"steps or more")
-    mu = calculate_shift(image_seq_len, cfg["base_image_seq_len"], cfg["max_image_seq_len"], cfg["base_shift"],
-                         cfg["max_shift"])
+    mu = mu_of(cfg, image_seq_len, steps)
     one = np.float32(1)
     sigmas = np.linspace(1.0, 1 / steps, steps).astype(np.float32)
     if cfg["use_dynamic_shifting"]:  # diffusers' time_shift(mu, 1.0, sigmas): a power of 1 changes nothing

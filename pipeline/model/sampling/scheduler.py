@@ -4,7 +4,7 @@ or refused, never silently changed.
 Two engines run the samplers:
 - ``flax``: diffusers' Flax scheduler class (``ddim``, ``pndm``, ``euler``, ``dpmpp``),
   when the checkpoint's config asks only for what that class does;
-- ``steps``: promptmill's own pure-JAX steps (``pipeline.model.steps``, ``stepping``: ``ddim``,
+- ``steps``: promptmill's own pure-JAX steps (``pipeline.model.sampling.steps``, ``stepping``: ``ddim``,
   ``euler``, ``euler_a``, ``lcm``), which follow diffusers' PyTorch schedulers, for what
   the Flax classes lack: trailing or linspace spacing for DDIM, trailing spacing, Karras
   or exponential sigmas for Euler, zero-SNR betas, Euler ancestral and LCM.
@@ -17,8 +17,8 @@ import dataclasses
 import os
 
 from pipeline.core.choices import FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
-from pipeline.model import steps
-from pipeline.model.sources import ModelError, read_json_file
+from pipeline.model.sampling import steps
+from pipeline.model.loading.sources import ModelError, read_json_file
 
 # checkpoint scheduler class names (with or without the Flax prefix) -> --scheduler choice
 CHECKPOINT_SCHEDULERS = {"DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",

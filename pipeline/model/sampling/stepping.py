@@ -1,4 +1,4 @@
-"""Sampler steps on the devices: the traceable, pure half of ``pipeline.model.steps``.
+"""Sampler steps on the devices: the traceable, pure half of ``pipeline.model.sampling.steps``.
 
 ``scale_input`` and ``step`` read a ``Schedule`` that ``steps.make_schedule`` computed on
 the host; ``i`` may be the counter of a ``lax.fori_loop``. Importing this module makes a
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pipeline.model.steps import Schedule
+from pipeline.model.sampling.steps import Schedule
 
 jax.tree_util.register_dataclass(
     Schedule,

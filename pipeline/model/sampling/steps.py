@@ -12,13 +12,13 @@ Two halves:
   shape. Anything a config asks for that this module does not do is refused here, by
   ``unsupported``, naming the key and its value, so a caller can refuse it at plan time.
 - ``scale_input(schedule, i, sample)`` and ``step(schedule, i, model_output, sample,
-  noise)`` (``pipeline.model.stepping``, the device side) are pure and traceable: ``i``
+  noise)`` (``pipeline.model.sampling.stepping``, the device side) are pure and traceable: ``i``
   may be the counter of a ``lax.fori_loop``. The stochastic samplers (``euler_a``,
   ``lcm``) take the noise of step ``i`` as an argument, so the caller decides where it
   comes from (per image, ``fold_in(image_key, i)``).
 
 This half needs numpy alone: planning checks a checkpoint's sampler without importing
-JAX. Once ``pipeline.model.stepping`` is imported, a ``Schedule`` is a pytree whose array
+JAX. Once ``pipeline.model.sampling.stepping`` is imported, a ``Schedule`` is a pytree whose array
 fields are leaves and whose sampler and prediction type are static, so it can be passed
 into ``jit`` as an argument.
 

@@ -35,7 +35,7 @@ class Head:
 def read_layers(file: str, path: str) -> list[tuple[int, np.ndarray, np.ndarray]]:
     """(index, weight, bias) of each linear layer of a head file, in index order;
     ScorerError naming the file for a name, shape or chain that is not the predictor's."""
-    from pipeline.model import weights
+    from pipeline.model.loading import weights
 
     try:
         tensors = weights.read_mapped(file)

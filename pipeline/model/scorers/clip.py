@@ -2,7 +2,7 @@
 
 The networks are transformers' Flax CLIP modules (``FlaxCLIPModule``), which run on our
 jax; the weights are the folder's Flax msgpack or safetensors, read without torch and
-converted once per machine (``pipeline.model.weights.converted``). The image side takes
+converted once per machine (``pipeline.model.loading.weights.converted``). The image side takes
 the uint8 images the sampler made and preprocesses them on the device
 (``pipeline.model.scorers.preprocess``: the folder's ``preprocessor_config.json``, i.e.
 what ``CLIPProcessor`` would do with the written images). The prompt is tokenised on the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pipeline.model import weights
+from pipeline.model.loading import weights
 from pipeline.model.scorers import preprocess
 
 
@@ -79,14 +79,14 @@ def load_params(folder: str, shapes, flag: str, base_model_prefix: str = "clip")
 def load(directory: str, path: str, abstract: bool = False) -> Clip:
     """The CLIP model of ``directory`` (``path``: what --clip-model named); ``abstract``:
     its params as ShapeDtypeStructs, from the config alone (enough to compile)."""
-    from pipeline.model.libraries import quiet_libraries
+    from pipeline.model.loading.libraries import quiet_libraries
 
     quiet_libraries()  # before the Flax classes: they warn at every instance
     import jax
     import jax.numpy as jnp
     from transformers import CLIPConfig, FlaxCLIPModel
 
-    from pipeline.model.shapes import transformers_model
+    from pipeline.model.loading.shapes import transformers_model
 
     flag = "--clip-model"
     if not os.path.isfile(os.path.join(directory, "config.json")):

@@ -46,7 +46,7 @@ class Scorers:
 def import_libraries() -> None:
     """The libraries and Flax classes the scorers load, imported on this thread, before
     two threads (one loading weights, one compiling) may import them at once."""
-    from pipeline.model.libraries import import_libraries as model_libraries
+    from pipeline.model.loading.libraries import import_libraries as model_libraries
 
     model_libraries()
     from transformers import CLIPConfig, CLIPTokenizer, CLIPTokenizerFast, FlaxCLIPModel  # noqa: F401
@@ -67,7 +67,7 @@ def resolve_folder(name: str, flag: str, builtins, weights: bool = True) -> str:
     """The local folder of a scorer model ``name``: built-in (``builtins``), ``gs://``
     (copied once; ``weights=False``: its configs alone), a local folder, or a hub id."""
     from pipeline.io import storage
-    from pipeline.model import sources
+    from pipeline.model.loading import sources
 
     if name in builtins:
         return presets.ensure(name)
@@ -87,7 +87,7 @@ def resolve_folder(name: str, flag: str, builtins, weights: bool = True) -> str:
 def resolve_head(name: str) -> str:
     """The local file of ``--aesthetic-head``: built-in, a local file, or a ``gs://`` object
     copied once into the cache."""
-    from pipeline.model import sources
+    from pipeline.model.loading import sources
 
     if name in presets.HEADS:
         return os.path.join(presets.ensure(name), presets.HEAD_FILE)
@@ -110,12 +110,12 @@ def checker_source(settings) -> tuple[str, str | None]:
 
 def resolve_checker(settings, weights: bool = True) -> str:
     """The local folder of the run's safety checker (``checker_source``)."""
-    from pipeline.model import sources
+    from pipeline.model import load as model_load
 
     if settings.safety_checker:
         folder = resolve_folder(settings.safety_checker, "--safety-checker", presets.CHECKERS, weights)
         return safety.folder_of(folder)
-    folder = os.path.join(sources.resolve(settings.model, weights=weights), "safety_checker")
+    folder = os.path.join(model_load.resolve(settings.model, weights=weights), "safety_checker")
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ScorerError(f"--score safety: the model {settings.model!r} has no safety_checker/ folder; give "
                           f"--safety-checker PATH (a safety_checker folder, or a checkpoint that has one; the "
@@ -124,7 +124,7 @@ def resolve_checker(settings, weights: bool = True) -> str:
 
 
 def _table_fingerprint(folder: str) -> str:
-    from pipeline.model import sources
+    from pipeline.model.loading import sources
 
     table = sources.file_table(folder)
     return hashlib.sha256(json.dumps(["scorer-folder", sorted(table.items())], sort_keys=True).encode()).hexdigest()
@@ -134,7 +134,7 @@ def folder_fingerprint(name: str, folder: str) -> str:
     """The fingerprint of a scorer folder: a ``gs://`` one's listed checksums (nothing read),
     else a hash of its file table."""
     from pipeline.io import storage
-    from pipeline.model import sources
+    from pipeline.model.loading import sources
 
     if storage.is_gcs(name):
         return sources.fingerprint(name.rstrip("/"))
@@ -145,7 +145,8 @@ def fingerprints(settings, model_fingerprint: str | None = None) -> dict:
     """{"clip", "aesthetic", "safety"}: the fingerprint of each scorer model the run reads
     (``settings.scorer_models``). ``model_fingerprint``: the checkpoint's, for its own checker."""
     from pipeline.core.settings import scorer_models
-    from pipeline.model import sources
+    from pipeline.model.loading import sources
+    from pipeline.model import load as model_load
 
     found = {}
     for name in scorer_models(settings):
@@ -164,7 +165,7 @@ def fingerprints(settings, model_fingerprint: str | None = None) -> dict:
             found[name] = value
         else:
             resolve_checker(settings, weights=False)  # it must exist
-            base = model_fingerprint or sources.fingerprint(sources.resolve(settings.model, weights=False))
+            base = model_fingerprint or sources.fingerprint(model_load.resolve(settings.model, weights=False))
             found[name] = hashlib.sha256(f"{base}\0safety_checker".encode()).hexdigest()
     return found
 

@@ -19,8 +19,8 @@ import zlib
 
 import numpy as np
 
-from pipeline.model.cache import cache_dir, materialize
-from pipeline.model.libraries import quiet_libraries
+from pipeline.model.loading.cache import cache_dir, materialize
+from pipeline.model.loading.libraries import quiet_libraries
 
 SEED = 0
 MAX_LENGTH = 77
@@ -61,9 +61,9 @@ def _root() -> str:
 def random_params(shapes, seed: int):
     """Weights for a tree of ShapeDtypeStructs, leaf by leaf (no initialiser is run), as the
     tiny models draw theirs, with CLIP's embeddings among the embeddings."""
-    from pipeline.model import tiny
+    from pipeline.model.loading import builtin
 
-    return tiny.random_params(shapes, seed, embeddings=("['embedding']", "_embedding']", "embeds']"))
+    return builtin.random_params(shapes, seed, embeddings=("['embedding']", "_embedding']", "embeds']"))
 
 
 def _write_tokenizer(folder: str) -> None:

@@ -2,10 +2,10 @@
 
 A diffusers ``FluxPipeline`` checkpoint: CLIP-L (``text_encoder``, transformers' Flax
 CLIP: its pooled output), the T5 v1.1 encoder (``text_encoder_2``,
-``pipeline.model.nets.t5``), ``FluxTransformer2DModel`` (``transformer``,
-``pipeline.model.nets.flux``), the 16-channel VAE without quant convs (``vae``,
-``pipeline.model.nets.vae``) and ``FlowMatchEulerDiscreteScheduler``
-(``pipeline.model.flow``). Sampling is ``pipeline.model.flux_sampling``: initial latents
+``pipeline.model.layers.t5``), ``FluxTransformer2DModel`` (``transformer``,
+``pipeline.model.families.flux.transformer``), the 16-channel VAE without quant convs (``vae``,
+``pipeline.model.layers.vae``) and ``FlowMatchEulerDiscreteScheduler``
+(``pipeline.model.sampling.flow``). Sampling is ``pipeline.model.families.flux.sampling``: initial latents
 ``normal(image_key, (16, H/f, W/f))``, packed 2x2 into tokens, one transformer call per
 flow-matching Euler step, unpacked and decoded ``z / scaling_factor + shift_factor``.
 
@@ -24,13 +24,16 @@ the stored one casts them on the devices (``Model.param_dtype``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
-from pipeline.model import flow, flux_sampling, lora, weights
+from pipeline.model.sampling import flow
+from pipeline.model.families.flux import presets, sampling as flux_sampling
+from pipeline.model.loading import lora, weights
 from pipeline.model.families.base import Described, Family, Model
-from pipeline.model.nets import convert  # the networks themselves (flax, jax) where they are used
-from pipeline.model.scheduler import Sampler
-from pipeline.model.sources import ModelError, read_json_file
+from pipeline.model.loading import convert  # the networks themselves (flax, jax) where they are used
+from pipeline.model.sampling.scheduler import Sampler
+from pipeline.model.loading.sources import ModelError, read_json_file
 
 COMPONENTS = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "transformer", "vae", "scheduler")
 LIBRARIES = {"text_encoder": "transformers", "text_encoder_2": "transformers", "transformer": "diffusers",
@@ -67,9 +70,20 @@ class Flux(Family):
     name, title = "flux", "FLUX.1"
     pipeline_classes = ("FluxPipeline",)
     cfg = False
+    size_rule = "16"  # the VAE's 8, x 2 for the 2x2 latent packing
+    guidance_help = (f"[dev]: the guidance embedded in the transformer, one call per step (default {DEV_GUIDANCE:g}); "
+                     f"[schnell] takes none")
+    sequence_help = (f"T5 tokens, at most {flux_sampling.MAX_SEQUENCE_LENGTH} (default "
+                     f"{flux_sampling.MAX_SEQUENCE_LENGTH}, as diffusers' FluxPipeline; [schnell]'s authors use 256)")
+
+    def builtins(self) -> dict:
+        return dict(presets.PRESETS)
+
+    def ensure_builtin(self, name: str, shapes: bool = False) -> str:
+        return presets.ensure(name, shapes)
 
     def guidance_rule(self, model: Model) -> str:
-        return "embedded" if model.transformer.config.guidance_embeds else "unused"
+        return "embedded" if model.nets.transformer.config.guidance_embeds else "unused"
 
     def components(self, index: dict) -> tuple[str, ...]:
         return COMPONENTS
@@ -133,16 +147,17 @@ class Flux(Family):
                 except lora.LoraError as e:
                     raise ModelError(str(e)) from None
         f = nets.vae_scale_factor
-        return Model(path=name, fingerprint=None, family=self, tokenizer=tokenizer, text_encoder=nets.clip,
-                     vae=nets.vae, sampler=Sampler(SAMPLER, nets.scheduler_config, "flow"), params=params,
-                     dtype=jdtype, latent_channels=nets.latent_channels, vae_scale_factor=f,
-                     native_size=described.native_size, tokenizer_2=tokenizer_2, text_encoder_2=nets.t5,
-                     transformer=nets.transformer, max_sequence_length=described.max_sequence_length,
+        nets = dataclasses.replace(nets, tokenizer=tokenizer, tokenizer_2=tokenizer_2,
+                                   max_sequence_length=described.max_sequence_length)
+        return Model(path=name, fingerprint=None, family=self, nets=nets,
+                     sampler=Sampler(SAMPLER, nets.scheduler_config, "flow"), params=params, dtype=jdtype,
+                     latent_channels=nets.latent_channels, vae_scale_factor=f, native_size=described.native_size,
                      param_dtype=jdtype)
 
     @staticmethod
     def _flat_shapes(nets: flux_sampling.FluxNets) -> dict:
-        from pipeline.model.nets import flux as flux_net, t5, vae as vae_net
+        from pipeline.model.families.flux import transformer as flux_net
+        from pipeline.model.layers import t5, vae as vae_net
 
         return {"text_encoder": convert.flat_shapes(nets.clip.params_shape_tree),
                 "text_encoder_2": t5.param_shapes(nets.t5.config),
@@ -152,7 +167,8 @@ class Flux(Family):
     def _params(self, directory: str, nets: flux_sampling.FluxNets) -> dict:
         """Each component's params, converted once per machine from its safetensors (by the
         networks' naming rule, in the stored dtype) and memory-mapped after."""
-        from pipeline.model.nets import flux as flux_net, t5, vae as vae_net
+        from pipeline.model.families.flux import transformer as flux_net
+        from pipeline.model.layers import t5, vae as vae_net
 
         clip_shapes = convert.flat_shapes(nets.clip.params_shape_tree)
         rules = {"text_encoder": lambda state, where: convert.from_torch(state, clip_shapes, convert.CLIP_TEXT, where),
@@ -173,7 +189,8 @@ class Flux(Family):
         return params
 
     def lora_layouts(self) -> dict:
-        from pipeline.model.nets import flux as flux_net, t5
+        from pipeline.model.families.flux import transformer as flux_net
+        from pipeline.model.layers import t5
 
         return {"transformer": flux_net.LAYOUT, "text_encoder": convert.CLIP_TEXT, "text_encoder_2": t5.LAYOUT}
 
@@ -187,22 +204,19 @@ class Flux(Family):
         """int32 [N, 77 + L]: each text's CLIP ids then its T5 ids (``--max-sequence-length``)."""
         import numpy as np
 
-        clip_ids, t5_ids = flux_sampling.tokenize(model.tokenizer, model.tokenizer_2, texts, model.max_sequence_length)
+        nets = model.nets
+        clip_ids, t5_ids = flux_sampling.tokenize(nets.tokenizer, nets.tokenizer_2, texts, nets.max_sequence_length)
         return np.concatenate([clip_ids, t5_ids], axis=1).astype(np.int32)
 
     def truncated(self, model: Model, texts) -> list[bool]:
         """Cut by T5 (longer than ``--max-sequence-length`` tokens) or by CLIP (77, its pooled
         embedding): some text encoder saw only its start."""
         texts = list(texts)
-        by_t5 = flux_sampling.truncated(model.tokenizer_2, texts, model.max_sequence_length)
-        by_clip = flux_sampling.truncated(model.tokenizer, texts, model.tokenizer.model_max_length)
+        by_t5 = flux_sampling.truncated(model.nets.tokenizer_2, texts, model.nets.max_sequence_length)
+        by_clip = flux_sampling.truncated(model.nets.tokenizer, texts, model.nets.tokenizer.model_max_length)
         return [a or b for a, b in zip(by_t5, by_clip)]
 
     # ---- sampling
-
-    def _sampling_nets(self, model: Model) -> flux_sampling.FluxNets:
-        return flux_sampling.FluxNets(clip=model.text_encoder, t5=model.text_encoder_2, transformer=model.transformer,
-                                      vae=model.vae, scheduler_config=model.sampler.config)
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None,
                      return_latents: bool = False, guidance_rule: str = "embedded", guided: bool = False,
@@ -214,12 +228,12 @@ class Flux(Family):
         under "unused" ([schnell])."""
         if guided:
             raise ValueError("FLUX.1 has no classifier-free guidance: its program is never the guided one")
-        embedded = model.transformer.config.guidance_embeds
+        embedded = model.nets.transformer.config.guidance_embeds
         if guidance_rule != ("embedded" if embedded else "unused"):
             raise ValueError(f"guidance_rule {guidance_rule!r} does not fit this FLUX.1 transformer (guidance_embeds "
                              f"{embedded})")
-        nets, f = self._sampling_nets(model), model.vae_scale_factor
-        clip_length = model.tokenizer.model_max_length
+        nets, f = model.nets, model.vae_scale_factor
+        clip_length = nets.tokenizer.model_max_length
 
         def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
             # the schedule follows the image's token count: made on the host, as the program is traced
@@ -232,15 +246,15 @@ class Flux(Family):
         return denoise
 
     def decode_latents(self, model: Model, vae_params, latents):
-        from pipeline.model.nets import vae as vae_net
-        return vae_net.vae_decode(model.vae, vae_params, latents, model.vae.config)
+        from pipeline.model.layers import vae as vae_net
+        return vae_net.vae_decode(model.nets.vae, vae_params, latents, model.nets.vae.config)
 
     def latents_note(self, model: Model) -> dict:
         return {"latents": ("final latents of each image, unpacked [C, H/f, W/f]: the flow's output after the last "
                             "step, before the VAE's scaling and shift; decode(latents / scaling_factor + "
                             "shift_factor) gives the image. Row = position, as in zarr/images."),
-                "vae_scaling_factor": float(model.vae.config.scaling_factor),
-                "vae_shift_factor": float(model.vae.config.shift_factor)}
+                "vae_scaling_factor": float(model.nets.vae.config.scaling_factor),
+                "vae_shift_factor": float(model.nets.vae.config.shift_factor)}
 
     # ---- parts
 
@@ -254,7 +268,8 @@ class Flux(Family):
         import numpy as np
 
         from pipeline.model.families import shapes
-        from pipeline.model.nets import flux as flux_net, vae as vae_net
+        from pipeline.model.families.flux import transformer as flux_net
+        from pipeline.model.layers import vae as vae_net
 
         b = per_device_batch
         make = shapes.on(sharding)
@@ -262,15 +277,15 @@ class Flux(Family):
         def placed(component):
             return shapes.params(model.params[component], sharding, model.param_dtype)
 
-        t5_net, transformer = model.text_encoder_2, model.transformer
+        t5_net, transformer = model.nets.t5, model.nets.transformer
         if count:
             t5_net = t5_net.clone(unroll=t5_net.config.num_layers)
             transformer = transformer.clone(unroll=max(transformer.config.num_layers,
                                                        transformer.config.num_single_layers))
-        length = model.max_sequence_length
+        length = model.nets.max_sequence_length
         found = [("text_encoder", ("text_encoder",), jax.jit(
-                     lambda p, i: model.text_encoder(i, params=p).pooler_output).lower(
-                     placed("text_encoder"), make((b, model.tokenizer.model_max_length), jnp.int32))),
+                     lambda p, i: model.nets.clip(i, params=p).pooler_output).lower(
+                     placed("text_encoder"), make((b, model.nets.tokenizer.model_max_length), jnp.int32))),
                  ("text_encoder", ("text_encoder_2",), jax.jit(
                      lambda p, i: t5_net.apply({"params": p}, i)).lower(
                      placed("text_encoder_2"), make((b, length), jnp.int32)))]
@@ -294,7 +309,7 @@ class Flux(Family):
 
         def decode(p, z):
             with seam():
-                return vae_net.vae_decode(model.vae, p, z, model.vae.config)
+                return vae_net.vae_decode(model.nets.vae, p, z, model.nets.vae.config)
 
         found.append(("vae_decode", ("vae",), jax.jit(decode).lower(
             placed("vae"), make((b, channels, rows, cols), jnp.float32))))

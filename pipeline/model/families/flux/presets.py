@@ -17,7 +17,7 @@ The weights are random, drawn from numpy leaf by leaf from a fixed seed and the
 parameter's name, and stored in PyTorch's names and layouts (``to_torch`` of each
 network) in the preset's dtype (bf16, as FLUX.1's own files): loading them takes the
 path a user's checkpoint takes. Their images are noise. The tokenizers are tiny: CLIP's
-byte-level vocabulary (``pipeline.model.tiny``) and a ~140-piece Unigram vocabulary
+byte-level vocabulary (``pipeline.model.families.sd.presets``) and a ~140-piece Unigram vocabulary
 for T5 (``t5_tokenizer``).
 
 This module imports no jax at import time: the torch-only fixture script
@@ -30,11 +30,10 @@ import os
 import tempfile
 import zlib
 
-from pipeline.model import tiny
-from pipeline.model.cache import is_made, materialize
+from pipeline.model.loading import builtin
 
 SEED = 0
-CLIP_MAX_LENGTH = tiny.MAX_LENGTH  # 77, FluxPipeline's CLIP length
+CLIP_MAX_LENGTH = builtin.CLIP_MAX_LENGTH  # 77, FluxPipeline's CLIP length
 T5_MAX_LENGTH = 512  # the T5 tokenizer's model_max_length, as FLUX.1's
 
 SCHNELL_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
@@ -127,18 +126,18 @@ def clip_config(name: str, tokenizer) -> dict:
     """The keyword arguments of transformers' ``CLIPTextConfig`` for the preset's
     text_encoder, its special ids from ``tokenizer`` (the preset's CLIP tokenizer)."""
     config = dict(PRESETS[name]["text"])
-    bos, eos = (tokenizer.convert_tokens_to_ids(t) for t in tiny.SPECIAL)
+    bos, eos = (tokenizer.convert_tokens_to_ids(t) for t in builtin.CLIP_SPECIAL)
     config.setdefault("vocab_size", len(tokenizer))
     return dict(config, max_position_embeddings=CLIP_MAX_LENGTH, bos_token_id=bos, eos_token_id=eos,
                 pad_token_id=eos)
 
 
 def clip_tokenizer(scratch: str):
-    """The CLIP tokenizer of every preset (``pipeline.model.tiny``'s byte-level
+    """The CLIP tokenizer of every preset (``pipeline.model.families.sd.presets``'s byte-level
     vocabulary), its files written into ``scratch``."""
     from transformers import CLIPTokenizer
 
-    return CLIPTokenizer(*tiny.write_tokenizer_files(scratch), model_max_length=CLIP_MAX_LENGTH)
+    return CLIPTokenizer(*builtin.write_clip_tokenizer_files(scratch), model_max_length=CLIP_MAX_LENGTH)
 
 
 def t5_tokenizer():
@@ -220,9 +219,11 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
     import jax
     from transformers import CLIPTextConfig, T5Config
 
-    from pipeline.model import weights as weights_lib
-    from pipeline.model.libraries import quiet_libraries
-    from pipeline.model.nets import convert, flux, t5, vae
+    from pipeline.model.loading import weights as weights_lib
+    from pipeline.model.loading.libraries import quiet_libraries
+    from pipeline.model.loading import convert
+    from pipeline.model.families.flux import transformer as flux
+    from pipeline.model.layers import t5, vae
 
     quiet_libraries()
     preset = PRESETS[name]
@@ -248,7 +249,7 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
         config.dtype = dtype
         config.save_pretrained(os.path.join(directory, component))
     if not weights:
-        tiny.mark_shapes_only(directory, name)
+        builtin.mark_shapes_only(directory, name)
         return
 
     t5_cfg = t5.T5Config.from_dict(t5_hf.to_dict())
@@ -280,14 +281,9 @@ def _flax_clip(config):
     return FlaxCLIPTextModel(config, _do_init=False)
 
 
-def ensure(models_dir: str, name: str = "tiny-flux", shapes: bool = False) -> str:
-    """The cached random model's directory, building it on first use (once per machine,
-    see ``cache.materialize``). ``shapes``: its configs alone will do: the whole model if
-    it was built already, else its configs and tokenizers (always so for a
-    ``shapes_only`` preset, whose weights are never written)."""
-    whole = os.path.join(models_dir, PRESETS[name]["version"])
-    if PRESETS[name].get("shapes_only"):
-        return materialize(whole, lambda scratch: build(scratch, name, weights=False))
-    if not shapes or is_made(whole):
-        return materialize(whole, lambda scratch: build(scratch, name))
-    return materialize(f"{whole}-shapes", lambda scratch: build(scratch, name, weights=False))
+def ensure(name: str, shapes: bool = False) -> str:
+    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure``;
+    ``shapes``: its configs alone will do)."""
+    preset = PRESETS[name]
+    return builtin.ensure(preset["version"], lambda folder, weights: build(folder, name, weights=weights),
+                          shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))

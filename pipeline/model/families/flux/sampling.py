@@ -10,7 +10,7 @@ ids and initial latents in, images out.
   stored dtype.
 - ``make_denoise``: one jit-able function: CLIP's pooled output and T5's last hidden
   state, the initial latents packed 2x2, the flow-matching Euler loop (a
-  ``lax.fori_loop``, the schedule made once on the host by ``pipeline.model.flow``) with
+  ``lax.fori_loop``, the schedule made once on the host by ``pipeline.model.sampling.flow``) with
   one transformer call per step (the embedded guidance of [dev]; never classifier-free
   guidance), then the latents unpacked and decoded to float images in [0, 1]; ``sample``
   is its body, over a schedule passed as arrays.
@@ -25,9 +25,9 @@ import dataclasses
 import os
 from typing import Any
 
-from pipeline.model import flow
-from pipeline.model.sources import read_json_file
-from pipeline.model.nets import convert  # the networks (flax, jax) are imported where they are used
+from pipeline.model.sampling import flow
+from pipeline.model.loading.sources import read_json_file
+from pipeline.model.loading import convert  # the networks (flax, jax) are imported where they are used
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 length, and the most it allows
 
@@ -65,6 +65,11 @@ class FluxNets:
     transformer: flux.FluxTransformer
     vae: vae.VaeDecoder
     scheduler_config: dict
+    # the tokenizers and the T5 length, once the family loads them (``Flux.load``); reading the
+    # networks from their configs needs none
+    tokenizer: Any = None  # CLIP's
+    tokenizer_2: Any = None  # T5's
+    max_sequence_length: int | None = None
 
     @property
     def guidance_embeds(self) -> bool:
@@ -95,9 +100,10 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
     import jax.numpy as jnp
     from transformers import CLIPTextConfig, FlaxCLIPTextModel
 
-    from pipeline.model.libraries import quiet_libraries
-    from pipeline.model.nets import flux, t5, vae
-    from pipeline.model.shapes import transformers_model
+    from pipeline.model.loading.libraries import quiet_libraries
+    from pipeline.model.families.flux import transformer as flux
+    from pipeline.model.layers import t5, vae
+    from pipeline.model.loading.shapes import transformers_model
 
     quiet_libraries()
     dtype = jnp.float32 if dtype is None else dtype
@@ -124,8 +130,9 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     memory-mapped and converted by rule, each array in its stored dtype (stacks and
     transposes are the only copies). WeightsError naming any missing, misshapen or
     unknown weight."""
-    from pipeline.model import weights
-    from pipeline.model.nets import flux, t5, vae
+    from pipeline.model.loading import weights
+    from pipeline.model.families.flux import transformer as flux
+    from pipeline.model.layers import t5, vae
 
     def state(component, library):
         return weights.read_safetensors_weights(os.path.join(directory, component), library)
@@ -154,7 +161,8 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, sigmas, 
     import jax
     import jax.numpy as jnp
 
-    from pipeline.model.nets import flux, t5, vae
+    from pipeline.model.families.flux import transformer as flux
+    from pipeline.model.layers import t5, vae
 
     batch, _, rows, cols = latents.shape
     if nets.guidance_embeds and guidance is None:
@@ -196,7 +204,7 @@ def make_denoise(nets: FluxNets, steps: int, height: int, width: int, return_lat
     (height/2f)(width/2f) image tokens) is made here, on the host, once; the loop is a
     ``lax.fori_loop`` of ``steps`` transformer calls. The transformer's and the VAE's
     attention run through the seam that is active while the function is traced
-    (``pipeline.model.attention.use``, entered by the caller, as the SD sampler does),
+    (``pipeline.model.layers.attention.use``, entered by the caller, as the SD sampler does),
     else through XLA's."""
     f = nets.vae_scale_factor
     if height % (2 * f) or width % (2 * f):

@@ -1,5 +1,5 @@
 """FLUX.1's rectified-flow transformer (diffusers' ``FluxTransformer2DModel``) as our own
-Flax Linen modules (Linen, like the rest of promptmill's networks: ``pipeline.model.nets``).
+Flax Linen modules (Linen, like the rest of promptmill's networks: ``pipeline.model.layers``).
 
 The forward pass, as diffusers 0.39 computes it (checked against its PyTorch module and
 its ``FluxPipeline`` with fixtures: tests/test_flux_nets.py):
@@ -15,7 +15,7 @@ its ``FluxPipeline`` with fixtures: tests/test_flux_nets.py):
 - ``norm_out`` (a continuous AdaLN: scale then shift) and ``proj_out``, on image tokens.
 Rotary embeddings over (t, h, w) position ids (``axes_dims_rope`` channels each, theta
 10000) rotate every query and key. Each attention call goes through
-``pipeline.model.attention.compute`` (the seam: xla, chunked, flash or cuDNN), after the
+``pipeline.model.layers.attention.compute`` (the seam: xla, chunked, flash or cuDNN), after the
 rotation. Both block stacks are ``nn.scan``-ned over weights stacked on a leading layer
 axis: one block is traced and compiled whatever the depth.
 
@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipeline.model import attention
-from pipeline.model.nets import convert
+from pipeline.model.layers import attention
+from pipeline.model.loading import convert
 
 ROPE_THETA = 10000  # fixed in diffusers (FluxPosEmbed(theta=10000))
 TIME_CHANNELS = 256  # the sinusoidal projection of timestep and guidance

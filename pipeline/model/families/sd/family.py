@@ -4,20 +4,22 @@ SD runs one CLIP text encoder (its last hidden state); SDXL runs two side by sid
 penultimate hidden states, the second's projected pooled output) and conditions the
 UNet on size ids. Classifier-free guidance runs the UNet on [negative; positive] (twice
 the rows), or not at all in a guidance-free run; the loop is diffusers' Flax scheduler
-or promptmill's own steps (``pipeline.model.scheduler``); the VAE decodes
+or promptmill's own steps (``pipeline.model.sampling.scheduler``); the VAE decodes
 ``latents / scaling_factor``. Their code and their images are those promptmill always
 made: this module is where they live behind the family seam.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 from pipeline.core import keys
-from pipeline.model import lora, weights
+from pipeline.model.loading import lora, weights
 from pipeline.model.families.base import Described, Family, Model
-from pipeline.model.scheduler import Sampler, make_flax_scheduler, resolve_sampler, step_range
-from pipeline.model.sources import ModelError, read_json_file
+from pipeline.model.families.sd import presets
+from pipeline.model.sampling.scheduler import Sampler, make_flax_scheduler, resolve_sampler, step_range
+from pipeline.model.loading.sources import ModelError, read_json_file
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
 SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
@@ -66,14 +68,45 @@ def with_sampler_state(sampler: Sampler, params: dict) -> tuple[object, dict]:
     return flax_scheduler, params
 
 
+@dataclasses.dataclass(frozen=True)
+class SdNets:
+    """An SD or SDXL checkpoint's networks (``Model.nets``): diffusers' Flax UNet and VAE,
+    transformers' CLIP tokenizers and text encoders (the second ones SDXL's), and the
+    diffusers Flax scheduler of a "flax"-engine sampler (else None)."""
+    tokenizer: object
+    text_encoder: object
+    unet: object
+    vae: object
+    scheduler: object = None
+    tokenizer_2: object = None
+    text_encoder_2: object = None
+
+
 class StableDiffusion(Family):
     """SD 1.x/2.x (``sdxl=False``) or SDXL."""
 
     def __init__(self, sdxl: bool):
         self.sdxl = sdxl
         self.name, self.title = ("sdxl", "SDXL") if sdxl else ("sd", "SD 1.x/2.x")
+        self.notebook_baseline = not sdxl
+        self.size_rule = str(SIZE_MULTIPLE)
+        self.guidance_help = (f"classifier-free guidance, above 1 (default {DEFAULT_GUIDANCE:g}): twice the "
+                              f"denoiser's rows")
         self.pipeline_classes = ("StableDiffusionXLPipeline",) if sdxl else (
             "StableDiffusionPipeline", "LatentConsistencyModelPipeline")
+
+    def with_sampler(self, model: Model, directory: str, scheduler: str | None,
+                     timestep_spacing: str | None) -> Model:
+        sampler = resolve_sampler(directory, scheduler, timestep_spacing)
+        flax_scheduler, params = with_sampler_state(sampler, model.params)
+        nets = dataclasses.replace(model.nets, scheduler=flax_scheduler)
+        return dataclasses.replace(model, sampler=sampler, nets=nets, params=params)
+
+    def builtins(self) -> dict:
+        return {name: preset for name, preset in presets.PRESETS.items() if preset["family"] == self.name}
+
+    def ensure_builtin(self, name: str, shapes: bool = False) -> str:
+        return presets.ensure(name, shapes)
 
     def components(self, index: dict) -> tuple[str, ...]:
         return COMPONENTS + (SDXL_COMPONENTS if self.sdxl else ())
@@ -110,10 +143,10 @@ class StableDiffusion(Family):
             FlaxUNet2DConditionModel, directory, "unet", jdtype, unet_file, abstract)
         vae, vae_params = weights.load_diffusers(FlaxAutoencoderKL, directory, "vae", jdtype, abstract=abstract)
         params = {"text_encoder": text_params, "unet": unet_params, "vae": vae_params}
-        extra = {}
+        tokenizer_2 = text_encoder_2 = None
         if self.sdxl:
-            extra["tokenizer_2"] = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer_2"))
-            extra["text_encoder_2"], params["text_encoder_2"] = weights.load_transformers(
+            tokenizer_2 = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer_2"))
+            text_encoder_2, params["text_encoder_2"] = weights.load_transformers(
                 FlaxCLIPTextModelWithProjection, directory, "text_encoder_2", jdtype, abstract)
         if not abstract:
             try:  # on the host, in float32: before the cast below and before any transfer to devices
@@ -124,10 +157,10 @@ class StableDiffusion(Family):
             params = {component: _to_bf16(tree) for component, tree in params.items()}
         flax_scheduler, params = with_sampler_state(sampler, params)
         f = 2 ** (len(vae.config.block_out_channels) - 1)
-        return Model(path=name, fingerprint=None, family=self, tokenizer=tokenizer, text_encoder=text_encoder,
-                     vae=vae, sampler=sampler, params=params, dtype=unet.dtype,
-                     latent_channels=unet.config.in_channels, vae_scale_factor=f,
-                     native_size=unet.config.sample_size * f, scheduler=flax_scheduler, unet=unet, **extra)
+        nets = SdNets(tokenizer, text_encoder, unet, vae, flax_scheduler, tokenizer_2, text_encoder_2)
+        return Model(path=name, fingerprint=None, family=self, nets=nets, sampler=sampler, params=params,
+                     dtype=unet.dtype, latent_channels=unet.config.in_channels, vae_scale_factor=f,
+                     native_size=unet.config.sample_size * f)
 
     def lora_shapes(self, directory: str) -> dict:
         components = ("unet", "text_encoder") + (("text_encoder_2",) if self.sdxl else ())
@@ -140,15 +173,15 @@ class StableDiffusion(Family):
         pad to the first tokenizer's length, as diffusers does."""
         import numpy as np
 
-        length = model.tokenizer.model_max_length
-        tokenizers = [model.tokenizer] + ([model.tokenizer_2] if self.sdxl else [])
+        length = model.nets.tokenizer.model_max_length
+        tokenizers = [model.nets.tokenizer] + ([model.nets.tokenizer_2] if self.sdxl else [])
         ids = [t(list(texts), padding="max_length", max_length=length, truncation=True,
                  return_tensors="np").input_ids for t in tokenizers]
         return (ids[0] if len(ids) == 1 else np.stack(ids, axis=1)).astype(np.int32)
 
     def truncated(self, model: Model, texts) -> list[bool]:
-        limit = model.tokenizer.model_max_length
-        ids = model.tokenizer(list(texts), truncation=False, verbose=False).input_ids
+        limit = model.nets.tokenizer.model_max_length
+        ids = model.nets.tokenizer(list(texts), truncation=False, verbose=False).input_ids
         return [len(row) > limit for row in ids]
 
     # ---- sampling
@@ -164,12 +197,12 @@ class StableDiffusion(Family):
 
         if not self.sdxl:
             def encode(params, ids):
-                return model.text_encoder(ids, params=params["text_encoder"])[0], None
+                return model.nets.text_encoder(ids, params=params["text_encoder"])[0], None
             return encode
 
         def encode(params, ids):
-            first = model.text_encoder(ids[:, 0], params=params["text_encoder"], output_hidden_states=True)
-            second = model.text_encoder_2(ids[:, 1], params=params["text_encoder_2"], output_hidden_states=True)
+            first = model.nets.text_encoder(ids[:, 0], params=params["text_encoder"], output_hidden_states=True)
+            second = model.nets.text_encoder_2(ids[:, 1], params=params["text_encoder_2"], output_hidden_states=True)
             context = jnp.concatenate([first.hidden_states[-2], second.hidden_states[-2]], axis=-1)
             return context, {"text_embeds": second.text_embeds}
         return encode
@@ -178,7 +211,7 @@ class StableDiffusion(Family):
         """Decoded ``latents / scaling_factor``, as float32 images in [0, 1]."""
         import jax.numpy as jnp
 
-        vae = model.vae
+        vae = model.nets.vae
         images = vae.apply({"params": vae_params}, latents / vae.config.scaling_factor, method=vae.decode).sample
         return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
 
@@ -186,7 +219,7 @@ class StableDiffusion(Family):
         return {"latents": ("final latents of each image: the scheduler's output after the last step, before the "
                             "division by the VAE's scaling_factor; decode(latents / scaling_factor) gives the image. "
                             "Row = position, as in zarr/images."),
-                "vae_scaling_factor": float(model.vae.config.scaling_factor)}
+                "vae_scaling_factor": float(model.nets.vae.config.scaling_factor)}
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None,
                      return_latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
@@ -219,7 +252,7 @@ class StableDiffusion(Family):
             raise ValueError(f"guidance_rule must be diffusers or always, got {guidance_rule!r}")
         if guidance_rule == "always" and not guided:
             raise ValueError("the 'always' guidance rule guides every image; it has no guidance-free program")
-        unet = model.unet
+        unet = model.nets.unet
         loop = _FlaxSteps(model, steps) if model.sampler.engine == "flax" else _OwnSteps(model, steps)
         stochastic = model.sampler.stochastic
         encode = self.make_encode_fn(model)
@@ -298,12 +331,12 @@ class StableDiffusion(Family):
         rows = per_device_batch * (2 if guided else 1)  # through the text encoders and the UNet
         make = shapes.on(sharding)
         found = []
-        ids = make((rows, model.tokenizer.model_max_length), jnp.int32)
+        ids = make((rows, model.nets.tokenizer.model_max_length), jnp.int32)
         for name in sorted(n for n in model.params if n.startswith("text_encoder")):
             lowered = jax.jit(lambda p, i, e=getattr(model, name): e(i, params=p)[0]).lower(
                 shapes.params(model.params[name], sharding), ids)
             found.append(("text_encoder", (name,), lowered))
-        unet, config = model.unet, model.unet.config
+        unet, config = model.nets.unet, model.nets.unet.config
         channels, h, w = model.latent_shape(width, height)
         added = None
         if getattr(config, "addition_embed_type", None) == "text_time":  # SDXL: pooled text and 6 size/crop ids
@@ -314,11 +347,11 @@ class StableDiffusion(Family):
             with seam():
                 return unet.apply({"params": p}, x, t, encoder_hidden_states=context, added_cond_kwargs=added).sample
 
-        length = model.tokenizer.model_max_length
+        length = model.nets.tokenizer.model_max_length
         found.append(("denoiser", ("unet",), jax.jit(call).lower(
             shapes.params(model.params["unet"], sharding), make((rows, channels, h, w), jnp.float32),
             make((rows,), jnp.int32), make((rows, length, config.cross_attention_dim), model.dtype), added)))
-        vae = model.vae
+        vae = model.nets.vae
 
         def decode(p, z):
             with seam():
@@ -334,7 +367,7 @@ class _FlaxSteps:
     """The loop of a ``flax``-engine sampler: diffusers' Flax scheduler and its state."""
 
     def __init__(self, model, steps: int):
-        self.scheduler, self.steps = model.scheduler, steps
+        self.scheduler, self.steps = model.nets.scheduler, steps
 
     def start(self, params, latents):
         state = self.scheduler.set_timesteps(params["scheduler"], num_inference_steps=self.steps, shape=latents.shape)
@@ -352,12 +385,12 @@ class _FlaxSteps:
 
 
 class _OwnSteps:
-    """The loop of a ``steps``-engine sampler: ``pipeline.model.stepping`` over a schedule
-    that ``pipeline.model.steps`` computed once, on the host, when the program is traced
+    """The loop of a ``steps``-engine sampler: ``pipeline.model.sampling.stepping`` over a schedule
+    that ``pipeline.model.sampling.steps`` computed once, on the host, when the program is traced
     (no state)."""
 
     def __init__(self, model, steps: int):
-        from pipeline.model import stepping, steps as steps_lib
+        from pipeline.model.sampling import stepping, steps as steps_lib
 
         self.lib = stepping
         self.schedule = steps_lib.make_schedule(model.sampler.config, model.sampler.choice, steps)

@@ -10,17 +10,15 @@ demos and benchmarks.
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
-import zlib
 
-from pipeline.model.cache import is_made, materialize
-from pipeline.model.libraries import quiet_libraries
+from pipeline.model.loading import builtin
+from pipeline.model.loading.builtin import CLIP_MAX_LENGTH as MAX_LENGTH, CLIP_SPECIAL as SPECIAL
+from pipeline.model.loading.builtin import mark_shapes_only, random_params, write_clip_tokenizer_files
+from pipeline.model.loading.libraries import quiet_libraries
 
 SEED = 0
-MAX_LENGTH = 77
-SPECIAL = ("<|startoftext|>", "<|endoftext|>")
 
 _SD_SCHEDULE = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
 _TINY_TEXT = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
@@ -85,54 +83,6 @@ PRESETS = {
 }
 
 
-def write_tokenizer_files(folder: str) -> tuple[str, str]:
-    """A byte-level CLIP BPE vocabulary with no merges: 512 symbols plus 2 specials."""
-    from transformers.models.clip.tokenization_clip import bytes_to_unicode
-
-    symbols = list(bytes_to_unicode().values())
-    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols] + list(SPECIAL))}
-    vocab_file, merges_file = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
-    with open(vocab_file, "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
-    with open(merges_file, "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n")
-    return vocab_file, merges_file
-
-
-def random_params(shapes, seed: int, embeddings: tuple[str, ...] = ("['embedding']",)):
-    """Weights for a tree of ShapeDtypeStructs, from numpy, leaf by leaf.
-
-    Flax's own initialisers would run the whole model eagerly (tens of seconds on a
-    CPU); the shapes come from ``jax.eval_shape`` instead and each leaf is drawn from
-    a generator seeded by (seed, leaf path), so the result does not depend on order:
-    ones for norms' scales, zeros for biases, else normal with 1/sqrt(fan-in) (0.02 for
-    the parameters whose names end in one of ``embeddings``).
-    """
-    import jax
-    import numpy as np
-
-    def leaf(path, spec):
-        name = jax.tree_util.keystr(path)
-        if name.endswith("['scale']"):
-            return np.ones(spec.shape, np.float32)
-        if name.endswith("['bias']"):
-            return np.zeros(spec.shape, np.float32)
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        fan_in = int(np.prod(spec.shape[:-1])) or 1
-        std = 0.02 if name.endswith(embeddings) else fan_in ** -0.5
-        return (rng.standard_normal(spec.shape) * std).astype(np.float32)
-
-    return jax.tree_util.tree_map_with_path(leaf, shapes)
-
-
-SHAPES_ONLY = "promptmill_shapes_only.json"  # marks a built-in model saved without weights
-
-
-def shapes_only(directory: str) -> bool:
-    """Whether ``directory`` is a built-in model saved with its configs alone."""
-    return os.path.isfile(os.path.join(directory, SHAPES_ONLY))
-
-
 def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
     """Build the random model ``name`` from ``SEED`` and save it in diffusers format; with
     ``shapes``, and always for a ``shapes_only`` preset, as its configs and tokenizers
@@ -144,7 +94,7 @@ def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
     quiet_libraries()
     preset = PRESETS[name]
     with tempfile.TemporaryDirectory() as scratch:
-        files = write_tokenizer_files(scratch)
+        files = write_clip_tokenizer_files(scratch)
         tokenizer = CLIPTokenizer(*files, model_max_length=MAX_LENGTH)
         # SDXL's second tokenizer pads with "!" rather than the end token
         tokenizer_2 = CLIPTokenizer(*files, model_max_length=MAX_LENGTH, pad_token="!")
@@ -182,17 +132,12 @@ def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
     pipe.save_pretrained(directory, params=params)
 
 
-def ensure(models_dir: str, name: str = "tiny", shapes: bool = False) -> str:
-    """The cached random model's directory, building it on first use (once, even when
-    several host processes ask at the same time: see ``cache.materialize``).
-
-    ``shapes``: its configs alone will do (a program is compiled from its shapes): the
-    whole model if it was built already, else its configs and tokenizers, built without
-    weights (a minute and gigabytes less for the real-size presets)."""
-    whole = os.path.join(models_dir, PRESETS[name]["version"])
-    if PRESETS[name].get("shapes_only") or not shapes or is_made(whole):
-        return materialize(whole, lambda scratch: build(scratch, name))
-    return materialize(f"{whole}-shapes", lambda scratch: build(scratch, name, shapes=True))
+def ensure(name: str, shapes: bool = False) -> str:
+    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure``;
+    ``shapes``: its configs alone will do)."""
+    preset = PRESETS[name]
+    return builtin.ensure(preset["version"], lambda folder, weights: build(folder, name, shapes=not weights),
+                          shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))
 
 
 def _save_shapes(directory: str, name: str, pipe) -> None:
@@ -210,10 +155,3 @@ def _save_shapes(directory: str, name: str, pipe) -> None:
         else:
             component.save_config(target)
     mark_shapes_only(directory, name)
-
-
-def mark_shapes_only(directory: str, name: str) -> None:
-    """Mark a built-in model's folder as saved without weights (``shapes_only``)."""
-    with open(os.path.join(directory, SHAPES_ONLY), "w") as f:
-        json.dump({"preset": name, "why": "a built-in random model saved without weights: its shapes are for the "
-                   "TPU check, FLOP counts and memory benchmarks"}, f)
