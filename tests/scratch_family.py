@@ -75,16 +75,16 @@ class Scratch(Family):
     def weight_libraries(self, index: dict) -> dict[str, str]:
         return {}  # no weights file: drawn from a seed at load
 
-    def describe(self, directory, scheduler, timestep_spacing, steps, max_sequence_length, unet_file) -> Described:
-        if scheduler not in (None, "flow_euler") or timestep_spacing or max_sequence_length or unet_file:
+    def describe(self, directory, request, unet_file) -> Described:
+        if request.scheduler not in (None, "flow_euler") or request.timestep_spacing or request.max_sequence_length \
+                or unet_file:
             raise ModelError(f"{self.title} takes flow_euler and none of --timestep-spacing, --max-sequence-length, "
                              f"--unet")
         config = read_json_file(os.path.join(directory, "denoiser", "config.json"))
         return Described(family=self.name, native_size=config["sample_size"], scheduler="flow_euler",
                          size_multiple=config["vae_scale"], default_guidance=0.0, guidance_rule="unused", cfg=False)
 
-    def load(self, directory, name, dtype, scheduler, timestep_spacing, unet_file, loras, abstract,
-             max_sequence_length) -> Model:
+    def load(self, directory, request, unet_file, loras, abstract) -> Model:
         import jax
         import jax.numpy as jnp
 
@@ -94,8 +94,8 @@ class Scratch(Family):
         structs = jax.tree_util.tree_map(lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32), _shapes(config),
                                          is_leaf=lambda x: isinstance(x, tuple))
         params = {"denoiser": structs if abstract else builtin.random_params(structs, SEED)}
-        return Model(path=name, fingerprint=None, family=self, nets=config, sampler=None, params=params,
-                     dtype=getattr(jnp, dtype), latent_channels=config["channels"],
+        return Model(path=request.model, fingerprint=None, family=self, nets=config, sampler=None, params=params,
+                     dtype=getattr(jnp, request.jax_dtype), latent_channels=config["channels"],
                      vae_scale_factor=config["vae_scale"], native_size=config["sample_size"])
 
     def lora_shapes(self, directory: str) -> dict:
@@ -112,7 +112,7 @@ class Scratch(Family):
     def truncated(self, model: Model, texts) -> list[bool]:
         return [len(text.encode("utf-8")) > model.nets["tokens"] for text in texts]
 
-    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, return_latents: bool = False,
+    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *, return_latents: bool = False,
                      guidance_rule: str = "unused", guided: bool = False, seam=contextlib.nullcontext):
         import jax.numpy as jnp
         import numpy as np
@@ -150,7 +150,7 @@ class Scratch(Family):
     def latents_note(self, model: Model) -> dict:
         return {"decode": "the scratch family's own: a 1x1 projection to RGB, a sigmoid, nearest upsampling"}
 
-    def parts(self, model, width, height, per_device_batch, guided, seam=contextlib.nullcontext, sharding=None,
+    def parts(self, model, width, height, per_device_batch, guided, *, seam=contextlib.nullcontext, sharding=None,
               count=False):
         return []
 

@@ -472,8 +472,49 @@ def test_no_code_outside_the_families_compares_a_familys_name():
     _fail_with("comparisons with a family's name outside pipeline/model/families", found)
 
 
+MOST_POSITIONAL = 6  # parameters before ``*`` (self and cls not counted) of a function in pipeline/model
+
+
+def wide_functions(source: str, most: int = MOST_POSITIONAL) -> list[tuple[int, str, int]]:
+    """(line, name, count) of every function of ``source`` with more than ``most``
+    parameters before ``*``: a call of that many positions is a list to get wrong;
+    group them (a request object) or make the rest keyword-only."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [a.arg for a in node.args.posonlyargs + node.args.args]
+            if names and names[0] in ("self", "cls"):
+                names = names[1:]
+            if len(names) > most:
+                found.append((node.lineno, node.name, len(names)))
+    return found
+
+
+def test_no_function_of_the_model_takes_more_than_six_positional_parameters():
+    found = [f"{relative} line {line}: {name} takes {count}" for module, (relative, _, source) in
+             sorted(_sources().items()) if module.startswith("pipeline.model") for line, name, count in
+             wide_functions(source)]
+    _fail_with(f"functions of pipeline/model with more than {MOST_POSITIONAL} parameters before *", found)
+
+
+def test_the_model_has_no_family_specific_field():
+    import dataclasses as dc
+
+    from pipeline.model.families.base import Model
+
+    assert {f.name for f in dc.fields(Model)} == {"path", "fingerprint", "family", "nets", "sampler", "params",
+                                                   "dtype", "latent_channels", "vae_scale_factor", "native_size",
+                                                   "param_dtype"}
+
+
 # ---------------------------------------------------------------------------------------
 # The helpers, on tiny synthetic sources and graphs
+
+
+def test_wide_functions():
+    source = ("def a(x, y, z, u, v, w, t): pass\ndef b(self, x, y, z, u, v, w): pass\n"
+              "def c(x, y, z, u, v, w, *, t): pass\n")
+    assert wide_functions(source) == [(1, "a", 7)]
 
 
 def test_family_of_and_the_seam():

@@ -55,17 +55,18 @@ VARIANTS = ("chunked", "flash")  # xla: test_xla_is_diffusers_own_arithmetic
     ("auto", "tpu", 2048, 2048, 8, 80, 2, 4, "xla"),  # 256 MiB: the TPU's budget
 ])
 def test_choose(requested, platform, q, kv, heads, head_dim, batch, dtype_bytes, expected):
-    assert attention.choose(requested, platform, q, kv, heads, head_dim, batch, dtype_bytes) == expected
+    assert attention.choose(requested, platform, q, kv, heads, head_dim, batch=batch,
+                            dtype_bytes=dtype_bytes) == expected
 
 
 def test_choose_follows_the_budget_and_refuses_unknown_names():
-    args = ("cpu", 4096, 4096, 8, 40, 2, 4)  # a 1 GiB matrix
-    assert attention.choose("auto", *args, budget_bytes=1024 * MiB) == "xla"
-    assert attention.choose("auto", *args, budget_bytes=1024 * MiB - 1) == "chunked"
+    args, sizes = ("cpu", 4096, 4096, 8, 40), dict(batch=2, dtype_bytes=4)  # a 1 GiB matrix
+    assert attention.choose("auto", *args, **sizes, budget_bytes=1024 * MiB) == "xla"
+    assert attention.choose("auto", *args, **sizes, budget_bytes=1024 * MiB - 1) == "chunked"
     with pytest.raises(ValueError, match="attention must be one of"):
-        attention.choose("splash", *args)
+        attention.choose("splash", *args, **sizes)
     with pytest.raises(ValueError, match="unknown platform"):
-        attention.choose("auto", "metal", *args[1:])
+        attention.choose("auto", "metal", *args[1:], **sizes)
 
 
 def test_flash_is_refused_for_jobs_on_cpu(tmp_path, capsys):

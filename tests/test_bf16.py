@@ -18,7 +18,7 @@ from pipeline.model import load as model_lib
 def test_bf16_images_are_close_to_fp32(model_cache, name):
     images = {}
     for dtype in ("fp32", "bf16"):
-        model = model_lib.load(name, dtype)
+        model = model_lib.load(name, dtype=dtype)
         leaves = jax.tree_util.tree_leaves(model.params["unet"])
         assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16 if dtype == "bf16" else jnp.float32)}
         generator = Generator(model, 32, 32, 4, 2, devices=jax.local_devices()[:1])

@@ -129,8 +129,7 @@ def test_a_hostile_id_gets_a_safe_unique_key_inside_out(clean_run, case):
     # every object the run created anywhere in the bucket is under OUT, in the layout's folders
     created = CREATED[out]
     assert created and [o for o in created if not o.startswith(out + "/")] == []
-    owned = {o[len(out) + 1:].split("/")[0] for o in created}
-    assert owned <= set(naming.OWNED), owned
+    assert [o for o in created if not naming.owned(o[len(out) + 1:])] == []
 
 
 def _normalized(out: str) -> dict:
@@ -203,7 +202,7 @@ def test_collect_reads_no_image_bytes(clean_run, gcs_emulator, model_cache):
               if (name.startswith(("images/", "thumbs/", "parquet/", "zarr/")) or name.endswith(".tar"))
               and not re.fullmatch(r"zarr/\w+/zarr\.json", name)}
     assert images == {}
-    allowed = re.compile(r"run\.json|plan/manifest\.json|plan/slices/\d{5}\.jsonl|plan/rejects/.+\.jsonl"
+    allowed = re.compile(r"run\.json|plan/manifest\.json|plan/inputs\.json|plan/slices/\d{5}\.jsonl|plan/rejects/.+\.jsonl"
                          r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json|zarr/\w+/zarr\.json")
     assert [name for name in read if not allowed.fullmatch(name)] == []
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))

@@ -33,11 +33,11 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
 def test_a_flux_checkpoint_loaded_like_any_other_makes_diffusers_images(case, model_cache):
     fixture = dict(np.load(os.path.join(FIXTURES, f"{case}.npz")))
     variant, steps = str(fixture["variant"]), int(fixture["steps"])
-    model = model_lib.load(os.path.join(FIXTURES, variant), "fp32",
+    model = model_lib.load(os.path.join(FIXTURES, variant), dtype="fp32",
                            max_sequence_length=int(fixture["max_sequence_length"]))
     assert model.family is families.FLUX and model.latent_shape(32, 32) == tuple(fixture["latents"].shape[1:])
     assert model.sampler.choice == "flow_euler" and model.param_dtype == jax.numpy.float32
-    again = model_lib.load(os.path.join(FIXTURES, variant), "fp32",
+    again = model_lib.load(os.path.join(FIXTURES, variant), dtype="fp32",
                            max_sequence_length=int(fixture["max_sequence_length"]))
     leaf = again.params["transformer"]["transformer_blocks"]["attn"]["to_q"]["kernel"]
     while leaf is not None and not isinstance(leaf, np.memmap):
@@ -60,7 +60,7 @@ def test_a_flux_checkpoint_loaded_like_any_other_makes_diffusers_images(case, mo
     (dict(model="random-flux", width=520), "multiples of 16 pixels each way"),  # FLUX.1's VAE: 2 x 8
     (dict(scheduler="ddim"), "FLUX.1 samples with flow-matching Euler"),
     (dict(timestep_spacing="trailing"), "there is no spacing to set"),
-    (dict(max_sequence_length=600), "--max-sequence-length must be a whole number of T5 tokens from 1 to 512"),
+    (dict(max_sequence_length=600), "--max-sequence-length must be a whole number of text tokens from 1 to 512"),
 ])
 def test_a_flux_plan_refuses_what_flux_cannot_do(change, message, tmp_path, model_cache):
     from pipeline.plan.prepare import resolve_settings
@@ -136,7 +136,7 @@ def test_a_sharded_flux_dev_run_is_the_same_on_1x4_and_2x2(flux_runs):
     assert stats["verified"] and stats["negative_prompts_unused"] == {"records": 1, "images": 1}
     assert stats["guidance_unused"] == {"records": 0, "images": 0}
     card = storage.read_text(naming.dataset_file(outs[0], "README.md"))
-    assert "embedded guidance (FLUX.1 [dev])" in card and "| T5 sequence length | `16` |" in card
+    assert "embedded guidance: each image's guidance scale is an input of the denoiser" in card and "| T5 sequence length | `16` |" in card
     assert "| FSDP (weights sharded over N devices) | `2` |" in card
 
 

@@ -50,7 +50,7 @@ def loaded(model_cache, reference):
 
     def get(spec):
         if spec not in models:
-            models[spec] = model_lib.load(DEV, "fp32", loras=[spec] if spec else [],
+            models[spec] = model_lib.load(DEV, dtype="fp32", loras=[spec] if spec else [],
                                           max_sequence_length=int(reference["max_sequence_length"]))
         return models[spec]
 

@@ -85,7 +85,7 @@ def probed(loaded):
                 contextlib.nullcontext([])
             with seam as traced:
                 velocity = nets.transformer.apply({"params": params["transformer"]}, x, text["prompt_embeds"],
-                                                  text["pooled_prompt_embeds"], t, image_ids, txt_ids, guidance)
+                                                  text["pooled_prompt_embeds"], t, image_ids, txt_ids, guidance=guidance)
             calls.extend(traced)
             return dict(t5=nets.t5.apply({"params": params["text_encoder_2"]}, t5_ids),
                         pooled=nets.clip(clip_ids, params=params["text_encoder"]).pooler_output,
@@ -214,7 +214,7 @@ def test_transformer_refuses_a_guidance_it_cannot_use(loaded):
     args = (np.zeros((1, 4, 64), np.float32), text["prompt_embeds"][:1], text["pooled_prompt_embeds"][:1],
             np.ones(1, np.float32), flux.latent_image_ids(2, 2), flux.text_ids(16))
     with pytest.raises(ValueError, match="guidance_embeds"):
-        nets.transformer.apply({"params": params["transformer"]}, *args, np.ones(1, np.float32))
+        nets.transformer.apply({"params": params["transformer"]}, *args, guidance=np.ones(1, np.float32))
     dev = flux.FluxTransformer(loaded["dev"][0].transformer.config)
     with pytest.raises(ValueError, match="guidance"):
         dev.apply({"params": loaded["dev"][1]["transformer"]}, *args)

@@ -67,7 +67,7 @@ def sample_at_32(checkpoints, variant, prompts, max_length, latents, guidance, s
     nets, params, clip_tokenizer, t5_tokenizer, _ = checkpoints[variant]
     if (variant, "sample") not in _PROGRAMS:
         _PROGRAMS[variant, "sample"] = jax.jit(lambda p, c, t, x, g, sigmas, timesteps, n: fs.sample(
-            nets, p, c, t, x, g, sigmas, timesteps, n))
+            nets, p, c, t, x, g, sigmas=sigmas, timesteps=timesteps, steps=n))
     clip_ids, t5_ids = fs.tokenize(clip_tokenizer, t5_tokenizer, prompts, max_length)
     schedule = flow.make_schedule(nets.scheduler_config, steps, 8 * 8)
     return _PROGRAMS[variant, "sample"](params, clip_ids, t5_ids, latents, guidance,

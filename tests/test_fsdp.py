@@ -63,7 +63,7 @@ ROWS = [("a red fox in the snow", "", 3.5, 5, 0), ("a blue whale", "", 3.5, 9, 2
 @pytest.mark.parametrize("name", ["tiny", "tiny-flux-dev"])
 def test_fsdp_2_makes_the_images_of_fsdp_1_with_half_the_sharded_weights_on_each_device(name, devices,
                                                                                         model_cache):
-    model = model_lib.load(name, "fp32")
+    model = model_lib.load(name, dtype="fp32")
     rule = model.family.guidance_rule(model)
     images, programs = {}, {}
     for fsdp in (1, 2):
@@ -110,7 +110,7 @@ def test_fsdp_auto_takes_the_smallest_n_that_fits(devices, model_cache, monkeypa
         return measured[fsdp]
 
     monkeypatch.setattr(fit, "sampler_memory", sampler_memory)
-    model = model_lib.load("tiny", "fp32", abstract=True)
+    model = model_lib.load("tiny", dtype="fp32", abstract=True)
     one = fit.sampler_memory(model, 32, 32, 1, 1, True, fsdp=1)["total"]
     two = fit.sampler_memory(model, 32, 32, 1, 1, True, fsdp=2, devices=devices)["total"]
     assert two < one

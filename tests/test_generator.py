@@ -133,7 +133,7 @@ def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_
             return model.nets.unet.apply(variables, sample, *args, **kwargs)
 
     monkeypatch.setattr(model.family, "make_encode_fn", spy_encode)
-    spied = dataclasses.replace(model, unet=SpyUnet())
+    spied = dataclasses.replace(model, nets=dataclasses.replace(model.nets, unet=SpyUnet()))
     free = Generator(spied, width=32, height=32, steps=2, per_device_batch=1, guided=False)
     assert (encoded, unet_batches) == ([1], [1])  # per device: the prompt alone, batch B
     encoded.clear(), unet_batches.clear()
@@ -152,7 +152,8 @@ def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_
 
 @pytest.mark.parametrize("choice", ["euler_a", "lcm"])
 def test_stochastic_samplers_draw_each_images_noise_from_its_own_key(model_cache, choice):
-    gen = Generator(model_lib.load("tiny", "fp32", choice), width=32, height=32, steps=3, per_device_batch=1)
+    gen = Generator(model_lib.load("tiny", dtype="fp32", scheduler=choice), width=32, height=32, steps=3,
+                    per_device_batch=1)
     a = gen(make_batch(gen, ["a cat", "a dog"], ["", ""], [7.5, 7.5], [11, 2**40], [0, 5]))
     b = gen(make_batch(gen, ["a dog", "a cat"], ["", ""], [7.5, 7.5], [2**40, 11], [5, 0]))
     np.testing.assert_array_equal(a[0], b[1])  # same image on another device, next to another neighbour

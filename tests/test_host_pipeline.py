@@ -24,7 +24,8 @@ SIZE = 6  # three batches of two: two in flight at a time
 
 @pytest.fixture(scope="module")
 def generator(model_cache):
-    return Generator(model_lib.load("tiny", "fp32", "ddim"), 32, 32, 2, 1, devices=jax.local_devices()[:2])
+    return Generator(model_lib.load("tiny", dtype="fp32", scheduler="ddim"), 32, 32, 2, 1,
+                     devices=jax.local_devices()[:2])
 
 
 def planned_out(tmp_path, count):

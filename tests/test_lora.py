@@ -48,7 +48,7 @@ def models():
 
     def get(family: str):
         if family not in loaded:
-            loaded[family] = model_lib.load(os.path.join(CHECKPOINTS, family), "fp32")
+            loaded[family] = model_lib.load(os.path.join(CHECKPOINTS, family), dtype="fp32")
         return loaded[family]
 
     return get
@@ -196,7 +196,7 @@ def test_an_adapter_leaves_the_compiled_program_unchanged(models):
 
 def test_load_merges_the_adapters_before_the_cast_and_fingerprints_them(models, tmp_path):
     folder = os.path.join(LORAS, "sd")  # a folder holding pytorch_lora_weights.safetensors
-    loaded = model_lib.load(SD, "bf16", loras=[f"{folder}@0.5"])
+    loaded = model_lib.load(SD, dtype="bf16", loras=[f"{folder}@0.5"])
     expected = lora.merge(models("sd").params, [(SD_LORA, 0.5)])
     path = ("down_blocks_0", "attentions_0", "transformer_blocks_0", "attn1", "to_q", "kernel")
     got = kernel(loaded.params, "unet", path)

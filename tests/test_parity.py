@@ -49,9 +49,9 @@ def v_prediction_model(model_cache, tmp_path_factory):
 @pytest.mark.parametrize("choice,prediction", [("ddim", "epsilon"), ("pndm", "epsilon"), ("dpmpp", "v_prediction")])
 def test_matches_diffusers_pipeline_fp32(diffusers_pipeline, v_prediction_model, choice, prediction):
     pipe, params = diffusers_pipeline
-    ours = model_lib.load("tiny" if prediction == "epsilon" else v_prediction_model, "fp32", choice)
-    assert ours.scheduler.config.prediction_type == prediction
-    scheduler, state = ours.scheduler, ours.params["scheduler"]
+    ours = model_lib.load("tiny" if prediction == "epsilon" else v_prediction_model, dtype="fp32", scheduler=choice)
+    assert ours.nets.scheduler.config.prediction_type == prediction
+    scheduler, state = ours.nets.scheduler, ours.params["scheduler"]
     pipe.scheduler, params = scheduler, {**params, "scheduler": state}
     prompts, negatives = ["a red house by a lake", "a cat"], ["", "blurry, dark"]
     latents = jnp.stack([keys.initial_latents(keys.image_key(s, i), ours.latent_shape(SIZE, SIZE))
@@ -84,9 +84,9 @@ def diffusers_xl_pipeline(model_cache):
                                               ("dpmpp", ["blurry", "x"])])
 def test_sdxl_matches_diffusers_pipeline_fp32(diffusers_xl_pipeline, choice, negatives):
     pipe, params = diffusers_xl_pipeline
-    ours = model_lib.load("tiny-sdxl", "fp32", choice)
+    ours = model_lib.load("tiny-sdxl", dtype="fp32", scheduler=choice)
     assert ours.family.name == "sdxl"
-    pipe.scheduler, params = ours.scheduler, {**params, "scheduler": ours.params["scheduler"]}
+    pipe.scheduler, params = ours.nets.scheduler, {**params, "scheduler": ours.params["scheduler"]}
     prompts = ["a red house by a lake", "a cat"]
     latents = jnp.stack([keys.initial_latents(keys.image_key(s, i), ours.latent_shape(SIZE, SIZE))
                          for s, i in ((5, 0), (2**41 + 3, 1))])

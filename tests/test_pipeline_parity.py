@@ -50,7 +50,7 @@ def checkpoints(tmp_path_factory):
                 shutil.copytree(directory, copy)
                 (copy / "scheduler" / "scheduler_config.json").write_text(config_file)
                 directory = str(copy)
-            loaded[family, sampler_name] = model_lib.load(directory, "fp32")
+            loaded[family, sampler_name] = model_lib.load(directory, dtype="fp32")
         return loaded[family, sampler_name]
 
     return get

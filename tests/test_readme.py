@@ -143,3 +143,144 @@ def _check_demo(clone, result):
     # the launcher nor a host goes looking for a TPU, or prints libtpu's warnings about it
     logs = [result.stderr] + [path.read_text() for path in (out / "logs").glob("host-*.log")]
     assert len(logs) == 3 and not any("TPU_ACCELERATOR_TYPE" in text or "libtpu" in text for text in logs)
+
+
+# -- the README and the guides under docs/: short, linked, and naming only real flags ----------
+
+README_MAX_LINES = 250
+
+
+def _docs() -> dict[str, str]:
+    """{path relative to the repository: text} of README.md and every docs/*.md."""
+    paths = ["README.md"] + sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(ROOT, "docs"))
+                                   if name.endswith(".md"))
+    return {path: open(os.path.join(ROOT, path), encoding="utf-8").read() for path in paths}
+
+
+def _without_code_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def heading_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped except '-' and '_',
+    spaces made '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors of a markdown file's headings (outside code blocks), with GitHub's
+    -1, -2 suffixes for repeated ones."""
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", _without_code_blocks(markdown), flags=re.M):
+        slug = heading_slug(heading)
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def relative_links(markdown: str) -> list[str]:
+    """Markdown link targets that are not URLs (``](path)``, ``](path#anchor)``, ``](#anchor)``),
+    outside code blocks."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", _without_code_blocks(markdown))
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def broken_links(path: str, markdown: str) -> list[str]:
+    """The relative links of the file at ``path`` (relative to the repository) that name a
+    file that does not exist, or an anchor that is no heading of the .md file they point to."""
+    broken = []
+    for link in relative_links(markdown):
+        target, _, anchor = link.partition("#")
+        file = os.path.normpath(os.path.join(ROOT, os.path.dirname(path), target)) if target else \
+            os.path.join(ROOT, path)
+        if not os.path.exists(file):
+            broken.append(f"{path}: {link} (no such file)")
+        elif anchor and file.endswith(".md") and \
+                anchor not in heading_anchors(open(file, encoding="utf-8").read()):
+            broken.append(f"{path}: {link} (no such heading)")
+    return broken
+
+
+def test_readme_is_a_short_front_door():
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; the details belong in docs/"
+
+
+def test_every_relative_link_of_the_readme_and_the_guides_resolves():
+    docs = _docs()
+    assert len(docs) > 2 and sum(len(relative_links(text)) for text in docs.values()) > 20
+    broken = [problem for path, text in docs.items() for problem in broken_links(path, text)]
+    assert not broken, "\n".join(broken)
+
+
+def test_link_checker_catches_a_missing_file_and_a_missing_heading():
+    assert heading_slug("FLUX.1 [schnell] and [dev]") == "flux1-schnell-and-dev"
+    assert heading_slug("Batch size: `--per-device-batch auto`") == "batch-size---per-device-batch-auto"
+    assert heading_anchors("# A\n## Notes\n```\n# not a heading\n```\n## Notes\n") == {"a", "notes", "notes-1"}
+    text = ("[ok](docs/models.md#guidance) [web](https://example.com/x#y) [gone](docs/nope.md) "
+            "[bad anchor](docs/models.md#no-such-heading) [here](#quick-start) [not here](#nowhere)")
+    assert relative_links(text) == ["docs/models.md#guidance", "docs/nope.md", "docs/models.md#no-such-heading",
+                                    "#quick-start", "#nowhere"]
+    assert broken_links("README.md", text) == ["README.md: docs/nope.md (no such file)",
+                                               "README.md: docs/models.md#no-such-heading (no such heading)",
+                                               "README.md: #nowhere (no such heading)"]
+
+
+# a flag token: two dashes, a lowercase letter, then letters, digits, '-' and '_' (Beam's
+# options are snake_case, e.g. --direct_num_workers); "---" of a table rule is none
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
+
+# flags the docs name that belong to other tools, or that are wrong on purpose
+OTHER_TOOLS_FLAGS = {
+    "--python",  # uv pip install --python .venv/bin/python, in the test command
+    "--guidence-scale",  # the misspelling that promptmill refuses, in How it works
+}
+OTHER_TOOLS_PREFIXES = ("--xla_",)  # XLA_FLAGS, e.g. --xla_force_host_platform_device_count
+
+
+def named_flags(text: str) -> set[str]:
+    return set(FLAG.findall(text))
+
+
+def promptmill_flags() -> set[str]:
+    """Every option string of every promptmill parser, subcommands at every depth included."""
+    import argparse
+
+    from jobs import cli
+
+    found, todo = set(), [cli.build_parser()]
+    while todo:
+        parser = todo.pop()
+        for action in parser._actions:
+            found |= set(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                todo += list(action.choices.values())
+    return found
+
+
+def unknown_flags(text: str, known: set[str]) -> set[str]:
+    return {flag for flag in named_flags(text)
+            if flag not in known and flag not in OTHER_TOOLS_FLAGS and not flag.startswith(OTHER_TOOLS_PREFIXES)}
+
+
+def test_flag_extraction():
+    text = ("run `promptmill run --model tiny --per-device-batch auto --direct_num_workers 2`, "
+            "XLA_FLAGS=--xla_cpu_x=1, a table rule | --- |, a key a-b--3f2c, x --dry-run, "
+            "`--fsdp N` and `--no-such-flag`. -n 0 and -e stay out.")
+    assert named_flags(text) == {"--model", "--per-device-batch", "--direct_num_workers", "--xla_cpu_x",
+                                 "--dry-run", "--fsdp", "--no-such-flag"}
+    known = {"--model", "--per-device-batch", "--direct_num_workers", "--dry-run", "--fsdp"}
+    assert unknown_flags(text, known) == {"--no-such-flag"}
+
+
+def test_every_flag_the_readme_and_the_guides_name_is_accepted():
+    from jobs import flags
+
+    known = promptmill_flags() | set(flags.beam_option_flags())
+    assert {"--model", "--per-device-batch", "--watch", "--tpu-type", "--parts", "--save"} <= known
+    assert "--direct_num_workers" in known and "--no-such-flag" not in known
+    docs = _docs()
+    assert sum(len(named_flags(text)) for text in docs.values()) > 100
+    unknown = {path: sorted(unknown_flags(text, known)) for path, text in docs.items()}
+    unknown = {path: names for path, names in unknown.items() if names}
+    assert not unknown, f"flags that no promptmill parser or Beam option knows: {unknown}"

@@ -114,10 +114,10 @@ def test_the_plan_honours_the_checkpoints_spacing_or_refuses_it(trailing_checkpo
                                                    r"runs 'leading'\)"):
         prepare.resolve_settings(settings.replace(scheduler="pndm"))
     with pytest.raises(model_lib.ModelError, match="timestep_spacing='trailing'"):
-        model_lib.load(trailing_checkpoint, "fp32", "pndm")  # and a host loading it refuses too
-    model = model_lib.load(trailing_checkpoint, "fp32")
-    assert (model.sampler.engine, model.sampler.config["timestep_spacing"], model.nets.scheduler) == ("steps", "trailing",
-                                                                                                 None)
+        model_lib.load(trailing_checkpoint, dtype="fp32", scheduler="pndm")  # and a host loading it refuses too
+    model = model_lib.load(trailing_checkpoint, dtype="fp32")
+    found = (model.sampler.engine, model.sampler.config["timestep_spacing"], model.nets.scheduler)
+    assert found == ("steps", "trailing", None)
 
 
 def test_a_step_count_the_sampler_cannot_run_is_refused_at_plan_time(trailing_checkpoint, tmp_path):
@@ -131,7 +131,7 @@ def test_a_step_count_the_sampler_cannot_run_is_refused_at_plan_time(trailing_ch
 def test_the_timestep_spacing_flag_overrides_the_checkpoints(model_cache, tmp_path):
     settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"))  # tiny: Flax DDIM, leading
     assert model_lib.load("tiny").sampler.engine == "flax"
-    trailing = model_lib.load("tiny", "fp32", None, "trailing").sampler
+    trailing = model_lib.load("tiny", dtype="fp32", scheduler=None, timestep_spacing="trailing").sampler
     assert (trailing.engine, trailing.config["timestep_spacing"]) == ("steps", "trailing")
     resolved, run = prepare.resolve_settings(settings.replace(timestep_spacing="trailing"))
     assert resolved.timestep_spacing == "trailing"

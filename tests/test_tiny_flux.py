@@ -126,6 +126,6 @@ def test_the_t5_tokenizer():
 
 def test_the_presets_import_no_jax():
     """The torch-only fixture script imports the presets: they must not need jax."""
-    code = "import sys; from pipeline.model import tiny_flux; assert tiny_flux.PRESETS; " \
+    code = "import sys; from pipeline.model.families.flux import presets; assert presets.PRESETS; " \
            "assert 'jax' not in sys.modules and 'flax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

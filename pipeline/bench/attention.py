@@ -86,7 +86,8 @@ def run_memory(config, platform: str, speed: dict | None = None) -> dict:
     from pipeline.generate.fit import sampler_memory
     from pipeline.model import load as model_lib
 
-    model = model_lib.load(config.model, config.dtype, config.scheduler, config.timestep_spacing, abstract=True)
+    model = model_lib.load(config.model, dtype=config.dtype, scheduler=config.scheduler,
+                           timestep_spacing=config.timestep_spacing, abstract=True)
     per_device_batch = config.per_device_batches[0]
     sizes = sorted(config.memory_sizes)
     rows = []

@@ -345,7 +345,8 @@ def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
 def _abstract(config: BenchConfig):
     from pipeline.model import load as model_lib
 
-    return model_lib.load(config.model, config.dtype, config.scheduler, config.timestep_spacing, abstract=True)
+    return model_lib.load(config.model, dtype=config.dtype, scheduler=config.scheduler,
+                          timestep_spacing=config.timestep_spacing, abstract=True)
 
 
 def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
@@ -414,7 +415,7 @@ def run_flops(config: BenchConfig) -> dict:
     width, height = config.width or 1024, config.height or 1024
     rows = []
     for name, steps, guidance in config.flops_recipes:
-        model = model_lib.load(name, config.dtype, abstract=True)
+        model = model_lib.load(name, dtype=config.dtype, abstract=True)
         guided = model.family.cfg and guidance > 1
         counted = parts.part_flops(model, width, height, 1, guided)
         per_image = parts.image_flops(model, width, height, steps, 1, guided)
@@ -471,7 +472,8 @@ def run_bench(config: BenchConfig) -> dict:
     if config.devices and len(devices) < config.devices:
         raise ValueError(f"--devices {config.devices}: only {len(devices)} local devices")
     watch = logs.Stopwatch()
-    model = model_lib.load(config.model, config.dtype, config.scheduler, config.timestep_spacing)
+    model = model_lib.load(config.model, dtype=config.dtype, scheduler=config.scheduler,
+                           timestep_spacing=config.timestep_spacing)
     load = watch.seconds()
     width, height = config.width or model.native_size, config.height or model.native_size
     size = config.matmul_size or (4096 if devices[0].platform == "cpu" else 8192)

@@ -316,7 +316,7 @@ def _build_generator(config: PipelineBenchConfig):
     if config.batch % len(devices):
         raise ValueError(f"--batch {config.batch} is not a multiple of the {len(devices)} local devices")
     watch = logs.Stopwatch()
-    model = model_lib.load("tiny", "fp32")
+    model = model_lib.load("tiny", dtype="fp32")
     width, height = config.width or model.native_size, config.height or model.native_size
     generator = Generator(model, width, height, config.steps, config.batch // len(devices))
     generator.warm_up()

@@ -164,8 +164,7 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
 
     devices = devices or jax.local_devices()
     capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
-    model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
-                           abstract=True, max_sequence_length=settings.max_sequence_length)
+    model = model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
     width, height = settings.width or model.native_size, settings.height or model.native_size
     # before the plan has read the prompts, whether the run is guided is unknown: a guided
     # program (the UNet at twice the rows) is the larger, so it is the one that must fit
@@ -223,8 +222,7 @@ def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -
 
     devices = devices or jax.local_devices()
     capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
-    model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
-                           abstract=True, max_sequence_length=settings.max_sequence_length)
+    model = model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
     width, height = settings.width or model.native_size, settings.height or model.native_size
     guided = settings.guided if settings.guided is not None else model.family.cfg
     tried = {}

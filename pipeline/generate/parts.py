@@ -21,7 +21,8 @@ def parts(model, width: int, height: int, per_device_batch: int, guided: bool, s
           sharding=None, count: bool = False) -> list[tuple[str, tuple[str, ...], object]]:
     """(label, the param components it reads, lowered program) of each part of one step
     (``Family.parts``); labels "text_encoder" (one per encoder), "denoiser", "vae_decode"."""
-    return model.family.parts(model, width, height, per_device_batch, guided, seam, sharding, count)
+    return model.family.parts(model, width, height, per_device_batch, guided, seam=seam, sharding=sharding,
+                              count=count)
 
 
 def lowered(model, width: int, height: int, per_device_batch: int, guided: bool, label: str,

@@ -45,8 +45,7 @@ def load_model(run: Run, out: str | None = None):
     settings = run.settings
     table = naming.model_files(out) if out else None
     quick = table is not None and not settings.unet and not settings.loras and storage.exists(table)
-    model = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing, settings.unet,
-                           settings.loras, fingerprint=not quick, max_sequence_length=settings.max_sequence_length)
+    model = model_lib.load(model_lib.LoadRequest.of(settings), fingerprint=not quick)
     if quick:
         try:
             model_lib.check_model(settings.model, storage.read_json(table)["files"])
@@ -85,8 +84,7 @@ def abstract_model(settings: Settings):
     change weights, never shapes."""
     from pipeline.model import load as model_lib
 
-    return model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
-                          abstract=True, max_sequence_length=settings.max_sequence_length)
+    return model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
 
 
 def sampler_description(settings: Settings) -> dict:

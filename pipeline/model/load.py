@@ -16,7 +16,7 @@ from pipeline.core.settings import parse_lora
 from pipeline.model import families
 from pipeline.model.loading import lora, sources
 from pipeline.model.loading import builtin
-from pipeline.model.families.base import Model
+from pipeline.model.families.base import LoadRequest, Model
 from pipeline.model.loading.libraries import quiet_libraries
 from pipeline.model.loading.sources import (
     ModelError,
@@ -29,7 +29,7 @@ from pipeline.model.loading.sources import (
     resolve_unet,
 )
 
-__all__ = ["Model", "ModelError", "describe", "family_of", "load", "resolve", "with_sampler"]
+__all__ = ["LoadRequest", "Model", "ModelError", "describe", "family_of", "load", "resolve", "with_sampler"]
 
 
 def resolve(name: str, weights: bool = True, shapes: bool = False) -> str:
@@ -62,37 +62,52 @@ def family_of(directory: str) -> tuple[families.Family, dict]:
     return family, index
 
 
-def load(name: str, dtype: str = "fp32", scheduler: str | None = None, timestep_spacing: str | None = None,
-         unet: str | None = None, loras: tuple[str, ...] | list[str] = (), abstract: bool = False,
-         fingerprint: bool = True, max_sequence_length: int | None = None) -> Model:
-    """Load ``--model`` (a built-in random model, or a diffusers-format directory) for sampling.
+def request_of(request: LoadRequest | str, **fields) -> LoadRequest:
+    """``request`` itself, or a ``LoadRequest`` for the model named ``request`` with
+    ``fields`` (``LoadRequest``'s); a ``LoadRequest`` and fields are not given together."""
+    if isinstance(request, LoadRequest):
+        if fields:
+            raise TypeError(f"a LoadRequest is given whole: {', '.join(fields)} given beside it")
+        return request
+    given = {name: value for name, value in fields.items() if value is not None}
+    if "loras" in given:
+        given["loras"] = tuple(given["loras"])
+    return LoadRequest(request, **given)
+
+
+def load(request: LoadRequest | str, *, abstract: bool = False, fingerprint: bool = True, **fields) -> Model:
+    """Load ``--model`` (a built-in random model, or a diffusers-format directory) for
+    sampling, as ``request`` asks (a ``LoadRequest``, or a model's name and
+    ``LoadRequest``'s fields: ``request_of``).
 
     ``dtype`` is the compute and weight dtype of the networks (``fp32`` or ``bf16``);
     latents and the samplers always stay in float32. ``scheduler`` and
     ``timestep_spacing``: the run's choices (None: the checkpoint's own), resolved by its
     family. ``unet``: a UNet-only safetensors file (local or gs://) whose weights replace
     the checkpoint's (``--unet``). ``loras``: the ``--lora`` specs (``PATH[@SCALE]``),
-    merged in order (``pipeline.model.loading.lora``); they change parameter values only, never
-    the compiled program. ``max_sequence_length``: FLUX.1's T5 length (None: 512).
+    merged in order (``pipeline.model.loading.lora``); they change parameter values only,
+    never the compiled program. ``max_sequence_length``: the family's text length (None:
+    its default).
 
     ``abstract``: the same model with its networks' params as ``jax.ShapeDtypeStruct``s,
     from the configs alone (no weight read, no adapter merged): enough to lower and compile
     its programs. ``fingerprint=False``: the model's fingerprint is left None (not
     computed: the caller checks the files another way, ``sources.check_files``).
     """
+    request = request_of(request, **fields)
     quiet_libraries()  # before the Flax classes are imported: some warn at import
-    if dtype not in DTYPES:
-        raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    directory = resolve(name, weights=not abstract, shapes=abstract)  # shapes come from the configs alone
+    if request.dtype not in DTYPES:
+        raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {request.dtype!r}")
+    directory = resolve(request.model, weights=not abstract, shapes=abstract)  # shapes come from the configs alone
     family, _ = family_of(directory)
     if not abstract and builtin.shapes_only(directory):
-        raise ModelError(f"model {name!r} is a shapes-only built-in model: its weights are never written, so it "
-                         f"can be compiled and measured (the TPU check, `promptmill bench`) but not run; use "
+        raise ModelError(f"model {request.model!r} is a shapes-only built-in model: its weights are never written, "
+                         f"so it can be compiled and measured (the TPU check, `promptmill bench`) but not run; use "
                          f"{', '.join(families.runnable_builtins())} to run a random model")
-    unet_file = _unet_file(directory, unet)
-    adapters = _resolved_loras(loras)
-    model = family.load(directory, name, DTYPES[dtype], scheduler, timestep_spacing, unet_file,
-                        [(local, scale) for _, local, scale in adapters], abstract, max_sequence_length)
+    # --unet and --lora change values, never shapes: an abstract model reads neither
+    unet_file = None if abstract else _unet_file(directory, request.unet)
+    adapters = [] if abstract else _resolved_loras(request.loras)
+    model = family.load(directory, request, unet_file, [(local, scale) for _, local, scale in adapters], abstract)
     value = None if abstract or not fingerprint else model_fingerprint(
         directory, unet_file, [(local, scale) for _, local, scale in adapters])
     return dataclasses.replace(model, fingerprint=value)
@@ -175,11 +190,10 @@ def _checked_loras(directory: str, family: families.Family, specs) -> list[tuple
     return adapters
 
 
-def describe(name: str, scheduler: str | None = None, timestep_spacing: str | None = None,
-             steps: int | None = None, unet: str | None = None, loras: tuple[str, ...] | list[str] = (),
-             max_sequence_length: int | None = None) -> dict:
-    """What planning needs to know of a model, from its configs alone (no weights loaded);
-    ``scheduler``, ``timestep_spacing``, ``steps`` and ``max_sequence_length``: the run's,
+def describe(request: LoadRequest | str, **fields) -> dict:
+    """What planning needs to know of a model, from its configs alone (no weights loaded),
+    for ``request`` (``request_of``); ``scheduler``, ``timestep_spacing``, ``steps`` and
+    ``max_sequence_length``: the run's,
     checked against the checkpoint's configs by its family; ``unet``: the run's --unet
     file, checked against the checkpoint's UNet and part of the fingerprint; ``loras``: the
     run's --lora specs, each file read and matched layer by layer against the
@@ -187,11 +201,12 @@ def describe(name: str, scheduler: str | None = None, timestep_spacing: str | No
     scale, sha256} of each; the rest is the family's ``Described``. Of a gs:// checkpoint
     only the configs are downloaded, and its fingerprint is its objects' checksums
     (``sources.fingerprint``)."""
-    directory = resolve(name, weights=False)
+    request = request_of(request, **fields)
+    directory = resolve(request.model, weights=False)
     family, _ = family_of(directory)
-    unet_file = _unet_file(directory, unet)
-    described = family.describe(directory, scheduler, timestep_spacing, steps, max_sequence_length, unet_file)
-    adapters = _checked_loras(directory, family, loras)
+    unet_file = _unet_file(directory, request.unet)
+    described = family.describe(directory, request, unet_file)
+    adapters = _checked_loras(directory, family, request.loras)
     return {"directory": directory,
             "fingerprint": model_fingerprint(directory, unet_file, [(local, scale) for _, local, scale in adapters]),
             "loras": [{"path": path, "scale": scale, "sha256": file_sha256(local)} for path, local, scale in adapters],

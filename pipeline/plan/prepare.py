@@ -51,8 +51,7 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     from pipeline.model.scorers import models as scorer_models
 
     settings.validate()
-    described = model.describe(settings.model, settings.scheduler, settings.timestep_spacing, settings.steps,
-                               settings.unet, settings.loras, settings.max_sequence_length)
+    described = model.describe(model.LoadRequest.of(settings))
     size, multiple = described["native_size"], described["size_multiple"]
     for name in ("width", "height"):
         value = getattr(settings, name)
@@ -90,8 +89,7 @@ def _sharding(settings: Settings) -> dict | None:
         raise PlanError("--fsdp auto is resolved to a number before planning (pipeline.generate.fit)")
     from pipeline.model import load as model_lib, sharding
 
-    params = model_lib.load(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing,
-                            abstract=True, max_sequence_length=settings.max_sequence_length).params
+    params = model_lib.load(model_lib.LoadRequest.of(settings), abstract=True).params
     sizes = sharding.component_bytes(params)
     placed = sharding.layout_of(params, settings.fsdp).describe(sizes)
     logs.event("fsdp_layout", fsdp=settings.fsdp, components=placed,

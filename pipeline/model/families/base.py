@@ -18,6 +18,34 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """What a run asks of its model, built from its settings in one place (``of``): the
+    checkpoint (``--model``) and how its networks are made. ``steps`` is what ``describe``
+    checks the sampler against (None: not checked)."""
+    model: str
+    dtype: str = "fp32"  # a --dtype choice
+    scheduler: str | None = None  # None: the checkpoint's own
+    timestep_spacing: str | None = None  # None: the checkpoint's own
+    unet: str | None = None  # a --unet file
+    loras: tuple[str, ...] = ()  # --lora specs, PATH@SCALE, merged in order
+    max_sequence_length: int | None = None  # None: the family's
+    steps: int | None = None
+
+    @classmethod
+    def of(cls, settings) -> "LoadRequest":
+        """The request of a run's ``Settings``."""
+        return cls(settings.model, settings.dtype, settings.scheduler, settings.timestep_spacing, settings.unet,
+                   tuple(settings.loras), settings.max_sequence_length, settings.steps)
+
+    @property
+    def jax_dtype(self) -> str:
+        """The jax.numpy name of the networks' dtype ("float32", "bfloat16")."""
+        from pipeline.core.choices import DTYPES
+
+        return DTYPES[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
 class Model:
     """A loaded (or, ``abstract``, shapes-only) checkpoint, as its family made it."""
     path: str
@@ -118,17 +146,17 @@ class Family:
         ``SAFETENSORS_FILES``)."""
         raise NotImplementedError
 
-    def describe(self, directory: str, scheduler: str | None, timestep_spacing: str | None, steps: int | None,
-                 max_sequence_length: int | None, unet_file: str | None) -> Described:
-        """What a plan needs to know of the checkpoint (configs alone); ModelError for a
-        setting the family refuses (a sampler, spacing, length or file it cannot honour)."""
+    def describe(self, directory: str, request: LoadRequest, unet_file: str | None) -> Described:
+        """What a plan needs to know of the checkpoint (configs alone) for ``request``;
+        ModelError for a setting the family refuses (a sampler, spacing, step count, length
+        or file it cannot honour). ``unet_file``: the local ``--unet`` file, if any."""
         raise NotImplementedError
 
-    def load(self, directory: str, name: str, dtype, scheduler: str | None, timestep_spacing: str | None,
-             unet_file: str | None, loras: list[tuple[str, float]], abstract: bool,
-             max_sequence_length: int | None) -> Model:
-        """The model's networks and params (``loras``: (local file, scale) merged in
-        order); ``abstract``: params as ShapeDtypeStructs from the configs alone."""
+    def load(self, directory: str, request: LoadRequest, unet_file: str | None, loras: list[tuple[str, float]],
+             abstract: bool) -> Model:
+        """The model's networks and params for ``request`` (``unet_file``: the local
+        ``--unet`` file; ``loras``: (local file, scale) merged in order); ``abstract``:
+        params as ShapeDtypeStructs from the configs alone."""
         raise NotImplementedError
 
     def lora_shapes(self, directory: str) -> dict:
@@ -143,7 +171,7 @@ class Family:
         """Whether each text is longer than a text encoder takes (``tokenize`` cuts it)."""
         raise NotImplementedError
 
-    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None,
+    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
                      seam=contextlib.nullcontext):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys)``:
@@ -161,7 +189,7 @@ class Family:
         """Attributes of a run's saved final latents: how to decode them."""
         raise NotImplementedError
 
-    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool,
+    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool, *,
               seam=contextlib.nullcontext, sharding=None, count: bool = False
               ) -> list[tuple[str, tuple[str, ...], object]]:
         """(label, the param components it reads, the lowered program) of each part of a

@@ -106,7 +106,7 @@ def cudnn_fits(head_dim: int, dtype_bytes: int) -> bool:
     return dtype_bytes == 2 and head_dim % 8 == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
 
 
-def choose(requested: str, platform: str, q_tokens: int, kv_tokens: int, heads: int, head_dim: int, batch: int,
+def choose(requested: str, platform: str, q_tokens: int, kv_tokens: int, heads: int, head_dim: int, *, batch: int,
            dtype_bytes: int, budget_bytes: int | None = None) -> str:
     """The kernel (one of ``KERNELS``) that one attention call runs; pure.
 
@@ -276,7 +276,7 @@ def _per_device(kernel, mesh, q, k, v):
     return jax.shard_map(kernel, mesh=mesh, in_specs=(rows, rows, rows), out_specs=rows, check_vma=False)(q, k, v)
 
 
-def attend(q, k, v, scale, kernel: str, budget_bytes: int = DEFAULT_BUDGET_BYTES["cpu"],
+def attend(q, k, v, scale, kernel: str, *, budget_bytes: int = DEFAULT_BUDGET_BYTES["cpu"],
            block_tokens: int = DEFAULT_BLOCK_TOKENS, interpret: bool = False, mesh=None,
            heads_first: bool = False):
     """softmax(q k^T [* scale]) v with ``kernel``; q, k, v and the result are
@@ -340,13 +340,13 @@ class _Seam:
 
     def core(self, site, q, k, v, scale):
         batch, q_tokens, heads, head_dim = q.shape
-        kernel = choose(self.implementation, self.platform, q_tokens, k.shape[1], heads, head_dim, batch,
-                        q.dtype.itemsize, self.budget_bytes)
+        kernel = choose(self.implementation, self.platform, q_tokens, k.shape[1], heads, head_dim, batch=batch,
+                        dtype_bytes=q.dtype.itemsize, budget_bytes=self.budget_bytes)
         call = Call(site, batch, q_tokens, k.shape[1], heads, head_dim, str(q.dtype), kernel)
         self.calls.append(call)
         for recorder in getattr(_ACTIVE, "recorders", ()):
             recorder.append(call)
-        return attend(q, k, v, scale, kernel, self.budget_bytes, self.block_tokens,
+        return attend(q, k, v, scale, kernel, budget_bytes=self.budget_bytes, block_tokens=self.block_tokens,
                       interpret=self.platform == "cpu", mesh=self.mesh, heads_first=self.platform == "cpu")
 
     def unet_attention(self, module, hidden_states, context=None, deterministic=True):

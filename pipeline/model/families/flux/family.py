@@ -97,7 +97,9 @@ class Flux(Family):
         except ValueError as e:
             raise ModelError(str(e)) from None
 
-    def describe(self, directory, scheduler, timestep_spacing, steps, max_sequence_length, unet_file) -> Described:
+    def describe(self, directory, request, unet_file) -> Described:
+        scheduler, timestep_spacing = request.scheduler, request.timestep_spacing
+        steps, max_sequence_length = request.steps, request.max_sequence_length
         if unet_file is not None:
             raise ModelError("--unet replaces a UNet's weights; FLUX.1 has a transformer, not a UNet")
         if scheduler not in (None, SAMPLER):
@@ -123,14 +125,13 @@ class Flux(Family):
                          guidance_rule="embedded" if embeds else "unused", cfg=False, max_sequence_length=length,
                          license=license_of(directory))
 
-    def load(self, directory, name, dtype, scheduler, timestep_spacing, unet_file, loras, abstract,
-             max_sequence_length) -> Model:
+    def load(self, directory, request, unet_file, loras, abstract) -> Model:
         import jax
         import jax.numpy as jnp
         from transformers import CLIPTokenizer, T5TokenizerFast
 
-        described = self.describe(directory, scheduler, timestep_spacing, None, max_sequence_length, unet_file)
-        jdtype = getattr(jnp, dtype)
+        described = self.describe(directory, dataclasses.replace(request, steps=None), unet_file)
+        jdtype = getattr(jnp, request.jax_dtype)
         nets = self._nets(directory, jdtype)
         tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
         tokenizer_2 = T5TokenizerFast.from_pretrained(os.path.join(directory, "tokenizer_2"))
@@ -149,7 +150,7 @@ class Flux(Family):
         f = nets.vae_scale_factor
         nets = dataclasses.replace(nets, tokenizer=tokenizer, tokenizer_2=tokenizer_2,
                                    max_sequence_length=described.max_sequence_length)
-        return Model(path=name, fingerprint=None, family=self, nets=nets,
+        return Model(path=request.model, fingerprint=None, family=self, nets=nets,
                      sampler=Sampler(SAMPLER, nets.scheduler_config, "flow"), params=params, dtype=jdtype,
                      latent_channels=nets.latent_channels, vae_scale_factor=f, native_size=described.native_size,
                      param_dtype=jdtype)
@@ -218,7 +219,7 @@ class Flux(Family):
 
     # ---- sampling
 
-    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None,
+    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "embedded", guided: bool = False,
                      seam=contextlib.nullcontext):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
@@ -258,7 +259,7 @@ class Flux(Family):
 
     # ---- parts
 
-    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool,
+    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool, *,
               seam=contextlib.nullcontext, sharding=None, count: bool = False):
         """CLIP (pooled) and T5 on B prompts, one transformer call on B images, the VAE
         decode. ``count``: the scanned layers unrolled, so that XLA's cost analysis (which
@@ -299,7 +300,7 @@ class Flux(Family):
         def call(p, x, context, pooled, t, guidance):
             with seam():
                 return transformer.apply({"params": p}, x, context, pooled, t, np.asarray(image_ids),
-                                         np.asarray(txt_ids), guidance if embedded else None)
+                                         np.asarray(txt_ids), guidance=guidance if embedded else None)
 
         found.append(("denoiser", ("transformer",), jax.jit(call).lower(
             placed("transformer"), make((b, tokens, config.in_channels), jnp.float32),

@@ -150,7 +150,7 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     }
 
 
-def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, sigmas, timesteps, steps=None):
+def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigmas, timesteps, steps=None):
     """float32 images [B, H, W, 3] in [0, 1] and the final latents [B, C, H/f, W/f]
     (unpacked, before the VAE's scaling and shift) from initial latents [B, C, H/f, W/f],
     as FluxPipeline makes them, over a schedule given as arrays (``flow.FlowSchedule``'s
@@ -177,7 +177,7 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, sigmas, 
         # FluxPipeline passes timestep / 1000, in the latents' dtype (float32)
         t = jnp.broadcast_to(timesteps[i], (batch,)) / 1000
         velocity = nets.transformer.apply({"params": params["transformer"]}, x, context, pooled, t, image_ids, txt_ids,
-                                          embedded)
+                                          guidance=embedded)
         return flow.step(x, velocity, sigmas[i], sigmas[i + 1])
 
     packed = jax.lax.fori_loop(0, timesteps.shape[0] if steps is None else steps, step,
@@ -217,7 +217,8 @@ def make_denoise(nets: FluxNets, steps: int, height: int, width: int, return_lat
         if tuple(latents.shape[1:]) != (nets.latent_channels, rows, cols):
             raise ValueError(f"latents have shape {tuple(latents.shape)}, expected [B, {nets.latent_channels}, "
                              f"{rows}, {cols}] for {height}x{width} images")
-        images, final = sample(nets, params, clip_ids, t5_ids, latents, guidance, schedule.sigmas, schedule.timesteps)
+        images, final = sample(nets, params, clip_ids, t5_ids, latents, guidance, sigmas=schedule.sigmas,
+                               timesteps=schedule.timesteps)
         return (images, final) if return_latents else images
 
     return denoise

@@ -377,7 +377,7 @@ def _stack(block, length: int, unroll: int = 1):
 
 class FluxTransformer(nn.Module):
     """``FluxTransformer(config, dtype)(hidden_states, encoder_hidden_states,
-    pooled_projections, timestep, img_ids, txt_ids, guidance=None) -> [B, N, out_channels]``,
+    pooled_projections, timestep, img_ids, txt_ids, *, guidance=None) -> [B, N, out_channels]``,
     diffusers' ``FluxTransformer2DModel.forward`` with the same arguments:
 
     - hidden_states [B, N, in_channels]: packed latents (``pack_latents``);
@@ -397,7 +397,7 @@ class FluxTransformer(nn.Module):
     unroll: int = 1
 
     @nn.compact
-    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, *,
                  guidance=None):
         cfg = self.config
         if cfg.guidance_embeds and guidance is None:
@@ -440,7 +440,7 @@ def _param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     def init():
         return module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, config.in_channels)),
                            jnp.zeros((1, 1, config.joint_attention_dim)), jnp.zeros((1, config.pooled_projection_dim)),
-                           jnp.zeros((1,)), ids, ids, guidance)["params"]
+                           jnp.zeros((1,)), ids, ids, guidance=guidance)["params"]
 
     return convert.flat_shapes(jax.eval_shape(init))
 

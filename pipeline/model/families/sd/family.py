@@ -115,7 +115,9 @@ class StableDiffusion(Family):
         own = {"text_encoder": "transformers", "unet": "diffusers", "vae": "diffusers"}
         return {**own, "text_encoder_2": "transformers"} if self.sdxl else own
 
-    def describe(self, directory, scheduler, timestep_spacing, steps, max_sequence_length, unet_file) -> Described:
+    def describe(self, directory, request, unet_file) -> Described:
+        scheduler, timestep_spacing = request.scheduler, request.timestep_spacing
+        steps, max_sequence_length = request.steps, request.max_sequence_length
         check_unet(directory)
         if max_sequence_length is not None:
             raise ModelError(f"--max-sequence-length sets FLUX.1's T5 length; {self.title}'s CLIP text encoders take "
@@ -127,15 +129,14 @@ class StableDiffusion(Family):
                          scheduler=sampler.choice, size_multiple=SIZE_MULTIPLE, default_guidance=DEFAULT_GUIDANCE,
                          guidance_rule="diffusers", cfg=True, min_steps=low, max_steps=high, steps_bound=why)
 
-    def load(self, directory, name, dtype, scheduler, timestep_spacing, unet_file, loras, abstract,
-             max_sequence_length) -> Model:
+    def load(self, directory, request, unet_file, loras, abstract) -> Model:
         import jax.numpy as jnp
         from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel
         from transformers import CLIPTokenizer, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
 
         check_unet(directory)
-        sampler = resolve_sampler(directory, scheduler, timestep_spacing)
-        jdtype = getattr(jnp, dtype)
+        sampler = resolve_sampler(directory, request.scheduler, request.timestep_spacing)
+        jdtype = getattr(jnp, request.jax_dtype)
         tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
         text_encoder, text_params = weights.load_transformers(
             FlaxCLIPTextModel, directory, "text_encoder", jdtype, abstract)
@@ -158,7 +159,7 @@ class StableDiffusion(Family):
         flax_scheduler, params = with_sampler_state(sampler, params)
         f = 2 ** (len(vae.config.block_out_channels) - 1)
         nets = SdNets(tokenizer, text_encoder, unet, vae, flax_scheduler, tokenizer_2, text_encoder_2)
-        return Model(path=name, fingerprint=None, family=self, nets=nets, sampler=sampler, params=params,
+        return Model(path=request.model, fingerprint=None, family=self, nets=nets, sampler=sampler, params=params,
                      dtype=unet.dtype, latent_channels=unet.config.in_channels, vae_scale_factor=f,
                      native_size=unet.config.sample_size * f)
 
@@ -221,7 +222,7 @@ class StableDiffusion(Family):
                             "Row = position, as in zarr/images."),
                 "vae_scaling_factor": float(model.nets.vae.config.scaling_factor)}
 
-    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None,
+    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
                      seam=contextlib.nullcontext):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
@@ -320,7 +321,7 @@ class StableDiffusion(Family):
 
     # ---- parts
 
-    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool,
+    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool, *,
               seam=contextlib.nullcontext, sharding=None, count: bool = False
               ) -> list[tuple[str, tuple[str, ...], object]]:
         import jax
@@ -333,7 +334,7 @@ class StableDiffusion(Family):
         found = []
         ids = make((rows, model.nets.tokenizer.model_max_length), jnp.int32)
         for name in sorted(n for n in model.params if n.startswith("text_encoder")):
-            lowered = jax.jit(lambda p, i, e=getattr(model, name): e(i, params=p)[0]).lower(
+            lowered = jax.jit(lambda p, i, e=getattr(model.nets, name): e(i, params=p)[0]).lower(
                 shapes.params(model.params[name], sharding), ids)
             found.append(("text_encoder", (name,), lowered))
         unet, config = model.nets.unet, model.nets.unet.config
