@@ -18,7 +18,7 @@ import os
 
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.loading import builtin
-from pipeline.model.loading.sources import ModelError, read_json_file
+from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
 PIPELINE = "ScratchPipeline"
 PRESETS = {"scratch-tiny": dict(version="scratch-tiny-v1", channels=4, width=16, heads=2, tokens=12,

@@ -489,14 +489,15 @@ def test_the_host_check_reads_no_checkpoint_byte_when_the_plans_table_matches(tm
     import builtins
     import shutil
 
-    from pipeline.model.loading import sources
+    from pipeline.model.loading import identity
+    from pipeline.model.loading.checkpoint import ModelError
     from pipeline.model import load as model_load
 
     directory = str(tmp_path / "model")
     shutil.copytree(model_load.resolve("tiny"), directory)
-    planned = sources.fingerprint(directory)
-    table = sources.file_table(directory)
-    assert planned == sources.fingerprint(directory) and len(table) > 5
+    planned = identity.fingerprint(directory)
+    table = identity.file_table(directory)
+    assert planned == identity.fingerprint(directory) and len(table) > 5
 
     opened = []
     real_open = builtins.open
@@ -507,7 +508,7 @@ def test_the_host_check_reads_no_checkpoint_byte_when_the_plans_table_matches(tm
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", counting_open)
-    sources.check_files(directory, table)
+    identity.check_files(directory, table)
     assert opened == []
 
     weights = os.path.join(directory, "unet", "diffusion_flax_model.msgpack")
@@ -515,9 +516,9 @@ def test_the_host_check_reads_no_checkpoint_byte_when_the_plans_table_matches(tm
     data[-1] ^= 1  # same size, other bytes
     with real_open(weights, "wb") as f:
         f.write(data)
-    with pytest.raises(sources.ModelError, match="unet/diffusion_flax_model.msgpack differs"):
-        sources.check_files(directory, table)
+    with pytest.raises(ModelError, match="unet/diffusion_flax_model.msgpack differs"):
+        identity.check_files(directory, table)
     with real_open(weights, "ab") as f:
         f.write(b"x")
-    with pytest.raises(sources.ModelError, match="unet/diffusion_flax_model.msgpack has"):
-        sources.check_files(directory, table)
+    with pytest.raises(ModelError, match="unet/diffusion_flax_model.msgpack has"):
+        identity.check_files(directory, table)

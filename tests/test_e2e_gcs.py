@@ -218,7 +218,7 @@ def test_planning_a_gcs_model_downloads_no_weights_and_hosts_check_it_by_listing
     loading the model then checks it against that table without reading an object."""
     from pipeline.generate import runtime
     from pipeline.io import runs
-    from pipeline.model.loading import sources
+    from pipeline.model.loading import identity
     from pipeline.model import load as model_load
     from tests.test_model_sources import downloads, watched
 
@@ -237,7 +237,7 @@ def test_planning_a_gcs_model_downloads_no_weights_and_hosts_check_it_by_listing
     listed = storage.object_checksums(model)
     assert storage.read_json(naming.model_files(out))["files"] == listed
     run = runs.read(out)
-    assert run.model_fingerprint == sources.fingerprint(model) == sources.listing_fingerprint(listed)
+    assert run.model_fingerprint == identity.fingerprint(model) == identity.listing_fingerprint(listed)
 
     model_load.resolve(model)  # this machine's copy, as the host's load makes it before checking
     with watched() as proxy:

@@ -47,13 +47,13 @@ def test_a_flux_checkpoint_loaded_like_any_other_makes_diffusers_images(case, mo
     assert rule == ("embedded" if variant == "dev" else "unused")
     denoise = jax.jit(sampler.make_denoise_fn(model, steps, guided=False, guidance_rule=rule))
     prompts = [str(p) for p in fixture["prompts"]]
-    ids = sampler.tokenize(model, prompts)
+    ids = model.family.tokenize(model, prompts)
     assert ids.shape == (2, 77 + int(fixture["max_sequence_length"]))
     params = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), model.params)
     guidance = np.full((2,), fixture["guidance_scale"], np.float32)
     images = np.asarray(sampler.to_uint8(denoise(params, ids, np.zeros_like(ids), guidance, fixture["latents"])))
     assert np.abs(images.astype(int) - fixture["images_uint8"]).max() <= 2
-    assert sampler.truncated(model, prompts) == [False, True]  # the long prompt is cut by both encoders
+    assert model.family.truncated(model, prompts) == [False, True]  # the long prompt is cut by both encoders
 
 
 @pytest.mark.parametrize("change,message", [

@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 
 from pipeline.generate import sampler
 from pipeline.model import load as model_lib
-from pipeline.model.loading import sources
+from pipeline.model.loading import identity
 from tests.conftest import rewritten
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -72,7 +72,7 @@ def images_of(model, reference) -> np.ndarray:
             return denoise(*args)
 
         _PROGRAMS.append(jax.jit(traced))
-    ids = jnp.asarray(sampler.tokenize(model, [str(p) for p in reference["prompts"]]))
+    ids = jnp.asarray(model.family.tokenize(model, [str(p) for p in reference["prompts"]]))
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), model.params)
     guidance = jnp.full((len(ids),), reference["guidance_scale"], jnp.float32)
     images = _PROGRAMS[0](params, ids, ids, guidance, jnp.asarray(reference["latents"]))
@@ -182,7 +182,7 @@ def test_describe_accepts_it_and_fingerprints_it(loaded, reference):
     described = model_lib.describe(DEV, loras=[spec], max_sequence_length=int(reference["max_sequence_length"]))
     assert described["family"] == "flux"
     assert described["loras"] == [{"path": TRANSFORMER_LORA, "scale": 0.5,
-                                   "sha256": sources.file_sha256(TRANSFORMER_FILE)}]
+                                   "sha256": identity.file_sha256(TRANSFORMER_FILE)}]
     assert described["fingerprint"] == loaded(spec).fingerprint != loaded(None).fingerprint
 
 

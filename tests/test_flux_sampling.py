@@ -87,7 +87,7 @@ def run(checkpoints, case):
         return sample_at_32(checkpoints, variant, prompts, max_length, case["latents"], guidance, steps)
     key = (variant, steps, height, width)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = jax.jit(fs.make_denoise(nets, steps, height, width, return_latents=True))
+        _PROGRAMS[key] = jax.jit(fs.make_denoise(nets, steps, width, height, return_latents=True))
     clip_ids, t5_ids = fs.tokenize(clip_tokenizer, t5_tokenizer, prompts, max_length)
     return _PROGRAMS[key](params, clip_ids, t5_ids, case["latents"], guidance)
 
@@ -157,8 +157,10 @@ def test_tokenize_is_flux_pipelines(checkpoints, variant):
 def test_make_denoise_refuses_sizes_and_latents_it_cannot_take(checkpoints):
     nets, params, *_ = checkpoints["schnell"]
     with pytest.raises(ValueError, match="multiples of 4"):
-        fs.make_denoise(nets, 2, 30, 32)
+        fs.make_denoise(nets, 2, 32, 30)
     denoise = fs.make_denoise(nets, 2, 32, 32)
     with pytest.raises(ValueError, match=r"latents have shape \(1, 16, 8, 8\)"):
         denoise(params, np.zeros((1, 77), np.int32), np.zeros((1, 16), np.int32), np.zeros((1, 16, 8, 8), np.float32))
-    assert nets.latent_shape(32, 48) == (16, 16, 24)
+    with pytest.raises(ValueError, match=r"for 32x48 images"):  # width x height, as everywhere
+        fs.make_denoise(nets, 2, 32, 48)(params, np.zeros((1, 77), np.int32), np.zeros((1, 16), np.int32),
+                                        np.zeros((1, 16, 16, 24), np.float32))

@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 from pipeline.core.settings import Lora, Run, Settings, lora_spec, parse_lora
 from pipeline.generate import runtime, sampler
 from pipeline.model import load as model_lib
-from pipeline.model.loading import lora, sources
+from pipeline.model.loading import identity, lora
 from tests.conftest import rewritten
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -62,10 +62,10 @@ def images_of(model, params, reference) -> np.ndarray:
     from one compiled program per model."""
     steps = int(reference["steps"])
     if id(model) not in _PROGRAMS:
-        _PROGRAMS[id(model)] = jax.jit(sampler.make_denoise_fn(model, steps, sampler.tokenize(model, [""])[0],
+        _PROGRAMS[id(model)] = jax.jit(sampler.make_denoise_fn(model, steps, model.family.tokenize(model, [""])[0],
                                                                guided=False))
     prompts = ["a red fox in the snow", "a blue whale in the ocean"]  # make_pipeline_fixtures.PROMPTS
-    ids = jnp.asarray(sampler.tokenize(model, prompts))
+    ids = jnp.asarray(model.family.tokenize(model, prompts))
     images = _PROGRAMS[id(model)](params, ids, ids, jnp.zeros((len(prompts),), jnp.float32),
                                   jnp.asarray(reference["latents"]))
     return np.asarray(sampler.to_uint8(images))
@@ -206,10 +206,10 @@ def test_load_merges_the_adapters_before_the_cast_and_fingerprints_them(models, 
     assert loaded.fingerprint != plain
     assert model_lib.describe(SD, loras=[f"{folder}@0.5"])["fingerprint"] == loaded.fingerprint  # the plan's
     # another scale: another fingerprint; the same bytes elsewhere: the same
-    assert sources.model_fingerprint(SD, None, [(SD_LORA, 1.0)]) not in (loaded.fingerprint, plain)
+    assert identity.model_fingerprint(SD, None, [(SD_LORA, 1.0)]) not in (loaded.fingerprint, plain)
     copy = tmp_path / "copy.safetensors"
     shutil.copy(SD_LORA, copy)
-    assert sources.model_fingerprint(SD, None, [(str(copy), 0.5)]) == loaded.fingerprint
+    assert identity.model_fingerprint(SD, None, [(str(copy), 0.5)]) == loaded.fingerprint
 
 
 def test_generate_and_reproduce_load_the_planned_adapters(models, tmp_path, model_cache):

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.io import storage
 from pipeline.model import load as model_lib
-from pipeline.model.loading import sources
+from pipeline.model.loading import fetch, identity
 from pipeline.testing.fault_proxy import FaultyProxy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,15 +35,15 @@ def test_gcs_model_is_copied_once_and_loads_like_the_local_one(gcs_emulator, mod
     assert fetched.startswith(os.path.join(model_cache, "models", "remote"))
     assert storage.object_checksums(fetched) == storage.object_checksums(local)  # the same bytes
     # a gs:// checkpoint's fingerprint is its objects' checksums: the prefix's, its copy's and the plan's agree
-    assert sources.fingerprint(fetched) == sources.fingerprint(prefix) == model_lib.describe(prefix)["fingerprint"]
-    assert sources.fingerprint(prefix) != sources.fingerprint(local)
+    assert identity.fingerprint(fetched) == identity.fingerprint(prefix) == model_lib.describe(prefix)["fingerprint"]
+    assert identity.fingerprint(prefix) != identity.fingerprint(local)
     # a local checkpoint's is still the hash of its files' names and bytes
     content = hashlib.sha256()
     for relative, path in sorted((os.path.relpath(os.path.join(root, name), local).replace(os.sep, "/"),
                                   os.path.join(root, name)) for root, _, names in os.walk(local) for name in names):
         with open(path, "rb") as f:
             content.update(relative.encode() + b"\0" + f.read() + b"\0")
-    assert sources.fingerprint(local) == content.hexdigest()
+    assert identity.fingerprint(local) == content.hexdigest()
 
     def no_download(*args, **kwargs):
         raise AssertionError("an unchanged checkpoint must not be fetched again")
@@ -149,9 +149,9 @@ def test_a_gcs_lora_is_copied_once_and_fingerprinted_like_the_local_file(gcs_emu
     fixtures = os.path.join(os.path.dirname(__file__), "fixtures")
     checkpoint, local = os.path.join(fixtures, "pt_pipelines", "sd"), os.path.join(fixtures, "loras", "sd")
     upload_tree(local, f"gs://{gcs_emulator}/loras/style")
-    folder, file = f"gs://{gcs_emulator}/loras/style", f"gs://{gcs_emulator}/loras/style/{sources.LORA_FILE}"
-    copied = sources.resolve_lora(folder)
-    assert copied.startswith(os.path.join(model_cache, "loras")) and sources.resolve_lora(file) == copied
+    folder, file = f"gs://{gcs_emulator}/loras/style", f"gs://{gcs_emulator}/loras/style/{fetch.LORA_FILE}"
+    copied = fetch.resolve_lora(folder)
+    assert copied.startswith(os.path.join(model_cache, "loras")) and fetch.resolve_lora(file) == copied
     expected = model_lib.describe(checkpoint, loras=[f"{local}@0.5"])
     described = model_lib.describe(checkpoint, loras=[f"{folder}@0.5"])
     assert described["fingerprint"] == expected["fingerprint"] != model_lib.describe(checkpoint)["fingerprint"]
@@ -161,11 +161,11 @@ def test_a_gcs_lora_is_copied_once_and_fingerprinted_like_the_local_file(gcs_emu
         raise AssertionError("an unchanged adapter must not be fetched again")
 
     monkeypatch.setattr(storage, "download", no_download)
-    assert sources.resolve_lora(folder) == copied
+    assert fetch.resolve_lora(folder) == copied
     monkeypatch.undo()
     with pytest.raises(model_lib.ModelError, match=f"--lora gs://{gcs_emulator}/loras/none: the folder holds no "
                                                    "pytorch_lora_weights.safetensors"):
-        sources.resolve_lora(f"gs://{gcs_emulator}/loras/none")
+        fetch.resolve_lora(f"gs://{gcs_emulator}/loras/none")
 
 
 @contextlib.contextmanager
@@ -263,7 +263,6 @@ def test_a_download_that_does_not_match_its_listing_is_an_error_naming_the_objec
 CHILD = """
 import os, sys, time
 from pipeline.core import logs
-from pipeline.model.loading import sources
 from pipeline.model import load as model_load
 logs.setup()
 open(sys.argv[2], "w").close()

@@ -62,7 +62,7 @@ def test_matches_diffusers_pipeline_fp32(diffusers_pipeline, v_prediction_model,
     theirs = np.asarray(generate(ids(pipe.tokenizer, prompts), params, None, STEPS, SIZE, SIZE, guidance,
                                  latents, ids(pipe.tokenizer, negatives)))
     denoise = jax.jit(sampler.make_denoise_fn(ours, STEPS))
-    mine = np.asarray(denoise(ours.params, ids(ours.tokenizer, prompts), ids(ours.tokenizer, negatives),
+    mine = np.asarray(denoise(ours.params, ids(ours.nets.tokenizer, prompts), ids(ours.nets.tokenizer, negatives),
                               jnp.full((2,), guidance, jnp.float32), latents))
     assert mine.shape == theirs.shape == (2, SIZE, SIZE, 3)
     assert np.abs(mine - theirs).max() < 1e-3
@@ -91,14 +91,14 @@ def test_sdxl_matches_diffusers_pipeline_fp32(diffusers_xl_pipeline, choice, neg
     latents = jnp.stack([keys.initial_latents(keys.image_key(s, i), ours.latent_shape(SIZE, SIZE))
                          for s, i in ((5, 0), (2**41 + 3, 1))])
     guidance = 5.0
-    prompt_ids = jnp.asarray(sampler.tokenize(ours, prompts))
-    negative_ids = jnp.asarray(sampler.tokenize(ours, negatives))
+    prompt_ids = jnp.asarray(ours.family.tokenize(ours, prompts))
+    negative_ids = jnp.asarray(ours.family.tokenize(ours, negatives))
     assert prompt_ids.shape == (2, 2, 77)
     np.testing.assert_array_equal(prompt_ids, pipe.prepare_inputs(prompts))  # same tokenisation as diffusers
     generate = jax.jit(pipe._generate, static_argnums=(3, 4, 5))
     theirs = np.asarray(generate(prompt_ids, params, None, STEPS, SIZE, SIZE, guidance, latents,
                                  None if not any(negatives) else negative_ids))
-    denoise = jax.jit(sampler.make_denoise_fn(ours, STEPS, sampler.tokenize(ours, [""])[0]))
+    denoise = jax.jit(sampler.make_denoise_fn(ours, STEPS, ours.family.tokenize(ours, [""])[0]))
     mine = np.asarray(denoise(ours.params, prompt_ids, negative_ids, jnp.full((2,), guidance, jnp.float32), latents))
     assert mine.shape == theirs.shape == (2, SIZE, SIZE, 3)
     assert np.abs(mine - theirs).max() < 1e-3

@@ -62,7 +62,7 @@ _PROGRAMS = {}
 def program(model, steps: int, guided: bool):
     key = (id(model), steps, guided)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = jax.jit(sampler.make_denoise_fn(model, steps, sampler.tokenize(model, [""])[0],
+        _PROGRAMS[key] = jax.jit(sampler.make_denoise_fn(model, steps, model.family.tokenize(model, [""])[0],
                                                          return_latents=True, guided=guided))
     return _PROGRAMS[key]
 
@@ -82,8 +82,8 @@ def test_images_match_diffusers_pytorch_pipeline(checkpoints, path):
     assert (model.sampler.choice, model.sampler.engine, config["timestep_spacing"]) == (name, "steps", "trailing")
     steps, guidance = int(case["steps"]), float(case["guidance_scale"])
     prompts = [str(p) for p in case["prompts"]]
-    prompt_ids = jnp.asarray(sampler.tokenize(model, prompts))
-    negative_ids = jnp.asarray(sampler.tokenize(model, [""] * len(prompts)))  # no negative prompt
+    prompt_ids = jnp.asarray(model.family.tokenize(model, prompts))
+    negative_ids = jnp.asarray(model.family.tokenize(model, [""] * len(prompts)))  # no negative prompt
     images, latents = program(model, steps, guidance > 1)(model.params, prompt_ids, negative_ids,
                                                           jnp.full((len(prompts),), guidance, jnp.float32),
                                                           jnp.asarray(case["latents"]))

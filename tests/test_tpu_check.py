@@ -77,19 +77,27 @@ def test_the_refusal_names_the_figures_and_what_fits():
 
 def _inline(call, *args):
     """The check's compiles in this process (the tests that replace what they call)."""
-    return getattr(tpu_check, call)(*args)
+    return call(*args)
+
+
+class _Shapes:
+    """A model of no shapes at all, for the tests that replace whatever would read them."""
+    params, param_dtype, family = {}, None, None
+
+    def size(self, width, height):
+        return width or 32, height or 32
 
 
 def test_a_refusal_estimates_what_fits_from_the_refused_program_and_the_parts(monkeypatch):
     """No other whole program is compiled: the refused one's total, grown or shrunk as the
     parts of a step do."""
     limit = 100 * 2 ** 20
-    monkeypatch.setattr(tpu_check, "capacity", lambda target: (limit, limit))
-    monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: None)
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: 12 * b * 2 ** 20)
+    monkeypatch.setattr(tpu_check.chips, "capacity", lambda target: (limit, limit))
+    monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: _Shapes())
+    monkeypatch.setattr(tpu_check.search, "parts_memory", lambda context, b, enough=None: 12 * b * 2 ** 20)
     report = {**REPORT, "per_device_batch": 16, "total_gib": (10 + 12 * 16) / 1024}  # the whole: 10 + 12b MiB
     assert tpu_check.estimated_fit(Settings(), tpu_check.Target("v5e", 4, 16.0), report) == 7
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: 200 * b * 2 ** 20)
+    monkeypatch.setattr(tpu_check.search, "parts_memory", lambda context, b, enough=None: 200 * b * 2 ** 20)
     assert tpu_check.estimated_fit(Settings(), tpu_check.Target("v5e", 4, 16.0),
                                    {**report, "total_gib": 3300 / 1024}) is None
 
@@ -102,45 +110,44 @@ def test_the_search_confirms_the_parts_estimate_with_the_whole_program(monkeypat
     whole = {b: (10 + 12 * b) * mib for b in range(1, 300)}  # fits up to 7
     compiled = []
 
-    def check(settings, target, b):
+    def check(context, b):
         compiled.append(b)
         return {**REPORT, "per_device_batch": b, "total_gib": whole[b] / GIB, "compiled": True}
 
-    monkeypatch.setattr(tpu_check, "capacity", lambda target: (limit, limit))
-    monkeypatch.setattr(tpu_check, "check", check)
-    monkeypatch.setattr(tpu_check.sharding, "device_bytes", lambda params, fsdp, dtype: 0)  # the weights, a lower bound
-    monkeypatch.setattr("pipeline.generate.runtime.abstract_model",
-                        lambda settings: type("M", (), {"params": {}, "param_dtype": None}))
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (8 + 10 * b) * mib)
-    target = tpu_check.Target("v5e", 4, 16.0)
-    found = tpu_check._search(Settings(), target, 256)
+    monkeypatch.setattr(tpu_check.chips, "capacity", lambda target: (limit, limit))
+    monkeypatch.setattr(tpu_check.search, "program_report", check)
+    monkeypatch.setattr("pipeline.model.sharding.device_bytes", lambda params, fsdp, dtype: 0)  # the weights: a bound
+    monkeypatch.setattr(tpu_check.search, "parts_memory", lambda context, b, enough=None: (8 + 10 * b) * mib)
+    context = tpu_check.Context.of(Settings(), tpu_check.Target("v5e", 4, 16.0), _Shapes())
+    found = tpu_check.search_largest(context, 256)
     # the parts alone say 9; the whole at 9 needs 118/98 of its parts, so 7; confirmed, and 8 is 94/78 of 88 MiB
     assert found["batch"] == 7 and compiled == [9, 7]
     assert found["tried"][8] == math.ceil(94 / 78 * 88 * mib) and found["tried"][7] == whole[7]
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (9 + 12 * b) * mib)  # as the whole
+    monkeypatch.setattr(tpu_check.search, "parts_memory", lambda context, b, enough=None: (9 + 12 * b) * mib)  # whole
     compiled.clear()
-    assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [7]
+    assert tpu_check.search_largest(context, 256)["batch"] == 7 and compiled == [7]
     whole.update({b: (2 + 12 * b) * mib for b in whole})  # the parts overestimate: the whole at 7 shows 8 fits
     compiled.clear()
-    assert tpu_check._search(Settings(), target, 256)["batch"] == 8 and compiled == [7, 8]
+    assert tpu_check.search_largest(context, 256)["batch"] == 8 and compiled == [7, 8]
     crashes = range(6, 300)  # the compiler crashes on the whole program from 6 images: bisected below the first
-    monkeypatch.setattr(tpu_check, "check", lambda settings, target, b: check(settings, target, b) if b not in crashes
-                        else {**check(settings, target, b), "total_gib": 0.0, "compiled": False, "crashed": "SIGSEGV"})
+    monkeypatch.setattr(tpu_check.search, "program_report", lambda context, b: check(context, b) if b not in crashes
+                        else {**check(context, b), "total_gib": 0.0, "compiled": False, "crashed": "SIGSEGV"})
     compiled.clear()
     # the parts say 7, which crashes; 3 compiles, and the parts would say 8 again, but after a crash are not asked
-    assert tpu_check._search(Settings(), target, 256)["batch"] == 5 and compiled == [7, 3, 5, 6]
-    monkeypatch.setattr(tpu_check, "check", check)
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: 200 * b * mib)
+    assert tpu_check.search_largest(context, 256)["batch"] == 5 and compiled == [7, 3, 5, 6]
+    monkeypatch.setattr(tpu_check.search, "program_report", check)
+    monkeypatch.setattr(tpu_check.search, "parts_memory", lambda context, b, enough=None: 200 * b * mib)
     whole[1] = limit + 1
     compiled.clear()
-    refused = tpu_check._search(Settings(), target, 256)  # the parts say none: the whole at 1 gives the figures
+    refused = tpu_check.search_largest(context, 256)  # the parts say none: the whole at 1 gives the figures
     assert refused["batch"] is None and "not even one image per chip fits" in refused["message"] and compiled == [1]
     # the parts need not grow with the batch (XLA's buffer assignment): at one image they say none fits, the
     # whole at 1 fits; the parts above 1 are asked before the search ends: 9, no; rescaled, 7, which fits
     whole.update({b: (10 + 12 * b) * mib for b in whole})
-    monkeypatch.setattr(tpu_check, "parts_memory", lambda s, t, b, m, enough=None: (105 if b == 1 else 8 + 10 * b) * mib)
+    monkeypatch.setattr(tpu_check.search, "parts_memory",
+                        lambda context, b, enough=None: (105 if b == 1 else 8 + 10 * b) * mib)
     compiled.clear()
-    assert tpu_check._search(Settings(), target, 256)["batch"] == 7 and compiled == [1, 9, 7]
+    assert tpu_check.search_largest(context, 256)["batch"] == 7 and compiled == [1, 9, 7]
 
 
 def test_a_stopped_search_goes_on_without_compiling_its_parts_again(monkeypatch, tmp_path, model_cache):
@@ -152,22 +159,23 @@ def test_a_stopped_search_goes_on_without_compiling_its_parts_again(monkeypatch,
     monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
     compiled = []
 
-    def compile_parts(settings, target, b, model, enough):
-        compiled.append((settings.attention, target.tpu_type, b))
+    def compile_parts(context, b, enough):
+        compiled.append((context.settings.attention, context.target.tpu_type, b))
         return 1000 * b + len(compiled), True
 
-    monkeypatch.setattr(tpu_check, "_compiled_parts_memory", compile_parts)
-    monkeypatch.setattr(tpu_check, "_compile", _inline)
+    monkeypatch.setattr(tpu_check.step_parts, "_compiled_parts_memory", compile_parts)
+    monkeypatch.setattr(tpu_check.child, "compiled", _inline)
     v5e, v6e = (program_check.target(tpu.lookup(name, "2x2")) for name in ("v5e", "v6e"))
     settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4).validate()
-    first = [tpu_check.parts_memory(settings, v5e, b, None) for b in (1, 2)]
+    context = tpu_check.Context.of(settings, v5e)
+    first = [tpu_check.parts_memory(context, b) for b in (1, 2)]
     assert first == [1001, 2002] and compiled == [("auto", "v5e", 1), ("auto", "v5e", 2)]
-    assert [tpu_check.parts_memory(settings, v5e, b, None) for b in (2, 1)] == [2002, 1001]
+    assert [tpu_check.parts_memory(context, b) for b in (2, 1)] == [2002, 1001]
     assert len(compiled) == 2  # remembered: what a stopped search had compiled is not compiled again
     assert len(list((tmp_path / compile_cache.CHECKS).iterdir())) == 2
-    tpu_check.parts_memory(settings.replace(attention="xla"), v5e, 1, None)
-    tpu_check.parts_memory(settings, v6e, 1, None)
-    tpu_check.parts_memory(settings, v5e, 3, None)
+    tpu_check.parts_memory(tpu_check.Context.of(settings.replace(attention="xla"), v5e), 1)
+    tpu_check.parts_memory(tpu_check.Context.of(settings, v6e), 1)
+    tpu_check.parts_memory(context, 3)
     assert compiled[2:] == [("xla", "v5e", 1), ("auto", "v6e", 1), ("auto", "v5e", 3)]
 
 
@@ -179,10 +187,10 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
     remembered answers "too much" again, and is compiled anew where a larger bound is asked."""
     import jax
 
-    from pipeline.generate import compile_cache, runtime
+    from pipeline.generate import compile_cache
 
     monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
-    monkeypatch.setattr(tpu_check, "host_devices", lambda target: jax.devices("cpu")[:4])
+    monkeypatch.setattr(tpu_check.chips, "host_devices", lambda target: jax.devices("cpu")[:4])
     needs = {"text_encoder": 10, "denoiser": 50, "vae_decode": 80}  # bytes beyond weights, per image
     compiled = []
 
@@ -194,22 +202,21 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
         label, b = lowered
         return {"total": needs[label] * b}
 
-    monkeypatch.setattr(tpu_check.parts, "parts", parts)
-    monkeypatch.setattr(tpu_check, "assigned_figures", figures)
-    monkeypatch.setattr(tpu_check, "_compile", _inline)
+    monkeypatch.setattr("pipeline.generate.parts.parts", parts)
+    monkeypatch.setattr(tpu_check.compiling, "assigned_figures", figures)
+    monkeypatch.setattr(tpu_check.child, "compiled", _inline)
     settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4).validate()
-    model = runtime.abstract_model(settings)
-    v5e = program_check.target(tpu.lookup("v5e", "2x2"))
-    assert tpu_check.parts_memory(settings, v5e, 2, model) == 160  # the most of all three
+    context = tpu_check.Context.of(settings, program_check.target(tpu.lookup("v5e", "2x2")))
+    assert tpu_check.parts_memory(context, 2) == 160  # the most of all three
     assert compiled == [("vae_decode", 2), ("denoiser", 2), ("text_encoder", 2)]
     compiled.clear()
-    assert tpu_check.parts_memory(settings, v5e, 3, model, enough=200) == 240  # at least 240: too much
+    assert tpu_check.parts_memory(context, 3, enough=200) == 240  # at least 240: too much
     assert compiled == [("vae_decode", 3)]
-    assert tpu_check.parts_memory(settings, v5e, 3, model, enough=200) == 240 and len(compiled) == 1
-    assert tpu_check.parts_memory(settings, v5e, 3, model, enough=230) == 240 and len(compiled) == 1
-    assert tpu_check.parts_memory(settings, v5e, 3, model, enough=300) == 240  # the bound says nothing here
+    assert tpu_check.parts_memory(context, 3, enough=200) == 240 and len(compiled) == 1
+    assert tpu_check.parts_memory(context, 3, enough=230) == 240 and len(compiled) == 1
+    assert tpu_check.parts_memory(context, 3, enough=300) == 240  # the bound says nothing here
     assert compiled[1:] == [("vae_decode", 3), ("denoiser", 3), ("text_encoder", 3)]
-    assert tpu_check.parts_memory(settings, v5e, 3, model) == 240 and len(compiled) == 4  # now complete
+    assert tpu_check.parts_memory(context, 3) == 240 and len(compiled) == 4  # now complete
 
 
 def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeypatch, tmp_path, model_cache):
@@ -223,27 +230,27 @@ def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeyp
     limit, mib = 100 * 2 ** 20, 2 ** 20
     compiled = []
 
-    def compile(call, settings, target, b, index, model=None):
-        assert call == "assigned_part" and index == -1
+    def compile(call, context, b, index):
+        assert call is tpu_check.assigned_part and index == -1
         compiled.append(b)
         if b >= 6:
             raise compile_process.Crashed("SIGSEGV", True, 40.0, "")
         return (8 + 10 * b) * mib, 1  # one part; alone, it would say 8 fit (the whole program: 7)
 
     monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
-    monkeypatch.setattr(tpu_check, "host_devices", lambda target: jax.devices("cpu")[:4])
-    monkeypatch.setattr(tpu_check, "capacity", lambda target: (limit, limit))
-    monkeypatch.setattr(tpu_check, "check", lambda settings, target, b: {
+    monkeypatch.setattr(tpu_check.chips, "host_devices", lambda target: jax.devices("cpu")[:4])
+    monkeypatch.setattr(tpu_check.chips, "capacity", lambda target: (limit, limit))
+    monkeypatch.setattr(tpu_check.search, "program_report", lambda context, b: {
         **REPORT, "per_device_batch": b, "total_gib": (10 + 12 * b) * mib / GIB})
-    monkeypatch.setattr(tpu_check, "_compile", compile)
+    monkeypatch.setattr(tpu_check.child, "compiled", compile)
     settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4).validate()
-    target = tpu_check.Target("v5e", 4, 16.0)
-    assert tpu_check._search(settings, target, 256)["batch"] == 5
+    context = tpu_check.Context.of(settings, tpu_check.Target("v5e", 4, 16.0))
+    assert tpu_check.search_largest(context, 256)["batch"] == 5
     assert any(b >= 6 for b in compiled)
     first = list(compiled)
-    assert tpu_check._search(settings, target, 256)["batch"] == 5 and compiled == first  # all remembered
+    assert tpu_check.search_largest(context, 256)["batch"] == 5 and compiled == first  # all remembered
     with pytest.raises(tpu_check.TpuCheckError, match=r"compiler crashed \(SIGSEGV\) on a part of a step"):
-        tpu_check.parts_memory(settings, target, 7, None)  # where the figure itself is needed
+        tpu_check.parts_memory(context, 7)  # where the figure itself is needed
 
 
 REPORT_TEXT = """Memory Space: default (color=0)
@@ -274,19 +281,19 @@ def test_a_part_is_measured_at_buffer_assignment_in_a_child_of_its_own(tmp_path,
     memory-usage report is written: what it needs beyond its weights is close to what the
     whole compile of the same program finds (the backend moves a little after buffer
     assignment), and each figure is kept by the program's text, apart."""
-    from pipeline.generate import compile_cache, runtime
+    from pipeline.generate import compile_cache
 
     monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
     # 1024 images (2048 guided rows): its activations, about 0.17 GiB, are in HBM; fewer, XLA keeps them in VMEM
     settings = Settings(model="tiny", width=32, height=32, steps=1, dtype="bf16", devices_per_host=4).validate()
     v5e = program_check.target(tpu.lookup("v5e", "2x2"))
-    beyond, count = tpu_check._compile("assigned_part", settings, v5e, 1024, 0, None)
+    context = tpu_check.Context.of(settings, v5e)
+    beyond, count = tpu_check.child.compiled(tpu_check.assigned_part, context, 1024, 0)
     assert count == 3  # the text encoder, the UNet, the VAE decode
-    model = runtime.abstract_model(settings)
-    [(label, _, lowered), *_] = tpu_check.lowered_parts(settings, v5e, 1024, model)
+    [(label, _, lowered), *_] = tpu_check.lowered_parts(context, 1024)
     assert label == "text_encoder"
     whole = tpu_check.compiled_figures(lowered, v5e, lambda e: {"total": fit.program_memory(e)["total"]})
-    weights = tpu_check._nbytes(model.params["text_encoder"])
+    weights = tpu_check.program.nbytes(context.model.params["text_encoder"])
     assert 0.9 * (whole["total"] - weights) <= beyond <= 1.1 * (whole["total"] - weights)
     kept = [json.load(open(p)) for p in (tmp_path / compile_cache.CHECKS).glob("*.json")]
     assert len(kept) == 2 and {k["total"] for k in kept} == {whole["total"], beyond + weights}
@@ -356,9 +363,10 @@ def test_a_compiler_crash_is_a_refusal_that_says_so_and_is_remembered(monkeypatc
 
 def test_a_compiling_child_hands_back_its_errors():
     with pytest.raises(tpu_check.TpuCheckError, match="a TPU host of 3 chips is not one the check knows"):
-        tpu_check._compile("compile_program", Settings(model="tiny"), tpu_check.Target("v5e", 3, 16.0), 1)
+        tpu_check.child.compiled(tpu_check.compile_program, tpu_check.Context(
+            Settings(model="tiny"), tpu_check.Target("v5e", 3, 16.0), None, 32, 32, False), 1)  # no model needed
     with pytest.raises(ValueError, match="a compiling child runs one of"):
-        tpu_check._compile("largest_batch", Settings(), tpu_check.Target("v5e", 4, 16.0))
+        tpu_check.child.compiled(tpu_check.largest_batch, Settings(), tpu_check.Target("v5e", 4, 16.0))
 
 
 # ---------------------------------------------------------------- real TPU programs
@@ -371,7 +379,6 @@ def _events(text: str, name: str) -> list[dict]:
 def no_weights(tmp_path_factory, model_cache):
     """The tiny checkpoint with every weight file replaced by bytes no reader accepts: a
     check that read one would fail."""
-    from pipeline.model.loading import sources
     from pipeline.model import load as model_load
 
     folder = tmp_path_factory.mktemp("no-weights") / "tiny"
@@ -471,7 +478,7 @@ def test_bench_tpu_compiles_the_sampler_and_the_scorer_for_the_chips(tmp_path, m
 
 
 def test_without_libtpu_a_submission_says_how_to_install_it_or_skip(monkeypatch, capsys):
-    monkeypatch.setattr(tpu_check, "libtpu_version", lambda: None)
+    monkeypatch.setattr(tpu_check.chips, "libtpu_version", lambda: None)
     argv = ["submit", "gke", "--dry-run", "--tpu-type", "v5e", "--topology", "2x2", "--image", "img",
             "--prompts", "gs://b/p.jsonl", "--out", "gs://b/out"]
     assert cli.main(argv) == 1

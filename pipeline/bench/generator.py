@@ -355,7 +355,7 @@ def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: 
     files are removed first), warm with what the cold one left."""
     from pipeline.bench import startup
     from pipeline.generate import compile_cache
-    from pipeline.model.loading import sources, weights
+    from pipeline.model.loading import weights
     from pipeline.model import load as model_load
 
     for path in weights.converted_files(model_load.resolve(config.model)):
@@ -475,7 +475,7 @@ def run_bench(config: BenchConfig) -> dict:
     model = model_lib.load(config.model, dtype=config.dtype, scheduler=config.scheduler,
                            timestep_spacing=config.timestep_spacing)
     load = watch.seconds()
-    width, height = config.width or model.native_size, config.height or model.native_size
+    width, height = model.size(config.width, config.height)
     size = config.matmul_size or (4096 if devices[0].platform == "cpu" else 8192)
     peak = flops.matmul_peak(devices, config.dtype, size)
     logs.event("bench_peak", flops_per_s=round(peak["flops_per_s"]), size=size, dtype=config.dtype)

@@ -317,7 +317,7 @@ def _build_generator(config: PipelineBenchConfig):
         raise ValueError(f"--batch {config.batch} is not a multiple of the {len(devices)} local devices")
     watch = logs.Stopwatch()
     model = model_lib.load("tiny", dtype="fp32")
-    width, height = config.width or model.native_size, config.height or model.native_size
+    width, height = model.size(config.width, config.height)
     generator = Generator(model, width, height, config.steps, config.batch // len(devices))
     generator.warm_up()
     run = bench_run(width, height, config.steps, generator.per_device_batch, "tiny", model.sampler.choice,

@@ -48,7 +48,7 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     from pipeline.core.settings import Run, Settings
     from pipeline.generate import jax_events, runtime
     from pipeline.io import storage
-    from pipeline.model.loading import sources
+    from pipeline.model.loading import identity
     from pipeline.model import load as model_load
     from pipeline.model.loading.libraries import quiet_libraries
 
@@ -64,7 +64,7 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     run = Run.create(settings, "", "", {})
     with tempfile.TemporaryDirectory() as out:  # the plan's file table, as a host finds it
         table_started = time.perf_counter()
-        storage.write_json(naming.model_files(out), {"files": sources.file_table(model_load.resolve(model))})
+        storage.write_json(naming.model_files(out), {"files": identity.file_table(model_load.resolve(model))})
         table_s = time.perf_counter() - table_started
         hits_before = cache.count(jax_events.CACHE_HIT) + cache_lib.EXECUTABLE_COUNTS["hits"]
         _, generator, parts = runtime.ready_generator(run, out, local)

@@ -549,9 +549,12 @@ def _node_class(name: str) -> type:
     import importlib
 
     module_name, _, qualname = name.partition(":")
-    module = sys.modules.get(module_name)
-    if module is None and module_name.startswith(_NODE_MODULES) and re.fullmatch(r"[\w.]+", module_name):
+    if module_name.startswith(_NODE_MODULES) and re.fullmatch(r"[\w.]+", module_name):
+        # imported (or waited for: another thread may be importing it right now, as a host's
+        # weights load beside its compile; sys.modules would hand over a half-made module)
         module = importlib.import_module(module_name)
+    else:
+        module = sys.modules.get(module_name)
     if module is None or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", qualname):
         raise _Refused(f"tree node {name}")
     found = module

@@ -31,12 +31,13 @@ from pipeline.generate import compile_cache
 
 COMMAND = [sys.executable, "-c", "import sys; from pipeline.generate import compile_process as c; "
                               "sys.exit(c.main(sys.argv[1:]))"]  # this module by its name: its errors unpickle
-HELD = "PROMPTMILL_HELD_STDERR"  # where the child keeps what libtpu prints (tpu_check._quiet_stderr)
+HELD = "PROMPTMILL_HELD_STDERR"  # where the child keeps what libtpu prints (tpu_check.chips.quiet_stderr)
 NOTE = "PROMPTMILL_COMPILING"  # where the child notes the program it is compiling (``compiling``)
 SCRATCH = "PROMPTMILL_COMPILE_SCRATCH"  # a folder of the parent's for the child's files, removed after it ends
 COMPILER_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
-CALLS = tuple(f"pipeline.generate.tpu_check:{name}" for name in  # what a child runs
-              ("compile_program", "assigned_part", "compile_scorer_program"))
+CALLS = ("pipeline.generate.tpu_check.program:compile_program",  # what a child runs: each given the check's
+         "pipeline.generate.tpu_check.step_parts:assigned_part",  # Context (tpu_check.context), which pickles
+         "pipeline.generate.tpu_check.program:compile_scorer_program")
 
 
 class Failed(RuntimeError):
@@ -147,5 +148,5 @@ def main(argv: list[str]) -> int:
     os.replace(answer + ".part", answer)  # whole, or not there
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # now: a compile left unfinished (``tpu_check.assigned_figures``) must not hold the exit
+    os._exit(0)  # now: a compile left unfinished (``tpu_check.compiling.assigned_figures``) must not hold the exit
 

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 
 from pipeline.core import logs
+from pipeline.model.sampling import guidance
 
 GIB = 2 ** 30
 # The share of a device's memory that a program may take: the rest is the runtime's,
@@ -74,7 +75,7 @@ def sampler_memory(model, width: int, height: int, steps: int, per_device_batch:
                                 platform=platform)
     params = struct(model.params, model.param_dtype)
     b = per_device_batch
-    ids = jax.ShapeDtypeStruct((b, *sampler.tokenize(model, [""]).shape[1:]), jnp.int32)
+    ids = jax.ShapeDtypeStruct((b, *model.family.tokenize(model, [""]).shape[1:]), jnp.int32)
     words = jax.ShapeDtypeStruct((b,), jnp.uint32)
     lowered = jax.jit(fn).lower(params, ids, ids, jax.ShapeDtypeStruct((b,), jnp.float32), words, words, words)
     return program_memory(lowered.compile())
@@ -165,10 +166,8 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
     devices = devices or jax.local_devices()
     capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
     model = model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
-    width, height = settings.width or model.native_size, settings.height or model.native_size
-    # before the plan has read the prompts, whether the run is guided is unknown: a guided
-    # program (the UNet at twice the rows) is the larger, so it is the one that must fit
-    guided = settings.guided if settings.guided is not None else model.family.cfg
+    width, height = model.size(settings.width, settings.height)
+    guided = guidance.guided_before_planning(settings, model.family)  # the one rule, as the TPU check's
     platform = devices[0].platform
 
     def needs(b: int) -> int:
@@ -223,8 +222,8 @@ def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -
     devices = devices or jax.local_devices()
     capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
     model = model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
-    width, height = settings.width or model.native_size, settings.height or model.native_size
-    guided = settings.guided if settings.guided is not None else model.family.cfg
+    width, height = model.size(settings.width, settings.height)
+    guided = guidance.guided_before_planning(settings, model.family)
     tried = {}
     for n in sharding.divisors(settings.devices_per_host):
         if n > len(devices):

@@ -204,7 +204,7 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
     fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
                                             attention, devices[0].platform), devices=devices)
     shaped = (len(devices), per_device_batch)
-    ids = ShapedArray(shaped + sampler.tokenize(model, [""]).shape[1:], jnp.int32)
+    ids = ShapedArray(shaped + model.family.tokenize(model, [""]).shape[1:], jnp.int32)
     words = ShapedArray(shaped, jnp.uint32)
     params = jax.tree_util.tree_map(lambda s: ShapedArray(s.shape, s.dtype),
                                     replicated_shapes(model.params, devices, model.param_dtype))
@@ -224,7 +224,7 @@ def lower_fsdp(model, width: int, height: int, steps: int, per_device_batch: int
                                                                     sharding.layout_of(model.params, fsdp), the_mesh),
                              model.param_dtype)
     n = len(devices) * per_device_batch
-    ids = sampler.tokenize(model, [""]).shape[1:]
+    ids = model.family.tokenize(model, [""]).shape[1:]
     one = sharding.batch_sharding(the_mesh, 1)
     images = sharding.batch_sharding(the_mesh, 4)
     fn = jax.jit(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention,
@@ -278,11 +278,11 @@ class Generator:
 
     def tokenize(self, prompts: list[str]) -> np.ndarray:
         """CLIP token ids, padded and truncated to the tokenizer's length."""
-        return sampler.tokenize(self.model, prompts)
+        return self.model.family.tokenize(self.model, prompts)
 
     def truncated(self, prompts: list[str]) -> list[bool]:
         """Whether each prompt is longer than the text encoder takes (``tokenize`` cuts it)."""
-        return sampler.truncated(self.model, prompts)
+        return self.model.family.truncated(self.model, prompts)
 
     def batch(self, prompts, negatives, guidance, seeds, image_indices) -> Batch:
         """Device inputs for one step: tokenised prompts and each image's seed words and index."""

@@ -40,7 +40,7 @@ def load_model(run: Run, out: str | None = None):
     remembered rather than read when the files have not changed; for gs://, the objects'
     listed checksums) instead of hashing every byte again."""
     from pipeline.model import load as model_lib
-    from pipeline.model.loading import sources
+    from pipeline.model.loading.checkpoint import ModelError
 
     settings = run.settings
     table = naming.model_files(out) if out else None
@@ -49,7 +49,7 @@ def load_model(run: Run, out: str | None = None):
     if quick:
         try:
             model_lib.check_model(settings.model, storage.read_json(table)["files"])
-        except sources.ModelError as e:
+        except ModelError as e:
             raise GenerateError(f"model {settings.model!r}: {e}") from None
         return dataclasses.replace(model, fingerprint=run.model_fingerprint)
     if model.fingerprint != run.model_fingerprint:

@@ -16,17 +16,6 @@ from __future__ import annotations
 from pipeline.core import keys
 
 
-def tokenize(model, texts):
-    """Token ids, int32, one row per text, as the model's family lays them out (SD: [N, L];
-    SDXL: [N, 2, L], one row per tokenizer; FLUX.1: [N, 77 + L], CLIP's then T5's)."""
-    return model.family.tokenize(model, texts)
-
-
-def truncated(model, texts) -> list[bool]:
-    """Whether each text is longer than a text encoder takes, so that ``tokenize`` cuts it."""
-    return model.family.truncated(model, texts)
-
-
 def _seam(attention: str, platform: str | None, mesh=None):
     """The attention seam's context factory, entered while the program is traced."""
     import contextlib
@@ -54,7 +43,8 @@ def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = F
     import jax
 
     latent_shape = model.latent_shape(width, height)
-    denoise = make_denoise_fn(model, steps, empty_negative_ids=tokenize(model, [""])[0], return_latents=latents,
+    denoise = make_denoise_fn(model, steps, empty_negative_ids=model.family.tokenize(model, [""])[0],
+                              return_latents=latents,
                               guidance_rule=guidance_rule, guided=guided, attention=attention, platform=platform,
                               mesh=mesh)
 

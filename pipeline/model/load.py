@@ -1,7 +1,8 @@
 """Loading a diffusers-format checkpoint: the narrow model interface.
 
 Every model, ``--model tiny`` included, is a diffusers-format directory found by
-``pipeline.model.loading.sources``; its ``model_index.json`` says its family
+``pipeline.model.loading.resolve`` (fetched by ``loading.fetch``, pinned by
+``loading.identity``, checked by ``loading.layout``); its ``model_index.json`` says its family
 (``pipeline.model.families``: SD 1.x/2.x, SDXL, FLUX.1), which loads it (``load``) and
 describes it for a plan (``describe``). The rest of promptmill sees only ``Model`` and
 calls its family.
@@ -14,20 +15,14 @@ import os
 from pipeline.core.choices import DTYPES
 from pipeline.core.settings import parse_lora
 from pipeline.model import families
-from pipeline.model.loading import lora, sources
-from pipeline.model.loading import builtin
+from pipeline.model.loading import builtin, fetch, identity, lora
+from pipeline.model.loading import resolve as resolving
 from pipeline.model.families.base import LoadRequest, Model
+from pipeline.model.loading.checkpoint import ModelError, read_json_file
+from pipeline.model.loading.fetch import resolve_lora
+from pipeline.model.loading.identity import file_sha256, model_fingerprint
+from pipeline.model.loading.layout import check_layout
 from pipeline.model.loading.libraries import quiet_libraries
-from pipeline.model.loading.sources import (
-    ModelError,
-    check_layout,
-    check_unet_file,
-    file_sha256,
-    model_fingerprint,
-    read_json_file,
-    resolve_lora,
-    resolve_unet,
-)
 
 __all__ = ["LoadRequest", "Model", "ModelError", "describe", "family_of", "load", "resolve", "with_sampler"]
 
@@ -35,15 +30,16 @@ __all__ = ["LoadRequest", "Model", "ModelError", "describe", "family_of", "load"
 def resolve(name: str, weights: bool = True, shapes: bool = False) -> str:
     """The local diffusers-format directory for ``--model``: a built-in random model's
     name (built once per machine, ``families.builtin_folder``), or a local folder, a
-    ``gs://`` prefix or a Hugging Face id (``sources.resolve``). ``weights=False``: for a
-    ``gs://`` prefix, a folder of its configs alone, enough to describe the model;
+    ``gs://`` prefix or a Hugging Face id (``loading.resolve.resolve``).
+    ``weights=False``: for a ``gs://`` prefix, a folder of its configs alone, enough to
+    describe the model;
     ``shapes`` (with ``weights=False``): a built-in model not built yet may be its configs
     alone too, for what needs its shapes only; a plan, whose fingerprint the hosts check
     against the whole model, never asks for that."""
     if name in families.BUILTINS:
         return families.builtin_folder(name, shapes=shapes and not weights)
     try:
-        return sources.resolve(name, weights)
+        return resolving.resolve(name, weights)
     except ModelError as e:
         raise ModelError(f"{e}; or one of the built-in random models: {', '.join(families.BUILTINS)}") from None
 
@@ -92,7 +88,7 @@ def load(request: LoadRequest | str, *, abstract: bool = False, fingerprint: boo
     ``abstract``: the same model with its networks' params as ``jax.ShapeDtypeStruct``s,
     from the configs alone (no weight read, no adapter merged): enough to lower and compile
     its programs. ``fingerprint=False``: the model's fingerprint is left None (not
-    computed: the caller checks the files another way, ``sources.check_files``).
+    computed: the caller checks the files another way, ``identity.check_files``).
     """
     request = request_of(request, **fields)
     quiet_libraries()  # before the Flax classes are imported: some warn at import
@@ -105,7 +101,7 @@ def load(request: LoadRequest | str, *, abstract: bool = False, fingerprint: boo
                          f"so it can be compiled and measured (the TPU check, `promptmill bench`) but not run; use "
                          f"{', '.join(families.runnable_builtins())} to run a random model")
     # --unet and --lora change values, never shapes: an abstract model reads neither
-    unet_file = None if abstract else _unet_file(directory, request.unet)
+    unet_file = None if abstract else _unet_file(directory, family, request.unet)
     adapters = [] if abstract else _resolved_loras(request.loras)
     model = family.load(directory, request, unet_file, [(local, scale) for _, local, scale in adapters], abstract)
     value = None if abstract or not fingerprint else model_fingerprint(
@@ -122,10 +118,10 @@ def with_sampler(model: Model, scheduler: str | None, timestep_spacing: str | No
 def model_table(name: str) -> dict:
     """The table the plan writes for hosts to check ``--model`` against (``check_model``):
     for a gs:// prefix its objects' {"size", "md5", "crc32c"} from the listing (nothing
-    downloaded); else ``sources.file_table`` of the local folder."""
+    downloaded); else ``identity.file_table`` of the local folder."""
     from pipeline.io import storage
 
-    return sources.listed(name) if storage.is_gcs(name) else sources.file_table(resolve(name))
+    return fetch.listed(name) if storage.is_gcs(name) else identity.file_table(resolve(name))
 
 
 def check_model(name: str, table: dict) -> None:
@@ -133,32 +129,29 @@ def check_model(name: str, table: dict) -> None:
     ``table`` (``model_table``).
 
     A gs:// checkpoint planned by its checksums is checked by listing it again
-    (``sources.check_objects``: no byte read; the host's copy is the one keyed by those
-    checksums, checked as it downloaded); any other by its local files (``sources.check_files``)."""
+    (``identity.check_objects``: no byte read; the host's copy is the one keyed by those
+    checksums, checked as it downloaded); any other by its local files (``identity.check_files``)."""
     from pipeline.io import storage
 
     if storage.is_gcs(name) and not any("sha256" in entry for entry in table.values()):
-        sources.check_objects(name, table)
+        identity.check_objects(name, table)
     else:
-        sources.check_files(resolve(name), table)
+        identity.check_files(resolve(name), table)
 
 
 def program_digest(name: str) -> str:
     """sha256 of what ``--model``'s programs are built from: its configs alone
-    (``sources.configs_digest``). A gs:// checkpoint's configs alone are fetched for it,
+    (``identity.configs_digest``). A gs:// checkpoint's configs alone are fetched for it,
     and give the digest its whole copy gives."""
-    return sources.configs_digest(resolve(name, weights=False, shapes=True))
+    return identity.configs_digest(resolve(name, weights=False, shapes=True))
 
 
-def _unet_file(directory: str, unet: str | None) -> str | None:
-    """The local ``--unet`` file (None without one), once checked against the checkpoint's UNet."""
+def _unet_file(directory: str, family: families.Family, unet: str | None) -> str | None:
+    """The local ``--unet`` file (None without one), once checked against the checkpoint's
+    UNet by its family (``Family.unet_file``: a family without a UNet refuses)."""
     if not unet:
         return None
-    if not os.path.isdir(os.path.join(directory, "unet")):
-        raise ModelError("--unet replaces a UNet's weights; the model has no UNet")
-    unet_file = resolve_unet(unet)
-    check_unet_file(directory, unet_file)
-    return unet_file
+    return family.unet_file(directory, unet)
 
 
 def _resolved_loras(specs) -> list[tuple[str, str, float]]:
@@ -200,11 +193,11 @@ def describe(request: LoadRequest | str, **fields) -> dict:
     checkpoint's networks, and part of the fingerprint. ``loras`` in the result: {path,
     scale, sha256} of each; the rest is the family's ``Described``. Of a gs:// checkpoint
     only the configs are downloaded, and its fingerprint is its objects' checksums
-    (``sources.fingerprint``)."""
+    (``identity.fingerprint``)."""
     request = request_of(request, **fields)
     directory = resolve(request.model, weights=False)
     family, _ = family_of(directory)
-    unet_file = _unet_file(directory, request.unet)
+    unet_file = _unet_file(directory, family, request.unet)
     described = family.describe(directory, request, unet_file)
     adapters = _checked_loras(directory, family, request.loras)
     return {"directory": directory,

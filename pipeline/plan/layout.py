@@ -27,6 +27,7 @@ import re
 import numpy as np
 
 from pipeline.core import records
+from pipeline.model.sampling import guidance as guidance_rules
 from pipeline.io import beamio, storage
 from pipeline.plan import inputs
 
@@ -102,11 +103,11 @@ class FileScan:
     images: np.ndarray  # int32
     id_hashes: np.ndarray  # S16
     prompt_hashes: np.ndarray  # S16; empty without dedupe
-    guided: np.ndarray  # bool: the record's guidance (its own, else the run's) is > 1
+    guided: np.ndarray  # bool: the record's guidance (its own, else the run's) asks for it (``guidance.asks``)
 
 
 def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt", dedupe: bool = True,
-              default_guidance: float = 7.5) -> FileScan:
+              default_guidance: float = 7.5, *, rule: str = "diffusers") -> FileScan:
     rows, reasons = 0, collections.Counter()
     lines, images, guided = array.array("i"), array.array("i"), array.array("b")
     ids, prompts = bytearray(), bytearray()
@@ -118,7 +119,7 @@ def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt",
         lines.append(result.line)
         images.append(result.num_images)
         guidance = default_guidance if result.guidance_scale is None else result.guidance_scale
-        guided.append(guidance > 1)
+        guided.append(guidance_rules.asks(rule, guidance))
         ids += digest(result.id)
         if dedupe:
             prompts += digest(result.prompt)

@@ -86,15 +86,15 @@ class _ScanFn(beam.DoFn):
     never holds, copies or pickles the arrays)."""
 
     def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, dedupe: bool,
-                 default_guidance: float):
-        self.out, self.args = out, (run_seed, root, prompt_field, dedupe, default_guidance)
+                 default_guidance: float, rule: str = "diffusers"):
+        self.out, self.args, self.rule = out, (run_seed, root, prompt_field, dedupe, default_guidance), rule
         self.read = Metrics.counter("plan", "rows_read")
 
     def setup(self):
         beamio.use_emulator_credentials()
 
     def process(self, path: str):
-        scan = scan_file(path, *self.args)
+        scan = scan_file(path, *self.args, rule=self.rule)
         self.read.inc(scan.rows)
         saved = naming.plan_scan(self.out, path)
         save_scan(scan, saved)
@@ -285,7 +285,8 @@ class Plan(beam.PTransform):
                  | "MatchFiles" >> beam.Create(match_prompt_files(settings.prompts))
                  | "SpreadFiles" >> beam.Reshuffle())
         layout = (files
-                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, dedupe, settings.guidance_scale))
+                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, dedupe, settings.guidance_scale,
+                                                      settings.guidance_rule))
                   | "AllScans" >> beam.combiners.ToList()
                   | "Layout" >> beam.Map(layout_of_saved, dedupe)
                   | "Decide" >> beam.Map(decide, out, self.cap_hosts))

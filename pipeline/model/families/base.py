@@ -64,6 +64,11 @@ class Model:
     # (FLUX.1: stored bf16 in an fp32 run, cast on the devices); None: as on the host
     param_dtype: object = None
 
+    def size(self, width: int | None, height: int | None) -> tuple[int, int]:
+        """(width, height) of the model's images: those asked for, each left out (None)
+        the model's native size. Width and height travel in this order everywhere."""
+        return width or self.native_size, height or self.native_size
+
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """(C, H/f, W/f): one image's initial latents, as diffusers draws them."""
         f = self.vae_scale_factor
@@ -111,7 +116,7 @@ class Family:
     def with_sampler(self, model: Model, directory: str, scheduler: str | None,
                      timestep_spacing: str | None) -> Model:
         """``model``'s networks and weights (nothing reloaded) with another sampler."""
-        from pipeline.model.loading.sources import ModelError
+        from pipeline.model.loading.checkpoint import ModelError
 
         raise ModelError(f"{self.title} has one sampler; --scheduler chooses among SD's")
 
@@ -145,6 +150,14 @@ class Family:
         the library whose file names they use (``weights.FLAX_FILES`` /
         ``SAFETENSORS_FILES``)."""
         raise NotImplementedError
+
+    def unet_file(self, directory: str, unet: str) -> str:
+        """The local file of ``--unet`` (``unet``: a UNet-only safetensors file, local or
+        gs://, copied once into the cache), checked against the checkpoint's UNet; the
+        base refuses before anything is fetched: its checkpoints have no UNet."""
+        from pipeline.model.loading.checkpoint import ModelError
+
+        raise ModelError("--unet replaces a UNet's weights; the model has no UNet")
 
     def describe(self, directory: str, request: LoadRequest, unet_file: str | None) -> Described:
         """What a plan needs to know of the checkpoint (configs alone) for ``request``;

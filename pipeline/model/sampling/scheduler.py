@@ -18,7 +18,7 @@ import os
 
 from pipeline.core.choices import FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.model.sampling import steps
-from pipeline.model.loading.sources import ModelError, read_json_file
+from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
 # checkpoint scheduler class names (with or without the Flax prefix) -> --scheduler choice
 CHECKPOINT_SCHEDULERS = {"DDIMScheduler": "ddim", "PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",

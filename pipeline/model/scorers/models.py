@@ -8,7 +8,7 @@ where the network allows); ``--aesthetic-head`` names a file (built-in, local or
 
 Each model's fingerprint goes in run.json (``Run.scorers``) and in the settings
 fingerprint: a local folder's is a hash of its file table (each file's size and sha256,
-remembered while the file is unchanged: ``sources.file_table``), a ``gs://`` folder's of
+remembered while the file is unchanged: ``identity.file_table``), a ``gs://`` folder's of
 its objects' listed checksums, a head's the sha256 of its file, and the checkpoint's own
 checker's follows from the checkpoint's fingerprint. Hosts compute them again when they
 load the models, and refuse models that changed since the plan.
@@ -67,14 +67,15 @@ def resolve_folder(name: str, flag: str, builtins, weights: bool = True) -> str:
     """The local folder of a scorer model ``name``: built-in (``builtins``), ``gs://``
     (copied once; ``weights=False``: its configs alone), a local folder, or a hub id."""
     from pipeline.io import storage
-    from pipeline.model.loading import sources
+    from pipeline.model.loading import fetch
+    from pipeline.model.loading.checkpoint import ModelError
 
     if name in builtins:
         return presets.ensure(name)
     if storage.is_gcs(name):
         try:
-            return sources.fetch_remote(name, weights, marker="config.json")
-        except sources.ModelError as e:
+            return fetch.fetch_remote(name, weights, marker="config.json")
+        except ModelError as e:
             raise ScorerError(f"{flag} {name}: {e}") from None
     if os.path.isdir(name):
         return name
@@ -87,7 +88,8 @@ def resolve_folder(name: str, flag: str, builtins, weights: bool = True) -> str:
 def resolve_head(name: str) -> str:
     """The local file of ``--aesthetic-head``: built-in, a local file, or a ``gs://`` object
     copied once into the cache."""
-    from pipeline.model.loading import sources
+    from pipeline.model.loading import fetch
+    from pipeline.model.loading.checkpoint import ModelError
 
     if name in presets.HEADS:
         return os.path.join(presets.ensure(name), presets.HEAD_FILE)
@@ -95,8 +97,8 @@ def resolve_head(name: str) -> str:
         raise ScorerError(f"--aesthetic-head {name}: give the head as a .safetensors file (the README says how to "
                           f"write one from LAION's .pth), or a built-in one: {', '.join(presets.HEADS)}")
     try:
-        return sources.resolve_file(name, "--aesthetic-head", "scorers")
-    except sources.ModelError as e:
+        return fetch.resolve_file(name, "--aesthetic-head", "scorers")
+    except ModelError as e:
         raise ScorerError(str(e)) from None
 
 
@@ -124,9 +126,9 @@ def resolve_checker(settings, weights: bool = True) -> str:
 
 
 def _table_fingerprint(folder: str) -> str:
-    from pipeline.model.loading import sources
+    from pipeline.model.loading import identity
 
-    table = sources.file_table(folder)
+    table = identity.file_table(folder)
     return hashlib.sha256(json.dumps(["scorer-folder", sorted(table.items())], sort_keys=True).encode()).hexdigest()
 
 
@@ -134,10 +136,10 @@ def folder_fingerprint(name: str, folder: str) -> str:
     """The fingerprint of a scorer folder: a ``gs://`` one's listed checksums (nothing read),
     else a hash of its file table."""
     from pipeline.io import storage
-    from pipeline.model.loading import sources
+    from pipeline.model.loading import identity
 
     if storage.is_gcs(name):
-        return sources.fingerprint(name.rstrip("/"))
+        return identity.fingerprint(name.rstrip("/"))
     return _table_fingerprint(folder)
 
 
@@ -145,7 +147,7 @@ def fingerprints(settings, model_fingerprint: str | None = None) -> dict:
     """{"clip", "aesthetic", "safety"}: the fingerprint of each scorer model the run reads
     (``settings.scorer_models``). ``model_fingerprint``: the checkpoint's, for its own checker."""
     from pipeline.core.settings import scorer_models
-    from pipeline.model.loading import sources
+    from pipeline.model.loading import identity
     from pipeline.model import load as model_load
 
     found = {}
@@ -154,7 +156,7 @@ def fingerprints(settings, model_fingerprint: str | None = None) -> dict:
             folder = resolve_folder(settings.clip_model, "--clip-model", presets.CLIPS, weights=False)
             found[name] = folder_fingerprint(settings.clip_model, folder)
         elif name == "aesthetic":
-            found[name] = sources.file_sha256(resolve_head(settings.aesthetic_head))
+            found[name] = identity.file_sha256(resolve_head(settings.aesthetic_head))
         elif settings.safety_checker:
             folder = resolve_checker(settings, weights=False)
             value = folder_fingerprint(settings.safety_checker, folder)
@@ -165,7 +167,7 @@ def fingerprints(settings, model_fingerprint: str | None = None) -> dict:
             found[name] = value
         else:
             resolve_checker(settings, weights=False)  # it must exist
-            base = model_fingerprint or sources.fingerprint(model_load.resolve(settings.model, weights=False))
+            base = model_fingerprint or identity.fingerprint(model_load.resolve(settings.model, weights=False))
             found[name] = hashlib.sha256(f"{base}\0safety_checker".encode()).hexdigest()
     return found
 

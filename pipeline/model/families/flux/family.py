@@ -33,7 +33,7 @@ from pipeline.model.loading import lora, weights
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.loading import convert  # the networks themselves (flax, jax) where they are used
 from pipeline.model.sampling.scheduler import Sampler
-from pipeline.model.loading.sources import ModelError, read_json_file
+from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
 COMPONENTS = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "transformer", "vae", "scheduler")
 LIBRARIES = {"text_encoder": "transformers", "text_encoder_2": "transformers", "transformer": "diffusers",
@@ -238,7 +238,7 @@ class Flux(Family):
 
         def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
             # the schedule follows the image's token count: made on the host, as the program is traced
-            inner = flux_sampling.make_denoise(nets, steps, latents.shape[2] * f, latents.shape[3] * f,
+            inner = flux_sampling.make_denoise(nets, steps, latents.shape[3] * f, latents.shape[2] * f,
                                                return_latents)
             with seam():
                 return inner(params, prompt_ids[:, :clip_length], prompt_ids[:, clip_length:], latents,

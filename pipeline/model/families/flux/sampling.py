@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from pipeline.model.sampling import flow
-from pipeline.model.loading.sources import read_json_file
+from pipeline.model.loading.checkpoint import read_json_file
 from pipeline.model.loading import convert  # the networks (flax, jax) are imported where they are used
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 length, and the most it allows
@@ -82,11 +82,6 @@ class FluxNets:
     @property
     def latent_channels(self) -> int:
         return self.vae.config.latent_channels
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        """(C, H/f, W/f): an image's initial latents, as FluxPipeline draws them before packing."""
-        f = self.vae_scale_factor
-        return (self.latent_channels, height // f, width // f)
 
 
 def _config(directory: str, component: str, name: str = "config.json") -> dict:
@@ -186,7 +181,7 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigma
     return vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config), final
 
 
-def make_denoise(nets: FluxNets, steps: int, height: int, width: int, return_latents: bool = False):
+def make_denoise(nets: FluxNets, steps: int, width: int, height: int, return_latents: bool = False):
     """``denoise(params, clip_ids, t5_ids, latents, guidance=None)``: float32 images
     [B, height, width, 3] in [0, 1], as FluxPipeline makes them from the same prompts and
     initial latents, jit-able.
@@ -209,14 +204,14 @@ def make_denoise(nets: FluxNets, steps: int, height: int, width: int, return_lat
     f = nets.vae_scale_factor
     if height % (2 * f) or width % (2 * f):
         raise ValueError(f"height and width must be multiples of {2 * f} (twice the VAE's scale factor, for the 2x2 "
-                         f"packing), got {height}x{width}")
+                         f"packing), got {width}x{height}")
     rows, cols = height // f, width // f
     schedule = flow.make_schedule(nets.scheduler_config, steps, (rows // 2) * (cols // 2))
 
     def denoise(params, clip_ids, t5_ids, latents, guidance=None):
         if tuple(latents.shape[1:]) != (nets.latent_channels, rows, cols):
             raise ValueError(f"latents have shape {tuple(latents.shape)}, expected [B, {nets.latent_channels}, "
-                             f"{rows}, {cols}] for {height}x{width} images")
+                             f"{rows}, {cols}] for {width}x{height} images")
         images, final = sample(nets, params, clip_ids, t5_ids, latents, guidance, sigmas=schedule.sigmas,
                                timesteps=schedule.timesteps)
         return (images, final) if return_latents else images

@@ -15,11 +15,11 @@ import dataclasses
 import os
 
 from pipeline.core import keys
-from pipeline.model.loading import lora, weights
+from pipeline.model.loading import fetch, lora, weights
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.families.sd import presets
 from pipeline.model.sampling.scheduler import Sampler, make_flax_scheduler, resolve_sampler, step_range
-from pipeline.model.loading.sources import ModelError, read_json_file
+from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
 SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
@@ -43,6 +43,30 @@ def check_unet(directory: str) -> None:
     if asked:
         raise ModelError(f"{directory}: unet/config.json asks for {', '.join(asked)}, which diffusers' Flax UNet "
                          f"does not have; promptmill cannot run this UNet as its config says")
+
+
+def check_unet_file(directory: str, unet_file: str) -> None:
+    """ModelError unless ``unet_file`` is a safetensors file of a UNet shaped like the
+    checkpoint's (its first and last convolutions, read from the header alone; every
+    weight's shape is checked when a host loads it)."""
+    from safetensors import safe_open
+
+    config = read_json_file(os.path.join(directory, "unet", "config.json"))
+    try:
+        with safe_open(unet_file, "np") as tensors:
+            names = set(tensors.keys())
+            shapes = {name: tuple(tensors.get_slice(name).get_shape()) for name in ("conv_in.weight", "conv_out.weight")
+                      if name in names}
+    except Exception as e:  # not safetensors at all: name the file
+        raise ModelError(f"--unet {unet_file}: not a readable safetensors file ({e})") from None
+    first = config.get("block_out_channels", [320])[0]
+    expected = {"conv_in.weight": (first, config.get("in_channels", 4), 3, 3),
+                "conv_out.weight": (config.get("out_channels", 4), first, 3, 3)}
+    for name, shape in expected.items():
+        if shapes.get(name) != shape:
+            found = shapes.get(name, "missing")
+            raise ModelError(f"--unet {unet_file}: {name} is {found}, the checkpoint's UNet needs {shape} (a UNet "
+                             f"for another architecture, or not a diffusers-format UNet)")
 
 
 def _to_bf16(tree):
@@ -114,6 +138,11 @@ class StableDiffusion(Family):
     def weight_libraries(self, index: dict) -> dict[str, str]:
         own = {"text_encoder": "transformers", "unet": "diffusers", "vae": "diffusers"}
         return {**own, "text_encoder_2": "transformers"} if self.sdxl else own
+
+    def unet_file(self, directory: str, unet: str) -> str:
+        unet_file = fetch.resolve_unet(unet)
+        check_unet_file(directory, unet_file)
+        return unet_file
 
     def describe(self, directory, request, unet_file) -> Described:
         scheduler, timestep_spacing = request.scheduler, request.timestep_spacing

@@ -1,0 +1,23 @@
+"""What every loading module says of a checkpoint that cannot be used: ``ModelError``,
+whose message names the missing or bad piece, and ``read_json_file``, which reads a
+checkpoint's JSON file (``model_index.json``, a config) or refuses it by name.
+"""
+from __future__ import annotations
+
+import json
+
+
+class ModelError(ValueError):
+    """A checkpoint that cannot be used; the message names the missing or bad piece."""
+
+
+def read_json_file(path: str):
+    """A checkpoint's JSON file (``model_index.json``, a config), or ModelError naming the
+    file and where it stops being JSON."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None

@@ -1,0 +1,41 @@
+"""The guidance rules, in one place: how each rule combines the denoiser's predictions,
+whether an image asks for guidance, and whether a run compiles the guided program.
+
+A run's ``guidance_rule`` (``Settings.guidance_rule``, its family's, kept by the run):
+
+- ``diffusers``: classifier-free guidance, as diffusers' SD pipelines run it: an image whose
+  guidance is above 1 takes ``uncond + g * (cond - uncond)``; at 1 or below, the
+  conditional prediction alone (selected, not computed with g = 1);
+- ``always``: classifier-free guidance on every image (runs planned before the rule above);
+- ``embedded``: the guidance is an input of the denoiser, one call per step (FLUX.1 [dev]);
+- ``unused``: the model takes no guidance.
+
+Whether a run's program is the guided one (the denoiser at twice the rows, negative prompts
+encoded) is decided once, by its plan, from every record (``asks``); before the plan has
+read the prompts (``--per-device-batch auto``, the TPU check before a submission), the
+guess is ``guided_before_planning``, the same for every caller. A run whose records ask
+for more than its ``--guidance-scale`` is guided after all: the plan says so, and a
+submission checks the planned program again.
+"""
+from __future__ import annotations
+
+from pipeline.core.settings import GUIDANCE_RULES as RULES, NO_CFG_RULES  # noqa: F401 (the rules' names)
+
+
+def asks(rule: str, guidance: float) -> bool:
+    """Whether an image of ``guidance`` under ``rule`` needs the guided program."""
+    if rule == "always":
+        return True
+    return rule == "diffusers" and guidance > 1
+
+
+def guided_before_planning(settings, family=None) -> bool:
+    """Whether the run's program is the guided one, before its plan has read the prompts:
+    the plan's decision when there is one; never for a family without classifier-free
+    guidance; else what ``--guidance-scale`` implies (left out: the family's default,
+    which guides)."""
+    if settings.guided is not None:
+        return settings.guided
+    if family is not None and not family.cfg:
+        return False
+    return settings.guidance_scale is None or settings.guidance_scale > 1
