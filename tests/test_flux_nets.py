@@ -27,6 +27,7 @@ from pipeline.model.loading import weights
 from pipeline.model.families.flux import sampling as fs
 from pipeline.model.loading import convert
 from pipeline.model.families.flux import transformer as flux
+from pipeline.model.layers import patching, rotary
 from pipeline.model.layers import t5, vae
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
@@ -93,9 +94,9 @@ def probed(loaded):
                         images=vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config))
 
         guidance = case["transformer_guidance"][0] if nets.guidance_embeds else None
-        outputs = jax.jit(run)(params, text["t5_ids"], text["clip_ids"], flux.pack_latents(case["latents"]),
+        outputs = jax.jit(run)(params, text["t5_ids"], text["clip_ids"], patching.pack_latents(case["latents"]),
                                case["transformer_timestep"][0], guidance,
-                               flux.unpack_latents(case["step_latents"][-1], rows, cols))
+                               patching.unpack_latents(case["step_latents"][-1], rows, cols))
         out[variant] = case, jax.tree_util.tree_map(np.asarray, outputs), calls
     return out
 
@@ -157,11 +158,11 @@ def test_transformer_matches_diffusers(probed, variant):
 
 def test_packing_and_position_ids_are_diffusers(loaded):
     case = next(c for c in cases("schnell") if "transformer_input_0" in c)
-    np.testing.assert_array_equal(np.asarray(flux.pack_latents(case["latents"])), case["transformer_input_0"])
-    np.testing.assert_array_equal(np.asarray(flux.pack_latents(jnp.asarray(case["latents"]))),
+    np.testing.assert_array_equal(np.asarray(patching.pack_latents(case["latents"])), case["transformer_input_0"])
+    np.testing.assert_array_equal(np.asarray(patching.pack_latents(jnp.asarray(case["latents"]))),
                                   case["transformer_input_0"])
     rows, cols = case["latents"].shape[2:]
-    np.testing.assert_array_equal(flux.unpack_latents(case["transformer_input_0"], rows, cols), case["latents"])
+    np.testing.assert_array_equal(patching.unpack_latents(case["transformer_input_0"], rows, cols), case["latents"])
     ids = flux.latent_image_ids(rows // 2, cols // 2)
     assert ids.dtype == np.float32 and ids.shape == (rows // 2 * cols // 2, 3)
     assert ids[cols // 2 + 1].tolist() == [0, 1, 1] and ids[-1].tolist() == [0, rows // 2 - 1, cols // 2 - 1]
@@ -171,8 +172,8 @@ def test_packing_and_position_ids_are_diffusers(loaded):
 
 def test_rotary_tables_traced_and_on_the_host_agree():
     ids = np.concatenate([flux.text_ids(3), flux.latent_image_ids(64, 64)])
-    host = flux.rotary_tables(ids, (16, 56, 56))
-    traced = jax.jit(lambda i: flux.rotary_tables(i, (16, 56, 56)))(ids)
+    host = rotary.rotary_tables(ids, (16, 56, 56))
+    traced = jax.jit(lambda i: rotary.rotary_tables(i, (16, 56, 56)))(ids)
     for a, b in zip(host, traced):
         assert a.shape == (ids.shape[0], 128) and a.dtype == np.float32
         np.testing.assert_allclose(np.asarray(b), a, rtol=0, atol=5e-5)
@@ -200,7 +201,7 @@ def test_bf16_transformer_stays_close(loaded):
     transformer = flux.FluxTransformer(nets.transformer.config, jnp.bfloat16)
     cast = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.bfloat16), params["transformer"])
     velocity = jax.jit(transformer.apply)(
-        {"params": cast}, flux.pack_latents(case["latents"]), text["prompt_embeds"], text["pooled_prompt_embeds"],
+        {"params": cast}, patching.pack_latents(case["latents"]), text["prompt_embeds"], text["pooled_prompt_embeds"],
         case["transformer_timestep"][0], flux.latent_image_ids(rows // 2, cols // 2),
         flux.text_ids(text["t5_ids"].shape[1]))
     assert velocity.dtype == jnp.bfloat16

@@ -29,7 +29,7 @@ from transformers import CLIPTokenizer, T5TokenizerFast
 
 from pipeline.model.sampling import flow
 from pipeline.model.families.flux import sampling as fs
-from pipeline.model.families.flux import transformer as flux
+from pipeline.model.layers import patching
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
 VARIANTS = ("schnell", "dev")
@@ -107,7 +107,7 @@ def test_images_match_diffusers_flux_pipeline(checkpoints, path):
     ours = np.asarray(jnp.round(images * 255)).astype(np.uint8)
     diff = np.abs(ours.astype(int) - case["images_uint8"].astype(int))
     assert diff.max() <= 2, f"{case_id(path)}: {diff.max()} levels (mean {diff.mean():.3f})"
-    np.testing.assert_allclose(np.asarray(flux.pack_latents(latents)), case["step_latents"][-1], rtol=0, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(patching.pack_latents(latents)), case["step_latents"][-1], rtol=0, atol=1e-3)
     # the prompts' images differ (the pipeline's do, by far more than the tolerance)
     assert np.abs(ours[0].astype(int) - ours[1]).max() > 50
 

@@ -29,7 +29,6 @@ sum with ``wo``'s output promoting it; only its very first residual sum is in bf
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -278,26 +277,20 @@ LAYOUT = convert.Layout(
     ignored=("decoder.", "lm_head."))
 
 
-@functools.lru_cache(maxsize=8)
-def _param_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """``param_shapes``, traced once per config."""
-    module = T5Encoder(config)
-    tree = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32)))["params"]
-    return convert.flat_shapes(tree)
+NETWORK = convert.Network(T5Encoder, lambda config: ((jnp.zeros((1, 2), jnp.int32),), {}), LAYOUT)
 
 
 def param_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the encoder, from its config alone (nothing is computed)."""
-    return dict(_param_shapes(config))  # a copy: the cached one is shared
+    """{flat param path: shape} of the encoder, from its config alone."""
+    return NETWORK.param_shapes(config)
 
 
 def from_torch(state: Mapping[str, np.ndarray], config: T5Config, where: str = "text_encoder_2") -> dict:
-    """Params from a ``T5EncoderModel`` state dict ({name: array}), each array in its stored
-    dtype; WeightsError naming any missing, misshapen or unknown weight."""
-    return convert.from_torch(state, param_shapes(config), LAYOUT, where)
+    """Params from a ``T5EncoderModel`` state dict (``convert.Network.from_torch``)."""
+    return NETWORK.from_torch(state, config, where)
 
 
 def to_torch(params: Mapping, config: T5Config) -> dict[str, np.ndarray]:
     """The ``T5EncoderModel`` state dict of ``params``, as ``save_pretrained`` writes it
     (the tied token embedding once, as ``shared.weight``): ``from_torch``'s inverse."""
-    return convert.to_torch(params, LAYOUT)
+    return NETWORK.to_torch(params)

@@ -19,12 +19,10 @@ tiling is off) do not change its images, here as there.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -131,17 +129,13 @@ def vae_decode(module: VaeDecoder, params, latents, config: VaeConfig):
     return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
 
 
-@functools.lru_cache(maxsize=8)
-def _param_shapes(config: VaeConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """``param_shapes``, traced once per config."""
-    module = VaeDecoder(config)
-    tree = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1, config.latent_channels, 1, 1))))
-    return convert.flat_shapes(tree["params"])
+# the decoder's shapes; its weights come by diffusers' own renaming rules (``from_torch``)
+NETWORK = convert.Network(VaeDecoder, lambda config: ((jnp.zeros((1, config.latent_channels, 1, 1)),), {}))
 
 
 def param_shapes(config: VaeConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{flat param path: shape} of the decoder, from its config alone."""
-    return dict(_param_shapes(config))  # a copy: the cached one is shared
+    return NETWORK.param_shapes(config)
 
 
 # the PyTorch weights a decode never reads

@@ -18,6 +18,7 @@ a stack is one copy, in the stored dtype.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import numpy as np
@@ -156,3 +157,37 @@ def to_torch(params: Mapping, layout: Layout) -> dict[str, np.ndarray]:
 def flat_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{path: shape} of a nested tree of arrays or ``jax.ShapeDtypeStruct``s."""
     return {path: tuple(leaf.shape) for path, leaf in flatten(tree).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """One of our own networks, carried from its config to its module, parameter shapes
+    and weight layout: ``module(config, dtype)`` builds it, ``example(config)`` gives the
+    (args, kwargs) of the smallest call that initialises it, and ``layout`` names its
+    parameters as PyTorch does (``from_torch``, ``to_torch``: by rule, blocks stacked)."""
+    module: type
+    example: object  # config -> (args, kwargs) of ``module.init`` after the random key
+    layout: Layout | None = None
+
+    def param_shapes(self, config) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """{flat param path: shape}, from the config alone (traced once per config: nothing
+        is computed, a 12B model's shapes come in a moment)."""
+        return dict(_traced_shapes(self.module, self.example, config))  # a copy: the cached one is shared
+
+    def from_torch(self, state: Mapping[str, np.ndarray], config, where: str) -> dict:
+        """Params from a PyTorch state dict ({name: array}), each array in its stored dtype,
+        blocks stacked; WeightsError naming any missing, misshapen or unknown weight."""
+        return from_torch(state, self.param_shapes(config), self.layout, where)
+
+    def to_torch(self, params: Mapping) -> dict[str, np.ndarray]:
+        """The PyTorch state dict of ``params``: ``from_torch``'s inverse."""
+        return to_torch(params, self.layout)
+
+
+@functools.lru_cache(maxsize=16)
+def _traced_shapes(module: type, example, config) -> dict[tuple[str, ...], tuple[int, ...]]:
+    import jax
+
+    args, kwargs = example(config)
+    tree = jax.eval_shape(lambda: module(config).init(jax.random.PRNGKey(0), *args, **kwargs))
+    return flat_shapes(tree["params"])

@@ -157,6 +157,7 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigma
     import jax.numpy as jnp
 
     from pipeline.model.families.flux import transformer as flux
+    from pipeline.model.layers import patching
     from pipeline.model.layers import t5, vae
 
     batch, _, rows, cols = latents.shape
@@ -176,8 +177,8 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigma
         return flow.step(x, velocity, sigmas[i], sigmas[i + 1])
 
     packed = jax.lax.fori_loop(0, timesteps.shape[0] if steps is None else steps, step,
-                               flux.pack_latents(latents.astype(jnp.float32)))
-    final = flux.unpack_latents(packed, rows, cols)
+                               patching.pack_latents(latents.astype(jnp.float32)))
+    final = patching.unpack_latents(packed, rows, cols)
     return vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config), final
 
 

@@ -26,23 +26,21 @@ Parameter names are diffusers' PyTorch names split at the dots (``convert``), so
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pipeline.model.layers import attention
+from pipeline.model.layers.embeddings import MLPEmbedding, timestep_embedding
+from pipeline.model.layers.mlp import MLP_RATIO, FeedForward, Indexed
+from pipeline.model.layers.modulation import AdaLayerNormContinuous, AdaLayerNormZero
+from pipeline.model.layers.norms import RMSNorm, layer_norm
+from pipeline.model.layers.rotary import apply_rotary, rotary_tables
 from pipeline.model.loading import convert
 
-ROPE_THETA = 10000  # fixed in diffusers (FluxPosEmbed(theta=10000))
-TIME_CHANNELS = 256  # the sinusoidal projection of timestep and guidance
-MLP_RATIO = 4.0  # single blocks' MLP width, and the feed-forwards' (diffusers' defaults, not in the config)
-NORM_EPS = 1e-6  # every LayerNorm and q/k RMSNorm of the transformer
 CLASS_NAME = "FluxTransformer2DModel"
 _DEFAULTS = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
                  attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
@@ -108,23 +106,7 @@ class FluxConfig:
                    axes_dims_rope=tuple(axes))
 
 
-# ---- pure helpers: packing and position ids, as FluxPipeline makes them
-
-def pack_latents(latents):
-    """[B, C, H, W] latents -> [B, (H/2)(W/2), 4C] tokens, each a 2x2 patch (channel-major,
-    then row, then column), as diffusers' ``FluxPipeline._pack_latents``. numpy or jax."""
-    batch, channels, height, width = latents.shape
-    patches = latents.reshape(batch, channels, height // 2, 2, width // 2, 2).transpose(0, 2, 4, 1, 3, 5)
-    return patches.reshape(batch, (height // 2) * (width // 2), channels * 4)
-
-
-def unpack_latents(tokens, height: int, width: int):
-    """``pack_latents``' inverse: [B, (H/2)(W/2), 4C] -> [B, C, H, W], ``height`` and
-    ``width`` the latents' (the image's divided by the VAE's scale factor)."""
-    batch, _, features = tokens.shape
-    patches = tokens.reshape(batch, height // 2, width // 2, features // 4, 2, 2).transpose(0, 3, 1, 4, 2, 5)
-    return patches.reshape(batch, features // 4, height, width)
-
+# ---- pure helpers: position ids, as FluxPipeline makes them
 
 def latent_image_ids(height: int, width: int) -> np.ndarray:
     """float32 [height * width, 3] position ids of the packed image tokens, ``height`` x
@@ -141,82 +123,7 @@ def text_ids(length: int) -> np.ndarray:
     return np.zeros((length, 3), np.float32)
 
 
-def rotary_tables(ids, axes_dims: tuple[int, ...], theta: float = ROPE_THETA):
-    """(cos, sin), each float32 [tokens, sum(axes_dims)], of position ids [tokens, axes]:
-    per axis, angles position * theta^(-2j/dim) for j < dim/2, each repeated twice
-    (pairs of channels rotate together), the axes side by side.
-
-    Computed on the host in float64, as diffusers does, when ``ids`` is a numpy array
-    (FluxPipeline's are, and a traced program folds the tables in as constants); in
-    float32 on the device when it is traced."""
-    host = isinstance(ids, np.ndarray)
-    xp = np if host else jnp
-    ids = ids.astype(np.float64 if host else jnp.float32)
-    cos, sin = [], []
-    for axis, dim in enumerate(axes_dims):
-        freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        angles = ids[:, axis, None] * (freqs if host else freqs.astype(np.float32))[None, :]
-        cos.append(xp.repeat(xp.cos(angles), 2, axis=1))
-        sin.append(xp.repeat(xp.sin(angles), 2, axis=1))
-    return xp.concatenate(cos, axis=1).astype(np.float32), xp.concatenate(sin, axis=1).astype(np.float32)
-
-
-def apply_rotary(x, cos, sin):
-    """Rotate each (even, odd) channel pair of x [B, tokens, heads, head_dim] by its
-    angle, in float32, the result in x's dtype (diffusers' ``apply_rotary_emb``)."""
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-    out = x.astype(jnp.float32) * cos[None, :, None, :] + rotated * sin[None, :, None, :]
-    return out.astype(x.dtype)
-
-
-def timestep_embedding(t, channels: int = TIME_CHANNELS, max_period: float = 10000.0):
-    """float32 [B, channels]: [cos, sin] of t * max_period^(-j/(channels/2)), diffusers'
-    ``get_timestep_embedding`` with ``flip_sin_to_cos=True`` and no frequency shift."""
-    half = channels // 2
-    # the exponents in float32 as torch makes them; their exp correctly rounded, as torch's
-    # float32 exp nearly always is (numpy's float32 exp is off by an ulp in 53 of these 128,
-    # which moves a sinusoid of t = 5000 by 4e-4)
-    exponents = np.float32(-math.log(max_period)) * np.arange(half, dtype=np.float32) / np.float32(half)
-    freqs = np.exp(exponents.astype(np.float64)).astype(np.float32)
-    args = t.astype(jnp.float32)[:, None] * jnp.asarray(freqs, jnp.float32)[None, :]
-    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
-
-
-def layer_norm(x, eps: float = NORM_EPS):
-    """LayerNorm without scale or bias, computed in float32, in x's dtype."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    variance = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    return ((x32 - mean) * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
-
-
 # ---- modules
-
-class RMSNorm(nn.Module):
-    """PyTorch's ``nn.RMSNorm`` over the last axis: normalised in float32, cast back to x's
-    dtype, then scaled."""
-    eps: float = NORM_EPS
-
-    @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        x32 = x.astype(jnp.float32)
-        normed = (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
-        return normed * scale.astype(x.dtype)
-
-
-class MLPEmbedding(nn.Module):
-    """``linear_1``, SiLU, ``linear_2``: diffusers' ``TimestepEmbedding`` and
-    ``PixArtAlphaTextProjection(act_fn="silu")`` alike."""
-    features: int
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.features, dtype=self.dtype, name="linear_1")(x)
-        return nn.Dense(self.features, dtype=self.dtype, name="linear_2")(nn.silu(x))
-
 
 class TimeTextEmbedding(nn.Module):
     """diffusers' ``CombinedTimestep[Guidance]TextProjEmbeddings``: the conditioning vector."""
@@ -231,68 +138,6 @@ class TimeTextEmbedding(nn.Module):
             emb = emb + MLPEmbedding(width, self.dtype, name="guidance_embedder")(
                 timestep_embedding(guidance).astype(self.dtype))
         return emb + MLPEmbedding(width, self.dtype, name="text_embedder")(pooled)
-
-
-class AdaLayerNormZero(nn.Module):
-    """``linear(silu(emb))`` in ``chunks`` parts, the first two (shift, scale) applied to
-    the normed x: (x', the other parts). 6 parts in double blocks, 3 in single ones."""
-    chunks: int
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, emb):
-        parts = jnp.split(nn.Dense(self.chunks * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(emb)),
-                          self.chunks, axis=1)
-        shift, scale = parts[0], parts[1]
-        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None], parts[2:]
-
-
-class AdaLayerNormContinuous(nn.Module):
-    """diffusers' ``AdaLayerNormContinuous`` (``norm_out``): scale first, then shift."""
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x, emb):
-        scale, shift = jnp.split(nn.Dense(2 * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(emb)), 2, axis=1)
-        return layer_norm(x) * (1 + scale[:, None]) + shift[:, None]
-
-
-class _Indexed(nn.Module):  # a Dense named by its index inside a module: PyTorch's ``to_out.0``
-    features: int
-    index: str
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.Dense(self.features, dtype=self.dtype, name=self.index)(x)
-
-
-class _GeluProjection(nn.Module):  # diffusers' ``GELU(approximate="tanh")``: ``proj``, then the activation
-    features: int
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        return nn.gelu(nn.Dense(self.features, dtype=self.dtype, name="proj")(x), approximate=True)
-
-
-class _FeedForwardNet(nn.Module):  # ``net.0`` (GELU-tanh projection), ``net.2`` (output; net.1 is dropout)
-    dim: int
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        hidden = _GeluProjection(int(self.dim * MLP_RATIO), self.dtype, name="0")(x)
-        return nn.Dense(self.dim, dtype=self.dtype, name="2")(hidden)
-
-
-class FeedForward(nn.Module):
-    """diffusers' ``FeedForward(activation_fn="gelu-approximate")``."""
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        return _FeedForwardNet(x.shape[-1], self.dtype, name="net")(x)
 
 
 class FluxAttention(nn.Module):
@@ -326,7 +171,7 @@ class FluxAttention(nn.Module):
         if context is None:
             return out
         text, image = out[:, :context.shape[1]], out[:, context.shape[1]:]
-        image = _Indexed(x.shape[-1], "0", self.dtype, name="to_out")(image)
+        image = Indexed(x.shape[-1], "0", self.dtype, name="to_out")(image)
         return image, nn.Dense(x.shape[-1], dtype=self.dtype, name="to_add_out")(text)
 
 
@@ -430,34 +275,26 @@ class FluxTransformer(nn.Module):
 LAYOUT = convert.Layout(stacks=("transformer_blocks", "single_transformer_blocks"))
 
 
-@functools.lru_cache(maxsize=8)
-def _param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """``param_shapes``, traced once per config."""
-    module = FluxTransformer(config)
+def _example(config: FluxConfig):
     ids = np.zeros((1, 3), np.float32)
     guidance = jnp.zeros((1,)) if config.guidance_embeds else None
+    return ((jnp.zeros((1, 1, config.in_channels)), jnp.zeros((1, 1, config.joint_attention_dim)),
+             jnp.zeros((1, config.pooled_projection_dim)), jnp.zeros((1,)), ids, ids), {"guidance": guidance})
 
-    def init():
-        return module.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, config.in_channels)),
-                           jnp.zeros((1, 1, config.joint_attention_dim)), jnp.zeros((1, config.pooled_projection_dim)),
-                           jnp.zeros((1,)), ids, ids, guidance=guidance)["params"]
 
-    return convert.flat_shapes(jax.eval_shape(init))
+NETWORK = convert.Network(FluxTransformer, _example, LAYOUT)
 
 
 def param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the transformer, from its config alone (nothing is
-    computed: a 12B model's shapes come in a moment)."""
-    return dict(_param_shapes(config))  # a copy: the cached one is shared
+    """{flat param path: shape} of the transformer, from its config alone."""
+    return NETWORK.param_shapes(config)
 
 
 def from_torch(state: Mapping[str, np.ndarray], config: FluxConfig, where: str = "transformer") -> dict:
-    """Params from a ``FluxTransformer2DModel`` state dict ({name: array}), each array in
-    its stored dtype, blocks stacked; WeightsError naming any missing, misshapen or
-    unknown weight."""
-    return convert.from_torch(state, param_shapes(config), LAYOUT, where)
+    """Params from a ``FluxTransformer2DModel`` state dict (``convert.Network.from_torch``)."""
+    return NETWORK.from_torch(state, config, where)
 
 
 def to_torch(params: Mapping, config: FluxConfig) -> dict[str, np.ndarray]:
     """The ``FluxTransformer2DModel`` state dict of ``params``: ``from_torch``'s inverse."""
-    return convert.to_torch(params, LAYOUT)
+    return NETWORK.to_torch(params)
