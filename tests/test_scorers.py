@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from pipeline.core import filters
-from pipeline.core.settings import NEWER_SETTINGS, Run, Settings, fingerprint
+from pipeline.core.settings import NEWER_SETTINGS, Run, Settings, fingerprint, scorer_models
 from pipeline.model.scorers import aesthetic, clip, models, preprocess, safety
 from pipeline.model.scorers.clip import ScorerError
 
@@ -239,6 +239,37 @@ def test_filters_name_each_failed_rule_with_its_value():
     assert filters.rules_of(reason) == ["min_clip_similarity", "drop_nsfw"] and filters.rules_of(None) == []
     assert filters.dropped_reason(settings, {**kept, "aesthetic": float("nan")}).startswith("min_aesthetic")
     assert filters.dropped_reason(Settings(**SCORED), {"aesthetic": -9.0}) is None  # no filter, nothing dropped
+
+
+@pytest.mark.parametrize("rule,column,threshold", [("min_clip_similarity", "clip_similarity", 0.0),
+                                                    ("min_clip_similarity", "clip_similarity", -0.2),
+                                                    ("min_aesthetic", "aesthetic", 0),
+                                                    ("min_aesthetic", "aesthetic", -1.5)])
+def test_a_filter_at_zero_or_below_is_applied(rule, column, threshold):
+    """0.0 == False in Python: a threshold of 0 must not read as 'no filter' (scores below it
+    are dropped, and the card says the rule), nor a negative one."""
+    from pipeline.collect import card
+
+    settings = Settings(**SCORED, **{rule: threshold})
+    assert filters.active_rules(settings) == (rule,)
+    assert filters.dropped_reason(settings, {column: threshold - 0.158}) == \
+        f"{rule}: {column} {threshold - 0.158:.6g} < {threshold:g}"
+    assert filters.dropped_reason(settings, {column: threshold}) is None
+    assert f"| filters | `{column} >= {threshold:g}` |" in card.render(
+        Run.create(settings, "m", "t", {}, scorers={name: "f" for name in scorer_models(settings)}), {})
+
+
+def test_a_run_planned_before_zero_thresholds_counted_keeps_its_rule():
+    """Runs planned before (no filter_rule in run.json) ran with a threshold of 0 off: resumed,
+    they keep that, so no run ends with filtered and unfiltered slices; new runs apply it."""
+    old = Settings.from_dict({**Settings(**SCORED, min_clip_similarity=0.0).to_dict(), "filter_rule": None})
+    legacy = Settings.from_dict({k: v for k, v in Settings(**SCORED, min_clip_similarity=0.0).to_dict().items()
+                                 if k != "filter_rule"})
+    assert legacy.filter_rule == "truthy" and filters.active_rules(legacy) == ()
+    assert filters.active_rules(legacy.replace(min_clip_similarity=0.25)) == ("min_clip_similarity",)
+    assert Settings(**SCORED, min_clip_similarity=0.0).filter_rule == "set"
+    with pytest.raises(ValueError, match="filter_rule must be one of set, truthy"):
+        old.validate()
 
 
 def test_dropped_rows_are_accounted_for_and_a_dropped_image_on_disk_is_unexpected():

@@ -249,7 +249,7 @@ ALL_CHANGED = Settings(
     attention="chunked", formats=("files", "zarr"), image_format="webp", quality=80, save_latents=True,
     prompt_field="text", dedupe=True, guidance_rule="always", guided=True, scores=("clip", "aesthetic", "safety"),
     clip_model="gs://b/clip", aesthetic_head="gs://b/a.safetensors", safety_checker="gs://b/sd",
-    min_clip_similarity=0.28, min_aesthetic=5.5, drop_nsfw=True).validate()
+    min_clip_similarity=0.28, min_aesthetic=5.5, drop_nsfw=True, filter_rule="truthy").validate()
 
 
 def _flag_fields(settings: Settings) -> Settings:

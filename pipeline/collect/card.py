@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from pipeline import __version__
+from pipeline.core import filters
 from pipeline.core.settings import NO_CFG_RULES, Run
 
 # The Hub's size categories: (upper bound, exclusive; label).
@@ -96,13 +97,13 @@ def _with_fingerprint(path, fingerprint) -> str | None:
 
 
 def _filters(settings) -> list[str]:
+    """The filters the run applied (``filters.active_rules``), as what an image must meet."""
     found = []
-    if settings.min_clip_similarity is not None:
-        found.append(f"clip_similarity >= {settings.min_clip_similarity:g}")
-    if settings.min_aesthetic is not None:
-        found.append(f"aesthetic >= {settings.min_aesthetic:g}")
-    if settings.drop_nsfw:
-        found.append("not flagged by the safety checker")
+    for rule in filters.active_rules(settings):
+        if rule == "drop_nsfw":
+            found.append("not flagged by the safety checker")
+        else:
+            found.append(f"{filters.RULES[rule]} >= {getattr(settings, rule):g}")
     return found
 
 

@@ -91,6 +91,10 @@ class Settings:
     min_clip_similarity: float | None = None
     min_aesthetic: float | None = None
     drop_nsfw: bool = False
+    # how the filters read their thresholds (``filters.active_rules``): "set", a threshold applies
+    # whenever it is set, 0 included; "truthy" (runs planned before), a threshold of 0 was off.
+    # Not a flag: a new run's is "set", and a run keeps the one it was planned with.
+    filter_rule: str = "set"
 
     @property
     def slice_size(self) -> int:
@@ -125,6 +129,8 @@ class Settings:
         if self.save_latents and "zarr" not in self.formats:
             raise ValueError(f"--save-latents needs --format zarr (latents are written to OUT/zarr/latents), "
                              f"got --format {','.join(self.formats)}")
+        if self.filter_rule not in FILTER_RULES:
+            raise ValueError(f"filter_rule must be one of {', '.join(FILTER_RULES)}, got {self.filter_rule!r}")
         if self.guidance_rule not in GUIDANCE_RULES:
             raise ValueError(f"guidance_rule must be one of {', '.join(GUIDANCE_RULES)}, got {self.guidance_rule!r}")
         if self.attention not in ATTENTIONS + (LEGACY_ATTENTION,):
@@ -293,8 +299,9 @@ NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": Fal
                   "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
                   "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1, "scores": (),
                   "clip_model": None, "aesthetic_head": None, "safety_checker": None, "min_clip_similarity": None,
-                  "min_aesthetic": None, "drop_nsfw": False}
+                  "min_aesthetic": None, "drop_nsfw": False, "filter_rule": "truthy"}
 GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused")
+FILTER_RULES = ("set", "truthy")
 NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free
 MAX_SEQUENCE_LENGTH = 512  # the longest text sequence any family takes; each family may allow less
 

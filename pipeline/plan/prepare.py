@@ -117,7 +117,8 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
         previous = runs.read(out)
         # the guidance rule is a version's, not a flag: a run keeps the one it was planned with;
         # whether it is guided was decided by its plan, which checks it again (decide_guidance)
-        asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided)
+        asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided,
+                                     filter_rule=previous.settings.filter_rule)
         if previous.settings.attention == LEGACY_ATTENTION:  # planned before the attention seam: keeps its program
             asked = asked.replace(attention=LEGACY_ATTENTION)
         if previous.settings_fingerprint == run.fingerprint_of(asked):
