@@ -131,11 +131,12 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"diffusers-format checkpoint ({titles()}): a local folder, a gs:// "
                              "prefix (copied once into the local cache), a Hugging Face id where the network allows, "
                              f"or a built-in random model ({', '.join(BUILTINS)}: random weights, so their "
-                             f"images are noise; for tests, demos and benchmarks; {', '.join(shapes_only_builtins())} have "
-                             "shapes only, for the TPU check and benchmarks) (default: %(default)s)")
+                             f"images are noise; for tests, demos and benchmarks; "
+                             f"{', '.join(shapes_only_builtins())} have shapes only, for the TPU check and "
+                             f"benchmarks) (default: %(default)s)")
     parser.add_argument("--unet", metavar="PATH", default=None,
                         help="a UNet-only .safetensors file (local or gs://) whose weights replace the model's UNet, "
-                             "e.g. SDXL-Lightning's into an SDXL base; part of the run's fingerprint")
+                             "e.g. a distilled few-step UNet into its base model; part of the run's fingerprint")
     parser.add_argument("--lora", metavar="PATH[@SCALE]", action="append", default=None,
                         help="a LoRA adapter merged into the weights once, at load (no cost per image): a "
                              ".safetensors file or a folder holding pytorch_lora_weights.safetensors, local or gs://, "
@@ -149,11 +150,11 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
     parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                         help="sampling algorithm (default: the checkpoint's own; euler_a: Euler ancestral, as "
-                             "SD-Turbo and SDXL-Turbo ship; lcm: LCM multistep, for LCM and LCM-LoRA models; "
-                             "flow_euler: flow-matching Euler, FLUX.1's only one)")
+                             "adversarially distilled turbo models ship; lcm: LCM multistep, for LCM and LCM-LoRA "
+                             "models; flow_euler: flow-matching Euler, the only one of the rectified-flow families)")
     parser.add_argument("--timestep-spacing", choices=list(TIMESTEP_SPACINGS), default=None,
                         help="how the sampler's timesteps spread over the training schedule (trailing: few-step "
-                             "models such as SDXL-Lightning; default: the checkpoint's scheduler config)")
+                             "distilled models; default: the checkpoint's scheduler config)")
     parser.add_argument("--attention", choices=list(ATTENTIONS), default=d.attention,
                         help="attention kernels: xla (the whole tokens x tokens matrix), chunked (exact, a block of "
                              "queries at a time: high resolutions in bounded memory), flash (Pallas on TPU, cuDNN on "

@@ -29,6 +29,19 @@ def asks(rule: str, guidance: float) -> bool:
     return rule == "diffusers" and guidance > 1
 
 
+def combine(rule: str, prediction, scale):
+    """The guided program's prediction of each image from the denoiser's on [negative;
+    positive] (``prediction``, float32, twice the batch) and each image's scale ([B, 1, ...]):
+    ``uncond + g * (cond - uncond)``, for every image under "always" and, under "diffusers",
+    for an image whose guidance is above 1 (at 1 or below the conditional prediction
+    alone, selected: ``uncond + 1 * (cond - uncond)`` is not bit-equal to it)."""
+    import jax.numpy as jnp
+
+    uncond, cond = jnp.split(prediction, 2)
+    guided = uncond + scale * (cond - uncond)
+    return guided if rule == "always" else jnp.where(scale > 1, guided, cond)
+
+
 def guided_before_planning(settings, family=None) -> bool:
     """Whether the run's program is the guided one, before its plan has read the prompts:
     the plan's decision when there is one; never for a family without classifier-free

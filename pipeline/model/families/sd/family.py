@@ -18,6 +18,7 @@ from pipeline.core import keys
 from pipeline.model.loading import fetch, lora, weights
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.families.sd import presets
+from pipeline.model.sampling import guidance as guidance_rules
 from pipeline.model.sampling.scheduler import Sampler, make_flax_scheduler, resolve_sampler, step_range
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
@@ -335,10 +336,7 @@ class StableDiffusion(Family):
                 # guidance and the scheduler run in float32 whatever the network dtype
                 prediction = prediction.astype(jnp.float32)
                 if guided:
-                    uncond, cond = jnp.split(prediction, 2)
-                    guided_prediction = uncond + scale * (cond - uncond)
-                    prediction = guided_prediction if guidance_rule == "always" else jnp.where(scale > 1,
-                                                                                               guided_prediction, cond)
+                    prediction = guidance_rules.combine(guidance_rule, prediction, scale)
                 noise = jax.vmap(lambda k: keys.step_noise(k, i, noise_shape))(image_keys) if stochastic else None
                 return loop.update(state, i, t, prediction, latents, noise)
 
