@@ -45,8 +45,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     _require(parser, "out", "prompts")
     _tpu_dtype(parser)
     flags.add_date_flag(parser)
-    parser.add_argument("--tpu-type", help="TPU type: v5e, v6e or v5p (or tpu-v5-lite-podslice, tpu-v6e-slice, "
-                        "tpu-v5p-slice); required")
+    parser.add_argument("--tpu-type", help="TPU type: v5e, v6e, v5p or tpu7x (Ironwood: two devices a chip) (or "
+                        "tpu-v5-lite-podslice, tpu-v6e-slice, tpu-v5p-slice, ironwood); required")
     parser.add_argument("--topology", help="TPU topology, chips per dimension, e.g. 2x4 or 2x2x1; required")
     parser.add_argument("--image", help="container image with promptmill and the TPU runtime "
                         "(e.g. REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG); required")
@@ -197,7 +197,7 @@ def _build_gke(args, beam_args: list[str]) -> jobset.GkeJob:
     chosen = tpu.lookup(args.tpu_type, args.topology, args.machine_type)
     plan_args = _beam_args("--plan-beam-args", args.plan_beam_args, beam_args)
     collect_args = _beam_args("--collect-beam-args", args.collect_beam_args, beam_args)
-    settings = flags.settings_from_args(args, chosen.chips_per_host, tpu_check=True).validate()
+    settings = flags.settings_from_args(args, chosen.devices_per_host, tpu_check=True).validate()
     return _checked(args, jobset.GkeJob(
         settings=settings, tpu_slice=chosen, name=checks.job_name(args.out, args.name, getattr(args, "date", None)),
         image=args.image, namespace=args.namespace, max_restarts=args.max_restarts,

@@ -21,12 +21,16 @@ DOCUMENTED_HOSTS = {
     ("v5p", "2x2x1", "ct5p-hightpu-4t"): 1, ("v5p", "2x2x2", "ct5p-hightpu-4t"): 2,
     ("v5p", "2x2x4", "ct5p-hightpu-4t"): 4, ("v5p", "2x4x4", "ct5p-hightpu-4t"): 8,
     ("v5p", "4x4x4", "ct5p-hightpu-4t"): 16,
+    # Ironwood: 4 chips per VM (GKE's Ironwood page; xpk: tpu7x-standard-4t, chips_per_vm 4, 4x4x4 on 16 VMs)
+    ("tpu7x", "2x2x1", "tpu7x-standard-4t"): 1, ("tpu7x", "2x2x2", "tpu7x-standard-4t"): 2,
+    ("tpu7x", "2x2x4", "tpu7x-standard-4t"): 4, ("tpu7x", "2x4x4", "tpu7x-standard-4t"): 8,
+    ("tpu7x", "4x4x4", "tpu7x-standard-4t"): 16,
 }
 # Dataflow's TPU table: (type, topology) -> the machine type it requires.
 DATAFLOW = {("v5e", "1x1"): "ct5lp-hightpu-1t", ("v5e", "2x2"): "ct5lp-hightpu-4t", ("v5e", "2x4"): "ct5lp-hightpu-8t",
             ("v6e", "1x1"): "ct6e-standard-1t", ("v6e", "2x2"): "ct6e-standard-4t", ("v6e", "2x4"): "ct6e-standard-8t"}
-ACCELERATORS = {"v5e": "tpu-v5-lite-podslice", "v6e": "tpu-v6e-slice", "v5p": "tpu-v5p-slice"}
-MACHINE_PREFIX = {"v5e": "ct5lp-hightpu-", "v6e": "ct6e-standard-", "v5p": "ct5p-hightpu-"}
+ACCELERATORS = {"v5e": "tpu-v5-lite-podslice", "v6e": "tpu-v6e-slice", "v5p": "tpu-v5p-slice", "tpu7x": "tpu7x"}
+MACHINE_PREFIX = {"v5e": "ct5lp-hightpu-", "v6e": "ct6e-standard-", "v5p": "ct5p-hightpu-", "tpu7x": "tpu7x-standard-"}
 
 
 def test_the_table_is_exactly_the_documented_rows():
@@ -66,6 +70,16 @@ def test_a_topology_on_two_machine_types_defaults_to_the_single_host_one():
     assert "ct5lp-hightpu-8t, ct5lp-hightpu-4t" in str(e.value)
 
 
+def test_ironwood_is_two_devices_per_chip_with_half_a_chips_hbm_each():
+    s = tpu.lookup("ironwood", "2x2x1")
+    assert (s.tpu_type, s.machine_type, s.chips_per_host, s.devices_per_host) == ("tpu7x", "tpu7x-standard-4t", 4, 8)
+    assert (s.hbm_gib, s.device_hbm_gib) == (192.0, 96.0) and tpu.lookup("v7x", "2x2x1") == s
+    assert "8 devices: 2 per chip" in s.describe()
+    assert tpu.lookup("v5e", "2x2").devices_per_host == 4 and tpu.lookup("v5e", "2x2").device_hbm_gib == 16.0
+    with pytest.raises(ValueError, match="Dataflow offers no tpu7x workers"):
+        tpu.for_dataflow("tpu7x", "2x2x1")
+
+
 def test_aliases_and_case():
     assert tpu.lookup("tpu-v5-lite-podslice", "4x4") == tpu.lookup("v5e", "4x4")
     assert tpu.lookup("V6E", " 2X2 ").topology == "2x2"
@@ -98,7 +112,7 @@ def test_dataflow_refuses_v5p():
 def test_unknown_type_lists_the_supported_ones():
     with pytest.raises(ValueError) as e:
         tpu.lookup("v4", "2x2x1")
-    assert str(e.value).startswith("unknown --tpu-type 'v4'; supported: v5e, v6e, v5p")
+    assert str(e.value).startswith("unknown --tpu-type 'v4'; supported: v5e, v6e, v5p, tpu7x")
 
 
 @pytest.mark.parametrize("tpu_type,topology", [("v5e", "3x3"), ("v5e", "2x2x1"), ("v5p", "2x4"), ("v6e", "32x32")])

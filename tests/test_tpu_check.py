@@ -521,3 +521,17 @@ def test_a_submission_resolves_auto_against_the_target_chip_and_caps_it_for_the_
     settings, report, cap = program_check.resolve_submission(
         Settings(out="gs://b/out", per_device_batch=3, devices_per_host=4), s, look=False)
     assert settings.per_device_batch == 3 and cap is None
+
+
+def test_an_ironwood_host_program_compiles_for_its_eight_devices(no_weights):
+    """TPU7x: a host of 4 chips is 8 devices (two TensorCores a chip), each with half a chip's
+    HBM; the check compiles the host's program for the 8 and measures it against 96 GiB."""
+    s = tpu.lookup("tpu7x", "2x2x1")
+    target = program_check.target(s)
+    assert (target.chips, target.dims, target.devices_per_chip, target.hbm_gib) == (4, 3, 2, 96.0)
+    assert target.host_topology == ("tpu7x:2x2x1", (2, 2, 1)) and len(tpu_check.host_devices(target)) == 8
+    settings = Settings(model=no_weights, width=32, height=32, steps=1, dtype="bf16", per_device_batch=1,
+                        devices_per_host=s.devices_per_host, attention="xla", guidance_scale=1.0).validate()
+    report = tpu_check.check(settings, target)
+    assert report["compiled"] and report["fits"] and report["chips_per_host"] == 4
+    assert 0 < report["total_gib"] < 1 < report["usable_gib"] <= 96

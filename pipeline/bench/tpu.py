@@ -67,11 +67,11 @@ def run(config: TpuBenchConfig) -> dict:
             chosen = tpu.lookup(type_name, topology, machine)
             target = program_check.target(chosen)
             for attention, fsdp in [(a, f) for a in config.attentions for f in config.fsdps]:
-                if fsdp != AUTO and chosen.chips_per_host % fsdp:
+                if fsdp != AUTO and chosen.devices_per_host % fsdp:
                     continue  # a degree this host cannot have
                 settings = Settings(model=config.model, width=size, height=size, steps=config.steps,
                                     dtype=config.dtype, attention=attention, guidance_scale=config.guidance_scale,
-                                    devices_per_host=chosen.chips_per_host, fsdp=fsdp, **scoring).validate()
+                                    devices_per_host=chosen.devices_per_host, fsdp=fsdp, **scoring).validate()
                 if fsdp == AUTO:
                     try:
                         settings = settings.replace(fsdp=program_check.smallest_fsdp(settings, target))

@@ -150,7 +150,7 @@ def example_manifest() -> str:
 
     s = tpu.lookup("v5e", "4x4")
     out = "gs://BUCKET/runs/2025-01-31"
-    job = GkeJob(settings=Settings(prompts="gs://BUCKET/prompts/*.jsonl", out=out, devices_per_host=s.chips_per_host),
+    job = GkeJob(settings=Settings(prompts="gs://BUCKET/prompts/*.jsonl", out=out, devices_per_host=s.devices_per_host),
                  tpu_slice=s, name=checks.job_name(out, "promptmill", "2025-01-31"),
                  image="REGION-docker.pkg.dev/PROJECT/REPO/promptmill:TAG", service_account="promptmill")
     header = [

@@ -24,10 +24,11 @@ def target(s: tpu.TpuSlice, device_memory: float | None = None) -> tpu_check.Tar
     """The chips of one host of the TPU slice ``s``, as the check compiles for them;
     ``device_memory`` (``--device-memory``, GiB): a chip's memory as the user states it,
     instead of the TPU table's HBM and what XLA reports usable of it."""
+    shape = dict(dims=tpu.TYPES[s.tpu_type].dims, devices_per_chip=tpu.TYPES[s.tpu_type].devices_per_chip)
     if device_memory is not None:
         return tpu_check.Target(s.tpu_type, s.chips_per_host, device_memory, s.topology, s.machine_type,
-                                usable_gib=device_memory)
-    return tpu_check.Target(s.tpu_type, s.chips_per_host, s.hbm_gib, s.topology, s.machine_type)
+                                usable_gib=device_memory, **shape)
+    return tpu_check.Target(s.tpu_type, s.chips_per_host, s.device_hbm_gib, s.topology, s.machine_type, **shape)
 
 
 def check_submission(settings, s: tpu.TpuSlice, skip: bool = False) -> tuple[object, dict | None]:

@@ -20,6 +20,14 @@ Sources (checked while writing this table):
     (Google's TPU VM provisioning tables list ct6e-standard-8t only for 2x4).
   * v5p: Cloud TPU's v5p page: 2x2x1 = 4 chips on 1 host, 2x2x2 = 8 on 2, 2x4x4 = 32
     on 8, 4x4x4 = 64 on 16; xpk: ct5p-hightpu-4t, tpu-v5p-slice, also 2x2x4 (16 on 4).
+  * Ironwood (TPU7x): Cloud TPU's TPU7x page (cloud.google.com/tpu/docs/tpu7x): 192 GiB of
+    HBM per chip, two TensorCores per chip; GKE's Ironwood page (kubernetes-engine/docs/
+    concepts/tpu-ironwood): each VM holds 4 chips, GKE 1.34 and later; xpk's
+    system_characteristics: gke_accelerator tpu7x, machine type tpu7x-standard-4t (4 chips
+    per VM), topologies 2x2x1, 2x2x2, 2x2x4, 2x4x4 and AxBxC multiples of 4 (4x4x4 = 64
+    chips on 16 VMs; xpk's device types, tpu7x-128, count TensorCores). libtpu describes a
+    host of 4 chips (topology "tpu7x:2x2x1") as 8 devices, two per chip: JAX runs one
+    program per TensorCore, so a host has 8 devices and each has half a chip's HBM.
   * HBM per chip: Cloud TPU's system architecture pages (cloud.google.com/tpu/docs/v5e,
     /v6e, /v5p): v5e 16 GiB, v6e 32 GiB, v5p 95 GiB. XLA lets one program use a little
     less (a v5e chip: 15.75 GiB); the TPU check (``pipeline.generate.tpu_check``) asks XLA.
@@ -44,15 +52,18 @@ class TpuType:
     accelerator: str  # GKE's cloud.google.com/gke-tpu-accelerator and Dataflow's worker_accelerator type
     dims: int  # topology dimensions: 2 (AxB) or 3 (AxBxC)
     hbm_gib: float  # high-bandwidth memory of one chip
+    devices_per_chip: int = 1  # JAX devices of one chip (TPU7x: its two TensorCores)
 
 
 TYPES = {t.name: t for t in (
     TpuType("v5e", "tpu-v5-lite-podslice", 2, 16.0),
     TpuType("v6e", "tpu-v6e-slice", 2, 32.0),
     TpuType("v5p", "tpu-v5p-slice", 3, 95.0),
+    TpuType("tpu7x", "tpu7x", 3, 192.0, devices_per_chip=2),
 )}
 # Other names people use for the same types (the accelerator labels, Cloud TPU's names).
-_ALIASES = {**{t.accelerator: t.name for t in TYPES.values()}, "v5litepod": "v5e", "trillium": "v6e"}
+_ALIASES = {**{t.accelerator: t.name for t in TYPES.values()}, "v5litepod": "v5e", "trillium": "v6e",
+            "ironwood": "tpu7x", "v7x": "tpu7x"}
 
 # (type, topology, machine type, runs on Dataflow). The first row of a (type, topology)
 # is its default machine type: the one with the fewest hosts.
@@ -80,10 +91,15 @@ _ROWS = (
     ("v5p", "2x2x4", "ct5p-hightpu-4t", False),
     ("v5p", "2x4x4", "ct5p-hightpu-4t", False),
     ("v5p", "4x4x4", "ct5p-hightpu-4t", False),
+    ("tpu7x", "2x2x1", "tpu7x-standard-4t", False),  # one host of 4 chips (8 devices)
+    ("tpu7x", "2x2x2", "tpu7x-standard-4t", False),
+    ("tpu7x", "2x2x4", "tpu7x-standard-4t", False),
+    ("tpu7x", "2x4x4", "tpu7x-standard-4t", False),
+    ("tpu7x", "4x4x4", "tpu7x-standard-4t", False),
 )
 
 _TOPOLOGY = re.compile(r"[1-9][0-9]*(x[1-9][0-9]*)+")
-_MACHINE_CHIPS = re.compile(r"ct[0-9a-z]+-[a-z]+-([1-9][0-9]*)t")
+_MACHINE_CHIPS = re.compile(r"(?:ct[0-9a-z]+|tpu[0-9a-z]+)-[a-z]+-([1-9][0-9]*)t")
 
 
 def parse_topology(text: str) -> tuple[int, ...]:
@@ -123,6 +139,17 @@ class TpuSlice:
         return machine_chips(self.machine_type)
 
     @property
+    def devices_per_host(self) -> int:
+        """JAX devices of one host (``--devices-per-host``): its chips, or their TensorCores
+        where a chip is two devices (TPU7x)."""
+        return self.chips_per_host * TYPES[self.tpu_type].devices_per_chip
+
+    @property
+    def device_hbm_gib(self) -> float:
+        """HBM of one JAX device: a chip's, or its share of it."""
+        return self.hbm_gib / TYPES[self.tpu_type].devices_per_chip
+
+    @property
     def hosts(self) -> int:
         return self.chips // self.chips_per_host
 
@@ -135,8 +162,10 @@ class TpuSlice:
         return TYPES[self.tpu_type].hbm_gib
 
     def describe(self) -> str:
+        per_chip = TYPES[self.tpu_type].devices_per_chip
+        devices = f" ({self.devices_per_host} devices: {per_chip} per chip)" if per_chip > 1 else ""
         return (f"{self.tpu_type} {self.topology} on {self.machine_type}: {self.chips} chips, "
-                f"{self.hosts} host(s) x {self.chips_per_host} chips")
+                f"{self.hosts} host(s) x {self.chips_per_host} chips{devices}")
 
 
 SLICES = tuple(TpuSlice(*row) for row in _ROWS)

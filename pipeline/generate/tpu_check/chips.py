@@ -20,14 +20,17 @@ INSTALL_HINT = ('install the TPU compiler with pip install "promptmill[tpu]" (it
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """The chips of one host of a TPU slice: ``tpu_type`` (v5e, v6e, v5p), the host's
-    ``chips``, and each chip's HBM in GiB as the TPU table lists it."""
+    """The chips of one host of a TPU slice: ``tpu_type`` (v5e, v6e, v5p, tpu7x), the host's
+    ``chips``, and each device's HBM in GiB as the TPU table lists it (a chip's, or its
+    share where a chip is several devices)."""
     tpu_type: str
     chips: int
     hbm_gib: float
     topology: str = ""  # the whole slice's, for reports
     machine_type: str = ""
-    usable_gib: float | None = None  # what one program may use; None: what XLA reports for the chip
+    usable_gib: float | None = None  # what one program may use; None: what XLA reports for the device
+    dims: int = 2  # the type's topology dimensions (the TPU table's): 3 names a host AxBxC
+    devices_per_chip: int = 1  # JAX devices of one chip (TPU7x: 2)
 
     @property
     def host_topology(self) -> tuple[str, tuple[int, int, int]]:
@@ -36,7 +39,7 @@ class Target:
         if self.chips not in shapes:
             raise TpuCheckError(f"a TPU host of {self.chips} chips is not one the check knows (1, 4 or 8)")
         bounds = shapes[self.chips]
-        dims = bounds if self.tpu_type == "v5p" else bounds[:2]
+        dims = bounds if self.dims == 3 or self.tpu_type == "v5p" else bounds[:2]
         return f"{self.tpu_type}:{'x'.join(map(str, dims))}", bounds
 
 
