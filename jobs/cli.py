@@ -16,7 +16,6 @@ from jobs import flags
 from jobs.bench_command import add_bench_parser, run_bench
 from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag, add_settings_flags
 from jobs.submit_command import SUMMARY, add_submit_parser, run_submit
-from pipeline.collect.gallery import ORDERS as GALLERY_ORDERS
 from pipeline.model import families
 
 _settings = flags.settings_from_args  # the one translation of the settings flags; the old name, still used by tests
@@ -49,12 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "whole job as one Beam pipeline (the DirectRunner unless --runner says otherwise) whose "
                           "workers each generate on --devices-per-host local devices, as on Dataflow "
                           "(default: %(default)s)")
-    run.add_argument("--hosts", type=int, default=None,
+    run.add_argument("--hosts", type=_positive_int, default=None,
                      help="local host processes, with --engine pod (default: 2)")
     run.add_argument("--devices-per-host", type=int, default=2, help="CPU devices per host (default: %(default)s)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_overwrite_flag(run)
     add_compile_cache_flag(run, local_default=True)
+    flags.add_gallery_flags(run)
 
     plan = sub.add_parser("plan", help="validate prompts and cut them into slices (Beam)")
     dated.append(plan)
@@ -77,14 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     collect = sub.add_parser("collect", help="merge and verify the outputs into OUT/dataset (Beam)")
     dated.append(collect)
     collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
-    collect.add_argument("--gallery-page-size", type=int, default=100,
-                         help="thumbnails per page of dataset/index.html and dataset/gallery/ (default: %(default)s)")
-    collect.add_argument("--gallery-max", type=int, default=None, metavar="N",
-                         help="show at most N images in the gallery, an even sample in plan order, for huge runs "
-                              "(default: every image)")
-    collect.add_argument("--gallery-order", choices=GALLERY_ORDERS, default="position",
-                         help="the gallery's order: plan order (position), or a score's, highest first (with "
-                              "--gallery-max N, the N highest) (default: %(default)s)")
+    flags.add_gallery_flags(collect)
 
     reproduce = sub.add_parser("reproduce", help="regenerate images from their metadata rows and check their sha256")
     dated.append(reproduce)
@@ -93,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     reproduce.add_argument("--save", metavar="DIR", help="also write the regenerated images here as KEY.EXT")
 
     for command in dated:
-        add_date_flag(command)
+        doing = {gen: "the dated run whose slices this host generates", collect: "the dated run to collect",
+                 reproduce: "the dated run whose images to regenerate"}.get(command)
+        add_date_flag(command, doing)
 
     for command in (run, plan, collect):
         flags.strict(command, beam=True)  # flags they do not know may be Beam options
@@ -102,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="where a run stands: slices and images committed, rate and ETA, "
                             "hosts, collect (reads no image and no metadata shard)")
-    status.add_argument("out", metavar="OUT", help="the run's output folder or gs:// prefix")
+    status.add_argument("out", metavar="OUT", nargs="?", help="the run's output folder or gs:// prefix (or --out)")
+    status.add_argument("--out", dest="out_flag", metavar="OUT", help="the same as the positional OUT, as the other "
+                        "commands take it")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     status.add_argument("--watch", type=float, metavar="N", help="print it again every N seconds, until Ctrl-C")
     flags.strict(status)
@@ -171,7 +168,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
                 raise ValueError("--hosts is for --engine pod; with --engine beam each Beam worker generates on "
                                  "its own --devices-per-host devices")
             stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite,
-                                         compile_cache=args.compile_cache)
+                                         compile_cache=args.compile_cache, gallery=flags.gallery_of(args))
         else:
             from pipeline.engines import local as launcher
             from pipeline.generate import compile_cache
@@ -181,7 +178,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
             cache = None if args.no_compile_cache else args.compile_cache or compile_cache.local_default()
             stats = launcher.run_local(settings, 2 if args.hosts is None else args.hosts, beam_args,
                                        progress=not args.no_progress, compile_cache=cache,
-                                       overwrite=args.overwrite)
+                                       overwrite=args.overwrite, gallery=flags.gallery_of(args))
         print(json.dumps({k: stats[k] for k in SUMMARY}))
     elif args.command == "plan":
         from pipeline.generate import fit
@@ -200,8 +197,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "collect":
         from pipeline.collect import transforms as collect
 
-        stats = collect.run_collect(args.out, beam_args, page_size=args.gallery_page_size,
-                                     gallery_max=args.gallery_max, gallery_order=args.gallery_order)
+        stats = collect.run_collect(args.out, beam_args, **flags.gallery_of(args))
         print(json.dumps({k: stats[k] for k in SUMMARY}))
     elif args.command == "reproduce":
         from pipeline.generate import reproduce
@@ -215,6 +211,12 @@ def _dispatch(args, beam_args: list[str]) -> int:
             return 1
     elif args.command == "status":
         from pipeline.collect import status
+
+        if args.out is None and args.out_flag is None:
+            raise ValueError("status needs the run's OUT: positional or --out")
+        if None not in (args.out, args.out_flag) and args.out != args.out_flag:
+            raise ValueError(f"status takes one OUT, given two: {args.out} and --out {args.out_flag}")
+        args.out = args.out or args.out_flag
 
         if args.watch is not None:
             status.watch(args.out, args.watch, args.json)

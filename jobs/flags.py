@@ -278,9 +278,31 @@ def settings_from_flags(tokens: list[str] | tuple[str, ...], tpu_check: bool = T
     return settings_from_args(args, args.devices_per_host, tpu_check=tpu_check)
 
 
-def add_date_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--date", help="the run's scheduled date (YYYY-MM-DD or an RFC 3339 time), put in place of "
-                        "{date} in --out: a scheduled run re-triggered for the same date resumes it")
+def add_date_flag(parser: argparse.ArgumentParser, doing: str | None = None) -> None:
+    """``--date``: ``doing`` says what the command does with the dated run (None: it starts
+    or resumes it)."""
+    then = doing or "a scheduled run re-triggered for the same date resumes it"
+    parser.add_argument("--date", help=f"the run's scheduled date (YYYY-MM-DD or an RFC 3339 time), put in place of "
+                        f"{{date}} in --out: {then}")
+
+
+def add_gallery_flags(parser: argparse.ArgumentParser) -> None:
+    """The gallery's flags, for every command that collects (``collect``, ``run``)."""
+    from pipeline.collect.gallery import ORDERS, PAGE_SIZE
+
+    parser.add_argument("--gallery-page-size", type=int, default=PAGE_SIZE,
+                        help="thumbnails per page of dataset/index.html and dataset/gallery/ (default: %(default)s)")
+    parser.add_argument("--gallery-max", type=int, default=None, metavar="N",
+                        help="show at most N images in the gallery, an even sample in plan order, for huge runs "
+                             "(default: every image)")
+    parser.add_argument("--gallery-order", choices=ORDERS, default="position",
+                        help="the gallery's order: plan order (position), or a score's, highest first (with "
+                             "--gallery-max N, the N highest) (default: %(default)s)")
+
+
+def gallery_of(args: argparse.Namespace) -> dict:
+    """The gallery flags as ``run_collect``'s keywords."""
+    return dict(page_size=args.gallery_page_size, gallery_max=args.gallery_max, gallery_order=args.gallery_order)
 
 
 def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:

@@ -475,7 +475,7 @@ def test_cli_passes_compile_cache_to_the_beam_engine(monkeypatch, tmp_path):
 
     seen = {}
 
-    def fake_run_beam(settings, beam_args=None, overwrite=False, compile_cache=None):
+    def fake_run_beam(settings, beam_args=None, overwrite=False, compile_cache=None, gallery=None):
         seen.update(out=settings.out, compile_cache=compile_cache, beam_args=beam_args)
         return {k: 0 for k in cli.SUMMARY}
 

@@ -1,8 +1,10 @@
 """The command line: errors are one line (exit code 1, not a traceback); unknown flags are refused
 (exit code 2) with the closest known flag; jobs/ and pipeline/ import one way."""
+import argparse
+
 import pytest
 
-from jobs import cli
+from jobs import cli, flags
 
 
 def test_missing_google_credentials_are_one_clear_line(monkeypatch, capsys):
@@ -356,3 +358,57 @@ def test_lora_flags_are_repeatable_and_a_bad_spec_is_one_clear_line(tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("promptmill plan: error: --lora style.safetensors@strong: the scale after '@' must be a "
                           "number, got 'strong'") and err.count("\n") == 1
+
+
+def _subparsers(parser, prefix=()):
+    """(command path, parser) of every parser under ``parser``, itself included."""
+    found = [(prefix, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found += _subparsers(child, prefix + (name,))
+    return found
+
+
+def test_a_flag_that_several_commands_take_means_the_same_in_each():
+    """Its type, choices, number of values, action and destination agree wherever it is
+    taken (a command's help may add what it does with it; a default may differ). The
+    benchmarks are left out: their flags sweep several values of a setting (``--per-device-batch
+    1,2,4``) and size synthetic inputs (``--prompts 1000000``)."""
+    meanings: dict[str, dict] = {}
+    for path, parser in _subparsers(cli.build_parser()):
+        if path[:1] == ("bench",):
+            continue
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag in ("-h", "--help"):
+                    continue
+                dest = "out" if action.dest == "out_flag" else action.dest  # status: --out beside its positional OUT
+                meaning = (type(action).__mro__[1].__name__ if type(action).__name__.endswith("Once") else
+                           type(action).__name__, dest, action.type, tuple(action.choices or ()), action.nargs,
+                           action.const)
+                meanings.setdefault(flag, {})[" ".join(path)] = meaning
+    differ = {flag: by for flag, by in meanings.items() if len(set(by.values())) > 1}
+    assert differ == {}, differ
+    assert len([flag for flag, by in meanings.items() if len(by) > 1]) > 20  # the test reads many shared flags
+
+
+def test_status_takes_out_positional_or_as_a_flag(tmp_path, capsys):
+    for argv in (["status", str(tmp_path / "none")], ["status", "--out", str(tmp_path / "none")]):
+        assert cli.main(argv) == 1
+        assert "run.json" in capsys.readouterr().err  # it looked in that folder
+    assert cli.main(["status", "a", "--out", "b"]) == 1
+    assert "status takes one OUT, given two: a and --out b" in capsys.readouterr().err
+    assert cli.main(["status"]) == 1
+    assert "status needs the run's OUT" in capsys.readouterr().err
+
+
+def test_run_takes_the_gallery_flags_and_date_helps_say_what_each_command_does():
+    parser = cli.build_parser()
+    args = parser.parse_args(["run", "--gallery-max", "5", "--gallery-order", "aesthetic", "--gallery-page-size", "7"])
+    assert flags.gallery_of(args) == {"page_size": 7, "gallery_max": 5, "gallery_order": "aesthetic"}
+    helps = {" ".join(path): next(a.help for a in p._actions if "--date" in a.option_strings)
+             for path, p in _subparsers(parser) if any("--date" in a.option_strings for a in p._actions)}
+    assert "resumes it" in helps["run"] and "resumes it" in helps["plan"]
+    assert helps["collect"].endswith("the dated run to collect")
+    assert helps["reproduce"].endswith("the dated run whose images to regenerate")

@@ -468,7 +468,7 @@ def test_a_local_run_is_warm_by_default_unless_told_not(tmp_path, monkeypatch, c
     monkeypatch.setenv("PROMPTMILL_CACHE", str(tmp_path / "pm"))
     caches = []
 
-    def run_local(settings, hosts, beam_args, progress, compile_cache, overwrite):
+    def run_local(settings, hosts, beam_args, progress, compile_cache, overwrite, gallery=None):
         caches.append(compile_cache)
         return dict.fromkeys(cli.SUMMARY, 0)
 

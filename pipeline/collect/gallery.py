@@ -40,6 +40,7 @@ THUMB_SIZE = formats.THUMB_SIZE
 NEARBY_PAGES = 3  # the page list shows pages within this distance of the current one
 # --gallery-order: plan order, or a score's (highest first), and the --score each needs
 ORDERS = ("position", "clip_similarity", "aesthetic", "nsfw_score")
+PAGE_SIZE = 100  # thumbnails per page, unless --gallery-page-size says otherwise
 ORDER_SCORES = {"clip_similarity": "clip", "aesthetic": "aesthetic", "nsfw_score": "safety"}
 
 

@@ -59,7 +59,7 @@ from pipeline.io import beamio, runs, storage
 from pipeline.output import formats, writer
 from pipeline.plan import input_table
 
-GALLERY_PAGE_SIZE = 100
+GALLERY_PAGE_SIZE = gallery.PAGE_SIZE
 
 
 class CollectError(RuntimeError):

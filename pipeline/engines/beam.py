@@ -369,11 +369,12 @@ def _release(generated: list[int], manifest: dict) -> dict:
     return manifest
 
 
-def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE_SIZE, thumbnails: bool = True,
-          compile_cache: str | None = None, cap_hosts: int | None = None):
+def build(p, settings: Settings, run: Run, thumbnails: bool = True, compile_cache: str | None = None,
+          cap_hosts: int | None = None, gallery: dict | None = None):
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
     returns the PCollection of stats.json's content. ``compile_cache``: a folder checked
-    by ``compile_cache.resolve``; ``cap_hosts``: see ``plan.Plan``."""
+    by ``compile_cache.resolve``; ``cap_hosts``: see ``plan.Plan``; ``gallery``: the
+    gallery's options (``collect.Collect``'s page_size, gallery_max, gallery_order)."""
     out = settings.out
     manifest = p | "Plan" >> plan.Plan(settings, cap_hosts)
     generated = (manifest
@@ -384,7 +385,7 @@ def build(p, settings: Settings, run: Run, page_size: int = collect.GALLERY_PAGE
                 | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
                 | "AllGenerated" >> beam.combiners.ToList()
                 | "Barrier" >> beam.Map(_release, beam.pvalue.AsSingleton(manifest)))
-    return released | "Collect" >> collect.Collect(out, run, page_size, thumbnails)
+    return released | "Collect" >> collect.Collect(out, run, thumbnails=thumbnails, **(gallery or {}))
 
 
 def build_generate(p, out: str, slices: int):
@@ -409,8 +410,7 @@ def counters(result, namespace: str) -> dict:
 
 
 def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,
-             page_size: int = collect.GALLERY_PAGE_SIZE, gallery_thumbnails: bool = True,
-             compile_cache: str | None = None) -> dict:
+             gallery_thumbnails: bool = True, compile_cache: str | None = None, gallery: dict | None = None) -> dict:
     """plan -> generate -> collect as one Beam pipeline; returns the dataset stats.
 
     ``beam_args`` are Beam's PipelineOptions (``--runner DataflowRunner ...``; none: the
@@ -434,7 +434,7 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
                devices_per_host=settings.devices_per_host, slice_size=settings.slice_size)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
-    build(p, settings, run, page_size, gallery_thumbnails, compile_cache, cap)
+    build(p, settings, run, gallery_thumbnails, compile_cache, cap, gallery)
     result = p.run()
     result.wait_until_finish()
     manifest = storage.read_json(naming.manifest(settings.out))

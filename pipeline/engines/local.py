@@ -225,8 +225,9 @@ def _committed(out: str) -> str:
 
 
 def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, progress: bool = True,
-              compile_cache: str | None = None, overwrite: bool = False) -> dict:
-    """plan -> local hosts -> collect; returns the dataset stats.
+              compile_cache: str | None = None, overwrite: bool = False, gallery: dict | None = None) -> dict:
+    """plan -> local hosts -> collect; returns the dataset stats. ``gallery``: the gallery's
+    options, ``run_collect``'s keywords (page_size, gallery_max, gallery_order).
 
     ``compile_cache`` is an execution option, like ``num_hosts``: not a setting of the run.
     ``overwrite`` deletes an earlier run in OUT first; without it a re-run resumes.
@@ -251,7 +252,7 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
     logs.event("generated", images=sum(d["images"] for d in done),
                **{k: sum(d[k] for d in done) for k in ("slices_generated", "slices_redone", "slices_skipped")},
                seconds=round(watch.seconds(), 2))
-    stats = collect.run_collect(settings.out, beam_args)
+    stats = collect.run_collect(settings.out, beam_args, **(gallery or {}))
     logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],
                seconds=round(watch.seconds(), 2), dataset=naming.join(settings.out, "dataset"))
     return stats
