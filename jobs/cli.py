@@ -11,12 +11,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
-from jobs import flags
-from jobs.bench_command import add_bench_parser, run_bench
-from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag, add_settings_flags
-from jobs.submit_command import SUMMARY, add_submit_parser, run_submit
-from pipeline.model import families
+from pipeline.core import logs
+
+logs.drop_beams_apitools_warning()  # before anything imports Beam
+
+from jobs import flags  # noqa: E402
+from jobs.bench_command import add_bench_parser, run_bench  # noqa: E402
+from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag, add_settings_flags  # noqa: E402
+from jobs.submit_command import SUMMARY, add_submit_parser, run_submit  # noqa: E402
+from pipeline.model import families  # noqa: E402
 
 _settings = flags.settings_from_args  # the one translation of the settings flags; the old name, still used by tests
 
@@ -106,7 +111,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_submit_parser(sub)  # submit dataflow|gke, with its own --date
     add_bench_parser(sub)  # bench generator|upload|plan|status|pipeline|tpu
+    for command in _commands(parser):
+        command.add_argument("--log-level", choices=list(logs.LEVELS), default="info",
+                             help="the least important JSON log events shown on stderr (default: %(default)s)")
+        command.add_argument("--quiet", action="store_true",
+                             help="warnings and errors only: no info events, no progress bar, no summary")
     return parser
+
+
+def _commands(parser) -> list:
+    """The parsers that run something: every subcommand, and every target of one that has them."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                nested = [a for a in child._actions if isinstance(a, argparse._SubParsersAction)]
+                found += _commands(child) if nested else [child]
+    return found
+
+
+def summary(command: str, out: str, stats: dict, seconds: float) -> str:
+    """What a finished run or collect says to people (stderr; the JSON line on stdout is
+    for scripts): images written, dropped and rejected, where the rejects and the dataset
+    are, wall time and images/s, and what to run next."""
+    dropped = (stats.get("dropped") or {}).get("images", 0)
+    rejects = stats.get("rejects", 0)
+    rate = f", {stats['images'] / seconds:.2f} images/s" if seconds > 0 and stats.get("images") else ""
+    lines = [f"promptmill {command}: {stats['images']} image(s) written, {dropped} dropped by filters, {rejects} input "
+             f"row(s) rejected{' (OUT/plan/rejects/)' if rejects else ''}; {'verified' if stats.get('verified') else 'NOT verified'}",
+             f"  {seconds:.1f} s{rate}",
+             f"  dataset: {out.rstrip('/')}/dataset/ (metadata.parquet, stats.json, index.html)",
+             f"  next: promptmill status {out}  |  promptmill reproduce KEY --out {out}"]
+    if rejects:
+        lines[0] = lines[0].replace("OUT/", f"{out.rstrip('/')}/")
+    return "\n".join(lines)
 
 
 # Commands whose own process has nothing to run on an accelerator: local runs put their hosts
@@ -129,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     beam_args = flags.check_extra(args, extra)  # an unknown flag exits 2 here, before anything runs
     _cpu_only(args)
-    logs.setup()
+    logs.setup(logs.LEVELS["warning" if getattr(args, "quiet", False) else getattr(args, "log_level", "info")])
     try:
         if hasattr(args, "date"):
             from pipeline.cloud import dates as schedule
@@ -159,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args, beam_args: list[str]) -> int:
     import json
 
+    started = time.perf_counter()
     if args.command == "run":
         settings = flags.settings_from_args(args, args.devices_per_host)
         if args.engine == "beam":
@@ -177,9 +216,11 @@ def _dispatch(args, beam_args: list[str]) -> int:
                 raise ValueError("give --compile-cache DIR or --no-compile-cache, not both")
             cache = None if args.no_compile_cache else args.compile_cache or compile_cache.local_default()
             stats = launcher.run_local(settings, 2 if args.hosts is None else args.hosts, beam_args,
-                                       progress=not args.no_progress, compile_cache=cache,
+                                       progress=not (args.no_progress or args.quiet), compile_cache=cache,
                                        overwrite=args.overwrite, gallery=flags.gallery_of(args))
         print(json.dumps({k: stats[k] for k in SUMMARY}))
+        if not args.quiet:
+            print(summary("run", settings.out, stats, time.perf_counter() - started), file=sys.stderr)
     elif args.command == "plan":
         from pipeline.generate import fit
         from pipeline.plan import transforms as plan
@@ -199,6 +240,8 @@ def _dispatch(args, beam_args: list[str]) -> int:
 
         stats = collect.run_collect(args.out, beam_args, **flags.gallery_of(args))
         print(json.dumps({k: stats[k] for k in SUMMARY}))
+        if not args.quiet:
+            print(summary("collect", args.out, stats, time.perf_counter() - started), file=sys.stderr)
     elif args.command == "reproduce":
         from pipeline.generate import reproduce
 

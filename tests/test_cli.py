@@ -1,6 +1,9 @@
 """The command line: errors are one line (exit code 1, not a traceback); unknown flags are refused
 (exit code 2) with the closest known flag; jobs/ and pipeline/ import one way."""
 import argparse
+import json
+import os
+import sys
 
 import pytest
 
@@ -412,3 +415,60 @@ def test_run_takes_the_gallery_flags_and_date_helps_say_what_each_command_does()
     assert "resumes it" in helps["run"] and "resumes it" in helps["plan"]
     assert helps["collect"].endswith("the dated run to collect")
     assert helps["reproduce"].endswith("the dated run whose images to regenerate")
+
+
+def test_beams_apitools_warning_is_dropped_and_nothing_else(tmp_path):
+    """Beam warns on the root logger when apitools is missing; every command used to print
+    it. The filter drops that one line at its source and keeps every other warning."""
+    import subprocess
+
+    code = ("import logging, jobs.cli\n"
+            "import apache_beam.io.gcp.internal.clients.bigquery\n"
+            "logging.warning('apitools not found, and bigquery client libraries are not available')\n"
+            "logging.warning('a warning of someone else')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert "apitools" not in done.stderr
+    assert "a warning of someone else" in done.stderr
+
+
+def test_every_command_takes_log_level_and_quiet(dispatched):
+    for argv in (["run"], ["plan"], ["collect", "--out", "o"], ["status", "o"], ["bench", "generator"],
+                 ["submit", "gke", "--prompts", "p", "--out", "o"]):
+        assert cli.main([*argv, "--quiet", "--log-level", "debug"]) == 0, argv
+        args = dispatched[-1][0]
+        assert args.quiet and args.log_level == "debug"
+    assert cli.main(["run"]) == 0
+    assert not dispatched[-1][0].quiet and dispatched[-1][0].log_level == "info"
+
+
+def test_a_finished_run_says_what_it_wrote_dropped_and_rejected_unless_quiet(tmp_path, monkeypatch, capsys):
+    from pipeline.engines import local as launcher
+
+    stats = {"images": 6, "records": 8, "rejects": 2, "verified": True, "dropped": {"images": 1}}
+    seen = []
+
+    def run_local(settings, hosts, beam_args, progress, compile_cache, overwrite, gallery=None):
+        seen.append(progress)
+        return stats
+
+    monkeypatch.setattr(launcher, "run_local", run_local)
+    out = str(tmp_path / "out")
+    assert cli.main(["run", "--out", out, "--no-compile-cache"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {k: stats[k] for k in cli.SUMMARY}
+    err = captured.err
+    assert "6 image(s) written, 1 dropped by filters, 2 input row(s) rejected" in err
+    assert f"{out}/plan/rejects/" in err and f"{out}/dataset/" in err and "verified" in err
+    assert "images/s" in err and f"promptmill status {out}" in err
+    assert cli.main(["run", "--out", out, "--no-compile-cache", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["images"] == 6 and "written" not in captured.err
+    assert seen == [True, False]  # --quiet also turns the progress bar off
+
+
+def test_the_summary_says_not_verified_and_no_rejects_path_when_there_are_none():
+    text = cli.summary("collect", "gs://b/run/", {"images": 0, "rejects": 0, "verified": False}, 0.0)
+    assert "NOT verified" in text and "rejects/" not in text and "images/s" not in text
+    assert "gs://b/run/dataset/" in text

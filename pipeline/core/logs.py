@@ -29,6 +29,25 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
+# What Beam logs on the root logger when apitools is missing (a local install without the gcp
+# extra): every command printed it, a refused one too, about libraries promptmill never uses
+_BEAM_APITOOLS = "apitools not found, and bigquery client libraries are not available"
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+class _NotBeamsApitools(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_BEAM_APITOOLS)
+
+
+def drop_beams_apitools_warning() -> None:
+    """Drop that one warning of Beam's, and only it, at its source (the root logger);
+    idempotent. Call it before Beam is imported."""
+    root = logging.getLogger()
+    if not any(isinstance(f, _NotBeamsApitools) for f in root.filters):
+        root.addFilter(_NotBeamsApitools())
+
+
 def setup(level: int = logging.INFO) -> logging.Logger:
     """Send promptmill's events to stderr as JSON lines (idempotent)."""
     logger = logging.getLogger(LOGGER)
