@@ -58,3 +58,12 @@ def test_host_slots_rejects_bad_host():
 def test_pad_mask(real, size):
     mask = slicing.pad_mask(real, size)
     assert len(mask) == size and sum(mask) == real and mask == sorted(mask, reverse=True)
+
+
+@pytest.mark.parametrize("n,size", [(n, size) for n in (0, 1, 7, 8, 9, 95) for size in (1, 4, 8)])
+def test_the_items_of_every_slice_add_up_to_the_items(n, size):
+    counts = [slicing.items_in_slice(i, size, n) for i in range(slicing.num_slices(n, size) + 2)]
+    assert sum(counts) == n and all(0 <= c <= size for c in counts)
+    assert counts[:-3] == [size] * (len(counts) - 3)  # only the last real slice may hold fewer
+    with pytest.raises(ValueError):
+        slicing.items_in_slice(-1, size, n)

@@ -1,8 +1,8 @@
 """Stopping real runs, and watching them: the tiny model, two local hosts of two CPU
 devices, one OUT taken through a stop of ``promptmill run``, then a SIGTERM to one host
 of a GKE-style pair (hosts that find their cluster from TPU_WORKER_ID and
-TPU_WORKER_HOSTNAMES, as the JobSet's pods do), then the hosts' same command again and
-collect, which must end with the bytes of an uninterrupted generation of the same plan.
+TPU_WORKER_HOSTNAMES, as the JobSet's pods do), then ``promptmill run`` again, which must
+end with the bytes of an uninterrupted generation of the same plan.
 
 Waits are for log events and files, with generous deadlines; the only time bound checked
 is the issue's: no process of a stopped run is left 15 s after the signal."""
@@ -48,10 +48,20 @@ def prompts(tmp_path_factory):
     return str(folder / "p.jsonl")
 
 
-def run_command(prompts, out):
+def run_command(prompts, out, progress=False):
     return [sys.executable, "-m", "jobs.cli", "run", "--prompts", prompts, "--out", out, "--model", "tiny",
             "--hosts", "2", "--devices-per-host", "2", "--steps", STEPS, "--per-device-batch", "1",
-            "--batches-per-slice", "2", "--no-progress"]
+            "--batches-per-slice", "2", *([] if progress else ["--no-progress"])]
+
+
+def _bar_segments(stderr: str) -> list[str]:
+    """What a terminal shows of stderr, one piece per line or carriage return."""
+    return [seg for line in stderr.split("\n") for seg in line.split("\r") if seg.strip()]
+
+
+def _no_event_in_a_bar(stderr: str) -> None:
+    for seg in _bar_segments(stderr):
+        assert '{"ts"' not in seg or seg.startswith('{"ts"'), f"a log line broke the progress bar: {seg!r}"
 
 
 def _env(cache, **extra):
@@ -101,7 +111,8 @@ def stopped_run(prompts, tmp_path_factory, model_cache):
     """``promptmill run``, sent SIGTERM once a host has committed a slice."""
     out = str(tmp_path_factory.mktemp("stop") / "out")
     err = open(out + ".stderr", "w")
-    launcher = subprocess.Popen(run_command(prompts, out), cwd=ROOT, env=_env(model_cache, **PAUSE), stderr=err)
+    launcher = subprocess.Popen(run_command(prompts, out, progress=True), cwd=ROOT, env=_env(model_cache, **PAUSE),
+                                stderr=err)
     _wait_for(lambda: _host_log_events(out, "slice_committed") or launcher.poll() is not None, "a commit")
     signalled = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
@@ -111,7 +122,7 @@ def stopped_run(prompts, tmp_path_factory, model_cache):
         time.sleep(0.05)
     left = _processes_of(out)
     err.close()
-    return {"out": out, "code": code, "stderr": open(out + ".stderr").read(), "left": left, "hosts": hosts,
+    return {"out": out, "prompts": prompts, "code": code, "stderr": open(out + ".stderr").read(), "left": left, "hosts": hosts,
             "committed": sorted(runs.committed(out))}
 
 
@@ -128,6 +139,12 @@ def test_sigterm_to_promptmill_run_stops_every_host_and_leaves_no_process(stoppe
     assert len({e["step"] for e in events}) == 1 and events[0]["step"] >= 2
     assert sorted(i for e in events for i in e["slices"]) == r["committed"]
     assert 0 < len(r["committed"]) < SLICES
+
+
+def test_the_stopped_runs_events_are_written_above_its_progress_bar_never_into_it(stopped_run):
+    stderr = stopped_run["stderr"]
+    assert "img" in stderr and _events(stderr, "run_stopped"), stderr[-3000:]
+    _no_event_in_a_bar(stderr)
 
 
 def test_status_of_a_run_stopped_midway_reads_no_image_and_no_metadata(stopped_run, monkeypatch):
@@ -186,7 +203,8 @@ def stopped_host(stopped_run, model_cache):
     out = stopped_run["out"]
     before = set(runs.committed(out))
     codes, stderr = gke_hosts(out, model_cache, sigterm_to=1)
-    return {"out": out, "codes": codes, "stderr": stderr, "before": before, "committed": sorted(runs.committed(out))}
+    return {"out": out, "prompts": stopped_run["prompts"], "codes": codes, "stderr": stderr, "before": before,
+            "committed": sorted(runs.committed(out))}
 
 
 def test_sigterm_to_one_host_stops_both_at_the_same_batch_with_nothing_partial(stopped_host):
@@ -212,13 +230,13 @@ def test_sigterm_to_one_host_stops_both_at_the_same_batch_with_nothing_partial(s
 
 @pytest.fixture(scope="module")
 def resumed(stopped_host, model_cache):
-    """The hosts' same command again, to the end, then collect (as ``submit gke`` runs it)."""
-    from pipeline.collect import transforms as collect
-
+    """``promptmill run`` again, as a user resumes, on the OUT both stops left, with its progress bar."""
     out = stopped_host["out"]
-    codes, stderr = gke_hosts(out, model_cache)
-    stats = collect.run_collect(out) if codes == [0, 0] else None
-    return {"out": out, "codes": codes, "stderr": stderr, "stats": stats, "before": stopped_host["committed"]}
+    done = subprocess.run(run_command(stopped_host["prompts"], out, progress=True), cwd=ROOT, env=_env(model_cache),
+                          capture_output=True, text=True, timeout=DEADLINE_S)
+    stats = json.loads(done.stdout) if done.returncode == 0 else None
+    return {"out": out, "code": done.returncode, "stderr": done.stderr, "stats": stats,
+            "before": stopped_host["committed"]}
 
 
 @pytest.fixture(scope="module")
@@ -234,12 +252,38 @@ def uninterrupted(stopped_run, tmp_path_factory, model_cache):
 
 
 def test_the_same_command_resumes_to_the_bytes_of_an_uninterrupted_run(resumed, uninterrupted):
-    assert resumed["codes"] == [0, 0], [s[-3000:] for s in resumed["stderr"]]
-    done = [e for s in resumed["stderr"] for e in _events(s, "host_done")]
+    assert resumed["code"] == 0, resumed["stderr"][-3000:]
+    done = _host_log_events(resumed["out"], "host_done")
     assert sum(e["slices_skipped"] for e in done) == len(resumed["before"])
     assert sum(e["slices_generated"] for e in done) == SLICES - len(resumed["before"])
     assert resumed["stats"]["verified"] and resumed["stats"]["images"] == RECORDS
     assert len(uninterrupted) == RECORDS and _sha256s(resumed["out"]) == uninterrupted
+
+
+def test_a_resumed_runs_bar_counts_the_run_not_the_attempt(resumed):
+    """The bar starts at the images committed before (not 0), says it is loading and
+    compiling until the hosts are warm, ends at N/N with a rate and an ETA, and no event
+    breaks it; then a summary for people."""
+    before = resumed["before"]
+    segments = [seg for seg in _bar_segments(resumed["stderr"]) if "img" in seg and not seg.startswith("{")]
+    already = 4 * len(before) - (SLICES - 1 in before)  # the last slice holds 3
+    assert segments[0].startswith("loading, compiling") and f" {already}/{RECORDS} " in segments[0], segments[:3]
+    assert segments[-1].startswith("generate") and f" {RECORDS}/{RECORDS} " in segments[-1], segments[-3:]
+    assert "<" in segments[-1] and "img/s" in segments[-1]  # elapsed<remaining, and a rate
+    _no_event_in_a_bar(resumed["stderr"])
+    assert f"{RECORDS} image(s) written, 0 dropped by filters, 1 input row(s) rejected" in resumed["stderr"]
+
+
+def test_every_attempts_host_logs_are_kept(resumed):
+    """The stopped ``promptmill run``'s host logs (the GKE-style hosts' went to their own
+    stderr) are moved aside, not overwritten, by the run that resumed it."""
+    out = resumed["out"]
+    kept = naming.join(out, "logs", "attempt-1")
+    assert _events(resumed["stderr"], "earlier_logs_kept")[0]["folder"] == kept
+    assert sorted(os.listdir(kept)) == ["host-0.log", "host-1.log", "hosts.json"]
+    for i in range(2):
+        assert _events(storage.read_text(naming.join(kept, f"host-{i}.log")), "host_stopped")
+        assert _events(storage.read_text(naming.join(out, "logs", f"host-{i}.log")), "host_done")
 
 
 def test_status_of_a_finished_run(resumed):
@@ -264,7 +308,8 @@ def test_the_hosts_of_a_sigkilled_launcher_stop_by_themselves(prompts, tmp_path,
     launcher.kill()
     launcher.wait()
     _wait_for(lambda: not _processes_of(out), "the hosts to exit", deadline_s=stopping.ORPHAN_GRACE_S + 30)
-    # their logs went to the launcher, which is gone; their progress objects say how they ended
+    # their logs are their own files, written on after the launcher is gone; so are their progress objects
+    assert len(_host_log_events(out, "host_stopped")) == 2 and _host_log_events(out, "launcher_gone")
     r = status.status(out)
     assert [(h["host"], h["state"]) for h in r["hosts"]] == [(0, "stopped"), (1, "stopped")]
     assert r["committed"]["slices"] == sum(h["slices"] for h in r["hosts"]) > 0

@@ -1,6 +1,7 @@
 """Structured logs: one JSON object per line and per event, on stderr."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -16,9 +17,32 @@ class _JsonLines(logging.Formatter):
         return json.dumps(fields, ensure_ascii=False, default=str)
 
 
+_BAR = []  # the progress bar on stderr, while there is one (``above``)
+
+
+@contextlib.contextmanager
+def above(bar):
+    """While inside, events are written above ``bar`` (a tqdm bar), never into its line."""
+    _BAR.append(bar)
+    try:
+        yield bar
+    finally:
+        _BAR.remove(bar)
+
+
 class _Stderr(logging.StreamHandler):
     """A handler writing to whatever ``sys.stderr`` is when an event is logged, not to the
-    stream it was at ``setup`` (a caller that redirects stderr later still gets the events)."""
+    stream it was at ``setup`` (a caller that redirects stderr later still gets the events),
+    above the progress bar when there is one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        bar = _BAR[-1] if _BAR else None
+        if bar is None or bar.disable:
+            return super().emit(record)
+        try:
+            bar.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
 
     @property
     def stream(self):

@@ -27,6 +27,13 @@ def num_slices(num_items: int, size: int) -> int:
     return math.ceil(num_items / size) if num_items > 0 else 0
 
 
+def items_in_slice(index: int, size: int, num_items: int) -> int:
+    """How many of the ``num_items`` items slice ``index`` holds (the last one may hold fewer)."""
+    if index < 0 or size < 1:
+        raise ValueError(f"a slice index >= 0 and a size >= 1, got {index} and {size}")
+    return max(0, min(size, num_items - index * size))
+
+
 def locate(position: int, size: int) -> tuple[int, int]:
     """(slice index, offset inside the slice) of the item at global ``position``."""
     if position < 0:

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from pipeline.core import logs, naming
+from pipeline.core import logs, naming, slicing
 from pipeline.generate import cluster, compile_cache as compile_cache_lib, stopping
 from pipeline.io import runs, storage
 from pipeline.model.layers.attention import check_platform
@@ -68,23 +68,35 @@ def log_dir_for(out: str) -> str:
 
 class Host:
     """One host process, in a session of its own (a Ctrl-C in the launcher's terminal
-    reaches the launcher only, which stops the hosts itself): its stderr goes to
-    ``log_path``, and its JSON events to ``events`` as (index, event)."""
+    reaches the launcher only, which stops the hosts itself). Its stderr is ``log_path``
+    itself, so the host keeps writing its log after its launcher is gone (a kill -9); the
+    launcher follows the file and puts the host's JSON events on ``events`` as (index, event)."""
 
     def __init__(self, index: int, command: list[str], env: dict, log_path: str, events: queue.Queue):
         self.index = index
         self.tail = collections.deque(maxlen=40)
         self.ready = False  # it logged host_ready: warm, about to generate
-        self.log = open(log_path, "w", encoding="utf-8")
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True, errors="replace", start_new_session=True)
+        with open(log_path, "w", encoding="utf-8") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                                            start_new_session=True)
+        self.log = open(log_path, encoding="utf-8", errors="replace")
         self.reader = threading.Thread(target=self._read, args=(events,), daemon=True)
         self.reader.start()
 
     def _read(self, events: queue.Queue) -> None:
-        for line in self.process.stderr:
-            self.log.write(line)
-            self.log.flush()
+        partial = ""
+        while True:
+            exited = self.process.poll() is not None  # before reading: what it wrote before exiting is read
+            chunk = self.log.readline()
+            if not chunk:
+                if exited:
+                    break
+                time.sleep(POLL_S / 2)
+                continue
+            partial += chunk
+            if not partial.endswith("\n") and not exited:
+                continue
+            line, partial = partial, ""
             self.tail.append(line.rstrip())
             event = logs.parse(line)
             if event is not None:
@@ -102,6 +114,23 @@ class Host:
     def close(self) -> None:
         self.reader.join(timeout=5)
         self.log.close()
+
+
+def keep_earlier_logs(log_dir: str) -> str | None:
+    """Move an earlier attempt's host logs and ``hosts.json`` from ``log_dir`` into the
+    next free ``log_dir/attempt-K/`` (K from 1), so that no attempt's log is overwritten;
+    returns that folder, or None when there was nothing to keep."""
+    earlier = sorted(n for n in os.listdir(log_dir)
+                     if n == "hosts.json" or (n.startswith("host-") and n.endswith(".log")))
+    if not earlier:
+        return None
+    k = 1 + max([int(n.split("-", 1)[1]) for n in os.listdir(log_dir)
+                 if n.startswith("attempt-") and n.split("-", 1)[1].isdigit()], default=0)
+    folder = os.path.join(log_dir, f"attempt-{k}")
+    os.makedirs(folder)
+    for name in earlier:
+        os.replace(os.path.join(log_dir, name), os.path.join(folder, name))
+    return folder
 
 
 def stop_hosts(hosts: list[Host], grace_s: float = STOP_GRACE_S) -> None:
@@ -160,6 +189,9 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
 
     log_dir = log_dir_for(out)
     os.makedirs(log_dir, exist_ok=True)
+    kept = keep_earlier_logs(log_dir)
+    if kept:
+        logs.event("earlier_logs_kept", folder=kept)
     coordinator = f"127.0.0.1:{cluster.free_port()}"
     env = {**host_env(devices_per_host), stopping.LAUNCHER_ENV: str(os.getpid())}
     events: queue.Queue = queue.Queue()
@@ -170,37 +202,18 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     logs.event("hosts_started", hosts=num_hosts, devices_per_host=devices_per_host, coordinator=coordinator,
                logs=log_dir)
     done: dict[int, dict] = {}
-    bar = tqdm(total=total_images, unit="img", desc="generate", disable=not progress, file=sys.stderr)
+    count = Progress(out, total_images)
+    bar = tqdm(total=total_images, initial=count.images(), unit="img", desc=WARMING, disable=not progress,
+               file=sys.stderr, smoothing=0)
     try:
-        while True:
-            try:
-                index, event = events.get(timeout=POLL_S)
-                if event["event"] == "slice_committed":
-                    bar.update(event.get("images", 0))
-                elif event["event"] == "host_done":
-                    done[index] = event
-            except queue.Empty:
-                pass
-            failed = [h for h in hosts if h.process.poll() not in (None, 0)]
-            if failed:
-                first = failed[0]
-                code = first.process.returncode
-                stop_hosts(hosts)  # a stopped host's peers stop at the same batch: this only waits for them
-                if code == stopping.EXIT_STOPPED:
-                    raise HostsStopped(f"host {first.index} of {num_hosts} stopped (exit {code}: a SIGTERM reached "
-                                       f"a host of the run), and every host stopped at the same batch; "
-                                       f"{_committed(out)} slices are committed and kept: run the same command "
-                                       f"again to resume. Logs: {log_dir}")
-                tail = "\n    ".join(list(first.tail)[-15:])
-                raise HostFailure(f"host {first.index} of {num_hosts} failed ({_describe_exit(code)}); "
-                                  f"stopped the other hosts. Log: {os.path.join(log_dir, f'host-{first.index}.log')}"
-                                  f"\n  last lines of host {first.index}:\n    {tail}")
-            if all(h.process.poll() == 0 for h in hosts):
-                break
+        with logs.above(bar):
+            _follow(hosts, events, done, count, bar, out=out, log_dir=log_dir)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts): stop, then say where the run is
         try:
-            stop_hosts(hosts)
+            with logs.above(bar):
+                stop_hosts(hosts)
         finally:
+            bar.close()
             logs.event("run_stopped", out=out, committed=_committed(out),
                        resume="committed slices are kept: run the same command again to resume")
         raise
@@ -216,6 +229,74 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
         if event["event"] == "host_done":
             done[index] = event
     return [done[i] for i in sorted(done)]
+
+
+WARMING = "loading, compiling"  # the bar's label until every host is ready
+
+
+class Progress:
+    """The images of a run committed so far, the run's and not this attempt's: those of
+    the slices committed when it started (one listing) and of every slice committed
+    since, each counted once (a slice redone is not counted twice)."""
+
+    def __init__(self, out: str, total_images: int):
+        manifest = storage.read_json(naming.manifest(out))
+        self.size, self.total = manifest["slice_size"], total_images
+        self.slices = {i for i in runs.committed(out) if i < manifest["slices"]}
+
+    def images(self) -> int:
+        return sum(slicing.items_in_slice(i, self.size, self.total) for i in self.slices)
+
+    def committed(self, index: int) -> None:
+        self.slices.add(index)
+
+
+def _follow(hosts: list, events: queue.Queue, done: dict, count: Progress, bar, *, out: str, log_dir: str) -> None:
+    """Follow the hosts' events until all have finished; the bar counts the run's
+    committed images, and its rate (hence its ETA) starts when every host is ready."""
+    ready: set[int] = set()
+    num_hosts = len(hosts)
+    while True:
+        try:
+            index, event = events.get(timeout=POLL_S)
+            if event["event"] == "slice_committed":
+                count.committed(event["slice"])
+                bar.update(count.images() - bar.n)
+            elif event["event"] == "host_ready":
+                ready.add(index)
+                if len(ready) == num_hosts:
+                    _start_rate(bar)
+            elif event["event"] == "host_done":
+                done[index] = event
+        except queue.Empty:
+            pass
+        failed = [h for h in hosts if h.process.poll() not in (None, 0)]
+        if failed:
+            first = failed[0]
+            code = first.process.returncode
+            stop_hosts(hosts)  # a stopped host's peers stop at the same batch: this only waits for them
+            if code == stopping.EXIT_STOPPED:
+                raise HostsStopped(f"host {first.index} of {num_hosts} stopped (exit {code}: a SIGTERM reached "
+                                   f"a host of the run), and every host stopped at the same batch; "
+                                   f"{_committed(out)} slices are committed and kept: run the same command "
+                                   f"again to resume. Logs: {log_dir}")
+            first.reader.join(timeout=5)  # it has exited: its last lines are read
+            tail = "\n    ".join(list(first.tail)[-15:])
+            raise HostFailure(f"host {first.index} of {num_hosts} failed ({_describe_exit(code)}); "
+                              f"stopped the other hosts. Log: {os.path.join(log_dir, f'host-{first.index}.log')}"
+                              f"\n  last lines of host {first.index}:\n    {tail}")
+        if all(h.process.poll() == 0 for h in hosts):
+            return
+
+
+def _start_rate(bar) -> None:
+    """Every host is warm: from here the bar's rate and ETA count generated images only,
+    not the loading and compiling before them."""
+    bar.set_description("generate", refresh=False)
+    if not bar.disable:
+        bar.start_t = bar.last_print_t = bar._time()
+        bar.initial = bar.last_print_n = bar.n
+    bar.refresh()
 
 
 def _committed(out: str) -> str:
