@@ -10,14 +10,15 @@ MLP_RATIO = 4.0  # diffusers' FeedForward width, times the input's
 
 
 class Indexed(nn.Module):
-    """A Dense named by its index inside a module: PyTorch's ``to_out.0``."""
+    """A Dense named by its index inside a module: PyTorch's ``to_out.0`` (FLUX.2's have no bias)."""
     features: int
     index: str
     dtype: Any = jnp.float32
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(self.features, dtype=self.dtype, name=self.index)(x)
+        return nn.Dense(self.features, dtype=self.dtype, use_bias=self.use_bias, name=self.index)(x)
 
 
 class GeluProjection(nn.Module):

@@ -35,3 +35,12 @@ def apply_rotary(x, cos, sin):
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
     out = x.astype(jnp.float32) * cos[None, :, None, :] + rotated * sin[None, :, None, :]
     return out.astype(x.dtype)
+
+
+def grid_position_ids(height: int, width: int, axes: int) -> np.ndarray:
+    """float32 [height * width, axes] position ids of a grid of image tokens, row-major:
+    the row on axis 1, the column on axis 2, every other axis 0 (FLUX.1's 3 axes, FLUX.2's 4)."""
+    ids = np.zeros((height, width, axes), np.float32)
+    ids[..., 1] = np.arange(height)[:, None]
+    ids[..., 2] = np.arange(width)[None, :]
+    return ids.reshape(height * width, axes)

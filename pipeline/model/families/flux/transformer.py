@@ -38,8 +38,10 @@ from pipeline.model.layers.embeddings import MLPEmbedding, timestep_embedding
 from pipeline.model.layers.mlp import MLP_RATIO, FeedForward, Indexed
 from pipeline.model.layers.modulation import AdaLayerNormContinuous, AdaLayerNormZero
 from pipeline.model.layers.norms import RMSNorm, layer_norm
-from pipeline.model.layers.rotary import apply_rotary, rotary_tables
+from pipeline.model.layers.rotary import apply_rotary, grid_position_ids, rotary_tables
+from pipeline.model.layers.scan import stacked
 from pipeline.model.loading import convert
+from pipeline.model.loading.config_values import ConfigValues
 
 CLASS_NAME = "FluxTransformer2DModel"
 _DEFAULTS = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
@@ -71,39 +73,23 @@ class FluxConfig:
         ``FluxTransformer2DModel``'s defaults). ValueError naming the key and value for
         anything this module does not do; keys diffusers' class does not take are
         ignored, as ``from_config`` ignores them."""
-        def refuse(key, why):
-            raise ValueError(f"transformer config: {key}={config.get(key)!r} {why}")
-
-        if config.get("_class_name", CLASS_NAME) != CLASS_NAME:
-            refuse("_class_name", f"is not {CLASS_NAME}")
-        values = {key: config.get(key, default) for key, default in _DEFAULTS.items()}
+        values = ConfigValues("transformer config", config, _DEFAULTS)
+        values.class_name(CLASS_NAME)
         if values["patch_size"] != 1:
-            refuse("patch_size", "is not 1 (FLUX.1's; packing 2x2 latents is done outside the transformer)")
-        for key in ("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
-                    "pooled_projection_dim"):
-            if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 1:
-                refuse(key, "must be a positive integer")
-        for key in ("num_layers", "num_single_layers"):
-            if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 0:
-                refuse(key, "must be an integer >= 0")
-        out = values["out_channels"]
-        if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out < 1):
-            refuse("out_channels", "must be a positive integer or null")
-        if not isinstance(values["guidance_embeds"], bool):
-            refuse("guidance_embeds", "must be true or false")
-        axes = values["axes_dims_rope"]
-        if (not isinstance(axes, (list, tuple)) or not axes
-                or not all(isinstance(a, int) and not isinstance(a, bool) and a > 0 and a % 2 == 0 for a in axes)):
-            refuse("axes_dims_rope", "must be a list of positive even integers")
-        if sum(axes) != values["attention_head_dim"]:
-            refuse("axes_dims_rope", f"sums to {sum(axes)}, not attention_head_dim {values['attention_head_dim']}")
-        return cls(in_channels=values["in_channels"], out_channels=out or values["in_channels"],
+            values.refuse("patch_size", "is not 1 (FLUX.1's; packing 2x2 latents is done outside the transformer)")
+        values.ints(("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
+                     "pooled_projection_dim"))
+        values.ints(("num_layers", "num_single_layers"), least=0)
+        values.optional_int("out_channels")
+        values.boolean("guidance_embeds")
+        axes = values.rope_axes("axes_dims_rope", "attention_head_dim")
+        return cls(in_channels=values["in_channels"], out_channels=values["out_channels"] or values["in_channels"],
                    num_layers=values["num_layers"], num_single_layers=values["num_single_layers"],
                    attention_head_dim=values["attention_head_dim"],
                    num_attention_heads=values["num_attention_heads"],
                    joint_attention_dim=values["joint_attention_dim"],
                    pooled_projection_dim=values["pooled_projection_dim"], guidance_embeds=values["guidance_embeds"],
-                   axes_dims_rope=tuple(axes))
+                   axes_dims_rope=axes)
 
 
 # ---- pure helpers: position ids, as FluxPipeline makes them
@@ -112,10 +98,7 @@ def latent_image_ids(height: int, width: int) -> np.ndarray:
     """float32 [height * width, 3] position ids of the packed image tokens, ``height`` x
     ``width`` the packed grid (the latents' halved): (0, row, column), row-major, as
     ``FluxPipeline._prepare_latent_image_ids``."""
-    ids = np.zeros((height, width, 3), np.float32)
-    ids[..., 1] = np.arange(height)[:, None]
-    ids[..., 2] = np.arange(width)[None, :]
-    return ids.reshape(height * width, 3)
+    return grid_position_ids(height, width, 3)
 
 
 def text_ids(length: int) -> np.ndarray:
@@ -215,11 +198,6 @@ class SingleBlock(nn.Module):
         return x + gate[:, None] * out, None
 
 
-def _stack(block, length: int, unroll: int = 1):
-    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                   in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=length, unroll=unroll)
-
-
 class FluxTransformer(nn.Module):
     """``FluxTransformer(config, dtype)(hidden_states, encoder_hidden_states,
     pooled_projections, timestep, img_ids, txt_ids, *, guidance=None) -> [B, N, out_channels]``,
@@ -260,11 +238,11 @@ class FluxTransformer(nn.Module):
         cos, sin = rotary_tables(xp.concatenate([txt_ids, img_ids], axis=0), cfg.axes_dims_rope)
         cos, sin = jnp.asarray(cos), jnp.asarray(sin)
         if cfg.num_layers:
-            (context, x), _ = _stack(DoubleBlock, cfg.num_layers, min(self.unroll, cfg.num_layers))(
+            (context, x), _ = stacked(DoubleBlock, cfg.num_layers, 3, min(self.unroll, cfg.num_layers))(
                 cfg, self.dtype, name="transformer_blocks")(
                 (context, x), emb, cos, sin)
         if cfg.num_single_layers:
-            joint, _ = _stack(SingleBlock, cfg.num_single_layers, min(self.unroll, cfg.num_single_layers))(
+            joint, _ = stacked(SingleBlock, cfg.num_single_layers, 3, min(self.unroll, cfg.num_single_layers))(
                 cfg, self.dtype, name="single_transformer_blocks")(
                 jnp.concatenate([context, x], axis=1), emb, cos, sin)
             x = joint[:, context.shape[1]:]
