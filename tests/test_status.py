@@ -53,7 +53,7 @@ def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
     assert [(h["host"], h["state"], h["stale"]) for h in r["hosts"]] == [(0, "generating", False), (1, "failed", False)]
     assert r["redone_slices"] == [2]
     assert r["failed_hosts"] == [{"name": "host-00001", "failure": "OSError: x"}]
-    assert r["collect"] == {"ran": False, "verified": None, "images": None, "problems": {}}
+    assert r["collect"] == {"ran": False, "verified": None, "images": None, "dropped": None, "problems": {}}
     text = status.format_text(r)
     for line in ("state     generating", "slices    3/5 committed (60%); images 9/17",
                  "rejects   2 (empty_prompt: 1, invalid_json: 1)", "0.05 images/s over the last 10 min; ETA 3 min",
@@ -145,3 +145,46 @@ def test_the_status_bench_commits_a_share_of_a_planned_run_and_times_status(tmp_
     assert local["reported"]["hosts"] == 2 and local["reported"]["state"] == "generating"
     assert len(local["wall_s"]) == 1 and "gcs" not in report
     assert "local" in status_bench.table(report)
+
+
+def test_status_names_hosts_that_never_started_and_one_stopped_before_its_first_event():
+    starting = {**_host(0, "starting", NOW - 600, hosts=3), "last_event": None, "last_event_at": None}
+    r = status.report("o", _run(), MANIFEST, {}, [starting], None, NOW, host_logs=frozenset({1}))
+    assert r["never_started"] == [{"host": 1, "log": "o/logs/host-1.log"}, {"host": 2, "log": None}]
+    text = status.format_text(r)
+    assert "None" not in text and "never;" not in text
+    assert "host 0: stopped while starting, before its first event (no update 10 min ago); no event yet" in text
+    assert "host 1: never started (see its log o/logs/host-1.log)" in text
+    assert "host 2: never started (no progress object: it never reached its first step)" in text
+
+
+def test_status_counts_dropped_images_and_its_settings_line_has_scores_and_filters():
+    settings = Settings(out="o", model="tiny", width=32, height=32, steps=3, scheduler="ddim", devices_per_host=2,
+                        guided=True, scores=("clip", "aesthetic"), clip_model="tiny-clip",
+                        aesthetic_head="tiny-aesthetic", min_clip_similarity=0.0, min_aesthetic=-1.5)
+    run = Run.create(settings, "f" * 64, "2025-01-01T00:00:00+00:00", {},
+                     scorers={"clip": "c" * 64, "aesthetic": "a" * 64})
+    r = status.report("o", run, MANIFEST, dict.fromkeys(range(5), NOW - 9), [],
+                      {"verified": True, "images": 13, "dropped": {"images": 4}}, NOW)
+    text = status.format_text(r)
+    assert "collect   verified: 13 images, 4 dropped by filters" in text
+    assert "scores=clip,aesthetic filters=clip_similarity>=0,aesthetic>=-1.5" in text  # a threshold of 0 shows
+    assert "filters=" not in status.settings_line(_run())
+
+
+def test_watch_waits_for_a_run_that_has_not_planned_yet(tmp_path):
+    out = str(tmp_path / "out")
+    printed, naps = [], []
+
+    def nap(seconds):
+        naps.append(seconds)
+        if len(naps) == 2:  # the run plans while status waits
+            runs.write(out, _run())
+            storage.write_json(naming.manifest(out), MANIFEST)
+
+    status.watch(out, 1.0, as_json=False, emit=printed.append, sleep=nap, rounds=3)
+    assert "not planned yet: no run.json; waiting for a run" in printed[0] and "not planned yet" in printed[1]
+    assert "slices    0/5 committed" in printed[2]
+    printed.clear()
+    status.watch(str(tmp_path / "other"), 1.0, as_json=True, emit=printed.append, sleep=naps.append, rounds=1)
+    assert json.loads(printed[0])["state"] == "not_planned"

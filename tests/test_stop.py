@@ -290,7 +290,7 @@ def test_status_of_a_finished_run(resumed):
     r = status.status(resumed["out"])
     assert r["state"] == "collected"
     assert (r["committed"]["slices"], r["committed"]["images"]) == (SLICES, RECORDS)
-    assert r["collect"] == {"ran": True, "verified": True, "images": RECORDS, "problems": {}}
+    assert r["collect"] == {"ran": True, "verified": True, "images": RECORDS, "dropped": 0, "problems": {}}
     assert [(h["host"], h["state"]) for h in r["hosts"]] == [(0, "done"), (1, "done")]
     assert r["rate"]["eta_s"] is None
     assert "collect   verified: 95 images" in status.format_text(r)

@@ -22,7 +22,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pipeline.core import interrupts, logs, naming
+from pipeline.core import filters, interrupts, logs, naming
 from pipeline.core.settings import Run
 from pipeline.generate import progress as progress_lib
 from pipeline.io import runs, storage
@@ -57,6 +57,12 @@ def settings_line(run: Run) -> str:
               f"dtype={s.dtype}", f"batch={s.per_device_batch}/device", f"devices/host={s.devices_per_host}",
               f"slice={s.slice_size}", f"formats={','.join(s.formats)}", f"image={s.image_format}",
               f"seed={s.seed}"]
+    if s.scores:
+        parts.append(f"scores={','.join(s.scores)}")
+    rules = filters.active_rules(s)
+    if rules:
+        parts.append("filters=" + ",".join(f"{rule}" if rule == "drop_nsfw" else f"{rule}>={getattr(s, rule):g}"
+                                           .replace("min_", "") for rule in rules))
     if s.unet:
         parts.append(f"unet={s.unet}")
     if s.loras:
@@ -121,12 +127,15 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
     collect = {"ran": dataset_stats is not None,
                "verified": dataset_stats.get("verified") if dataset_stats else None,
                "images": dataset_stats.get("images") if dataset_stats else None,
+               "dropped": (dataset_stats.get("dropped") or {}).get("images", 0) if dataset_stats else None,
                "problems": {kind: v["count"] for kind, v in dataset_stats.get("problems", {}).items()}
                if dataset_stats else {}}
     state = run_state(len(indices), planned_slices, hosts, collect) if manifest else "planning"
     remaining = (manifest["images"] - images) if manifest else None
     eta = remaining / rate if rate and remaining and state == "generating" else None
     redone = sorted({i for p in progress for i in p.get("redone_slices", []) if i is not None})
+    expected = max([p["hosts"] for p in progress if isinstance(p.get("hosts"), int)], default=0)
+    never = sorted(set(range(expected)) - {h["host"] for h in hosts})
     return {
         "out": out, "state": state, "settings": settings_line(run), "settings_fingerprint": run.settings_fingerprint,
         "planned": {"slices": planned_slices, "images": manifest["images"] if manifest else None,
@@ -138,6 +147,8 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
         "rate": {"images_per_s": round(rate, 3) if rate is not None else None, "window_s": RATE_WINDOW_S,
                  "eta_s": round(eta, 1) if eta is not None else None},
         "hosts": hosts,
+        "never_started": [{"host": i, "log": naming.join(out, "logs", f"host-{i}.log") if i in host_logs else None}
+                          for i in never],
         "redone_slices": redone,
         "failed_hosts": [{"name": h["name"], "failure": h["failure"]} for h in hosts if h["state"] == "failed"],
         "collect": collect,
@@ -246,8 +257,14 @@ def format_text(r: dict) -> str:
         state = h["state"] + (" (stale: no update " + _ago(h["updated_age_s"]) + ")" if h["stale"] else "")
         rate_h = f", {h['images_per_s']:.3g} images/s" if h["images_per_s"] else ""
         log = f"; log {h['log']}" if h.get("log") else ""
-        lines.append(f"  {'hosts' if k == 0 else '':8}  {label}: {state}; {h['last_event']} {_ago(h['last_event_age_s'])}; "
+        last = f"{h['last_event']} {_ago(h['last_event_age_s'])}" if h["last_event"] else "no event yet"
+        if h["stale"] and h["state"] == "starting":
+            state = f"stopped while starting, before its first event (no update {_ago(h['updated_age_s'])})"
+        lines.append(f"  {'hosts' if k == 0 else '':8}  {label}: {state}; {last}; "
                      f"{h['slices']} slices, {h['images']} images this attempt{rate_h}{log}")
+    for n in r.get("never_started", []):
+        why = f"see its log {n['log']}" if n["log"] else "no progress object: it never reached its first step"
+        lines.append(f"  {'hosts' if not r['hosts'] else '':8}  host {n['host']}: never started ({why})")
     if r["redone_slices"]:
         lines.append(f"  redone    slices {_listed(r['redone_slices'])} (left half-written by an earlier attempt)")
     for f in r["failed_hosts"]:
@@ -256,7 +273,8 @@ def format_text(r: dict) -> str:
     if not c["ran"]:
         lines.append("  collect   not run")
     elif c["verified"]:
-        lines.append(f"  collect   verified: {c['images']} images")
+        dropped = f", {c['dropped']} dropped by filters" if c.get("dropped") else ""
+        lines.append(f"  collect   verified: {c['images']} images{dropped}")
     else:
         problems = ", ".join(f"{k}: {v}" for k, v in sorted(c["problems"].items())) or "conservation failed"
         lines.append(f"  collect   ran, NOT verified ({problems})")
@@ -275,8 +293,14 @@ def watch(out: str, every_s: float, as_json: bool, emit=print, sleep=time.sleep,
     done = 0
     try:
         while rounds is None or done < rounds:
-            r = status(out)
-            text = json.dumps(r, sort_keys=True) if as_json else format_text(r)
+            try:
+                r = status(out)
+                text = json.dumps(r, sort_keys=True) if as_json else format_text(r)
+            except runs.RunNotPlanned:  # started before the run: wait for its run.json
+                r = {"out": out, "state": "not_planned", "checked_at": round(time.time(), 3)}
+                text = (json.dumps(r, sort_keys=True) if as_json else
+                        f"promptmill status {out}\n  state     not planned yet: no run.json; waiting for a run "
+                        f"(checking every {every_s:g} s)")
             emit(("\x1b[H\x1b[2J" if clear else "") + text + ("" if as_json or clear else "\n"))
             done += 1
             if rounds is None or done < rounds:
