@@ -59,7 +59,7 @@ def test_the_plan_pipeline_under_test_pipeline(tmp_path, model_cache):
     assert runs.read(out).settings.guided is True  # records at the run's guidance, 7.5
 
 
-def test_the_plan_decides_per_run_whether_it_is_guided_and_keeps_that_decision(tmp_path, model_cache):
+def test_the_plan_decides_per_run_whether_it_is_guided_and_keeps_that_decision(tmp_path, model_cache, capsys):
     folder, out = tmp_path / "in", str(tmp_path / "out")
     folder.mkdir()
     lines = [{"prompt": "a fox"}, {"prompt": "a whale", "guidance_scale": 1.0}, {"prompt": "a cat", "guidance_scale": 4}]
@@ -76,9 +76,19 @@ def test_the_plan_decides_per_run_whether_it_is_guided_and_keeps_that_decision(t
     storage.delete([naming.plan_inputs(out)])  # as a run planned before input tables: the plan still refuses
     with pytest.raises(layout.PlanError, match="holds a guidance-free run, but now some record's guidance is > 1"):
         plan.run_plan(settings)
-    plan.run_plan(settings, overwrite=True)
+    assert "guided_by_records" not in storage.read_json(naming.manifest(out))
+    capsys.readouterr()
+    manifest = plan.run_plan(settings, overwrite=True)
     assert runs.read(out).settings.guided is True
     assert runs.read(out).settings_fingerprint != first.settings_fingerprint
+    # one record made the guidance-free run guided: the plan says so, once for people, once in the manifest
+    asked = manifest["guided_by_records"]
+    assert asked["records"] == 1 and asked["first"].endswith("p.jsonl line 3"), asked
+    err = capsys.readouterr().err
+    assert ("promptmill plan: 1 record(s) ask for guidance (the first: " in err
+            and "the whole run is guided and pays for classifier-free guidance on every image" in err)
+    from pipeline.collect import status
+    assert "guidance  1 record(s) ask for guidance" in status.format_text(status.status(out))
 
 
 def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
@@ -128,6 +138,9 @@ def test_layout_is_guided_only_if_a_kept_record_is():
     assert not layout.make_layout(guided_duplicate, dedupe=False).guided  # b's guided row repeats a's id
     assert layout.make_layout([scan("a", ["x", "y"], ["cat", "dog"], guided=[False, True])], dedupe=False).guided
     assert not layout.make_layout([], dedupe=False).guided
+    several = layout.make_layout([scan("b", ["p", "q"], ["1", "2"], guided=[True, True]),
+                                  scan("a", ["x", "y", "z"], ["3", "4", "5"], guided=[False, True, False])], dedupe=False)
+    assert (several.guided_records, several.first_guided) == (3, "a line 2")  # (source, line) order
 
 
 @pytest.mark.parametrize("pattern,root", [("/d/*.jsonl", "/d/"), ("/d/sub/a.jsonl", "/d/sub"),

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.core import filters, interrupts, logs, naming
-from pipeline.core.settings import Run
+from pipeline.core.settings import Run, guided_by_records_line
 from pipeline.generate import progress as progress_lib
 from pipeline.io import runs, storage
 
@@ -142,6 +142,7 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
                     "records": manifest["records"] if manifest else None},
         "committed": {"slices": len(indices), "images": images,
                       "last_at": round(max(committed[i] for i in indices), 3) if indices else None},
+        "guided_by_records": manifest.get("guided_by_records") if manifest else None,
         "rejects": {"count": manifest["rejects"] if manifest else None,
                     "by_reason": manifest.get("rejects_by_reason", {}) if manifest else {}},
         "rate": {"images_per_s": round(rate, 3) if rate is not None else None, "window_s": RATE_WINDOW_S,
@@ -242,6 +243,8 @@ def format_text(r: dict) -> str:
                      f"images {committed['images']}/{planned['images']}")
         by_reason = ", ".join(f"{k}: {v}" for k, v in sorted(r["rejects"]["by_reason"].items()))
         lines.append(f"  rejects   {r['rejects']['count']}" + (f" ({by_reason})" if by_reason else ""))
+        if r.get("guided_by_records"):
+            lines.append(f"  guidance  {guided_by_records_line(r['guided_by_records'])}")
     rate = r["rate"]
     if rate["images_per_s"] is None:
         last = committed["last_at"]

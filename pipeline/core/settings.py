@@ -421,3 +421,12 @@ def scorer_models(settings: Settings) -> tuple[str, ...]:
     scores = set(settings.scores)
     return tuple(name for name, needs in (("clip", {"clip", "aesthetic"}), ("aesthetic", {"aesthetic"}),
                                           ("safety", {"safety"})) if scores & needs)
+
+
+def guided_by_records_line(asked: dict) -> str:
+    """The one line for people when records asking for guidance made a run guided whose
+    own --guidance-scale does not ask for it (pure): ``asked`` is the manifest's
+    ``guided_by_records``, {"records": N, "first": "SOURCE line L"}."""
+    return (f"{asked['records']} record(s) ask for guidance (the first: {asked['first']}) while the run's own "
+            f"--guidance-scale does not: the whole run is guided and pays for classifier-free guidance on every "
+            f"image (about twice the denoiser's work)")

@@ -139,6 +139,9 @@ class Layout:
     images: int
     rejects_by_reason: dict
     guided: bool  # some kept record's guidance is > 1: the run needs the guided program
+    guided_records: int = 0  # the kept records whose guidance (their own, else the run's) asks for it
+    first_guided: str | None = None  # the first of them, "SOURCE line N"
+    guided_by_records: bool = False  # they made the run guided: its own guidance does not ask (``decide_guidance``)
     slice_size: int | None = None  # the run's slice size, once the plan decided it (``transforms.decide``)
 
 
@@ -189,10 +192,13 @@ def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
         reasons.update(scan.reasons)
     for by_line in drops.values():
         reasons.update(reason for reason, _ in by_line.values())
+    asking = np.nonzero(guided & kept)[0]
+    first_guided = f"{sources[owner[asking[0]]]} line {int(lines[asking[0]])}" if len(asking) else None
     return Layout(first={s: int(f) for s, f in zip(sources, starts)},
                   images_of={s: int(n) for s, n in zip(sources, per_file)}, drops=drops,
                   rows=sum(s.rows for s in scans), records=int(kept.sum()), images=int(kept_images.sum()),
-                  rejects_by_reason=dict(sorted(reasons.items())), guided=bool((guided & kept).any()))
+                  rejects_by_reason=dict(sorted(reasons.items())), guided=bool(len(asking)),
+                  guided_records=int(len(asking)), first_guided=first_guided)
 
 
 

@@ -42,15 +42,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
+import sys
 
 import apache_beam as beam
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.core import logs, naming, records, slicing
-from pipeline.core.settings import NO_CFG_RULES, Run, Settings
+from pipeline.core.settings import NO_CFG_RULES, Settings, guided_by_records_line
 from pipeline.io import beamio, runs, storage
 from pipeline.model import load as model_lib
+from pipeline.model.sampling import guidance as guidance_rules
 from pipeline.plan.layout import (
     Layout,
     PlanError,
@@ -111,7 +114,7 @@ def layout_of_saved(paths: list[str], dedupe: bool) -> Layout:
 def decide(layout: Layout, out: str, cap_hosts: int | None = None) -> Layout:
     """``decide_guidance``, then ``decide_per_device_batch``; the layout with the run's
     slice size, as run.json now holds it."""
-    decide_guidance(layout, out)
+    layout = decide_guidance(layout, out)
     settings = decide_per_device_batch(layout, out, cap_hosts)
     return dataclasses.replace(layout, slice_size=settings.slice_size)
 
@@ -146,6 +149,8 @@ def decide_guidance(layout: Layout, out: str) -> Layout:
     if settings.guidance_rule in NO_CFG_RULES:  # a family without classifier-free guidance: decided when prepared
         return layout
     guided = layout.guided or settings.guidance_rule == "always"
+    if guided and not guidance_rules.asks(settings.guidance_rule, settings.guidance_scale):
+        layout = dataclasses.replace(layout, guided_by_records=True)  # the manifest and status say so
     if settings.guided is None:
         settings = settings.replace(guided=guided).validate()
         runs.write(out, run.with_settings(settings))
@@ -249,6 +254,8 @@ class WriteManifest(beam.PTransform):
             manifest = {"slice_size": layout.slice_size, "slices": len(slice_ids), "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
                         "input_rows": layout.rows, "input_files": len(layout.first)}
+            if layout.guided_by_records:
+                manifest["guided_by_records"] = {"records": layout.guided_records, "first": layout.first_guided}
             if layout.records + rejects != layout.rows:
                 raise PlanError(f"{layout.rows} input rows, but {layout.records} records and {rejects} rejects")
             if sorted(slice_ids) != list(range(slicing.num_slices(layout.images, layout.slice_size))):
@@ -316,7 +323,13 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     result = p.run()
     result.wait_until_finish()
     logs.event("plan_counters", **counters(result))
-    return storage.read_json(naming.manifest(settings.out))
+    manifest = storage.read_json(naming.manifest(settings.out))
+    asked = manifest.get("guided_by_records")
+    if asked:  # a JSON event for logs, and the same as one line for people
+        line = guided_by_records_line(asked)
+        logs.event("guided_by_records", level=logging.WARNING, message=line, **asked)
+        print(f"promptmill plan: {line}", file=sys.stderr)
+    return manifest
 
 
 def counters(result) -> dict:
