@@ -47,3 +47,20 @@ def test_events_go_above_the_bar_and_straight_to_stderr_without_one(monkeypatch)
     with logs.above(quiet):  # a disabled bar: events are written as without one
         logs.event("no_bar")
     assert err.getvalue().rstrip().endswith('"event": "no_bar"}')
+
+
+def test_a_heartbeat_beats_while_inside_and_stops_after(monkeypatch):
+    import time
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    logs.setup(logging.INFO)
+    with logs.heartbeat("still_compiling", 0.02, program="the host program"):
+        time.sleep(0.15)
+    beats = [logs.parse(line) for line in err.getvalue().splitlines()]
+    assert len(beats) >= 2 and all(b["event"] == "still_compiling" and b["program"] == "the host program"
+                                   for b in beats)
+    assert 0 <= beats[0]["elapsed_s"] <= beats[-1]["elapsed_s"]
+    after = len(err.getvalue())
+    time.sleep(0.1)
+    assert len(err.getvalue()) == after  # it stopped with the block

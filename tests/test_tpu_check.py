@@ -420,10 +420,14 @@ def test_a_v5e_host_program_with_the_pallas_kernel_compiles_from_shapes_alone(no
     assert {k: again[k] for k in same} == {k: report[k] for k in same}
 
 
-def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(model_cache, capfd):
+def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(model_cache, capfd, monkeypatch):
     """tiny-sdxl on one 8-chip v6e host: the dry run logs the tpu_program event and says it
     fits; the same program on a chip of a hundredth of a GiB (--device-memory) is refused
-    with the figures, before anything is planned or launched."""
+    with the figures, before anything is planned or launched. While a program compiles, a
+    heartbeat says which and for how long (every 30 s; here every 0.02 s)."""
+    from pipeline.generate.tpu_check import report
+
+    monkeypatch.setattr(report, "HEARTBEAT_S", 0.02)
     argv = ["submit", "gke", "--dry-run", "--tpu-type", "v6e", "--topology", "2x4", "--image", "img",
             "--prompts", "gs://b/p.jsonl", "--out", "gs://b/out", "--model", "tiny-sdxl", "--steps", "1",
             "--per-device-batch", "1"]
@@ -437,6 +441,9 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
     assert "# TPU check: the host program fits" in out and "\n---\n" in out
     assert "TPU_ACCELERATOR_TYPE" not in err  # libtpu's warnings without a TPU are held back
     assert "deprecated" not in err  # nor the libraries' warnings, in the compiling child (stderr's file, captured)
+    beats = _events(err, "tpu_program_still_compiling")
+    assert beats and {b["program"] for b in beats} == {"the host program"} and beats[0]["tpu_type"] == "v6e"
+    assert [b["elapsed_s"] for b in beats] == sorted(b["elapsed_s"] for b in beats)
 
     assert cli.main([*argv, "--device-memory", "0.01"]) == 1
     out, err = capfd.readouterr()
@@ -449,7 +456,9 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
     # with scores, the scoring program is compiled for the chips too: its weights stay beside the sampler's
     assert cli.main([*argv, "--score", "clip,aesthetic,safety", "--clip-model", "tiny-clip", "--aesthetic-head",
                      "tiny-aesthetic", "--safety-checker", "tiny-safety-checker"]) == 0
-    [scored] = _events(capfd.readouterr().err, "tpu_program")
+    err = capfd.readouterr().err
+    [scored] = _events(err, "tpu_program")
+    assert {b["program"] for b in _events(err, "tpu_program_still_compiling")} == {"the scoring program"}
     assert scored["scores"] == ["clip", "aesthetic", "safety"] and scored["fits"]
     assert scored["argument_gib"] == event["argument_gib"] and scored["temp_gib"] == event["temp_gib"]  # the sampler
     assert scored["sampler_total_gib"] == event["total_gib"]

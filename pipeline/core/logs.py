@@ -108,3 +108,26 @@ class Stopwatch:
 
     def seconds(self) -> float:
         return time.perf_counter() - self.start
+
+
+@contextlib.contextmanager
+def heartbeat(name: str, every_s: float = 30.0, **fields):
+    """While inside, log ``name`` every ``every_s`` seconds with the seconds elapsed
+    (``elapsed_s``) and ``fields``: a long silent wait (a TPU compile of many minutes)
+    says it is still going, and what."""
+    import threading
+
+    done = threading.Event()
+    watch = Stopwatch()
+
+    def beat():
+        while not done.wait(every_s):
+            event(name, elapsed_s=round(watch.seconds(), 1), **fields)
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -11,6 +11,8 @@ from pipeline.generate.tpu_check.context import Context
 from pipeline.generate.tpu_check.program import Program, compile_program, compile_scorer_program, with_scorer
 from pipeline.generate.tpu_check.remember import remembered
 
+HEARTBEAT_S = 30.0  # while a program compiles, a tpu_program_still_compiling event this often
+
 
 def check(settings, target: chips.Target, per_device_batch: int | None = None) -> dict:
     """The ``tpu_program`` report of ``settings``' host program on ``target`` at
@@ -34,7 +36,9 @@ def program_report(context: Context, per_device_batch: int) -> dict:
         logs.event("tpu_program_compiling", model=settings.model, tpu_type=target.tpu_type, chips=target.chips,
                    per_device_batch=b, attention=settings.attention)  # minutes to an hour at real sizes
         try:
-            program = child.compiled(compile_program, context, b)  # the shapes travel: no reload
+            with logs.heartbeat("tpu_program_still_compiling", HEARTBEAT_S, program="the host program",
+                                model=settings.model, tpu_type=target.tpu_type, per_device_batch=b):
+                program = child.compiled(compile_program, context, b)  # the shapes travel: no reload
         except compile_process.Crashed as e:
             child.note_crash(e, context, b, "the host program")
             weights = context.weights()
@@ -44,7 +48,9 @@ def program_report(context: Context, per_device_batch: int) -> dict:
 
     def make_scorer():
         try:
-            return child.compiled(compile_scorer_program, context, b)
+            with logs.heartbeat("tpu_program_still_compiling", HEARTBEAT_S, program="the scoring program",
+                                model=settings.model, tpu_type=target.tpu_type, per_device_batch=b):
+                return child.compiled(compile_scorer_program, context, b)
         except compile_process.Crashed as e:
             child.note_crash(e, context, b, "the scoring program")
             return {"crashed": e.signal_name}
