@@ -4,8 +4,8 @@ setup(
     name="promptmill",
     version="0.1.0",
     # the model families' titles, as the registry has them (tests/test_families.py checks it)
-    description="Generate image datasets from text prompts with diffusion models (SD 1.x/2.x, SDXL, FLUX.1) in "
-                "JAX/Flax on TPU pods.",
+    description="Generate image datasets from text prompts with diffusion models (SD 1.x/2.x, SDXL, FLUX.1, "
+                "FLUX.2 [klein]) in JAX/Flax on TPU pods.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
@@ -27,6 +27,7 @@ setup(
         "pyyaml>=6",  # submit gke renders JobSet manifests
         "safetensors>=0.4",  # PyTorch weights, LoRA files and the converted weights (pipeline.model.loading.weights)
         "tensorstore>=0.1.60",  # the zarr format
+        "zarr>=3.1",  # OUT/zarr/key: tensorstore has no string dtype (formats.write_zarr_keys)
     ],
     extras_require={
         # the TPU runtime for hosts on TPU VMs, and libtpu's compiler for the TPU check of

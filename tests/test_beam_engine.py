@@ -416,7 +416,7 @@ def test_a_filtered_run_keeps_every_row_and_puts_no_dropped_image_in_any_output(
         else:
             with Image.open(io.BytesIO(storage.read_bytes(naming.join(out, row["path"])))) as image:
                 assert np.array_equal(pixels, np.asarray(image))
-    card = storage.read_text(naming.dataset_file(out, "README.md"))
+    card = storage.read_text(naming.dataset_card(out))
     assert f"Dropped by the score filters: {len(dropped)} image(s)" in card and "| `drop_nsfw` |" in card
     assert "## Scores" in card and "| `clip_similarity` | 9 |" in card
     page = storage.read_text(naming.dataset_file(out, "index.html"))

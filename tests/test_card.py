@@ -46,11 +46,13 @@ def test_front_matter_is_hub_yaml():
     try:
         import yaml
     except ImportError:  # pragma: no cover - PyYAML ships with the test environment
-        assert "config_name: default" in block and "data_files: metadata.parquet" in block
+        assert "config_name: default" in block and "data_files: images/**" in block
         assert "- 10K<n<100K" in block
         return
     meta = yaml.safe_load(block)
-    assert meta["configs"] == [{"config_name": "default", "data_files": "metadata.parquet"}]
+    # the images with their prompts (images/** and images/metadata.jsonl, imagefolder), marked as collect's
+    assert meta["configs"] == [{"config_name": "default", "data_files": "images/**", "drop_labels": True}]
+    assert card.MARKER in block.split("\n") and card.is_ours(text) and not card.is_ours("# my notes\n")
     assert meta["task_categories"] == ["text-to-image"]
     assert meta["size_categories"] == ["10K<n<100K"]
 
@@ -63,14 +65,14 @@ def test_size_category(images, label):
 
 def test_sections_and_settings():
     text = card.render(RUN, STATS)
-    headings = [line for line in text.split("\n") if line.startswith("#")]
+    headings = [line for line in text.split("\n") if line.startswith("#") and line != card.MARKER]
     assert headings == ["# promptmill dataset", "## What it is", "## How it was generated", "## Counts",
                         "## How to load it", "## How to reproduce an image"]
     for needed in ("| promptmill | `0.1.0` |", "| model fingerprint | `3f2a9c0d1e` |", "| scheduler | `dpm` |",
                    "| steps | `30` |", "| guidance scale | `7.5` |", "| size (width x height) | `512 x 512` |",
                    "| dtype | `bf16` |", "| run seed | `1234` |", "| formats | `files, webdataset` |",
                    "| image format | `webp (quality 90)` |", "| planned at | `2024-07-01T12:00:00+00:00` |",
-                   "`jax` `0.4.30`", 'load_dataset("parquet", data_files="metadata.parquet"',
+                   "`jax` `0.4.30`", 'load_dataset("OUT", split="train")', 'data_files="OUT/dataset/metadata.parquet"',
                    "import pyarrow.parquet as pq", "promptmill reproduce KEY [KEY ...] --out OUT",
                    "| timestep spacing | `the checkpoint's` |",
                    "| classifier-free guidance | `yes (some record's guidance > 1)` |"):  # an older run: guided

@@ -460,7 +460,7 @@ def test_a_finished_run_says_what_it_wrote_dropped_and_rejected_unless_quiet(tmp
     assert json.loads(captured.out) == {k: stats[k] for k in cli.SUMMARY}
     err = captured.err
     assert "6 image(s) written, 1 dropped by filters, 2 input row(s) rejected" in err
-    assert f"{out}/plan/rejects/" in err and f"{out}/dataset/" in err and "verified" in err
+    assert f"{out}/plan/rejects/" in err and f"{out}/ (its card README.md; dataset/" in err and "verified" in err
     assert "images/s" in err and f"promptmill status {out}" in err
     assert cli.main(["run", "--out", out, "--no-compile-cache", "--quiet"]) == 0
     captured = capsys.readouterr()
@@ -471,4 +471,4 @@ def test_a_finished_run_says_what_it_wrote_dropped_and_rejected_unless_quiet(tmp
 def test_the_summary_says_not_verified_and_no_rejects_path_when_there_are_none():
     text = cli.summary("collect", "gs://b/run/", {"images": 0, "rejects": 0, "verified": False}, 0.0)
     assert "NOT verified" in text and "rejects/" not in text and "images/s" not in text
-    assert "gs://b/run/dataset/" in text
+    assert "dataset: gs://b/run/ (its card README.md" in text

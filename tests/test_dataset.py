@@ -228,7 +228,7 @@ def test_hugging_face_datasets_loads_the_metadata(dirty_run, tmp_path, monkeypat
 
 def test_the_dataset_card_states_settings_fingerprint_and_counts(dirty_run):
     out, _ = dirty_run
-    card = storage.read_text(naming.dataset_file(out, "README.md"))
+    card = storage.read_text(naming.dataset_card(out))
     run = storage.read_json(naming.run_json(out))
     assert run["model_fingerprint"] in card and "metadata.parquet" in card and "promptmill reproduce" in card
     assert "duplicate_prompt" in card and str(EXPECTED_IMAGES) in card

@@ -1,8 +1,14 @@
-"""The dataset card: ``dataset/README.md``, written by collect (a pure function).
+"""The dataset card: ``OUT/README.md``, written by collect (a pure function).
 
 A dataset is only useful if a reader can tell what it is, how it was made, and how
 to load it. The card is Markdown with the YAML front matter that the Hugging Face
-Hub reads (the ``default`` config is ``metadata.parquet``), followed by what the
+Hub and ``datasets.load_dataset(OUT)`` read: its ``default`` config points at the files
+that hold the images with their prompts (``data_files``: ``images/**`` read by the
+``imagefolder`` builder with ``images/metadata.jsonl``, else the image parquet files,
+else the WebDataset tars). One config only: ``datasets`` reads every config of a
+folder with the builder it infers for the default one. Its front matter holds ``MARKER``: collect rewrites a
+card that has it and refuses to overwrite an ``OUT/README.md`` that does not (a
+user's). Then comes what the
 dataset is, how it was generated (from ``run.json``), its counts (from
 ``stats.json``), how to load it and how to reproduce an image.
 
@@ -16,7 +22,7 @@ from __future__ import annotations
 import re
 
 from pipeline import __version__
-from pipeline.core import filters
+from pipeline.core import filters, naming
 from pipeline.core.settings import NO_CFG_RULES, Run
 
 # The Hub's size categories: (upper bound, exclusive; label).
@@ -63,12 +69,32 @@ def _count(value) -> str:
     return f"{value:,}" if isinstance(value, int) else "–"
 
 
-def _front_matter(images: int) -> list[str]:
+# A YAML comment in the card's front matter: a README.md holding it is promptmill's to rewrite
+MARKER = naming.CARD_MARKER
+is_ours = naming.is_our_card
+
+
+def image_files(formats) -> tuple[str, list[str]]:
+    """The ``default`` config's ``data_files`` pattern for a run writing ``formats``, and
+    its builder's options (YAML lines): the files that hold the images with their rows."""
+    if "files" in formats:  # images/NNNNN/KEY.EXT + images/metadata.jsonl (imagefolder)
+        return "images/**", ["  drop_labels: true"]
+    if "parquet" in formats:  # metadata rows and an Image column
+        return "parquet/*.parquet", []
+    if "webdataset" in formats:  # KEY.EXT, KEY.json, KEY.txt per sample
+        return "shards/*.tar", []
+    return "dataset/metadata.parquet", []  # zarr alone: no image file; the rows
+
+
+def _front_matter(images: int, formats=("files",)) -> list[str]:
+    pattern, options = image_files(formats)
     return [
         "---",
+        MARKER,
         "configs:",
         "- config_name: default",
-        "  data_files: metadata.parquet",
+        f"  data_files: {pattern}",
+        *options,
         "task_categories:",
         "- text-to-image",
         "size_categories:",
@@ -206,7 +232,7 @@ def _scores(stats: dict) -> list[str]:
         return []
     names = list(next(iter(scores.values()))["quantiles"])
     lines = ["## Scores", "", "Computed for every image on the devices that made it (kept or dropped); the "
-             "columns `clip_similarity`, `aesthetic`, `nsfw_score` and `nsfw` of `metadata.parquet`.", "",
+             "columns `clip_similarity`, `aesthetic`, `nsfw_score` and `nsfw` of `dataset/metadata.parquet`.", "",
              "| score | images | mean | min | " + " | ".join(names) + " | max |",
              "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
     for name, value in scores.items():
@@ -222,19 +248,26 @@ def _scores(stats: dict) -> list[str]:
 def render(run: Run, stats: dict) -> str:
     """The card of a dataset planned with ``run`` (run.json) and collected into ``stats`` (stats.json)."""
     images = stats.get("images", 0)
-    lines = _front_matter(images if isinstance(images, int) else 0)
+    formats = run.settings.formats
+    lines = _front_matter(images if isinstance(images, int) else 0, formats)
+    pattern, _ = image_files(formats)
     lines += [
         "", "# promptmill dataset", "",
         f"Synthetic images generated from text prompts with {code(run.settings.model)}: "
         f"{_count(images)} image(s) from {_count(stats.get('records', 0))} prompt record(s).", "",
         "## What it is", "",
-        "`metadata.parquet` (next to this card) has one row per image: its `key`, `prompt`, `negative_prompt`, "
+        "`dataset/metadata.parquet` has one row per image: its `key`, `prompt`, `negative_prompt`, "
         "`seed` and every generation setting, the `sha256` of its bytes, and `path`, where the image is, "
-        "relative to the run's output folder (the parent of this folder). A `path` with `#` names an image "
+        "relative to this folder (the run's output folder). A `path` with `#` names an image "
         "inside a file: a WebDataset tar member (`shards/NNNNN.tar#KEY.EXT`), a parquet row "
-        "(`parquet/NNNNN.parquet#KEY`) or a zarr index (`zarr/images#POSITION`). `index.html` is a gallery "
-        "of thumbnails; `stats.json` has the counts below.", "",
+        "(`parquet/NNNNN.parquet#KEY`) or a zarr index (`zarr/images#POSITION`; `zarr/key` holds each "
+        "position's key). `dataset/index.html` is a gallery of thumbnails; `dataset/stats.json` has the "
+        "counts below.", "",
     ]
+    if "files" in formats:
+        lines += ["`images/metadata.jsonl` has one line per image file: its `file_name` (relative to `images/`) "
+                  "and its metadata row, so that the `imagefolder` builder reads the images with their prompts.",
+                  ""]
     lines += _generation(run)
     lines += [""] + _counts(stats)
     score_lines = _scores(stats)
@@ -246,14 +279,16 @@ def render(run: Run, stats: dict) -> str:
         "```python",
         "import pyarrow.parquet as pq",
         "",
-        'rows = pq.read_table("metadata.parquet").to_pylist()',
+        'rows = pq.read_table("dataset/metadata.parquet").to_pylist()',
         'print(rows[0]["prompt"], rows[0]["path"])',
         "```", "",
-        "With 🤗 Datasets:", "",
+        "With 🤗 Datasets (this folder: its `default` config is the images, "
+        f"`{pattern}`, with their prompts; `dataset/metadata.parquet` the rows alone):", "",
         "```python",
         "from datasets import load_dataset",
         "",
-        'ds = load_dataset("parquet", data_files="metadata.parquet", split="train")',
+        'ds = load_dataset("OUT", split="train")',
+        'rows = load_dataset("parquet", data_files="OUT/dataset/metadata.parquet", split="train")',
         "```", "",
         "## How to reproduce an image", "",
         "Every image is determined by its metadata row. To regenerate images and check their bytes against "

@@ -24,7 +24,10 @@ comes out of its generate -> collect barrier. Both then call ``check_verified``.
                  ``dataset/index.html`` and ``dataset/gallery/`` (the paginated gallery of
                  the thumbnails under ``OUT/thumbs/``, or an even sample of at most
                  ``gallery_max`` of them),
-                 ``dataset/stats.json`` and the dataset card ``dataset/README.md``
+                 ``dataset/stats.json``, the dataset card ``OUT/README.md`` (refused, before
+                 anything is written, where a README.md that collect did not write is
+                 there), with ``files`` ``images/metadata.jsonl`` (the ``imagefolder``
+                 builder's), with ``zarr`` the ``zarr/key`` coordinate
 
 The pure parts live beside this module: ``pipeline.collect.verify`` (a slice's verdicts,
 ``verify_slice``) and ``pipeline.collect.stats`` (stats.json's content, ``dataset_stats``).
@@ -41,6 +44,7 @@ slice its plan items, commit marker and metadata shard, and listings.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import json
 import tarfile
@@ -53,7 +57,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.collect import card, gallery
 from pipeline.collect.stats import dataset_stats, score_stats
 from pipeline.collect.verify import ACCOUNTED, unused_guidance, unused_negatives, verify_slice
-from pipeline.core import filters, logs, naming
+from pipeline.core import choices, filters, logs, naming
 from pipeline.core.settings import Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.output import formats, writer
@@ -238,25 +242,37 @@ def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, st
     import pyarrow.parquet as pq
 
     run = runs.read(out)
+    check_card(out)  # before anything is written
     summaries = sorted(summaries, key=lambda s: s["slice"])
     images = sum(s["ok"] for s in summaries)
     total = images + sum(s.get("dropped", 0) for s in summaries)  # the rows: every image made
     values: dict[str, list] = collections.defaultdict(list)  # each score's values, slice by slice
     flagged = [0]
 
+    files = "files" in run.settings.formats
+    zarr_keys = {} if "zarr" in run.settings.formats else None  # position -> key
+
     def rows():  # one slice's rows in memory at a time, in position order
-        with beamio.open_write(naming.dataset_file(out, "metadata.parquet"), "application/vnd.apache.parquet") as f:
-            with pq.ParquetWriter(f, writer.metadata_schema()) as parquet:
-                for summary in summaries:
-                    if summary["ok"] or summary.get("dropped"):
-                        table = _ok_rows_table(out, summary)
-                        parquet.write_table(table)
-                        for name in ("clip_similarity", "aesthetic", "nsfw_score"):
-                            column = table.column(name).drop_null().to_numpy()
-                            if len(column):
-                                values[name].append(column)
-                        flagged[0] += sum(1 for v in table.column("nsfw").to_pylist() if v)
-                        yield from table.to_pylist()
+        with contextlib.ExitStack() as stack:
+            f = stack.enter_context(beamio.open_write(naming.dataset_file(out, "metadata.parquet"),
+                                                      "application/vnd.apache.parquet"))
+            parquet = stack.enter_context(pq.ParquetWriter(f, writer.metadata_schema()))
+            jsonl = stack.enter_context(beamio.open_write(naming.images_metadata(out), "application/jsonl")) \
+                if files else None
+            for summary in summaries:
+                if summary["ok"] or summary.get("dropped"):
+                    table = _ok_rows_table(out, summary)
+                    parquet.write_table(table)
+                    if jsonl is not None:
+                        jsonl.write(image_lines(table.to_pylist(), run.settings.scores))
+                    if zarr_keys is not None:
+                        zarr_keys.update(zip(table.column("position").to_pylist(), table.column("key").to_pylist()))
+                    for name in ("clip_similarity", "aesthetic", "nsfw_score"):
+                        column = table.column(name).drop_null().to_numpy()
+                        if len(column):
+                            values[name].append(column)
+                    flagged[0] += sum(1 for v in table.column("nsfw").to_pylist() if v)
+                    yield from table.to_pylist()
 
     if thumbnails:
         if gallery_order == "position":
@@ -285,10 +301,39 @@ def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, st
     stats = dataset_stats(manifest, summaries, reject_counts, collect_s=round(time.time() - started, 1),
                           scores=scores)
     if "zarr" in run.settings.formats:
+        size = formats.read_zarr_images(out).shape[0]
+        formats.write_zarr_keys(out, [zarr_keys.get(position, "") for position in range(size)])
         formats.consolidate_zarr(out)
     beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
-    beamio.write_text(naming.dataset_file(out, "README.md"), card.render(run, stats), "text/markdown")
+    beamio.write_text(naming.dataset_card(out), card.render(run, stats), "text/markdown")
     return stats
+
+
+def image_lines(rows: list[dict], scores) -> bytes:
+    """``images/metadata.jsonl``'s lines for metadata ``rows`` (a ``files`` run's): one per
+    image file (a dropped image has none), its ``file_name`` relative to ``images/`` and
+    the row's columns (the score columns of the ``scores`` the run computes; ``dropped``,
+    always null here, left out): what the ``imagefolder`` builder reads with the images."""
+    skipped = {"dropped"} | {c for name, columns in choices.SCORE_COLUMNS.items() if name not in scores
+                             for c in columns}
+    lines = []
+    for row in rows:
+        if row["dropped"] is not None or not row["path"].startswith("images/"):
+            continue
+        line = {"file_name": row["path"][len("images/"):]}
+        line.update((name, value) for name, value in row.items() if name not in skipped)
+        lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+    return "".join(lines).encode("utf-8")
+
+
+def check_card(out: str) -> None:
+    """Raise ``CollectError`` if ``OUT/README.md`` exists and is not a card collect wrote
+    (``card.MARKER``): it is a user's, and collect never overwrites it."""
+    path = naming.dataset_card(out)
+    if storage.exists(path) and not card.is_ours(storage.read_text(path)):
+        raise CollectError(f"{path} exists and is not a dataset card that promptmill wrote (its front matter "
+                           f"has no {card.MARKER!r} line): collect writes the card there and never overwrites "
+                           "a file of yours; move it elsewhere (or delete it) and collect again")
 
 
 class WriteDataset(beam.PTransform):
@@ -379,6 +424,7 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
     run = runs.read(out)
     gallery.check_order(gallery_order, run.settings.scores)
     input_table.check(out, run.settings.prompts, "collect")  # the slices were planned from these inputs
+    check_card(out)  # a user's OUT/README.md: refused before the pipeline writes anything
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
         _ = (p
              | "Manifest" >> beam.Create([manifest])

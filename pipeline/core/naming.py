@@ -47,14 +47,16 @@ def join(base: str, *parts: str) -> str:
 # added later joins this list: a test holds every object of a run with every output to it.
 OWNED = re.compile(r"""(?x)
     run\.json
+  | README\.md
   | plan/(manifest|model_files|inputs)\.json
   | plan/(slices|parts|rejects|scans)/[^/]+\.(jsonl|npz)
   | shards/\d{5,}(\.tar|\.parquet|_stats\.json)
   | images/\d{5,}/[A-Za-z0-9_-]+\.(png|jpg|webp)
+  | images/metadata\.jsonl
   | thumbs/\d{5,}/[A-Za-z0-9_-]+\.jpg
   | parquet/\d{5,}\.parquet
   | zarr/zarr\.json
-  | zarr/(images|latents|dropped)/.+
+  | zarr/(images|latents|dropped|key)/.+
   | dataset/(metadata\.parquet|stats\.json|README\.md|index\.html|gallery/page-\d{5,}\.html)
   | logs/host-\d+(\.attempt-\d+)?\.log
   | logs/hosts\.json
@@ -175,6 +177,28 @@ def thumbs_dir(out: str, index: int) -> str:
 
 def dataset_file(out: str, name: str) -> str:
     return join(out, "dataset", name)
+
+
+def dataset_card(out: str) -> str:
+    """The dataset card, ``OUT/README.md``: where Hugging Face readers look for it
+    (``datasets.load_dataset(OUT)`` reads its ``configs``)."""
+    return join(out, "README.md")
+
+
+# A YAML comment in the card's front matter (``pipeline.collect.card``): an OUT/README.md
+# holding it is promptmill's to rewrite (collect) and delete (--overwrite); one without is a user's
+CARD_MARKER = "# promptmill dataset card: written by promptmill collect, which rewrites it"
+
+
+def is_our_card(text: str) -> bool:
+    """Whether an ``OUT/README.md`` holding ``text`` is a card collect wrote (``CARD_MARKER``
+    in its front matter)."""
+    return CARD_MARKER in text.split("\n---", 1)[0].split("\n")
+
+
+def images_metadata(out: str) -> str:
+    """``OUT/images/metadata.jsonl``: one line per image file, for the ``imagefolder`` builder."""
+    return join(out, "images", "metadata.jsonl")
 
 
 def progress_dir(out: str) -> str:

@@ -213,16 +213,44 @@ def read_zarr_latents(out: str):
     return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out))}).result()
 
 
+def write_zarr_keys(out: str, keys) -> None:
+    """``OUT/zarr/key``: each image position's key (a string array on the ``image``
+    dimension, one chunk; "" where no row has the position), so that
+    ``xarray.open_zarr(OUT/zarr)`` has a ``key`` coordinate to join the metadata on.
+
+    Written by zarr-python, not tensorstore: tensorstore's zarr3 driver has no string
+    data type, and zarr v3's variable-length ``string`` is what xarray reads as strings.
+    zarr-python writes into memory and each object is then written through
+    ``pipeline.io.storage``, so a gs:// OUT needs no fsspec filesystem. Collect calls it
+    once, with every position's key, before ``consolidate_zarr``."""
+    import numpy as np
+    import zarr
+    from zarr.storage import MemoryStore
+
+    values = np.asarray(list(keys), dtype=str)
+    contents = {}
+    store = MemoryStore(contents)
+    array = zarr.create_array(store=store, shape=(max(len(values), 1),), dtype=str, chunks=(max(len(values), 1),),
+                              fill_value="", dimension_names=["image"], zarr_format=3,
+                              attributes={"promptmill": "the metadata's key of each image position"})
+    if len(values):
+        array[:] = values
+    for name, buffer in sorted(contents.items()):
+        storage.write_bytes(naming.join(out, "zarr", "key", name), buffer.to_bytes())
+
+
 def consolidate_zarr(out: str) -> None:
     """Rewrite ``OUT/zarr/zarr.json`` with the metadata of the group's arrays inlined, as
     zarr-python's ``consolidate_metadata`` does for zarr v3, so that ``xarray.open_zarr``
     reads one object instead of one per array (and does not warn). Collect calls it once
     every array is made; the arrays' own metadata stays where it is."""
     arrays = {}
-    for name in ("images", "latents", "dropped"):
+    for name in ("images", "latents", "dropped", "key"):
         path = naming.join(out, "zarr", name, "zarr.json")
         if storage.exists(path):
             arrays[name] = storage.read_json(path)
     group = {**ZARR_GROUP, "consolidated_metadata": {"kind": "inline", "must_understand": False,
                                                      "metadata": arrays}}
+    if "key" in arrays:  # xarray's CF decoding makes the arrays the group's attribute names coordinates
+        group["attributes"] = {**group["attributes"], "coordinates": "key"}
     storage.write_bytes(naming.join(out, "zarr", "zarr.json"), json.dumps(group, sort_keys=True).encode())

@@ -148,7 +148,13 @@ def clear_run(out: str) -> int:
     if not storage.is_gcs(out) and os.path.exists(out) and not os.path.isdir(out):
         raise PlanError(f"--out {out} is a file, not a folder: give a folder for the run's outputs")
     relative = {path: path[len(out.rstrip("/")) + 1:] for path in storage.glob(out)}
-    foreign = sorted(name for name in relative.values() if not naming.owned(name))
+    card_path = naming.dataset_card(out)
+    if card_path in relative and not naming.is_our_card(storage.read_text(card_path)):
+        relative.pop(card_path)  # a README.md that collect did not write is a user's: kept, never deleted
+        foreign_card = ["README.md"]
+    else:
+        foreign_card = []
+    foreign = sorted([name for name in relative.values() if not naming.owned(name)] + foreign_card)
     if runs.exists(out):
         try:
             runs.read(out)
