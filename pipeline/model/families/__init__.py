@@ -27,9 +27,10 @@ import os
 
 from pipeline.model.families.base import Described, Family, Model  # noqa: F401 (the seam's types)
 from pipeline.model.families.flux.family import FLUX
+from pipeline.model.families.flux2.family import FLUX2
 from pipeline.model.families.sd.family import SD, SDXL
 
-BUILTIN: tuple[Family, ...] = (SD, SDXL, FLUX)
+BUILTIN: tuple[Family, ...] = (SD, SDXL, FLUX, FLUX2)
 PLUGINS_ENV = "PROMPTMILL_FAMILIES"  # "module:attribute[,module:attribute...]": families outside the package
 ENTRY_POINTS = "promptmill.families"  # the entry-point group of installed packages' families
 

@@ -23,6 +23,14 @@ CLIP_MAX_LENGTH = 77  # the built-in CLIP tokenizers' length, as CLIP's
 CLIP_SPECIAL = ("<|startoftext|>", "<|endoftext|>")
 
 
+def write_json(path: str, data: dict) -> None:
+    """A config file as diffusers writes them: indented, keys sorted, a final newline."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def models_dir() -> str:
     """Where the built-in models are built, once per machine."""
     return os.path.join(cache_dir(), "models")

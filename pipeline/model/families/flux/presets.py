@@ -25,7 +25,6 @@ This module imports no jax at import time: the torch-only fixture script
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import zlib
@@ -195,13 +194,6 @@ def random_params(shapes, seed: int, stacked=lambda path: False):
     return params
 
 
-def _write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
 def _stored(state: dict, dtype: str) -> dict:
     import ml_dtypes
     import numpy as np
@@ -228,13 +220,13 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
     quiet_libraries()
     preset = PRESETS[name]
     dtype = preset["weights_dtype"]
-    _write_json(os.path.join(directory, "model_index.json"), model_index(diffusers.__version__))
+    builtin.write_json(os.path.join(directory, "model_index.json"), model_index(diffusers.__version__))
     meta = {"_diffusers_version": diffusers.__version__}
-    _write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
+    builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
                 {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})
-    _write_json(os.path.join(directory, "transformer", "config.json"),
+    builtin.write_json(os.path.join(directory, "transformer", "config.json"),
                 {"_class_name": "FluxTransformer2DModel", **meta, **transformer_config(name)})
-    _write_json(os.path.join(directory, "vae", "config.json"), {"_class_name": "AutoencoderKL", **meta,
+    builtin.write_json(os.path.join(directory, "vae", "config.json"), {"_class_name": "AutoencoderKL", **meta,
                                                                 **vae_config(name)})
     with tempfile.TemporaryDirectory() as scratch:
         clip_tok = clip_tokenizer(scratch)

@@ -1,0 +1,246 @@
+"""FLUX.2 [klein]: guidance-distilled rectified-flow transformer, in promptmill's own Flax networks.
+
+A diffusers ``Flux2KleinPipeline`` checkpoint: a Qwen3 causal LM (``text_encoder``,
+``pipeline.model.layers.qwen3``: hidden states 9, 18, 27, stacked), its tokenizer
+(``tokenizer``, Qwen's chat template), ``Flux2Transformer2DModel`` (``transformer``,
+``pipeline.model.families.flux2.transformer``), ``AutoencoderKLFlux2`` (``vae``: batch-norm
+statistics, 2x2-patched latents, ``pipeline.model.layers.vae``) and
+``FlowMatchEulerDiscreteScheduler`` with klein's empirical ``mu``
+(``pipeline.model.families.flux2.sampling``). Initial latents are drawn patched, [4C, H/2f,
+W/2f]: the model's ``latent_channels`` is the transformer's ``in_channels`` and its
+``vae_scale_factor`` twice the VAE's.
+
+Guidance: none. klein is distilled (``is_distilled``) and embeds no guidance: a guidance
+scale given is unused (``guidance_rule`` "unused", counted and said on the card, as FLUX.1
+[schnell]'s), negative prompts are never used. Weights are PyTorch safetensors converted
+once per machine (``weights.converted``); the text encoder's layers past the deepest
+hidden state read (27) are never read.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+from pipeline.model.families.base import Described, Family, Model
+from pipeline.model.families.flux2 import presets, sampling as flux2_sampling
+from pipeline.model.loading import convert, weights
+from pipeline.model.loading.checkpoint import ModelError, read_json_file
+from pipeline.model.sampling.scheduler import Sampler
+
+COMPONENTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
+LIBRARIES = {"text_encoder": "transformers", "transformer": "diffusers", "vae": "diffusers"}
+GUIDANCE = 1.0  # unused: klein is distilled; its authors run it at 1.0
+SAMPLER = "flow_euler"
+
+
+class Flux2(Family):
+    name, title = "flux2", "FLUX.2 [klein]"
+    pipeline_classes = ("Flux2KleinPipeline",)
+    cfg = False
+    size_rule = "16"  # the VAE's 8, x 2 for the 2x2 patching
+    guidance_help = "none: [klein] is guidance-distilled (a guidance scale given is unused)"
+    sequence_help = (f"Qwen3 tokens of the chat-formatted prompt, at most {flux2_sampling.MAX_SEQUENCE_LENGTH} "
+                     f"(default {flux2_sampling.MAX_SEQUENCE_LENGTH}, as Flux2KleinPipeline)")
+
+    def builtins(self) -> dict:
+        return dict(presets.PRESETS)
+
+    def ensure_builtin(self, name: str, shapes: bool = False) -> str:
+        return presets.ensure(name, shapes)
+
+    def guidance_rule(self, model: Model) -> str:
+        return "unused"
+
+    def components(self, index: dict) -> tuple[str, ...]:
+        return COMPONENTS
+
+    def weight_libraries(self, index: dict) -> dict[str, str]:
+        return dict(LIBRARIES)
+
+    def _nets(self, directory: str, dtype=None) -> flux2_sampling.Flux2Nets:
+        try:
+            return flux2_sampling.read_nets(directory, dtype)
+        except ValueError as e:
+            raise ModelError(str(e)) from None
+
+    def describe(self, directory, request, unet_file) -> Described:
+        if unet_file is not None:
+            raise ModelError("--unet replaces a UNet's weights; FLUX.2 has a transformer, not a UNet")
+        if request.scheduler not in (None, SAMPLER):
+            raise ModelError(f"--scheduler {request.scheduler}: FLUX.2 [klein] samples with flow-matching Euler "
+                             f"(FlowMatchEulerDiscreteScheduler), --scheduler {SAMPLER}")
+        if request.timestep_spacing is not None:
+            raise ModelError(f"--timestep-spacing {request.timestep_spacing}: FLUX.2's flow-matching sigmas are "
+                             f"linspace(1, 1/N, N), shifted by its empirical mu; there is no spacing to set")
+        index = read_json_file(os.path.join(directory, "model_index.json"))
+        if not index.get("is_distilled", False):
+            raise ModelError(f"{directory}: model_index.json has no is_distilled: true; promptmill runs FLUX.2 "
+                             f"[klein]'s distilled checkpoints only (the base ones guide, which it does not do)")
+        nets = self._nets(directory)
+        maximum = flux2_sampling.MAX_SEQUENCE_LENGTH
+        length = maximum if request.max_sequence_length is None else request.max_sequence_length
+        if not 1 <= length <= maximum:
+            raise ModelError(f"--max-sequence-length must be from 1 to {maximum} (Qwen3 tokens, as "
+                             f"Flux2KleinPipeline allows), got {request.max_sequence_length}")
+        if request.steps is not None:
+            try:
+                flux2_sampling.make_schedule(nets.scheduler_config, request.steps, 1)
+            except ValueError as e:
+                raise ModelError(f"{directory}: {e}") from None
+        native = 128 * nets.vae_scale_factor  # Flux2KleinPipeline's default_sample_size x the VAE's factor
+        return Described(family=self.name, native_size=native, scheduler=SAMPLER,
+                         size_multiple=2 * nets.vae_scale_factor, default_guidance=GUIDANCE, guidance_rule="unused",
+                         cfg=False, max_sequence_length=length)
+
+    def load(self, directory, request, unet_file, loras, abstract) -> Model:
+        import jax
+        import jax.numpy as jnp
+        from transformers import AutoTokenizer
+
+        if loras:
+            raise ModelError("--lora: promptmill does not merge LoRAs into FLUX.2 [klein] yet")
+        described = self.describe(directory, dataclasses.replace(request, steps=None), unet_file)
+        jdtype = getattr(jnp, request.jax_dtype)
+        nets = self._nets(directory, jdtype)
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
+        if abstract:
+            params = {component: convert.unflatten({path: jax.ShapeDtypeStruct(shape, jdtype)
+                                                    for path, shape in flat.items()})
+                      for component, flat in self._flat_shapes(nets).items()}
+        else:
+            params = self._params(directory, nets)
+        nets = dataclasses.replace(nets, tokenizer=tokenizer, max_sequence_length=described.max_sequence_length)
+        return Model(path=request.model, fingerprint=None, family=self, nets=nets,
+                     sampler=Sampler(SAMPLER, nets.scheduler_config, "flow"), params=params, dtype=jdtype,
+                     latent_channels=nets.latent_channels, vae_scale_factor=2 * nets.vae_scale_factor,
+                     native_size=described.native_size, param_dtype=jdtype)
+
+    @staticmethod
+    def _flat_shapes(nets: flux2_sampling.Flux2Nets) -> dict:
+        from pipeline.model.families.flux2 import transformer as flux2_net
+        from pipeline.model.layers import qwen3, vae as vae_net
+
+        return {"text_encoder": qwen3.param_shapes(nets.qwen3, nets.text_layers),
+                "transformer": flux2_net.param_shapes(nets.transformer.config),
+                "vae": vae_net.param_shapes(nets.vae.config)}
+
+    def _params(self, directory: str, nets: flux2_sampling.Flux2Nets) -> dict:
+        from pipeline.model.families.flux2 import transformer as flux2_net
+        from pipeline.model.layers import qwen3, vae as vae_net
+
+        rules = {"text_encoder": lambda state, where: qwen3.from_torch(state, nets.qwen3, where, nets.text_layers),
+                 "transformer": lambda state, where: flux2_net.from_torch(state, nets.transformer.config, where),
+                 "vae": lambda state, where: vae_net.from_torch(state, nets.vae.config, where)}
+        params = {}
+        for component, rule in rules.items():
+            component_dir = os.path.join(directory, component)
+            library = LIBRARIES[component]
+            kind, source = weights.find(component_dir, component, library)
+            if kind == "flax":
+                raise ModelError(f"{component_dir}: FLUX.2 reads PyTorch safetensors weights, not Flax msgpack")
+            params[component] = weights.converted(
+                source, component_dir,
+                lambda rule=rule, component_dir=component_dir, library=library: rule(
+                    weights.read_safetensors_weights(component_dir, library), component_dir))
+        return params
+
+    def lora_shapes(self, directory: str) -> dict:
+        return {}
+
+    # ---- prompts
+
+    def tokenize(self, model: Model, texts):
+        """int32 [N, 2L]: each chat-formatted text's Qwen3 ids, then its attention mask."""
+        import numpy as np
+
+        ids, mask = flux2_sampling.tokenize(model.nets.tokenizer, list(texts), model.nets.max_sequence_length)
+        return np.concatenate([ids, mask], axis=1).astype(np.int32)
+
+    def truncated(self, model: Model, texts) -> list[bool]:
+        return flux2_sampling.truncated(model.nets.tokenizer, list(texts), model.nets.max_sequence_length)
+
+    # ---- sampling
+
+    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
+                     return_latents: bool = False, guidance_rule: str = "unused", guided: bool = False,
+                     seam=contextlib.nullcontext):
+        """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
+        ``flux2_sampling.make_denoise`` on the ids and masks ``tokenize`` made; negative ids,
+        guidance and image keys are never read (distilled, deterministic)."""
+        if guided:
+            raise ValueError("FLUX.2 [klein] has no classifier-free guidance: its program is never the guided one")
+        if guidance_rule != "unused":
+            raise ValueError(f"guidance_rule {guidance_rule!r}: FLUX.2 [klein] takes no guidance ('unused')")
+        nets, f = model.nets, model.vae_scale_factor
+
+        def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
+            length = prompt_ids.shape[1] // 2
+            inner = flux2_sampling.make_denoise(nets, steps, latents.shape[3] * f, latents.shape[2] * f,
+                                                return_latents)
+            with seam():
+                return inner(params, prompt_ids[:, :length], prompt_ids[:, length:], latents)
+
+        return denoise
+
+    def decode_latents(self, model: Model, vae_params, latents):
+        from pipeline.model.layers import vae as vae_net
+        return vae_net.vae_decode(model.nets.vae, vae_params, latents, model.nets.vae.config)
+
+    def latents_note(self, model: Model) -> dict:
+        return {"latents": ("final latents of each image, 2x2-patched and unpacked [4C, H/2f, W/2f]: the flow's "
+                            "output after the last step, before the VAE's batch-norm un-normalisation; "
+                            "unpatchify(latents * sqrt(bn.running_var + batch_norm_eps) + bn.running_mean) "
+                            "decoded gives the image. Row = position, as in zarr/images."),
+                "vae_batch_norm_eps": float(model.nets.vae.config.batch_norm_eps)}
+
+    # ---- parts
+
+    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool, *,
+              seam=contextlib.nullcontext, sharding=None, count: bool = False):
+        """Qwen3 (its hidden states stacked) on B prompts, one transformer call on B images,
+        the VAE decode."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from pipeline.model.families import shapes
+        from pipeline.model.families.flux2 import transformer as flux2_net
+        from pipeline.model.layers import vae as vae_net
+
+        b, nets = per_device_batch, model.nets
+        make = shapes.on(sharding)
+
+        def placed(component):
+            return shapes.params(model.params[component], sharding, model.param_dtype)
+
+        transformer = nets.transformer
+        if count:
+            transformer = transformer.clone(unroll=max(transformer.config.num_layers,
+                                                       transformer.config.num_single_layers))
+        length = nets.max_sequence_length
+        found = [("text_encoder", ("text_encoder",), jax.jit(
+            lambda p, i, m: flux2_sampling.stacked_states(nets, p, i, m)).lower(
+            placed("text_encoder"), make((b, length), jnp.int32), make((b, length), jnp.int32)))]
+        channels, rows, cols = model.latent_shape(width, height)
+        config = transformer.config
+        image_ids, txt_ids = flux2_net.latent_image_ids(rows, cols), flux2_net.text_ids(length)
+
+        def call(p, x, context, t):
+            with seam():
+                return transformer.apply({"params": p}, x, context, t, np.asarray(image_ids), np.asarray(txt_ids))
+
+        found.append(("denoiser", ("transformer",), jax.jit(call).lower(
+            placed("transformer"), make((b, rows * cols, config.in_channels), jnp.float32),
+            make((b, length, config.joint_attention_dim), model.dtype), make((b,), jnp.float32))))
+
+        def decode(p, z):
+            with seam():
+                return vae_net.vae_decode(nets.vae, p, z, nets.vae.config)
+
+        found.append(("vae_decode", ("vae",), jax.jit(decode).lower(
+            placed("vae"), make((b, channels, rows, cols), jnp.float32))))
+        return found
+
+
+FLUX2 = Flux2()

@@ -1,0 +1,189 @@
+"""Built-in random FLUX.2 [klein] models, saved as diffusers' ``Flux2KleinPipeline.save_pretrained``
+lays a checkpoint out: ``--model tiny-flux2-klein``.
+
+- ``tiny-flux2-klein``: FLUX.2 [klein]'s architecture (a Qwen3 causal LM as text encoder,
+  read at hidden states 9, 18 and 27; ``Flux2Transformer2DModel`` without guidance
+  embedding; ``AutoencoderKLFlux2``; klein's dynamically shifted flow-matching scheduler)
+  at sizes that compile in seconds on a CPU: a 28-layer Qwen3 of width 16, 2 double and 2
+  single blocks of 2 heads x 16, a 2-block VAE of 4 latent channels (scale factor 2;
+  latents 2x2-patched: sizes must be multiples of 4).
+
+The weights are random, drawn from numpy leaf by leaf from a fixed seed and the
+parameter's name (``flux.presets``' rule, ``random_params`` here), stored float32 in
+PyTorch's names and layouts (``to_torch`` of each network): loading them takes the path
+a user's checkpoint takes. Their images are noise. The tokenizer is a byte-level BPE
+vocabulary without merges plus Qwen's chat tokens (``tokenizer``), with the part of
+Qwen3's chat template that ``Flux2KleinPipeline`` uses (``CHAT_TEMPLATE``).
+
+This module imports no jax at import time: the torch-only fixture script
+(tests/fixtures/make_flux2_pipeline_fixtures.py) builds PyTorch pipelines from it.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+from pipeline.model.loading import builtin
+
+SEED = 0
+TOKENIZER_MAX_LENGTH = 512  # Flux2KleinPipeline's tokenizer_max_length, its default max_sequence_length
+PAD, IM_START, IM_END, THINK, END_THINK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
+SPECIAL = (PAD, IM_START, IM_END, THINK, END_THINK)
+# Qwen3's chat template, as far as Flux2KleinPipeline reads it (one user message, the
+# generation prompt, thinking off): what ``sampling.format_prompt`` writes without jinja
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                 "{% endif %}{% endif %}")
+
+# FLUX.2 [klein]'s scheduler config (FlowMatchEulerDiscreteScheduler, every key at 0.39's names)
+KLEIN_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                       max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096, invert_sigmas=False,
+                       shift_terminal=None, use_karras_sigmas=False, use_exponential_sigmas=False,
+                       use_beta_sigmas=False, time_shift_type="exponential", stochastic_sampling=False)
+_TINY_QWEN3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=28, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, hidden_act="silu", max_position_embeddings=1024,
+                   rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
+                   tie_word_embeddings=False)
+_TINY_TRANSFORMER = dict(patch_size=1, in_channels=16, out_channels=None, num_layers=2, num_single_layers=2,
+                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                         timestep_guidance_channels=64, mlp_ratio=3.0, axes_dims_rope=[4, 4, 4, 4], rope_theta=2000,
+                         eps=1e-6, guidance_embeds=False)
+_TINY_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+                 up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16], decoder_block_out_channels=None,
+                 layers_per_block=1, act_fn="silu", latent_channels=4, norm_num_groups=8, sample_size=32,
+                 force_upcast=True, use_quant_conv=True, use_post_quant_conv=True, mid_block_add_attention=True,
+                 batch_norm_eps=1e-4, batch_norm_momentum=0.1, patch_size=[2, 2])
+
+# Built-in random models, by --model name. Bump a name's version when its recipe changes.
+PRESETS = {
+    "tiny-flux2-klein": dict(version="tiny-flux2-klein-v1", weights_dtype="float32", qwen3=_TINY_QWEN3,
+                             transformer=_TINY_TRANSFORMER, vae=_TINY_VAE, scheduler=KLEIN_SCHEDULER),
+}
+
+
+def transformer_config(name: str) -> dict:
+    return dict(PRESETS[name]["transformer"])
+
+
+def vae_config(name: str) -> dict:
+    return dict(PRESETS[name]["vae"])
+
+
+def scheduler_config(name: str) -> dict:
+    return dict(PRESETS[name]["scheduler"])
+
+
+def qwen3_config(name: str, tokenizer) -> dict:
+    """The keyword arguments of transformers' ``Qwen3Config`` of the preset's text encoder,
+    its vocabulary and special ids from ``tokenizer`` (``tokenizer()``)."""
+    pad = tokenizer.convert_tokens_to_ids(PAD)
+    return dict(PRESETS[name]["qwen3"], vocab_size=len(tokenizer), pad_token_id=pad, bos_token_id=pad,
+                eos_token_id=tokenizer.convert_tokens_to_ids(IM_END))
+
+
+def tokenizer():
+    """A ``Qwen2TokenizerFast`` over a byte-level BPE vocabulary without merges (256 byte
+    symbols, then ``SPECIAL``), built with the ``tokenizers`` library, deterministic;
+    right padding with ``<|endoftext|>``, no special tokens added around a text (as Qwen's),
+    ``CHAT_TEMPLATE`` its chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    fast = Qwen2TokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=IM_END, unk_token=None,
+                              bos_token=None, model_max_length=131072, padding_side="right")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def model_index(diffusers_version: str) -> dict:
+    """The ``model_index.json`` of a Flux2KleinPipeline checkpoint, as ``save_pretrained`` writes it."""
+    return {"_class_name": "Flux2KleinPipeline", "_diffusers_version": diffusers_version, "is_distilled": True,
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+            "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"]}
+
+
+def random_params(shapes, seed: int, stacked=lambda path: False):
+    """Weights for flat Flax param shapes ({path: shape}), float32 numpy, leaf by leaf:
+    norms' scales and batch-norm variances 1, biases and means 0, embeddings N(0, 0.02),
+    kernels N(0, 1/fan_in) (fan_in without the leading layer axis of a ``stacked`` one);
+    each leaf's generator seeded by (seed, its path)."""
+    import numpy as np
+
+    params = {}
+    for path, shape in shapes.items():
+        if path[-1] in ("scale", "running_var", "weight"):
+            params[path] = np.ones(shape, np.float32)
+        elif path[-1] in ("bias", "running_mean"):
+            params[path] = np.zeros(shape, np.float32)
+        else:
+            rng = np.random.default_rng([seed, zlib.crc32("/".join(path).encode())])
+            fan_in = int(np.prod(shape[1 if stacked(path) else 0:-1])) or 1
+            std = 0.02 if path[-1] == "embedding" else fan_in ** -0.5
+            params[path] = (rng.standard_normal(shape) * std).astype(np.float32)
+    return params
+
+
+def build(directory: str, name: str = "tiny-flux2-klein", weights: bool = True) -> None:
+    """Write the random model ``name`` into ``directory`` in diffusers' Flux2KleinPipeline
+    layout: model_index.json, scheduler/, tokenizer/, text_encoder/, transformer/, vae/.
+    ``weights=False``: configs and tokenizer only."""
+    import diffusers
+    from transformers import Qwen3Config
+
+    from pipeline.model.families.flux2 import transformer as flux2
+    from pipeline.model.layers import qwen3, vae
+    from pipeline.model.loading import convert, weights as weights_lib
+    from pipeline.model.loading.libraries import quiet_libraries
+
+    quiet_libraries()
+    builtin.write_json(os.path.join(directory, "model_index.json"), model_index(diffusers.__version__))
+    meta = {"_diffusers_version": diffusers.__version__}
+    builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
+                {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})
+    builtin.write_json(os.path.join(directory, "transformer", "config.json"),
+                {"_class_name": flux2.CLASS_NAME, **meta, **transformer_config(name)})
+    builtin.write_json(os.path.join(directory, "vae", "config.json"),
+                {"_class_name": vae.FLUX2_CLASS_NAME, **meta, **vae_config(name)})
+    tok = tokenizer()
+    tok.save_pretrained(os.path.join(directory, "tokenizer"))
+    hf_config = Qwen3Config(**qwen3_config(name, tok))
+    hf_config.architectures = ["Qwen3ForCausalLM"]
+    hf_config.dtype = PRESETS[name]["weights_dtype"]
+    hf_config.save_pretrained(os.path.join(directory, "text_encoder"))
+    if not weights:
+        builtin.mark_shapes_only(directory, name)
+        return
+
+    q_cfg = qwen3.Qwen3Config.from_dict(hf_config.to_dict())
+    t_cfg = flux2.Flux2Config.from_dict(transformer_config(name))
+    v_cfg = vae.VaeConfig.from_dict({"_class_name": vae.FLUX2_CLASS_NAME, **vae_config(name)})
+    text = qwen3.to_torch(convert.unflatten(random_params(
+        qwen3.param_shapes(q_cfg), SEED, lambda p: convert.stack_of(p, qwen3.LAYOUT) is not None)), q_cfg)
+    states = {
+        "text_encoder": {"model." + k: v for k, v in text.items()},  # a Qwen3ForCausalLM's names
+        "transformer": flux2.to_torch(convert.unflatten(random_params(
+            flux2.param_shapes(t_cfg), SEED + 1, lambda p: convert.stack_of(p, flux2.LAYOUT) is not None)), t_cfg),
+        "vae": vae.to_torch(convert.unflatten(random_params(vae.param_shapes(v_cfg), SEED + 2)), v_cfg),
+    }
+    states["text_encoder"]["lm_head.weight"] = random_params(
+        {("lm_head", "kernel"): (q_cfg.vocab_size, q_cfg.hidden_size)}, SEED + 3)[("lm_head", "kernel")]
+    for component, state in states.items():
+        library = "transformers" if component == "text_encoder" else "diffusers"
+        path = os.path.join(directory, component, weights_lib.SAFETENSORS_FILES[library])
+        weights_lib.write_safetensors(path, {k: v for k, v in sorted(state.items())}, align=False,
+                                      metadata={"format": "pt"})
+
+
+def ensure(name: str, shapes: bool = False) -> str:
+    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure``)."""
+    preset = PRESETS[name]
+    return builtin.ensure(preset["version"], lambda folder, weights: build(folder, name, weights=weights),
+                          shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))

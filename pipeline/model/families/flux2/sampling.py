@@ -1,0 +1,218 @@
+"""FLUX.2 [klein]'s sampling, as diffusers 0.39's ``Flux2KleinPipeline`` does it, in JAX.
+
+- prompts: each text wrapped in Qwen3's chat template (one user message, the generation
+  prompt, thinking off: ``format_prompt``), tokenised, right-padded with its attention mask
+  and cut to ``max_sequence_length`` (default 512);
+- text conditioning: the Qwen3 text encoder's hidden states 9, 18 and 27 (transformers'
+  ``output_hidden_states`` numbering; padded positions included) stacked per token into
+  [B, L, 3 * hidden] (``stacked_states``), the transformer's ``joint_attention_dim``;
+- latents: drawn 2x2-patched, [B, 4C, H/2f, W/2f] (the VAE's latent channels x 4, the
+  transformer's ``in_channels``), packed into tokens [B, (H/2f)(W/2f), 4C] row-major,
+  positions (0, row, column, 0); text positions (0, 0, 0, i);
+- schedule: flow-matching Euler over sigmas ``linspace(1, 1/N, N)`` shifted by the
+  scheduler config, with klein's empirical ``mu`` (``compute_empirical_mu``: of the
+  image's token count and N) in place of FluxPipeline's;
+- one transformer call per step (timestep = sigma, no guidance: a distilled model never
+  guides), then the latents unpacked, un-normalised by the VAE's batch-norm statistics,
+  unpatched and decoded (``pipeline.model.layers.vae``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from pipeline.model.families.flux2 import presets
+from pipeline.model.loading.checkpoint import read_json_file
+from pipeline.model.sampling import flow
+
+MAX_SEQUENCE_LENGTH = presets.TOKENIZER_MAX_LENGTH
+HIDDEN_STATES = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
+
+
+def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
+    """diffusers' FLUX.2 ``compute_empirical_mu``: the shift of ``image_seq_len`` tokens and
+    ``num_steps`` steps, interpolated between its fits at 10 and 200 steps."""
+    a1, b1 = 8.73809524e-05, 1.89833333
+    a2, b2 = 0.00016927, 0.45666666
+    if image_seq_len > 4300:
+        return float(a2 * image_seq_len + b2)
+    m_200 = a2 * image_seq_len + b2
+    m_10 = a1 * image_seq_len + b1
+    a = (m_200 - m_10) / 190.0
+    return float(a * num_steps + m_200 - 200.0 * a)
+
+
+def klein_mu(config, image_seq_len: int, steps: int) -> float:
+    """``flow.make_schedule``'s ``mu_of`` for klein: the empirical mu, whatever the config's
+    shift bounds."""
+    return compute_empirical_mu(image_seq_len, steps)
+
+
+def make_schedule(config, steps: int, image_seq_len: int) -> flow.FlowSchedule:
+    return flow.make_schedule(config, steps, image_seq_len, mu_of=klein_mu)
+
+
+def format_prompt(text: str) -> str:
+    """``tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+    add_generation_prompt=True, enable_thinking=False)`` with Qwen3's template."""
+    return (f"{presets.IM_START}user\n{text}{presets.IM_END}\n{presets.IM_START}assistant\n"
+            f"{presets.THINK}\n\n{presets.END_THINK}\n\n")
+
+
+def tokenize(tokenizer, prompts, max_sequence_length: int):
+    """(input_ids int32 [B, L], attention_mask int32 [B, L]) of ``prompts``, as
+    ``Flux2KleinPipeline._get_qwen3_prompt_embeds``: chat-formatted, padded to
+    ``max_sequence_length``, cut at it. ValueError for a length below 1 or above 512."""
+    import numpy as np
+
+    if not (isinstance(max_sequence_length, int) and 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
+        raise ValueError(f"max_sequence_length must be an integer from 1 to {MAX_SEQUENCE_LENGTH}, "
+                         f"got {max_sequence_length!r}")
+    encoded = tokenizer([format_prompt(p) for p in prompts], padding="max_length", truncation=True,
+                        max_length=max_sequence_length, return_tensors="np")
+    return encoded.input_ids.astype(np.int32), encoded.attention_mask.astype(np.int32)
+
+
+def truncated(tokenizer, prompts, max_length: int) -> list[bool]:
+    """Whether each chat-formatted prompt has more tokens than ``max_length``."""
+    ids = tokenizer([format_prompt(p) for p in prompts], truncation=False, verbose=False).input_ids
+    return [len(row) > max_length for row in ids]
+
+
+@dataclasses.dataclass(frozen=True)
+class Flux2Nets:
+    """The networks of a FLUX.2 [klein] checkpoint, in one dtype, and its scheduler config."""
+    qwen3: Any  # qwen3.Qwen3Config
+    transformer: Any  # transformer.Flux2Transformer
+    vae: Any  # vae.VaeDecoder
+    scheduler_config: dict
+    dtype: Any = None
+    tokenizer: Any = None  # once the family loads it
+    max_sequence_length: int | None = None
+
+    @property
+    def text_layers(self) -> int:
+        """The decoder layers the text encoder runs (up to the deepest hidden state read)."""
+        from pipeline.model.layers import qwen3
+
+        return qwen3.layers_for(self.qwen3, HIDDEN_STATES)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.vae.config.scale_factor
+
+    @property
+    def latent_channels(self) -> int:
+        """The channels of the patched latents: the transformer's input."""
+        return self.transformer.config.in_channels
+
+
+def read_nets(directory: str, dtype=None) -> Flux2Nets:
+    """The networks of the diffusers-format FLUX.2 [klein] checkpoint in ``directory``,
+    from its configs alone; ValueError naming a config it would not honour."""
+    import jax.numpy as jnp
+
+    from pipeline.model.families.flux2 import transformer as flux2
+    from pipeline.model.layers import qwen3, vae
+
+    dtype = jnp.float32 if dtype is None else dtype
+    scheduler_config = read_json_file(os.path.join(directory, "scheduler", "scheduler_config.json"))
+    refused = flow.unsupported(scheduler_config)
+    if refused:
+        raise ValueError(f"{directory}: scheduler/scheduler_config.json asks for "
+                         + "; ".join(f"{k}={v!r}" for k, v in refused) + ", which flow-matching Euler does not do")
+    try:
+        q_cfg = qwen3.Qwen3Config.from_dict(read_json_file(os.path.join(directory, "text_encoder", "config.json")))
+        t_cfg = flux2.Flux2Config.from_dict(read_json_file(os.path.join(directory, "transformer", "config.json")))
+        v_cfg = vae.VaeConfig.from_dict(read_json_file(os.path.join(directory, "vae", "config.json")))
+        qwen3.layers_for(q_cfg, HIDDEN_STATES)
+    except ValueError as e:
+        raise ValueError(f"{directory}: {e}") from None
+    if v_cfg.batch_norm_eps is None:
+        raise ValueError(f"{directory}: vae/config.json is not an AutoencoderKLFlux2 (FLUX.2's batch-norm VAE)")
+    if t_cfg.guidance_embeds:
+        raise ValueError(f"{directory}: transformer/config.json has guidance_embeds: FLUX.2 [klein]'s transformer "
+                         f"takes no guidance (FLUX.2 [dev] is not this family's)")
+    if t_cfg.joint_attention_dim != len(HIDDEN_STATES) * q_cfg.hidden_size:
+        raise ValueError(f"{directory}: transformer joint_attention_dim {t_cfg.joint_attention_dim} is not "
+                         f"{len(HIDDEN_STATES)} x the text encoder's hidden_size {q_cfg.hidden_size}")
+    if t_cfg.in_channels != 4 * v_cfg.latent_channels:
+        raise ValueError(f"{directory}: transformer in_channels {t_cfg.in_channels} is not 4 x the VAE's "
+                         f"latent_channels {v_cfg.latent_channels} (2x2-patched latents)")
+    return Flux2Nets(qwen3=q_cfg, transformer=flux2.Flux2Transformer(t_cfg, dtype), vae=vae.VaeDecoder(v_cfg, dtype),
+                     scheduler_config=scheduler_config, dtype=dtype)
+
+
+def stacked_states(nets: Flux2Nets, text_params, input_ids, attention_mask):
+    """[B, L, 3 * hidden]: the hidden states ``HIDDEN_STATES`` of each token side by side,
+    as ``torch.stack(..., dim=1).permute(0, 2, 1, 3).reshape(B, L, 3 * hidden)``."""
+    import jax.numpy as jnp
+
+    from pipeline.model.layers import qwen3
+
+    states = qwen3.hidden_states(text_params, nets.qwen3, input_ids, attention_mask, indices=HIDDEN_STATES,
+                                 dtype=nets.dtype)
+    batch, length, hidden = states[0].shape
+    return jnp.stack(states, axis=2).reshape(batch, length, len(HIDDEN_STATES) * hidden)
+
+
+def pack(latents):
+    """[B, C, h, w] -> [B, h*w, C] tokens, row-major (``_pack_latents``)."""
+    batch, channels, rows, cols = latents.shape
+    return latents.reshape(batch, channels, rows * cols).transpose(0, 2, 1)
+
+
+def unpack(tokens, rows: int, cols: int):
+    """[B, h*w, C] -> [B, C, h, w]: ``pack``'s inverse (``_unpack_latents_with_ids`` of
+    row-major ids)."""
+    batch, _, channels = tokens.shape
+    return tokens.transpose(0, 2, 1).reshape(batch, channels, rows, cols)
+
+
+def sample(nets: Flux2Nets, params, input_ids, attention_mask, latents, *, sigmas, timesteps):
+    """float32 images [B, H, W, 3] in [0, 1] and the final patched latents [B, 4C, H/2f,
+    W/2f] (before the batch-norm un-normalisation) from initial patched latents, as
+    Flux2KleinPipeline makes them, over a schedule given as arrays."""
+    import jax
+    import jax.numpy as jnp
+
+    from pipeline.model.families.flux2 import transformer as flux2
+    from pipeline.model.layers import vae
+
+    batch, _, rows, cols = latents.shape
+    context = stacked_states(nets, params["text_encoder"], input_ids, attention_mask)
+    image_ids, txt_ids = flux2.latent_image_ids(rows, cols), flux2.text_ids(input_ids.shape[1])
+    sigmas, timesteps = jnp.asarray(sigmas, jnp.float32), jnp.asarray(timesteps, jnp.float32)
+
+    def step(i, x):
+        t = jnp.broadcast_to(timesteps[i], (batch,)) / 1000
+        velocity = nets.transformer.apply({"params": params["transformer"]}, x, context, t, image_ids, txt_ids)
+        return flow.step(x, velocity, sigmas[i], sigmas[i + 1])
+
+    packed = jax.lax.fori_loop(0, timesteps.shape[0], step, pack(latents.astype(jnp.float32)))
+    final = unpack(packed, rows, cols)
+    return vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config), final
+
+
+def make_denoise(nets: Flux2Nets, steps: int, width: int, height: int, return_latents: bool = False):
+    """``denoise(params, input_ids, attention_mask, latents)``: float32 images [B, height,
+    width, 3] in [0, 1] (with ``return_latents``, also the final patched latents), jit-able;
+    latents float32 [B, 4C, height/2f, width/2f], the patched draw Flux2KleinPipeline makes.
+    The schedule is made here, on the host, for (height/2f)(width/2f) image tokens."""
+    f = 2 * nets.vae_scale_factor
+    if height % f or width % f:
+        raise ValueError(f"height and width must be multiples of {f} (twice the VAE's scale factor, for the 2x2 "
+                         f"patching), got {width}x{height}")
+    rows, cols = height // f, width // f
+    schedule = make_schedule(nets.scheduler_config, steps, rows * cols)
+
+    def denoise(params, input_ids, attention_mask, latents):
+        if tuple(latents.shape[1:]) != (nets.latent_channels, rows, cols):
+            raise ValueError(f"latents have shape {tuple(latents.shape)}, expected [B, {nets.latent_channels}, "
+                             f"{rows}, {cols}] for {width}x{height} images")
+        images, final = sample(nets, params, input_ids, attention_mask, latents, sigmas=schedule.sigmas,
+                               timesteps=schedule.timesteps)
+        return (images, final) if return_latents else images
+
+    return denoise
