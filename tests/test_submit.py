@@ -727,6 +727,9 @@ def test_gke_dry_run_prints_every_command_and_the_manifest_and_runs_nothing(kube
                      f"get jobset {name} -o json", "gs://bucket/runs/x/shards/*_stats.json",
                      "# 5. collect (Beam):", "promptmill collect --out gs://bucket/runs/x"):
         assert expected in out, expected
+    assert out.count("# no --service-account: the JobSet's pods run as the namespace's default") == 1
+    code, out, err = cli_main([*GKE, "--service-account", "promptmill", "--dry-run"], capsys)
+    assert code == 0 and "no --service-account" not in out + err
 
 
 def test_a_scheduled_gke_dry_run_resolves_date_in_out_and_name(kubectl, capsys):
@@ -920,8 +923,13 @@ def test_wait_fails_clearly_when_the_jobset_fails_or_ends_short(tmp_path):
 
 def test_apply_replaces_a_finished_jobset_and_attaches_to_a_running_one():
     job = gke_job(tpu.lookup("v6e", "2x4", "ct6e-standard-4t"))
-    fresh = ScriptedKubectl([None])
-    assert gke.apply_jobset(fresh, job, lambda m: None) == "applied"
+    fresh, said = ScriptedKubectl([None]), []
+    assert gke.apply_jobset(fresh, job, said.append) == "applied"
+    assert not any("no --service-account" in m for m in said)  # it has one
+    said = []
+    assert gke.apply_jobset(ScriptedKubectl([None]), gke_job(tpu.lookup("v6e", "2x4", "ct6e-standard-4t"),
+                                                             service_account=None), said.append) == "applied"
+    assert sum("no --service-account" in m for m in said) == 1, said
     ((args, stdin),) = fresh.calls
     assert args == ("apply", "-f", "-") and list(yaml.safe_load_all(stdin)) == [jobset.jobset(job)]
     finished = ScriptedKubectl(["failed"])

@@ -87,6 +87,12 @@ def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
     return ["promptmill", "plan", *settings_flags(settings), *beam_args]
 
 
+# said once, in the dry run and when a JobSet is applied, when --service-account is not given
+NO_SERVICE_ACCOUNT = ("# no --service-account: the JobSet's pods run as the namespace's default Kubernetes service "
+                      "account, which must reach the bucket (Workload Identity); give --service-account KSA to "
+                      "choose one")
+
+
 def gke_dry_run(job: jobset.GkeJob) -> str:
     """What ``submit gke --dry-run`` prints: every command, then the manifests (valid multi-document YAML)."""
     job.validate()
@@ -109,6 +115,7 @@ def gke_dry_run(job: jobset.GkeJob) -> str:
         "# 5. collect (Beam):",
         "#    " + shlex.join(collect),
         "# settings: " + json.dumps(job.settings.to_dict(), sort_keys=True),
+        *([] if job.service_account else [NO_SERVICE_ACCOUNT]),
     ]
     return "\n".join(lines) + "\n---\n" + jobset.to_yaml(jobset.manifests(job))
 
@@ -128,6 +135,8 @@ def apply_jobset(kubectl: kubectl_lib.Kubectl, job: jobset.GkeJob, emit: Callabl
     if state in ("completed", "failed"):
         emit(f"JobSet {job.name} exists and is {state}: deleting it so a new one resumes {job.out}")
         kubectl("delete", "jobset", job.name, "--wait=true")
+    if not job.service_account:
+        emit(NO_SERVICE_ACCOUNT.lstrip("# "))
     kubectl("apply", "-f", "-", stdin=jobset.to_yaml(jobset.manifests(job)))
     emit(f"JobSet {job.name} applied: {job.tpu_slice.describe()}")
     return "applied"
