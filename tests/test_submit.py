@@ -617,8 +617,10 @@ def test_dataflow_dry_run_prints_three_jobs_plan_and_collect_on_cpu_and_launches
         ["# 1. plan", "# 2. generate", "# 3. collect"]
     assert "# 2. generate on TPU workers (v5e 2x4" in out and "# 3. collect on CPU workers (n2-highmem-8):" in out
     assert f"run plan --prompts '{PROMPTS}' --out {OUT} --model tiny --steps 4 " in out
-    assert "--devices-per-host 8 --fsdp 1 --dtype bf16 " in out and f"run collect --out {OUT} -- OPTIONS" in out
-    settings = json.loads(lines[lines.index("# settings:") + 1])
+    collect = _printed(out, shlex.join(dataflow.launcher_command()) + " run collect ")
+    assert "--devices-per-host 8 --fsdp 1 --dtype bf16 " in out and " OPTIONS" not in out  # no placeholder
+    assert collect[collect.index("--") + 1:] == sections["collect"]  # the command carries its real options
+    settings = json.loads(out.split("# settings: ", 1)[1].split("\n", 1)[0])
     assert (settings["devices_per_host"], settings["steps"], settings["out"], settings["dtype"]) == (8, 4, OUT, "bf16")
 
 
@@ -626,9 +628,6 @@ def test_submissions_default_to_bf16_and_an_explicit_dtype_wins(launcher, kubect
     def planned_dtype(argv):
         code, out, err = cli_main([*argv, "--dry-run"], capsys)
         assert code == 0, err
-        if argv[1] == "dataflow":
-            lines = out.splitlines()
-            return json.loads(lines[lines.index("# settings:") + 1])["dtype"]
         return json.loads(out.split("# settings: ", 1)[1].split("\n", 1)[0])["dtype"]
 
     assert planned_dtype(DATAFLOW) == planned_dtype(GKE) == "bf16"
@@ -791,16 +790,17 @@ def test_what_a_dataflow_dry_run_prints_plans_every_setting_it_checked(monkeypat
     code, out, err = cli_main([*argv, "--dry-run"], capsys)
     assert code == 0, err
     checked = _flag_fields(ALL_CHANGED)  # v5e 2x4 on Dataflow: one host of 8 chips
-    lines = out.splitlines()
-    assert Settings.from_dict(json.loads(lines[lines.index("# settings:") + 1])) == checked
+    assert Settings.from_dict(json.loads(out.split("# settings: ", 1)[1].split("\n", 1)[0])) == checked
     command = _printed(out, shlex.join(dataflow.launcher_command()) + " run plan ")
-    assert command[:5] == [*dataflow.launcher_command(), "run", "plan"] and command[-2:] == ["--", "OPTIONS"]
+    printed_options = _dry_run_sections(out)["plan"]
+    assert command[:5] == [*dataflow.launcher_command(), "run", "plan"] and \
+        command[-len(printed_options) - 1:] == ["--", *printed_options]
     launched = []
     monkeypatch.setattr("pipeline.cloud.dataflow_launch.launch",
                         lambda *a: launched.append(a) or {"job_id": "j", "state": "PENDING"})
     assert launcher_cli.main(command[3:]) == 0
     [(stage, out_, options, settings, overwrite, cap)] = launched
-    assert (stage, out_, options, settings, overwrite, cap) == ("plan", OUT, ["OPTIONS"], checked, False, None)
+    assert (stage, out_, options, settings, overwrite, cap) == ("plan", OUT, printed_options, checked, False, None)
 
 
 @pytest.mark.parametrize("argv,message", [

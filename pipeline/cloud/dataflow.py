@@ -282,18 +282,17 @@ def dataflow_dry_run(job: DataflowJob) -> str:
         "# promptmill submit dataflow --dry-run: nothing was launched. It would launch three Dataflow jobs, in order, "
         "each once the one before it is DONE:",
         "# " + program_check.summary(job.tpu_program),
-        "# settings:",
-        json.dumps(job.settings.to_dict(), sort_keys=True),
+        "# settings: " + json.dumps(job.settings.to_dict(), sort_keys=True),
     ]
-    for number, stage in enumerate(STAGES, 1):
-        arguments = stage_arguments(job, stage)
+    for number, stage in enumerate(STAGES, 1):  # each command whole, as it would run: paste it without the "#"
         lines += [
             f"# {number}. {stage} on {job.workers(stage)}:",
-            f"#    {launcher} {shlex.join(arguments[:arguments.index('--') + 1])} OPTIONS",
+            f"#    {launcher} {shlex.join(stage_arguments(job, stage))}",
             f"# {stage} options (one a line, shell-quoted):",
             format_options(job.options(stage)),
         ]
-    lines.append(f"# between launches: every {job.poll_s:g} s `{launcher} state JOB_ID -- OPTIONS` until DONE "
+    lines.append(f"# between launches: every {job.poll_s:g} s `{launcher} state JOB_ID -- STAGE_OPTIONS` (the "
+                 f"stage's options above) until DONE "
                  f"({', '.join(STOPPED_STATES)} stop the chain); while generate runs, count "
                  f"{naming.join(job.out, 'shards', '*_stats.json')} (committed slices)")
     return "\n".join(lines)
