@@ -310,3 +310,9 @@ def test_chromium_shows_the_thumbnails(tmp_path):
     chromium.screenshot(dataset / "index.html", shots / "1-missing.png", 1000, 1400)
     assert chromium.count_thumbnails(shots / "1-missing.png") == 4
     print(f"chromium test: {time.monotonic() - started:.1f}s")
+
+
+def test_a_long_key_shows_whole_on_hover():
+    long_key = "a-very-long-folder-name-p-jsonl-3--c4945e81959d1234_0000"
+    page_html = gallery.render_page([{**row(0), "key": long_key}], 1, 1, 1, "t")
+    assert f'<div class="key" title="{long_key}">{long_key}</div>' in page_html

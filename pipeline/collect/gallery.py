@@ -193,7 +193,7 @@ def _cell(row: dict, here: str) -> str:
     prompt = str(row.get("prompt") or "")
     caption = (f'<figcaption><div class="prompt" title="{_text(prompt)}">{_text(prompt)}</div>'
                f'<div class="meta">seed {_text(str(row.get("seed")))}</div>{_scores(row)}'
-               f'<div class="key">{_text(key)}</div>')
+               f'<div class="key" title="{_text(key)}">{_text(key)}</div>')
     dropped = row.get("dropped")
     if dropped:  # no output holds it, and no thumbnail was made: the row alone, and why
         return (f'<figure class="dropped"><div class="nopic" title="{_text(dropped)}">dropped: '
