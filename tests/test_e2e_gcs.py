@@ -138,8 +138,12 @@ def _normalized(out: str) -> dict:
         return {k: v for k, v in row.items() if k != "created_at"}
 
     manifest = storage.read_json(naming.manifest(out))
+    files = storage.checksums(naming.join(out, "images"))
+    jsonl = naming.join(out, "images", "metadata.jsonl")  # the imagefolder's metadata: rows with created_at
     found = {"rows": sorted((strip(r) for r in metadata(out)), key=lambda r: r["key"]),
-             "files": storage.checksums(naming.join(out, "images")), "tar": {}, "parquet": {}}
+             "files": {name: sum_ for name, sum_ in files.items() if not name.endswith("metadata.jsonl")},
+             "jsonl": [strip(json.loads(line)) for line in storage.read_text(jsonl).splitlines()],
+             "tar": {}, "parquet": {}}
     for index in range(manifest["slices"]):
         with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, index)))) as tar:
             for member in tar.getmembers():
@@ -166,7 +170,8 @@ def test_a_run_through_a_faulty_proxy_gives_the_clean_runs_dataset(clean_run, gc
     assert proxy.counts["forwarded"] > 100
     clean, faulty = _normalized(clean_run), _normalized(out)
     assert len(clean["rows"]) == IMAGES
-    for part in ("rows", "files", "tar", "parquet"):
+    assert len(clean["jsonl"]) == IMAGES
+    for part in ("rows", "files", "jsonl", "tar", "parquet"):
         assert faulty[part] == clean[part], part
     np.testing.assert_array_equal(faulty["zarr"], clean["zarr"])
 
@@ -202,8 +207,9 @@ def test_collect_reads_no_image_bytes(clean_run, gcs_emulator, model_cache):
               if (name.startswith(("images/", "thumbs/", "parquet/", "zarr/")) or name.endswith(".tar"))
               and not re.fullmatch(r"zarr/\w+/zarr\.json", name)}
     assert images == {}
+    # (and OUT/README.md, whose first lines say whether collect wrote it: a user's card is never replaced)
     allowed = re.compile(r"run\.json|plan/manifest\.json|plan/inputs\.json|plan/slices/\d{5}\.jsonl|plan/rejects/.+\.jsonl"
-                         r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json|zarr/\w+/zarr\.json")
+                         r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json|zarr/\w+/zarr\.json|README\.md")
     assert [name for name in read if not allowed.fullmatch(name)] == []
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     assert stats["verified"] and stats["images"] == IMAGES
