@@ -26,6 +26,7 @@ setup(
         "tqdm>=4.60",
         "pyyaml>=6",  # submit gke renders JobSet manifests
         "safetensors>=0.4",  # PyTorch weights, LoRA files and the converted weights (pipeline.model.loading.weights)
+        "jinja2>=3.1",  # a checkpoint's own chat template (FLUX.2 [klein]'s Qwen3 prompts)
         "tensorstore>=0.1.60",  # the zarr format
         "zarr>=3.1",  # OUT/zarr/key: tensorstore has no string dtype (formats.write_zarr_keys)
     ],

@@ -35,8 +35,9 @@ def test_the_family_claims_klein_and_the_tiny_preset_is_registered():
 
 def test_texts_embeddings_and_images_match_diffusers(model, expected):
     model, meta = model
-    texts = [sampling.format_prompt(p) for p in meta["prompts"]]
-    assert texts == [str(t) for t in expected["texts"]]
+    texts = [sampling.format_prompt(model.nets.tokenizer, p) for p in meta["prompts"]]
+    assert texts == [str(t) for t in expected["texts"]]  # the checkpoint's template, thinking off
+    assert all("<think>\n\n</think>" in t for t in texts)
     ids = model.family.tokenize(model, meta["prompts"])
     length = ids.shape[1] // 2
     embeds = sampling.stacked_states(model.nets, model.params["text_encoder"], jnp.asarray(ids[:, :length]),
@@ -84,3 +85,13 @@ def test_the_built_in_klein_runs_plan_generate_collect_and_reproduces_an_image(t
     assert again.returncode == 0, again.stderr[-3000:]  # it checks the sha256 itself
     [saved] = os.listdir(tmp_path / "again")
     assert (tmp_path / "again" / saved).read_bytes() == storage.read_bytes(naming.join(out, row["path"]))
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_naming_it(model):
+    import copy
+
+    model, _ = model
+    bare = copy.copy(model.nets.tokenizer)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="tokenizer has no chat_template"):
+        sampling.format_prompt(bare, "a fox")

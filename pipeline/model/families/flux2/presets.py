@@ -29,8 +29,9 @@ SEED = 0
 TOKENIZER_MAX_LENGTH = 512  # Flux2KleinPipeline's tokenizer_max_length, its default max_sequence_length
 PAD, IM_START, IM_END, THINK, END_THINK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
 SPECIAL = (PAD, IM_START, IM_END, THINK, END_THINK)
-# Qwen3's chat template, as far as Flux2KleinPipeline reads it (one user message, the
-# generation prompt, thinking off): what ``sampling.format_prompt`` writes without jinja
+# the built-in tokenizer's chat template, a small Qwen3-style one that branches on
+# enable_thinking as Qwen3's does (``sampling.format_prompt`` renders whatever template a
+# checkpoint ships, with the tokenizer's apply_chat_template)
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                  "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"

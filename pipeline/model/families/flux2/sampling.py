@@ -1,7 +1,7 @@
 """FLUX.2 [klein]'s sampling, as diffusers 0.39's ``Flux2KleinPipeline`` does it, in JAX.
 
-- prompts: each text wrapped in Qwen3's chat template (one user message, the generation
-  prompt, thinking off: ``format_prompt``), tokenised, right-padded with its attention mask
+- prompts: each text in the checkpoint's own chat template (one user message, the
+  generation prompt, thinking off: ``format_prompt``), tokenised, right-padded with its attention mask
   and cut to ``max_sequence_length`` (default 512);
 - text conditioning: the Qwen3 text encoder's hidden states 9, 18 and 27 (transformers'
   ``output_hidden_states`` numbering; padded positions included) stacked per token into
@@ -53,11 +53,15 @@ def make_schedule(config, steps: int, image_seq_len: int) -> flow.FlowSchedule:
     return flow.make_schedule(config, steps, image_seq_len, mu_of=klein_mu)
 
 
-def format_prompt(text: str) -> str:
-    """``tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-    add_generation_prompt=True, enable_thinking=False)`` with Qwen3's template."""
-    return (f"{presets.IM_START}user\n{text}{presets.IM_END}\n{presets.IM_START}assistant\n"
-            f"{presets.THINK}\n\n{presets.END_THINK}\n\n")
+def format_prompt(tokenizer, text: str) -> str:
+    """``text`` in the checkpoint's own chat template (its tokenizer's ``chat_template``), as
+    ``Flux2KleinPipeline`` formats it: one user message, the generation prompt, thinking
+    off. A tokenizer without a chat template is an error naming what is missing."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the checkpoint's tokenizer has no chat_template (tokenizer_config.json or "
+                         "chat_template.jinja): FLUX.2 [klein] formats every prompt with it")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
 
 
 def tokenize(tokenizer, prompts, max_sequence_length: int):
@@ -69,14 +73,14 @@ def tokenize(tokenizer, prompts, max_sequence_length: int):
     if not (isinstance(max_sequence_length, int) and 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
         raise ValueError(f"max_sequence_length must be an integer from 1 to {MAX_SEQUENCE_LENGTH}, "
                          f"got {max_sequence_length!r}")
-    encoded = tokenizer([format_prompt(p) for p in prompts], padding="max_length", truncation=True,
+    encoded = tokenizer([format_prompt(tokenizer, p) for p in prompts], padding="max_length", truncation=True,
                         max_length=max_sequence_length, return_tensors="np")
     return encoded.input_ids.astype(np.int32), encoded.attention_mask.astype(np.int32)
 
 
 def truncated(tokenizer, prompts, max_length: int) -> list[bool]:
     """Whether each chat-formatted prompt has more tokens than ``max_length``."""
-    ids = tokenizer([format_prompt(p) for p in prompts], truncation=False, verbose=False).input_ids
+    ids = tokenizer([format_prompt(tokenizer, p) for p in prompts], truncation=False, verbose=False).input_ids
     return [len(row) > max_length for row in ids]
 
 
