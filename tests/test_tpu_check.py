@@ -369,6 +369,27 @@ def test_a_compiling_child_hands_back_its_errors():
         tpu_check.child.compiled(tpu_check.largest_batch, Settings(), tpu_check.Target("v5e", 4, 16.0))
 
 
+def test_a_compiling_child_reads_no_pickle_from_a_folder_others_may_write(tmp_path):
+    """The request and answer are pickles this process tree writes into its own 0700
+    folder; a file anywhere else (here a folder others may write) is never unpickled."""
+    import pickle
+
+    from pipeline.generate import compile_process
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    marker = tmp_path / "ran"
+    (shared / "request").write_bytes(pickle.dumps((os.system, (f"touch {marker}",))))
+    with pytest.raises(compile_process.Failed, match="not in a private folder of this user"):
+        compile_process.main([str(shared / "request"), str(shared / "answer")])
+    assert not marker.exists()
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "answer").write_bytes(pickle.dumps((True, 42)))
+    assert compile_process._load_private(str(private / "answer")) == (True, 42)
+
+
 # ---------------------------------------------------------------- real TPU programs
 
 def _events(text: str, name: str) -> list[dict]:

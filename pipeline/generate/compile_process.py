@@ -96,6 +96,18 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _load_private(path: str):
+    """Unpickle ``path``, a request or answer this process tree wrote itself into the
+    ``TemporaryDirectory`` of ``run`` (0700, ours): refused in a folder another user owns
+    or may write, where someone else could have put code to run."""
+    folder = os.stat(os.path.dirname(os.path.abspath(path)))
+    if folder.st_uid != os.getuid() or folder.st_mode & 0o077:
+        raise Failed(f"{path}: not in a private folder of this user; a compiling child's files are never read "
+                     f"from anywhere else")
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def run(call: str, *args):
     """``call(*args)`` (``module:function``, one of ``CALLS``) in a child process; its
     result, or the exception it raised, raised again here (``Failed`` for one not of
@@ -119,8 +131,7 @@ def run(call: str, *args):
             raise Crashed(_signal_name(number), number in COMPILER_SIGNALS, seconds, printed, program)
         if not os.path.exists(answer):
             raise Failed(f"the compiling process exited with {process.returncode} and no answer")
-        with open(answer, "rb") as f:
-            ok, value = pickle.load(f)
+        ok, value = _load_private(answer)
     if not ok:
         raise value
     return value
@@ -131,8 +142,7 @@ def main(argv: list[str]) -> int:
     from pipeline.model.loading import libraries
 
     libraries.quiet_libraries()  # before the model's classes are unpickled: each would warn
-    with open(request, "rb") as f:
-        call, args = pickle.load(f)
+    call, args = _load_private(request)
     module, name = call.split(":")
     try:
         result = (True, getattr(importlib.import_module(module), name)(*args))
