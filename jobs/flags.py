@@ -147,7 +147,9 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{side}", type=int, default=None,
                             help=f"image {side} in pixels, a multiple of the model's size unit ({size_rules()}) "
                                  f"(default: the model's)")
-    parser.add_argument("--steps", type=int, default=d.steps, help="denoising steps (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=d.steps,
+                        help="denoising steps (default: the model's: SD and SDXL 20, FLUX.1 [schnell] 4 and [dev] 28, "
+                             "FLUX.2 [klein] 4 and its base models 50; a resumed run keeps its own)")
     parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                         help="sampling algorithm (default: the checkpoint's own; euler_a: Euler ancestral, as "
                              "adversarially distilled turbo models ship; lcm: LCM multistep, for LCM and LCM-LoRA "

@@ -504,7 +504,7 @@ def test_the_model_has_no_family_specific_field():
 
     assert {f.name for f in dc.fields(Model)} == {"path", "fingerprint", "family", "nets", "sampler", "params",
                                                    "dtype", "latent_channels", "vae_scale_factor", "native_size",
-                                                   "param_dtype"}
+                                                   "param_dtype", "default_steps"}
 
 
 # ---------------------------------------------------------------------------------------

@@ -142,3 +142,23 @@ def test_the_pallas_kernel_runs_per_device_in_a_program_partitioned_over_a_mesh(
     rows = NamedSharding(the_mesh, PartitionSpec((sharding.DATA, sharding.FSDP)))
     out = jax.jit(attend, in_shardings=(rows, rows, rows), out_shardings=rows)(q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(attention.attend(q, k, v, 0.35, "xla")), atol=1e-5)
+
+
+def test_fsdp_shards_klein_s_qwen3_with_its_transformer_and_makes_the_images_of_fsdp_1(devices, model_cache,
+                                                                                       monkeypatch):
+    """FLUX.2 [klein]'s every network but the VAE is sharded: the real Qwen3-4B (27 of its
+    layers, 6 GiB in bf16) is over the text-encoder bound, and the tiny one is made so here;
+    the base model's guided program at --fsdp 2 makes the images of --fsdp 1."""
+    real = model_lib.load("random-klein-4b", abstract=True, dtype="bf16")
+    assert sharding.layout_of(real.params, 2).sharded == ("text_encoder", "transformer")
+    monkeypatch.setattr(sharding, "ENCODER_SHARDED_FROM", 0)
+    model = model_lib.load("tiny-klein-base", dtype="fp32")
+    assert sharding.layout_of(model.params, 2).sharded == ("text_encoder", "transformer")
+    rows = [("a red fox in the snow", "", 4.0, 5, 0), ("a blue whale", "blurry", 1.0, 9, 2)]
+    images = {}
+    for fsdp in (1, 2):
+        generator = Generator(model, 16, 16, 2, 1, devices=devices, guided=True, guidance_rule="diffusers", fsdp=fsdp)
+        images[fsdp] = generator(generator.batch_of(rows))
+    diff = np.abs(images[1].astype(int) - images[2].astype(int))
+    assert diff.max() <= 2, diff.max()
+    assert not np.array_equal(images[2][0], images[2][1])

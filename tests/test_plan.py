@@ -182,4 +182,4 @@ def test_replanning_the_same_out_with_other_settings_is_refused(tmp_path, model_
     first = plan.run_plan(settings)
     assert plan.run_plan(settings) == first  # the same settings: idempotent
     with pytest.raises(plan.PlanError, match=r"other settings \(changed: steps\)"):
-        plan.run_plan(settings.replace(steps=settings.steps + 1))
+        plan.run_plan(settings.replace(steps=21))

@@ -416,7 +416,7 @@ def run_flops(config: BenchConfig) -> dict:
     rows = []
     for name, steps, guidance in config.flops_recipes:
         model = model_lib.load(name, dtype=config.dtype, abstract=True)
-        guided = model.family.cfg and guidance > 1
+        guided = model.family.classifier_free(model) and guidance > 1
         counted = parts.part_flops(model, width, height, 1, guided)
         per_image = parts.image_flops(model, width, height, steps, 1, guided)
         rows.append({"model": name, "family": model.family.name, "steps": steps, "guidance_scale": guidance,
@@ -435,7 +435,7 @@ def run_fsdp(model, config: BenchConfig, devices, width: int, height: int) -> di
 
     per_device_batch = config.per_device_batches[0]
     generators = {fsdp: Generator(model, width, height, config.steps, per_device_batch, devices=devices,
-                                  guided=model.family.cfg and config.guided,
+                                  guided=model.family.classifier_free(model) and config.guided,
                                   guidance_rule=model.family.guidance_rule(model), fsdp=fsdp)
                   for fsdp in config.fsdps}
     timings = in_turns({str(n): ours_call(g, config.guidance_scale) for n, g in generators.items()},

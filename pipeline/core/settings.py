@@ -38,7 +38,10 @@ class Settings:
     loras: tuple[str, ...] = ()
     width: int | None = None  # None: the model's native size
     height: int | None = None
-    steps: int = 20
+    # None: the model family's default (SD and SDXL 20, FLUX.1 [schnell] 4 and [dev] 28, FLUX.2
+    # [klein] 4 and its base 50), resolved when planning: run.json holds the number, and a
+    # resumed run keeps its own
+    steps: int | None = None
     scheduler: str | None = None  # None: the checkpoint's own (resolved when planning)
     timestep_spacing: str | None = None  # None: the checkpoint's scheduler config's own
     # None: the model family's default (SD and SDXL 7.5, FLUX.1 [dev] 3.5, [schnell] 0: it takes
@@ -108,7 +111,8 @@ class Settings:
         for name in ("width", "height"):
             if getattr(self, name) is not None:
                 check_size(name, getattr(self, name))
-        _check_int("--steps", self.steps, 1, MAX_STEPS, "a sampler's steps; each family may allow fewer")
+        if self.steps is not None:
+            _check_int("--steps", self.steps, 1, MAX_STEPS, "a sampler's steps; each family may allow fewer")
         _check_int("--per-device-batch", self.per_device_batch, 1, MAX_PER_DEVICE_BATCH, "images per device "
                    "and batch", AUTO)
         _check_int("--batches-per-slice", self.batches_per_slice, 1, MAX_BATCHES_PER_SLICE, "batches per slice")

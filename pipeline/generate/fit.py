@@ -167,11 +167,11 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
     capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
     model = model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
     width, height = model.size(settings.width, settings.height)
-    guided = guidance.guided_before_planning(settings, model.family)  # the one rule, as the TPU check's
+    guided = guidance.guided_before_planning(settings, model)  # the one rule, as the TPU check's
     platform = devices[0].platform
 
     def needs(b: int) -> int:
-        return sampler_memory(model, width, height, settings.steps, b, guided, settings.attention, platform,
+        return sampler_memory(model, width, height, model.steps(settings.steps), b, guided, settings.attention, platform,
                               settings.save_latents, fsdp=settings.fsdp, devices=devices)["total"]
 
     try:
@@ -223,12 +223,12 @@ def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -
     capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
     model = model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
     width, height = model.size(settings.width, settings.height)
-    guided = guidance.guided_before_planning(settings, model.family)
+    guided = guidance.guided_before_planning(settings, model)
     tried = {}
     for n in sharding.divisors(settings.devices_per_host):
         if n > len(devices):
             break
-        tried[n] = sampler_memory(model, width, height, settings.steps, 1, guided, settings.attention,
+        tried[n] = sampler_memory(model, width, height, model.steps(settings.steps), 1, guided, settings.attention,
                                   devices[0].platform, settings.save_latents, fsdp=n, devices=devices)["total"]
         if tried[n] <= capacity:
             logs.event("fsdp_chosen", fsdp=n, capacity_gib=round(capacity / GIB, 3), capacity_from=source,

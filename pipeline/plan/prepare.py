@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import os
 from importlib import metadata
 
@@ -30,8 +31,20 @@ def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]
     beamio.require_filesystem(settings.prompts, settings.out)
     if not match_prompt_files(settings.prompts):  # also: every file has a known format
         raise PlanError(f"no prompt files match {settings.prompts!r}")
-    settings, run = resolve_settings(settings)
+    settings, run = resolve_settings(kept_steps(settings, overwrite))
     return settings, prepare_out(settings.out, run, overwrite)
+
+
+def kept_steps(settings: Settings, overwrite: bool = False) -> Settings:
+    """``settings`` with ``--steps`` left out (None) made the steps of the run already in
+    OUT, which a resumed run keeps (logged as ``steps_kept``): a run planned when its
+    family's default was another number goes on with its own. Otherwise as they are (the
+    model's default is filled in by ``resolve_settings``)."""
+    if settings.steps is not None or overwrite or not runs.exists(settings.out):
+        return settings
+    kept = runs.read(settings.out).settings.steps
+    logs.event("steps_kept", steps=kept, out=settings.out)
+    return settings.replace(steps=kept)
 
 
 def _versions() -> dict:
@@ -62,11 +75,20 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
             raise PlanError(f"--{name} {value}: {described['family']} images are at most {described['max_size']} "
                             f"pixels each way ({described['max_size'] * described['max_size'] / size ** 2:g} times "
                             f"the model's native area, {size}x{size})")
-    if not described["min_steps"] <= settings.steps <= described["max_steps"]:
-        raise PlanError(f"--steps {settings.steps}: {settings.model} runs {described['min_steps']} to "
+    steps = described["default_steps"] if settings.steps is None else settings.steps
+    if not described["min_steps"] <= steps <= described["max_steps"]:
+        raise PlanError(f"--steps {steps}{'' if settings.steps is not None else ' (the model default)'}: "
+                        f"{settings.model} runs {described['min_steps']} to "
                         f"{described['max_steps']} steps ({described['steps_bound'] or described['family']})")
+    if settings.steps is None:
+        logs.event("steps_default", steps=steps, model=settings.model,
+                   **({"note": described["steps_note"]} if described["steps_note"] else {}))
     guidance = settings.guidance_scale if settings.guidance_scale is not None else described["default_guidance"]
-    resolved = dict(width=settings.width or size, height=settings.height or size,
+    if described["guidance_rule"] == "unused" and settings.guidance_scale not in (None, 0):
+        logs.event("guidance_unused", logging.WARNING, guidance_scale=settings.guidance_scale, model=settings.model,
+                   why=f"{settings.model} takes no guidance ({described['family']}, guidance-distilled): the scale "
+                       f"is recorded with each image and counted in the dataset's stats, never used")
+    resolved = dict(width=settings.width or size, height=settings.height or size, steps=steps,
                     scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),
                     max_sequence_length=described["max_sequence_length"])
     if not described["cfg"]:  # no classifier-free guidance: the program is decided by the family, now

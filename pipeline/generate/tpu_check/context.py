@@ -14,7 +14,7 @@ def run_guided(settings, model=None) -> bool:
     """Whether the checked program is the guided one (``guidance.guided_before_planning``:
     records that carry their own guidance above 1 make a run guided, and ``submit`` checks
     again once the plan decided)."""
-    return guidance.guided_before_planning(settings, None if model is None else model.family)
+    return guidance.guided_before_planning(settings, model)
 
 
 def size_of(settings, model) -> tuple[int, int]:
@@ -43,6 +43,7 @@ class Context:
 
             model = runtime.abstract_model(settings)
         width, height = size_of(settings, model)
+        settings = settings.replace(steps=model.steps(settings.steps))  # left out: the model's default
         return cls(settings, target, model, width, height, run_guided(settings, model))
 
     def sampler_args(self) -> dict:

@@ -136,6 +136,10 @@ def detect(index: dict, where: str) -> Family:
         if family.claims(index):
             return family
     class_name = index.get("_class_name")
+    for family in FAMILIES:
+        if class_name in family.not_yet:
+            raise FamilyError(f"{where}: model_index.json names the pipeline {class_name!r}: "
+                              f"{family.not_yet[class_name]}")
     if not class_name:
         return SDXL if index.get("text_encoder_2", [None])[0] else SD
     known = ", ".join(c for family in FAMILIES for c in family.pipeline_classes)

@@ -63,6 +63,11 @@ class Model:
     # the dtype of floating params on the devices, when the host keeps them in another
     # (FLUX.1: stored bf16 in an fp32 run, cast on the devices); None: as on the host
     param_dtype: object = None
+    default_steps: int = 20  # what --steps is when not given (``Described.default_steps``)
+
+    def steps(self, steps: int | None) -> int:
+        """The steps asked for, or the model's default when left out (None)."""
+        return self.default_steps if steps is None else steps
 
     def size(self, width: int | None, height: int | None) -> tuple[int, int]:
         """(width, height) of the model's images: those asked for, each left out (None)
@@ -94,6 +99,10 @@ class Described:
     max_steps: int = 1000
     steps_bound: str = ""
     max_size: int = 4096
+    # what --steps is when not given (a run records the number), and why, when it is not the
+    # reference pipeline's default
+    default_steps: int = 20
+    steps_note: str = ""
 
 
 class Family:
@@ -104,6 +113,9 @@ class Family:
     title: str = ""  # for people: "SD 1.x/2.x", "SDXL", "FLUX.1"
     pipeline_classes: tuple[str, ...] = ()  # model_index.json _class_name values it takes
     cfg: bool = True  # whether it has classifier-free guidance (a guided program) at all
+    # pipeline classes of a model this family will run one day, refused now with the reason
+    # ({class: why}), where a plain "promptmill does not run it" would not say enough
+    not_yet: dict = {}
     # for people (help texts, the card): the family's size unit, what its guidance scale does,
     # and its text length setting (empty: none)
     size_rule: str = "8"
@@ -131,6 +143,11 @@ class Family:
     def guidance_rule(self, model: Model) -> str:
         """How a new run's guidance acts (``Settings.guidance_rule``)."""
         return "diffusers"
+
+    def classifier_free(self, model: Model) -> bool:
+        """Whether ``model`` has classifier-free guidance (a guided program) at all: the
+        family's ``cfg``, or per checkpoint (FLUX.2 [klein]: its base models only)."""
+        return self.cfg
 
     def lora_layouts(self) -> dict:
         """{component: ``nets.convert.Layout``} of promptmill's own networks, whose layers a

@@ -42,13 +42,13 @@ def combine(rule: str, prediction, scale):
     return guided if rule == "always" else jnp.where(scale > 1, guided, cond)
 
 
-def guided_before_planning(settings, family=None) -> bool:
+def guided_before_planning(settings, model=None) -> bool:
     """Whether the run's program is the guided one, before its plan has read the prompts:
-    the plan's decision when there is one; never for a family without classifier-free
-    guidance; else what ``--guidance-scale`` implies (left out: the family's default,
-    which guides)."""
+    the plan's decision when there is one; never for a model without classifier-free
+    guidance (``Family.classifier_free``); else what ``--guidance-scale`` implies (left
+    out: the family's default, which guides)."""
     if settings.guided is not None:
         return settings.guided
-    if family is not None and not family.cfg:
+    if model is not None and not model.family.classifier_free(model):
         return False
     return settings.guidance_scale is None or settings.guidance_scale > 1

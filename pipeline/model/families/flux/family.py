@@ -33,37 +33,21 @@ from pipeline.model.loading import lora, weights
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.loading import convert  # the networks themselves (flax, jax) where they are used
 from pipeline.model.sampling.scheduler import Sampler
-from pipeline.model.loading.checkpoint import ModelError, read_json_file
+from pipeline.model.loading.checkpoint import ModelError, license_of, read_json_file
 
 COMPONENTS = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "transformer", "vae", "scheduler")
 LIBRARIES = {"text_encoder": "transformers", "text_encoder_2": "transformers", "transformer": "diffusers",
              "vae": "diffusers"}
 DEV_GUIDANCE = 3.5  # FluxPipeline's default guidance_scale: the embedded guidance of [dev]
 SCHNELL_GUIDANCE = 0.0  # [schnell] takes none; its authors pass 0.0
+# default steps, as BFL and diffusers run them: [dev] 28 (FluxPipeline's default), [schnell] 4
+# (its timestep-distilled setting; FluxPipeline's default of 28 is [dev]'s)
+DEV_STEPS, SCHNELL_STEPS = 28, 4
 SAMPLER = "flow_euler"  # the --scheduler choice of flow-matching Euler
 
 
 def _config(directory: str, component: str, filename: str = "config.json") -> dict:
     return read_json_file(os.path.join(directory, component, filename))
-
-
-def license_of(directory: str) -> str | None:
-    """The licence a checkpoint states in its model card (README.md's YAML front matter
-    ``license:``, as the Hugging Face hub keeps it), or None."""
-    path = os.path.join(directory, "README.md")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(65536)
-    except OSError:
-        return None
-    if not text.startswith("---"):
-        return None
-    front = text[3:].split("\n---", 1)[0]
-    for line in front.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "license" and value.strip():
-            return value.strip().strip("'\"")
-    return None
 
 
 class Flux(Family):
@@ -123,7 +107,9 @@ class Flux(Family):
                          scheduler=SAMPLER, size_multiple=2 * nets.vae_scale_factor,
                          default_guidance=DEV_GUIDANCE if embeds else SCHNELL_GUIDANCE,
                          guidance_rule="embedded" if embeds else "unused", cfg=False, max_sequence_length=length,
-                         license=license_of(directory))
+                         license=license_of(directory), default_steps=DEV_STEPS if embeds else SCHNELL_STEPS,
+                         steps_note="" if embeds else (f"{SCHNELL_STEPS}, [schnell]'s timestep-distilled setting "
+                                                       f"(FluxPipeline's default of {DEV_STEPS} is [dev]'s)"))
 
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
         import jax
@@ -153,7 +139,7 @@ class Flux(Family):
         return Model(path=request.model, fingerprint=None, family=self, nets=nets,
                      sampler=Sampler(SAMPLER, nets.scheduler_config, "flow"), params=params, dtype=jdtype,
                      latent_channels=nets.latent_channels, vae_scale_factor=f, native_size=described.native_size,
-                     param_dtype=jdtype)
+                     param_dtype=jdtype, default_steps=described.default_steps)
 
     @staticmethod
     def _flat_shapes(nets: flux_sampling.FluxNets) -> dict:

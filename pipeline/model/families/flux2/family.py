@@ -10,9 +10,18 @@ statistics, 2x2-patched latents, ``pipeline.model.layers.vae``) and
 W/2f]: the model's ``latent_channels`` is the transformer's ``in_channels`` and its
 ``vae_scale_factor`` twice the VAE's.
 
-Guidance: none. klein is distilled (``is_distilled``) and embeds no guidance: a guidance
-scale given is unused (``guidance_rule`` "unused", counted and said on the card, as FLUX.1
-[schnell]'s), negative prompts are never used. Weights are PyTorch safetensors converted
+Guidance, by ``model_index.json``'s ``is_distilled``:
+
+- distilled (klein, 4 steps by default): none. A guidance scale given is unused
+  (``guidance_rule`` "unused", counted and said on the card, as FLUX.1 [schnell]'s) and
+  negative prompts are never used;
+- base (klein-base, 50 steps, guidance 4.0 by default): classifier-free guidance as
+  ``Flux2KleinPipeline`` runs it when the scale is above 1 (``do_classifier_free_guidance``),
+  two transformer predictions per step, ``neg + s * (pos - neg)``, the negative prompt the
+  empty one unless a record gives its own; an image whose guidance is 1 or less takes the
+  positive prediction by selection (the "diffusers" rule, ``guidance.combine``).
+
+Weights are PyTorch safetensors converted
 once per machine (``weights.converted``); the text encoder's layers past the deepest
 hidden state read (27) are never read.
 """
@@ -24,22 +33,29 @@ import os
 
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.families.flux2 import presets, sampling as flux2_sampling
-from pipeline.model.loading import convert, weights
-from pipeline.model.loading.checkpoint import ModelError, read_json_file
+from pipeline.model.loading import convert, lora, weights
+from pipeline.model.loading.checkpoint import ModelError, license_of
 from pipeline.model.sampling.scheduler import Sampler
 
 COMPONENTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
 LIBRARIES = {"text_encoder": "transformers", "transformer": "diffusers", "vae": "diffusers"}
-GUIDANCE = 1.0  # unused: klein is distilled; its authors run it at 1.0
+GUIDANCE = 0.0  # a distilled klein takes none (its authors pass 1.0, unused): recorded 0, as FLUX.1 [schnell]
+BASE_GUIDANCE = 4.0  # Flux2KleinPipeline's default guidance_scale, for the base models
+# default steps: BFL's fixed 4 for the distilled models (Flux2KleinPipeline's default is 50,
+# the base models' setting, which a distilled model does not need), 50 for the base ones
+STEPS, BASE_STEPS = 4, 50
 SAMPLER = "flow_euler"
+NOT_YET = {"Flux2Pipeline": "FLUX.2 [dev] (Flux2Pipeline, with a Mistral text encoder) is not run by promptmill yet; "
+                            "of FLUX.2 it runs [klein] (Flux2KleinPipeline)"}
 
 
 class Flux2(Family):
     name, title = "flux2", "FLUX.2 [klein]"
     pipeline_classes = ("Flux2KleinPipeline",)
-    cfg = False
+    not_yet = NOT_YET
     size_rule = "16"  # the VAE's 8, x 2 for the 2x2 patching
-    guidance_help = "none: [klein] is guidance-distilled (a guidance scale given is unused)"
+    guidance_help = (f"[klein] (distilled): none, a guidance scale given is unused; [klein] base: classifier-free "
+                     f"guidance above 1 (default {BASE_GUIDANCE:g})")
     sequence_help = (f"Qwen3 tokens of the chat-formatted prompt, at most {flux2_sampling.MAX_SEQUENCE_LENGTH} "
                      f"(default {flux2_sampling.MAX_SEQUENCE_LENGTH}, as Flux2KleinPipeline)")
 
@@ -50,7 +66,10 @@ class Flux2(Family):
         return presets.ensure(name, shapes)
 
     def guidance_rule(self, model: Model) -> str:
-        return "unused"
+        return "unused" if model.nets.distilled else "diffusers"
+
+    def classifier_free(self, model: Model) -> bool:
+        return not model.nets.distilled
 
     def components(self, index: dict) -> tuple[str, ...]:
         return COMPONENTS
@@ -73,10 +92,6 @@ class Flux2(Family):
         if request.timestep_spacing is not None:
             raise ModelError(f"--timestep-spacing {request.timestep_spacing}: FLUX.2's flow-matching sigmas are "
                              f"linspace(1, 1/N, N), shifted by its empirical mu; there is no spacing to set")
-        index = read_json_file(os.path.join(directory, "model_index.json"))
-        if not index.get("is_distilled", False):
-            raise ModelError(f"{directory}: model_index.json has no is_distilled: true; promptmill runs FLUX.2 "
-                             f"[klein]'s distilled checkpoints only (the base ones guide, which it does not do)")
         nets = self._nets(directory)
         maximum = flux2_sampling.MAX_SEQUENCE_LENGTH
         length = maximum if request.max_sequence_length is None else request.max_sequence_length
@@ -89,17 +104,21 @@ class Flux2(Family):
             except ValueError as e:
                 raise ModelError(f"{directory}: {e}") from None
         native = 128 * nets.vae_scale_factor  # Flux2KleinPipeline's default_sample_size x the VAE's factor
+        distilled = nets.distilled
         return Described(family=self.name, native_size=native, scheduler=SAMPLER,
-                         size_multiple=2 * nets.vae_scale_factor, default_guidance=GUIDANCE, guidance_rule="unused",
-                         cfg=False, max_sequence_length=length)
+                         size_multiple=2 * nets.vae_scale_factor,
+                         default_guidance=GUIDANCE if distilled else BASE_GUIDANCE,
+                         guidance_rule="unused" if distilled else "diffusers", cfg=not distilled,
+                         max_sequence_length=length, license=license_of(directory),
+                         default_steps=STEPS if distilled else BASE_STEPS,
+                         steps_note=(f"{STEPS}, BFL's setting for a distilled [klein] (Flux2KleinPipeline's default "
+                                     f"of {BASE_STEPS} is the base models')" if distilled else ""))
 
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
         import jax
         import jax.numpy as jnp
         from transformers import AutoTokenizer
 
-        if loras:
-            raise ModelError("--lora: promptmill does not merge LoRAs into FLUX.2 [klein] yet")
         described = self.describe(directory, dataclasses.replace(request, steps=None), unet_file)
         jdtype = getattr(jnp, request.jax_dtype)
         nets = self._nets(directory, jdtype)
@@ -110,11 +129,16 @@ class Flux2(Family):
                       for component, flat in self._flat_shapes(nets).items()}
         else:
             params = self._params(directory, nets)
+            if loras:
+                try:  # a merged layer is the one copy made on the host, cast back to its stored dtype
+                    params = lora.merge(params, loras, layouts=self.lora_layouts())
+                except lora.LoraError as e:
+                    raise ModelError(str(e)) from None
         nets = dataclasses.replace(nets, tokenizer=tokenizer, max_sequence_length=described.max_sequence_length)
         return Model(path=request.model, fingerprint=None, family=self, nets=nets,
                      sampler=Sampler(SAMPLER, nets.scheduler_config, "flow"), params=params, dtype=jdtype,
                      latent_channels=nets.latent_channels, vae_scale_factor=2 * nets.vae_scale_factor,
-                     native_size=described.native_size, param_dtype=jdtype)
+                     native_size=described.native_size, param_dtype=jdtype, default_steps=described.default_steps)
 
     @staticmethod
     def _flat_shapes(nets: flux2_sampling.Flux2Nets) -> dict:
@@ -145,8 +169,14 @@ class Flux2(Family):
                     weights.read_safetensors_weights(component_dir, library), component_dir))
         return params
 
+    def lora_layouts(self) -> dict:
+        from pipeline.model.families.flux2 import transformer as flux2_net
+
+        return {"transformer": flux2_net.LAYOUT}
+
     def lora_shapes(self, directory: str) -> dict:
-        return {}
+        """The transformer's layers: diffusers' Flux2LoraLoaderMixin loads LoRAs into it alone."""
+        return {"transformer": self._flat_shapes(self._nets(directory))["transformer"]}
 
     # ---- prompts
 
@@ -166,20 +196,27 @@ class Flux2(Family):
                      return_latents: bool = False, guidance_rule: str = "unused", guided: bool = False,
                      seam=contextlib.nullcontext):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
-        ``flux2_sampling.make_denoise`` on the ids and masks ``tokenize`` made; negative ids,
-        guidance and image keys are never read (distilled, deterministic)."""
-        if guided:
-            raise ValueError("FLUX.2 [klein] has no classifier-free guidance: its program is never the guided one")
-        if guidance_rule != "unused":
-            raise ValueError(f"guidance_rule {guidance_rule!r}: FLUX.2 [klein] takes no guidance ('unused')")
+        ``flux2_sampling.make_denoise`` on the ids and masks ``tokenize`` made. A distilled
+        model's program never reads negative ids or guidance; a base model's ``guided``
+        program reads both (``guidance_rule`` "diffusers" or "always"). Image keys are never
+        read (the sampler is deterministic)."""
         nets, f = model.nets, model.vae_scale_factor
+        allowed = ("unused",) if nets.distilled else ("diffusers", "always")
+        if guidance_rule not in allowed:
+            raise ValueError(f"guidance_rule {guidance_rule!r}: a {'distilled' if nets.distilled else 'base'} "
+                             f"FLUX.2 [klein] takes {' or '.join(allowed)}")
+        if guided and nets.distilled:
+            raise ValueError("a distilled FLUX.2 [klein] has no classifier-free guidance: its program is never the "
+                             "guided one")
 
         def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
             length = prompt_ids.shape[1] // 2
             inner = flux2_sampling.make_denoise(nets, steps, latents.shape[3] * f, latents.shape[2] * f,
-                                                return_latents)
+                                                return_latents, guided=guided, rule=guidance_rule)
+            negative = (negative_ids[:, :length], negative_ids[:, length:]) if guided else None
             with seam():
-                return inner(params, prompt_ids[:, :length], prompt_ids[:, length:], latents)
+                return inner(params, prompt_ids[:, :length], prompt_ids[:, length:], latents, negative,
+                             guidance if guided else None)
 
         return denoise
 
@@ -208,7 +245,8 @@ class Flux2(Family):
         from pipeline.model.families.flux2 import transformer as flux2_net
         from pipeline.model.layers import vae as vae_net
 
-        b, nets = per_device_batch, model.nets
+        nets = model.nets
+        b = per_device_batch * (2 if guided else 1)  # through Qwen3 and the transformer: [negative; positive]
         make = shapes.on(sharding)
 
         def placed(component):

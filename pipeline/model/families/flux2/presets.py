@@ -1,12 +1,25 @@
 """Built-in random FLUX.2 [klein] models, saved as diffusers' ``Flux2KleinPipeline.save_pretrained``
-lays a checkpoint out: ``--model tiny-flux2-klein``.
+lays a checkpoint out: ``--model tiny-klein``, ...
 
-- ``tiny-flux2-klein``: FLUX.2 [klein]'s architecture (a Qwen3 causal LM as text encoder,
-  read at hidden states 9, 18 and 27; ``Flux2Transformer2DModel`` without guidance
-  embedding; ``AutoencoderKLFlux2``; klein's dynamically shifted flow-matching scheduler)
-  at sizes that compile in seconds on a CPU: a 28-layer Qwen3 of width 16, 2 double and 2
-  single blocks of 2 heads x 16, a 2-block VAE of 4 latent channels (scale factor 2;
-  latents 2x2-patched: sizes must be multiples of 4).
+- ``tiny-klein`` (distilled, ``is_distilled: true``) and ``tiny-klein-base`` (a base model,
+  which guides): FLUX.2 [klein]'s architecture (a Qwen3 causal LM as text encoder, read at
+  hidden states 9, 18 and 27; ``Flux2Transformer2DModel`` without guidance embedding;
+  ``AutoencoderKLFlux2``; klein's dynamically shifted flow-matching scheduler) at sizes that
+  compile in seconds on a CPU: a 28-layer Qwen3 of width 16, 2 double and 2 single blocks
+  of 2 heads x 16, a 2-block VAE of 4 latent channels (scale factor 2; latents
+  2x2-patched: sizes must be multiples of 4);
+- ``random-klein-4b`` and ``random-klein-9b``: the real sizes, configs and tokenizer only
+  (shapes for the TPU check and FLOP counts; ``shapes_only``), FLUX.2 [klein] 4B and 9B:
+  the transformers of diffusers' ``scripts/convert_flux2_to_diffusers.py``
+  (``get_flux2_transformer_config``, "klein-4b" and "klein-9b", as of diffusers' "Flux2
+  klein" commit, 2026-01-15; BFL's ``Klein4BParams``/``Klein9BParams`` in
+  ``src/flux2/model.py`` agree), the VAE that script builds (``AutoencoderKLFlux2()``'s
+  defaults: 32 latent channels, blocks 128-256-512-512), and Qwen's published configs of
+  the text encoders BFL's ``FLUX2_MODEL_INFO`` names: Qwen/Qwen3-4B (hidden 2560, 36
+  layers, 32 heads, 8 KV heads, head_dim 128, intermediate 9728, tied embeddings) for the
+  4B and Qwen/Qwen3-8B (hidden 4096, intermediate 12288, untied) for the 9B, vocabulary
+  151,936, both stored bfloat16. Their model cards' licences: Apache-2.0 (4B) and the FLUX
+  Non-Commercial License (9B).
 
 The weights are random, drawn from numpy leaf by leaf from a fixed seed and the
 parameter's name (``flux.presets``' rule, ``random_params`` here), stored float32 in
@@ -56,10 +69,34 @@ _TINY_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBl
                  force_upcast=True, use_quant_conv=True, use_post_quant_conv=True, mid_block_add_attention=True,
                  batch_norm_eps=1e-4, batch_norm_momentum=0.1, patch_size=[2, 2])
 
+# the real sizes (see the module docstring for where each number comes from)
+_QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=40960,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
+                 tie_word_embeddings=True, vocab_size=151936)
+_QWEN3_8B = dict(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
+_KLEIN_4B = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20,
+                 attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
+                 timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32], rope_theta=2000,
+                 eps=1e-6, guidance_embeds=False)
+_KLEIN_9B = dict(_KLEIN_4B, num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288)
+_FLUX2_VAE = dict(_TINY_VAE, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                  block_out_channels=[128, 256, 512, 512], layers_per_block=2, latent_channels=32,
+                  norm_num_groups=32, sample_size=1024)
+APACHE, NON_COMMERCIAL = "apache-2.0", "flux-non-commercial-license"
+
 # Built-in random models, by --model name. Bump a name's version when its recipe changes.
+_TINY = dict(weights_dtype="float32", qwen3=_TINY_QWEN3, transformer=_TINY_TRANSFORMER, vae=_TINY_VAE,
+             scheduler=KLEIN_SCHEDULER)
 PRESETS = {
-    "tiny-flux2-klein": dict(version="tiny-flux2-klein-v1", weights_dtype="float32", qwen3=_TINY_QWEN3,
-                             transformer=_TINY_TRANSFORMER, vae=_TINY_VAE, scheduler=KLEIN_SCHEDULER),
+    "tiny-klein": dict(_TINY, version="tiny-klein-v1", distilled=True),
+    "tiny-klein-base": dict(_TINY, version="tiny-klein-base-v1", distilled=False),
+    "random-klein-4b": dict(version="random-klein-4b-v1", distilled=True, weights_dtype="bfloat16", qwen3=_QWEN3_4B,
+                            transformer=_KLEIN_4B, vae=_FLUX2_VAE, scheduler=KLEIN_SCHEDULER, license=APACHE,
+                            shapes_only=True),
+    "random-klein-9b": dict(version="random-klein-9b-v1", distilled=True, weights_dtype="bfloat16", qwen3=_QWEN3_8B,
+                            transformer=_KLEIN_9B, vae=_FLUX2_VAE, scheduler=KLEIN_SCHEDULER,
+                            license=NON_COMMERCIAL, shapes_only=True),
 }
 
 
@@ -79,7 +116,7 @@ def qwen3_config(name: str, tokenizer) -> dict:
     """The keyword arguments of transformers' ``Qwen3Config`` of the preset's text encoder,
     its vocabulary and special ids from ``tokenizer`` (``tokenizer()``)."""
     pad = tokenizer.convert_tokens_to_ids(PAD)
-    return dict(PRESETS[name]["qwen3"], vocab_size=len(tokenizer), pad_token_id=pad, bos_token_id=pad,
+    return dict({"vocab_size": len(tokenizer)}, **PRESETS[name]["qwen3"], pad_token_id=pad, bos_token_id=pad,
                 eos_token_id=tokenizer.convert_tokens_to_ids(IM_END))
 
 
@@ -103,9 +140,9 @@ def tokenizer():
     return fast
 
 
-def model_index(diffusers_version: str) -> dict:
+def model_index(diffusers_version: str, distilled: bool = True) -> dict:
     """The ``model_index.json`` of a Flux2KleinPipeline checkpoint, as ``save_pretrained`` writes it."""
-    return {"_class_name": "Flux2KleinPipeline", "_diffusers_version": diffusers_version, "is_distilled": True,
+    return {"_class_name": "Flux2KleinPipeline", "_diffusers_version": diffusers_version, "is_distilled": distilled,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
             "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
             "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"]}
@@ -132,7 +169,7 @@ def random_params(shapes, seed: int, stacked=lambda path: False):
     return params
 
 
-def build(directory: str, name: str = "tiny-flux2-klein", weights: bool = True) -> None:
+def build(directory: str, name: str = "tiny-klein", weights: bool = True) -> None:
     """Write the random model ``name`` into ``directory`` in diffusers' Flux2KleinPipeline
     layout: model_index.json, scheduler/, tokenizer/, text_encoder/, transformer/, vae/.
     ``weights=False``: configs and tokenizer only."""
@@ -145,7 +182,12 @@ def build(directory: str, name: str = "tiny-flux2-klein", weights: bool = True) 
     from pipeline.model.loading.libraries import quiet_libraries
 
     quiet_libraries()
-    builtin.write_json(os.path.join(directory, "model_index.json"), model_index(diffusers.__version__))
+    preset = PRESETS[name]
+    builtin.write_json(os.path.join(directory, "model_index.json"),
+                       model_index(diffusers.__version__, preset["distilled"]))
+    if preset.get("license"):  # the model card's front matter, as the hub keeps it
+        with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
+            f.write(f"---\nlicense: {preset['license']}\n---\n\n{name}: random weights, {preset['version']}\n")
     meta = {"_diffusers_version": diffusers.__version__}
     builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
                 {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})

@@ -12,8 +12,9 @@
 - schedule: flow-matching Euler over sigmas ``linspace(1, 1/N, N)`` shifted by the
   scheduler config, with klein's empirical ``mu`` (``compute_empirical_mu``: of the
   image's token count and N) in place of FluxPipeline's;
-- one transformer call per step (timestep = sigma, no guidance: a distilled model never
-  guides), then the latents unpacked, un-normalised by the VAE's batch-norm statistics,
+- one transformer call per step (timestep = sigma): a distilled model never guides; a base
+  model with a guidance scale above 1 runs classifier-free guidance, ``neg + s * (pos - neg)``
+  with the negative prompt's embeddings (the empty prompt unless a record gives one), then the latents unpacked, un-normalised by the VAE's batch-norm statistics,
   unpatched and decoded (``pipeline.model.layers.vae``).
 """
 from __future__ import annotations
@@ -94,6 +95,7 @@ class Flux2Nets:
     dtype: Any = None
     tokenizer: Any = None  # once the family loads it
     max_sequence_length: int | None = None
+    distilled: bool = True  # model_index.json's is_distilled: no guidance (else a base model, which guides)
 
     @property
     def text_layers(self) -> int:
@@ -144,8 +146,11 @@ def read_nets(directory: str, dtype=None) -> Flux2Nets:
     if t_cfg.in_channels != 4 * v_cfg.latent_channels:
         raise ValueError(f"{directory}: transformer in_channels {t_cfg.in_channels} is not 4 x the VAE's "
                          f"latent_channels {v_cfg.latent_channels} (2x2-patched latents)")
+    distilled = read_json_file(os.path.join(directory, "model_index.json")).get("is_distilled", False)
+    if not isinstance(distilled, bool):
+        raise ValueError(f"{directory}: model_index.json's is_distilled must be true or false, got {distilled!r}")
     return Flux2Nets(qwen3=q_cfg, transformer=flux2.Flux2Transformer(t_cfg, dtype), vae=vae.VaeDecoder(v_cfg, dtype),
-                     scheduler_config=scheduler_config, dtype=dtype)
+                     scheduler_config=scheduler_config, dtype=dtype, distilled=distilled)
 
 
 def stacked_states(nets: Flux2Nets, text_params, input_ids, attention_mask):
@@ -174,24 +179,41 @@ def unpack(tokens, rows: int, cols: int):
     return tokens.transpose(0, 2, 1).reshape(batch, channels, rows, cols)
 
 
-def sample(nets: Flux2Nets, params, input_ids, attention_mask, latents, *, sigmas, timesteps):
+def sample(nets: Flux2Nets, params, input_ids, attention_mask, latents, *, sigmas, timesteps, negative=None,
+           scale=None, rule: str = "diffusers"):
     """float32 images [B, H, W, 3] in [0, 1] and the final patched latents [B, 4C, H/2f,
     W/2f] (before the batch-norm un-normalisation) from initial patched latents, as
-    Flux2KleinPipeline makes them, over a schedule given as arrays."""
+    Flux2KleinPipeline makes them, over a schedule given as arrays.
+
+    ``negative`` (a base model's classifier-free guidance): (input_ids, attention_mask) of
+    each image's negative prompt; the transformer then runs on [negative; positive] (one
+    call of 2B rows: a row's result does not depend on the others) and each image's
+    prediction is ``guidance.combine(rule, ...)`` with its ``scale`` [B]: ``neg + s * (pos
+    - neg)`` above 1, the positive prediction alone (selected) at 1 or below under the
+    "diffusers" rule, as the pipeline's ``do_classifier_free_guidance``."""
     import jax
     import jax.numpy as jnp
 
     from pipeline.model.families.flux2 import transformer as flux2
     from pipeline.model.layers import vae
+    from pipeline.model.sampling import guidance
 
     batch, _, rows, cols = latents.shape
+    if negative is not None:
+        input_ids = jnp.concatenate([negative[0], input_ids])
+        attention_mask = jnp.concatenate([negative[1], attention_mask])
+        scale = jnp.asarray(scale, jnp.float32).reshape(batch, 1, 1)
     context = stacked_states(nets, params["text_encoder"], input_ids, attention_mask)
     image_ids, txt_ids = flux2.latent_image_ids(rows, cols), flux2.text_ids(input_ids.shape[1])
     sigmas, timesteps = jnp.asarray(sigmas, jnp.float32), jnp.asarray(timesteps, jnp.float32)
 
     def step(i, x):
-        t = jnp.broadcast_to(timesteps[i], (batch,)) / 1000
-        velocity = nets.transformer.apply({"params": params["transformer"]}, x, context, t, image_ids, txt_ids)
+        model_input = x if negative is None else jnp.concatenate([x, x])
+        t = jnp.broadcast_to(timesteps[i], (model_input.shape[0],)) / 1000
+        velocity = nets.transformer.apply({"params": params["transformer"]}, model_input, context, t, image_ids,
+                                          txt_ids).astype(jnp.float32)
+        if negative is not None:
+            velocity = guidance.combine(rule, velocity, scale)
         return flow.step(x, velocity, sigmas[i], sigmas[i + 1])
 
     packed = jax.lax.fori_loop(0, timesteps.shape[0], step, pack(latents.astype(jnp.float32)))
@@ -199,24 +221,31 @@ def sample(nets: Flux2Nets, params, input_ids, attention_mask, latents, *, sigma
     return vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config), final
 
 
-def make_denoise(nets: Flux2Nets, steps: int, width: int, height: int, return_latents: bool = False):
-    """``denoise(params, input_ids, attention_mask, latents)``: float32 images [B, height,
-    width, 3] in [0, 1] (with ``return_latents``, also the final patched latents), jit-able;
-    latents float32 [B, 4C, height/2f, width/2f], the patched draw Flux2KleinPipeline makes.
-    The schedule is made here, on the host, for (height/2f)(width/2f) image tokens."""
+def make_denoise(nets: Flux2Nets, steps: int, width: int, height: int, return_latents: bool = False, *,
+                 guided: bool = False, rule: str = "diffusers"):
+    """``denoise(params, input_ids, attention_mask, latents, negative=None, scale=None)``:
+    float32 images [B, height, width, 3] in [0, 1] (with ``return_latents``, also the final
+    patched latents), jit-able; latents float32 [B, 4C, height/2f, width/2f], the patched
+    draw Flux2KleinPipeline makes. ``guided`` (a base model's program): ``negative`` (ids,
+    mask) and ``scale`` [B] are read (``sample``). The schedule is made here, on the host,
+    for (height/2f)(width/2f) image tokens."""
     f = 2 * nets.vae_scale_factor
     if height % f or width % f:
         raise ValueError(f"height and width must be multiples of {f} (twice the VAE's scale factor, for the 2x2 "
                          f"patching), got {width}x{height}")
+    if guided and nets.distilled:
+        raise ValueError("a distilled FLUX.2 [klein] never guides: its program is never the guided one")
     rows, cols = height // f, width // f
     schedule = make_schedule(nets.scheduler_config, steps, rows * cols)
 
-    def denoise(params, input_ids, attention_mask, latents):
+    def denoise(params, input_ids, attention_mask, latents, negative=None, scale=None):
         if tuple(latents.shape[1:]) != (nets.latent_channels, rows, cols):
             raise ValueError(f"latents have shape {tuple(latents.shape)}, expected [B, {nets.latent_channels}, "
                              f"{rows}, {cols}] for {width}x{height} images")
+        if guided != (negative is not None):
+            raise ValueError("the guided program takes the negative prompts and the scales; the other neither")
         images, final = sample(nets, params, input_ids, attention_mask, latents, sigmas=schedule.sigmas,
-                               timesteps=schedule.timesteps)
+                               timesteps=schedule.timesteps, negative=negative, scale=scale, rule=rule)
         return (images, final) if return_latents else images
 
     return denoise
