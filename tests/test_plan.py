@@ -183,3 +183,26 @@ def test_replanning_the_same_out_with_other_settings_is_refused(tmp_path, model_
     assert plan.run_plan(settings) == first  # the same settings: idempotent
     with pytest.raises(plan.PlanError, match=r"other settings \(changed: steps\)"):
         plan.run_plan(settings.replace(steps=21))
+
+
+def test_steps_default_per_family_at_plan_time_and_a_resumed_run_keeps_its_own(tmp_path, model_cache, caplog):
+    """Left out, --steps is the model's default, recorded in run.json: SD 20, FLUX.1
+    [schnell] 4 and [dev] 28, klein 4; an OUT planned at another number (an earlier
+    version's default of 20 for every family) resumes with its own."""
+    import logging
+
+    from pipeline.io import runs
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "one"}\n')
+    for model, steps in (("tiny", 20), ("tiny-flux", 4), ("tiny-flux-dev", 28), ("tiny-klein", 4)):
+        out = str(tmp_path / model)
+        plan.run_plan(Settings(prompts=str(tmp_path / "p.jsonl"), out=out, model=model))
+        assert runs.read(out).settings.steps == steps, model
+    old = str(tmp_path / "old")
+    first = plan.run_plan(Settings(prompts=str(tmp_path / "p.jsonl"), out=old, model="tiny-flux", steps=20))
+    with caplog.at_level(logging.INFO):
+        again = plan.run_plan(Settings(prompts=str(tmp_path / "p.jsonl"), out=old, model="tiny-flux"))
+    assert again == first and runs.read(old).settings.steps == 20
+    assert "steps_kept" in caplog.text
+    with pytest.raises(plan.PlanError, match=r"changed: steps"):  # asked for, another number: another run
+        plan.run_plan(Settings(prompts=str(tmp_path / "p.jsonl"), out=old, model="tiny-flux", steps=4))
