@@ -252,3 +252,23 @@ def test_a_lora_on_the_klein_transformer_matches_diffusers_and_keeps_the_program
     plain_denoise = jax.jit(plain.family.make_denoise(plain, lora_meta["steps"], guidance_rule="unused", guided=False))
     texts.add(plain_denoise.lower(plain.params, ids, None, None, latents).as_text())
     assert len(texts) == 1
+
+
+def test_the_flop_count_unrolls_qwen3_and_the_transformer(model_cache):
+    """XLA counts a loop's body once: counted, every layer of the 28-layer Qwen3 (27 run)
+    and both stacks are unrolled, so the text encoder's FLOPs are near 27 layers' worth
+    (from the matmul and attention shapes), not one layer's; the guided base program counts twice the rows."""
+    from pipeline.bench import flops
+
+    model = load.load("tiny-klein", abstract=True)
+    counted = flops.part_flops(model, 16, 16, 1, guided=False)
+    q = model.nets.qwen3
+    tokens, kv = model.nets.max_sequence_length, q.num_key_value_heads * q.head_dim
+    per_layer = 2 * tokens * q.hidden_size * (2 * q.num_attention_heads * q.head_dim + 2 * kv
+                                              + 3 * q.intermediate_size)
+    per_layer += 2 * 2 * tokens * tokens * q.num_attention_heads * q.head_dim  # scores and their average
+    assert 27 * per_layer < counted["text_encoder"] < 27 * per_layer * 1.6
+    base = load.load("tiny-klein-base", abstract=True)
+    guided = flops.part_flops(base, 16, 16, 1, guided=True)
+    assert guided["denoiser_call"] == pytest.approx(2 * counted["denoiser_call"], rel=0.01)
+    assert guided["text_encoder"] == pytest.approx(2 * counted["text_encoder"], rel=0.01)

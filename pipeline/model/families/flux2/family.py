@@ -258,7 +258,7 @@ class Flux2(Family):
                                                        transformer.config.num_single_layers))
         length = nets.max_sequence_length
         found = [("text_encoder", ("text_encoder",), jax.jit(
-            lambda p, i, m: flux2_sampling.stacked_states(nets, p, i, m)).lower(
+            lambda p, i, m: flux2_sampling.stacked_states(nets, p, i, m, nets.text_layers if count else 1)).lower(
             placed("text_encoder"), make((b, length), jnp.int32), make((b, length), jnp.int32)))]
         channels, rows, cols = model.latent_shape(width, height)
         config = transformer.config

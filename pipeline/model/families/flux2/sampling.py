@@ -153,15 +153,17 @@ def read_nets(directory: str, dtype=None) -> Flux2Nets:
                      scheduler_config=scheduler_config, dtype=dtype, distilled=distilled)
 
 
-def stacked_states(nets: Flux2Nets, text_params, input_ids, attention_mask):
+def stacked_states(nets: Flux2Nets, text_params, input_ids, attention_mask, unroll: int = 1):
     """[B, L, 3 * hidden]: the hidden states ``HIDDEN_STATES`` of each token side by side,
-    as ``torch.stack(..., dim=1).permute(0, 2, 1, 3).reshape(B, L, 3 * hidden)``."""
+    as ``torch.stack(..., dim=1).permute(0, 2, 1, 3).reshape(B, L, 3 * hidden)``.
+    ``unroll``: Qwen3's layers per loop step (all of them for a FLOP count: XLA counts a
+    loop's body once)."""
     import jax.numpy as jnp
 
     from pipeline.model.layers import qwen3
 
     states = qwen3.hidden_states(text_params, nets.qwen3, input_ids, attention_mask, indices=HIDDEN_STATES,
-                                 dtype=nets.dtype)
+                                 dtype=nets.dtype, unroll=unroll)
     batch, length, hidden = states[0].shape
     return jnp.stack(states, axis=2).reshape(batch, length, len(HIDDEN_STATES) * hidden)
 
