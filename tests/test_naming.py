@@ -30,6 +30,40 @@ def test_safe_ids_are_kept_readable():
     assert naming.output_key("img-42_b", 7) == "img-42_b_0007"
 
 
+FILES = ["prompts.jsonl", "a/p.txt", "b/p.txt", "parts/part-00001.jsonl.gz", "x.txt", "x.jsonl", "x-y/p.csv",
+         "x/y-p.csv", "Über café.txt", "...txt", "a b/c d.parquet"]
+
+
+def test_records_without_an_id_are_named_by_their_file_and_line():
+    labels = naming.file_labels(FILES)
+    assert naming.output_key("prompts.jsonl:12", 0, labels) == "prompts--L12_0000"
+    assert naming.output_key("parts/part-00001.jsonl.gz:3", 2, labels) == "parts-part-00001--L3_0002"
+    # same-named files in other folders, one stem in two formats, slugs alike: told apart
+    assert (labels["a/p.txt"], labels["b/p.txt"], labels["x.txt"], labels["x.jsonl"]) == ("a-p", "b-p", "x-txt",
+                                                                                          "x-jsonl")
+    assert labels["x-y/p.csv"] != labels["x/y-p.csv"] and labels["x-y/p.csv"].startswith("x-y-p-csv-")
+    assert labels["Über café.txt"] == "Uber-cafe" and labels["...txt"] == "file"
+    assert len(set(labels.values())) == len(FILES) and all("--" not in label for label in labels.values())
+    assert naming.file_labels(reversed(FILES)) == labels  # of the set of files alone
+    for label in labels.values():
+        assert re.fullmatch(r"[A-Za-z0-9_-]+", label) and len(label) <= 49
+
+
+def test_readable_keys_are_unique_against_user_ids_hashed_ids_and_each_other():
+    labels = naming.file_labels(FILES)
+    auto = [f"{f}:{line}" for f in FILES for line in (1, 2, 10, 12, 1234567890123456)]
+    users = HOSTILE + ["prompts--L12", "prompts-L12", "a-p--L1", "prompts", "x-txt--L1", "p.txt:1", "a/p.txt:01",
+                       "a/p.txt:", "nofile.txt:3"]
+    keys = [naming.output_key(i, n, labels) for i in auto + users for n in (0, 7)]
+    assert len(set(keys)) == len(keys)
+    for key in keys:
+        assert re.fullmatch(r"[A-Za-z0-9_-]+", key) and "." not in key
+    # an id that is not FILE:LINE of a run's file keeps its hashed name, as before
+    assert naming.output_key("a/p.txt:01", 0, labels) == naming.output_key("a/p.txt:01", 0)
+    assert naming.output_key("nofile.txt:3", 0, labels) == naming.output_key("nofile.txt:3", 0)
+    assert naming.output_key("a/p.txt:1", 0) == naming.key_stem("a/p.txt:1") + "_0000"  # hashed runs: as before
+
+
 def test_image_index_range_is_enforced():
     with pytest.raises(ValueError):
         naming.output_key("a", naming.MAX_IMAGES_PER_RECORD)

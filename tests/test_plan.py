@@ -51,7 +51,7 @@ def test_the_plan_pipeline_under_test_pipeline(tmp_path, model_cache):
     slices, rejects = read_plan(out)
     # positions follow (source, line): a.jsonl first, then b.jsonl; both files share slice 1
     assert slices == {0: [("a1_0000", 0), ("a1_0001", 1)],
-                      1: [(naming.output_key("d/a.jsonl:5", 0), 2), ("b1_0000", 3)],
+                      1: [("d-a--L5_0000", 2), ("b1_0000", 3)],  # a record without an id: file and line
                       2: [("b3_0000", 4)]}
     assert rejects == [("a.jsonl", 2, "empty_prompt"), ("a.jsonl", 3, "invalid_json"), ("b.jsonl", 2, "bad_num_images")]
     assert plan.counters(result) == {"images_planned": 5, "records_planned": 4, "rows_read": 7, "rows_rejected": 3,
@@ -206,3 +206,29 @@ def test_steps_default_per_family_at_plan_time_and_a_resumed_run_keeps_its_own(t
     assert "steps_kept" in caplog.text
     with pytest.raises(plan.PlanError, match=r"changed: steps"):  # asked for, another number: another run
         plan.run_plan(Settings(prompts=str(tmp_path / "p.jsonl"), out=old, model="tiny-flux", steps=4))
+
+
+def test_a_record_without_an_id_gets_a_readable_key_and_a_run_planned_with_hashed_names_keeps_them(tmp_path,
+                                                                                                   model_cache):
+    """Only the key's spelling changes: the id (FILE:LINE) and the seed derived from it are
+    the same; a run planned before (``key_names`` "hashed") re-plans with its own names."""
+    folder = tmp_path / "in"
+    for sub in ("a", "b"):
+        (folder / sub).mkdir(parents=True)
+        (folder / sub / "p.txt").write_text(f"a fox from {sub}\n")
+    pattern = str(folder / "*" / "p.txt")
+    items = {}
+    for rule in ("readable", "hashed"):
+        out = str(tmp_path / rule)
+        plan.run_plan(Settings(prompts=pattern, out=out, key_names=rule))
+        items[rule] = {i["id"]: i for i in (json.loads(line) for line in storage.read_text(
+            naming.plan_slice(out, 0)).splitlines())}
+    assert {i["key"] for i in items["readable"].values()} == {"a-p--L1_0000", "b-p--L1_0000"}
+    assert {i["key"] for i in items["hashed"].values()} == {naming.output_key("a/p.txt:1", 0),
+                                                           naming.output_key("b/p.txt:1", 0)}
+    assert {(i["id"], i["seed"]) for i in items["readable"].values()} == \
+        {(i["id"], i["seed"]) for i in items["hashed"].values()}
+    old = str(tmp_path / "hashed")
+    plan.run_plan(Settings(prompts=pattern, out=old))  # this version's default asks for readable names
+    again = {json.loads(line)["key"] for line in storage.read_text(naming.plan_slice(old, 0)).splitlines()}
+    assert again == {i["key"] for i in items["hashed"].values()} and runs.read(old).settings.key_names == "hashed"

@@ -4,9 +4,17 @@ Ids are never trusted as file names. A key is built only from ``[A-Za-z0-9_-]``,
 it cannot leave the output prefix, holds no dots (WebDataset splits keys at dots), and
 stays short. Keys are unique because:
   * an id that is already safe (``SAFE_ID``, no ``--``) is its own stem;
-  * any other id becomes ``slug--hash`` (slug of the id, ``--``, 16 hex of sha256), and
-    a safe stem never contains ``--``;
+  * a record without an id, whose id is its file's path (relative to the input root) and
+    line, ``FILE:LINE``, is named by its file's label and line, ``label--LLINE``
+    (``readable_stem``; runs planned with ``key_names`` "readable"): labels are unique per
+    run (``file_labels``) and hold no ``--``, and a line is digits after an ``L``;
+  * any other id becomes ``slug--hash`` (slug of the id, ``--``, 16 lowercase hex of
+    sha256), which no readable stem is (an ``L`` is not hex), and a safe stem never
+    contains ``--``;
   * the key is ``stem_NNNN`` with a fixed-width image index.
+Ids are unique per run (the plan rejects a repeated one), and a key is a function of its
+id alone, so an id given by hand that spells another record's ``FILE:LINE`` is that
+record's repeat, rejected, never a second record with its name.
 """
 from __future__ import annotations
 
@@ -27,11 +35,56 @@ def key_stem(record_id: str) -> str:
     return f"{slug}--{digest}" if slug else f"id--{digest}"
 
 
-def output_key(record_id: str, image_index: int) -> str:
-    """The key of one image of a record."""
+def output_key(record_id: str, image_index: int, labels: dict[str, str] | None = None) -> str:
+    """The key of one image of a record. ``labels`` ({file's relative path: label},
+    ``file_labels``, for runs whose ``key_names`` is "readable"): an id ``FILE:LINE`` of
+    one of those files is named ``readable_stem``; every other id ``key_stem``."""
     if not 0 <= image_index < MAX_IMAGES_PER_RECORD:
         raise ValueError(f"image_index must be in [0, {MAX_IMAGES_PER_RECORD}), got {image_index}")
-    return f"{key_stem(record_id)}_{image_index:04d}"
+    stem = None
+    if labels:
+        source, colon, line = record_id.rpartition(":")
+        if colon and source in labels and line.isdigit() and line == str(int(line)):
+            stem = readable_stem(labels[source], int(line))
+    return f"{stem or key_stem(record_id)}_{image_index:04d}"
+
+
+def readable_stem(label: str, line: int) -> str:
+    """The stem of the record without an id on ``line`` of the file labelled ``label``."""
+    return f"{label}--L{line}"
+
+
+KEY_NAMES = ("readable", "hashed")  # Settings.key_names: how records without an id are named
+_FORMAT_SUFFIX = re.compile(r"(\.(jsonl|json|csv|tsv|txt|parquet))?(\.gz)?$", re.IGNORECASE)
+
+
+def _slug(text: str) -> str:
+    """``text`` in ``[A-Za-z0-9_-]``, at most 40 characters, no ``--``; accented letters
+    without their accents (``café``: ``cafe``), other characters a ``-``."""
+    import unicodedata
+
+    folded = "".join(c for c in unicodedata.normalize("NFKD", text) if not unicodedata.combining(c))
+    return _UNSAFE.sub("-", folded).strip("-")[:40].strip("-")
+
+
+def file_labels(relatives) -> dict[str, str]:
+    """{relative path: label} for the prompt files of a run (their paths relative to the
+    input root, as auto ids spell them): each label is the slug of the path without its
+    format's extension (``prompts/part-1.jsonl.gz``: ``prompts-part-1``); where two files
+    would share one (``a.txt`` and ``a.jsonl``; ``x-y/p.txt`` and ``x/y-p.txt``), the
+    slug of the whole path, then that and 8 hex of the path's sha256. Labels are unique,
+    hold no ``--``, and depend only on the set of paths (pure)."""
+    import collections
+
+    paths = sorted(set(relatives))
+    labels = {r: _slug(_FORMAT_SUFFIX.sub("", r)) or "file" for r in paths}
+    for widen in (lambda r, label: _slug(r) or "file",
+                  lambda r, label: f"{label}-{hashlib.sha256(r.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"):
+        counts = collections.Counter(labels.values())
+        labels = {r: widen(r, label) if counts[label] > 1 else label for r, label in labels.items()}
+    if len(set(labels.values())) != len(labels):  # 8 hex of two paths' sha256 alike: never seen
+        raise ValueError("two prompt files' labels collide; name the files apart")
+    return labels
 
 
 def join(base: str, *parts: str) -> str:

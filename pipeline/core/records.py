@@ -220,12 +220,13 @@ def parse_decoded(row, source: str, line: int, run_seed: int, auto_id: str,
         return Reject(source, line, bad.reason, bad.message, raw)
 
 
-def expand(record: Record, first_position: int, slice_size: int) -> list[Item]:
-    """The items (one per image) of a record whose first image sits at ``first_position``."""
+def expand(record: Record, first_position: int, slice_size: int, labels: dict | None = None) -> list[Item]:
+    """The items (one per image) of a record whose first image sits at ``first_position``;
+    ``labels``: the run's file labels, for readable keys (``naming.output_key``)."""
     items = []
     for index in range(record.num_images):
         position = first_position + index
-        items.append(Item(key=naming.output_key(record.id, index), id=record.id, image_index=index,
+        items.append(Item(key=naming.output_key(record.id, index, labels), id=record.id, image_index=index,
                           prompt=record.prompt, negative_prompt=record.negative_prompt, seed=record.seed,
                           guidance_scale=record.guidance_scale, source=record.source, line=record.line,
                           position=position, slice=position // slice_size, extra=record.extra))

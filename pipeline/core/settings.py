@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 
-from pipeline.core import keys, slicing
+from pipeline.core import keys, naming, slicing
 from pipeline.core.records import MAX_GUIDANCE, MIN_GUIDANCE
 from pipeline.core.choices import (
     ATTENTIONS,
@@ -98,6 +98,11 @@ class Settings:
     # whenever it is set, 0 included; "truthy" (runs planned before), a threshold of 0 was off.
     # Not a flag: a new run's is "set", and a run keeps the one it was planned with.
     filter_rule: str = "set"
+    # how records without an id are named (``naming.output_key``): "readable", their file's label
+    # and line (``prompts--L12_0000``); "hashed" (runs planned before), a slug and 16 hex of the
+    # id's sha256. Not a flag: a new run's is "readable", and a run keeps the one it was planned
+    # with, so its keys never change. The id and the seed are the same either way.
+    key_names: str = "readable"
 
     @property
     def slice_size(self) -> int:
@@ -133,6 +138,8 @@ class Settings:
         if self.save_latents and "zarr" not in self.formats:
             raise ValueError(f"--save-latents needs --format zarr (latents are written to OUT/zarr/latents), "
                              f"got --format {','.join(self.formats)}")
+        if self.key_names not in naming.KEY_NAMES:
+            raise ValueError(f"key_names must be one of {', '.join(naming.KEY_NAMES)}, got {self.key_names!r}")
         if self.filter_rule not in FILTER_RULES:
             raise ValueError(f"filter_rule must be one of {', '.join(FILTER_RULES)}, got {self.filter_rule!r}")
         if self.guidance_rule not in GUIDANCE_RULES:
@@ -303,7 +310,7 @@ NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": Fal
                   "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
                   "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1, "scores": (),
                   "clip_model": None, "aesthetic_head": None, "safety_checker": None, "min_clip_similarity": None,
-                  "min_aesthetic": None, "drop_nsfw": False, "filter_rule": "truthy"}
+                  "min_aesthetic": None, "drop_nsfw": False, "filter_rule": "truthy", "key_names": "hashed"}
 GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused")
 FILTER_RULES = ("set", "truthy")
 NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free

@@ -45,10 +45,14 @@ def input_root(pattern: str) -> str:
     return head if _WILDCARD.search(pattern) and head.endswith("/") else head.rpartition("/")[0]
 
 
+def relative_source(source: str, root: str) -> str:
+    """``source`` relative to the input root (its name alone when outside it)."""
+    return source[len(root):].lstrip("/") if root and source.startswith(root) else os.path.basename(source)
+
+
 def auto_id(source: str, root: str, line: int) -> str:
     """The id of a record without one: its source relative to the input root, and line."""
-    relative = source[len(root):].lstrip("/") if root and source.startswith(root) else os.path.basename(source)
-    return f"{relative}:{line}"
+    return f"{relative_source(source, root)}:{line}"
 
 
 def match_prompt_files(pattern: str) -> list[str]:

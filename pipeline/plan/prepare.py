@@ -32,7 +32,9 @@ def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]
     if not match_prompt_files(settings.prompts):  # also: every file has a known format
         raise PlanError(f"no prompt files match {settings.prompts!r}")
     settings, run = resolve_settings(kept_steps(settings, overwrite))
-    return settings, prepare_out(settings.out, run, overwrite)
+    run = prepare_out(settings.out, run, overwrite)
+    # a resumed run keeps the names its plan gave (``key_names``): a re-plan writes the same keys
+    return settings.replace(key_names=run.settings.key_names), run
 
 
 def kept_steps(settings: Settings, overwrite: bool = False) -> Settings:
@@ -140,7 +142,7 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
         # the guidance rule is a version's, not a flag: a run keeps the one it was planned with;
         # whether it is guided was decided by its plan, which checks it again (decide_guidance)
         asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided,
-                                     filter_rule=previous.settings.filter_rule)
+                                     filter_rule=previous.settings.filter_rule, key_names=previous.settings.key_names)
         if previous.settings.attention == LEGACY_ATTENTION:  # planned before the attention seam: keeps its program
             asked = asked.replace(attention=LEGACY_ATTENTION)
         if previous.settings_fingerprint == run.fingerprint_of(asked):

@@ -58,6 +58,7 @@ from pipeline.plan.layout import (
     Layout,
     PlanError,
     input_root,
+    relative_source,
     load_scan,
     make_layout,
     match_prompt_files,
@@ -102,6 +103,15 @@ class _ScanFn(beam.DoFn):
         saved = naming.plan_scan(self.out, path)
         save_scan(scan, saved)
         yield saved
+
+
+def key_labels(settings: Settings, paths: list[str]) -> dict[str, str] | None:
+    """{relative path: label} of the run's prompt files (``naming.file_labels``) when its
+    records without an id get readable keys (``key_names`` "readable"), else None."""
+    if settings.key_names != "readable":
+        return None
+    root = input_root(settings.prompts)
+    return naming.file_labels(relative_source(path, root) for path in paths)
 
 
 def layout_of_saved(paths: list[str], dedupe: bool) -> Layout:
@@ -167,8 +177,8 @@ class _PlaceFn(beam.DoFn):
     """The second pass over one file: rejects, whole slices, and the shared slices' items."""
     SHARED = "shared"
 
-    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str):
-        self.out, self.args = out, (run_seed, root, prompt_field)
+    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, labels: dict | None = None):
+        self.out, self.args, self.labels = out, (run_seed, root, prompt_field), labels
         self.rejected = Metrics.counter("plan", "rows_rejected")
         self.planned = Metrics.counter("plan", "records_planned")
         self.images = Metrics.counter("plan", "images_planned")
@@ -196,7 +206,7 @@ class _PlaceFn(beam.DoFn):
                     self.rejected.inc()
                     continue
                 self.planned.inc()
-                for item in records.expand(result, position, size):
+                for item in records.expand(result, position, size, self.labels):
                     if item.slice != current:
                         yield from self._flush(current, pending, first, end, layout.images, size)
                         current, pending = item.slice, []
@@ -288,8 +298,10 @@ class Plan(beam.PTransform):
         settings, out = self.settings, self.settings.out
         dedupe = settings.dedupe
         args = (settings.seed, input_root(settings.prompts), settings.prompt_field)
+        matched = match_prompt_files(settings.prompts)
+        labels = key_labels(settings, matched)
         files = (pbegin
-                 | "MatchFiles" >> beam.Create(match_prompt_files(settings.prompts))
+                 | "MatchFiles" >> beam.Create(matched)
                  | "SpreadFiles" >> beam.Reshuffle())
         layout = (files
                   | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, dedupe, settings.guidance_scale,
@@ -298,7 +310,7 @@ class Plan(beam.PTransform):
                   | "Layout" >> beam.Map(layout_of_saved, dedupe)
                   | "Decide" >> beam.Map(decide, out, self.cap_hosts))
         placed = (files
-                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args), beam.pvalue.AsSingleton(layout))
+                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args, labels), beam.pvalue.AsSingleton(layout))
                   .with_outputs(_PlaceFn.SHARED, main="written"))
         joined = (placed[_PlaceFn.SHARED]
                   | "GroupShared" >> beam.GroupByKey()
