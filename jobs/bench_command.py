@@ -177,7 +177,7 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                              "guidance-free), attention (each of --attentions "
                              "side by side: speed, memory, kernels), memory (the sampler's memory at each of "
                              "--memory-sizes with each of --attentions, from shapes), startup, fsdp (images/s at "
-                             "each --fsdp degree side by side) (default: %(default)s)")
+                             "each --fsdp degree side by side), models (--model and --compare-models side by side) (default: %(default)s)")
     parser.add_argument("--attentions", default=",".join(BenchConfig.attentions),
                         help="attention implementations compared by the attention and memory parts, the first "
                              "the reference; diffusers: diffusers' own attention (default: %(default)s)")
@@ -190,6 +190,9 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                              "1024x1024): default random-flux:4:0,random-flux-dev:28:3.5,random-sdxl:4:0,"
                              "random-sdxl:20:7.5 (FLUX.1 [schnell] and [dev], SDXL-Lightning's 4 steps, SDXL's "
                              "default)")
+    parser.add_argument("--compare-models", default="", metavar="MODEL[,MODEL...]",
+                        help="the models part: models timed side by side with --model at its size and steps, each "
+                             "at its family's default guidance (default: none)")
     parser.add_argument("--scorers", choices=("random", "tiny"), default="random",
                         help="the scoring part's scorers: random (CLIP ViT-L/14, SD's safety checker and LAION's head "
                              "at their real sizes, random weights) or tiny (default: %(default)s)")
@@ -259,6 +262,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                    guidance_scale=args.guidance_scale, scheduler=args.scheduler,
                                    timestep_spacing=args.timestep_spacing,
                                    parts=tuple(p for p in args.parts.split(",") if p),
+                                   compare_models=tuple(m for m in args.compare_models.split(",") if m),
                                    attentions=tuple(a for a in args.attentions.split(",") if a),
                                    memory_sizes=args.memory_sizes, fsdps=args.fsdp, scorers=args.scorers,
                                    **({"flops_recipes": args.flops_recipes} if args.flops_recipes else {}))

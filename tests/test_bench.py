@@ -196,3 +196,20 @@ def test_the_scoring_part_times_the_generator_with_and_without_scores(model_cach
 EMPTY_REPORT = {"config": {"model": "tiny", "width": 32, "height": 32, "steps": 1, "dtype": "fp32"},
                 "machine": {"devices": 2, "device_kind": "cpu", "platform": "cpu"}, "peak": {"flops_per_s": 1.0},
                 "sweep": None, "recipes": None, "startup": None}
+
+
+def test_the_models_part_times_models_side_by_side_each_at_its_own_guidance(model_cache):
+    """``--parts models``: --model and --compare-models at one size and step count, in turns;
+    SD at its default guidance (7.5: the guided program), FLUX.1 [schnell] without."""
+    with pytest.raises(ValueError, match="--compare-models"):
+        bench.BenchConfig(parts=("models",)).validate()
+    config = bench.BenchConfig(model="tiny", width=16, height=16, steps=1, batches=1, parts=("models",),
+                               compare_models=("tiny-flux",), matmul_size=64, devices=1).validate()
+    report = bench.run_bench(config)
+    rows = report["models"]["rows"]
+    assert list(rows) == ["tiny", "tiny-flux"]
+    assert (rows["tiny"]["guided"], rows["tiny-flux"]["guided"]) == (True, False)
+    assert rows["tiny"]["over_first"] == 1 and all(r["images_per_s"] > 0 and r["flops_per_image"] > 0
+                                                   for r in rows.values())
+    assert "--parts models --compare-models tiny-flux" in report["command"]
+    assert "models side by side" in bench.format_table(report)

@@ -66,7 +66,7 @@ from pipeline.core.settings import Settings, check_size
 from pipeline.generate.fit import GIB
 
 GUIDANCE = 7.5  # SD's default guidance; above 1 its value does not change the work done
-PARTS = ("sweep", "recipes", "attention", "memory", "startup", "scoring", "flops", "fsdp")
+PARTS = ("sweep", "recipes", "attention", "memory", "startup", "scoring", "flops", "fsdp", "models")
 # the flops part's default recipes (MODEL, steps, guidance): FLUX.1 [schnell] 4 steps and [dev] 28
 # steps, beside SDXL-Lightning's 4 guidance-free steps and SDXL's default 20 guided ones
 FLOPS_RECIPES = (("random-flux", 4, 0.0), ("random-flux-dev", 28, 3.5), ("random-sdxl", 4, 0.0),
@@ -104,6 +104,9 @@ class BenchConfig:
     # the flops part: (model, steps, guidance) of each recipe, costed from shapes at width x height
     flops_recipes: tuple[tuple[str, int, float], ...] = FLOPS_RECIPES
     fsdps: tuple[int, ...] = (1, 2)  # the fsdp part: FSDP degrees timed side by side
+    # the models part: other models timed side by side with --model, at its size and steps, each
+    # at its own default guidance (a guidance-distilled model takes none)
+    compare_models: tuple[str, ...] = ()
     scorers: str = "random"  # the scoring part's scorers (SCORERS)
 
     def validate(self) -> "BenchConfig":
@@ -123,6 +126,8 @@ class BenchConfig:
         if not self.attentions or set(self.attentions) - set(known):
             raise ValueError(f"--attentions takes a comma-separated subset of {', '.join(known)}, "
                              f"got {self.attentions}")
+        if "models" in self.parts and not self.compare_models:
+            raise ValueError("--parts models compares --model with --compare-models MODEL[,MODEL...]: give them")
         if self.scorers not in SCORERS:
             raise ValueError(f"--scorers must be one of {', '.join(SCORERS)}, got {self.scorers!r}")
         if not self.memory_sizes:
@@ -396,6 +401,7 @@ def command_line(config: BenchConfig) -> str:
              "--attentions": ",".join(config.attentions) if {"attention", "memory"} & set(config.parts) else None,
              "--memory-sizes": ",".join(map(str, config.memory_sizes)) if "memory" in config.parts else None,
              "--fsdp": ",".join(map(str, config.fsdps)) if "fsdp" in config.parts else None,
+             "--compare-models": ",".join(config.compare_models) if "models" in config.parts else None,
              "--flops-recipes": ",".join(f"{m}:{s}:{g:g}" for m, s, g in config.flops_recipes)
              if "flops" in config.parts and config.flops_recipes != FLOPS_RECIPES else None,
              "--scorers": config.scorers if "scoring" in config.parts and config.scorers != "random" else None,
@@ -448,6 +454,36 @@ def run_fsdp(model, config: BenchConfig, devices, width: int, height: int) -> di
     return {"per_device_batch": per_device_batch, "devices": len(devices), "rows": {str(n): r for n, r in rows.items()}}
 
 
+def run_models(model, config: BenchConfig, devices, width: int, height: int) -> dict:
+    """Images/s of ``model``'s generator and of each of ``config.compare_models``' at the same
+    size, steps, per-device batch and dtype, timed batch by batch in turns; each model at its
+    family's guidance (``guidance_before_planning`` of its default: the guided program where
+    the default guides), with its FLOPs per image by parts (from shapes) and its images/s
+    over the first model's."""
+    from pipeline.bench.timing import in_turns, ours_call
+    from pipeline.generate import parts
+    from pipeline.generate.generator import Generator
+    from pipeline.model import load as model_lib
+
+    per_device_batch = config.per_device_batches[0]
+    rows, calls, sizes = {}, {}, {}
+    for name in (config.model, *config.compare_models):
+        loaded = model if name == config.model else model_lib.load(name, dtype=config.dtype)
+        guidance = model_lib.describe(name)["default_guidance"]
+        guided = loaded.family.classifier_free(loaded) and guidance > 1
+        generator = Generator(loaded, width, height, config.steps, per_device_batch, devices=devices, guided=guided,
+                              guidance_rule=loaded.family.guidance_rule(loaded))
+        calls[name], sizes[name] = ours_call(generator, guidance), generator.batch_size
+        rows[name] = {"family": loaded.family.name, "guidance_scale": guidance, "guided": guided,
+                      "flops_per_image": parts.image_flops(loaded, width, height, config.steps, per_device_batch,
+                                                           guided)}
+    timings = in_turns(calls, sizes, config.batches)
+    first = timings[config.model]["images_per_s"]
+    for name, row in rows.items():
+        row.update(timings[name], over_first=timings[name]["images_per_s"] / first)
+    return {"per_device_batch": per_device_batch, "devices": len(devices), "steps": config.steps, "rows": rows}
+
+
 def run_bench(config: BenchConfig) -> dict:
     """Run the whole bench; returns the report (and writes it to ``config.report``)."""
     import jax
@@ -496,6 +532,7 @@ def run_bench(config: BenchConfig) -> dict:
     if "memory" in config.parts:
         program_memory = attention_bench.run_memory(config, devices[0].platform, attention)
     sharded = run_fsdp(model, config, devices, width, height) if "fsdp" in config.parts else None
+    models = run_models(model, config, devices, width, height) if "models" in config.parts else None
     if "scoring" in config.parts:
         scored = run_scoring(model, config, devices, width, height, programs=programs)
     # free the model before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
@@ -511,7 +548,7 @@ def run_bench(config: BenchConfig) -> dict:
               "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
               "peak": peak, "sweep": rows, "recipes": compared, "attention": attention, "memory": program_memory,
               "startup": start, "scoring": scored, "flops": run_flops(config) if "flops" in config.parts else None,
-              "fsdp": sharded,
+              "fsdp": sharded, "models": models,
               # samplers compiled, and generators built on a sampler an earlier part compiled
               "programs": {"compiled": programs.compiled, "shared": programs.shared}}
     if config.report:
@@ -546,6 +583,14 @@ def format_table(report: dict) -> str:
                      f"{row['seed']['images_per_s']:>11.4f} {row['ours_over_seed']:>9.3f} "
                      f"{row['flops']['per_image'] / 1e9:>10.2f} {row['achieved_flops_per_s'] / 1e9:>8.2f} "
                      f"{row['utilisation']:>6.1%} {row['seed_utilisation']:>9.1%}")
+    if report.get("models"):
+        m_ = report["models"]
+        lines.append(f"models side by side (per-device batch {m_['per_device_batch']}, {m_['steps']} steps, timed in "
+                     f"turns):")
+        lines.append(f"{'model':>18} {'guidance':>8} {'guided':>6} {'img/s':>9} {'GFLOP/img':>10} {'over first':>10}")
+        for name, row in m_["rows"].items():
+            lines.append(f"{name:>18} {row['guidance_scale']:>8} {str(row['guided']):>6} {row['images_per_s']:>9.4f} "
+                         f"{row['flops_per_image'] / 1e9:>10.3f} {row['over_first']:>10.3f}")
     r = report["recipes"]
     if r:
         lines.append(f"recipes (per-device batch {r['per_device_batch']}, timed in turns):")
