@@ -553,15 +553,17 @@ def test_a_submission_resolves_auto_against_the_target_chip_and_caps_it_for_the_
     assert settings.per_device_batch == 3 and cap is None
 
 
-def test_an_ironwood_host_program_compiles_for_its_eight_devices(no_weights):
+def test_an_ironwood_host_program_compiles_for_its_eight_devices(model_cache):
     """TPU7x: a host of 4 chips is 8 devices (two TensorCores a chip), each with half a chip's
-    HBM; the check compiles the host's program for the 8 and measures it against 96 GiB."""
+    HBM; the check compiles the host's program for the 8 and measures it against 96 GiB. The
+    program is FLUX.2 [klein] base's guided one (tiny-klein-base: Qwen3, the transformer at
+    twice the rows, the batch-norm VAE), as MaxDiffusion runs klein on Ironwood."""
     s = tpu.lookup("tpu7x", "2x2x1")
     target = program_check.target(s)
     assert (target.chips, target.dims, target.devices_per_chip, target.hbm_gib) == (4, 3, 2, 96.0)
     assert target.host_topology == ("tpu7x:2x2x1", (2, 2, 1)) and len(tpu_check.host_devices(target)) == 8
-    settings = Settings(model=no_weights, width=32, height=32, steps=1, dtype="bf16", per_device_batch=1,
-                        devices_per_host=s.devices_per_host, attention="xla", guidance_scale=1.0).validate()
+    settings = Settings(model="tiny-klein-base", width=32, height=32, steps=1, dtype="bf16", per_device_batch=1,
+                        devices_per_host=s.devices_per_host, attention="xla", max_sequence_length=32).validate()
     report = tpu_check.check(settings, target)
-    assert report["compiled"] and report["fits"] and report["chips_per_host"] == 4
+    assert report["compiled"] and report["fits"] and report["chips_per_host"] == 4 and report["guided"]
     assert 0 < report["total_gib"] < 1 < report["usable_gib"] <= 96
