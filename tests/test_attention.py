@@ -367,3 +367,31 @@ def test_chunked_attention_bounds_the_programs_memory(tiny_model):
         assert chunked[part]["total"] == (chunked[part]["argument"] + chunked[part]["output"]
                                           - chunked[part]["alias"] + chunked[part]["temp"])
     assert memory.in_gib({"temp": 3 * 2 ** 29}) == {"temp": 1.5}
+
+
+def test_every_kernel_hides_each_items_keys_from_its_length_on():
+    """key_lengths: item i attends to its first n_i keys only, in every kernel (the Pallas
+    kernel interpreted, cuDNN's call on XLA), as if its other keys were not there; the
+    hidden keys' values do not matter."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pipeline.model.layers import attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((3, 40, 2, 8)), jnp.float32) for _ in range(3))
+    lengths = jnp.asarray([40, 33, 1], jnp.int32)
+    expected = np.stack([np.asarray(attention._xla(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], 0.3))[0]
+                         for i, n in enumerate([40, 33, 1])])
+    garbage = k.at[2, 1:].set(1e4), v.at[1, 33:].set(1e6)  # what is hidden weighs nothing
+    found = {kernel: attention.attend(q, *garbage, 0.3, kernel, budget_bytes=4 * 2 * 8 * 40, interpret=True,
+                                      key_lengths=lengths) for kernel in ("xla", "chunked", "pallas")}
+    found["cudnn-call"] = attention._cudnn(q, *garbage, 0.3, lengths, implementation=None)
+    found["compute"] = attention.compute("x", q, *garbage, 0.3, key_lengths=lengths)
+    assert attention.query_blocks(3, 2, 40, 40, 4, 4 * 2 * 8 * 40)[0] > 1  # chunked really chunks
+    for kernel, out in found.items():
+        np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, err_msg=kernel)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    per_device = attention.attend(q, *garbage, 0.3, "pallas", interpret=True, mesh=mesh, key_lengths=lengths)
+    np.testing.assert_allclose(np.asarray(per_device), expected, atol=2e-5)

@@ -23,6 +23,14 @@ it to a kernel per call site from static facts only (platform, shapes, dtype, bu
 so the same setting on the same model, size and per-device batch always compiles the
 same program. The kernel can change float bits, hence the setting is part of a run.
 
+Key lengths: a call may hide each batch item's keys from a length on (``key_lengths``, int
+[batch]: the keys at and beyond it weigh exactly 0), as a padded batch of sequences of
+several lengths needs (Z-Image's captions). Every kernel takes them: ``xla`` and
+``chunked`` mask the scores (the hidden keys' scores are the dtype's lowest value, as
+torch's boolean masks make them), the Pallas kernel through its segment ids, cuDNN through
+``jax.nn.dot_product_attention``'s ``key_value_seq_lengths``. Each item keeps at least one
+key: a length below 1 is the caller's bug.
+
 Layout: the seam always splits heads as [batch, tokens, heads, head_dim] (the layout
 diffusers' ``split_head_dim=True`` uses, and cuDNN's), whatever the module's
 ``split_head_dim`` and ``use_memory_efficient_attention`` fields say: under the seam
@@ -145,7 +153,18 @@ def check_platform(implementation: str, platform: str) -> None:
 # ---- kernels: q, k, v are [batch, tokens, heads, head_dim]; scores are multiplied by
 # ``scale`` unless it is None (the VAE scales q and k beforehand, as diffusers does)
 
-def _xla(q, k, v, scale, heads_first: bool = False):
+def _hide(scores, key_lengths):
+    """``scores`` [batch, heads, queries, keys] with each item's keys from its length on
+    at the dtype's lowest value (weight 0 after the softmax); as they are without lengths."""
+    import jax.numpy as jnp
+
+    if key_lengths is None:
+        return scores
+    shown = jnp.arange(scores.shape[-1])[None, :] < jnp.asarray(key_lengths)[:, None]
+    return jnp.where(shown[:, None, None, :], scores, jnp.finfo(scores.dtype).min)
+
+
+def _xla(q, k, v, scale, heads_first: bool = False, key_lengths=None):
     """diffusers' own arithmetic: scores, scale and softmax in the inputs' dtype.
 
     ``heads_first`` (on CPU devices): q, k and v are laid out [batch, heads, tokens,
@@ -165,6 +184,7 @@ def _xla(q, k, v, scale, heads_first: bool = False):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     if scale is not None:
         scores = scores * scale
+    scores = _hide(scores, key_lengths)
     if heads_first:
         return jnp.einsum("bhqk,bhkd->bhqd", nn.softmax(scores, axis=-1), v).transpose(0, 2, 1, 3)
     return jnp.einsum("bhqk,bkhd->bqhd", nn.softmax(scores, axis=-1), v)
@@ -179,7 +199,7 @@ def query_blocks(batch: int, heads: int, q_tokens: int, kv_tokens: int, dtype_by
     return blocks, -(-q_tokens // blocks)
 
 
-def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False):
+def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False, key_lengths=None):
     """``_xla``'s arithmetic, one block of query rows at a time (``query_blocks``).
 
     A ``lax.map`` keeps one block's scores alive: on XLA:CPU (jax 0.10.2) a Python loop
@@ -195,14 +215,14 @@ def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False):
     batch, q_tokens, heads, head_dim = q.shape
     blocks, rows = query_blocks(batch, heads, q_tokens, k.shape[1], q.dtype.itemsize, budget_bytes)
     if blocks == 1:
-        return _xla(q, k, v, scale, heads_first)
+        return _xla(q, k, v, scale, heads_first, key_lengths)
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def block(queries):  # [batch, heads, rows, head_dim]
         scores = jnp.einsum("bhqd,bhkd->bhqk", queries, keys)
         if scale is not None:
             scores = scores * scale
-        return jnp.einsum("bhqk,bhkd->bhqd", nn.softmax(scores, axis=-1), values)
+        return jnp.einsum("bhqk,bhkd->bhqd", nn.softmax(_hide(scores, key_lengths), axis=-1), values)
 
     padded = jnp.pad(q, ((0, 0), (0, blocks * rows - q_tokens), (0, 0), (0, 0)))
     stacked = padded.reshape(batch, blocks, rows, heads, head_dim).transpose(1, 0, 3, 2, 4)
@@ -220,7 +240,7 @@ def _block(padded: int, most: int) -> int:
     return max(b for b in range(_LANES, max(_LANES, most) + 1, _LANES) if padded % b == 0)
 
 
-def _pallas(q, k, v, scale, block_tokens: int, interpret: bool):
+def _pallas(q, k, v, scale, block_tokens: int, interpret: bool, key_lengths=None):
     """The Pallas TPU flash-attention kernel, shapes padded to what it takes.
 
     Its blocks must divide the key length and be multiples of 128 when keys are streamed,
@@ -244,10 +264,11 @@ def _pallas(q, k, v, scale, block_tokens: int, interpret: bool):
         return x.transpose(0, 2, 1, 3)
 
     segments = None
-    if kv_padded != kv_tokens:
+    if kv_padded != kv_tokens or key_lengths is not None:  # hidden keys in a segment of their own
+        shown = kv_tokens if key_lengths is None else jnp.minimum(jnp.asarray(key_lengths), kv_tokens)
         segments = fa.SegmentIds(q=jnp.ones((batch, q_padded), jnp.int32),
-                                 kv=jnp.broadcast_to((jnp.arange(kv_padded) < kv_tokens).astype(jnp.int32),
-                                                     (batch, kv_padded)))
+                                 kv=(jnp.arange(kv_padded)[None, :] < jnp.reshape(shown, (-1, 1))).astype(jnp.int32)
+                                 * jnp.ones((batch, 1), jnp.int32))
     sizes = fa.BlockSizes(block_q=block_q, block_k_major=block_k, block_k=block_k, block_b=1)
     # interpret=True is Pallas' plain HLO interpreter (a scan over the grid); the
     # TPU-simulating InterpretParams mode is about 100x slower per call on a CPU
@@ -259,42 +280,54 @@ def _pallas(q, k, v, scale, block_tokens: int, interpret: bool):
     return out.transpose(0, 2, 1, 3)[:, :q_tokens, :, :v.shape[-1]]
 
 
-def _cudnn(q, k, v, scale):
+def _cudnn(q, k, v, scale, key_lengths=None, implementation: str | None = "cudnn"):
+    """cuDNN's fused attention (``implementation`` None: the same call on XLA, for tests
+    off a GPU); ``key_lengths`` as cuDNN's padding mask, ``key_value_seq_lengths``."""
     import jax
+    import jax.numpy as jnp
 
-    return jax.nn.dot_product_attention(q, k, v, scale=1.0 if scale is None else scale, implementation="cudnn")
+    lengths = None if key_lengths is None else jnp.asarray(key_lengths, jnp.int32)
+    query_lengths = None if lengths is None else jnp.full_like(lengths, q.shape[1])
+    return jax.nn.dot_product_attention(q, k, v, scale=1.0 if scale is None else scale,
+                                        query_seq_lengths=query_lengths, key_value_seq_lengths=lengths,
+                                        implementation=implementation)
 
 
-def _per_device(kernel, mesh, q, k, v):
-    """``kernel(q, k, v)`` run on each device's own rows of the batch (``shard_map`` over
+def _per_device(kernel, mesh, *arrays):
+    """``kernel(*arrays)`` run on each device's own rows of the batch (``shard_map`` over
     every axis of ``mesh``): in a program partitioned over a mesh (``--fsdp``), XLA cannot
     partition a Pallas (Mosaic) kernel by itself, but attention never mixes rows."""
     import jax
     from jax.sharding import PartitionSpec
 
     rows = PartitionSpec(tuple(mesh.axis_names))
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(rows, rows, rows), out_specs=rows, check_vma=False)(q, k, v)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(rows,) * len(arrays), out_specs=rows,
+                         check_vma=False)(*arrays)
 
 
 def attend(q, k, v, scale, kernel: str, *, budget_bytes: int = DEFAULT_BUDGET_BYTES["cpu"],
            block_tokens: int = DEFAULT_BLOCK_TOKENS, interpret: bool = False, mesh=None,
-           heads_first: bool = False):
+           heads_first: bool = False, key_lengths=None):
     """softmax(q k^T [* scale]) v with ``kernel``; q, k, v and the result are
     [batch, tokens, heads, head_dim]. ``budget_bytes``: chunked's block, in bytes of
     scores; ``block_tokens``: the Pallas kernel's block; ``interpret``: run the Pallas
     kernel in interpret mode (on a CPU); ``mesh``: the mesh a partitioned program runs
     over (the Pallas kernel then runs per device, ``_per_device``); ``heads_first``:
-    ``xla``'s CPU layout (``_xla``)."""
+    ``xla``'s CPU layout (``_xla``); ``key_lengths``: int [batch], each item's keys from its
+    length on hidden (see the module docstring)."""
     if kernel == "xla":
-        return _xla(q, k, v, scale, heads_first)
+        return _xla(q, k, v, scale, heads_first, key_lengths)
     if kernel == "chunked":
-        return _chunked(q, k, v, scale, budget_bytes, heads_first)
+        return _chunked(q, k, v, scale, budget_bytes, heads_first, key_lengths)
     if kernel == "pallas":
         if mesh is not None:
-            return _per_device(lambda a, b, c: _pallas(a, b, c, scale, block_tokens, interpret), mesh, q, k, v)
-        return _pallas(q, k, v, scale, block_tokens, interpret)
+            if key_lengths is None:
+                return _per_device(lambda a, b, c: _pallas(a, b, c, scale, block_tokens, interpret), mesh, q, k, v)
+            return _per_device(lambda a, b, c, n: _pallas(a, b, c, scale, block_tokens, interpret, n), mesh, q, k, v,
+                               key_lengths)
+        return _pallas(q, k, v, scale, block_tokens, interpret, key_lengths)
     if kernel == "cudnn":
-        return _cudnn(q, k, v, scale)
+        return _cudnn(q, k, v, scale, key_lengths)
     raise ValueError(f"attention kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
 
 
@@ -317,16 +350,16 @@ def record():
         _ACTIVE.recorders = outer
 
 
-def compute(site: str, q, k, v, scale):
+def compute(site: str, q, k, v, scale, key_lengths=None):
     """softmax(q k^T [* scale]) v for one attention call of promptmill's own networks, q, k,
     v and the result [batch, tokens, heads, head_dim]: through the seam active on this
     thread (``use``: its implementation picks the kernel and the call is recorded under
     ``site``), else ``xla``. Call it while the program is traced, as the diffusers modules'
-    attention is intercepted then."""
+    attention is intercepted then. ``key_lengths``: see ``attend``."""
     seam = getattr(_ACTIVE, "seam", None)
     if seam is None:
-        return _xla(q, k, v, scale)
-    return seam.core(site, q, k, v, scale)
+        return _xla(q, k, v, scale, key_lengths=key_lengths)
+    return seam.core(site, q, k, v, scale, key_lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +371,7 @@ class _Seam:
     calls: list
     mesh: object = None  # the mesh of a partitioned program (``use``)
 
-    def core(self, site, q, k, v, scale):
+    def core(self, site, q, k, v, scale, key_lengths=None):
         batch, q_tokens, heads, head_dim = q.shape
         kernel = choose(self.implementation, self.platform, q_tokens, k.shape[1], heads, head_dim, batch=batch,
                         dtype_bytes=q.dtype.itemsize, budget_bytes=self.budget_bytes)
@@ -347,7 +380,8 @@ class _Seam:
         for recorder in getattr(_ACTIVE, "recorders", ()):
             recorder.append(call)
         return attend(q, k, v, scale, kernel, budget_bytes=self.budget_bytes, block_tokens=self.block_tokens,
-                      interpret=self.platform == "cpu", mesh=self.mesh, heads_first=self.platform == "cpu")
+                      interpret=self.platform == "cpu", mesh=self.mesh, heads_first=self.platform == "cpu",
+                      key_lengths=key_lengths)
 
     def unet_attention(self, module, hidden_states, context=None, deterministic=True):
         """``FlaxAttention.__call__`` with the seam's core."""
