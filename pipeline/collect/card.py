@@ -115,6 +115,9 @@ GUIDANCE_MEANING = {
                 "negative prompts are not used",
     "unused": "none (the model takes no guidance): a guidance scale given plays no part, and neither do negative "
               "prompts; both are counted below",
+    "zimage": "Z-Image's classifier-free guidance, as ZImagePipeline runs it: an image whose guidance g is above 0 "
+              "takes prompt + g x (prompt - negative prompt); at 0, the prompt alone (the Turbo recipe). Not SD's "
+              "scale: g = 1 already guides",
 }
 
 

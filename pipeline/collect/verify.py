@@ -75,6 +75,8 @@ def unused_negatives(rows: list[dict], guidance_rule: str) -> tuple[int, int]:
         unused = [row for row in rows if row["negative_prompt"]]
     elif guidance_rule == "diffusers":
         unused = [row for row in rows if row["negative_prompt"] and row["guidance_scale"] <= 1]
+    elif guidance_rule == "zimage":  # Z-Image guides above 0
+        unused = [row for row in rows if row["negative_prompt"] and row["guidance_scale"] <= 0]
     else:
         return 0, 0
     return sum(1 for row in unused if row["image_index"] == 0), len(unused)

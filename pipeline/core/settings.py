@@ -74,7 +74,9 @@ class Settings:
     # is > 1 and uses the conditional prediction alone at guidance <= 1, as diffusers does; "always"
     # (runs planned before the rule) guided every image. Families without it: "embedded" (FLUX.1
     # [dev]: each image's guidance is an input of the transformer) and "unused" (FLUX.1 [schnell]:
-    # none). Not a flag: decided by the model's family when planning, and a run keeps it.
+    # none). "zimage": Z-Image's classifier-free guidance, pos + g * (pos - neg) for an image whose
+    # guidance is above 0, the conditional prediction alone at 0. Not a flag: decided by the
+    # model's family when planning, and a run keeps it.
     guidance_rule: str = "diffusers"
     # whether the run's program runs classifier-free guidance (UNet batch 2B, negative prompts
     # encoded) or is guidance-free (batch B, no negative prompts): decided by the plan, True
@@ -311,7 +313,7 @@ NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": Fal
                   "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1, "scores": (),
                   "clip_model": None, "aesthetic_head": None, "safety_checker": None, "min_clip_similarity": None,
                   "min_aesthetic": None, "drop_nsfw": False, "filter_rule": "truthy", "key_names": "hashed"}
-GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused")
+GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused", "zimage")
 FILTER_RULES = ("set", "truthy")
 NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free
 MAX_SEQUENCE_LENGTH = 512  # the longest text sequence any family takes; each family may allow less

@@ -11,7 +11,12 @@ interface (``base``).
 - ``flux``: FLUX.1 [schnell] and [dev]: promptmill's own rectified-flow transformer,
   the shared T5 encoder and 16-channel VAE decode (``pipeline.model.layers``),
   transformers' Flax CLIP, flow-matching Euler, and guidance embedded in the
-  transformer ([dev]) or none ([schnell]).
+  transformer ([dev]) or none ([schnell]);
+- ``flux2``: FLUX.2 [klein], distilled and base: promptmill's own FLUX.2 transformer, the
+  shared Qwen3 and the batch-norm VAE, guidance none (distilled) or classifier-free (base);
+- ``zimage``: Z-Image (Turbo and base): promptmill's own single-stream transformer, the
+  shared Qwen3 and 16-channel VAE, prompts of any length in one fixed-shape batch, its own
+  guidance rule (above 0).
 
 A family that lives outside the package is registered without editing it, in every
 process of a run (the hosts and Beam workers import this registry as the launcher
@@ -29,8 +34,9 @@ from pipeline.model.families.base import Described, Family, Model  # noqa: F401 
 from pipeline.model.families.flux.family import FLUX
 from pipeline.model.families.flux2.family import FLUX2
 from pipeline.model.families.sd.family import SD, SDXL
+from pipeline.model.families.zimage.family import ZIMAGE
 
-BUILTIN: tuple[Family, ...] = (SD, SDXL, FLUX, FLUX2)
+BUILTIN: tuple[Family, ...] = (SD, SDXL, FLUX, FLUX2, ZIMAGE)
 PLUGINS_ENV = "PROMPTMILL_FAMILIES"  # "module:attribute[,module:attribute...]": families outside the package
 ENTRY_POINTS = "promptmill.families"  # the entry-point group of installed packages' families
 

@@ -30,10 +30,13 @@ def rotary_tables(ids, axes_dims: tuple[int, ...], theta: float = ROPE_THETA):
 
 def apply_rotary(x, cos, sin):
     """Rotate each (even, odd) channel pair of x [B, tokens, heads, head_dim] by its
-    angle, in float32, the result in x's dtype (diffusers' ``apply_rotary_emb``)."""
+    angle, in float32, the result in x's dtype (diffusers' ``apply_rotary_emb``); cos and
+    sin [tokens, head_dim], or [B, tokens, head_dim] where each item has its own positions."""
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-    out = x.astype(jnp.float32) * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    if cos.ndim == 2:  # one table for every item of the batch
+        cos, sin = cos[None], sin[None]
+    out = x.astype(jnp.float32) * cos[:, :, None, :] + rotated * sin[:, :, None, :]
     return out.astype(x.dtype)
 
 

@@ -104,3 +104,24 @@ def write_clip_tokenizer_files(folder: str) -> tuple[str, str]:
     with open(merges_file, "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n")
     return vocab_file, merges_file
+
+
+def random_flat_params(shapes, seed: int, stacked=lambda path: False):
+    """Weights for flat Flax param shapes ({path: shape}), float32 numpy, leaf by leaf:
+    norms' scales and batch-norm variances 1, biases and means 0, embeddings N(0, 0.02),
+    kernels N(0, 1/fan_in) (fan_in without the leading layer axis of a ``stacked`` one);
+    each leaf's generator seeded by (seed, its path)."""
+    import numpy as np
+
+    params = {}
+    for path, shape in shapes.items():
+        if path[-1] in ("scale", "running_var", "weight"):
+            params[path] = np.ones(shape, np.float32)
+        elif path[-1] in ("bias", "running_mean"):
+            params[path] = np.zeros(shape, np.float32)
+        else:
+            rng = np.random.default_rng([seed, zlib.crc32("/".join(path).encode())])
+            fan_in = int(np.prod(shape[1 if stacked(path) else 0:-1])) or 1
+            std = 0.02 if path[-1] == "embedding" else fan_in ** -0.5
+            params[path] = (rng.standard_normal(shape) * std).astype(np.float32)
+    return params

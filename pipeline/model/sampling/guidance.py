@@ -7,6 +7,9 @@ A run's ``guidance_rule`` (``Settings.guidance_rule``, its family's, kept by the
   guidance is above 1 takes ``uncond + g * (cond - uncond)``; at 1 or below, the
   conditional prediction alone (selected, not computed with g = 1);
 - ``always``: classifier-free guidance on every image (runs planned before the rule above);
+- ``zimage``: classifier-free guidance as ``ZImagePipeline`` runs it: an image whose
+  guidance g is above 0 takes ``cond + g * (cond - uncond)``; at 0 (or below) the
+  conditional prediction alone (selected);
 - ``embedded``: the guidance is an input of the denoiser, one call per step (FLUX.1 [dev]);
 - ``unused``: the model takes no guidance.
 
@@ -26,6 +29,8 @@ def asks(rule: str, guidance: float) -> bool:
     """Whether an image of ``guidance`` under ``rule`` needs the guided program."""
     if rule == "always":
         return True
+    if rule == "zimage":
+        return guidance > 0
     return rule == "diffusers" and guidance > 1
 
 
@@ -34,10 +39,13 @@ def combine(rule: str, prediction, scale):
     positive] (``prediction``, float32, twice the batch) and each image's scale ([B, 1, ...]):
     ``uncond + g * (cond - uncond)``, for every image under "always" and, under "diffusers",
     for an image whose guidance is above 1 (at 1 or below the conditional prediction
-    alone, selected: ``uncond + 1 * (cond - uncond)`` is not bit-equal to it)."""
+    alone, selected: ``uncond + 1 * (cond - uncond)`` is not bit-equal to it); under
+    "zimage", ``cond + g * (cond - uncond)`` above 0, else ``cond``."""
     import jax.numpy as jnp
 
     uncond, cond = jnp.split(prediction, 2)
+    if rule == "zimage":
+        return jnp.where(scale > 0, cond + scale * (cond - uncond), cond)
     guided = uncond + scale * (cond - uncond)
     return guided if rule == "always" else jnp.where(scale > 1, guided, cond)
 
@@ -51,4 +59,5 @@ def guided_before_planning(settings, model=None) -> bool:
         return settings.guided
     if model is not None and not model.family.classifier_free(model):
         return False
-    return settings.guidance_scale is None or settings.guidance_scale > 1
+    rule = "diffusers" if model is None else model.family.guidance_rule(model)
+    return settings.guidance_scale is None or asks(rule, settings.guidance_scale)

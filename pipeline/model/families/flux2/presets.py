@@ -34,22 +34,12 @@ This module imports no jax at import time: the torch-only fixture script
 from __future__ import annotations
 
 import os
-import zlib
 
 from pipeline.model.loading import builtin
+from pipeline.model.loading.qwen_tokenizer import IM_END, PAD, tokenizer
 
 SEED = 0
 TOKENIZER_MAX_LENGTH = 512  # Flux2KleinPipeline's tokenizer_max_length, its default max_sequence_length
-PAD, IM_START, IM_END, THINK, END_THINK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
-SPECIAL = (PAD, IM_START, IM_END, THINK, END_THINK)
-# the built-in tokenizer's chat template, a small Qwen3-style one that branches on
-# enable_thinking as Qwen3's does (``sampling.format_prompt`` renders whatever template a
-# checkpoint ships, with the tokenizer's apply_chat_template)
-CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-                 "{% endif %}{% endif %}")
-
 # FLUX.2 [klein]'s scheduler config (FlowMatchEulerDiscreteScheduler, every key at 0.39's names)
 KLEIN_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096, invert_sigmas=False,
@@ -120,53 +110,12 @@ def qwen3_config(name: str, tokenizer) -> dict:
                 eos_token_id=tokenizer.convert_tokens_to_ids(IM_END))
 
 
-def tokenizer():
-    """A ``Qwen2TokenizerFast`` over a byte-level BPE vocabulary without merges (256 byte
-    symbols, then ``SPECIAL``), built with the ``tokenizers`` library, deterministic;
-    right padding with ``<|endoftext|>``, no special tokens added around a text (as Qwen's),
-    ``CHAT_TEMPLATE`` its chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import Qwen2TokenizerFast
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
-
-    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
-    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    fast = Qwen2TokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=IM_END, unk_token=None,
-                              bos_token=None, model_max_length=131072, padding_side="right")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
 def model_index(diffusers_version: str, distilled: bool = True) -> dict:
     """The ``model_index.json`` of a Flux2KleinPipeline checkpoint, as ``save_pretrained`` writes it."""
     return {"_class_name": "Flux2KleinPipeline", "_diffusers_version": diffusers_version, "is_distilled": distilled,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
             "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
             "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"]}
-
-
-def random_params(shapes, seed: int, stacked=lambda path: False):
-    """Weights for flat Flax param shapes ({path: shape}), float32 numpy, leaf by leaf:
-    norms' scales and batch-norm variances 1, biases and means 0, embeddings N(0, 0.02),
-    kernels N(0, 1/fan_in) (fan_in without the leading layer axis of a ``stacked`` one);
-    each leaf's generator seeded by (seed, its path)."""
-    import numpy as np
-
-    params = {}
-    for path, shape in shapes.items():
-        if path[-1] in ("scale", "running_var", "weight"):
-            params[path] = np.ones(shape, np.float32)
-        elif path[-1] in ("bias", "running_mean"):
-            params[path] = np.zeros(shape, np.float32)
-        else:
-            rng = np.random.default_rng([seed, zlib.crc32("/".join(path).encode())])
-            fan_in = int(np.prod(shape[1 if stacked(path) else 0:-1])) or 1
-            std = 0.02 if path[-1] == "embedding" else fan_in ** -0.5
-            params[path] = (rng.standard_normal(shape) * std).astype(np.float32)
-    return params
 
 
 def build(directory: str, name: str = "tiny-klein", weights: bool = True) -> None:
@@ -208,15 +157,15 @@ def build(directory: str, name: str = "tiny-klein", weights: bool = True) -> Non
     q_cfg = qwen3.Qwen3Config.from_dict(hf_config.to_dict())
     t_cfg = flux2.Flux2Config.from_dict(transformer_config(name))
     v_cfg = vae.VaeConfig.from_dict({"_class_name": vae.FLUX2_CLASS_NAME, **vae_config(name)})
-    text = qwen3.to_torch(convert.unflatten(random_params(
+    text = qwen3.to_torch(convert.unflatten(builtin.random_flat_params(
         qwen3.param_shapes(q_cfg), SEED, lambda p: convert.stack_of(p, qwen3.LAYOUT) is not None)), q_cfg)
     states = {
         "text_encoder": {"model." + k: v for k, v in text.items()},  # a Qwen3ForCausalLM's names
-        "transformer": flux2.to_torch(convert.unflatten(random_params(
+        "transformer": flux2.to_torch(convert.unflatten(builtin.random_flat_params(
             flux2.param_shapes(t_cfg), SEED + 1, lambda p: convert.stack_of(p, flux2.LAYOUT) is not None)), t_cfg),
-        "vae": vae.to_torch(convert.unflatten(random_params(vae.param_shapes(v_cfg), SEED + 2)), v_cfg),
+        "vae": vae.to_torch(convert.unflatten(builtin.random_flat_params(vae.param_shapes(v_cfg), SEED + 2)), v_cfg),
     }
-    states["text_encoder"]["lm_head.weight"] = random_params(
+    states["text_encoder"]["lm_head.weight"] = builtin.random_flat_params(
         {("lm_head", "kernel"): (q_cfg.vocab_size, q_cfg.hidden_size)}, SEED + 3)[("lm_head", "kernel")]
     for component, state in states.items():
         library = "transformers" if component == "text_encoder" else "diffusers"

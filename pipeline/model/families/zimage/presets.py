@@ -1,0 +1,158 @@
+"""Built-in random Z-Image models, saved as diffusers' ``ZImagePipeline.save_pretrained``
+lays a checkpoint out: ``--model tiny-zimage``, ``random-zimage``.
+
+- ``tiny-zimage``: Z-Image's architecture (a Qwen3 ``Qwen3Model`` text encoder, read at its
+  second-to-last layer; ``ZImageTransformer2DModel``: refiners, single-stream blocks,
+  learned pad tokens; FLUX.1's 16-channel-style ``AutoencoderKL``, here 4 channels; the
+  Turbo scheduler) at sizes that compile in seconds on a CPU: a 4-layer Qwen3 of width 16
+  (head_dim 8, 4 heads, 2 KV heads), a transformer of width 32 (2 heads of 16), 1 refiner
+  layer each side and 2 main layers, a 2-block VAE (scale factor 2: sizes are multiples
+  of 4).
+- ``random-zimage``: Z-Image-Turbo's real sizes, configs and tokenizer only (shapes, for the
+  TPU check and FLOP counts): ``ZImageTransformer2DModel``'s defaults in diffusers 0.39,
+  which are Tongyi-MAI/Z-Image-Turbo's transformer (dim 3840, 30 layers, 2 refiner layers,
+  30 heads, cap_feat_dim 2560, axes_dims 32/48/48, axes_lens 1024/512/512: 6.15B
+  parameters), Qwen/Qwen3-4B as ``Qwen3Model`` (hidden 2560, 36 layers, 32 heads, 8 KV
+  heads, head_dim 128, intermediate 9728, vocabulary 151,936), FLUX.1's VAE (16 latent
+  channels, blocks 128-256-512-512, scaling 0.3611, shift 0.1159, no quant convs) and the
+  Turbo scheduler config (FlowMatchEulerDiscreteScheduler, shift 3.0, no dynamic shifting).
+  Apache-2.0.
+
+Weights are random, drawn leaf by leaf from a fixed seed and the parameter's name
+(``builtin.random_flat_params``), the pad tokens too (not zero), stored float32 in
+PyTorch's names and layouts: loading them takes the path a user's checkpoint takes. The
+tokenizer is the shared byte-level Qwen tokenizer (``loading.qwen_tokenizer``).
+
+Imports no jax at import time (the torch-only fixture script builds pipelines from it).
+"""
+from __future__ import annotations
+
+import os
+
+from pipeline.model.loading import builtin
+from pipeline.model.loading.qwen_tokenizer import IM_END, PAD, tokenizer
+
+SEED = 0
+TOKENIZER_MAX_LENGTH = 512  # ZImagePipeline's default max_sequence_length
+# Z-Image-Turbo's scheduler config (every key at diffusers 0.39's names)
+TURBO_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False, base_shift=0.5,
+                       max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096, invert_sigmas=False,
+                       shift_terminal=None, use_karras_sigmas=False, use_exponential_sigmas=False,
+                       use_beta_sigmas=False, time_shift_type="exponential", stochastic_sampling=False)
+_TINY_QWEN3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, hidden_act="silu", max_position_embeddings=1024,
+                   rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
+                   tie_word_embeddings=False)
+_TINY_TRANSFORMER = dict(all_patch_size=[2], all_f_patch_size=[1], in_channels=4, dim=32, n_layers=2,
+                         n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=16,
+                         siglip_feat_dim=None, rope_theta=256.0, t_scale=1000.0, axes_dims=[4, 6, 6],
+                         axes_lens=[1024, 64, 64])
+_TINY_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+                 up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[8, 16], layers_per_block=1,
+                 act_fn="silu", latent_channels=4, norm_num_groups=8, sample_size=32, scaling_factor=0.3611,
+                 shift_factor=0.1159, latents_mean=None, latents_std=None, force_upcast=True, use_quant_conv=False,
+                 use_post_quant_conv=False, mid_block_add_attention=True)
+_QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=40960,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
+                 tie_word_embeddings=True, vocab_size=151936)
+_TURBO_TRANSFORMER = dict(_TINY_TRANSFORMER, in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30,
+                          n_kv_heads=30, cap_feat_dim=2560, axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512])
+_FLUX_VAE = dict(_TINY_VAE, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                 block_out_channels=[128, 256, 512, 512], layers_per_block=2, latent_channels=16, norm_num_groups=32,
+                 sample_size=1024)
+
+# Built-in random models, by --model name. Bump a name's version when its recipe changes.
+PRESETS = {
+    "tiny-zimage": dict(version="tiny-zimage-v1", weights_dtype="float32", qwen3=_TINY_QWEN3,
+                        transformer=_TINY_TRANSFORMER, vae=_TINY_VAE, scheduler=TURBO_SCHEDULER),
+    "random-zimage": dict(version="random-zimage-v1", weights_dtype="bfloat16", qwen3=_QWEN3_4B,
+                          transformer=_TURBO_TRANSFORMER, vae=_FLUX_VAE, scheduler=TURBO_SCHEDULER,
+                          license="apache-2.0", shapes_only=True),
+}
+
+
+def transformer_config(name: str) -> dict:
+    return dict(PRESETS[name]["transformer"])
+
+
+def vae_config(name: str) -> dict:
+    return dict(PRESETS[name]["vae"])
+
+
+def scheduler_config(name: str) -> dict:
+    return dict(PRESETS[name]["scheduler"])
+
+
+def qwen3_config(name: str, tok) -> dict:
+    """The keyword arguments of transformers' ``Qwen3Config`` of the preset's text encoder,
+    its vocabulary and special ids from ``tok``."""
+    pad = tok.convert_tokens_to_ids(PAD)
+    return dict({"vocab_size": len(tok)}, **PRESETS[name]["qwen3"], pad_token_id=pad, bos_token_id=pad,
+                eos_token_id=tok.convert_tokens_to_ids(IM_END))
+
+
+def model_index(diffusers_version: str) -> dict:
+    """The ``model_index.json`` of a ZImagePipeline checkpoint, as ``save_pretrained`` writes it."""
+    return {"_class_name": "ZImagePipeline", "_diffusers_version": diffusers_version,
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen3Model"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+            "transformer": ["diffusers", "ZImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
+
+
+def build(directory: str, name: str = "tiny-zimage", weights: bool = True) -> None:
+    """Write the random model ``name`` into ``directory`` in diffusers' ZImagePipeline
+    layout. ``weights=False``: configs and tokenizer only."""
+    import diffusers
+    from transformers import Qwen3Config
+
+    from pipeline.model.families.zimage import transformer as zimage
+    from pipeline.model.layers import qwen3, vae
+    from pipeline.model.loading import convert, weights as weights_lib
+    from pipeline.model.loading.libraries import quiet_libraries
+
+    quiet_libraries()
+    preset = PRESETS[name]
+    builtin.write_json(os.path.join(directory, "model_index.json"), model_index(diffusers.__version__))
+    if preset.get("license"):
+        with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
+            f.write(f"---\nlicense: {preset['license']}\n---\n\n{name}: random weights, {preset['version']}\n")
+    meta = {"_diffusers_version": diffusers.__version__}
+    builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
+                       {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})
+    builtin.write_json(os.path.join(directory, "transformer", "config.json"),
+                       {"_class_name": zimage.CLASS_NAME, **meta, **transformer_config(name)})
+    builtin.write_json(os.path.join(directory, "vae", "config.json"),
+                       {"_class_name": "AutoencoderKL", **meta, **vae_config(name)})
+    tok = tokenizer()
+    tok.save_pretrained(os.path.join(directory, "tokenizer"))
+    hf_config = Qwen3Config(**qwen3_config(name, tok))
+    hf_config.architectures = ["Qwen3Model"]
+    hf_config.dtype = preset["weights_dtype"]
+    hf_config.save_pretrained(os.path.join(directory, "text_encoder"))
+    if not weights:
+        builtin.mark_shapes_only(directory, name)
+        return
+
+    q_cfg = qwen3.Qwen3Config.from_dict(hf_config.to_dict())
+    t_cfg = zimage.ZImageConfig.from_dict(transformer_config(name))
+    v_cfg = vae.VaeConfig.from_dict({"_class_name": "AutoencoderKL", **vae_config(name)})
+    states = {
+        "text_encoder": qwen3.to_torch(convert.unflatten(builtin.random_flat_params(
+            qwen3.param_shapes(q_cfg), SEED, lambda p: convert.stack_of(p, qwen3.LAYOUT) is not None)), q_cfg),
+        "transformer": zimage.to_torch(convert.unflatten(builtin.random_flat_params(
+            zimage.param_shapes(t_cfg), SEED + 1, lambda p: convert.stack_of(p, zimage.LAYOUT) is not None)), t_cfg),
+        "vae": vae.to_torch(convert.unflatten(builtin.random_flat_params(vae.param_shapes(v_cfg), SEED + 2)), v_cfg),
+    }
+    for component, state in states.items():
+        library = "transformers" if component == "text_encoder" else "diffusers"
+        path = os.path.join(directory, component, weights_lib.SAFETENSORS_FILES[library])
+        weights_lib.write_safetensors(path, {k: v for k, v in sorted(state.items())}, align=False,
+                                      metadata={"format": "pt"})
+
+
+def ensure(name: str, shapes: bool = False) -> str:
+    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure``)."""
+    preset = PRESETS[name]
+    return builtin.ensure(preset["version"], lambda folder, weights: build(folder, name, weights=weights),
+                          shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))

@@ -1,0 +1,37 @@
+"""The built-in random models' Qwen tokenizer: a ``Qwen2TokenizerFast`` over a byte-level
+BPE vocabulary without merges plus Qwen's chat tokens, with a small Qwen3-style chat
+template (``CHAT_TEMPLATE``) that branches on ``enable_thinking`` as Qwen3's does, so that a
+family that renders it with the wrong value gets other tokens. FLUX.2 [klein] renders it
+thinking off, Z-Image thinking on; both read whatever template a checkpoint ships, through
+the tokenizer's ``apply_chat_template``, never this one.
+
+Imports no jax (the torch-only fixture scripts build PyTorch pipelines with it).
+"""
+from __future__ import annotations
+
+PAD, IM_START, IM_END, THINK, END_THINK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"
+SPECIAL = (PAD, IM_START, IM_END, THINK, END_THINK)
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                 "{% endif %}{% endif %}")
+
+
+def tokenizer():
+    """A ``Qwen2TokenizerFast`` over a byte-level BPE vocabulary without merges (256 byte
+    symbols, then ``SPECIAL``), built with the ``tokenizers`` library, deterministic;
+    right padding with ``<|endoftext|>``, no special tokens added around a text (as Qwen's),
+    ``CHAT_TEMPLATE`` its chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Qwen2TokenizerFast
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    fast = Qwen2TokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=IM_END, unk_token=None,
+                              bos_token=None, model_max_length=131072, padding_side="right")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
