@@ -136,7 +136,7 @@ def test_a_sharded_flux_dev_run_is_the_same_on_1x4_and_2x2(flux_runs):
     assert stats["verified"] and stats["negative_prompts_unused"] == {"records": 1, "images": 1}
     assert stats["guidance_unused"] == {"records": 0, "images": 0}
     card = storage.read_text(naming.dataset_card(outs[0]))
-    assert "embedded guidance: each image's guidance scale is an input of the denoiser" in card and "| T5 sequence length | `16` |" in card
+    assert "embedded guidance: each image's guidance scale is an input of the denoiser" in card and "| text sequence length (tokens) | `16` |" in card
     assert "| FSDP (weights sharded over N devices) | `2` |" in card
 
 

@@ -121,6 +121,9 @@ GUIDANCE_MEANING = {
 }
 
 
+_GUIDES_ABOVE = {"zimage": 0}  # the guidance above which an image is guided, where it is not 1
+
+
 def _with_fingerprint(path, fingerprint) -> str | None:
     return None if fingerprint is None else f"{path} (fingerprint {fingerprint[:12]})"
 
@@ -154,9 +157,10 @@ def _generation(run: Run) -> list[str]:
         ("guidance scale", settings.guidance_scale),
         ("guidance", GUIDANCE_MEANING.get(settings.guidance_rule)),
         ("classifier-free guidance", None if settings.guidance_rule in NO_CFG_RULES else {
-            True: "yes (some record's guidance > 1)",
-            False: "no: guidance-free (every record's guidance <= 1)"}.get(settings.guided)),
-        ("T5 sequence length", settings.max_sequence_length),
+            True: f"yes (some record's guidance > {_GUIDES_ABOVE.get(settings.guidance_rule, 1)})",
+            False: f"no: guidance-free (every record's guidance <= {_GUIDES_ABOVE.get(settings.guidance_rule, 1)})"
+        }.get(settings.guided)),
+        ("text sequence length (tokens)", settings.max_sequence_length),
         ("FSDP (weights sharded over N devices)", settings.fsdp if settings.fsdp != 1 else None),
         ("sharded components", ", ".join(name for name, where in (run.sharding or {}).items()
                                          if where.get("placement", "").startswith("sharded")) or None),

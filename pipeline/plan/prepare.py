@@ -85,6 +85,8 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     if settings.steps is None:
         logs.event("steps_default", steps=steps, model=settings.model,
                    **({"note": described["steps_note"]} if described["steps_note"] else {}))
+    if described["defaults_note"] and (settings.steps is None or settings.guidance_scale is None):
+        logs.event("defaults_note", logging.WARNING, model=settings.model, note=described["defaults_note"])
     guidance = settings.guidance_scale if settings.guidance_scale is not None else described["default_guidance"]
     if described["guidance_rule"] == "unused" and settings.guidance_scale not in (None, 0):
         logs.event("guidance_unused", logging.WARNING, guidance_scale=settings.guidance_scale, model=settings.model,
@@ -93,8 +95,9 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     resolved = dict(width=settings.width or size, height=settings.height or size, steps=steps,
                     scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),
                     max_sequence_length=described["max_sequence_length"])
+    resolved.update(guidance_rule=described["guidance_rule"])  # the family's (a resumed run keeps its own)
     if not described["cfg"]:  # no classifier-free guidance: the program is decided by the family, now
-        resolved.update(guidance_rule=described["guidance_rule"], guided=False)
+        resolved.update(guided=False)
     settings = settings.replace(**resolved).validate()
     run = Run.create(settings, described["fingerprint"], versions=_versions(),
                      created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -103,6 +103,9 @@ class Described:
     # reference pipeline's default
     default_steps: int = 20
     steps_note: str = ""
+    # said when a run leaves --steps or --guidance-scale at the model's defaults (Z-Image: its
+    # files do not say whether it is Turbo, whose recipe is not the defaults)
+    defaults_note: str = ""
 
 
 class Family:

@@ -96,7 +96,7 @@ class ZImage(Family):
         f = 2 * nets.vae_scale_factor
         return Described(family=self.name, native_size=1024, scheduler=SAMPLER, size_multiple=f,
                          default_guidance=GUIDANCE, guidance_rule="zimage", cfg=True, max_sequence_length=length,
-                         license=license_of(directory), default_steps=STEPS, steps_note=TURBO_NOTE,
+                         license=license_of(directory), default_steps=STEPS, defaults_note=TURBO_NOTE,
                          max_size=min(4096, f * min(config.axes_lens[1], config.axes_lens[2])))
 
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
