@@ -162,3 +162,22 @@ def test_fsdp_shards_klein_s_qwen3_with_its_transformer_and_makes_the_images_of_
     diff = np.abs(images[1].astype(int) - images[2].astype(int))
     assert diff.max() <= 2, diff.max()
     assert not np.array_equal(images[2][0], images[2][1])
+
+
+def test_fsdp_shards_zimage_s_qwen3_and_transformer_and_makes_the_images_of_fsdp_1(devices, model_cache,
+                                                                                  monkeypatch):
+    """Z-Image's Qwen3-4B (35 of its layers) is over the text-encoder bound, as the tiny
+    one is made here; the guided program at --fsdp 2, prompts of other lengths side by
+    side, makes the images of --fsdp 1."""
+    real = model_lib.load("random-zimage", abstract=True, dtype="bf16")
+    assert sharding.layout_of(real.params, 2).sharded == ("text_encoder", "transformer")
+    monkeypatch.setattr(sharding, "ENCODER_SHARDED_FROM", 0)
+    model = model_lib.load("tiny-zimage", dtype="fp32", max_sequence_length=64)
+    rows = [("a red fox in the snow, at dawn, in the hills", "", 3.0, 5, 0), ("owl", "blurry", 0.0, 9, 2)]
+    images = {}
+    for fsdp in (1, 2):
+        generator = Generator(model, 16, 16, 2, 1, devices=devices, guided=True, guidance_rule="zimage", fsdp=fsdp)
+        images[fsdp] = generator(generator.batch_of(rows))
+    diff = np.abs(images[1].astype(int) - images[2].astype(int))
+    assert diff.max() <= 2, diff.max()
+    assert not np.array_equal(images[2][0], images[2][1])

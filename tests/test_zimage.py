@@ -186,3 +186,28 @@ def test_a_zimage_run_is_the_same_on_1x4_and_2x2_and_reproduces(zimage_runs, mod
     assert result.returncode == 0, result.stderr[-4000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [line["match"] for line in lines] == [True, True]
+
+
+def test_a_lora_on_the_zimage_transformer_matches_diffusers_and_keeps_the_program(meta, model):
+    """tests/fixtures/zimage_lora (make_zimage_lora_fixtures.sh): diffusers' images with the
+    adapter at two scales (it moves them by more than 60 levels); merged here they match
+    within 2 levels, and the program is the plain model's (the same lowered text)."""
+    folder = os.path.join(os.path.dirname(HERE), "zimage_lora")
+    reference = np.load(os.path.join(folder, "expected.npz"))
+    lora_meta = json.loads(str(reference["meta"]))
+    path = os.path.join(folder, "pytorch_lora_weights.safetensors")
+    ids = model.family.tokenize(model, meta["prompts"])
+    latents = jnp.asarray(np.load(os.path.join(HERE, "expected.npz"))["turbo_square_latents"])
+    texts = set()
+    for scale, expected_images in zip(lora_meta["scales"], reference["images"]):
+        merged = load.load(os.path.join(HERE, "model"), max_sequence_length=meta["max_sequence_length"],
+                           loras=(f"{path}@{scale}",))
+        denoise = jax.jit(merged.family.make_denoise(merged, lora_meta["steps"], guided=False))
+        images = np.asarray(denoise(merged.params, ids, None, None, latents))
+        error = float(np.abs(images - expected_images).max() * 255)
+        assert error <= 2, (scale, error)
+        texts.add(denoise.lower(merged.params, ids, None, None, latents).as_text())
+    assert float(np.abs(reference["images"][0] - reference["plain"]).max() * 255) > 60
+    plain = jax.jit(model.family.make_denoise(model, lora_meta["steps"], guided=False))
+    texts.add(plain.lower(model.params, ids, None, None, latents).as_text())
+    assert len(texts) == 1
