@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     # the model families' titles, as the registry has them (tests/test_families.py checks it)
     description="Generate image datasets from text prompts with diffusion models (SD 1.x/2.x, SDXL, FLUX.1, "
-                "FLUX.2 [klein]) in JAX/Flax on TPU pods.",
+                "FLUX.2 [klein], Z-Image) in JAX/Flax on TPU pods.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",

@@ -567,3 +567,17 @@ def test_an_ironwood_host_program_compiles_for_its_eight_devices(model_cache):
     report = tpu_check.check(settings, target)
     assert report["compiled"] and report["fits"] and report["chips_per_host"] == 4 and report["guided"]
     assert 0 < report["total_gib"] < 1 < report["usable_gib"] <= 96
+
+
+def test_a_zimage_host_program_with_masked_pallas_attention_compiles_for_v6e(model_cache):
+    """tiny-zimage's guided program with --attention flash: every attention call runs the
+    Pallas kernel, the caption lengths hiding keys through its segment ids (the refiners'
+    and the main layers'), and the program compiles for a v6e host's chips."""
+    s = tpu.lookup("v6e", "2x2")
+    settings = Settings(model="tiny-zimage", width=32, height=32, steps=1, dtype="bf16", per_device_batch=1,
+                        devices_per_host=s.devices_per_host, attention="flash", max_sequence_length=48,
+                        guidance_scale=3.0).validate()
+    report = tpu_check.check(settings, program_check.target(s))
+    assert report["compiled"] and report["fits"] and report["guided"]
+    sites = {k["site"] for k in report["kernels"] if k["kernel"] == "pallas"}
+    assert "zimage" in sites and report["pallas_calls"] >= 3

@@ -199,7 +199,7 @@ def query_blocks(batch: int, heads: int, q_tokens: int, kv_tokens: int, dtype_by
     return blocks, -(-q_tokens // blocks)
 
 
-def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False, key_lengths=None):
+def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False, *, key_lengths=None):
     """``_xla``'s arithmetic, one block of query rows at a time (``query_blocks``).
 
     A ``lax.map`` keeps one block's scores alive: on XLA:CPU (jax 0.10.2) a Python loop
@@ -240,7 +240,7 @@ def _block(padded: int, most: int) -> int:
     return max(b for b in range(_LANES, max(_LANES, most) + 1, _LANES) if padded % b == 0)
 
 
-def _pallas(q, k, v, scale, block_tokens: int, interpret: bool, key_lengths=None):
+def _pallas(q, k, v, scale, block_tokens: int, interpret: bool, *, key_lengths=None):
     """The Pallas TPU flash-attention kernel, shapes padded to what it takes.
 
     Its blocks must divide the key length and be multiples of 128 when keys are streamed,
@@ -318,14 +318,14 @@ def attend(q, k, v, scale, kernel: str, *, budget_bytes: int = DEFAULT_BUDGET_BY
     if kernel == "xla":
         return _xla(q, k, v, scale, heads_first, key_lengths)
     if kernel == "chunked":
-        return _chunked(q, k, v, scale, budget_bytes, heads_first, key_lengths)
+        return _chunked(q, k, v, scale, budget_bytes, heads_first, key_lengths=key_lengths)
     if kernel == "pallas":
         if mesh is not None:
             if key_lengths is None:
                 return _per_device(lambda a, b, c: _pallas(a, b, c, scale, block_tokens, interpret), mesh, q, k, v)
-            return _per_device(lambda a, b, c, n: _pallas(a, b, c, scale, block_tokens, interpret, n), mesh, q, k, v,
-                               key_lengths)
-        return _pallas(q, k, v, scale, block_tokens, interpret, key_lengths)
+            return _per_device(lambda a, b, c, n: _pallas(a, b, c, scale, block_tokens, interpret, key_lengths=n),
+                               mesh, q, k, v, key_lengths)
+        return _pallas(q, k, v, scale, block_tokens, interpret, key_lengths=key_lengths)
     if kernel == "cudnn":
         return _cudnn(q, k, v, scale, key_lengths)
     raise ValueError(f"attention kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
