@@ -90,7 +90,7 @@ def test_every_planned_image_exists_once_and_opens_at_the_requested_size(two_by_
         with Image.open(io.BytesIO(data)) as image:
             assert image.format == "PNG" and image.size == (32, 32) and image.mode == "RGB"
     by_key = {r["key"]: r for r in rows}
-    assert [by_key[f"{naming.key_stem('part-0.jsonl:3')}_{n:04d}"]["image_index"] for n in range(3)] == [0, 1, 2]
+    assert [by_key[f"part-0--L3_{n:04d}"]["image_index"] for n in range(3)] == [0, 1, 2]
     named = by_key["named-record_0000"]
     assert (named["negative_prompt"], json.loads(named["extra"])) == ("blurry", {"theme": 1})
     assert {r["host"] for r in rows} == {0, 1}

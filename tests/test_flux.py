@@ -76,7 +76,7 @@ def test_sd_refuses_a_t5_length_and_other_pipelines_are_refused_by_name(tmp_path
         resolve_settings(Settings(model="tiny", out=str(tmp_path), max_sequence_length=64))
     with pytest.raises(ValueError, match="--scheduler flow_euler is the rectified-flow sampler of FLUX.1"):
         resolve_settings(Settings(model="tiny", out=str(tmp_path), scheduler="flow_euler"))
-    for name in ("StableDiffusion3Pipeline", "ZImagePipeline"):  # Flux2Pipeline: test_flux2_pipeline.py
+    for name in ("StableDiffusion3Pipeline", "QwenImagePipeline"):  # Flux2Pipeline: test_flux2_pipeline.py
         with pytest.raises(families.FamilyError, match=f"names the pipeline '{name}', which promptmill does not run"):
             families.detect({"_class_name": name}, "ckpt")
     assert families.detect({"_class_name": "FluxPipeline"}, "c") is families.FLUX

@@ -249,7 +249,7 @@ ALL_CHANGED = Settings(
     attention="chunked", formats=("files", "zarr"), image_format="webp", quality=80, save_latents=True,
     prompt_field="text", dedupe=True, guidance_rule="always", guided=True, scores=("clip", "aesthetic", "safety"),
     clip_model="gs://b/clip", aesthetic_head="gs://b/a.safetensors", safety_checker="gs://b/sd",
-    min_clip_similarity=0.28, min_aesthetic=5.5, drop_nsfw=True, filter_rule="truthy").validate()
+    min_clip_similarity=0.28, min_aesthetic=5.5, drop_nsfw=True, filter_rule="truthy", key_names="hashed").validate()
 
 
 def _flag_fields(settings: Settings) -> Settings:
@@ -312,8 +312,8 @@ def test_plan_command_round_trips_every_setting_through_the_cli(monkeypatch):
 def test_settings_the_flags_cannot_say_are_refused():
     with pytest.raises(ValueError, match="formats=\\(\\) cannot be given as flags"):
         gke.settings_flags(Settings(formats=()))
-    with pytest.raises(ValueError, match="steps=None cannot be given as flags"):
-        gke.settings_flags(Settings(steps=None))
+    with pytest.raises(ValueError, match="prompts=None cannot be given as flags"):
+        gke.settings_flags(Settings(prompts=None))
 
 
 def test_the_dataflow_plan_job_reads_back_every_setting():

@@ -87,6 +87,9 @@ class _Shapes:
     def size(self, width, height):
         return width or 32, height or 32
 
+    def steps(self, steps):
+        return 20 if steps is None else steps
+
 
 def test_a_refusal_estimates_what_fits_from_the_refused_program_and_the_parts(monkeypatch):
     """No other whole program is compiled: the refused one's total, grown or shrunk as the

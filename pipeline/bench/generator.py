@@ -79,6 +79,7 @@ SCORERS = {"random": dict(scores=("clip", "aesthetic", "safety"), clip_model="ra
                         safety_checker="tiny-safety-checker")}
 DEFAULT_PARTS = ("sweep", "recipes", "startup")
 FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
+SD_DEFAULT_STEPS = 20  # the default recipe: SD's default steps (the bench compares SD 1.x/2.x checkpoints)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,12 +212,11 @@ def recipes(config: BenchConfig) -> dict:
     per-device batch factor); None: the checkpoint's own sampler and spacing.
     ``guidance_free_2x`` runs twice the images per device: the UNet rows, and so about
     the memory, of the guided program at the sweep's first batch."""
-    default = Settings()
     return {"cfg": (config.scheduler, config.timestep_spacing, config.steps, GUIDANCE, 1),
             "guidance_free": (config.scheduler, config.timestep_spacing, config.steps, 0.0, 1),
             "guidance_free_2x": (config.scheduler, config.timestep_spacing, config.steps, 0.0, 2),
             "few_step": (config.scheduler, config.timestep_spacing, FEW_STEPS, 0.0, 1),
-            "default": (None, None, default.steps, GUIDANCE, 1)}
+            "default": (None, None, SD_DEFAULT_STEPS, GUIDANCE, 1)}
 
 
 def run_recipes(model, config: BenchConfig, devices, width: int, height: int,

@@ -43,7 +43,8 @@ class Context:
 
             model = runtime.abstract_model(settings)
         width, height = size_of(settings, model)
-        settings = settings.replace(steps=model.steps(settings.steps))  # left out: the model's default
+        if settings.steps is None:  # left out: the model's default
+            settings = settings.replace(steps=model.steps(None))
         return cls(settings, target, model, width, height, run_guided(settings, model))
 
     def sampler_args(self) -> dict:
