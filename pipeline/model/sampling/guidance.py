@@ -57,7 +57,8 @@ def guided_before_planning(settings, model=None) -> bool:
     out: the family's default, which guides)."""
     if settings.guided is not None:
         return settings.guided
-    if model is not None and not model.family.classifier_free(model):
+    family = None if model is None else model.family
+    if family is not None and not family.classifier_free(model):
         return False
-    rule = "diffusers" if model is None else model.family.guidance_rule(model)
+    rule = "diffusers" if family is None else family.guidance_rule(model)
     return settings.guidance_scale is None or asks(rule, settings.guidance_scale)
