@@ -21,6 +21,8 @@ def test_batch_sizes_flag_and_bad_configs():
         bench.BenchConfig(width=30).validate()
     with pytest.raises(ValueError, match="--parts"):
         bench.BenchConfig(parts=("sweep", "speed")).validate()
+    with pytest.raises(ValueError, match="--compare-models"):
+        bench.BenchConfig(parts=("models",)).validate()
     args = cli.build_parser().parse_args(["bench", "generator", "--parts", "recipes"])
     assert args.parts == "recipes"
 
@@ -31,13 +33,20 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     code = cli.main(["bench", "generator", "--model", "tiny", "--width", "32", "--height", "32", "--steps", "4",
                      "--per-device-batch", "1", "--batches", "1", "--matmul-size", "512", "--report", str(path),
                      "--scheduler", "euler_a", "--timestep-spacing", "trailing",
-                     "--parts", "sweep,recipes,attention,memory,startup", "--attentions", "diffusers,auto",
-                     "--memory-sizes", "32,64"])
+                     "--parts", "sweep,recipes,attention,memory,startup,models", "--attentions", "diffusers,auto",
+                     "--memory-sizes", "32,64", "--compare-models", "tiny-flux"])
     assert code == 0
     table = capsys.readouterr().out
     assert "ours/seed" in table and "cold/warm" in table and "guidance-free / CFG at 4 steps" in table
+    assert "models side by side" in table
     report = json.loads(path.read_text())
     assert report["command"].startswith("promptmill bench generator --model tiny")
+    assert "--compare-models tiny-flux" in report["command"]
+    # the models part: each model at its own default guidance, SD's guided, FLUX.1 [schnell]'s not
+    rows = report["models"]["rows"]
+    assert list(rows) == ["tiny", "tiny-flux"] and rows["tiny"]["over_first"] == 1
+    assert (rows["tiny"]["guided"], rows["tiny-flux"]["guided"]) == (True, False)
+    assert all(r["images_per_s"] > 0 and r["flops_per_image"] > 0 for r in rows.values())
     assert report["machine"]["platform"] == "cpu" and report["machine"]["devices"] == 2
     assert report["peak"]["flops_per_s"] > 0
 
@@ -99,7 +108,7 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
     assert memory["temp_growth"]["auto"] <= 4.5 < memory["temp_growth"]["diffusers"]
 
     # the sweep's sampler is the cfg recipe's and auto's in the attention part: compiled once, built on thrice
-    assert report["programs"] == {"compiled": 5, "shared": 2}
+    assert report["programs"] == {"compiled": 5, "shared": 3}  # the models part times the cfg program too
 
     start = report["startup"]
     assert start["cache_entries"] > 0
@@ -196,20 +205,3 @@ def test_the_scoring_part_times_the_generator_with_and_without_scores(model_cach
 EMPTY_REPORT = {"config": {"model": "tiny", "width": 32, "height": 32, "steps": 1, "dtype": "fp32"},
                 "machine": {"devices": 2, "device_kind": "cpu", "platform": "cpu"}, "peak": {"flops_per_s": 1.0},
                 "sweep": None, "recipes": None, "startup": None}
-
-
-def test_the_models_part_times_models_side_by_side_each_at_its_own_guidance(model_cache):
-    """``--parts models``: --model and --compare-models at one size and step count, in turns;
-    SD at its default guidance (7.5: the guided program), FLUX.1 [schnell] without."""
-    with pytest.raises(ValueError, match="--compare-models"):
-        bench.BenchConfig(parts=("models",)).validate()
-    config = bench.BenchConfig(model="tiny", width=16, height=16, steps=1, batches=1, parts=("models",),
-                               compare_models=("tiny-flux",), matmul_size=64, devices=1).validate()
-    report = bench.run_bench(config)
-    rows = report["models"]["rows"]
-    assert list(rows) == ["tiny", "tiny-flux"]
-    assert (rows["tiny"]["guided"], rows["tiny-flux"]["guided"]) == (True, False)
-    assert rows["tiny"]["over_first"] == 1 and all(r["images_per_s"] > 0 and r["flops_per_image"] > 0
-                                                   for r in rows.values())
-    assert "--parts models --compare-models tiny-flux" in report["command"]
-    assert "models side by side" in bench.format_table(report)

@@ -454,7 +454,7 @@ def run_fsdp(model, config: BenchConfig, devices, width: int, height: int) -> di
     return {"per_device_batch": per_device_batch, "devices": len(devices), "rows": {str(n): r for n, r in rows.items()}}
 
 
-def run_models(model, config: BenchConfig, devices, width: int, height: int) -> dict:
+def run_models(model, config: BenchConfig, devices, width: int, height: int, programs=None) -> dict:
     """Images/s of ``model``'s generator and of each of ``config.compare_models``' at the same
     size, steps, per-device batch and dtype, timed batch by batch in turns; each model at its
     family's guidance (``guidance_before_planning`` of its default: the guided program where
@@ -471,8 +471,12 @@ def run_models(model, config: BenchConfig, devices, width: int, height: int) -> 
         loaded = model if name == config.model else model_lib.load(name, dtype=config.dtype)
         guidance = model_lib.describe(name)["default_guidance"]
         guided = loaded.family.classifier_free(loaded) and guidance > 1
-        generator = Generator(loaded, width, height, config.steps, per_device_batch, devices=devices, guided=guided,
-                              guidance_rule=loaded.family.guidance_rule(loaded))
+        rule = loaded.family.guidance_rule(loaded)
+        if programs is not None and rule == "diffusers":  # a program an earlier part compiled, if it did
+            generator = programs.generator(loaded, width, height, config.steps, per_device_batch, devices, guided)
+        else:
+            generator = Generator(loaded, width, height, config.steps, per_device_batch, devices=devices,
+                                  guided=guided, guidance_rule=rule)
         calls[name], sizes[name] = ours_call(generator, guidance), generator.batch_size
         rows[name] = {"family": loaded.family.name, "guidance_scale": guidance, "guided": guided,
                       "flops_per_image": parts.image_flops(loaded, width, height, config.steps, per_device_batch,
@@ -532,7 +536,7 @@ def run_bench(config: BenchConfig) -> dict:
     if "memory" in config.parts:
         program_memory = attention_bench.run_memory(config, devices[0].platform, attention)
     sharded = run_fsdp(model, config, devices, width, height) if "fsdp" in config.parts else None
-    models = run_models(model, config, devices, width, height) if "models" in config.parts else None
+    models = run_models(model, config, devices, width, height, programs) if "models" in config.parts else None
     if "scoring" in config.parts:
         scored = run_scoring(model, config, devices, width, height, programs=programs)
     # free the model before the start-up probes load theirs (SD 1.5 in fp32 is 4 GB,
