@@ -272,3 +272,25 @@ def test_the_flop_count_unrolls_qwen3_and_the_transformer(model_cache):
     guided = flops.part_flops(base, 16, 16, 1, guided=True)
     assert guided["denoiser_call"] == pytest.approx(2 * counted["denoiser_call"], rel=0.01)
     assert guided["text_encoder"] == pytest.approx(2 * counted["text_encoder"], rel=0.01)
+
+
+def test_an_image_does_not_depend_on_its_batch_neighbours_and_sizes_off_the_grid_are_refused(models, model_cache,
+                                                                                            tmp_path):
+    """The base model's guided program at batch 2: the first image beside a short prompt and
+    beside a long one (other token counts under the padding) is the same, bit for bit.
+    Widths and heights are multiples of 2f (16 for the real VAE), else refused at plan time; the 9B's card says non-commercial."""
+    from pipeline.core.settings import Settings
+    from pipeline.plan.layout import PlanError
+    from pipeline.plan.prepare import resolve_settings
+
+    model = models["model-base"]
+    latents = jnp.asarray(np.random.default_rng(5).standard_normal((2, *model.latent_shape(16, 16))), jnp.float32)
+    denoise = jax.jit(model.family.make_denoise(model, 2, guided=True, guidance_rule="diffusers"))
+    negative, scales = model.family.tokenize(model, ["", "blurry"]), jnp.asarray([4.0, 1.0], jnp.float32)
+    first = [np.asarray(denoise(model.params, model.family.tokenize(model, ["a fox", other]), negative, scales,
+                                latents))[0] for other in ("owl", "a long painting of a city at night " * 4)]
+    np.testing.assert_array_equal(first[0], first[1])
+    with pytest.raises(PlanError, match=r"--width 1000: .* multiples of 16 .*2x2"):
+        resolve_settings(Settings(model="random-klein-4b", out=str(tmp_path), width=1000, height=1024))
+    assert load.describe("random-klein-9b")["license"] == "flux-non-commercial-license"
+    assert load.describe("random-klein-4b")["license"] == "apache-2.0"
