@@ -154,6 +154,15 @@ def to_torch(params: Mapping, layout: Layout) -> dict[str, np.ndarray]:
     return out
 
 
+def abstract_params(shapes: Mapping[str, Mapping[tuple[str, ...], tuple[int, ...]]], dtype) -> dict:
+    """{component: nested ``jax.ShapeDtypeStruct``s in ``dtype``} of {component: flat param
+    shapes}: a model's params from its configs alone."""
+    import jax
+
+    return {component: unflatten({path: jax.ShapeDtypeStruct(shape, dtype) for path, shape in flat.items()})
+            for component, flat in shapes.items()}
+
+
 def flat_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{path: shape} of a nested tree of arrays or ``jax.ShapeDtypeStruct``s."""
     return {path: tuple(leaf.shape) for path, leaf in flatten(tree).items()}

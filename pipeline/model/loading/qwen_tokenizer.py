@@ -1,4 +1,4 @@
-"""The built-in random models' Qwen tokenizer: a ``Qwen2TokenizerFast`` over a byte-level
+"""The built-in random models' Qwen tokenizer, and prompts in a checkpoint's own chat template: a ``Qwen2TokenizerFast`` over a byte-level
 BPE vocabulary without merges plus Qwen's chat tokens, with a small Qwen3-style chat
 template (``CHAT_TEMPLATE``) that branches on ``enable_thinking`` as Qwen3's does, so that a
 family that renders it with the wrong value gets other tokens. FLUX.2 [klein] renders it
@@ -35,3 +35,37 @@ def tokenizer():
                               bos_token=None, model_max_length=131072, padding_side="right")
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+# ---- prompts in a checkpoint's own chat template (FLUX.2 [klein]: thinking off; Z-Image: on)
+
+def format_prompt(tokenizer, text: str, *, thinking: bool, family: str) -> str:
+    """``text`` in the checkpoint's own chat template (its tokenizer's ``chat_template``, rendered
+    by ``apply_chat_template``): one user message, the generation prompt, ``enable_thinking``
+    as the family's pipeline passes it. A tokenizer without a chat template is an error naming
+    what is missing and the ``family`` that needs it."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the checkpoint's tokenizer has no chat_template (tokenizer_config.json or "
+                         f"chat_template.jinja): {family} formats every prompt with it")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=thinking)
+
+
+def tokenize(tokenizer, prompts, max_sequence_length: int, *, thinking: bool, family: str, most: int = 512):
+    """(input_ids int32 [B, L], attention_mask int32 [B, L]) of ``prompts``, chat-formatted
+    (``format_prompt``), padded to ``max_sequence_length`` and cut at it. ValueError for a
+    length below 1 or above ``most``."""
+    import numpy as np
+
+    if not (isinstance(max_sequence_length, int) and 1 <= max_sequence_length <= most):
+        raise ValueError(f"max_sequence_length must be an integer from 1 to {most}, got {max_sequence_length!r}")
+    texts = [format_prompt(tokenizer, p, thinking=thinking, family=family) for p in prompts]
+    encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=max_sequence_length,
+                        return_tensors="np")
+    return encoded.input_ids.astype(np.int32), encoded.attention_mask.astype(np.int32)
+
+
+def truncated(tokenizer, prompts, max_length: int, *, thinking: bool, family: str) -> list[bool]:
+    """Whether each chat-formatted prompt has more tokens than ``max_length`` (``tokenize`` cuts it)."""
+    texts = [format_prompt(tokenizer, p, thinking=thinking, family=family) for p in prompts]
+    return [len(row) > max_length for row in tokenizer(texts, truncation=False, verbose=False).input_ids]

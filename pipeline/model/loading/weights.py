@@ -406,3 +406,25 @@ def read_safetensors_weights(component_dir: str, library: str) -> dict[str, np.n
     if os.path.isfile(os.path.join(component_dir, f"{name}.index.json")):
         return read_sharded(component_dir, f"{name}.index.json")
     raise WeightsError(f"{component_dir}: no PyTorch safetensors weights (expected {name} or {name}.index.json)")
+
+
+def converted_components(directory: str, rules: dict, libraries: dict, title: str) -> dict:
+    """{component: params} of a checkpoint of promptmill's own networks: each component's
+    PyTorch safetensors (``libraries[component]``'s file names), converted once per machine
+    by ``rules[component](state, where)`` (the networks' naming rule, in the stored dtype)
+    and memory-mapped after (``converted``). A component stored as Flax msgpack is refused,
+    naming the family (``title``)."""
+    from pipeline.model.loading.checkpoint import ModelError
+
+    params = {}
+    for component, rule in rules.items():
+        component_dir = os.path.join(directory, component)
+        library = libraries[component]
+        kind, source = find(component_dir, component, library)
+        if kind == "flax":
+            raise ModelError(f"{component_dir}: {title} reads PyTorch safetensors weights, not Flax msgpack")
+        params[component] = converted(
+            source, component_dir,
+            lambda rule=rule, component_dir=component_dir, library=library: rule(
+                read_safetensors_weights(component_dir, library), component_dir))
+    return params

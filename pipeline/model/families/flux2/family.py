@@ -115,7 +115,6 @@ class Flux2(Family):
                                      f"of {BASE_STEPS} is the base models')" if distilled else ""))
 
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
-        import jax
         import jax.numpy as jnp
         from transformers import AutoTokenizer
 
@@ -124,9 +123,7 @@ class Flux2(Family):
         nets = self._nets(directory, jdtype)
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
         if abstract:
-            params = {component: convert.unflatten({path: jax.ShapeDtypeStruct(shape, jdtype)
-                                                    for path, shape in flat.items()})
-                      for component, flat in self._flat_shapes(nets).items()}
+            params = convert.abstract_params(self._flat_shapes(nets), jdtype)
         else:
             params = self._params(directory, nets)
             if loras:
@@ -156,18 +153,7 @@ class Flux2(Family):
         rules = {"text_encoder": lambda state, where: qwen3.from_torch(state, nets.qwen3, where, nets.text_layers),
                  "transformer": lambda state, where: flux2_net.from_torch(state, nets.transformer.config, where),
                  "vae": lambda state, where: vae_net.from_torch(state, nets.vae.config, where)}
-        params = {}
-        for component, rule in rules.items():
-            component_dir = os.path.join(directory, component)
-            library = LIBRARIES[component]
-            kind, source = weights.find(component_dir, component, library)
-            if kind == "flax":
-                raise ModelError(f"{component_dir}: FLUX.2 reads PyTorch safetensors weights, not Flax msgpack")
-            params[component] = weights.converted(
-                source, component_dir,
-                lambda rule=rule, component_dir=component_dir, library=library: rule(
-                    weights.read_safetensors_weights(component_dir, library), component_dir))
-        return params
+        return weights.converted_components(directory, rules, LIBRARIES, "FLUX.2")
 
     def lora_layouts(self) -> dict:
         from pipeline.model.families.flux2 import transformer as flux2_net

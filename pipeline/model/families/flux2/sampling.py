@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from pipeline.model.families.flux2 import presets
+from pipeline.model.loading import qwen_tokenizer
 from pipeline.model.loading.checkpoint import read_json_file
 from pipeline.model.sampling import flow
 
@@ -54,35 +55,25 @@ def make_schedule(config, steps: int, image_seq_len: int) -> flow.FlowSchedule:
     return flow.make_schedule(config, steps, image_seq_len, mu_of=klein_mu)
 
 
+FAMILY, THINKING = "FLUX.2 [klein]", False  # the pipeline's enable_thinking
+
+
 def format_prompt(tokenizer, text: str) -> str:
-    """``text`` in the checkpoint's own chat template (its tokenizer's ``chat_template``), as
-    ``Flux2KleinPipeline`` formats it: one user message, the generation prompt, thinking
-    off. A tokenizer without a chat template is an error naming what is missing."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the checkpoint's tokenizer has no chat_template (tokenizer_config.json or "
-                         "chat_template.jinja): FLUX.2 [klein] formats every prompt with it")
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False)
+    """``text`` in the checkpoint's own chat template, thinking off, as the pipeline formats it
+    (``qwen_tokenizer.format_prompt``)."""
+    return qwen_tokenizer.format_prompt(tokenizer, text, thinking=THINKING, family=FAMILY)
 
 
 def tokenize(tokenizer, prompts, max_sequence_length: int):
-    """(input_ids int32 [B, L], attention_mask int32 [B, L]) of ``prompts``, as
-    ``Flux2KleinPipeline._get_qwen3_prompt_embeds``: chat-formatted, padded to
-    ``max_sequence_length``, cut at it. ValueError for a length below 1 or above 512."""
-    import numpy as np
-
-    if not (isinstance(max_sequence_length, int) and 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
-        raise ValueError(f"max_sequence_length must be an integer from 1 to {MAX_SEQUENCE_LENGTH}, "
-                         f"got {max_sequence_length!r}")
-    encoded = tokenizer([format_prompt(tokenizer, p) for p in prompts], padding="max_length", truncation=True,
-                        max_length=max_sequence_length, return_tensors="np")
-    return encoded.input_ids.astype(np.int32), encoded.attention_mask.astype(np.int32)
+    """(input_ids, attention_mask) int32 [B, L]: chat-formatted, padded to and cut at
+    ``max_sequence_length`` (1 to 512; ``qwen_tokenizer.tokenize``)."""
+    return qwen_tokenizer.tokenize(tokenizer, prompts, max_sequence_length, thinking=THINKING, family=FAMILY,
+                                   most=MAX_SEQUENCE_LENGTH)
 
 
 def truncated(tokenizer, prompts, max_length: int) -> list[bool]:
     """Whether each chat-formatted prompt has more tokens than ``max_length``."""
-    ids = tokenizer([format_prompt(tokenizer, p) for p in prompts], truncation=False, verbose=False).input_ids
-    return [len(row) > max_length for row in ids]
+    return qwen_tokenizer.truncated(tokenizer, prompts, max_length, thinking=THINKING, family=FAMILY)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,7 +100,6 @@ class ZImage(Family):
                          max_size=min(4096, f * min(config.axes_lens[1], config.axes_lens[2])))
 
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
-        import jax
         import jax.numpy as jnp
         from transformers import AutoTokenizer
 
@@ -109,9 +108,7 @@ class ZImage(Family):
         nets = self._nets(directory, jdtype)
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
         if abstract:
-            params = {component: convert.unflatten({path: jax.ShapeDtypeStruct(shape, jdtype)
-                                                    for path, shape in flat.items()})
-                      for component, flat in self._flat_shapes(nets).items()}
+            params = convert.abstract_params(self._flat_shapes(nets), jdtype)
         else:
             params = self._params(directory, nets)
             if loras:
@@ -141,18 +138,7 @@ class ZImage(Family):
         rules = {"text_encoder": lambda state, where: qwen3.from_torch(state, nets.qwen3, where, nets.text_layers),
                  "transformer": lambda state, where: zimage_net.from_torch(state, nets.transformer.config, where),
                  "vae": lambda state, where: vae_net.from_torch(state, nets.vae.config, where)}
-        params = {}
-        for component, rule in rules.items():
-            component_dir = os.path.join(directory, component)
-            library = LIBRARIES[component]
-            kind, source = weights.find(component_dir, component, library)
-            if kind == "flax":
-                raise ModelError(f"{component_dir}: Z-Image reads PyTorch safetensors weights, not Flax msgpack")
-            params[component] = weights.converted(
-                source, component_dir,
-                lambda rule=rule, component_dir=component_dir, library=library: rule(
-                    weights.read_safetensors_weights(component_dir, library), component_dir))
-        return params
+        return weights.converted_components(directory, rules, LIBRARIES, "Z-Image")
 
     def lora_layouts(self) -> dict:
         from pipeline.model.families.zimage import transformer as zimage_net

@@ -27,6 +27,7 @@ import os
 from typing import Any
 
 from pipeline.model.families.zimage import presets
+from pipeline.model.loading import qwen_tokenizer
 from pipeline.model.loading.checkpoint import read_json_file
 from pipeline.model.sampling import flow
 
@@ -34,34 +35,25 @@ MAX_SEQUENCE_LENGTH = presets.TOKENIZER_MAX_LENGTH
 PATCH_ORDER = "yxc"
 
 
+FAMILY, THINKING = "Z-Image", True  # the pipeline's enable_thinking
+
+
 def format_prompt(tokenizer, text: str) -> str:
-    """``text`` in the checkpoint's own chat template, as ``ZImagePipeline._encode_prompt``
-    formats it: one user message, the generation prompt, thinking on. A tokenizer without
-    a chat template is an error naming what is missing."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the checkpoint's tokenizer has no chat_template (tokenizer_config.json or "
-                         "chat_template.jinja): Z-Image formats every prompt with it")
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=True)
+    """``text`` in the checkpoint's own chat template, thinking on, as the pipeline formats it
+    (``qwen_tokenizer.format_prompt``)."""
+    return qwen_tokenizer.format_prompt(tokenizer, text, thinking=THINKING, family=FAMILY)
 
 
 def tokenize(tokenizer, prompts, max_sequence_length: int):
-    """(input_ids int32 [B, L], attention_mask int32 [B, L]): chat-formatted, padded to and
-    cut at ``max_sequence_length`` (1 to 512)."""
-    import numpy as np
-
-    if not (isinstance(max_sequence_length, int) and 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
-        raise ValueError(f"max_sequence_length must be an integer from 1 to {MAX_SEQUENCE_LENGTH}, "
-                         f"got {max_sequence_length!r}")
-    encoded = tokenizer([format_prompt(tokenizer, p) for p in prompts], padding="max_length", truncation=True,
-                        max_length=max_sequence_length, return_tensors="np")
-    return encoded.input_ids.astype(np.int32), encoded.attention_mask.astype(np.int32)
+    """(input_ids, attention_mask) int32 [B, L]: chat-formatted, padded to and cut at
+    ``max_sequence_length`` (1 to 512; ``qwen_tokenizer.tokenize``)."""
+    return qwen_tokenizer.tokenize(tokenizer, prompts, max_sequence_length, thinking=THINKING, family=FAMILY,
+                                   most=MAX_SEQUENCE_LENGTH)
 
 
 def truncated(tokenizer, prompts, max_length: int) -> list[bool]:
     """Whether each chat-formatted prompt has more tokens than ``max_length``."""
-    ids = tokenizer([format_prompt(tokenizer, p) for p in prompts], truncation=False, verbose=False).input_ids
-    return [len(row) > max_length for row in ids]
+    return qwen_tokenizer.truncated(tokenizer, prompts, max_length, thinking=THINKING, family=FAMILY)
 
 
 @dataclasses.dataclass(frozen=True)
