@@ -1,9 +1,10 @@
-"""The built-in random models' Qwen tokenizer, and prompts in a checkpoint's own chat template: a ``Qwen2TokenizerFast`` over a byte-level
-BPE vocabulary without merges plus Qwen's chat tokens, with a small Qwen3-style chat
-template (``CHAT_TEMPLATE``) that branches on ``enable_thinking`` as Qwen3's does, so that a
-family that renders it with the wrong value gets other tokens. FLUX.2 [klein] renders it
-thinking off, Z-Image thinking on; both read whatever template a checkpoint ships, through
-the tokenizer's ``apply_chat_template``, never this one.
+"""Qwen chat prompts: ``format_prompt``, ``tokenize`` and ``truncated`` render each prompt in
+a checkpoint's own chat template (its tokenizer's ``apply_chat_template``, never a copy of
+it here), FLUX.2 [klein] thinking off and Z-Image thinking on; and the built-in random
+models' Qwen tokenizer (``tokenizer``): a ``Qwen2TokenizerFast`` over a byte-level BPE
+vocabulary without merges plus Qwen's chat tokens, with a small Qwen3-style chat template
+(``CHAT_TEMPLATE``) that branches on ``enable_thinking`` as Qwen3's does, so that a family
+rendering it with the wrong value gets other tokens.
 
 Imports no jax (the torch-only fixture scripts build PyTorch pipelines with it).
 """
