@@ -24,6 +24,7 @@ import re
 from pipeline import __version__
 from pipeline.core import filters, naming
 from pipeline.core.settings import NO_CFG_RULES, Run
+from pipeline.model.sampling import guidance as guidance_rules
 
 # The Hub's size categories: (upper bound, exclusive; label).
 _SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
@@ -121,9 +122,6 @@ GUIDANCE_MEANING = {
 }
 
 
-_GUIDES_ABOVE = {"zimage": 0}  # the guidance above which an image is guided, where it is not 1
-
-
 def _with_fingerprint(path, fingerprint) -> str | None:
     return None if fingerprint is None else f"{path} (fingerprint {fingerprint[:12]})"
 
@@ -157,8 +155,8 @@ def _generation(run: Run) -> list[str]:
         ("guidance scale", settings.guidance_scale),
         ("guidance", GUIDANCE_MEANING.get(settings.guidance_rule)),
         ("classifier-free guidance", None if settings.guidance_rule in NO_CFG_RULES else {
-            True: f"yes (some record's guidance > {_GUIDES_ABOVE.get(settings.guidance_rule, 1)})",
-            False: f"no: guidance-free (every record's guidance <= {_GUIDES_ABOVE.get(settings.guidance_rule, 1)})"
+            True: f"yes (some record's guidance > {guidance_rules.threshold(settings.guidance_rule)})",
+            False: f"no: guidance-free (every record's guidance <= {guidance_rules.threshold(settings.guidance_rule)})"
         }.get(settings.guided)),
         ("text sequence length (tokens)", settings.max_sequence_length),
         ("FSDP (weights sharded over N devices)", settings.fsdp if settings.fsdp != 1 else None),

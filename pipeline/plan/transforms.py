@@ -167,7 +167,8 @@ def decide_guidance(layout: Layout, out: str) -> Layout:
         logs.event("guidance_decided", out=out, guided=guided)
     elif settings.guided != guided:
         planned = "guided" if settings.guided else "guidance-free"
-        now = "some record's guidance is > 1" if guided else "no record's guidance is > 1"
+        above = guidance_rules.threshold(settings.guidance_rule)
+        now = f"some record's guidance is > {above}" if guided else f"no record's guidance is > {above}"
         raise PlanError(f"{out} holds a {planned} run, but now {now}: the run's images would mix two programs; "
                         "use another --out, or add --overwrite to start over")
     return layout

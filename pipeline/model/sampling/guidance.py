@@ -34,6 +34,12 @@ def asks(rule: str, guidance: float) -> bool:
     return rule == "diffusers" and guidance > 1
 
 
+def threshold(rule: str) -> float:
+    """The guidance above which an image is guided under a classifier-free ``rule``: 0 for
+    "zimage", 1 for the others (for people: refusals, the card)."""
+    return 0 if rule == "zimage" else 1
+
+
 def combine(rule: str, prediction, scale):
     """The guided program's prediction of each image from the denoiser's on [negative;
     positive] (``prediction``, float32, twice the batch) and each image's scale ([B, 1, ...]):
