@@ -92,9 +92,9 @@ def test_guidance_changes_a_base_image_and_a_negative_prompt_is_used(models, exp
     denoise = jax.jit(model.family.make_denoise(model, 2, guided=True, guidance_rule="diffusers"))
     empty, other = model.family.tokenize(model, [""]), model.family.tokenize(model, ["blurry, dark"])
     at = {(g, n): np.asarray(denoise(model.params, ids, neg, jnp.asarray([g], jnp.float32), latents))
-          for g in (1.0, 4.0) for n, neg in (("empty", empty), ("other", other))}
-    assert np.abs(at[4.0, "empty"] - at[1.0, "empty"]).max() * 255 > 2
-    assert np.abs(at[4.0, "empty"] - at[4.0, "other"]).max() * 255 > 2
+          for g in (1.0, 8.0) for n, neg in (("empty", empty), ("other", other))}
+    assert np.abs(at[8.0, "empty"] - at[1.0, "empty"]).max() * 255 > 2
+    assert np.abs(at[8.0, "empty"] - at[8.0, "other"]).max() * 255 > 2
     np.testing.assert_array_equal(at[1.0, "empty"], at[1.0, "other"])  # at 1: the positive prediction, selected
 
 
