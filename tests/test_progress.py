@@ -86,3 +86,21 @@ def test_a_failed_write_is_logged_and_the_host_goes_on(tmp_path, caplog):
 @pytest.mark.parametrize("event", sorted(progress.STATES))
 def test_every_state_event_names_a_known_state(event):
     assert progress.STATES[event] in ("starting", "generating", *progress.FINAL)
+
+
+def test_the_bar_is_drawn_on_a_terminal_that_reports_no_size():
+    """A pseudo-terminal nobody sized says 0 columns, where tqdm would draw an empty bar."""
+    import os
+    import pty
+
+    from pipeline.engines import local
+
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(os.dup(slave), "w") as stream:
+            assert os.get_terminal_size(slave).columns == 0 and local.bar_columns(stream) == 100
+    finally:
+        os.close(master)
+        os.close(slave)
+    with open(os.devnull, "w") as stream:
+        assert local.bar_columns(stream) is None  # not a terminal: tqdm's own choice

@@ -138,13 +138,26 @@ OBEDIENT = "import sys, time; print('{\"event\": \"listening\"}', file=sys.stder
 
 
 def test_ready_hosts_get_sigterm_and_are_killed_after_the_grace(tmp_path):
+    from pipeline.collect import status
+    from pipeline.generate import progress
+    from pipeline.io import storage
+
     hosts = [_start(tmp_path, 0, OBEDIENT), _start(tmp_path, 1, STUBBORN)]
     for h in hosts:
         h.ready = True
+        h.progress_path = str(tmp_path / f"host-{h.index}.json")
+        storage.write_json(h.progress_path, {**progress.initial(f"host-{h.index}", h.index, 2, 0.0),
+                                             "state": "generating"})
     started = time.monotonic()
     local.stop_hosts(hosts, grace_s=1.0)
     assert hosts[0].process.returncode == -signal.SIGTERM  # stopped by the SIGTERM
     assert hosts[1].process.returncode == -signal.SIGKILL  # killed after the grace
+    # what status reads of the killed host says so at once (the SIGTERMed one writes its own)
+    killed = storage.read_json(hosts[1].progress_path)
+    assert killed["state"] == "killed" and "still running 1 s after SIGTERM" in killed["failure"]
+    assert storage.read_json(hosts[0].progress_path)["state"] == "generating"
+    view = status.host_view(killed, time.time())
+    assert status.run_state(0, 10, [view], {"ran": False}) == "stopped"
     assert time.monotonic() - started >= 1.0
     for h in hosts:
         h.close()

@@ -107,7 +107,7 @@ def run_state(committed: int, planned: int, hosts: list[dict], collect: dict) ->
         return "generating"
     if any(h["state"] == "failed" for h in hosts):
         return "failed"
-    if any(h["state"] == "stopped" for h in hosts):
+    if any(h["state"] in ("stopped", "killed") for h in hosts):
         return "stopped"
     return "idle"
 

@@ -28,7 +28,7 @@ import threading
 import time
 
 from pipeline.core import logs, naming, slicing
-from pipeline.generate import cluster, compile_cache as compile_cache_lib, stopping
+from pipeline.generate import cluster, compile_cache as compile_cache_lib, progress as progress_lib, stopping
 from pipeline.io import runs, storage
 from pipeline.model.layers.attention import check_platform
 
@@ -76,6 +76,7 @@ class Host:
         self.index = index
         self.tail = collections.deque(maxlen=40)
         self.ready = False  # it logged host_ready: warm, about to generate
+        self.progress_path: str | None = None  # its progress object, marked if it has to be killed
         with open(log_path, "w", encoding="utf-8") as log:
             self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log,
                                             start_new_session=True)
@@ -168,6 +169,9 @@ def _kill(hosts: list[Host], reason: str) -> None:
         h.process.wait()
     if left:
         logs.event("hosts_killed", hosts=left, reason=reason)
+    for h in hosts:  # what status reads of them says so, not "generating" until it goes stale
+        if h.index in left and h.progress_path:
+            progress_lib.mark_killed(h.progress_path, reason)
 
 
 def _describe_exit(code: int) -> str:
@@ -197,6 +201,8 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     events: queue.Queue = queue.Queue()
     hosts = [Host(i, host_command(out, coordinator, num_hosts, i, compile_cache), env,
                    os.path.join(log_dir, f"host-{i}.log"), events) for i in range(num_hosts)]
+    for h in hosts:
+        h.progress_path = naming.progress_file(out, naming.progress_name(h.index))
     with open(os.path.join(log_dir, "hosts.json"), "w") as f:
         json.dump({str(h.index): h.process.pid for h in hosts}, f)
     logs.event("hosts_started", hosts=num_hosts, devices_per_host=devices_per_host, coordinator=coordinator,
@@ -204,7 +210,7 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     done: dict[int, dict] = {}
     count = Progress(out, total_images)
     bar = tqdm(total=total_images, initial=count.images(), unit="img", desc=WARMING, disable=not progress,
-               file=sys.stderr, smoothing=0)
+               file=sys.stderr, smoothing=0, ncols=bar_columns())
     try:
         with logs.above(bar):
             _follow(hosts, events, done, count, bar, out=out, log_dir=log_dir)
@@ -232,6 +238,18 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
 
 
 WARMING = "loading, compiling"  # the bar's label until every host is ready
+
+
+def bar_columns(stream=None) -> int | None:
+    """The progress bar's width: None (tqdm's own) unless ``stream`` (stderr) is a terminal
+    that reports 0 columns (a pseudo-terminal nobody sized, as some CI runners and
+    ``script`` make), where tqdm would draw an empty bar: then 100."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return None
+    return columns or 100
 
 
 class Progress:

@@ -31,8 +31,9 @@ RATE_WINDOW_S = 300.0  # the rate is over the slices committed in the last five 
 MAX_LISTED = 50  # slice indices kept per list (redone); the count is always whole
 # the host's state after each of these events
 STATES = {"host_started": "starting", "host_ready": "generating", "host_done": "done", "host_stopped": "stopped",
-          "host_failed": "failed"}
-FINAL = ("done", "stopped", "failed")
+          "host_failed": "failed", "host_killed": "killed"}
+# host_killed is the local launcher's, written for a host it had to SIGKILL (the host wrote nothing more)
+FINAL = ("done", "stopped", "failed", "killed")
 
 
 def initial(name: str, host: int | None, hosts: int | None, now: float) -> dict:
@@ -75,9 +76,20 @@ def apply(progress: dict, event: str, fields: dict, ts: float) -> dict:
         p["redone_slices"] = (progress["redone_slices"] + [fields.get("slice")])[-MAX_LISTED:]
     elif event == "padding_slot":
         p["padding_slots"] += 1
-    elif event == "host_failed":
+    elif event in ("host_failed", "host_killed"):
         p["failure"] = fields.get("error")
     return p
+
+
+def mark_killed(path: str, reason: str, now: float | None = None) -> None:
+    """Rewrite the progress object at ``path`` of a host its launcher killed (SIGKILL: the
+    host could write nothing more) as ``killed``, with ``reason``, so that ``status`` does
+    not show it generating until it goes stale. Nothing when the host never wrote one."""
+    now = time.time() if now is None else now
+    if not storage.exists(path):
+        return
+    p = apply(storage.read_json(path), "host_killed", {"error": f"killed by its launcher: {reason}"}, now)
+    storage.write_json(path, {**p, "updated_at": round(now, 3)})
 
 
 class Progress(logging.Handler):
