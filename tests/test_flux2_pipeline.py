@@ -272,6 +272,7 @@ def test_the_flop_count_unrolls_qwen3_and_the_transformer(model_cache):
     guided = flops.part_flops(base, 16, 16, 1, guided=True)
     assert guided["denoiser_call"] == pytest.approx(2 * counted["denoiser_call"], rel=0.01)
     assert guided["text_encoder"] == pytest.approx(2 * counted["text_encoder"], rel=0.01)
+    assert guided["vae_decode"] == counted["vae_decode"]  # the images alone are decoded
 
 
 def test_an_image_does_not_depend_on_its_batch_neighbours_and_sizes_off_the_grid_are_refused(models, model_cache,

@@ -262,8 +262,8 @@ class Flux2(Family):
             with seam():
                 return vae_net.vae_decode(nets.vae, p, z, nets.vae.config)
 
-        found.append(("vae_decode", ("vae",), jax.jit(decode).lower(
-            placed("vae"), make((b, channels, rows, cols), jnp.float32))))
+        found.append(("vae_decode", ("vae",), jax.jit(decode).lower(  # the images alone, guided or not
+            placed("vae"), make((per_device_batch, channels, rows, cols), jnp.float32))))
         return found
 
 
