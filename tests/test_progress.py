@@ -104,3 +104,32 @@ def test_the_bar_is_drawn_on_a_terminal_that_reports_no_size():
         os.close(slave)
     with open(os.devnull, "w") as stream:
         assert local.bar_columns(stream) is None  # not a terminal: tqdm's own choice
+
+
+def test_a_stopped_runs_bar_counts_the_slices_the_hosts_committed_as_they_stopped(tmp_path, model_cache):
+    """After the stop, the hosts' last commits (still on the event queue) move the bar to
+    where the run is; the other events stay on the queue."""
+    import queue
+
+    from pipeline.core.settings import Settings
+    from pipeline.engines import local
+    from pipeline.plan import transforms as plan
+
+    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(6)))
+    out = str(tmp_path / "out")
+    plan.run_plan(Settings(prompts=str(tmp_path / "p.jsonl"), out=out, per_device_batch=1, batches_per_slice=1,
+                           devices_per_host=2))
+    count = local.Progress(out, 6)
+
+    class Bar:
+        n = 0
+
+        def update(self, k):
+            self.n += k
+
+    bar, events = Bar(), queue.Queue()
+    for index, event in ((0, {"event": "slice_committed", "slice": 0}), (1, {"event": "host_stopped"}),
+                         (1, {"event": "slice_committed", "slice": 1})):
+        events.put((index, event))
+    local.drain_commits([], events, count, bar)
+    assert bar.n == 4 and events.get_nowait() == (1, {"event": "host_stopped"}) and events.empty()

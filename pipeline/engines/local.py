@@ -218,6 +218,7 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
         try:
             with logs.above(bar):
                 stop_hosts(hosts)
+            drain_commits(hosts, events, count, bar)  # the slices the hosts committed as they stopped
         finally:
             bar.close()
             logs.event("run_stopped", out=out, committed=_committed(out),
@@ -305,6 +306,29 @@ def _follow(hosts: list, events: queue.Queue, done: dict, count: Progress, bar, 
                               f"\n  last lines of host {first.index}:\n    {tail}")
         if all(h.process.poll() == 0 for h in hosts):
             return
+
+
+def drain_commits(hosts: list, events: queue.Queue, count: Progress, bar, wait_s: float = 2.0) -> None:
+    """After the hosts have exited: count the slices they committed as they stopped (their
+    last log lines, read by each host's reader, up to ``wait_s`` each), so that a stopped
+    run's bar ends where the run is; other events are left on the queue."""
+    for h in hosts:
+        reader = getattr(h, "reader", None)
+        if reader is not None:
+            reader.join(timeout=wait_s)
+    kept = []
+    while True:
+        try:
+            index, event = events.get_nowait()
+        except queue.Empty:
+            break
+        if event["event"] == "slice_committed":
+            count.committed(event["slice"])
+        else:
+            kept.append((index, event))
+    for item in kept:
+        events.put(item)
+    bar.update(count.images() - bar.n)
 
 
 def _start_rate(bar) -> None:
