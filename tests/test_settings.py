@@ -132,6 +132,11 @@ def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are
     old["settings_fingerprint"] = fingerprint(Settings.from_dict(old["settings"]), old["model_fingerprint"])
     storage.write_json(naming.run_json(out), old)
     assert run.settings.guidance_rule == "diffusers"
+    # --decode-batch auto keeps the old run's whole-batch decoding, as prepare does before resolving
+    asked = Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=2)
+    assert prepare.kept_decode_batch(asked).decode_batch is None and run.settings.decode_batch == 1
+    assert prepare.kept_decode_batch(asked.replace(decode_batch=2)).decode_batch == 2  # asked for: kept as asked
+    run = prepare.resolve_settings(prepare.kept_decode_batch(asked))[1]
     resumed = prepare.prepare_out(out, run)
     assert resumed.created_at == "2025-01-01T00:00:00+00:00"  # the old run, kept: redone slices get its bytes
     assert resumed.settings.guidance_rule == "always"  # and the guidance rule it was planned with

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 
-from pipeline.core import keys, naming, slicing
+from pipeline.core import buckets, keys, naming, slicing
 from pipeline.core.records import MAX_GUIDANCE, MIN_GUIDANCE
 from pipeline.core.choices import (
     ATTENTIONS,
@@ -36,8 +36,16 @@ class Settings:
     unet: str | None = None  # a UNet-only safetensors file (local or gs://) replacing the checkpoint's UNet weights
     # LoRA adapters merged into the weights once, at load, in this order: "PATH@SCALE" (parse_lora)
     loras: tuple[str, ...] = ()
-    width: int | None = None  # None: the model's native size
+    width: int | None = None  # None: the model's native size (with sizes: the first, the default bucket)
     height: int | None = None
+    # the run's image sizes, its aspect-ratio buckets ("WxH", ``pipeline.core.buckets``), when --sizes
+    # gave them: the first is the default, and a record may ask for one by width/height or
+    # aspect_ratio. Empty: one size, width x height, and those record fields only pass through.
+    # ("common" before planning: the preset, scaled to the family's native area.)
+    sizes: tuple[str, ...] = ()
+    # each bucket's per-device batch, in the order of sizes, as --per-device-batch auto chose them
+    # (a 512x512 bucket may fit more than a 1024x1024 one); empty: every bucket runs per_device_batch
+    bucket_batches: tuple[int, ...] = ()
     # None: the model family's default (SD and SDXL 20, FLUX.1 [schnell] 4 and [dev] 28, FLUX.2
     # [klein] 4 and its base 50), resolved when planning: run.json holds the number, and a
     # resumed run keeps its own
@@ -61,6 +69,10 @@ class Settings:
     # program); "auto": the smallest that fits one image per device, chosen before planning
     fsdp: int | str = 1
     dtype: str = "fp32"
+    # the VAE decodes a device's batch in micro-batches of this many images, one after the other, so
+    # that the denoiser, not the decoder, bounds the batch; it can change float bits, so it is part
+    # of the run: "auto" is resolved when planning; None: the whole batch at once (runs planned before)
+    decode_batch: int | str | None = "auto"
     # attention kernels (pipeline.model.layers.attention): auto picks per call from the platform and
     # shapes; the choice can change float bits, so it is part of the run
     attention: str = "auto"
@@ -118,6 +130,7 @@ class Settings:
         for name in ("width", "height"):
             if getattr(self, name) is not None:
                 check_size(name, getattr(self, name))
+        self._validate_sizes()
         if self.steps is not None:
             _check_int("--steps", self.steps, 1, MAX_STEPS, "a sampler's steps; each family may allow fewer")
         _check_int("--per-device-batch", self.per_device_batch, 1, MAX_PER_DEVICE_BATCH, "images per device "
@@ -188,6 +201,45 @@ class Settings:
                                  f"{', '.join(map(str, divisors))}")
         return self
 
+    def _validate_sizes(self) -> None:
+        """--sizes, the buckets' per-device batches and the decoder's micro-batch."""
+        if self.sizes and tuple(self.sizes) != buckets.parse_sizes(",".join(self.sizes)):
+            raise ValueError(f"--sizes must be WxH[,WxH...] or {buckets.PRESET}, got {','.join(self.sizes)!r}")
+        if self.sizes and self.sizes != (buckets.PRESET,):
+            for name in self.sizes:
+                width, height = buckets.parse_size(name)
+                check_size("sizes", width), check_size("sizes", height)
+            if (self.width, self.height) not in ((None, None), buckets.parse_size(self.sizes[0])):
+                raise ValueError(f"--sizes {','.join(self.sizes)} and --width/--height {self.width}x{self.height}: "
+                                 f"give one (--width/--height mean a single size)")
+        if self.bucket_batches:
+            if len(self.bucket_batches) != len(self.sizes) or self.sizes == (buckets.PRESET,):
+                raise ValueError(f"bucket_batches holds one per-device batch per size, got {self.bucket_batches} "
+                                 f"for {self.sizes}")
+            for batch in self.bucket_batches:
+                _check_int("--per-device-batch", batch, 1, MAX_PER_DEVICE_BATCH, "a bucket's images per device")
+            if self.bucket_batches[0] != self.per_device_batch:
+                raise ValueError(f"bucket_batches {self.bucket_batches} must start with the run's per-device batch "
+                                 f"{self.per_device_batch} (the first size's)")
+        if self.decode_batch is not None:
+            _check_int("--decode-batch", self.decode_batch, 1, MAX_PER_DEVICE_BATCH, "images the VAE decodes at "
+                       "once", AUTO)
+
+    def buckets(self) -> list[tuple[int, int, int]]:
+        """(width, height, per-device batch) of each of the run's sizes, in order: one for a
+        single-size run. Resolved settings only (sizes, width, height and batch are numbers)."""
+        sizes = [buckets.parse_size(name) for name in self.sizes] or [(self.width, self.height)]
+        batches = list(self.bucket_batches) or [self.per_device_batch] * len(sizes)
+        if None in sizes[0] or self.sizes == (buckets.PRESET,) or AUTO in batches:
+            raise ValueError("the run's sizes and per-device batch are resolved when planning")
+        return [(w, h, b) for (w, h), b in zip(sizes, batches)]
+
+    def for_bucket(self, index: int) -> "Settings":
+        """The settings of bucket ``index`` as a single-size run's: its size and per-device
+        batch. Every bucket's program, images and metadata are that run's."""
+        width, height, batch = self.buckets()[index]
+        return self.replace(width=width, height=height, per_device_batch=batch, sizes=(), bucket_batches=())
+
     def _validate_scores(self) -> None:
         """The scores, their models and the filters: each asked for by what reads it."""
         if tuple(self.scores) != parse_scores(",".join(self.scores)):
@@ -239,7 +291,7 @@ class Settings:
             raise ValueError(f"unknown run setting(s) {', '.join(unknown)}: the run was planned by another "
                              f"promptmill version")
         values = {**{name: legacy for name, legacy in NEWER_SETTINGS.items() if name not in data}, **data}
-        for name in ("formats", "loras", "scores"):  # JSON has lists
+        for name in ("formats", "loras", "scores", "sizes", "bucket_batches"):  # JSON has lists
             if name in values:
                 values[name] = tuple(values[name])
         return cls(**values)
@@ -312,7 +364,8 @@ NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": Fal
                   "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
                   "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1, "scores": (),
                   "clip_model": None, "aesthetic_head": None, "safety_checker": None, "min_clip_similarity": None,
-                  "min_aesthetic": None, "drop_nsfw": False, "filter_rule": "truthy", "key_names": "hashed"}
+                  "min_aesthetic": None, "drop_nsfw": False, "filter_rule": "truthy", "key_names": "hashed",
+                  "sizes": (), "bucket_batches": (), "decode_batch": None}
 GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused", "zimage")
 FILTER_RULES = ("set", "truthy")
 NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free

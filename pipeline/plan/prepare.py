@@ -16,10 +16,17 @@ from importlib import metadata
 from pipeline import __version__
 from pipeline.core import logs, naming
 from pipeline.core.choices import LEGACY_ATTENTION
-from pipeline.core.settings import Lora, Run, Settings
+from pipeline.core.settings import AUTO, Lora, Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.plan import input_table
 from pipeline.plan.layout import PlanError, match_prompt_files
+
+
+# what --decode-batch auto resolves to: the VAE decodes one image at a time. Its temporaries then
+# grow with the image, not the batch (SDXL at 1024x1024: 1.7 GiB beyond its weights for one image,
+# 6.0 GiB for two), so the denoiser bounds the per-device batch; one image at 1024x1024 is about
+# 10 TFLOP of decoding, enough to fill a chip.
+DECODE_BATCH = 1
 
 
 def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]:
@@ -31,7 +38,7 @@ def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]
     beamio.require_filesystem(settings.prompts, settings.out)
     if not match_prompt_files(settings.prompts):  # also: every file has a known format
         raise PlanError(f"no prompt files match {settings.prompts!r}")
-    settings, run = resolve_settings(kept_steps(settings, overwrite))
+    settings, run = resolve_settings(kept_decode_batch(kept_steps(settings, overwrite), overwrite))
     run = prepare_out(settings.out, run, overwrite)
     # a resumed run keeps the names its plan gave (``key_names``): a re-plan writes the same keys
     return settings.replace(key_names=run.settings.key_names), run
@@ -47,6 +54,15 @@ def kept_steps(settings: Settings, overwrite: bool = False) -> Settings:
     kept = runs.read(settings.out).settings.steps
     logs.event("steps_kept", steps=kept, out=settings.out)
     return settings.replace(steps=kept)
+
+
+def kept_decode_batch(settings: Settings, overwrite: bool = False) -> Settings:
+    """``settings`` with ``decode_batch`` "auto" made that of the run already in OUT, which a
+    resumed run keeps (None, the whole batch at once, for a run planned before the decoder
+    took micro-batches); otherwise as they are (``resolve_settings`` resolves "auto")."""
+    if settings.decode_batch != AUTO or overwrite or not runs.exists(settings.out):
+        return settings
+    return settings.replace(decode_batch=runs.read(settings.out).settings.decode_batch)
 
 
 def _versions() -> dict:
@@ -93,6 +109,7 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
                    why=f"{settings.model} takes no guidance ({described['family']}, guidance-distilled): the scale "
                        f"is recorded with each image and counted in the dataset's stats, never used")
     resolved = dict(width=settings.width or size, height=settings.height or size, steps=steps,
+                    decode_batch=DECODE_BATCH if settings.decode_batch == AUTO else settings.decode_batch,
                     scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),
                     max_sequence_length=described["max_sequence_length"])
     resolved.update(guidance_rule=described["guidance_rule"])  # the family's (a resumed run keeps its own)
