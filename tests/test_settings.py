@@ -141,6 +141,7 @@ def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are
     assert resumed.created_at == "2025-01-01T00:00:00+00:00"  # the old run, kept: redone slices get its bytes
     assert resumed.settings.guidance_rule == "always"  # and the guidance rule it was planned with
     assert storage.read_json(naming.run_json(out)) == old  # run.json untouched
-    _, other = prepare.resolve_settings(Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=3, dedupe=True))
+    _, other = prepare.resolve_settings(prepare.kept_decode_batch(
+        Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=3, dedupe=True)))
     with pytest.raises(layout.PlanError, match=r"already holds a run with other settings \(changed: dedupe, steps\)"):
         prepare.prepare_out(out, other)
