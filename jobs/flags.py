@@ -147,6 +147,14 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{side}", type=int, default=None,
                             help=f"image {side} in pixels, a multiple of the model's size unit ({size_rules()}) "
                                  f"(default: the model's)")
+    parser.add_argument("--sizes", type=sizes_flag, default=d.sizes, metavar="WxH[,WxH...]|common",
+                        help="the run's image sizes (aspect-ratio buckets), each compiled once: the first is the "
+                             "default; a record may ask for one by width and height (which must be one of them) or "
+                             "by aspect_ratio (\"3:4\" is width:height, or a number: the nearest size). common: "
+                             "1024x1024, 1152x896, 896x1152, 1216x832, 832x1216, 1344x768, 768x1344, 1536x640, "
+                             "640x1536, scaled to the model's native area and rounded to its size unit. Without "
+                             "--sizes, a record's width, height and aspect_ratio only pass through to its metadata "
+                             "(default: one size, --width x --height)")
     parser.add_argument("--steps", type=int, default=d.steps,
                         help="denoising steps (default: the model's: SD and SDXL 20, FLUX.1 [schnell] 4 and [dev] 28, "
                              "FLUX.2 [klein] 4 and its base models 50; a resumed run keeps its own)")
@@ -230,6 +238,16 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "why (dropped)")
 
 
+def sizes_flag(text: str) -> tuple[str, ...]:
+    """``--sizes``: WxH[,WxH...] or common (``buckets.parse_sizes``)."""
+    from pipeline.core import buckets
+
+    try:
+        return buckets.parse_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def fsdp_degree(text: str) -> int | str:
     """``--fsdp``: a whole number, or ``auto``."""
     return per_device_batch(text)
@@ -256,7 +274,7 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_chec
                          f"--per-device-batch is {args.per_device_batch}, --fsdp {args.fsdp}")
     return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet,
                     loras=tuple(lora_spec(*parse_lora(spec)) for spec in args.lora or ()), width=args.width,
-                    height=args.height, steps=args.steps, scheduler=args.scheduler,
+                    height=args.height, sizes=tuple(args.sizes), steps=args.steps, scheduler=args.scheduler,
                     timestep_spacing=args.timestep_spacing, attention=args.attention, dtype=args.dtype,
                     formats=parse_formats(args.format), device_memory=args.device_memory,
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
