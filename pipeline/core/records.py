@@ -13,7 +13,7 @@ import json
 import math
 import re
 
-from pipeline.core import keys, naming
+from pipeline.core import buckets, keys, naming
 
 KNOWN_FIELDS = ("id", "prompt", "negative_prompt", "seed", "num_images", "guidance_scale")
 MAX_ID_CHARS = 65_536  # ids of any content are fine (keys are derived safely); only the size is bounded
@@ -32,6 +32,7 @@ class Record:
     source: str
     line: int
     extra: dict = dataclasses.field(default_factory=dict)
+    bucket: int = 0  # which of the run's sizes it asked for (``buckets.assign``); 0, the default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +62,13 @@ class Item:
     position: int  # global position in the plan
     slice: int
     extra: dict = dataclasses.field(default_factory=dict)
+    bucket: int = 0  # the index of its size in the run's sizes (0 in a single-size run)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        found = dataclasses.asdict(self)
+        if not self.bucket:  # a single-size run's slices keep their bytes
+            found.pop("bucket")
+        return found
 
     @classmethod
     def from_json(cls, obj: dict) -> "Item":
@@ -129,11 +134,14 @@ def _unique_keys(pairs):
 
 
 def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
-              max_images: int = 100, prompt_field: str = "prompt") -> Record:
+              max_images: int = 100, prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> Record:
     """Validate one decoded row; raise ``_Bad`` with a reason code.
 
     ``prompt_field`` names the prompt's field. When it is not ``prompt``, a field
-    called ``prompt`` is not the prompt and passes through like any other.
+    called ``prompt`` is not the prompt and passes through like any other. ``sizes``:
+    the run's buckets (``--sizes``), of which the row may ask for one by ``width`` and
+    ``height`` (read, not passed through) or ``aspect_ratio`` (passed through beside the
+    size it was given); without them, those fields pass through like any other.
     """
     if not isinstance(row, dict):
         raise _Bad("not_an_object", f"a row must be a JSON object, got {type(row).__name__}")
@@ -170,9 +178,17 @@ def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
                        f"'guidance_scale' must be a number in [{MIN_GUIDANCE}, {MAX_GUIDANCE}], got {guidance!r}")
         guidance = float(guidance)
     known = {name for name in KNOWN_FIELDS if name != "prompt"} | {prompt_field}
+    bucket = 0
+    if sizes:
+        try:
+            bucket, _ = buckets.assign(row, sizes)
+        except buckets.BadSize as bad:
+            raise _Bad(bad.reason, bad.message) from None
+        known |= {"width", "height"}
     extra = {k: v for k, v in row.items() if k not in known}
     return Record(id=record_id, prompt=prompt, negative_prompt=negative, seed=seed,
-                  num_images=num_images, guidance_scale=guidance, source=source, line=line, extra=extra)
+                  num_images=num_images, guidance_scale=guidance, source=source, line=line, extra=extra,
+                  bucket=bucket)
 
 
 def _decode_line(raw: bytes, source: str, line: int) -> str | Reject:
@@ -184,7 +200,7 @@ def _decode_line(raw: bytes, source: str, line: int) -> str | Reject:
 
 
 def parse_jsonl_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: str,
-                     prompt_field: str = "prompt") -> Record | Reject | None:
+                     prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> Record | Reject | None:
     """One JSONL line to a Record, a Reject, or None for a blank line."""
     text = _decode_line(raw, source, line)
     if isinstance(text, Reject):
@@ -193,41 +209,47 @@ def parse_jsonl_line(raw: bytes, source: str, line: int, run_seed: int, auto_id:
         return None
     try:
         row = json.loads(text, object_pairs_hook=_unique_keys)
-        return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field)
+        return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field, sizes=sizes)
     except json.JSONDecodeError as e:
         return Reject(source, line, "invalid_json", f"the line is not valid JSON: {e.msg} at column {e.colno}", text)
     except _Bad as bad:
         return Reject(source, line, bad.reason, bad.message, text)
 
 
-def parse_text_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: str) -> Record | Reject | None:
+def parse_text_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: str,
+                    sizes: tuple[str, ...] = ()) -> Record | Reject | None:
     """One line of a ``.txt`` file (the line is the prompt): a Record, a Reject, or None if blank."""
     text = _decode_line(raw, source, line)
     if isinstance(text, Reject):
         return text
     if not text.strip():
         return None
-    return parse_decoded({"prompt": text}, source, line, run_seed, auto_id)
+    return parse_decoded({"prompt": text}, source, line, run_seed, auto_id, sizes=sizes)
 
 
 def parse_decoded(row, source: str, line: int, run_seed: int, auto_id: str,
-                  prompt_field: str = "prompt") -> Record | Reject:
+                  prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> Record | Reject:
     """A row some reader already decoded (a CSV row, a JSON array element, a Parquet row)."""
     try:
-        return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field)
+        return parse_row(row, source, line, run_seed, auto_id, prompt_field=prompt_field, sizes=sizes)
     except _Bad as bad:
         raw = json.dumps(row, ensure_ascii=bad.reason == "invalid_text", default=str)  # a surrogate, escaped
         return Reject(source, line, bad.reason, bad.message, raw)
 
 
-def expand(record: Record, first_position: int, slice_size: int, labels: dict | None = None) -> list[Item]:
+def expand(record: Record, first_position: int, slice_size: int, labels: dict | None = None,
+           bucket_start: tuple[int, int] = (0, 0)) -> list[Item]:
     """The items (one per image) of a record whose first image sits at ``first_position``;
-    ``labels``: the run's file labels, for readable keys (``naming.output_key``)."""
+    ``labels``: the run's file labels, for readable keys (``naming.output_key``);
+    ``bucket_start``: (first position, first slice) of the record's bucket
+    (``buckets.Geometry``), whose slices are ``slice_size`` images each."""
     items = []
+    offset, first_slice = bucket_start
     for index in range(record.num_images):
         position = first_position + index
         items.append(Item(key=naming.output_key(record.id, index, labels), id=record.id, image_index=index,
                           prompt=record.prompt, negative_prompt=record.negative_prompt, seed=record.seed,
                           guidance_scale=record.guidance_scale, source=record.source, line=record.line,
-                          position=position, slice=position // slice_size, extra=record.extra))
+                          position=position, slice=first_slice + (position - offset) // slice_size,
+                          extra=record.extra, bucket=record.bucket))
     return items

@@ -26,7 +26,7 @@ import re
 
 import numpy as np
 
-from pipeline.core import records
+from pipeline.core import buckets, records
 from pipeline.model.sampling import guidance as guidance_rules
 from pipeline.io import beamio, storage
 from pipeline.plan import inputs
@@ -66,7 +66,7 @@ def match_prompt_files(pattern: str) -> list[str]:
 
 
 def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
-                     prompt_field: str = "prompt") -> records.Record | records.Reject | None:
+                     prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> records.Record | records.Reject | None:
     """One row of ``inputs.read_rows`` to a Record, a Reject, or None (a blank line)."""
     if isinstance(payload, records.Reject):
         return payload
@@ -77,15 +77,17 @@ def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
         except inputs.UnsupportedInput:
             text_file = False
         if text_file:
-            return records.parse_text_line(payload, source, line, run_seed, record_id)
-        return records.parse_jsonl_line(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
-    return records.parse_decoded(payload, source, line, run_seed, record_id, prompt_field=prompt_field)
+            return records.parse_text_line(payload, source, line, run_seed, record_id, sizes=sizes)
+        return records.parse_jsonl_line(payload, source, line, run_seed, record_id, prompt_field=prompt_field,
+                                        sizes=sizes)
+    return records.parse_decoded(payload, source, line, run_seed, record_id, prompt_field=prompt_field, sizes=sizes)
 
 
-def validated(path: str, run_seed: int, root: str, prompt_field: str = "prompt"):
-    """The rows of one prompt file, checked: ``(payload, Record | Reject)`` in file order."""
+def validated(path: str, run_seed: int, root: str, prompt_field: str = "prompt", sizes: tuple[str, ...] = ()):
+    """The rows of one prompt file, checked: ``(payload, Record | Reject)`` in file order;
+    ``sizes``: the run's buckets, which a row may ask for (``records.parse_row``)."""
     for source, line, payload in inputs.read_rows(path, prompt_field):
-        result = validate_payload(source, line, payload, run_seed, root, prompt_field)
+        result = validate_payload(source, line, payload, run_seed, root, prompt_field, sizes)
         if result is not None:  # a blank line is not a row
             yield payload, result
 
@@ -108,20 +110,22 @@ class FileScan:
     id_hashes: np.ndarray  # S16
     prompt_hashes: np.ndarray  # S16; empty without dedupe
     guided: np.ndarray  # bool: the record's guidance (its own, else the run's) asks for it (``guidance.asks``)
+    buckets: np.ndarray | None = None  # int16: the index of the size the record asked for (None: all 0)
 
 
 def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt", dedupe: bool = True,
-              default_guidance: float = 7.5, *, rule: str = "diffusers") -> FileScan:
+              default_guidance: float = 7.5, *, rule: str = "diffusers", sizes: tuple[str, ...] = ()) -> FileScan:
     rows, reasons = 0, collections.Counter()
-    lines, images, guided = array.array("i"), array.array("i"), array.array("b")
+    lines, images, guided, sized = array.array("i"), array.array("i"), array.array("b"), array.array("h")
     ids, prompts = bytearray(), bytearray()
-    for _, result in validated(path, run_seed, root, prompt_field):
+    for _, result in validated(path, run_seed, root, prompt_field, sizes):
         rows += 1
         if isinstance(result, records.Reject):
             reasons[result.reason] += 1
             continue
         lines.append(result.line)
         images.append(result.num_images)
+        sized.append(result.bucket)
         guidance = default_guidance if result.guidance_scale is None else result.guidance_scale
         guided.append(guidance_rules.asks(rule, guidance))
         ids += digest(result.id)
@@ -129,7 +133,7 @@ def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt",
             prompts += digest(result.prompt)
     as_hashes = lambda b: np.frombuffer(bytes(b), dtype=f"S{HASH_BYTES}")  # noqa: E731
     return FileScan(path, rows, dict(reasons), np.asarray(lines, np.int32), np.asarray(images, np.int32),
-                    as_hashes(ids), as_hashes(prompts), np.asarray(guided, bool))
+                    as_hashes(ids), as_hashes(prompts), np.asarray(guided, bool), np.asarray(sized, np.int16))
 
 
 @dataclasses.dataclass
@@ -147,6 +151,20 @@ class Layout:
     first_guided: str | None = None  # the first of them, "SOURCE line N"
     guided_by_records: bool = False  # they made the run guided: its own guidance does not ask (``decide_guidance``)
     slice_size: int | None = None  # the run's slice size, once the plan decided it (``transforms.decide``)
+    # per size (bucket) of the run, in order: each file's first global position in it, its
+    # images and records, and the buckets' totals (one bucket in a single-size run: ``first``)
+    bucket_first: dict = dataclasses.field(default_factory=dict)  # source -> [position per bucket]
+    bucket_images: list = dataclasses.field(default_factory=list)
+    bucket_records: list = dataclasses.field(default_factory=list)
+    file_bucket_images: dict = dataclasses.field(default_factory=dict)  # source -> [images per bucket]
+    bucket_slice_sizes: list | None = None  # each bucket's slice size, once decided (``transforms.decide``)
+
+    def geometry(self, settings) -> "buckets.Geometry":
+        """The plan's buckets, with the decided slice sizes: ``buckets.Geometry``."""
+        found = settings.buckets() if settings is not None else [(0, 0, 0)]
+        return buckets.Geometry.lay_out([(w, h) for w, h, _ in found], [b for _, _, b in found],
+                                        self.bucket_slice_sizes or [self.slice_size],
+                                        self.bucket_images or [self.images], self.bucket_records or [self.records])
 
 
 def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +177,7 @@ def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return later, earliest[later]
 
 
-def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
+def make_layout(scans: list[FileScan], dedupe: bool, num_buckets: int = 1) -> Layout:
     """Duplicate checks, positions and guidance over every file (pure; files in sorted order).
 
     A record whose id an earlier record (in (source, line) order) already has is
@@ -190,7 +208,14 @@ def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
     guided = np.concatenate([s.guided for s in scans]) if scans else np.zeros(0, bool)
     kept_images = np.where(kept, images, 0).astype(np.int64)
     per_file = np.bincount(owner, weights=kept_images, minlength=len(scans)).astype(np.int64)
-    starts = np.concatenate([[0], np.cumsum(per_file)[:-1]]) if scans else []
+    sized = np.concatenate([s.buckets if s.buckets is not None else np.zeros(len(s.lines), np.int16)
+                            for s in scans]) if scans else np.zeros(0, np.int16)
+    # bucket-major: every image of bucket 0, then of bucket 1, ...; files in order within each
+    per_bucket = np.stack([np.bincount(owner, weights=np.where(sized == b, kept_images, 0), minlength=len(scans))
+                           for b in range(num_buckets)]).astype(np.int64).reshape(num_buckets, len(scans))
+    flat = np.cumsum(per_bucket.reshape(-1))
+    bucket_starts = (np.concatenate([[0], flat[:-1]]) if flat.size else flat).reshape(num_buckets, len(scans))
+    starts = bucket_starts[0] if scans else []
     reasons = collections.Counter()
     for scan in scans:
         reasons.update(scan.reasons)
@@ -202,11 +227,15 @@ def make_layout(scans: list[FileScan], dedupe: bool) -> Layout:
                   images_of={s: int(n) for s, n in zip(sources, per_file)}, drops=drops,
                   rows=sum(s.rows for s in scans), records=int(kept.sum()), images=int(kept_images.sum()),
                   rejects_by_reason=dict(sorted(reasons.items())), guided=bool(len(asking)),
-                  guided_records=int(len(asking)), first_guided=first_guided)
+                  guided_records=int(len(asking)), first_guided=first_guided,
+                  bucket_first={s: [int(f) for f in bucket_starts[:, i]] for i, s in enumerate(sources)},
+                  bucket_images=[int(n) for n in per_bucket.sum(axis=1)],
+                  bucket_records=[int(((sized == b) & kept).sum()) for b in range(num_buckets)],
+                  file_bucket_images={s: [int(n) for n in per_bucket[:, i]] for i, s in enumerate(sources)})
 
 
 
-_ARRAYS = ("lines", "images", "id_hashes", "prompt_hashes", "guided")
+_ARRAYS = ("lines", "images", "id_hashes", "prompt_hashes", "guided", "buckets")
 
 
 def save_scan(scan: FileScan, path: str) -> None:

@@ -14,7 +14,7 @@ import os
 from importlib import metadata
 
 from pipeline import __version__
-from pipeline.core import logs, naming
+from pipeline.core import buckets, logs, naming
 from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.core.settings import AUTO, Lora, Run, Settings
 from pipeline.io import beamio, runs, storage
@@ -84,15 +84,15 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     settings.validate()
     described = model.describe(model.LoadRequest.of(settings))
     size, multiple = described["native_size"], described["size_multiple"]
+    sizes = settings.sizes
+    if sizes == (buckets.PRESET,):
+        sizes = buckets.preset_sizes(size, multiple)
+        logs.event("sizes_preset", preset=buckets.PRESET, model=settings.model, sizes=list(sizes))
     for name in ("width", "height"):
-        value = getattr(settings, name)
-        if value is not None and value % multiple:
-            raise PlanError(f"--{name} {value}: {settings.model}'s images are multiples of {multiple} pixels each way "
-                            f"({described['family']}: the VAE's scale factor{' x 2 for the 2x2 latent packing' if multiple > 8 else ''})")
-        if value is not None and value > described["max_size"]:
-            raise PlanError(f"--{name} {value}: {described['family']} images are at most {described['max_size']} "
-                            f"pixels each way ({described['max_size'] * described['max_size'] / size ** 2:g} times "
-                            f"the model's native area, {size}x{size})")
+        _check_side(f"--{name}", getattr(settings, name), settings.model, described)
+    for name in sizes:
+        for side, value in zip(("width", "height"), buckets.parse_size(name)):
+            _check_side(f"--sizes {name}: the {side}", value, settings.model, described)
     steps = described["default_steps"] if settings.steps is None else settings.steps
     if not described["min_steps"] <= steps <= described["max_steps"]:
         raise PlanError(f"--steps {steps}{'' if settings.steps is not None else ' (the model default)'}: "
@@ -108,7 +108,8 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
         logs.event("guidance_unused", logging.WARNING, guidance_scale=settings.guidance_scale, model=settings.model,
                    why=f"{settings.model} takes no guidance ({described['family']}, guidance-distilled): the scale "
                        f"is recorded with each image and counted in the dataset's stats, never used")
-    resolved = dict(width=settings.width or size, height=settings.height or size, steps=steps,
+    first = buckets.parse_size(sizes[0]) if sizes else (settings.width or size, settings.height or size)
+    resolved = dict(width=first[0], height=first[1], sizes=tuple(sizes), steps=steps,
                     decode_batch=DECODE_BATCH if settings.decode_batch == AUTO else settings.decode_batch,
                     scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),
                     max_sequence_length=described["max_sequence_length"])
@@ -122,6 +123,20 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
                      sharding=_sharding(settings),
                      scorers=scorer_models.describe(settings, described["fingerprint"])["fingerprints"])
     return settings, run
+
+
+def _check_side(what: str, value: int | None, model: str, described: dict) -> None:
+    """PlanError unless ``value`` (a side of an image, None: the model's) is a size the
+    model's family makes: a multiple of its size unit, at most its largest."""
+    size, multiple = described["native_size"], described["size_multiple"]
+    if value is not None and value % multiple:
+        raise PlanError(f"{what} {value}: {model}'s images are multiples of {multiple} pixels each way "
+                        f"({described['family']}: the VAE's scale factor"
+                        f"{' x 2 for the 2x2 latent packing' if multiple > 8 else ''})")
+    if value is not None and value > described["max_size"]:
+        raise PlanError(f"{what} {value}: {described['family']} images are at most {described['max_size']} "
+                        f"pixels each way ({described['max_size'] * described['max_size'] / size ** 2:g} times "
+                        f"the model's native area, {size}x{size})")
 
 
 def _sharding(settings: Settings) -> dict | None:

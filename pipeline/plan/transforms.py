@@ -89,16 +89,17 @@ class _ScanFn(beam.DoFn):
     """Scans one file and saves its arrays; yields where they are (the Beam runner
     never holds, copies or pickles the arrays)."""
 
-    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, dedupe: bool,
+    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, sizes: tuple[str, ...], dedupe: bool,
                  default_guidance: float, rule: str = "diffusers"):
-        self.out, self.args, self.rule = out, (run_seed, root, prompt_field, dedupe, default_guidance), rule
+        self.out, self.args, self.rule, self.sizes = out, (run_seed, root, prompt_field, dedupe, default_guidance), \
+            rule, sizes
         self.read = Metrics.counter("plan", "rows_read")
 
     def setup(self):
         beamio.use_emulator_credentials()
 
     def process(self, path: str):
-        scan = scan_file(path, *self.args, rule=self.rule)
+        scan = scan_file(path, *self.args, rule=self.rule, sizes=self.sizes)
         self.read.inc(scan.rows)
         saved = naming.plan_scan(self.out, path)
         save_scan(scan, saved)
@@ -114,9 +115,9 @@ def key_labels(settings: Settings, paths: list[str]) -> dict[str, str] | None:
     return naming.file_labels(relative_source(path, root) for path in paths)
 
 
-def layout_of_saved(paths: list[str], dedupe: bool) -> Layout:
+def layout_of_saved(paths: list[str], dedupe: bool, num_buckets: int = 1) -> Layout:
     """``make_layout`` over the saved scans, which are then deleted."""
-    layout = make_layout([load_scan(path) for path in paths], dedupe)
+    layout = make_layout([load_scan(path) for path in paths], dedupe, num_buckets)
     beamio.delete(paths)
     return layout
 
@@ -126,7 +127,9 @@ def decide(layout: Layout, out: str, cap_hosts: int | None = None) -> Layout:
     slice size, as run.json now holds it."""
     layout = decide_guidance(layout, out)
     settings = decide_per_device_batch(layout, out, cap_hosts)
-    return dataclasses.replace(layout, slice_size=settings.slice_size)
+    sizes = [slicing.slice_size(settings.devices_per_host, batch, settings.batches_per_slice)
+             for _, _, batch in settings.buckets()]
+    return dataclasses.replace(layout, slice_size=settings.slice_size, bucket_slice_sizes=sizes)
 
 
 def decide_per_device_batch(layout: Layout, out: str, cap_hosts: int | None) -> Settings:
@@ -139,12 +142,19 @@ def decide_per_device_batch(layout: Layout, out: str, cap_hosts: int | None) -> 
     settings = run.settings
     if cap_hosts is None:
         return settings
-    most = slicing.most_per_device(layout.images, cap_hosts, settings.devices_per_host)
-    if settings.per_device_batch <= most:
+    fits = [batch for _, _, batch in settings.buckets()]
+    most = [slicing.most_per_device(images, cap_hosts, settings.devices_per_host)
+            for images in layout.bucket_images or [layout.images]]
+    capped = [min(fit, top) for fit, top in zip(fits, most)]
+    if capped == fits:
         return settings
-    logs.event("per_device_batch_capped", out=out, fits=settings.per_device_batch, per_device_batch=most,
-               images=layout.images, hosts=cap_hosts, devices_per_host=settings.devices_per_host)
-    settings = settings.replace(per_device_batch=most).validate()
+    for (width, height, fit), top, images in zip(settings.buckets(), most, layout.bucket_images or [layout.images]):
+        if fit > top:
+            logs.event("per_device_batch_capped", out=out, fits=fit, per_device_batch=top, images=images,
+                       hosts=cap_hosts, devices_per_host=settings.devices_per_host,
+                       **({"size": f"{width}x{height}"} if settings.sizes else {}))
+    settings = settings.replace(per_device_batch=capped[0],
+                                bucket_batches=tuple(capped) if settings.bucket_batches else ()).validate()
     runs.write(out, run.with_settings(settings))
     return settings
 
@@ -178,8 +188,11 @@ class _PlaceFn(beam.DoFn):
     """The second pass over one file: rejects, whole slices, and the shared slices' items."""
     SHARED = "shared"
 
-    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, labels: dict | None = None):
-        self.out, self.args, self.labels = out, (run_seed, root, prompt_field), labels
+    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, labels: dict | None = None,
+                 settings: Settings | None = None):
+        self.out, self.args, self.labels = out, (run_seed, root, prompt_field, settings.sizes if settings else ()), \
+            labels
+        self.settings = settings
         self.rejected = Metrics.counter("plan", "rows_rejected")
         self.planned = Metrics.counter("plan", "records_planned")
         self.images = Metrics.counter("plan", "images_planned")
@@ -189,10 +202,13 @@ class _PlaceFn(beam.DoFn):
         beamio.use_emulator_credentials()
 
     def process(self, path: str, layout: Layout):
-        size = layout.slice_size
-        first, drops = layout.first.get(path, 0), layout.drops.get(path, {})
-        end = first + layout.images_of.get(path, 0)
-        position, current, pending = first, None, []
+        geometry = layout.geometry(self.settings)
+        drops = layout.drops.get(path, {})
+        count = len(geometry.buckets)
+        first = layout.bucket_first.get(path, [0] * count)
+        end = [f + n for f, n in zip(first, layout.file_bucket_images.get(path, [0] * count))]
+        # per bucket: the next position, the slice being gathered and its items
+        position, current, pending = list(first), [None] * count, [[] for _ in range(count)]
         with contextlib.ExitStack() as stack:
             rejects = None
             for payload, result in validated(path, *self.args):
@@ -207,22 +223,25 @@ class _PlaceFn(beam.DoFn):
                     self.rejected.inc()
                     continue
                 self.planned.inc()
-                for item in records.expand(result, position, size, self.labels):
-                    if item.slice != current:
-                        yield from self._flush(current, pending, first, end, layout.images, size)
-                        current, pending = item.slice, []
-                    pending.append(item)
+                b, bucket = result.bucket, geometry.buckets[result.bucket]
+                for item in records.expand(result, position[b], bucket.slice_size, self.labels,
+                                           (bucket.offset, bucket.first_slice)):
+                    if item.slice != current[b]:
+                        yield from self._flush(current[b], pending[b], first[b], end[b], geometry)
+                        current[b], pending[b] = item.slice, []
+                    pending[b].append(item)
                 self.images.inc(result.num_images)
-                position += result.num_images
-        yield from self._flush(current, pending, first, end, layout.images, size)
+                position[b] += result.num_images
+        for b in range(count):
+            yield from self._flush(current[b], pending[b], first[b], end[b], geometry)
         if position != end:
-            raise PlanError(f"{path} changed while it was planned: {position - first} images on the second "
-                            f"read, {end - first} on the first")
+            raise PlanError(f"{path} changed while it was planned: {sum(position) - sum(first)} images on the "
+                            f"second read, {sum(end) - sum(first)} on the first")
 
-    def _flush(self, index, items, first, end, total, size):
+    def _flush(self, index, items, first, end, geometry):
         if index is None:
             return
-        start, stop = index * size, min((index + 1) * size, total)
+        start, stop = geometry.slice_span(index)
         if first <= start and stop <= end:  # the slice lies wholly in this file
             self.slices.inc()
             yield write_slice(self.out, index, items)
@@ -253,23 +272,29 @@ class _JoinPartsFn(beam.DoFn):
 
 
 class WriteManifest(beam.PTransform):
-    def __init__(self, out: str):
+    def __init__(self, out: str, settings: Settings | None = None):
         super().__init__()
-        self.out = out
+        self.out, self.settings = out, settings
 
     def expand(self, inputs):
         layout, written = inputs
+        settings = self.settings
 
         def write(_, layout: Layout, slice_ids):
             rejects = sum(layout.rejects_by_reason.values())
             manifest = {"slice_size": layout.slice_size, "slices": len(slice_ids), "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
                         "input_rows": layout.rows, "input_files": len(layout.first)}
+            expected = slicing.num_slices(layout.images, layout.slice_size)
+            if settings is not None and settings.sizes:  # each size's records, images, slices and batch
+                geometry = layout.geometry(runs.read(self.out).settings)
+                manifest["buckets"] = [bucket.to_json() for bucket in geometry.buckets]
+                expected = geometry.slices
             if layout.guided_by_records:
                 manifest["guided_by_records"] = {"records": layout.guided_records, "first": layout.first_guided}
             if layout.records + rejects != layout.rows:
                 raise PlanError(f"{layout.rows} input rows, but {layout.records} records and {rejects} rejects")
-            if sorted(slice_ids) != list(range(slicing.num_slices(layout.images, layout.slice_size))):
+            if sorted(slice_ids) != list(range(expected)):
                 raise PlanError(f"slices are not contiguous: {sorted(slice_ids)[:10]}")
             beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
@@ -299,25 +324,26 @@ class Plan(beam.PTransform):
         settings, out = self.settings, self.settings.out
         dedupe = settings.dedupe
         args = (settings.seed, input_root(settings.prompts), settings.prompt_field)
+        sizes, num_buckets = settings.sizes, max(1, len(settings.sizes))
         matched = match_prompt_files(settings.prompts)
         labels = key_labels(settings, matched)
         files = (pbegin
                  | "MatchFiles" >> beam.Create(matched)
                  | "SpreadFiles" >> beam.Reshuffle())
         layout = (files
-                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, dedupe, settings.guidance_scale,
+                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, sizes, dedupe, settings.guidance_scale,
                                                       settings.guidance_rule))
                   | "AllScans" >> beam.combiners.ToList()
-                  | "Layout" >> beam.Map(layout_of_saved, dedupe)
+                  | "Layout" >> beam.Map(layout_of_saved, dedupe, num_buckets)
                   | "Decide" >> beam.Map(decide, out, self.cap_hosts))
         placed = (files
-                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args, labels), beam.pvalue.AsSingleton(layout))
+                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args, labels, settings), beam.pvalue.AsSingleton(layout))
                   .with_outputs(_PlaceFn.SHARED, main="written"))
         joined = (placed[_PlaceFn.SHARED]
                   | "GroupShared" >> beam.GroupByKey()
                   | "JoinShared" >> beam.ParDo(_JoinPartsFn(out)))
         written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
-        return (layout, written) | "WriteManifest" >> WriteManifest(out)
+        return (layout, written) | "WriteManifest" >> WriteManifest(out, settings)
 
 
 def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,
