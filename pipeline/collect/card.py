@@ -163,13 +163,15 @@ def _generation(run: Run) -> list[str]:
         ("sharded components", ", ".join(name for name, where in (run.sharding or {}).items()
                                          if where.get("placement", "").startswith("sharded")) or None),
         ("model licence", run.license),
-        ("size (width x height)", f"{settings.width} x {settings.height}"),
+        ("size (width x height)", f"{settings.width} x {settings.height}" if not settings.sizes else None),
+        ("sizes (width x height; the first is the default)", ", ".join(settings.sizes) or None),
         ("dtype", settings.dtype),
         ("attention", settings.attention),
         ("run seed", settings.seed),
         ("formats", ", ".join(settings.formats)),
         ("image format", f"{settings.image_format}{quality}"),
-        ("per-device batch", settings.per_device_batch),
+        ("per-device batch", settings.per_device_batch if not settings.bucket_batches else
+         ", ".join(f"{size}: {batch}" for size, batch in zip(settings.sizes, settings.bucket_batches))),
         ("scores", ", ".join(settings.scores) or None),
         ("CLIP model", _with_fingerprint(settings.clip_model, scorers.get("clip"))),
         ("aesthetic head", _with_fingerprint(settings.aesthetic_head, scorers.get("aesthetic"))),
@@ -213,6 +215,14 @@ def _counts(stats: dict) -> list[str]:
                   "| rule | images |", "| --- | ---: |"]
         by_rule = sorted((dropped.get("by_rule") or {}).items())
         lines += [f"| {_cell(code(rule))} | {_count(n)} |" for rule, n in by_rule]
+    sizes = stats.get("sizes") or {}
+    if sizes:
+        lines += ["", "Images by size (the run's aspect-ratio buckets):", "",
+                  "| size | records | planned images | images | dropped | per-device batch |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {_cell(code(size))} | {_count(c.get('records'))} | {_count(c.get('planned_images'))} | "
+                  f"{_count(c.get('images'))} | {_count(c.get('dropped'))} | {_count(c.get('per_device_batch'))} |"
+                  for size, c in sizes.items()]
     reasons = stats.get("rejects_by_reason") or {}
     if reasons:
         lines += ["", "Rejected rows by reason:", "", "| reason | rows |", "| --- | ---: |"]

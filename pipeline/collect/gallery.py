@@ -188,11 +188,24 @@ def _text(value) -> str:
     return html.escape(visible(str(value)), quote=True)
 
 
+def thumb_box(width, height) -> tuple[int, int]:
+    """The thumbnail's size on the page (pure): the image's own aspect ratio fitted in
+    ``THUMB_SIZE`` squared, as the host made it (``formats.thumbnail``); a square without sizes."""
+    if not width or not height:
+        return THUMB_SIZE, THUMB_SIZE
+    scale = min(1.0, THUMB_SIZE / max(width, height))
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _size(row: dict) -> str:
+    return f" · {int(row['width'])}x{int(row['height'])}" if row.get("width") and row.get("height") else ""
+
+
 def _cell(row: dict, here: str) -> str:
     key = str(row["key"])
     prompt = str(row.get("prompt") or "")
     caption = (f'<figcaption><div class="prompt" title="{_text(prompt)}">{_text(prompt)}</div>'
-               f'<div class="meta">seed {_text(str(row.get("seed")))}</div>{_scores(row)}'
+               f'<div class="meta">seed {_text(str(row.get("seed")))}{_size(row)}</div>{_scores(row)}'
                f'<div class="key" title="{_text(key)}">{_text(key)}</div>')
     dropped = row.get("dropped")
     if dropped:  # no output holds it, and no thumbnail was made: the row alone, and why
@@ -204,8 +217,9 @@ def _cell(row: dict, here: str) -> str:
     href = thumb if target is None else relative(here, target)
     location = "" if target is not None else f'<div class="loc" title="{_text(path)}">{_text(path)}</div>'
     flagged = '<div class="flag">flagged by the safety checker (thumbnail blurred)</div>' if row.get("nsfw") else ""
+    width, height = thumb_box(row.get("width"), row.get("height"))
     return (
-        f'<figure><a href="{_href(href)}"><img src="{_href(thumb)}" width="{THUMB_SIZE}" height="{THUMB_SIZE}" '
+        f'<figure><a href="{_href(href)}"><img src="{_href(thumb)}" width="{width}" height="{height}" '
         f'loading="lazy" alt="{_text(key)}"></a>{caption}{flagged}{location}</figcaption></figure>'
     )
 
@@ -221,9 +235,10 @@ nav.pages .here{{font-weight:bold}}
 nav.pages .off{{color:#aaa}}
 .grid{{display:grid;grid-template-columns:repeat(auto-fill,{THUMB_SIZE + 40}px);gap:16px;margin:16px 0}}
 figure{{margin:0;width:{THUMB_SIZE + 40}px}}
-figure a{{display:block;width:{THUMB_SIZE}px;height:{THUMB_SIZE}px;margin:8px auto 0;text-decoration:none}}
-figure img{{display:block;width:{THUMB_SIZE}px;height:{THUMB_SIZE}px;object-fit:contain;border:0;background:none;
-  margin:0;padding:0}}
+figure a{{display:flex;align-items:center;justify-content:center;width:{THUMB_SIZE}px;height:{THUMB_SIZE}px;
+  margin:8px auto 0;text-decoration:none}}
+figure img{{display:block;max-width:{THUMB_SIZE}px;max-height:{THUMB_SIZE}px;object-fit:contain;border:0;
+  background:none;margin:0;padding:0}}
 figcaption{{margin-top:12px;font-size:12px;overflow:hidden}}
 figcaption .prompt{{display:-webkit-box;-webkit-line-clamp:3;-webkit-box-orient:vertical;overflow:hidden;
   overflow-wrap:anywhere}}

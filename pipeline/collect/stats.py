@@ -13,6 +13,8 @@ import datetime as dt
 
 import numpy as np
 
+from pipeline.core import buckets
+
 QUANTILES = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
 
 
@@ -35,6 +37,19 @@ def score_stats(values: dict[str, np.ndarray], flagged: int | None = None) -> di
     return found
 
 MAX_KEYS_IN_MESSAGE = 20  # keys kept per kind of problem
+
+
+def size_counts(manifest: dict, summaries: list[dict]) -> dict:
+    """{size: {planned, images, dropped, records, per_device_batch}} of a run of several sizes
+    (pure): each slice's images counted under its size."""
+    geometry = buckets.Geometry.of_manifest(manifest, 0, 0, 0)
+    found = {b.name: {"planned_images": b.images, "images": 0, "dropped": 0, "records": b.records,
+                      "per_device_batch": b.per_device_batch} for b in geometry.buckets}
+    for summary in summaries:
+        counts = found[geometry.buckets[geometry.bucket_of_slice(summary["slice"])].name]
+        counts["images"] += summary["ok"]
+        counts["dropped"] += summary.get("dropped", 0)
+    return found
 
 
 def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, collect_s: float,
@@ -60,6 +75,8 @@ def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, co
     for summary in summaries:
         by_rule.update(summary.get("dropped_by_rule") or {})
     extra = {}
+    if manifest.get("buckets"):
+        extra["sizes"] = size_counts(manifest, summaries)
     if scores:
         extra["scores"] = scores
     if dropped or any("dropped" in s for s in summaries):

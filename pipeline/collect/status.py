@@ -22,7 +22,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pipeline.core import filters, interrupts, logs, naming
+from pipeline.core import buckets, filters, interrupts, logs, naming
 from pipeline.core.settings import Run, guided_by_records_line
 from pipeline.generate import progress as progress_lib
 from pipeline.io import runs, storage
@@ -34,15 +34,17 @@ _HOST_LOG = re.compile(r"host-(\d+)\.log")
 
 
 def slice_images(index: int, manifest: dict) -> int:
-    """Images in slice ``index``: ``slice_size``, the last slice the remainder (pure)."""
-    last = manifest["slices"] - 1
-    return manifest["slice_size"] if index < last else manifest["images"] - last * manifest["slice_size"]
+    """Images in slice ``index``: its size's ``slice_size``, the last slice of each size the
+    remainder (pure)."""
+    return buckets.manifest_slice_images(manifest, index)
 
 
 def settings_line(run: Run) -> str:
     """A run's settings in one line (pure)."""
     s = run.settings
     size = f"{s.width}x{s.height}" if s.width and s.height else "native size"
+    if s.sizes:
+        size = f"sizes={','.join(s.sizes)}"
     parts = [f"model={s.model}", size, f"steps={s.steps}", f"scheduler={s.scheduler}"]
     if s.timestep_spacing:
         parts.append(f"spacing={s.timestep_spacing}")
@@ -54,8 +56,8 @@ def settings_line(run: Run) -> str:
     if s.fsdp != 1:
         parts.append(f"fsdp={s.fsdp}")
     parts += [f"guidance={guidance}{kind}",
-              f"dtype={s.dtype}", f"batch={s.per_device_batch}/device", f"devices/host={s.devices_per_host}",
-              f"slice={s.slice_size}", f"formats={','.join(s.formats)}", f"image={s.image_format}",
+              f"dtype={s.dtype}", f"batch={'/'.join(map(str, s.bucket_batches)) or s.per_device_batch}/device",
+              f"devices/host={s.devices_per_host}", f"slice={s.slice_size}", f"formats={','.join(s.formats)}", f"image={s.image_format}",
               f"seed={s.seed}"]
     if s.scores:
         parts.append(f"scores={','.join(s.scores)}")

@@ -96,8 +96,14 @@ def slice_images(out: str, settings: Settings, index: int, rows: list[dict]) -> 
     if "parquet" in chosen:
         table = _read_table(naming.image_parquet(out, index)).select(["key", "image"]).to_pylist()
         return {row["key"]: row["image"]["bytes"] for row in table}
-    array = formats.read_zarr_images(out)
-    return {row["key"]: formats.encode(array[row["position"]].read().result(), "png") for row in rows}
+    arrays, found = {}, {}
+    for row in rows:  # "zarr/images#I", or "zarr/WxH/images#I" in a run of several sizes
+        place, _, index = row["path"].partition("#")
+        group = place[len("zarr/"):-len("/images")].strip("/")
+        if group not in arrays:
+            arrays[group] = formats.read_zarr_images(out, group)
+        found[row["key"]] = formats.encode(arrays[group][int(index)].read().result(), "png")
+    return found
 
 
 def whole_objects(out: str, settings: Settings, index: int) -> list[str]:
@@ -301,12 +307,24 @@ def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, st
     stats = dataset_stats(manifest, summaries, reject_counts, collect_s=round(time.time() - started, 1),
                           scores=scores)
     if "zarr" in run.settings.formats:
-        size = formats.read_zarr_images(out).shape[0]
-        formats.write_zarr_keys(out, [zarr_keys.get(position, "") for position in range(size)])
-        formats.consolidate_zarr(out)
+        for group, offset in zarr_groups(manifest):
+            size = formats.read_zarr_images(out, group).shape[0]
+            formats.write_zarr_keys(out, [zarr_keys.get(offset + i, "") for i in range(size)], group)
+            formats.consolidate_zarr(out, group)
+        if manifest.get("buckets"):
+            formats.consolidate_zarr_sizes(out, [group for group, _ in zarr_groups(manifest)])
     beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
     beamio.write_text(naming.dataset_card(out), card.render(run, stats), "text/markdown")
     return stats
+
+
+def zarr_groups(manifest: dict) -> list[tuple[str, int]]:
+    """(zarr group, its first image's position) of each size of a plan: ("", 0) for a
+    single-size run's ``OUT/zarr``, ("WxH", offset) for each size of a run of several (every
+    host opens every size's arrays, so a size without images has them too)."""
+    if not manifest.get("buckets"):
+        return [("", 0)]
+    return [(bucket["size"], bucket["offset"]) for bucket in manifest["buckets"]]
 
 
 def image_lines(rows: list[dict], scores) -> bytes:

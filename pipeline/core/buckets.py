@@ -235,3 +235,9 @@ def host_slots(host: int, num_hosts: int, geometry: Geometry) -> list[tuple[int,
         for slot in slicing.host_slots(host, num_hosts, bucket.slices):
             slots.append((b, None if slot is None else bucket.first_slice + slot))
     return slots
+
+
+def manifest_slice_images(manifest: dict, index: int) -> int:
+    """Images in slice ``index`` of a plan, from its manifest: its size's slice size, the
+    last slice of each size the remainder (pure)."""
+    return Geometry.of_manifest(manifest, 0, 0, 0).slice_images(index)

@@ -200,13 +200,18 @@ def image_parquet(out: str, index: int) -> str:
     return join(out, "parquet", f"{slice_name(index)}.parquet")
 
 
-def zarr_images(out: str) -> str:
-    return join(out, "zarr", "images")
+def zarr_group(out: str, group: str = "") -> str:
+    """``OUT/zarr``, or a size's group in it (``OUT/zarr/832x1216``) in a run of several sizes."""
+    return join(out, "zarr", group) if group else join(out, "zarr")
 
 
-def zarr_latents(out: str) -> str:
+def zarr_images(out: str, group: str = "") -> str:
+    return join(zarr_group(out, group), "images")
+
+
+def zarr_latents(out: str, group: str = "") -> str:
     """``--save-latents``: the final latents, indexed by position like ``zarr_images``."""
-    return join(out, "zarr", "latents")
+    return join(zarr_group(out, group), "latents")
 
 
 def image_file(out: str, index: int, key: str, ext: str = "png") -> str:

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from pipeline.core import logs, naming, slicing
+from pipeline.core import buckets, logs, naming
 from pipeline.generate import cluster, compile_cache as compile_cache_lib, progress as progress_lib, stopping
 from pipeline.io import runs, storage
 from pipeline.model.layers.attention import check_platform
@@ -260,11 +260,11 @@ class Progress:
 
     def __init__(self, out: str, total_images: int):
         manifest = storage.read_json(naming.manifest(out))
-        self.size, self.total = manifest["slice_size"], total_images
+        self.manifest, self.total = manifest, total_images
         self.slices = {i for i in runs.committed(out) if i < manifest["slices"]}
 
     def images(self) -> int:
-        return sum(slicing.items_in_slice(i, self.size, self.total) for i in self.slices)
+        return sum(buckets.manifest_slice_images(self.manifest, i) for i in self.slices)
 
     def committed(self, index: int) -> None:
         self.slices.add(index)

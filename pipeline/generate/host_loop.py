@@ -7,6 +7,7 @@ devices but are never written.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -14,9 +15,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from pipeline.core import crashpoints, interrupts, logs, naming, slicing
+from pipeline.core import buckets, crashpoints, interrupts, logs, naming, slicing
 from pipeline.core.settings import Run
-from pipeline.generate import cluster, jax_events, progress, runtime, scoring, stopping
+from pipeline.generate import bucket_programs, cluster, jax_events, progress, runtime, scoring, stopping
 from pipeline.generate.generator import Generator
 from pipeline.output import writer
 
@@ -48,13 +49,14 @@ class _Slice:
     """One slice on its way through the host loop: its items, writer and timing."""
 
     def __init__(self, out: str, run: Run, index: int, size: int, host: int, pool, queued,
-                 zarr_images=None, zarr_latents=None):
+                 zarr_images=None, zarr_latents=None, zarr_group: str = "", zarr_offset: int = 0):
         self.watch = logs.Stopwatch()
         self.started_ts = time.time()
         self.index, self.size, self.host = index, size, host
         self.items = writer.read_slice_items(out, index)
         self.padded = [*self.items, *[None] * (size - len(self.items))]
-        self.writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents, slots=queued)
+        self.writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents, slots=queued,
+                                         zarr_group=zarr_group, zarr_offset=zarr_offset)
         self.timing = {"input_s": 0.0, "device_wait_s": 0.0, "output_s": 0.0, "device_busy_s": 0.0}
         self.truncated_prompts = 0  # images whose prompt was cut to the text encoder's length
         self.batches_handed = 0
@@ -81,7 +83,7 @@ class _Slice:
 def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host: int, pool,
                zarr_images=None, zarr_latents=None, compiles_at_warm: int = 0,
                on_commit: Callable[[dict], None] | None = None,
-               stop: Callable[[], bool] | None = None, scorer=None) -> list[dict]:
+               stop: Callable[[], bool] | None = None, scorer=None, sizes=None) -> list[dict]:
     """Generate, write and commit the slices ``slots`` names, in order; returns their stats.
 
     A slot is a slice index, or ``None`` for a padding slot (its device steps run, nothing
@@ -99,20 +101,27 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
 
     ``scorer`` (``scoring.Scorer``): each batch's images are scored on the devices right after
     they are made, and their scores go to the writers with them.
+
+    ``sizes`` (``_Sizes``): a run of several sizes, whose slots are (size index, slice or
+    None) and whose every size has its own generator, scorer, slice size and zarr arrays;
+    the batches of one size follow the last of the size before without a pause.
     """
-    default_guidance = run.settings.guidance_scale
-    n = generator.batch_size
+    sizes = sizes or _Sizes.single(generator, run, size, scorer, zarr_images, zarr_latents)
     done: list[dict] = []
     committing: Future | None = None  # the previous slice's commit
     queued = threading.BoundedSemaphore(writer.MAX_PENDING)  # images handed to the writers, all slices
 
-    def steps():  # (slice or None for padding, chunk, is the slice's last batch)
+    def steps():  # (size's programs, slice or None for padding, chunk, is the slice's last batch)
         for slot in slots:
-            state = None if slot is None else _Slice(out, run, slot, size, host, pool, queued, zarr_images,
-                                                      zarr_latents)
+            bucket, slot = slot if isinstance(slot, tuple) else (0, slot)
+            made = sizes.of(bucket)
+            n, size = made.generator.batch_size, made.size
+            state = None if slot is None else _Slice(out, made.run, slot, size, host, pool, queued,
+                                                      made.zarr_images, made.zarr_latents, made.zarr_group,
+                                                      made.zarr_offset)
             padded = [None] * size if state is None else state.padded
             for start in range(0, size, n):
-                yield state, padded[start:start + n], start + n >= size
+                yield made, state, padded[start:start + n], start + n >= size
 
     def committed_previous() -> None:
         if committing is not None:
@@ -125,11 +134,11 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
             on_commit(stats)
         return stats
 
-    def hand_over(state, chunk, cut, handle, last, done_at, scored) -> None:  # a dispatched batch, to the writers
+    def hand_over(made, state, chunk, cut, handle, last, done_at, scored) -> None:  # a dispatched batch, to the writers
         nonlocal committing
         clock = logs.Stopwatch()
-        images, latents = generator.fetch(handle)
-        scores = None if scored is None else scorer.fetch(scored)
+        images, latents = made.generator.fetch(handle)
+        scores = None if scored is None else made.scorer.fetch(scored)
         busy = device.busy(done_at.result())
         if state is None:  # padding slot
             return
@@ -147,7 +156,7 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
         if state.batches_handed == 1:
             crashpoints.reached("mid_slice", host, before=lambda: (committed_previous(), state.writer.wait_images()))
         if last:
-            state.compiles = jax_events.COMPILES.count() - compiles_at_warm
+            state.compiles = sizes.compiles_since(compiles_at_warm)
             committed_previous()  # at most one slice commits while the next one runs
             committing = committer.submit(commit, state)
         state.timing["output_s"] += clock.seconds()
@@ -156,11 +165,13 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="committer") as committer, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-clock") as watcher:
         previous, stopped = None, False
-        for state, chunk, last in steps():
+        for made, state, chunk, last in steps():
             if stop is not None and stop():
                 stopped = True
                 break
             clock = logs.Stopwatch()
+            generator, scorer, n = made.generator, made.scorer, made.generator.batch_size
+            default_guidance = made.run.settings.guidance_scale
             batch = generator.batch_of([None if item is None else item.inputs(default_guidance) for item in chunk])
             prompts = [item.prompt if item is not None else "" for item in chunk]
             cut = generator.truncated(prompts)
@@ -173,14 +184,72 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
             crashpoints.batch_dispatched()
             # the devices are busy until the step's last program (the scorer's, if any) is done
             done_at = watcher.submit(_done_at, generator, handle if scored is None else scored, dispatched_at)
-            dispatched = (state, chunk, cut, handle, last, done_at, scored)
+            dispatched = (made, state, chunk, cut, handle, last, done_at, scored)
             if previous is not None:
                 hand_over(*previous)
             previous = dispatched
-        if previous is not None and (not stopped or previous[4]):
+        if previous is not None and (not stopped or previous[5]):
             hand_over(*previous)
         committed_previous()
     return done
+
+
+@dataclasses.dataclass
+class _Made:
+    """One size's part of a host loop: its run (a single-size run of the size), programs,
+    slice size and zarr arrays (``zarr_offset``: the position of the size's first image)."""
+    run: Run
+    generator: object
+    scorer: object
+    size: int
+    zarr_images: object = None
+    zarr_latents: object = None
+    zarr_group: str = ""
+    zarr_offset: int = 0
+
+
+class _Sizes:
+    """The sizes of a host loop: ``of(b)`` is size ``b``'s ``_Made``, its programs from
+    ``bucket_programs.BucketPrograms`` (waiting for a compile still under way, and starting
+    the next size's)."""
+
+    def __init__(self, run: Run, geometry, programs, zarr: dict):
+        self.run, self.geometry, self.programs, self.zarr = run, geometry, programs, zarr
+        self._made: dict[int, _Made] = {}
+        self.loop_compiles = jax_events.COMPILES.count_here()  # made on the loop's thread, before it starts
+
+    @classmethod
+    def single(cls, generator, run: Run, size: int, scorer=None, zarr_images=None, zarr_latents=None) -> "_Sizes":
+        sizes = cls(run, None, None, {})
+        sizes._made[0] = _Made(run, generator, scorer, size, zarr_images, zarr_latents)
+        return sizes
+
+    def of(self, bucket: int) -> _Made:
+        if bucket not in self._made:
+            from pipeline.generate.bucket_programs import bucket_run
+
+            program = self.programs.get(bucket)
+            geometry = self.geometry.buckets[bucket]
+            images, latents = self.zarr.get(bucket, (None, None))
+            self._made[bucket] = _Made(bucket_run(self.run, bucket), program.generator, program.scorer,
+                                       geometry.slice_size, images, latents, geometry.name, geometry.offset)
+        return self._made[bucket]
+
+    def compiles_since(self, compiles_at_warm: int) -> int:
+        """Backend compilations since warm-up that were not a size's programs: in a
+        single-size run, every compilation of the process since ``compiles_at_warm``; with
+        several sizes, whose later programs compile on a thread of their own while the
+        loop runs, those of the loop's own thread since it started."""
+        if self.programs is None:
+            return jax_events.COMPILES.count() - compiles_at_warm
+        return jax_events.COMPILES.count_here() - self.loop_compiles
+
+
+def host_sizes(run: Run, geometry, programs, zarr: dict) -> "_Sizes":
+    """The ``sizes`` argument of ``run_slices`` for a run of several sizes: ``geometry``
+    (``buckets.Geometry``), ``programs`` (``bucket_programs.BucketPrograms``), ``zarr``:
+    {size index: (images, latents) zarr arrays}."""
+    return _Sizes(run, geometry, programs, zarr)
 
 
 def run_slice(generator: Generator, out: str, run: Run, index: int, size: int, host: int, pool,
@@ -249,8 +318,9 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
     started = logs.Stopwatch()
     # the sampler compiles (or loads) on a thread while the weights load
-    model, generator, parts = runtime.ready_generator(run, out)
-    scorer, scorer_parts = scoring.ready_scorer(run, generator.devices)  # None without --score
+    first = bucket_programs.bucket_run(run, 0)  # a run of several sizes starts with its first size's programs
+    model, generator, parts = runtime.ready_generator(first, out)
+    scorer, scorer_parts = scoring.ready_scorer(first, generator.devices)  # None without --score
     parts.update(scorer_parts)
     size = manifest["slice_size"]
     batches = slicing.batches_per_slice(size, len(generator.devices), settings.per_device_batch)
@@ -275,14 +345,24 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
             logs.event("compile_cache_pushed", host=host, entries=uploaded)
     crashpoints.reached("ready", host)
 
-    zarr_images, zarr_latents = runtime.open_zarr(out, run, model, manifest["images"])
+    geometry = buckets.Geometry.of_manifest(manifest, settings.width, settings.height, settings.per_device_batch)
+    if settings.sizes:  # each size's zarr arrays, in its own group, and its programs, compiled once each
+        zarr_by_size = {b: runtime.open_zarr(out, bucket_programs.bucket_run(run, b), model, bucket.images,
+                                             group=bucket.name) for b, bucket in enumerate(geometry.buckets)}
+        programs = bucket_programs.BucketPrograms(run, model, bucket_programs.Program(generator, scorer, 0, 0.0),
+                                                  len(geometry.buckets))
+        sizes = host_sizes(run, geometry, programs, zarr_by_size)
+        zarr_images = zarr_latents = None
+    else:
+        zarr_images, zarr_latents = runtime.open_zarr(out, run, model, manifest["images"])
+        programs = sizes = None
     counts = {"skipped": 0, "redone": 0}
 
     def slots():  # this host's slots still to do; a committed slice is never redone (resume)
-        for slot in slicing.host_slots(host, num_hosts, manifest["slices"]):
+        for bucket, slot in buckets.host_slots(host, num_hosts, geometry):
             if slot is None:  # padding slot: same device steps as a real slice, nothing written
-                logs.event("padding_slot", host=host)
-                yield slot
+                logs.event("padding_slot", host=host, **({"bucket": bucket} if sizes else {}))
+                yield (bucket, slot)
                 continue
             decision = runtime.decide(out, settings, slot)
             if decision.action == "skip":
@@ -292,7 +372,7 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
             if decision.action == "redo":
                 counts["redone"] += 1
                 logs.event("slice_redone", host=host, slice=slot, leftover_objects=decision.leftover_objects)
-            yield slot
+            yield (bucket, slot)
 
     def committed(stats: dict) -> None:
         logs.event("slice_committed", **stats)
@@ -304,14 +384,20 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     stop = stopping.SyncStop()
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
-        done = run_slices(generator, out, run, slots(), size, host, pool, zarr_images, zarr_latents,
-                          compiles_at_warm, on_commit=committed, stop=stop, scorer=scorer)
-    recompiles = jax_events.COMPILES.count() - compiles_at_warm
+        try:
+            done = run_slices(generator, out, run, slots(), size, host, pool, zarr_images, zarr_latents,
+                              compiles_at_warm, on_commit=committed, stop=stop, scorer=scorer, sizes=sizes)
+        finally:
+            if programs is not None:
+                programs.close()
+    size_compiles = 0 if programs is None else programs.compiles
+    recompiles = jax_events.COMPILES.count() - compiles_at_warm - size_compiles
     # host 0 runs the coordination service: every host waits here until all are done (or one stopped)
     outcomes = cluster.finish(host, num_hosts, "stopped" if stop.stopped_at else "done")
     summary = {"host": host, "images": sum(s["images"] for s in done), "seconds": round(watch.seconds(), 3),
                "slices_generated": len(done), "slices_redone": counts["redone"], "slices_skipped": counts["skipped"],
-               "compiles_after_warmup": recompiles}
+               "compiles_after_warmup": recompiles,
+               **({"sizes": len(geometry.buckets), "size_compiles": size_compiles} if sizes else {})}
     stopped_hosts = sorted(h for h, outcome in outcomes.items() if outcome == "stopped")
     gone = sorted(h for h, outcome in outcomes.items() if outcome == "gone")
     if gone and not stop.stopped_at:

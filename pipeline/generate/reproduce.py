@@ -57,7 +57,7 @@ def reproduce(out: str, keys: list[str], save: str | None = None, emit=None) -> 
 
     import jax
 
-    from pipeline.generate import runtime
+    from pipeline.generate import bucket_programs, runtime
 
     settings = run.settings
     # one device, or the FSDP group the run's weights were sharded over (an image's bytes
@@ -65,15 +65,36 @@ def reproduce(out: str, keys: list[str], save: str | None = None, emit=None) -> 
     if jax.local_device_count() < settings.fsdp:
         raise ReproduceError(f"the run shards its weights over {settings.fsdp} devices (--fsdp); this process has "
                              f"{jax.local_device_count()}")
-    _, generator, _ = runtime.ready_generator(run, out, jax.local_devices()[:settings.fsdp])
-    results = []
-    for start in range(0, len(rows), generator.batch_size):
-        chunk = rows[start:start + generator.batch_size]
-        images = generator(generator.batch_of([(r["prompt"], r["negative_prompt"], r["guidance_scale"], r["seed"],
-                                                r["image_index"]) for r in chunk]))
-        results += [_check(row, image, settings.image_format, settings.quality, save, emit)
-                    for row, image in zip(chunk, images)]
-    return results
+    devices = jax.local_devices()[:settings.fsdp]
+    found, model, generator = {}, None, None
+    for bucket, chunk_rows in _by_size(settings, rows):  # each image at its own size, by that size's program
+        sized = bucket_programs.bucket_run(run, bucket)
+        if model is None:
+            model, generator, _ = runtime.ready_generator(sized, out, devices)
+        else:
+            generator = runtime.make_generator(model, sized.settings, devices, params=generator.params)
+        for start in range(0, len(chunk_rows), generator.batch_size):
+            chunk = chunk_rows[start:start + generator.batch_size]
+            images = generator(generator.batch_of([(r["prompt"], r["negative_prompt"], r["guidance_scale"],
+                                                    r["seed"], r["image_index"]) for r in chunk]))
+            for row, image in zip(chunk, images):
+                found[row["key"]] = _check(row, image, settings.image_format, settings.quality, save, emit)
+    return [found[row["key"]] for row in rows]
+
+
+def _by_size(settings, rows: list[dict]) -> list[tuple[int, list[dict]]]:
+    """(size index, the rows of that size) in the run's size order: an image is made again at
+    the size its metadata row says (one size, index 0, in a single-size run)."""
+    if not settings.sizes:
+        return [(0, rows)]
+    groups: dict[int, list[dict]] = {}
+    for row in rows:
+        name = f"{row['width']}x{row['height']}"
+        if name not in settings.sizes:
+            raise ReproduceError(f"{row['key']} is {name}, which is not one of the run's sizes "
+                                 f"({', '.join(settings.sizes)})")
+        groups.setdefault(settings.sizes.index(name), []).append(row)
+    return sorted(groups.items())
 
 
 def _check(row: dict, image, image_format: str, quality: int, save: str | None, emit) -> dict:

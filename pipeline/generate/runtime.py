@@ -177,18 +177,19 @@ def program_tag(run: Run) -> tuple:
             s.scores, run.scorers)  # the scorers too: a worker holds its scoring program beside the sampler
 
 
-def open_zarr(out: str, run: Run, model, images: int):
-    """(images array, latents array) of a zarr run, each None when not written."""
+def open_zarr(out: str, run: Run, model, images: int, group: str = ""):
+    """(images array, latents array) of a zarr run, each None when not written; ``group``:
+    a size's group in a run of several sizes (``OUT/zarr/WxH``), "" for ``OUT/zarr``."""
     settings = run.settings
     if "zarr" not in settings.formats:
         return None, None
     from pipeline.output import formats
 
-    zarr_images = formats.open_zarr_images(out, images, settings.height, settings.width)
+    zarr_images = formats.open_zarr_images(out, images, settings.height, settings.width, group=group)
     zarr_latents = None
     if settings.save_latents:
         zarr_latents = formats.open_zarr_latents(out, images, model.latent_shape(settings.width, settings.height),
-                                                 model.family.latents_note(model))
+                                                 model.family.latents_note(model), group=group)
     return zarr_images, zarr_latents
 
 

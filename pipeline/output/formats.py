@@ -137,9 +137,13 @@ IMAGE_DIMS = ("image", "height", "width", "channel")
 LATENT_DIMS = ("image", "latent_channel", "latent_height", "latent_width")
 
 
-def write_zarr_group(out: str) -> None:
-    """``OUT/zarr/zarr.json``: the group's metadata, the same bytes from any host."""
+def write_zarr_group(out: str, group: str = "") -> None:
+    """``OUT/zarr/zarr.json``: the group's metadata, the same bytes from any host; with
+    ``group`` (a size of a run of several), that size's group inside it too."""
     storage.write_bytes(naming.join(out, "zarr", "zarr.json"), json.dumps(ZARR_GROUP, sort_keys=True).encode())
+    if group:
+        storage.write_bytes(naming.join(naming.zarr_group(out, group), "zarr.json"),
+                            json.dumps(ZARR_GROUP, sort_keys=True).encode())
 
 
 def _open_array(spec: dict):
@@ -156,7 +160,7 @@ def _open_array(spec: dict):
         return ts.open({**spec, "metadata": metadata}, create=True, open=True).result()
 
 
-def open_zarr_images(out: str, count: int, height: int, width: int):
+def open_zarr_images(out: str, count: int, height: int, width: int, group: str = ""):
     """The dataset's zarr3 image array [count, H, W, 3] uint8, one chunk per image, in the
     ``OUT/zarr`` group (``write_zarr_group``), its dimensions named ``IMAGE_DIMS``.
 
@@ -164,8 +168,8 @@ def open_zarr_images(out: str, count: int, height: int, width: int):
     host, so whichever writes it first writes the same bytes. A position never written
     (a dropped image's) reads as zeros, the array's fill value.
     """
-    write_zarr_group(out)
-    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out)),
+    write_zarr_group(out, group)
+    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out, group)),
             "metadata": {"shape": [max(count, 1), height, width, 3], "data_type": "uint8",
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, height, width, 3]}},
                          "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}],
@@ -173,10 +177,10 @@ def open_zarr_images(out: str, count: int, height: int, width: int):
     return _open_array(spec)
 
 
-def open_zarr_dropped(out: str, count: int, slice_size: int):
+def open_zarr_dropped(out: str, count: int, slice_size: int, group: str = ""):
     """``OUT/zarr/dropped``: bool [count], True where a filter kept the image out (its
     images row stays zeros); one chunk per slice, so each slice's commit writes its own."""
-    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.join(out, "zarr", "dropped")),
+    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.join(naming.zarr_group(out, group), "dropped")),
             "metadata": {"shape": [max(count, 1)], "data_type": "bool",
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [slice_size]}},
                          "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}],
@@ -184,13 +188,13 @@ def open_zarr_dropped(out: str, count: int, slice_size: int):
     return _open_array(spec)
 
 
-def read_zarr_images(out: str):
+def read_zarr_images(out: str, group: str = ""):
     import tensorstore as ts
 
-    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out))}).result()
+    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out, group))}).result()
 
 
-def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], note: dict):
+def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], note: dict, group: str = ""):
     """``--save-latents``: the zarr3 array [count, C, H/f, W/f] float32, one chunk per image.
 
     Opened by every host like ``open_zarr_images``; its attributes (``note``: the model
@@ -198,7 +202,7 @@ def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], 
     VAE's scaling factor, FLUX.1's shift).
     """
     shape = [int(n) for n in latent_shape]
-    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out)),
+    spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out, group)),
             "metadata": {"shape": [max(count, 1), *shape], "data_type": "float32",
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *shape]}},
                          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
@@ -207,13 +211,13 @@ def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], 
     return _open_array(spec)
 
 
-def read_zarr_latents(out: str):
+def read_zarr_latents(out: str, group: str = ""):
     import tensorstore as ts
 
-    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out))}).result()
+    return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out, group))}).result()
 
 
-def write_zarr_keys(out: str, keys) -> None:
+def write_zarr_keys(out: str, keys, group: str = "") -> None:
     """``OUT/zarr/key``: each image position's key (a string array on the ``image``
     dimension, one chunk; "" where no row has the position), so that
     ``xarray.open_zarr(OUT/zarr)`` has a ``key`` coordinate to join the metadata on.
@@ -236,21 +240,40 @@ def write_zarr_keys(out: str, keys) -> None:
     if len(values):
         array[:] = values
     for name, buffer in sorted(contents.items()):
-        storage.write_bytes(naming.join(out, "zarr", "key", name), buffer.to_bytes())
+        storage.write_bytes(naming.join(naming.zarr_group(out, group), "key", name), buffer.to_bytes())
 
 
-def consolidate_zarr(out: str) -> None:
+def consolidate_zarr(out: str, group: str = "") -> None:
     """Rewrite ``OUT/zarr/zarr.json`` with the metadata of the group's arrays inlined, as
     zarr-python's ``consolidate_metadata`` does for zarr v3, so that ``xarray.open_zarr``
     reads one object instead of one per array (and does not warn). Collect calls it once
     every array is made; the arrays' own metadata stays where it is."""
     arrays = {}
     for name in ("images", "latents", "dropped", "key"):
-        path = naming.join(out, "zarr", name, "zarr.json")
+        path = naming.join(naming.zarr_group(out, group), name, "zarr.json")
         if storage.exists(path):
             arrays[name] = storage.read_json(path)
-    group = {**ZARR_GROUP, "consolidated_metadata": {"kind": "inline", "must_understand": False,
-                                                     "metadata": arrays}}
+    consolidated = {**ZARR_GROUP, "consolidated_metadata": {"kind": "inline", "must_understand": False,
+                                                            "metadata": arrays}}
     if "key" in arrays:  # xarray's CF decoding makes the arrays the group's attribute names coordinates
-        group["attributes"] = {**group["attributes"], "coordinates": "key"}
-    storage.write_bytes(naming.join(out, "zarr", "zarr.json"), json.dumps(group, sort_keys=True).encode())
+        consolidated["attributes"] = {**consolidated["attributes"], "coordinates": "key"}
+    storage.write_bytes(naming.join(naming.zarr_group(out, group), "zarr.json"),
+                        json.dumps(consolidated, sort_keys=True).encode())
+
+
+def consolidate_zarr_sizes(out: str, groups: list[str]) -> None:
+    """``OUT/zarr/zarr.json`` of a run of several sizes: the root group with each size's
+    group and its arrays inlined (paths ``WxH`` and ``WxH/images``), so that
+    ``xarray.open_zarr(OUT/zarr, group="WxH")`` reads one object. Called after
+    ``consolidate_zarr`` of each size's group."""
+    inlined = {}
+    for group in groups:
+        found = storage.read_json(naming.join(naming.zarr_group(out, group), "zarr.json"))
+        inner = found.get("consolidated_metadata", {}).get("metadata", {})
+        inlined[group] = {k: v for k, v in found.items() if k != "consolidated_metadata"}
+        inlined.update({f"{group}/{name}": meta for name, meta in inner.items()})
+    root = {**ZARR_GROUP, "attributes": {"promptmill": "one group per image size (WIDTHxHEIGHT), each as a "
+                                                      "single-size run's: images, latents and dropped indexed by "
+                                                      "the image's position within its size"},
+            "consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": inlined}}
+    storage.write_bytes(naming.join(out, "zarr", "zarr.json"), json.dumps(root, sort_keys=True).encode())

@@ -127,8 +127,10 @@ def leftovers(out: str, settings: Settings, index: int) -> list[str]:
     return found + [path for path in candidates if storage.exists(path)]
 
 
-def image_location(settings: Settings, item: Item) -> str:
-    """Where a reader finds the image, relative to OUT: its file, tar member, parquet row or zarr index."""
+def image_location(settings: Settings, item: Item, zarr_group: str = "", zarr_offset: int = 0) -> str:
+    """Where a reader finds the image, relative to OUT: its file, tar member, parquet row or
+    zarr index (in a run of several sizes, the index in its size's group ``zarr_group``,
+    whose first image is at position ``zarr_offset``)."""
     name, ext = naming.slice_name(item.slice), formats.extension(settings.image_format)
     chosen = settings.formats
     if "files" in chosen:
@@ -137,6 +139,8 @@ def image_location(settings: Settings, item: Item) -> str:
         return f"shards/{name}.tar#{item.key}.{ext}"
     if "parquet" in chosen:
         return f"parquet/{name}.parquet#{item.key}"
+    if zarr_group:
+        return f"zarr/{zarr_group}/images#{item.position - zarr_offset}"
     return f"zarr/images#{item.position}"
 
 
@@ -156,12 +160,15 @@ class SliceWriter:
     """
 
     def __init__(self, out: str, run: Run, index: int, host: int, pool, zarr_images=None, zarr_latents=None,
-                 max_pending: int = MAX_PENDING, slots: threading.Semaphore | None = None):
+                 max_pending: int = MAX_PENDING, slots: threading.Semaphore | None = None,
+                 zarr_group: str = "", zarr_offset: int = 0):
         self.out, self.run, self.index, self.host, self.pool = out, run, index, host, pool
         self._slots = slots or threading.BoundedSemaphore(max_pending)  # ``slots``: shared by a host's slices
         self.formats = run.settings.formats
         self.image_format, self.quality = run.settings.image_format, run.settings.quality
         self.zarr_images, self.zarr_latents = zarr_images, zarr_latents
+        # a run of several sizes: each size's zarr arrays are in its group, from position zarr_offset
+        self.zarr_group, self.zarr_offset = zarr_group, zarr_offset
         self.filtered = bool(filters.active_rules(run.settings))  # a filter may keep an image out
         self._pending = []
         self._rows: list[dict] | None = None  # set by ``finish``
@@ -192,15 +199,15 @@ class SliceWriter:
         dropped = filters.dropped_reason(self.run.settings, scores or {}) if self.filtered else None
         if dropped is not None:  # in no image output: its row alone says it was made, and why it is not there
             return metadata_row(item, self.run, self.host, data, "", truncated, scores, dropped), None
-        location = image_location(self.run.settings, item)
+        location = image_location(self.run.settings, item, self.zarr_group, self.zarr_offset)
         if "files" in self.formats:
             storage.write_bytes(naming.join(self.out, location), data)
         flagged = bool(scores and scores.get("nsfw"))
         storage.write_bytes(naming.thumb_file(self.out, item.slice, item.key), formats.thumbnail(image, blur=flagged))
         if "zarr" in self.formats:
-            self.zarr_images[item.position].write(image).result()
+            self.zarr_images[item.position - self.zarr_offset].write(image).result()
         if latents is not None:
-            self.zarr_latents[item.position].write(latents).result()
+            self.zarr_latents[item.position - self.zarr_offset].write(latents).result()
         # the encoded bytes are kept for the slice's tar or image parquet only: with files
         # and zarr alone, a queued slice holds its rows, not its images
         keep = "webdataset" in self.formats or "parquet" in self.formats
@@ -242,11 +249,11 @@ class SliceWriter:
         """The slice's part of ``OUT/zarr/dropped`` (its own chunk): which of its positions a
         filter kept out of ``OUT/zarr/images``."""
         size = self.run.settings.slice_size
-        array = formats.open_zarr_dropped(self.out, self.zarr_images.shape[0], size)
-        first = self.index * size
+        array = formats.open_zarr_dropped(self.out, self.zarr_images.shape[0], size, self.zarr_group)
+        first = min(row["position"] for row in rows) - self.zarr_offset  # a slice's first position is its chunk's
         flags = np.zeros(min(size, array.shape[0] - first), bool)
         for row in rows:
-            flags[row["position"] - first] = row["dropped"] is not None
+            flags[row["position"] - self.zarr_offset - first] = row["dropped"] is not None
         array[first:first + len(flags)].write(flags).result()
 
     def mark(self, stats: dict) -> None:
