@@ -4,6 +4,7 @@ That a gs:// cache filled by one run's host is used by the next run's, on a fres
 machine, is shown end to end by the two triggers of one date in tests/test_schedule.py.
 """
 import dataclasses
+import json
 import os
 
 import pytest
@@ -401,17 +402,19 @@ def test_a_checkpoints_program_digest_is_its_configs_not_its_weights(tmp_path, m
 
 @pytest.fixture(scope="module")
 def cold_and_warm(tmp_path_factory, model_cache):
-    """The same 2-host x 1-device run twice, into two OUTs, with one compile cache."""
+    """The same 2-host x 1-device run twice, into two OUTs, with one compile cache, in two
+    sizes (the records ask for the second by aspect ratio): each size's program is cached."""
     from tests.conftest import run_cli
 
     folder = tmp_path_factory.mktemp("warm")
-    (folder / "prompts.jsonl").write_text("".join(f'{{"prompt": "a small thing {n}"}}\n' for n in range(4)))
+    rows = [{"prompt": f"a small thing {n}", **({"aspect_ratio": 0.75} if n % 2 else {})} for n in range(4)]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     cache = str(folder / "compile-cache")
     outs = []
     for name in ("cold", "warm"):
         out = str(folder / name)
         result = run_cli(["run", "--prompts", str(folder / "prompts.jsonl"), "--out", out, "--model", "tiny",
-                          "--hosts", "2", "--devices-per-host", "1", "--width", "32", "--height", "32",
+                          "--hosts", "2", "--devices-per-host", "1", "--sizes", "32x32,24x32",
                           "--steps", "1", "--per-device-batch", "1", "--batches-per-slice", "1", "--no-progress",
                           "--compile-cache", cache], model_cache)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -419,14 +422,18 @@ def cold_and_warm(tmp_path_factory, model_cache):
     return outs
 
 
-def _ready(out: str) -> dict[int, dict]:
-    """{host: its host_ready event} of a run's host logs."""
+def _events(out: str, name: str) -> list[dict]:
+    """The events ``name`` of a run's host logs."""
     from pipeline.core import logs, naming
     from pipeline.io import storage
 
-    events = [e for path in storage.glob(naming.join(out, "logs", "host-*.log"))
-              for e in map(logs.parse, storage.read_text(path).splitlines()) if e and e["event"] == "host_ready"]
-    return {e["host"]: e for e in events}
+    return [e for path in storage.glob(naming.join(out, "logs", "host-*.log"))
+            for e in map(logs.parse, storage.read_text(path).splitlines()) if e and e["event"] == name]
+
+
+def _ready(out: str) -> dict[int, dict]:
+    """{host: its host_ready event} of a run's host logs."""
+    return {e["host"]: e for e in _events(out, "host_ready")}
 
 
 def test_on_a_rerun_every_host_loads_its_sampler_and_none_compiles_it(cold_and_warm):
@@ -447,6 +454,13 @@ def test_on_a_rerun_every_host_loads_its_sampler_and_none_compiles_it(cold_and_w
             assert all(event[f"{part}_s"] >= 0 for part in ("load", "compile", "wait", "transfer"))
             # the time to ready holds every part but the compile (it overlapped the load)
             assert event["ready_s"] >= sum(event[f"{part}_s"] for part in ("load", "wait", "transfer"))
+    # the second size's program: compiled and written cold, loaded warm, on every host
+    for out, compiled in zip(cold_and_warm, (True, False)):
+        made = _events(out, "size_ready")
+        assert sorted(e["host"] for e in made) == [0, 1] and {e["size"] for e in made} == {"24x32"}
+        assert all((e["sampler_compiles"] >= 1, e["from_cache"]) == (compiled, not compiled) for e in made)
+        if not compiled:
+            assert all(e["sampler_compiles"] == 0 and e["compiles"] == 0 for e in made)
     # time to ready (not asserted: the machine is shared); the test's output shows it
     for name, events in (("cold", cold), ("warm", warm)):
         print(name, {h: {k: e[k] for k in ("ready_s", "load_s", "compile_s", "wait_s", "transfer_s")}

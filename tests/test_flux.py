@@ -84,11 +84,16 @@ def test_sd_refuses_a_t5_length_and_other_pipelines_are_refused_by_name(tmp_path
     assert families.detect({"text_encoder": ["transformers", "CLIPTextModel"]}, "c") is families.SD  # no class name
 
 
+SIZES = ("32x32", "24x32", "32x24")  # square (the default), portrait, landscape
+
+
 def _prompts(tmp_path):
     rows = [{"prompt": "a red fox in the snow", "id": "fox", "seed": 5},
-            {"prompt": "a blue whale in the deep ocean", "id": "whale", "seed": 5},  # one seed, another prompt
+            {"prompt": "a blue whale in the deep ocean", "id": "whale", "seed": 5,  # one seed, another prompt
+             "width": 24, "height": 32},  # and a size of its own (SIZES)
             {"prompt": "a full moon", "id": "moon", "negative_prompt": "blurry", "guidance_scale": 5.0},
-            {"prompt": "a painting of a city at night " * 4, "id": "city", "num_images": 2}]  # > 16 T5 tokens
+            {"prompt": "a painting of a city at night " * 4, "id": "city", "num_images": 2,  # > 16 T5 tokens
+             "aspect_ratio": "16:9"}]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -97,9 +102,10 @@ def _prompts(tmp_path):
 @pytest.fixture(scope="module")
 def flux_runs(tmp_path_factory, model_cache):
     """{hosts x devices: OUT} of one tiny [dev] run with its weights sharded over pairs of
-    devices (``--fsdp 2``), on 2x2 and on 1x4 hosts x devices. (The replicated program is
-    the pmapped one every SD run of the suite takes; FLUX.1's images at --fsdp 2 against
-    --fsdp 1 are compared in test_fsdp.py.)"""
+    devices (``--fsdp 2``), on 2x2 and on 1x4 hosts x devices, in three sizes (``SIZES``:
+    records ask for one by width/height, by aspect_ratio, or get the first). (The
+    replicated program is the pmapped one every SD run of the suite takes; FLUX.1's images
+    at --fsdp 2 against --fsdp 1 are compared in test_fsdp.py.)"""
     folder = tmp_path_factory.mktemp("flux")
     prompts = _prompts(folder)
     outs = {}
@@ -108,7 +114,7 @@ def flux_runs(tmp_path_factory, model_cache):
         result = run_cli(["run", "--prompts", prompts, "--out", out, "--model", "tiny-flux-dev", "--hosts",
                           str(hosts), "--devices-per-host", str(devices), "--steps", "2", "--max-sequence-length",
                           "16", "--per-device-batch", "1", "--batches-per-slice", "1", "--fsdp", "2",
-                          "--no-progress"], model_cache)
+                          "--sizes", ",".join(SIZES), "--no-progress"], model_cache)
         assert result.returncode == 0, result.stderr[-4000:]
         outs[f"{hosts}x{devices}"] = out
     return outs
@@ -130,6 +136,11 @@ def test_a_sharded_flux_dev_run_is_the_same_on_1x4_and_2x2(flux_runs):
     settings = run["settings"]
     assert (settings["guidance_rule"], settings["guided"], settings["scheduler"], settings["max_sequence_length"],
             settings["width"], settings["fsdp"]) == ("embedded", False, "flow_euler", 16, 32, 2)
+    # each at its size: the portrait asked by width/height, the landscape by aspect ratio, the others the first
+    assert {key: (r["width"], r["height"]) for key, r in rows.items()} == {
+        "fox_0000": (32, 32), "moon_0000": (32, 32), "whale_0000": (24, 32), "city_0000": (32, 24),
+        "city_0001": (32, 24)}
+    assert [b["size"] for b in storage.read_json(naming.manifest(outs[0]))["buckets"]] == list(SIZES)
     assert run["sharding"]["transformer"]["placement"] == "sharded over 2 devices"
     assert run["sharding"]["vae"]["placement"] == "replicated"
     stats = storage.read_json(naming.dataset_file(outs[0], "stats.json"))
@@ -141,7 +152,8 @@ def test_a_sharded_flux_dev_run_is_the_same_on_1x4_and_2x2(flux_runs):
 
 
 def test_reproduce_regenerates_a_sharded_flux_image_bit_exactly_on_another_topology(flux_runs, model_cache):
-    """``reproduce`` runs the run's own FSDP program on one group of 2 devices."""
+    """``reproduce`` runs the run's own FSDP program on one group of 2 devices, at each
+    image's own size: the program of a single-size run of the size."""
     out = flux_runs["1x4"]
     rows = _rows(out)
     result = run_cli(["reproduce", "whale_0000", "city_0001", "--out", out], model_cache)

@@ -39,8 +39,8 @@ class BucketPrograms:
     the start, in the order the host runs them, so each is ready long before the host gets
     to it; ``get(b)`` returns size ``b``'s, waiting for its compile if it is still running."""
 
-    def __init__(self, run: Run, model, first: Program, count: int):
-        self.run, self.model, self.count = run, model, count
+    def __init__(self, run: Run, model, first: Program, count: int, host: int = 0):
+        self.run, self.model, self.count, self.host = run, model, count, host
         self._ready: dict[int, Program] = {0: first}
         self._compiling: dict[int, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-next-size")
@@ -59,7 +59,7 @@ class BucketPrograms:
         compiles = jax_events.COMPILES.count() - before
         self.compiles += compiles
         made = Program(generator, scorer, compiles, watch.seconds())
-        logs.event("size_ready", size=f"{run.settings.width}x{run.settings.height}", bucket=index,
+        logs.event("size_ready", host=self.host, size=f"{run.settings.width}x{run.settings.height}", bucket=index,
                    per_device_batch=run.settings.per_device_batch, sampler_compiles=generator.sampler_compiles,
                    compiles=compiles, from_cache=generator.from_cache, seconds=round(made.seconds, 3))
         return made
@@ -75,7 +75,7 @@ class BucketPrograms:
             waited = logs.Stopwatch()
             self._ready[index] = self._compiling.pop(index).result()
             if waited.seconds() > 0.5:  # the devices waited for this size's compile
-                logs.event("size_waited", bucket=index, seconds=round(waited.seconds(), 3))
+                logs.event("size_waited", host=self.host, bucket=index, seconds=round(waited.seconds(), 3))
         return self._ready[index]
 
     def close(self) -> None:

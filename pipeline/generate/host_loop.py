@@ -350,7 +350,7 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
         zarr_by_size = {b: runtime.open_zarr(out, bucket_programs.bucket_run(run, b), model, bucket.images,
                                              group=bucket.name) for b, bucket in enumerate(geometry.buckets)}
         programs = bucket_programs.BucketPrograms(run, model, bucket_programs.Program(generator, scorer, 0, 0.0),
-                                                  len(geometry.buckets))
+                                                  len(geometry.buckets), host)
         sizes = host_sizes(run, geometry, programs, zarr_by_size)
         zarr_images = zarr_latents = None
     else:

@@ -1,0 +1,230 @@
+"""Aspect-ratio buckets: several sizes in one run (``--sizes``).
+
+Pure rules (``pipeline.core.buckets``), records asking for a size, the plan's layout per
+size under Beam, and a real 2x2 run of tiny with three sizes whose every image is the
+bytes a single-size run of its size makes. (tiny-flux's three-size run is test_flux.py's
+sharded 1x4/2x2 run; a warm re-run of several sizes compiles none: test_compile_cache.py.)
+"""
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.core import buckets, logs, naming, records
+from pipeline.core.settings import Settings
+from pipeline.io import storage
+from pipeline.output import writer
+from tests.conftest import run_cli
+
+SIZES = ("32x32", "24x32", "32x24")  # square (the default), portrait, landscape
+
+
+def test_sizes_parse_to_canonical_names_and_bad_ones_are_refused():
+    assert buckets.parse_sizes("1024x1024, 832X1216,1216×832") == ("1024x1024", "832x1216", "1216x832")
+    assert buckets.parse_sizes("common") == ("common",)
+    for bad, message in (("1024", "WIDTHxHEIGHT"), ("64x64,64x64", "more than once"), ("", "got nothing")):
+        with pytest.raises(ValueError, match=message):
+            buckets.parse_sizes(bad)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Settings(sizes=("64x60",)).validate()
+    with pytest.raises(ValueError, match="give one"):
+        Settings(sizes=("64x64", "64x48"), width=48, height=64).validate()
+
+
+def test_the_common_preset_is_scaled_to_the_native_area_and_rounded_to_the_multiple():
+    assert buckets.preset_sizes(1024, 16)[:3] == ("1024x1024", "1152x896", "896x1152")
+    assert len(buckets.preset_sizes(1024, 16)) == 9
+    sd15 = buckets.preset_sizes(512, 8)  # 0.26 megapixels
+    assert sd15 == ("512x512", "576x448", "448x576", "608x416", "416x608", "672x384", "384x672", "768x320", "320x768")
+    for name in buckets.preset_sizes(768, 16):
+        width, height = buckets.parse_size(name)
+        assert width % 16 == height % 16 == 0 and 0.85 < width * height / 768 ** 2 < 1.15
+
+
+@pytest.mark.parametrize("asked, expected", [
+    ("3:4", 1), ("4:3", 2), ("1:1", 0), (0.74, 1), ("16/9", 2), (1.0, 0),
+    (np.sqrt(0.75), 0),  # as near 24x32 as 32x32 by |log ratio|: the earlier size
+])
+def test_aspect_ratio_goes_to_the_nearest_size_ties_to_the_earlier(asked, expected):
+    assert buckets.assign({"aspect_ratio": asked}, SIZES) == (expected, "aspect_ratio")
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"width": 40, "height": 40}, "size_not_a_bucket"), ({"width": 32}, "bad_size"),
+    ({"width": "wide", "height": 32}, "bad_size"), ({"aspect_ratio": "x"}, "bad_aspect_ratio"),
+    ({"aspect_ratio": -1}, "bad_aspect_ratio"), ({"aspect_ratio": "3:0"}, "bad_aspect_ratio"),
+    ({"width": 24, "height": 32, "aspect_ratio": "4:3"}, "conflicting_size"),
+])
+def test_a_size_no_bucket_answers_is_rejected_with_its_reason(row, reason):
+    rejected = records.parse_decoded({"prompt": "p", **row}, "f.jsonl", 3, 0, "f.jsonl:3", sizes=SIZES)
+    assert isinstance(rejected, records.Reject) and rejected.reason == reason, rejected
+
+
+def test_records_ask_for_a_size_only_when_the_run_declares_sizes():
+    laion = {"prompt": "p", "width": 1000, "height": 667, "aspect_ratio": 1.5}
+    plain = records.parse_decoded(laion, "f", 1, 0, "f:1")  # no --sizes: they pass through, as before
+    assert plain.bucket == 0 and plain.extra == {"width": 1000, "height": 667, "aspect_ratio": 1.5}
+    sized = records.parse_decoded({"prompt": "p", "width": "24", "height": 32.0}, "f", 1, 0, "f:1", sizes=SIZES)
+    assert sized.bucket == 1 and sized.extra == {}  # read, not passed through: the metadata has the size
+    wide = records.parse_decoded({"prompt": "p", "aspect_ratio": "16:9"}, "f", 1, 0, "f:1", sizes=SIZES)
+    assert wide.bucket == 2 and wide.extra == {"aspect_ratio": "16:9"}  # what was asked, beside the size given
+    assert records.parse_decoded({"prompt": "p"}, "f", 1, 0, "f:1", sizes=SIZES).bucket == 0
+
+
+def test_the_geometry_places_each_size_after_the_last_and_hosts_walk_sizes_in_step():
+    geometry = buckets.Geometry.lay_out([(32, 32), (24, 32), (32, 24)], [2, 1, 3], [8, 4, 12], [9, 0, 13])
+    assert [(b.offset, b.first_slice, b.slices) for b in geometry.buckets] == [(0, 0, 2), (9, 2, 0), (9, 2, 2)]
+    assert geometry.slices == 4 and geometry.slice_span(1) == (8, 9) and geometry.slice_span(3) == (21, 22)
+    assert [geometry.bucket_of_slice(i) for i in range(4)] == [0, 0, 2, 2]
+    assert geometry.slice_of(2, 20) == 2 + (20 - 9) // 12
+    manifest = {"buckets": [b.to_json() for b in geometry.buckets], "slice_size": 8, "images": 22, "slices": 4}
+    assert [buckets.manifest_slice_images(manifest, i) for i in range(4)] == [8, 1, 12, 1]
+    assert buckets.Geometry.of_manifest(json.loads(json.dumps(manifest)), 0, 0, 0) == geometry
+    slots = {host: buckets.host_slots(host, 3, geometry) for host in range(3)}
+    assert slots[0] == [(0, 0), (2, 2)] and slots[1] == [(0, 1), (2, 3)] and slots[2] == [(0, None), (2, None)]
+    # one size: today's assignment
+    single = buckets.Geometry.of_manifest({"slice_size": 4, "images": 10}, 8, 8, 1)
+    assert [s for _, s in buckets.host_slots(1, 2, single)] == [1, None]
+
+
+def test_the_plan_lays_out_each_size_under_beam_and_conserves_rows(tmp_path, model_cache):
+    from pipeline.plan import transforms
+
+    rows = [{"prompt": "a"}, {"prompt": "b", "width": 24, "height": 32}, {"prompt": "c", "aspect_ratio": "4:3",
+                                                                          "num_images": 3},
+            {"prompt": "d", "width": 40, "height": 40}, {"prompt": "e"}, {"prompt": "f", "aspect_ratio": 0.7}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "g", "aspect_ratio": "4:3"}) + "\n")
+    out = str(tmp_path / "out")
+    manifest = transforms.run_plan(Settings(prompts=str(tmp_path / "*.jsonl"), out=out, model="tiny", sizes=SIZES,
+                                            steps=1, batches_per_slice=2))
+    assert manifest["records"] + manifest["rejects"] == manifest["input_rows"] == 7
+    assert manifest["rejects_by_reason"] == {"size_not_a_bucket": 1}
+    by_size = {b["size"]: (b["records"], b["images"], b["slices"], b["first_slice"]) for b in manifest["buckets"]}
+    assert by_size == {"32x32": (2, 2, 1, 0), "24x32": (2, 2, 1, 1), "32x24": (2, 4, 2, 2)}
+    slices = [[json.loads(line) for line in storage.read_text(naming.plan_slice(out, i)).splitlines()]
+              for i in range(manifest["slices"])]
+    assert [[(i["prompt"], i.get("bucket", 0)) for i in s] for s in slices] == [
+        [("a", 0), ("e", 0)], [("b", 1), ("f", 1)], [("c", 2), ("c", 2)], [("c", 2), ("g", 2)]]  # g: another file
+    assert [i["position"] for s in slices for i in s] == list(range(8))
+    assert json.loads(storage.read_text(naming.run_json(out)))["settings"]["sizes"] == list(SIZES)
+
+
+@pytest.fixture(scope="module")
+def sized_run(tmp_path_factory, model_cache):
+    """A 2x2 run of tiny with three sizes (records asking by width/height, by aspect_ratio
+    and for nothing), files and zarr."""
+    folder = tmp_path_factory.mktemp("sizes")
+    rows = [{"prompt": "a square by default", "id": "square"},
+            {"prompt": "a tall tower", "id": "tower", "width": 24, "height": 32, "num_images": 2},
+            {"prompt": "a wide field", "id": "field", "aspect_ratio": "16:9"},
+            {"prompt": "a portrait", "id": "face", "aspect_ratio": "3:4"},
+            {"prompt": "no such size", "id": "odd", "width": 48, "height": 16},
+            {"prompt": "another square", "id": "box", "seed": 3},
+            {"prompt": "a long river", "id": "river", "aspect_ratio": 2}]
+    (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--model", "tiny", "--steps", "1", "--per-device-batch", "1", "--batches-per-slice", "1",
+              "--no-progress"]
+    out = str(folder / "sized")
+    result = run_cli(["run", "--prompts", str(folder / "p.jsonl"), "--out", out, "--sizes", ",".join(SIZES),
+                      "--hosts", "2", "--devices-per-host", "2", "--format", "files,zarr", *common], model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def single_size_hashes(out: str, rows: dict) -> dict:
+    """{key: sha256} of each row's image made alone, one record per batch, by the program of a
+    single-size run of its size (``--width W --height H``) on one device."""
+    import jax
+
+    from pipeline.generate import runtime
+    from pipeline.io import runs
+
+    run = runs.read(out)
+    found, model, params = {}, None, None
+    for size in SIZES:
+        width, height = buckets.parse_size(size)
+        single = Settings(**{**run.settings.to_dict(), "sizes": (), "bucket_batches": (), "width": width,
+                             "height": height, "formats": tuple(run.settings.formats),
+                             "loras": (), "scores": ()}).validate()
+        if model is None:
+            model = runtime.load_model(run.with_settings(single))
+        generator = runtime.make_generator(model, single, jax.local_devices()[:1], params=params)
+        params = generator.params
+        for key, row in rows.items():
+            if (row["width"], row["height"]) == (width, height):
+                [image] = generator(generator.batch_of([(row["prompt"], row["negative_prompt"],
+                                                         row["guidance_scale"], row["seed"], row["image_index"])]))
+                found[key] = hashlib.sha256(writer.formats.encode(image, "png")).hexdigest()
+    return found
+
+
+def _rows(out):
+    return {r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+
+
+def test_a_three_size_run_makes_each_image_at_its_size_as_a_single_size_run_does(sized_run):
+    from PIL import Image
+
+    out = sized_run
+    rows = _rows(out)
+    sizes = {key.split("--")[0].split("_")[0]: (r["width"], r["height"]) for key, r in rows.items()}
+    assert sizes == {"square": (32, 32), "box": (32, 32), "tower": (24, 32), "face": (24, 32), "field": (32, 24),
+                     "river": (32, 24)}
+    for row in rows.values():
+        with Image.open(naming.join(out, row["path"])) as image:
+            assert image.size == (row["width"], row["height"])
+    assert json.loads(rows["field_0000"]["extra"]) == {"aspect_ratio": "16:9"}  # asked; given: 32x24
+    # the bytes of a single-size run of each size, with the same per-device batch: its program
+    # (a generator of the single-size settings) makes each record alone
+    assert single_size_hashes(out, rows) == {key: row["sha256"] for key, row in rows.items()}
+    assert len({r["sha256"] for r in rows.values()}) == 7
+    # rows conserved: one rejected, with its reason
+    stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    assert stats["verified"] and stats["conservation"]["holds"] and stats["images"] == 7
+    assert stats["rejects_by_reason"] == {"size_not_a_bucket": 1}
+    [reject] = [json.loads(line) for path in storage.glob(naming.join(out, "plan", "rejects", "*"))
+                for line in storage.read_text(path).splitlines()]
+    assert reject["line"] == 5 and "48x16 is not one of the run's sizes (32x32, 24x32, 32x24)" in reject["message"]
+    assert {size: c["images"] for size, c in stats["sizes"].items()} == {"32x32": 2, "24x32": 3, "32x24": 2}
+    card = storage.read_text(naming.dataset_card(out))
+    assert "| sizes (width x height; the first is the default) | `32x32, 24x32, 32x24` |" in card
+    assert "| `24x32` | 2 | 3 | 3 | 0 | 1 |" in card
+    gallery = storage.read_text(naming.dataset_file(out, "index.html"))
+    assert 'width="24" height="32"' in gallery and 'width="32" height="24"' in gallery  # each in its own shape
+
+
+def test_each_host_compiles_each_sizes_program_once(sized_run):
+    out = sized_run
+    events = [e for path in storage.glob(naming.join(out, "logs", "host-*.log"))
+              for e in map(logs.parse, storage.read_text(path).splitlines()) if e]
+    for host in (0, 1):
+        mine = [e for e in events if e.get("host") == host]
+        [ready] = [e for e in mine if e["event"] == "host_ready"]  # the first size's, while the weights loaded
+        assert ready["sampler_compiles"] == 1
+        made = [e for e in mine if e["event"] == "size_ready"]  # the later sizes', once each
+        assert [e["size"] for e in made] == ["24x32", "32x24"] and all(e["sampler_compiles"] == 1 for e in made)
+        [done] = [e for e in mine if e["event"] == "host_done"]
+        assert done["sizes"] == 3 and done["size_compiles"] >= 2 and done["compiles_after_warmup"] == 0
+
+
+def test_zarr_has_a_group_per_size_that_xarray_opens_with_keys(sized_run):
+    import xarray as xr
+
+    out = sized_run
+    rows = _rows(out)
+    for size, count in (("32x32", 2), ("24x32", 3), ("32x24", 2)):
+        width, height = buckets.parse_size(size)
+        dataset = xr.open_zarr(naming.join(out, "zarr"), group=size, consolidated=True)
+        assert dict(dataset.sizes) == {"image": count, "height": height, "width": width, "channel": 3}
+        for index, key in enumerate(dataset["key"].values):
+            assert rows[key]["width"] == width
+            assert int(rows[key]["position"]) - min(int(r["position"]) for r in rows.values()
+                                                     if (r["width"], r["height"]) == (width, height)) == index
+        first = str(dataset["key"].values[0])
+        pixels = np.asarray(dataset["images"][0])
+        files = {r["key"]: r for r in rows.values()}
+        assert hashlib.sha256(writer.formats.encode(pixels, "png")).hexdigest() == files[first]["sha256"]
+
+
