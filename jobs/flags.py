@@ -205,6 +205,13 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "devices per host; auto: the smallest N at which one image per device fits (for a "
                              "submission, on the target TPU chip). 1: a whole copy on every device "
                              "(default: %(default)s)")
+    parser.add_argument("--decode-batch", type=decode_batch, default=d.decode_batch, metavar="N|auto",
+                        help="the VAE decodes each device's images N at a time, one micro-batch after another, so "
+                             "that the denoiser, not the decoder, bounds --per-device-batch (at 1024x1024 the "
+                             "decoder's temporaries grow fastest with the batch); auto: 1. It can move a pixel by "
+                             "a level or two against decoding the whole batch at once, so it is recorded in run.json "
+                             "and each image's metadata, and a resumed run keeps its own (a run planned before it "
+                             "existed decodes whole batches) (default: %(default)s)")
     parser.add_argument("--batches-per-slice", type=int, default=d.batches_per_slice,
                         help="device steps per slice; slice size = devices per host x per-device batch x this "
                              "(default: %(default)s)")
@@ -253,6 +260,11 @@ def fsdp_degree(text: str) -> int | str:
     return per_device_batch(text)
 
 
+def decode_batch(text: str) -> int | str:
+    """``--decode-batch``: a whole number, or ``auto``."""
+    return per_device_batch(text)
+
+
 def per_device_batch(text: str) -> int | str:
     """``--per-device-batch``: a whole number, or ``auto``."""
     if text == AUTO:
@@ -281,6 +293,7 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_chec
                     max_sequence_length=args.max_sequence_length,
                     seed=args.seed, per_device_batch=args.per_device_batch,
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host, fsdp=args.fsdp,
+                    decode_batch=args.decode_batch,
                     save_latents=args.save_latents, prompt_field=args.prompt_field, dedupe=args.dedupe,
                     scores=parse_scores(args.score), clip_model=args.clip_model, aesthetic_head=args.aesthetic_head,
                     safety_checker=args.safety_checker, min_clip_similarity=args.min_clip_similarity,

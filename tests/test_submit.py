@@ -246,7 +246,7 @@ ALL_CHANGED = Settings(
     loras=("gs://b/loras/style@0.75", "gs://b/lcm.safetensors@1.0"), width=64, height=48, steps=7,
     scheduler="dpmpp", timestep_spacing="trailing", guidance_scale=3.25, max_sequence_length=256, seed=12,
     per_device_batch=3, device_memory=15.5, batches_per_slice=3, devices_per_host=8, fsdp=2, dtype="bf16",
-    attention="chunked", formats=("files", "zarr"), image_format="webp", quality=80, save_latents=True,
+    decode_batch=2, attention="chunked", formats=("files", "zarr"), image_format="webp", quality=80, save_latents=True,
     prompt_field="text", dedupe=True, guidance_rule="always", guided=True, scores=("clip", "aesthetic", "safety"),
     clip_model="gs://b/clip", aesthetic_head="gs://b/a.safetensors", safety_checker="gs://b/sd",
     min_clip_similarity=0.28, min_aesthetic=5.5, drop_nsfw=True, filter_rule="truthy", key_names="hashed").validate()
@@ -749,7 +749,7 @@ SUBMIT_ALL_CHANGED = [
     "--lora", "gs://b/lcm.safetensors", "--width", "64", "--height", "48", "--scheduler", "dpmpp",
     "--timestep-spacing", "trailing", "--guidance-scale", "3.25", "--max-sequence-length", "256", "--seed", "12",
     "--per-device-batch", "3", "--device-memory", "15.5", "--batches-per-slice", "3", "--fsdp", "2",
-    "--attention", "chunked", "--format", "zarr,files", "--image-format", "webp", "--quality", "80",
+    "--decode-batch", "2", "--attention", "chunked", "--format", "zarr,files", "--image-format", "webp", "--quality", "80",
     "--save-latents", "--prompt-field", "text", "--dedupe", "--score", "safety,clip,aesthetic",
     "--clip-model", "gs://b/clip", "--aesthetic-head", "gs://b/a.safetensors", "--safety-checker", "gs://b/sd",
     "--min-clip-similarity", "0.28", "--min-aesthetic", "5.5", "--drop-nsfw"]

@@ -15,14 +15,15 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(ROOT, "docs", "tpu-checks")
-# name -> (settings' fields, TPU type, chips per host, per-device batch)
+# name -> (settings' fields, TPU type, chips per host, per-device batch); the SDXL programs measured
+# before --decode-batch decode the whole batch at once (decode_batch None)
 PROGRAMS = {
     "tiny-128-v5e-auto-1": (dict(model="tiny", width=128, height=128, steps=1, attention="auto", dtype="bf16",
                                  guidance_scale=1.0), "v5e", 4, 1),
     "sdxl-1024-v5e-xla-2": (dict(model="random-sdxl", width=1024, height=1024, steps=20, attention="xla",
-                                 dtype="bf16"), "v5e", 4, 2),
+                                 dtype="bf16", decode_batch=None), "v5e", 4, 2),
     "sdxl-1024-v6e-xla-6": (dict(model="random-sdxl", width=1024, height=1024, steps=20, attention="xla",
-                                 dtype="bf16"), "v6e", 4, 6),
+                                 dtype="bf16", decode_batch=None), "v6e", 4, 6),
 }
 
 

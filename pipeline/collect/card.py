@@ -172,6 +172,8 @@ def _generation(run: Run) -> list[str]:
         ("image format", f"{settings.image_format}{quality}"),
         ("per-device batch", settings.per_device_batch if not settings.bucket_batches else
          ", ".join(f"{size}: {batch}" for size, batch in zip(settings.sizes, settings.bucket_batches))),
+        ("VAE decode batch (images decoded at once)", settings.decode_batch if settings.decode_batch is not None
+         else "the whole per-device batch"),
         ("scores", ", ".join(settings.scores) or None),
         ("CLIP model", _with_fingerprint(settings.clip_model, scorers.get("clip"))),
         ("aesthetic head", _with_fingerprint(settings.aesthetic_head, scorers.get("aesthetic"))),

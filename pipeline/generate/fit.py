@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 
 from pipeline.core import logs
-from pipeline.model.sampling import guidance
+from pipeline.model.sampling import decoding, guidance
 
 GIB = 2 ** 30
 # The share of a device's memory that a program may take: the rest is the runtime's,
@@ -48,12 +48,14 @@ def program_memory(compiled) -> dict:
 
 def sampler_memory(model, width: int, height: int, steps: int, per_device_batch: int, guided: bool = True,
                    attention: str = "auto", platform: str | None = None, latents: bool = False,
-                   guidance_rule: str | None = None, fsdp: int = 1, devices=None) -> dict:
+                   guidance_rule: str | None = None, fsdp: int = 1, devices=None, *,
+                   decode_batch: int | None = None) -> dict:
     """``program_memory`` of one device's sampler program at ``per_device_batch`` images,
     compiled from shapes (``model``'s params may be arrays or ``ShapeDtypeStruct``s);
     ``guidance_rule``: default the model's family's (``Family.guidance_rule``). ``fsdp`` > 1:
     the FSDP program of one group of ``fsdp`` of ``devices`` (a device's memory is the
-    same in a host of one group or of many)."""
+    same in a host of one group or of many). ``decode_batch``: the VAE decodes that many
+    images at a time (None: all at once), as the run's program does."""
     import jax
     import jax.numpy as jnp
 
@@ -69,10 +71,10 @@ def sampler_memory(model, width: int, height: int, steps: int, per_device_batch:
             raise FitError(f"--fsdp {fsdp}: measuring its program needs {fsdp} devices, this process has "
                            f"{len(devices)}")
         lowered = lower_fsdp(model, width, height, steps, per_device_batch, devices[:fsdp], latents, rule, guided,
-                             attention, fsdp)
+                             attention, fsdp, decode_batch=decode_batch)
         return program_memory(lowered.compile())
     fn = sampler.make_sample_fn(model, width, height, steps, latents, rule, guided=guided, attention=attention,
-                                platform=platform)
+                                platform=platform, decode_batch=decode_batch)
     params = struct(model.params, model.param_dtype)
     b = per_device_batch
     ids = jax.ShapeDtypeStruct((b, *model.family.tokenize(model, [""]).shape[1:]), jnp.int32)
@@ -172,7 +174,8 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
 
     def needs(b: int) -> int:
         return sampler_memory(model, width, height, model.steps(settings.steps), b, guided, settings.attention, platform,
-                              settings.save_latents, fsdp=settings.fsdp, devices=devices)["total"]
+                              settings.save_latents, fsdp=settings.fsdp, devices=devices,
+                              decode_batch=decoding.planned(settings.decode_batch))["total"]
 
     try:
         chosen, tried = largest_batch(needs, capacity)
@@ -229,7 +232,8 @@ def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -
         if n > len(devices):
             break
         tried[n] = sampler_memory(model, width, height, model.steps(settings.steps), 1, guided, settings.attention,
-                                  devices[0].platform, settings.save_latents, fsdp=n, devices=devices)["total"]
+                                  devices[0].platform, settings.save_latents, fsdp=n, devices=devices,
+                                  decode_batch=decoding.planned(settings.decode_batch))["total"]
         if tried[n] <= capacity:
             logs.event("fsdp_chosen", fsdp=n, capacity_gib=round(capacity / GIB, 3), capacity_from=source,
                        tried_gib={k: round(v / GIB, 3) for k, v in tried.items()})

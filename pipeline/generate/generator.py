@@ -133,7 +133,7 @@ def place_params(model, devices, fsdp: int = 1):
 def compile_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices,
                     latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
                     attention: str = "auto", index_key: str | None = None, fsdp: int = 1,
-                    lowered=None) -> SamplerProgram:
+                    lowered=None, decode_batch: int | None = None) -> SamplerProgram:
     """The host's sampler for ``devices`` (pmapped, or at ``fsdp`` > 1 one program over the
     host's FSDP mesh), lowered from shapes alone and compiled, or loaded from the
     executable cache (``compile_cache.load_or_compile``).
@@ -150,7 +150,7 @@ def compile_sampler(model, width: int, height: int, steps: int, per_device_batch
     compiles = jax_events.COMPILES.count_here()
     if lowered is None:
         lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
-                                attention, fsdp)
+                                attention, fsdp, decode_batch=decode_batch)
     params = program_params(model, devices, fsdp)
     compiled, from_cache = compile_cache.load_or_compile(lowered, devices,
                                                          index=(index_key, params) if index_key else None)
@@ -183,9 +183,12 @@ def load_indexed_program(index_key: str, devices) -> tuple | None:
 
 
 def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool = False,
-                  guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto", fsdp: int = 1):
+                  guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto", fsdp: int = 1, *,
+                  decode_batch: int | None = None):
     """The host's sampler for ``devices``, lowered from the shapes of ``model``'s params
     and of a batch (``compile_sampler``): pmapped at ``fsdp`` 1, else ``lower_fsdp``.
+    ``decode_batch``: the VAE decodes each device's images that many at a time (None: all
+    at once; ``sampler.make_sample_fn``).
 
     The shapes are given to pmap as abstract values (``jax.core.ShapedArray``), not as
     ``ShapeDtypeStruct``s: in a cluster, pmap turns each argument that is not a device
@@ -200,9 +203,10 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
         attention_lib.check_platform(attention, devices[0].platform)
     if fsdp != 1:
         return lower_fsdp(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
-                          attention, fsdp)
+                          attention, fsdp, decode_batch=decode_batch)
     fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
-                                            attention, devices[0].platform), devices=devices)
+                                            attention, devices[0].platform, decode_batch=decode_batch),
+                  devices=devices)
     shaped = (len(devices), per_device_batch)
     ids = ShapedArray(shaped + model.family.tokenize(model, [""]).shape[1:], jnp.int32)
     words = ShapedArray(shaped, jnp.uint32)
@@ -212,10 +216,11 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
 
 
 def lower_fsdp(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool,
-               guidance_rule: str, guided: bool, attention: str, fsdp: int):
+               guidance_rule: str, guided: bool, attention: str, fsdp: int, *, decode_batch: int | None = None):
     """The sampler as one program over the host's FSDP mesh (``sharding``): the batch of
     D x per-device batch images split over the D devices, the weights of the sharded
-    components split over groups of ``fsdp`` of them, from shapes alone."""
+    components split over groups of ``fsdp`` of them, from shapes alone. ``decode_batch``:
+    the VAE decodes each device's images that many at a time (None: all at once)."""
     import jax
     import jax.numpy as jnp
 
@@ -228,7 +233,7 @@ def lower_fsdp(model, width: int, height: int, steps: int, per_device_batch: int
     one = sharding.batch_sharding(the_mesh, 1)
     images = sharding.batch_sharding(the_mesh, 4)
     fn = jax.jit(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention,
-                                        devices[0].platform, the_mesh),
+                                        devices[0].platform, the_mesh, decode_batch=decode_batch),
                  out_shardings=(images, sharding.batch_sharding(the_mesh, 4)) if latents else images)
     ids_struct = jax.ShapeDtypeStruct((n, *ids), jnp.int32, sharding=sharding.batch_sharding(the_mesh, 1 + len(ids)))
     words = jax.ShapeDtypeStruct((n,), jnp.uint32, sharding=one)
@@ -243,11 +248,13 @@ class Generator:
     params already on ``devices`` as the program takes them (``place_params``; generators
     of one model may share them). ``fsdp``: the weights sharded over groups of that many
     devices (``pipeline.generate.sharding``); 1, the pmapped program with a whole copy on
-    every device."""
+    every device. ``decode_batch``: the VAE decodes each device's images that many at a
+    time (None: the whole batch at once, the program of runs planned before)."""
 
     def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
                  latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True, params=None,
-                 attention: str = "auto", program: SamplerProgram | None = None, fsdp: int = 1):
+                 attention: str = "auto", program: SamplerProgram | None = None, fsdp: int = 1,
+                 decode_batch: int | None = None):
         import jax
 
         jax_events.COMPILES.install()
@@ -261,6 +268,7 @@ class Generator:
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
         self.fsdp = fsdp
+        self.decode_batch = decode_batch
         self._mesh = sharding.mesh(self.devices, fsdp) if fsdp != 1 else None
         started = time.perf_counter()
         self.params = place_params(model, self.devices, fsdp) if params is None else params
@@ -269,7 +277,7 @@ class Generator:
         self.program_given = program is not None and program.takes(self.params, self.devices, fsdp)
         if not self.program_given:  # none given, or made for other shapes
             program = compile_sampler(model, width, height, steps, per_device_batch, self.devices, latents,
-                                      guidance_rule, guided, attention, fsdp=fsdp)
+                                      guidance_rule, guided, attention, fsdp=fsdp, decode_batch=decode_batch)
         self.program = program
         # from_cache: loaded from this host's executable cache (``compile_cache.enable``);
         # sampler_compiles: the backend compilations that building the sampler took

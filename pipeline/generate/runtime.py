@@ -75,7 +75,7 @@ def make_generator(model, settings: Settings, devices=None, program: SamplerProg
     return Generator(model, settings.width, settings.height, settings.steps, settings.per_device_batch,
                      devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
                      guided=settings.guided, attention=settings.attention, program=program, params=params,
-                     fsdp=settings.fsdp)
+                     fsdp=settings.fsdp, decode_batch=settings.decode_batch)
 
 
 def abstract_model(settings: Settings):
@@ -91,7 +91,8 @@ def sampler_description(settings: Settings) -> dict:
     """What the run's sampler program is made of, for the executable cache's index
     (``compile_cache.index_key``): the checkpoint's configs and tokenizer files (never its
     weights: --unet and --lora change values, not shapes) and the settings the program is
-    built from."""
+    built from. ``decode_batch`` is there only when the run decodes in micro-batches, so a
+    whole-batch program keeps the key it had before the setting."""
     from pipeline.model import load as model_lib
 
     s = settings
@@ -100,7 +101,8 @@ def sampler_description(settings: Settings) -> dict:
             "per_device_batch": s.per_device_batch, "latents": s.save_latents, "guidance_rule": s.guidance_rule,
             "guided": s.guided, "attention": s.attention,
             **({"max_sequence_length": s.max_sequence_length} if s.max_sequence_length is not None else {}),
-            **({"fsdp": s.fsdp} if s.fsdp != 1 else {})}
+            **({"fsdp": s.fsdp} if s.fsdp != 1 else {}),
+            **({"decode_batch": s.decode_batch} if s.decode_batch is not None else {})}
 
 
 def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerProgram:
@@ -118,7 +120,7 @@ def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerPr
     abstract = abstract or abstract_model(settings)
     return compile_sampler(abstract, settings.width, settings.height, settings.steps, settings.per_device_batch,
                            devices, settings.save_latents, settings.guidance_rule, settings.guided,
-                           settings.attention, index_key=key, fsdp=settings.fsdp)
+                           settings.attention, index_key=key, fsdp=settings.fsdp, decode_batch=settings.decode_batch)
 
 
 def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[object, Generator, dict]:
@@ -173,7 +175,7 @@ def program_tag(run: Run) -> tuple:
     s = run.settings
     return (s.model, run.model_fingerprint, s.dtype, s.scheduler, s.width, s.height, s.steps, s.per_device_batch,
             s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided, s.attention,
-            s.max_sequence_length, s.fsdp,
+            s.max_sequence_length, s.fsdp, s.decode_batch,
             s.scores, run.scorers)  # the scorers too: a worker holds its scoring program beside the sampler
 
 

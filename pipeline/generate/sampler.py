@@ -30,7 +30,7 @@ def _seam(attention: str, platform: str | None, mesh=None):
 
 def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = False,
                    guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto",
-                   platform: str | None = None, mesh=None):
+                   platform: str | None = None, mesh=None, *, decode_batch: int | None = None):
     """``sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index)``.
 
     Shapes (B = batch): ids int32 [B, ...] (``tokenize``); guidance float32 [B]; seed words
@@ -39,6 +39,8 @@ def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = F
     program is exactly the images-only one. ``guided``: see ``make_denoise_fn`` (a
     guidance-free program never reads ``negative_ids``). ``attention`` and ``platform``: see
     ``make_denoise_fn``; ``mesh``: the mesh an FSDP program is partitioned over.
+    ``decode_batch``: the VAE decodes each device's images that many at a time (None: all
+    at once, the program of runs planned before; ``pipeline.model.sampling.decoding``).
     """
     import jax
 
@@ -46,7 +48,7 @@ def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = F
     denoise = make_denoise_fn(model, steps, empty_negative_ids=model.family.tokenize(model, [""])[0],
                               return_latents=latents,
                               guidance_rule=guidance_rule, guided=guided, attention=attention, platform=platform,
-                              mesh=mesh)
+                              mesh=mesh, decode_batch=decode_batch)
 
     def sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index):
         image_keys = keys.fold_keys(seed_hi, seed_lo, image_index)
@@ -74,7 +76,7 @@ def decode_latents(model, vae_params, latents):
 
 def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: bool = False,
                     guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto",
-                    platform: str | None = None, mesh=None):
+                    platform: str | None = None, mesh=None, *, decode_batch: int | None = None):
     """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
     float32 images in [0, 1], [B, H, W, 3], from given initial latents (float32
     [B, C, H/f, W/f]); the family's (``Family.make_denoise``: see it for ``guided``,
@@ -83,7 +85,13 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
     ``attention``: how the networks' attention runs (``pipeline.model.layers.attention``; ``auto``
     picks per call from ``platform``, default JAX's, and the shapes); ``"diffusers"``:
     diffusers' own attention, untouched (runs planned before the seam).
+
+    ``decode_batch``: the VAE decodes that many images at a time, per device of ``mesh``
+    when given (``decoding.decode_in_micro_batches``); None: the whole batch at once.
     """
+    from pipeline.model.sampling import decoding
+
     return model.family.make_denoise(model, steps, empty_negative_ids=empty_negative_ids,
                                      return_latents=return_latents, guidance_rule=guidance_rule, guided=guided,
-                                     seam=_seam(attention, platform, mesh))
+                                     seam=_seam(attention, platform, mesh),
+                                     decode=decoding.micro_batches(decode_batch, mesh))

@@ -37,6 +37,8 @@ METADATA_FIELDS = (
     ("clip_similarity", "float64"), ("aesthetic", "float64"), ("nsfw", "bool_"), ("nsfw_score", "float64"),
     # the filters' reason for keeping the image out of every image output (pipeline.core.filters); null: kept
     ("dropped", "string"),
+    # how many images the VAE decoded at once (--decode-batch); null: the whole per-device batch
+    ("decode_batch", "int32"),
 )
 SCORE_FIELDS = ("clip_similarity", "aesthetic", "nsfw", "nsfw_score")
 
@@ -73,6 +75,7 @@ def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, trunca
         **{name: None if scores.get(name) is None else (bool(scores[name]) if name == "nsfw" else float(scores[name]))
            for name in SCORE_FIELDS},
         "dropped": dropped,
+        "decode_batch": settings.decode_batch,
     }
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 from pipeline.generate.tpu_check.chips import Target
 from pipeline.model import sharding
-from pipeline.model.sampling import guidance
+from pipeline.model.sampling import decoding, guidance
 
 
 def run_guided(settings, model=None) -> bool:
@@ -37,7 +37,9 @@ class Context:
     @classmethod
     def of(cls, settings, target: Target, model=None) -> Context:
         """The context of ``settings`` on ``target``, of ``model`` or, when None, of the
-        settings' model from its configs alone (``runtime.abstract_model``)."""
+        settings' model from its configs alone (``runtime.abstract_model``). A
+        ``decode_batch`` left "auto" is the one planning resolves it to: the program checked
+        is the run's."""
         if model is None:
             from pipeline.generate import runtime
 
@@ -45,6 +47,7 @@ class Context:
         width, height = size_of(settings, model)
         if settings.steps is None:  # left out: the model's default
             settings = settings.replace(steps=model.steps(None))
+        settings = settings.replace(decode_batch=decoding.planned(settings.decode_batch))
         return cls(settings, target, model, width, height, run_guided(settings, model))
 
     def sampler_args(self) -> dict:
@@ -52,7 +55,7 @@ class Context:
         settings, model = self.settings, self.model
         rule = settings.guidance_rule if settings.guided is not None else model.family.guidance_rule(model)
         return dict(steps=settings.steps, latents=settings.save_latents, guidance_rule=rule, guided=self.guided,
-                    attention=settings.attention)
+                    attention=settings.attention, decode_batch=settings.decode_batch)
 
     def weights(self) -> int:
         """The bytes of the model's weights on each chip (its share under ``--fsdp``)."""

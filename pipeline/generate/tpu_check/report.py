@@ -68,7 +68,7 @@ def program_report(context: Context, per_device_batch: int) -> dict:
             program["compiled"] = False
     report = {"model": settings.model, "width": context.width, "height": context.height, "steps": settings.steps,
               "dtype": settings.dtype, "attention": settings.attention, "guided": context.guided,
-              "fsdp": settings.fsdp,
+              "fsdp": settings.fsdp, "decode_batch": settings.decode_batch,
               "tpu_type": target.tpu_type, "topology": target.topology, "machine_type": target.machine_type,
               "chips_per_host": target.chips, "per_device_batch": b,
               "argument_gib": round(program["argument"] / GIB, 3), "temp_gib": round(program["temp"] / GIB, 3),

@@ -16,7 +16,8 @@ from pipeline.generate.tpu_check.remember import remembered
 def parts_memory(context, per_device_batch: int, enough: int | None = None) -> int:
     """The most bytes any part of a step of ``context``'s run needs beyond its own weights,
     at ``per_device_batch`` images per chip, compiled for one of its target's chips: the
-    text encoders (2B rows when guided), one denoiser call, the VAE decode (B), each with
+    text encoders (2B rows when guided), one denoiser call, the VAE decode (B, or the run's
+    decode micro-batch when it is smaller: ``lowered_parts``), each with
     the run's attention on the TPU platform. Remembered like a whole program's figures, so
     a search that was stopped goes on where it was, compiling again none of the parts it
     had compiled.
@@ -78,7 +79,9 @@ def assigned_part(context, per_device_batch: int, index: int) -> tuple[int, int]
 
 def lowered_parts(context, per_device_batch: int) -> list:
     """``parts.parts`` of ``context``'s run, lowered for one of its target's chips with the
-    run's attention on the TPU platform."""
+    run's attention on the TPU platform; the VAE decode at the run's decode micro-batch
+    where it is smaller than ``per_device_batch`` (the program decodes that many at a
+    time: ``pipeline.model.sampling.decoding``)."""
     import jax
 
     from pipeline.model.layers import attention
@@ -90,4 +93,11 @@ def lowered_parts(context, per_device_batch: int) -> list:
         with attention.use(context.settings.attention, platform="tpu"):
             yield
 
-    return parts.parts(context.model, context.width, context.height, per_device_batch, context.guided, seam, single)
+    found = parts.parts(context.model, context.width, context.height, per_device_batch, context.guided, seam, single)
+    micro = context.settings.decode_batch
+    if micro is None or micro >= per_device_batch:
+        return found
+    decode = parts.lowered(context.model, context.width, context.height, micro, context.guided, "vae_decode", seam,
+                           single)
+    return [(label, components, decode if label == "vae_decode" else program)
+            for label, components, program in found]

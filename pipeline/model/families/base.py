@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+from pipeline.model.sampling import decoding
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadRequest:
@@ -206,11 +208,13 @@ class Family:
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
-                     seam=contextlib.nullcontext):
+                     seam=contextlib.nullcontext, decode=decoding.whole):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys)``:
         float32 images [B, H, W, 3] in [0, 1] from initial latents [B, C, H/f, W/f]
         (with ``return_latents``, also the final latents). ``seam()`` is entered while
-        the function is traced (the attention seam)."""
+        the function is traced (the attention seam). ``decode(decode_fn, latents)`` runs
+        the VAE decode of the final latents (``pipeline.model.sampling.decoding``: whole, or
+        in micro-batches)."""
         raise NotImplementedError
 
     def decode_latents(self, model: Model, vae_params, latents):

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import os
 
-from pipeline.model.sampling import flow
+from pipeline.model.sampling import decoding, flow
 from pipeline.model.families.flux import presets, sampling as flux_sampling
 from pipeline.model.loading import lora, weights
 from pipeline.model.families.base import Described, Family, Model
@@ -207,12 +207,12 @@ class Flux(Family):
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "embedded", guided: bool = False,
-                     seam=contextlib.nullcontext):
+                     seam=contextlib.nullcontext, decode=decoding.whole):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
         ``flux_sampling.make_denoise`` on the ids ``tokenize`` made (``negative_ids`` and
         ``image_keys`` are never read: no classifier-free guidance, a deterministic
         sampler); ``guidance`` is embedded under the "embedded" rule ([dev]) and not read
-        under "unused" ([schnell])."""
+        under "unused" ([schnell]). ``decode``: how the VAE decodes (``Family.make_denoise``)."""
         if guided:
             raise ValueError("FLUX.1 has no classifier-free guidance: its program is never the guided one")
         embedded = model.nets.transformer.config.guidance_embeds
@@ -225,7 +225,7 @@ class Flux(Family):
         def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
             # the schedule follows the image's token count: made on the host, as the program is traced
             inner = flux_sampling.make_denoise(nets, steps, latents.shape[3] * f, latents.shape[2] * f,
-                                               return_latents)
+                                               return_latents, decode=decode)
             with seam():
                 return inner(params, prompt_ids[:, :clip_length], prompt_ids[:, clip_length:], latents,
                              guidance if embedded else None)

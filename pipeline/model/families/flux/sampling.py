@@ -25,7 +25,7 @@ import dataclasses
 import os
 from typing import Any
 
-from pipeline.model.sampling import flow
+from pipeline.model.sampling import decoding, flow
 from pipeline.model.loading.checkpoint import read_json_file
 from pipeline.model.loading import convert  # the networks (flax, jax) are imported where they are used
 
@@ -145,14 +145,16 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     }
 
 
-def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigmas, timesteps, steps=None):
+def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigmas, timesteps, steps=None,
+           decode=decoding.whole):
     """float32 images [B, H, W, 3] in [0, 1] and the final latents [B, C, H/f, W/f]
     (unpacked, before the VAE's scaling and shift) from initial latents [B, C, H/f, W/f],
     as FluxPipeline makes them, over a schedule given as arrays (``flow.FlowSchedule``'s
     ``sigmas`` [S + 1] and ``timesteps`` [S]). ``steps``: how many of them to run
     (default S); it may be traced, for one program over several step counts (the arrays
     then padded to the longest). ``make_denoise`` is this with the schedule made on the
-    host; see it for the arguments."""
+    host; see it for the arguments. ``decode(decode_fn, latents)`` runs the VAE decode
+    (``pipeline.model.sampling.decoding``: whole, or in micro-batches)."""
     import jax
     import jax.numpy as jnp
 
@@ -179,10 +181,11 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigma
     packed = jax.lax.fori_loop(0, timesteps.shape[0] if steps is None else steps, step,
                                patching.pack_latents(latents.astype(jnp.float32)))
     final = patching.unpack_latents(packed, rows, cols)
-    return vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config), final
+    return decode(lambda z: vae.vae_decode(nets.vae, params["vae"], z, nets.vae.config), final), final
 
 
-def make_denoise(nets: FluxNets, steps: int, width: int, height: int, return_latents: bool = False):
+def make_denoise(nets: FluxNets, steps: int, width: int, height: int, return_latents: bool = False, *,
+                 decode=decoding.whole):
     """``denoise(params, clip_ids, t5_ids, latents, guidance=None)``: float32 images
     [B, height, width, 3] in [0, 1], as FluxPipeline makes them from the same prompts and
     initial latents, jit-able.
@@ -214,7 +217,7 @@ def make_denoise(nets: FluxNets, steps: int, width: int, height: int, return_lat
             raise ValueError(f"latents have shape {tuple(latents.shape)}, expected [B, {nets.latent_channels}, "
                              f"{rows}, {cols}] for {width}x{height} images")
         images, final = sample(nets, params, clip_ids, t5_ids, latents, guidance, sigmas=schedule.sigmas,
-                               timesteps=schedule.timesteps)
+                               timesteps=schedule.timesteps, decode=decode)
         return (images, final) if return_latents else images
 
     return denoise

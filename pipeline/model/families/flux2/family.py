@@ -35,6 +35,7 @@ from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.families.flux2 import presets, sampling as flux2_sampling
 from pipeline.model.loading import convert, lora, weights
 from pipeline.model.loading.checkpoint import ModelError, license_of
+from pipeline.model.sampling import decoding
 from pipeline.model.sampling.scheduler import Sampler
 
 COMPONENTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
@@ -180,7 +181,7 @@ class Flux2(Family):
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "unused", guided: bool = False,
-                     seam=contextlib.nullcontext):
+                     seam=contextlib.nullcontext, decode=decoding.whole):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
         ``flux2_sampling.make_denoise`` on the ids and masks ``tokenize`` made. A distilled
         model's program never reads negative ids or guidance; a base model's ``guided``
@@ -198,7 +199,8 @@ class Flux2(Family):
         def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
             length = prompt_ids.shape[1] // 2
             inner = flux2_sampling.make_denoise(nets, steps, latents.shape[3] * f, latents.shape[2] * f,
-                                                return_latents, guided=guided, rule=guidance_rule)
+                                                return_latents, guided=guided, rule=guidance_rule,
+                                                decode=decode)
             negative = (negative_ids[:, :length], negative_ids[:, length:]) if guided else None
             with seam():
                 return inner(params, prompt_ids[:, :length], prompt_ids[:, length:], latents, negative,

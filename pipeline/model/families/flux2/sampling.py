@@ -26,7 +26,7 @@ from typing import Any
 from pipeline.model.families.flux2 import presets
 from pipeline.model.loading import qwen_tokenizer
 from pipeline.model.loading.checkpoint import read_json_file
-from pipeline.model.sampling import flow
+from pipeline.model.sampling import decoding, flow
 
 MAX_SEQUENCE_LENGTH = presets.TOKENIZER_MAX_LENGTH
 HIDDEN_STATES = (9, 18, 27)  # Flux2KleinPipeline's text_encoder_out_layers
@@ -173,7 +173,7 @@ def unpack(tokens, rows: int, cols: int):
 
 
 def sample(nets: Flux2Nets, params, input_ids, attention_mask, latents, *, sigmas, timesteps, negative=None,
-           scale=None, rule: str = "diffusers"):
+           scale=None, rule: str = "diffusers", decode=decoding.whole):
     """float32 images [B, H, W, 3] in [0, 1] and the final patched latents [B, 4C, H/2f,
     W/2f] (before the batch-norm un-normalisation) from initial patched latents, as
     Flux2KleinPipeline makes them, over a schedule given as arrays.
@@ -211,17 +211,18 @@ def sample(nets: Flux2Nets, params, input_ids, attention_mask, latents, *, sigma
 
     packed = jax.lax.fori_loop(0, timesteps.shape[0], step, pack(latents.astype(jnp.float32)))
     final = unpack(packed, rows, cols)
-    return vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config), final
+    return decode(lambda z: vae.vae_decode(nets.vae, params["vae"], z, nets.vae.config), final), final
 
 
 def make_denoise(nets: Flux2Nets, steps: int, width: int, height: int, return_latents: bool = False, *,
-                 guided: bool = False, rule: str = "diffusers"):
+                 guided: bool = False, rule: str = "diffusers", decode=decoding.whole):
     """``denoise(params, input_ids, attention_mask, latents, negative=None, scale=None)``:
     float32 images [B, height, width, 3] in [0, 1] (with ``return_latents``, also the final
     patched latents), jit-able; latents float32 [B, 4C, height/2f, width/2f], the patched
     draw Flux2KleinPipeline makes. ``guided`` (a base model's program): ``negative`` (ids,
     mask) and ``scale`` [B] are read (``sample``). The schedule is made here, on the host,
-    for (height/2f)(width/2f) image tokens."""
+    for (height/2f)(width/2f) image tokens. ``decode(decode_fn, latents)`` runs the VAE decode
+    (``pipeline.model.sampling.decoding``: whole, or in micro-batches)."""
     f = 2 * nets.vae_scale_factor
     if height % f or width % f:
         raise ValueError(f"height and width must be multiples of {f} (twice the VAE's scale factor, for the 2x2 "
@@ -238,7 +239,8 @@ def make_denoise(nets: Flux2Nets, steps: int, width: int, height: int, return_la
         if guided != (negative is not None):
             raise ValueError("the guided program takes the negative prompts and the scales; the other neither")
         images, final = sample(nets, params, input_ids, attention_mask, latents, sigmas=schedule.sigmas,
-                               timesteps=schedule.timesteps, negative=negative, scale=scale, rule=rule)
+                               timesteps=schedule.timesteps, negative=negative, scale=scale, rule=rule,
+                               decode=decode)
         return (images, final) if return_latents else images
 
     return denoise

@@ -18,7 +18,7 @@ from pipeline.core import keys
 from pipeline.model.loading import fetch, lora, weights
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.families.sd import presets
-from pipeline.model.sampling import guidance as guidance_rules
+from pipeline.model.sampling import decoding, guidance as guidance_rules
 from pipeline.model.sampling.scheduler import Sampler, make_flax_scheduler, resolve_sampler, step_range
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
@@ -254,11 +254,12 @@ class StableDiffusion(Family):
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
-                     seam=contextlib.nullcontext):
+                     seam=contextlib.nullcontext, decode=decoding.whole):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
         float32 images in [0, 1], [B, H, W, 3], from given initial latents (float32
         [B, C, H/f, W/f]). ``image_keys`` (B typed keys) are needed by the stochastic
-        samplers only: step ``i`` adds ``keys.step_noise(image key, i, ...)``.
+        samplers only: step ``i`` adds ``keys.step_noise(image key, i, ...)``. ``decode``
+        runs ``decode_latents`` on the final latents (``Family.make_denoise``).
 
         With ``return_latents``: (images, final latents), the final latents float32
         [B, C, H/f, W/f] after the last scheduler step, before the division by
@@ -341,7 +342,7 @@ class StableDiffusion(Family):
                 return loop.update(state, i, t, prediction, latents, noise)
 
             latents, _ = jax.lax.fori_loop(0, steps, step, (latents, state))
-            images = self.decode_latents(model, params["vae"], latents)
+            images = decode(lambda z: self.decode_latents(model, params["vae"], z), latents)
             return (images, latents.astype(jnp.float32)) if return_latents else images
 
         return denoise

@@ -25,6 +25,7 @@ from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.families.zimage import presets, sampling as zimage_sampling
 from pipeline.model.loading import convert, lora, weights
 from pipeline.model.loading.checkpoint import ModelError, license_of
+from pipeline.model.sampling import decoding
 from pipeline.model.sampling.scheduler import Sampler
 
 COMPONENTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
@@ -165,10 +166,11 @@ class ZImage(Family):
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "zimage", guided: bool = True,
-                     seam=contextlib.nullcontext):
+                     seam=contextlib.nullcontext, decode=decoding.whole):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
         ``zimage_sampling.make_denoise`` on the ids and masks ``tokenize`` made; the guided
-        program reads the negative ids and each image's guidance, the other neither."""
+        program reads the negative ids and each image's guidance, the other neither. ``decode``:
+        how the VAE decodes (``Family.make_denoise``)."""
         if guidance_rule != "zimage":
             raise ValueError(f"guidance_rule {guidance_rule!r}: Z-Image guides by its own rule, 'zimage'")
         nets, f = model.nets, model.vae_scale_factor
@@ -176,7 +178,8 @@ class ZImage(Family):
         def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
             length = prompt_ids.shape[1] // 2
             inner = zimage_sampling.make_denoise(nets, steps, latents.shape[3] * f, latents.shape[2] * f,
-                                                 return_latents, guided=guided, rule=guidance_rule)
+                                                 return_latents, guided=guided, rule=guidance_rule,
+                                                 decode=decode)
             negative = (negative_ids[:, :length], negative_ids[:, length:]) if guided else None
             with seam():
                 return inner(params, prompt_ids[:, :length], prompt_ids[:, length:], latents, negative,

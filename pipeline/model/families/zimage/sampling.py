@@ -29,7 +29,7 @@ from typing import Any
 from pipeline.model.families.zimage import presets
 from pipeline.model.loading import qwen_tokenizer
 from pipeline.model.loading.checkpoint import read_json_file
-from pipeline.model.sampling import flow
+from pipeline.model.sampling import decoding, flow
 
 MAX_SEQUENCE_LENGTH = presets.TOKENIZER_MAX_LENGTH
 PATCH_ORDER = "yxc"
@@ -150,7 +150,7 @@ def model_timesteps(timesteps):
 
 
 def sample(nets: ZImageNets, params, input_ids, attention_mask, latents, *, sigmas, timesteps, negative=None,
-           scale=None, rule: str = "zimage", unroll: int = 1):
+           scale=None, rule: str = "zimage", unroll: int = 1, decode=decoding.whole):
     """float32 images [B, H, W, 3] in [0, 1] and the final latents [B, C, H/f, W/f] from
     initial latents, as ZImagePipeline makes them, over a schedule given as arrays.
     ``negative`` (ids, mask) and ``scale`` [B]: the guided program (``guidance.combine``
@@ -182,15 +182,16 @@ def sample(nets: ZImageNets, params, input_ids, attention_mask, latents, *, sigm
 
     tokens = jax.lax.fori_loop(0, t_model.shape[0], step, pack_latents(latents.astype(jnp.float32), PATCH_ORDER))
     final = unpack_latents(tokens, rows, cols, PATCH_ORDER)
-    return vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config), final
+    return decode(lambda z: vae.vae_decode(nets.vae, params["vae"], z, nets.vae.config), final), final
 
 
 def make_denoise(nets: ZImageNets, steps: int, width: int, height: int, return_latents: bool = False, *,
-                 guided: bool = False, rule: str = "zimage"):
+                 guided: bool = False, rule: str = "zimage", decode=decoding.whole):
     """``denoise(params, input_ids, attention_mask, latents, negative=None, scale=None)``:
     float32 images [B, height, width, 3] in [0, 1] (with ``return_latents``, also the final
     latents), jit-able; latents float32 [B, C, height/f, width/f]. The schedule is made
-    here, on the host."""
+    here, on the host. ``decode(decode_fn, latents)`` runs the VAE decode
+    (``pipeline.model.sampling.decoding``: whole, or in micro-batches)."""
     f = 2 * nets.vae_scale_factor
     if height % f or width % f:
         raise ValueError(f"height and width must be multiples of {f} (twice the VAE's scale factor, for the 2x2 "
@@ -206,7 +207,8 @@ def make_denoise(nets: ZImageNets, steps: int, width: int, height: int, return_l
         if guided != (negative is not None):
             raise ValueError("the guided program takes the negative prompts and the scales; the other neither")
         images, final = sample(nets, params, input_ids, attention_mask, latents, sigmas=schedule.sigmas,
-                               timesteps=schedule.timesteps, negative=negative, scale=scale, rule=rule)
+                               timesteps=schedule.timesteps, negative=negative, scale=scale, rule=rule,
+                               decode=decode)
         return (images, final) if return_latents else images
 
     return denoise
