@@ -228,3 +228,85 @@ def test_zarr_has_a_group_per_size_that_xarray_opens_with_keys(sized_run):
         assert hashlib.sha256(writer.formats.encode(pixels, "png")).hexdigest() == files[first]["sha256"]
 
 
+
+
+class _Shapes:
+    """A model of no shapes, for the checks whose memory figures are faked."""
+    params, param_dtype, family = {}, None, None
+
+    def size(self, width, height):
+        return width or 32, height or 32
+
+    def steps(self, steps):
+        return 20 if steps is None else steps
+
+
+def test_auto_chooses_each_sizes_batch_and_a_resumed_run_keeps_them(tmp_path, monkeypatch):
+    """--per-device-batch auto on this machine: each size's largest batch, from its own
+    program's memory (faked here: 1 MiB a 32x32 image); a resumed run keeps every size's."""
+    from pipeline.generate import fit
+    from pipeline.io import runs
+
+    mib = 2 ** 20
+    monkeypatch.setattr(fit, "device_capacity", lambda devices, memory, on_machine=None: (40 * mib, "faked"))
+    monkeypatch.setattr(fit, "sampler_memory", lambda model, width, height, steps, b, *args, **kwargs: {
+        "total": 4 * mib + b * mib * width * height // (32 * 32)})
+    asked = Settings(out=str(tmp_path / "out"), model="tiny", sizes=("64x64", "32x32", "32x64"),
+                     per_device_batch="auto", steps=1)
+    chosen = fit.resolve_per_device_batch(asked)
+    assert (chosen.per_device_batch, chosen.bucket_batches) == (9, (9, 36, 18))  # 4 + 4b, 4 + b, 4 + 2b <= 40
+    assert chosen.for_bucket(1).per_device_batch == 36 and chosen.slice_size == 9 * 2
+    _, run = __import__("pipeline.plan.prepare", fromlist=["x"]).resolve_settings(chosen)
+    runs.write(asked.out, run)
+    monkeypatch.setattr(fit, "choose_bucket_batches", lambda *a, **k: pytest.fail("chosen again"))
+    assert fit.resolve_per_device_batch(asked).bucket_batches == (9, 36, 18)
+
+
+def test_the_tpu_check_checks_every_size_compiling_whole_only_what_the_parts_cannot_settle(monkeypatch):
+    """Memory-figure fakes (the suite's tiny TPU compiles are test_tpu_check.py's): parts
+    grow with the pixels and the batch; the whole program needs 1.2x its parts. The
+    heaviest size is searched and compiled whole; a size whose scaled parts need no more
+    than that program is settled by its parts; a smaller size fitting more images is
+    confirmed whole. A size that does not fit is refused by name, with its figures."""
+    from pipeline.generate import tpu_check
+    from pipeline.generate.tpu_check import sizes as size_check
+
+    gib, limit = 2 ** 30, 14 * 2 ** 30
+    parts = lambda context, b, enough=None: int(b * context.width * context.height / 2 ** 20 * 1.5 * gib)  # noqa
+    whole = []
+
+    def check(settings, target, b):
+        whole.append((f"{settings.width}x{settings.height}", b))
+        total = 2 * gib + 1.2 * b * settings.width * settings.height / 2 ** 20 * 1.5 * gib
+        return {"model": "random-sdxl", "width": settings.width, "height": settings.height, "dtype": "bf16",
+                "guided": True, "steps": 20, "attention": "auto", "per_device_batch": b, "total_gib": total / gib,
+                "temp_gib": 1.0, "compiled": True, "tpu_type": "v5e", "hbm_gib": 16.0, "usable_gib": 15.75,
+                "limit_gib": 14.0, "fits": total <= limit}
+
+    def largest(settings, target, most=256):
+        b = 1
+        while check(settings, target, b + 1)["fits"]:
+            b += 1
+        whole.clear()  # the search's own compiles are largest_batch's (test_tpu_check.py)
+        return b, {}
+
+    monkeypatch.setattr(tpu_check.chips, "capacity", lambda target: (limit, limit))
+    monkeypatch.setattr("pipeline.generate.runtime.abstract_model", lambda settings: _Shapes())
+    monkeypatch.setattr("pipeline.model.sharding.device_bytes", lambda params, fsdp, dtype: 2 * gib)
+    monkeypatch.setattr(size_check, "parts_memory", parts)
+    monkeypatch.setattr(size_check, "check", check)
+    monkeypatch.setattr(size_check, "largest_batch", largest)
+    chip = tpu_check.Target("v5e", 4, 16.0)
+    asked = Settings(model="random-sdxl", dtype="bf16", sizes=("512x512", "1024x1024", "832x1216"),
+                     per_device_batch="auto", steps=20)
+    settings, reports = size_check.check_sizes(asked, chip)
+    # 1024x1024: 2 + 1.8b GiB <= 14 -> 6; 512x512: 2 + 0.45b -> 26, confirmed whole; 832x1216 (0.96 MP) at 6: parts
+    assert settings.bucket_batches == (26, 6, 6) and settings.per_device_batch == 26
+    assert [r["confirmed"] for r in reports] == ["whole program", "whole program", "parts"]
+    assert whole == [("1024x1024", 6), ("512x512", 26)]  # two whole programs for three sizes
+    assert reports[2]["total_gib"] <= reports[1]["total_gib"]
+    with pytest.raises(tpu_check.DoesNotFit, match=r"size 1024x1024: random-sdxl 1024x1024 bf16 .* at 7 image\(s\) "
+                                                    r"per chip needs 14\.60 GiB"):
+        size_check.check_sizes(asked.replace(per_device_batch=7), chip)
+    with pytest.raises(tpu_check.DoesNotFit, match=r"size 512x512: .* at 30 image\(s\)"):
+        size_check.check_sizes(asked.replace(per_device_batch=6, bucket_batches=(30, 6, 6)), chip)

@@ -14,8 +14,10 @@ whose records make it guided (a record's own guidance above 1) is checked again
 """
 from __future__ import annotations
 
+import math
+
 from pipeline.cloud import tpu
-from pipeline.core import logs
+from pipeline.core import buckets, logs
 from pipeline.core.settings import AUTO
 from pipeline.generate import tpu_check
 
@@ -43,6 +45,8 @@ def check_submission(settings, s: tpu.TpuSlice, skip: bool = False) -> tuple[obj
         logs.event("tpu_check_skipped", reason="--no-tpu-check", tpu_type=s.tpu_type, topology=s.topology)
         return settings, None
     chip = target(s, settings.device_memory)
+    if settings.sizes:
+        return _check_sizes(settings, chip)
     try:
         tpu_check.require_libtpu()
         if settings.fsdp == AUTO:
@@ -64,6 +68,30 @@ def check_submission(settings, s: tpu.TpuSlice, skip: bool = False) -> tuple[obj
         raise ValueError(f"the TPU check refuses this submission: "
                          f"{tpu_check.refusal(report, fitting, estimated=fitting is not None)}")
     return settings, report
+
+
+def _check_sizes(settings, chip: tpu_check.Target) -> tuple[object, dict]:
+    """``check_submission`` of a run of several sizes: every size's program
+    (``tpu_check.sizes.check_sizes``), one ``tpu_program`` event each; the report is the
+    first size's, with ``sizes``: each size's figures."""
+    from pipeline.generate import fit
+    from pipeline.generate.tpu_check import sizes as size_check
+
+    try:
+        tpu_check.require_libtpu()
+        settings = fit.resolve_sizes(settings)
+        if settings.fsdp == AUTO:  # one for the run: the size of the most pixels decides
+            largest = max(settings.sizes, key=lambda name: math.prod(buckets.parse_size(name)))
+            settings = settings.replace(fsdp=smallest_fsdp(size_check.size_settings(settings, largest), chip))
+        settings, reports = size_check.check_sizes(settings, chip)
+    except tpu_check.DoesNotFit as e:
+        raise ValueError(f"the TPU check refuses this submission: {e}") from None
+    except tpu_check.TpuCheckError as e:
+        raise ValueError(str(e)) from None
+    for report in reports:
+        logs.event("tpu_program", **report)
+    return settings, {**reports[0], "sizes": [{k: r[k] for k in ("size", "per_device_batch", "total_gib", "fits",
+                                                                  "confirmed")} for r in reports]}
 
 
 def smallest_fsdp(settings, chip: tpu_check.Target) -> int:
@@ -97,6 +125,8 @@ def resolve_submission(settings, s: tpu.TpuSlice, skip: bool = False, overwrite:
             planned = runs.read(settings.out).settings
             kept = {name: getattr(planned, name) for name in ("per_device_batch", "fsdp")
                     if getattr(settings, name) == AUTO}
+            if "per_device_batch" in kept:  # and each size's
+                kept["bucket_batches"] = planned.bucket_batches
             logs.event("auto_settings_kept", out=settings.out, **kept)
             settings = settings.replace(**kept)
         elif settings.per_device_batch == AUTO:
@@ -124,6 +154,11 @@ def summary(report: dict | None) -> str:
     if report is None:
         return "TPU check: skipped (--no-tpu-check)"
     kernels = sorted({k["kernel"] for k in report["kernels"]})
+    if report.get("sizes"):
+        return "TPU check: every size's host program fits: " + "; ".join(
+            f"{r['size']}: {r['per_device_batch']} image(s) per chip, {r['total_gib']:.2f} GiB per chip "
+            f"({'compiled whole' if r['confirmed'] == 'whole program' else 'predicted by the step parts'})"
+            for r in report["sizes"]) + " (the tpu_program events have every figure)"
     return (f"TPU check: the host program fits: {report['total_gib']:.2f} GiB per chip ({report['argument_gib']:.2f} "
             f"of arguments, {report['temp_gib']:.2f} of temporaries) of {report['limit_gib']:.2f} GiB allowed on a "
             f"{report['tpu_type']} chip ({report['hbm_gib']:g} GiB), {report['per_device_batch']} image(s) per chip, "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from pipeline.core import logs
+from pipeline.core import buckets, logs
 from pipeline.model.sampling import decoding, guidance
 
 GIB = 2 ** 30
@@ -195,23 +195,56 @@ def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machi
     Other settings are returned as they are."""
     from pipeline.core.settings import AUTO
 
-    settings = resolve_fsdp(settings.validate(), overwrite, devices_on_machine)  # bad settings fail first
+    settings = resolve_sizes(settings.validate())  # bad settings fail first
+    settings = resolve_fsdp(settings, overwrite, devices_on_machine)
     if settings.per_device_batch != AUTO:
         return settings
+    if settings.sizes:  # each size its own: a smaller image may fit more
+        return _kept_or_chosen(settings, overwrite, ("per_device_batch", "bucket_batches"),
+                               lambda: choose_bucket_batches(settings, devices_on_machine=devices_on_machine))
     return _kept_or_chosen(settings, overwrite, "per_device_batch",
                            lambda: choose_per_device_batch(settings, devices_on_machine=devices_on_machine))
 
 
-def _kept_or_chosen(settings, overwrite: bool, name: str, choose):
+def resolve_sizes(settings):
+    """``settings`` with ``--sizes common`` made the preset's sizes for the model's family
+    (``buckets.preset_sizes``: scaled to its native area, rounded to its size unit), as
+    planning makes them; other settings as they are."""
+    if settings.sizes != (buckets.PRESET,):
+        return settings
+    from pipeline.model import load as model_lib
+
+    described = model_lib.describe(model_lib.LoadRequest.of(settings))
+    sizes = buckets.preset_sizes(described["native_size"], described["size_multiple"])
+    return settings.replace(sizes=sizes, width=None, height=None).validate()
+
+
+def choose_bucket_batches(settings, devices=None, devices_on_machine: int | None = None) -> dict:
+    """``--per-device-batch auto`` for a run of several sizes: each size's largest batch
+    (``choose_per_device_batch`` at its width and height); {per_device_batch: the first
+    size's, bucket_batches: every size's}."""
+    chosen = []
+    for name in settings.sizes:
+        width, height = buckets.parse_size(name)
+        chosen.append(choose_per_device_batch(settings.replace(width=width, height=height, sizes=(),
+                                                               bucket_batches=()), devices, devices_on_machine))
+    return {"per_device_batch": chosen[0], "bucket_batches": tuple(chosen)}
+
+
+def _kept_or_chosen(settings, overwrite: bool, name: str | tuple[str, ...], choose):
     """``settings`` with the setting ``name`` (asked for as auto) the run's already in OUT
-    (a resumed run keeps it, logged as ``<name>_kept``) unless ``overwrite``, else ``choose()``."""
+    (a resumed run keeps it, logged as ``<name>_kept``) unless ``overwrite``, else ``choose()``.
+    ``name`` may be several settings that ``choose()`` returns together, as a dict."""
     from pipeline.io import runs
 
+    names = (name,) if isinstance(name, str) else name
     if not overwrite and runs.exists(settings.out):
-        kept = getattr(runs.read(settings.out).settings, name)
-        logs.event(f"{name}_kept", **{name: kept}, out=settings.out)
-        return settings.replace(**{name: kept})
-    return settings.replace(**{name: choose()})
+        planned = runs.read(settings.out).settings
+        kept = {n: getattr(planned, n) for n in names}
+        logs.event(f"{names[0]}_kept", **kept, out=settings.out)
+        return settings.replace(**kept).validate()
+    chosen = choose()
+    return settings.replace(**(chosen if isinstance(chosen, dict) else {name: chosen})).validate()
 
 
 def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -> int:
@@ -225,7 +258,9 @@ def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -
     devices = devices or jax.local_devices()
     capacity, source = device_capacity(devices, settings.device_memory, devices_on_machine)
     model = model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
-    width, height = model.size(settings.width, settings.height)
+    # the weights are sharded once a run: the size of the most pixels decides (one image per device)
+    width, height = max((buckets.parse_size(n) for n in settings.sizes), key=lambda wh: wh[0] * wh[1]) \
+        if settings.sizes else model.size(settings.width, settings.height)
     guided = guidance.guided_before_planning(settings, model)
     tried = {}
     for n in sharding.divisors(settings.devices_per_host):
