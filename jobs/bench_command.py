@@ -1,4 +1,4 @@
-"""``promptmill bench generator|upload|plan|status|pipeline|tpu``: the benchmarks' flags and the call into ``pipeline.bench``.
+"""``promptmill bench generator|upload|plan|status|pipeline|tpu|sizes``: the benchmarks' flags and the call into ``pipeline.bench``.
 
 jobs/cli.py adds the parser with ``add_bench_parser`` and dispatches to ``run_bench``.
 """
@@ -90,6 +90,20 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     status_bench.add_argument("--no-gcs", action="store_true", help="time the local OUT only")
     status_bench.add_argument("--report", help="write the JSON report here")
     flags.strict(status_bench)
+    sizes = targets.add_parser("sizes", help="one run of several sizes against one single-size run per size, of "
+                               "the same records: images/s, and the devices' idle time at each size switch")
+    sizes.add_argument("--model", default="tiny", help="(default: %(default)s)")
+    sizes.add_argument("--sizes", type=flags.sizes_flag, default=("64x64", "48x64", "64x48"), metavar="WxH,...",
+                       help="(default: 64x64,48x64,64x48)")
+    sizes.add_argument("--records", type=int, default=24, help="records per size (default: %(default)s)")
+    sizes.add_argument("--steps", type=int, default=4, help="(default: %(default)s)")
+    sizes.add_argument("--hosts", type=int, default=2, help="(default: %(default)s)")
+    sizes.add_argument("--devices-per-host", type=int, default=2, help="(default: %(default)s)")
+    sizes.add_argument("--per-device-batch", type=int, default=2, help="(default: %(default)s)")
+    sizes.add_argument("--batches-per-slice", type=int, default=2, help="(default: %(default)s)")
+    sizes.add_argument("--workdir", help="folder for the runs, kept after (default: a temporary folder)")
+    sizes.add_argument("--report", help="write the JSON report here")
+    flags.strict(sizes)
     pipe = targets.add_parser("pipeline", help="images/s of the generator alone, the full host pipeline (local "
                               "disk, GCS emulator) and the seed's sequential loop, on the same slices")
     pipe.add_argument("--generator", choices=("synthetic", "tiny"), default="synthetic",
@@ -244,6 +258,14 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.report:
             storage.write_json(args.report, report)
         print(status_bench.table(report))
+    elif args.target == "sizes":
+        from pipeline.bench import sizes as sizes_bench
+
+        report = sizes_bench.run(sizes_bench.SizesBenchConfig(
+            model=args.model, sizes=args.sizes, records=args.records, steps=args.steps, hosts=args.hosts,
+            devices_per_host=args.devices_per_host, per_device_batch=args.per_device_batch,
+            batches_per_slice=args.batches_per_slice, workdir=args.workdir, report=args.report))
+        print(sizes_bench.table(report))
     elif args.target == "pipeline":
         from pipeline.bench import host_loop as pipeline_bench
 

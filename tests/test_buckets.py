@@ -310,3 +310,29 @@ def test_the_tpu_check_checks_every_size_compiling_whole_only_what_the_parts_can
         size_check.check_sizes(asked.replace(per_device_batch=7), chip)
     with pytest.raises(tpu_check.DoesNotFit, match=r"size 512x512: .* at 30 image\(s\)"):
         size_check.check_sizes(asked.replace(per_device_batch=6, bucket_batches=(30, 6, 6)), chip)
+
+
+def test_beam_workers_generate_each_size_with_its_own_program_as_the_pod_hosts_did(sized_run, tmp_path):
+    """The pod run's plan, generated again by the beam engine's Generate step (what ``submit
+    dataflow`` runs) under TestPipeline on this process's 2 devices: every slice of every
+    size, byte for byte the pod hosts' images, in the size's zarr group."""
+    import shutil
+
+    from apache_beam.testing.test_pipeline import TestPipeline
+
+    from pipeline.engines import beam as beam_engine
+    from pipeline.output import formats
+
+    out = str(tmp_path / "again")
+    shutil.copytree(naming.join(sized_run, "plan"), naming.join(out, "plan"))
+    for path in (naming.run_json, naming.model_files):
+        shutil.copy(path(sized_run), path(out))
+    manifest = storage.read_json(naming.manifest(out))
+    with TestPipeline() as p:
+        beam_engine.build_generate(p, out, manifest["slices"])
+    again = {}
+    for index in range(manifest["slices"]):
+        again.update({r["key"]: r["sha256"] for r in writer.read_parquet_rows(naming.shard_metadata(out, index))})
+    assert again == {key: row["sha256"] for key, row in _rows(sized_run).items()}
+    tall = formats.read_zarr_images(out, "24x32")
+    assert tall.shape == (3, 32, 24, 3)

@@ -68,10 +68,10 @@ from apache_beam.utils.timestamp import MIN_TIMESTAMP
 from apache_beam.utils.windowed_value import WindowedValue
 
 from pipeline.collect import transforms as collect
-from pipeline.core import logs, naming, slicing
+from pipeline.core import buckets, logs, naming, slicing
 from pipeline.core.settings import Run, Settings
 from pipeline.generate import compile_cache as cache_lib
-from pipeline.generate import fit, host_loop, jax_events, runtime, scoring
+from pipeline.generate import bucket_programs, fit, host_loop, jax_events, runtime, scoring
 from pipeline.io import beamio, runs, storage
 from pipeline.model.layers.attention import check_platform
 from pipeline.plan import transforms as plan
@@ -162,7 +162,9 @@ class _Worker:
     With ``compile_cache``, JAX's persistent compilation cache is on before anything compiles.
     """
 
-    def __init__(self, run: Run, out: str, compile_cache: str | None = None):
+    def __init__(self, run: Run, out: str, compile_cache: str | None = None, base: "_Worker | None" = None):
+        """``base``: the worker of another size of the same run, whose model and weights on
+        the devices this one shares (a run of several sizes: one program each)."""
         import jax
 
         if compile_cache:  # first: every program this worker compiles should go through the cache
@@ -175,7 +177,12 @@ class _Worker:
         self.host = worker_id(machine, os.getpid())
         # as a pod host gets ready: the files checked against the plan's table, the sampler
         # made (or found in the executable cache) on a thread while the weights load
-        self.model, self.generator, parts = runtime.ready_generator(run, out, devices)
+        if base is None:
+            self.model, self.generator, parts = runtime.ready_generator(run, out, devices)
+        else:
+            program = runtime.compile_run_sampler(run.settings, devices)
+            self.model, parts = base.model, {"compile": program.seconds}
+            self.generator = runtime.make_generator(base.model, run.settings, devices, program, base.generator.params)
         self.scorer, scorer_parts = scoring.ready_scorer(run, devices)  # None without --score
         parts.update(scorer_parts)
         self.compiles_at_warm = scoring.warm_up(self.generator, self.scorer)
@@ -189,7 +196,9 @@ class _Worker:
         cache_stats.update({f"{k}_s": round(v, 3) for k, v in parts.items()})
         self.pool = ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS, thread_name_prefix="writer")
         logs.event("worker_ready", host=self.host, machine=machine, pid=os.getpid(), devices=len(devices),
-                   platform=devices[0].platform, seconds=round(watch.seconds(), 2), **cache_stats)
+                   platform=devices[0].platform, seconds=round(watch.seconds(), 2),
+                   **({"size": f"{run.settings.width}x{run.settings.height}"} if base is not None else {}),
+                   **cache_stats)
         if compile_cache:
             uploaded = cache_lib.push()
             if uploaded:
@@ -212,19 +221,19 @@ class _BundleRun:
     far; ``close`` waits for the rest and re-raises a failure of the thread.
     """
 
-    def __init__(self, worker, out: str, run: Run, size: int, host: int, zarr_arrays):
+    def __init__(self, worker, out: str, run: Run, size: int, host: int, zarr_arrays, zarr_group: str = "",
+                 zarr_offset: int = 0):
         self.slots: queue.Queue = queue.Queue()
         self.committed: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.added: list[int] = []  # the slices queued, in order
-        images, latents = zarr_arrays
         args = (worker.generator, out, run, self._slots(), size, host, worker.pool)
+        sizes = host_loop.one_size(worker.generator, run, size, worker.scorer, zarr_arrays, zarr_group, zarr_offset)
 
         def work():
             try:
-                host_loop.run_slices(*args, zarr_images=images, zarr_latents=latents,
-                                     compiles_at_warm=worker.compiles_at_warm, on_commit=self.committed.put,
-                                     scorer=worker.scorer)
+                host_loop.run_slices(*args, compiles_at_warm=worker.compiles_at_warm, on_commit=self.committed.put,
+                                     scorer=worker.scorer, sizes=sizes)
             except BaseException as e:  # noqa: BLE001 (handed to the DoFn's thread, which raises it)
                 self.error = e
 
@@ -275,13 +284,15 @@ class GenerateSlicesFn(beam.DoFn):
         # make_worker(run) -> the worker (default: the model loaded once per process, _Worker);
         # the pipeline bench passes its own device
         self.make_worker = make_worker
-        self.run = self.worker = None  # read from OUT on the first slice (``_ready``)
-        self.bundle: _BundleRun | None = None
+        self.run = self.worker = None  # read from OUT on the first slice (``_ready``); worker: the first size's
+        self.workers: dict[int, object] = {}  # by size index (one in a single-size run)
+        self.bundles: dict[int, _BundleRun] = {}  # the bundle's slices of each size
+        self.geometry = None
         self.generated = Metrics.counter("generate", "slices_generated")
         self.skipped = Metrics.counter("generate", "slices_skipped")
         self.redone = Metrics.counter("generate", "slices_redone")
         self.images = Metrics.counter("generate", "images")
-        self._zarr = None
+        self._zarr: dict[int, tuple] = {}
         self._zarr_lock = threading.Lock()
 
     def setup(self):
@@ -289,29 +300,44 @@ class GenerateSlicesFn(beam.DoFn):
         beamio.use_emulator_credentials()
 
     def _ready(self):
-        """The process's worker, built on the first slice: only then does run.json hold
-        the plan's decisions (``plan.transforms.decide``)."""
+        """The process's worker of the first size, built on the first slice: only then does
+        run.json hold the plan's decisions (``plan.transforms.decide``)."""
         if self.worker is None:
             self.run = runs.read(self.out)
             settings = self.run.settings
-            if self.make_worker is not None:
-                self.worker = self.make_worker(self.run)
-            else:
-                self.worker = _SHARED.acquire(lambda: _Worker(self.run, self.out, self.compile_cache),
-                                              runtime.program_tag(self.run))
-            self.size = settings.slice_size
-            slicing.batches_per_slice(self.size, len(self.worker.generator.devices), settings.per_device_batch)
+            self.geometry = buckets.Geometry.of_manifest(storage.read_json(naming.manifest(self.out)),
+                                                         settings.width, settings.height, settings.per_device_batch)
+            self.worker = self._worker(0)
 
-    def _zarr_arrays(self):
-        """(images, latents) zarr arrays, or (None, None); opened on first use, once the
-        manifest (their shape) exists."""
+    def _worker(self, bucket: int):
+        """The worker of size ``bucket`` (a run of several sizes has one program per size;
+        the later sizes' workers share the first's model and weights)."""
+        if bucket not in self.workers:
+            run = bucket_programs.bucket_run(self.run, bucket)
+            if self.make_worker is not None:
+                worker = self.make_worker(run)
+            else:
+                base = self.workers.get(0)
+                worker = _SHARED.acquire(lambda: _Worker(run, self.out, self.compile_cache, base),
+                                         runtime.program_tag(run))
+            size = self.geometry.buckets[bucket].slice_size
+            slicing.batches_per_slice(size, len(worker.generator.devices), run.settings.per_device_batch)
+            self.workers[bucket] = worker
+        return self.workers[bucket]
+
+    def _zarr_arrays(self, bucket: int):
+        """(images, latents) zarr arrays of size ``bucket``, or (None, None); opened on first
+        use, once the manifest (their shape) exists."""
         with self._zarr_lock:
             if "zarr" not in self.run.settings.formats:
                 return None, None
-            if self._zarr is None:
-                count = storage.read_json(naming.manifest(self.out))["images"]
-                self._zarr = runtime.open_zarr(self.out, self.run, self.worker.model, count)
-            return self._zarr
+            if bucket not in self._zarr:
+                size = self.geometry.buckets[bucket]
+                run = bucket_programs.bucket_run(self.run, bucket)
+                group = size.name if self.run.settings.sizes else ""
+                self._zarr[bucket] = runtime.open_zarr(self.out, run, self.workers[bucket].model, size.images,
+                                                       group=group)
+            return self._zarr[bucket]
 
     def start_bundle(self):
         self._wind_up()
@@ -323,8 +349,8 @@ class GenerateSlicesFn(beam.DoFn):
         """Let the slices of a bundle that failed before ``finish_bundle`` finish (or fail)
         before anything else runs, so that no two loops of this process ever write one
         slice; what they commit, a retry skips."""
-        bundle, self.bundle = self.bundle, None
-        if bundle is not None:
+        bundles, self.bundles = self.bundles, {}
+        for bundle in bundles.values():
             try:
                 bundle.close()
             except Exception as e:  # the failed bundle already failed: only say so
@@ -347,16 +373,19 @@ class GenerateSlicesFn(beam.DoFn):
         if decision.action == "redo":
             self.redone.inc()
             logs.event("slice_redone", slice=index, leftover_objects=decision.leftover_objects)
-        if self.bundle is None:
-            self.bundle = _BundleRun(self.worker, self.out, self.run, self.size, self.worker.host,
-                                     self._zarr_arrays())
-        self.bundle.add(index)
-        for stats in self.bundle.finished():
+        bucket = self.geometry.bucket_of_slice(index)
+        if bucket not in self.bundles:
+            worker, size = self._worker(bucket), self.geometry.buckets[bucket]
+            self.bundles[bucket] = _BundleRun(worker, self.out, bucket_programs.bucket_run(self.run, bucket),
+                                              size.slice_size, worker.host, self._zarr_arrays(bucket),
+                                              size.name if self.run.settings.sizes else "", size.offset)
+        self.bundles[bucket].add(index)
+        for stats in self.bundles[bucket].finished():
             yield self._emit(stats)
 
     def finish_bundle(self):
-        bundle, self.bundle = self.bundle, None
-        if bundle is not None:
+        bundles, self.bundles = self.bundles, {}
+        for bundle in bundles.values():
             watch = logs.Stopwatch()
             for stats in bundle.close():
                 yield WindowedValue(self._emit(stats), MIN_TIMESTAMP, [GlobalWindow()])

@@ -37,9 +37,11 @@ class _DeviceClock:
 
     def __init__(self):
         self.last_end = 0.0
+        self.idle = 0.0  # how long the devices sat idle before the last step (0 before the first)
 
     def busy(self, span: tuple[float, float]) -> float:
         dispatched, end = span
+        self.idle = max(0.0, dispatched - self.last_end) if self.last_end else 0.0
         seconds = max(0.0, end - max(dispatched, self.last_end))
         self.last_end = max(self.last_end, end)
         return seconds
@@ -140,6 +142,11 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
         images, latents = made.generator.fetch(handle)
         scores = None if scored is None else made.scorer.fetch(scored)
         busy = device.busy(done_at.result())
+        if made is not seen[0]:  # the first step of another size: how long the devices waited for it
+            if seen[0] is not None:
+                logs.event("size_switch", host=host, size=f"{made.run.settings.width}x{made.run.settings.height}",
+                           idle_s=round(device.idle, 4), batch_s=round(busy, 4))
+            seen[0] = made
         if state is None:  # padding slot
             return
         state.timing["device_wait_s"] += clock.seconds()
@@ -162,6 +169,7 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
         state.timing["output_s"] += clock.seconds()
 
     device = _DeviceClock()
+    seen = [None]  # the size of the last step handed over
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="committer") as committer, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-clock") as watcher:
         previous, stopped = None, False
@@ -219,9 +227,12 @@ class _Sizes:
         self.loop_compiles = jax_events.COMPILES.count_here()  # made on the loop's thread, before it starts
 
     @classmethod
-    def single(cls, generator, run: Run, size: int, scorer=None, zarr_images=None, zarr_latents=None) -> "_Sizes":
+    def single(cls, generator, run: Run, size: int, scorer=None, zarr_images=None, zarr_latents=None,
+               zarr_group: str = "", zarr_offset: int = 0) -> "_Sizes":
+        """One size: ``run``'s (with ``zarr_group``, one size of a run of several, whose zarr
+        arrays are its group's and start at position ``zarr_offset``)."""
         sizes = cls(run, None, None, {})
-        sizes._made[0] = _Made(run, generator, scorer, size, zarr_images, zarr_latents)
+        sizes._made[0] = _Made(run, generator, scorer, size, zarr_images, zarr_latents, zarr_group, zarr_offset)
         return sizes
 
     def of(self, bucket: int) -> _Made:
@@ -250,6 +261,13 @@ def host_sizes(run: Run, geometry, programs, zarr: dict) -> "_Sizes":
     (``buckets.Geometry``), ``programs`` (``bucket_programs.BucketPrograms``), ``zarr``:
     {size index: (images, latents) zarr arrays}."""
     return _Sizes(run, geometry, programs, zarr)
+
+
+def one_size(generator, run: Run, size: int, scorer, zarr_arrays, zarr_group: str = "", zarr_offset: int = 0):
+    """The ``sizes`` argument of ``run_slices`` for the slices of one size of a run of
+    several (a Beam worker's bundle): ``run`` is that size's (``bucket_programs.bucket_run``)."""
+    images, latents = zarr_arrays
+    return _Sizes.single(generator, run, size, scorer, images, latents, zarr_group, zarr_offset)
 
 
 def run_slice(generator: Generator, out: str, run: Run, index: int, size: int, host: int, pool,
