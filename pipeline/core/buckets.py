@@ -241,3 +241,12 @@ def manifest_slice_images(manifest: dict, index: int) -> int:
     """Images in slice ``index`` of a plan, from its manifest: its size's slice size, the
     last slice of each size the remainder (pure)."""
     return Geometry.of_manifest(manifest, 0, 0, 0).slice_images(index)
+
+
+def planned_sizes(manifest: dict) -> dict:
+    """For a ``planned`` event: {"sizes": {size: {records, images, slices, per_device_batch}}}
+    of a plan of several sizes, {} of a single-size plan (pure)."""
+    if not manifest.get("buckets"):
+        return {}
+    return {"sizes": {b["size"]: {k: b[k] for k in ("records", "images", "slices", "per_device_batch")}
+                      for b in manifest["buckets"]}}

@@ -468,7 +468,8 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     result.wait_until_finish()
     manifest = storage.read_json(naming.manifest(settings.out))
     logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
-               slices=manifest["slices"], slice_size=manifest["slice_size"], **counters(result, "plan"))
+               slices=manifest["slices"], slice_size=manifest["slice_size"], **buckets.planned_sizes(manifest),
+               **counters(result, "plan"))
     logs.event("generated", **counters(result, "generate"))
     stats = storage.read_json(naming.dataset_file(settings.out, "stats.json"))
     logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],

@@ -370,7 +370,8 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
     settings = fit.resolve_per_device_batch(settings, overwrite, num_hosts * settings.devices_per_host)
     manifest = plan.run_plan(settings, beam_args, overwrite, cap)
     logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
-               slices=manifest["slices"], slice_size=manifest["slice_size"], seconds=round(watch.seconds(), 2))
+               slices=manifest["slices"], slice_size=manifest["slice_size"], **buckets.planned_sizes(manifest),
+               seconds=round(watch.seconds(), 2))
     done = run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress, compile_cache)
     logs.event("generated", images=sum(d["images"] for d in done),
                **{k: sum(d[k] for d in done) for k in ("slices_generated", "slices_redone", "slices_skipped")},
