@@ -147,7 +147,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{side}", type=int, default=None,
                             help=f"image {side} in pixels, a multiple of the model's size unit ({size_rules()}) "
                                  f"(default: the model's)")
-    parser.add_argument("--sizes", type=sizes_flag, default=d.sizes, metavar="WxH[,WxH...]|common",
+    parser.add_argument("--sizes", type=sizes_flag, default=None, metavar="WxH[,WxH...]|common",
                         help="the run's image sizes (aspect-ratio buckets), each compiled once: the first is the "
                              "default; a record may ask for one by width and height (which must be one of them) or "
                              "by aspect_ratio (\"3:4\" is width:height, or a number: the nearest size). common: "
@@ -286,7 +286,7 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_chec
                          f"--per-device-batch is {args.per_device_batch}, --fsdp {args.fsdp}")
     return Settings(prompts=args.prompts, out=args.out, model=args.model, unet=args.unet,
                     loras=tuple(lora_spec(*parse_lora(spec)) for spec in args.lora or ()), width=args.width,
-                    height=args.height, sizes=tuple(args.sizes), steps=args.steps, scheduler=args.scheduler,
+                    height=args.height, sizes=tuple(args.sizes or ()), steps=args.steps, scheduler=args.scheduler,
                     timestep_spacing=args.timestep_spacing, attention=args.attention, dtype=args.dtype,
                     formats=parse_formats(args.format), device_memory=args.device_memory,
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,

@@ -244,6 +244,7 @@ def test_job_names_follow_out_and_carry_the_date():
 ALL_CHANGED = Settings(
     prompts=PROMPTS, out=OUT, model="gs://b/models/sd", unet="gs://b/unet.safetensors",
     loras=("gs://b/loras/style@0.75", "gs://b/lcm.safetensors@1.0"), width=64, height=48, steps=7,
+    sizes=("64x48", "48x64"), bucket_batches=(3, 2),
     scheduler="dpmpp", timestep_spacing="trailing", guidance_scale=3.25, max_sequence_length=256, seed=12,
     per_device_batch=3, device_memory=15.5, batches_per_slice=3, devices_per_host=8, fsdp=2, dtype="bf16",
     decode_batch=2, attention="chunked", formats=("files", "zarr"), image_format="webp", quality=80, save_latents=True,
@@ -746,7 +747,8 @@ def test_a_scheduled_gke_dry_run_resolves_date_in_out_and_name(kubectl, capsys):
 # fields of gke.NOT_FLAGS from the plan
 SUBMIT_ALL_CHANGED = [
     "--model", "gs://b/models/sd", "--unet", "gs://b/unet.safetensors", "--lora", "gs://b/loras/style@0.75",
-    "--lora", "gs://b/lcm.safetensors", "--width", "64", "--height", "48", "--scheduler", "dpmpp",
+    "--lora", "gs://b/lcm.safetensors", "--width", "64", "--height", "48", "--sizes", "64x48,48x64",
+    "--scheduler", "dpmpp",
     "--timestep-spacing", "trailing", "--guidance-scale", "3.25", "--max-sequence-length", "256", "--seed", "12",
     "--per-device-batch", "3", "--device-memory", "15.5", "--batches-per-slice", "3", "--fsdp", "2",
     "--decode-batch", "2", "--attention", "chunked", "--format", "zarr,files", "--image-format", "webp", "--quality", "80",
