@@ -6,6 +6,7 @@ bytes a single-size run of its size makes. (tiny-flux's three-size run is test_f
 sharded 1x4/2x2 run; a warm re-run of several sizes compiles none: test_compile_cache.py.)
 """
 import hashlib
+import re
 import json
 
 import numpy as np
@@ -336,3 +337,28 @@ def test_beam_workers_generate_each_size_with_its_own_program_as_the_pod_hosts_d
     assert again == {key: row["sha256"] for key, row in _rows(sized_run).items()}
     tall = formats.read_zarr_images(out, "24x32")
     assert tall.shape == (3, 32, 24, 3)
+
+
+@pytest.mark.parametrize("model, sizes, expected", [
+    ("random-sdxl", ("common",), "1024x1024,1152x896,896x1152,1216x832,832x1216,1344x768,768x1344,1536x640,"
+                                 "640x1536"),
+    ("tiny-klein", ("common",), "256x256,288x224,224x288,304x208,208x304,336x192,192x336,384x160,160x384"),
+    ("tiny-flux", ("32x32", "24x32", "32x24"), "32x32,24x32,32x24"),
+    ("tiny-zimage", ("64x64", "1024x64"), "--sizes 1024x64: the width 1024: zimage images are at most 256 pixels"),
+    ("random-flux", ("1024x1024", "1032x1024"), "--sizes 1032x1024: the width 1032: random-flux's images are "
+                                                "multiples of 16 pixels"),
+])
+def test_each_family_plans_the_sizes_its_rule_allows(model, sizes, expected, tmp_path):
+    """Every size of a run is checked against the family's size rule when planning, and
+    the common preset is scaled to the family's native area and rounded to its unit."""
+    from pipeline.plan import layout, prepare
+
+    asked = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "out"), model=model, sizes=sizes, steps=1)
+    if expected.startswith("--"):
+        with pytest.raises(layout.PlanError, match=re.escape(expected)):
+            prepare.resolve_settings(asked)
+        return
+    settings, run = prepare.resolve_settings(asked)
+    assert ",".join(settings.sizes) == expected
+    assert (settings.width, settings.height) == buckets.parse_size(settings.sizes[0])  # the default
+    assert run.settings_fingerprint != prepare.resolve_settings(asked.replace(sizes=settings.sizes[:1]))[1].settings_fingerprint
