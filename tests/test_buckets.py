@@ -361,4 +361,5 @@ def test_each_family_plans_the_sizes_its_rule_allows(model, sizes, expected, tmp
     settings, run = prepare.resolve_settings(asked)
     assert ",".join(settings.sizes) == expected
     assert (settings.width, settings.height) == buckets.parse_size(settings.sizes[0])  # the default
-    assert run.settings_fingerprint != prepare.resolve_settings(asked.replace(sizes=settings.sizes[:1]))[1].settings_fingerprint
+    one = prepare.resolve_settings(asked.replace(sizes=settings.sizes[:1]))[1]
+    assert run.settings_fingerprint != one.settings_fingerprint  # the sizes are part of the fingerprint

@@ -39,8 +39,9 @@ class BucketPrograms:
     the start, in the order the host runs them, so each is ready long before the host gets
     to it; ``get(b)`` returns size ``b``'s, waiting for its compile if it is still running."""
 
-    def __init__(self, run: Run, model, first: Program, count: int, host: int = 0):
-        self.run, self.model, self.count, self.host = run, model, count, host
+    def __init__(self, run: Run, model, first: Program, count: int, host: int = 0, empty: tuple[int, ...] = ()):
+        """``empty``: sizes no record asked for, whose programs are never needed."""
+        self.run, self.model, self.count, self.host, self.empty = run, model, count, host, set(empty)
         self._ready: dict[int, Program] = {0: first}
         self._compiling: dict[int, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-next-size")
@@ -66,7 +67,8 @@ class BucketPrograms:
 
     def prefetch(self, index: int) -> None:
         """Start compiling size ``index``'s programs (if there is one, and it is not made or under way)."""
-        if index < self.count and index not in self._ready and index not in self._compiling:
+        if index < self.count and index not in self._ready and index not in self._compiling \
+                and index not in self.empty:
             self._compiling[index] = self._pool.submit(self._make, index)
 
     def get(self, index: int) -> Program:

@@ -367,8 +367,9 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     if settings.sizes:  # each size's zarr arrays, in its own group, and its programs, compiled once each
         zarr_by_size = {b: runtime.open_zarr(out, bucket_programs.bucket_run(run, b), model, bucket.images,
                                              group=bucket.name) for b, bucket in enumerate(geometry.buckets)}
+        empty = tuple(b for b, bucket in enumerate(geometry.buckets) if not bucket.slices)  # no record asked
         programs = bucket_programs.BucketPrograms(run, model, bucket_programs.Program(generator, scorer, 0, 0.0),
-                                                  len(geometry.buckets), host)
+                                                  len(geometry.buckets), host, empty)
         sizes = host_sizes(run, geometry, programs, zarr_by_size)
         zarr_images = zarr_latents = None
     else:
