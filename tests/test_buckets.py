@@ -363,3 +363,20 @@ def test_each_family_plans_the_sizes_its_rule_allows(model, sizes, expected, tmp
     assert (settings.width, settings.height) == buckets.parse_size(settings.sizes[0])  # the default
     one = prepare.resolve_settings(asked.replace(sizes=settings.sizes[:1]))[1]
     assert run.settings_fingerprint != one.settings_fingerprint  # the sizes are part of the fingerprint
+
+
+def test_the_sizes_bench_compares_one_run_with_the_single_size_runs_and_finds_the_gaps():
+    """``bench sizes``' comparison (pure; the bench itself runs whole commands: docs/benchmarks.md)."""
+    from pipeline.bench import sizes as sizes_bench
+
+    alone = {name: {"images": 10, "seconds": 10.0, "generate_s": 4.0, "hashes": {f"{name}-{n}": n for n in range(2)}}
+             for name in ("a", "b")}
+    switch = {"host": 0, "size": "b", "idle_s": 0.5, "batch_s": 1.0}
+    sized = {"images": 20, "seconds": 16.0, "generate_s": 8.0, "switches": [switch],
+             "hashes": {**alone["a"]["hashes"], **alone["b"]["hashes"]}}
+    found = sizes_bench.summarize(sized, alone)
+    assert found["ratio"] == 1.25 and found["ratio_at_least_0_9"] and found["generate_ratio"] == 1.0
+    assert found["no_gap_over_a_batch"] and found["same_bytes"] and found["worst_switch"] == switch
+    late = sizes_bench.summarize({**sized, "seconds": 25.0, "switches": [{**switch, "idle_s": 3.0}],
+                                  "hashes": {**sized["hashes"], "a-0": 7}}, alone)
+    assert not late["ratio_at_least_0_9"] and not late["no_gap_over_a_batch"] and not late["same_bytes"]
