@@ -17,6 +17,7 @@ from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.output import writer
 from tests.conftest import run_cli
+from tests.test_tpu_check import _Shapes  # a model of no shapes, for the checks whose memory figures are faked
 
 SIZES = ("32x32", "24x32", "32x24")  # square (the default), portrait, landscape
 
@@ -231,17 +232,6 @@ def test_zarr_has_a_group_per_size_that_xarray_opens_with_keys(sized_run):
 
 
 
-class _Shapes:
-    """A model of no shapes, for the checks whose memory figures are faked."""
-    params, param_dtype, family = {}, None, None
-
-    def size(self, width, height):
-        return width or 32, height or 32
-
-    def steps(self, steps):
-        return 20 if steps is None else steps
-
-
 def test_auto_chooses_each_sizes_batch_and_a_resumed_run_keeps_them(tmp_path, monkeypatch):
     """--per-device-batch auto on this machine: each size's largest batch, from its own
     program's memory (faked here: 1 MiB a 32x32 image); a resumed run keeps every size's."""
@@ -315,8 +305,9 @@ def test_the_tpu_check_checks_every_size_compiling_whole_only_what_the_parts_can
 
 def test_beam_workers_generate_each_size_with_its_own_program_as_the_pod_hosts_did(sized_run, tmp_path):
     """The pod run's plan, generated again by the beam engine's Generate step (what ``submit
-    dataflow`` runs) under TestPipeline on this process's 2 devices: every slice of every
-    size, byte for byte the pod hosts' images, in the size's zarr group."""
+    dataflow`` runs) under TestPipeline on this process's 2 devices, its other sizes' slices
+    committed already (skipped, as a resumed run's): the portrait size's slices, with that
+    size's program, byte for byte the pod hosts' images, in the size's zarr group."""
     import shutil
 
     from apache_beam.testing.test_pipeline import TestPipeline
@@ -329,14 +320,19 @@ def test_beam_workers_generate_each_size_with_its_own_program_as_the_pod_hosts_d
     for path in (naming.run_json, naming.model_files):
         shutil.copy(path(sized_run), path(out))
     manifest = storage.read_json(naming.manifest(out))
+    tall = next(b for b in manifest["buckets"] if b["size"] == "24x32")
+    portrait = range(tall["first_slice"], tall["first_slice"] + tall["slices"])
+    for index in set(range(manifest["slices"])) - set(portrait):
+        storage.write_bytes(naming.shard_stats(out, index), storage.read_bytes(naming.shard_stats(sized_run, index)))
     with TestPipeline() as p:
         beam_engine.build_generate(p, out, manifest["slices"])
     again = {}
-    for index in range(manifest["slices"]):
+    for index in portrait:
         again.update({r["key"]: r["sha256"] for r in writer.read_parquet_rows(naming.shard_metadata(out, index))})
-    assert again == {key: row["sha256"] for key, row in _rows(sized_run).items()}
-    tall = formats.read_zarr_images(out, "24x32")
-    assert tall.shape == (3, 32, 24, 3)
+    rows = _rows(sized_run)
+    assert again == {key: row["sha256"] for key, row in rows.items() if (row["width"], row["height"]) == (24, 32)}
+    assert len(again) == 3 and formats.read_zarr_images(out, "24x32").shape == (3, 32, 24, 3)
+    assert not storage.exists(naming.shard_metadata(out, 0))  # the square size's slice: skipped
 
 
 @pytest.mark.parametrize("model, sizes, expected", [

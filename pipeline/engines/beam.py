@@ -299,25 +299,27 @@ class GenerateSlicesFn(beam.DoFn):
         logs.setup()
         beamio.use_emulator_credentials()
 
-    def _ready(self):
-        """The process's worker of the first size, built on the first slice: only then does
-        run.json hold the plan's decisions (``plan.transforms.decide``)."""
-        if self.worker is None:
+    def _ready(self, index: int):
+        """The run and its plan's sizes, read on the first slice (only then does run.json hold
+        the plan's decisions: ``plan.transforms.decide``), and the worker of slice ``index``'s
+        size, built when a slice of that size first comes."""
+        if self.run is None:
             self.run = runs.read(self.out)
             settings = self.run.settings
             self.geometry = buckets.Geometry.of_manifest(storage.read_json(naming.manifest(self.out)),
                                                          settings.width, settings.height, settings.per_device_batch)
-            self.worker = self._worker(0)
+        worker = self._worker(self.geometry.bucket_of_slice(index))
+        self.worker = self.worker or worker  # the first built
 
     def _worker(self, bucket: int):
         """The worker of size ``bucket`` (a run of several sizes has one program per size;
-        the later sizes' workers share the first's model and weights)."""
+        the later sizes' workers share the first one's model and weights)."""
         if bucket not in self.workers:
             run = bucket_programs.bucket_run(self.run, bucket)
             if self.make_worker is not None:
                 worker = self.make_worker(run)
             else:
-                base = self.workers.get(0)
+                base = next(iter(self.workers.values()), None)
                 worker = _SHARED.acquire(lambda: _Worker(run, self.out, self.compile_cache, base),
                                          runtime.program_tag(run))
             size = self.geometry.buckets[bucket].slice_size
@@ -363,7 +365,7 @@ class GenerateSlicesFn(beam.DoFn):
         return stats
 
     def process(self, index: int):
-        self._ready()
+        self._ready(index)
         decision = runtime.decide(self.out, self.run.settings, index)
         if decision.action == "skip":
             self.skipped.inc()
