@@ -208,7 +208,8 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
     monkeypatch.setattr("pipeline.generate.parts.parts", parts)
     monkeypatch.setattr(tpu_check.compiling, "assigned_figures", figures)
     monkeypatch.setattr(tpu_check.child, "compiled", _inline)
-    settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4).validate()
+    # a run that decodes the whole batch at once (planned before --decode-batch)
+    settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4, decode_batch=None).validate()
     context = tpu_check.Context.of(settings, program_check.target(tpu.lookup("v5e", "2x2")))
     assert tpu_check.parts_memory(context, 2) == 160  # the most of all three
     assert compiled == [("vae_decode", 2), ("denoiser", 2), ("text_encoder", 2)]
@@ -220,6 +221,12 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
     assert tpu_check.parts_memory(context, 3, enough=300) == 240  # the bound says nothing here
     assert compiled[1:] == [("vae_decode", 3), ("denoiser", 3), ("text_encoder", 3)]
     assert tpu_check.parts_memory(context, 3) == 240 and len(compiled) == 4  # now complete
+    # --decode-batch auto (1): the program decodes one image at a time, and so does its VAE part
+    compiled.clear()
+    micro = tpu_check.Context.of(settings.replace(decode_batch="auto"), context.target)
+    assert micro.settings.decode_batch == 1 and micro.sampler_args()["decode_batch"] == 1
+    assert tpu_check.parts_memory(micro, 3) == 150  # the denoiser's, at 3
+    assert ("vae_decode", 1) in compiled and ("vae_decode", 3) not in compiled
 
 
 def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeypatch, tmp_path, model_cache):
