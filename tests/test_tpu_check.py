@@ -30,6 +30,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "available HBM (15.75G).", {"temp": int(8.07 * 2 ** 40), "available": int(15.75 * GIB)}),
     ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. ... required for HLO temporaries (512.5M) exceeds "
      "available HBM (31.25G)", {"temp": int(512.5 * 2 ** 20), "available": int(31.25 * GIB)}),
+    ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in memory "
+     "space hbm. Used 15.75G of 15.75G hbm. Exceeded hbm capacity by 6.05M.\n\nTotal hbm usage >= 15.90G:\n    "
+     "reserved        258.00M \n    program           9.26G \n    arguments         6.39G \n\nOutput size 105.00M; "
+     "shares 0B with arguments.\n\nProgram hbm requirement 9.26G:\n    global            99.0K\n    HLO temp"
+     "          9.12G (84.6% utilization)", {"temp": int(9.26 * GIB), "available": int(15.75 * GIB)}),
     ("INVALID_ARGUMENT: something else", None),
 ])
 def test_xla_out_of_memory_messages_are_read(message, expected):
