@@ -207,6 +207,10 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-models", default="", metavar="MODEL[,MODEL...]",
                         help="the models part: models timed side by side with --model at its size and steps, each "
                              "at its family's default guidance (default: none)")
+    parser.add_argument("--decode-batch", type=_decode_batch, default=BenchConfig.decode_batch, metavar="N|whole",
+                        help="images the VAE decodes at once in every sampler timed, as a run's --decode-batch; "
+                             "whole: the whole per-device batch, as runs planned before it (default: %(default)s, a "
+                             "new run's)")
     parser.add_argument("--scorers", choices=("random", "tiny"), default="random",
                         help="the scoring part's scorers: random (CLIP ViT-L/14, SD's safety checker and LAION's head "
                              "at their real sizes, random weights) or tiny (default: %(default)s)")
@@ -287,7 +291,18 @@ def run_bench(args: argparse.Namespace) -> int:
                                    compare_models=tuple(m for m in args.compare_models.split(",") if m),
                                    attentions=tuple(a for a in args.attentions.split(",") if a),
                                    memory_sizes=args.memory_sizes, fsdps=args.fsdp, scorers=args.scorers,
+                                   decode_batch=args.decode_batch,
                                    **({"flops_recipes": args.flops_recipes} if args.flops_recipes else {}))
         report = bench.run_bench(config)
         print(bench.format_table(report))
     return 0
+
+
+def _decode_batch(text: str) -> int | None:
+    """``bench generator --decode-batch``: a whole number, or whole (None)."""
+    if text == "whole":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or whole, got {text!r}") from None

@@ -94,6 +94,9 @@ def test_every_planned_image_exists_once_and_opens_at_the_requested_size(two_by_
     named = by_key["named-record_0000"]
     assert (named["negative_prompt"], json.loads(named["extra"])) == ("blurry", {"theme": 1})
     assert {r["host"] for r in rows} == {0, 1}
+    # --decode-batch auto, resolved when planning: in run.json and in every row
+    assert storage.read_json(naming.run_json(out))["settings"]["decode_batch"] == 1
+    assert {r["decode_batch"] for r in rows} == {1}
     # padding rows are never written: exactly the planned images are on disk
     assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 17
 

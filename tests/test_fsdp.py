@@ -104,9 +104,9 @@ def test_a_device_holds_a_sharded_weights_share_and_every_replicated_weight():
 def test_fsdp_auto_takes_the_smallest_n_that_fits(devices, model_cache, monkeypatch, tmp_path):
     measured, original = {}, fit.sampler_memory
 
-    def sampler_memory(model, *args, fsdp=1, devices=None):  # each program compiled once in this test
+    def sampler_memory(model, *args, fsdp=1, devices=None, decode_batch=None):  # each program compiled once here
         if fsdp not in measured:
-            measured[fsdp] = original(model, *args, fsdp=fsdp, devices=devices)
+            measured[fsdp] = original(model, *args, fsdp=fsdp, devices=devices, decode_batch=decode_batch)
         return measured[fsdp]
 
     monkeypatch.setattr(fit, "sampler_memory", sampler_memory)

@@ -30,6 +30,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "available HBM (15.75G).", {"temp": int(8.07 * 2 ** 40), "available": int(15.75 * GIB)}),
     ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. ... required for HLO temporaries (512.5M) exceeds "
      "available HBM (31.25G)", {"temp": int(512.5 * 2 ** 20), "available": int(31.25 * GIB)}),
+    ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in memory "
+     "space hbm. Used 15.75G of 15.75G hbm. Exceeded hbm capacity by 6.05M.\n\nTotal hbm usage >= 15.90G:\n    "
+     "reserved        258.00M \n    program           9.26G \n    arguments         6.39G \n\nOutput size 105.00M; "
+     "shares 0B with arguments.\n\nProgram hbm requirement 9.26G:\n    global            99.0K\n    HLO temp"
+     "          9.12G (84.6% utilization)", {"temp": int(9.26 * GIB), "available": int(15.75 * GIB)}),
     ("INVALID_ARGUMENT: something else", None),
 ])
 def test_xla_out_of_memory_messages_are_read(message, expected):
@@ -208,7 +213,8 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
     monkeypatch.setattr("pipeline.generate.parts.parts", parts)
     monkeypatch.setattr(tpu_check.compiling, "assigned_figures", figures)
     monkeypatch.setattr(tpu_check.child, "compiled", _inline)
-    settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4).validate()
+    # a run that decodes the whole batch at once (planned before --decode-batch)
+    settings = Settings(model="tiny", steps=1, dtype="bf16", devices_per_host=4, decode_batch=None).validate()
     context = tpu_check.Context.of(settings, program_check.target(tpu.lookup("v5e", "2x2")))
     assert tpu_check.parts_memory(context, 2) == 160  # the most of all three
     assert compiled == [("vae_decode", 2), ("denoiser", 2), ("text_encoder", 2)]
@@ -220,6 +226,12 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
     assert tpu_check.parts_memory(context, 3, enough=300) == 240  # the bound says nothing here
     assert compiled[1:] == [("vae_decode", 3), ("denoiser", 3), ("text_encoder", 3)]
     assert tpu_check.parts_memory(context, 3) == 240 and len(compiled) == 4  # now complete
+    # --decode-batch auto (1): the program decodes one image at a time, and so does its VAE part
+    compiled.clear()
+    micro = tpu_check.Context.of(settings.replace(decode_batch="auto"), context.target)
+    assert micro.settings.decode_batch == 1 and micro.sampler_args()["decode_batch"] == 1
+    assert tpu_check.parts_memory(micro, 3) == 150  # the denoiser's, at 3
+    assert ("vae_decode", 1) in compiled and ("vae_decode", 3) not in compiled
 
 
 def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeypatch, tmp_path, model_cache):

@@ -53,7 +53,7 @@ def run_speed(model, config, devices, width: int, height: int, programs=None) ->
     from pipeline.generate.fit import program_memory
     from pipeline.generate.generator import replicate
 
-    programs = programs or Programs()
+    programs = programs or Programs(config.decode_batch)
     per_device_batch = config.per_device_batches[0]
     shared = replicate(model.params, devices)
     calls, rows = {}, {}
@@ -97,7 +97,8 @@ def run_memory(config, platform: str, speed: dict | None = None) -> dict:
     for attention in config.attentions:
         for size in sizes:
             program = known.get((attention, size)) or sampler_memory(
-                model, size, size, config.steps, per_device_batch, config.guided, attention, platform)
+                model, size, size, config.steps, per_device_batch, config.guided, attention, platform,
+                decode_batch=config.decode_batch)
             rows.append({"attention": attention, "size": size, "memory": program,
                          "measured": "attention part" if (attention, size) in known else "from shapes",
                          "temp_per_image": program.get("temp", 0) / per_device_batch,

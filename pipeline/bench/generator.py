@@ -60,6 +60,7 @@ import shutil
 import tempfile
 
 from pipeline.bench.programs import Programs
+from pipeline.core.decode_batch import DECODE_BATCH
 from pipeline.core import logs
 from pipeline.core.choices import ATTENTIONS, LEGACY_ATTENTION, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import Settings, check_size
@@ -108,6 +109,8 @@ class BenchConfig:
     # the models part: other models timed side by side with --model, at its size and steps, each
     # at its own default guidance (a guidance-distilled model takes none)
     compare_models: tuple[str, ...] = ()
+    # the VAE decode micro-batch of every sampler timed (--decode-batch): a new run's, by default
+    decode_batch: int | None = DECODE_BATCH
     scorers: str = "random"  # the scoring part's scorers (SCORERS)
 
     def validate(self) -> "BenchConfig":
@@ -115,6 +118,8 @@ class BenchConfig:
             raise ValueError(f"--per-device-batch needs sizes >= 1, got {self.per_device_batches}")
         if self.batches < 1 or self.steps < 1:
             raise ValueError("--batches and --steps must be >= 1")
+        if self.decode_batch is not None and self.decode_batch < 1:
+            raise ValueError(f"--decode-batch must be >= 1 or whole, got {self.decode_batch}")
         for name in ("width", "height"):
             value = getattr(self, name)
             if value is not None:
@@ -175,7 +180,7 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
     from pipeline.bench import flops, memory
     from pipeline.bench.timing import in_turns, ours_call, seed_call
 
-    programs = programs or Programs()
+    programs = programs or Programs(config.decode_batch)
     rows = []
     for per_device_batch in config.per_device_batches:
         watch = logs.Stopwatch()
@@ -228,7 +233,7 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int,
     from pipeline.generate.generator import replicate
     from pipeline.model import load as model_lib
 
-    programs = programs or Programs()
+    programs = programs or Programs(config.decode_batch)
 
     per_device_batch = config.per_device_batches[0]
     networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
@@ -294,7 +299,7 @@ def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
     from pipeline.generate.generator import replicate
     from pipeline.model.scorers import models
 
-    programs = programs or Programs()
+    programs = programs or Programs(config.decode_batch)
 
     per_device_batch = config.per_device_batches[0]
     chosen = SCORERS[config.scorers]
@@ -405,6 +410,8 @@ def command_line(config: BenchConfig) -> str:
              "--flops-recipes": ",".join(f"{m}:{s}:{g:g}" for m, s, g in config.flops_recipes)
              if "flops" in config.parts and config.flops_recipes != FLOPS_RECIPES else None,
              "--scorers": config.scorers if "scoring" in config.parts and config.scorers != "random" else None,
+             "--decode-batch": None if config.decode_batch == DECODE_BATCH
+             else "whole" if config.decode_batch is None else config.decode_batch,
              "--report": config.report}
     return " ".join(["promptmill bench generator"] + [f"{k} {v}" for k, v in flags.items() if v is not None])
 
@@ -442,7 +449,8 @@ def run_fsdp(model, config: BenchConfig, devices, width: int, height: int) -> di
     per_device_batch = config.per_device_batches[0]
     generators = {fsdp: Generator(model, width, height, config.steps, per_device_batch, devices=devices,
                                   guided=model.family.classifier_free(model) and config.guided,
-                                  guidance_rule=model.family.guidance_rule(model), fsdp=fsdp)
+                                  guidance_rule=model.family.guidance_rule(model), fsdp=fsdp,
+                                  decode_batch=config.decode_batch)
                   for fsdp in config.fsdps}
     timings = in_turns({str(n): ours_call(g, config.guidance_scale) for n, g in generators.items()},
                        {str(n): g.batch_size for n, g in generators.items()}, config.batches)
@@ -476,7 +484,7 @@ def run_models(model, config: BenchConfig, devices, width: int, height: int, pro
             generator = programs.generator(loaded, width, height, config.steps, per_device_batch, devices, guided)
         else:
             generator = Generator(loaded, width, height, config.steps, per_device_batch, devices=devices,
-                                  guided=guided, guidance_rule=rule)
+                                  guided=guided, guidance_rule=rule, decode_batch=config.decode_batch)
         calls[name], sizes[name] = ours_call(generator, guidance), generator.batch_size
         rows[name] = {"family": loaded.family.name, "guidance_scale": guidance, "guided": guided,
                       "flops_per_image": parts.image_flops(loaded, width, height, config.steps, per_device_batch,
@@ -521,7 +529,7 @@ def run_bench(config: BenchConfig) -> dict:
     logs.event("bench_peak", flops_per_s=round(peak["flops_per_s"]), size=size, dtype=config.dtype)
 
     rows = compared = start = seed_load = attention = program_memory = scored = None
-    programs = Programs()  # a sampler that several parts time is compiled once
+    programs = Programs(config.decode_batch)  # a sampler that several parts time is compiled once
     if "sweep" in config.parts:
         watch = logs.Stopwatch()
         recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)

@@ -143,7 +143,7 @@ def bench_run(width: int, height: int, steps: int, per_device_batch: int, model:
     """The run the benchmark's slices belong to: PNG files only."""
     settings = Settings(width=width, height=height, steps=steps, guidance_scale=GUIDANCE, model=model,
                         scheduler=scheduler, per_device_batch=per_device_batch, batches_per_slice=batches_per_slice,
-                        devices_per_host=devices_per_host)
+                        devices_per_host=devices_per_host, decode_batch=None)  # its Generator decodes whole batches
     return Run.create(settings, fingerprint, created_at=CREATED_AT, versions={})
 
 

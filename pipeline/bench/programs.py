@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import hashlib
 
+from pipeline.core.decode_batch import DECODE_BATCH
+
 
 class Programs:
-    def __init__(self):
+    """``decode_batch``: the VAE decode micro-batch of every sampler built here (the bench
+    run's; default: what a new run decodes in, ``DECODE_BATCH``; None: whole)."""
+
+    def __init__(self, decode_batch: int | None = DECODE_BATCH):
+        self.decode_batch = decode_batch
         self._compiled: dict[str, object] = {}
         self.shared = 0  # Generators built on a program compiled for an earlier one
 
@@ -24,18 +30,20 @@ class Programs:
     def generator(self, model, width: int, height: int, steps: int, per_device_batch: int, devices,
                   guided: bool = True, params=None, attention: str = "auto"):
         """``Generator(model, width, height, steps, per_device_batch, devices=devices,
-        guided=guided, params=params, attention=attention)``, its sampler compiled here
-        only if no earlier call lowered the same program for the same devices."""
+        guided=guided, params=params, attention=attention)`` at this bench run's
+        ``decode_batch``, its sampler compiled here only if no earlier call lowered the same
+        program for the same devices."""
         from pipeline.generate.generator import Generator, compile_sampler, lower_sampler
 
         lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, guided=guided,
-                                attention=attention)
+                                attention=attention, decode_batch=self.decode_batch)
         key = hashlib.sha256(repr([d.id for d in devices]).encode() + lowered.as_text().encode()).hexdigest()
         program = self._compiled.get(key)
         if program is None:
             program = self._compiled[key] = compile_sampler(model, width, height, steps, per_device_batch, devices,
-                                                            guided=guided, attention=attention, lowered=lowered)
+                                                            guided=guided, attention=attention, lowered=lowered,
+                                                            decode_batch=self.decode_batch)
         else:
             self.shared += 1
         return Generator(model, width, height, steps, per_device_batch, devices=devices, guided=guided, params=params,
-                         attention=attention, program=program)
+                         attention=attention, program=program, decode_batch=self.decode_batch)

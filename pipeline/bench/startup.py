@@ -46,6 +46,7 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
         cache_lib.enable(compile_cache)
     from pipeline.core import naming
     from pipeline.core.settings import Run, Settings
+    from pipeline.core.decode_batch import DECODE_BATCH
     from pipeline.generate import jax_events, runtime
     from pipeline.io import storage
     from pipeline.model.loading import identity
@@ -60,7 +61,7 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     imported = time.perf_counter()
     local = jax.local_devices()[:devices] if devices else jax.local_devices()
     settings = Settings(model=model, width=width, height=height, steps=steps, per_device_batch=per_device_batch,
-                        dtype=dtype, guided=True)
+                        dtype=dtype, guided=True, decode_batch=DECODE_BATCH)  # as planning resolves auto
     run = Run.create(settings, "", "", {})
     with tempfile.TemporaryDirectory() as out:  # the plan's file table, as a host finds it
         table_started = time.perf_counter()

@@ -19,7 +19,7 @@ import threading
 import numpy as np
 
 from pipeline import __version__
-from pipeline.core import filters, naming
+from pipeline.core import decode_batch, filters, naming
 from pipeline.core.records import Item
 from pipeline.core.settings import Run, Settings
 from pipeline.io import storage
@@ -75,7 +75,7 @@ def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, trunca
         **{name: None if scores.get(name) is None else (bool(scores[name]) if name == "nsfw" else float(scores[name]))
            for name in SCORE_FIELDS},
         "dropped": dropped,
-        "decode_batch": settings.decode_batch,
+        "decode_batch": decode_batch.planned(settings.decode_batch),
     }
 
 

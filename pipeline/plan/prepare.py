@@ -16,17 +16,11 @@ from importlib import metadata
 from pipeline import __version__
 from pipeline.core import buckets, logs, naming
 from pipeline.core.choices import LEGACY_ATTENTION
+from pipeline.core.decode_batch import DECODE_BATCH  # what --decode-batch auto resolves to, as the sampler reads it
 from pipeline.core.settings import AUTO, Lora, Run, Settings
 from pipeline.io import beamio, runs, storage
 from pipeline.plan import input_table
 from pipeline.plan.layout import PlanError, match_prompt_files
-
-
-# what --decode-batch auto resolves to: the VAE decodes one image at a time. Its temporaries then
-# grow with the image, not the batch (SDXL at 1024x1024: 1.7 GiB beyond its weights for one image,
-# 6.0 GiB for two), so the denoiser bounds the per-device batch; one image at 1024x1024 is about
-# 10 TFLOP of decoding, enough to fill a chip.
-DECODE_BATCH = 1
 
 
 def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]:

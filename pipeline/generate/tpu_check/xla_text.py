@@ -21,16 +21,22 @@ def _bytes(text: str) -> int:
 
 def out_of_memory(message: str) -> dict | None:
     """{"temp", "available"} bytes from XLA's out-of-HBM compile error, e.g. "the total
-    memory required for HLO temporaries (8.07T) exceeds available HBM (15.75G)"; None for
+    memory required for HLO temporaries (8.07T) exceeds available HBM (15.75G)", or, from
+    the whole program's refusal (``CompileTimeHbmOom``), "Used 15.75G of 15.75G hbm ...
+    Program hbm requirement 9.26G" (what the program needs beyond its arguments); None for
     another error (pure)."""
     if "Ran out of memory" not in message and "RESOURCE_EXHAUSTED" not in message:
         return None
     found = {}
-    for key, pattern in (("temp", r"required for HLO temporaries \(([^)]+)\)"),
-                         ("available", r"available HBM \(([^)]+)\)")):
-        match = re.search(pattern, message)
-        if match:
-            found[key] = _bytes(match.group(1))
+    for key, patterns in (("temp", (r"required for HLO temporaries \(([^)]+)\)",
+                                    r"Program hbm requirement ([0-9.]+[KMGT]?)")),
+                          ("available", (r"available HBM \(([^)]+)\)",
+                                         r"Used [0-9.]+[KMGT]? of ([0-9.]+[KMGT]?) hbm"))):
+        for pattern in patterns:
+            match = re.search(pattern, message)
+            if match:
+                found[key] = _bytes(match.group(1))
+                break
     return found or None
 
 

@@ -12,19 +12,7 @@ of the run (``Settings.decode_batch``), and a run planned before keeps decoding 
 """
 from __future__ import annotations
 
-from pipeline.core.settings import AUTO
-
-# what --decode-batch auto resolves to when planning: one image at a time. The decoder's
-# temporaries then grow with the image, not the batch; one 1024x1024 image is about 10 TFLOP of
-# decoding, enough to fill a chip.
-DECODE_BATCH = 1
-
-
-def planned(decode_batch: int | str | None) -> int | None:
-    """The micro-batch a run decodes in, once planned: "auto" is ``DECODE_BATCH``; a number
-    or None (the whole batch at once) as it is. For what is measured before planning (the
-    TPU check, ``--per-device-batch auto``): the program the plan will make."""
-    return DECODE_BATCH if decode_batch == AUTO else decode_batch
+from pipeline.core.decode_batch import planned
 
 
 def whole(decode_fn, latents):
@@ -32,10 +20,12 @@ def whole(decode_fn, latents):
     return decode_fn(latents)
 
 
-def micro_batches(micro_batch: int | None, mesh=None):
+def micro_batches(micro_batch: int | str | None, mesh=None):
     """``decode(decode_fn, latents)``, as a family's sampler takes it: ``decode_in_micro_batches``
-    with ``micro_batch`` images at a time (None: ``whole``). ``mesh``: the FSDP mesh the
-    batch is split over (every device decodes its own share ``micro_batch`` at a time)."""
+    with ``micro_batch`` images at a time (None: ``whole``; "auto", of settings not planned:
+    ``planned``'s). ``mesh``: the FSDP mesh the batch is split over (every device decodes
+    its own share ``micro_batch`` at a time)."""
+    micro_batch = planned(micro_batch)
     if micro_batch is None:
         return whole
     return lambda decode_fn, latents: decode_in_micro_batches(decode_fn, latents, micro_batch, mesh=mesh)
