@@ -19,6 +19,7 @@ import os
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.loading import builtin
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
+from pipeline.model.sampling import decoding
 
 PIPELINE = "ScratchPipeline"
 PRESETS = {"scratch-tiny": dict(version="scratch-tiny-v1", channels=4, width=16, heads=2, tokens=12,
@@ -113,7 +114,8 @@ class Scratch(Family):
         return [len(text.encode("utf-8")) > model.nets["tokens"] for text in texts]
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *, return_latents: bool = False,
-                     guidance_rule: str = "unused", guided: bool = False, seam=contextlib.nullcontext):
+                     guidance_rule: str = "unused", guided: bool = False, seam=contextlib.nullcontext,
+                     decode=decoding.whole):
         import jax.numpy as jnp
         import numpy as np
 
@@ -139,7 +141,7 @@ class Scratch(Family):
                 for i in range(steps):
                     tokens = tokens + (sigmas[i + 1] - sigmas[i]) * velocity(p, tokens, text, sigmas[i])
                 final = jnp.transpose(tokens.reshape(batch, h, w, channels), (0, 3, 1, 2))
-                images = _decode(p, final, model.vae_scale_factor)
+                images = decode(lambda z: _decode(p, z, model.vae_scale_factor), final)  # the run's micro-batches
             return (images, final) if return_latents else images
 
         return denoise

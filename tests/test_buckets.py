@@ -194,7 +194,7 @@ def test_a_three_size_run_makes_each_image_at_its_size_as_a_single_size_run_does
     assert "| sizes (width x height; the first is the default) | `32x32, 24x32, 32x24` |" in card
     assert "| `24x32` | 2 | 3 | 3 | 0 | 1 |" in card
     gallery = storage.read_text(naming.dataset_file(out, "index.html"))
-    assert 'width="24" height="32"' in gallery and 'width="32" height="24"' in gallery  # each in its own shape
+    assert 'width="96" height="128"' in gallery and 'width="128" height="96"' in gallery  # each in its own shape
 
 
 def test_each_host_compiles_each_sizes_program_once(sized_run):

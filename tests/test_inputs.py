@@ -239,7 +239,7 @@ def test_prompt_field_setting_keeps_old_fingerprints():
     # the settings of a run planned before prompt_field (and the later timestep_spacing)
     for name in ("out", "save_latents", "prompt_field", "dedupe", "timestep_spacing", "unet", "loras",
                  "device_memory", "scores", "clip_model", "aesthetic_head", "safety_checker", "min_clip_similarity",
-                 "min_aesthetic", "drop_nsfw", "max_sequence_length", "fsdp"):
+                 "min_aesthetic", "drop_nsfw", "max_sequence_length", "fsdp", "sizes", "bucket_batches"):
         old.pop(name)
     old["model"] = "m"
     import hashlib

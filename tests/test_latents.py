@@ -69,7 +69,7 @@ def test_runs_planned_before_save_latents_keep_their_fingerprint():
     old.pop("max_sequence_length")  # likewise
     old.pop("fsdp")  # likewise
     for name in ("scores", "clip_model", "aesthetic_head", "safety_checker", "min_clip_similarity", "min_aesthetic",
-                 "drop_nsfw"):
+                 "drop_nsfw", "sizes", "bucket_batches"):
         old.pop(name)  # likewise
     loaded = Settings.from_dict(json.loads(json.dumps(old)))
     assert loaded.save_latents is False

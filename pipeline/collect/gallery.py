@@ -189,11 +189,11 @@ def _text(value) -> str:
 
 
 def thumb_box(width, height) -> tuple[int, int]:
-    """The thumbnail's size on the page (pure): the image's own aspect ratio fitted in
-    ``THUMB_SIZE`` squared, as the host made it (``formats.thumbnail``); a square without sizes."""
+    """The thumbnail's box on the page (pure): the image's own aspect ratio, its longer side
+    ``THUMB_SIZE`` (a thumbnail of a smaller image is shown enlarged); a square without sizes."""
     if not width or not height:
         return THUMB_SIZE, THUMB_SIZE
-    scale = min(1.0, THUMB_SIZE / max(width, height))
+    scale = THUMB_SIZE / max(width, height)
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 

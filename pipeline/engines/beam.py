@@ -306,10 +306,18 @@ class GenerateSlicesFn(beam.DoFn):
         if self.run is None:
             self.run = runs.read(self.out)
             settings = self.run.settings
-            self.geometry = buckets.Geometry.of_manifest(storage.read_json(naming.manifest(self.out)),
-                                                         settings.width, settings.height, settings.per_device_batch)
-        worker = self._worker(self.geometry.bucket_of_slice(index))
+            if settings.sizes:  # a single-size run's slices are all of one size (and read no manifest here)
+                self.geometry = buckets.Geometry.of_manifest(storage.read_json(naming.manifest(self.out)),
+                                                             settings.width, settings.height,
+                                                             settings.per_device_batch)
+        worker = self._worker(self._bucket_of(index))
         self.worker = self.worker or worker  # the first built
+
+    def _bucket_of(self, index: int) -> int:
+        return 0 if self.geometry is None else self.geometry.bucket_of_slice(index)
+
+    def _slice_size(self, bucket: int) -> int:
+        return self.run.settings.slice_size if self.geometry is None else self.geometry.buckets[bucket].slice_size
 
     def _worker(self, bucket: int):
         """The worker of size ``bucket`` (a run of several sizes has one program per size;
@@ -322,8 +330,8 @@ class GenerateSlicesFn(beam.DoFn):
                 base = next(iter(self.workers.values()), None)
                 worker = _SHARED.acquire(lambda: _Worker(run, self.out, self.compile_cache, base),
                                          runtime.program_tag(run))
-            size = self.geometry.buckets[bucket].slice_size
-            slicing.batches_per_slice(size, len(worker.generator.devices), run.settings.per_device_batch)
+            slicing.batches_per_slice(self._slice_size(bucket), len(worker.generator.devices),
+                                      run.settings.per_device_batch)
             self.workers[bucket] = worker
         return self.workers[bucket]
 
@@ -334,11 +342,12 @@ class GenerateSlicesFn(beam.DoFn):
             if "zarr" not in self.run.settings.formats:
                 return None, None
             if bucket not in self._zarr:
-                size = self.geometry.buckets[bucket]
                 run = bucket_programs.bucket_run(self.run, bucket)
-                group = size.name if self.run.settings.sizes else ""
-                self._zarr[bucket] = runtime.open_zarr(self.out, run, self.workers[bucket].model, size.images,
-                                                       group=group)
+                if self.geometry is None:
+                    count, group = storage.read_json(naming.manifest(self.out))["images"], ""
+                else:
+                    count, group = self.geometry.buckets[bucket].images, self.geometry.buckets[bucket].name
+                self._zarr[bucket] = runtime.open_zarr(self.out, run, self.workers[bucket].model, count, group=group)
             return self._zarr[bucket]
 
     def start_bundle(self):
@@ -375,12 +384,14 @@ class GenerateSlicesFn(beam.DoFn):
         if decision.action == "redo":
             self.redone.inc()
             logs.event("slice_redone", slice=index, leftover_objects=decision.leftover_objects)
-        bucket = self.geometry.bucket_of_slice(index)
+        bucket = self._bucket_of(index)
         if bucket not in self.bundles:
-            worker, size = self._worker(bucket), self.geometry.buckets[bucket]
+            worker = self._worker(bucket)
+            where = ("", 0) if self.geometry is None else (self.geometry.buckets[bucket].name,
+                                                           self.geometry.buckets[bucket].offset)
             self.bundles[bucket] = _BundleRun(worker, self.out, bucket_programs.bucket_run(self.run, bucket),
-                                              size.slice_size, worker.host, self._zarr_arrays(bucket),
-                                              size.name if self.run.settings.sizes else "", size.offset)
+                                              self._slice_size(bucket), worker.host, self._zarr_arrays(bucket),
+                                              *where)
         self.bundles[bucket].add(index)
         for stats in self.bundles[bucket].finished():
             yield self._emit(stats)
