@@ -82,16 +82,28 @@ def _rows(n):
     return [(f"a photo {i}", "blurry" if i % 2 else "", 7.5, 1000 + 7 * i, i) for i in range(n)]
 
 
-@pytest.mark.parametrize("name,kind", [("tiny", {}), ("tiny-flux", dict(guided=False, guidance_rule="unused"))])
-def test_decoding_in_micro_batches_moves_no_pixel_more_than_two_levels(name, kind, model_cache):
-    model = model_lib.load(name)
-    whole = Generator(model, 32, 32, 2, 3, **kind)  # 2 devices x 3 images
+@pytest.fixture(scope="module")
+def whole_tiny(model_cache):
+    """tiny's whole-batch generator (2 devices x 3 images) and its images of ``_rows``."""
+    model = model_lib.load("tiny")
+    whole = Generator(model, 32, 32, 2, 3)
     rows = _rows(whole.batch_size)
-    expected = whole(whole.batch_of(rows)).astype(int)
-    for micro in (1, 2):  # 2: a device's 3 images as 2 + 1 padded
-        gen = Generator(model, 32, 32, 2, 3, params=whole.params, decode_batch=micro, **kind)
-        assert np.abs(gen(gen.batch_of(rows)).astype(int) - expected).max() <= 2
-        assert gen.compiled.as_text() != whole.compiled.as_text()
+    return model, whole, rows, whole(whole.batch_of(rows)).astype(int)
+
+
+@pytest.mark.parametrize("name,kind", [("tiny", {}), ("tiny-flux", dict(guided=False, guidance_rule="unused"))])
+def test_decoding_in_micro_batches_moves_no_pixel_more_than_two_levels(name, kind, whole_tiny):
+    if name == "tiny":
+        model, whole, rows, expected = whole_tiny
+    else:
+        model = model_lib.load(name)
+        whole = Generator(model, 32, 32, 2, 3, **kind)  # 2 devices x 3 images
+        rows = _rows(whole.batch_size)
+        expected = whole(whole.batch_of(rows)).astype(int)
+    # 2: a device's 3 images as 2 + 1 padded (a micro-batch of 1 is the e2e runs' and the sizes tests')
+    gen = Generator(model, 32, 32, 2, 3, params=whole.params, decode_batch=2, **kind)
+    assert np.abs(gen(gen.batch_of(rows)).astype(int) - expected).max() <= 2
+    assert gen.compiled.as_text() != whole.compiled.as_text()
     # a micro-batch of at least the batch is the whole-batch program, the one of runs planned before
     shapes = model_lib.load(name, abstract=True)
     texts = [lower_sampler(shapes, 32, 32, 2, 3, whole.devices, decode_batch=micro, **kind).as_text()
@@ -99,11 +111,8 @@ def test_decoding_in_micro_batches_moves_no_pixel_more_than_two_levels(name, kin
     assert texts[0] == texts[1]
 
 
-def test_an_fsdp_generator_decodes_each_devices_images_in_micro_batches(model_cache):
-    model = model_lib.load("tiny")
-    whole = Generator(model, 32, 32, 2, 3)
-    rows = _rows(whole.batch_size)
-    expected = whole(whole.batch_of(rows)).astype(int)
+def test_an_fsdp_generator_decodes_each_devices_images_in_micro_batches(whole_tiny):
+    model, _, rows, expected = whole_tiny
     sharded = Generator(model, 32, 32, 2, 3, fsdp=2, decode_batch=2)
     assert np.abs(sharded(sharded.batch_of(rows)).astype(int) - expected).max() <= 2
 
@@ -149,18 +158,15 @@ def test_each_metadata_row_says_how_its_image_was_decoded():
     assert table
 
 
-def test_a_runs_generator_and_reproduce_use_its_decode_batch(model_cache):
+def test_a_runs_generator_and_reproduce_use_its_decode_batch(monkeypatch):
     """``runtime.make_generator`` (what every host and ``reproduce``, through
-    ``ready_generator``, build) compiles the run's program: micro-batched for a new run,
-    whole for one planned before the setting."""
-    model = model_lib.load("tiny")
-    devices = jax.local_devices()[:1]  # reproduce's one device
-    made = {micro: runtime.make_generator(model, _planned(decode_batch=micro), devices) for micro in (2, None)}
-    assert made[2].decode_batch == 2 and made[None].decode_batch is None
-    assert made[2].compiled.as_text() != made[None].compiled.as_text()
-    rows = _rows(3)
-    a, b = (made[m](made[m].batch_of(rows)).astype(int) for m in (2, None))
-    assert np.abs(a - b).max() <= 2
+    ``ready_generator``, build) makes the run's program: micro-batched for a new run, whole
+    for one planned before the setting (the programs themselves are compared above)."""
+    made = []
+    monkeypatch.setattr(runtime, "Generator", lambda *args, **kwargs: made.append(kwargs["decode_batch"]))
+    for micro in (2, None):
+        runtime.make_generator(object(), _planned(decode_batch=micro), jax.local_devices()[:1])
+    assert made == [2, None]
 
 
 def test_the_plan_resolves_auto_and_keeps_an_old_runs_whole_batch(tmp_path):
