@@ -19,6 +19,7 @@ from pipeline.core import buckets, crashpoints, interrupts, logs, naming, slicin
 from pipeline.core.settings import Run
 from pipeline.generate import bucket_programs, cluster, jax_events, progress, runtime, scoring, stopping
 from pipeline.generate.generator import Generator
+from pipeline.io import runs
 from pipeline.output import writer
 
 WRITER_THREADS = 8  # encoders and uploaders; JAX releases the GIL while devices work
@@ -367,7 +368,11 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     if settings.sizes:  # each size's zarr arrays, in its own group, and its programs, compiled once each
         zarr_by_size = {b: runtime.open_zarr(out, bucket_programs.bucket_run(run, b), model, bucket.images,
                                              group=bucket.name) for b, bucket in enumerate(geometry.buckets)}
-        empty = tuple(b for b, bucket in enumerate(geometry.buckets) if not bucket.slices)  # no record asked
+        # the sizes this host has nothing of to run: no record asked for them, or (a resumed run) every slice
+        # of theirs it would run is committed and it has no padding slot of theirs; their programs are not made
+        done = runs.committed(out)
+        wanted = {b for b, slot in buckets.host_slots(host, num_hosts, geometry) if slot is None or slot not in done}
+        empty = tuple(b for b in range(len(geometry.buckets)) if b not in wanted)
         programs = bucket_programs.BucketPrograms(run, model, bucket_programs.Program(generator, scorer, 0, 0.0),
                                                   len(geometry.buckets), host, empty)
         sizes = host_sizes(run, geometry, programs, zarr_by_size)
