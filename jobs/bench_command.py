@@ -96,7 +96,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     sizes.add_argument("--sizes", type=flags.sizes_flag, default=("64x64", "48x64", "64x48"), metavar="WxH,...",
                        help="(default: 64x64,48x64,64x48)")
     sizes.add_argument("--records", type=int, default=24, help="records per size (default: %(default)s)")
-    sizes.add_argument("--steps", type=int, default=4, help="(default: %(default)s)")
+    sizes.add_argument("--steps", type=int, default=None,
+                       help="(default: the model's own, as a run takes it: 20 for tiny)")
     sizes.add_argument("--hosts", type=int, default=2, help="(default: %(default)s)")
     sizes.add_argument("--devices-per-host", type=int, default=2, help="(default: %(default)s)")
     sizes.add_argument("--per-device-batch", type=int, default=2, help="(default: %(default)s)")

@@ -129,8 +129,10 @@ def sized_run(tmp_path_factory, model_cache):
     common = ["--model", "tiny", "--steps", "1", "--per-device-batch", "1", "--batches-per-slice", "1",
               "--no-progress"]
     out = str(folder / "sized")
+    # a compile cache of its own: the session's may hold a program of this run from another test
     result = run_cli(["run", "--prompts", str(folder / "p.jsonl"), "--out", out, "--sizes", ",".join(SIZES),
-                      "--hosts", "2", "--devices-per-host", "2", "--format", "files,zarr", *common], model_cache)
+                      "--hosts", "2", "--devices-per-host", "2", "--format", "files,zarr", "--compile-cache",
+                      str(folder / "compile-cache"), *common], model_cache)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 

@@ -35,7 +35,7 @@ class SizesBenchConfig:
     model: str = "tiny"
     sizes: tuple[str, ...] = ("64x64", "48x64", "64x48")
     records: int = 24  # per size
-    steps: int = 4
+    steps: int | None = None  # None: the model's default, as a run takes it
     hosts: int = 2
     devices_per_host: int = 2
     per_device_batch: int = 2
@@ -73,6 +73,7 @@ def _run(args: list[str], out: str, cache: str, again: bool = False) -> dict:
     events = host_events(out)
     hosts = [e for e in events if e["event"] == "host_done"]
     return {"seconds": round(seconds, 3), "images": sum(e["images"] for e in hosts),
+            "steps": storage.read_json(naming.run_json(out))["settings"]["steps"],
             "generate_s": round(max(e["seconds"] for e in hosts), 3),
             "switches": [{k: e[k] for k in ("host", "size", "idle_s", "batch_s")}
                          for e in events if e["event"] == "size_switch"],
@@ -100,6 +101,7 @@ def summarize(sized: dict, alone: dict[str, dict]) -> dict:
     return {"images": sized["images"], "sizes_seconds": sized["seconds"], "singles_seconds": round(seconds, 3),
             "sizes_images_per_s": round(sizes_rate, 4), "singles_images_per_s": round(together, 4),
             "ratio": round(sizes_rate / together, 4), "ratio_at_least_0_9": sizes_rate / together >= 0.9,
+            "steps": sized.get("steps"),
             "sizes_generate_s": sized["generate_s"], "singles_generate_s": round(generate_s, 3),
             "generate_ratio": round((sized["images"] / sized["generate_s"]) / (images / generate_s), 4)
             if generate_s and sized["generate_s"] else None,
@@ -114,8 +116,9 @@ def run(config: SizesBenchConfig) -> dict:
         os.makedirs(folder, exist_ok=True)
         every, alone = _prompts(folder, config)
         common = ["--model", config.model, "--hosts", str(config.hosts), "--devices-per-host",
-                  str(config.devices_per_host), "--steps", str(config.steps), "--per-device-batch",
-                  str(config.per_device_batch), "--batches-per-slice", str(config.batches_per_slice)]
+                  str(config.devices_per_host), *(["--steps", str(config.steps)] if config.steps else []),
+                  "--per-device-batch", str(config.per_device_batch), "--batches-per-slice",
+                  str(config.batches_per_slice)]
         passes = {}
         for name, again in (("cold", False), ("warm", True)):
             sized = _run(["--prompts", every, "--sizes", ",".join(config.sizes), *common],
