@@ -81,6 +81,37 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
+def _programs_folder(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jax-programs"))
+
+
+@pytest.fixture(autouse=True)
+def _programs_kept(_programs_folder):
+    """JAX's persistent compilation cache for the programs this worker compiles in-process.
+
+    Many tests build a generator of the same tiny program (same model, size, steps and
+    batch) anew, and a new jitted function compiles again where the cache finds the same
+    program text: a sixth less time for the modules that build generators. Only programs
+    that took at least half a second to compile are kept (samplers, not the small
+    programs whose compilation some tests count), and a cache hit is the executable XLA
+    compiled for that program. A test that points jax at a cache folder of its own, or
+    turns the cache off, gets this worker's folder back before the next test; host
+    processes are unaffected (each run has its own --compile-cache)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    config = jax.config.values
+    wanted = {"jax_compilation_cache_dir": _programs_folder, "jax_enable_compilation_cache": True,
+              "jax_persistent_cache_min_compile_time_secs": 0.5, "jax_persistent_cache_min_entry_size_bytes": 0}
+    if any(config[name] != value for name, value in wanted.items()):
+        if config["jax_compilation_cache_dir"] not in (None, _programs_folder):
+            compilation_cache.reset_cache()
+        for name, value in wanted.items():
+            jax.config.update(name, value)
+    yield
+
+
+@pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
     """One cache folder for the whole session, so the tiny model is built once.
 
