@@ -9,7 +9,7 @@ import argparse
 from jobs import flags
 from pipeline.bench.generator import DEFAULT_PARTS, GUIDANCE, BenchConfig
 from pipeline.core.choices import DTYPES, SCHEDULERS, TIMESTEP_SPACINGS
-from pipeline.core.settings import AUTO, Settings
+from pipeline.core.settings import AUTO
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
