@@ -6,8 +6,9 @@ bytes a single-size run of its size makes. (tiny-flux's three-size run is test_f
 sharded 1x4/2x2 run; a warm re-run of several sizes compiles none: test_compile_cache.py.)
 """
 import hashlib
-import re
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -85,6 +86,11 @@ def test_the_geometry_places_each_size_after_the_last_and_hosts_walk_sizes_in_st
     assert buckets.Geometry.of_manifest(json.loads(json.dumps(manifest)), 0, 0, 0) == geometry
     slots = {host: buckets.host_slots(host, 3, geometry) for host in range(3)}
     assert slots[0] == [(0, 0), (2, 2)] and slots[1] == [(0, 1), (2, 3)] and slots[2] == [(0, None), (2, None)]
+    # the sizes each host makes programs for: not the size no record asked for, nor (resumed) one whose
+    # slices of this host are all committed, unless it holds a padding slot of it
+    assert [buckets.sizes_to_make(host, 3, geometry, {}) for host in range(3)] == [(0, 2)] * 3
+    assert buckets.sizes_to_make(0, 3, geometry, {0: 1.0}) == (2,) and buckets.sizes_to_make(0, 3, geometry, {0, 2}) == ()
+    assert buckets.sizes_to_make(2, 3, geometry, {0, 1, 2, 3}) == (0, 2)
     # one size: today's assignment
     single = buckets.Geometry.of_manifest({"slice_size": 4, "images": 10}, 8, 8, 1)
     assert [s for _, s in buckets.host_slots(1, 2, single)] == [1, None]
@@ -126,15 +132,19 @@ def sized_run(tmp_path_factory, model_cache):
             {"prompt": "another square", "id": "box", "seed": 3},
             {"prompt": "a long river", "id": "river", "aspect_ratio": 2}]
     (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = ["--model", "tiny", "--steps", "1", "--per-device-batch", "1", "--batches-per-slice", "1",
-              "--no-progress"]
     out = str(folder / "sized")
-    # a compile cache of its own: the session's may hold a program of this run from another test
-    result = run_cli(["run", "--prompts", str(folder / "p.jsonl"), "--out", out, "--sizes", ",".join(SIZES),
-                      "--hosts", "2", "--devices-per-host", "2", "--format", "files,zarr", "--compile-cache",
-                      str(folder / "compile-cache"), *common], model_cache)
+    result = run_cli(sized_command(str(folder), out), model_cache)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
+
+
+def sized_command(folder: str, out: str) -> list[str]:
+    """The ``promptmill run`` of ``sized_run``'s prompts in ``folder`` into ``out``, with the compile
+    cache of its own in ``folder`` (the session's may hold a program of this run from another test)."""
+    return ["run", "--prompts", os.path.join(folder, "p.jsonl"), "--out", out, "--sizes", ",".join(SIZES),
+            "--hosts", "2", "--devices-per-host", "2", "--format", "files,zarr", "--compile-cache",
+            os.path.join(folder, "compile-cache"), "--model", "tiny", "--steps", "1", "--per-device-batch", "1",
+            "--batches-per-slice", "1", "--no-progress"]
 
 
 def single_size_hashes(out: str, rows: dict, sizes: tuple[str, ...]) -> dict:
@@ -214,6 +224,36 @@ def test_each_host_compiles_each_sizes_program_once(sized_run):
         assert [e["size"] for e in made] == ["24x32", "32x24"] and all(e["sampler_compiles"] == 1 for e in made)
         [done] = [e for e in mine if e["event"] == "host_done"]
         assert done["sizes"] == 3 and done["size_compiles"] >= 2 and done["compiles_after_warmup"] == 0
+
+
+def test_a_resumed_run_of_several_sizes_makes_what_is_left_starting_at_its_first_size_left(sized_run, tmp_path,
+                                                                                              model_cache):
+    """The three-size run as if stopped after its square size: the other sizes' commits gone,
+    the same command resumes it. Each host starts with the programs of the first size it has
+    work of (host 0: the portrait size; host 1 pads the square size's slice it has none of),
+    never makes the square size's program on host 0, and the dataset is the uninterrupted
+    run's, byte for byte."""
+    import shutil
+
+    out = str(tmp_path / "resumed")
+    shutil.copytree(sized_run, out)
+    manifest = storage.read_json(naming.manifest(out))
+    square = manifest["buckets"][0]
+    assert square["size"] == "32x32" and square["slices"] == 1
+    for index in range(square["first_slice"] + square["slices"], manifest["slices"]):
+        os.remove(naming.shard_stats(out, index))  # not committed: a resumed run makes them again
+    result = run_cli(sized_command(os.path.dirname(sized_run), out), model_cache)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["verified"]
+    assert {k: r["sha256"] for k, r in _rows(out).items()} == {k: r["sha256"] for k, r in _rows(sized_run).items()}
+    assert storage.exists(naming.join(out, "logs", "attempt-1", "host-0.log"))  # the first attempt's, kept
+    host0 = [e for e in map(logs.parse, storage.read_text(naming.join(out, "logs", "host-0.log")).splitlines()) if e]
+    [ready] = [e for e in host0 if e["event"] == "host_ready"]
+    assert (ready["size"], ready["bucket"]) == ("24x32", 1)
+    assert [e["size"] for e in host0 if e["event"] == "size_ready"] == ["32x24"]
+    assert [e["slice"] for e in host0 if e["event"] == "slice_skipped"] == [square["first_slice"]]
+    [done] = [e for e in host0 if e["event"] == "host_done"]
+    assert done["slices_skipped"] == 1 and done["slices_generated"] == 2
 
 
 def test_zarr_has_a_group_per_size_that_xarray_opens_with_keys(sized_run):

@@ -237,6 +237,15 @@ def host_slots(host: int, num_hosts: int, geometry: Geometry) -> list[tuple[int,
     return slots
 
 
+def sizes_to_make(host: int, num_hosts: int, geometry: Geometry, committed) -> tuple[int, ...]:
+    """The buckets whose programs host ``host`` needs, in order: those it has a slot of that
+    is a padding slot or a slice not in ``committed`` (a resumed run's committed slices are
+    skipped). A bucket no record asked for, or whose every slice of this host is committed,
+    needs none (pure)."""
+    return tuple(sorted({b for b, slot in host_slots(host, num_hosts, geometry)
+                         if slot is None or slot not in committed}))
+
+
 def manifest_slice_images(manifest: dict, index: int) -> int:
     """Images in slice ``index`` of a plan, from its manifest: its size's slice size, the
     last slice of each size the remainder (pure)."""

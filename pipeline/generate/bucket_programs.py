@@ -2,10 +2,10 @@
 
 A run of several sizes (``--sizes``, ``pipeline.core.buckets``) has one sampler program
 per size, each that of a single-size run of the size (``Settings.for_bucket``), so an
-image's bytes are those that run makes. The first size's program is made before the
-first batch (``runtime.ready_generator``, while the weights load); when the host starts a
-size, the next size's program starts compiling on a thread of its own, so no device waits
-for a compile between sizes. Every size's generator shares the weights on the devices.
+image's bytes are those that run makes. The program of the first size the host has work
+of is made before the first batch (``runtime.ready_generator``, while the weights load);
+the later sizes' compile one after the other on a thread of their own from the start, so
+no device waits for a compile between sizes. Every size's generator shares the weights on the devices.
 """
 from __future__ import annotations
 
@@ -34,25 +34,29 @@ class Program:
 
 
 class BucketPrograms:
-    """The host's programs, by size index. ``first``: the first size's (made by the caller
-    while the weights loaded). The later sizes' compile one after the other on a thread from
-    the start, in the order the host runs them, so each is ready long before the host gets
-    to it; ``get(b)`` returns size ``b``'s, waiting for its compile if it is still running."""
+    """The host's programs, by size index. ``first``: the programs of size ``first_index``, the
+    first the host runs (made by the caller while the weights loaded). The later sizes'
+    compile one after the other on a thread from the start, in the order the host runs them,
+    so each is ready long before the host gets to it; ``get(b)`` returns size ``b``'s,
+    waiting for its compile if it is still running."""
 
-    def __init__(self, run: Run, model, first: Program, count: int, host: int = 0, empty: tuple[int, ...] = ()):
-        """``empty``: sizes no record asked for, whose programs are never needed."""
+    def __init__(self, run: Run, model, first: Program, count: int, host: int = 0, empty: tuple[int, ...] = (),
+                 first_index: int = 0):
+        """``empty``: sizes this host runs nothing of (no record asked for them, or a resumed
+        run committed them), whose programs are never needed."""
         self.run, self.model, self.count, self.host, self.empty = run, model, count, host, set(empty)
-        self._ready: dict[int, Program] = {0: first}
+        self.first_index = first_index
+        self._ready: dict[int, Program] = {first_index: first}
         self._compiling: dict[int, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-next-size")
         self.compiles = 0  # backend compilations of the sizes after the first, on the compile thread
-        for index in range(1, count):
+        for index in range(first_index + 1, count):
             self.prefetch(index)
 
     def _make(self, index: int) -> Program:
         watch = logs.Stopwatch()
         before = jax_events.COMPILES.count()  # the scorer compiles on a thread of its own: count them all
-        first = self._ready[0].generator
+        first = self._ready[self.first_index].generator
         run = bucket_run(self.run, index)
         program = runtime.compile_run_sampler(run.settings, first.devices)
         generator = runtime.make_generator(self.model, run.settings, first.devices, program, first.params)

@@ -336,13 +336,19 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     settings = run.settings
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
     started = logs.Stopwatch()
+    geometry = buckets.Geometry.of_manifest(manifest, settings.width, settings.height, settings.per_device_batch)
+    # a run of several sizes starts with the programs of the first size this host has work of: the
+    # sizes no record asked for, or (a resumed run) whose every slice this host would run is committed
+    # and that hold no padding slot of it, are never made
+    to_make = buckets.sizes_to_make(host, num_hosts, geometry, runs.committed(out)) if settings.sizes else (0,)
+    first_size = to_make[0] if to_make else 0
     # the sampler compiles (or loads) on a thread while the weights load
-    first = bucket_programs.bucket_run(run, 0)  # a run of several sizes starts with its first size's programs
+    first = bucket_programs.bucket_run(run, first_size)
     model, generator, parts = runtime.ready_generator(first, out)
     scorer, scorer_parts = scoring.ready_scorer(first, generator.devices)  # None without --score
     parts.update(scorer_parts)
-    size = manifest["slice_size"]
-    batches = slicing.batches_per_slice(size, len(generator.devices), settings.per_device_batch)
+    size = geometry.buckets[first_size].slice_size if settings.sizes else manifest["slice_size"]
+    batches = slicing.batches_per_slice(size, len(generator.devices), first.settings.per_device_batch)
     compiles_at_warm = scoring.warm_up(generator, scorer)
     cache_stats = {}
     if compile_cache:  # jax's cache (host 0 writes it) and this host's executables
@@ -355,6 +361,8 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     # sampler (0 when it came from the cache); ready_s: seconds since host_started;
     # load_s, compile_s (overlapping the load), wait_s, transfer_s: ``runtime.ready_generator``
     logs.event("host_ready", host=host, devices=len(generator.devices), batches_per_slice=batches,
+               **({"size": f"{first.settings.width}x{first.settings.height}", "bucket": first_size}
+                  if settings.sizes else {}),
                compiles=compiles_at_warm, sampler_compiles=generator.sampler_compiles,
                ready_s=round(started.seconds(), 3), **{f"{k}_s": round(v, 3) for k, v in parts.items()},
                **cache_stats)
@@ -364,17 +372,12 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
             logs.event("compile_cache_pushed", host=host, entries=uploaded)
     crashpoints.reached("ready", host)
 
-    geometry = buckets.Geometry.of_manifest(manifest, settings.width, settings.height, settings.per_device_batch)
     if settings.sizes:  # each size's zarr arrays, in its own group, and its programs, compiled once each
         zarr_by_size = {b: runtime.open_zarr(out, bucket_programs.bucket_run(run, b), model, bucket.images,
                                              group=bucket.name) for b, bucket in enumerate(geometry.buckets)}
-        # the sizes this host has nothing of to run: no record asked for them, or (a resumed run) every slice
-        # of theirs it would run is committed and it has no padding slot of theirs; their programs are not made
-        done = runs.committed(out)
-        wanted = {b for b, slot in buckets.host_slots(host, num_hosts, geometry) if slot is None or slot not in done}
-        empty = tuple(b for b in range(len(geometry.buckets)) if b not in wanted)
+        empty = tuple(b for b in range(len(geometry.buckets)) if b not in to_make)
         programs = bucket_programs.BucketPrograms(run, model, bucket_programs.Program(generator, scorer, 0, 0.0),
-                                                  len(geometry.buckets), host, empty)
+                                                  len(geometry.buckets), host, empty, first_size)
         sizes = host_sizes(run, geometry, programs, zarr_by_size)
         zarr_images = zarr_latents = None
     else:
