@@ -130,6 +130,35 @@ def test_the_scoring_program_on_the_devices_gives_the_reference_scores(loaded, r
     np.testing.assert_allclose(scores["aesthetic"][:2], np.asarray(aesthetic.apply(head.params, embeds)), atol=1e-5)
 
 
+def test_a_later_sizes_scorer_shares_the_first_sizes_models_and_params(loaded, model_cache):
+    """A run of several sizes scores each size with a program of its own (its images' shape),
+    on the scorer models the host loaded and replicated once (``ready_scorer(like=)``): the
+    same scores as a scorer of that size with its own copy."""
+    import types
+
+    from pipeline.generate import scoring
+
+    model, checker, head = loaded
+    scorers = models.Scorers(("clip", "aesthetic", "safety"), model, head, checker)
+    devices = jax.local_devices()[:2]
+    first = scoring.Scorer(scorers, 32, 32, 1, devices)
+    settings = Settings(model="tiny", width=24, height=32, per_device_batch=1, scores=("clip", "aesthetic", "safety"),
+                        clip_model=CLIP_DIR, aesthetic_head=HEAD, safety_checker=CHECKPOINT).validate()
+    later, parts = scoring.ready_scorer(types.SimpleNamespace(settings=settings), devices, like=first)
+    assert later.params is first.params and later.scorers is first.scorers and "scorer_load" not in parts
+    assert later.program is not first.program
+    own = scoring.Scorer(scorers, 24, 32, 1, devices)
+    images = np.stack([fixture_image(0)[:, 4:28], fixture_image(1)[:, :24]]).reshape(2, 1, 32, 24, 3)
+    generator = type("G", (), {"latents": False})()
+    ids = own.tokenize(["a photo", "a drawing"])
+    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))  # laid out as the sampler's output is
+    on_devices = jax.device_put(images, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica")))
+    got, expected = (s.fetch(s.dispatch(on_devices, generator, ids)) for s in (later, own))
+    assert {k: list(v) for k, v in got.items()} == {k: list(v) for k, v in expected.items()}
+    with pytest.raises(ValueError, match="same devices"):
+        scoring.ready_scorer(types.SimpleNamespace(settings=settings), devices[:1], like=first)
+
+
 def _head_file(tmp_path, tensors: dict) -> str:
     from safetensors.numpy import save_file
 

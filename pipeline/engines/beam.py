@@ -183,7 +183,8 @@ class _Worker:
             program = runtime.compile_run_sampler(run.settings, devices)
             self.model, parts = base.model, {"compile": program.seconds}
             self.generator = runtime.make_generator(base.model, run.settings, devices, program, base.generator.params)
-        self.scorer, scorer_parts = scoring.ready_scorer(run, devices)  # None without --score
+        # None without --score; another size's worker's scorer models are shared
+        self.scorer, scorer_parts = scoring.ready_scorer(run, devices, like=base.scorer if base else None)
         parts.update(scorer_parts)
         self.compiles_at_warm = scoring.warm_up(self.generator, self.scorer)
         cache_stats = ({"cache_hits": jax_events.CACHE.count(jax_events.CACHE_HIT)

@@ -60,7 +60,7 @@ class BucketPrograms:
         run = bucket_run(self.run, index)
         program = runtime.compile_run_sampler(run.settings, first.devices)
         generator = runtime.make_generator(self.model, run.settings, first.devices, program, first.params)
-        scorer, _ = scoring.ready_scorer(run, first.devices)
+        scorer, _ = scoring.ready_scorer(run, first.devices, like=self._ready[self.first_index].scorer)
         compiles = jax_events.COMPILES.count() - before
         self.compiles += compiles
         made = Program(generator, scorer, compiles, watch.seconds())

@@ -129,14 +129,16 @@ class Scorer:
     replicated there. ``dispatch`` takes what the generator's ``dispatch`` returned."""
 
     def __init__(self, scorers: models.Scorers, width: int, height: int, per_device_batch: int, devices,
-                 program: ScorerProgram | None = None):
+                 program: ScorerProgram | None = None, params=None):
+        """``params``: ``scorers``' params already replicated on ``devices`` (another size's
+        scorer's), shared instead of copied again."""
         import jax
 
         self.scorers = scorers
         self.devices = list(devices)
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
-        self.params = jax.block_until_ready(replicate(scorers.params, self.devices))
+        self.params = params if params is not None else jax.block_until_ready(replicate(scorers.params, self.devices))
         same = program is not None and program.devices == tuple(self.devices) and \
             jax.tree_util.tree_structure(program.params) == jax.tree_util.tree_structure(
                 replicated_shapes(self.params)) and \
@@ -181,16 +183,31 @@ def check_models(run, scorers_found: dict) -> None:
                            f"ones the run was planned with: scoring needs the same files")
 
 
-def ready_scorer(run, devices) -> tuple[Scorer | None, dict]:
+def ready_scorer(run, devices, like: Scorer | None = None) -> tuple[Scorer | None, dict]:
     """(the run's scorer on ``devices``, or None without --score; seconds of each part). The
     program is found through the executable cache's index, or compiled from the models'
-    shapes, on a thread while this one loads the weights and checks their fingerprints."""
+    shapes, on a thread while this one loads the weights and checks their fingerprints.
+
+    ``like``: the scorer of another size of the same run on the same devices, whose models
+    and params on the devices this one shares (loaded and checked once per host); only the
+    program, which takes images of this run's size, is this one's own."""
     settings = run.settings
     if not settings.scores:
         return None, {}
     devices = list(devices)
     started = time.perf_counter()
     models.import_libraries()  # once, here: both threads need them (see libraries.import_libraries)
+    if like is not None:
+        if like.devices != devices:
+            raise ValueError("a scorer shares another's params only on the same devices")
+        models.check_images(like.scorers, settings.width, settings.height)
+        key = compile_cache.index_key(description(settings), devices)
+        compiled = indexed_scorer(key, devices) or compile_scorer(
+            models.load(settings, abstract=True), settings.width, settings.height, settings.per_device_batch,
+            devices, index_key=key)
+        scorer = Scorer(like.scorers, settings.width, settings.height, settings.per_device_batch, devices, compiled,
+                        params=like.params)
+        return scorer, {"scorer_compile": compiled.seconds, "scorer_ready": time.perf_counter() - started}
 
     def program() -> ScorerProgram:
         key = compile_cache.index_key(description(settings), devices)
