@@ -340,7 +340,9 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     # a run of several sizes starts with the programs of the first size this host has work of: the
     # sizes no record asked for, or (a resumed run) whose every slice this host would run is committed
     # and that hold no padding slot of it, are never made
-    to_make = buckets.sizes_to_make(host, num_hosts, geometry, runs.committed(out)) if settings.sizes else (0,)
+    # one listing of the commit markers (a resumed run's committed slices), not a request per slot
+    committed_before = runs.committed(out)
+    to_make = buckets.sizes_to_make(host, num_hosts, geometry, committed_before) if settings.sizes else (0,)
     first_size = to_make[0] if to_make else 0
     # the sampler compiles (or loads) on a thread while the weights load
     first = bucket_programs.bucket_run(run, first_size)
@@ -391,7 +393,7 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
                 logs.event("padding_slot", host=host, **({"bucket": bucket} if sizes else {}))
                 yield (bucket, slot)
                 continue
-            decision = runtime.decide(out, settings, slot)
+            decision = runtime.SliceDecision("skip") if slot in committed_before else runtime.decide(out, settings, slot)
             if decision.action == "skip":
                 counts["skipped"] += 1
                 logs.event("slice_skipped", host=host, slice=slot)
