@@ -84,6 +84,12 @@ def test_the_geometry_places_each_size_after_the_last_and_hosts_walk_sizes_in_st
     manifest = {"buckets": [b.to_json() for b in geometry.buckets], "slice_size": 8, "images": 22, "slices": 4}
     assert [buckets.manifest_slice_images(manifest, i) for i in range(4)] == [8, 1, 12, 1]
     assert buckets.Geometry.of_manifest(json.loads(json.dumps(manifest)), 0, 0, 0) == geometry
+    from pipeline.collect import status  # what status shows of each size, slices 0 and 2 committed
+
+    assert [(r["size"], r["committed_slices"], r["slices"], r["committed_images"], r["images"], r["slice_size"])
+            for r in status.size_progress(manifest, {0, 2})] == [("32x32", 1, 2, 8, 9, 8), ("24x32", 0, 0, 0, 0, 4),
+                                                                  ("32x24", 1, 2, 12, 13, 12)]
+    assert status.size_progress({"slices": 3, "images": 9}, {0}) == []  # one size: the totals say it all
     slots = {host: buckets.host_slots(host, 3, geometry) for host in range(3)}
     assert slots[0] == [(0, 0), (2, 2)] and slots[1] == [(0, 1), (2, 3)] and slots[2] == [(0, None), (2, None)]
     # the sizes each host makes programs for: not the size no record asked for, nor (resumed) one whose
@@ -254,6 +260,17 @@ def test_a_resumed_run_of_several_sizes_makes_what_is_left_starting_at_its_first
     assert [e["slice"] for e in host0 if e["event"] == "slice_skipped"] == [square["first_slice"]]
     [done] = [e for e in host0 if e["event"] == "host_done"]
     assert done["slices_skipped"] == 1 and done["slices_generated"] == 2
+
+
+def test_status_shows_each_sizes_slices_images_and_slice_size(sized_run):
+    from pipeline.collect import status
+
+    found = status.status(sized_run)
+    assert [(r["size"], r["committed_slices"], r["slices"], r["committed_images"], r["images"])
+            for r in found["sizes"]] == [("32x32", 1, 1, 2, 2), ("24x32", 2, 2, 3, 3), ("32x24", 1, 1, 2, 2)]
+    text = status.format_text(found)
+    assert "slice=2/2/2" in found["settings"] and "  sizes     32x32: 1/1 slices, images 2/2 (slice 2)" in text
+    assert "            24x32: 2/2 slices, images 3/3 (slice 2)" in text
 
 
 def test_zarr_has_a_group_per_size_that_xarray_opens_with_keys(sized_run):

@@ -57,7 +57,8 @@ def settings_line(run: Run) -> str:
         parts.append(f"fsdp={s.fsdp}")
     parts += [f"guidance={guidance}{kind}",
               f"dtype={s.dtype}", f"batch={'/'.join(map(str, s.bucket_batches)) or s.per_device_batch}/device",
-              f"devices/host={s.devices_per_host}", f"slice={s.slice_size}", f"formats={','.join(s.formats)}", f"image={s.image_format}",
+              f"devices/host={s.devices_per_host}", f"slice={_slice_sizes(s)}", f"formats={','.join(s.formats)}",
+              f"image={s.image_format}",
               f"seed={s.seed}"]
     if s.scores:
         parts.append(f"scores={','.join(s.scores)}")
@@ -70,6 +71,31 @@ def settings_line(run: Run) -> str:
     if s.loras:
         parts.append(f"loras={len(s.loras)}")
     return " ".join(parts) + f" [fingerprint {run.settings_fingerprint[:12]}]"
+
+
+def _slice_sizes(s) -> str:
+    """The slice size, or each size's (a run of several sizes: "8/8/4")."""
+    if not s.sizes:
+        return str(s.slice_size)
+    try:
+        return "/".join(str(s.for_bucket(i).slice_size) for i in range(len(s.sizes)))
+    except ValueError:  # not resolved yet (a plan under way)
+        return str(s.slice_size)
+
+
+def size_progress(manifest: dict | None, committed) -> list[dict]:
+    """[{size, slices, committed_slices, images, committed_images, slice_size}] of each size of
+    a plan of several sizes, from its manifest and the committed slice indices; [] for one
+    size (pure)."""
+    if not manifest or not manifest.get("buckets"):
+        return []
+    rows = []
+    for bucket in manifest["buckets"]:
+        indices = [i for i in range(bucket["first_slice"], bucket["first_slice"] + bucket["slices"]) if i in committed]
+        rows.append({"size": bucket["size"], "slices": bucket["slices"], "committed_slices": len(indices),
+                     "images": bucket["images"], "committed_images": sum(slice_images(i, manifest) for i in indices),
+                     "slice_size": bucket["slice_size"]})
+    return rows
 
 
 def commit_rate(times: list[float], images: list[int], now: float, window_s: float = RATE_WINDOW_S) \
@@ -144,6 +170,7 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
                     "records": manifest["records"] if manifest else None},
         "committed": {"slices": len(indices), "images": images,
                       "last_at": round(max(committed[i] for i in indices), 3) if indices else None},
+        "sizes": size_progress(manifest, set(indices)),
         "guided_by_records": manifest.get("guided_by_records") if manifest else None,
         "rejects": {"count": manifest["rejects"] if manifest else None,
                     "by_reason": manifest.get("rejects_by_reason", {}) if manifest else {}},
@@ -243,6 +270,9 @@ def format_text(r: dict) -> str:
         share = 100 * committed["slices"] / planned["slices"] if planned["slices"] else 100.0
         lines.append(f"  slices    {committed['slices']}/{planned['slices']} committed ({share:.0f}%); "
                      f"images {committed['images']}/{planned['images']}")
+        for n, size in enumerate(r.get("sizes", [])):
+            lines.append(f"  {'sizes' if n == 0 else '':<10}{size['size']}: {size['committed_slices']}/{size['slices']}"
+                         f" slices, images {size['committed_images']}/{size['images']} (slice {size['slice_size']})")
         by_reason = ", ".join(f"{k}: {v}" for k, v in sorted(r["rejects"]["by_reason"].items()))
         lines.append(f"  rejects   {r['rejects']['count']}" + (f" ({by_reason})" if by_reason else ""))
         if r.get("guided_by_records"):
