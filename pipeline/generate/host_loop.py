@@ -337,11 +337,11 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
     started = logs.Stopwatch()
     geometry = buckets.Geometry.of_manifest(manifest, settings.width, settings.height, settings.per_device_batch)
-    # a run of several sizes starts with the programs of the first size this host has work of: the
-    # sizes no record asked for, or (a resumed run) whose every slice this host would run is committed
-    # and that hold no padding slot of it, are never made
-    # one listing of the commit markers (a resumed run's committed slices), not a request per slot
+    # a resumed run's committed slices, from one listing of the commit markers (not a request per slot)
     committed_before = runs.committed(out)
+    # a run of several sizes starts with the programs of the first size this host has work of: the
+    # sizes no record asked for, or whose every slice this host would run is committed and that hold
+    # no padding slot of it, are never made
     to_make = buckets.sizes_to_make(host, num_hosts, geometry, committed_before) if settings.sizes else (0,)
     first_size = to_make[0] if to_make else 0
     # the sampler compiles (or loads) on a thread while the weights load
