@@ -183,6 +183,17 @@ def check_models(run, scorers_found: dict) -> None:
                            f"ones the run was planned with: scoring needs the same files")
 
 
+def scorer_program(settings, devices) -> ScorerProgram:
+    """The scoring program of ``settings`` on ``devices``: found through the executable
+    cache's index, or compiled from the scorer models' shapes."""
+    key = compile_cache.index_key(description(settings), devices)
+    found = indexed_scorer(key, devices)
+    if found is not None:
+        return found
+    return compile_scorer(models.load(settings, abstract=True), settings.width, settings.height,
+                          settings.per_device_batch, devices, index_key=key)
+
+
 def ready_scorer(run, devices, like: Scorer | None = None) -> tuple[Scorer | None, dict]:
     """(the run's scorer on ``devices``, or None without --score; seconds of each part). The
     program is found through the executable cache's index, or compiled from the models'
@@ -201,24 +212,14 @@ def ready_scorer(run, devices, like: Scorer | None = None) -> tuple[Scorer | Non
         if like.devices != devices:
             raise ValueError("a scorer shares another's params only on the same devices")
         models.check_images(like.scorers, settings.width, settings.height)
-        key = compile_cache.index_key(description(settings), devices)
-        compiled = indexed_scorer(key, devices) or compile_scorer(
-            models.load(settings, abstract=True), settings.width, settings.height, settings.per_device_batch,
-            devices, index_key=key)
+        compiled = scorer_program(settings, devices)
         scorer = Scorer(like.scorers, settings.width, settings.height, settings.per_device_batch, devices, compiled,
                         params=like.params)
         return scorer, {"scorer_compile": compiled.seconds, "scorer_ready": time.perf_counter() - started}
 
-    def program() -> ScorerProgram:
-        key = compile_cache.index_key(description(settings), devices)
-        found = indexed_scorer(key, devices)
-        if found is not None:
-            return found
-        return compile_scorer(models.load(settings, abstract=True), settings.width, settings.height,
-                              settings.per_device_batch, devices, index_key=key)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile-scorer") as pool:
-        compiling = pool.submit(program)
+        compiling = pool.submit(scorer_program, settings, devices)
         check_models(run, models.fingerprints(settings, run.model_fingerprint))
         loaded = models.load(settings)
         models.check_images(loaded, settings.width, settings.height)
