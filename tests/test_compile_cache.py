@@ -75,6 +75,50 @@ def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path):
     assert compile_cache.load_or_compile(lowered, devices, folder)[1]
 
 
+def _own_jax_cache(folder):
+    """Point jax's persistent cache at ``folder``, keeping every program (the worker's own
+    folder comes back before the next test)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+    jax_cache.reset_cache()
+    for name, value in (("jax_compilation_cache_dir", str(folder)), ("jax_enable_compilation_cache", True),
+                        ("jax_persistent_cache_min_compile_time_secs", 0.0),
+                        ("jax_persistent_cache_min_entry_size_bytes", -1)):
+        jax.config.update(name, value)
+
+
+def test_an_executable_that_jaxs_cache_gave_is_not_written_and_a_fresh_compile_is(tmp_path, monkeypatch):
+    """XLA:CPU serializes an executable it deserialized without its compiled functions: an
+    entry made from one loads, then fails at its first run. So only a program this process
+    compiled becomes an entry; one jax's persistent cache gave is used and not written."""
+    import jax
+    import numpy as np
+
+    from pipeline.core import logs
+    from pipeline.generate import jax_events
+
+    _own_jax_cache(tmp_path / "jax")
+    jax_events.CACHE.install()
+    devices = jax.local_devices()
+    fresh, x = _sin_program(devices)
+    compiled, hit = compile_cache.load_or_compile(fresh, devices, str(tmp_path / "first"))
+    assert not hit and os.listdir(tmp_path / "first")  # compiled here: written
+    jax.clear_caches()
+    hits = jax_events.CACHE.count(jax_events.CACHE_HIT)
+    events = []
+    monkeypatch.setattr(logs, "event", lambda name, *a, **fields: events.append({"event": name, **fields}))
+    served, hit = compile_cache.load_or_compile(_sin_program(devices)[0], devices, str(tmp_path / "second"))
+    assert jax_events.CACHE.count(jax_events.CACHE_HIT) == hits + 1 and not hit
+    assert not os.path.exists(tmp_path / "second") or not os.listdir(tmp_path / "second")
+    assert [e for e in events if e["event"] == "executable_not_cached" and "jax's persistent cache" in e["reason"]]
+    np.testing.assert_array_equal(np.asarray(served(x)), np.asarray(compiled(x)))
+    # the fresh compile's entry loads and runs
+    loaded, hit = compile_cache.load_or_compile(_sin_program(devices)[0], devices, str(tmp_path / "first"))
+    assert hit
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(compiled(x)))
+
+
 class _Payload:
     """A pickle that makes ``path`` (a folder) when unpickled: code run by loading it."""
 
@@ -337,6 +381,7 @@ def test_the_index_finds_a_sampler_without_tracing_it_and_it_makes_the_same_imag
     from pipeline.model import load
 
     monkeypatch.setattr(compile_cache, "_executables", str(tmp_path / "executables"))
+    _own_jax_cache(tmp_path / "jax")  # so the first compile is XLA's, not a program an earlier test left
     traced = []
     lower = generator.lower_sampler
     monkeypatch.setattr(generator, "lower_sampler", lambda *a, **k: traced.append(1) or lower(*a, **k))

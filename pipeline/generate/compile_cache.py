@@ -954,10 +954,11 @@ def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[st
     the same key (``executable_key``) in ``folder`` (local or gs://; default: the one
     ``enable`` chose, none before it), rebuilt around this run's lowering.
 
-    Returns (the compiled program, whether it was loaded from the cache). A compiled
-    program is written to the cache; an entry that cannot be loaded (another jaxlib's,
-    truncated, not this program's) is logged at warning level, compiled again and
-    replaced. ``index``: (its ``index_key``, what ``load_indexed`` should return with it:
+    Returns (the compiled program, whether it was loaded from the cache). A program XLA
+    compiled here is written to the cache; one that jax's persistent cache gave is used and
+    not written (XLA:CPU serializes a deserialized executable without its code). An entry
+    that cannot be loaded (another jaxlib's, truncated, not this program's) is logged at
+    warning level, compiled again and replaced. ``index``: (its ``index_key``, what ``load_indexed`` should return with it:
     a tree of ``jax.ShapeDtypeStruct``s), recorded in the index when both the program and
     that tree can be described in JSON.
     """
@@ -985,7 +986,14 @@ def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[st
         EXECUTABLE_COUNTS["hits"] += 1
         compiled, program = found
     else:
-        compiled = lowered.compile()
+        compiled, served = _compiled_here(lowered)
+        if served and cacheable:
+            # An executable jax's persistent cache deserialized is not written again: XLA:CPU
+            # serializes one without its compiled functions, and the entry would load and then
+            # fail at its first run ("Function ... not found"). Only a fresh compile is kept.
+            logs.event("executable_not_cached", reason="jax's persistent cache gave this executable; "
+                       "only one this process compiled is written")
+            cacheable = False
         try:
             data, program = _entry(key, devices, compiled) if cacheable else (None, None)
         except Exception as e:  # noqa: BLE001 - a backend that cannot serialise it: compiled each run
@@ -1005,6 +1013,15 @@ def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[st
     elif index is not None and cacheable:
         logs.event("executable_not_indexed", reason="the program cannot be described in JSON")
     return compiled, hit
+
+
+def _compiled_here(lowered):
+    """(``lowered.compile()``, whether jax's persistent cache gave the executable rather
+    than XLA compiling it): jax counts a hit on the thread that compiles."""
+    jax_events.CACHE.install()
+    before = jax_events.CACHE.count_here(jax_events.CACHE_HIT)
+    compiled = lowered.compile()
+    return compiled, jax_events.CACHE.count_here(jax_events.CACHE_HIT) > before
 
 
 def load_indexed(key: str, devices, folder: str | None = None):
