@@ -49,5 +49,5 @@ setup(
                  # OUT/zarr must open in xarray (a zarr v3 group with dimension names)
                  "xarray>=2025.1", "zarr>=3"],
     },
-    entry_points={"console_scripts": ["promptmill=jobs.cli:main"]},
+    entry_points={"console_scripts": ["promptmill=jobs.cli:entry"]},
 )

@@ -9,6 +9,7 @@ No flag is abbreviated, and a flag that takes one value given twice is an error
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -273,5 +274,33 @@ def _dispatch(args, beam_args: list[str]) -> int:
     return 0
 
 
+def entry() -> None:
+    """The ``promptmill`` command: ``main``, and the process ends with its exit code once
+    every exit handler has run (JAX's shutdown, logging's, temporary folders'), without the
+    interpreter's teardown of the libraries loaded (jax, Beam, diffusers, transformers):
+    measured at 0.3 to 0.9 s per process on CPU after the work was done, on every host
+    and every command. ``main`` itself returns, so it can be called in a process that goes on."""
+    import atexit
+
+    code = [1]  # an exception main let through: Python prints it, and the exit code is 1
+
+    def end() -> None:  # registered first, so it runs after every other exit handler
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code[0])
+
+    atexit.register(end)
+    try:
+        code[0] = main()
+    except SystemExit as e:  # argparse's exit 2, --help's 0
+        code[0] = e.code if isinstance(e.code, int) else int(e.code is not None)
+        raise
+    sys.exit(code[0])
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -472,3 +472,29 @@ def test_the_summary_says_not_verified_and_no_rejects_path_when_there_are_none()
     text = cli.summary("collect", "gs://b/run/", {"images": 0, "rejects": 0, "verified": False}, 0.0)
     assert "NOT verified" in text and "rejects/" not in text and "images/s" not in text
     assert "dataset: gs://b/run/ (its card README.md" in text
+
+
+@pytest.mark.parametrize("body, code, printed", [
+    ("atexit.register(lambda: print('exit handler ran', flush=True)); return 3", 3, "exit handler ran"),
+    ("raise SystemExit(2)", 2, ""),
+    ("raise SystemExit('a message')", 1, "a message"),
+    ("raise LookupError('not caught')", 1, "LookupError: not caught"),
+])
+def test_the_command_ends_with_mains_code_after_every_exit_handler(body, code, printed):
+    """``promptmill`` (``cli.entry``) skips the interpreter's teardown of the libraries, not
+    the exit handlers a command registered, nor main's exit code."""
+    import subprocess
+
+    script = (f"import atexit\nfrom jobs import cli\ndef main():\n    {body}\ncli.main = main\ncli.entry()\n"
+              "print('not reached')\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert printed in done.stdout + done.stderr and "not reached" not in done.stdout
+
+
+def test_the_installed_command_is_the_entry():
+    from importlib import metadata
+
+    [script] = [e for e in metadata.entry_points(group="console_scripts") if e.name == "promptmill"]
+    assert script.value == "jobs.cli:entry"
