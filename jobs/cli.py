@@ -9,7 +9,6 @@ No flag is abbreviated, and a flag that takes one value given twice is an error
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -285,13 +284,9 @@ def entry() -> None:
     code = [1]  # an exception main let through: Python prints it, and the exit code is 1
 
     def end() -> None:  # registered first, so it runs after every other exit handler
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code[0])
+        from pipeline.generate import stopping
+
+        stopping.exit_now(code[0])  # the logs and streams flushed
 
     atexit.register(end)
     try:
