@@ -958,9 +958,9 @@ def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[st
     compiled here is written to the cache; one that jax's persistent cache gave is used and
     not written (XLA:CPU serializes a deserialized executable without its code). An entry
     that cannot be loaded (another jaxlib's, truncated, not this program's) is logged at
-    warning level, compiled again and replaced. ``index``: (its ``index_key``, what ``load_indexed`` should return with it:
-    a tree of ``jax.ShapeDtypeStruct``s), recorded in the index when both the program and
-    that tree can be described in JSON.
+    warning level, compiled again and replaced. ``index``: (its ``index_key``, what
+    ``load_indexed`` should return with it: a tree of ``jax.ShapeDtypeStruct``s), recorded
+    in the index when both the program and that tree can be described in JSON.
     """
     from pipeline.core import logs
     from pipeline.io import storage
