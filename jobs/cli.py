@@ -283,7 +283,9 @@ def entry() -> None:
 
     code = [1]  # an exception main let through: Python prints it, and the exit code is 1
 
-    def end() -> None:  # registered first, so it runs after every other exit handler
+    # registered first, so it runs after every other exit handler (importing this module
+    # registers none: tests/test_cli.py)
+    def end() -> None:
         from pipeline.generate import stopping
 
         stopping.exit_now(code[0])  # the logs and streams flushed

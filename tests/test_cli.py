@@ -498,3 +498,18 @@ def test_the_installed_command_is_the_entry():
 
     [script] = [e for e in metadata.entry_points(group="console_scripts") if e.name == "promptmill"]
     assert script.value == "jobs.cli:entry"
+
+
+def test_importing_the_command_registers_no_exit_handler_that_its_end_would_skip():
+    """``cli.entry`` registers its end first, so an exit handler registered while
+    ``jobs.cli`` itself is imported would run after it, that is never: there is none but
+    logging's, whose shutdown the end does itself."""
+    import subprocess
+
+    script = ("import atexit, logging\nfrom unittest import mock\nseen = []\n"
+              "with mock.patch.object(atexit, 'register', side_effect=lambda f, *a, **k: seen.append(f) or f):\n"
+              "    import jobs.cli\nprint(len(seen), [getattr(f, '__qualname__', f) for f in seen])\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0 []"
