@@ -75,17 +75,12 @@ def test_an_unreadable_entry_is_compiled_again_and_replaced(tmp_path):
     assert compile_cache.load_or_compile(lowered, devices, folder)[1]
 
 
-def _own_jax_cache(folder):
-    """Point jax's persistent cache at ``folder``, keeping every program (the worker's own
-    folder comes back before the next test)."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as jax_cache
-
-    jax_cache.reset_cache()
-    for name, value in (("jax_compilation_cache_dir", str(folder)), ("jax_enable_compilation_cache", True),
-                        ("jax_persistent_cache_min_compile_time_secs", 0.0),
-                        ("jax_persistent_cache_min_entry_size_bytes", -1)):
-        jax.config.update(name, value)
+def _own_jax_cache(folder, monkeypatch):
+    """``compile_cache.enable(folder)``: jax's persistent cache there, keeping every program,
+    and the executables under it (the worker's own jax folder comes back before the next
+    test, and the executables' folder after this one)."""
+    monkeypatch.setattr(compile_cache, "_executables", compile_cache._executables)
+    compile_cache.enable(str(folder))
 
 
 def test_an_executable_that_jaxs_cache_gave_is_not_written_and_a_fresh_compile_is(tmp_path, monkeypatch):
@@ -98,8 +93,7 @@ def test_an_executable_that_jaxs_cache_gave_is_not_written_and_a_fresh_compile_i
     from pipeline.core import logs
     from pipeline.generate import jax_events
 
-    _own_jax_cache(tmp_path / "jax")
-    jax_events.CACHE.install()
+    _own_jax_cache(tmp_path / "jax", monkeypatch)
     devices = jax.local_devices()
     fresh, x = _sin_program(devices)
     compiled, hit = compile_cache.load_or_compile(fresh, devices, str(tmp_path / "first"))
@@ -380,8 +374,9 @@ def test_the_index_finds_a_sampler_without_tracing_it_and_it_makes_the_same_imag
     from pipeline.generate import generator, runtime
     from pipeline.model import load
 
-    monkeypatch.setattr(compile_cache, "_executables", str(tmp_path / "executables"))
-    _own_jax_cache(tmp_path / "jax")  # so the first compile is XLA's, not a program an earlier test left
+    # jax's cache and the executables in a folder of the test's own, so the first compile is XLA's, not a
+    # program an earlier test left
+    _own_jax_cache(tmp_path, monkeypatch)
     traced = []
     lower = generator.lower_sampler
     monkeypatch.setattr(generator, "lower_sampler", lambda *a, **k: traced.append(1) or lower(*a, **k))
