@@ -238,10 +238,13 @@ def test_a_resumed_run_of_several_sizes_makes_what_is_left_starting_at_its_first
     the same command resumes it. Each host starts with the programs of the first size it has
     work of (host 0: the portrait size; host 1 pads the square size's slice it has none of),
     never makes the square size's program on host 0, and the dataset is the uninterrupted
-    run's, byte for byte."""
+    run's, byte for byte. Its OUT's name holds glob characters, which no layer reads as a
+    pattern. Every object of it, the kept logs and each size's zarr group included, is
+    promptmill's by the ownership rule, and --overwrite then deletes all of them, but
+    never follows nor deletes a link planted in OUT (a loop among them) and ends."""
     import shutil
 
-    out = str(tmp_path / "resumed")
+    out = str(tmp_path / "resumed [o7]*?")
     shutil.copytree(sized_run, out)
     manifest = storage.read_json(naming.manifest(out))
     square = manifest["buckets"][0]
@@ -260,6 +263,33 @@ def test_a_resumed_run_of_several_sizes_makes_what_is_left_starting_at_its_first
     assert [e["slice"] for e in host0 if e["event"] == "slice_skipped"] == [square["first_slice"]]
     [done] = [e for e in host0 if e["event"] == "host_done"]
     assert done["slices_skipped"] == 1 and done["slices_generated"] == 2
+    assert [name for name in storage.checksums(out) if not naming.owned(name)] == []
+    _overwrite_keeps_links(tmp_path, out, os.path.join(os.path.dirname(sized_run), "p.jsonl"), model_cache)
+
+
+def _overwrite_keeps_links(tmp_path, out, prompts, model_cache):
+    victim = tmp_path / "victim"
+    (victim / "folder").mkdir(parents=True)
+    for name in ("cat.png", "thesis.tex", "folder/data.csv"):
+        (victim / name).write_text(f"the user's {name}")
+    os.symlink(victim, os.path.join(out, "images", "00099"))
+    os.symlink(victim, os.path.join(out, "zarr", "images"))
+    os.symlink(victim / "cat.png", os.path.join(out, "shards", "00098_stats.json"))
+    os.symlink(".", os.path.join(out, "a"))
+    os.symlink(".", os.path.join(out, "b"))
+    result = run_cli(["plan", "--prompts", prompts, "--out", out,
+                      "--model", "tiny", "--steps", "2", "--overwrite"], model_cache, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {name: (victim / name).read_text() for name in ("cat.png", "thesis.tex", "folder/data.csv")} == {
+        name: f"the user's {name}" for name in ("cat.png", "thesis.tex", "folder/data.csv")}
+    links = {os.path.relpath(os.path.join(root, name), out) for root, dirs, files in os.walk(out)
+             for name in dirs + files if os.path.islink(os.path.join(root, name))}
+    assert links == {"images/00099", "zarr/images", "shards/00098_stats.json", "a", "b"}
+    [event] = [e for e in map(logs.parse, result.stderr.splitlines()) if e and e["event"] == "overwrite"]
+    assert event["level"] == "warning" and len(event["links_kept"]) == 5
+    left = sorted(name for name in storage.checksums(out) if not name.startswith("plan/slices/"))
+    assert left == ["plan/inputs.json", "plan/manifest.json", "plan/model_files.json", "run.json"]  # the new plan
+    assert storage.read_json(naming.run_json(out))["settings"]["steps"] == 2
 
 
 def test_status_shows_each_sizes_slices_images_and_slice_size(sized_run):

@@ -73,3 +73,62 @@ def test_paths_join_local_and_gcs_alike():
     assert naming.shard_stats("gs://b/run/", 3) == "gs://b/run/shards/00003_stats.json"
     assert naming.plan_slice("/tmp/o", 12) == "/tmp/o/plan/slices/00012.jsonl"
     assert naming.shard_metadata("o", 0) == "o/shards/00000.parquet"
+
+
+# A sample value for each parameter a path function of naming takes: what writers pass.
+_SAMPLES = {"out": ["/o"], "logs": ["/o/logs"], "index": [0, 123456], "host": [0, 17],
+            "key": ["a_cat--0123456789abcdef_0007"], "ext": ["png", "jpg", "webp"], "group": ["", "24x32"],
+            "source": ["gs://b/p[1]/x.jsonl"], "first_position": [0, 10 ** 12], "attempt": [1, 12]}
+_SAMPLES_OF = {"host_log": {"logs": ["/o/logs", "/o/logs/attempt-3"]}, "dataset_file": {"name": ["stats.json", "metadata.parquet", "index.html", "gallery/page-00002.html"]},
+               "progress_file": {"name": [naming.progress_name(0), naming.progress_name(12345)]}}
+# folders: the names their writers give under them
+_UNDER = {"rejects_dir": ["x--0123456789abcdef.jsonl"], "thumbs_dir": ["k_0000.jpg"], "logs_dir": [
+    "host-3.log", "hosts.json", "attempt-2/host-0.log", "attempt-2/hosts.json"],
+    "progress_dir": ["host-00003.json"], "zarr_group": ["zarr.json", "images/zarr.json", "images/c/0/0/0/0",
+                                                         "latents/c/1/0/0/0", "dropped/c/0", "key/c/0"],
+    "zarr_images": ["zarr.json", "c/0/0/0/0"], "zarr_latents": ["zarr.json", "c/3/0/0/0"],
+    "attempt_logs": ["host-0.log", "hosts.json"]}
+
+
+def _path_functions():
+    import inspect
+
+    for name, function in vars(naming).items():
+        if inspect.isfunction(function) and function.__module__ == naming.__name__ and not name.startswith("_"):
+            params = list(inspect.signature(function).parameters)
+            if params and params[0] in ("out", "logs"):
+                yield name, function, params
+
+
+def test_every_name_a_path_function_gives_is_owned_by_the_rule_registered_with_it():
+    """The ownership rule is the union of the writers' own patterns: every path function
+    of naming either is registered with the pattern of what it gives (``naming.writes``)
+    or takes a logs folder it joins into; each name it gives, for every sample of its
+    parameters, is owned, so --overwrite deletes it; a path function added without a
+    pattern fails here."""
+    import itertools
+
+    checked = 0
+    for name, function, params in _path_functions():
+        if name == "join":
+            continue
+        names = []
+        samples = {**_SAMPLES, **_SAMPLES_OF.get(name, {})}
+        for values in itertools.product(*(samples[p] for p in params)):
+            path = function(**dict(zip(params, values)))
+            assert path.startswith("/o/"), (name, path)
+            names += [f"{path}/{under}"[3:] for under in _UNDER[name]] if name in _UNDER else [path[3:]]
+        assert names
+        unowned = [n for n in names if not naming.owned(n)]
+        assert unowned == [], (name, unowned)
+        if params[0] == "out":
+            assert name in naming.WRITERS, f"naming.{name} gives a path under OUT but registers no pattern"
+        checked += 1
+    assert checked >= 20
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "zarr.json", "images/mine.png", "logs/app.log", "logs/attempt-1/x.txt",
+                                  "zarr/mine/x", "zarr/24x32/notes.txt", "shards/notes.md", "plan/my-plan.txt",
+                                  "dataset/mydata.csv", "progress/host-0.txt", "thumbs/00000/x.png"])
+def test_a_users_own_names_are_not_owned(name):
+    assert not naming.owned(name)

@@ -40,7 +40,7 @@ USERS_OWN = ("notes.txt", "planning/keep.txt", "images/mine.png", "logs/app.log"
 def test_overwrite_deletes_only_what_promptmill_wrote(planned):
     out = planned.out
     for name in ("shards/00007.tar", "images/00007/old_0000.png", "thumbs/00007/old_0000.jpg", "logs/host-0.log",
-                 "logs/host-1.attempt-2.log", "dataset/stats.json", "dataset/gallery/page-00002.html",
+                 "logs/attempt-2/host-1.log", "zarr/24x32/images/c/0", "dataset/stats.json", "dataset/gallery/page-00002.html",
                  "zarr/images/c/0/0/0/0", "progress/host-00001.json"):
         storage.write_bytes(naming.join(out, name), b"from the old run")
     for name in USERS_OWN:

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from pipeline.io import storage
+from pipeline.io import listing, storage
 from pipeline.testing.fault_proxy import FaultyProxy
 
 
@@ -50,6 +50,9 @@ def test_gcs_through_a_proxy_failing_one_request_in_ten(gcs_emulator, monkeypatc
     ("a/*.jsonl", "a/x.jsonl", True), ("a/*.jsonl", "a/b/x.jsonl", False), ("a/**/*.jsonl", "a/x.jsonl", True),
     ("a/**/*.jsonl", "a/b/c/x.jsonl", True), ("a/**", "a/b/c", True), ("a/x?.txt", "a/x1.txt", True),
     ("a/x?.txt", "a/x/.txt", False), ("a/[!x]*", "a/y", True), ("a/[!x]*", "a/x", False), ("a.b", "axb", False),
+    ("*", ".promptmill-tmp-x", False), ("**", "a/.promptmill-tmp-x", False), ("**/*", ".hidden/x", False),
+    (".*", ".hidden", True), ("a/.b/*", "a/.b/c", True), ("x*", "x.hidden", True),
 ])
 def test_glob_regex(pattern, name, matches):
-    assert bool(storage.glob_regex(pattern).match(name)) == matches
+    """Glob semantics for names under a folder; a wildcard never matches a name's leading dot."""
+    assert bool(listing.regex(pattern).match(name)) == matches

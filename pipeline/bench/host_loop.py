@@ -385,7 +385,7 @@ def run(config: PipelineBenchConfig) -> dict:
                 out = f"gs://{bucket}/pipeline-bench"
                 write_plan(out, run_dict, config.slices, size)
                 modes["pipeline_gcs"] = run_pipeline(generator, out, run_dict, config.slices, size)
-                modes["pipeline_gcs"]["files"] = len(storage.glob(naming.join(out, "images", "*", "*.png")))
+                modes["pipeline_gcs"]["files"] = sum(1 for _ in storage.files(naming.join(out, "images"), "*/*.png"))
             logs.event("bench_pipeline_mode", mode="pipeline_gcs", images_per_s=modes["pipeline_gcs"]["images_per_s"])
         if "beam" in config.modes:
             beam_out = os.path.join(workdir, "beam")

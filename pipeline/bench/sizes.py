@@ -82,7 +82,7 @@ def _run(args: list[str], out: str, cache: str, again: bool = False) -> dict:
 
 
 def host_events(out: str) -> list[dict]:
-    return [e for path in storage.glob(naming.join(out, "logs", "host-*.log"))
+    return [e for path in sorted(storage.files(naming.join(out, "logs"), "host-*.log"))
             for e in map(logs.parse, storage.read_text(path).splitlines()) if e]
 
 

@@ -78,7 +78,7 @@ def commit_share(out: str, share: float, hosts: int, now: float) -> dict:
 def copy_to(out: str, target: str, committed: int, hosts: int) -> int:
     """Copy what status reads or lists of ``out`` to ``target``; returns how many objects."""
     names = ["run.json", "plan/manifest.json"]
-    names += [os.path.relpath(p, out) for p in storage.glob(naming.rejects_dir(out))]
+    names += [os.path.relpath(p, out) for p in sorted(storage.files(naming.rejects_dir(out)))]
     for index in range(committed):
         names += [os.path.relpath(path, out) for path in (naming.shard_stats(out, index),
                                                            naming.shard_metadata(out, index),

@@ -151,7 +151,7 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
     rate = commit_rate([committed[i] for i in indices], sizes, now)
     hosts = sorted((host_view(p, now) for p in progress), key=lambda h: (h["host"] is None, h["host"], h["name"]))
     for h in hosts:  # a local run's launcher keeps each host's log under OUT
-        h["log"] = naming.join(out, "logs", f"host-{h['host']}.log") if h["host"] in host_logs else None
+        h["log"] = naming.host_log(naming.logs_dir(out), h["host"]) if h["host"] in host_logs else None
     collect = {"ran": dataset_stats is not None,
                "verified": dataset_stats.get("verified") if dataset_stats else None,
                "images": dataset_stats.get("images") if dataset_stats else None,
@@ -177,7 +177,7 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
         "rate": {"images_per_s": round(rate, 3) if rate is not None else None, "window_s": RATE_WINDOW_S,
                  "eta_s": round(eta, 1) if eta is not None else None},
         "hosts": hosts,
-        "never_started": [{"host": i, "log": naming.join(out, "logs", f"host-{i}.log") if i in host_logs else None}
+        "never_started": [{"host": i, "log": naming.host_log(naming.logs_dir(out), i) if i in host_logs else None}
                           for i in never],
         "redone_slices": redone,
         "failed_hosts": [{"name": h["name"], "failure": h["failure"]} for h in hosts if h["state"] == "failed"],
@@ -211,14 +211,14 @@ def gather(out: str) -> tuple[Run, dict | None, dict[int, float], list[dict], di
         manifest = pool.submit(_read_json, naming.manifest(out))
         committed = pool.submit(runs.committed, out)
         stats = pool.submit(_read_json, naming.dataset_file(out, "stats.json"))
-        paths = storage.glob(naming.join(naming.progress_dir(out), "*.json"))
+        paths = sorted(storage.files(naming.progress_dir(out), "*.json"))
         progress = [p for p in pool.map(_read_progress, paths) if p is not None]
         return run, manifest.result(), committed.result(), progress, stats.result(), _local_host_logs(out)
 
 
 def _local_host_logs(out: str) -> frozenset[int]:
     """The hosts whose log a local run's launcher keeps in ``OUT/logs`` (none on gs://)."""
-    folder = naming.join(out, "logs")
+    folder = naming.logs_dir(out)
     if storage.is_gcs(out) or not os.path.isdir(folder):
         return frozenset()
     return frozenset(int(match.group(1)) for match in map(_HOST_LOG.fullmatch, os.listdir(folder)) if match)

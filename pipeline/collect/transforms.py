@@ -125,7 +125,7 @@ def listed_images(out: str, settings: Settings, index: int) -> list[str] | None:
         return []
     if "files" not in settings.formats:
         return None
-    return storage.glob(naming.join(out, "images", naming.slice_name(index), "*"))
+    return sorted(storage.files(naming.join(out, "images", naming.slice_name(index)), "*"))
 
 
 class _VerifySliceFn(beam.DoFn):
@@ -152,7 +152,7 @@ class _VerifySliceFn(beam.DoFn):
         rows = _read_table(naming.shard_metadata(self.out, index)).to_pylist() if committed else []
         image_paths = listed_images(self.out, self.settings, index) if committed else None
         has_thumbs = committed and "thumbnails" in slice_stats
-        thumb_paths = storage.glob(naming.join(naming.thumbs_dir(self.out, index), "*")) if has_thumbs else None
+        thumb_paths = sorted(storage.files(naming.thumbs_dir(self.out, index), "*")) if has_thumbs else None
         verdicts = verify_slice([i["key"] for i in items], rows, image_paths, thumb_paths)
         for verdict, keys in verdicts.items():
             if verdict not in self.counters:
@@ -382,7 +382,7 @@ def _slice_indices(manifest: dict):
 
 
 def _rejects_files(_manifest: dict, out: str) -> list[str]:
-    return storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl"))
+    return sorted(storage.files(naming.rejects_dir(out), "*.jsonl"))
 
 
 def _now(_) -> float:

@@ -95,32 +95,33 @@ def join(base: str, *parts: str) -> str:
     return path
 
 
-# Everything promptmill writes under OUT, by name relative to OUT; ``--overwrite`` deletes
-# exactly the objects these match, never another (a user's own file in OUT is kept). An output
-# added later joins this list: a test holds every object of a run with every output to it.
-OWNED = re.compile(r"""(?x)
-    run\.json
-  | README\.md
-  | plan/(manifest|model_files|inputs)\.json
-  | plan/(slices|parts|rejects|scans)/[^/]+\.(jsonl|npz)
-  | shards/\d{5,}(\.tar|\.parquet|_stats\.json)
-  | images/\d{5,}/[A-Za-z0-9_-]+\.(png|jpg|webp)
-  | images/metadata\.jsonl
-  | thumbs/\d{5,}/[A-Za-z0-9_-]+\.jpg
-  | parquet/\d{5,}\.parquet
-  | zarr/zarr\.json
-  | zarr/(images|latents|dropped|key)/.+
-  | dataset/(metadata\.parquet|stats\.json|README\.md|index\.html|gallery/page-\d{5,}\.html)
-  | logs/host-\d+(\.attempt-\d+)?\.log
-  | logs/hosts\.json
-  | progress/host-\d{5,}\.json
-  | (.+/)?\.promptmill-tmp-[^/]+
-""")
+# Everything promptmill writes under OUT, by name relative to OUT, is given by a function of
+# this module registered with the pattern of the names it gives (``writes``); ``owned`` matches
+# exactly those, and ``--overwrite`` deletes exactly the objects it matches, never another (a
+# user's own file in OUT is kept). tests/test_naming.py calls every path function here and
+# holds each name it gives against ``owned``, so a writer cannot give a name the rule misses.
+WRITERS: dict[str, str] = {}  # {function name: the pattern of the names under OUT it gives}
+_SIZE_GROUP = r"(\d+x\d+/)?"  # a run of several sizes keeps a zarr group per size
+
+
+def writes(pattern: str):
+    """Register a path function's names under OUT (a folder's: everything under it)."""
+    def register(function):
+        WRITERS[function.__name__] = pattern
+        return function
+    return register
 
 
 def owned(name: str) -> bool:
     """Whether promptmill writes an object of this name (relative to OUT)."""
-    return OWNED.fullmatch(name) is not None
+    global _OWNED
+    if _OWNED is None:
+        _OWNED = re.compile("|".join(f"(?:{pattern})" for pattern in [*WRITERS.values(), _TEMP]))
+    return _OWNED.fullmatch(name) is not None
+
+
+_OWNED: re.Pattern | None = None
+_TEMP = r"(.+/)?\.promptmill-tmp-[^/]+"  # a local file being written (``TEMP_PREFIX``), or left by a kill
 
 
 TEMP_PREFIX = ".promptmill-tmp-"  # a local file being written, renamed to its name once whole
@@ -130,52 +131,63 @@ def slice_name(index: int) -> str:
     return f"{index:05d}"
 
 
+@writes(r"run\.json")
 def run_json(out: str) -> str:
     return join(out, "run.json")
 
 
+@writes(r"plan/manifest\.json")
 def manifest(out: str) -> str:
     return join(out, "plan", "manifest.json")
 
 
+@writes(r"plan/inputs\.json")
 def plan_inputs(out: str) -> str:
     """The input table: every prompt file the plan read, with its size and checksum."""
     return join(out, "plan", "inputs.json")
 
 
+@writes(r"plan/model_files\.json")
 def model_files(out: str) -> str:
     """The checkpoint's file table (sizes and sha256) the plan was made with."""
     return join(out, "plan", "model_files.json")
 
 
+@writes(r"plan/slices/\d{5,}\.jsonl")
 def plan_slice(out: str, index: int) -> str:
     return join(out, "plan", "slices", f"{slice_name(index)}.jsonl")
 
 
+@writes(r"plan/parts/\d{5,}-\d{12,}\.jsonl")
 def plan_part(out: str, index: int, first_position: int) -> str:
     """A piece of a slice that several input files share, from the file holding
     ``first_position``; plan joins the pieces into the slice and deletes them."""
     return join(out, "plan", "parts", f"{slice_name(index)}-{first_position:012d}.jsonl")
 
 
+@writes(r"plan/scans/[A-Za-z0-9_-]+\.npz")
 def plan_scan(out: str, source: str) -> str:
     """The first pass's arrays for one input file (``plan.FileScan``); deleted once read."""
     return join(out, "plan", "scans", f"{key_stem(source)}.npz")
 
 
+@writes(r"plan/rejects/[A-Za-z0-9_-]+\.jsonl")
 def rejects_dir(out: str) -> str:
     return join(out, "plan", "rejects")
 
 
+@writes(r"plan/rejects/[A-Za-z0-9_-]+\.jsonl")
 def rejects_file(out: str, source: str) -> str:
     """The rejects file of one input source (named safely after it)."""
     return join(rejects_dir(out), f"{key_stem(source)}.jsonl")
 
 
+@writes(r"shards/\d{5,}\.parquet")
 def shard_metadata(out: str, index: int) -> str:
     return join(out, "shards", f"{slice_name(index)}.parquet")
 
 
+@writes(r"shards/\d{5,}_stats\.json")
 def shard_stats(out: str, index: int) -> str:
     """The commit marker of a slice: written last."""
     return join(out, "shards", f"{slice_name(index)}_stats.json")
@@ -190,30 +202,36 @@ def marker_slice(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@writes(r"shards/\d{5,}\.tar")
 def shard_tar(out: str, index: int) -> str:
     """The slice's WebDataset shard."""
     return join(out, "shards", f"{slice_name(index)}.tar")
 
 
+@writes(r"parquet/\d{5,}\.parquet")
 def image_parquet(out: str, index: int) -> str:
     """The slice's rows with image bytes (the ``parquet`` format)."""
     return join(out, "parquet", f"{slice_name(index)}.parquet")
 
 
+@writes(r"zarr/(\d+x\d+/)?(zarr\.json|(images|latents|dropped|key)/.+)")
 def zarr_group(out: str, group: str = "") -> str:
     """``OUT/zarr``, or a size's group in it (``OUT/zarr/832x1216``) in a run of several sizes."""
     return join(out, "zarr", group) if group else join(out, "zarr")
 
 
+@writes(r"zarr/(\d+x\d+/)?images/.+")
 def zarr_images(out: str, group: str = "") -> str:
     return join(zarr_group(out, group), "images")
 
 
+@writes(r"zarr/(\d+x\d+/)?latents/.+")
 def zarr_latents(out: str, group: str = "") -> str:
     """``--save-latents``: the final latents, indexed by position like ``zarr_images``."""
     return join(zarr_group(out, group), "latents")
 
 
+@writes(r"images/\d{5,}/[A-Za-z0-9_-]+\.(png|jpg|webp)")
 def image_file(out: str, index: int, key: str, ext: str = "png") -> str:
     return join(out, "images", slice_name(index), f"{key}.{ext}")
 
@@ -224,19 +242,23 @@ def thumb_name(index: int, key: str) -> str:
     return f"thumbs/{slice_name(index)}/{key}.jpg"
 
 
+@writes(r"thumbs/\d{5,}/[A-Za-z0-9_-]+\.jpg")
 def thumb_file(out: str, index: int, key: str) -> str:
     return join(out, thumb_name(index, key))
 
 
+@writes(r"thumbs/\d{5,}/[A-Za-z0-9_-]+\.jpg")
 def thumbs_dir(out: str, index: int) -> str:
     """The folder of slice ``index``'s thumbnails, listed by collect."""
     return join(out, "thumbs", slice_name(index))
 
 
+@writes(r"dataset/(metadata\.parquet|stats\.json|index\.html|gallery/page-\d{5,}\.html)")
 def dataset_file(out: str, name: str) -> str:
     return join(out, "dataset", name)
 
 
+@writes(r"README\.md")
 def dataset_card(out: str) -> str:
     """The dataset card, ``OUT/README.md``: where Hugging Face readers look for it
     (``datasets.load_dataset(OUT)`` reads its ``configs``)."""
@@ -254,11 +276,30 @@ def is_our_card(text: str) -> bool:
     return CARD_MARKER in text.split("\n---", 1)[0].split("\n")
 
 
+@writes(r"images/metadata\.jsonl")
 def images_metadata(out: str) -> str:
     """``OUT/images/metadata.jsonl``: one line per image file, for the ``imagefolder`` builder."""
     return join(out, "images", "metadata.jsonl")
 
 
+@writes(r"logs/(attempt-\d+/)?(host-\d+\.log|hosts\.json)")
+def logs_dir(out: str) -> str:
+    """``OUT/logs``: a local run's host logs (``host_log``) and its ``hosts.json``, an earlier
+    attempt's kept under ``attempt-K/`` (``attempt_logs``)."""
+    return join(out, "logs")
+
+
+def host_log(logs: str, host: int) -> str:
+    """Host ``host``'s log in a logs folder (``logs_dir``, or an attempt's)."""
+    return join(logs, f"host-{host}.log")
+
+
+def attempt_logs(logs: str, attempt: int) -> str:
+    """Where attempt ``attempt`` (from 1) of a run's host logs is kept once a later one starts."""
+    return join(logs, f"attempt-{attempt}")
+
+
+@writes(r"progress/host-\d{5,}\.json")
 def progress_dir(out: str) -> str:
     """The hosts' progress objects, which ``promptmill status`` lists and reads."""
     return join(out, "progress")
@@ -269,6 +310,7 @@ def progress_name(host: int) -> str:
     return f"host-{host:05d}"
 
 
+@writes(r"progress/host-\d{5,}\.json")
 def progress_file(out: str, name: str) -> str:
     """One host's progress object (``name``: ``progress_name``), rewritten while it runs."""
     return join(progress_dir(out), f"{name}.json")

@@ -63,7 +63,7 @@ def host_command(out: str, coordinator: str, num_hosts: int, host_id: int,
 
 
 def log_dir_for(out: str) -> str:
-    return naming.join(out, "logs") if not storage.is_gcs(out) else tempfile.mkdtemp(prefix="promptmill-logs-")
+    return naming.logs_dir(out) if not storage.is_gcs(out) else tempfile.mkdtemp(prefix="promptmill-logs-")
 
 
 class Host:
@@ -127,7 +127,7 @@ def keep_earlier_logs(log_dir: str) -> str | None:
         return None
     k = 1 + max([int(n.split("-", 1)[1]) for n in os.listdir(log_dir)
                  if n.startswith("attempt-") and n.split("-", 1)[1].isdigit()], default=0)
-    folder = os.path.join(log_dir, f"attempt-{k}")
+    folder = naming.attempt_logs(log_dir, k)
     os.makedirs(folder)
     for name in earlier:
         os.replace(os.path.join(log_dir, name), os.path.join(folder, name))
@@ -200,7 +200,7 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     env = {**host_env(devices_per_host), stopping.LAUNCHER_ENV: str(os.getpid())}
     events: queue.Queue = queue.Queue()
     hosts = [Host(i, host_command(out, coordinator, num_hosts, i, compile_cache), env,
-                   os.path.join(log_dir, f"host-{i}.log"), events) for i in range(num_hosts)]
+                   naming.host_log(log_dir, i), events) for i in range(num_hosts)]
     for h in hosts:
         h.progress_path = naming.progress_file(out, naming.progress_name(h.index))
     with open(os.path.join(log_dir, "hosts.json"), "w") as f:
@@ -302,7 +302,7 @@ def _follow(hosts: list, events: queue.Queue, done: dict, count: Progress, bar, 
             first.reader.join(timeout=5)  # it has exited: its last lines are read
             tail = "\n    ".join(list(first.tail)[-15:])
             raise HostFailure(f"host {first.index} of {num_hosts} failed ({_describe_exit(code)}); "
-                              f"stopped the other hosts. Log: {os.path.join(log_dir, f'host-{first.index}.log')}"
+                              f"stopped the other hosts. Log: {naming.host_log(log_dir, first.index)}"
                               f"\n  last lines of host {first.index}:\n    {tail}")
         if all(h.process.poll() == 0 for h in hosts):
             return

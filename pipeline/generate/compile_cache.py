@@ -121,7 +121,7 @@ def pull(remote: str) -> str:
     from pipeline.io import storage
 
     local = private_folder(_mirror(remote))
-    for path in storage.glob(remote + "/*"):
+    for path in sorted(storage.files(remote, "*")):
         target = os.path.join(local, path.rsplit("/", 1)[-1])
         if not os.path.exists(target):
             storage.download(path, target)
@@ -140,7 +140,7 @@ def push() -> int:
 
     uploaded = 0
     for remote, local in _REMOTE.items():
-        present = {path.rsplit("/", 1)[-1] for path in storage.glob(remote + "/*")}
+        present = {path.rsplit("/", 1)[-1] for path in sorted(storage.files(remote, "*"))}
         for name in sorted(os.listdir(local)):
             if name not in present and os.path.isfile(os.path.join(local, name)):
                 with open(os.path.join(local, name), "rb") as f:

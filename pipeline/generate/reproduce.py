@@ -28,7 +28,7 @@ def load_rows(out: str) -> dict[str, dict]:
     if storage.exists(path):
         rows = writer.read_parquet_rows(path)
     else:
-        shards = [p for p in storage.glob(naming.join(out, "shards", "*.parquet"))
+        shards = [p for p in sorted(storage.files(naming.join(out, "shards"), "*.parquet"))
                   if storage.exists(p[:-len(".parquet")] + "_stats.json")]  # committed slices only
         if not shards:
             raise ReproduceError(f"{path} does not exist and no slice under {naming.join(out, 'shards')} is "

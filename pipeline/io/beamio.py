@@ -226,9 +226,20 @@ def write_bytes(path: str, data: bytes, mime_type: str = "application/octet-stre
 
 
 def delete(paths: list[str]) -> None:
-    """Delete objects (local files or gs:// objects)."""
-    if paths:
-        _filesystems().delete(list(paths))
+    """Delete these objects (local files or gs:// objects), each by its name as it stands:
+    FileSystems.delete would read a name as a pattern (an OUT called ``runs/o[7]``)."""
+    local = [path for path in paths if not path.startswith("gs://")]
+    for path in local:
+        os.remove(path)
+    if len(local) < len(paths):
+        from apache_beam.io.gcp import gcsio
+
+        use_emulator_credentials()
+        failed = [(path, error) for path, error in gcsio.GcsIO().delete_batch([p for p in paths if p not in local])
+                  if error]
+        if failed:
+            raise OSError(f"cannot delete {failed[0][0]}: {failed[0][1]}" +
+                          (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
 
 
 def write_text(path: str, text: str, mime_type: str = "text/plain") -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
-import glob as _glob
 import hashlib
 import json
 import os
@@ -27,6 +26,7 @@ from typing import IO, Iterator
 
 from pipeline.core import logs
 from pipeline.core.naming import TEMP_PREFIX
+from pipeline.io import listing
 
 GCS_PREFIX = "gs://"
 _WILDCARD = re.compile(r"[*?\[]")
@@ -172,60 +172,48 @@ def exists(path: str) -> bool:
 
 
 def glob(pattern: str) -> list[str]:
-    """Sorted paths of the objects matching ``pattern`` (``*``, ``?``, ``[..]``, ``**``).
-
-    A pattern without wildcards that names a folder lists the files under it.
-    """
-    if is_gcs(pattern):
-        return _gcs_glob(pattern)
-    if not _WILDCARD.search(pattern) and os.path.isdir(pattern):
-        pattern = os.path.join(pattern, "**", "*")
-    return sorted(p for p in _glob.glob(pattern, recursive=True) if os.path.isfile(p))
-
-
-def glob_regex(pattern: str) -> re.Pattern:
-    """A regex with the semantics of Python's recursive glob, for object names.
-
-    ``*`` and ``?`` stay within one path segment, ``[..]`` is a character class, and
-    ``**/`` matches zero or more whole segments (``**`` at the end: anything).
-    """
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:[^/]*/)*")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
-            end = pattern.index("]", i + 2)
-            body = pattern[i + 1:end]
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-            i = end + 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
-
-
-def _gcs_glob(pattern: str) -> list[str]:
+    """Sorted paths of the files a user's pattern names (``*``, ``?``, ``[..]``, ``**``):
+    the object or the files under the folder it names as it stands, else those that
+    match (``pipeline.io.listing``). Only for a user's ``--prompts``: a folder promptmill
+    names is listed with ``files``, where its name is never a pattern."""
+    if not is_gcs(pattern):
+        return listing.glob(pattern)
     bucket, name = _split_gcs(pattern)
+    if name and exists(pattern):
+        return [pattern]
     match = _WILDCARD.search(name)
-    if not match:  # an object, or a folder: everything under it
-        if name and _blob(pattern).exists(retry=_retry()):
-            return [pattern]
-        name = name.rstrip("/") + "/**"
-        match = _WILDCARD.search(name)
-    regex = glob_regex(name)
-    blobs = gcs_client().list_blobs(bucket, prefix=name[: match.start()], retry=_retry())
-    return sorted(f"{GCS_PREFIX}{bucket}/{b.name}" for b in blobs
-                  if not b.name.endswith("/") and regex.match(b.name))
+    if not match:  # a folder: everything under it
+        return sorted(files(pattern))
+    literal = f"{GCS_PREFIX}{bucket}/{name[:match.start()]}"
+    matches = listing.regex(name[match.start():]).match
+    return sorted(path for path in _gcs_names(literal) if matches(path[len(literal):]))
+
+
+def files(folder: str, pattern: str = "**") -> Iterator[str]:
+    """Paths of the objects under ``folder``, a literal path (``runs/o[7]`` is that folder),
+    whose name relative to it matches ``pattern``, streamed in no set order (GCS in pages
+    of 1000; locally regular files only, no symbolic link followed)."""
+    if not is_gcs(folder):
+        return listing.files(folder, pattern)
+    prefix = folder.rstrip("/") + "/"
+    matches = listing.regex(pattern).match
+    return (path for path in _gcs_names(prefix) if matches(path[len(prefix):]))
+
+
+def entries(folder: str) -> Iterator[tuple[str, str]]:
+    """``(path, kind)`` of everything under ``folder`` (a literal path), streamed: kind
+    "file", or locally "link" (never followed) or "other" (``listing.entries``)."""
+    if not is_gcs(folder):
+        return listing.entries(folder)
+    return ((path, "file") for path in _gcs_names(folder.rstrip("/") + "/"))
+
+
+def _gcs_names(prefix: str) -> Iterator[str]:
+    """Every object whose name starts with ``prefix`` (a gs:// path), listed page by page."""
+    bucket, name = _split_gcs(prefix)
+    for blob in gcs_client().list_blobs(bucket, prefix=name, fields="items(name),nextPageToken", retry=_retry()):
+        if not blob.name.endswith("/"):
+            yield f"{GCS_PREFIX}{bucket}/{blob.name}"
 
 
 def modified_times(folder: str, suffix: str = "") -> dict[str, float]:
@@ -269,7 +257,7 @@ def checksums(prefix: str) -> dict[str, str]:
     import hashlib
 
     sums = {}
-    for path in glob(prefix):
+    for path in sorted(files(prefix)):
         with open(path, "rb") as f:
             sums[os.path.relpath(path, prefix).replace(os.sep, "/")] = f"{os.path.getsize(path)}:" \
                 f"{hashlib.sha256(f.read()).hexdigest()}"

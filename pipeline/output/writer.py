@@ -120,8 +120,8 @@ def is_committed(out: str, index: int) -> bool:
 def leftovers(out: str, settings: Settings, index: int) -> list[str]:
     """Objects an uncommitted slice already has, from an attempt that died (zarr chunks aside)."""
     chosen = settings.formats
-    found = storage.glob(naming.join(out, "images", naming.slice_name(index), "*")) if "files" in chosen else []
-    found += storage.glob(naming.join(naming.thumbs_dir(out, index), "*"))
+    found = sorted(storage.files(naming.join(out, "images", naming.slice_name(index)), "*")) if "files" in chosen else []
+    found += sorted(storage.files(naming.thumbs_dir(out, index), "*"))
     candidates = [naming.shard_metadata(out, index)]
     if "webdataset" in chosen:
         candidates.append(naming.shard_tar(out, index))

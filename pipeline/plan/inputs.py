@@ -34,6 +34,7 @@ files to a reasonable size (use JSONL, CSV or Parquet shards for big inputs).
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import csv
 import datetime as dt
@@ -117,41 +118,42 @@ def _rows(path: str, prompt_field: str):
 
 
 def _read_delimited(path: str, delimiter: str, prompt_field: str):
+    """The rows of a CSV or TSV file, each parsed on its own (``csv``'s strict dialect).
+
+    A quoted field may span lines, so a stray quote could swallow the rest of the file
+    into one field. A record is therefore never taken on trust when it spans lines and
+    is bad: a quote still open at the end of the file, a character after a closing
+    quote, or a field count other than the header's rejects the row where it starts,
+    and its later lines are read again as rows of their own (each planned or rejected
+    with its reason), so no row is merged into another or lost."""
     bad_lines: set[int] = set()
 
     def text_lines(stream):
         for number, raw in enumerate(beamio.split_lines(stream, keep_ends=True), start=1):
             try:
-                yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError:
                 bad_lines.add(number)
-                yield raw.decode("utf-8", "replace")
+                yield number, raw.decode("utf-8", "replace")
 
     with beamio.open_read(path, CompressionTypes.AUTO) as stream:
-        reader = csv.reader(text_lines(stream), delimiter=delimiter)
-        header, end = None, 0
-        while True:
-            start = end + 1
-            try:
-                cells = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as e:
-                if reader.line_num <= end:  # no progress: give up on the rest of the file
-                    yield path, start, Reject(path, start, "bad_row", f"unreadable CSV from here on: {e}", "")
-                    return
-                end = reader.line_num
-                yield path, start, Reject(path, start, "bad_row", f"the row cannot be parsed: {e}", "")
+        header = None
+        for start, lines, cells, error in _delimited_records(text_lines(stream), delimiter,
+                                                             lambda: header and len(header)):
+            raw = "".join(lines).rstrip("\r\n") if error else delimiter.join(cells)
+            if not error and not cells:  # a blank line is not a row
                 continue
-            end = reader.line_num
-            if not cells:  # a blank line is not a row
-                continue
-            raw = delimiter.join(cells)
-            if any(number in bad_lines for number in range(start, end + 1)):
+            if any(number in bad_lines for number in range(start, start + len(lines))):
                 if header is None:  # without a header no row can be read
                     yield path, 0, Reject(path, 0, "invalid_utf8", "the header row is not valid UTF-8", raw)
                     return
                 yield path, start, Reject(path, start, "invalid_utf8", "the row is not valid UTF-8", raw)
+                continue
+            if error:
+                if header is None:
+                    yield path, 0, Reject(path, 0, "bad_header", f"the header row is bad: {error}", raw)
+                    return
+                yield path, start, Reject(path, start, "bad_row", error, raw)
                 continue
             if header is None:
                 header = [name.strip() for name in cells]
@@ -172,6 +174,49 @@ def _read_delimited(path: str, delimiter: str, prompt_field: str):
                 continue
             yield path, start, {name: value for name, value in zip(header, cells)
                                 if value != "" or name == prompt_field}
+
+
+_CSV_ERRORS = {  # the csv module's words for a stray quote, in ours
+    "unexpected end of data": "a quoted field is still open at the end of the file (a stray quote?)",
+    "',' expected after '\"'": "text follows a closing quote (a stray quote?)",
+    "'\\t' expected after '\"'": "text follows a closing quote (a stray quote?)",
+}
+
+
+def _delimited_records(numbered_lines, delimiter: str, width):
+    """``(first line number, its lines, cells, error)`` of each record of a delimited text
+    (``numbered_lines``: (number, text with its line ending); ``width()``: the header's
+    field count, None before it). A record that spans lines and cannot be parsed or has
+    another field count (``error``: why) gives back its later lines, which are parsed
+    again as records of their own."""
+    source = iter(numbered_lines)
+    pushed: collections.deque = collections.deque()
+    while True:
+        taken: list[tuple[int, str]] = []
+
+        def feed():
+            while True:
+                item = pushed.popleft() if pushed else next(source, None)
+                if item is None:
+                    return
+                taken.append(item)
+                yield item[1]
+
+        reader = csv.reader(feed(), delimiter=delimiter, strict=True)
+        try:
+            cells, error = next(reader), None
+        except StopIteration:
+            return
+        except csv.Error as e:  # strict: a quote open at the end, or text after a closing quote
+            cells, error = [], f"the row cannot be parsed: {_CSV_ERRORS.get(str(e), e)}"
+        if not taken:
+            return
+        if len(taken) > 1 and not error and width() and len(cells) != width():
+            error = f"the row has {len(cells)} fields, the header has {width()}"
+        if error and len(taken) > 1:
+            pushed.extendleft(reversed(taken[1:]))
+            taken = taken[:1]
+        yield taken[0][0], [text for _, text in taken], cells, error
 
 
 def _read_json_array(path: str, prompt_field: str):

@@ -28,7 +28,7 @@ import numpy as np
 
 from pipeline.core import buckets, records
 from pipeline.model.sampling import guidance as guidance_rules
-from pipeline.io import beamio, storage
+from pipeline.io import beamio, listing, storage
 from pipeline.plan import inputs
 
 _WILDCARD = re.compile(r"[*?\[]")
@@ -57,10 +57,10 @@ def auto_id(source: str, root: str, line: int) -> str:
 
 def match_prompt_files(pattern: str) -> list[str]:
     """The files of ``pattern`` (``storage.glob``); PlanError if one has an unknown format."""
-    paths = storage.glob(pattern)
     try:
+        paths = storage.glob(pattern)
         inputs.check_formats(paths)
-    except inputs.UnsupportedInput as e:
+    except (inputs.UnsupportedInput, listing.NotAPromptFile) as e:
         raise PlanError(str(e)) from None
     return paths
 

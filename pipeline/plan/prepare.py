@@ -7,6 +7,7 @@ resumed (``prepare_out``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
@@ -192,42 +193,108 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
     return run
 
 
+CARD = "README.md"  # naming.dataset_card's name under OUT: ours to delete only when it says so
+DELETE_BATCH = 1000  # objects deleted at a time while --overwrite lists OUT (a GCS listing page)
+SHOWN = 5  # names a refusal or a report shows
+
+
 def clear_run(out: str) -> int:
     """Delete what an earlier promptmill run wrote under ``out`` (``naming.owned``) and
     nothing else; returns how many objects were deleted. ``out`` must be empty, hold a
     promptmill run (its ``run.json`` reads as one), or hold only objects that promptmill
     writes (a plan stopped before its run.json): a folder holding anything else and no
-    run is refused, since its files are a user's."""
+    run is refused, since its files are a user's.
+
+    OUT is listed as it is deleted, a page at a time, so memory does not grow with the
+    run. A symbolic link is never followed nor deleted (promptmill makes none): it is
+    kept and reported, as is every object that is not promptmill's. ``run.json`` goes
+    last, so an overwrite stopped halfway can be run again."""
     if not storage.is_gcs(out) and os.path.exists(out) and not os.path.isdir(out):
         raise PlanError(f"--out {out} is a file, not a folder: give a folder for the run's outputs")
-    relative = {path: path[len(out.rstrip("/")) + 1:] for path in storage.glob(out)}
-    card_path = naming.dataset_card(out)
-    if card_path in relative and not naming.is_our_card(storage.read_text(card_path)):
-        relative.pop(card_path)  # a README.md that collect did not write is a user's: kept, never deleted
-        foreign_card = ["README.md"]
-    else:
-        foreign_card = []
-    foreign = sorted([name for name in relative.values() if not naming.owned(name)] + foreign_card)
     if runs.exists(out):
         try:
             runs.read(out)
         except (ValueError, KeyError, TypeError) as e:
             raise PlanError(f"{naming.run_json(out)} is not a promptmill run's ({e}); --overwrite deletes only what "
                             f"a promptmill run wrote: use another --out") from None
-    elif foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise PlanError(f"{out} holds files that no promptmill run wrote ({shown}) and no run.json: "
-                        f"--overwrite deletes only what a promptmill run wrote; use an empty or new --out")
-    doomed = [path for path, name in relative.items() if naming.owned(name)]
-    deleted = storage.delete(doomed)
+    else:
+        refuse_foreign(out, "--overwrite deletes only what a promptmill run wrote; use an empty or new --out")
+    kept = Kept()
+    deleted, batch = 0, []
+    for path, name in _owned_entries(out, kept):
+        if name != "run.json":
+            batch.append(path)
+        if len(batch) >= DELETE_BATCH:
+            deleted += storage.delete(batch)
+            batch = []
+    deleted += storage.delete(batch)
+    if runs.exists(out):
+        deleted += storage.delete([naming.run_json(out)])
     if not storage.is_gcs(out):  # the folders the deletions emptied go too (GCS has no folders)
-        root = os.path.abspath(out)
-        for folder in sorted({os.path.dirname(os.path.abspath(p)) for p in doomed}, key=len, reverse=True):
-            while folder != root and folder.startswith(root + os.sep) and os.path.isdir(folder) \
-                    and not os.listdir(folder):
-                os.rmdir(folder)
-                folder = os.path.dirname(folder)
-    if deleted or foreign:
-        logs.event("overwrite", out=out, objects_deleted=deleted, objects_kept=len(foreign),
-                   **({"kept": foreign[:10]} if foreign else {}))
+        if os.path.isdir(out):
+            _remove_empty_folders(out)
+    if deleted or kept.count:
+        logs.event("overwrite", logging.WARNING if kept.links else logging.INFO, out=out, objects_deleted=deleted,
+                   objects_kept=kept.count, **({"kept": kept.names} if kept.names else {}),
+                   **({"links_kept": kept.links,
+                       "why": "a symbolic link is never followed nor deleted: promptmill makes none"}
+                      if kept.links else {}))
     return deleted
+
+
+class Kept:
+    """What an OUT listing left alone: how many objects, and the first few names and links."""
+
+    def __init__(self):
+        self.count, self.names, self.links = 0, [], []
+
+    def add(self, name: str, kind: str) -> None:
+        self.count += 1
+        shown = self.links if kind != "file" else self.names
+        if len(shown) < SHOWN * 2:
+            shown.append(name + {"link": " (a symbolic link)", "other": " (not a regular file)"}.get(kind, ""))
+
+
+def _owned_entries(out: str, kept: Kept):
+    """``(path, name relative to out)`` of each object under ``out`` that promptmill wrote,
+    streamed; every other entry is counted into ``kept``."""
+    root = out.rstrip("/")
+    for path, kind in storage.entries(root):
+        name = path[len(root) + 1:].replace(os.sep, "/")
+        if kind == "file" and naming.owned(name) and (name != CARD or _is_our_card(path)):
+            yield path, name
+        else:
+            kept.add(name, kind)
+
+
+def _is_our_card(path: str) -> bool:
+    try:
+        return naming.is_our_card(storage.read_text(path))
+    except (UnicodeDecodeError, OSError):
+        return False
+
+
+def refuse_foreign(out: str, advice: str) -> None:
+    """PlanError naming what is in ``out`` when it holds anything that no promptmill run
+    wrote (a user's file, a link) and no run.json; stops listing at the first few."""
+    kept = Kept()
+    for _ in _owned_entries(out, kept):
+        if kept.count >= SHOWN:
+            break
+    if kept.count:
+        shown = sorted(kept.names + kept.links)
+        more = " and more" if kept.count >= SHOWN else ""
+        raise PlanError(f"{out} holds files that no promptmill run wrote ({', '.join(shown)}{more}) and no run.json: "
+                        f"{advice}")
+
+
+def _remove_empty_folders(folder: str, top: bool = True) -> None:
+    """Remove the folders under local ``folder`` that are empty now, deepest first, never
+    entering a link (nor ``folder`` itself when ``top``)."""
+    with os.scandir(folder) as found:
+        inner = [entry.path for entry in found if entry.is_dir(follow_symlinks=False)]
+    for path in inner:
+        _remove_empty_folders(path, top=False)
+    if not top:
+        with contextlib.suppress(OSError):  # not empty: a user's file, or a link, is in it
+            os.rmdir(folder)

@@ -1,0 +1,88 @@
+"""The second hostile battery: each case an attacker or a careless hand tried against a
+run (a stray quote, two launchers, links out of OUT, code beside the user, names from a
+bucket), refused clearly or made harmless, nothing lost and nothing of the user's touched.
+The end-to-end cases that need a whole run ride on runs other modules make anyway
+(tests/test_buckets.py: an OUT with glob characters, --overwrite beside links)."""
+import json
+import os
+
+import pytest
+
+from jobs import cli
+from pipeline.core import naming
+from pipeline.io import listing, storage
+from pipeline.plan import inputs
+
+
+def _rows(path):
+    return [(number, payload if isinstance(payload, dict) else (payload.reason, payload.message))
+            for _, number, payload in inputs.read_rows(str(path))]
+
+
+STRAY_QUOTES = [  # (file, rows read: (line, record or (reason, message)))
+    ('id,prompt\nr0,a cat\nr1,"4k photo of a dog\nr2,a bird\nr3,a fish\n',
+     [(2, {"id": "r0", "prompt": "a cat"}), (3, ("bad_row", "a quoted field is still open at the end of the file")),
+      (4, {"id": "r2", "prompt": "a bird"}), (5, {"id": "r3", "prompt": "a fish"})]),
+    ('id,prompt\nr1,"4k\nr2,a bird\nr3,"a fish"\n',  # the stray quote closes at a later one: text follows it
+     [(2, ("bad_row", "text follows a closing quote")), (3, {"id": "r2", "prompt": "a bird"}),
+      (4, {"id": "r3", "prompt": "a fish"})]),
+    ('id,prompt\nr1,"a, ""quoted"" word\nacross lines"\nr2,x\n',  # a real multi-line field stays one
+     [(2, {"id": "r1", "prompt": 'a, "quoted" word\nacross lines'}), (4, {"id": "r2", "prompt": "x"})]),
+    ('id,prompt\nr1,"a\nr2",b,c\nr3,d\n',  # a multi-line row of another field count gives its lines back
+     [(2, ("bad_row", "the row has 4 fields, the header has 2")), (3, ("bad_row", "the row has 3 fields")),
+      (4, {"id": "r3", "prompt": "d"})]),
+    ('id\tprompt\nr1\t"x\nr2\ty\n', [(2, ("bad_row", "still open")), (3, {"id": "r2", "prompt": "y"})]),
+]
+
+
+@pytest.mark.parametrize("text,expected", STRAY_QUOTES, ids=range(len(STRAY_QUOTES)))
+def test_a_stray_quote_rejects_its_row_and_never_swallows_the_rest(tmp_path, text, expected):
+    path = tmp_path / ("p.tsv" if "\t" in text else "p.csv")
+    path.write_text(text)
+    found = _rows(path)
+    assert [line for line, _ in found] == [line for line, _ in expected]
+    for (_, got), (_, want) in zip(found, expected):
+        if isinstance(want, dict):
+            assert got == want
+        else:
+            assert got[0] == want[0] and want[1] in got[1], got
+
+
+QUOTE = '"'
+
+
+def test_a_stray_quote_in_a_thousand_rows_loses_none_through_the_cli(tmp_path, model_cache, capfd):
+    """The battery's case: 1,000 rows, a stray quote in row 3: one reject, 999 records."""
+    rows = [f"r{n},{QUOTE if n == 3 else ''}prompt number {n}" for n in range(1000)]
+    (tmp_path / "p.csv").write_text("id,prompt\n" + "\n".join(rows) + "\n")
+    assert cli.main(["plan", "--prompts", str(tmp_path / "p.csv"), "--out", str(tmp_path / "out"), "--steps", "2",
+                     "--model", "tiny"]) == 0
+    summary = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert (summary["input_rows"], summary["records"], summary["rejects"]) == (1000, 999, 1)
+    [reject] = [json.loads(line) for path in storage.files(naming.rejects_dir(str(tmp_path / "out")))
+                for line in storage.read_text(path).splitlines()]
+    assert (reject["line"], reject["reason"]) == (5, "bad_row") and "still open" in reject["message"]
+
+
+def test_a_prompt_folder_of_link_loops_lists_each_file_once_and_ends(tmp_path):
+    folder = tmp_path / "prompts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text('{"prompt": "a"}\n')
+    (folder / "sub" / "b.jsonl").write_text('{"prompt": "b"}\n')
+    os.symlink(".", folder / "self")
+    os.symlink("..", folder / "sub" / "up")
+    os.symlink("sub", folder / "also-sub")  # the same folder twice: its file is planned once
+    os.symlink("missing", folder / "dangling.jsonl")
+    (folder / ".promptmill-tmp-x.jsonl").write_text("a file being written")
+    expected = [str(folder / "a.jsonl"), str(folder / "also-sub" / "b.jsonl")]
+    assert storage.glob(str(folder)) == expected
+    assert storage.glob(str(folder / "**" / "*.jsonl")) == expected
+    assert storage.glob(str(folder / "*.jsonl")) == [str(folder / "a.jsonl")]
+
+
+def test_a_fifo_as_prompts_is_named_for_what_it_is(tmp_path, capfd):
+    os.mkfifo(tmp_path / "p.jsonl")
+    assert cli.main(["plan", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out")]) == 1
+    assert "is a FIFO (named pipe), not a prompt file or a folder of them" in capfd.readouterr().err
+    with pytest.raises(listing.NotAPromptFile, match="character device"):
+        storage.glob("/dev/null")
