@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             from pipeline.cloud import dates as schedule
 
             args.out = schedule.resolve_out(args.out, args.date)
-        with interrupts.raising():  # SIGTERM stops a command as Ctrl-C does: hosts and workers first
+        with interrupts.raising(), _lease(args):  # SIGTERM stops a command as Ctrl-C does: hosts and workers first
             return _dispatch(args, beam_args)
     except KeyboardInterrupt as e:
         print(f"promptmill {args.command}: stopped by {interrupts.signal_name(e)}", file=sys.stderr)
@@ -192,6 +192,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"promptmill {args.command}: error: no usable Google Cloud credentials ({e}); run "
               "'gcloud auth application-default login', or set GOOGLE_APPLICATION_CREDENTIALS", file=sys.stderr)
         return 1
+
+
+_WRITERS = ("run", "plan", "collect")  # the commands that write a run into OUT: one at a time (pipeline.io.lease)
+
+
+def _lease(args):
+    """The lease on OUT that a command writing a run holds while it works (``submit``
+    takes its own, named after its job, once its flags are checked)."""
+    import contextlib
+
+    if args.command not in _WRITERS:
+        return contextlib.nullcontext()
+    from pipeline.io import lease
+
+    return lease.Held(args.out, f"promptmill {args.command}")
 
 
 def _dispatch(args, beam_args: list[str]) -> int:

@@ -15,6 +15,7 @@ import sys
 
 from jobs import flags
 from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, jobset, program_check, tpu
+from pipeline.io import lease
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
 TPU_DTYPE = "bf16"  # the submissions' --dtype default: TPU runs compute in bf16
@@ -217,7 +218,9 @@ def run_submit(args, beam_args: list[str]) -> int:
         if args.dry_run:
             print(dataflow_lib.dataflow_dry_run(job))
             return 0
-        stats = dataflow_lib.submit_dataflow(job, emit=_progress("dataflow"))
+        # the submit command renews it while it follows the jobs (Dataflow workers do not)
+        with lease.Held(job.out, "promptmill submit dataflow", owner=f"dataflow:{job.out}"):
+            stats = dataflow_lib.submit_dataflow(job, emit=_progress("dataflow"))
         print(json.dumps({k: stats[k] for k in SUMMARY}))
         return 0
     if args.target == "gke":
@@ -225,7 +228,8 @@ def run_submit(args, beam_args: list[str]) -> int:
         if args.dry_run:
             print(gke_lib.gke_dry_run(job), end="")
             return 0
-        stats = gke_lib.submit_gke(job, emit=_progress("gke"))
+        with lease.Held(job.out, f"promptmill submit gke {job.name}", owner=jobset.lease_owner(job)):
+            stats = gke_lib.submit_gke(job, emit=_progress("gke"))
         print(json.dumps({k: stats[k] for k in SUMMARY}))
         return 0
     raise ValueError(f"unknown submit target {args.target!r}; use dataflow or gke")

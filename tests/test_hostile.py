@@ -86,3 +86,52 @@ def test_a_fifo_as_prompts_is_named_for_what_it_is(tmp_path, capfd):
     assert "is a FIFO (named pipe), not a prompt file or a folder of them" in capfd.readouterr().err
     with pytest.raises(listing.NotAPromptFile, match="character device"):
         storage.glob("/dev/null")
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+def test_a_folder_of_a_users_files_without_a_run_is_refused_by_every_command_that_writes(tmp_path, model_cache,
+                                                                                          capfd, command):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "one"}\n')
+    out = tmp_path / "mine"
+    for name in ("dataset/index.html", "dataset/stats.json", "images/metadata.jsonl", "thesis.tex"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(f"the user's {name}")
+    before = storage.checksums(str(out))
+    assert cli.main([command, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--steps", "2"]) == 1
+    err = capfd.readouterr().err
+    assert f"{out} holds files that no promptmill run wrote (thesis.tex) and no run.json" in err
+    assert "give a new --out" in err
+    assert storage.checksums(str(out)) == before
+
+
+def test_a_crashed_runs_lease_lapses_and_a_live_one_holds(tmp_path, monkeypatch):
+    """A lease whose processes on this machine are all gone is over at once; one held
+    from elsewhere (a submitted job's hosts) stands until it expires; a holder whose lease
+    another owner took finds it lost; the same job's submit takes its own lease up again."""
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.io import lease
+
+    out = str(tmp_path / "out")
+    subprocess.run([sys.executable, "-c", f"from pipeline.io import lease; lease.acquire({out!r}, 'a crashed run')"],
+                   check=True)
+    crashed, _ = lease.read(out)
+    assert crashed.pids and not crashed.live(time.time())
+    mine = lease.acquire(out, "promptmill run")  # taken over
+    with pytest.raises(lease.LeaseHeld, match="is in use by promptmill run"):
+        lease.acquire(out, "promptmill plan")
+    with pytest.raises(lease.LeaseLost, match="no longer holds the lease"):
+        lease.renew(out, crashed.owner)
+    lease.release(out, mine.owner)
+    job = lease.acquire(out, "promptmill submit gke j", owner="gke:default/j")
+    held, _ = lease.read(out)
+    assert held.remote and held.live(time.time()) and not held.live(held.expires + 1)
+    assert lease.acquire(out, "promptmill submit gke j", owner="gke:default/j").owner == job.owner  # followed again
+    with pytest.raises(lease.LeaseHeld):
+        lease.acquire(out, "promptmill submit gke k", owner="gke:default/k")
+    monkeypatch.setenv(lease.OWNER_ENV, "gke:default/j")
+    renewer = lease.host_renewer(out)
+    renewer.stop()
+    assert os.getpid() in [pid for pid, _ in lease.read(out)[0].pids]

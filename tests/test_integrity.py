@@ -68,14 +68,18 @@ def test_changed_inputs_refuse_resume_and_collect_naming_the_file(planned, chang
     plan.run_plan(settings)
 
 
-def test_a_run_planned_without_an_input_table_resumes_with_one_warning(planned, caplog):
-    settings, _ = planned
+def test_a_run_whose_input_table_is_gone_is_refused_by_resume_and_collect(planned, capfd):
+    """The battery's case: the table and a commit marker deleted, two prompts edited: the
+    run is neither resumed nor collected unchecked."""
+    settings, folder = planned
     storage.delete([naming.plan_inputs(settings.out)])
-    with caplog.at_level(logging.WARNING, logger="promptmill"):
+    (folder / "a.jsonl").write_text(_rows(3).replace("number 1", "number 9"))
+    before = storage.checksums(settings.out)
+    with pytest.raises(layout.PlanError, match=r"cannot resume .*plan/inputs.json is missing.*--overwrite"):
         plan.run_plan(settings)
-    warned = [r for r in caplog.records if r.getMessage() == "inputs_not_recorded"]
-    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
-    assert not storage.exists(naming.plan_inputs(settings.out))  # nothing is claimed about what it read
+    assert cli.main(["collect", "--out", settings.out]) == 1
+    assert "plan/inputs.json is missing" in capfd.readouterr().err
+    assert storage.checksums(settings.out) == before
 
 
 def test_input_table_changes_is_pure_and_ordered():

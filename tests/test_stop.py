@@ -114,6 +114,7 @@ def stopped_run(prompts, tmp_path_factory, model_cache):
     launcher = subprocess.Popen(run_command(prompts, out, progress=True), cwd=ROOT, env=_env(model_cache, **PAUSE),
                                 stderr=err)
     _wait_for(lambda: _host_log_events(out, "slice_committed") or launcher.poll() is not None, "a commit")
+    second = _second_launcher(prompts, out)  # while the first one's hosts commit
     signalled = time.monotonic()
     launcher.send_signal(signal.SIGTERM)
     code = launcher.wait(timeout=DEADLINE_S)
@@ -123,7 +124,31 @@ def stopped_run(prompts, tmp_path_factory, model_cache):
     left = _processes_of(out)
     err.close()
     return {"out": out, "prompts": prompts, "code": code, "stderr": open(out + ".stderr").read(), "left": left, "hosts": hosts,
-            "committed": sorted(runs.committed(out))}
+            "committed": sorted(runs.committed(out)), "second": second}
+
+
+def _second_launcher(prompts, out) -> dict:
+    """Another ``promptmill run`` with other settings and --overwrite on the same OUT, in
+    this process: refused while the first run holds OUT, whose run.json it leaves alone."""
+    import contextlib
+    import io
+
+    from jobs import cli
+
+    before = storage.read_bytes(naming.run_json(out))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(["run", "--prompts", prompts, "--out", out, "--model", "tiny", "--steps", "2", "--overwrite"])
+    return {"code": code, "stderr": err.getvalue(), "run_json_kept": storage.read_bytes(naming.run_json(out)) == before}
+
+
+def test_a_second_launcher_is_refused_while_the_first_holds_the_out(stopped_run):
+    """Two launchers on one OUT: the second, --overwrite and all, is refused by the first's
+    lease, naming it; the first run's files are left alone."""
+    second = stopped_run["second"]
+    assert second["code"] == 1 and second["run_json_kept"]
+    assert f"promptmill run: error: {stopped_run['out']} is in use by promptmill run (owner" in second["stderr"]
+    assert not storage.exists(naming.lease(stopped_run["out"]))  # the stopped launcher gave it back
 
 
 def test_sigterm_to_promptmill_run_stops_every_host_and_leaves_no_process(stopped_run):

@@ -133,7 +133,8 @@ def test_jobset_for_every_slice(s):
     chips = str(s.chips_per_host)
     assert container["resources"] == {"requests": {"google.com/tpu": chips}, "limits": {"google.com/tpu": chips}}
     env = {e["name"]: e for e in container["env"]}
-    assert set(env) == {"TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "PROMPTMILL_COORDINATOR_PORT"}
+    assert set(env) == {"TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "PROMPTMILL_COORDINATOR_PORT", "PROMPTMILL_LEASE_OWNER"}
+    assert env["PROMPTMILL_LEASE_OWNER"]["value"] == f"gke:{js['metadata']['namespace']}/pm-test"  # renewed by the hosts
     assert env["TPU_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     assert env["TPU_WORKER_HOSTNAMES"]["value"].split(",") == \
@@ -288,6 +289,12 @@ def test_every_settings_field_is_a_plan_flag_or_said_not_to_be():
         "--fsdp", "--device-memory", "--guidance-scale", "--max-sequence-length", "--devices-per-host", "--lora"}
 
 
+def _no_lease(args):
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def test_plan_command_round_trips_every_setting_through_the_cli(monkeypatch):
     """GKE's plan command, run by the real CLI (planning faked), plans the same settings."""
     from jobs import cli
@@ -295,6 +302,7 @@ def test_plan_command_round_trips_every_setting_through_the_cli(monkeypatch):
     planned = []
     monkeypatch.setattr("pipeline.plan.transforms.run_plan",
                         lambda settings, beam_args, overwrite, cap: planned.append((settings, beam_args)) or {})
+    monkeypatch.setattr("jobs.cli._lease", _no_lease)  # nothing is planned: no OUT is written
     monkeypatch.setattr("pipeline.generate.fit.resolve_per_device_batch", lambda settings, overwrite: settings)
     monkeypatch.setattr("pipeline.generate.fit.cap_hosts", lambda settings, hosts, overwrite: None)
     for settings in (ALL_CHANGED, Settings(prompts=PROMPTS, out=OUT), Settings(fsdp=2, devices_per_host=4),
@@ -776,6 +784,7 @@ def test_what_a_gke_dry_run_prints_plans_every_setting_it_checked(kubectl, monke
     command = _printed(out, "promptmill plan ")
     assert command[-3:] == ["--runner", "DirectRunner", "--overwrite"]
     planned = []
+    monkeypatch.setattr("jobs.cli._lease", _no_lease)  # nothing is planned: no OUT is written
     monkeypatch.setattr("pipeline.plan.transforms.run_plan",
                         lambda settings, beam_args, overwrite, cap: planned.append((settings, overwrite)) or {})
     assert cli.main(command[1:]) == 0
@@ -1072,14 +1081,15 @@ def test_a_dataflow_job_that_fails_stops_the_chain_with_its_id_and_state(stage, 
     assert launcher()[-1][:2] == ["state", f"2026-fake-{stage}"]  # nothing after the failed job's last state
 
 
-def test_a_launcher_that_fails_is_a_clear_error(launcher, monkeypatch, capsys):
+def test_a_launcher_that_fails_is_a_clear_error(gcs_emulator, launcher, monkeypatch, capsys):
     monkeypatch.setenv("FAKE_DATAFLOW_BROKEN", "1")
-    code, stdout, err = cli_main(_dataflow_e2e_args(OUT), capsys)
+    out = f"gs://{gcs_emulator}/dataflow-e2e/broken"
+    code, stdout, err = cli_main(_dataflow_e2e_args(out), capsys)
     assert code == 1
     assert f"{os.environ['DATAFLOW_LAUNCHER']} run plan ...` failed (exit code 3): fake launcher: no credentials" in err
     assert [c[:2] for c in launcher()] == [["run", "plan"]]
     monkeypatch.setenv("DATAFLOW_LAUNCHER", "/nonexistent/launcher")
-    code, stdout, err = cli_main(_dataflow_e2e_args(OUT), capsys)
+    code, stdout, err = cli_main(_dataflow_e2e_args(out), capsys)
     assert code == 1 and "DATAFLOW_LAUNCHER='/nonexistent/launcher' is not an executable file" in err
 
 

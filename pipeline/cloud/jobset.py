@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.cloud import checks, dates as schedule, tpu
+from pipeline.io import lease
 
 DEFAULT_COORDINATOR_PORT = 8476  # jax.distributed's usual coordinator port
 DEFAULT_POLL_S = 30.0
@@ -65,6 +66,12 @@ class GkeJob:
         return self
 
 
+def lease_owner(job: GkeJob) -> str:
+    """The name the JobSet's hosts renew the run's lease on OUT by: its own, so that the
+    same submit command, run again to follow it, takes the lease up again."""
+    return f"gke:{job.namespace}/{job.name}"
+
+
 def jobset(job: GkeJob) -> dict:
     """The JobSet of ``job``: one replicatedJob, one Indexed Job, one pod per TPU host.
 
@@ -93,6 +100,7 @@ def jobset(job: GkeJob) -> dict:
             "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
         {"name": "TPU_WORKER_HOSTNAMES", "value": ",".join(hostnames)},
         {"name": "PROMPTMILL_COORDINATOR_PORT", "value": str(job.coordinator_port)},
+        {"name": lease.OWNER_ENV, "value": lease_owner(job)},  # the hosts renew the run's lease on OUT
     ]
     container = {
         "name": CONTAINER, "image": job.image, "command": host_command(job.out), "env": env,

@@ -136,6 +136,12 @@ def run_json(out: str) -> str:
     return join(out, "run.json")
 
 
+@writes(r"lease\.json")
+def lease(out: str) -> str:
+    """The lease of the command that writes OUT now (``pipeline.io.lease``)."""
+    return join(out, "lease.json")
+
+
 @writes(r"plan/manifest\.json")
 def manifest(out: str) -> str:
     return join(out, "plan", "manifest.json")

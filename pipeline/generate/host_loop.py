@@ -19,7 +19,7 @@ from pipeline.core import buckets, crashpoints, interrupts, logs, naming, slicin
 from pipeline.core.settings import Run
 from pipeline.generate import bucket_programs, cluster, jax_events, progress, runtime, scoring, stopping
 from pipeline.generate.generator import Generator
-from pipeline.io import runs
+from pipeline.io import lease, runs
 from pipeline.output import writer
 
 WRITER_THREADS = 8  # encoders and uploaders; JAX releases the GIL while devices work
@@ -302,11 +302,12 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
         if compile_cache:
             logs.event("compile_cache", host=host, path=cache_dir)
         run, manifest = runtime.load_planned(out)
+        holder = lease.host_renewer(out)  # a host writes only while its run holds OUT
     except KeyboardInterrupt as e:  # a signal Python took while the host joined, before JAX's service did
         _stopped_early(host, e)
     tracker = progress.Progress(out, naming.progress_name(host), host, num_hosts).start()
     try:
-        summary = _run_host(out, run, manifest, host, num_hosts, compile_cache)
+        summary = _run_host(out, run, manifest, (host, num_hosts), compile_cache, holder)
     except KeyboardInterrupt as e:
         _stopped_early(host, e, tracker)
     except BaseException as e:
@@ -314,6 +315,8 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
         raise
     finally:
         tracker.close()
+        if holder is not None:
+            holder.stop()
     if summary["stopped"]:
         stopping.exit_now(stopping.EXIT_STOPPED, last=lambda: cluster.leave(host, num_hosts))
     return summary
@@ -328,11 +331,15 @@ def _stopped_early(host: int, error: KeyboardInterrupt, tracker: progress.Progre
     stopping.exit_now(interrupts.exit_code(error))
 
 
-def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, compile_cache: str | None) -> dict:
-    """``generate`` once the host has joined the cluster: returns its summary, whose
-    ``stopped`` says whether the run stopped before this host's slices were all done."""
+def _run_host(out: str, run: Run, manifest: dict, cluster_place: tuple[int, int], compile_cache: str | None,
+              holder: lease.Renewer | None) -> dict:
+    """``generate`` once the host (``cluster_place``: host, number of hosts) has joined the
+    cluster: returns its summary, whose ``stopped`` says whether the run stopped before
+    this host's slices were all done. ``holder``: the run's lease renewer; once another
+    run has taken OUT, no further slice is started."""
     from pipeline.generate import compile_cache as cache_lib
 
+    host, num_hosts = cluster_place
     settings = run.settings
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
     started = logs.Stopwatch()
@@ -389,6 +396,8 @@ def _run_host(out: str, run: Run, manifest: dict, host: int, num_hosts: int, com
 
     def slots():  # this host's slots still to do; a committed slice is never redone (resume)
         for bucket, slot in buckets.host_slots(host, num_hosts, geometry):
+            if holder is not None and holder.lost.is_set():
+                raise lease.LeaseLost(f"host {host} stops before slice {slot}: {holder.why}")
             if slot is None:  # padding slot: same device steps as a real slice, nothing written
                 logs.event("padding_slot", host=host, **({"bucket": bucket} if sizes else {}))
                 yield (bucket, slot)

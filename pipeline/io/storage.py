@@ -171,6 +171,68 @@ def exists(path: str) -> bool:
     return os.path.exists(path)
 
 
+class Conflict(RuntimeError):
+    """A conditional write found the object changed since it was read."""
+
+
+def read_versioned(path: str) -> tuple[bytes | None, object]:
+    """An object's bytes (None: it does not exist) and its version, for ``write_if``: on GCS
+    its generation, locally its (inode, mtime_ns)."""
+    if is_gcs(path):
+        from google.api_core.exceptions import NotFound
+
+        blob = _blob(path)
+        try:
+            data = blob.download_as_bytes(retry=_retry(), timeout=60)
+        except NotFound:
+            return None, 0
+        return data, blob.generation
+    try:
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            return f.read(), (info.st_ino, info.st_mtime_ns)
+    except FileNotFoundError:
+        return None, 0
+
+
+def write_if(path: str, data: bytes, version) -> None:
+    """Write ``path`` whole only if it is still at ``version`` (``read_versioned``; 0: only if
+    it does not exist), else ``Conflict``. On GCS the generation precondition makes it
+    atomic; locally a new file is linked into place (which fails if one is there) and a
+    replaced one is checked just before the rename, which leaves a window of a few
+    microseconds that only a lock would close."""
+    if is_gcs(path):
+        from google.api_core.exceptions import PreconditionFailed
+
+        try:
+            _blob(path).upload_from_string(data, if_generation_match=version, retry=_retry(), timeout=60)
+        except PreconditionFailed:
+            raise Conflict(path) from None
+        return
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, scratch = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(scratch, 0o666 & ~_UMASK)
+        if version == 0:
+            try:
+                os.link(scratch, path)
+            except FileExistsError:
+                raise Conflict(path) from None
+        else:
+            _, now = read_versioned(path)
+            if now != version:
+                raise Conflict(path)
+            os.replace(scratch, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(scratch)
+
+
 def glob(pattern: str) -> list[str]:
     """Sorted paths of the files a user's pattern names (``*``, ``?``, ``[..]``, ``**``):
     the object or the files under the folder it names as it stands, else those that

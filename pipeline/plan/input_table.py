@@ -9,14 +9,12 @@ go on when any differs, naming each file and what changed: a file edited, a file
 pattern newly matches, a file it no longer matches. Otherwise one dataset could hold
 images of two versions of the same prompts.
 
-A run planned by an earlier version has no table: it still resumes, with one warning
-that its inputs were not recorded.
+Every run this version plans has a table, written before its ``run.json``; a run
+whose table is gone cannot be checked, so it is refused, never resumed unchecked.
 """
 from __future__ import annotations
 
-import logging
-
-from pipeline.core import logs, naming
+from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.plan.layout import PlanError, match_prompt_files
 
@@ -57,14 +55,12 @@ def record(out: str, pattern: str) -> dict:
 
 def check(out: str, pattern: str, doing: str) -> None:
     """Refuse (PlanError) to go on ``doing`` (e.g. "resume", "collect") the run in ``out``
-    when its inputs differ from the table its plan recorded; a run without a table is
-    warned about once and goes on."""
+    when its inputs differ from the table its plan recorded, or when the table is gone."""
     path = naming.plan_inputs(out)
     if not storage.exists(path):
-        logs.event("inputs_not_recorded", level=logging.WARNING, out=out,
-                   message=f"{out} was planned by an earlier promptmill version that did not record its input "
-                           f"files: a change to them since cannot be detected")
-        return
+        raise PlanError(f"cannot {doing} {out}: {path} is missing, so whether its input files changed since it was "
+                        f"planned cannot be checked. Restore it, or start again with --overwrite (deletes the run's "
+                        f"outputs) or another --out")
     found = changes(storage.read_json(path), table(pattern))
     if found:
         shown = "; ".join(found[:SHOWN]) + (f"; and {len(found) - SHOWN} more" if len(found) > SHOWN else "")

@@ -188,12 +188,16 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
                         "use another --out, or add --overwrite to delete the old run and start over")
     elif not storage.is_gcs(out) and os.path.exists(out) and not os.path.isdir(out):
         raise PlanError(f"--out {out} is a file, not a folder: give a folder for the run's outputs")
+    else:  # a folder of a user's files is not a run's to write into
+        refuse_foreign(out, "promptmill writes a run only into an empty folder or one that holds a promptmill run; "
+                            "give a new --out")
     input_table.record(out, pattern)  # before run.json: a run.json without a table is an earlier version's
     runs.write(out, run)
     return run
 
 
 CARD = "README.md"  # naming.dataset_card's name under OUT: ours to delete only when it says so
+LEASE = "lease.json"  # naming.lease's name under OUT
 DELETE_BATCH = 1000  # objects deleted at a time while --overwrite lists OUT (a GCS listing page)
 SHOWN = 5  # names a refusal or a report shows
 
@@ -222,7 +226,7 @@ def clear_run(out: str) -> int:
     kept = Kept()
     deleted, batch = 0, []
     for path, name in _owned_entries(out, kept):
-        if name != "run.json":
+        if name not in ("run.json", LEASE):  # run.json goes last; the lease is this command's own
             batch.append(path)
         if len(batch) >= DELETE_BATCH:
             deleted += storage.delete(batch)
