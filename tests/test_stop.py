@@ -257,11 +257,45 @@ def test_sigterm_to_one_host_stops_both_at_the_same_batch_with_nothing_partial(s
 def resumed(stopped_host, model_cache):
     """``promptmill run`` again, as a user resumes, on the OUT both stops left, with its progress bar."""
     out = stopped_host["out"]
+    before = storage.checksums(out)
+    fast_math = dict(_env(model_cache), XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_cpu_enable_fast_math=true")
+    refused = subprocess.run(run_command(stopped_host["prompts"], out), cwd=ROOT, env=fast_math, capture_output=True,
+                             text=True, timeout=DEADLINE_S)
+    untouched = storage.checksums(out) == before
     done = subprocess.run(run_command(stopped_host["prompts"], out, progress=True), cwd=ROOT, env=_env(model_cache),
                           capture_output=True, text=True, timeout=DEADLINE_S)
     stats = json.loads(done.stdout) if done.returncode == 0 else None
     return {"out": out, "code": done.returncode, "stderr": done.stderr, "stats": stats,
-            "before": stopped_host["committed"]}
+            "before": stopped_host["committed"], "refused": refused, "untouched": untouched}
+
+
+def test_a_resume_under_other_xla_flags_is_refused_naming_them(resumed):
+    """The battery's case: the stopped run resumed with XLA's fast math is refused before
+    anything is done, naming the flags that differ and what to do; the same command in the
+    run's own environment then resumes it."""
+    refused = resumed["refused"]
+    assert refused.returncode == 1 and resumed["untouched"]
+    assert f"promptmill run: error: {resumed['out']} was generated in another environment" in refused.stderr
+    assert "XLA_FLAGS: " in refused.stderr and "--xla_cpu_enable_fast_math=true" in refused.stderr
+    assert "Finish the run in the environment that started it" in refused.stderr and "--overwrite" in refused.stderr
+
+
+def test_collect_fails_a_row_made_in_another_environment(resumed, capfd):
+    """Each row names the environment it was made in; collect checks it against the run's,
+    so a slice made under other libraries fails verification, naming its keys."""
+    from jobs import cli
+    from pipeline.generate import environment
+
+    out = resumed["out"]
+    recorded = environment.recorded(out)
+    storage.write_json(naming.environment(out), {**recorded, "jax": "0.0.1"})
+    try:
+        assert cli.main(["collect", "--out", out]) == 1
+        stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    finally:
+        storage.write_json(naming.environment(out), recorded)
+    assert not stats["verified"] and stats["problems"]["foreign"]["count"] == 95
+    assert cli.main(["collect", "--out", out]) == 0  # the run's own: verified again
 
 
 @pytest.fixture(scope="module")

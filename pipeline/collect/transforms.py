@@ -59,6 +59,7 @@ from pipeline.collect.stats import dataset_stats, score_stats
 from pipeline.collect.verify import ACCOUNTED, unused_guidance, unused_negatives, verify_slice
 from pipeline.core import choices, filters, logs, naming
 from pipeline.core.settings import Run, Settings
+from pipeline.generate import environment
 from pipeline.io import beamio, runs, storage
 from pipeline.output import formats, writer
 from pipeline.plan import input_table
@@ -136,8 +137,9 @@ class _VerifySliceFn(beam.DoFn):
     images read, once, to make its thumbnails, when ``thumbnails`` asks for the gallery.
     """
 
-    def __init__(self, out: str, settings: Settings, thumbnails: bool):
+    def __init__(self, out: str, settings: Settings, thumbnails: bool, environment: str):
         self.out, self.settings, self.thumbnails = out, settings, thumbnails
+        self.environment = environment  # the fingerprint every row must carry
         self.counters = {}
         self.thumbs = Metrics.counter("collect", "thumbnails_made")
 
@@ -153,7 +155,7 @@ class _VerifySliceFn(beam.DoFn):
         image_paths = listed_images(self.out, self.settings, index) if committed else None
         has_thumbs = committed and "thumbnails" in slice_stats
         thumb_paths = sorted(storage.files(naming.thumbs_dir(self.out, index), "*")) if has_thumbs else None
-        verdicts = verify_slice([i["key"] for i in items], rows, image_paths, thumb_paths)
+        verdicts = verify_slice([i["key"] for i in items], rows, image_paths, thumb_paths, self.environment)
         for verdict, keys in verdicts.items():
             if verdict not in self.counters:
                 self.counters[verdict] = Metrics.counter("collect", f"keys_{verdict}")
@@ -198,11 +200,15 @@ class VerifySlices(beam.PTransform):
     def __init__(self, out: str, settings: Settings, thumbnails: bool = True):
         super().__init__()
         self.out, self.settings, self.thumbnails = out, settings, thumbnails
+        # every row carries the fingerprint of the environment the run's images are made in
+        recorded = environment.recorded(out)
+        self.environment = environment.fingerprint(recorded) if recorded else "(no environment.json)"
 
     def expand(self, indices):
         return (indices
                 | "SpreadSlices" >> beam.Reshuffle()
-                | "VerifySlice" >> beam.ParDo(_VerifySliceFn(self.out, self.settings, self.thumbnails)))
+                | "VerifySlice" >> beam.ParDo(_VerifySliceFn(self.out, self.settings, self.thumbnails,
+                                                             self.environment)))
 
 
 def count_rejects(path: str) -> collections.Counter:

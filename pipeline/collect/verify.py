@@ -10,6 +10,8 @@ the slice and what the slice's commit wrote (``VerifySlices`` in
   duplicated  planned more than once, or more than one row
   unexpected  a row, image file or thumbnail that was never planned in this slice, or an
               image file or thumbnail of an image a filter dropped
+  foreign     planned once, one row, but made in another environment than the run's
+              (its ``environment`` is not OUT/environment.json's fingerprint)
 
 Images and thumbnails are known from listings only: verifying never reads their bytes.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import collections
 
-VERDICTS = ("ok", "dropped", "missing", "duplicated", "unexpected")
+VERDICTS = ("ok", "dropped", "missing", "duplicated", "unexpected", "foreign")
 ACCOUNTED = ("ok", "dropped")  # the verdicts of a planned image that is where it should be
 
 
@@ -26,17 +28,21 @@ def key_of_image(path: str) -> str:
     return path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
 
 
-def classify(planned: list, rows: list, images: list | None, thumbs: list | None = None) -> str:
+def classify(planned: list, rows: list, images: list | None, thumbs: list | None = None,
+             environment: str | None = None) -> str:
     """The verdict for one key, from what was planned, written and stored under it.
 
     ``images`` is None when the run writes no image files (its other formats are
     written whole per slice, before the slice's commit marker); ``thumbs`` is None when
-    the slice's thumbnails are not checked (a slice committed before hosts wrote them).
+    the slice's thumbnails are not checked (a slice committed before hosts wrote them);
+    ``environment``: the fingerprint every row must carry (None: not checked).
     """
     if not planned:
         return "unexpected"
     if len(planned) > 1 or len(rows) > 1:
         return "duplicated"
+    if rows and environment is not None and rows[0].get("environment") != environment:
+        return "foreign"
     if rows and rows[0].get("dropped"):
         return "unexpected" if images or thumbs else "dropped"
     if not rows or (images is not None and not images) or (thumbs is not None and not thumbs):
@@ -45,9 +51,10 @@ def classify(planned: list, rows: list, images: list | None, thumbs: list | None
 
 
 def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[str] | None,
-                 thumb_paths: list[str] | None = None) -> dict[str, list[str]]:
+                 thumb_paths: list[str] | None = None, environment: str | None = None) -> dict[str, list[str]]:
     """Keys by verdict for one slice (pure): planned keys, its metadata rows, its image
-    files and its thumbnails (None: not checked)."""
+    files and its thumbnails (None: not checked), and the environment fingerprint its
+    rows must carry (None: not checked)."""
     by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": [],
                                                                "thumbs": []})
     for key in planned_keys:
@@ -62,7 +69,7 @@ def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[st
     for key in sorted(by_key):
         got = by_key[key]
         verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"],
-                          None if thumb_paths is None else got["thumbs"])].append(key)
+                          None if thumb_paths is None else got["thumbs"], environment)].append(key)
     return verdicts
 
 

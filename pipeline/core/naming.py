@@ -136,6 +136,12 @@ def run_json(out: str) -> str:
     return join(out, "run.json")
 
 
+@writes(r"environment\.json")
+def environment(out: str) -> str:
+    """What the run's images are made in: libraries, XLA flags, platform (``pipeline.generate.environment``)."""
+    return join(out, "environment.json")
+
+
 @writes(r"lease\.json")
 def lease(out: str) -> str:
     """The lease of the command that writes OUT now (``pipeline.io.lease``)."""

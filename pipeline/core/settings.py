@@ -426,6 +426,10 @@ class Run:
     # the scorer models' fingerprints, by score ("clip" for clip and aesthetic's CLIP, "aesthetic"
     # for the head, "safety" for the checker): (score, fingerprint), sorted
     scorers: tuple[tuple[str, str], ...] = ()
+    # the fingerprint of the environment its images are made in (OUT/environment.json,
+    # ``pipeline.generate.environment``): set by the hosts once they have checked it, written
+    # into every metadata row; not part of run.json
+    environment: str = ""
 
     def __post_init__(self):
         asked = [parse_lora(spec) for spec in self.settings.loras]

@@ -50,6 +50,7 @@ slices_generated, slices_skipped, slices_redone, images.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -71,7 +72,7 @@ from pipeline.collect import transforms as collect
 from pipeline.core import buckets, logs, naming, slicing
 from pipeline.core.settings import Run, Settings
 from pipeline.generate import compile_cache as cache_lib
-from pipeline.generate import bucket_programs, fit, host_loop, jax_events, runtime, scoring
+from pipeline.generate import bucket_programs, environment, fit, host_loop, jax_events, runtime, scoring
 from pipeline.io import beamio, runs, storage
 from pipeline.model.layers.attention import check_platform
 from pipeline.plan import transforms as plan
@@ -305,7 +306,9 @@ class GenerateSlicesFn(beam.DoFn):
         the plan's decisions: ``plan.transforms.decide``), and the worker of slice ``index``'s
         size, built when a slice of that size first comes."""
         if self.run is None:
-            self.run = runs.read(self.out)
+            run = runs.read(self.out)  # every worker makes the images in the run's environment, which rows name
+            self.run = dataclasses.replace(run, environment=environment.establish(
+                self.out, environment.current(), "a Beam worker"))
             settings = self.run.settings
             if settings.sizes:  # a single-size run's slices are all of one size (and read no manifest here)
                 self.geometry = buckets.Geometry.of_manifest(storage.read_json(naming.manifest(self.out)),

@@ -28,7 +28,7 @@ import threading
 import time
 
 from pipeline.core import buckets, logs, naming
-from pipeline.generate import cluster, compile_cache as compile_cache_lib, progress as progress_lib, stopping
+from pipeline.generate import cluster, compile_cache as compile_cache_lib, environment, progress as progress_lib, stopping
 from pipeline.io import runs, storage
 from pipeline.model.layers.attention import check_platform
 
@@ -44,12 +44,15 @@ class HostsStopped(HostFailure):
     """The hosts stopped before the end, at a SIGTERM to one of them: a re-run resumes."""
 
 
+HOSTS_PLATFORM = "cpu/cpu"  # what local hosts run on (``environment.current``): CPU devices
+
+
 def host_env(devices_per_host: int, base: dict | None = None) -> dict:
     """The environment of a local host process: CPU only, with D devices."""
     env = dict(os.environ if base is None else base)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_host}"])
-    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_PLATFORMS"] = HOSTS_PLATFORM.split("/")[0]
     return env
 
 
@@ -364,6 +367,8 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
     check_platform(settings.attention, "cpu")  # the local hosts run on CPU devices (host_env)
     if compile_cache:
         compile_cache_lib.resolve(compile_cache)  # a bad folder fails here, not in every host
+    if not overwrite:  # a resume in another environment is refused before anything is done (as its hosts would)
+        environment.check(settings.out, environment.current(HOSTS_PLATFORM))
     watch = logs.Stopwatch()
     # every host's devices are on this machine, and share its memory
     cap = fit.cap_hosts(settings, num_hosts, overwrite)

@@ -17,7 +17,8 @@ from typing import Callable
 
 from pipeline.core import buckets, crashpoints, interrupts, logs, naming, slicing
 from pipeline.core.settings import Run
-from pipeline.generate import bucket_programs, cluster, jax_events, progress, runtime, scoring, stopping
+from pipeline.generate import (bucket_programs, cluster, environment, jax_events, progress, runtime, scoring,
+                               stopping)
 from pipeline.generate.generator import Generator
 from pipeline.io import lease, runs
 from pipeline.output import writer
@@ -303,6 +304,8 @@ def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | N
             logs.event("compile_cache", host=host, path=cache_dir)
         run, manifest = runtime.load_planned(out)
         holder = lease.host_renewer(out)  # a host writes only while its run holds OUT
+        # every attempt makes the run's images in the same environment, which each row names
+        run = dataclasses.replace(run, environment=environment.establish(out, environment.current(), f"host {host}"))
     except KeyboardInterrupt as e:  # a signal Python took while the host joined, before JAX's service did
         _stopped_early(host, e)
     tracker = progress.Progress(out, naming.progress_name(host), host, num_hosts).start()

@@ -213,6 +213,7 @@ class Held:
         self.renewer: Renewer | None = None
 
     def __enter__(self) -> "Held":
+        self._made = _first_missing(self.out)  # a folder the lease makes, removed again if left empty
         self.lease = acquire(self.out, self.command, SUBMITTED_S if self.owner else LEASE_S, self.owner)
         self.renewer = Renewer(self.out, self.lease.owner).start()
         self._before = os.environ.get(OWNER_ENV)
@@ -227,6 +228,24 @@ class Held:
             os.environ[OWNER_ENV] = self._before
         if self.owner is None or failed is None or not issubclass(failed, KeyboardInterrupt):
             release(self.out, self.lease.owner)
+            if self._made:  # a command refused before it wrote anything leaves no empty OUT behind
+                folder = os.path.abspath(self.out)
+                while folder != os.path.dirname(self._made):
+                    try:
+                        os.rmdir(folder)
+                    except OSError:
+                        break
+                    folder = os.path.dirname(folder)
+
+
+def _first_missing(out: str) -> str | None:
+    """The outermost folder of a local ``out`` that does not exist yet (None: it exists, or gs://)."""
+    if storage.is_gcs(out):
+        return None
+    missing, folder = None, os.path.abspath(out)
+    while not os.path.exists(folder):
+        missing, folder = folder, os.path.dirname(folder)
+    return missing
 
 
 def host_renewer(out: str) -> Renewer | None:

@@ -39,6 +39,8 @@ METADATA_FIELDS = (
     ("dropped", "string"),
     # how many images the VAE decoded at once (--decode-batch); null: the whole per-device batch
     ("decode_batch", "int32"),
+    # the fingerprint of the environment it was made in (OUT/environment.json), which collect checks
+    ("environment", "string"),
 )
 SCORE_FIELDS = ("clip_similarity", "aesthetic", "nsfw", "nsfw_score")
 
@@ -76,6 +78,7 @@ def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, trunca
            for name in SCORE_FIELDS},
         "dropped": dropped,
         "decode_batch": decode_batch.planned(settings.decode_batch),
+        "environment": run.environment,
     }
 
 
