@@ -135,3 +135,57 @@ def test_a_crashed_runs_lease_lapses_and_a_live_one_holds(tmp_path, monkeypatch)
     renewer = lease.host_renewer(out)
     renewer.stop()
     assert os.getpid() in [pid for pid, _ in lease.read(out)[0].pids]
+
+
+def test_a_plug_in_familys_code_is_in_the_compile_caches_key(tmp_path):
+    """A family registered from outside the package builds programs too: an edit to its
+    code (here, to a helper module of its own package) is a new compile-cache key, where
+    the next run would otherwise load the program compiled from the old code."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    package = tmp_path / "myfamily"
+    package.mkdir()
+    shutil.copy(os.path.join(ROOT, "tests", "scratch_family.py"), package / "family.py")
+    (package / "__init__.py").write_text("")
+    (package / "helper.py").write_text("SCALE = 1.0\n")
+    with open(package / "family.py", "a") as f:
+        f.write("\nfrom myfamily import helper  # noqa: E402,F401\n")
+
+    def digest():
+        env = dict(os.environ, PROMPTMILL_FAMILIES="myfamily.family:SCRATCH",
+                   PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+        return subprocess.run([sys.executable, "-c", "from pipeline.generate import compile_cache; "
+                               "print(compile_cache.code_digest())"], env=env, cwd=str(tmp_path), check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    first = digest()
+    assert digest() == first
+    (package / "helper.py").write_text("SCALE = 2.0\n")
+    assert digest() != first
+
+
+def test_child_processes_run_the_installed_package_not_the_users_folder(tmp_path):
+    """A user's folder holding ``jobs/cli.py`` and a ``pipeline/`` package of their own: the
+    hosts' command and the TPU check's compile children still run promptmill's code."""
+    import subprocess
+
+    from pipeline.engines import local
+    from pipeline.generate import compile_process
+
+    for name in ("jobs", "pipeline"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise SystemExit('the user folder ran: ' + __name__)\n")
+    (tmp_path / "jobs" / "cli.py").write_text("raise SystemExit('the user cli ran')\n")
+    host = local.host_command("out", "127.0.0.1:1", 1, 0)
+    assert host[host.index("jobs.cli") + 1] == "generate"
+    ran = subprocess.run([*host[:host.index("jobs.cli") + 1], "generate", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and "--coordinator" in ran.stdout, ran.stderr[-2000:]
+    child = subprocess.run([*compile_process.COMMAND, "missing-request", "missing-answer"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert "the user" not in child.stdout + child.stderr
+    assert "No such file or directory: 'missing-request'" in child.stderr, child.stderr[-2000:]

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from pipeline.core import buckets, logs, naming
+from pipeline.core import buckets, children, logs, naming
 from pipeline.io import storage
 from pipeline.output import writer
 
@@ -63,7 +63,7 @@ def _prompts(folder: str, config: SizesBenchConfig) -> tuple[str, dict[str, str]
 def _run(args: list[str], out: str, cache: str, again: bool = False) -> dict:
     """One ``promptmill run``, timed: {seconds, images, generate_s (the slowest host's loop)};
     ``again``: over the same OUT (``--overwrite``), with the cache the first run filled."""
-    command = [sys.executable, "-m", "jobs.cli", "run", *args, "--out", out, "--compile-cache", cache,
+    command = [*children.python("-m", "jobs.cli"), "run", *args, "--out", out, "--compile-cache", cache,
                "--no-progress", "--quiet", *(["--overwrite"] if again else [])]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)

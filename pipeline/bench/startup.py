@@ -87,7 +87,8 @@ def probe(model: str, width: int, height: int, steps: int, per_device_batch: int
           devices: int | None = None, compile_cache: str | None = None, env: dict | None = None,
           timeout: float = 1800) -> dict:
     """Run ``ready`` in a fresh Python process; adds ``total_s``, the wall time seen from here."""
-    command = [sys.executable, "-m", "pipeline.bench.startup", "--model", model, "--width", str(width), "--height",
+    command = [sys.executable, "-P", "-m", "pipeline.bench.startup",  # -P: as pipeline.core.children
+               "--model", model, "--width", str(width), "--height",
                str(height), "--steps", str(steps), "--per-device-batch", str(per_device_batch), "--dtype", dtype]
     if devices:
         command += ["--devices", str(devices)]

@@ -33,7 +33,7 @@ from typing import Callable
 
 from pipeline.cloud import checks, program_check, tpu
 from pipeline.cloud.gke import committed_slices, settings_flags
-from pipeline.core import naming
+from pipeline.core import children, naming
 from pipeline.io import storage
 
 # Dataflow's batch default (25 GB with Shuffle) is too small for a JAX/libtpu image and a model.
@@ -228,7 +228,7 @@ def launcher_command() -> list[str]:
         if not (os.path.isfile(override) and os.access(override, os.X_OK)):
             raise RuntimeError(f"DATAFLOW_LAUNCHER={override!r} is not an executable file")
         return [override]
-    return [sys.executable, "-m", "jobs.dataflow_launch"]
+    return children.python("-m", "jobs.dataflow_launch")
 
 
 def stage_arguments(job: DataflowJob, stage: str) -> list[str]:

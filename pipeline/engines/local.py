@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from pipeline.core import buckets, logs, naming
+from pipeline.core import buckets, children, logs, naming
 from pipeline.generate import cluster, compile_cache as compile_cache_lib, environment, progress as progress_lib, stopping
 from pipeline.io import runs, storage
 from pipeline.model.layers.attention import check_platform
@@ -58,7 +58,7 @@ def host_env(devices_per_host: int, base: dict | None = None) -> dict:
 
 def host_command(out: str, coordinator: str, num_hosts: int, host_id: int,
                  compile_cache: str | None = None) -> list[str]:
-    command = [sys.executable, "-m", "jobs.cli", "generate", "--out", out, "--coordinator", coordinator,
+    command = [*children.python("-m", "jobs.cli"), "generate", "--out", out, "--coordinator", coordinator,
                "--num-hosts", str(num_hosts), "--host-id", str(host_id)]
     if compile_cache:
         command += ["--compile-cache", compile_cache_lib.resolve(compile_cache)]

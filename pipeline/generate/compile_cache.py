@@ -277,19 +277,34 @@ def figures_key(lowered, devices, kind: str = "figures") -> str:
 
 @functools.lru_cache(maxsize=1)
 def code_digest() -> str:
-    """sha256 of promptmill's own Python sources (the ``pipeline`` package): the code that
-    builds every program."""
+    """sha256 of the Python sources that build every program: promptmill's own (the
+    ``pipeline`` package) and those of each family registered from outside it (every
+    module of its top-level package that is loaded once the registry has imported it),
+    so a plug-in family's edit is a new key."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [os.path.join(folder, name) for folder, dirs, names in os.walk(root)
+             for name in names if name.endswith(".py") and "__pycache__" not in folder]
     digest = hashlib.sha256()
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, root).encode() + b"\0")
-            with open(path, "rb") as f:
-                digest.update(f.read())
-            digest.update(b"\0")
+    for path in sorted(set(paths) | _plugin_sources()):
+        digest.update(path.encode() if not path.startswith(root) else os.path.relpath(path, root).encode())
+        digest.update(b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read())
+        digest.update(b"\0")
     return digest.hexdigest()
+
+
+def _plugin_sources() -> set[str]:
+    """The source files of the families registered from outside ``pipeline``: the loaded
+    modules of each one's top-level package."""
+    import sys
+
+    from pipeline.model.families import FAMILIES
+
+    tops = {type(family).__module__.split(".")[0] for family in FAMILIES} - {"pipeline"}
+    return {os.path.abspath(module.__file__) for name, module in list(sys.modules.items())
+            if name.split(".")[0] in tops and getattr(module, "__file__", None)
+            and module.__file__.endswith(".py")}
 
 
 def index_key(description: dict, devices) -> str:

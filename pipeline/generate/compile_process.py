@@ -27,10 +27,11 @@ import sys
 import tempfile
 import time
 
+from pipeline.core import children
 from pipeline.generate import compile_cache
 
-COMMAND = [sys.executable, "-c", "import sys; from pipeline.generate import compile_process as c; "
-                              "sys.exit(c.main(sys.argv[1:]))"]  # this module by its name: its errors unpickle
+COMMAND = children.python("-c", "import sys; from pipeline.generate import compile_process as c; "
+                                 "sys.exit(c.main(sys.argv[1:]))")  # this module by its name: its errors unpickle
 HELD = "PROMPTMILL_HELD_STDERR"  # where the child keeps what libtpu prints (tpu_check.chips.quiet_stderr)
 NOTE = "PROMPTMILL_COMPILING"  # where the child notes the program it is compiling (``compiling``)
 SCRATCH = "PROMPTMILL_COMPILE_SCRATCH"  # a folder of the parent's for the child's files, removed after it ends
