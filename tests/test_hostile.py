@@ -189,3 +189,28 @@ def test_child_processes_run_the_installed_package_not_the_users_folder(tmp_path
                            capture_output=True, text=True, timeout=120)
     assert "the user" not in child.stdout + child.stderr
     assert "No such file or directory: 'missing-request'" in child.stderr, child.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name,safe", [("unet/config.json", True), ("a/b/c.safetensors", True), ("/home/u/.bashrc", False),
+                                       ("../../x", False), ("unet/../../x", False), ("a//b", False), ("./a", False),
+                                       ("a/", False), ("a\\b", False), ("a\nb", False), ("a\x7fb", False), ("", False)])
+def test_a_checkpoints_object_names_must_stay_inside_the_cache(name, safe):
+    from pipeline.model.loading import fetch
+
+    assert fetch.safe_name(name) == safe
+
+
+def test_a_gs_checkpoint_with_names_leading_out_is_refused_and_writes_nothing(model_cache, tmp_path, monkeypatch):
+    """GCS takes any object name, ``model//home/u/.bashrc`` and ``model/../../x`` among them;
+    the emulator does not, so its listing is given here as GCS would give it."""
+    from pipeline.io import storage as storage_lib
+    from pipeline.model import load as model_lib
+    from pipeline.model.loading import fetch
+
+    entry = {"size": 5, "md5": "x", "crc32c": "y"}
+    listing = {"model_index.json": entry, f"/{tmp_path}/planted": entry, "unet/../../../planted": entry}
+    monkeypatch.setattr(storage_lib, "object_checksums", lambda prefix: listing)
+    monkeypatch.setattr(storage_lib, "download_verified", lambda *a, **k: pytest.fail("nothing may be downloaded"))
+    with pytest.raises(model_lib.ModelError, match=r"cannot be files of a checkpoint .*planted.*nothing was copied"):
+        fetch.fetch_remote("gs://bucket/models/evil")
+    assert not (tmp_path / "planted").exists()

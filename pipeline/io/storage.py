@@ -420,7 +420,7 @@ def object_checksums(prefix: str) -> dict[str, dict]:
         return {b.name[len(name):]: {"size": b.size, "md5": b.md5_hash, "crc32c": b.crc32c}
                 for b in blobs if not b.name.endswith("/")}
     found = {}
-    for path in glob(prefix):
+    for path in sorted(files(prefix)):
         hashes = _Hashing(None, md5=True, crc32c=True)
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):

@@ -42,10 +42,24 @@ def listed(prefix: str, marker: str = "model_index.json") -> dict:
     from pipeline.io import storage
 
     objects = storage.object_checksums(prefix)
+    unsafe = sorted(relative for relative in objects if not safe_name(relative))
+    if unsafe:  # each name becomes a path in the cache folder: none may lead out of it
+        shown = ", ".join(repr(name) for name in unsafe[:5]) + (f" and {len(unsafe) - 5} more" if len(unsafe) > 5 else "")
+        raise ModelError(f"{prefix}: objects whose names cannot be files of a checkpoint (absolute, '..' or '.' "
+                         f"parts, empty parts, backslashes or control characters): {shown}; nothing was copied")
     if marker not in objects:
         what = "a diffusers-format checkpoint" if marker == "model_index.json" else "a model folder"
         raise ModelError(f"{prefix}: missing {marker} (not {what})")
     return {relative: {key: entry[key] for key in CHECKSUMS} for relative, entry in objects.items()}
+
+
+def safe_name(relative: str) -> bool:
+    """Whether an object's name under a checkpoint's prefix is a plain relative path that
+    stays inside the folder it is copied to (pure)."""
+    parts = relative.split("/")
+    return (bool(relative) and not relative.startswith("/") and "\\" not in relative
+            and all(part not in ("", ".", "..") for part in parts)
+            and not any(ord(c) < 32 or ord(c) == 127 for c in relative))
 
 
 def _cache_key(objects: dict) -> str:
@@ -87,10 +101,13 @@ def fetch_remote(prefix: str, weights: bool = True, marker: str = "model_index.j
 def _copy(prefix: str, objects: dict, scratch: str) -> None:
     from pipeline.io import storage
 
+    root = os.path.realpath(scratch)
     for relative in sorted(objects):
+        target = os.path.realpath(os.path.join(scratch, relative))
+        if not target.startswith(root + os.sep):  # ``listed`` refused such names; never write outside
+            raise ModelError(f"{prefix}: {relative!r} would be written outside the model cache ({target})")
         try:
-            storage.download_verified(f"{prefix.rstrip('/')}/{relative}", os.path.join(scratch, relative),
-                                      objects[relative])
+            storage.download_verified(f"{prefix.rstrip('/')}/{relative}", target, objects[relative])
         except storage.ChecksumError as e:
             raise ModelError(f"{prefix}: {relative} does not match its listed checksum ({e}); fetch it again "
                              f"once the checkpoint is no longer being written") from None
