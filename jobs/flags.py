@@ -191,9 +191,10 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed,
                         help="run seed, hashed with a record's id when the record has no seed (default: %(default)s)")
     parser.add_argument("--per-device-batch", type=per_device_batch, default=d.per_device_batch,
-                        help="images per device per step, or auto: the largest whose compiled sampler (weights, "
-                             "inputs, temporaries) fits one device of the machine that plans, measured from the "
-                             "compiled program before planning and logged (default: %(default)s)")
+                        help="images per device per step; with --sizes, one per size (N,N,...) or one for every "
+                             "size; or auto: the largest whose compiled sampler (weights, inputs, temporaries) fits "
+                             "one device of the machine that plans, for each size, measured from the compiled "
+                             "program before planning and logged (default: %(default)s)")
     parser.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                         help="one device's memory in GiB, for --per-device-batch auto, --fsdp auto and a "
                              "submission's TPU check; plan records it in run.json, where a submission's check after "
@@ -262,17 +263,29 @@ def fsdp_degree(text: str) -> int | str:
 
 def decode_batch(text: str) -> int | str:
     """``--decode-batch``: a whole number, or ``auto``."""
-    return per_device_batch(text)
+    found = per_device_batch(text)
+    if isinstance(found, tuple):
+        raise argparse.ArgumentTypeError(f"expected a whole number or {AUTO}, got {text!r}")
+    return found
 
 
-def per_device_batch(text: str) -> int | str:
-    """``--per-device-batch``: a whole number, or ``auto``."""
+def per_device_batch(text: str) -> int | str | tuple[int, ...]:
+    """``--per-device-batch``: a whole number, ``auto``, or one whole number per size of
+    ``--sizes`` (``N,N,...``: what ``auto`` chose for each, as a submission's plan is given it)."""
     if text == AUTO:
         return AUTO
     try:
-        return int(text)
+        return tuple(int(part) for part in text.split(",")) if "," in text else int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number or {AUTO}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number, one per size (N,N,...) or {AUTO}, "
+                                         f"got {text!r}") from None
+
+
+def _batches(value) -> dict:
+    """Settings' per-device batch of ``--per-device-batch``, and each size's where it gives one per size."""
+    if isinstance(value, tuple):
+        return {"per_device_batch": value[0], "bucket_batches": value}
+    return {"per_device_batch": value}
 
 
 def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_check: bool = False) -> Settings:
@@ -291,7 +304,7 @@ def settings_from_args(args: argparse.Namespace, devices_per_host: int, tpu_chec
                     formats=parse_formats(args.format), device_memory=args.device_memory,
                     image_format=args.image_format, quality=args.quality, guidance_scale=args.guidance_scale,
                     max_sequence_length=args.max_sequence_length,
-                    seed=args.seed, per_device_batch=args.per_device_batch,
+                    seed=args.seed, **_batches(args.per_device_batch),
                     batches_per_slice=args.batches_per_slice, devices_per_host=devices_per_host, fsdp=args.fsdp,
                     decode_batch=args.decode_batch,
                     save_latents=args.save_latents, prompt_field=args.prompt_field, dedupe=args.dedupe,

@@ -214,3 +214,30 @@ def test_a_gs_checkpoint_with_names_leading_out_is_refused_and_writes_nothing(mo
     with pytest.raises(model_lib.ModelError, match=r"cannot be files of a checkpoint .*planted.*nothing was copied"):
         fetch.fetch_remote("gs://bucket/models/evil")
     assert not (tmp_path / "planted").exists()
+
+
+def test_each_sizes_chosen_batch_travels_to_the_plan_a_submission_launches():
+    """``submit --sizes ... --per-device-batch auto``: the TPU check chooses a batch per size;
+    the plan command carries each (``--per-device-batch N,N``) and reads them back."""
+    from jobs import flags
+    from pipeline.cloud import gke
+    from pipeline.core.settings import Settings
+
+    checked = Settings(prompts="gs://b/p.jsonl", out="gs://b/o", sizes=("64x64", "32x32"), per_device_batch=4,
+                       bucket_batches=(4, 16), devices_per_host=8)
+    command = gke.settings_flags(checked)
+    assert ("--per-device-batch", "4,16") in zip(command, command[1:])
+    assert flags.settings_from_flags(command) == checked
+
+
+def test_a_resumed_submission_checks_the_decode_program_its_plan_chose(tmp_path, model_cache):
+    from pipeline.cloud import program_check, tpu
+    from pipeline.core.settings import Settings
+    from pipeline.plan import transforms as plan
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    planned = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "out"), steps=2, decode_batch=1)
+    plan.run_plan(planned)
+    asked = planned.replace(decode_batch="auto")
+    settings, _, _ = program_check.resolve_submission(asked, tpu.lookup("v5e", "2x2"), skip=True)
+    assert settings.decode_batch == 1

@@ -28,7 +28,7 @@ NOT_FLAGS = {
     "guided": "decided by the plan: whether any planned record has guidance above 1 (under the diffusers rule)",
     "filter_rule": "how the filters read a threshold of 0: a new run's is 'set'; a resumed run keeps its own",
     "key_names": "how records without an id are named: a new run's is 'readable'; a resumed run keeps its own",
-    "bucket_batches": "each size's per-device batch, chosen by --per-device-batch auto when the run is planned",
+    "bucket_batches": "each size's per-device batch: --per-device-batch N,N,... (written with per_device_batch)",
 }
 # The fields whose flag is not --NAME-WITH-DASHES (the flag names one item of the tuple)
 FLAG_NAMES = {"loras": "--lora", "formats": "--format", "scores": "--score"}
@@ -60,6 +60,8 @@ def settings_flags(settings) -> list[str]:
         if field.name in NOT_FLAGS:
             continue
         value = getattr(settings, field.name)
+        if field.name == "per_device_batch" and settings.bucket_batches:
+            value = tuple(settings.bucket_batches)  # one per size: what the TPU check chose for each
         flag = setting_flag(field.name)
         if value is None or value == ():
             if value != field.default:

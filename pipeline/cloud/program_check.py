@@ -120,6 +120,9 @@ def resolve_submission(settings, s: tpu.TpuSlice, skip: bool = False, overwrite:
     from pipeline.io import runs
 
     cap = None
+    if look and not overwrite and settings.decode_batch == AUTO and runs.exists(settings.out):
+        # a resumed run decodes as its plan said: the check checks the program its hosts run
+        settings = settings.replace(decode_batch=runs.read(settings.out).settings.decode_batch)
     if AUTO in (settings.per_device_batch, settings.fsdp):
         if look and not overwrite and runs.exists(settings.out):  # a resumed run keeps what its slices were made with
             planned = runs.read(settings.out).settings
