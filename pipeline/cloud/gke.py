@@ -28,8 +28,9 @@ NOT_FLAGS = {
     "guided": "decided by the plan: whether any planned record has guidance above 1 (under the diffusers rule)",
     "filter_rule": "how the filters read a threshold of 0: a new run's is 'set'; a resumed run keeps its own",
     "key_names": "how records without an id are named: a new run's is 'readable'; a resumed run keeps its own",
-    "bucket_batches": "each size's per-device batch: --per-device-batch N,N,... (written with per_device_batch)",
 }
+# Settings fields written within another's flag: each size's per-device batch is --per-device-batch N,N,...
+WITHIN = {"bucket_batches": "per_device_batch"}
 # The fields whose flag is not --NAME-WITH-DASHES (the flag names one item of the tuple)
 FLAG_NAMES = {"loras": "--lora", "formats": "--format", "scores": "--score"}
 REPEATED = ("loras",)  # one flag per item (action="append"); any other tuple is one comma-separated flag
@@ -57,7 +58,7 @@ def settings_flags(settings) -> list[str]:
     """
     tokens: list[str] = []
     for field in dataclasses.fields(settings):
-        if field.name in NOT_FLAGS:
+        if field.name in NOT_FLAGS or field.name in WITHIN:
             continue
         value = getattr(settings, field.name)
         if field.name == "per_device_batch" and settings.bucket_batches:
