@@ -758,7 +758,7 @@ SUBMIT_ALL_CHANGED = [
     "--lora", "gs://b/lcm.safetensors", "--width", "64", "--height", "48", "--sizes", "64x48,48x64",
     "--scheduler", "dpmpp",
     "--timestep-spacing", "trailing", "--guidance-scale", "3.25", "--max-sequence-length", "256", "--seed", "12",
-    "--per-device-batch", "3", "--device-memory", "15.5", "--batches-per-slice", "3", "--fsdp", "2",
+    "--per-device-batch", "3,2", "--device-memory", "15.5", "--batches-per-slice", "3", "--fsdp", "2",
     "--decode-batch", "2", "--attention", "chunked", "--format", "zarr,files", "--image-format", "webp", "--quality", "80",
     "--save-latents", "--prompt-field", "text", "--dedupe", "--score", "safety,clip,aesthetic",
     "--clip-model", "gs://b/clip", "--aesthetic-head", "gs://b/a.safetensors", "--safety-checker", "gs://b/sd",
@@ -804,12 +804,13 @@ def test_what_a_dataflow_dry_run_prints_plans_every_setting_it_checked(monkeypat
     assert Settings.from_dict(json.loads(out.split("# settings: ", 1)[1].split("\n", 1)[0])) == checked
     command = _printed(out, shlex.join(dataflow.launcher_command()) + " run plan ")
     printed_options = _dry_run_sections(out)["plan"]
-    assert command[:5] == [*dataflow.launcher_command(), "run", "plan"] and \
+    launcher = dataflow.launcher_command()
+    assert command[:len(launcher) + 2] == [*launcher, "run", "plan"] and \
         command[-len(printed_options) - 1:] == ["--", *printed_options]
     launched = []
     monkeypatch.setattr("pipeline.cloud.dataflow_launch.launch",
                         lambda *a: launched.append(a) or {"job_id": "j", "state": "PENDING"})
-    assert launcher_cli.main(command[3:]) == 0
+    assert launcher_cli.main(command[len(launcher):]) == 0
     [(stage, out_, options, settings, overwrite, cap)] = launched
     assert (stage, out_, options, settings, overwrite, cap) == ("plan", OUT, printed_options, checked, False, None)
 
@@ -1105,7 +1106,7 @@ def test_the_launcher_reads_what_submit_passes_and_builds_each_stage(tmp_path):
 
     out = str(tmp_path / "out")
     job = _dataflow_job(out, settings=Settings(out=out, dtype="bf16", steps=3), overwrite=True)
-    assert dataflow.launcher_command()[1:] == ["-m", "jobs.dataflow_launch"]
+    assert dataflow.launcher_command()[1:] == ["-P", "-m", "jobs.dataflow_launch"]  # never the folder it stands in
     for stage in dataflow.STAGES:
         args, options = launcher_cli.parse(dataflow.stage_arguments(job, stage))
         assert (args.command, args.stage, args.out, options) == ("run", stage, out, list(job.options(stage)))
