@@ -241,3 +241,15 @@ def test_a_resumed_submission_checks_the_decode_program_its_plan_chose(tmp_path,
     asked = planned.replace(decode_batch="auto")
     settings, _, _ = program_check.resolve_submission(asked, tpu.lookup("v5e", "2x2"), skip=True)
     assert settings.decode_batch == 1
+
+
+def test_a_compile_cache_the_hosts_would_refuse_is_refused_before_planning(tmp_path, model_cache, capfd):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "one"}\n')
+    cache = tmp_path / "cc"
+    cache.mkdir()
+    os.mkfifo(cache / "planted")
+    out = tmp_path / "out"
+    assert cli.main(["run", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--compile-cache", str(cache),
+                     "--steps", "2"]) == 1
+    assert "refusing the compile cache folder" in capfd.readouterr().err
+    assert not out.exists()  # nothing was planned

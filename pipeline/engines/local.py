@@ -366,7 +366,7 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
         raise ValueError(f"--hosts must be >= 1, got {num_hosts}")
     check_platform(settings.attention, "cpu")  # the local hosts run on CPU devices (host_env)
     if compile_cache:
-        compile_cache_lib.resolve(compile_cache)  # a bad folder fails here, not in every host
+        compile_cache_lib.check_before_run(compile_cache)  # a bad or unsafe folder fails here, not in every host
     if not overwrite:  # a resume in another environment is refused before anything is done (as its hosts would)
         environment.check(settings.out, environment.current(HOSTS_PLATFORM))
     watch = logs.Stopwatch()

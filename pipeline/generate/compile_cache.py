@@ -65,6 +65,7 @@ import stat
 import sys
 import tempfile
 
+from pipeline.core import logs
 from pipeline.generate import jax_events
 
 EXECUTABLES = "executables"  # the per-host executables' folder, inside the cache folder
@@ -152,21 +153,28 @@ def push() -> int:
 def check_private(folder: str) -> str:
     """``folder`` if it is a folder that only this user can write; else UnsafeCacheFolder,
     naming it. Whoever can write a cache folder can change what the devices compute (an
-    executable is machine code), so a folder its group or others can write, or another
-    user owns, is refused, as ssh refuses a group-writable ``~/.ssh``."""
+    executable is machine code), so a folder another user owns is refused, as ssh refuses
+    a group-writable ``~/.ssh``; one of this user's that its group or others can write (an
+    earlier version made them under umask 002) is made private (0700) and said. Anything
+    in it but regular files and folders (a FIFO would hang the first read) is refused."""
     info = os.stat(folder)
-    problems = []
     if not stat.S_ISDIR(info.st_mode):
-        problems.append("not a folder")
+        raise UnsafeCacheFolder(f"refusing the compile cache folder {folder}: it is not a folder; choose a folder")
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        problems.append(f"owned by another user (uid {info.st_uid}, this process runs as {os.getuid()})")
-    if info.st_mode & 0o022:
-        problems.append(f"writable by its group or by others (mode {stat.S_IMODE(info.st_mode):04o})")
-    if problems:
         raise UnsafeCacheFolder(
-            f"refusing the compile cache folder {folder}: it is {' and '.join(problems)}. Whoever can "
-            f"write it can change what the devices compute; make it this user's own and private "
-            f"(chmod 700 {folder}) or choose another folder")
+            f"refusing the compile cache folder {folder}: it is owned by another user (uid {info.st_uid}, this "
+            f"process runs as {os.getuid()}). Whoever can write it can change what the devices compute; have it "
+            f"made this user's (chown {os.getuid()} {folder}) or choose another folder")
+    if info.st_mode & 0o022:
+        os.chmod(folder, 0o700)
+        logs.event("cache_folder_tightened", folder=folder, mode_was=f"{stat.S_IMODE(info.st_mode):04o}", mode="0700",
+                   why="its group or others could write it, and so change what the devices compute")
+    odd = [entry.name for entry in os.scandir(folder)
+           if not (entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False))]
+    if odd:
+        raise UnsafeCacheFolder(f"refusing the compile cache folder {folder}: it holds what is neither a file nor a "
+                                f"folder ({', '.join(sorted(odd)[:5])}), which promptmill never writes there; remove "
+                                f"it or choose another folder")
     return folder
 
 
@@ -188,6 +196,18 @@ def private_folder(folder: str) -> str:
             continue
         os.chmod(path, 0o700)  # as asked, whatever the umask
     return check_private(folder)
+
+
+def check_before_run(directory: str) -> str:
+    """The folder of ``--compile-cache`` (``resolve``), a local one made and checked
+    (``private_folder``) by the launcher, so a folder the hosts would refuse is refused
+    before anything is planned."""
+    path = resolve(directory)
+    if "://" not in path:
+        private_folder(path)
+        for folder in (EXECUTABLES, os.path.join(EXECUTABLES, INDEX), CHECKS):
+            _check_existing(os.path.join(path, folder))
+    return path
 
 
 def _check_existing(folder: str) -> None:
@@ -871,7 +891,6 @@ def _parse(blob: bytes, key: str, devices) -> tuple[dict, bytes]:
 
 def _unreadable(path: str, error: Exception) -> None:
     """Log, at warning level, an entry that will not be loaded (and will be replaced)."""
-    from pipeline.core import logs
 
     reason = str(error) if isinstance(error, _Refused) else f"{type(error).__name__}: {error}"
     logs.event("executable_cache_unreadable", logging.WARNING, path=path, error=reason,
@@ -977,7 +996,6 @@ def load_or_compile(lowered, devices, folder: str | None = None, index: tuple[st
     ``load_indexed`` should return with it: a tree of ``jax.ShapeDtypeStruct``s), recorded
     in the index when both the program and that tree can be described in JSON.
     """
-    from pipeline.core import logs
     from pipeline.io import storage
 
     folder = folder or _executables
