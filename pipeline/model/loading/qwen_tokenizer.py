@@ -54,13 +54,16 @@ def format_prompt(tokenizer, text: str, *, thinking: bool, family: str) -> str:
 
 def tokenize(tokenizer, prompts, max_sequence_length: int, *, thinking: bool, family: str, most: int = 512):
     """(input_ids int32 [B, L], attention_mask int32 [B, L]) of ``prompts``, chat-formatted
-    (``format_prompt``), padded to ``max_sequence_length`` and cut at it. ValueError for a
-    length below 1 or above ``most``."""
+    (``format_prompt``), padded on the right to ``max_sequence_length`` and cut at it.
+    ValueError for a length below 1 or above ``most``. The families read a caption's
+    tokens from the start of its row, so the padding goes on the right whatever side a
+    checkpoint's tokenizer config names (Qwen's own pad on the right)."""
     import numpy as np
 
     if not (isinstance(max_sequence_length, int) and 1 <= max_sequence_length <= most):
         raise ValueError(f"max_sequence_length must be an integer from 1 to {most}, got {max_sequence_length!r}")
     texts = [format_prompt(tokenizer, p, thinking=thinking, family=family) for p in prompts]
+    tokenizer.padding_side = tokenizer.truncation_side = "right"
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=max_sequence_length,
                         return_tensors="np")
     return encoded.input_ids.astype(np.int32), encoded.attention_mask.astype(np.int32)
