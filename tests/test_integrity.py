@@ -5,7 +5,6 @@ over a single file that holds them all, with conservation of rows)."""
 import collections
 import gzip
 import json
-import logging
 import zlib
 
 import pytest

@@ -27,7 +27,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import time
 from typing import Callable
 

@@ -27,8 +27,6 @@ import os
 import zlib
 from typing import Iterator
 
-import apache_beam as beam
-from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
@@ -249,35 +247,3 @@ def write_text(path: str, text: str, mime_type: str = "text/plain") -> None:
 def write_json(path: str, obj) -> None:
     """The same bytes as ``storage.write_json``."""
     write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "application/json")
-
-
-class _ReadLinesFn(beam.DoFn):
-    def __init__(self, compression_type: str):
-        self.compression_type = compression_type
-
-    def setup(self):
-        use_emulator_credentials()
-
-    def process(self, readable_file: fileio.ReadableFile):
-        use_emulator_credentials()
-        path = readable_file.metadata.path
-        with readable_file.open(compression_type=self.compression_type) as f:
-            for number, raw in enumerate(split_lines(f), start=1):
-                yield path, number, raw
-
-
-class ReadLines(beam.PTransform):
-    """File paths (or ``fileio`` matches) -> (path, 1-based line number, raw line bytes).
-
-    Every line is kept, blank ones included, undecoded: validation decides what a
-    line is worth. Compression AUTO by name, as ``iter_lines``.
-    """
-
-    def __init__(self, compression_type: str = CompressionTypes.AUTO):
-        super().__init__()
-        self.compression_type = compression_type
-
-    def expand(self, files):
-        return (files
-                | "ReadMatches" >> fileio.ReadMatches()
-                | "SplitLines" >> beam.ParDo(_ReadLinesFn(self.compression_type)))
