@@ -163,6 +163,11 @@ def _cpu_only(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     from pipeline.core import interrupts, logs
 
+    try:
+        families.check()  # a plug-in family that cannot be registered: one line, before any command (or --help)
+    except families.FamilyError as e:
+        print(f"promptmill: error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     beam_args = flags.check_extra(args, extra)  # an unknown flag exits 2 here, before anything runs

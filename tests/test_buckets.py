@@ -69,6 +69,9 @@ def test_records_ask_for_a_size_only_when_the_run_declares_sizes():
     plain = records.parse_decoded(laion, "f", 1, 0, "f:1")  # no --sizes: they pass through, as before
     assert plain.bucket == 0 and plain.extra == {"width": 1000, "height": 667, "aspect_ratio": 1.5}
     sized = records.parse_decoded({"prompt": "p", "width": "24", "height": 32.0}, "f", 1, 0, "f:1", sizes=SIZES)
+    # a whole number is one however it is written: 32.0 and "32.0" alike
+    assert records.parse_decoded({"prompt": "p", "width": "24.0", "height": "32"}, "f", 1, 0, "f:1",
+                                 sizes=SIZES).bucket == sized.bucket
     assert sized.bucket == 1 and sized.extra == {}  # read, not passed through: the metadata has the size
     wide = records.parse_decoded({"prompt": "p", "aspect_ratio": "16:9"}, "f", 1, 0, "f:1", sizes=SIZES)
     assert wide.bucket == 2 and wide.extra == {"aspect_ratio": "16:9"}  # what was asked, beside the size given

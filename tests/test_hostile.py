@@ -267,3 +267,61 @@ def test_captions_are_padded_on_the_right_whatever_the_tokenizer_config_says():
     ids, mask = sampling.tokenize(tokenizer, ["a cat", "a much longer caption of a dog"], 64)
     assert (ids == right[0]).all() and (mask == right[1]).all()
     assert all(row[:row.sum()].all() and not row[row.sum():].any() for row in mask)
+
+
+def test_parquet_times_binary_prompts_and_nan_are_read_as_text_reject_and_absent(tmp_path):
+    """Nanosecond times (which pyarrow turns into Python only through pandas) are ISO text; a
+    binary prompt that is not UTF-8 is a reject, never its base64 as the prompt; NaN, a
+    missing number as pandas writes it, is an absent field."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": pa.array([b"a cat", b"\xff\xfe", b"a dog"], pa.binary()),
+                             "when": pa.array([0, 1, 2], pa.timestamp("ns")), "score": [1.5, 2.0, float("nan")]}),
+                   tmp_path / "p.parquet")
+    found = _rows(tmp_path / "p.parquet")
+    assert found[0] == (1, {"prompt": "a cat", "when": "1970-01-01 00:00:00.000000000", "score": 1.5})
+    assert found[1] == (2, ("invalid_utf8", "the 'prompt' column holds bytes that are not UTF-8 text"))
+    assert found[2] == (3, {"prompt": "a dog", "when": "1970-01-01 00:00:00.000000002"})
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sizes", "32x32,,64x64"], "has an empty size between its commas"),
+    (["--per-device-batch", "1,x"], "one per size (N,N,...)"),
+])
+def test_flags_with_holes_are_refused(tmp_path, capfd, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", "--prompts", "p.jsonl", "--out", str(tmp_path / "o"), *argv])
+    assert exited.value.code == 2 and message in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("prompts,out", [("{p}/**/*.jsonl", "{p}/out"), ("{p}", "{p}/sub/out"),
+                                         ("{p}/*/*/*.parquet", "{p}/out")])
+def test_an_out_inside_the_prompt_folder_is_refused_when_planning(tmp_path, model_cache, capfd, prompts, out):
+    folder = tmp_path / "prompts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_text('{"prompt": "a"}\n')
+    (folder / "sub" / "b.jsonl").write_text('{"prompt": "b"}\n')
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (folder / "sub" / "deeper").mkdir()
+    pq.write_table(pa.table({"prompt": ["c"]}), folder / "sub" / "deeper" / "c.parquet")
+    code = cli.main(["plan", "--prompts", prompts.format(p=folder), "--out", out.format(p=folder), "--steps", "2"])
+    assert code == 1 and "is inside the prompt folder" in capfd.readouterr().err
+    assert not os.path.exists(out.format(p=folder))
+
+
+def test_a_plug_in_family_that_cannot_be_imported_is_one_line_for_every_command(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    env = dict(os.environ, PROMPTMILL_FAMILIES="no_such_family_module:FAMILY")
+    for argv in (["--help"], ["status", "x"]):
+        ran = subprocess.run([sys.executable, "-m", "jobs.cli", *argv], env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
+            "promptmill: error: PROMPTMILL_FAMILIES: cannot import the family 'no_such_family_module:FAMILY': "
+            "No module named 'no_such_family_module'"], ran.stderr

@@ -180,6 +180,15 @@ BATTERY = [  # (a JSONL line, the reason it is rejected for; None: it is a recor
     (b'{"prompt": "a", "tag": {"k": "\\udfff"}}', "invalid_text"),
     (b'{"prompt": "a", "prompt": "b"}', "repeated_field"),
     (b'{"prompt": "a", "seed": 1, "seed": 2}', "repeated_field"),
+    # the second battery's rows
+    (b'{"prompt": "\u200b\u200b\u200c\ufeff"}', "empty_prompt"),  # only zero-width characters
+    (b'{"prompt": "\u2028 \u00a0"}', "empty_prompt"),
+    (('{"prompt": "%s"}' % ("x" * 20_001)).encode(), "prompt_too_long"),
+    (('{"prompt": "a", "negative_prompt": "%s"}' % ("x" * 20_001)).encode(), "bad_negative_prompt"),
+    (b'{"prompt": "a", "score": NaN}', "bad_extra"),  # the metadata is JSON, which has no NaN
+    (b'{"prompt": "a", "tags": [1, -Infinity]}', "bad_extra"),
+    (b'{"prompt": "a", "num_images": "2.0", "seed": " 7 "}', None),  # whole numbers as text, as CSV cells
+    (b'{"prompt": "a", "num_images": "2.5"}', "bad_num_images"),
     # hostile but valid: kept as records, their keys derived safely
     (b'{"prompt": "a NUL \\u0000 and an escape \\u001b[31m"}', None),
     (b'{"prompt": "a", "id": "../../etc/passwd"}', None),

@@ -372,3 +372,22 @@ def test_the_hosts_of_a_sigkilled_launcher_stop_by_themselves(prompts, tmp_path,
     r = status.status(out)
     assert [(h["host"], h["state"]) for h in r["hosts"]] == [(0, "stopped"), (1, "stopped")]
     assert r["committed"]["slices"] == sum(h["slices"] for h in r["hosts"]) > 0
+
+
+def test_a_torn_shard_and_a_garbage_marker_are_named_with_how_to_redo_them(resumed, capfd):
+    """Last of this module (it spoils the finished run): collect names each committed slice
+    it cannot read and says how to redo it, and removes what a collect killed midway left."""
+    from jobs import cli
+
+    out = resumed["out"]
+    marker, shard = naming.shard_stats(out, 3), naming.shard_metadata(out, 5)
+    storage.write_bytes(marker, b"\x00garbage")
+    storage.write_bytes(shard, storage.read_bytes(shard)[:100])
+    leftover = naming.join(out, "dataset", ".promptmill-tmp-killed")
+    storage.write_bytes(leftover, b"half a parquet file")
+    assert cli.main(["collect", "--out", out]) == 1
+    err = capfd.readouterr().err
+    for index in (3, 5):
+        assert (f"slice {index}'s commit marker or metadata cannot be read" in err
+                and f"delete {naming.shard_stats(out, index)} and run the same command again" in err)
+    assert not storage.exists(leftover)

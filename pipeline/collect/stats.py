@@ -79,6 +79,9 @@ def dataset_stats(manifest: dict, summaries: list[dict], reject_counts: list, co
         extra["sizes"] = size_counts(manifest, summaries)
     if scores:
         extra["scores"] = scores
+    unreadable = [s["unreadable"] for s in summaries if s.get("unreadable")]
+    if unreadable:  # committed slices whose marker or metadata cannot be read, each with how to redo it
+        extra["unreadable_slices"] = {"count": len(unreadable), "first": unreadable[:MAX_KEYS_IN_MESSAGE]}
     if dropped or any("dropped" in s for s in summaries):
         # every planned image is an image, a dropped one, or a problem above
         extra["dropped"] = {"images": dropped, "by_rule": dict(sorted(by_rule.items()))}

@@ -44,6 +44,7 @@ slice its plan items, commit marker and metadata shard, and listings.
 from __future__ import annotations
 
 import collections
+import logging
 import contextlib
 import io
 import json
@@ -51,6 +52,7 @@ import tarfile
 import time
 
 import apache_beam as beam
+import pyarrow
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -150,8 +152,12 @@ class _VerifySliceFn(beam.DoFn):
         items = list(_read_lines(naming.plan_slice(self.out, index)))
         stats_path = naming.shard_stats(self.out, index)
         committed = storage.exists(stats_path)
-        slice_stats = beamio.read_json(stats_path) if committed else None
-        rows = _read_table(naming.shard_metadata(self.out, index)).to_pylist() if committed else []
+        try:
+            slice_stats = beamio.read_json(stats_path) if committed else None
+            rows = _read_table(naming.shard_metadata(self.out, index)).to_pylist() if committed else []
+        except (ValueError, OSError, pyarrow.ArrowException) as e:  # a torn or foreign object of a committed slice
+            yield self._unreadable(index, items, e)
+            return
         image_paths = listed_images(self.out, self.settings, index) if committed else None
         has_thumbs = committed and "thumbnails" in slice_stats
         thumb_paths = sorted(storage.files(naming.thumbs_dir(self.out, index), "*")) if has_thumbs else None
@@ -179,6 +185,20 @@ class _VerifySliceFn(beam.DoFn):
                                         and row["image_index"] == 0),
                "unused_negative_records": unused_records, "unused_negative_images": unused_images,
                "unused_guidance_records": guidance_records, "unused_guidance_images": guidance_images}
+
+    def _unreadable(self, index: int, items: list[dict], error: Exception) -> dict:
+        """The summary of a committed slice whose marker or metadata cannot be read: every
+        planned key of it is unaccounted for, and how to redo it is said."""
+        redo = (f"slice {index}'s commit marker or metadata cannot be read ({type(error).__name__}: "
+                f"{str(error)[:200]}); delete {naming.shard_stats(self.out, index)} and run the same command again: "
+                f"the slice is made again")
+        logs.event("slice_unreadable", logging.ERROR, slice=index, redo=redo)
+        keys = [item["key"] for item in items]
+        return {"slice": index, "records": sum(1 for i in items if i["image_index"] == 0),
+                "planned_images": len(items), "stats": None, "verdicts": {"unreadable": keys}, "ok": 0,
+                "all_ok": False, "unreadable": redo, "truncated_images": 0, "truncated_records": 0,
+                "unused_negative_records": 0, "unused_negative_images": 0, "unused_guidance_records": 0,
+                "unused_guidance_images": 0}
 
     def _make_thumbnails(self, index: int, rows: list[dict]) -> None:
         """A slice committed before hosts wrote thumbnails: make them from its images,
@@ -421,12 +441,16 @@ class Collect(beam.PTransform):
                                                  self.gallery_order))
 
 
+COLLECT_FOLDERS = ("", "dataset", "dataset/gallery", "images", "zarr")  # where collect writes whole files
+
+
 def check_verified(stats: dict) -> None:
     """Raise CollectError, naming the bad keys (a few of each kind) and a broken count,
     unless the dataset's stats.json content says it is verified."""
     if stats["verified"]:
         return
     lines = [f"{kind}: {v['count']} key(s), e.g. {', '.join(v['keys'])}" for kind, v in stats["problems"].items()]
+    lines += stats.get("unreadable_slices", {}).get("first", [])
     if not stats["conservation"]["holds"]:
         c = stats["conservation"]
         lines.append(f"input rows {c['input_rows']} != planned records {c['records']} + rejects {c['rejects']}")
@@ -449,6 +473,8 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
     gallery.check_order(gallery_order, run.settings.scores)
     input_table.check(out, run.settings.prompts, "collect")  # the slices were planned from these inputs
     check_card(out)  # a user's OUT/README.md: refused before the pipeline writes anything
+    for folder in COLLECT_FOLDERS:  # what a collect killed midway left half-written (local files only)
+        storage.remove_temporaries(naming.join(out, folder) if folder else out)
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
         _ = (p
              | "Manifest" >> beam.Create([manifest])

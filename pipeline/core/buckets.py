@@ -20,6 +20,8 @@ import dataclasses
 import math
 import re
 
+from pipeline.core import numbers
+
 PRESET = "common"
 # (width, height) of the common one-megapixel buckets, square first
 COMMON = ((1024, 1024), (1152, 896), (896, 1152), (1216, 832), (832, 1216), (1344, 768), (768, 1344),
@@ -55,9 +57,11 @@ def parse_size(text: str) -> tuple[int, int]:
 def parse_sizes(text: str) -> tuple[str, ...]:
     """``--sizes``: ``common``, or WxH[,WxH...] -> canonical names; ValueError naming a bad
     or repeated size."""
-    parts = [part.strip() for part in str(text).split(",") if part.strip()]
-    if not parts:
+    parts = [part.strip() for part in str(text).split(",")]
+    if not any(parts):
         raise ValueError("--sizes takes WxH[,WxH...] or common, got nothing")
+    if not all(parts):
+        raise ValueError(f"--sizes {text!r} has an empty size between its commas; give WxH[,WxH...]")
     if parts == [PRESET]:
         return (PRESET,)
     names = tuple(size_name(*parse_size(part)) for part in parts)
@@ -112,13 +116,9 @@ def nearest(ratio: float, sizes: tuple[str, ...]) -> int:
 
 
 def _whole(row: dict, name: str):
-    value = row[name]
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    elif isinstance(value, str) and re.fullmatch(r"\s*\d+\s*", value):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadSize("bad_size", f"'{name}' must be a whole number of pixels, got {value!r}")
+    value = numbers.whole(row[name])
+    if value is None:
+        raise BadSize("bad_size", f"'{name}' must be a whole number of pixels, got {row[name]!r}")
     return value
 
 

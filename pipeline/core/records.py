@@ -12,10 +12,12 @@ import dataclasses
 import json
 import math
 import re
+import unicodedata
 
-from pipeline.core import buckets, keys, naming
+from pipeline.core import buckets, keys, naming, numbers
 
 KNOWN_FIELDS = ("id", "prompt", "negative_prompt", "seed", "num_images", "guidance_scale")
+MAX_PROMPT_CHARS = 20_000  # far beyond what any text encoder reads (512 tokens); a bound like every field's
 MAX_ID_CHARS = 65_536  # ids of any content are fine (keys are derived safely); only the size is bounded
 MIN_GUIDANCE, MAX_GUIDANCE = 0.0, 100.0
 _NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
@@ -88,15 +90,12 @@ class _Bad(Exception):
 
 def _int_field(row: dict, name: str, lo: int, hi: int, default: int | None) -> int | None:
     """An integer field in [lo, hi); integral floats and digit strings are accepted."""
-    value = row.get(name)
-    if value is None:
+    given = row.get(name)
+    if given is None:
         return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    elif isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _Bad(f"bad_{name}", f"'{name}' must be an integer, got {value!r}")
+    value = numbers.whole(given)
+    if value is None:
+        raise _Bad(f"bad_{name}", f"'{name}' must be an integer, got {given!r}")
     if not lo <= value < hi:
         raise _Bad(f"bad_{name}", f"'{name}' must be in [{lo}, {hi}), got {value}")
     return value
@@ -121,6 +120,26 @@ def _check_text(value, field: str | None = None) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _check_text(item, field)
+
+
+def visible(text: str) -> bool:
+    """Whether ``text`` holds a character that shows: not only spaces, controls and
+    invisible format characters (zero-width spaces and joiners, byte-order marks)."""
+    return any(not (c.isspace() or unicodedata.category(c) in ("Cc", "Cf", "Zs", "Zl", "Zp")) for c in text)
+
+
+def _check_finite(value, field: str | None = None) -> None:
+    """``_Bad`` (bad_extra) where a pass-through field holds NaN or an infinity at any depth:
+    the metadata is JSON, which has neither."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _Bad("bad_extra", f"{field!r} is {value!r}, which JSON cannot hold (the metadata is JSON); give a "
+                                f"number, null or text")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, key if field is None else field)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_finite(item, field)
 
 
 def _unique_keys(pairs):
@@ -151,11 +170,18 @@ def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
     prompt = row[prompt_field]
     if not isinstance(prompt, str):
         raise _Bad("prompt_not_string", f"{prompt_field!r} must be a string, got {type(prompt).__name__}")
-    if not prompt.strip():
-        raise _Bad("empty_prompt", f"{prompt_field!r} is empty")
+    if not visible(prompt):
+        raise _Bad("empty_prompt", f"{prompt_field!r} is empty" + (" (it holds only invisible characters)"
+                                                                  if prompt.strip() else ""))
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise _Bad("prompt_too_long", f"{prompt_field!r} has {len(prompt)} characters; at most {MAX_PROMPT_CHARS} "
+                                      f"(text encoders read a few hundred tokens of it)")
     negative = row.get("negative_prompt") or ""
     if not isinstance(negative, str):
         raise _Bad("bad_negative_prompt", "'negative_prompt' must be a string")
+    if len(negative) > MAX_PROMPT_CHARS:
+        raise _Bad("bad_negative_prompt", f"'negative_prompt' has {len(negative)} characters; at most "
+                                          f"{MAX_PROMPT_CHARS}")
     record_id = row.get("id", None)
     if record_id is None or record_id == "":
         record_id = auto_id
@@ -186,6 +212,7 @@ def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
             raise _Bad(bad.reason, bad.message) from None
         known |= {"width", "height"}
     extra = {k: v for k, v in row.items() if k not in known}
+    _check_finite(extra)
     return Record(id=record_id, prompt=prompt, negative_prompt=negative, seed=seed,
                   num_images=num_images, guidance_scale=guidance, source=source, line=line, extra=extra,
                   bucket=bucket)

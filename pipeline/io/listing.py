@@ -23,7 +23,7 @@ import re
 import stat
 from typing import Iterator
 
-_WILDCARD = re.compile(r"[*?\[]")
+WILDCARD = re.compile(r"[*?\[]")  # what makes a path a pattern
 
 
 class NotAPromptFile(ValueError):
@@ -107,7 +107,7 @@ def glob(pattern: str) -> list[str]:
         if not stat.S_ISDIR(mode):
             raise NotAPromptFile(f"--prompts {pattern} is {_kind(mode)}, not a prompt file or a folder of them")
         return sorted(_walk_following(pattern.rstrip("/") or "/", regex("**")))
-    match = _WILDCARD.search(pattern)
+    match = WILDCARD.search(pattern)
     if not match:
         return []
     base = pattern[:match.start()].rpartition("/")[0]

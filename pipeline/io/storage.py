@@ -115,6 +115,20 @@ def local_writer(path: str):
         raise
 
 
+def remove_temporaries(folder: str) -> int:
+    """Remove what a writer killed midway left in a local ``folder`` (``TEMP_PREFIX`` files,
+    never renamed into place; GCS has none); returns how many. Only for a folder no other
+    process writes now (the command holds the run's lease)."""
+    if is_gcs(folder) or not os.path.isdir(folder):
+        return 0
+    stale = [entry.path for entry in os.scandir(folder)
+             if entry.name.startswith(TEMP_PREFIX) and entry.is_file(follow_symlinks=False)]
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    return len(stale)
+
+
 def delete(paths: list[str]) -> int:
     """Delete these objects (local or gs://, in parallel); returns how many. A missing
     one counts as deleted (a retried delete may find it gone)."""

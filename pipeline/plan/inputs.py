@@ -40,6 +40,7 @@ import csv
 import datetime as dt
 import decimal
 import json
+import math
 import shutil
 import tempfile
 from typing import Iterator
@@ -114,7 +115,7 @@ def _rows(path: str, prompt_field: str):
     elif fmt == "json":
         yield from _read_json_array(path, prompt_field)
     else:
-        yield from _read_parquet(path)
+        yield from _read_parquet(path, prompt_field)
 
 
 def _read_delimited(path: str, delimiter: str, prompt_field: str):
@@ -261,7 +262,26 @@ def _plain(value):
     return value
 
 
-def _read_parquet(path: str):
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _with_plain_times(batch):
+    """``batch`` with its nanosecond times as ISO text: pyarrow turns nanoseconds into
+    Python values only through pandas, which a plan does not need."""
+    import pyarrow as pa
+
+    for index, field in enumerate(batch.schema):
+        if getattr(field.type, "unit", None) == "ns":
+            batch = batch.set_column(index, field.name, batch.column(index).cast(pa.string()))
+    return batch
+
+
+def _read_parquet(path: str, prompt_field: str = "prompt"):
     """Rows of a Parquet file, one batch of ``PARQUET_BATCH_ROWS`` at a time.
 
     Whatever pyarrow cannot read (not Parquet, corrupt) is one ``unreadable_file``
@@ -282,8 +302,16 @@ def _read_parquet(path: str):
             number = 0
             for batch in pq.ParquetFile(source, pre_buffer=False).iter_batches(batch_size=PARQUET_BATCH_ROWS,
                                                                                use_threads=False):
-                for row in batch.to_pylist():
+                for row in _with_plain_times(batch).to_pylist():
                     number += 1
-                    yield path, number, {k: _plain(v) for k, v in row.items() if v is not None}
+                    undecodable = [k for k in (prompt_field, "negative_prompt", "id")
+                                   if isinstance(row.get(k), bytes) and not _is_utf8(row[k])]
+                    if undecodable:
+                        yield path, number, Reject(path, number, "invalid_utf8", f"the {undecodable[0]!r} column "
+                                                   f"holds bytes that are not UTF-8 text", "")
+                        continue
+                    # null, and NaN (a missing number as pandas writes it), are an absent field
+                    yield path, number, {k: _plain(v) for k, v in row.items()
+                                         if v is not None and not (isinstance(v, float) and math.isnan(v))}
     except pyarrow.ArrowException as e:
         yield path, 0, Reject(path, 0, "unreadable_file", f"the Parquet file cannot be read: {e}", "")

@@ -19,7 +19,7 @@ from pipeline.core import buckets, logs, naming
 from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.core.decode_batch import DECODE_BATCH  # what --decode-batch auto resolves to, as the sampler reads it
 from pipeline.core.settings import AUTO, Lora, Run, Settings
-from pipeline.io import beamio, runs, storage
+from pipeline.io import beamio, listing, runs, storage
 from pipeline.plan import input_table
 from pipeline.plan.layout import PlanError, match_prompt_files
 
@@ -33,10 +33,39 @@ def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]
     beamio.require_filesystem(settings.prompts, settings.out)
     if not match_prompt_files(settings.prompts):  # also: every file has a known format
         raise PlanError(f"no prompt files match {settings.prompts!r}")
+    check_apart(settings.prompts, settings.out)
     settings, run = resolve_settings(kept_decode_batch(kept_steps(settings, overwrite), overwrite))
     run = prepare_out(settings.out, run, overwrite)
     # a resumed run keeps the names its plan gave (``key_names``): a re-plan writes the same keys
     return settings.replace(key_names=run.settings.key_names), run
+
+
+# names a run writes under OUT that a prompt pattern could take for prompt files
+_WRITTEN_AS_PROMPTS = ("plan/slices/00000.jsonl", "plan/rejects/x.jsonl", "images/metadata.jsonl",
+                       "shards/00000.parquet", "parquet/00000.parquet", "dataset/metadata.parquet",
+                       "dataset/metadata/part-00000.parquet", "images/00000/metadata.jsonl")
+
+
+def check_apart(prompts: str, out: str) -> None:
+    """PlanError when ``prompts`` could match files the run writes into ``out`` (an OUT inside
+    the prompt folder): a resume would then find its inputs changed by its own outputs."""
+    def norm(path: str) -> str:
+        return path if storage.is_gcs(path) else os.path.abspath(path)
+
+    wildcard = listing.WILDCARD.search(prompts)
+    literal = norm(prompts if not wildcard else prompts[:wildcard.start()].rpartition("/")[0] or ".")
+    if not wildcard and not (storage.is_gcs(prompts) or os.path.isdir(prompts)):
+        return  # one file
+    rest = prompts[len(prompts[:wildcard.start()].rpartition("/")[0]) + 1:] if wildcard else "**"
+    inside = norm(out).rstrip("/") + "/"
+    if not inside.startswith(literal.rstrip("/") + "/"):
+        return
+    matches = listing.regex(rest).match
+    under = inside[len(literal.rstrip("/")) + 1:]
+    taken = [name for name in _WRITTEN_AS_PROMPTS if matches(under + name)]
+    if taken:
+        raise PlanError(f"--out {out} is inside the prompt folder, and --prompts {prompts!r} would read what the run "
+                        f"writes there as prompts (e.g. {under}{taken[0]}): give an --out outside it")
 
 
 def kept_steps(settings: Settings, overwrite: bool = False) -> Settings:

@@ -83,7 +83,18 @@ def _registered() -> tuple[Family, ...]:
     return tuple(families)
 
 
-FAMILIES: tuple[Family, ...] = _registered()
+try:
+    FAMILIES: tuple[Family, ...] = _registered()
+    _BROKEN: FamilyError | None = None
+except FamilyError as e:  # said by ``check`` (every command, ``detect``), not as a traceback at import
+    FAMILIES, _BROKEN = BUILTIN, e
+
+
+def check() -> None:
+    """FamilyError, one line, when a family registered from outside the package could not be
+    registered: nothing runs without a family that was asked for."""
+    if _BROKEN is not None:
+        raise _BROKEN
 BY_NAME = {family.name: family for family in FAMILIES}
 # the built-in random models (``--model tiny``, ...), by name: the family whose presets hold each
 BUILTINS: dict[str, Family] = {name: family for family in FAMILIES for name in family.builtins()}
@@ -138,6 +149,7 @@ def detect(index: dict, where: str) -> Family:
     """The family of the checkpoint whose ``model_index.json`` is ``index``; FamilyError
     naming the pipeline class when no family takes it. A ``model_index.json`` without a
     class name is read as SD or SDXL by its components, as promptmill always read it."""
+    check()
     for family in FAMILIES:
         if family.claims(index):
             return family
