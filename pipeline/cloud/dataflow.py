@@ -31,7 +31,7 @@ import time
 from typing import Callable
 
 from pipeline.cloud import checks, program_check, tpu
-from pipeline.cloud.gke import committed_slices, settings_flags
+from pipeline.cloud.gke import committed_slices, settings_flags, settings_lines
 from pipeline.core import children, naming
 from pipeline.io import storage
 
@@ -281,7 +281,7 @@ def dataflow_dry_run(job: DataflowJob) -> str:
         "# promptmill submit dataflow --dry-run: nothing was launched. It would launch three Dataflow jobs, in order, "
         "each once the one before it is DONE:",
         "# " + program_check.summary(job.tpu_program),
-        "# settings: " + json.dumps(job.settings.to_dict(), sort_keys=True),
+        *settings_lines(job.settings),
     ]
     for number, stage in enumerate(STAGES, 1):  # each command whole, as it would run: paste it without the "#"
         lines += [

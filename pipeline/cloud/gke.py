@@ -86,6 +86,14 @@ def settings_flags(settings) -> list[str]:
     return tokens
 
 
+def settings_lines(settings) -> list[str]:
+    """A dry run's lines for the settings it would plan: those the flags give (the plan's
+    own decisions, ``NOT_FLAGS``, are named, not guessed: run.json records them)."""
+    given = {name: value for name, value in settings.to_dict().items() if name not in NOT_FLAGS}
+    return ["# settings: " + json.dumps(given, sort_keys=True),
+            f"# decided when the run is planned (then in run.json): {', '.join(sorted(NOT_FLAGS))}"]
+
+
 def plan_command(settings, beam_args: list[str] | tuple = ()) -> list[str]:
     """The ``promptmill plan`` command line that plans ``settings`` (what submit gke runs first):
     every setting, as ``settings_flags`` writes them, then ``beam_args``."""
@@ -119,7 +127,7 @@ def gke_dry_run(job: jobset.GkeJob) -> str:
         f"`{base} get jobset {job.name} -o json` until its Completed condition (a Failed one is an error)",
         "# 5. collect (Beam):",
         "#    " + shlex.join(collect),
-        "# settings: " + json.dumps(job.settings.to_dict(), sort_keys=True),
+        *settings_lines(job.settings),
         *([] if job.service_account else [NO_SERVICE_ACCOUNT]),
     ]
     return "\n".join(lines) + "\n---\n" + jobset.to_yaml(jobset.manifests(job))

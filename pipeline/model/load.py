@@ -106,7 +106,15 @@ def load(request: LoadRequest | str, *, abstract: bool = False, fingerprint: boo
     model = family.load(directory, request, unet_file, [(local, scale) for _, local, scale in adapters], abstract)
     value = None if abstract or not fingerprint else model_fingerprint(
         directory, unet_file, [(local, scale) for _, local, scale in adapters])
-    return dataclasses.replace(model, fingerprint=value)
+    return dataclasses.replace(model, fingerprint=value, native_size=default_size(request.model, model.native_size))
+
+
+def default_size(model: str, native: int) -> int:
+    """The side of ``model``'s images when a run gives none: a built-in model's own
+    ``default_size`` (a tiny model's is small: it exists for tests and demos), else its
+    family's ``native`` size, as the reference pipeline's default."""
+    family = families.BUILTINS.get(model)
+    return family.builtins()[model].get("default_size", native) if family is not None else native
 
 
 def with_sampler(model: Model, scheduler: str | None, timestep_spacing: str | None = None) -> Model:
@@ -199,6 +207,7 @@ def describe(request: LoadRequest | str, **fields) -> dict:
     family, _ = family_of(directory)
     unet_file = _unet_file(directory, family, request.unet)
     described = family.describe(directory, request, unet_file)
+    described = dataclasses.replace(described, native_size=default_size(request.model, described.native_size))
     adapters = _checked_loras(directory, family, request.loras)
     return {"directory": directory,
             "fingerprint": model_fingerprint(directory, unet_file, [(local, scale) for _, local, scale in adapters]),

@@ -79,8 +79,8 @@ APACHE, NON_COMMERCIAL = "apache-2.0", "flux-non-commercial-license"
 _TINY = dict(weights_dtype="float32", qwen3=_TINY_QWEN3, transformer=_TINY_TRANSFORMER, vae=_TINY_VAE,
              scheduler=KLEIN_SCHEDULER)
 PRESETS = {
-    "tiny-klein": dict(_TINY, version="tiny-klein-v1", distilled=True),
-    "tiny-klein-base": dict(_TINY, version="tiny-klein-base-v1", distilled=False),
+    "tiny-klein": dict(_TINY, version="tiny-klein-v1", default_size=32, distilled=True),
+    "tiny-klein-base": dict(_TINY, version="tiny-klein-base-v1", default_size=32, distilled=False),
     "random-klein-4b": dict(version="random-klein-4b-v1", distilled=True, weights_dtype="bfloat16", qwen3=_QWEN3_4B,
                             transformer=_KLEIN_4B, vae=_FLUX2_VAE, scheduler=KLEIN_SCHEDULER, license=APACHE,
                             shapes_only=True),

@@ -64,7 +64,7 @@ _FLUX_VAE = dict(_TINY_VAE, down_block_types=["DownEncoderBlock2D"] * 4, up_bloc
 
 # Built-in random models, by --model name. Bump a name's version when its recipe changes.
 PRESETS = {
-    "tiny-zimage": dict(version="tiny-zimage-v1", weights_dtype="float32", qwen3=_TINY_QWEN3,
+    "tiny-zimage": dict(version="tiny-zimage-v1", default_size=32, weights_dtype="float32", qwen3=_TINY_QWEN3,
                         transformer=_TINY_TRANSFORMER, vae=_TINY_VAE, scheduler=TURBO_SCHEDULER),
     "random-zimage": dict(version="random-zimage-v1", weights_dtype="bfloat16", qwen3=_QWEN3_4B,
                           transformer=_TURBO_TRANSFORMER, vae=_FLUX_VAE, scheduler=TURBO_SCHEDULER,
