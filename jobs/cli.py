@@ -251,6 +251,9 @@ def _dispatch(args, beam_args: list[str]) -> int:
         print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite,
                                        fit.cap_hosts(asked, args.hosts, args.overwrite))))
     elif args.command == "generate":
+        from pipeline.generate import json_stderr
+
+        json_stderr.route()  # first: every line of a host's log is JSON, the C++ libraries' too
         from pipeline.generate import cluster, host_loop as host
 
         host.generate(args.out, cluster.ClusterArgs(args.coordinator, args.num_hosts, args.host_id),

@@ -166,6 +166,16 @@ def test_sigterm_to_promptmill_run_stops_every_host_and_leaves_no_process(stoppe
     assert 0 < len(r["committed"]) < SLICES
 
 
+def test_every_line_of_a_stopped_hosts_log_is_json(stopped_run):
+    """Host logs are JSON lines, the C++ libraries' lines too (XLA's preemption notifier
+    says it caught the SIGTERM): those are wrapped as ``native_log`` events."""
+    lines = [line for path in sorted(storage.files(naming.logs_dir(stopped_run["out"]), "host-*.log"))
+             for line in storage.read_text(path).splitlines()]
+    assert lines and all(isinstance(json.loads(line), dict) for line in lines)
+    native = [json.loads(line) for line in lines if json.loads(line)["event"] == "native_log"]
+    assert any("SIGTERM" in e["line"] for e in native), native
+
+
 def test_the_stopped_runs_events_are_written_above_its_progress_bar_never_into_it(stopped_run):
     stderr = stopped_run["stderr"]
     assert "img" in stderr and _events(stderr, "run_stopped"), stderr[-3000:]

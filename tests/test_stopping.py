@@ -186,3 +186,19 @@ def test_a_second_signal_during_the_grace_kills_at_once(tmp_path):
     assert hosts[0].process.returncode == -signal.SIGKILL
     assert time.monotonic() - started < 30
     hosts[0].close()
+
+
+def test_the_stop_grace_follows_the_longest_batch_measured():
+    """Stopped hosts finish the batch under way, stop together at the next and commit what
+    is whole: an 8 s batch gets them 34 s before they are killed, not the 10 s floor, and
+    before any batch was measured they get a minute."""
+    from pipeline.engines import local
+
+    assert local.stop_grace(None) == local.UNMEASURED_GRACE_S
+    assert local.stop_grace(0.05) == pytest.approx(local.STOP_GRACE_S + 0.15)
+    assert local.stop_grace(8.0) == 34.0
+    progress = local.Progress.__new__(local.Progress)
+    progress.batch_s = None
+    for stats in ({"seconds": 16.0, "batches": 2}, {"seconds": 3.0, "batches": 1}, {"seconds": 1.0}):
+        progress.measured(stats)
+    assert progress.batch_s == 8.0

@@ -32,7 +32,8 @@ from pipeline.generate import cluster, compile_cache as compile_cache_lib, envir
 from pipeline.io import runs, storage
 from pipeline.model.layers.attention import check_platform
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0  # at least: hosts stop at their next batch, then commit what is whole
+UNMEASURED_GRACE_S = 60.0  # before any slice was committed, a batch's length is not known yet
 POLL_S = 0.1
 
 
@@ -137,6 +138,15 @@ def keep_earlier_logs(log_dir: str) -> str | None:
     return folder
 
 
+def stop_grace(batch_s: float | None) -> float:
+    """How long stopped hosts get before they are killed (pure): they finish the batch under
+    way, stop together at the next one and commit what is whole, so a few batches' time,
+    from the longest batch measured so far (``batch_s``; None: none measured yet)."""
+    if batch_s is None:
+        return UNMEASURED_GRACE_S
+    return max(STOP_GRACE_S, 3 * batch_s + STOP_GRACE_S)
+
+
 def stop_hosts(hosts: list[Host], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every host still running (they stop together at their next batch), wait up
     to ``grace_s`` for all of them, then SIGKILL those left. A second Ctrl-C or SIGTERM
@@ -220,7 +230,7 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts): stop, then say where the run is
         try:
             with logs.above(bar):
-                stop_hosts(hosts)
+                stop_hosts(hosts, stop_grace(count.batch_s))
             drain_commits(hosts, events, count, bar)  # the slices the hosts committed as they stopped
         finally:
             bar.close()
@@ -265,6 +275,12 @@ class Progress:
         manifest = storage.read_json(naming.manifest(out))
         self.manifest, self.total = manifest, total_images
         self.slices = {i for i in runs.committed(out) if i < manifest["slices"]}
+        self.batch_s: float | None = None  # the longest batch a committed slice took, for ``stop_grace``
+
+    def measured(self, stats: dict) -> None:
+        """A slice's commit stats: the longest batch so far."""
+        if stats.get("batches"):
+            self.batch_s = max(self.batch_s or 0.0, stats["seconds"] / stats["batches"])
 
     def images(self) -> int:
         return sum(buckets.manifest_slice_images(self.manifest, i) for i in self.slices)
@@ -283,6 +299,7 @@ def _follow(hosts: list, events: queue.Queue, done: dict, count: Progress, bar, 
             index, event = events.get(timeout=POLL_S)
             if event["event"] == "slice_committed":
                 count.committed(event["slice"])
+                count.measured(event)
                 bar.update(count.images() - bar.n)
             elif event["event"] == "host_ready":
                 ready.add(index)

@@ -72,7 +72,7 @@ class _Slice:
         self.writer.finish()
         seconds = self.watch.seconds()
         stats = {"slice": self.index, "host": self.host, "images": len(self.items),
-                 "padding": self.size - len(self.items), "seconds": round(seconds, 4),
+                 "padding": self.size - len(self.items), "seconds": round(seconds, 4), "batches": self.batches_handed,
                  "images_per_s": round(len(self.items) / seconds, 3) if seconds else None,
                  **{name: round(value, 4) for name, value in self.timing.items()},
                  "commit_s": round(clock.seconds(), 4), "compiles_after_warmup": self.compiles,

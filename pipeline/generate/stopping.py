@@ -47,6 +47,7 @@ import time
 from typing import Callable
 
 from pipeline.core import logs
+from pipeline.generate import json_stderr
 
 EXIT_STOPPED = 128 + signal.SIGTERM  # 143: what a process ended by SIGTERM reports
 LAUNCHER_ENV = "PROMPTMILL_LAUNCHER_PID"
@@ -138,4 +139,5 @@ def exit_now(code: int, last: Callable[[], None] | None = None) -> None:
             pass
     if last is not None:
         last()
+    json_stderr.drain()  # a host's last lines, through its JSON-lines child
     os._exit(code)
