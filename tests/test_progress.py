@@ -89,7 +89,8 @@ def test_every_state_event_names_a_known_state(event):
 
 
 def test_the_bar_is_drawn_on_a_terminal_that_reports_no_size():
-    """A pseudo-terminal nobody sized says 0 columns, where tqdm would draw an empty bar."""
+    """A pseudo-terminal nobody sized says 0 columns and 0 rows, where tqdm would draw an
+    empty bar, or none at all."""
     import os
     import pty
 
@@ -98,12 +99,18 @@ def test_the_bar_is_drawn_on_a_terminal_that_reports_no_size():
     master, slave = pty.openpty()
     try:
         with os.fdopen(os.dup(slave), "w") as stream:
-            assert os.get_terminal_size(slave).columns == 0 and local.bar_columns(stream) == 100
+            assert os.get_terminal_size(slave).columns == 0 and local.bar_size(stream) == {"ncols": 100, "nrows": 24}
+            from tqdm import tqdm
+
+            bar = tqdm(total=5, unit="img", file=stream, **local.bar_size(stream))
+            bar.update(2)
+            bar.close()
+        assert b"2/5" in os.read(master, 65536)  # drawn
     finally:
         os.close(master)
         os.close(slave)
     with open(os.devnull, "w") as stream:
-        assert local.bar_columns(stream) is None  # not a terminal: tqdm's own choice
+        assert local.bar_size(stream) == {"ncols": None, "nrows": None}  # not a terminal: tqdm's own choice
 
 
 def test_a_stopped_runs_bar_counts_the_slices_the_hosts_committed_as_they_stopped(tmp_path, model_cache):

@@ -143,6 +143,8 @@ def _check_demo(clone, result):
     # the launcher nor a host goes looking for a TPU, or prints libtpu's warnings about it
     logs = [result.stderr] + [path.read_text() for path in (out / "logs").glob("host-*.log")]
     assert len(logs) == 3 and not any("TPU_ACCELERATOR_TYPE" in text or "libtpu" in text for text in logs)
+    # its stderr is a pipe here, not a terminal: no progress bar is drawn into it
+    assert "\r" not in result.stderr and " img/s" not in result.stderr
 
 
 # -- the README and the guides under docs/: short, linked, and naming only real flags ----------

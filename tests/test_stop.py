@@ -64,6 +64,35 @@ def _no_event_in_a_bar(stderr: str) -> None:
         assert '{"ts"' not in seg or seg.startswith('{"ts"'), f"a log line broke the progress bar: {seg!r}"
 
 
+class Terminal:
+    """A pseudo-terminal for a process's stderr, as a user's: what it shows, read on a thread
+    (a progress bar is drawn on a terminal only)."""
+
+    def __init__(self):
+        import pty
+
+        self.master, self.slave = pty.openpty()
+        self.chunks: list[bytes] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        while True:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:  # every writer is gone
+                return
+            if not data:
+                return
+            self.chunks.append(data)
+
+    def text(self) -> str:
+        """What it showed, once its process has ended."""
+        os.close(self.slave)
+        self.reader.join(timeout=30)
+        return b"".join(self.chunks).decode("utf-8", "replace").replace("\r\n", "\n")
+
+
 def _env(cache, **extra):
     return dict(os.environ, PROMPTMILL_CACHE=cache, **extra)
 
@@ -110,9 +139,9 @@ def _sha256s(out: str) -> dict[str, str]:
 def stopped_run(prompts, tmp_path_factory, model_cache):
     """``promptmill run``, sent SIGTERM once a host has committed a slice."""
     out = str(tmp_path_factory.mktemp("stop") / "out")
-    err = open(out + ".stderr", "w")
+    err = Terminal()
     launcher = subprocess.Popen(run_command(prompts, out, progress=True), cwd=ROOT, env=_env(model_cache, **PAUSE),
-                                stderr=err)
+                                stderr=err.slave)
     _wait_for(lambda: _host_log_events(out, "slice_committed") or launcher.poll() is not None, "a commit")
     second = _second_launcher(prompts, out)  # while the first one's hosts commit
     signalled = time.monotonic()
@@ -122,8 +151,7 @@ def stopped_run(prompts, tmp_path_factory, model_cache):
     while _processes_of(out) and time.monotonic() - signalled < NO_PROCESS_AFTER_S:
         time.sleep(0.05)
     left = _processes_of(out)
-    err.close()
-    return {"out": out, "prompts": prompts, "code": code, "stderr": open(out + ".stderr").read(), "left": left, "hosts": hosts,
+    return {"out": out, "prompts": prompts, "code": code, "stderr": err.text(), "left": left, "hosts": hosts,
             "committed": sorted(runs.committed(out)), "second": second}
 
 
@@ -272,10 +300,11 @@ def resumed(stopped_host, model_cache):
     refused = subprocess.run(run_command(stopped_host["prompts"], out), cwd=ROOT, env=fast_math, capture_output=True,
                              text=True, timeout=DEADLINE_S)
     untouched = storage.checksums(out) == before
+    terminal = Terminal()
     done = subprocess.run(run_command(stopped_host["prompts"], out, progress=True), cwd=ROOT, env=_env(model_cache),
-                          capture_output=True, text=True, timeout=DEADLINE_S)
+                          stdout=subprocess.PIPE, stderr=terminal.slave, text=True, timeout=DEADLINE_S)
     stats = json.loads(done.stdout) if done.returncode == 0 else None
-    return {"out": out, "code": done.returncode, "stderr": done.stderr, "stats": stats,
+    return {"out": out, "code": done.returncode, "stderr": terminal.text(), "stats": stats,
             "before": stopped_host["committed"], "refused": refused, "untouched": untouched}
 
 

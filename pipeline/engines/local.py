@@ -222,8 +222,10 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
                logs=log_dir)
     done: dict[int, dict] = {}
     count = Progress(out, total_images)
-    bar = tqdm(total=total_images, initial=count.images(), unit="img", desc=WARMING, disable=not progress,
-               file=sys.stderr, smoothing=0, ncols=bar_columns())
+    # drawn on a terminal only: redirected into a file, its carriage returns would fill it (the
+    # events, JSON lines, say the same)
+    bar = tqdm(total=total_images, initial=count.images(), unit="img", desc=WARMING,
+               disable=not progress or not sys.stderr.isatty(), file=sys.stderr, smoothing=0, **bar_size())
     try:
         with logs.above(bar):
             _follow(hosts, events, done, count, bar, out=out, log_dir=log_dir)
@@ -254,16 +256,17 @@ def run_hosts(out: str, num_hosts: int, devices_per_host: int, total_images: int
 WARMING = "loading, compiling"  # the bar's label until every host is ready
 
 
-def bar_columns(stream=None) -> int | None:
-    """The progress bar's width: None (tqdm's own) unless ``stream`` (stderr) is a terminal
-    that reports 0 columns (a pseudo-terminal nobody sized, as some CI runners and
-    ``script`` make), where tqdm would draw an empty bar: then 100."""
+def bar_size(stream=None) -> dict:
+    """The progress bar's ``ncols`` and ``nrows``: tqdm's own (None) unless ``stream``
+    (stderr) is a terminal that reports 0 columns or rows (a pseudo-terminal nobody sized,
+    as some CI runners and ``script`` make), where tqdm would draw an empty bar (0 columns)
+    or none (0 rows): then 100 columns and 24 rows."""
     stream = sys.stderr if stream is None else stream
     try:
-        columns = os.get_terminal_size(stream.fileno()).columns
+        size = os.get_terminal_size(stream.fileno())
     except (OSError, ValueError, AttributeError):
-        return None
-    return columns or 100
+        return {"ncols": None, "nrows": None}
+    return {"ncols": size.columns or 100, "nrows": size.lines or 24}
 
 
 class Progress:
