@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     beam_args = flags.check_extra(args, extra)  # an unknown flag exits 2 here, before anything runs
     _cpu_only(args)
     logs.setup(logs.LEVELS["warning" if getattr(args, "quiet", False) else getattr(args, "log_level", "info")])
+    logs.quiet_library_tracebacks()  # a promptmill error is said once, in the command's own line
     try:
         if hasattr(args, "date"):
             from pipeline.cloud import dates as schedule

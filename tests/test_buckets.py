@@ -471,3 +471,16 @@ def test_the_sizes_bench_compares_one_run_with_the_single_size_runs_and_finds_th
     late = sizes_bench.summarize({**sized, "seconds": 25.0, "switches": [{**switch, "idle_s": 3.0}],
                                   "hashes": {**sized["hashes"], "a-0": 7}}, alone)
     assert not late["ratio_at_least_0_9"] and not late["no_gap_over_a_batch"] and not late["same_bytes"]
+
+
+def test_the_sizes_bench_says_where_it_is_as_each_run_starts_and_ends(tmp_path, caplog):
+    """`promptmill bench sizes` runs for minutes: each of its runs is an event as it starts
+    and as it ends (here one refused at once)."""
+    import logging
+
+    from pipeline.bench import sizes as sizes_bench
+
+    with caplog.at_level(logging.INFO, logger="promptmill"), pytest.raises(RuntimeError, match="failed"):
+        sizes_bench._run(["--no-such-flag"], str(tmp_path / "out"), str(tmp_path / "cache"))
+    said = [json.loads(r.getMessage()) if r.getMessage().startswith("{") else r.getMessage() for r in caplog.records]
+    assert [s for s in said if s in ("bench_run_started", "bench_run_done")] == ["bench_run_started", "bench_run_done"]

@@ -325,3 +325,16 @@ def test_a_plug_in_family_that_cannot_be_imported_is_one_line_for_every_command(
         assert ran.returncode == 2 and ran.stderr.strip().splitlines() == [
             "promptmill: error: PROMPTMILL_FAMILIES: cannot import the family 'no_such_family_module:FAMILY': "
             "No module named 'no_such_family_module'"], ran.stderr
+
+
+def test_a_truncated_gzip_input_is_said_once_without_beams_traceback(tmp_path, model_cache):
+    import gzip
+
+    from tests.conftest import run_cli
+
+    whole = gzip.compress(b"".join(b'{"prompt": "p%d"}\n' % n for n in range(200)))
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    result = run_cli(["plan", "--prompts", str(tmp_path / "cut.jsonl.gz"), "--out", str(tmp_path / "out")], model_cache)
+    said = [line for line in result.stderr.splitlines() if not line.startswith('{"ts"')]
+    assert result.returncode == 1 and said == [line for line in said if line.startswith("promptmill plan: error: ")]
+    assert len(said) == 1 and "ends early" in said[0] and "Traceback" not in result.stderr

@@ -65,9 +65,11 @@ def _run(args: list[str], out: str, cache: str, again: bool = False) -> dict:
     ``again``: over the same OUT (``--overwrite``), with the cache the first run filled."""
     command = [*children.python("-m", "jobs.cli"), "run", *args, "--out", out, "--compile-cache", cache,
                "--no-progress", "--quiet", *(["--overwrite"] if again else [])]
+    logs.event("bench_run_started", out=out, again=again)  # each arm takes minutes: say where the bench is
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - started
+    logs.event("bench_run_done", out=out, seconds=round(seconds, 1), code=done.returncode)
     if done.returncode:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     events = host_events(out)

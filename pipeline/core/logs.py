@@ -85,6 +85,28 @@ def setup(level: int = logging.INFO) -> logging.Logger:
     return logger
 
 
+class _OursSaidOnce(logging.Filter):
+    """Drops a library's log record of an exception that promptmill raised (a module of
+    ``pipeline``): the command that fails of it says it in one line, and Beam's DoFn
+    runner would first print its whole traceback (a truncated input, a plan error)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or not type(error).__module__.startswith("pipeline.")
+
+
+def quiet_library_tracebacks() -> None:
+    """Install ``_OursSaidOnce`` on the libraries' loggers (idempotent); the Python logging
+    that Beam's runner uses reports through the root logger's handlers."""
+    for name in ("apache_beam.runners.common", "apache_beam.runners.worker.operations", ""):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OursSaidOnce) for f in logger.filters):
+            logger.addFilter(_OursSaidOnce())
+        for handler in logger.handlers:
+            if not any(isinstance(f, _OursSaidOnce) for f in handler.filters):
+                handler.addFilter(_OursSaidOnce())
+
+
 def event(name: str, level: int = logging.INFO, **fields) -> None:
     """Log one event with its fields, e.g. ``event("slice_committed", host=0, slice=3)``."""
     logging.getLogger(LOGGER).log(level, name, extra={"fields": fields})
