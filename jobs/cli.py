@@ -132,12 +132,24 @@ def _commands(parser) -> list:
 
 def summary(command: str, out: str, stats: dict, seconds: float) -> str:
     """What a finished run or collect says to people (stderr; the JSON line on stdout is
-    for scripts): images written, dropped and rejected, where the rejects and the dataset
-    are, wall time and images/s, and what to run next."""
+    for scripts): the images this command made (a run's ``attempt``: a resumed run made
+    only what was left, a finished one nothing) and those in the dataset, dropped and
+    rejected, where the rejects and the dataset are, wall time and the rate of what it
+    made, and what to run next."""
     dropped = (stats.get("dropped") or {}).get("images", 0)
     rejects = stats.get("rejects", 0)
-    rate = f", {stats['images'] / seconds:.2f} images/s" if seconds > 0 and stats.get("images") else ""
-    lines = [f"promptmill {command}: {stats['images']} image(s) written, {dropped} dropped by filters, {rejects} input "
+    attempt = stats.get("attempt")  # what this command made (a run), as against what the dataset holds
+    if attempt is None:
+        made, rate = f"{stats['images']} image(s) in the dataset", ""
+    elif not attempt["slices_generated"] and not attempt["slices_redone"]:
+        made, rate = f"finished already: {stats['images']} image(s) in the dataset, none made now", ""
+    else:
+        before = stats["images"] - attempt["images_made"]
+        made = (f"{attempt['images_made']} image(s) made{f' ({before} made before)' if before > 0 else ''}, "
+                f"{stats['images']} in the dataset")
+        rate = f", {attempt['images_made'] / attempt['generate_s']:.2f} images/s generating" \
+            if attempt["generate_s"] > 0 and attempt["images_made"] else ""
+    lines = [f"promptmill {command}: {made}, {dropped} dropped by filters, {rejects} input "
              f"row(s) rejected{' (OUT/plan/rejects/)' if rejects else ''}; {'verified' if stats.get('verified') else 'NOT verified'}",
              f"  {seconds:.1f} s{rate}",
              f"  dataset: {out.rstrip('/')}/ (its card README.md; dataset/metadata.parquet, stats.json, index.html)",

@@ -459,13 +459,28 @@ def test_a_finished_run_says_what_it_wrote_dropped_and_rejected_unless_quiet(tmp
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {k: stats[k] for k in cli.SUMMARY}
     err = captured.err
-    assert "6 image(s) written, 1 dropped by filters, 2 input row(s) rejected" in err
+    assert "6 image(s) in the dataset, 1 dropped by filters, 2 input row(s) rejected" in err
     assert f"{out}/plan/rejects/" in err and f"{out}/ (its card README.md; dataset/" in err and "verified" in err
-    assert "images/s" in err and f"promptmill status {out}" in err
+    assert f"promptmill status {out}" in err
     assert cli.main(["run", "--out", out, "--no-compile-cache", "--quiet"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["images"] == 6 and "written" not in captured.err
+    assert json.loads(captured.out)["images"] == 6 and "in the dataset" not in captured.err
     assert seen == [True, False]  # --quiet also turns the progress bar off
+
+
+def test_a_runs_summary_counts_what_this_attempt_made():
+    """A resumed run says what it made and at what rate, beside what the dataset holds; a
+    finished one that nothing remained to make says so."""
+    stats = {"images": 60, "rejects": 0, "verified": True}
+    resumed = {**stats, "attempt": {"images_made": 36, "generate_s": 12.0, "slices_generated": 9, "slices_redone": 0,
+                                    "slices_skipped": 6}}
+    text = cli.summary("run", "o", resumed, 20.0)
+    assert "36 image(s) made (24 made before), 60 in the dataset" in text and "3.00 images/s generating" in text
+    finished = {**stats, "attempt": {"images_made": 0, "generate_s": 0.0, "slices_generated": 0, "slices_redone": 0,
+                                     "slices_skipped": 0}}
+    text = cli.summary("run", "o", finished, 3.0)
+    assert "finished already: 60 image(s) in the dataset, none made now" in text and "images/s" not in text
+    assert "60 image(s) in the dataset, 0 dropped" in cli.summary("collect", "o", stats, 2.0)
 
 
 def test_the_summary_says_not_verified_and_no_rejects_path_when_there_are_none():

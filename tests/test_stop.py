@@ -304,7 +304,8 @@ def resumed(stopped_host, model_cache):
     done = subprocess.run(run_command(stopped_host["prompts"], out, progress=True), cwd=ROOT, env=_env(model_cache),
                           stdout=subprocess.PIPE, stderr=terminal.slave, text=True, timeout=DEADLINE_S)
     stats = json.loads(done.stdout) if done.returncode == 0 else None
-    return {"out": out, "code": done.returncode, "stderr": terminal.text(), "stats": stats,
+    return {"out": out, "prompts": stopped_host["prompts"], "code": done.returncode, "stderr": terminal.text(),
+            "stats": stats,
             "before": stopped_host["committed"], "refused": refused, "untouched": untouched}
 
 
@@ -369,7 +370,9 @@ def test_a_resumed_runs_bar_counts_the_run_not_the_attempt(resumed):
     assert segments[-1].startswith("generate") and f" {RECORDS}/{RECORDS} " in segments[-1], segments[-3:]
     assert "<" in segments[-1] and "img/s" in segments[-1]  # elapsed<remaining, and a rate
     _no_event_in_a_bar(resumed["stderr"])
-    assert f"{RECORDS} image(s) written, 0 dropped by filters, 1 input row(s) rejected" in resumed["stderr"]
+    made = RECORDS - already  # what this attempt made, beside what the dataset holds
+    assert (f"{made} image(s) made ({already} made before), {RECORDS} in the dataset, 0 dropped by filters, 1 input "
+            f"row(s) rejected") in resumed["stderr"] and "images/s generating" in resumed["stderr"]
 
 
 def test_every_attempts_host_logs_are_kept(resumed):
@@ -411,6 +414,19 @@ def test_the_hosts_of_a_sigkilled_launcher_stop_by_themselves(prompts, tmp_path,
     r = status.status(out)
     assert [(h["host"], h["state"]) for h in r["hosts"]] == [(0, "stopped"), (1, "stopped")]
     assert r["committed"]["slices"] == sum(h["slices"] for h in r["hosts"]) > 0
+
+
+def test_the_same_command_on_a_finished_run_starts_no_host(resumed, model_cache, capfd):
+    """A finished run is said to be finished, without starting hosts to skip every slice."""
+    from jobs import cli
+
+    out = resumed["out"]
+    attempts = sorted(storage.files(naming.logs_dir(out), "attempt-*/host-0.log"))
+    assert cli.main(run_command(resumed["prompts"], out)[3:]) == 0
+    err = capfd.readouterr().err
+    assert "finished already: 95 image(s) in the dataset, none made now" in err
+    assert _events(err, "run_finished_already") and not _events(err, "hosts_started")
+    assert sorted(storage.files(naming.logs_dir(out), "attempt-*/host-0.log")) == attempts  # no host ran
 
 
 def test_a_torn_shard_and_a_garbage_marker_are_named_with_how_to_redo_them(resumed, capfd):

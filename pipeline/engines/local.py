@@ -397,11 +397,21 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
     logs.event("planned", records=manifest["records"], images=manifest["images"], rejects=manifest["rejects"],
                slices=manifest["slices"], slice_size=manifest["slice_size"], **buckets.planned_sizes(manifest),
                seconds=round(watch.seconds(), 2))
-    done = run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress, compile_cache)
-    logs.event("generated", images=sum(d["images"] for d in done),
-               **{k: sum(d[k] for d in done) for k in ("slices_generated", "slices_redone", "slices_skipped")},
+    committed = sum(index < manifest["slices"] for index in runs.committed(settings.out))
+    if committed == manifest["slices"]:  # a finished run: said so, and no host is started to skip every slice
+        logs.event("run_finished_already", out=settings.out, slices=committed)
+        done, generate_s = [], 0.0
+    else:
+        started = logs.Stopwatch()
+        done = run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress,
+                         compile_cache)
+        generate_s = started.seconds()
+    attempt = {"images_made": sum(d["images"] for d in done), "generate_s": round(generate_s, 3),
+               **{k: sum(d[k] for d in done) for k in ("slices_generated", "slices_redone", "slices_skipped")}}
+    logs.event("generated", images=attempt["images_made"],
+               **{k: attempt[k] for k in ("slices_generated", "slices_redone", "slices_skipped")},
                seconds=round(watch.seconds(), 2))
     stats = collect.run_collect(settings.out, beam_args, **(gallery or {}))
     logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],
                seconds=round(watch.seconds(), 2), dataset=naming.join(settings.out, "dataset"))
-    return stats
+    return {**stats, "attempt": attempt}
