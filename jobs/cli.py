@@ -156,7 +156,21 @@ def summary(command: str, out: str, stats: dict, seconds: float) -> str:
              f"  next: promptmill status {out}  |  promptmill reproduce KEY --out {out}"]
     if rejects:
         lines[0] = lines[0].replace("OUT/", f"{out.rstrip('/')}/")
-    return "\n".join(lines)
+    return "\n".join(lines[:2] + _unused_lines(stats) + lines[2:])
+
+
+def _unused_lines(stats: dict) -> list[str]:
+    """What the records asked for that played no part, as stats.json counts it: said at the
+    end too, not only in stats.json and the card."""
+    said = []
+    for name, what in (("truncated_prompts", "prompt(s) longer than the text encoder reads were cut to its length"),
+                       ("guidance_unused", "record(s) gave a guidance_scale the model takes none of: unused"),
+                       ("negative_prompts_unused", "record(s) gave a negative prompt that played no part (their "
+                                                   "images are not guided)")):
+        records = (stats.get(name) or {}).get("records", 0)
+        if records:
+            said.append(f"  note: {records} {what} ({name} in stats.json)")
+    return said
 
 
 # Commands whose own process has nothing to run on an accelerator: local runs put their hosts

@@ -481,6 +481,12 @@ def test_a_runs_summary_counts_what_this_attempt_made():
     text = cli.summary("run", "o", finished, 3.0)
     assert "finished already: 60 image(s) in the dataset, none made now" in text and "images/s" not in text
     assert "60 image(s) in the dataset, 0 dropped" in cli.summary("collect", "o", stats, 2.0)
+    unused = {**stats, "truncated_prompts": {"records": 2, "images": 3}, "guidance_unused": {"records": 1, "images": 1},
+              "negative_prompts_unused": {"records": 0, "images": 0}}
+    lines = cli.summary("collect", "o", unused, 2.0).splitlines()
+    assert "  note: 2 prompt(s) longer than the text encoder reads were cut to its length" in lines[2]
+    assert "  note: 1 record(s) gave a guidance_scale the model takes none of: unused" in lines[3]
+    assert not any("negative" in line for line in lines)
 
 
 def test_the_summary_says_not_verified_and_no_rejects_path_when_there_are_none():
