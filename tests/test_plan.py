@@ -10,7 +10,7 @@ from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.io import runs
-from pipeline.plan import layout, transforms as plan
+from pipeline.plan import input_table, layout, transforms as plan
 from pipeline.plan.prepare import prepare
 
 FILES = {
@@ -73,7 +73,7 @@ def test_the_plan_decides_per_run_whether_it_is_guided_and_keeps_that_decision(t
     (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     with pytest.raises(layout.PlanError, match="p.jsonl: its content changed"):  # the input table sees it first
         plan.run_plan(settings)
-    storage.delete([naming.plan_inputs(out)])  # as a run planned before input tables: the plan still refuses
+    input_table.record(out, settings.prompts)  # were the table to miss the change, the plan still refuses
     with pytest.raises(layout.PlanError, match="holds a guidance-free run, but now some record's guidance is > 1"):
         plan.run_plan(settings)
     assert "guided_by_records" not in storage.read_json(naming.manifest(out))

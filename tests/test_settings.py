@@ -120,7 +120,7 @@ def test_sizes_are_positive_multiples_of_8(value, ok):
 
 def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are_refused(tmp_path, model_cache):
     """The plan's resume check on a real OUT whose run.json an older version wrote."""
-    from pipeline.plan import layout, prepare
+    from pipeline.plan import input_table, layout, prepare
 
     out = str(tmp_path / "out")
     _, run = prepare.resolve_settings(Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=2))
@@ -130,6 +130,7 @@ def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are
     del old["loras"]
     old["created_at"] = "2025-01-01T00:00:00+00:00"
     old["settings_fingerprint"] = fingerprint(Settings.from_dict(old["settings"]), old["model_fingerprint"])
+    input_table.record(out, str(tmp_path / "*.jsonl"))
     storage.write_json(naming.run_json(out), old)
     assert run.settings.guidance_rule == "diffusers"
     # --decode-batch auto keeps the old run's whole-batch decoding, as prepare does before resolving
