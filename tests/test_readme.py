@@ -274,9 +274,9 @@ def test_flag_extraction():
 
 
 def test_every_flag_the_readme_and_the_guides_name_is_accepted():
-    from jobs import flags
+    from jobs import strict
 
-    known = promptmill_flags() | set(flags.beam_option_flags())
+    known = promptmill_flags() | set(strict.beam_option_flags())
     assert {"--model", "--per-device-batch", "--watch", "--tpu-type", "--parts", "--save"} <= known
     assert "--direct_num_workers" in known and "--no-such-flag" not in known
     docs = _docs()
