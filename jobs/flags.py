@@ -22,7 +22,8 @@ from pipeline.core.choices import (
     parse_scores,
 )
 from pipeline.core.settings import AUTO, Settings, lora_spec, parse_lora
-from pipeline.model.families import BUILTINS, guidance_help, sequence_help, shapes_only_builtins, size_rules, titles
+from pipeline.model.families import (BUILTINS, guidance_help, sequence_help, shapes_only_builtins, size_rules,
+                                     steps_help, titles)
 from pipeline.model.scorers import presets as scorer_presets
 
 _DEFAULTS = Settings()
@@ -153,8 +154,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "--sizes, a record's width, height and aspect_ratio only pass through to its metadata "
                              "(default: one size, --width x --height)")
     parser.add_argument("--steps", type=int, default=d.steps,
-                        help="denoising steps (default: the model's: SD and SDXL 20, FLUX.1 [schnell] 4 and [dev] 28, "
-                             "FLUX.2 [klein] 4 and its base models 50; a resumed run keeps its own)")
+                        help=f"denoising steps (default: the model's: {steps_help()}; a resumed run keeps its own)")
     parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                         help="sampling algorithm (default: the checkpoint's own; euler_a: Euler ancestral, as "
                              "adversarially distilled turbo models ship; lcm: LCM multistep, for LCM and LCM-LoRA "
@@ -227,7 +227,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              f"random one ({', '.join(scorer_presets.CLIPS)}; their scores mean nothing)")
     parser.add_argument("--aesthetic-head", metavar="PATH", default=None,
                         help="LAION's improved aesthetic predictor as a safetensors file with its state dict's names "
-                             "(layers.0.weight, ...; the README says how to make it from the .pth), local or gs://, "
+                             "(layers.0.weight, ...; docs/scores.md says how to make it from the .pth), local or gs://, "
                              f"or a built-in random one ({', '.join(scorer_presets.HEADS)})")
     parser.add_argument("--safety-checker", metavar="PATH", default=None,
                         help="diffusers' safety checker: a safety_checker folder or a checkpoint holding one, local, "

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from jobs import cli, flags
+from pipeline.model import families
 
 
 def test_missing_google_credentials_are_one_clear_line(monkeypatch, capsys):
@@ -449,6 +450,31 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out == f"promptmill {__version__}\n"
+
+
+def test_a_size_is_refused_by_its_models_family_in_the_words_of_the_help(tmp_path, model_cache, capsys):
+    """--width 24 on FLUX.2 [klein]: its unit (16), as --help says it; --sizes with a lone
+    --width names what was given."""
+    width_help = next(a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["plan"]._actions
+                      if "--width" in a.option_strings)
+    rule = families.BY_NAME["flux2"].size_rule
+    assert f"FLUX.2 [klein] and Z-Image: {rule}" in width_help and "16" in rule
+    assert cli.main(["plan", "--model", "random-klein-4b", "--width", "24", "--out", str(tmp_path / "a")]) == 1
+    assert f"--width 24: random-klein-4b's images are multiples of 16 pixels each way (FLUX.2 [klein]'s size unit: " \
+           f"{rule})" in capsys.readouterr().err
+    assert cli.main(["plan", "--sizes", "64x64", "--width", "32", "--out", str(tmp_path / "b")]) == 1
+    assert "--sizes 64x64 and --width 32: give one" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "tiny", "--max-sequence-length", "64", "--out", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert "--max-sequence-length 64: SD 1.x/2.x's CLIP text encoders take 77 tokens" in err and "T5" not in err
+
+
+def test_the_steps_help_has_every_familys_default():
+    steps_help = next(a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["plan"]._actions
+                      if "--steps" in a.option_strings)
+    for family in families.FAMILIES:
+        assert family.title in steps_help and f": {family.steps_help}" in steps_help, family.title
+    assert "Z-Image: 50" in steps_help and "[schnell] 4, [dev] 28" in steps_help
 
 
 def test_run_takes_the_gallery_flags_and_date_helps_say_what_each_command_does():
