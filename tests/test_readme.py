@@ -59,15 +59,25 @@ def test_the_tour_from_a_clean_clone(tmp_path, monkeypatch, capsys):
     from jobs import cli
     from pipeline.collect import status
 
-    run, *reading = docs_commands.tour()
-    assert [c.words()[:2] for c in reading] == [[PROMPTMILL, "status"]] * 2 + [[PROMPTMILL, "reproduce"]]
+    run, *watching, again = docs_commands.tour()
+    assert [c.words()[:2] for c in watching + [again]] == [[PROMPTMILL, "status"]] * 2 + [[PROMPTMILL, "reproduce"]]
     clone, env = _clean_clone_env(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "jobs.cli", *run.words()[1:]], cwd=clone, env=env,
-                            capture_output=True, text=True, timeout=1200)
-    _check_demo(clone, result, "tour-out", parquet=True)
+    # the run, then reproduce, each as promptmill runs it (cli.main), in one process of the
+    # clone's environment: reproduce must round as the hosts did, with XLA's default flags
+    # (tests/conftest.py sets others here), and one process imports the libraries once
+    result = subprocess.run([sys.executable, "-c", "import json, sys\nfrom jobs import cli\n"
+                             "sys.exit(max([cli.main(json.loads(argv)) for argv in sys.argv[1:]]))",
+                             json.dumps(run.words()[1:]), json.dumps(again.words()[1:])],
+                            cwd=clone, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    *_, summary, reproduced = result.stdout.strip().splitlines()
+    _check_demo(clone, result, "tour-out", parquet=True, summary=summary)
+    reproduced = json.loads(reproduced)
+    assert reproduced["key"] == "lighthouse_0000" and reproduced["match"] is True
+    with open(os.path.join("/tmp/again", "lighthouse_0000.png"), "rb") as saved:
+        assert hashlib.sha256(saved.read()).hexdigest() == reproduced["sha256"]
 
     monkeypatch.chdir(clone)
-    monkeypatch.setenv("PROMPTMILL_CACHE", env["PROMPTMILL_CACHE"])  # the tiny model the run built
 
     def ctrl_c(seconds):
         raise KeyboardInterrupt
@@ -75,14 +85,10 @@ def test_the_tour_from_a_clean_clone(tmp_path, monkeypatch, capsys):
     emit, _, rounds = status.watch.__defaults__
     monkeypatch.setattr(status.watch, "__defaults__", (emit, ctrl_c, rounds))
     capsys.readouterr()
-    for command in reading:
+    for command in watching:
         assert cli.main(command.words()[1:]) == 0, command
     out = capsys.readouterr().out
     assert out.count("  collect   verified: 43 images") == 2 and "slices    11/11 committed (100%)" in out
-    [line] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert line["key"] == "lighthouse_0000" and line["match"] is True
-    with open(os.path.join("/tmp/again", "lighthouse_0000.png"), "rb") as saved:
-        assert hashlib.sha256(saved.read()).hexdigest() == line["sha256"]
 
 
 PROMPTMILL = ".venv/bin/promptmill"
@@ -156,7 +162,9 @@ def test_everything_the_package_imports_comes_with_its_own_install():
     assert not missing, f"imported but not installed by install_requires: {missing}"
 
 
-def _check_demo(clone, result, out="promptmill-out", parquet=False):
+def _check_demo(clone, result, out="promptmill-out", parquet=False, summary=None):
+    """The demo's (or the tour's) run went well; ``summary``: the run's JSON line, when more
+    than the run printed to stdout."""
     assert result.returncode == 0, result.stderr[-4000:]
     out = clone / out
     stats = json.loads((out / "dataset" / "stats.json").read_text())
@@ -164,7 +172,7 @@ def _check_demo(clone, result, out="promptmill-out", parquet=False):
     assert stats["verified"] and stats["records"] == 40 and stats["images"] == 43 and stats["rejects"] == 0
     assert len(list((out / "images").glob("*/*.png"))) == 43
     assert len(list((out / "parquet").glob("*.parquet"))) == (11 if parquet else 0)
-    assert json.loads(result.stdout.strip().splitlines()[-1])["verified"] is True
+    assert json.loads(summary or result.stdout.strip().splitlines()[-1])["verified"] is True
     # with libtpu installed (the test extra has it), a local run asks for CPU devices: neither
     # the launcher nor a host goes looking for a TPU, or prints libtpu's warnings about it
     logs = [result.stderr] + [path.read_text() for path in (out / "logs").glob("host-*.log")]
