@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --quiet promises only what a command does: run has a progress bar and a summary for people,
     # collect a summary; the others print their results (stdout) and log events (stderr) alone
     quiet = {run: f"{_QUIET}, no progress bar, no summary", collect: f"{_QUIET}, no summary"}
-    for command in _commands(parser):
+    for command in commands(parser):
         command.add_argument("--log-level", choices=list(logs.LEVELS), default="info",
                              help="the least important JSON log events shown on stderr (default: %(default)s)")
         command.add_argument("--quiet", action="store_true", help=quiet.get(command, _QUIET))
@@ -128,14 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
 _QUIET = "warnings and errors only: no info events"
 
 
-def _commands(parser) -> list:
+def commands(parser) -> list:
     """The parsers that run something: every subcommand, and every target of one that has them."""
     found = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 nested = [a for a in child._actions if isinstance(a, argparse._SubParsersAction)]
-                found += _commands(child) if nested else [child]
+                found += commands(child) if nested else [child]
     return found
 
 

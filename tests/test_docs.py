@@ -3,7 +3,6 @@ models and their defaults, metadata columns, help texts) as the registry and the
 them, and every shell command either run as written or marked and parsed
 (tests/docs_commands.py says how commands are marked). A failing table check prints the
 table to paste."""
-import argparse
 import os
 import re
 import subprocess
@@ -91,21 +90,12 @@ def test_every_metadata_column_is_named_in_the_output_guide():
 
 
 def test_help_texts_point_at_guides_that_exist():
-    helps = [action.help or "" for _, parser in _parsers(cli.build_parser()) for action in parser._actions]
+    helps = [action.help or "" for parser in cli.commands(cli.build_parser()) for action in parser._actions]
     named = {path for text in helps for path in re.findall(r"docs/[\w-]+\.md", text)}
     assert "docs/scores.md" in named and all(os.path.exists(os.path.join(ROOT, path)) for path in named), named
     head = next(text for text in helps if "LAION's improved aesthetic predictor" in text)
     assert "docs/scores.md" in head and "README" not in head
     assert ".pth" in docs_commands.read("docs/scores.md")  # where it says how to make the head file
-
-
-def _parsers(parser, path=()):
-    found = [(path, parser)]
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, child in action.choices.items():
-                found += _parsers(child, path + (name,))
-    return found
 
 
 # -- every shell command runs as written, or is marked and parses ---------------------------------
