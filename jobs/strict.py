@@ -21,6 +21,7 @@ import shlex
 
 from jobs.flags import given, given_twice
 
+
 def strict(parser: argparse.ArgumentParser, beam: bool = False, beam_strings: tuple[str, ...] = (),
            out: bool = False) -> None:
     """Mark ``parser`` (a subcommand's) for ``check_extra``: whether flags it does not know may be
@@ -32,8 +33,9 @@ def strict(parser: argparse.ArgumentParser, beam: bool = False, beam_strings: tu
         [action] = [a for a in parser._actions if "--out" in a.option_strings]
         needed = bool(action.required or action.default is None)
         action.required = False  # either form will do: check_extra says when neither came
-        action.help = (action.help or "").replace(" (default:", f" ({OUT_BOTH_WAYS}; default:", 1) \
-            if " (default:" in (action.help or "") else f"{action.help} ({OUT_BOTH_WAYS})"
+        text = action.help or ""
+        action.help = text.replace(" (default:", f" ({OUT_BOTH_WAYS}; default:", 1) if " (default:" in text \
+            else f"{text} ({OUT_BOTH_WAYS})"
     parser.set_defaults(flags_parser_=parser, flags_beam_=beam, flags_beam_strings_=tuple(beam_strings),
                         flags_out_=needed)
 

@@ -132,7 +132,8 @@ def _promptmill_words(command: docs_commands.Command) -> list[str]:
     return words[1:]
 
 
-@pytest.mark.parametrize("command", [c for c in docs_commands.commands() if c.marker], ids=str)
+@pytest.mark.parametrize("command", [c for c in docs_commands.commands() if c.marker],
+                         ids=lambda c: f"{c.path}:{c.line}")
 def test_every_marked_command_parses(command):
     """promptmill's own parser and flag check take it, and a run's or plan's settings flags
     make valid Settings."""
