@@ -51,33 +51,25 @@ def test_demo_command_from_a_clean_clone_in_a_fresh_virtualenv(tmp_path):
 def test_the_tour_from_a_clean_clone(tmp_path, monkeypatch, capsys):
     """The README's tour, each command as written, in a clean clone with an empty promptmill
     cache: its run (the demo's job, into tour-out and with a second format: tests/test_docs.py
-    checks that), run by this interpreter on the clone's code, then the commands that read
-    it: status, status --watch (until the Ctrl-C pressed after its first report) and
-    reproduce. (The demo command verbatim, install included, is the slow test above; the
-    install step is what ``.ci/run`` does with the test extras, and the package's imports
-    are checked against its own dependencies below.)"""
+    checks that), run by this interpreter on the clone's code, then, in this process, the
+    commands that read it: status, status --watch (until the Ctrl-C pressed after its first
+    report) and reproduce. The run keeps the suite's XLA flags (tests/conftest.py), so that
+    reproduce here rounds as its hosts did. (The demo command verbatim, with XLA's defaults
+    and its install, is the slow test above; the install step is what ``.ci/run`` does with
+    the test extras, and the package's imports are checked against its own dependencies below.)"""
     from jobs import cli
     from pipeline.collect import status
 
-    run, *watching, again = docs_commands.tour()
-    assert [c.words()[:2] for c in watching + [again]] == [[PROMPTMILL, "status"]] * 2 + [[PROMPTMILL, "reproduce"]]
+    run, *reading = docs_commands.tour()
+    assert [c.words()[:2] for c in reading] == [[PROMPTMILL, "status"]] * 2 + [[PROMPTMILL, "reproduce"]]
     clone, env = _clean_clone_env(tmp_path)
-    # the run, then reproduce, each as promptmill runs it (cli.main), in one process of the
-    # clone's environment: reproduce must round as the hosts did, with XLA's default flags
-    # (tests/conftest.py sets others here), and one process imports the libraries once
-    result = subprocess.run([sys.executable, "-c", "import json, sys\nfrom jobs import cli\n"
-                             "sys.exit(max([cli.main(json.loads(argv)) for argv in sys.argv[1:]]))",
-                             json.dumps(run.words()[1:]), json.dumps(again.words()[1:])],
-                            cwd=clone, env=env, capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-4000:]
-    *_, summary, reproduced = result.stdout.strip().splitlines()
-    _check_demo(clone, result, "tour-out", parquet=True, summary=summary)
-    reproduced = json.loads(reproduced)
-    assert reproduced["key"] == "lighthouse_0000" and reproduced["match"] is True
-    with open(os.path.join("/tmp/again", "lighthouse_0000.png"), "rb") as saved:
-        assert hashlib.sha256(saved.read()).hexdigest() == reproduced["sha256"]
+    result = subprocess.run([sys.executable, "-m", "jobs.cli", *run.words()[1:]], cwd=clone,
+                            env=dict(env, XLA_FLAGS=os.environ["XLA_FLAGS"]), capture_output=True, text=True,
+                            timeout=1200)
+    _check_demo(clone, result, "tour-out", parquet=True)
 
     monkeypatch.chdir(clone)
+    monkeypatch.setenv("PROMPTMILL_CACHE", env["PROMPTMILL_CACHE"])  # the tiny model the run built
 
     def ctrl_c(seconds):
         raise KeyboardInterrupt
@@ -85,10 +77,14 @@ def test_the_tour_from_a_clean_clone(tmp_path, monkeypatch, capsys):
     emit, _, rounds = status.watch.__defaults__
     monkeypatch.setattr(status.watch, "__defaults__", (emit, ctrl_c, rounds))
     capsys.readouterr()
-    for command in watching:
+    for command in reading:
         assert cli.main(command.words()[1:]) == 0, command
     out = capsys.readouterr().out
     assert out.count("  collect   verified: 43 images") == 2 and "slices    11/11 committed (100%)" in out
+    reproduced = json.loads(out.strip().splitlines()[-1])
+    assert reproduced["key"] == "lighthouse_0000" and reproduced["match"] is True
+    with open(os.path.join("/tmp/again", "lighthouse_0000.png"), "rb") as saved:
+        assert hashlib.sha256(saved.read()).hexdigest() == reproduced["sha256"]
 
 
 PROMPTMILL = ".venv/bin/promptmill"
@@ -162,9 +158,7 @@ def test_everything_the_package_imports_comes_with_its_own_install():
     assert not missing, f"imported but not installed by install_requires: {missing}"
 
 
-def _check_demo(clone, result, out="promptmill-out", parquet=False, summary=None):
-    """The demo's (or the tour's) run went well; ``summary``: the run's JSON line, when more
-    than the run printed to stdout."""
+def _check_demo(clone, result, out="promptmill-out", parquet=False):
     assert result.returncode == 0, result.stderr[-4000:]
     out = clone / out
     stats = json.loads((out / "dataset" / "stats.json").read_text())
@@ -172,7 +166,7 @@ def _check_demo(clone, result, out="promptmill-out", parquet=False, summary=None
     assert stats["verified"] and stats["records"] == 40 and stats["images"] == 43 and stats["rejects"] == 0
     assert len(list((out / "images").glob("*/*.png"))) == 43
     assert len(list((out / "parquet").glob("*.parquet"))) == (11 if parquet else 0)
-    assert json.loads(summary or result.stdout.strip().splitlines()[-1])["verified"] is True
+    assert json.loads(result.stdout.strip().splitlines()[-1])["verified"] is True
     # with libtpu installed (the test extra has it), a local run asks for CPU devices: neither
     # the launcher nor a host goes looking for a TPU, or prints libtpu's warnings about it
     logs = [result.stderr] + [path.read_text() for path in (out / "logs").glob("host-*.log")]
