@@ -210,10 +210,8 @@ class Settings:
                 width, height = buckets.parse_size(name)
                 check_size("sizes", width), check_size("sizes", height)
             if (self.width, self.height) not in ((None, None), buckets.parse_size(self.sizes[0])):
-                given = " ".join(f"--{name} {value}" for name, value in (("width", self.width), ("height", self.height))
-                                 if value is not None)
-                raise ValueError(f"--sizes {','.join(self.sizes)} and {given}: give one (--width and --height mean a "
-                                 f"single size)")
+                given = " ".join(f"--{k} {v}" for k, v in (("width", self.width), ("height", self.height)) if v)
+                raise ValueError(f"--sizes {','.join(self.sizes)} and {given}: give one (--width, --height: one size)")
         if self.bucket_batches:
             if len(self.bucket_batches) != len(self.sizes) or self.sizes == (buckets.PRESET,):
                 raise ValueError(f"bucket_batches holds one per-device batch per size, got {self.bucket_batches} "
@@ -249,11 +247,10 @@ class Settings:
         wanted = {"clip_model": ("clip", "aesthetic"), "aesthetic_head": ("aesthetic",), "safety_checker": ("safety",)}
         flags = {"clip_model": "--clip-model", "aesthetic_head": "--aesthetic-head",
                  "safety_checker": "--safety-checker"}
-        given = f"--score {','.join(self.scores)}" if self.scores else "no --score"
         for name, readers in wanted.items():
             if getattr(self, name) is not None and not set(readers) & set(self.scores):
                 raise ValueError(f"{flags[name]} is read only by --score {' or '.join(readers)}, which the run does "
-                                 f"not compute ({given})")
+                                 f"not compute ({'--score ' + ','.join(self.scores) if self.scores else 'no --score'})")
         if set(self.scores) & {"clip", "aesthetic"} and not self.clip_model:
             what = " and ".join(s for s in ("clip", "aesthetic") if s in self.scores)
             raise ValueError(f"--score {what} needs --clip-model: a CLIP checkpoint in transformers' format (a "
@@ -333,11 +330,10 @@ def lora_spec(path: str, scale: float = 1.0) -> str:
 
 
 def check_size(name: str, value: int, multiple: int = 1) -> int:
-    """``value`` if it is a positive whole number of pixels (a multiple of ``multiple``) up to
-    ``MAX_SIZE``, else ValueError. A run's sizes are checked against its model's own unit and
-    largest size when it is planned, from its family (``families.size_problem``)."""
-    kind = f"multiple of {multiple}" if multiple > 1 else "whole number of pixels"
+    """``value`` if a positive whole number of pixels (of ``multiple``) up to ``MAX_SIZE``, else ValueError;
+    a run's sizes are checked against its model's unit and largest when planned (``families.size_problem``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
+        kind = "whole number of pixels" if multiple == 1 else f"multiple of {multiple}"
         raise ValueError(f"--{name} must be a positive {kind}, got {value}")
     if value > MAX_SIZE:
         raise ValueError(f"--{name} must be at most {MAX_SIZE} pixels, got {value}")
