@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from jobs import flags
+from jobs import flags, strict
 from pipeline.bench.generator import DEFAULT_PARTS, GUIDANCE, BenchConfig
 from pipeline.core.choices import DTYPES, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import AUTO
@@ -19,7 +19,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     generator = targets.add_parser(
         "generator", help="images/s, FLOP/s and start-up of the generator, against the seed notebook's recipe")
     _add_bench_generator_flags(generator)
-    flags.strict(generator)
+    strict.strict(generator)
     upload = targets.add_parser("upload", help="objects/s and MB/s to a local GCS emulator, N parallel uploads vs 1")
     upload.add_argument("--objects", type=int, default=200, help="objects per measurement (default: %(default)s)")
     upload.add_argument("--object-bytes", type=int, default=100_000, help="bytes per object (default: %(default)s)")
@@ -31,7 +31,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     upload.add_argument("--repeats", type=int, default=1,
                         help="run the whole grid this many times, in turns; rates are the medians (default: 1)")
     upload.add_argument("--report", help="write the JSON report here")
-    flags.strict(upload)
+    strict.strict(upload)
     plan_bench = targets.add_parser("plan", help="wall time and peak RSS of `plan` on synthetic prompt shards, "
                                     "against the RSS of holding every prompt in memory at once")
     plan_bench.add_argument("--prompts", type=int, default=1_000_000, help="prompts in all (default: %(default)s)")
@@ -44,7 +44,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     plan_bench.add_argument("--beam-args", default="", help="Beam options for the plan, one quoted string, e.g. "
                             "'--direct_num_workers 2 --direct_running_mode multi_processing' (default: none)")
     plan_bench.add_argument("--report", "--json", dest="report", help="write the JSON report here")
-    flags.strict(plan_bench, beam_strings=("--beam-args",))
+    strict.strict(plan_bench, beam_strings=("--beam-args",))
     tpu = targets.add_parser("tpu", help="compile the host program for TPU chips here, without a TPU (libtpu): "
                              "memory per chip, whether it fits, FLOPs, attention kernels and compile time, over "
                              "per-device batches, attention implementations, TPU types and sizes")
@@ -71,7 +71,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                           "SD's safety checker and LAION's head at their real sizes, shapes only) or tiny; the total is "
                           "what the sampler and the scorer need together (default: no scores)")
     tpu.add_argument("--report", help="write the JSON report here")
-    flags.strict(tpu)
+    strict.strict(tpu)
     status_bench = targets.add_parser("status", help="seconds of `promptmill status` on a big planned run with a "
                                       "share of its slices committed, locally and on a GCS emulator")
     status_bench.add_argument("--out", help="a planned local OUT to use (e.g. `bench plan --workdir W`'s W/out; its "
@@ -89,7 +89,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     status_bench.add_argument("--repeats", type=int, default=3, help="status runs per place (default: %(default)s)")
     status_bench.add_argument("--no-gcs", action="store_true", help="time the local OUT only")
     status_bench.add_argument("--report", help="write the JSON report here")
-    flags.strict(status_bench)
+    strict.strict(status_bench)
     sizes = targets.add_parser("sizes", help="one run of several sizes against one single-size run per size, of "
                                "the same records: images/s, and the devices' idle time at each size switch")
     sizes.add_argument("--model", default="tiny", help="(default: %(default)s)")
@@ -104,7 +104,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     sizes.add_argument("--batches-per-slice", type=int, default=2, help="(default: %(default)s)")
     sizes.add_argument("--workdir", help="folder for the runs, kept after (default: a temporary folder)")
     sizes.add_argument("--report", help="write the JSON report here")
-    flags.strict(sizes)
+    strict.strict(sizes)
     pipe = targets.add_parser("pipeline", help="images/s of the generator alone, the full host pipeline (local "
                               "disk, GCS emulator) and the seed's sequential loop, on the same slices")
     pipe.add_argument("--generator", choices=("synthetic", "tiny"), default="synthetic",
@@ -124,7 +124,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                            "(default: %(default)s)")
     pipe.add_argument("--workdir", help="folder for the outputs, kept after the run (default: a temporary folder)")
     pipe.add_argument("--report", help="write the JSON report here")
-    flags.strict(pipe)
+    strict.strict(pipe)
     return bench
 
 

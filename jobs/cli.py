@@ -2,9 +2,10 @@
 
 Flags a subcommand does not know are passed to Beam as PipelineOptions (run, plan, collect
 and submit), e.g. ``--runner DirectRunner --direct_num_workers 2``, if Beam knows them; any
-other unknown flag is an error that names the closest known one (``jobs.flags.check_extra``).
+other unknown flag is an error that names the closest known one (``jobs.strict.check_extra``).
 No flag is abbreviated, and a flag that takes one value given twice is an error
-(``jobs.flags.Parser``).
+(``jobs.flags.Parser``). Every command that works on one run takes its OUT as its positional
+argument or as ``--out`` (``jobs.strict.take_out``; ``reproduce``'s positional arguments are keys).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from pipeline.core import logs
 
 logs.drop_beams_apitools_warning()  # before anything imports Beam
 
-from jobs import flags  # noqa: E402
+from jobs import flags, strict  # noqa: E402
 from jobs.bench_command import add_bench_parser, run_bench  # noqa: E402
 from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag, add_settings_flags  # noqa: E402
 from jobs.submit_command import SUMMARY, add_submit_parser, run_submit  # noqa: E402
+from pipeline import __version__  # noqa: E402
 from pipeline.model import families  # noqa: E402
 
 _settings = flags.settings_from_args  # the one translation of the settings flags; the old name, still used by tests
@@ -41,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = flags.Parser(prog="promptmill", description=f"Generate image datasets from text prompts with diffusion "
                           f"models ({families.titles()}) in JAX/Flax, on TPU pods or local CPU devices. Flags are "
                           f"written in full (no abbreviations), and a flag that takes one value is given once (--lora "
-                          f"repeats).")
+                          f"repeats). A command that works on one run takes its OUT as its positional argument or "
+                          f"as --out (reproduce: --out; its positional arguments are image keys).")
+    parser.add_argument("--version", action="version", version=f"promptmill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     dated = []
 
@@ -73,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate this host's slices (one process per host)")
     dated.append(gen)
-    gen.add_argument("--out", required=True, help="the planned output folder or gs:// prefix")
+    gen.add_argument("--out", help="the planned output folder or gs:// prefix")
     gen.add_argument("--coordinator", help="HOST:PORT of host 0's coordinator (omit on Cloud TPU / GKE)")
     gen.add_argument("--num-hosts", type=int, help="number of host processes (omit on Cloud TPU / GKE)")
     gen.add_argument("--host-id", type=int, help="this host's index (omit on Cloud TPU / GKE)")
@@ -81,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     collect = sub.add_parser("collect", help="merge and verify the outputs into OUT/dataset (Beam)")
     dated.append(collect)
-    collect.add_argument("--out", required=True, help="the output folder or gs:// prefix")
+    collect.add_argument("--out", help="the output folder or gs:// prefix")
     flags.add_gallery_flags(collect)
 
     reproduce = sub.add_parser("reproduce", help="regenerate images from their metadata rows and check their sha256")
@@ -95,38 +99,43 @@ def build_parser() -> argparse.ArgumentParser:
                  reproduce: "the dated run whose images to regenerate"}.get(command)
         add_date_flag(command, doing)
 
-    for command in (run, plan, collect):
-        flags.strict(command, beam=True)  # flags they do not know may be Beam options
-    for command in (gen, reproduce):
-        flags.strict(command)
-
     status = sub.add_parser("status", help="where a run stands: slices and images committed, rate and ETA, "
                             "hosts, collect (reads no image and no metadata shard)")
-    status.add_argument("out", metavar="OUT", nargs="?", help="the run's output folder or gs:// prefix (or --out)")
-    status.add_argument("--out", dest="out_flag", metavar="OUT", help="the same as the positional OUT, as the other "
-                        "commands take it")
+    status.add_argument("--out", help="the run's output folder or gs:// prefix")
+    add_date_flag(status, "the dated run whose status to show")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     status.add_argument("--watch", type=float, metavar="N", help="print it again every N seconds, until Ctrl-C")
-    flags.strict(status)
+
+    for command in (run, plan, collect):
+        strict.strict(command, beam=True, out=True)  # flags they do not know may be Beam options
+    strict.strict(gen, out=True)
+    strict.strict(status, out=True)
+    strict.strict(reproduce)  # its positional arguments are keys: OUT is --out
 
     add_submit_parser(sub)  # submit dataflow|gke, with its own --date
     add_bench_parser(sub)  # bench generator|upload|plan|status|pipeline|tpu
-    for command in _commands(parser):
+    # --quiet promises only what a command does: run has a progress bar and a summary for people,
+    # collect a summary; the others print their results (stdout) and log events (stderr) alone
+    quiet = {run: f"{_QUIET}, no progress bar, no summary", collect: f"{_QUIET}, no summary"}
+    for command in commands(parser):
         command.add_argument("--log-level", choices=list(logs.LEVELS), default="info",
                              help="the least important JSON log events shown on stderr (default: %(default)s)")
-        command.add_argument("--quiet", action="store_true",
-                             help="warnings and errors only: no info events, no progress bar, no summary")
+        command.add_argument("--quiet", action="store_true", help=quiet.get(command, _QUIET))
+        strict.show_positional_out(command)
     return parser
 
 
-def _commands(parser) -> list:
+_QUIET = "warnings and errors only: no info events"
+
+
+def commands(parser) -> list:
     """The parsers that run something: every subcommand, and every target of one that has them."""
     found = []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 nested = [a for a in child._actions if isinstance(a, argparse._SubParsersAction)]
-                found += _commands(child) if nested else [child]
+                found += commands(child) if nested else [child]
     return found
 
 
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    beam_args = flags.check_extra(args, extra)  # an unknown flag exits 2 here, before anything runs
+    beam_args = strict.check_extra(args, extra)  # an unknown flag exits 2 here, before anything runs
     _cpu_only(args)
     logs.setup(logs.LEVELS["warning" if getattr(args, "quiet", False) else getattr(args, "log_level", "info")])
     logs.quiet_library_tracebacks()  # a promptmill error is said once, in the command's own line
@@ -265,9 +274,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
             stats = launcher.run_local(settings, 2 if args.hosts is None else args.hosts, beam_args,
                                        progress=not (args.no_progress or args.quiet), compile_cache=cache,
                                        overwrite=args.overwrite, gallery=flags.gallery_of(args))
-        print(json.dumps({k: stats[k] for k in SUMMARY}))
-        if not args.quiet:
-            print(summary("run", settings.out, stats, time.perf_counter() - started), file=sys.stderr)
+        _finish("run", settings.out, stats, time.perf_counter() - started, args.quiet)
     elif args.command == "plan":
         from pipeline.generate import fit
         from pipeline.plan import transforms as plan
@@ -289,9 +296,7 @@ def _dispatch(args, beam_args: list[str]) -> int:
         from pipeline.collect import transforms as collect
 
         stats = collect.run_collect(args.out, beam_args, **flags.gallery_of(args))
-        print(json.dumps({k: stats[k] for k in SUMMARY}))
-        if not args.quiet:
-            print(summary("collect", args.out, stats, time.perf_counter() - started), file=sys.stderr)
+        _finish("collect", args.out, stats, time.perf_counter() - started, args.quiet)
     elif args.command == "reproduce":
         from pipeline.generate import reproduce
 
@@ -305,12 +310,6 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "status":
         from pipeline.collect import status
 
-        if args.out is None and args.out_flag is None:
-            raise ValueError("status needs the run's OUT: positional or --out")
-        if None not in (args.out, args.out_flag) and args.out != args.out_flag:
-            raise ValueError(f"status takes one OUT, given two: {args.out} and --out {args.out_flag}")
-        args.out = args.out or args.out_flag
-
         if args.watch is not None:
             status.watch(args.out, args.watch, args.json)
         else:
@@ -321,6 +320,17 @@ def _dispatch(args, beam_args: list[str]) -> int:
     elif args.command == "bench":
         return run_bench(args)
     return 0
+
+
+def _finish(command: str, out: str, stats: dict, seconds: float, quiet: bool) -> None:
+    """The end of ``run`` and ``collect``: the summary for people (stderr, unless ``quiet``),
+    then the JSON line for scripts (stdout), so that the JSON is the last line printed in a
+    terminal too, where the two streams meet."""
+    import json
+
+    if not quiet:
+        print(summary(command, out, stats, seconds), file=sys.stderr, flush=True)
+    print(json.dumps({k: stats[k] for k in SUMMARY}), flush=True)
 
 
 def entry() -> None:

@@ -1,24 +1,14 @@
-"""The flags more than one command shares, their translation into Settings, and the strict check
-of the flags a parser did not take.
+"""The flags more than one command shares and their translation into Settings.
 
 Flags are strict (DESIGN.md, "Trust"): every promptmill parser is a ``Parser``, which takes no
 abbreviation (``--ste`` is not ``--steps``) and refuses a flag that takes one value when it is given
 twice (``--steps 1 --steps 2``: which one was meant?), naming both values; ``--lora`` repeats.
-
-A command that runs a Beam pipeline (``run``, ``plan``, ``collect``, ``submit``) hands the
-flags it does not know to Beam as PipelineOptions. Beam itself only warns about an option it
-does not know ("Discarding unparseable args") and runs without it, so a typo such as
-``--guidence-scale 0`` would silently run with the default. ``check_extra`` refuses such a flag
-before anything runs: a flag is accepted only if the command or Beam's PipelineOptions define
-it, exactly (an abbreviation of either is refused), a Beam option that takes one value is given
-once, and the error names the closest flag, the command's own before Beam's.
+What a parser did not take (Beam's options, typos, the positional OUT) is checked by
+``jobs.strict``.
 """
 from __future__ import annotations
 
 import argparse
-import difflib
-import functools
-import shlex
 
 from pipeline.core.choices import (
     ATTENTIONS,
@@ -32,7 +22,8 @@ from pipeline.core.choices import (
     parse_scores,
 )
 from pipeline.core.settings import AUTO, Settings, lora_spec, parse_lora
-from pipeline.model.families import BUILTINS, guidance_help, sequence_help, shapes_only_builtins, size_rules, titles
+from pipeline.model.families import (BUILTINS, guidance_help, sequence_help, shapes_only_builtins, size_rules,
+                                     steps_help, titles)
 from pipeline.model.scorers import presets as scorer_presets
 
 _DEFAULTS = Settings()
@@ -53,16 +44,23 @@ class _Once:
                 given = {}
                 setattr(namespace, _GIVEN, given)
             if self.dest in given:
-                raise argparse.ArgumentError(None, _twice(given[self.dest], (option_string, values), self.nargs == 0))
+                raise argparse.ArgumentError(None, given_twice(given[self.dest], (option_string, values),
+                                                               self.nargs == 0))
             given[self.dest] = (option_string, values)
         super().__call__(parser, namespace, values, option_string)
+
+
+def given(args: argparse.Namespace) -> dict:
+    """{dest: (flag, value)} of the single-valued flags this parse took from the command line
+    (not their defaults)."""
+    return getattr(args, _GIVEN, None) or {}
 
 
 def _shown(value) -> str:
     return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
-def _twice(first: tuple[str, object], second: tuple[str, object], bare: bool) -> str:
+def given_twice(first: tuple[str, object], second: tuple[str, object], bare: bool) -> str:
     """The error for a flag that takes one value given twice: ``--steps given twice (1 and 2): give it once``."""
     (flag, old), (again, new) = first, second
     values = "" if bare else f" ({_shown(old)} and {_shown(new)})"
@@ -156,8 +154,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "--sizes, a record's width, height and aspect_ratio only pass through to its metadata "
                              "(default: one size, --width x --height)")
     parser.add_argument("--steps", type=int, default=d.steps,
-                        help="denoising steps (default: the model's: SD and SDXL 20, FLUX.1 [schnell] 4 and [dev] 28, "
-                             "FLUX.2 [klein] 4 and its base models 50; a resumed run keeps its own)")
+                        help=f"denoising steps (default: the model's: {steps_help()}; a resumed run keeps its own)")
     parser.add_argument("--scheduler", choices=list(SCHEDULERS), default=None,
                         help="sampling algorithm (default: the checkpoint's own; euler_a: Euler ancestral, as "
                              "adversarially distilled turbo models ship; lcm: LCM multistep, for LCM and LCM-LoRA "
@@ -230,7 +227,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              f"random one ({', '.join(scorer_presets.CLIPS)}; their scores mean nothing)")
     parser.add_argument("--aesthetic-head", metavar="PATH", default=None,
                         help="LAION's improved aesthetic predictor as a safetensors file with its state dict's names "
-                             "(layers.0.weight, ...; the README says how to make it from the .pth), local or gs://, "
+                             "(layers.0.weight, ...; docs/scores.md says how to make it from the .pth), local or gs://, "
                              f"or a built-in random one ({', '.join(scorer_presets.HEADS)})")
     parser.add_argument("--safety-checker", metavar="PATH", default=None,
                         help="diffusers' safety checker: a safety_checker folder or a checkpoint holding one, local, "
@@ -368,193 +365,3 @@ def add_compile_cache_flag(parser: argparse.ArgumentParser, local_default: bool 
     if local_default:
         parser.add_argument("--no-compile-cache", action="store_true",
                             help="compile every program afresh, with no compilation cache")
-
-
-# --- strict flags ------------------------------------------------------------------------
-
-def strict(parser: argparse.ArgumentParser, beam: bool = False, beam_strings: tuple[str, ...] = ()) -> None:
-    """Mark ``parser`` (a subcommand's) for ``check_extra``: whether flags it does not know may be
-    Beam options (``beam``), and which of its flags hold Beam options in one quoted string."""
-    parser.set_defaults(flags_parser_=parser, flags_beam_=beam, flags_beam_strings_=tuple(beam_strings))
-
-
-@functools.lru_cache(maxsize=1)
-def _beam_actions() -> dict[str, argparse.Action]:
-    """Every option of Beam's PipelineOptions, by flag (``--runner``, ``--experiment``, ...).
-
-    Beam builds its parser from the ``_add_argparse_args`` of every PipelineOptions subclass
-    when it reads options; ``get_all_options`` hands that parser to ``add_extra_args_fn``,
-    which is how it is caught here rather than rebuilt by hand.
-    """
-    from apache_beam.options.pipeline_options import PipelineOptions
-
-    caught: list[argparse.ArgumentParser] = []
-    PipelineOptions([]).get_all_options(add_extra_args_fn=caught.append)
-    # argparse lists a parser's options only in _actions (argparse's own help and usage read it)
-    return {flag: action for action in caught[0]._actions for flag in action.option_strings
-            if flag.startswith("--") and flag != "--help"}
-
-
-def beam_option_flags() -> frozenset[str]:
-    """The flags Beam's PipelineOptions know, e.g. ``--runner``, ``--direct_num_workers``."""
-    return frozenset(_beam_actions())
-
-
-def _flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {flag: action for action in parser._actions for flag in action.option_strings
-            if flag.startswith("--") and flag != "--help"}
-
-
-def _looks_like_flag(token: str) -> bool:
-    """What argparse takes for a flag rather than a value: a leading '-' that is not a negative number."""
-    if not token.startswith("-") or token == "-":
-        return False
-    try:
-        float(token)
-    except ValueError:
-        return True
-    return False
-
-
-def _scan(tokens: list[str], known: dict[str, argparse.Action]) -> list[tuple[str, str | None, bool]]:
-    """(flag or stray value, its value or None, whether it is a stray value) for each of ``tokens``.
-
-    ``--name=value`` and ``--name value`` both work. As in argparse, the token after a flag
-    that takes a value is its value unless it looks like a flag itself (a negative number is a
-    value); an unknown flag is taken to take one. ``--`` ends the options.
-    """
-    found = []
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if token == "--":
-            break
-        if not _looks_like_flag(token):
-            found.append((token, None, True))  # a value with no flag before it
-            i += 1
-            continue
-        name, eq, value = token.partition("=")
-        action = known.get(name)
-        takes_value = action is None or action.nargs != 0  # unknown: a value after it belongs to it
-        if not eq:
-            value = None
-            if takes_value and i + 1 < len(tokens) and not _looks_like_flag(tokens[i + 1]):
-                i += 1
-                value = tokens[i]
-        found.append((name, value, False))
-        i += 1
-    return found
-
-
-def unknown_flags(tokens: list[str], known: dict[str, argparse.Action]) -> list[str]:
-    """The flags among ``tokens`` that ``known`` does not define (exactly: no abbreviations),
-    and stray values, in order (``_scan`` says how values are told from flags); an unknown flag
-    is taken to take a value, so only the flag is reported."""
-    return [name for name, _, stray in _scan(tokens, known) if stray or name not in known]
-
-
-def repeated_flags(tokens: list[str], known: dict[str, argparse.Action]) -> list[str]:
-    """What is wrong with each single-valued flag of ``known`` (a store action of any kind, by
-    dest) that ``tokens`` give more than once; flags that accumulate (append) may repeat."""
-    first: dict[str, tuple[str, object]] = {}
-    problems = []
-    for name, value, stray in _scan(tokens, known):
-        action = None if stray else known.get(name)
-        if not isinstance(action, (argparse._StoreAction, argparse._StoreConstAction)):  # argparse's store actions
-            continue
-        if action.dest in first:
-            problems.append(_twice(first[action.dest], (name, value), action.nargs == 0))
-        else:
-            first[action.dest] = (name, value)
-    return problems
-
-
-def _norm(flag: str) -> str:
-    """A flag's name as compared for suggestions: no leading dashes, '_' as '-' (Beam's style vs ours)."""
-    return flag.lstrip("-").replace("_", "-")
-
-
-def suggestions(token: str, own: list[str] | tuple = (), beam: list[str] | tuple = ()) -> list[str]:
-    """The flags to suggest for the unknown flag ``token``, the command's own (``own``) before
-    Beam's (``beam``): the same name with the other word separator (``--job-name`` for Beam's
-    ``--job_name``); else the flags it abbreviates (``--ste``: ``--steps``), at most three; else
-    the closest name (difflib; an own flag must be closer than a Beam option, so a Beam option
-    typed with a typo is not taken for an unrelated flag of ours)."""
-    name = _norm(token)
-    for pool in (own, beam):
-        same = [flag for flag in pool if _norm(flag) == name]
-        if same:
-            return same[:1]
-    if len(name) >= 2:
-        for pool in (own, beam):
-            longer = [flag for flag in pool if _norm(flag).startswith(name)]
-            if longer:
-                return longer[:3]
-    for pool, cutoff in ((own, 0.7), (beam, 0.6)):
-        by_name = {_norm(flag): flag for flag in pool}
-        close = difflib.get_close_matches(name, list(by_name), n=1, cutoff=cutoff)
-        if close:
-            return [by_name[close[0]]]
-    return []
-
-
-def _either(flags: list[str]) -> str:
-    return flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} or {flags[-1]}"
-
-
-def _describe(unknown: list[str], own: list[str] | tuple = (), beam: list[str] | tuple = ()) -> str:
-    parts = []
-    for token in unknown:
-        if not _looks_like_flag(token):
-            parts.append(repr(token))
-            continue
-        close = suggestions(token, own, beam)
-        parts.append(f"{token} (did you mean {_either(close)}?)" if close else token)
-    return ", ".join(parts)
-
-
-def check_beam_args(tokens: list[str], command: str | None = None, suggest: list[str] | tuple = ()) -> str | None:
-    """None if every flag of ``tokens`` is a Beam option, exactly (Beam would refuse an
-    abbreviation too, but only warn and drop it), and each single-valued one is given once;
-    else what is wrong, for an error message that names the closest flag of ``suggest``
-    (``command``'s flags) or Beam option."""
-    beam = _beam_actions()
-    unknown = unknown_flags(tokens, beam)
-    if not unknown:
-        repeated = repeated_flags(tokens, beam)
-        return "; ".join(repeated) if repeated else None
-    one = len(unknown) == 1
-    who = f"neither {command} nor Beam's pipeline options know" if command else "Beam's pipeline options do not know"
-    return (f"unrecognized argument{'' if one else 's'}: {_describe(unknown, list(suggest), sorted(beam))}; "
-            f"{who} {'it' if one else 'them'}")
-
-
-def check_extra(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    """The Beam options among ``extra`` (what ``parse_known_args`` left), after checking them.
-
-    A flag the command does not know is an error (argparse's: usage, the message, exit 2)
-    unless the command takes Beam options and Beam knows it. The flags that hold Beam options in
-    one quoted string (``--plan-beam-args``) are checked by the same rule.
-    """
-    parser: argparse.ArgumentParser = args.flags_parser_
-    own = list(_flag_actions(parser))  # in the order the command defines them
-    if extra and not args.flags_beam_:
-        unknown = unknown_flags(extra, _flag_actions(parser))
-        word = "argument" if len(unknown) == 1 else "arguments"
-        parser.error(f"unrecognized {word}: {_describe(unknown or extra, own)}")
-    if extra:
-        problem = check_beam_args(extra, parser.prog, own)
-        if problem:
-            parser.error(problem)
-    for flag in args.flags_beam_strings_:
-        value = getattr(args, _flag_actions(parser)[flag].dest)
-        if value is None:
-            continue
-        try:
-            tokens = shlex.split(value)
-        except ValueError:
-            continue  # bad quoting: the command's own error (exit 1), with the value
-        problem = check_beam_args(tokens)
-        if problem:
-            parser.error(f"{flag} {value!r}: {problem}")
-    return list(extra)

@@ -13,7 +13,7 @@ import json
 import shlex
 import sys
 
-from jobs import flags
+from jobs import flags, strict
 from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, jobset, program_check, tpu
 from pipeline.io import lease
 
@@ -78,7 +78,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
                     "overrides the launcher (python -m jobs.dataflow_launch). Example: "
                     + _DATAFLOW_EXAMPLE)
     _add_common(dataflow)
-    flags.strict(dataflow, beam=True)
+    strict.strict(dataflow, beam=True, out=True)
     dataflow.add_argument("--project", help="Google Cloud project of the Dataflow job; required")
     dataflow.add_argument("--region", help="Dataflow region (one with the TPU type, e.g. us-west4); required")
     dataflow.add_argument("--temp-location", help="gs:// folder for Dataflow's temporary and staged files "
@@ -126,7 +126,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
                      "not listed here)")
     gke.add_argument("--poll-seconds", type=float, default=jobset.DEFAULT_POLL_S,
                      help="seconds between progress checks while the JobSet runs (default: %(default)s)")
-    flags.strict(gke, beam=True, beam_strings=("--plan-beam-args", "--collect-beam-args"))
+    strict.strict(gke, beam=True, beam_strings=("--plan-beam-args", "--collect-beam-args"), out=True)
     return submit
 
 

@@ -29,9 +29,9 @@ def test_sizes_parse_to_canonical_names_and_bad_ones_are_refused():
     for bad, message in (("1024", "WIDTHxHEIGHT"), ("64x64,64x64", "more than once"), ("", "got nothing")):
         with pytest.raises(ValueError, match=message):
             buckets.parse_sizes(bad)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        Settings(sizes=("64x60",)).validate()
-    with pytest.raises(ValueError, match="give one"):
+    with pytest.raises(ValueError, match="--sizes must be a positive whole number of pixels, got 0"):
+        Settings(sizes=("64x0",)).validate()
+    with pytest.raises(ValueError, match="--sizes 64x64,64x48 and --width 48 --height 64: give one"):
         Settings(sizes=("64x64", "64x48"), width=48, height=64).validate()
 
 

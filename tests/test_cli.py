@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from jobs import cli, flags
+from pipeline.model import families
 
 
 def test_missing_google_credentials_are_one_clear_line(monkeypatch, capsys):
@@ -86,7 +87,10 @@ def test_every_unknown_flag_is_named(dispatched, capsys):
 
 
 def test_a_stray_value_is_an_error(dispatched, capsys):
-    assert "unrecognized argument: 'extra'" in refused(["plan", "--out", "/tmp/x", "extra"], capsys)
+    """The first value no flag takes is a command's positional OUT; any other is refused."""
+    assert "unrecognized argument: 'extra'" in refused(["plan", "/tmp/x", "extra"], capsys)
+    assert "unrecognized argument: 'b'" in refused(["status", "a", "--json", "b"], capsys)
+    assert dispatched == []
 
 
 @pytest.mark.parametrize("beam_args", [
@@ -177,9 +181,9 @@ def test_every_command_is_checked_and_only_the_beam_commands_take_beam_options()
 
 
 def test_beam_option_flags_are_beams_own():
-    from jobs import flags
+    from jobs import strict
 
-    known = flags.beam_option_flags()
+    known = strict.beam_option_flags()
     assert {"--runner", "--direct_num_workers", "--direct_running_mode", "--project", "--region",
             "--temp_location", "--experiments", "--experiment", "--worker_zone", "--sdk_container_image"} <= known
     assert "--guidance-scale" not in known and "--help" not in known
@@ -386,9 +390,8 @@ def test_a_flag_that_several_commands_take_means_the_same_in_each():
             for flag in action.option_strings:
                 if flag in ("-h", "--help"):
                     continue
-                dest = "out" if action.dest == "out_flag" else action.dest  # status: --out beside its positional OUT
                 meaning = (type(action).__mro__[1].__name__ if type(action).__name__.endswith("Once") else
-                           type(action).__name__, dest, action.type, tuple(action.choices or ()), action.nargs,
+                           type(action).__name__, action.dest, action.type, tuple(action.choices or ()), action.nargs,
                            action.const)
                 meanings.setdefault(flag, {})[" ".join(path)] = meaning
     differ = {flag: by for flag, by in meanings.items() if len(set(by.values())) > 1}
@@ -396,14 +399,82 @@ def test_a_flag_that_several_commands_take_means_the_same_in_each():
     assert len([flag for flag, by in meanings.items() if len(by) > 1]) > 20  # the test reads many shared flags
 
 
-def test_status_takes_out_positional_or_as_a_flag(tmp_path, capsys):
+# every command that works on one run, as given before its OUT (reproduce's positional arguments are keys)
+ONE_RUN = [["run"], ["plan"], ["generate"], ["collect"], ["status"], GKE[:-2], DATAFLOW[:-2]]
+
+
+@pytest.mark.parametrize("command", ONE_RUN, ids=lambda c: " ".join(c[:2]))
+def test_every_command_on_one_run_takes_out_as_its_positional_argument_or_as_out(command, dispatched, capsys,
+                                                                                   tmp_path):
+    out = "gs://b/run-1" if command[0] == "submit" else str(tmp_path / "run-1")  # a local one for the lease
+    for argv in ([*command, out], [*command, "--out", out], [*command, out, "--out", out], [out, *command]):
+        if argv[0] == out:  # the positional may come after the flags too
+            argv = [*command, "--log-level", "info", out]
+        assert cli.main(argv) == 0, argv
+        assert dispatched[-1][0].out == out and dispatched[-1][1] == [], argv
+    err = refused([*command, out, "--out", "gs://b/other"], capsys)
+    assert f"error: OUT given twice, as {out} and as --out gs://b/other: give it once" in err
+    if command[0] not in ("run", "plan"):  # those two have a default OUT
+        assert "error: the run's OUT is missing" in refused(command, capsys)
+    assert "[OUT]" in cli.build_parser().parse_known_args([*command, out])[0].flags_parser_.format_usage()
+
+
+@pytest.mark.parametrize("command", [["run"], ["collect"], GKE[:-2]], ids=lambda c: " ".join(c[:2]))
+def test_the_value_of_a_beam_option_is_never_taken_for_out(command, dispatched, tmp_path):
+    """argparse would hand the value of a flag it does not know to a positional argument."""
+    out = "gs://b/run-1" if command[0] == "submit" else str(tmp_path / "run-1")
+    assert cli.main([*command, "--project", "p", out, "--save_main_session", "--region", "r"]) == 0
+    args, beam_args = dispatched[-1]
+    assert args.out == out and beam_args == ["--project", "p", "--save_main_session", "--region", "r"]
+
+
+def test_status_reads_out_given_either_way(tmp_path, capsys):
     for argv in (["status", str(tmp_path / "none")], ["status", "--out", str(tmp_path / "none")]):
         assert cli.main(argv) == 1
-        assert "run.json" in capsys.readouterr().err  # it looked in that folder
-    assert cli.main(["status", "a", "--out", "b"]) == 1
-    assert "status takes one OUT, given two: a and --out b" in capsys.readouterr().err
-    assert cli.main(["status"]) == 1
-    assert "status needs the run's OUT" in capsys.readouterr().err
+        assert f"{tmp_path / 'none'}/run.json does not exist" in capsys.readouterr().err  # it looked in that folder
+
+
+def test_every_command_with_out_takes_date(dispatched):
+    """docs/cloud-tpu.md: every command with --out takes --date (the benchmarks' --out is another thing)."""
+    dated = {" ".join(path): any("--date" in a.option_strings for a in p._actions)
+             for path, p in _subparsers(cli.build_parser())
+             if path[:1] != ("bench",) and any("--out" in a.option_strings for a in p._actions)}
+    assert len(dated) == 8 and all(dated.values()), dated
+    assert cli.main(["status", "--date", "2026-11-20", "runs/{date}"]) == 0
+    assert dispatched[-1][0].out == "runs/2026-11-20"
+
+
+def test_version(capsys):
+    from pipeline import __version__
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"promptmill {__version__}\n"
+
+
+def test_a_size_is_refused_by_its_models_family_in_the_words_of_the_help(tmp_path, model_cache, capsys):
+    """--width 24 on FLUX.2 [klein]: its unit (16), as --help says it; --sizes with a lone
+    --width names what was given."""
+    width_help = next(a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["plan"]._actions
+                      if "--width" in a.option_strings)
+    rule = families.BY_NAME["flux2"].size_rule
+    assert f"FLUX.2 [klein] and Z-Image: {rule}" in width_help and "16" in rule
+    assert cli.main(["plan", "--model", "random-klein-4b", "--width", "24", "--out", str(tmp_path / "a")]) == 1
+    assert f"--width 24: random-klein-4b's images are multiples of 16 pixels each way (FLUX.2 [klein]'s size unit: " \
+           f"{rule})" in capsys.readouterr().err
+    assert cli.main(["plan", "--sizes", "64x64", "--width", "32", "--out", str(tmp_path / "b")]) == 1
+    assert "--sizes 64x64 and --width 32: give one" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "tiny", "--max-sequence-length", "64", "--out", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert "--max-sequence-length 64: SD 1.x/2.x's CLIP text encoders take 77 tokens" in err and "T5" not in err
+
+
+def test_the_steps_help_has_every_familys_default():
+    steps_help = next(a.help for a in cli.build_parser()._subparsers._group_actions[0].choices["plan"]._actions
+                      if "--steps" in a.option_strings)
+    for family in families.FAMILIES:
+        assert family.title in steps_help and f": {family.steps_help}" in steps_help, family.title
+    assert "Z-Image: 50" in steps_help and "[schnell] 4, [dev] 28" in steps_help
 
 
 def test_run_takes_the_gallery_flags_and_date_helps_say_what_each_command_does():
@@ -487,6 +558,35 @@ def test_a_runs_summary_counts_what_this_attempt_made():
     assert "  note: 2 prompt(s) longer than the text encoder reads were cut to its length" in lines[2]
     assert "  note: 1 record(s) gave a guidance_scale the model takes none of: unused" in lines[3]
     assert not any("negative" in line for line in lines)
+
+
+@pytest.mark.parametrize("command", ["run", "collect"])
+def test_the_json_summary_is_the_last_line_in_a_terminal_too(command, tmp_path, monkeypatch):
+    """In a terminal stdout and stderr are one stream: the summary for people comes first."""
+    import io
+
+    from pipeline.collect import transforms as collect
+    from pipeline.engines import local as launcher
+
+    stats = {"images": 6, "records": 8, "rejects": 2, "verified": True}
+    monkeypatch.setattr(launcher, "run_local", lambda *a, **k: stats)
+    monkeypatch.setattr(collect, "run_collect", lambda *a, **k: stats)
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main([command, "--out", str(tmp_path / "out")] + (["--no-compile-cache"] if command == "run" else [])) == 0
+    lines = terminal.getvalue().splitlines()
+    assert "6 image(s) in the dataset" in "\n".join(lines[:-1])
+    assert json.loads(lines[-1]) == stats
+
+
+def test_quiet_promises_only_what_each_command_does():
+    helps = {name: next(a.help for a in p._actions if "--quiet" in a.option_strings)
+             for name, p in _leaf_parsers(cli.build_parser())}
+    assert "no progress bar, no summary" in helps["promptmill run"]
+    assert "no summary" in helps["promptmill collect"] and "progress bar" not in helps["promptmill collect"]
+    for name in ("status", "reproduce", "generate", "plan", "submit gke", "bench tpu"):
+        assert helps[f"promptmill {name}"] == "warnings and errors only: no info events", name
 
 
 def test_the_summary_says_not_verified_and_no_rejects_path_when_there_are_none():

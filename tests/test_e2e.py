@@ -407,7 +407,8 @@ def test_sdxl_bf16_dpmpp_run_end_to_end(tmp_path, model_cache):
             assert image.size == (48, 32)
 
 
-@pytest.mark.parametrize("flag,value,message", [("--width", "30", "--width must be a positive multiple of 8"),
+@pytest.mark.parametrize("flag,value,message", [("--width", "30", "--width 30: tiny's images are multiples of 8 "
+                                                                   "pixels each way (SD 1.x/2.x's size unit: 8)"),
                                                 ("--steps", "0", "--steps must be a whole number from 1 to 1000")])
 def test_bad_settings_are_refused_before_any_work(tmp_path, model_cache, prompts, flag, value, message, capfd):
     assert cli.main(["plan", "--prompts", prompts, "--out", str(tmp_path / "o"), flag, value]) == 1

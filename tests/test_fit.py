@@ -144,3 +144,9 @@ def test_auto_picks_the_largest_batch_that_fits_and_a_resumed_run_keeps_it(tmp_p
 
     monkeypatch.setattr(fit, "choose_per_device_batch", must_not_compile)
     assert fit.resolve_per_device_batch(asked.replace(device_memory=1.0)).per_device_batch == 2
+
+
+def test_auto_refuses_a_size_the_models_family_does_not_make_before_compiling_at_it(model_cache, monkeypatch):
+    monkeypatch.setattr(fit, "choose_per_device_batch", lambda *a, **k: pytest.fail("compiled at a refused size"))
+    with pytest.raises(ValueError, match=r"--width 20: tiny's images are multiples of 8 pixels each way"):
+        fit.resolve_per_device_batch(Settings(model="tiny", width=20, per_device_batch=AUTO))

@@ -72,7 +72,7 @@ def test_a_flux_plan_refuses_what_flux_cannot_do(change, message, tmp_path, mode
 def test_sd_refuses_a_t5_length_and_other_pipelines_are_refused_by_name(tmp_path, model_cache):
     from pipeline.plan.prepare import resolve_settings
 
-    with pytest.raises(ValueError, match="--max-sequence-length sets FLUX.1's T5 length"):
+    with pytest.raises(ValueError, match="--max-sequence-length 64: SD 1.x/2.x's CLIP text encoders take 77 tokens"):
         resolve_settings(Settings(model="tiny", out=str(tmp_path), max_sequence_length=64))
     with pytest.raises(ValueError, match="--scheduler flow_euler is the rectified-flow sampler of FLUX.1"):
         resolve_settings(Settings(model="tiny", out=str(tmp_path), scheduler="flow_euler"))

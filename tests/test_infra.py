@@ -450,10 +450,10 @@ def _check_promptmill_command(words: list[str]) -> argparse.Namespace:
     # only options Beam knows (promptmill refuses others, exit 2)
     beam = [e for e in extra if args.command == "submit" and re.fullmatch(r"--[a-z][a-z0-9_]*=\S+", e)]
     assert extra == beam, f"{shlex.join(words)}: flags promptmill does not know: {extra}"
-    from jobs import flags
+    from jobs import strict
 
     try:
-        assert flags.check_extra(args, extra) == extra
+        assert strict.check_extra(args, extra) == extra
     except SystemExit as e:
         raise AssertionError(f"promptmill refuses {shlex.join(words)}: an unknown flag") from e
     assert args.command == words[1]

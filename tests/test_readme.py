@@ -1,5 +1,6 @@
 """The README's promises: its demo command works from a clean clone in a fresh
 virtualenv, and CI runs its test command."""
+import hashlib
 import json
 import os
 import re
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 
+from tests import docs_commands
 from tests.conftest import ROOT
 
 
@@ -23,8 +25,6 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
     assert tests in ci
 
-
-INSTALL = "python3 -m venv .venv && .venv/bin/pip install -e . && "
 
 
 def _clean_clone_env(tmp_path):
@@ -48,19 +48,46 @@ def test_demo_command_from_a_clean_clone_in_a_fresh_virtualenv(tmp_path):
     _check_demo(clone, result)
 
 
-def test_demo_job_from_a_clean_clone(tmp_path):
-    """The README's demo command after its install step, in a clean clone with an empty
-    promptmill cache: the job it runs, run by this interpreter on the clone's code. (The
-    install step is what ``.ci/run`` does with the test extras, and the package's imports
-    are checked against its own dependencies below; the verbatim command, install
-    included, is the slow test above.)"""
-    demo, _ = readme_commands()
-    assert demo.startswith(INSTALL) and demo[len(INSTALL):].startswith(".venv/bin/promptmill run")
+def test_the_tour_from_a_clean_clone(tmp_path, monkeypatch, capsys):
+    """The README's tour, each command as written, in a clean clone with an empty promptmill
+    cache: its run (the demo's job, into tour-out and with a second format: tests/test_docs.py
+    checks that), run by this interpreter on the clone's code, then, in this process, the
+    commands that read it: status, status --watch (until the Ctrl-C pressed after its first
+    report) and reproduce. The run keeps the suite's XLA flags (tests/conftest.py), so that
+    reproduce here rounds as its hosts did. (The demo command verbatim, with XLA's defaults
+    and its install, is the slow test above; the install step is what ``.ci/run`` does with
+    the test extras, and the package's imports are checked against its own dependencies below.)"""
+    from jobs import cli
+    from pipeline.collect import status
+
+    run, *reading = docs_commands.tour()
+    assert [c.words()[:2] for c in reading] == [[PROMPTMILL, "status"]] * 2 + [[PROMPTMILL, "reproduce"]]
     clone, env = _clean_clone_env(tmp_path)
-    args = demo[len(INSTALL) + len(".venv/bin/promptmill "):].split()
-    result = subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=clone, env=env, capture_output=True,
-                            text=True, timeout=1200)
-    _check_demo(clone, result)
+    result = subprocess.run([sys.executable, "-m", "jobs.cli", *run.words()[1:]], cwd=clone,
+                            env=dict(env, XLA_FLAGS=os.environ["XLA_FLAGS"]), capture_output=True, text=True,
+                            timeout=1200)
+    _check_demo(clone, result, "tour-out", parquet=True)
+
+    monkeypatch.chdir(clone)
+    monkeypatch.setenv("PROMPTMILL_CACHE", env["PROMPTMILL_CACHE"])  # the tiny model the run built
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    emit, _, rounds = status.watch.__defaults__
+    monkeypatch.setattr(status.watch, "__defaults__", (emit, ctrl_c, rounds))
+    capsys.readouterr()
+    for command in reading:
+        assert cli.main(command.words()[1:]) == 0, command
+    out = capsys.readouterr().out
+    assert out.count("  collect   verified: 43 images") == 2 and "slices    11/11 committed (100%)" in out
+    reproduced = json.loads(out.strip().splitlines()[-1])
+    assert reproduced["key"] == "lighthouse_0000" and reproduced["match"] is True
+    with open(os.path.join("/tmp/again", "lighthouse_0000.png"), "rb") as saved:
+        assert hashlib.sha256(saved.read()).hexdigest() == reproduced["sha256"]
+
+
+PROMPTMILL = ".venv/bin/promptmill"
 
 
 def _imported_distributions() -> dict[str, str]:
@@ -131,13 +158,14 @@ def test_everything_the_package_imports_comes_with_its_own_install():
     assert not missing, f"imported but not installed by install_requires: {missing}"
 
 
-def _check_demo(clone, result):
+def _check_demo(clone, result, out="promptmill-out", parquet=False):
     assert result.returncode == 0, result.stderr[-4000:]
-    out = clone / "promptmill-out"
+    out = clone / out
     stats = json.loads((out / "dataset" / "stats.json").read_text())
     # 40 example prompts; one asks for 2 images and one for 3
     assert stats["verified"] and stats["records"] == 40 and stats["images"] == 43 and stats["rejects"] == 0
     assert len(list((out / "images").glob("*/*.png"))) == 43
+    assert len(list((out / "parquet").glob("*.parquet"))) == (11 if parquet else 0)
     assert json.loads(result.stdout.strip().splitlines()[-1])["verified"] is True
     # with libtpu installed (the test extra has it), a local run asks for CPU devices: neither
     # the launcher nor a host goes looking for a TPU, or prints libtpu's warnings about it
@@ -276,9 +304,9 @@ def test_flag_extraction():
 
 
 def test_every_flag_the_readme_and_the_guides_name_is_accepted():
-    from jobs import flags
+    from jobs import strict
 
-    known = promptmill_flags() | set(flags.beam_option_flags())
+    known = promptmill_flags() | set(strict.beam_option_flags())
     assert {"--model", "--per-device-batch", "--watch", "--tpu-type", "--parts", "--save"} <= known
     assert "--direct_num_workers" in known and "--no-such-flag" not in known
     docs = _docs()

@@ -220,10 +220,11 @@ SCORED = dict(scores=("clip", "aesthetic", "safety"), clip_model="tiny-clip", ae
 
 @pytest.mark.parametrize("changes, message", [
     (dict(scores=("clip",)), "--score clip needs --clip-model"),
-    (dict(scores=("aesthetic",), clip_model="c"), "--score aesthetic needs --aesthetic-head"),
+    (dict(scores=("aesthetic",), clip_model="c"), "--score aesthetic needs --aesthetic-head.*docs/scores.md says"),
     (dict(scores=("safety", "clip")), "--score must list some of clip, aesthetic, safety"),
     (dict(scores=("nsfw",)), "--score takes a comma-separated subset of clip, aesthetic, safety"),
-    (dict(clip_model="c"), "--clip-model is read only by --score clip or aesthetic"),
+    (dict(clip_model="c"), r"--clip-model is read only by --score clip or aesthetic, which the run does not "
+                           r"compute \(no --score\)"),
     (dict(scores=("clip",), clip_model="c", aesthetic_head="h"), "--aesthetic-head is read only by --score aesthetic"),
     (dict(safety_checker="s"), "--safety-checker is read only by --score safety"),
     (dict(scores=("safety",), min_aesthetic=5.0), "--min-aesthetic filters on the aesthetic score.*--score "
@@ -358,8 +359,11 @@ def test_the_gallery_orders_by_a_score_and_shows_a_dropped_row_without_a_picture
     assert "dropped: min_clip_similarity: clip_similarity 0.05 &lt; 0.1" in page
     assert page.count("flagged by the safety checker") == 1 and "clip 0.300" in page
     gallery.check_order("aesthetic", ("clip", "aesthetic"))
-    with pytest.raises(ValueError, match="--gallery-order nsfw_score: the run did not compute it"):
+    with pytest.raises(ValueError, match=r"--gallery-order nsfw_score: the run did not compute it \(it was planned "
+                                         r"with --score clip\)"):
         gallery.check_order("nsfw_score", ("clip",))
+    with pytest.raises(ValueError, match=r"\(it was planned without --score\)"):
+        gallery.check_order("aesthetic", ())
     # a flagged image's thumbnail is blurred: the same size, far less detail
     noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     sharp, blurred = (np.asarray(Image.open(io.BytesIO(formats.thumbnail(noise, blur=b))), float) for b in (0, 1))

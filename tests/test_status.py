@@ -86,6 +86,38 @@ def test_before_the_manifest_the_run_is_planning():
     assert r["state"] == "planning" and "plan      not written yet" in status.format_text(r)
 
 
+def test_while_planning_status_shows_no_fingerprint_the_plan_may_still_change(tmp_path, capsys):
+    """The plan rewrites run.json (guidance decided, a batch capped) before it writes its
+    manifest; the fingerprint shown is the one the planned run keeps."""
+    out = str(tmp_path / "out")
+    planning = _run(max_sequence_length=512)
+    planning = planning.with_settings(planning.settings.replace(guided=None))
+    runs.write(out, planning)
+    assert cli.main(["status", out]) == 0
+    text = capsys.readouterr().out
+    assert "[fingerprint: once planned]" in text and planning.settings_fingerprint[:12] not in text
+    assert cli.main(["status", out, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings_fingerprint"] is None
+    planned = planning.with_settings(planning.settings.replace(guided=True))
+    runs.write(out, planned)
+    storage.write_json(naming.manifest(out), MANIFEST)
+    assert cli.main(["status", out]) == 0
+    text = capsys.readouterr().out
+    assert f"[fingerprint {planned.settings_fingerprint[:12]}]" in text
+    assert "text_tokens=512" in text and "t5" not in text.lower()  # T5's for FLUX.1, Qwen3's for others
+
+
+def test_status_words_one_commit_one_slice_and_one_image_right():
+    one = dict(MANIFEST, slices=1, images=1)
+    r = status.report("o", _run(), one, {0: NOW - 1}, [_host(0, "done", NOW - 1, slices=1, images=1)],
+                      {"verified": True, "images": 1}, NOW)
+    text = status.format_text(r)
+    assert "too few commits in the last 10 min to measure a rate (last commit 1 s ago)" in text
+    assert "1 slice, 1 image this attempt" in text and "verified: 1 image" in text
+    r = status.report("o", _run(), one, {0: NOW - 4000}, [], None, NOW)
+    assert "rate      no commits in the last 10 min (last commit 67 min ago)" in status.format_text(r)
+
+
 def _planned_out(tmp_path):
     out = str(tmp_path / "out")
     runs.write(out, _run())

@@ -123,7 +123,7 @@ class BenchConfig:
         for name in ("width", "height"):
             value = getattr(self, name)
             if value is not None:
-                check_size(name, value)
+                check_size(name, value, 8)  # every family makes multiples of 8 at real sizes
         if not self.parts or set(self.parts) - set(PARTS):
             raise ValueError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {self.parts}")
         if self.scheduler is not None and self.scheduler not in SCHEDULERS:
@@ -139,7 +139,7 @@ class BenchConfig:
         if not self.memory_sizes:
             raise ValueError("--memory-sizes needs at least one size")
         for size in self.memory_sizes:
-            check_size("memory-sizes", size)
+            check_size("memory-sizes", size, 8)
         if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
             raise ValueError(f"--timestep-spacing must be one of {', '.join(TIMESTEP_SPACINGS)}, "
                              f"got {self.timestep_spacing!r}")

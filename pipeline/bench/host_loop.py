@@ -133,7 +133,7 @@ class PipelineBenchConfig:
             raise ValueError("--seconds-per-batch must be >= 0")
         for name in ("width", "height"):
             if getattr(self, name) is not None:
-                check_size(name, getattr(self, name))
+                check_size(name, getattr(self, name), 8)
         return self
 
 

@@ -33,6 +33,7 @@ from typing import Callable
 from pipeline.cloud import checks, program_check, tpu
 from pipeline.cloud.gke import committed_slices, settings_flags, settings_lines
 from pipeline.core import children, naming
+from pipeline.core.numbers import counted
 from pipeline.io import storage
 
 # Dataflow's batch default (25 GB with Shuffle) is too small for a JAX/libtpu image and a model.
@@ -379,7 +380,8 @@ def submit_dataflow(job: DataflowJob, emit: Callable[[str], None] = print, launc
         if stage == "plan":
             manifest = storage.read_json(naming.manifest(job.out))
             total = manifest["slices"]
-            emit(f"planned {manifest['records']} records, {manifest['images']} images in {total} slices")
+            emit(f"planned {counted(manifest['records'], 'record')}, {counted(manifest['images'], 'image')} in "
+                 f"{counted(total, 'slice')}")
             # a plan that made the run guided runs a larger program than the one checked
             program_check.check_planned(job.out, job.settings if job.tpu_program else None,
                                         job.tpu_slice)

@@ -16,6 +16,7 @@ from typing import Callable
 
 from pipeline.cloud import jobset, kubectl as kubectl_lib, program_check
 from pipeline.core import naming
+from pipeline.core.numbers import counted
 from pipeline.io import storage
 
 KUBECTL_FAILURES_TOLERATED = 5  # consecutive failed status polls before the wait gives up
@@ -220,8 +221,9 @@ def submit_gke(job: jobset.GkeJob, emit: Callable[[str], None] = print, kubectl:
 
     kubectl = kubectl or kubectl_lib.Kubectl(job.namespace)  # a missing kubectl fails here, before anything is done
     manifest = plan.run_plan(job.settings, list(job.plan_beam_args), job.overwrite, job.cap_hosts)
-    emit(f"planned {manifest['records']} records, {manifest['images']} images in {manifest['slices']} slices "
-         f"for {job.tpu_slice.hosts} host(s) x {job.tpu_slice.chips_per_host} chips")
+    emit(f"planned {counted(manifest['records'], 'record')}, {counted(manifest['images'], 'image')} in "
+         f"{counted(manifest['slices'], 'slice')} for {counted(job.tpu_slice.hosts, 'host')} x "
+         f"{counted(job.tpu_slice.chips_per_host, 'chip')}")
     # a plan that made the run guided runs a larger program than the one checked
     program_check.check_planned(job.out, job.settings if job.tpu_program else None,
                                 job.tpu_slice)

@@ -49,8 +49,8 @@ def check_order(order: str, scores) -> None:
     if order not in ORDERS:
         raise ValueError(f"--gallery-order must be one of {', '.join(ORDERS)}, got {order!r}")
     if order in ORDER_SCORES and ORDER_SCORES[order] not in scores:
-        raise ValueError(f"--gallery-order {order}: the run did not compute it (it was planned with --score "
-                         f"{','.join(scores) or 'not given'})")
+        planned = f"with --score {','.join(scores)}" if scores else "without --score"
+        raise ValueError(f"--gallery-order {order}: the run did not compute it (it was planned {planned})")
 
 
 def ranked(rows: Iterable[dict], order: str, limit: int | None) -> list[dict]:

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.core import buckets, filters, interrupts, logs, naming
+from pipeline.core.numbers import counted
 from pipeline.core.settings import Run, guided_by_records_line
 from pipeline.generate import progress as progress_lib
 from pipeline.io import runs, storage
@@ -39,8 +40,10 @@ def slice_images(index: int, manifest: dict) -> int:
     return buckets.manifest_slice_images(manifest, index)
 
 
-def settings_line(run: Run) -> str:
-    """A run's settings in one line (pure)."""
+def settings_line(run: Run, planned: bool = True) -> str:
+    """A run's settings in one line (pure). Until the run is ``planned`` (its manifest
+    written), the plan may still decide settings (guidance, a capped batch), and so the
+    fingerprint, which is then left out."""
     s = run.settings
     size = f"{s.width}x{s.height}" if s.width and s.height else "native size"
     if s.sizes:
@@ -52,7 +55,7 @@ def settings_line(run: Run) -> str:
     kind = {"embedded": " (embedded)", "unused": " (not used)"}.get(s.guidance_rule,
                                                                     "" if s.guided is not False else " (guidance-free)")
     if s.max_sequence_length is not None:
-        parts.append(f"t5_tokens={s.max_sequence_length}")
+        parts.append(f"text_tokens={s.max_sequence_length}")  # T5's for FLUX.1, Qwen3's for others
     if s.fsdp != 1:
         parts.append(f"fsdp={s.fsdp}")
     parts += [f"guidance={guidance}{kind}",
@@ -70,7 +73,8 @@ def settings_line(run: Run) -> str:
         parts.append(f"unet={s.unet}")
     if s.loras:
         parts.append(f"loras={len(s.loras)}")
-    return " ".join(parts) + f" [fingerprint {run.settings_fingerprint[:12]}]"
+    return " ".join(parts) + (f" [fingerprint {run.settings_fingerprint[:12]}]" if planned else
+                              " [fingerprint: once planned]")
 
 
 def _slice_sizes(s) -> str:
@@ -165,7 +169,8 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
     expected = max([p["hosts"] for p in progress if isinstance(p.get("hosts"), int)], default=0)
     never = sorted(set(range(expected)) - {h["host"] for h in hosts})
     return {
-        "out": out, "state": state, "settings": settings_line(run), "settings_fingerprint": run.settings_fingerprint,
+        "out": out, "state": state, "settings": settings_line(run, manifest is not None),
+        "settings_fingerprint": run.settings_fingerprint if manifest else None,
         "planned": {"slices": planned_slices, "images": manifest["images"] if manifest else None,
                     "records": manifest["records"] if manifest else None},
         "committed": {"slices": len(indices), "images": images,
@@ -278,9 +283,11 @@ def format_text(r: dict) -> str:
         if r.get("guided_by_records"):
             lines.append(f"  guidance  {guided_by_records_line(r['guided_by_records'])}")
     rate = r["rate"]
-    if rate["images_per_s"] is None:
+    if rate["images_per_s"] is None:  # a rate needs two commits in the window
         last = committed["last_at"]
-        lines.append(f"  rate      no commits to measure in the last {_span(rate['window_s'])}"
+        recent = last is not None and r["checked_at"] - last <= rate["window_s"]
+        lines.append(f"  rate      {'too few commits' if recent else 'no commits'} in the last "
+                     f"{_span(rate['window_s'])}{' to measure a rate' if recent else ''}"
                      + (f" (last commit {_ago(r['checked_at'] - last)})" if last else ""))
     else:
         eta = f"; ETA {_span(rate['eta_s'])}" if rate["eta_s"] is not None else ""
@@ -296,7 +303,7 @@ def format_text(r: dict) -> str:
         if h["stale"] and h["state"] == "starting":
             state = f"stopped while starting, before its first event (no update {_ago(h['updated_age_s'])})"
         lines.append(f"  {'hosts' if k == 0 else '':8}  {label}: {state}; {last}; "
-                     f"{h['slices']} slices, {h['images']} images this attempt{rate_h}{log}")
+                     f"{counted(h['slices'], 'slice')}, {counted(h['images'], 'image')} this attempt{rate_h}{log}")
     for n in r.get("never_started", []):
         why = f"see its log {n['log']}" if n["log"] else "no progress object: it never reached its first step"
         lines.append(f"  {'hosts' if not r['hosts'] else '':8}  host {n['host']}: never started ({why})")
@@ -309,7 +316,7 @@ def format_text(r: dict) -> str:
         lines.append("  collect   not run")
     elif c["verified"]:
         dropped = f", {c['dropped']} dropped by filters" if c.get("dropped") else ""
-        lines.append(f"  collect   verified: {c['images']} images{dropped}")
+        lines.append(f"  collect   verified: {counted(c['images'], 'image')}{dropped}")
     else:
         problems = ", ".join(f"{k}: {v}" for k, v in sorted(c["problems"].items())) or "conservation failed"
         lines.append(f"  collect   ran, NOT verified ({problems})")

@@ -1,4 +1,5 @@
-"""Numbers as rows give them (pure): CSV and TSV cells are text, JSON has floats and ints."""
+"""Numbers as rows give them (pure): CSV and TSV cells are text, JSON has floats and ints; and
+numbers as people read them (``counted``)."""
 from __future__ import annotations
 
 import re
@@ -18,3 +19,8 @@ def whole(value) -> int | None:
     if isinstance(value, str) and _WHOLE_TEXT.fullmatch(value):
         return int(float(value)) if "." in value else int(value)
     return None
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``count`` and ``noun``, singular for one: "1 slice", "2 slices", "0 images"."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"

@@ -210,8 +210,8 @@ class Settings:
                 width, height = buckets.parse_size(name)
                 check_size("sizes", width), check_size("sizes", height)
             if (self.width, self.height) not in ((None, None), buckets.parse_size(self.sizes[0])):
-                raise ValueError(f"--sizes {','.join(self.sizes)} and --width/--height {self.width}x{self.height}: "
-                                 f"give one (--width/--height mean a single size)")
+                given = " ".join(f"--{k} {v}" for k, v in (("width", self.width), ("height", self.height)) if v)
+                raise ValueError(f"--sizes {','.join(self.sizes)} and {given}: give one (--width, --height: one size)")
         if self.bucket_batches:
             if len(self.bucket_batches) != len(self.sizes) or self.sizes == (buckets.PRESET,):
                 raise ValueError(f"bucket_batches holds one per-device batch per size, got {self.bucket_batches} "
@@ -250,7 +250,7 @@ class Settings:
         for name, readers in wanted.items():
             if getattr(self, name) is not None and not set(readers) & set(self.scores):
                 raise ValueError(f"{flags[name]} is read only by --score {' or '.join(readers)}, which the run does "
-                                 f"not compute (--score {','.join(self.scores) or 'not given'})")
+                                 f"not compute ({'--score ' + ','.join(self.scores) if self.scores else 'no --score'})")
         if set(self.scores) & {"clip", "aesthetic"} and not self.clip_model:
             what = " and ".join(s for s in ("clip", "aesthetic") if s in self.scores)
             raise ValueError(f"--score {what} needs --clip-model: a CLIP checkpoint in transformers' format (a "
@@ -258,7 +258,7 @@ class Settings:
                              f"random one)")
         if "aesthetic" in self.scores and not self.aesthetic_head:
             raise ValueError("--score aesthetic needs --aesthetic-head: LAION's improved aesthetic predictor as a "
-                             "safetensors file (see the README)")
+                             "safetensors file (docs/scores.md says how to make it)")
         for name, score in (("min_clip_similarity", "clip"), ("min_aesthetic", "aesthetic")):
             value = getattr(self, name)
             if value is None:
@@ -329,11 +329,12 @@ def lora_spec(path: str, scale: float = 1.0) -> str:
     return f"{path}@{float(scale)!r}"
 
 
-def check_size(name: str, value: int) -> int:
-    """``value`` if it is a positive multiple of 8 (the VAE's scale factor) up to
-    ``MAX_SIZE``, else ValueError (each family may allow less: ``Described.max_size``)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8:
-        raise ValueError(f"--{name} must be a positive multiple of 8, got {value}")
+def check_size(name: str, value: int, multiple: int = 1) -> int:
+    """``value`` if a positive whole number of pixels (of ``multiple``) up to ``MAX_SIZE``, else ValueError;
+    a run's sizes are checked against its model's unit and largest when planned (``families.size_problem``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < multiple or value % multiple:
+        kind = "whole number of pixels" if multiple == 1 else f"multiple of {multiple}"
+        raise ValueError(f"--{name} must be a positive {kind}, got {value}")
     if value > MAX_SIZE:
         raise ValueError(f"--{name} must be at most {MAX_SIZE} pixels, got {value}")
     return value

@@ -196,6 +196,8 @@ def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machi
     from pipeline.core.settings import AUTO
 
     settings = resolve_sizes(settings.validate())  # bad settings fail first
+    if AUTO in (settings.per_device_batch, settings.fsdp):
+        _check_sizes(settings)  # before compiling at them
     settings = resolve_fsdp(settings, overwrite, devices_on_machine)
     if settings.per_device_batch != AUTO:
         return settings
@@ -204,6 +206,16 @@ def resolve_per_device_batch(settings, overwrite: bool = False, devices_on_machi
                                lambda: choose_bucket_batches(settings, devices_on_machine=devices_on_machine))
     return _kept_or_chosen(settings, overwrite, "per_device_batch",
                            lambda: choose_per_device_batch(settings, devices_on_machine=devices_on_machine))
+
+
+def _check_sizes(settings) -> None:
+    """ValueError unless the run's sizes are ones its model's family makes, as the plan
+    checks them (``families.size_problem``)."""
+    from pipeline.model import families, load as model_lib
+
+    problem = families.size_problem(settings, model_lib.describe(model_lib.LoadRequest.of(settings)))
+    if problem:
+        raise ValueError(problem)
 
 
 def resolve_sizes(settings):

@@ -102,7 +102,7 @@ def _versions() -> dict:
 
 def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     """Settings with the model's defaults filled in, and the run they plan."""
-    from pipeline.model import load as model
+    from pipeline.model import families, load as model
     from pipeline.model.scorers import models as scorer_models
 
     settings.validate()
@@ -112,11 +112,9 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     if sizes == (buckets.PRESET,):
         sizes = buckets.preset_sizes(size, multiple)
         logs.event("sizes_preset", preset=buckets.PRESET, model=settings.model, sizes=list(sizes))
-    for name in ("width", "height"):
-        _check_side(f"--{name}", getattr(settings, name), settings.model, described)
-    for name in sizes:
-        for side, value in zip(("width", "height"), buckets.parse_size(name)):
-            _check_side(f"--sizes {name}: the {side}", value, settings.model, described)
+    problem = families.size_problem(settings, described, sizes)
+    if problem:
+        raise PlanError(problem)
     steps = described["default_steps"] if settings.steps is None else settings.steps
     if not described["min_steps"] <= steps <= described["max_steps"]:
         raise PlanError(f"--steps {steps}{'' if settings.steps is not None else ' (the model default)'}: "
@@ -151,20 +149,6 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
                      sharding=_sharding(settings),
                      scorers=scorer_models.describe(settings, described["fingerprint"])["fingerprints"])
     return settings, run
-
-
-def _check_side(what: str, value: int | None, model: str, described: dict) -> None:
-    """PlanError unless ``value`` (a side of an image, None: the model's) is a size the
-    model's family makes: a multiple of its size unit, at most its largest."""
-    size, multiple = described["native_size"], described["size_multiple"]
-    if value is not None and value % multiple:
-        raise PlanError(f"{what} {value}: {model}'s images are multiples of {multiple} pixels each way "
-                        f"({described['family']}: the VAE's scale factor"
-                        f"{' x 2 for the 2x2 latent packing' if multiple > 8 else ''})")
-    if value is not None and value > described["max_size"]:
-        raise PlanError(f"{what} {value}: {described['family']} images are at most {described['max_size']} "
-                        f"pixels each way ({described['max_size'] * described['max_size'] / size ** 2:g} times "
-                        f"the model's native area, {size}x{size})")
 
 
 def _sharding(settings: Settings) -> dict | None:

@@ -127,12 +127,41 @@ def _by_family(texts: dict) -> str:
     for title, text in texts.items():
         if text:
             grouped.setdefault(text, []).append(title)
-    return "; ".join(f"{' and '.join(titles)}: {text}" for text, titles in grouped.items())
+    named = {text: ", ".join(titles[:-1]) + " and " + titles[-1] if len(titles) > 1 else titles[0]
+             for text, titles in grouped.items()}
+    return "; ".join(f"{who}: {text}" for text, who in named.items())
 
 
 def size_rules() -> str:
     """Each family's size rule, for help texts ("SD 1.x/2.x and SDXL: 8; FLUX.1: 16")."""
     return _by_family({family.title: family.size_rule for family in FAMILIES})
+
+
+def steps_help() -> str:
+    """Each family's default steps, for help texts ("SD 1.x/2.x and SDXL: 20; ...")."""
+    return _by_family({family.title: family.steps_help for family in FAMILIES})
+
+
+def size_problem(settings, described: dict, sizes: tuple[str, ...] | None = None) -> str | None:
+    """What is wrong with a side of the images of a run's ``settings`` (``--width``,
+    ``--height``, each of ``sizes``: its ``--sizes`` unless given), by the rule of its model's
+    family as ``load.describe`` gave it (``described``): a multiple of its size unit, at most
+    its largest; None when nothing is."""
+    from pipeline.core import buckets
+
+    sides = [(f"--{name}", getattr(settings, name)) for name in ("width", "height")]
+    sides += [(f"--sizes {name}: the {side}", value) for name in (settings.sizes if sizes is None else sizes)
+              for side, value in zip(("width", "height"), buckets.parse_size(name))]
+    family, size, multiple = BY_NAME.get(described["family"]), described["native_size"], described["size_multiple"]
+    for what, value in sides:
+        if value is not None and value % multiple:
+            rule = f"{family.title}'s size unit: {family.size_rule}" if family else described["family"]
+            return f"{what} {value}: {settings.model}'s images are multiples of {multiple} pixels each way ({rule})"
+        if value is not None and value > described["max_size"]:
+            return (f"{what} {value}: {described['family']} images are at most {described['max_size']} pixels each "
+                    f"way ({described['max_size'] * described['max_size'] / size ** 2:g} times the model's native "
+                    f"area, {size}x{size})")
+    return None
 
 
 def guidance_help() -> str:

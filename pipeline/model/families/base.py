@@ -121,9 +121,11 @@ class Family:
     # pipeline classes of a model this family will run one day, refused now with the reason
     # ({class: why}), where a plain "promptmill does not run it" would not say enough
     not_yet: dict = {}
-    # for people (help texts, the card): the family's size unit, what its guidance scale does,
-    # and its text length setting (empty: none)
+    # for people (help texts, the card): the family's size unit (``Described.size_multiple``
+    # of its checkpoints, built-in ones included), its default steps, what its guidance scale
+    # does, and its text length setting (empty: none)
     size_rule: str = "8"
+    steps_help: str = ""
     guidance_help: str = ""
     sequence_help: str = ""
     # whether diffusers' Flax notebook recipe (FlaxStableDiffusionPipeline) runs it: the seed

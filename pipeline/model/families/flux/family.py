@@ -54,7 +54,8 @@ class Flux(Family):
     name, title = "flux", "FLUX.1"
     pipeline_classes = ("FluxPipeline",)
     cfg = False
-    size_rule = "16"  # the VAE's 8, x 2 for the 2x2 latent packing
+    size_rule = "twice the VAE's scale factor (2x2 patches): 16, or 4 for the built-in tiny models"
+    steps_help = f"[schnell] {SCHNELL_STEPS}, [dev] {DEV_STEPS}"
     guidance_help = (f"[dev]: the guidance embedded in the transformer, one call per step (default {DEV_GUIDANCE:g}); "
                      f"[schnell] takes none")
     sequence_help = (f"T5 tokens, at most {flux_sampling.MAX_SEQUENCE_LENGTH} (default "

@@ -54,7 +54,8 @@ class Flux2(Family):
     name, title = "flux2", "FLUX.2 [klein]"
     pipeline_classes = ("Flux2KleinPipeline",)
     not_yet = NOT_YET
-    size_rule = "16"  # the VAE's 8, x 2 for the 2x2 patching
+    size_rule = "twice the VAE's scale factor (2x2 patches): 16, or 4 for the built-in tiny models"
+    steps_help = f"{STEPS}, its base models {BASE_STEPS}"
     guidance_help = (f"[klein] (distilled): none, a guidance scale given is unused; [klein] base: classifier-free "
                      f"guidance above 1 (default {BASE_GUIDANCE:g})")
     sequence_help = (f"Qwen3 tokens of the chat-formatted prompt, at most {flux2_sampling.MAX_SEQUENCE_LENGTH} "

@@ -115,6 +115,7 @@ class StableDiffusion(Family):
         self.name, self.title = ("sdxl", "SDXL") if sdxl else ("sd", "SD 1.x/2.x")
         self.notebook_baseline = not sdxl
         self.size_rule = str(SIZE_MULTIPLE)
+        self.steps_help = str(Described.default_steps)
         self.guidance_help = (f"classifier-free guidance, above 1 (default {DEFAULT_GUIDANCE:g}): twice the "
                               f"denoiser's rows")
         self.pipeline_classes = ("StableDiffusionXLPipeline",) if sdxl else (
@@ -150,8 +151,9 @@ class StableDiffusion(Family):
         steps, max_sequence_length = request.steps, request.max_sequence_length
         check_unet(directory)
         if max_sequence_length is not None:
-            raise ModelError(f"--max-sequence-length sets FLUX.1's T5 length; {self.title}'s CLIP text encoders take "
-                             f"{_config(directory, 'text_encoder').get('max_position_embeddings', 77)} tokens")
+            raise ModelError(f"--max-sequence-length {max_sequence_length}: {self.title}'s CLIP text encoders take "
+                             f"{_config(directory, 'text_encoder').get('max_position_embeddings', 77)} tokens, always; "
+                             f"the length is a setting of the families whose text encoder takes one (see --help)")
         vae_scale = 2 ** (len(_config(directory, "vae")["block_out_channels"]) - 1)
         sampler = resolve_sampler(directory, scheduler, timestep_spacing, steps)
         low, high, why = step_range(sampler)

@@ -42,7 +42,8 @@ TURBO_NOTE = (f"ZImagePipeline's defaults ({STEPS} steps, guidance {GUIDANCE:g}:
 class ZImage(Family):
     name, title = "zimage", "Z-Image"
     pipeline_classes = ("ZImagePipeline",)
-    size_rule = "16"  # the VAE's 8, x 2 for the 2x2 patches
+    size_rule = "twice the VAE's scale factor (2x2 patches): 16, or 4 for the built-in tiny models"
+    steps_help = f"{STEPS} (Turbo's recipe: {TURBO_STEPS})"
     guidance_help = (f"classifier-free guidance above 0, prompt + g x (prompt - negative), not SD's scale "
                      f"(default {GUIDANCE:g}; Turbo: 0)")
     sequence_help = (f"Qwen3 tokens of the chat-formatted prompt, at most {zimage_sampling.MAX_SEQUENCE_LENGTH} "
