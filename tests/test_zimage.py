@@ -211,3 +211,21 @@ def test_a_lora_on_the_zimage_transformer_matches_diffusers_and_keeps_the_progra
     plain = jax.jit(model.family.make_denoise(model, lora_meta["steps"], guided=False))
     texts.add(plain.lower(model.params, ids, None, None, latents).as_text())
     assert len(texts) == 1
+
+
+def test_a_checkpoints_default_size_it_cannot_make_is_refused_when_planning(tmp_path, model_cache, capfd):
+    """tiny-zimage's files as a user's checkpoint: Z-Image's default size (1024, as
+    ZImagePipeline's) is beyond what its rotary tables hold, so planning refuses it, naming
+    the default, where the hosts would otherwise fail after the plan; the built-in runs at
+    its own small default."""
+    from jobs import cli
+    from pipeline.model import load
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a cat"}\n')
+    folder = load.resolve("tiny-zimage")
+    out = tmp_path / "out"
+    assert cli.main(["plan", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--model", folder]) == 1
+    err = capfd.readouterr().err
+    assert "the default width (--width not given) 1024: zimage images are at most 256 pixels each way" in err
+    assert not out.exists()
+    assert load.describe("tiny-zimage")["native_size"] == 32

@@ -131,10 +131,6 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
                    why=f"{settings.model} takes no guidance ({described['family']}, guidance-distilled): the scale "
                        f"is recorded with each image and counted in the dataset's stats, never used")
     first = buckets.parse_size(sizes[0]) if sizes else (settings.width or size, settings.height or size)
-    if not sizes:  # a side left to the model is a size it must make too: refused here, never by the hosts
-        for name, value in zip(("width", "height"), first):
-            if getattr(settings, name) is None:
-                _check_side(f"the default {name} (--{name} not given)", value, settings.model, described)
     resolved = dict(width=first[0], height=first[1], sizes=tuple(sizes), steps=steps,
                     decode_batch=DECODE_BATCH if settings.decode_batch == AUTO else settings.decode_batch,
                     scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),

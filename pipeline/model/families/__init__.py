@@ -149,10 +149,13 @@ def size_problem(settings, described: dict, sizes: tuple[str, ...] | None = None
     its largest; None when nothing is."""
     from pipeline.core import buckets
 
-    sides = [(f"--{name}", getattr(settings, name)) for name in ("width", "height")]
-    sides += [(f"--sizes {name}: the {side}", value) for name in (settings.sizes if sizes is None else sizes)
-              for side, value in zip(("width", "height"), buckets.parse_size(name))]
+    sizes = settings.sizes if sizes is None else sizes
     family, size, multiple = BY_NAME.get(described["family"]), described["native_size"], described["size_multiple"]
+    # a side left to the model is one it must make too: refused when planning, never by the hosts
+    sides = [(f"--{name}", getattr(settings, name)) if getattr(settings, name) is not None or sizes
+             else (f"the default {name} (--{name} not given)", size) for name in ("width", "height")]
+    sides += [(f"--sizes {name}: the {side}", value) for name in sizes
+              for side, value in zip(("width", "height"), buckets.parse_size(name))]
     for what, value in sides:
         if value is not None and value % multiple:
             rule = f"{family.title}'s size unit: {family.size_rule}" if family else described["family"]
