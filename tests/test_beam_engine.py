@@ -457,7 +457,7 @@ def test_compile_cache_is_on_before_the_worker_compiles(beam_run, tmp_path):
     finally:  # the rest of this process compiles without a persistent cache, as before
         jax.config.update("jax_enable_compilation_cache", False)
         compilation_cache.reset_cache()
-        compile_cache._executables = None
+        compile_cache.jax_cache.forget()
     cache = named(events, "compile_cache")
     cold, warm = named(events, "worker_ready")
     assert cache[0]["path"] == folder and cold["host"] == this_worker()

@@ -164,7 +164,7 @@ def test_a_stopped_search_goes_on_without_compiling_its_parts_again(monkeypatch,
     batch, attention or TPU type is compiled."""
     from pipeline.generate import compile_cache
 
-    monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    monkeypatch.setattr(compile_cache.folders, "local_default", lambda: str(tmp_path))
     compiled = []
 
     def compile_parts(context, b, enough):
@@ -197,7 +197,7 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
 
     from pipeline.generate import compile_cache
 
-    monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    monkeypatch.setattr(compile_cache.folders, "local_default", lambda: str(tmp_path))
     monkeypatch.setattr(tpu_check.chips, "host_devices", lambda target: jax.devices("cpu")[:4])
     needs = {"text_encoder": 10, "denoiser": 50, "vae_decode": 80}  # bytes beyond weights, per image
     compiled = []
@@ -252,7 +252,7 @@ def test_a_batch_whose_parts_crash_the_compiler_is_one_that_does_not_fit(monkeyp
             raise compile_process.Crashed("SIGSEGV", True, 40.0, "")
         return (8 + 10 * b) * mib, 1  # one part; alone, it would say 8 fit (the whole program: 7)
 
-    monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    monkeypatch.setattr(compile_cache.folders, "local_default", lambda: str(tmp_path))
     monkeypatch.setattr(tpu_check.chips, "host_devices", lambda target: jax.devices("cpu")[:4])
     monkeypatch.setattr(tpu_check.chips, "capacity", lambda target: (limit, limit))
     monkeypatch.setattr(tpu_check.search, "program_report", lambda context, b: {
@@ -298,7 +298,7 @@ def test_a_part_is_measured_at_buffer_assignment_in_a_child_of_its_own(tmp_path,
     assignment), and each figure is kept by the program's text, apart."""
     from pipeline.generate import compile_cache
 
-    monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    monkeypatch.setattr(compile_cache.folders, "local_default", lambda: str(tmp_path))
     # 1024 images (2048 guided rows): its activations, about 0.17 GiB, are in HBM; fewer, XLA keeps them in VMEM
     settings = Settings(model="tiny", width=32, height=32, steps=1, dtype="bf16", devices_per_host=4).validate()
     v5e = program_check.target(tpu.lookup("v5e", "2x2"))
@@ -333,7 +333,7 @@ def test_a_compiler_crash_is_a_refusal_that_says_so_and_is_remembered(monkeypatc
 
     from pipeline.generate import compile_cache, compile_process
 
-    monkeypatch.setattr(compile_cache, "local_default", lambda: str(tmp_path))
+    monkeypatch.setattr(compile_cache.folders, "local_default", lambda: str(tmp_path))
     real = compile_process.COMMAND
     argv = ["submit", "gke", "--dry-run", "--tpu-type", "v5e", "--topology", "2x2", "--image", "img",
             "--prompts", "gs://b/p.jsonl", "--out", "gs://b/out", "--model", "tiny", "--steps", "1"]
@@ -364,7 +364,7 @@ def test_a_compiler_crash_is_a_refusal_that_says_so_and_is_remembered(monkeypatc
     assert "libtpu's compiler crashed (SIGSEGV)" in capsys.readouterr().err.strip().splitlines()[-1]
 
     monkeypatch.setattr(compile_process, "COMMAND", real)
-    monkeypatch.setattr(compile_cache, "code_digest", lambda: "promptmill changed")  # a new index key
+    monkeypatch.setattr(compile_cache.keys, "code_digest", lambda: "promptmill changed")  # a new index key
     assert cli.main([*argv, "--per-device-batch", "2"]) == 1  # a real child, which finds the crash, not compiling
     err = capsys.readouterr().err
     assert "libtpu's compiler crashed (SIGSEGV)" in err.strip().splitlines()[-1]
@@ -447,7 +447,7 @@ def test_a_v5e_host_program_with_the_pallas_kernel_compiles_from_shapes_alone(no
     assert report["pallas_calls"] >= 2  # the compiled program holds the kernels, as Mosaic custom calls
     assert report["flops_per_image"] > 0 and not report["guided"]
 
-    monkeypatch.setattr(compile_cache, "code_digest", lambda: "promptmill's next version")
+    monkeypatch.setattr(compile_cache.keys, "code_digest", lambda: "promptmill's next version")
     again = tpu_check.check(settings, v5e)
     assert not again["from_cache"]  # a new version: the check's own index does not know it
     # the compiling child lowered it again and found its figures by the program's text: the first compile's
