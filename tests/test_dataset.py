@@ -161,7 +161,7 @@ def test_verify_slice_gives_every_key_one_verdict(image_paths, f_verdict):
     file only where the run writes files (``image_paths`` None: it writes none)."""
     rows = [{"key": k} for k in ("a", "b", "b", "e", "f")]
     verdicts = verify.verify_slice(["a", "b", "c", "d", "f"], rows, image_paths)
-    expected = {"ok": ["a"], "dropped": [], "missing": ["c", "d"], "duplicated": ["b"], "unexpected": ["e"]}
+    expected = {"ok": ["a"], "dropped": [], "missing": ["c", "d"], "duplicated": ["b"], "unexpected": ["e"], "foreign": []}
     expected[f_verdict] = sorted(expected[f_verdict] + ["f"])
     assert verdicts == expected
     assert verify.verify_slice(["a", "a"], [{"key": "a"}], None)["duplicated"] == ["a"]

@@ -209,7 +209,7 @@ def test_collect_reads_no_image_bytes(clean_run, gcs_emulator, model_cache):
     assert images == {}
     # (and OUT/README.md, whose first lines say whether collect wrote it: a user's card is never replaced)
     allowed = re.compile(r"run\.json|plan/manifest\.json|plan/inputs\.json|plan/slices/\d{5}\.jsonl|plan/rejects/.+\.jsonl"
-                         r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json|zarr/\w+/zarr\.json|README\.md")
+                         r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json|zarr/\w+/zarr\.json|README\.md|lease\.json|environment\.json")
     assert [name for name in read if not allowed.fullmatch(name)] == []
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     assert stats["verified"] and stats["images"] == IMAGES

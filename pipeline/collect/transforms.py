@@ -139,9 +139,9 @@ class _VerifySliceFn(beam.DoFn):
     images read, once, to make its thumbnails, when ``thumbnails`` asks for the gallery.
     """
 
-    def __init__(self, out: str, settings: Settings, thumbnails: bool, environment: str):
+    def __init__(self, out: str, settings: Settings, thumbnails: bool):
         self.out, self.settings, self.thumbnails = out, settings, thumbnails
-        self.environment = environment  # the fingerprint every row must carry
+        self.environment = None  # the fingerprint every row must carry: read once slices are committed
         self.counters = {}
         self.thumbs = Metrics.counter("collect", "thumbnails_made")
 
@@ -149,6 +149,9 @@ class _VerifySliceFn(beam.DoFn):
         beamio.use_emulator_credentials()
 
     def process(self, index: int):
+        if self.environment is None:  # after generation (a pipeline that generates too builds this before)
+            recorded = environment.recorded(self.out)
+            self.environment = environment.fingerprint(recorded) if recorded else "(no environment.json)"
         items = list(_read_lines(naming.plan_slice(self.out, index)))
         stats_path = naming.shard_stats(self.out, index)
         committed = storage.exists(stats_path)
@@ -220,15 +223,11 @@ class VerifySlices(beam.PTransform):
     def __init__(self, out: str, settings: Settings, thumbnails: bool = True):
         super().__init__()
         self.out, self.settings, self.thumbnails = out, settings, thumbnails
-        # every row carries the fingerprint of the environment the run's images are made in
-        recorded = environment.recorded(out)
-        self.environment = environment.fingerprint(recorded) if recorded else "(no environment.json)"
 
     def expand(self, indices):
         return (indices
                 | "SpreadSlices" >> beam.Reshuffle()
-                | "VerifySlice" >> beam.ParDo(_VerifySliceFn(self.out, self.settings, self.thumbnails,
-                                                             self.environment)))
+                | "VerifySlice" >> beam.ParDo(_VerifySliceFn(self.out, self.settings, self.thumbnails)))
 
 
 def count_rejects(path: str) -> collections.Counter:

@@ -400,7 +400,8 @@ def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, prog
     committed = sum(index < manifest["slices"] for index in runs.committed(settings.out))
     if committed == manifest["slices"]:  # a finished run: said so, and no host is started to skip every slice
         logs.event("run_finished_already", out=settings.out, slices=committed)
-        done, generate_s = [], 0.0
+        done = [{"images": 0, "slices_generated": 0, "slices_redone": 0, "slices_skipped": committed}]
+        generate_s = 0.0
     else:
         started = logs.Stopwatch()
         done = run_hosts(settings.out, num_hosts, settings.devices_per_host, manifest["images"], progress,

@@ -128,6 +128,8 @@ def acquire(out: str, command: str, ttl: float = LEASE_S, owner: str | None = No
     name that hosts elsewhere renew it by (a submitted job's; the lease is then live by
     its expiry alone), whose own live lease is taken up again (the same submit command
     following its job again); None: a fresh one, for this machine's processes."""
+    if not storage.is_gcs(out) and os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(f"--out {out} is a file, not a folder: give a folder for the run's outputs")
     for _ in range(5):
         held, version = read(out)
         now = time.time()

@@ -1,5 +1,5 @@
 """The JSON description of a compiled program's parts (avals, shardings, trees, debug info),
-written and read back without pickle.
+written and read back without pickling anything.
 
 jax's only public way to rebuild a ``jax.stages.Compiled`` around an executable's bytes
 (``jax.experimental.serialize_executable``) unpickles what it reads. So these functions
