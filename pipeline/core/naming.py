@@ -101,8 +101,8 @@ def join(base: str, *parts: str) -> str:
 OWNED = re.compile(r"""(?x)
     run\.json
   | README\.md
-  | plan/(manifest|model_files|inputs)\.json
-  | plan/(slices|parts|rejects|scans)/[^/]+\.(jsonl|npz)
+  | plan/(manifest|model_files|inputs|input_cache)\.json
+  | plan/(slices|parts|rejects|scans)/[^/]+\.(jsonl|npz|ids|prompts)
   | shards/\d{5,}(\.tar|\.parquet|_stats\.json)
   | images/\d{5,}/[A-Za-z0-9_-]+\.(png|jpg|webp)
   | images/metadata\.jsonl
@@ -161,6 +161,18 @@ def plan_part(out: str, index: int, first_position: int) -> str:
 def plan_scan(out: str, source: str) -> str:
     """The first pass's arrays for one input file (``plan.FileScan``); deleted once read."""
     return join(out, "plan", "scans", f"{key_stem(source)}.npz")
+
+
+def plan_section(out: str, source: str, kind: str) -> str:
+    """One input file's id or prompt hashes, sorted by hash (``kind``: "ids" or "prompts",
+    ``pipeline.plan.duplicates``); deleted with its scan."""
+    return join(out, "plan", "scans", f"{key_stem(source)}.{kind}")
+
+
+def input_cache(out: str) -> str:
+    """The local prompt files' checksums by size and modification time, so that a resume
+    reads only a file that changed (``pipeline.plan.input_table``)."""
+    return join(out, "plan", "input_cache.json")
 
 
 def rejects_dir(out: str) -> str:

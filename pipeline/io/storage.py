@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import functools
 import glob as _glob
 import hashlib
@@ -27,6 +28,7 @@ from typing import IO, Iterator
 
 from pipeline.core import logs
 from pipeline.core.naming import TEMP_PREFIX
+from pipeline.io.globs import glob_regex
 
 GCS_PREFIX = "gs://"
 _WILDCARD = re.compile(r"[*?\[]")
@@ -183,49 +185,45 @@ def glob(pattern: str) -> list[str]:
     return sorted(p for p in _glob.glob(pattern, recursive=True) if os.path.isfile(p))
 
 
-def glob_regex(pattern: str) -> re.Pattern:
-    """A regex with the semantics of Python's recursive glob, for object names.
-
-    ``*`` and ``?`` stay within one path segment, ``[..]`` is a character class, and
-    ``**/`` matches zero or more whole segments (``**`` at the end: anything).
-    """
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:[^/]*/)*")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
-            end = pattern.index("]", i + 2)
-            body = pattern[i + 1:end]
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-            i = end + 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
-
-
 def _gcs_glob(pattern: str) -> list[str]:
+    return sorted(path for path, _ in _gcs_listed(pattern))
+
+
+def _gcs_listed(pattern: str) -> list[tuple[str, object]]:
+    """(path, blob with its listed metadata) of each object matching ``pattern``."""
     bucket, name = _split_gcs(pattern)
     match = _WILDCARD.search(name)
     if not match:  # an object, or a folder: everything under it
-        if name and _blob(pattern).exists(retry=_retry()):
-            return [pattern]
+        blob = gcs_client().bucket(bucket).get_blob(name, retry=_retry()) if name else None
+        if blob is not None:
+            return [(pattern, blob)]
         name = name.rstrip("/") + "/**"
         match = _WILDCARD.search(name)
     regex = glob_regex(name)
     blobs = gcs_client().list_blobs(bucket, prefix=name[: match.start()], retry=_retry())
-    return sorted(f"{GCS_PREFIX}{bucket}/{b.name}" for b in blobs
-                  if not b.name.endswith("/") and regex.match(b.name))
+    return [(f"{GCS_PREFIX}{bucket}/{b.name}", b) for b in blobs if not b.name.endswith("/") and regex.match(b.name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """What a listing says of one object: its size, its modification time in ns (a local
+    file's; None on GCS) and its checksum (GCS's md5, or crc32c for a composite object, as
+    ``checksum`` gives it; None locally, where it takes reading the file)."""
+    size: int
+    mtime_ns: int | None = None
+    checksum: str | None = None
+
+
+def listing(pattern: str) -> dict[str, Listed]:
+    """``glob``'s objects, with what a listing says of each: on GCS one listing (a request
+    per 1,000 objects; nothing is read), locally a stat of each file."""
+    if is_gcs(pattern):
+        return {path: Listed(b.size, None, f"{b.size}:{b.md5_hash or b.crc32c}") for path, b in _gcs_listed(pattern)}
+    found = {}
+    for path in glob(pattern):
+        stat = os.stat(path)
+        found[path] = Listed(stat.st_size, stat.st_mtime_ns)
+    return found
 
 
 def modified_times(folder: str, suffix: str = "") -> dict[str, float]:
@@ -257,38 +255,20 @@ def modified_times(folder: str, suffix: str = "") -> dict[str, float]:
 
 
 def checksums(prefix: str) -> dict[str, str]:
-    """{name relative to ``prefix``: size and content checksum} for every object under it.
-
-    On GCS the checksum comes with the listing (md5 or crc32c), so nothing is read.
-    """
+    """{name relative to ``prefix``: ``checksum``} of every object under it (on GCS from one
+    listing: nothing is read)."""
     prefix = prefix.rstrip("/")
-    if is_gcs(prefix):
-        bucket, name = _split_gcs(prefix + "/")
-        blobs = gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
-        return {b.name[len(name):]: f"{b.size}:{b.md5_hash or b.crc32c}" for b in blobs if not b.name.endswith("/")}
-    import hashlib
-
-    sums = {}
-    for path in glob(prefix):
-        with open(path, "rb") as f:
-            sums[os.path.relpath(path, prefix).replace(os.sep, "/")] = f"{os.path.getsize(path)}:" \
-                f"{hashlib.sha256(f.read()).hexdigest()}"
-    return sums
+    return {path[len(prefix) + 1:]: found.checksum or checksum(path) for path, found in listing(prefix).items()}
 
 
 def checksum(path: str) -> str:
-    """Size and content checksum of one object (on GCS from its metadata: nothing is read)."""
+    """Size and content checksum of one object: on GCS from its metadata (md5, or crc32c for
+    a composite object; nothing is read), locally the sha256 of its bytes."""
     if is_gcs(path):
-        from google.api_core.exceptions import NotFound
-
-        blob = _blob(path)
-        try:
-            blob.reload(retry=_retry())
-        except NotFound:
-            raise FileNotFoundError(path) from None
-        return f"{blob.size}:{blob.md5_hash or blob.crc32c}"
-    import hashlib
-
+        found = listing(path).get(path)
+        if found is None:
+            raise FileNotFoundError(path)
+        return found.checksum
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

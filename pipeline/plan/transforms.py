@@ -1,30 +1,35 @@
 """``plan``: prompt shards in, fixed-size slices out (a Beam pipeline that streams).
 
 No stage ever holds the prompts of the whole input, nor of one whole file: each file
-is read twice, one row at a time, and only small summaries and file names cross a
-shuffle. At most one slice of items is in memory at a time. ``Plan`` composes the
+is read twice, one row at a time, and only small summaries, file names and the rows
+the duplicate checks reject cross a shuffle. No step holds a value of every record:
+the only thing gathered in one place is a few counts per file. At most one slice of
+items is in memory at a time. ``Plan`` composes the
 stages (prompt pattern -> the manifest); the per-file logic they run is in
 ``pipeline.plan.layout``.
 
-  MatchFiles     the prompt pattern -> its files (``layout.match_prompt_files``)
-  ScanFiles      each file -> a ``FileScan`` (``layout.scan_file``): its row count, rejects
-                 by reason, and for each valid record its line, image count and 16-byte
-                 hashes of its id and (with --dedupe) prompt; the arrays go to
-                 ``plan/scans/`` and only the file's name crosses the shuffle
-  Layout         every FileScan -> a ``Layout`` (``layout.make_layout``, pure): later
-                 records with an id already used are rejected (``duplicate_id``); with
-                 ``--dedupe``, later records whose prompt was already seen are rejected
-                 (``duplicate_prompt``); each file's first global position, in (source,
-                 line) order; whether any kept record's guidance is > 1
+  MatchFiles     the prompt pattern -> its files (``layout.prompt_files``)
+  FirstPass      ``pipeline.plan.first_pass``: each file scanned (row count, rejects by
+                 reason, per valid record its line, image count and 16-byte hashes of its
+                 id and, with --dedupe, prompt), then the duplicate checks, each range of
+                 hash values on its own (``pipeline.plan.duplicates``): later records with
+                 an id already used are rejected (``duplicate_id``); with ``--dedupe``,
+                 later records whose prompt a kept record already has
+                 (``duplicate_prompt``); then each file's counts, and its rejected rows
+                 for its own placing step
+  Layout         every file's counts (one entry a file, none a record) -> a ``Layout``
+                 (``layout.make_layout``, pure): each file's first global position, in
+                 (source, line) order; whether any kept record's guidance is > 1
   Decide         the Layout -> ``run.json`` gets ``guided``: the run's program is the
                  guided one if any kept record is, else the guidance-free one
                  (``decide_guidance``); and, for a ``--per-device-batch auto`` chosen
                  for this plan (``cap_hosts``), a per-device batch no larger than the run
                  can fill (``decide_per_device_batch``), hence the slice size; before any
                  slice is written
-  PlaceRecords   each file again, with the Layout -> its rejects file, every slice that
-                 lies wholly inside the file (written at once), and a part file of each
-                 slice it shares with other files (at most two per file)
+  PlaceRecords   each file again, with its rejected rows and the Layout -> its rejects
+                 file, every slice that lies wholly inside the file (written at once),
+                 and a part file of each slice it shares with other files (at most two
+                 per file)
   JoinShared     (slice, part file) pairs grouped by slice -> the parts concatenated in
                  position order into the slice, then deleted
   WriteManifest  once every slice is written -> ``plan/manifest.json``
@@ -54,16 +59,15 @@ from pipeline.core.settings import NO_CFG_RULES, Settings, guided_by_records_lin
 from pipeline.io import beamio, runs, storage
 from pipeline.model import load as model_lib
 from pipeline.model.sampling import guidance as guidance_rules
+from pipeline.plan import duplicates
+from pipeline.plan.first_pass import FirstPass
 from pipeline.plan.layout import (
     Layout,
     PlanError,
     input_root,
-    relative_source,
-    load_scan,
     make_layout,
-    match_prompt_files,
-    save_scan,
-    scan_file,
+    prompt_files,
+    relative_source,
     validated,
 )
 from pipeline.plan.prepare import prepare
@@ -85,27 +89,6 @@ def write_slice(out: str, index: int, items) -> int:
     return index
 
 
-class _ScanFn(beam.DoFn):
-    """Scans one file and saves its arrays; yields where they are (the Beam runner
-    never holds, copies or pickles the arrays)."""
-
-    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, sizes: tuple[str, ...], dedupe: bool,
-                 default_guidance: float, rule: str = "diffusers"):
-        self.out, self.args, self.rule, self.sizes = out, (run_seed, root, prompt_field, dedupe, default_guidance), \
-            rule, sizes
-        self.read = Metrics.counter("plan", "rows_read")
-
-    def setup(self):
-        beamio.use_emulator_credentials()
-
-    def process(self, path: str):
-        scan = scan_file(path, *self.args, rule=self.rule, sizes=self.sizes)
-        self.read.inc(scan.rows)
-        saved = naming.plan_scan(self.out, path)
-        save_scan(scan, saved)
-        yield saved
-
-
 def key_labels(settings: Settings, paths: list[str]) -> dict[str, str] | None:
     """{relative path: label} of the run's prompt files (``naming.file_labels``) when its
     records without an id get readable keys (``key_names`` "readable"), else None."""
@@ -113,13 +96,6 @@ def key_labels(settings: Settings, paths: list[str]) -> dict[str, str] | None:
         return None
     root = input_root(settings.prompts)
     return naming.file_labels(relative_source(path, root) for path in paths)
-
-
-def layout_of_saved(paths: list[str], dedupe: bool, num_buckets: int = 1) -> Layout:
-    """``make_layout`` over the saved scans, which are then deleted."""
-    layout = make_layout([load_scan(path) for path in paths], dedupe, num_buckets)
-    beamio.delete(paths)
-    return layout
 
 
 def decide(layout: Layout, out: str, cap_hosts: int | None = None) -> Layout:
@@ -201,9 +177,9 @@ class _PlaceFn(beam.DoFn):
     def setup(self):
         beamio.use_emulator_credentials()
 
-    def process(self, path: str, layout: Layout):
+    def process(self, element, layout: Layout):
+        path, drops = element  # the file, and its rows the duplicate checks reject (``duplicates.Drops``)
         geometry = layout.geometry(self.settings)
-        drops = layout.drops.get(path, {})
         count = len(geometry.buckets)
         first = layout.bucket_first.get(path, [0] * count)
         end = [f + n for f, n in zip(first, layout.file_bucket_images.get(path, [0] * count))]
@@ -212,9 +188,9 @@ class _PlaceFn(beam.DoFn):
         with contextlib.ExitStack() as stack:
             rejects = None
             for payload, result in validated(path, *self.args):
-                if isinstance(result, records.Record) and result.line in drops:
-                    reason, message = drops[result.line]
-                    result = records.Reject(result.source, result.line, reason, message, _raw_text(payload))
+                dropped = drops.get(result.line) if isinstance(result, records.Record) and len(drops) else None
+                if dropped is not None:
+                    result = records.Reject(result.source, result.line, *dropped, _raw_text(payload))
                 if isinstance(result, records.Reject):
                     if rejects is None:  # only files with rejects get a rejects file
                         rejects = stack.enter_context(beamio.open_write(naming.rejects_file(self.out, path),
@@ -271,7 +247,34 @@ class _JoinPartsFn(beam.DoFn):
         yield index
 
 
+class _SpanFn(beam.CombineFn):
+    """(count, lowest, highest) of distinct slice indices: with no index written twice, they
+    are exactly 0 .. n-1 when the count is n, the lowest 0 and the highest n-1."""
+
+    def create_accumulator(self):
+        return 0, None, None
+
+    def add_input(self, span, index):
+        count, low, high = span
+        return count + 1, index if low is None else min(low, index), index if high is None else max(high, index)
+
+    def merge_accumulators(self, spans):
+        count, low, high = 0, None, None
+        for n, lo, hi in spans:
+            count += n
+            low = lo if low is None or (lo is not None and lo < low) else low
+            high = hi if high is None or (hi is not None and hi > high) else high
+        return count, low, high
+
+    def extract_output(self, span):
+        return span
+
+
 class WriteManifest(beam.PTransform):
+    """(the Layout, the slice indices written) -> the manifest, once every slice is written
+    and each planned slice was written exactly once (counted per slice, never listed in
+    one place)."""
+
     def __init__(self, out: str, settings: Settings | None = None):
         super().__init__()
         self.out, self.settings = out, settings
@@ -279,10 +282,16 @@ class WriteManifest(beam.PTransform):
     def expand(self, inputs):
         layout, written = inputs
         settings = self.settings
+        per_slice = (written
+                     | "PerSlice" >> beam.Map(lambda index: (index, 1))
+                     | "CountPerSlice" >> beam.CombinePerKey(sum))
+        twice = per_slice | "WrittenTwice" >> beam.Filter(lambda counted: counted[1] != 1) | "Twice" >> beam.Keys()
+        span = per_slice | "Slices" >> beam.Keys() | "Span" >> beam.CombineGlobally(_SpanFn())
 
-        def write(_, layout: Layout, slice_ids):
+        def write(_, layout: Layout, span, twice):
             rejects = sum(layout.rejects_by_reason.values())
-            manifest = {"slice_size": layout.slice_size, "slices": len(slice_ids), "records": layout.records,
+            count, low, high = span
+            manifest = {"slice_size": layout.slice_size, "slices": count, "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
                         "input_rows": layout.rows, "input_files": len(layout.first)}
             expected = slicing.num_slices(layout.images, layout.slice_size)
@@ -290,19 +299,20 @@ class WriteManifest(beam.PTransform):
                 geometry = layout.geometry(runs.read(self.out).settings)
                 manifest["buckets"] = [bucket.to_json() for bucket in geometry.buckets]
                 expected = geometry.slices
-            if layout.guided_by_records:
-                manifest["guided_by_records"] = {"records": layout.guided_records, "first": layout.first_guided}
             if layout.records + rejects != layout.rows:
                 raise PlanError(f"{layout.rows} input rows, but {layout.records} records and {rejects} rejects")
-            if sorted(slice_ids) != list(range(expected)):
-                raise PlanError(f"slices are not contiguous: {sorted(slice_ids)[:10]}")
+            if twice or count != expected or (count and (low, high) != (0, expected - 1)):
+                raise PlanError(f"slices are not contiguous: {count} distinct slices from {low} to {high} for "
+                                f"{expected} planned, {sorted(twice)[:10]} written twice")
+            if layout.guided_by_records:
+                manifest["guided_by_records"] = {"records": layout.guided_records, "first": layout.first_guided}
             beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
 
         return (written.pipeline
                 | "Once" >> beam.Create([None])
-                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout), beam.pvalue.AsList(written)))
-
+                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout), beam.pvalue.AsSingleton(span),
+                                      beam.pvalue.AsList(twice)))
 
 
 class Plan(beam.PTransform):
@@ -322,22 +332,22 @@ class Plan(beam.PTransform):
 
     def expand(self, pbegin):
         settings, out = self.settings, self.settings.out
-        dedupe = settings.dedupe
         args = (settings.seed, input_root(settings.prompts), settings.prompt_field)
-        sizes, num_buckets = settings.sizes, max(1, len(settings.sizes))
-        matched = match_prompt_files(settings.prompts)
-        labels = key_labels(settings, matched)
+        listed = prompt_files(settings.prompts)
+        matched = sorted(listed)
+        ranges = duplicates.range_count(sum(duplicates.weighted_bytes(path, found.size)
+                                            for path, found in listed.items()))
         files = (pbegin
                  | "MatchFiles" >> beam.Create(matched)
                  | "SpreadFiles" >> beam.Reshuffle())
-        layout = (files
-                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, sizes, dedupe, settings.guidance_scale,
-                                                      settings.guidance_rule))
-                  | "AllScans" >> beam.combiners.ToList()
-                  | "Layout" >> beam.Map(layout_of_saved, dedupe, num_buckets)
+        counts, drops = files | "FirstPass" >> FirstPass(out, args, settings, ranges)
+        layout = (counts
+                  | "AllCounts" >> beam.combiners.ToList()
+                  | "Layout" >> beam.Map(make_layout, max(1, len(settings.sizes)))
                   | "Decide" >> beam.Map(decide, out, self.cap_hosts))
-        placed = (files
-                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args, labels, settings), beam.pvalue.AsSingleton(layout))
+        placed = (drops
+                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args, key_labels(settings, matched), settings),
+                                                 beam.pvalue.AsSingleton(layout))
                   .with_outputs(_PlaceFn.SHARED, main="written"))
         joined = (placed[_PlaceFn.SHARED]
                   | "GroupShared" >> beam.GroupByKey()
