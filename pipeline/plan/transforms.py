@@ -247,9 +247,27 @@ class _JoinPartsFn(beam.DoFn):
         yield index
 
 
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """What ``IndexSpan`` found of a set of slice indices: how many distinct ones, the lowest
+    and highest, and how many came more than once (and the first of those)."""
+    count: int
+    low: int | None
+    high: int | None
+    twice: int = 0
+    first_twice: tuple[int, ...] = ()
+
+    def exactly(self, n: int) -> bool:
+        """Whether the indices were 0 .. n-1, each once: n distinct ones, none twice, from 0 to n-1."""
+        return not self.twice and self.count == n and (n == 0 or (self.low, self.high) == (0, n - 1))
+
+    def describe(self, n: int) -> str:
+        return (f"{self.count} distinct slice(s) from {self.low} to {self.high} for {n} planned, {self.twice} more "
+                f"than once {list(self.first_twice)}")
+
+
 class _SpanFn(beam.CombineFn):
-    """(count, lowest, highest) of distinct slice indices: with no index written twice, they
-    are exactly 0 .. n-1 when the count is n, the lowest 0 and the highest n-1."""
+    """(count, lowest, highest) of integers."""
 
     def create_accumulator(self):
         return 0, None, None
@@ -259,21 +277,35 @@ class _SpanFn(beam.CombineFn):
         return count + 1, index if low is None else min(low, index), index if high is None else max(high, index)
 
     def merge_accumulators(self, spans):
-        count, low, high = 0, None, None
-        for n, lo, hi in spans:
+        count, lows, highs = 0, [], []
+        for n, low, high in spans:
             count += n
-            low = lo if low is None or (lo is not None and lo < low) else low
-            high = hi if high is None or (hi is not None and hi > high) else high
-        return count, low, high
+            lows += [] if low is None else [low]
+            highs += [] if high is None else [high]
+        return count, min(lows, default=None), max(highs, default=None)
 
     def extract_output(self, span):
         return span
 
 
+class IndexSpan(beam.PTransform):
+    """Slice indices -> one ``Span``: counted per index and combined, never listed in one place."""
+
+    def expand(self, indices):
+        per_index = (indices
+                     | "PerIndex" >> beam.Map(lambda index: (index, 1))
+                     | "CountPerIndex" >> beam.CombinePerKey(sum))
+        twice = per_index | "MoreThanOnce" >> beam.Filter(lambda counted: counted[1] != 1) | "Twice" >> beam.Keys()
+        spread = per_index | "Distinct" >> beam.Keys() | "Spread" >> beam.CombineGlobally(_SpanFn())
+        twice_count = twice | "CountTwice" >> beam.combiners.Count.Globally()
+        first_twice = twice | "FirstTwice" >> beam.combiners.Top.Smallest(10)
+        return spread | "Span" >> beam.Map(lambda found, n, first: Span(*found, n, tuple(first)),
+                                           beam.pvalue.AsSingleton(twice_count), beam.pvalue.AsSingleton(first_twice))
+
+
 class WriteManifest(beam.PTransform):
     """(the Layout, the slice indices written) -> the manifest, once every slice is written
-    and each planned slice was written exactly once (counted per slice, never listed in
-    one place)."""
+    and each planned slice was written exactly once (``IndexSpan``)."""
 
     def __init__(self, out: str, settings: Settings | None = None):
         super().__init__()
@@ -282,16 +314,11 @@ class WriteManifest(beam.PTransform):
     def expand(self, inputs):
         layout, written = inputs
         settings = self.settings
-        per_slice = (written
-                     | "PerSlice" >> beam.Map(lambda index: (index, 1))
-                     | "CountPerSlice" >> beam.CombinePerKey(sum))
-        twice = per_slice | "WrittenTwice" >> beam.Filter(lambda counted: counted[1] != 1) | "Twice" >> beam.Keys()
-        span = per_slice | "Slices" >> beam.Keys() | "Span" >> beam.CombineGlobally(_SpanFn())
+        span = written | "Written" >> IndexSpan()
 
-        def write(_, layout: Layout, span, twice):
+        def write(_, layout: Layout, span: Span):
             rejects = sum(layout.rejects_by_reason.values())
-            count, low, high = span
-            manifest = {"slice_size": layout.slice_size, "slices": count, "records": layout.records,
+            manifest = {"slice_size": layout.slice_size, "slices": span.count, "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
                         "input_rows": layout.rows, "input_files": len(layout.first)}
             expected = slicing.num_slices(layout.images, layout.slice_size)
@@ -301,9 +328,8 @@ class WriteManifest(beam.PTransform):
                 expected = geometry.slices
             if layout.records + rejects != layout.rows:
                 raise PlanError(f"{layout.rows} input rows, but {layout.records} records and {rejects} rejects")
-            if twice or count != expected or (count and (low, high) != (0, expected - 1)):
-                raise PlanError(f"slices are not contiguous: {count} distinct slices from {low} to {high} for "
-                                f"{expected} planned, {sorted(twice)[:10]} written twice")
+            if not span.exactly(expected):
+                raise PlanError(f"slices are not contiguous: {span.describe(expected)}")
             if layout.guided_by_records:
                 manifest["guided_by_records"] = {"records": layout.guided_records, "first": layout.first_guided}
             beamio.write_json(naming.manifest(self.out), manifest)
@@ -311,8 +337,7 @@ class WriteManifest(beam.PTransform):
 
         return (written.pipeline
                 | "Once" >> beam.Create([None])
-                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout), beam.pvalue.AsSingleton(span),
-                                      beam.pvalue.AsList(twice)))
+                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout), beam.pvalue.AsSingleton(span)))
 
 
 class Plan(beam.PTransform):
@@ -361,23 +386,41 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     """Plan ``settings.prompts`` into ``settings.out``; returns the manifest.
 
     ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare.prepare_out``).
-    ``cap_hosts``: see ``Plan``.
+    ``cap_hosts``: see ``Plan``. A resumed run whose plan is finished keeps it
+    (``kept_plan``): nothing is read or written again.
     """
+    resuming = not overwrite and runs.exists(settings.out)
     settings, _ = prepare(settings, overwrite)
-    # hosts check their checkpoint against this table instead of hashing it again;
-    # planning just hashed it (model fingerprint), so this reads nothing
-    storage.write_json(naming.model_files(settings.out), {"files": model_lib.model_table(settings.model)})
-    p = beam.Pipeline(options=PipelineOptions(beam_args or []))
-    _ = p | "Plan" >> Plan(settings, cap_hosts)
-    result = p.run()
-    result.wait_until_finish()
-    logs.event("plan_counters", **counters(result))
-    manifest = storage.read_json(naming.manifest(settings.out))
+    manifest = kept_plan(settings.out) if resuming else None
+    if manifest is None:
+        # hosts check their checkpoint against this table instead of hashing it again;
+        # planning just hashed it (model fingerprint), so this reads nothing
+        storage.write_json(naming.model_files(settings.out), {"files": model_lib.model_table(settings.model)})
+        p = beam.Pipeline(options=PipelineOptions(beam_args or []))
+        _ = p | "Plan" >> Plan(settings, cap_hosts)
+        result = p.run()
+        result.wait_until_finish()
+        logs.event("plan_counters", **counters(result))
+        manifest = storage.read_json(naming.manifest(settings.out))
     asked = manifest.get("guided_by_records")
     if asked:  # a JSON event for logs, and the same as one line for people
         line = guided_by_records_line(asked)
         logs.event("guided_by_records", level=logging.WARNING, message=line, **asked)
         print(f"promptmill plan: {line}", file=sys.stderr)
+    return manifest
+
+
+def kept_plan(out: str) -> dict | None:
+    """The manifest of the finished plan in ``out``, or None when there is none. Asked only
+    once ``prepare`` has resumed the run there (its settings match run.json's, and the
+    input table says no input changed): the manifest is written after every slice, so its
+    plan is whole, and planning again would write the same bytes. Logged as ``plan_kept``."""
+    path = naming.manifest(out)
+    if not storage.exists(path):
+        return None
+    manifest = storage.read_json(path)
+    logs.event("plan_kept", out=out, slices=manifest["slices"], records=manifest["records"],
+               images=manifest["images"], rejects=manifest["rejects"])
     return manifest
 
 
