@@ -273,6 +273,7 @@ def test_without_runner_retries_the_job_fails_loudly_and_a_rerun_resumes(beam_ru
         stats = beam_engine.run_beam(settings, ["--runner", "FnApiRunner"])
     assert {e["slice"] for e in named(events, "slice_skipped")} == committed_before
     assert [e["slice"] for e in named(events, "slice_redone")] == [1]
+    assert [e["slices"] for e in named(events, "plan_kept")] == [3]  # the plan had finished: kept
     assert {e["slice"] for e in named(events, "slice_committed")} == {0, 1, 2} - committed_before
     assert stats["verified"] and stats["images"] == 9
     assert image_hashes(out) == image_hashes(clean)

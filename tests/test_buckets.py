@@ -308,7 +308,7 @@ def test_auto_chooses_each_sizes_batch_and_a_resumed_run_keeps_them(tmp_path, mo
                      per_device_batch="auto", steps=1)
     chosen = fit.resolve_per_device_batch(asked)
     assert (chosen.per_device_batch, chosen.bucket_batches) == (9, (9, 36, 18))  # 4 + 4b, 4 + b, 4 + 2b <= 40
-    assert chosen.for_bucket(1).per_device_batch == 36 and chosen.slice_size == 9 * 2
+    assert chosen.for_bucket(1).per_device_batch == 36 and chosen.replace(batches_per_slice=2).slice_size == 9 * 2
     _, run = __import__("pipeline.plan.prepare", fromlist=["x"]).resolve_settings(chosen)
     runs.write(asked.out, run)
     monkeypatch.setattr(fit, "choose_bucket_batches", lambda *a, **k: pytest.fail("chosen again"))

@@ -227,6 +227,37 @@ def test_run_plan_writes_run_manifest_slices_and_rejects(tmp_path, model_cache):
     assert reject["source"].endswith("p.jsonl")
 
 
+def test_batches_per_slice_auto_is_decided_by_the_plan_recorded_and_kept(tmp_path, model_cache, caplog):
+    """auto (the default) is 2 for a small run, decided once the plan has counted its images
+    and written to run.json; from a million images, slices of about 1,024 images; a number
+    given wins; a resumed run keeps its own."""
+    import logging
+
+    from pipeline.plan import decide
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    settings = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "auto"), devices_per_host=4,
+                        per_device_batch=8)
+    assert settings.batches_per_slice == "auto"
+    with caplog.at_level(logging.INFO, logger="promptmill"):
+        manifest = plan.run_plan(settings)
+    assert runs.read(settings.out).settings.batches_per_slice == 2 and manifest["slice_size"] == 64
+    assert [r.fields["batches_per_slice"] for r in caplog.records if r.getMessage() == "batches_per_slice_decided"] \
+        == [2]
+    assert plan.run_plan(settings) == manifest  # resumed: run.json's 2, not auto again
+    counted = layout.make_layout([layout.FileCounts("p", 1_500_000, {}, (1_500_000,), (1_500_000,))])
+    assert decide.decide_batches_per_slice(counted, settings.out).batches_per_slice == 2  # decided: kept
+    big = str(tmp_path / "big")
+    prepare(settings.replace(out=big))
+    assert decide.decide_batches_per_slice(counted, big).slice_size == 1024
+    assert runs.read(big).settings.batches_per_slice == 32
+    given = settings.replace(out=str(tmp_path / "given"), batches_per_slice=3)
+    assert plan.run_plan(given)["slice_size"] == 96
+    with pytest.raises(plan.PlanError, match=r"other settings \(changed: batches_per_slice\)"):
+        plan.run_plan(given.replace(batches_per_slice=4))
+    assert plan.run_plan(given.replace(batches_per_slice="auto"))["slice_size"] == 96  # keeps its own
+
+
 def test_run_plan_without_matching_files_is_a_clear_error(tmp_path):
     with pytest.raises(plan.PlanError, match="no prompt files match"):
         plan.run_plan(Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "o")))

@@ -68,8 +68,9 @@ PLANS = {
 
 
 def planned_objects(folder: str) -> dict:
-    """{name: {relative path: text}} of every ``plan/`` object (but the input and model
-    tables) of each of ``PLANS``, planned in ``folder`` with relative paths."""
+    """{name: {relative path: text}} of every ``plan/`` object (but the tables of the inputs
+    and the model, which hold sizes, times and checksums of files) of each of ``PLANS``,
+    planned in ``folder`` with relative paths."""
     here = os.getcwd()
     os.chdir(folder)
     try:
@@ -84,7 +85,7 @@ def planned_objects(folder: str) -> dict:
             for root, _, names in os.walk(os.path.join(name, "out", "plan")):
                 for file in names:
                     relative = os.path.relpath(os.path.join(root, file), os.path.join(name, "out"))
-                    if relative not in ("plan/inputs.json", "plan/model_files.json"):
+                    if relative not in ("plan/inputs.json", "plan/input_cache.json", "plan/model_files.json"):
                         with open(os.path.join(root, file)) as f:
                             objects[relative] = f.read()
             found[name] = dict(sorted(objects.items()))

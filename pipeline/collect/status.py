@@ -74,13 +74,17 @@ def settings_line(run: Run) -> str:
 
 
 def _slice_sizes(s) -> str:
-    """The slice size, or each size's (a run of several sizes: "8/8/4")."""
-    if not s.sizes:
-        return str(s.slice_size)
+    """The slice size, or each size's (a run of several sizes: "8/8/4"); "auto" until the
+    plan under way decides it."""
     try:
-        return "/".join(str(s.for_bucket(i).slice_size) for i in range(len(s.sizes)))
-    except ValueError:  # not resolved yet (a plan under way)
-        return str(s.slice_size)
+        if not s.sizes:
+            return str(s.slice_size)
+        try:
+            return "/".join(str(s.for_bucket(i).slice_size) for i in range(len(s.sizes)))
+        except ValueError:  # the sizes not resolved yet (a plan under way)
+            return str(s.slice_size)
+    except ValueError:
+        return "auto"
 
 
 def size_progress(manifest: dict | None, committed) -> list[dict]:

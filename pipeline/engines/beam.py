@@ -500,7 +500,7 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     settings, run = prepare(settings, overwrite)
     kept = plan.kept_plan(settings.out) if resuming else None
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
-               devices_per_host=settings.devices_per_host, slice_size=settings.slice_size)
+               devices_per_host=settings.devices_per_host, batches_per_slice=settings.batches_per_slice)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
     build(p, settings, run, gallery_thumbnails, compile_cache, cap, gallery, kept=kept)
     result = p.run()

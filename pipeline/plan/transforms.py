@@ -55,11 +55,11 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.core import logs, naming, records, slicing
-from pipeline.core.settings import NO_CFG_RULES, Settings, guided_by_records_line
+from pipeline.core.settings import Settings, guided_by_records_line
 from pipeline.io import beamio, runs, storage
 from pipeline.model import load as model_lib
-from pipeline.model.sampling import guidance as guidance_rules
 from pipeline.plan import duplicates
+from pipeline.plan.decide import decide
 from pipeline.plan.first_pass import FirstPass
 from pipeline.plan.layout import (
     Layout,
@@ -96,68 +96,6 @@ def key_labels(settings: Settings, paths: list[str]) -> dict[str, str] | None:
         return None
     root = input_root(settings.prompts)
     return naming.file_labels(relative_source(path, root) for path in paths)
-
-
-def decide(layout: Layout, out: str, cap_hosts: int | None = None) -> Layout:
-    """``decide_guidance``, then ``decide_per_device_batch``; the layout with the run's
-    slice size, as run.json now holds it."""
-    layout = decide_guidance(layout, out)
-    settings = decide_per_device_batch(layout, out, cap_hosts)
-    sizes = [slicing.slice_size(settings.devices_per_host, batch, settings.batches_per_slice)
-             for _, _, batch in settings.buckets()]
-    return dataclasses.replace(layout, slice_size=settings.slice_size, bucket_slice_sizes=sizes)
-
-
-def decide_per_device_batch(layout: Layout, out: str, cap_hosts: int | None) -> Settings:
-    """The run's settings, once ``out``'s run.json holds a per-device batch no larger than
-    the run can fill on ``cap_hosts`` hosts (``slicing.most_per_device``), when the batch
-    was chosen by ``--per-device-batch auto`` for this plan (``cap_hosts`` not None; a
-    resumed run keeps the batch its slices were cut with). Logged as
-    ``per_device_batch_capped`` when lowered."""
-    run = runs.read(out)
-    settings = run.settings
-    if cap_hosts is None:
-        return settings
-    fits = [batch for _, _, batch in settings.buckets()]
-    most = [slicing.most_per_device(images, cap_hosts, settings.devices_per_host)
-            for images in layout.bucket_images or [layout.images]]
-    capped = [min(fit, top) for fit, top in zip(fits, most)]
-    if capped == fits:
-        return settings
-    for (width, height, fit), top, images in zip(settings.buckets(), most, layout.bucket_images or [layout.images]):
-        if fit > top:
-            logs.event("per_device_batch_capped", out=out, fits=fit, per_device_batch=top, images=images,
-                       hosts=cap_hosts, devices_per_host=settings.devices_per_host,
-                       **({"size": f"{width}x{height}"} if settings.sizes else {}))
-    settings = settings.replace(per_device_batch=capped[0],
-                                bucket_batches=tuple(capped) if settings.bucket_batches else ()).validate()
-    runs.write(out, run.with_settings(settings))
-    return settings
-
-
-def decide_guidance(layout: Layout, out: str) -> Layout:
-    """Record in ``out``'s run.json whether the run is guided (some kept record has
-    guidance > 1, or the run guides every image under the older rule); returns the
-    layout. A run that already recorded the other choice is refused: its images would
-    mix two programs."""
-    run = runs.read(out)
-    settings = run.settings
-    if settings.guidance_rule in NO_CFG_RULES:  # a family without classifier-free guidance: decided when prepared
-        return layout
-    guided = layout.guided or settings.guidance_rule == "always"
-    if guided and not guidance_rules.asks(settings.guidance_rule, settings.guidance_scale):
-        layout = dataclasses.replace(layout, guided_by_records=True)  # the manifest and status say so
-    if settings.guided is None:
-        settings = settings.replace(guided=guided).validate()
-        runs.write(out, run.with_settings(settings))
-        logs.event("guidance_decided", out=out, guided=guided)
-    elif settings.guided != guided:
-        planned = "guided" if settings.guided else "guidance-free"
-        above = guidance_rules.threshold(settings.guidance_rule)
-        now = f"some record's guidance is > {above}" if guided else f"no record's guidance is > {above}"
-        raise PlanError(f"{out} holds a {planned} run, but now {now}: the run's images would mix two programs; "
-                        "use another --out, or add --overwrite to start over")
-    return layout
 
 
 class _PlaceFn(beam.DoFn):
@@ -414,9 +352,11 @@ def kept_plan(out: str) -> dict | None:
     """The manifest of the finished plan in ``out``, or None when there is none. Asked only
     once ``prepare`` has resumed the run there (its settings match run.json's, and the
     input table says no input changed): the manifest is written after every slice, so its
-    plan is whole, and planning again would write the same bytes. Logged as ``plan_kept``."""
+    plan is whole, and planning again would write the same bytes. A run without an input
+    table (an earlier version's) is planned again: nothing says its inputs are the same.
+    Logged as ``plan_kept``."""
     path = naming.manifest(out)
-    if not storage.exists(path):
+    if not storage.exists(path) or not storage.exists(naming.plan_inputs(out)):
         return None
     manifest = storage.read_json(path)
     logs.event("plan_kept", out=out, slices=manifest["slices"], records=manifest["records"],
