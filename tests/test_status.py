@@ -11,7 +11,7 @@ from jobs import cli
 from pipeline.collect import status
 from pipeline.core import naming
 from pipeline.core.settings import Run, Settings
-from pipeline.io import runs, storage
+from pipeline.io import ledgers, runs, storage
 
 MANIFEST = {"slices": 5, "slice_size": 4, "images": 17, "records": 15, "rejects": 2,
             "rejects_by_reason": {"empty_prompt": 1, "invalid_json": 1}, "input_rows": 17}
@@ -30,6 +30,11 @@ def _host(host, state, updated, **fields):
             "images_per_s": 2.0, "redone_slices": [], **fields}
 
 
+def _found(times):
+    """What status counts from the markers' times {slice: unix seconds} of ``MANIFEST``'s plan."""
+    return ledgers.from_times(times, MANIFEST)
+
+
 def test_a_committed_slice_holds_slice_size_images_and_the_last_one_the_rest():
     assert [status.slice_images(i, MANIFEST) for i in range(5)] == [4, 4, 4, 4, 1]
 
@@ -43,7 +48,7 @@ def test_the_rate_counts_the_images_after_the_windows_first_commit_up_to_now():
 def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
     committed = {0: NOW - 100, 2: NOW - 60, 4: NOW - 10}  # 4 + 4 + 1 images
     hosts = [_host(0, "generating", NOW - 3, redone_slices=[2]), _host(1, "failed", NOW - 400, failure="OSError: x")]
-    r = status.report("gs://b/o", _run(), MANIFEST, committed, hosts, None, NOW, host_logs=frozenset({1}))
+    r = status.report("gs://b/o", _run(), MANIFEST, _found(committed), hosts, None, NOW, host_logs=frozenset({1}))
     assert r["state"] == "generating"
     assert [h["log"] for h in r["hosts"]] == [None, "gs://b/o/logs/host-1.log"]
     assert r["planned"] == {"slices": 5, "images": 17, "records": 15}
@@ -72,7 +77,7 @@ def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
      "collected_unverified"),
 ])
 def test_the_runs_state(hosts, committed, stats, state):
-    r = status.report("o", _run(), MANIFEST, committed, hosts, stats, NOW)
+    r = status.report("o", _run(), MANIFEST, _found(committed), hosts, stats, NOW)
     assert r["state"] == state
     assert r["rate"]["eta_s"] is None or state == "generating"
     if state == "idle":
@@ -82,7 +87,7 @@ def test_the_runs_state(hosts, committed, stats, state):
 
 
 def test_before_the_manifest_the_run_is_planning():
-    r = status.report("o", _run(), None, {}, [], None, NOW)
+    r = status.report("o", _run(), None, ledgers.from_times({}, None), [], None, NOW)
     assert r["state"] == "planning" and "plan      not written yet" in status.format_text(r)
 
 
@@ -149,7 +154,7 @@ def test_the_status_bench_commits_a_share_of_a_planned_run_and_times_status(tmp_
 
 def test_status_names_hosts_that_never_started_and_one_stopped_before_its_first_event():
     starting = {**_host(0, "starting", NOW - 600, hosts=3), "last_event": None, "last_event_at": None}
-    r = status.report("o", _run(), MANIFEST, {}, [starting], None, NOW, host_logs=frozenset({1}))
+    r = status.report("o", _run(), MANIFEST, _found({}), [starting], None, NOW, host_logs=frozenset({1}))
     assert r["never_started"] == [{"host": 1, "log": "o/logs/host-1.log"}, {"host": 2, "log": None}]
     text = status.format_text(r)
     assert "None" not in text and "never;" not in text
@@ -164,7 +169,7 @@ def test_status_counts_dropped_images_and_its_settings_line_has_scores_and_filte
                         aesthetic_head="tiny-aesthetic", min_clip_similarity=0.0, min_aesthetic=-1.5)
     run = Run.create(settings, "f" * 64, "2025-01-01T00:00:00+00:00", {},
                      scorers={"clip": "c" * 64, "aesthetic": "a" * 64})
-    r = status.report("o", run, MANIFEST, dict.fromkeys(range(5), NOW - 9), [],
+    r = status.report("o", run, MANIFEST, _found(dict.fromkeys(range(5), NOW - 9)), [],
                       {"verified": True, "images": 13, "dropped": {"images": 4}}, NOW)
     text = status.format_text(r)
     assert "collect   verified: 13 images, 4 dropped by filters" in text

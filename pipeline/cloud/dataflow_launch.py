@@ -50,7 +50,9 @@ def build_stage(p, stage: str, out: str, settings=None, overwrite: bool = False,
     manifest = storage.read_json(naming.manifest(out))
     if stage == "generate":
         from pipeline.engines import beam as beam_engine
+        from pipeline.io import ledgers
 
+        ledgers.forget(out)  # its workers keep none: status and a later pod run list the markers
         beam_engine.build_generate(p, out, manifest["slices"])
         return
     if stage == "collect":

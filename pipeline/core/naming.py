@@ -114,6 +114,7 @@ OWNED = re.compile(r"""(?x)
   | logs/host-\d+(\.attempt-\d+)?\.log
   | logs/hosts\.json
   | progress/host-\d{5,}\.json
+  | ledger/host-\d{5,}\.json
   | (.+/)?\.promptmill-tmp-[^/]+
 """)
 
@@ -284,3 +285,13 @@ def progress_name(host: int) -> str:
 def progress_file(out: str, name: str) -> str:
     """One host's progress object (``name``: ``progress_name``), rewritten while it runs."""
     return join(progress_dir(out), f"{name}.json")
+
+
+def ledger_dir(out: str) -> str:
+    """The hosts' ledgers of their committed slices (``pipeline.io.ledgers``)."""
+    return join(out, "ledger")
+
+
+def ledger_file(out: str, host: int) -> str:
+    """Pod host ``host``'s ledger, written whole after each of its commits."""
+    return join(ledger_dir(out), f"host-{host:05d}.json")

@@ -73,7 +73,7 @@ from pipeline.core import buckets, logs, naming, slicing
 from pipeline.core.settings import Run, Settings
 from pipeline.generate import compile_cache as cache_lib
 from pipeline.generate import bucket_programs, fit, host_loop, jax_events, runtime, scoring
-from pipeline.io import beamio, runs, storage
+from pipeline.io import beamio, ledgers, runs, storage
 from pipeline.model.layers.attention import check_platform
 from pipeline.plan import transforms as plan
 from pipeline.plan.prepare import prepare
@@ -499,6 +499,7 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     resuming = not overwrite and runs.exists(settings.out)
     settings, run = prepare(settings, overwrite)
     kept = plan.kept_plan(settings.out) if resuming else None
+    ledgers.forget(settings.out)  # its workers keep none: status and a later pod run list the markers
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
                devices_per_host=settings.devices_per_host, batches_per_slice=settings.batches_per_slice)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
