@@ -205,22 +205,24 @@ class Span:
 
 
 class _SpanFn(beam.CombineFn):
-    """(count, lowest, highest) of integers."""
+    """A ``Span`` of (index, times it came) pairs, one a distinct index."""
+    SHOWN = 10  # indices that came more than once, kept to name
 
     def create_accumulator(self):
-        return 0, None, None
+        return Span(0, None, None)
 
-    def add_input(self, span, index):
-        count, low, high = span
-        return count + 1, index if low is None else min(low, index), index if high is None else max(high, index)
+    def add_input(self, span, counted):
+        index, times = counted
+        twice = span.first_twice if times == 1 else tuple(sorted((*span.first_twice, index)))[:self.SHOWN]
+        return Span(span.count + 1, index if span.low is None else min(span.low, index),
+                    index if span.high is None else max(span.high, index), span.twice + (times != 1), twice)
 
     def merge_accumulators(self, spans):
-        count, lows, highs = 0, [], []
-        for n, low, high in spans:
-            count += n
-            lows += [] if low is None else [low]
-            highs += [] if high is None else [high]
-        return count, min(lows, default=None), max(highs, default=None)
+        spans = list(spans)
+        lows = [s.low for s in spans if s.low is not None]
+        highs = [s.high for s in spans if s.high is not None]
+        return Span(sum(s.count for s in spans), min(lows, default=None), max(highs, default=None),
+                    sum(s.twice for s in spans), tuple(sorted(i for s in spans for i in s.first_twice))[:self.SHOWN])
 
     def extract_output(self, span):
         return span
@@ -230,15 +232,10 @@ class IndexSpan(beam.PTransform):
     """Slice indices -> one ``Span``: counted per index and combined, never listed in one place."""
 
     def expand(self, indices):
-        per_index = (indices
-                     | "PerIndex" >> beam.Map(lambda index: (index, 1))
-                     | "CountPerIndex" >> beam.CombinePerKey(sum))
-        twice = per_index | "MoreThanOnce" >> beam.Filter(lambda counted: counted[1] != 1) | "Twice" >> beam.Keys()
-        spread = per_index | "Distinct" >> beam.Keys() | "Spread" >> beam.CombineGlobally(_SpanFn())
-        twice_count = twice | "CountTwice" >> beam.combiners.Count.Globally()
-        first_twice = twice | "FirstTwice" >> beam.combiners.Top.Smallest(10)
-        return spread | "Span" >> beam.Map(lambda found, n, first: Span(*found, n, tuple(first)),
-                                           beam.pvalue.AsSingleton(twice_count), beam.pvalue.AsSingleton(first_twice))
+        return (indices
+                | "PerIndex" >> beam.Map(lambda index: (index, 1))
+                | "CountPerIndex" >> beam.CombinePerKey(sum)
+                | "Span" >> beam.CombineGlobally(_SpanFn()))
 
 
 class WriteManifest(beam.PTransform):
