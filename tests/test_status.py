@@ -135,21 +135,26 @@ def test_status_of_an_out_without_a_run_is_a_clear_error(tmp_path, capsys):
     assert "run.json does not exist: run 'promptmill plan' for this --out first" in capsys.readouterr().err
 
 
-def test_the_status_bench_commits_a_share_of_a_planned_run_and_times_status(tmp_path):
-    """``promptmill bench status`` on a small planned OUT, locally: what it commits is what
-    status then counts (the 1,000,000-prompt figures are in docs/benchmarks.md)."""
+def test_the_status_bench_measures_status_and_a_starting_host_from_ledgers_and_from_a_listing(tmp_path):
+    """``promptmill bench status`` on a small run, locally: from the ledgers, status reads
+    O(hosts) objects and lists no marker, and a starting host reads a few objects; with
+    the ledgers put aside both list every marker (the 1,000,000-slice figures are in
+    docs/benchmarks.md)."""
     from pipeline.bench import status as status_bench
 
-    out = str(tmp_path / "out")
-    runs.write(out, _run())
-    storage.write_json(naming.manifest(out), MANIFEST)
-    report = status_bench.run(out, committed=0.6, hosts=2, repeats=1, gcs=False)
-    assert (report["committed_slices"], report["objects_under_shards"], report["progress_objects"]) == (3, 9, 2)
-    local = report["local"]
-    assert local["reported"]["committed"]["slices"] == 3 and local["reported"]["committed"]["images"] == 12
-    assert local["reported"]["hosts"] == 2 and local["reported"]["state"] == "generating"
-    assert len(local["wall_s"]) == 1 and "gcs" not in report
-    assert "local" in status_bench.table(report)
+    report = status_bench.run((40,), hosts=4, repeats=1, workdir=str(tmp_path))
+    [found] = report["runs"]
+    assert (found["committed_slices"], found["planned_slices"]) == (40, 41)  # 99% committed
+    ledgers_, listing = found["ledgers"], found["listing"]
+    assert ledgers_["status"]["counted_from"] == "ledgers" and ledgers_["status"]["committed"] == 40
+    assert ledgers_["status"]["objects_listed"] <= 2 * 4 + 4  # the ledgers' and progress objects' names
+    assert listing["status"]["counted_from"] == "listing" and listing["status"]["objects_listed"] >= 40
+    assert ledgers_["host"]["committed"] == listing["host"]["committed"] == 10
+    assert ledgers_["host"]["objects_read"] <= 6 and ledgers_["host"]["objects_listed"] <= 2  # ledger, 2 markers
+    assert listing["host"]["objects_listed"] >= 40
+    assert len(ledgers_["status"]["wall_s"]) == 1 and "gcs" not in ledgers_
+    assert "ledgers" in status_bench.table(report)
+    assert storage.glob(naming.join(str(tmp_path), "40", "ledger", "*.json"))  # put back
 
 
 def test_status_names_hosts_that_never_started_and_one_stopped_before_its_first_event():

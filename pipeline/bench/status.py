@@ -28,6 +28,7 @@ for the sizes up to that many slices, holding a copy of what status reads or lis
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -55,7 +56,7 @@ class BenchError(RuntimeError):
 
 def make_run(out: str, committed: int, hosts: int, now: float) -> dict:
     """The run of step 1 in ``out`` (see the module's docstring); returns what was written."""
-    planned = max(committed, round(committed / COMMITTED_SHARE))
+    planned = math.ceil(committed / COMMITTED_SHARE)
     settings = Settings(prompts="gs://bench/prompts/*.jsonl", out=out, model="tiny", width=32, height=32, steps=20,
                         scheduler="ddim", devices_per_host=4, per_device_batch=8, batches_per_slice=32, guided=True)
     run = Run.create(settings, "b" * 64, "2026-01-01T00:00:00+00:00", {})
@@ -158,8 +159,8 @@ def time_host(out: str, host: int, hosts: int) -> dict:
     with Counter() as counter:
         started = time.perf_counter()
         committed = ledgers.HostLedger(out, run, geometry, host, hosts).start()
-        first = next(slot for _, slot in buckets.host_slots(host, hosts, geometry)
-                     if slot is None or slot not in committed)
+        first = next((slot for _, slot in buckets.host_slots(host, hosts, geometry)
+                      if slot is None or slot not in committed), None)
         if first is not None and not writer.is_committed(out, first):  # what the host loop asks of that slot
             writer.leftovers(out, run.settings, first)
         seconds = time.perf_counter() - started
