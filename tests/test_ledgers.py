@@ -87,7 +87,7 @@ def test_a_host_reads_its_ledger_and_a_marker_instead_of_listing_them_all(tmp_pa
     ("hosts", "stale: another hosts (2; now 4)"),
     ("plan", "stale: another planned slices (10; now 11)"),
     ("marker", "disagrees with the markers: slice 5 has none"),
-    ("garbage", "missing"),
+    ("garbage", "unreadable"),
 ])
 def test_a_ledger_that_cannot_be_trusted_falls_back_to_the_listing_and_says_why(tmp_path, change, reason, caplog):
     out, run = _out(tmp_path)

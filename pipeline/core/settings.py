@@ -128,7 +128,7 @@ class Settings:
                              "(pipeline.generate.fit.resolve_per_device_batch)")
         if self.batches_per_slice == AUTO:
             raise ValueError("--batches-per-slice auto is resolved to a number when planning, once the run's images "
-                             "are counted (pipeline.plan.transforms.decide)")
+                             "are counted (pipeline.plan.decide.decide_batches_per_slice)")
         return slicing.slice_size(self.devices_per_host, self.per_device_batch, self.batches_per_slice)
 
     def validate(self) -> "Settings":

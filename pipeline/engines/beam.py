@@ -50,7 +50,6 @@ slices_generated, slices_skipped, slices_redone, images.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -298,7 +297,7 @@ class GenerateSlicesFn(beam.DoFn):
 
     def _ready(self, index: int):
         """The run and its plan's sizes, read on the first slice (only then does run.json hold
-        the plan's decisions: ``plan.transforms.decide``), and the worker of slice ``index``'s
+        the plan's decisions: ``pipeline.plan.decide``), and the worker of slice ``index``'s
         size, built when a slice of that size first comes."""
         if self.run is None:
             self.run = runs.read(self.out)

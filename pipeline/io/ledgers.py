@@ -105,16 +105,17 @@ class Ledger:
         return max((last for _, last in self.committed), default=None)
 
 
-def read(out: str, host: int) -> Ledger | None:
-    """Host ``host``'s ledger, or None when it is missing or unreadable."""
+def read(out: str, host: int) -> tuple[Ledger | None, str | None]:
+    """(host ``host``'s ledger, None), or (None, "missing" or "unreadable")."""
     path = naming.ledger_file(out, host)
-    return _read_path(path) if storage.exists(path) else None
+    if not storage.exists(path):
+        return None, "missing"
+    ledger = _read_path(path)
+    return ledger, None if ledger is not None else "unreadable"
 
 
-def stale(ledger: Ledger | None, run, planned: int, host: int, hosts: int) -> str | None:
+def stale(ledger: Ledger, run, planned: int, host: int, hosts: int) -> str | None:
     """Why ``ledger`` is not this host's ledger of this run's plan, or None (pure)."""
-    if ledger is None:
-        return "missing"
     for what, theirs, ours in (("run", ledger.settings_fingerprint, run.settings_fingerprint),
                                ("planned slices", ledger.planned, planned), ("hosts", ledger.hosts, hosts),
                                ("host", ledger.host, host)):
@@ -136,8 +137,8 @@ class HostLedger:
         reads), else from one listing of the markers, logged as ``ledger_fallback``. Writes
         the ledger it will add to."""
         planned = self.geometry.slices
-        ledger = read(self.out, self.host)
-        why = stale(ledger, self.run, planned, self.host, self.hosts)
+        ledger, why = read(self.out, self.host)
+        why = why or stale(ledger, self.run, planned, self.host, self.hosts)
         if why is None and ledger.newest() is not None and not storage.exists(
                 naming.shard_stats(self.out, ledger.newest())):
             why = f"disagrees with the markers: slice {ledger.newest()} has none"

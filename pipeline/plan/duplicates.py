@@ -171,7 +171,8 @@ def check_range(parts: list[tuple[str, np.ndarray]], reason: str,
                 excluded: dict[str, np.ndarray] | None = None) -> tuple[dict[str, Drops], dict[str, np.ndarray]]:
     """One range's check: ``parts``, (source, its rows of the range); ``excluded``: {source:
     lines} of rows left out (rejected by the id check). Returns ({source: its rows that
-    repeat an earlier one}, {source: the rows' indices in its part}) (pure)."""
+    repeat an earlier one, in no order: ``Drops.merged`` sorts them}, {source: those rows'
+    indices in its part, once the rows left out are taken out}) (pure)."""
     sources = sorted({source for source, _ in parts})
     rank_of = {source: i for i, source in enumerate(sources)}
     kept = []

@@ -187,14 +187,14 @@ class Layout:
     guided_records: int = 0  # the kept records whose guidance (their own, else the run's) asks for it
     first_guided: str | None = None  # the first of them, "SOURCE line N"
     guided_by_records: bool = False  # they made the run guided: its own guidance does not ask (``decide_guidance``)
-    slice_size: int | None = None  # the run's slice size, once the plan decided it (``transforms.decide``)
+    slice_size: int | None = None  # the run's slice size, once the plan decided it (``decide.decide``)
     # per size (bucket) of the run, in order: each file's first global position in it, its
     # images and records, and the buckets' totals (one bucket in a single-size run: ``first``)
     bucket_first: dict = dataclasses.field(default_factory=dict)  # source -> [position per bucket]
     bucket_images: list = dataclasses.field(default_factory=list)
     bucket_records: list = dataclasses.field(default_factory=list)
     file_bucket_images: dict = dataclasses.field(default_factory=dict)  # source -> [images per bucket]
-    bucket_slice_sizes: list | None = None  # each bucket's slice size, once decided (``transforms.decide``)
+    bucket_slice_sizes: list | None = None  # each bucket's slice size, once decided (``decide.decide``)
 
     def geometry(self, settings) -> "buckets.Geometry":
         """The plan's buckets, with the decided slice sizes: ``buckets.Geometry``."""

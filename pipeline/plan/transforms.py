@@ -20,12 +20,13 @@ stages (prompt pattern -> the manifest); the per-file logic they run is in
   Layout         every file's counts (one entry a file, none a record) -> a ``Layout``
                  (``layout.make_layout``, pure): each file's first global position, in
                  (source, line) order; whether any kept record's guidance is > 1
-  Decide         the Layout -> ``run.json`` gets ``guided``: the run's program is the
-                 guided one if any kept record is, else the guidance-free one
-                 (``decide_guidance``); and, for a ``--per-device-batch auto`` chosen
-                 for this plan (``cap_hosts``), a per-device batch no larger than the run
-                 can fill (``decide_per_device_batch``), hence the slice size; before any
-                 slice is written
+  Decide         the Layout -> ``run.json`` gets what the counts decide
+                 (``pipeline.plan.decide``): ``guided``, the run's program is the guided
+                 one if any kept record is, else the guidance-free one; for a
+                 ``--per-device-batch auto`` chosen for this plan (``cap_hosts``), a
+                 per-device batch no larger than the run can fill; for
+                 ``--batches-per-slice auto``, the batches per slice; hence the slice
+                 size; before any slice is written
   PlaceRecords   each file again, with its rejected rows and the Layout -> its rejects
                  file, every slice that lies wholly inside the file (written at once),
                  and a part file of each slice it shares with other files (at most two
@@ -283,7 +284,7 @@ class Plan(beam.PTransform):
     matched when the pipeline is built. ``cap_hosts``: the hosts that will generate the
     run, when its per-device batch was just chosen by ``--per-device-batch auto`` (the
     most that fits a device): the plan lowers it to what the run can fill
-    (``decide_per_device_batch``).
+    (``decide.decide_per_device_batch``).
     """
 
     def __init__(self, settings: Settings, cap_hosts: int | None = None):
