@@ -86,10 +86,14 @@ def test_the_geometry_places_each_size_after_the_last_and_hosts_walk_sizes_in_st
     assert buckets.Geometry.of_manifest(json.loads(json.dumps(manifest)), 0, 0, 0) == geometry
     from pipeline.collect import status  # what status shows of each size, slices 0 and 2 committed
 
+    from pipeline.io import ledgers
+
+    committed = ledgers.from_times({0: 1.0, 2: 1.0}, manifest)
     assert [(r["size"], r["committed_slices"], r["slices"], r["committed_images"], r["images"], r["slice_size"])
-            for r in status.size_progress(manifest, {0, 2})] == [("32x32", 1, 2, 8, 9, 8), ("24x32", 0, 0, 0, 0, 4),
-                                                                  ("32x24", 1, 2, 12, 13, 12)]
-    assert status.size_progress({"slices": 3, "images": 9}, {0}) == []  # one size: the totals say it all
+            for r in status.size_progress(manifest, committed)] == [("32x32", 1, 2, 8, 9, 8), ("24x32", 0, 0, 0, 0, 4),
+                                                                     ("32x24", 1, 2, 12, 13, 12)]
+    one = {"slices": 3, "images": 9, "slice_size": 4}
+    assert status.size_progress(one, ledgers.from_times({0: 1.0}, one)) == []  # one size: the totals say it all
     slots = {host: buckets.host_slots(host, 3, geometry) for host in range(3)}
     assert slots[0] == [(0, 0), (2, 2)] and slots[1] == [(0, 1), (2, 3)] and slots[2] == [(0, None), (2, None)]
     # the sizes each host makes programs for: not the size no record asked for, nor (resumed) one whose

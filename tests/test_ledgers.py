@@ -159,3 +159,24 @@ def test_a_beam_run_removes_the_ledgers_it_would_not_keep(tmp_path):
     _host(out, run, 0).start()
     assert ledgers.forget(out) == 1 and storage.glob(naming.join(out, "ledger")) == []
     assert naming.owned("ledger/host-00000.json")  # --overwrite deletes them with the run
+
+
+def test_the_ledgers_count_each_size_of_a_run_of_several_sizes_as_the_listing_does(tmp_path):
+    out, run = _out(tmp_path, committed=(0, 1, 2, 4))
+    sized = {**MANIFEST, "slices": 5, "images": 17, "buckets": [
+        {"size": "32x32", "width": 32, "height": 32, "per_device_batch": 1, "slice_size": 4, "records": 9,
+         "images": 9, "offset": 0, "first_slice": 0, "slices": 3},
+        {"size": "32x48", "width": 32, "height": 48, "per_device_batch": 1, "slice_size": 4, "records": 8,
+         "images": 8, "offset": 9, "first_slice": 3, "slices": 2}]}
+    storage.write_json(naming.manifest(out), sized)
+    listed = status.status(out)
+    geometry = buckets.Geometry.of_manifest(sized, 32, 32, 1)
+    for host in range(2):
+        ledger = ledgers.HostLedger(out, run, geometry, host, 2)
+        ledger.start()
+    ledger.add(3, 4, 1.0)  # host 1 commits slice 3 (of the second size)
+    storage.write_json(naming.shard_stats(out, 3), {"slice": 3})
+    counted = status.status(out)
+    assert counted["committed"]["counted_from"] == "ledgers" and listed["committed"]["counted_from"] == "listing"
+    assert [(s["committed_slices"], s["committed_images"]) for s in listed["sizes"]] == [(3, 9), (1, 4)]
+    assert [(s["committed_slices"], s["committed_images"]) for s in counted["sizes"]] == [(3, 9), (2, 8)]
