@@ -419,10 +419,11 @@ def build(p, settings: Settings, run: Run, thumbnails: bool = True, compile_cach
                  | "SliceCount" >> beam.Map(lambda m: m["slices"])
                  | "Slices" >> SliceIndices()
                  | "Generate" >> beam.ParDo(GenerateSlicesFn(out, compile_cache)))
-    released = (generated
-                | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
-                | "AllGenerated" >> plan.IndexSpan()
-                | "Barrier" >> beam.Map(release_collect, beam.pvalue.AsSingleton(manifest)))
+    span = (generated
+            | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
+            | "AllGenerated" >> plan.IndexSpan())
+    released = manifest | "Barrier" >> beam.Map(
+        lambda m, found: release_collect(found, m), beam.pvalue.AsSingleton(span, default_value=plan.NO_SPAN))
     return released | "Collect" >> collect.Collect(out, run, thumbnails=thumbnails, **(gallery or {}))
 
 

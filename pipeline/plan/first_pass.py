@@ -30,7 +30,8 @@ from pipeline.plan.duplicates import Drops, Segment
 from pipeline.plan.layout import count_file, load_scan, save_scan, scan_file
 
 READERS = 16  # a range reads one segment of every file with rows in it: ranged reads in parallel
-IDS, PROMPTS, EXCLUDED, COUNTS = "ids", "prompts", "excluded", "counts"
+# what travels where, each value tagged with its kind, so that one GroupByKey gathers several kinds
+IDS, PROMPTS, EXCLUDED, SAVED, COUNTS = "ids", "prompts", "excluded", "saved", "counts"
 
 
 class _ScanFn(beam.DoFn):
@@ -63,16 +64,18 @@ class _ScanFn(beam.DoFn):
             duplicates.write_section(section, rows)
             saved.append(section)
             for r, start, stop in duplicates.segments(rows, self.ranges):
-                yield beam.pvalue.TaggedOutput(kind, (r, Segment(path, section, start, stop)))
-        yield path, saved
+                yield beam.pvalue.TaggedOutput(kind, (r, (kind, Segment(path, section, start, stop))))
+        yield path, (SAVED, saved)
 
 
 class _CheckFn(beam.DoFn):
-    """One hash range's check (``duplicates.check_range``): yields (file, ``Drops``); the id
-    check with --dedupe also yields (prompt range, (file, lines)) of the rows it rejects."""
+    """One hash range's check (``duplicates.check_range``) of its segments (``kind``), less
+    the rows the id check left out: yields (file, (kind, ``Drops``)); the id check with
+    --dedupe also yields (prompt range, (EXCLUDED, (file, lines))) of the rows it rejects."""
 
-    def __init__(self, reason: str, dtype, ranges: int, exclude: bool = False):
-        self.reason, self.dtype, self.ranges, self.exclude = reason, dtype, ranges, exclude
+    def __init__(self, kind: str, dtype, ranges: int, exclude: bool = False):
+        self.kind, self.dtype, self.ranges, self.exclude = kind, dtype, ranges, exclude
+        self.reason = "duplicate_id" if kind == IDS else "duplicate_prompt"
 
     def setup(self):
         beamio.use_emulator_credentials()
@@ -83,11 +86,9 @@ class _CheckFn(beam.DoFn):
 
     def process(self, element):
         _, grouped = element
-        if isinstance(grouped, dict):  # the prompt check: its segments and the rows to leave out
-            segments, left_out = grouped[PROMPTS], grouped[EXCLUDED]
-        else:
-            segments, left_out = grouped, []
-        segments = list(segments)
+        segments, left_out = [], []
+        for kind, value in grouped:
+            (segments if kind == self.kind else left_out).append(value)
         parts = list(zip((s.source for s in segments), self.pool.map(
             lambda s: duplicates.read_segment(s, self.dtype), segments)))
         excluded = {}
@@ -97,10 +98,10 @@ class _CheckFn(beam.DoFn):
         found, where = duplicates.check_range(parts, self.reason, excluded)
         rows_of = dict(parts)
         for source, drops in found.items():
-            yield source, drops
+            yield source, (self.kind, drops)
             if self.exclude:
                 for r, lines in duplicates.exclusions(rows_of[source], where[source], self.ranges).items():
-                    yield beam.pvalue.TaggedOutput(EXCLUDED, (r, (source, lines)))
+                    yield beam.pvalue.TaggedOutput(EXCLUDED, (r, (EXCLUDED, (source, lines))))
 
 
 class _CountFn(beam.DoFn):
@@ -114,8 +115,8 @@ class _CountFn(beam.DoFn):
 
     def process(self, element):
         source, grouped = element
-        [saved] = grouped["saved"]
-        drops = Drops.merged([*grouped[IDS], *grouped.get(PROMPTS, ())])
+        [saved] = [value for kind, value in grouped if kind == SAVED]
+        drops = Drops.merged([value for kind, value in grouped if kind != SAVED])
         yield beam.pvalue.TaggedOutput(COUNTS, count_file(load_scan(saved[0]), drops, self.num_buckets))
         beamio.delete(saved)  # every range has read its segments: the checks are a step before
         yield source, drops
@@ -135,19 +136,19 @@ class FirstPass(beam.PTransform):
         s, ranges = self.settings, self.ranges
         scanned = files | "ScanFiles" >> beam.ParDo(_ScanFn(self.out, self.args, s.sizes, s.dedupe, s.guidance_scale,
                                                            s.guidance_rule, ranges)).with_outputs(IDS, PROMPTS,
-                                                                                                    main="saved")
+                                                                                                    main=SAVED)
         id_dtype = duplicates.ID_ROW_WITH_PROMPT if s.dedupe else duplicates.ROW
         ids = (scanned[IDS]
                | "IdRanges" >> beam.GroupByKey()
-               | "CheckIds" >> beam.ParDo(_CheckFn("duplicate_id", id_dtype, ranges, s.dedupe))
-               .with_outputs(EXCLUDED, main=IDS))
-        by_file = {"saved": scanned.saved, IDS: ids[IDS]}
+               | "CheckIds" >> beam.ParDo(_CheckFn(IDS, id_dtype, ranges, s.dedupe)).with_outputs(EXCLUDED, main=IDS))
+        by_file = [scanned[SAVED], ids[IDS]]
         if s.dedupe:
-            by_file[PROMPTS] = (
-                {PROMPTS: scanned[PROMPTS], EXCLUDED: ids[EXCLUDED]}
-                | "PromptRanges" >> beam.CoGroupByKey()
-                | "CheckPrompts" >> beam.ParDo(_CheckFn("duplicate_prompt", duplicates.ROW, ranges)))
+            by_file.append((scanned[PROMPTS], ids[EXCLUDED])
+                           | "PromptsAndLeftOut" >> beam.Flatten()
+                           | "PromptRanges" >> beam.GroupByKey()
+                           | "CheckPrompts" >> beam.ParDo(_CheckFn(PROMPTS, duplicates.ROW, ranges)))
         counted = (by_file
-                   | "ByFile" >> beam.CoGroupByKey()
+                   | "AllOfAFile" >> beam.Flatten()
+                   | "ByFile" >> beam.GroupByKey()
                    | "CountFiles" >> beam.ParDo(_CountFn(max(1, len(s.sizes)))).with_outputs(COUNTS, main="drops"))
         return counted[COUNTS], counted.drops

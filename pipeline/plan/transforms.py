@@ -230,13 +230,17 @@ class _SpanFn(beam.CombineFn):
 
 
 class IndexSpan(beam.PTransform):
-    """Slice indices -> one ``Span``: counted per index and combined, never listed in one place."""
+    """Slice indices -> one ``Span``, none for no index (read it ``AsSingleton(...,
+    default_value=NO_SPAN)``): counted per index and combined, never listed in one place."""
 
     def expand(self, indices):
         return (indices
                 | "PerIndex" >> beam.Map(lambda index: (index, 1))
                 | "CountPerIndex" >> beam.CombinePerKey(sum)
-                | "Span" >> beam.CombineGlobally(_SpanFn()))
+                | "Span" >> beam.CombineGlobally(_SpanFn()).without_defaults())
+
+
+NO_SPAN = Span(0, None, None)
 
 
 class WriteManifest(beam.PTransform):
@@ -273,7 +277,8 @@ class WriteManifest(beam.PTransform):
 
         return (written.pipeline
                 | "Once" >> beam.Create([None])
-                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout), beam.pvalue.AsSingleton(span)))
+                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout),
+                                      beam.pvalue.AsSingleton(span, default_value=NO_SPAN)))
 
 
 class Plan(beam.PTransform):
@@ -303,7 +308,7 @@ class Plan(beam.PTransform):
                  | "SpreadFiles" >> beam.Reshuffle())
         counts, drops = files | "FirstPass" >> FirstPass(out, args, settings, ranges)
         layout = (counts
-                  | "AllCounts" >> beam.combiners.ToList()
+                  | "AllCounts" >> beam.CombineGlobally(beam.combiners.ToListCombineFn()).without_defaults()
                   | "Layout" >> beam.Map(make_layout, max(1, len(settings.sizes)))
                   | "Decide" >> beam.Map(decide, out, self.cap_hosts))
         placed = (drops
