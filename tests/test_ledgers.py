@@ -180,3 +180,17 @@ def test_the_ledgers_count_each_size_of_a_run_of_several_sizes_as_the_listing_do
     assert counted["committed"]["counted_from"] == "ledgers" and listed["committed"]["counted_from"] == "listing"
     assert [(s["committed_slices"], s["committed_images"]) for s in listed["sizes"]] == [(3, 9), (1, 4)]
     assert [(s["committed_slices"], s["committed_images"]) for s in counted["sizes"]] == [(3, 9), (2, 8)]
+
+
+def test_a_ledger_keeps_few_recent_commits_and_status_adds_up_each_hosts_rate(tmp_path):
+    out, run = _out(tmp_path, committed=())
+    hosts = [_host(out, run, host) for host in range(2)]
+    for host in hosts:
+        host.start()
+    now = 10_000.0
+    for index in range(200):  # each host commits a slice of 4 images a second for 100 s
+        hosts[index % 2].add(index, 4, now - 100 + index // 2)
+    assert all(len(host.ledger.recent) == ledgers.RECENT_MAX for host in hosts)
+    found = ledgers.Committed(200, 800, (), tuple(host.ledger.recent for host in hosts), now, "ledgers")
+    rate = status.report(out, run, {**MANIFEST, "slices": 300, "images": 1200}, found, [], None, now)["rate"]
+    assert rate["images_per_s"] == pytest.approx(2 * 4 * 63 / 64, rel=0.01)  # two hosts, 4 images/s each

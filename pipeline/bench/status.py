@@ -6,9 +6,9 @@ For each size N (``--committed-slices``):
 1. **A run as its hosts leave it.** A run planned in ``N / COMMITTED_SHARE`` slices of
    1,024 images (run.json and the manifest, as the plan writes them; status never reads
    the plan's slice files, so none are written), whose first N slices are committed as
-   ``hosts`` pod hosts commit them (slice i by host i % hosts): each slice's commit marker
-   (its stats, with times spread over the last ``SPREAD_S`` seconds), each host's
-   progress object and each host's ledger (``pipeline.io.ledgers``: its slices as runs of
+   ``hosts`` pod hosts commit them (slice i by host i % hosts, each host a slice every
+   ``SLICE_S`` seconds, the last just now): each slice's commit marker (its stats, and
+   its time), each host's progress object and each host's ledger (``pipeline.io.ledgers``: its slices as runs of
    its stride, counts, recent commits). Only the markers are written of each slice's
    objects: a listing of ``shards/`` on GCS asks for the markers alone (``matchGlob``).
 2. **status, in a fresh process** (``python -m pipeline.bench.status count OUT``,
@@ -44,7 +44,7 @@ from pipeline.io import ledgers, runs, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUCKET = "promptmill-status-bench"
-SPREAD_S = 1800.0
+SLICE_S = 60.0  # a host commits a slice of SLICE_SIZE images a minute (17 images/s)
 SLICE_SIZE = 1024
 COMMITTED_SHARE = 0.99  # of the planned slices: the run is still generating, so status gives a rate and an ETA
 COUNTED = ("read_bytes", "exists", "glob", "modified_times", "listing")
@@ -67,24 +67,26 @@ def make_run(out: str, committed: int, hosts: int, now: float) -> dict:
     storage.write_json(naming.manifest(out), manifest)
     geometry = buckets.Geometry.of_manifest(manifest, 32, 32, 8)
     os.makedirs(naming.join(out, "shards"), exist_ok=True)
+    def when(index: int) -> float:
+        return now - (committed - 1 - index) * SLICE_S / hosts
+
     for index in range(committed):  # plain writes: a million small files, as fast as this machine writes them
-        when = now - SPREAD_S * (1 - (index + 1) / committed)
         path = naming.shard_stats(out, index)
         with open(path, "w") as f:
             json.dump({"slice": index, "host": index % hosts, "images": SLICE_SIZE, "padding": 0,
-                       "started_ts": round(when - 60, 3), "committed_ts": round(when, 3), "thumbnails": SLICE_SIZE}, f)
-        os.utime(path, (when, when))
+                       "started_ts": round(when(index) - SLICE_S, 3), "committed_ts": round(when(index), 3),
+                       "thumbnails": SLICE_SIZE}, f)
+        os.utime(path, (when(index), when(index)))
     for host in range(hosts):
         mine = range(host, committed, hosts)
-        recent = tuple((now - SPREAD_S * (1 - (i + 1) / committed), SLICE_SIZE) for i in mine
-                       if SPREAD_S * (1 - (i + 1) / committed) <= ledgers.RECENT_S)
+        recent = tuple((when(i), SLICE_SIZE) for i in mine if when(i) >= now - ledgers.RECENT_S)[-ledgers.RECENT_MAX:]
         ledger = ledgers.Ledger(host, hosts, run.settings_fingerprint, planned,
                                 ((mine[0], mine[-1]),) if len(mine) else (), len(mine), len(mine) * SLICE_SIZE, (),
                                 recent, max((t for t, _ in recent), default=None), now)
         storage.write_json(naming.ledger_file(out, host), ledger.to_json())
         storage.write_json(naming.progress_file(out, naming.progress_name(host)), {
             "name": naming.progress_name(host), "host": host, "hosts": hosts, "pid": 0, "machine": f"host-{host}",
-            "state": "generating", "started_at": now - SPREAD_S, "updated_at": now, "last_event": "slice_committed",
+            "state": "generating", "started_at": when(0), "updated_at": now, "last_event": "slice_committed",
             "last_event_at": now, "last_slice": mine[-1] if len(mine) else None, "slices": len(mine),
             "images": SLICE_SIZE * len(mine), "images_per_s": round(SLICE_SIZE / 60.0, 3), "skipped": 0,
             "redone": 0, "redone_slices": [], "padding_slots": 0, "failure": None})

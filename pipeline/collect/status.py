@@ -150,7 +150,8 @@ def report(out: str, run: Run, manifest: dict | None, committed: ledgers.Committ
     the hosts whose log a local run keeps in ``OUT/logs``."""
     planned_slices = manifest["slices"] if manifest else 0
     images = committed.images
-    rate = commit_rate([t for t, _ in committed.recent], [n for _, n in committed.recent], now)
+    rates = [commit_rate([t for t, _ in group], [n for _, n in group], now) for group in committed.recent]
+    rate = sum(r for r in rates if r is not None) if any(r is not None for r in rates) else None
     hosts = sorted((host_view(p, now) for p in progress), key=lambda h: (h["host"] is None, h["host"], h["name"]))
     for h in hosts:  # a local run's launcher keeps each host's log under OUT
         h["log"] = naming.join(out, "logs", f"host-{h['host']}.log") if h["host"] in host_logs else None

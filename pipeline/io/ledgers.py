@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +37,7 @@ from pipeline.core import buckets, logs, naming
 from pipeline.io import runs, storage
 
 RECENT_S = 900.0  # commits a ledger keeps with their times: more than status's rate window
+RECENT_MAX = 64  # and at most this many, the newest: a ledger stays small however short its slices
 READERS = 16  # ledgers and markers read at once
 
 
@@ -87,7 +89,7 @@ class Ledger:
     slices: int = 0
     images: int = 0
     by_size: tuple = ()  # (slices, images) per size, in a run of several sizes
-    recent: tuple = ()  # (committed_ts, images) of the commits of the last RECENT_S seconds
+    recent: tuple = ()  # (committed_ts, images) of its newest commits of the last RECENT_S seconds
     last_at: float | None = None
     updated_at: float = 0.0
 
@@ -131,6 +133,8 @@ class HostLedger:
     def __init__(self, out: str, run, geometry: buckets.Geometry, host: int, hosts: int):
         self.out, self.run, self.geometry, self.host, self.hosts = out, run, geometry, host, hosts
         self.ledger: Ledger | None = None
+        # the host loop adds a slot found committed while the committer thread adds a commit
+        self._lock = threading.Lock()
 
     def start(self) -> set[int]:
         """This host's committed slices: from its ledger when it can be trusted (a few
@@ -169,11 +173,15 @@ class HostLedger:
         """Record slice ``index`` of ``images`` images, committed at ``committed_ts`` (a commit
         of this attempt), or found committed by its marker (None). Written whole at once: a
         failed write is logged, and the next one catches up."""
+        with self._lock:
+            self._add(index, images, committed_ts)
+
+    def _add(self, index: int, images: int, committed_ts: float | None) -> None:
         ledger = self.ledger
         if contains(ledger.committed, index):
             return
         now = time.time() if committed_ts is None else committed_ts
-        recent = tuple((t, n) for t, n in ledger.recent if t >= now - RECENT_S)
+        recent = tuple((t, n) for t, n in ledger.recent if t >= now - RECENT_S)[-(RECENT_MAX - 1):]
         sizes = [list(s) for s in ledger.by_size]
         if sizes:
             b = self.geometry.bucket_of_slice(index)
@@ -211,7 +219,9 @@ class Committed:
     slices: int
     images: int
     by_size: tuple  # (slices, images) per size of a run of several sizes
-    recent: tuple  # (commit time, images), the commits of the last RECENT_S seconds at least
+    # the recent commits, (commit time, images), in groups whose rates add up (status's rate):
+    # one group a host from the ledgers, one group of every marker from a listing
+    recent: tuple
     last_at: float | None
     source: str  # "ledgers" or "listing"
     note: str | None = None  # why the markers were listed
@@ -228,13 +238,15 @@ def from_times(times: dict[int, float], manifest: dict | None, note: str | None 
     times = {i: t for i, t in times.items() if i < geometry.slices}
     sizes = [[0, 0] for _ in geometry.buckets]
     recent = []
+    last = max(times.values(), default=0.0)
     for index, when in times.items():
         n = geometry.slice_images(index)
         b = geometry.bucket_of_slice(index)
         sizes[b] = [sizes[b][0] + 1, sizes[b][1] + n]
-        recent.append((when, n))
+        if when >= last - RECENT_S:
+            recent.append((when, n))
     return Committed(len(times), sum(n for _, n in sizes), tuple(map(tuple, sizes)) if len(sizes) > 1 else (),
-                     tuple(recent), max(times.values(), default=None), "listing", note, read)
+                     (tuple(recent),), max(times.values(), default=None), "listing", note, read)
 
 
 def _from_listing(out: str, manifest: dict, note: str, read: int) -> Committed:
@@ -262,7 +274,7 @@ def committed(out: str, run, manifest: dict) -> Committed:
         return _from_listing(out, manifest, why, read)
     sizes = [list(map(sum, zip(*[ledger.by_size[b] for ledger in found]))) for b in range(len(found[0].by_size))]
     return Committed(sum(ledger.slices for ledger in found), sum(ledger.images for ledger in found),
-                     tuple(map(tuple, sizes)), tuple(r for ledger in found for r in ledger.recent),
+                     tuple(map(tuple, sizes)), tuple(ledger.recent for ledger in found),
                      max((ledger.last_at for ledger in found if ledger.last_at), default=None), "ledgers",
                      None, read)
 
