@@ -64,6 +64,7 @@ def test_plan_bench_small(tmp_path, model_cache):
     assert report["again"]["plan_objects_unchanged"] == report["slice_files"] + 1 + shards  # manifest, rejects a shard
     assert 0 < report["again"]["wall_s"] and report["again"]["over_first"] == pytest.approx(
         report["again"]["wall_s"] / report["wall_s"], abs=0.01)
+    assert 0 < report["again"]["stage_s"] < report["stage_s"] < report["wall_s"]  # the plan stage, without start-up
     # a reference checkout (this one here) plans the same input into the same plan/ bytes
     assert report["reference"]["same_plan_bytes"] and report["reference"]["peak_rss_mib"] > 0
     assert report["peak_rss_bytes_per_record"] == pytest.approx(report["peak_rss_mib"] * 2**20 / rows, rel=0.01)

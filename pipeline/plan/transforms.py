@@ -328,12 +328,15 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
 
     ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare.prepare_out``).
     ``cap_hosts``: see ``Plan``. A resumed run whose plan is finished keeps it
-    (``kept_plan``): nothing is read or written again.
+    (``kept_plan``): nothing is read or written again. Logs ``plan_done`` with whether the
+    plan was kept and the plan stage's seconds.
     """
+    watch = logs.Stopwatch()
     resuming = not overwrite and runs.exists(settings.out)
     settings, _ = prepare(settings, overwrite)
     manifest = kept_plan(settings.out) if resuming else None
-    if manifest is None:
+    kept = manifest is not None
+    if not kept:
         # hosts check their checkpoint against this table instead of hashing it again;
         # planning just hashed it (model fingerprint), so this reads nothing
         storage.write_json(naming.model_files(settings.out), {"files": model_lib.model_table(settings.model)})
@@ -348,6 +351,7 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
         line = guided_by_records_line(asked)
         logs.event("guided_by_records", level=logging.WARNING, message=line, **asked)
         print(f"promptmill plan: {line}", file=sys.stderr)
+    logs.event("plan_done", out=settings.out, kept=kept, slices=manifest["slices"], seconds=round(watch.seconds(), 3))
     return manifest
 
 
