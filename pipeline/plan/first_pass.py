@@ -29,7 +29,11 @@ from pipeline.plan import duplicates
 from pipeline.plan.duplicates import Drops, Segment
 from pipeline.plan.layout import count_file, load_scan, save_scan, scan_file
 
-READERS = 16  # a range reads one segment of every file with rows in it: ranged reads in parallel
+# A range reads one segment of every file with rows in it: on GCS, ranged reads in parallel,
+# which the requests' latency needs. Local files are read one after the other: each thread
+# allocates in its own malloc arena, which keeps the memory once freed (a 10M-prompt plan
+# with --dedupe peaked 240 MiB higher with 16 reader threads).
+READERS = 16
 # what travels where, each value tagged with its kind, so that one GroupByKey gathers several kinds
 IDS, PROMPTS, EXCLUDED, SAVED, COUNTS = "ids", "prompts", "excluded", "saved", "counts"
 
@@ -89,7 +93,8 @@ class _CheckFn(beam.DoFn):
         segments, left_out = [], []
         for kind, value in grouped:
             (segments if kind == self.kind else left_out).append(value)
-        parts = list(zip((s.source for s in segments), self.pool.map(
+        remote = any(s.path.startswith("gs://") for s in segments)
+        parts = list(zip((s.source for s in segments), (self.pool.map if remote else map)(
             lambda s: duplicates.read_segment(s, self.dtype), segments)))
         excluded = {}
         for source, lines in left_out:
