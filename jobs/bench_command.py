@@ -34,7 +34,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     strict.strict(upload)
     plan_bench = targets.add_parser("plan", help="wall time and peak RSS of `plan` on synthetic prompt shards, "
                                     "against the RSS of holding every prompt in memory at once")
-    plan_bench.add_argument("--prompts", type=int, default=1_000_000, help="prompts in all (default: %(default)s)")
+    plan_bench.add_argument("--prompts", type=_batch_sizes, default=(1_000_000,), metavar="N[,N...]",
+                            help="prompts in all; several sizes, comma-separated, run one after the other and give "
+                                 "the peak's growth per record between them (default: 1000000)")
     plan_bench.add_argument("--shards", type=int, default=100, help="jsonl files (default: %(default)s)")
     plan_bench.add_argument("--workdir", help="folder for the prompts, the plan and its logs, kept after the run "
                             "(default: a temporary folder, deleted after)")
@@ -43,6 +45,17 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     plan_bench.add_argument("--batches-per-slice", type=int, default=32, help="plan flag (default: %(default)s)")
     plan_bench.add_argument("--beam-args", default="", help="Beam options for the plan, one quoted string, e.g. "
                             "'--direct_num_workers 2 --direct_running_mode multi_processing' (default: none)")
+    plan_bench.add_argument("--dedupe", action="store_true", help="plan with --dedupe")
+    plan_bench.add_argument("--duplicates", type=float, default=0.0, metavar="SHARE",
+                            help="the share of rows that repeat an earlier row's id, e.g. 0.1 (default: none)")
+    plan_bench.add_argument("--hold", choices=("auto", "yes", "no"), default="auto",
+                            help="also measure a process holding every prompt (auto: up to 1,000,000 prompts)")
+    plan_bench.add_argument("--again", action="store_true",
+                            help="then run the same plan again on the finished plan: timed, and no plan object may "
+                                 "be written again")
+    plan_bench.add_argument("--reference", metavar="ROOT",
+                            help="another promptmill checkout (an earlier version) that plans the same input right "
+                                 "after, measured alike: its plan/ bytes must be the same")
     plan_bench.add_argument("--report", "--json", dest="report", help="write the JSON report here")
     strict.strict(plan_bench, beam_strings=("--beam-args",))
     tpu = targets.add_parser("tpu", help="compile the host program for TPU chips here, without a TPU (libtpu): "
@@ -72,22 +85,19 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                           "what the sampler and the scorer need together (default: no scores)")
     tpu.add_argument("--report", help="write the JSON report here")
     strict.strict(tpu)
-    status_bench = targets.add_parser("status", help="seconds of `promptmill status` on a big planned run with a "
-                                      "share of its slices committed, locally and on a GCS emulator")
-    status_bench.add_argument("--out", help="a planned local OUT to use (e.g. `bench plan --workdir W`'s W/out; its "
-                              "shards/ and progress/ are replaced) (default: plan one in --workdir)")
-    status_bench.add_argument("--prompts", type=int, default=1_000_000, help="prompts to plan without --out "
+    status_bench = targets.add_parser("status", help="what `promptmill status` and a starting host read, and "
+                                      "their seconds, on runs of many committed slices, from the hosts' ledgers and "
+                                      "from a listing of the markers")
+    status_bench.add_argument("--committed-slices", type=_batch_sizes, default=(10_000, 100_000, 1_000_000),
+                              metavar="N[,N...]", help="committed slices of each run (default: 10000,100000,1000000)")
+    status_bench.add_argument("--hosts", type=int, default=16, help="pod hosts of each run (default: %(default)s)")
+    status_bench.add_argument("--repeats", type=int, default=3, help="status runs per measurement "
                               "(default: %(default)s)")
-    status_bench.add_argument("--workdir", help="where to plan without --out, kept after (default: a temporary "
+    status_bench.add_argument("--workdir", help="where the runs are written, kept after (default: a temporary "
                               "folder)")
-    status_bench.add_argument("--plan-flags", default="--devices-per-host 4 --per-device-batch 8 "
-                              "--batches-per-slice 2", help="plan flags without --out, one quoted string "
-                              "(default: %(default)s: slices of 64)")
-    status_bench.add_argument("--committed", type=float, default=0.01,
-                              help="share of the slices committed (default: %(default)s)")
-    status_bench.add_argument("--hosts", type=int, default=16, help="progress objects (default: %(default)s)")
-    status_bench.add_argument("--repeats", type=int, default=3, help="status runs per place (default: %(default)s)")
-    status_bench.add_argument("--no-gcs", action="store_true", help="time the local OUT only")
+    status_bench.add_argument("--gcs-up-to", type=int, default=0, metavar="N",
+                              help="also time status on a GCS emulator for the runs of at most N slices (default: "
+                                   "none)")
     status_bench.add_argument("--report", help="write the JSON report here")
     strict.strict(status_bench)
     sizes = targets.add_parser("sizes", help="one run of several sizes against one single-size run per size, of "
@@ -234,8 +244,15 @@ def run_bench(args: argparse.Namespace) -> int:
         from pipeline.bench import plan as plan_bench
         from pipeline.io import storage
 
-        report = plan_bench.run(args.prompts, args.shards, args.workdir, args.devices_per_host,
-                                args.per_device_batch, args.batches_per_slice, shlex.split(args.beam_args))
+        options = dict(shards=args.shards, devices_per_host=args.devices_per_host,
+                       per_device_batch=args.per_device_batch, batches_per_slice=args.batches_per_slice,
+                       beam_args=shlex.split(args.beam_args), dedupe=args.dedupe, duplicates=args.duplicates,
+                       hold={"auto": None, "yes": True, "no": False}[args.hold], again=args.again,
+                       reference=args.reference)
+        if len(args.prompts) == 1:
+            report = plan_bench.run(args.prompts[0], workdir=args.workdir, **options)
+        else:
+            report = plan_bench.sweep(list(args.prompts), args.workdir, **options)
         if args.report:
             storage.write_json(args.report, report)
         print(plan_bench.table(report))
@@ -252,14 +269,10 @@ def run_bench(args: argparse.Namespace) -> int:
             storage.write_json(args.report, report)
         print(tpu_bench.table(report))
     elif args.target == "status":
-        import shlex
-
         from pipeline.bench import status as status_bench
         from pipeline.io import storage
 
-        report = status_bench.run(args.out, args.prompts, workdir=args.workdir, plan_flags=tuple(
-            shlex.split(args.plan_flags)), committed=args.committed, hosts=args.hosts, repeats=args.repeats,
-            gcs=not args.no_gcs)
+        report = status_bench.run(args.committed_slices, args.hosts, args.repeats, args.workdir, args.gcs_up_to)
         if args.report:
             storage.write_json(args.report, report)
         print(status_bench.table(report))

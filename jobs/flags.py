@@ -210,9 +210,11 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                              "a level or two against decoding the whole batch at once, so it is recorded in run.json "
                              "and each image's metadata, and a resumed run keeps its own (a run planned before it "
                              "existed decodes whole batches) (default: %(default)s)")
-    parser.add_argument("--batches-per-slice", type=int, default=d.batches_per_slice,
-                        help="device steps per slice; slice size = devices per host x per-device batch x this "
-                             "(default: %(default)s)")
+    parser.add_argument("--batches-per-slice", type=batches_per_slice, default=d.batches_per_slice, metavar="N|auto",
+                        help="device steps per slice; slice size = devices per host x per-device batch x this. auto: "
+                             "2 for a run of fewer than a million images; from a million, about 1,024 images a slice "
+                             "(fewer, larger slices: fewer objects and listings per image). Decided when planning and "
+                             "recorded in run.json; a resumed run keeps its own (default: %(default)s)")
     parser.add_argument("--score", default="",
                         help=f"scores computed for every image on the devices that made it, comma-separated in one "
                              f"--score (given twice, it is an error): "
@@ -255,6 +257,11 @@ def sizes_flag(text: str) -> tuple[str, ...]:
 
 def fsdp_degree(text: str) -> int | str:
     """``--fsdp``: a whole number, or ``auto``."""
+    return per_device_batch(text)
+
+
+def batches_per_slice(text: str) -> int | str:
+    """``--batches-per-slice``: a whole number, or ``auto``."""
     return per_device_batch(text)
 
 

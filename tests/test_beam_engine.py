@@ -23,8 +23,11 @@ import subprocess
 import sys
 import tarfile
 
+import apache_beam as beam
 import numpy as np
 import pytest
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
 from pipeline.core import logs, naming
@@ -32,6 +35,7 @@ from pipeline.core.settings import Settings
 from pipeline.engines import beam as beam_engine
 from pipeline.io import runs, storage
 from pipeline.output import formats, writer
+from pipeline.plan import transforms as plan
 from tests.conftest import ROOT
 
 STEPS = 2
@@ -269,6 +273,7 @@ def test_without_runner_retries_the_job_fails_loudly_and_a_rerun_resumes(beam_ru
         stats = beam_engine.run_beam(settings, ["--runner", "FnApiRunner"])
     assert {e["slice"] for e in named(events, "slice_skipped")} == committed_before
     assert [e["slice"] for e in named(events, "slice_redone")] == [1]
+    assert [e["slices"] for e in named(events, "plan_kept")] == [3]  # the plan had finished: kept
     assert {e["slice"] for e in named(events, "slice_committed")} == {0, 1, 2} - committed_before
     assert stats["verified"] and stats["images"] == 9
     assert image_hashes(out) == image_hashes(clean)
@@ -491,14 +496,31 @@ def test_check_devices_and_the_collect_barrier():
     with pytest.raises(beam_engine.BeamEngineError, match="1 local tpu device.*--devices-per-host 8"):
         beam_engine.check_devices(1, 8, "tpu")
     manifest = {"slices": 3}
-    assert beam_engine.release_collect([2, 0, 1], manifest) == [0, 1, 2]
-    assert beam_engine.release_collect([], {"slices": 0}) == []
-    with pytest.raises(beam_engine.BeamEngineError, match=r"2 slice\(s\) for 3 planned: missing \[1\]"):
-        beam_engine.release_collect([0, 2], manifest)
-    with pytest.raises(beam_engine.BeamEngineError, match=r"missing \[\], more than once \[2\]"):
-        beam_engine.release_collect([0, 1, 2, 2], manifest)
-    with pytest.raises(beam_engine.BeamEngineError, match=r"not planned \[3\]"):
-        beam_engine.release_collect([0, 1, 2, 3], manifest)
+    with TestPipeline() as p:  # what the barrier gets: the generated slices, counted per slice, never listed
+        found = p | beam.Create([2, 0, 5, 2, 1]) | plan.IndexSpan()
+        assert_that(found, equal_to([plan.Span(4, 0, 5, 1, (2,))]))
+    assert beam_engine.release_collect(plan.Span(3, 0, 2), manifest) == manifest
+    assert beam_engine.release_collect(plan.Span(0, None, None), {"slices": 0}) == {"slices": 0}
+    for span, message in ((plan.Span(2, 0, 2), r"2 distinct slice\(s\) from 0 to 2 for 3 planned, 0 more"),
+                          (plan.Span(3, 0, 2, 1, (2,)), r"3 distinct .* 1 more than once \[2\]"),
+                          (plan.Span(3, 1, 3), r"3 distinct slice\(s\) from 1 to 3 for 3 planned")):
+        with pytest.raises(beam_engine.BeamEngineError, match=message):
+            beam_engine.release_collect(span, manifest)
+
+
+def test_the_generate_graph_holds_a_slice_count_not_the_slices(tmp_path):
+    """``submit dataflow``'s TPU job for 15M slices (a billion images at 64 a slice) has a
+    graph under 1 MB, as big as for 10 slices (a list of 15M numbers pickles to 10.8 MB, over
+    Dataflow's 10 MB): it is built here, never run. Its slices are still every index once."""
+    graph = {}
+    for slices in (10, 15_000_000):
+        p = beam.Pipeline()
+        beam_engine.build_generate(p, str(tmp_path / "out"), slices)
+        graph[slices] = len(p.to_runner_api().SerializeToString())
+    assert graph[15_000_000] < 1 << 20 and abs(graph[15_000_000] - graph[10]) < 1024, graph
+    with TestPipeline() as p:
+        counted = p | beam.Create([2 * beam_engine.SLICES_PER_CHUNK + 3]) | beam_engine.SliceIndices()
+        assert_that(counted, equal_to(list(range(2 * beam_engine.SLICES_PER_CHUNK + 3))))
 
 
 @pytest.mark.parametrize("args, local", [

@@ -89,10 +89,14 @@ def test_the_geometry_places_each_size_after_the_last_and_hosts_walk_sizes_in_st
     assert buckets.Geometry.of_manifest(json.loads(json.dumps(manifest)), 0, 0, 0) == geometry
     from pipeline.collect import status  # what status shows of each size, slices 0 and 2 committed
 
+    from pipeline.io import ledgers
+
+    committed = ledgers.from_times({0: 1.0, 2: 1.0}, manifest)
     assert [(r["size"], r["committed_slices"], r["slices"], r["committed_images"], r["images"], r["slice_size"])
-            for r in status.size_progress(manifest, {0, 2})] == [("32x32", 1, 2, 8, 9, 8), ("24x32", 0, 0, 0, 0, 4),
-                                                                  ("32x24", 1, 2, 12, 13, 12)]
-    assert status.size_progress({"slices": 3, "images": 9}, {0}) == []  # one size: the totals say it all
+            for r in status.size_progress(manifest, committed)] == [("32x32", 1, 2, 8, 9, 8), ("24x32", 0, 0, 0, 0, 4),
+                                                                     ("32x24", 1, 2, 12, 13, 12)]
+    one = {"slices": 3, "images": 9, "slice_size": 4}
+    assert status.size_progress(one, ledgers.from_times({0: 1.0}, one)) == []  # one size: the totals say it all
     slots = {host: buckets.host_slots(host, 3, geometry) for host in range(3)}
     assert slots[0] == [(0, 0), (2, 2)] and slots[1] == [(0, 1), (2, 3)] and slots[2] == [(0, None), (2, None)]
     # the sizes each host makes programs for: not the size no record asked for, nor (resumed) one whose
@@ -341,7 +345,7 @@ def test_auto_chooses_each_sizes_batch_and_a_resumed_run_keeps_them(tmp_path, mo
                      per_device_batch="auto", steps=1)
     chosen = fit.resolve_per_device_batch(asked)
     assert (chosen.per_device_batch, chosen.bucket_batches) == (9, (9, 36, 18))  # 4 + 4b, 4 + b, 4 + 2b <= 40
-    assert chosen.for_bucket(1).per_device_batch == 36 and chosen.slice_size == 9 * 2
+    assert chosen.for_bucket(1).per_device_batch == 36 and chosen.replace(batches_per_slice=2).slice_size == 9 * 2
     _, run = __import__("pipeline.plan.prepare", fromlist=["x"]).resolve_settings(chosen)
     runs.write(asked.out, run)
     monkeypatch.setattr(fit, "choose_bucket_batches", lambda *a, **k: pytest.fail("chosen again"))

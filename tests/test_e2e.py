@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from jobs import cli
-from pipeline.collect import transforms as collect
+from pipeline.collect import status, transforms as collect
 from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.io import storage
@@ -290,6 +290,8 @@ def test_killed_mid_slice_and_between_slices_then_resumed(two_by_two, prompts, t
         return result
 
     run("0:mid_slice:1")  # 1. in its second slice, after the first batch's images are stored
+    planned = {path: (os.stat(path).st_mtime_ns, storage.read_bytes(path))
+               for path in storage.glob(naming.join(out, "plan", "slices"))}
     # --compile-cache reached the hosts: each loaded its program from that folder
     assert sorted((e["host"], e["path"]) for e in _host_events(out, "compile_cache")) == [
         (0, compile_cache), (1, compile_cache)]
@@ -314,6 +316,12 @@ def test_killed_mid_slice_and_between_slices_then_resumed(two_by_two, prompts, t
     half_written = [i for i in range(5) if i not in committed and writer.leftovers(out, Settings(formats=("files",)), i)]
     result = run()  # 4. the same command again completes
     assert result.returncode == 0, result.stderr[-3000:]
+    [kept] = _events(result.stderr, "plan_kept")  # each run after the first kept its plan: no slice written again
+    assert kept["slices"] == 5 and planned == {path: (os.stat(path).st_mtime_ns, storage.read_bytes(path))
+                                               for path in storage.glob(naming.join(out, "plan", "slices"))}
+    # each host found its committed slices in its ledger, not in a listing of every marker
+    assert sorted(e["host"] for e in _host_events(out, "ledger_read")) == [0, 1]
+    assert _host_events(out, "ledger_fallback") == []
     [summary] = _events(result.stderr, "generated")  # the log says what was skipped and redone
     assert (summary["slices_skipped"], summary["slices_generated"]) == (len(committed), 5 - len(committed))
     assert summary["slices_redone"] == len(half_written) and summary["images"] == 17 - 4 * len(committed)
@@ -321,6 +329,9 @@ def test_killed_mid_slice_and_between_slices_then_resumed(two_by_two, prompts, t
 
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     assert stats["verified"] and stats["images"] == 17
+    assert status.status(out)["committed"] | {"last_at": 0} == {"slices": 5, "images": 17, "last_at": 0,
+                                                               "counted_from": "ledgers", "why_listed": None,
+                                                               "objects_read": 7}
     rows = metadata(out)
     assert len(rows) == len({r["key"] for r in rows}) == 17  # every planned image exactly once
     assert image_hashes(out) == image_hashes(two_by_two)  # the bytes of an uninterrupted run

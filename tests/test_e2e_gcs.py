@@ -254,9 +254,9 @@ def test_planning_a_gcs_model_downloads_no_weights_and_hosts_check_it_by_listing
 
 def test_status_of_a_gcs_run_reads_no_image_and_no_metadata_shard(clean_run, gcs_emulator):
     """``promptmill status`` of the finished gs:// run, every GCS request watched by a
-    proxy: the hosts' progress objects are there, and it downloads run.json, the
-    manifest, those objects and collect's stats, and nothing else (the commit markers
-    are listed, not read)."""
+    proxy: the hosts' progress objects and ledgers are there, and it downloads run.json,
+    the manifest, those objects and collect's stats, and nothing else; it counts the
+    committed slices from the ledgers, and lists no commit marker."""
     from urllib.parse import unquote, urlsplit
 
     from pipeline.collect import status
@@ -279,6 +279,9 @@ def test_status_of_a_gcs_run_reads_no_image_and_no_metadata_shard(clean_run, gcs
     assert sum(h["images"] for h in report["hosts"]) == IMAGES
     downloaded = sorted(unquote(urlsplit(path).path.split("/o/", 1)[1])[len(prefix):]
                         for method, path, _ in proxy.requests if method == "GET" and "alt=media" in path)
-    assert downloaded == ["dataset/stats.json", "plan/manifest.json", "progress/host-00000.json",
-                          "progress/host-00001.json", "run.json"]
-    assert len(proxy.requests) < 20  # a handful of requests, whatever the run's size
+    assert downloaded == ["dataset/stats.json", "ledger/host-00000.json", "ledger/host-00001.json",
+                          "plan/manifest.json", "progress/host-00000.json", "progress/host-00001.json", "run.json"]
+    assert report["committed"]["counted_from"] == "ledgers"
+    assert not [path for method, path, _ in proxy.requests if "shards" in unquote(path) and "alt=media" not in path
+                and "/o?" in path]  # no listing of the markers (checking two of them is no listing)
+    assert len(proxy.requests) < 25  # a handful of requests a host, whatever the run's size

@@ -5,6 +5,8 @@ over a single file that holds them all, with conservation of rows)."""
 import collections
 import gzip
 import json
+import logging
+import os
 import zlib
 
 import pytest
@@ -39,6 +41,40 @@ def test_the_plan_records_every_input_file_with_its_size_and_checksum(planned):
     assert sorted(table["files"]) == [str(folder / "a.jsonl"), str(folder / "b.jsonl")]
     assert table["files"][str(folder / "a.jsonl")] == storage.checksum(str(folder / "a.jsonl"))
     plan.run_plan(settings)  # the same inputs resume
+
+
+def _plan_objects(out):
+    """{path: (mtime in ns, bytes)} of every object under OUT/plan."""
+    return {path: (os.stat(path).st_mtime_ns, storage.read_bytes(path)) for path in storage.glob(naming.join(out, "plan"))}
+
+
+def test_a_resume_keeps_the_finished_plan_and_reads_again_only_an_input_whose_size_or_time_changed(planned, caplog):
+    """The same command again keeps the plan: no plan object is written again (mtimes and
+    bytes unchanged), and ``plan_kept`` says so. A local input's checksum is read again
+    only when its size or modification time changed (``plan/input_cache.json``)."""
+    settings, folder = planned
+    before = _plan_objects(settings.out)
+    assert naming.input_cache(settings.out) in before
+    with caplog.at_level(logging.INFO, logger="promptmill"):
+        manifest = plan.run_plan(settings)
+    assert [r.fields["slices"] for r in caplog.records if r.getMessage() == "plan_kept"] == [manifest["slices"]]
+    assert _plan_objects(settings.out) == before
+    a = folder / "a.jsonl"
+    stat = a.stat()
+    a.write_text(_rows(3).replace("number 1", "number 7"))  # another prompt, the same size ...
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and time: the cached checksum is trusted
+    plan.run_plan(settings)
+    assert _plan_objects(settings.out) == before
+    os.utime(a, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # its time moved: read again, and refused
+    with pytest.raises(layout.PlanError, match="a.jsonl: its content changed"):
+        plan.run_plan(settings)
+    a.write_text(_rows(3))  # the planned bytes again, at a new time: read, found the same, and cached
+    plan.run_plan(settings)
+    cached = storage.read_json(naming.input_cache(settings.out))[str(a)]
+    assert (cached["mtime_ns"], cached["checksum"]) == (a.stat().st_mtime_ns, storage.checksum(str(a)))
+    assert {path: found for path, found in _plan_objects(settings.out).items()
+            if path != naming.input_cache(settings.out)} == {path: found for path, found in before.items()
+                                                            if path != naming.input_cache(settings.out)}
 
 
 @pytest.mark.parametrize("change,what", [

@@ -80,11 +80,12 @@ _SAMPLES = {"out": ["/o"], "logs": ["/o/logs"], "index": [0, 123456], "host": [0
             "key": ["a_cat--0123456789abcdef_0007"], "ext": ["png", "jpg", "webp"], "group": ["", "24x32"],
             "source": ["gs://b/p[1]/x.jsonl"], "first_position": [0, 10 ** 12], "attempt": [1, 12]}
 _SAMPLES_OF = {"host_log": {"logs": ["/o/logs", "/o/logs/attempt-3"]}, "dataset_file": {"name": ["stats.json", "metadata.parquet", "index.html", "gallery/page-00002.html"]},
-               "progress_file": {"name": [naming.progress_name(0), naming.progress_name(12345)]}}
+               "progress_file": {"name": [naming.progress_name(0), naming.progress_name(12345)]},
+               "plan_section": {"kind": ["ids", "prompts"]}}
 # folders: the names their writers give under them
 _UNDER = {"rejects_dir": ["x--0123456789abcdef.jsonl"], "thumbs_dir": ["k_0000.jpg"], "logs_dir": [
     "host-3.log", "hosts.json", "attempt-2/host-0.log", "attempt-2/hosts.json"],
-    "progress_dir": ["host-00003.json"], "zarr_group": ["zarr.json", "images/zarr.json", "images/c/0/0/0/0",
+    "progress_dir": ["host-00003.json"], "ledger_dir": ["host-00003.json"], "zarr_group": ["zarr.json", "images/zarr.json", "images/c/0/0/0/0",
                                                          "latents/c/1/0/0/0", "dropped/c/0", "key/c/0"],
     "zarr_images": ["zarr.json", "c/0/0/0/0"], "zarr_latents": ["zarr.json", "c/3/0/0/0"],
     "attempt_logs": ["host-0.log", "hosts.json"]}

@@ -1,4 +1,6 @@
+import collections
 import json
+import os
 
 import apache_beam as beam
 import numpy as np
@@ -10,7 +12,7 @@ from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.io import runs
-from pipeline.plan import input_table, layout, transforms as plan
+from pipeline.plan import duplicates, input_table, layout, transforms as plan
 from pipeline.plan.prepare import prepare
 
 FILES = {
@@ -73,10 +75,12 @@ def test_the_plan_decides_per_run_whether_it_is_guided_and_keeps_that_decision(t
     (folder / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     with pytest.raises(layout.PlanError, match="p.jsonl: its content changed"):  # the input table sees it first
         plan.run_plan(settings)
-    input_table.record(out, settings.prompts)  # were the table to miss the change, the plan still refuses
+    assert "guided_by_records" not in storage.read_json(naming.manifest(out))
+    # were the table to miss the change, a plan made again (here: one stopped before its manifest) still refuses
+    input_table.record(out, settings.prompts)
+    os.remove(naming.manifest(out))
     with pytest.raises(layout.PlanError, match="holds a guidance-free run, but now some record's guidance is > 1"):
         plan.run_plan(settings)
-    assert "guided_by_records" not in storage.read_json(naming.manifest(out))
     capsys.readouterr()
     manifest = plan.run_plan(settings, overwrite=True)
     assert runs.read(out).settings.guided is True
@@ -111,35 +115,90 @@ def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
 def scan(source, ids, prompts, images=None, guided=None):
     n = len(ids)
     digest = lambda texts: np.frombuffer(b"".join(layout.digest(t) for t in texts), dtype="S16")  # noqa: E731
-    return layout.FileScan(source, n, {}, np.arange(1, n + 1, dtype=np.int64),
+    return layout.FileScan(source, n, {}, np.arange(1, n + 1, dtype=np.int32),
                            np.asarray(images or [1] * n, np.int32), digest(ids), digest(prompts),
                            np.asarray(guided or [False] * n, bool))
 
 
-def test_layout_rejects_later_duplicate_ids_and_with_dedupe_later_duplicate_prompts():
+def first_pass(scans, dedupe, ranges=1):
+    """The plan's first pass in memory, step by step as its Beam steps run it: each file's
+    sections, each range's id check (and the rows it leaves out of the prompt check), each
+    range's prompt check, each file's drops and counts; then the layout. Returns the
+    layout and {source: {line: (reason, message)}}."""
+    sections = {s.source: duplicates.section(s.id_hashes, s.lines, s.prompt_hashes if dedupe else None)
+                for s in scans}
+    found, excluded = collections.defaultdict(list), collections.defaultdict(list)
+    for r in range(ranges):
+        parts = [(source, rows[a:b]) for source, rows in sections.items()
+                 for k, a, b in duplicates.segments(rows, ranges) if k == r]
+        drops, where = duplicates.check_range(parts, "duplicate_id")
+        for source, d in drops.items():
+            found[source].append(d)
+            if dedupe:
+                for k, lines in duplicates.exclusions(dict(parts)[source], where[source], ranges).items():
+                    excluded[k].append((source, lines))
+    if dedupe:
+        prompts = {s.source: duplicates.section(s.prompt_hashes, s.lines) for s in scans}
+        for r in range(ranges):
+            parts = [(source, rows[a:b]) for source, rows in prompts.items()
+                     for k, a, b in duplicates.segments(rows, ranges) if k == r]
+            left_out = {}
+            for source, lines in excluded[r]:
+                left_out[source] = np.concatenate([left_out.get(source, np.zeros(0, np.int32)), lines])
+            for source, d in duplicates.check_range(parts, "duplicate_prompt", left_out)[0].items():
+                found[source].append(d)
+    merged = {s.source: duplicates.Drops.merged(found[s.source]) for s in scans}
+    placed = layout.make_layout([layout.count_file(s, merged[s.source]) for s in scans])
+    return placed, {source: {int(line): d.get(line) for line in d.lines} for source, d in merged.items() if len(d)}
+
+
+@pytest.mark.parametrize("ranges", [1, 2, 7, 64])
+def test_layout_rejects_later_duplicate_ids_and_with_dedupe_later_duplicate_prompts(ranges):
     scans = [scan("b", ["x", "y", "z"], ["cat", "dog", "cat"], [1, 2, 1]),
              scan("a", ["x", "w"], ["dog", "dog"], [3, 1])]
-    placed = layout.make_layout(scans, dedupe=False)
-    assert placed.drops == {"b": {1: ("duplicate_id", "the same id as a line 1")}}
+    placed, drops = first_pass(scans, dedupe=False, ranges=ranges)
+    assert drops == {"b": {1: ("duplicate_id", "the same id as a line 1")}}
     assert (placed.records, placed.images, placed.first, placed.images_of) == (4, 7, {"a": 0, "b": 4}, {"a": 4, "b": 3})
-    placed = layout.make_layout(scans, dedupe=True)
+    placed, drops = first_pass(scans, dedupe=True, ranges=ranges)
     # b line 1 is dropped for its id, so the first kept "cat" is b line 3, which stays
-    assert placed.drops == {"a": {2: ("duplicate_prompt", "the same prompt as a line 1")},
-                            "b": {1: ("duplicate_id", "the same id as a line 1"),
-                                  2: ("duplicate_prompt", "the same prompt as a line 1")}}
+    assert drops == {"a": {2: ("duplicate_prompt", "the same prompt as a line 1")},
+                     "b": {1: ("duplicate_id", "the same id as a line 1"),
+                           2: ("duplicate_prompt", "the same prompt as a line 1")}}
     assert (placed.records, placed.images, placed.first, placed.rejects_by_reason) == (
         2, 4, {"a": 0, "b": 3}, {"duplicate_id": 1, "duplicate_prompt": 2})
-    assert layout.make_layout([], dedupe=True).images == 0
+    assert first_pass([], dedupe=True, ranges=ranges)[0].images == 0
+
+
+def test_the_duplicate_checks_find_the_same_rows_whatever_the_hash_ranges():
+    """Many files of repeated ids and prompts: every range count gives the drops of one
+    check over every record, which a dict over the records in (source, line) order gives."""
+    rng = np.random.default_rng(5)
+    scans = [scan(f"f{n:02d}", [f"id{k}" for k in rng.integers(0, 60, 25)],
+                  [f"p{k}" for k in rng.integers(0, 40, 25)]) for n in range(8)]
+    expected, first_id, first_prompt = {}, {}, {}
+    for s in scans:  # the rule, record by record
+        for line, id_hash, prompt_hash in zip(s.lines.tolist(), s.id_hashes.tolist(), s.prompt_hashes.tolist()):
+            if id_hash in first_id:
+                expected.setdefault(s.source, {})[line] = ("duplicate_id", f"the same id as {first_id[id_hash]}")
+            elif prompt_hash in first_prompt:
+                expected.setdefault(s.source, {})[line] = ("duplicate_prompt",
+                                                           f"the same prompt as {first_prompt[prompt_hash]}")
+            else:
+                first_id[id_hash] = first_prompt[prompt_hash] = f"{s.source} line {line}"
+            first_id.setdefault(id_hash, f"{s.source} line {line}")
+    assert sum(map(len, expected.values())) > 100
+    for ranges in (1, 3, 16, 200):
+        assert first_pass(scans, dedupe=True, ranges=ranges)[1] == expected, ranges
 
 
 def test_layout_is_guided_only_if_a_kept_record_is():
     guided_duplicate = [scan("a", ["x"], ["cat"], guided=[False]), scan("b", ["x", "y"], ["dog", "cow"],
                                                                         guided=[True, False])]
-    assert not layout.make_layout(guided_duplicate, dedupe=False).guided  # b's guided row repeats a's id
-    assert layout.make_layout([scan("a", ["x", "y"], ["cat", "dog"], guided=[False, True])], dedupe=False).guided
-    assert not layout.make_layout([], dedupe=False).guided
-    several = layout.make_layout([scan("b", ["p", "q"], ["1", "2"], guided=[True, True]),
-                                  scan("a", ["x", "y", "z"], ["3", "4", "5"], guided=[False, True, False])], dedupe=False)
+    assert not first_pass(guided_duplicate, dedupe=False)[0].guided  # b's guided row repeats a's id
+    assert first_pass([scan("a", ["x", "y"], ["cat", "dog"], guided=[False, True])], dedupe=False)[0].guided
+    assert not first_pass([], dedupe=False)[0].guided
+    several = first_pass([scan("b", ["p", "q"], ["1", "2"], guided=[True, True]),
+                          scan("a", ["x", "y", "z"], ["3", "4", "5"], guided=[False, True, False])], dedupe=False)[0]
     assert (several.guided_records, several.first_guided) == (3, "a line 2")  # (source, line) order
 
 
@@ -169,6 +228,37 @@ def test_run_plan_writes_run_manifest_slices_and_rejects(tmp_path, model_cache):
     [reject] = [json.loads(line) for line in storage.read_text(rejects).splitlines()]
     assert (reject["line"], reject["reason"]) == (3, "missing_prompt")
     assert reject["source"].endswith("p.jsonl")
+
+
+def test_batches_per_slice_auto_is_decided_by_the_plan_recorded_and_kept(tmp_path, model_cache, caplog):
+    """auto (the default) is 2 for a small run, decided once the plan has counted its images
+    and written to run.json; from a million images, slices of about 1,024 images; a number
+    given wins; a resumed run keeps its own."""
+    import logging
+
+    from pipeline.plan import decide
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    settings = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "auto"), devices_per_host=4,
+                        per_device_batch=8)
+    assert settings.batches_per_slice == "auto"
+    with caplog.at_level(logging.INFO, logger="promptmill"):
+        manifest = plan.run_plan(settings)
+    assert runs.read(settings.out).settings.batches_per_slice == 2 and manifest["slice_size"] == 64
+    assert [r.fields["batches_per_slice"] for r in caplog.records if r.getMessage() == "batches_per_slice_decided"] \
+        == [2]
+    assert plan.run_plan(settings) == manifest  # resumed: run.json's 2, not auto again
+    counted = layout.make_layout([layout.FileCounts("p", 1_500_000, {}, (1_500_000,), (1_500_000,))])
+    assert decide.decide_batches_per_slice(counted, settings.out).batches_per_slice == 2  # decided: kept
+    big = str(tmp_path / "big")
+    prepare(settings.replace(out=big))
+    assert decide.decide_batches_per_slice(counted, big).slice_size == 1024
+    assert runs.read(big).settings.batches_per_slice == 32
+    given = settings.replace(out=str(tmp_path / "given"), batches_per_slice=3)
+    assert plan.run_plan(given)["slice_size"] == 96
+    with pytest.raises(plan.PlanError, match=r"other settings \(changed: batches_per_slice\)"):
+        plan.run_plan(given.replace(batches_per_slice=4))
+    assert plan.run_plan(given.replace(batches_per_slice="auto"))["slice_size"] == 96  # keeps its own
 
 
 def test_run_plan_without_matching_files_is_a_clear_error(tmp_path):

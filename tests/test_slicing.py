@@ -67,3 +67,13 @@ def test_the_items_of_every_slice_add_up_to_the_items(n, size):
     assert counts[:-3] == [size] * (len(counts) - 3)  # only the last real slice may hold fewer
     with pytest.raises(ValueError):
         slicing.items_in_slice(-1, size, n)
+
+
+@pytest.mark.parametrize("images,devices,batch,expected", [
+    (0, 4, 8, 2), (999_999, 4, 8, 2),  # a small run keeps today's small slices (64 images here)
+    (1_000_000, 4, 8, 32), (10**9, 4, 8, 32),  # 4 chips x batch 8: 1,024 images a slice
+    (1_000_000, 8, 1, 128), (1_000_000, 1, 1, 1024), (1_000_000, 4, 3, 85),  # about 1,024 (1,020 here)
+    (1_000_000, 8, 256, 2)])  # a step of 2,048 images: never fewer than 2 batches a slice
+def test_auto_batches_per_slice_makes_slices_of_about_1024_images_from_a_million(images, devices, batch, expected):
+    assert slicing.auto_batches_per_slice(images, devices, batch, most=4096) == expected
+    assert slicing.auto_batches_per_slice(images, devices, batch, most=16) == min(expected, 16)

@@ -11,7 +11,7 @@ from jobs import cli
 from pipeline.collect import status
 from pipeline.core import naming
 from pipeline.core.settings import Run, Settings
-from pipeline.io import runs, storage
+from pipeline.io import ledgers, runs, storage
 
 MANIFEST = {"slices": 5, "slice_size": 4, "images": 17, "records": 15, "rejects": 2,
             "rejects_by_reason": {"empty_prompt": 1, "invalid_json": 1}, "input_rows": 17}
@@ -30,6 +30,11 @@ def _host(host, state, updated, **fields):
             "images_per_s": 2.0, "redone_slices": [], **fields}
 
 
+def _found(times):
+    """What status counts from the markers' times {slice: unix seconds} of ``MANIFEST``'s plan."""
+    return ledgers.from_times(times, MANIFEST)
+
+
 def test_a_committed_slice_holds_slice_size_images_and_the_last_one_the_rest():
     assert [status.slice_images(i, MANIFEST) for i in range(5)] == [4, 4, 4, 4, 1]
 
@@ -43,7 +48,7 @@ def test_the_rate_counts_the_images_after_the_windows_first_commit_up_to_now():
 def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
     committed = {0: NOW - 100, 2: NOW - 60, 4: NOW - 10}  # 4 + 4 + 1 images
     hosts = [_host(0, "generating", NOW - 3, redone_slices=[2]), _host(1, "failed", NOW - 400, failure="OSError: x")]
-    r = status.report("gs://b/o", _run(), MANIFEST, committed, hosts, None, NOW, host_logs=frozenset({1}))
+    r = status.report("gs://b/o", _run(), MANIFEST, _found(committed), hosts, None, NOW, host_logs=frozenset({1}))
     assert r["state"] == "generating"
     assert [h["log"] for h in r["hosts"]] == [None, "gs://b/o/logs/host-1.log"]
     assert r["planned"] == {"slices": 5, "images": 17, "records": 15}
@@ -72,7 +77,7 @@ def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
      "collected_unverified"),
 ])
 def test_the_runs_state(hosts, committed, stats, state):
-    r = status.report("o", _run(), MANIFEST, committed, hosts, stats, NOW)
+    r = status.report("o", _run(), MANIFEST, _found(committed), hosts, stats, NOW)
     assert r["state"] == state
     assert r["rate"]["eta_s"] is None or state == "generating"
     if state == "idle":
@@ -82,7 +87,7 @@ def test_the_runs_state(hosts, committed, stats, state):
 
 
 def test_before_the_manifest_the_run_is_planning():
-    r = status.report("o", _run(), None, {}, [], None, NOW)
+    r = status.report("o", _run(), None, ledgers.from_times({}, None), [], None, NOW)
     assert r["state"] == "planning" and "plan      not written yet" in status.format_text(r)
 
 
@@ -109,12 +114,12 @@ def test_while_planning_status_shows_no_fingerprint_the_plan_may_still_change(tm
 
 def test_status_words_one_commit_one_slice_and_one_image_right():
     one = dict(MANIFEST, slices=1, images=1)
-    r = status.report("o", _run(), one, {0: NOW - 1}, [_host(0, "done", NOW - 1, slices=1, images=1)],
+    r = status.report("o", _run(), one, ledgers.from_times({0: NOW - 1}, one), [_host(0, "done", NOW - 1, slices=1, images=1)],
                       {"verified": True, "images": 1}, NOW)
     text = status.format_text(r)
     assert "too few commits in the last 10 min to measure a rate (last commit 1 s ago)" in text
     assert "1 slice, 1 image this attempt" in text and "verified: 1 image" in text
-    r = status.report("o", _run(), one, {0: NOW - 4000}, [], None, NOW)
+    r = status.report("o", _run(), one, ledgers.from_times({0: NOW - 4000}, one), [], None, NOW)
     assert "rate      no commits in the last 10 min (last commit 67 min ago)" in status.format_text(r)
 
 
@@ -162,26 +167,31 @@ def test_status_of_an_out_without_a_run_is_a_clear_error(tmp_path, capsys):
     assert "run.json does not exist: run 'promptmill plan' for this --out first" in capsys.readouterr().err
 
 
-def test_the_status_bench_commits_a_share_of_a_planned_run_and_times_status(tmp_path):
-    """``promptmill bench status`` on a small planned OUT, locally: what it commits is what
-    status then counts (the 1,000,000-prompt figures are in docs/benchmarks.md)."""
+def test_the_status_bench_measures_status_and_a_starting_host_from_ledgers_and_from_a_listing(tmp_path):
+    """``promptmill bench status`` on a small run, locally: from the ledgers, status reads
+    O(hosts) objects and lists no marker, and a starting host reads a few objects; with
+    the ledgers put aside both list every marker (the 1,000,000-slice figures are in
+    docs/benchmarks.md)."""
     from pipeline.bench import status as status_bench
 
-    out = str(tmp_path / "out")
-    runs.write(out, _run())
-    storage.write_json(naming.manifest(out), MANIFEST)
-    report = status_bench.run(out, committed=0.6, hosts=2, repeats=1, gcs=False)
-    assert (report["committed_slices"], report["objects_under_shards"], report["progress_objects"]) == (3, 9, 2)
-    local = report["local"]
-    assert local["reported"]["committed"]["slices"] == 3 and local["reported"]["committed"]["images"] == 12
-    assert local["reported"]["hosts"] == 2 and local["reported"]["state"] == "generating"
-    assert len(local["wall_s"]) == 1 and "gcs" not in report
-    assert "local" in status_bench.table(report)
+    report = status_bench.run((40,), hosts=4, repeats=1, workdir=str(tmp_path))
+    [found] = report["runs"]
+    assert (found["committed_slices"], found["planned_slices"]) == (40, 41)  # 99% committed
+    ledgers_, listing = found["ledgers"], found["listing"]
+    assert ledgers_["status"]["counted_from"] == "ledgers" and ledgers_["status"]["committed"] == 40
+    assert ledgers_["status"]["objects_listed"] <= 2 * 4 + 4  # the ledgers' and progress objects' names
+    assert listing["status"]["counted_from"] == "listing" and listing["status"]["objects_listed"] >= 40
+    assert ledgers_["host"]["committed"] == listing["host"]["committed"] == 10
+    assert ledgers_["host"]["objects_read"] <= 6 and ledgers_["host"]["objects_listed"] <= 2  # ledger, 2 markers
+    assert listing["host"]["objects_listed"] >= 40
+    assert len(ledgers_["status"]["wall_s"]) == 1 and "gcs" not in ledgers_
+    assert "ledgers" in status_bench.table(report)
+    assert storage.glob(naming.join(str(tmp_path), "40", "ledger", "*.json"))  # put back
 
 
 def test_status_names_hosts_that_never_started_and_one_stopped_before_its_first_event():
     starting = {**_host(0, "starting", NOW - 600, hosts=3), "last_event": None, "last_event_at": None}
-    r = status.report("o", _run(), MANIFEST, {}, [starting], None, NOW, host_logs=frozenset({1}))
+    r = status.report("o", _run(), MANIFEST, _found({}), [starting], None, NOW, host_logs=frozenset({1}))
     assert r["never_started"] == [{"host": 1, "log": "o/logs/host-1.log"}, {"host": 2, "log": None}]
     text = status.format_text(r)
     assert "None" not in text and "never;" not in text
@@ -196,7 +206,7 @@ def test_status_counts_dropped_images_and_its_settings_line_has_scores_and_filte
                         aesthetic_head="tiny-aesthetic", min_clip_similarity=0.0, min_aesthetic=-1.5)
     run = Run.create(settings, "f" * 64, "2025-01-01T00:00:00+00:00", {},
                      scorers={"clip": "c" * 64, "aesthetic": "a" * 64})
-    r = status.report("o", run, MANIFEST, dict.fromkeys(range(5), NOW - 9), [],
+    r = status.report("o", run, MANIFEST, _found(dict.fromkeys(range(5), NOW - 9)), [],
                       {"verified": True, "images": 13, "dropped": {"images": 4}}, NOW)
     text = status.format_text(r)
     assert "collect   verified: 13 images, 4 dropped by filters" in text

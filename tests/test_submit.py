@@ -535,6 +535,9 @@ FAKE_LAUNCHER = textwrap.dedent(r'''
             if stage == "plan":
                 put(f"{out}/plan/manifest.json", {"records": 2 * SLICES, "images": 2 * SLICES, "rejects": 0,
                                                   "slices": SLICES, "slice_size": 2})
+                if os.environ.get("FAKE_DATAFLOW_PLAN_KEPT"):  # as the launcher answers a plan it keeps
+                    print(json.dumps({"job_id": "", "state": "DONE", "plan_kept": True}))
+                    return 0
             answer(stage, 0)
             return 0
         if args[0] == "state":
@@ -1090,6 +1093,35 @@ def test_a_dataflow_job_that_fails_stops_the_chain_with_its_id_and_state(stage, 
     launched = list(_launched_options(launcher()))
     assert launched == list(dataflow.STAGES[:dataflow.STAGES.index(stage) + 1])
     assert launcher()[-1][:2] == ["state", f"2026-fake-{stage}"]  # nothing after the failed job's last state
+
+
+def test_a_dataflow_resume_that_keeps_its_plan_launches_no_plan_job(gcs_emulator, launcher, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_DATAFLOW_PLAN_KEPT", "1")
+    out = f"gs://{gcs_emulator}/dataflow-e2e/kept"
+    code, stdout, err = cli_main(_dataflow_e2e_args(out), capsys)
+    assert code == 0, err
+    assert [c[:2] for c in launcher()][:2] == [["run", "plan"], ["run", "generate"]]  # no plan job is followed
+    assert f"plan kept: {out} holds this run's finished plan, and its inputs are unchanged" in err
+    assert "planned 4 records, 4 images in 2 slices" in err
+
+
+def test_the_launchers_plan_stage_keeps_a_finished_plan_and_submits_nothing(tmp_path, model_cache):
+    import apache_beam as beam
+
+    from pipeline.cloud import dataflow_launch
+    from pipeline.plan import transforms as plan
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a fox"}\n')
+    settings = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "out"))
+    manifest = plan.run_plan(settings)
+    p = beam.Pipeline()
+    assert dataflow_launch.build_stage(p, "plan", settings.out, settings) == manifest
+    assert "Plan" not in p.applied_labels
+    assert dataflow_launch.launch("plan", settings.out, [], settings) == {"job_id": "", "state": "DONE",
+                                                                          "plan_kept": True}
+    p = beam.Pipeline()
+    assert dataflow_launch.build_stage(p, "plan", settings.out, settings, overwrite=True) is None
+    assert "Plan" in p.applied_labels  # a new plan (built here, never run)
 
 
 def test_a_launcher_that_fails_is_a_clear_error(gcs_emulator, launcher, monkeypatch, capsys):

@@ -1,14 +1,10 @@
 """``promptmill bench plan``: wall time and peak memory of ``promptmill plan`` on many prompts.
 
-Three steps, each plan-side measurement in a fresh process:
+Each plan-side measurement runs in a fresh process:
 
-1. **Input.** ``shards`` JSONL files holding ``prompts`` synthetic prompts in all, made
-   deterministically from the word lists below (fixed seed): 40-200 characters, a few
-   non-ASCII words; some rows carry an ``id`` (string or integer), a ``seed``,
-   ``num_images`` 1, a ``negative_prompt``, a ``guidance_scale`` or an extra field. One
-   row in ``DIRTY_EVERY`` is bad in one of four ways (invalid JSON, empty prompt,
-   ``num_images`` 0, no prompt), so the rejects path runs too and the expected counts
-   are known exactly.
+1. **Input.** ``shards`` JSONL files holding ``prompts`` synthetic prompts in all
+   (``pipeline.bench.prompts``): the same bytes every run, a known share of bad rows
+   and, with ``duplicates``, of rows repeating an earlier row's id.
 2. **Plan.** ``python -m jobs.cli plan --prompts DIR/*.jsonl --out OUT --model tiny``
    (``PLAN_COMMAND``, a name in a command line: this module imports nothing of ``jobs/``)
    in a subprocess, started by a small launcher process (``_launch``) and timed from
@@ -20,20 +16,21 @@ Three steps, each plan-side measurement in a fresh process:
    interval); ``rss_timeline_mib`` is that sum over time, [seconds, MiB] pairs, thinned
    to ``TIMELINE_POINTS``. With Beam's default in-memory DirectRunner the tree is one
    process. The tiny model is built (once, into the cache) before the clock starts, so
-   the plan only reads its configs.
+   the plan only reads its configs. Optionally, the same command again on the finished
+   plan (``again``: it keeps the plan, and no plan object may change), and the same
+   input planned by another checkout (``reference``: the same ``plan/`` bytes, measured
+   side by side).
 3. **Held in memory.** Another fresh process imports what the plan process imports
    (``BASELINE_MODULES``: ``apache_beam``, ``jobs.cli``, ``pipeline.plan.transforms``,
-   by name): its RSS then is ``baseline_rss_mib``. It then reads every shard and keeps every row as
-   ``records.parse_jsonl_line`` returns it (the ``Record`` objects planning works on)
-   in one list; the RSS increase is ``held_in_memory_rss_mib``, the memory that
-   holding all the prompts at once costs. (Every record of a file shares one ``source``
-   string here, so this is if anything an underestimate.) ``prompt_bytes_mib`` is the
-   plain sum of the prompts' UTF-8 bytes.
+   by name): its RSS then is ``baseline_rss_mib``. It then reads every shard and keeps
+   every row as ``records.parse_jsonl_line`` returns it (the ``Record`` objects planning
+   works on) in one list; the RSS increase is ``held_in_memory_rss_mib``, the memory that
+   holding all the prompts at once costs (if anything an underestimate: the records of
+   a file share one ``source`` string). ``prompt_bytes_mib`` is the plain sum of the
+   prompts' UTF-8 bytes.
 
-The plan's output is then checked against what was generated: the manifest's records,
-rejects by reason, images and slice count, the slice files and the items in them. Any
-difference is a ``BenchError``.
-
+The plan's output is then checked against what was generated (``verify``). ``sweep``
+runs the bench at several sizes and gives the peak's growth per record between them.
 Linux only (``/proc``, ``ru_maxrss`` in KiB).
 """
 from __future__ import annotations
@@ -49,10 +46,8 @@ import sys
 import tempfile
 import time
 
-SEED = 20240611
-DIRTY_EVERY = 9973  # one bad row in this many (global row index % DIRTY_EVERY == DIRTY_OFFSET)
-DIRTY_OFFSET = 17
-MIN_CHARS, MAX_CHARS = 40, 200
+from pipeline.bench import prompts as prompts_lib
+
 POLL_S = 0.2
 TIMELINE_POINTS = 100  # of the plan's RSS over time, in the report
 MARKER = ".promptmill-plan-bench"  # a workdir holding this file is ours to clear
@@ -62,143 +57,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PLAN_COMMAND = ("-m", "jobs.cli", "plan")
 BASELINE_MODULES = ("apache_beam", "jobs.cli", "pipeline.plan.transforms")
 MIB = 1 << 20
-
-# --- the prompt generator ---------------------------------------------------------
-
-_ARTICLES = ("a", "an old", "a small", "a lonely", "a giant", "two", "three", "a family of", "a pair of", "the last")
-_ADJECTIVES = ("weathered", "glowing", "ancient", "tiny", "rusty", "crystal", "mechanical", "sleepy", "majestic",
-               "forgotten", "neon", "wooden", "golden", "moss-covered", "translucent", "paper", "clockwork",
-               "feathered", "frozen", "velvet")
-_SUBJECTS = ("lighthouse keeper", "red fox", "astronaut", "tea house", "sailing ship", "owl", "robot gardener",
-             "cathedral", "koi pond", "street musician", "dragon", "bicycle", "library", "mountain goat", "violin",
-             "submarine", "market stall", "samurai", "greenhouse", "windmill", "jellyfish", "train station",
-             "cat", "café terrace", "hot air balloon")
-_ACTIONS = ("standing in", "drifting over", "hidden inside", "sleeping beside", "reflected in", "floating above",
-            "walking through", "overlooking", "painted on the wall of", "half buried in")
-_PLACES = ("a foggy harbour", "a bamboo forest", "the ruins of a city", "a desert at noon", "a snowy village",
-           "a flooded library", "a street market in Zürich", "a temple garden in Kyōto", "the old town of Kraków",
-           "an alien canyon", "a rainy alley", "a field of sunflowers", "the rings of Saturn", "a coral reef",
-           "a quiet suburb", "a night train", "the Fjärden archipelago", "a candle-lit cellar")
-_MODIFIERS = ("oil painting", "watercolor", "35mm photograph", "isometric render", "ukiyo-e woodblock print",
-              "charcoal sketch", "studio lighting", "golden hour", "volumetric fog", "soft focus", "high detail",
-              "8k", "wide angle", "macro shot", "by a Renaissance master", "art nouveau poster", "cinematic",
-              "pastel colors", "long exposure", "low poly", "tilt-shift", "dramatic shadows", "film grain",
-              "trending on an art forum", "muted palette", "vivid colors", "symmetrical composition",
-              "bokeh", "backlit", "morning mist", "storybook illustration", "pixel art", "naïve painting",
-              "photorealistic", "matte painting", "hand-drawn", "cyanotype", "stained glass", "double exposure")
-_NEGATIVES = ("blurry, low quality", "text, watermark", "extra fingers, deformed", "oversaturated")
-_GUIDANCE = ("5.0", "7.5", "9.0", "12")
-MAX_MODIFIERS = 7
-
-for _word in (*_ARTICLES, *_ADJECTIVES, *_SUBJECTS, *_ACTIONS, *_PLACES, *_MODIFIERS, *_NEGATIVES):
-    # the rows are formatted without json.dumps: no character here may need escaping
-    assert not set(_word) & set('"\\') and _word.isprintable(), _word
-
-_DIRTY = (  # (reason the plan gives, the line for global row index i)
-    ("invalid_json", lambda i: '{"prompt": "a cut-off line %d' % i),
-    ("empty_prompt", lambda i: '{"prompt": "   ", "id": "blank-%d"}' % i),
-    ("bad_num_images", lambda i: '{"prompt": "a valid prompt asking for no images %d", "num_images": 0}' % i),
-    ("missing_prompt", lambda i: '{"text": "the prompt is under the wrong key %d"}' % i),
-)
+HOLD_UP_TO = 1_000_000  # prompts the held-in-memory process holds by default (10M would take ~6 GB)
 
 
 class BenchError(RuntimeError):
     pass
-
-
-def is_dirty(index: int) -> bool:
-    return index % DIRTY_EVERY == DIRTY_OFFSET
-
-
-def dirty_reason(index: int) -> str:
-    return _DIRTY[(index // DIRTY_EVERY) % len(_DIRTY)][0]
-
-
-def expected_rejects(rows: int) -> dict[str, int]:
-    """The rejects, by reason, that the first ``rows`` generated rows hold."""
-    counts: dict[str, int] = {}
-    for index in range(DIRTY_OFFSET, rows, DIRTY_EVERY):
-        reason = dirty_reason(index)
-        counts[reason] = counts.get(reason, 0) + 1
-    return dict(sorted(counts.items()))
-
-
-def shard_bounds(rows: int, shards: int, shard: int) -> tuple[int, int]:
-    """Global row indices [start, stop) of ``shard``: rows spread evenly over the shards."""
-    return rows * shard // shards, rows * (shard + 1) // shards
-
-
-def shard_name(shard: int, shards: int) -> str:
-    return f"prompts-{shard:05d}-of-{shards:05d}.jsonl"
-
-
-def _prompt(rnd, modifiers: list[str]) -> str:
-    head = f"{_ARTICLES[rnd[0]]} {_ADJECTIVES[rnd[1]]} {_SUBJECTS[rnd[2]]} {_ACTIONS[rnd[3]]} {_PLACES[rnd[4]]}"
-    text = head
-    for k in range(MAX_MODIFIERS):
-        if k >= rnd[5] and len(text) >= MIN_CHARS:
-            break
-        extra = f"{text}, {modifiers[rnd[6 + k]]}"
-        if len(extra) > MAX_CHARS:
-            break
-        text = extra
-    return text
-
-
-# (column of the row's random draws, chance, the field from the row's seed): optional fields, in order
-_OPTIONAL_FIELDS = (
-    (1, 0.25, lambda seed: f'"seed": {seed}'),
-    (2, 0.20, lambda seed: '"num_images": 1'),
-    (3, 0.10, lambda seed: f'"negative_prompt": "{_NEGATIVES[seed % len(_NEGATIVES)]}"'),
-    (4, 0.05, lambda seed: f'"guidance_scale": {_GUIDANCE[seed % len(_GUIDANCE)]}'),
-    (5, 0.05, lambda seed: '"collection": "plan-bench"'),
-)
-
-
-def shard_lines(rows: int, shards: int, shard: int, seed: int = SEED) -> list[str]:
-    """The JSONL lines (newline included) of one shard; the same for the same arguments."""
-    import numpy as np
-
-    start, stop = shard_bounds(rows, shards, shard)
-    n = stop - start
-    rng = np.random.default_rng([seed, shard])
-    columns = [len(_ARTICLES), len(_ADJECTIVES), len(_SUBJECTS), len(_ACTIONS), len(_PLACES), MAX_MODIFIERS + 1]
-    columns += [len(_MODIFIERS)] * MAX_MODIFIERS
-    picks = np.stack([rng.integers(0, c, n) for c in columns], axis=1).tolist()
-    field = rng.random((n, 6)).tolist()  # chance of each optional field
-    seeds = rng.integers(0, 2**31, n).tolist()
-    lines = []
-    for j in range(n):
-        index = start + j
-        if is_dirty(index):
-            lines.append(_DIRTY[(index // DIRTY_EVERY) % len(_DIRTY)][1](index) + "\n")
-            continue
-        f = field[j]
-        parts = [f'{{"prompt": "{_prompt(picks[j], _MODIFIERS)}"']
-        if f[0] < 0.30:
-            parts.append(f'"id": "s{shard:05d}-r{index:09d}"')
-        elif f[0] < 0.35:
-            parts.append(f'"id": {10**12 + index}')
-        parts += [field_of(seeds[j]) for column, chance, field_of in _OPTIONAL_FIELDS if f[column] < chance]
-        lines.append(", ".join(parts) + "}\n")
-    return lines
-
-
-def generate(folder: str, rows: int, shards: int, seed: int = SEED) -> dict:
-    """Write the shards into ``folder``; returns their paths, bytes and the time taken."""
-    if rows < 1 or shards < 1:
-        raise ValueError(f"need at least one prompt and one shard, got {rows} prompts in {shards} shards")
-    os.makedirs(folder, exist_ok=True)
-    start, paths, size = time.perf_counter(), [], 0
-    for shard in range(shards):
-        data = "".join(shard_lines(rows, shards, shard, seed)).encode("utf-8")
-        path = os.path.join(folder, shard_name(shard, shards))
-        with open(path, "wb") as f:
-            f.write(data)
-        paths.append(path)
-        size += len(data)
-    return {"paths": paths, "bytes": size, "seconds": time.perf_counter() - start}
-
 
 # --- measuring a process tree --------------------------------------------------------
 
@@ -353,15 +216,23 @@ def _prepare_workdir(workdir: str | None) -> tuple[str, bool]:
     return workdir, False
 
 
-def verify(out: str, rows: int, slice_size: int) -> dict:
+def verify(out: str, rows: int, slice_size: int, duplicates: int = 0, dedupe: bool = False) -> dict:
     """Check the plan in ``out`` against the generated input; returns what was counted.
 
-    Raises ``BenchError`` on any difference.
+    Every count is known exactly (``prompts.expected_rejects``, one ``duplicate_id`` per
+    pair of ``duplicates``) but, with ``dedupe``, the prompts that repeat by chance: there
+    records + rejects must still be the rows, and every other count exact. Raises
+    ``BenchError`` on any difference.
     """
-    rejects = expected_rejects(rows)
-    records = rows - sum(rejects.values())
+    rejects = prompts_lib.expected_rejects(rows)
+    if prompts_lib.expected_duplicate_ids(rows, duplicates):
+        rejects = dict(sorted({**rejects, "duplicate_id": prompts_lib.expected_duplicate_ids(rows, duplicates)}.items()))
     with open(os.path.join(out, "plan", "manifest.json")) as f:
         manifest = json.load(f)
+    if dedupe:  # the generator's prompts repeat by chance: the plan says how often
+        rejects = dict(sorted({**rejects, **{k: v for k, v in manifest["rejects_by_reason"].items()
+                                             if k == "duplicate_prompt"}}.items()))
+    records = rows - sum(rejects.values())
     slice_dir = os.path.join(out, "plan", "slices")
     slice_files = sorted(os.listdir(slice_dir)) if os.path.isdir(slice_dir) else []
     items = 0
@@ -382,6 +253,25 @@ def verify(out: str, rows: int, slice_size: int) -> dict:
     if problems:
         raise BenchError("the plan's output does not match its input:\n  " + "\n  ".join(problems))
     return {"manifest": manifest, "slice_files": len(slice_files), "slice_items": items}
+
+
+def plan_state(out: str) -> dict:
+    """{"digest": sha256 of every plan/ object's name and bytes but the input and model
+    tables (which hold times and sizes), "written": {name: mtime in ns} of those objects}."""
+    import hashlib
+
+    digest, written = hashlib.sha256(), {}
+    root = os.path.join(out, "plan")
+    for folder, _, names in sorted(os.walk(root)):
+        for name in sorted(names):
+            path = os.path.join(folder, name)
+            relative = os.path.relpath(path, out)
+            if relative in ("plan/inputs.json", "plan/input_cache.json", "plan/model_files.json"):
+                continue
+            with open(path, "rb") as f:
+                digest.update(relative.encode() + b"\0" + f.read() + b"\0")
+            written[relative] = os.stat(path).st_mtime_ns
+    return {"digest": digest.hexdigest(), "written": written}
 
 
 def _mib(kib: int) -> float:
@@ -405,7 +295,8 @@ def _machine() -> dict:
 def run(prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None, devices_per_host: int = 4,
         per_device_batch: int = 8, batches_per_slice: int = 32, beam_args: list[str] | None = None,
         model: str = "tiny", plan_command: tuple[str, ...] = PLAN_COMMAND,
-        baseline_modules: tuple[str, ...] = BASELINE_MODULES) -> dict:
+        baseline_modules: tuple[str, ...] = BASELINE_MODULES, *, dedupe: bool = False, duplicates: float = 0.0,
+        hold: bool | None = None, again: bool = False, reference: str | None = None) -> dict:
     """Generate the input, plan it in a fresh process, hold it in another; returns the report.
 
     ``workdir``: where the prompts, the plan's OUT and its logs go, kept after the run
@@ -413,101 +304,177 @@ def run(prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None,
     ``devices_per_host x per_device_batch x batches_per_slice``, as for ``plan``.
     ``plan_command``: the arguments after ``python`` that run ``promptmill plan``;
     ``baseline_modules``: what that process imports, imported by the held-in-memory process.
+    ``dedupe``: plan with ``--dedupe``; ``duplicates``: the share of rows that repeat an
+    earlier row's id (``prompts.generate``); ``hold``: measure the held-in-memory process
+    (default: up to ``HOLD_UP_TO`` prompts); ``again``: then run the same plan command
+    again on the finished plan, which keeps it: timed, and no plan object may be written
+    again; ``reference``: the root of another promptmill checkout (an earlier version),
+    whose plan of the same input, in its own fresh process right after, is measured the
+    same way and must write the same ``plan/`` bytes.
     """
     from pipeline.core import slicing
     from pipeline.model import load as model_lib
 
     beam_args = list(beam_args or [])
+    every = round(1 / duplicates) if duplicates > 0 else 0
+    hold = prompts <= HOLD_UP_TO if hold is None else hold
     slice_size = slicing.slice_size(devices_per_host, per_device_batch, batches_per_slice)
     workdir, temporary = _prepare_workdir(workdir)
     prompts_dir, out = os.path.join(workdir, "prompts"), os.path.join(workdir, "out")
     machine = _machine()
     model_lib.resolve(model)  # build the tiny model into the cache now, not inside the timed plan
-    generated = generate(prompts_dir, prompts, shards)
+    generated = prompts_lib.generate(prompts_dir, prompts, shards, duplicates=every)
     env = dict(os.environ)
 
     plan_argv = [sys.executable, *plan_command, "--prompts", os.path.join(prompts_dir, "*.jsonl"),
                  "--out", out, "--model", model, "--devices-per-host", str(devices_per_host),
                  "--per-device-batch", str(per_device_batch), "--batches-per-slice", str(batches_per_slice),
-                 *beam_args]
-    measured = run_measured(plan_argv, env, ROOT, os.path.join(workdir, "plan"))
-    if measured["exit_code"] != 0:
-        raise BenchError(f"plan exited with {measured['exit_code']} (logs in {workdir}):\n"
-                         f"{_tail(os.path.join(workdir, 'plan.stderr'))}")
-    checked = verify(out, prompts, slice_size)
+                 *(["--dedupe"] if dedupe else []), *beam_args]
+    measured = _plan(plan_argv, env, ROOT, workdir, "plan")
+    checked = verify(out, prompts, slice_size, every, dedupe)
+    planned = plan_state(out)
+    report = {
+        "bench": "plan",
+        "settings": {"prompts": prompts, "shards": shards, "model": model, "devices_per_host": devices_per_host,
+                     "per_device_batch": per_device_batch, "batches_per_slice": batches_per_slice,
+                     "slice_size": slice_size, "beam_args": beam_args, "generator_seed": prompts_lib.SEED,
+                     "dirty_every": prompts_lib.DIRTY_EVERY, "poll_s": POLL_S, "dedupe": dedupe,
+                     "duplicate_ids_every": every},
+        "machine": machine, "command": shlex.join(plan_argv[1:]), "rows": prompts, "input_bytes": generated["bytes"],
+        "input_mib": round(generated["bytes"] / MIB, 1), "generate_s": round(generated["seconds"], 2),
+        **_figures(measured, prompts), "plan_digest": planned["digest"], **checked, "verified": True}
+    if again:
+        kept = _plan(plan_argv, env, ROOT, workdir, "again")
+        if plan_state(out) != planned:
+            raise BenchError(f"the same plan again wrote plan objects again (in {out})")
+        report["again"] = {**_figures(kept, prompts), "over_first": round(kept["wall_s"] / measured["wall_s"], 4),
+                           "stage_over_first": round(kept["stage_s"] / measured["stage_s"], 4),
+                           "plan_objects_unchanged": len(planned["written"])}
+    if reference:
+        other = os.path.join(workdir, "out-reference")
+        shutil.rmtree(other, ignore_errors=True)
+        argv = [*plan_argv[:plan_argv.index("--out") + 1], other, *plan_argv[plan_argv.index("--out") + 2:]]
+        theirs = _plan(argv, env, os.path.abspath(reference), workdir, "reference")
+        verify(other, prompts, slice_size, every, dedupe)
+        same = plan_state(other)["digest"] == planned["digest"]
+        report["reference"] = {"root": os.path.abspath(reference), **_figures(theirs, prompts), "same_plan_bytes": same,
+                               "wall_ratio": round(measured["wall_s"] / theirs["wall_s"], 3),
+                               "peak_rss_ratio": round(measured["peak_rss_kib"] / theirs["peak_rss_kib"], 3)}
+        if not same:
+            raise BenchError(f"{out} and {other}: the same input planned by {reference} wrote other plan/ bytes")
+    if hold:
+        report.update(_held(generated["paths"], baseline_modules, env, workdir, prompts, measured["peak_rss_kib"]))
+    report["workdir"] = None if temporary else workdir
+    if temporary:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return report
 
-    hold_argv = [sys.executable, "-m", "pipeline.bench.plan", "hold", ",".join(baseline_modules),
-                 *generated["paths"]]
+
+def _plan(argv: list[str], env: dict, cwd: str, workdir: str, name: str) -> dict:  # one measured plan command
+    measured = run_measured(argv, env, cwd, os.path.join(workdir, name))
+    if measured["exit_code"] != 0:
+        raise BenchError(f"{name} exited with {measured['exit_code']} (logs in {workdir}):\n"
+                         f"{_tail(os.path.join(workdir, name + '.stderr'))}")
+    with open(os.path.join(workdir, name + ".stderr"), errors="replace") as f:  # the plan stage, without start-up
+        done = [json.loads(line) for line in f if '"event": "plan_done"' in line]
+    return {**measured, "stage_s": done[-1]["seconds"] if done else None}
+
+
+def _figures(measured: dict, rows: int) -> dict:
+    """Wall, CPU and peak RSS of one measured plan, and its peak per record."""
+    return {"wall_s": round(measured["wall_s"], 2), "cpu_s": round(measured["cpu_s"], 2), "stage_s": measured["stage_s"],
+            "rows_per_s": round(rows / measured["wall_s"], 1), "peak_rss_mib": _mib(measured["peak_rss_kib"]),
+            "tree_peak_rss_mib": _mib(measured["tree_peak_rss_kib"]),
+            "peak_rss_bytes_per_record": round(measured["peak_rss_kib"] * 1024 / rows, 1),
+            "tree_peak_rss_bytes_per_record": round(measured["tree_peak_rss_kib"] * 1024 / rows, 1),
+            "sampled_hwm_mib": _mib(measured["sampled_hwm_kib"]), "processes_seen": measured["processes_seen"],
+            "rss_timeline_mib": measured["timeline"]}
+
+
+def _held(paths: list[str], baseline_modules: tuple[str, ...], env: dict, workdir: str, rows: int,
+          peak: int) -> dict:
+    """The held-in-memory process's figures (see the module's docstring)."""
+    hold_argv = [sys.executable, "-m", "pipeline.bench.plan", "hold", ",".join(baseline_modules), *paths]
     held_run = run_measured(hold_argv, env, ROOT, os.path.join(workdir, "hold"))
     if held_run["exit_code"] != 0:
         raise BenchError(f"the held-in-memory process exited with {held_run['exit_code']}:\n"
                          f"{_tail(os.path.join(workdir, 'hold.stderr'))}")
     with open(os.path.join(workdir, "hold.stdout")) as f:
         held = json.loads(f.read().strip().splitlines()[-1])
-    if held["rows"] != prompts:
-        raise BenchError(f"the held-in-memory process read {held['rows']} rows, expected {prompts}")
+    if held["rows"] != rows:
+        raise BenchError(f"the held-in-memory process read {held['rows']} rows, expected {rows}")
+    baseline, increase = held["baseline_rss_kib"], held["held_increase_kib"]
+    return {"prompt_bytes": held["prompt_bytes"], "prompt_bytes_mib": round(held["prompt_bytes"] / MIB, 1),
+            "baseline_rss_mib": _mib(baseline), "baseline_import_s": round(held["import_s"], 2),
+            "plan_increment_mib": _mib(peak - baseline), "held_in_memory_rss_mib": _mib(increase),
+            "held_in_memory_total_rss_mib": _mib(held["held_rss_kib"]),
+            "held_in_memory_load_s": round(held["load_s"], 2), "held_records": held["records"],
+            "held_rejects": held["rejects"], "baseline_modules": list(baseline_modules),
+            "peak_over_held_in_memory": round(peak / increase, 3) if increase > 0 else None,
+            "increment_over_held_in_memory": round((peak - baseline) / increase, 3) if increase > 0 else None}
 
-    peak, baseline, increase = measured["peak_rss_kib"], held["baseline_rss_kib"], held["held_increase_kib"]
-    report = {
-        "bench": "plan",
-        "settings": {"prompts": prompts, "shards": shards, "model": model, "devices_per_host": devices_per_host,
-                     "per_device_batch": per_device_batch, "batches_per_slice": batches_per_slice,
-                     "slice_size": slice_size, "beam_args": beam_args, "generator_seed": SEED,
-                     "dirty_every": DIRTY_EVERY, "poll_s": POLL_S},
-        "machine": machine,
-        "command": shlex.join(plan_argv[1:]),
-        "rows": prompts,
-        "input_bytes": generated["bytes"],
-        "input_mib": round(generated["bytes"] / MIB, 1),
-        "prompt_bytes": held["prompt_bytes"],
-        "prompt_bytes_mib": round(held["prompt_bytes"] / MIB, 1),
-        "generate_s": round(generated["seconds"], 2),
-        "wall_s": round(measured["wall_s"], 2),
-        "cpu_s": round(measured["cpu_s"], 2),
-        "rows_per_s": round(prompts / measured["wall_s"], 1),
-        "peak_rss_mib": _mib(peak),
-        "tree_peak_rss_mib": _mib(measured["tree_peak_rss_kib"]),
-        "sampled_hwm_mib": _mib(measured["sampled_hwm_kib"]),
-        "processes_seen": measured["processes_seen"],
-        "rss_timeline_mib": measured["timeline"],
-        "baseline_rss_mib": _mib(baseline),
-        "baseline_import_s": round(held["import_s"], 2),
-        "plan_increment_mib": _mib(peak - baseline),
-        "held_in_memory_rss_mib": _mib(increase),
-        "held_in_memory_total_rss_mib": _mib(held["held_rss_kib"]),
-        "held_in_memory_load_s": round(held["load_s"], 2),
-        "held_records": held["records"],
-        "held_rejects": held["rejects"],
-        "baseline_modules": list(baseline_modules),
-        "peak_over_held_in_memory": round(peak / increase, 3) if increase > 0 else None,
-        "increment_over_held_in_memory": round((peak - baseline) / increase, 3) if increase > 0 else None,
-        **checked,
-        "verified": True,
-        "workdir": None if temporary else workdir,
-    }
-    if temporary:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return report
+
+def sweep(sizes: list[int], workdir: str | None = None, **options) -> dict:
+    """``run`` at each of ``sizes`` prompts (in ``workdir/N``), and how the plan's peak RSS
+    grew per record from each size to the next (bytes a record, largest process and tree)."""
+    runs = []
+    for prompts in sizes:
+        where = None if workdir is None else os.path.join(workdir, str(prompts))
+        runs.append(run(prompts, workdir=where, **options))
+    growth = [{"from": a["rows"], "to": b["rows"],
+               "peak_rss_bytes_per_record": round((b["peak_rss_mib"] - a["peak_rss_mib"]) * MIB / (b["rows"] - a["rows"]),
+                                                  1),
+               "tree_peak_rss_bytes_per_record": round((b["tree_peak_rss_mib"] - a["tree_peak_rss_mib"]) * MIB /
+                                                       (b["rows"] - a["rows"]), 1)}
+              for a, b in zip(runs, runs[1:])]
+    return {"bench": "plan", "sweep": sizes, "runs": runs, "growth": growth}
 
 
 def table(report: dict) -> str:
+    """The report (``run``'s or ``sweep``'s) for people."""
+    if "runs" in report:
+        rows = [f"{'prompts':>12} {'wall s':>8} {'CPU s':>8} {'peak RSS MiB':>13} {'tree MiB':>9} "
+                f"{'B/record':>9} {'again s':>8}  digest"]
+        for r in report["runs"]:
+            again = f"{r['again']['wall_s']:>8}" if "again" in r else f"{'':>8}"
+            rows.append(f"{r['rows']:>12,} {r['wall_s']:>8} {r['cpu_s']:>8} {r['peak_rss_mib']:>13} "
+                        f"{r['tree_peak_rss_mib']:>9} {r['peak_rss_bytes_per_record']:>9} {again}  "
+                        f"{r['plan_digest'][:12]}")
+        rows += [f"peak RSS grew {g['peak_rss_bytes_per_record']} bytes a record from {g['from']:,} to {g['to']:,} "
+                 f"prompts (tree: {g['tree_peak_rss_bytes_per_record']})" for g in report["growth"]]
+        return "plan bench sweep\n" + "\n".join(rows)
     s = report["settings"]
     rows = [
-        ("input", f"{report['rows']:,} rows in {s['shards']} jsonl shards, {report['input_mib']} MiB "
-                  f"({report['prompt_bytes_mib']} MiB of prompt text), generated in {report['generate_s']} s"),
+        ("input", f"{report['rows']:,} rows in {s['shards']} jsonl shards, {report['input_mib']} MiB, generated in "
+                  f"{report['generate_s']} s" + (f" (one in {s['duplicate_ids_every']} repeating an id)"
+                                                 if s["duplicate_ids_every"] else "")),
         ("plan", f"{report['wall_s']} s wall, {report['cpu_s']} s CPU, {report['rows_per_s']:,} rows/s, "
-                 f"{report['processes_seen']} process(es)"),
+                 f"{report['processes_seen']} process(es){', --dedupe' if s['dedupe'] else ''}"),
         ("plan peak RSS", f"{report['peak_rss_mib']} MiB (largest process), {report['tree_peak_rss_mib']} MiB "
-                          f"(tree, sampled every {s['poll_s']} s)"),
-        ("baseline RSS", f"{report['baseline_rss_mib']} MiB after importing {', '.join(report['baseline_modules'])} "
-                         f"(plan's increment over it: {report['plan_increment_mib']} MiB)"),
-        ("held in memory", f"{report['held_in_memory_rss_mib']} MiB more RSS to hold all {report['rows']:,} "
-                           f"parsed rows at once ({report['held_in_memory_total_rss_mib']} MiB in all)"),
-        ("peak / held", f"{report['peak_over_held_in_memory']} (increment / held: "
-                        f"{report['increment_over_held_in_memory']})"),
-        ("output", f"{report['manifest']['records']:,} records + {report['manifest']['rejects']} rejects, "
-                   f"{report['slice_files']} slices of {s['slice_size']}: verified"),
+                          f"(tree, sampled every {s['poll_s']} s): {report['peak_rss_bytes_per_record']} bytes a "
+                          f"record"),
     ]
+    if "again" in report:
+        again = report["again"]
+        rows.append(("plan again", f"{again['wall_s']} s wall ({again['over_first']} of the first), plan stage "
+                                   f"{again['stage_s']} s ({again['stage_over_first']} of the first's "
+                                   f"{report['stage_s']} s): the plan kept, {again['plan_objects_unchanged']} plan "
+                                   f"objects unchanged"))
+    if "reference" in report:
+        ref = report["reference"]
+        rows.append(("reference", f"{ref['root']}: {ref['wall_s']} s wall, {ref['peak_rss_mib']} MiB peak; the same "
+                                  f"plan/ bytes: {ref['same_plan_bytes']}"))
+    if "held_in_memory_rss_mib" in report:
+        rows += [
+            ("baseline RSS", f"{report['baseline_rss_mib']} MiB after importing "
+                             f"{', '.join(report['baseline_modules'])} (plan's increment over it: "
+                             f"{report['plan_increment_mib']} MiB)"),
+            ("held in memory", f"{report['held_in_memory_rss_mib']} MiB more RSS to hold all {report['rows']:,} "
+                               f"parsed rows at once ({report['held_in_memory_total_rss_mib']} MiB in all)"),
+            ("peak / held", f"{report['peak_over_held_in_memory']} (increment / held: "
+                            f"{report['increment_over_held_in_memory']})")]
+    rows.append(("output", f"{report['manifest']['records']:,} records + {report['manifest']['rejects']} rejects, "
+                           f"{report['slice_files']} slices of {s['slice_size']}: verified"))
     width = max(len(name) for name, _ in rows)
     return f"plan bench on {report['machine']['nproc']} CPUs\n" + "\n".join(
         f"{name:<{width}}  {text}" for name, text in rows)

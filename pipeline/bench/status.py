@@ -1,170 +1,260 @@
-"""``promptmill bench status``: how long ``promptmill status`` takes on a big run that is
-partly generated, on a local folder and on a GCS emulator.
+"""``promptmill bench status``: what ``promptmill status`` and a starting host read, and how
+long they take, on runs of 10k, 100k and 1M committed slices.
 
-1. **A planned run.** ``--out`` names a planned OUT (e.g. the one ``promptmill bench plan
-   --workdir W`` keeps in ``W/out``), or the bench plans one in ``WORKDIR/out``: the plan
-   bench's synthetic prompts (``pipeline.bench.plan.generate``), then ``promptmill plan``
-   in a subprocess, as that bench runs it.
-2. **Some slices committed.** The first ``committed`` share of the slices, as ``hosts``
-   hosts commit them (slice i by host i % hosts), get what a commit leaves under
-   ``OUT/shards``: the commit marker (the stats a host writes), and the metadata shard
-   and WebDataset tar as small placeholders (status never reads them: the test through
-   the recording proxy shows it, and only their names are listed). Each host gets a
-   progress object. Locally, the markers' times are spread over the last
-   ``SPREAD_S`` seconds, so the rate and ETA are computed from a real spread. Images and
-   thumbnails are not written: status neither lists nor reads them.
-3. **Timed.** ``python -m jobs.cli status OUT --json`` (``STATUS_COMMAND``) in a fresh
-   process, ``repeats`` times: the wall time of the whole command (interpreter start and
-   imports included), and status's own ``seconds`` (its reads and listings). First on
-   the local OUT, then on a GCS emulator the bench starts, holding a copy of run.json,
-   the manifest, the rejects and the committed slices' objects and progress objects
-   (not the plan's slice files: status never lists ``plan/``).
+For each size N (``--committed-slices``):
+
+1. **A run as its hosts leave it.** A run planned in ``N / COMMITTED_SHARE`` slices of
+   1,024 images (run.json and the manifest, as the plan writes them; status never reads
+   the plan's slice files, so none are written), whose first N slices are committed as
+   ``hosts`` pod hosts commit them (slice i by host i % hosts, each host a slice every
+   ``SLICE_S`` seconds, the last just now): each slice's commit marker (its stats, and
+   its time), each host's progress object and each host's ledger (``pipeline.io.ledgers``: its slices as runs of
+   its stride, counts, recent commits). Only the markers are written of each slice's
+   objects: a listing of ``shards/`` on GCS asks for the markers alone (``matchGlob``).
+2. **status, in a fresh process** (``python -m pipeline.bench.status count OUT``,
+   ``repeats`` times): the whole command's wall time, status's own ``seconds``, and the
+   storage layer's calls it made (reads, existence checks, listings, and the objects
+   the listings returned), counted by wrapping them. Then the same with the ledgers put
+   aside, so that status lists the markers, as it did before the ledgers and as it does
+   when they cannot be trusted.
+3. **A starting host** of the run (host 0), in this process: what it reads to find its
+   committed slices (``HostLedger.start``) and to decide its first slot still to do, and
+   how long that takes; then the same with the ledgers put aside (a listing of every
+   marker).
+
+Optionally (``gcs_up_to``) the same status measurement on a GCS emulator the bench starts,
+for the sizes up to that many slices, holding a copy of what status reads or lists.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from pipeline.core import naming
-from pipeline.io import storage
+from pipeline.core import buckets, naming
+from pipeline.core.settings import Run, Settings
+from pipeline.io import ledgers, runs, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STATUS_COMMAND = ("-m", "jobs.cli", "status")  # a name in a command line: nothing of jobs/ is imported
 BUCKET = "promptmill-status-bench"
-SPREAD_S = 1800.0
-PLACEHOLDER = b"placeholder: status lists this object's name and never reads it\n"
+SLICE_S = 60.0  # a host commits a slice of SLICE_SIZE images a minute (17 images/s)
+SLICE_SIZE = 1024
+COMMITTED_SHARE = 0.99  # of the planned slices: the run is still generating, so status gives a rate and an ETA
+LISTINGS = ("files", "modified_times", "listed")  # storage's calls that list objects
+COUNTED = ("read_bytes", "exists", *LISTINGS)
 
 
 class BenchError(RuntimeError):
     pass
 
 
-def commit_share(out: str, share: float, hosts: int, now: float) -> dict:
-    """Commit the first ``share`` of the planned slices of ``out`` as ``hosts`` hosts
-    would leave them under shards/ (see the module's docstring); returns what was written."""
-    manifest = storage.read_json(naming.manifest(out))
-    slices, size = manifest["slices"], manifest["slice_size"]
-    count = max(1, round(slices * share))
-    local = not storage.is_gcs(out)
-    for index in range(count):
-        images = size if index < slices - 1 else manifest["images"] - (slices - 1) * size
-        committed_ts = now - SPREAD_S * (1 - (index + 1) / count)
-        stats = {"slice": index, "host": index % hosts, "images": images, "padding": size - images,
-                 "seconds": 60.0, "images_per_s": round(images / 60.0, 3), "started_ts": round(committed_ts - 60, 3),
-                 "committed_ts": round(committed_ts, 3), "compiles_after_warmup": 0, "thumbnails": images}
-        storage.write_bytes(naming.shard_metadata(out, index), PLACEHOLDER)
-        storage.write_bytes(naming.shard_tar(out, index), PLACEHOLDER)
-        storage.write_json(naming.shard_stats(out, index), stats)
-        if local:
-            os.utime(naming.shard_stats(out, index), (committed_ts, committed_ts))
+def make_run(out: str, committed: int, hosts: int, now: float) -> dict:
+    """The run of step 1 in ``out`` (see the module's docstring); returns what was written."""
+    planned = math.ceil(committed / COMMITTED_SHARE)
+    settings = Settings(prompts="gs://bench/prompts/*.jsonl", out=out, model="tiny", width=32, height=32, steps=20,
+                        scheduler="ddim", devices_per_host=4, per_device_batch=8, batches_per_slice=32, guided=True)
+    run = Run.create(settings, "b" * 64, "2026-01-01T00:00:00+00:00", {})
+    runs.write(out, run)
+    images = planned * SLICE_SIZE - 100
+    manifest = {"slices": planned, "slice_size": SLICE_SIZE, "images": images, "records": images, "rejects": 0,
+                "rejects_by_reason": {}, "input_rows": images, "input_files": 1000}
+    storage.write_json(naming.manifest(out), manifest)
+    geometry = buckets.Geometry.of_manifest(manifest, 32, 32, 8)
+    os.makedirs(naming.join(out, "shards"), exist_ok=True)
+    def when(index: int) -> float:
+        return now - (committed - 1 - index) * SLICE_S / hosts
+
+    for index in range(committed):  # plain writes: a million small files, as fast as this machine writes them
+        path = naming.shard_stats(out, index)
+        with open(path, "w") as f:
+            json.dump({"slice": index, "host": index % hosts, "images": SLICE_SIZE, "padding": 0,
+                       "started_ts": round(when(index) - SLICE_S, 3), "committed_ts": round(when(index), 3),
+                       "thumbnails": SLICE_SIZE}, f)
+        os.utime(path, (when(index), when(index)))
     for host in range(hosts):
-        mine = [i for i in range(count) if i % hosts == host]
+        mine = range(host, committed, hosts)
+        recent = tuple((when(i), SLICE_SIZE) for i in mine if when(i) >= now - ledgers.RECENT_S)[-ledgers.RECENT_MAX:]
+        ledger = ledgers.Ledger(host, hosts, run.settings_fingerprint, planned,
+                                ((mine[0], mine[-1]),) if len(mine) else (), len(mine), len(mine) * SLICE_SIZE, (),
+                                recent, max((t for t, _ in recent), default=None), now)
+        storage.write_json(naming.ledger_file(out, host), ledger.to_json())
         storage.write_json(naming.progress_file(out, naming.progress_name(host)), {
             "name": naming.progress_name(host), "host": host, "hosts": hosts, "pid": 0, "machine": f"host-{host}",
-            "state": "generating", "started_at": now - SPREAD_S, "updated_at": now, "last_event": "slice_committed",
-            "last_event_at": now, "last_slice": mine[-1] if mine else None, "slices": len(mine),
-            "images": size * len(mine), "images_per_s": round(size / 60.0, 3), "skipped": 0, "redone": 0,
-            "redone_slices": [], "padding_slots": 0, "failure": None})
-    return {"slices": slices, "slice_size": size, "images": manifest["images"], "committed_slices": count,
-            "objects_under_shards": 3 * count, "progress_objects": hosts}
+            "state": "generating", "started_at": when(0), "updated_at": now, "last_event": "slice_committed",
+            "last_event_at": now, "last_slice": mine[-1] if len(mine) else None, "slices": len(mine),
+            "images": SLICE_SIZE * len(mine), "images_per_s": round(SLICE_SIZE / 60.0, 3), "skipped": 0,
+            "redone": 0, "redone_slices": [], "padding_slots": 0, "failure": None})
+    return {"planned_slices": planned, "committed_slices": committed, "slice_size": SLICE_SIZE,
+            "images": images, "hosts": hosts, "geometry_slices": geometry.slices}
 
 
-def copy_to(out: str, target: str, committed: int, hosts: int) -> int:
+class Counter:
+    """Counts the storage layer's calls (and the objects its listings return) inside a
+    ``with`` block."""
+
+    def __enter__(self):
+        self.calls = dict.fromkeys(COUNTED, 0)
+        self.listed = 0
+        self.real = {name: getattr(storage, name) for name in COUNTED}
+        for name, real in self.real.items():
+            setattr(storage, name, self._wrap(name, real))
+        return self
+
+    def __exit__(self, *_):
+        for name, real in self.real.items():
+            setattr(storage, name, real)
+
+    def _wrap(self, name, real):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            found = real(*args, **kwargs)
+            if name == "files":  # a stream of paths: counted as they are taken
+                return self._counted(found)
+            if name in LISTINGS:
+                self.listed += len(found)
+            return found
+        return call
+
+    def _counted(self, paths):
+        for path in paths:
+            self.listed += 1
+            yield path
+
+    def counts(self) -> dict:
+        return {"reads": self.calls["read_bytes"], "exists": self.calls["exists"],
+                "objects_read": self.calls["read_bytes"] + self.calls["exists"],
+                "listings": sum(self.calls[name] for name in LISTINGS),
+                "objects_listed": self.listed}
+
+
+def _count(out: str) -> dict:
+    """In a fresh process (``python -m pipeline.bench.status count OUT``): status, counted."""
+    from pipeline.collect import status
+
+    with Counter() as counter:
+        found = status.status(out)
+    return {"seconds": found["seconds"], **counter.counts(), "counted_from": found["committed"]["counted_from"],
+            "committed": found["committed"]["slices"], "state": found["state"]}
+
+
+def time_status(out: str, repeats: int, env: dict) -> dict:
+    """Wall seconds of status in fresh processes, its own ``seconds`` and what it read."""
+    walls, found = [], []
+    command = [sys.executable, "-m", "pipeline.bench.status", "count", out]
+    for _ in range(repeats):
+        started = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        walls.append(time.perf_counter() - started)
+        if done.returncode != 0:
+            raise BenchError(f"`{shlex.join(command)}` exited with {done.returncode}: {done.stderr[-2000:]}")
+        found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {"wall_s": [round(w, 3) for w in walls], "median_wall_s": round(statistics.median(walls), 3),
+            "median_status_s": round(statistics.median(f["seconds"] for f in found), 3), **found[-1]}
+
+
+def time_host(out: str, host: int, hosts: int) -> dict:
+    """What host ``host`` reads to find its committed slices and its first slot to do."""
+    from pipeline.output import writer
+
+    run, manifest = runs.read(out), storage.read_json(naming.manifest(out))
+    geometry = buckets.Geometry.of_manifest(manifest, run.settings.width, run.settings.height,
+                                            run.settings.per_device_batch)
+    with Counter() as counter:
+        started = time.perf_counter()
+        committed = ledgers.HostLedger(out, run, geometry, host, hosts).start()
+        first = next((slot for _, slot in buckets.host_slots(host, hosts, geometry)
+                      if slot is None or slot not in committed), None)
+        if first is not None and not writer.is_committed(out, first):  # what the host loop asks of that slot
+            writer.leftovers(out, run.settings, first)
+        seconds = time.perf_counter() - started
+    return {"seconds": round(seconds, 4), "committed": len(committed), "first_slot": first, **counter.counts()}
+
+
+def _aside(out: str) -> str:
+    """Put the ledgers aside (status and hosts then list the markers); returns where."""
+    aside = naming.join(out, "ledger-aside")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(naming.ledger_dir(out), aside)
+    return aside
+
+
+def copy_to(out: str, target: str) -> int:
     """Copy what status reads or lists of ``out`` to ``target``; returns how many objects."""
-    names = ["run.json", "plan/manifest.json"]
-    names += [os.path.relpath(p, out) for p in sorted(storage.files(naming.rejects_dir(out)))]
-    for index in range(committed):
-        names += [os.path.relpath(path, out) for path in (naming.shard_stats(out, index),
-                                                           naming.shard_metadata(out, index),
-                                                           naming.shard_tar(out, index))]
-    names += [os.path.relpath(naming.progress_file(out, naming.progress_name(h)), out) for h in range(hosts)]
+    names = [os.path.relpath(path, out) for path in sorted(storage.files(out)) if "ledger-aside" not in path]
     for name in names:
         storage.write_bytes(naming.join(target, name), storage.read_bytes(os.path.join(out, name)))
     return len(names)
 
 
-def time_status(out: str, repeats: int, env: dict) -> dict:
-    """Wall seconds of ``promptmill status OUT --json`` in fresh processes, and its own ``seconds``."""
-    walls, own, report = [], [], None
-    command = [sys.executable, *STATUS_COMMAND, out, "--json"]
-    for _ in range(repeats):
-        started = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        walls.append(time.perf_counter() - started)
-        if done.returncode != 0:
-            raise BenchError(f"`{shlex.join(command)}` exited with {done.returncode}: {done.stderr[-2000:]}")
-        report = json.loads(done.stdout)
-        own.append(report["seconds"])
-    return {"command": shlex.join(command[1:]), "wall_s": [round(w, 3) for w in walls],
-            "median_wall_s": round(statistics.median(walls), 3), "status_seconds": own,
-            "median_status_s": round(statistics.median(own), 3),
-            "reported": {"state": report["state"], "committed": report["committed"], "planned": report["planned"],
-                         "rate": report["rate"], "hosts": len(report["hosts"])}}
-
-
-def _plan(workdir: str, prompts: int, shards: int, plan_flags: list[str]) -> str:
-    from pipeline.bench import plan as plan_bench
-    from pipeline.model import load as model_lib
-
-    prompts_dir, out = os.path.join(workdir, "prompts"), os.path.join(workdir, "out")
-    model_lib.resolve("tiny")
-    plan_bench.generate(prompts_dir, prompts, shards)
-    command = [sys.executable, *plan_bench.PLAN_COMMAND, "--prompts", os.path.join(prompts_dir, "*.jsonl"),
-               "--out", out, "--model", "tiny", *plan_flags]
-    with open(os.path.join(workdir, "plan.stderr"), "w") as err:
-        if subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err).returncode != 0:
-            raise BenchError(f"the plan failed: see {os.path.join(workdir, 'plan.stderr')}")
-    return out
-
-
-def run(out: str | None = None, prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None,
-        plan_flags: tuple[str, ...] = ("--devices-per-host", "4", "--per-device-batch", "8",
-                                       "--batches-per-slice", "2"),
-        committed: float = 0.01, hosts: int = 16, repeats: int = 3, gcs: bool = True) -> dict:
+def run(sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000), hosts: int = 16, repeats: int = 3,
+        workdir: str | None = None, gcs_up_to: int = 0) -> dict:
     """The bench (see the module's docstring); returns its report."""
-    from pipeline.testing import emulator
-
-    if not 0 < committed <= 1:
-        raise ValueError(f"--committed must be a share of the slices in (0, 1], got {committed}")
-    if hosts < 1 or repeats < 1:
-        raise ValueError(f"--hosts and --repeats must be >= 1, got {hosts} and {repeats}")
-    planned_here = out is None
-    if planned_here:
-        workdir = workdir or tempfile.mkdtemp(prefix="promptmill-status-bench-")
-        os.makedirs(workdir, exist_ok=True)
-        out = _plan(workdir, prompts, shards, list(plan_flags))
-    if storage.is_gcs(out) or not os.path.exists(naming.manifest(out)):
-        raise BenchError(f"--out {out} must be a local folder holding a planned run (plan/manifest.json)")
-    storage.delete_prefix(naming.join(out, "shards"))  # the bench's own commits only
-    storage.delete_prefix(naming.progress_dir(out))
-    written = commit_share(out, committed, hosts, time.time())
-    report = {"bench": "status", "out": out, "planned_here": planned_here, "committed_share": committed,
-              "hosts": hosts, "repeats": repeats, **written,
-              "machine": {"nproc": os.cpu_count(), "loadavg_before": list(os.getloadavg())},
-              "local": time_status(out, repeats, dict(os.environ))}
-    if gcs:
-        with emulator.running(BUCKET) as url:
-            target = f"gs://{BUCKET}/run"
-            started = time.perf_counter()
-            report["gcs_objects"] = copy_to(out, target, written["committed_slices"], hosts)
-            report["gcs_upload_s"] = round(time.perf_counter() - started, 1)
-            report["gcs"] = time_status(target, repeats, {**os.environ, **emulator.env_for(url)})
+    if hosts < 1 or repeats < 1 or not sizes or min(sizes) < 1:
+        raise ValueError(f"--hosts, --repeats and every --committed-slices must be >= 1, got {hosts}, {repeats}, "
+                         f"{sizes}")
+    workdir = workdir or tempfile.mkdtemp(prefix="promptmill-status-bench-")
+    report = {"bench": "status", "hosts": hosts, "repeats": repeats, "workdir": workdir,
+              "machine": {"nproc": os.cpu_count(), "loadavg_before": list(os.getloadavg())}, "runs": []}
+    for size in sizes:
+        out = os.path.join(workdir, str(size))
+        shutil.rmtree(out, ignore_errors=True)
+        started = time.perf_counter()
+        found = {**make_run(out, size, hosts, time.time()), "written_s": round(time.perf_counter() - started, 1)}
+        found["ledgers"] = {"status": time_status(out, repeats, dict(os.environ)), "host": time_host(out, 0, hosts)}
+        if size <= gcs_up_to:
+            found["ledgers"]["gcs"] = _on_gcs(out, repeats)
+        aside = _aside(out)
+        found["listing"] = {"status": time_status(out, repeats, dict(os.environ)), "host": time_host(out, 0, hosts)}
+        if size <= gcs_up_to:
+            found["listing"]["gcs"] = _on_gcs(out, repeats)
+        shutil.rmtree(naming.ledger_dir(out), ignore_errors=True)  # the fallback wrote host 0's afresh
+        os.rename(aside, naming.ledger_dir(out))
+        report["runs"].append(found)
     return report
 
 
+def _on_gcs(out: str, repeats: int) -> dict:
+    from pipeline.testing import emulator
+
+    with emulator.running(BUCKET) as url:  # this process points at it while the block runs
+        target = f"gs://{BUCKET}/run"
+        copied = copy_to(out, target)
+        return {"objects_copied": copied, "status": time_status(target, repeats, {**os.environ,
+                                                                                  **emulator.env_for(url)})}
+
+
 def table(report: dict) -> str:
-    rows = [f"status of a run of {report['images']} planned images in {report['slices']} slices of "
-            f"{report['slice_size']}, {report['committed_slices']} committed ({report['committed_share']:.0%}), "
-            f"{report['hosts']} progress objects",
-            f"{'where':8} {'command wall s (median)':>24} {'status own s (median)':>22}  runs"]
-    for where in ("local", "gcs"):
-        if where in report:
-            r = report[where]
-            rows.append(f"{where:8} {r['median_wall_s']:>24.3f} {r['median_status_s']:>22.3f}  {r['wall_s']}")
+    rows = [f"status and a starting host on runs of {report['hosts']} hosts (slices of {SLICE_SIZE}), "
+            f"{report['repeats']} status runs each",
+            f"{'committed':>10} {'counted':>8} {'status s':>9} {'wall s':>7} {'read':>6} {'listed':>8} "
+            f"{'host s':>8} {'host read':>10} {'host listed':>12}"]
+    for r in report["runs"]:
+        for how in ("ledgers", "listing"):
+            s, h = r[how]["status"], r[how]["host"]
+            rows.append(f"{r['committed_slices']:>10,} {how:>8} {s['median_status_s']:>9} {s['median_wall_s']:>7} "
+                        f"{s['objects_read']:>6} {s['objects_listed']:>8} {h['seconds']:>8} {h['objects_read']:>10} "
+                        f"{h['objects_listed']:>12}")
+            if "gcs" in r[how]:
+                g = r[how]["gcs"]["status"]
+                rows.append(f"{'':>10} {'(gcs)':>8} {g['median_status_s']:>9} {g['median_wall_s']:>7} "
+                            f"{g['objects_read']:>6} {g['objects_listed']:>8}")
     return "\n".join(rows)
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "count":
+        print(json.dumps(_count(argv[1])))
+        return 0
+    print("usage: python -m pipeline.bench.status count OUT (a helper of `promptmill bench status`)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

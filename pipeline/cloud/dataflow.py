@@ -261,15 +261,17 @@ class Launcher:
         lines = [line for line in done.stdout.splitlines() if line.strip()]
         try:
             answer = json.loads(lines[-1])
-            return {"job_id": str(answer["job_id"]), "state": str(answer["state"])}
+            return {"job_id": str(answer["job_id"]), "state": str(answer["state"]),
+                    "plan_kept": bool(answer.get("plan_kept"))}
         except (IndexError, ValueError, KeyError, TypeError):
             raise RuntimeError(f"`{shown}` answered {done.stdout.strip()[-500:]!r}, not a JSON line with job_id "
                                f"and state") from None
 
     def launch(self, job: DataflowJob, stage: str) -> tuple[str, str]:
-        """Submit ``stage``; (job id, state) once Dataflow accepted it."""
+        """Submit ``stage``; (job id, state) once Dataflow accepted it. A plan the run keeps
+        (``dataflow_launch.launch``) submits nothing: its job id is ""."""
         answer = self._call(stage_arguments(job, stage), LAUNCH_TIMEOUT_S)
-        return answer["job_id"], answer["state"]
+        return ("" if answer["plan_kept"] else answer["job_id"]), answer["state"]
 
     def state(self, job_id: str, options: tuple[str, ...] | list[str]) -> str:
         return self._call(["state", job_id, "--", *options], STATE_TIMEOUT_S)["state"]
@@ -372,8 +374,12 @@ def submit_dataflow(job: DataflowJob, emit: Callable[[str], None] = print, launc
         job_id = None
         try:
             job_id, state = launcher.launch(job, stage)
-            emit(f"{stage} job {job_id} launched on {job.workers(stage)}")
-            wait_for_stage(launcher, job, stage, job_id, state, emit, total if stage == "generate" else None, sleep)
+            if not job_id:  # a resumed run whose plan is finished: no job was submitted
+                emit(f"plan kept: {job.out} holds this run's finished plan, and its inputs are unchanged")
+            else:
+                emit(f"{stage} job {job_id} launched on {job.workers(stage)}")
+                wait_for_stage(launcher, job, stage, job_id, state, emit, total if stage == "generate" else None,
+                               sleep)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts)
             emit(stopped_following(job, stage, job_id))
             raise

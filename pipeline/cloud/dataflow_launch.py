@@ -13,6 +13,7 @@ non-zero with the reason on stderr.
 returns once Dataflow has accepted it (it does not wait for the job):
 
   plan      ``prepare`` (run.json) here, then ``pipeline.plan.transforms.Plan``, as ``promptmill plan``
+            (a resumed run whose plan is finished keeps it, and no job is submitted)
   generate  ``pipeline.engines.beam.build_generate`` over the planned slices (manifest.json)
   collect   ``pipeline.collect.transforms.Collect``, as ``promptmill collect``
 """
@@ -22,10 +23,11 @@ STAGES = ("plan", "generate", "collect")
 
 
 def build_stage(p, stage: str, out: str, settings=None, overwrite: bool = False,
-                cap_hosts: int | None = None) -> None:
+                cap_hosts: int | None = None) -> dict | None:
     """Put ``stage``'s transforms for ``out`` on the pipeline ``p``; ``settings`` (a Settings
     whose ``out`` is ``out``), ``overwrite`` and ``cap_hosts`` (see
-    ``pipeline.plan.transforms.Plan``): plan only."""
+    ``pipeline.plan.transforms.Plan``): plan only. Returns the manifest of a finished plan
+    that a resumed run keeps (``kept_plan``), and then puts nothing on ``p``."""
     import apache_beam as beam
 
     from pipeline.core import naming
@@ -38,14 +40,19 @@ def build_stage(p, stage: str, out: str, settings=None, overwrite: bool = False,
 
         if settings is None or settings.out != out:
             raise ValueError(f"the plan of {out} needs its settings, with that out")
+        resuming = not overwrite and runs.exists(out)
         settings, _ = prepare(settings, overwrite)
-        _ = p | "Plan" >> plan.Plan(settings, cap_hosts)
-        return
+        kept = plan.kept_plan(out) if resuming else None
+        if kept is None:
+            _ = p | "Plan" >> plan.Plan(settings, cap_hosts)
+        return kept
     runs.read(out)  # a clear error when nothing was planned in OUT
     manifest = storage.read_json(naming.manifest(out))
     if stage == "generate":
         from pipeline.engines import beam as beam_engine
+        from pipeline.io import ledgers
 
+        ledgers.forget(out)  # its workers keep none: status and a later pod run list the markers
         beam_engine.build_generate(p, out, manifest["slices"])
         return
     if stage == "collect":
@@ -60,12 +67,15 @@ def build_stage(p, stage: str, out: str, settings=None, overwrite: bool = False,
 
 def launch(stage: str, out: str, options: list[str], settings=None, overwrite: bool = False,
            cap_hosts: int | None = None) -> dict:
-    """Submit ``stage`` as a Dataflow job; ``{"job_id", "state"}`` once Dataflow accepted it."""
+    """Submit ``stage`` as a Dataflow job; ``{"job_id", "state"}`` once Dataflow accepted it. A
+    resumed run whose plan is finished keeps it: nothing is submitted, and the answer is
+    ``{"job_id": "", "state": "DONE", "plan_kept": true}``."""
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
     p = beam.Pipeline(options=PipelineOptions(options))
-    build_stage(p, stage, out, settings, overwrite, cap_hosts)
+    if build_stage(p, stage, out, settings, overwrite, cap_hosts) is not None:
+        return {"job_id": "", "state": "DONE", "plan_kept": True}
     result = p.run()  # the DataflowRunner returns once the job is created, without waiting for it
     return {"job_id": result.job_id(), "state": str(result.state)}
 

@@ -17,7 +17,7 @@ from typing import Callable
 from pipeline.cloud import jobset, kubectl as kubectl_lib, program_check
 from pipeline.core import naming
 from pipeline.core.numbers import counted
-from pipeline.io import storage
+from pipeline.io import ledgers, runs, storage
 
 KUBECTL_FAILURES_TOLERATED = 5  # consecutive failed status polls before the wait gives up
 
@@ -124,7 +124,8 @@ def gke_dry_run(job: jobset.GkeJob) -> str:
         f"# 2. {base} get jobset {job.name} -o json --ignore-not-found"
         "   (a finished JobSet of this name is deleted first; a running one is waited on, not applied again)",
         f"# 3. {base} apply -f -   (stdin: the manifest below)",
-        f"# 4. wait: every {job.poll_s:g} s count {stats} (committed slices) and read "
+        f"# 4. wait: every {job.poll_s:g} s count the committed slices (the hosts' ledgers under "
+        f"{naming.ledger_dir(job.out)}, else {stats}) and read "
         f"`{base} get jobset {job.name} -o json` until its Completed condition (a Failed one is an error)",
         "# 5. collect (Beam):",
         "#    " + shlex.join(collect),
@@ -135,9 +136,12 @@ def gke_dry_run(job: jobset.GkeJob) -> str:
 
 
 def committed_slices(out: str, total: int) -> int:
-    """How many of the planned slices have their commit marker (``shards/NNNNN_stats.json``)."""
-    found = set(storage.files(naming.join(out, "shards"), "*_stats.json"))
-    return sum(naming.shard_stats(out, i) in found for i in range(total))
+    """How many of the ``total`` planned slices are committed: from the hosts' ledgers when
+    they can be trusted (O(hosts) objects: ``ledgers.committed``), else from one listing of
+    the commit markers (``shards/NNNNN_stats.json``)."""
+    if runs.exists(out) and storage.exists(naming.manifest(out)):
+        return ledgers.committed(out, runs.read(out), storage.read_json(naming.manifest(out))).slices
+    return sum(index < total for index in runs.committed(out))
 
 
 def apply_jobset(kubectl: kubectl_lib.Kubectl, job: jobset.GkeJob, emit: Callable[[str], None]) -> str:

@@ -1,10 +1,13 @@
 """``promptmill status OUT``: where a run stands, from any machine, for OUT local or gs://.
 
 It reads run.json, the plan manifest, the hosts' progress objects
-(``pipeline.generate.progress``) and, once collect has run, ``dataset/stats.json``, and
-lists the commit markers (one listing of ``OUT/shards``: names and times, no marker is
-read). It never reads an image, a metadata shard or a plan slice, so it takes the same
-few requests on a million-image run as on a tiny one.
+(``pipeline.generate.progress``), the hosts' ledgers of their committed slices
+(``pipeline.io.ledgers``: O(hosts) objects, however many slices) and, once collect has
+run, ``dataset/stats.json``. Where the ledgers are not one consistent, current set (a run
+of the beam engine, hosts of an older version, a host killed between its marker and its
+ledger), it lists the commit markers instead (one listing of ``OUT/shards``: names and
+times, no marker is read), and says why. It never reads an image, a metadata shard or a
+plan slice.
 
 From those it reports (``report``, pure): the settings in one line; slices and images
 committed out of planned (a committed slice holds ``slice_size`` images, the last slice
@@ -26,7 +29,7 @@ from pipeline.core import buckets, filters, interrupts, logs, naming
 from pipeline.core.numbers import counted
 from pipeline.core.settings import Run, guided_by_records_line
 from pipeline.generate import progress as progress_lib
-from pipeline.io import runs, storage
+from pipeline.io import ledgers, runs, storage
 
 RATE_WINDOW_S = 600.0  # the rate is over the commits of the last ten minutes
 STALE_AFTER_S = 12 * progress_lib.INTERVAL_S  # a running host's progress older than this: it stopped writing
@@ -78,28 +81,29 @@ def settings_line(run: Run, planned: bool = True) -> str:
 
 
 def _slice_sizes(s) -> str:
-    """The slice size, or each size's (a run of several sizes: "8/8/4")."""
-    if not s.sizes:
-        return str(s.slice_size)
+    """The slice size, or each size's (a run of several sizes: "8/8/4"); "auto" until the
+    plan under way decides it."""
     try:
-        return "/".join(str(s.for_bucket(i).slice_size) for i in range(len(s.sizes)))
-    except ValueError:  # not resolved yet (a plan under way)
-        return str(s.slice_size)
+        if not s.sizes:
+            return str(s.slice_size)
+        try:
+            return "/".join(str(s.for_bucket(i).slice_size) for i in range(len(s.sizes)))
+        except ValueError:  # the sizes not resolved yet (a plan under way)
+            return str(s.slice_size)
+    except ValueError:
+        return "auto"
 
 
-def size_progress(manifest: dict | None, committed) -> list[dict]:
+def size_progress(manifest: dict | None, committed: ledgers.Committed) -> list[dict]:
     """[{size, slices, committed_slices, images, committed_images, slice_size}] of each size of
-    a plan of several sizes, from its manifest and the committed slice indices; [] for one
+    a plan of several sizes, from its manifest and what is committed of each; [] for one
     size (pure)."""
     if not manifest or not manifest.get("buckets"):
         return []
-    rows = []
-    for bucket in manifest["buckets"]:
-        indices = [i for i in range(bucket["first_slice"], bucket["first_slice"] + bucket["slices"]) if i in committed]
-        rows.append({"size": bucket["size"], "slices": bucket["slices"], "committed_slices": len(indices),
-                     "images": bucket["images"], "committed_images": sum(slice_images(i, manifest) for i in indices),
-                     "slice_size": bucket["slice_size"]})
-    return rows
+    done = committed.by_size or [(0, 0)] * len(manifest["buckets"])
+    return [{"size": bucket["size"], "slices": bucket["slices"], "committed_slices": slices, "images": bucket["images"],
+             "committed_images": images, "slice_size": bucket["slice_size"]}
+            for bucket, (slices, images) in zip(manifest["buckets"], done)]
 
 
 def commit_rate(times: list[float], images: list[int], now: float, window_s: float = RATE_WINDOW_S) \
@@ -144,15 +148,14 @@ def run_state(committed: int, planned: int, hosts: list[dict], collect: dict) ->
     return "idle"
 
 
-def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float], progress: list[dict],
+def report(out: str, run: Run, manifest: dict | None, committed: ledgers.Committed, progress: list[dict],
            dataset_stats: dict | None, now: float, host_logs: frozenset[int] = frozenset()) -> dict:
     """The status of the run in ``out`` (pure), from what ``gather`` read; ``host_logs``:
     the hosts whose log a local run keeps in ``OUT/logs``."""
     planned_slices = manifest["slices"] if manifest else 0
-    indices = sorted(i for i in committed if i < planned_slices)
-    sizes = [slice_images(i, manifest) for i in indices] if manifest else []
-    images = sum(sizes)
-    rate = commit_rate([committed[i] for i in indices], sizes, now)
+    images = committed.images
+    rates = [commit_rate([t for t, _ in group], [n for _, n in group], now) for group in committed.recent]
+    rate = sum(r for r in rates if r is not None) if any(r is not None for r in rates) else None
     hosts = sorted((host_view(p, now) for p in progress), key=lambda h: (h["host"] is None, h["host"], h["name"]))
     for h in hosts:  # a local run's launcher keeps each host's log under OUT
         h["log"] = naming.host_log(naming.logs_dir(out), h["host"]) if h["host"] in host_logs else None
@@ -162,7 +165,7 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
                "dropped": (dataset_stats.get("dropped") or {}).get("images", 0) if dataset_stats else None,
                "problems": {kind: v["count"] for kind, v in dataset_stats.get("problems", {}).items()}
                if dataset_stats else {}}
-    state = run_state(len(indices), planned_slices, hosts, collect) if manifest else "planning"
+    state = run_state(committed.slices, planned_slices, hosts, collect) if manifest else "planning"
     remaining = (manifest["images"] - images) if manifest else None
     eta = remaining / rate if rate and remaining and state == "generating" else None
     redone = sorted({i for p in progress for i in p.get("redone_slices", []) if i is not None})
@@ -173,9 +176,11 @@ def report(out: str, run: Run, manifest: dict | None, committed: dict[int, float
         "settings_fingerprint": run.settings_fingerprint if manifest else None,
         "planned": {"slices": planned_slices, "images": manifest["images"] if manifest else None,
                     "records": manifest["records"] if manifest else None},
-        "committed": {"slices": len(indices), "images": images,
-                      "last_at": round(max(committed[i] for i in indices), 3) if indices else None},
-        "sizes": size_progress(manifest, set(indices)),
+        "committed": {"slices": committed.slices, "images": images,
+                      "last_at": round(committed.last_at, 3) if committed.last_at is not None else None,
+                      "counted_from": committed.source, "why_listed": committed.note,
+                      "objects_read": committed.objects_read},
+        "sizes": size_progress(manifest, committed),
         "guided_by_records": manifest.get("guided_by_records") if manifest else None,
         "rejects": {"count": manifest["rejects"] if manifest else None,
                     "by_reason": manifest.get("rejects_by_reason", {}) if manifest else {}},
@@ -206,19 +211,20 @@ def _read_progress(path: str) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def gather(out: str) -> tuple[Run, dict | None, dict[int, float], list[dict], dict | None, frozenset[int]]:
+def gather(out: str) -> tuple[Run, dict | None, ledgers.Committed, list[dict], dict | None, frozenset[int]]:
     """What ``report`` needs, read from ``out``: run.json (RunNotPlanned if there is
-    none), the manifest (None while planning), the commit markers' times, the progress
-    objects, collect's stats (None until it ran), and the hosts whose log is under OUT
-    (a local run's; those of a gs:// run are not)."""
+    none), the manifest (None while planning), what is committed (``ledgers.committed``),
+    the progress objects, collect's stats (None until it ran), and the hosts whose log is
+    under OUT (a local run's; those of a gs:// run are not)."""
     run = runs.read(out)
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="status") as pool:
         manifest = pool.submit(_read_json, naming.manifest(out))
-        committed = pool.submit(runs.committed, out)
         stats = pool.submit(_read_json, naming.dataset_file(out, "stats.json"))
         paths = sorted(storage.files(naming.progress_dir(out), "*.json"))
         progress = [p for p in pool.map(_read_progress, paths) if p is not None]
-        return run, manifest.result(), committed.result(), progress, stats.result(), _local_host_logs(out)
+        manifest = manifest.result()
+        committed = ledgers.committed(out, run, manifest) if manifest else ledgers.from_times({}, None)
+        return run, manifest, committed, progress, stats.result(), _local_host_logs(out)
 
 
 def _local_host_logs(out: str) -> frozenset[int]:
@@ -275,6 +281,8 @@ def format_text(r: dict) -> str:
         share = 100 * committed["slices"] / planned["slices"] if planned["slices"] else 100.0
         lines.append(f"  slices    {committed['slices']}/{planned['slices']} committed ({share:.0f}%); "
                      f"images {committed['images']}/{planned['images']}")
+        if committed.get("why_listed"):
+            lines.append(f"  counted   from a listing of the commit markers: {committed['why_listed']}")
         for n, size in enumerate(r.get("sizes", [])):
             lines.append(f"  {'sizes' if n == 0 else '':<10}{size['size']}: {size['committed_slices']}/{size['slices']}"
                          f" slices, images {size['committed_images']}/{size['images']} (slice {size['slice_size']})")

@@ -183,6 +183,20 @@ def plan_scan(out: str, source: str) -> str:
     return join(out, "plan", "scans", f"{key_stem(source)}.npz")
 
 
+@writes(r"plan/scans/[A-Za-z0-9_-]+\.(ids|prompts)")
+def plan_section(out: str, source: str, kind: str) -> str:
+    """One input file's id or prompt hashes, sorted by hash (``kind``: "ids" or "prompts",
+    ``pipeline.plan.duplicates``); deleted with its scan."""
+    return join(out, "plan", "scans", f"{key_stem(source)}.{kind}")
+
+
+@writes(r"plan/input_cache\.json")
+def input_cache(out: str) -> str:
+    """The local prompt files' checksums by size and modification time, so that a resume
+    reads only a file that changed (``pipeline.plan.input_table``)."""
+    return join(out, "plan", "input_cache.json")
+
+
 @writes(r"plan/rejects/[A-Za-z0-9_-]+\.jsonl")
 def rejects_dir(out: str) -> str:
     return join(out, "plan", "rejects")
@@ -326,3 +340,15 @@ def progress_name(host: int) -> str:
 def progress_file(out: str, name: str) -> str:
     """One host's progress object (``name``: ``progress_name``), rewritten while it runs."""
     return join(progress_dir(out), f"{name}.json")
+
+
+@writes(r"ledger/host-\d{5,}\.json")
+def ledger_dir(out: str) -> str:
+    """The hosts' ledgers of their committed slices (``pipeline.io.ledgers``)."""
+    return join(out, "ledger")
+
+
+@writes(r"ledger/host-\d{5,}\.json")
+def ledger_file(out: str, host: int) -> str:
+    """Pod host ``host``'s ledger, written whole after each of its commits."""
+    return join(ledger_dir(out), f"host-{host:05d}.json")

@@ -62,7 +62,10 @@ class Settings:
     per_device_batch: int | str = 1  # "auto": the largest that fits a device, chosen before planning
     # the memory of one device in GiB, for --per-device-batch auto (None: the device's own figure)
     device_memory: float | None = None
-    batches_per_slice: int = 2
+    # device steps per slice; "auto": decided by the plan once it knows the run's images
+    # (``slicing.auto_batches_per_slice``: today's 2 under a million images, about 1,024 images
+    # a slice from a million), recorded in run.json, and a resumed run keeps its own
+    batches_per_slice: int | str = "auto"
     devices_per_host: int = 1
     # FSDP (pipeline.generate.sharding): each host's weights sharded over groups of this many of
     # its devices, gathered as they are used; 1: a whole copy on every device (the pmapped
@@ -123,6 +126,9 @@ class Settings:
         if self.per_device_batch == AUTO:
             raise ValueError("--per-device-batch auto is resolved to a number before planning "
                              "(pipeline.generate.fit.resolve_per_device_batch)")
+        if self.batches_per_slice == AUTO:
+            raise ValueError("--batches-per-slice auto is resolved to a number when planning, once the run's images "
+                             "are counted (pipeline.plan.decide.decide_batches_per_slice)")
         return slicing.slice_size(self.devices_per_host, self.per_device_batch, self.batches_per_slice)
 
     def validate(self) -> "Settings":
@@ -135,7 +141,7 @@ class Settings:
             _check_int("--steps", self.steps, 1, MAX_STEPS, "a sampler's steps; each family may allow fewer")
         _check_int("--per-device-batch", self.per_device_batch, 1, MAX_PER_DEVICE_BATCH, "images per device "
                    "and batch", AUTO)
-        _check_int("--batches-per-slice", self.batches_per_slice, 1, MAX_BATCHES_PER_SLICE, "batches per slice")
+        _check_int("--batches-per-slice", self.batches_per_slice, 1, MAX_BATCHES_PER_SLICE, "batches per slice", AUTO)
         _check_int("--devices-per-host", self.devices_per_host, 1, MAX_DEVICES_PER_HOST, "devices of one host")
         if not 0 <= self.seed < keys.MAX_SEED:
             raise ValueError(f"--seed must be in [0, 2**63), got {self.seed}")
@@ -187,8 +193,9 @@ class Settings:
             raise ValueError(f"--device-memory must be a number of GiB in (0, {MAX_DEVICE_MEMORY}], "
                              f"got {self.device_memory}")
         self._validate_scores()
-        if self.per_device_batch == AUTO:
-            slicing.slice_size(self.devices_per_host, 1, self.batches_per_slice)  # the two other factors
+        if AUTO in (self.per_device_batch, self.batches_per_slice):  # the factors that are numbers
+            slicing.slice_size(self.devices_per_host, 1 if self.per_device_batch == AUTO else self.per_device_batch,
+                               1 if self.batches_per_slice == AUTO else self.batches_per_slice)
         else:
             self.slice_size  # validates the three slice factors
         if self.fsdp != AUTO:
@@ -300,7 +307,7 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
-AUTO = "auto"  # --per-device-batch auto
+AUTO = "auto"  # --per-device-batch auto, --batches-per-slice auto, ...
 
 
 def parse_lora(spec: str) -> tuple[str, float]:

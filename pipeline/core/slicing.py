@@ -85,3 +85,21 @@ def most_per_device(images: int, hosts: int, devices_per_host: int) -> int:
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     return max(1, math.ceil(images / (hosts * devices_per_host)))
+
+
+# --batches-per-slice auto (``auto_batches_per_slice``)
+SMALL_RUN_BATCHES_PER_SLICE = 2  # the slices a small run has always had (64 images at 4 chips x batch 8)
+LARGE_RUN_IMAGES = 1_000_000  # from here slices hold about LARGE_RUN_SLICE_IMAGES
+LARGE_RUN_SLICE_IMAGES = 1024
+
+
+def auto_batches_per_slice(images: int, devices_per_host: int, per_device_batch: int, most: int) -> int:
+    """``--batches-per-slice auto`` for a run of ``images`` images: 2 under a million images,
+    where small slices spread a small run over many hosts; from a million, the batches
+    that make about 1,024 images a slice (at least 2, at most ``most``), so a billion
+    images make a million slices, not 16 million, and every per-slice object and listing
+    is 16 times fewer."""
+    if images < LARGE_RUN_IMAGES:
+        return SMALL_RUN_BATCHES_PER_SLICE
+    step = slice_size(devices_per_host, per_device_batch, 1)
+    return max(SMALL_RUN_BATCHES_PER_SLICE, min(most, round(LARGE_RUN_SLICE_IMAGES / step)))

@@ -7,12 +7,13 @@ Given the same settings and per-device batch, both engines write byte-identical 
 
   Plan            ``pipeline.plan.transforms.Plan``: prompt files -> slices -> the manifest
                   (one element)
-  Slices          the manifest -> its slice indices
-  SpreadSlices    Reshuffle: the slices spread over the workers
+  Slices          the manifest's slice count -> its slice indices, spread over the workers
+                  (``SliceIndices``: the count in chunks, each chunk enumerated by a worker)
   Generate        ``GenerateSlicesFn``: the model, loaded once per worker process in ``setup``; per
                   slice, a committed slice is skipped (resume), any other is generated,
                   written and committed by ``host_loop.run_slice``; emits the slice's stats
-  AllGenerated    a global combine of the generated slice indices
+  AllGenerated    the generated slice indices, counted per index and combined
+                  (``plan.IndexSpan``: no worker lists them)
   Barrier         once every slice has come out of Generate exactly once, i.e. every slice
                   is committed (``release_collect``): the manifest, released to collect
   Collect         ``pipeline.collect.transforms.Collect``, the same transform ``run_collect``
@@ -49,7 +50,6 @@ slices_generated, slices_skipped, slices_redone, images.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
@@ -73,7 +73,7 @@ from pipeline.core import buckets, logs, naming, slicing
 from pipeline.core.settings import Run, Settings
 from pipeline.generate import compile_cache as cache_lib
 from pipeline.generate import bucket_programs, environment, fit, host_loop, jax_events, runtime, scoring
-from pipeline.io import beamio, runs, storage
+from pipeline.io import beamio, ledgers, runs, storage
 from pipeline.model.layers.attention import check_platform
 from pipeline.plan import transforms as plan
 from pipeline.plan.prepare import prepare
@@ -135,18 +135,13 @@ def check_devices(found: int, wanted: int, platform: str = "") -> None:
             f"{wanted} itself, unless JAX already started in this process)")
 
 
-def release_collect(generated: list[int], manifest: dict) -> list[int]:
+def release_collect(span: plan.Span, manifest: dict) -> dict:
     """The barrier between generate and collect (pure): every planned slice came out of
-    Generate (committed, or found committed) exactly once; returns the slices to verify."""
-    counts = collections.Counter(generated)
-    expected = list(range(manifest["slices"]))
-    if sorted(counts) != expected or any(n != 1 for n in counts.values()):
-        missing = sorted(set(expected) - set(counts))
-        doubled = sorted(s for s, n in counts.items() if n > 1)
-        unplanned = sorted(set(counts) - set(expected))
-        raise BeamEngineError(f"generate emitted {len(generated)} slice(s) for {manifest['slices']} planned: "
-                              f"missing {missing[:20]}, more than once {doubled[:20]}, not planned {unplanned[:20]}")
-    return expected
+    Generate (committed, or found committed) exactly once (``span``: what ``plan.IndexSpan``
+    counted of them); returns the manifest, for collect."""
+    if not span.exactly(manifest["slices"]):
+        raise BeamEngineError(f"generate emitted {span.describe(manifest['slices'])}")
+    return manifest
 
 
 def worker_id(machine: str, pid: int) -> int:
@@ -303,7 +298,7 @@ class GenerateSlicesFn(beam.DoFn):
 
     def _ready(self, index: int):
         """The run and its plan's sizes, read on the first slice (only then does run.json hold
-        the plan's decisions: ``plan.transforms.decide``), and the worker of slice ``index``'s
+        the plan's decisions: ``pipeline.plan.decide``), and the worker of slice ``index``'s
         size, built when a slice of that size first comes."""
         if self.run is None:
             run = runs.read(self.out)  # every worker makes the images in the run's environment, which rows name
@@ -410,27 +405,28 @@ class GenerateSlicesFn(beam.DoFn):
                        waited_s=round(watch.seconds(), 3))
 
 
-def _release(generated: list[int], manifest: dict) -> dict:
-    release_collect(generated, manifest)
-    return manifest
-
-
 def build(p, settings: Settings, run: Run, thumbnails: bool = True, compile_cache: str | None = None,
-          cap_hosts: int | None = None, gallery: dict | None = None):
+          cap_hosts: int | None = None, gallery: dict | None = None, *, kept: dict | None = None):
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
     returns the PCollection of stats.json's content. ``compile_cache``: a folder checked
     by ``compile_cache.resolve``; ``cap_hosts``: see ``plan.Plan``; ``gallery``: the
-    gallery's options (``collect.Collect``'s page_size, gallery_max, gallery_order)."""
+    gallery's options (``collect.Collect``'s page_size, gallery_max, gallery_order);
+    ``kept``: the manifest of a finished plan that a resumed run keeps (``plan.kept_plan``),
+    which then is not planned again."""
     out = settings.out
-    manifest = p | "Plan" >> plan.Plan(settings, cap_hosts)
+    if kept is not None:
+        manifest = p | "KeptPlan" >> beam.Create([kept])
+    else:
+        manifest = p | "Plan" >> plan.Plan(settings, cap_hosts)
     generated = (manifest
-                 | "Slices" >> beam.FlatMap(lambda m: range(m["slices"]))
-                 | "SpreadSlices" >> beam.Reshuffle()
+                 | "SliceCount" >> beam.Map(lambda m: m["slices"])
+                 | "Slices" >> SliceIndices()
                  | "Generate" >> beam.ParDo(GenerateSlicesFn(out, compile_cache)))
-    released = (generated
-                | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
-                | "AllGenerated" >> beam.combiners.ToList()
-                | "Barrier" >> beam.Map(_release, beam.pvalue.AsSingleton(manifest)))
+    span = (generated
+            | "SliceIndices" >> beam.Map(lambda stats: stats["slice"])
+            | "AllGenerated" >> plan.IndexSpan())
+    released = manifest | "Barrier" >> beam.Map(
+        lambda m, found: release_collect(found, m), beam.pvalue.AsSingleton(span, default_value=plan.NO_SPAN))
     return released | "Collect" >> collect.Collect(out, run, thumbnails=thumbnails, **(gallery or {}))
 
 
@@ -438,11 +434,38 @@ def build_generate(p, out: str, slices: int):
     """Only the Generate step, on ``p``, for the ``slices`` slices already planned in ``out``
     (run.json and the manifest written): what ``submit dataflow`` runs as its TPU job, between
     a plan job and a collect job on CPU workers. Returns the PCollection of slice stats.
-    The same DoFn as ``build``, so resume, retries and bytes are the same as there."""
+    The same DoFn as ``build``, so resume, retries and bytes are the same as there. The job's
+    graph holds the count, not the slices (``SliceIndices``): Dataflow refuses a graph over
+    10 MB, which a list of 15M slice numbers is."""
     return (p
-            | "Slices" >> beam.Create(list(range(slices)))
-            | "SpreadSlices" >> beam.Reshuffle()
+            | "SliceCount" >> beam.Create([slices])
+            | "Slices" >> SliceIndices()
             | "Generate" >> beam.ParDo(GenerateSlicesFn(out)))
+
+
+SLICES_PER_CHUNK = 4096  # slice numbers one worker enumerates from a chunk
+
+
+def _chunks(count: int):
+    return ((start, min(start + SLICES_PER_CHUNK, count)) for start in range(0, count, SLICES_PER_CHUNK))
+
+
+def _indices(chunk: tuple[int, int]):
+    return range(*chunk)
+
+
+class SliceIndices(beam.PTransform):
+    """A slice count (one element) -> the slice numbers 0 .. count-1, spread over the
+    workers: the count is cut into chunks, the chunks are spread, each worker enumerates its
+    own, and the numbers are spread again. Nothing in the job's graph grows with the count,
+    and no worker enumerates every slice."""
+
+    def expand(self, count):
+        return (count
+                | "Chunks" >> beam.FlatMap(_chunks)
+                | "SpreadChunks" >> beam.Reshuffle()
+                | "Indices" >> beam.FlatMap(_indices)
+                | "SpreadSlices" >> beam.Reshuffle())
 
 
 def counters(result, namespace: str) -> dict:
@@ -476,11 +499,14 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     # workers come and go, so the batch is capped for one worker's devices
     cap = fit.cap_hosts(settings, 1, overwrite)
     settings = fit.resolve_per_device_batch(settings, overwrite)
+    resuming = not overwrite and runs.exists(settings.out)
     settings, run = prepare(settings, overwrite)
+    kept = plan.kept_plan(settings.out) if resuming else None
+    ledgers.forget(settings.out)  # its workers keep none: status and a later pod run list the markers
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
-               devices_per_host=settings.devices_per_host, slice_size=settings.slice_size)
+               devices_per_host=settings.devices_per_host, batches_per_slice=settings.batches_per_slice)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
-    build(p, settings, run, gallery_thumbnails, compile_cache, cap, gallery)
+    build(p, settings, run, gallery_thumbnails, compile_cache, cap, gallery, kept=kept)
     result = p.run()
     result.wait_until_finish()
     manifest = storage.read_json(naming.manifest(settings.out))

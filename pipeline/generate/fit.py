@@ -307,7 +307,7 @@ def cap_hosts(asked, hosts: int, overwrite: bool = False) -> int | None:
     chosen afresh for this plan, else None (a number was given, or a resumed run keeps the
     batch its slices were cut with). The plan then lowers auto's choice, the most that fits
     a device, to the most the run can fill on ``hosts`` hosts
-    (``pipeline.plan.transforms.decide_per_device_batch``): a larger batch would only run
+    (``pipeline.plan.decide.decide_per_device_batch``): a larger batch would only run
     padding rows."""
     from pipeline.core.settings import AUTO
     from pipeline.io import runs

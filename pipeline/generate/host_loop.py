@@ -20,7 +20,7 @@ from pipeline.core.settings import Run
 from pipeline.generate import (bucket_programs, cluster, environment, jax_events, progress, runtime, scoring,
                                stopping)
 from pipeline.generate.generator import Generator
-from pipeline.io import lease, runs
+from pipeline.io import lease, ledgers
 from pipeline.output import writer
 
 WRITER_THREADS = 8  # encoders and uploaders; JAX releases the GIL while devices work
@@ -347,8 +347,10 @@ def _run_host(out: str, run: Run, manifest: dict, cluster_place: tuple[int, int]
     logs.event("host_started", host=host, hosts=num_hosts, slices=manifest["slices"])
     started = logs.Stopwatch()
     geometry = buckets.Geometry.of_manifest(manifest, settings.width, settings.height, settings.per_device_batch)
-    # a resumed run's committed slices, from one listing of the commit markers (not a request per slot)
-    committed_before = runs.committed(out)
+    # a resumed run's committed slices of this host, from its ledger (a listing of the markers when
+    # the ledger cannot be trusted), which it adds each commit to
+    ledger = ledgers.HostLedger(out, run, geometry, host, num_hosts)
+    committed_before = ledger.start()
     # a run of several sizes starts with the programs of the first size this host has work of: the
     # sizes no record asked for, or whose every slice this host would run is committed and that hold
     # no padding slot of it, are never made
@@ -407,6 +409,7 @@ def _run_host(out: str, run: Run, manifest: dict, cluster_place: tuple[int, int]
                 continue
             decision = runtime.SliceDecision("skip") if slot in committed_before else runtime.decide(out, settings, slot)
             if decision.action == "skip":
+                ledger.add(slot, geometry.slice_images(slot))  # a commit its ledger had missed, found by its marker
                 counts["skipped"] += 1
                 logs.event("slice_skipped", host=host, slice=slot)
                 continue
@@ -416,6 +419,7 @@ def _run_host(out: str, run: Run, manifest: dict, cluster_place: tuple[int, int]
             yield (bucket, slot)
 
     def committed(stats: dict) -> None:
+        ledger.add(stats["slice"], stats["images"], stats["committed_ts"])
         logs.event("slice_committed", **stats)
         crashpoints.reached("committed", host)
 

@@ -21,6 +21,7 @@ expand patterns into file lists with ``storage.glob`` and read each file here.
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -157,6 +158,39 @@ def open_read(path: str, compression_type: str = CompressionTypes.UNCOMPRESSED):
 def read_bytes(path: str) -> bytes:
     with open_read(path) as f:
         return f.read()
+
+
+def read_range(path: str, start: int, length: int) -> bytes:
+    """``length`` bytes of the object from byte ``start``, in one ranged request on GCS.
+
+    Why not ``open_read`` and seek: Beam's GCS reader fetches ahead in 16 MiB chunks, so
+    a few hundred bytes from each of many objects would download megabytes from each.
+    On GCS this asks Beam's own client (``gcsio``, with its credentials) for the range
+    alone, with google-cloud-storage's default retry of 429, 5xx and connection errors."""
+    if length <= 0:
+        return b""
+    if not path.startswith("gs://"):
+        with _filesystems().open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+            f.seek(start)
+            return f.read(length)
+    from apache_beam.io.gcp.gcsio import parse_gcs_path
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    bucket, name = parse_gcs_path(path)
+    data = _gcsio().client.bucket(bucket).blob(name).download_as_bytes(start=start, end=start + length - 1,
+                                                                       retry=DEFAULT_RETRY)
+    if len(data) != length:
+        raise OSError(f"{path}: asked for bytes {start}..{start + length - 1}, got {len(data)} bytes")
+    return data
+
+
+@functools.lru_cache(maxsize=None)
+def _gcsio():
+    """The process's Beam GCS client (one per process, as Beam's filesystem keeps one)."""
+    from apache_beam.io.gcp import gcsio
+
+    use_emulator_credentials()
+    return gcsio.GcsIO()
 
 
 def read_text(path: str) -> str:

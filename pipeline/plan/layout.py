@@ -1,15 +1,18 @@
 """The plan's first pass and its layout, as plain functions (no Beam transforms): rows
 checked into records, one file's scan, and where every record goes.
 
-  match_prompt_files  a pattern -> its prompt files, each of a known format
+  prompt_files        a pattern -> its prompt files, each of a known format, with their
+                      sizes (and on GCS checksums) from one listing
   validated           one file's rows -> ``Record`` or ``Reject``, in file order
   scan_file           one file -> a ``FileScan``: its row count, rejects by reason, and per
                       valid record its line, image count, whether its guidance is > 1, and
                       16-byte hashes of its id and (with dedupe) prompt;
-                      ``save_scan``/``load_scan`` keep it as an npz
-  make_layout         every FileScan -> a ``Layout`` (pure): the duplicate checks, each
-                      file's first global position, in (source, line) order, and whether
-                      any kept record is guided
+                      ``save_scan``/``load_scan`` keep it (but its hashes) as an npz
+  count_file          a FileScan and its rows the duplicate checks reject
+                      (``pipeline.plan.duplicates``) -> its ``FileCounts``
+  make_layout         every file's FileCounts -> a ``Layout`` (pure): each file's first
+                      global position, in (source, line) order, and whether any kept
+                      record is guided: one entry a file, nothing a record
 
 ``pipeline.plan.transforms`` runs these inside the plan pipeline.
 """
@@ -57,12 +60,18 @@ def auto_id(source: str, root: str, line: int) -> str:
 
 def match_prompt_files(pattern: str) -> list[str]:
     """The files of ``pattern`` (``storage.glob``); PlanError if one has an unknown format."""
+    return sorted(prompt_files(pattern))
+
+
+def prompt_files(pattern: str) -> dict[str, storage.Listed]:
+    """{file: what its listing says of it} of ``pattern``'s files (``storage.listed``: one
+    listing on GCS); PlanError if one has an unknown format or is not a file."""
     try:
-        paths = storage.glob(pattern)
-        inputs.check_formats(paths)
+        found = storage.listed(pattern)
+        inputs.check_formats(sorted(found))
     except (inputs.UnsupportedInput, listing.NotAPromptFile) as e:
         raise PlanError(str(e)) from None
-    return paths
+    return found
 
 
 def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
@@ -136,12 +145,40 @@ def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt",
                     as_hashes(ids), as_hashes(prompts), np.asarray(guided, bool), np.asarray(sized, np.int16))
 
 
+@dataclasses.dataclass(frozen=True)
+class FileCounts:
+    """What the layout needs of one file once its duplicates are known: its rows, its
+    rejects by reason (the duplicate checks' included), and of its kept records, per size
+    (bucket), the records and images; how many ask for guidance, and the first one's line."""
+    source: str
+    rows: int
+    reasons: dict
+    bucket_records: tuple[int, ...]
+    bucket_images: tuple[int, ...]
+    guided_records: int = 0
+    first_guided: int | None = None  # the line of the first kept record that asks for guidance
+
+
+def count_file(scan: FileScan, drops, num_buckets: int = 1) -> FileCounts:
+    """``scan``'s counts once the rows in ``drops`` (``duplicates.Drops``) are rejected (pure)."""
+    kept = ~np.isin(scan.lines, drops.lines)
+    sized = scan.buckets if scan.buckets is not None else np.zeros(len(scan.lines), np.int16)
+    images = np.where(kept, scan.images, 0).astype(np.int64)
+    asking = np.flatnonzero(scan.guided & kept)
+    reasons = collections.Counter(scan.reasons)
+    reasons.update(drops.reason_counts())
+    return FileCounts(scan.source, scan.rows, dict(reasons),
+                      tuple(int(((sized == b) & kept).sum()) for b in range(num_buckets)),
+                      tuple(int(images[sized == b].sum()) for b in range(num_buckets)),
+                      len(asking), int(scan.lines[asking[0]]) if len(asking) else None)
+
+
 @dataclasses.dataclass
 class Layout:
-    """Where each file's records go, and which rows the duplicate checks reject."""
+    """Where each file's records go: each file's first position (per size), the run's
+    totals, and whether a kept record asks for guidance. One entry a file, none a record."""
     first: dict  # source -> its first image's global position
     images_of: dict  # source -> its images
-    drops: dict  # source -> {line: (reason, message)}
     rows: int
     records: int
     images: int
@@ -150,14 +187,14 @@ class Layout:
     guided_records: int = 0  # the kept records whose guidance (their own, else the run's) asks for it
     first_guided: str | None = None  # the first of them, "SOURCE line N"
     guided_by_records: bool = False  # they made the run guided: its own guidance does not ask (``decide_guidance``)
-    slice_size: int | None = None  # the run's slice size, once the plan decided it (``transforms.decide``)
+    slice_size: int | None = None  # the run's slice size, once the plan decided it (``decide.decide``)
     # per size (bucket) of the run, in order: each file's first global position in it, its
     # images and records, and the buckets' totals (one bucket in a single-size run: ``first``)
     bucket_first: dict = dataclasses.field(default_factory=dict)  # source -> [position per bucket]
     bucket_images: list = dataclasses.field(default_factory=list)
     bucket_records: list = dataclasses.field(default_factory=list)
     file_bucket_images: dict = dataclasses.field(default_factory=dict)  # source -> [images per bucket]
-    bucket_slice_sizes: list | None = None  # each bucket's slice size, once decided (``transforms.decide``)
+    bucket_slice_sizes: list | None = None  # each bucket's slice size, once decided (``decide.decide``)
 
     def geometry(self, settings) -> "buckets.Geometry":
         """The plan's buckets, with the decided slice sizes: ``buckets.Geometry``."""
@@ -167,78 +204,35 @@ class Layout:
                                         self.bucket_images or [self.images], self.bucket_records or [self.records])
 
 
-def _later_copies(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(indices of every element equal to an earlier one, the index of that earlier one)."""
-    if not len(hashes):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
-    earliest = first[inverse.reshape(-1)]
-    later = np.nonzero(earliest != np.arange(len(hashes)))[0]
-    return later, earliest[later]
-
-
-def make_layout(scans: list[FileScan], dedupe: bool, num_buckets: int = 1) -> Layout:
-    """Duplicate checks, positions and guidance over every file (pure; files in sorted order).
-
-    A record whose id an earlier record (in (source, line) order) already has is
-    rejected as ``duplicate_id``; with ``dedupe``, then, a record whose prompt an earlier
-    kept record already has is rejected as ``duplicate_prompt``. Both messages name the
-    earlier row. Memory: about 60 bytes a record, for the hashes and their sort.
-    """
-    scans = sorted(scans, key=lambda s: s.source)
-    sources = [s.source for s in scans]
-    owner = np.repeat(np.arange(len(scans)), [len(s.lines) for s in scans])
-    lines = np.concatenate([s.lines for s in scans]) if scans else np.zeros(0, np.int32)
-    images = np.concatenate([s.images for s in scans]) if scans else np.zeros(0, np.int32)
-    drops: dict[str, dict] = {}
-    kept = np.ones(len(lines), bool)
-
-    def reject(later, earlier, reason, what):
-        for i, j in zip(later.tolist(), earlier.tolist()):
-            kept[i] = False
-            drops.setdefault(sources[owner[i]], {})[int(lines[i])] = (
-                reason, f"{what} as {sources[owner[j]]} line {int(lines[j])}")
-
-    if scans:
-        reject(*_later_copies(np.concatenate([s.id_hashes for s in scans])), "duplicate_id", "the same id")
-        if dedupe:
-            candidates = np.nonzero(kept)[0]
-            later, earlier = _later_copies(np.concatenate([s.prompt_hashes for s in scans])[candidates])
-            reject(candidates[later], candidates[earlier], "duplicate_prompt", "the same prompt")
-    guided = np.concatenate([s.guided for s in scans]) if scans else np.zeros(0, bool)
-    kept_images = np.where(kept, images, 0).astype(np.int64)
-    per_file = np.bincount(owner, weights=kept_images, minlength=len(scans)).astype(np.int64)
-    sized = np.concatenate([s.buckets if s.buckets is not None else np.zeros(len(s.lines), np.int16)
-                            for s in scans]) if scans else np.zeros(0, np.int16)
-    # bucket-major: every image of bucket 0, then of bucket 1, ...; files in order within each
-    per_bucket = np.stack([np.bincount(owner, weights=np.where(sized == b, kept_images, 0), minlength=len(scans))
-                           for b in range(num_buckets)]).astype(np.int64).reshape(num_buckets, len(scans))
+def make_layout(counts: list[FileCounts], num_buckets: int = 1) -> Layout:
+    """Positions and guidance from every file's counts (pure; files in sorted order): the
+    images of bucket 0 first, then of bucket 1, ...; files in order within each."""
+    counts = sorted(counts, key=lambda c: c.source)
+    sources = [c.source for c in counts]
+    per_bucket = np.array([c.bucket_images for c in counts], np.int64).reshape(len(counts), num_buckets).T
     flat = np.cumsum(per_bucket.reshape(-1))
-    bucket_starts = (np.concatenate([[0], flat[:-1]]) if flat.size else flat).reshape(num_buckets, len(scans))
-    starts = bucket_starts[0] if scans else []
+    bucket_starts = (np.concatenate([[0], flat[:-1]]) if flat.size else flat).reshape(num_buckets, len(counts))
     reasons = collections.Counter()
-    for scan in scans:
-        reasons.update(scan.reasons)
-    for by_line in drops.values():
-        reasons.update(reason for reason, _ in by_line.values())
-    asking = np.nonzero(guided & kept)[0]
-    first_guided = f"{sources[owner[asking[0]]]} line {int(lines[asking[0]])}" if len(asking) else None
-    return Layout(first={s: int(f) for s, f in zip(sources, starts)},
-                  images_of={s: int(n) for s, n in zip(sources, per_file)}, drops=drops,
-                  rows=sum(s.rows for s in scans), records=int(kept.sum()), images=int(kept_images.sum()),
-                  rejects_by_reason=dict(sorted(reasons.items())), guided=bool(len(asking)),
-                  guided_records=int(len(asking)), first_guided=first_guided,
+    for c in counts:
+        reasons.update(c.reasons)
+    asking = [c for c in counts if c.guided_records]
+    records = [sum(c.bucket_records[b] for c in counts) for b in range(num_buckets)]
+    return Layout(first={s: int(bucket_starts[0, i]) for i, s in enumerate(sources)},
+                  images_of={s: int(per_bucket[:, i].sum()) for i, s in enumerate(sources)},
+                  rows=sum(c.rows for c in counts), records=sum(records), images=int(per_bucket.sum()),
+                  rejects_by_reason=dict(sorted(reasons.items())), guided=bool(asking),
+                  guided_records=sum(c.guided_records for c in asking),
+                  first_guided=f"{asking[0].source} line {asking[0].first_guided}" if asking else None,
                   bucket_first={s: [int(f) for f in bucket_starts[:, i]] for i, s in enumerate(sources)},
-                  bucket_images=[int(n) for n in per_bucket.sum(axis=1)],
-                  bucket_records=[int(((sized == b) & kept).sum()) for b in range(num_buckets)],
+                  bucket_images=[int(n) for n in per_bucket.sum(axis=1)], bucket_records=records,
                   file_bucket_images={s: [int(n) for n in per_bucket[:, i]] for i, s in enumerate(sources)})
 
 
-
-_ARRAYS = ("lines", "images", "id_hashes", "prompt_hashes", "guided", "buckets")
+_ARRAYS = ("lines", "images", "guided", "buckets")  # the hashes are in the sections (``duplicates.section``)
 
 
 def save_scan(scan: FileScan, path: str) -> None:
+    """``scan``'s counts and per-record arrays, without its hashes."""
     buffer = io.BytesIO()
     np.savez(buffer, **{name: getattr(scan, name) for name in _ARRAYS},
              meta=np.array(json.dumps({"source": scan.source, "rows": scan.rows, "reasons": scan.reasons})))
@@ -246,6 +240,9 @@ def save_scan(scan: FileScan, path: str) -> None:
 
 
 def load_scan(path: str) -> FileScan:
+    """A ``save_scan``: its hashes are empty."""
+    none = np.zeros(0, f"S{HASH_BYTES}")
     with np.load(io.BytesIO(beamio.read_bytes(path))) as saved:
         meta = json.loads(str(saved["meta"]))
-        return FileScan(meta["source"], meta["rows"], meta["reasons"], **{name: saved[name] for name in _ARRAYS})
+        return FileScan(meta["source"], meta["rows"], meta["reasons"], id_hashes=none, prompt_hashes=none,
+                        **{name: saved[name] for name in _ARRAYS})

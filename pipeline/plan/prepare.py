@@ -34,7 +34,8 @@ def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]
     if not match_prompt_files(settings.prompts):  # also: every file has a known format
         raise PlanError(f"no prompt files match {settings.prompts!r}")
     check_apart(settings.prompts, settings.out)
-    settings, run = resolve_settings(kept_decode_batch(kept_steps(settings, overwrite), overwrite))
+    settings, run = resolve_settings(kept_batches_per_slice(kept_decode_batch(kept_steps(settings, overwrite),
+                                                                              overwrite), overwrite))
     run = prepare_out(settings.out, run, overwrite)
     # a resumed run keeps the names its plan gave (``key_names``): a re-plan writes the same keys
     return settings.replace(key_names=run.settings.key_names), run
@@ -87,6 +88,15 @@ def kept_decode_batch(settings: Settings, overwrite: bool = False) -> Settings:
     if settings.decode_batch != AUTO or overwrite or not runs.exists(settings.out):
         return settings
     return settings.replace(decode_batch=runs.read(settings.out).settings.decode_batch)
+
+
+def kept_batches_per_slice(settings: Settings, overwrite: bool = False) -> Settings:
+    """``settings`` with ``batches_per_slice`` "auto" made that of the run already in OUT, which
+    a resumed run keeps (its slices were cut with it); otherwise as they are (the plan
+    decides "auto" once it has counted the images: ``decide.decide_batches_per_slice``)."""
+    if settings.batches_per_slice != AUTO or overwrite or not runs.exists(settings.out):
+        return settings
+    return settings.replace(batches_per_slice=runs.read(settings.out).settings.batches_per_slice)
 
 
 def _versions() -> dict:

@@ -1,30 +1,36 @@
 """``plan``: prompt shards in, fixed-size slices out (a Beam pipeline that streams).
 
 No stage ever holds the prompts of the whole input, nor of one whole file: each file
-is read twice, one row at a time, and only small summaries and file names cross a
-shuffle. At most one slice of items is in memory at a time. ``Plan`` composes the
+is read twice, one row at a time, and only small summaries, file names and the rows
+the duplicate checks reject cross a shuffle. No step holds a value of every record:
+the only thing gathered in one place is a few counts per file. At most one slice of
+items is in memory at a time. ``Plan`` composes the
 stages (prompt pattern -> the manifest); the per-file logic they run is in
 ``pipeline.plan.layout``.
 
-  MatchFiles     the prompt pattern -> its files (``layout.match_prompt_files``)
-  ScanFiles      each file -> a ``FileScan`` (``layout.scan_file``): its row count, rejects
-                 by reason, and for each valid record its line, image count and 16-byte
-                 hashes of its id and (with --dedupe) prompt; the arrays go to
-                 ``plan/scans/`` and only the file's name crosses the shuffle
-  Layout         every FileScan -> a ``Layout`` (``layout.make_layout``, pure): later
-                 records with an id already used are rejected (``duplicate_id``); with
-                 ``--dedupe``, later records whose prompt was already seen are rejected
-                 (``duplicate_prompt``); each file's first global position, in (source,
-                 line) order; whether any kept record's guidance is > 1
-  Decide         the Layout -> ``run.json`` gets ``guided``: the run's program is the
-                 guided one if any kept record is, else the guidance-free one
-                 (``decide_guidance``); and, for a ``--per-device-batch auto`` chosen
-                 for this plan (``cap_hosts``), a per-device batch no larger than the run
-                 can fill (``decide_per_device_batch``), hence the slice size; before any
-                 slice is written
-  PlaceRecords   each file again, with the Layout -> its rejects file, every slice that
-                 lies wholly inside the file (written at once), and a part file of each
-                 slice it shares with other files (at most two per file)
+  MatchFiles     the prompt pattern -> its files (``layout.prompt_files``)
+  FirstPass      ``pipeline.plan.first_pass``: each file scanned (row count, rejects by
+                 reason, per valid record its line, image count and 16-byte hashes of its
+                 id and, with --dedupe, prompt), then the duplicate checks, each range of
+                 hash values on its own (``pipeline.plan.duplicates``): later records with
+                 an id already used are rejected (``duplicate_id``); with ``--dedupe``,
+                 later records whose prompt a kept record already has
+                 (``duplicate_prompt``); then each file's counts, and its rejected rows
+                 for its own placing step
+  Layout         every file's counts (one entry a file, none a record) -> a ``Layout``
+                 (``layout.make_layout``, pure): each file's first global position, in
+                 (source, line) order; whether any kept record's guidance is > 1
+  Decide         the Layout -> ``run.json`` gets what the counts decide
+                 (``pipeline.plan.decide``): ``guided``, the run's program is the guided
+                 one if any kept record is, else the guidance-free one; for a
+                 ``--per-device-batch auto`` chosen for this plan (``cap_hosts``), a
+                 per-device batch no larger than the run can fill; for
+                 ``--batches-per-slice auto``, the batches per slice; hence the slice
+                 size; before any slice is written
+  PlaceRecords   each file again, with its rejected rows and the Layout -> its rejects
+                 file, every slice that lies wholly inside the file (written at once),
+                 and a part file of each slice it shares with other files (at most two
+                 per file)
   JoinShared     (slice, part file) pairs grouped by slice -> the parts concatenated in
                  position order into the slice, then deleted
   WriteManifest  once every slice is written -> ``plan/manifest.json``
@@ -50,20 +56,19 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.core import logs, naming, records, slicing
-from pipeline.core.settings import NO_CFG_RULES, Settings, guided_by_records_line
+from pipeline.core.settings import Settings, guided_by_records_line
 from pipeline.io import beamio, runs, storage
 from pipeline.model import load as model_lib
-from pipeline.model.sampling import guidance as guidance_rules
+from pipeline.plan import duplicates
+from pipeline.plan.decide import decide
+from pipeline.plan.first_pass import FirstPass
 from pipeline.plan.layout import (
     Layout,
     PlanError,
     input_root,
-    relative_source,
-    load_scan,
     make_layout,
-    match_prompt_files,
-    save_scan,
-    scan_file,
+    prompt_files,
+    relative_source,
     validated,
 )
 from pipeline.plan.prepare import prepare
@@ -85,27 +90,6 @@ def write_slice(out: str, index: int, items) -> int:
     return index
 
 
-class _ScanFn(beam.DoFn):
-    """Scans one file and saves its arrays; yields where they are (the Beam runner
-    never holds, copies or pickles the arrays)."""
-
-    def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, sizes: tuple[str, ...], dedupe: bool,
-                 default_guidance: float, rule: str = "diffusers"):
-        self.out, self.args, self.rule, self.sizes = out, (run_seed, root, prompt_field, dedupe, default_guidance), \
-            rule, sizes
-        self.read = Metrics.counter("plan", "rows_read")
-
-    def setup(self):
-        beamio.use_emulator_credentials()
-
-    def process(self, path: str):
-        scan = scan_file(path, *self.args, rule=self.rule, sizes=self.sizes)
-        self.read.inc(scan.rows)
-        saved = naming.plan_scan(self.out, path)
-        save_scan(scan, saved)
-        yield saved
-
-
 def key_labels(settings: Settings, paths: list[str]) -> dict[str, str] | None:
     """{relative path: label} of the run's prompt files (``naming.file_labels``) when its
     records without an id get readable keys (``key_names`` "readable"), else None."""
@@ -113,75 +97,6 @@ def key_labels(settings: Settings, paths: list[str]) -> dict[str, str] | None:
         return None
     root = input_root(settings.prompts)
     return naming.file_labels(relative_source(path, root) for path in paths)
-
-
-def layout_of_saved(paths: list[str], dedupe: bool, num_buckets: int = 1) -> Layout:
-    """``make_layout`` over the saved scans, which are then deleted."""
-    layout = make_layout([load_scan(path) for path in paths], dedupe, num_buckets)
-    beamio.delete(paths)
-    return layout
-
-
-def decide(layout: Layout, out: str, cap_hosts: int | None = None) -> Layout:
-    """``decide_guidance``, then ``decide_per_device_batch``; the layout with the run's
-    slice size, as run.json now holds it."""
-    layout = decide_guidance(layout, out)
-    settings = decide_per_device_batch(layout, out, cap_hosts)
-    sizes = [slicing.slice_size(settings.devices_per_host, batch, settings.batches_per_slice)
-             for _, _, batch in settings.buckets()]
-    return dataclasses.replace(layout, slice_size=settings.slice_size, bucket_slice_sizes=sizes)
-
-
-def decide_per_device_batch(layout: Layout, out: str, cap_hosts: int | None) -> Settings:
-    """The run's settings, once ``out``'s run.json holds a per-device batch no larger than
-    the run can fill on ``cap_hosts`` hosts (``slicing.most_per_device``), when the batch
-    was chosen by ``--per-device-batch auto`` for this plan (``cap_hosts`` not None; a
-    resumed run keeps the batch its slices were cut with). Logged as
-    ``per_device_batch_capped`` when lowered."""
-    run = runs.read(out)
-    settings = run.settings
-    if cap_hosts is None:
-        return settings
-    fits = [batch for _, _, batch in settings.buckets()]
-    most = [slicing.most_per_device(images, cap_hosts, settings.devices_per_host)
-            for images in layout.bucket_images or [layout.images]]
-    capped = [min(fit, top) for fit, top in zip(fits, most)]
-    if capped == fits:
-        return settings
-    for (width, height, fit), top, images in zip(settings.buckets(), most, layout.bucket_images or [layout.images]):
-        if fit > top:
-            logs.event("per_device_batch_capped", out=out, fits=fit, per_device_batch=top, images=images,
-                       hosts=cap_hosts, devices_per_host=settings.devices_per_host,
-                       **({"size": f"{width}x{height}"} if settings.sizes else {}))
-    settings = settings.replace(per_device_batch=capped[0],
-                                bucket_batches=tuple(capped) if settings.bucket_batches else ()).validate()
-    runs.write(out, run.with_settings(settings))
-    return settings
-
-
-def decide_guidance(layout: Layout, out: str) -> Layout:
-    """Record in ``out``'s run.json whether the run is guided (some kept record has
-    guidance > 1, or the run guides every image under the older rule); returns the
-    layout. A run that already recorded the other choice is refused: its images would
-    mix two programs."""
-    run = runs.read(out)
-    settings = run.settings
-    if settings.guidance_rule in NO_CFG_RULES:  # a family without classifier-free guidance: decided when prepared
-        return layout
-    guided = layout.guided or settings.guidance_rule == "always"
-    if guided and not guidance_rules.asks(settings.guidance_rule, settings.guidance_scale):
-        layout = dataclasses.replace(layout, guided_by_records=True)  # the manifest and status say so
-    if settings.guided is None:
-        settings = settings.replace(guided=guided).validate()
-        runs.write(out, run.with_settings(settings))
-        logs.event("guidance_decided", out=out, guided=guided)
-    elif settings.guided != guided:
-        planned = "guided" if settings.guided else "guidance-free"
-        above = guidance_rules.threshold(settings.guidance_rule)
-        now = f"some record's guidance is > {above}" if guided else f"no record's guidance is > {above}"
-        raise PlanError(f"{out} holds a {planned} run, but now {now}: the run's images would mix two programs; "
-                        "use another --out, or add --overwrite to start over")
-    return layout
 
 
 class _PlaceFn(beam.DoFn):
@@ -201,9 +116,9 @@ class _PlaceFn(beam.DoFn):
     def setup(self):
         beamio.use_emulator_credentials()
 
-    def process(self, path: str, layout: Layout):
+    def process(self, element, layout: Layout):
+        path, drops = element  # the file, and its rows the duplicate checks reject (``duplicates.Drops``)
         geometry = layout.geometry(self.settings)
-        drops = layout.drops.get(path, {})
         count = len(geometry.buckets)
         first = layout.bucket_first.get(path, [0] * count)
         end = [f + n for f, n in zip(first, layout.file_bucket_images.get(path, [0] * count))]
@@ -212,9 +127,9 @@ class _PlaceFn(beam.DoFn):
         with contextlib.ExitStack() as stack:
             rejects = None
             for payload, result in validated(path, *self.args):
-                if isinstance(result, records.Record) and result.line in drops:
-                    reason, message = drops[result.line]
-                    result = records.Reject(result.source, result.line, reason, message, _raw_text(payload))
+                dropped = drops.get(result.line) if isinstance(result, records.Record) and len(drops) else None
+                if dropped is not None:
+                    result = records.Reject(result.source, result.line, *dropped, _raw_text(payload))
                 if isinstance(result, records.Reject):
                     if rejects is None:  # only files with rejects get a rejects file
                         rejects = stack.enter_context(beamio.open_write(naming.rejects_file(self.out, path),
@@ -271,7 +186,67 @@ class _JoinPartsFn(beam.DoFn):
         yield index
 
 
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """What ``IndexSpan`` found of a set of slice indices: how many distinct ones, the lowest
+    and highest, and how many came more than once (and the first of those)."""
+    count: int
+    low: int | None
+    high: int | None
+    twice: int = 0
+    first_twice: tuple[int, ...] = ()
+
+    def exactly(self, n: int) -> bool:
+        """Whether the indices were 0 .. n-1, each once: n distinct ones, none twice, from 0 to n-1."""
+        return not self.twice and self.count == n and (n == 0 or (self.low, self.high) == (0, n - 1))
+
+    def describe(self, n: int) -> str:
+        return (f"{self.count} distinct slice(s) from {self.low} to {self.high} for {n} planned, {self.twice} more "
+                f"than once {list(self.first_twice)}")
+
+
+class _SpanFn(beam.CombineFn):
+    """A ``Span`` of (index, times it came) pairs, one a distinct index."""
+    SHOWN = 10  # indices that came more than once, kept to name
+
+    def create_accumulator(self):
+        return Span(0, None, None)
+
+    def add_input(self, span, counted):
+        index, times = counted
+        twice = span.first_twice if times == 1 else tuple(sorted((*span.first_twice, index)))[:self.SHOWN]
+        return Span(span.count + 1, index if span.low is None else min(span.low, index),
+                    index if span.high is None else max(span.high, index), span.twice + (times != 1), twice)
+
+    def merge_accumulators(self, spans):
+        spans = list(spans)
+        lows = [s.low for s in spans if s.low is not None]
+        highs = [s.high for s in spans if s.high is not None]
+        return Span(sum(s.count for s in spans), min(lows, default=None), max(highs, default=None),
+                    sum(s.twice for s in spans), tuple(sorted(i for s in spans for i in s.first_twice))[:self.SHOWN])
+
+    def extract_output(self, span):
+        return span
+
+
+class IndexSpan(beam.PTransform):
+    """Slice indices -> one ``Span``, none for no index (read it ``AsSingleton(...,
+    default_value=NO_SPAN)``): counted per index and combined, never listed in one place."""
+
+    def expand(self, indices):
+        return (indices
+                | "PerIndex" >> beam.Map(lambda index: (index, 1))
+                | "CountPerIndex" >> beam.CombinePerKey(sum)
+                | "Span" >> beam.CombineGlobally(_SpanFn()).without_defaults())
+
+
+NO_SPAN = Span(0, None, None)
+
+
 class WriteManifest(beam.PTransform):
+    """(the Layout, the slice indices written) -> the manifest, once every slice is written
+    and each planned slice was written exactly once (``IndexSpan``)."""
+
     def __init__(self, out: str, settings: Settings | None = None):
         super().__init__()
         self.out, self.settings = out, settings
@@ -279,10 +254,11 @@ class WriteManifest(beam.PTransform):
     def expand(self, inputs):
         layout, written = inputs
         settings = self.settings
+        span = written | "Written" >> IndexSpan()
 
-        def write(_, layout: Layout, slice_ids):
+        def write(_, layout: Layout, span: Span):
             rejects = sum(layout.rejects_by_reason.values())
-            manifest = {"slice_size": layout.slice_size, "slices": len(slice_ids), "records": layout.records,
+            manifest = {"slice_size": layout.slice_size, "slices": span.count, "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
                         "input_rows": layout.rows, "input_files": len(layout.first)}
             expected = slicing.num_slices(layout.images, layout.slice_size)
@@ -290,19 +266,19 @@ class WriteManifest(beam.PTransform):
                 geometry = layout.geometry(runs.read(self.out).settings)
                 manifest["buckets"] = [bucket.to_json() for bucket in geometry.buckets]
                 expected = geometry.slices
-            if layout.guided_by_records:
-                manifest["guided_by_records"] = {"records": layout.guided_records, "first": layout.first_guided}
             if layout.records + rejects != layout.rows:
                 raise PlanError(f"{layout.rows} input rows, but {layout.records} records and {rejects} rejects")
-            if sorted(slice_ids) != list(range(expected)):
-                raise PlanError(f"slices are not contiguous: {sorted(slice_ids)[:10]}")
+            if not span.exactly(expected):
+                raise PlanError(f"slices are not contiguous: {span.describe(expected)}")
+            if layout.guided_by_records:
+                manifest["guided_by_records"] = {"records": layout.guided_records, "first": layout.first_guided}
             beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
 
         return (written.pipeline
                 | "Once" >> beam.Create([None])
-                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout), beam.pvalue.AsList(written)))
-
+                | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout),
+                                      beam.pvalue.AsSingleton(span, default_value=NO_SPAN)))
 
 
 class Plan(beam.PTransform):
@@ -313,7 +289,7 @@ class Plan(beam.PTransform):
     matched when the pipeline is built. ``cap_hosts``: the hosts that will generate the
     run, when its per-device batch was just chosen by ``--per-device-batch auto`` (the
     most that fits a device): the plan lowers it to what the run can fill
-    (``decide_per_device_batch``).
+    (``decide.decide_per_device_batch``).
     """
 
     def __init__(self, settings: Settings, cap_hosts: int | None = None):
@@ -322,22 +298,22 @@ class Plan(beam.PTransform):
 
     def expand(self, pbegin):
         settings, out = self.settings, self.settings.out
-        dedupe = settings.dedupe
         args = (settings.seed, input_root(settings.prompts), settings.prompt_field)
-        sizes, num_buckets = settings.sizes, max(1, len(settings.sizes))
-        matched = match_prompt_files(settings.prompts)
-        labels = key_labels(settings, matched)
+        listed = prompt_files(settings.prompts)
+        matched = sorted(listed)
+        ranges = duplicates.range_count(sum(duplicates.weighted_bytes(path, found.size)
+                                            for path, found in listed.items()))
         files = (pbegin
                  | "MatchFiles" >> beam.Create(matched)
                  | "SpreadFiles" >> beam.Reshuffle())
-        layout = (files
-                  | "ScanFiles" >> beam.ParDo(_ScanFn(out, *args, sizes, dedupe, settings.guidance_scale,
-                                                      settings.guidance_rule))
-                  | "AllScans" >> beam.combiners.ToList()
-                  | "Layout" >> beam.Map(layout_of_saved, dedupe, num_buckets)
+        counts, drops = files | "FirstPass" >> FirstPass(out, args, settings, ranges)
+        layout = (counts
+                  | "AllCounts" >> beam.CombineGlobally(beam.combiners.ToListCombineFn()).without_defaults()
+                  | "Layout" >> beam.Map(make_layout, max(1, len(settings.sizes)))
                   | "Decide" >> beam.Map(decide, out, self.cap_hosts))
-        placed = (files
-                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args, labels, settings), beam.pvalue.AsSingleton(layout))
+        placed = (drops
+                  | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args, key_labels(settings, matched), settings),
+                                                 beam.pvalue.AsSingleton(layout))
                   .with_outputs(_PlaceFn.SHARED, main="written"))
         joined = (placed[_PlaceFn.SHARED]
                   | "GroupShared" >> beam.GroupByKey()
@@ -351,23 +327,47 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     """Plan ``settings.prompts`` into ``settings.out``; returns the manifest.
 
     ``overwrite``: delete an earlier run in ``settings.out`` first (``prepare.prepare_out``).
-    ``cap_hosts``: see ``Plan``.
+    ``cap_hosts``: see ``Plan``. A resumed run whose plan is finished keeps it
+    (``kept_plan``): nothing is read or written again. Logs ``plan_done`` with whether the
+    plan was kept and the plan stage's seconds.
     """
+    watch = logs.Stopwatch()
+    resuming = not overwrite and runs.exists(settings.out)
     settings, _ = prepare(settings, overwrite)
-    # hosts check their checkpoint against this table instead of hashing it again;
-    # planning just hashed it (model fingerprint), so this reads nothing
-    storage.write_json(naming.model_files(settings.out), {"files": model_lib.model_table(settings.model)})
-    p = beam.Pipeline(options=PipelineOptions(beam_args or []))
-    _ = p | "Plan" >> Plan(settings, cap_hosts)
-    result = p.run()
-    result.wait_until_finish()
-    logs.event("plan_counters", **counters(result))
-    manifest = storage.read_json(naming.manifest(settings.out))
+    manifest = kept_plan(settings.out) if resuming else None
+    kept = manifest is not None
+    if not kept:
+        # hosts check their checkpoint against this table instead of hashing it again;
+        # planning just hashed it (model fingerprint), so this reads nothing
+        storage.write_json(naming.model_files(settings.out), {"files": model_lib.model_table(settings.model)})
+        p = beam.Pipeline(options=PipelineOptions(beam_args or []))
+        _ = p | "Plan" >> Plan(settings, cap_hosts)
+        result = p.run()
+        result.wait_until_finish()
+        logs.event("plan_counters", **counters(result))
+        manifest = storage.read_json(naming.manifest(settings.out))
     asked = manifest.get("guided_by_records")
     if asked:  # a JSON event for logs, and the same as one line for people
         line = guided_by_records_line(asked)
         logs.event("guided_by_records", level=logging.WARNING, message=line, **asked)
         print(f"promptmill plan: {line}", file=sys.stderr)
+    logs.event("plan_done", out=settings.out, kept=kept, slices=manifest["slices"], seconds=round(watch.seconds(), 3))
+    return manifest
+
+
+def kept_plan(out: str) -> dict | None:
+    """The manifest of the finished plan in ``out``, or None when there is none. Asked only
+    once ``prepare`` has resumed the run there (its settings match run.json's, and the
+    input table says no input changed): the manifest is written after every slice, so its
+    plan is whole, and planning again would write the same bytes. A run without an input
+    table (an earlier version's) is planned again: nothing says its inputs are the same.
+    Logged as ``plan_kept``."""
+    path = naming.manifest(out)
+    if not storage.exists(path) or not storage.exists(naming.plan_inputs(out)):
+        return None
+    manifest = storage.read_json(path)
+    logs.event("plan_kept", out=out, slices=manifest["slices"], records=manifest["records"],
+               images=manifest["images"], rejects=manifest["rejects"])
     return manifest
 
 
