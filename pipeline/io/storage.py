@@ -256,6 +256,35 @@ def modified_times(folder: str, suffix: str = "") -> dict[str, float]:
             and not b.name.endswith("/")}
 
 
+def listed(prefix: str) -> dict[str, dict]:
+    """{path: {"size", "md5"}} of every object whose name starts with ``prefix`` (an object,
+    a folder, or the start of names: ``shards/3fa1-00042`` lists that slice's shard objects),
+    from a listing alone: nothing is read. ``md5`` is the hex digest GCS lists (None for a
+    composite object, and always None for a local file, whose checksum only a read gives)."""
+    if is_gcs(prefix):
+        bucket, name = _split_gcs(prefix)
+        blobs = gcs_client().list_blobs(bucket, prefix=name, fields="items(name,size,md5Hash),nextPageToken",
+                                        retry=_retry())
+        return {f"{GCS_PREFIX}{bucket}/{b.name}": {"size": b.size, "md5": base64.b64decode(b.md5_hash).hex()
+                                                   if b.md5_hash else None}
+                for b in blobs if not b.name.endswith("/")}
+    found = {}
+    if os.path.isdir(prefix):
+        for root, _, files in os.walk(prefix):  # links are not followed
+            found.update(_stat(os.path.join(root, name)) for name in files if not name.startswith(TEMP_PREFIX))
+        return found
+    folder, start = os.path.split(prefix)
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(folder or "."):
+            if entry.name.startswith(start) and not entry.name.startswith(TEMP_PREFIX):
+                found.update(listed(entry.path) if entry.is_dir(follow_symlinks=False) else [_stat(entry.path)])
+    return found
+
+
+def _stat(path: str) -> tuple[str, dict]:
+    return path, {"size": os.stat(path, follow_symlinks=False).st_size, "md5": None}
+
+
 def checksums(prefix: str) -> dict[str, str]:
     """{name relative to ``prefix``: size and content checksum} for every object under it.
 
