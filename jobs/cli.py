@@ -140,8 +140,12 @@ def summary(command: str, out: str, stats: dict, seconds: float) -> str:
     lines = [f"promptmill {command}: {stats['images']} image(s) written, {dropped} dropped by filters, {rejects} input "
              f"row(s) rejected{' (OUT/plan/rejects/)' if rejects else ''}; {'verified' if stats.get('verified') else 'NOT verified'}",
              f"  {seconds:.1f} s{rate}",
-             f"  dataset: {out.rstrip('/')}/ (its card README.md; dataset/metadata.parquet, stats.json, index.html)",
+             f"  dataset: {out.rstrip('/')}/ (its card README.md; dataset/metadata/, stats.json, index.html)",
              f"  next: promptmill status {out}  |  promptmill reproduce KEY --out {out}"]
+    from pipeline.collect.card import all_dropped
+
+    if all_dropped(stats):
+        lines.insert(1, f"  warning: {all_dropped(stats)}")
     if rejects:
         lines[0] = lines[0].replace("OUT/", f"{out.rstrip('/')}/")
     return "\n".join(lines)

@@ -408,8 +408,9 @@ def test_status_takes_out_positional_or_as_a_flag(tmp_path, capsys):
 
 def test_run_takes_the_gallery_flags_and_date_helps_say_what_each_command_does():
     parser = cli.build_parser()
-    args = parser.parse_args(["run", "--gallery-max", "5", "--gallery-order", "aesthetic", "--gallery-page-size", "7"])
-    assert flags.gallery_of(args) == {"page_size": 7, "gallery_max": 5, "gallery_order": "aesthetic"}
+    args = parser.parse_args(["run", "--gallery-max", "5", "--gallery-order", "aesthetic", "--gallery-page-size", "7",
+                              "--part-rows", "3"])
+    assert flags.gallery_of(args) == {"page_size": 7, "gallery_max": 5, "gallery_order": "aesthetic", "part_rows": 3}
     helps = {" ".join(path): next(a.help for a in p._actions if "--date" in a.option_strings)
              for path, p in _subparsers(parser) if any("--date" in a.option_strings for a in p._actions)}
     assert "resumes it" in helps["run"] and "resumes it" in helps["plan"]

@@ -270,6 +270,16 @@ def _scores(stats: dict) -> list[str]:
     return lines
 
 
+def all_dropped(stats: dict) -> str | None:
+    """The warning for a dataset whose score filters dropped every image made, else None."""
+    dropped = (stats.get("dropped") or {}).get("images", 0)
+    if stats.get("images") or not dropped:
+        return None
+    rules = ", ".join(f"{rule} ({n})" for rule, n in (stats["dropped"].get("by_rule") or {}).items())
+    return (f"the score filters dropped every image ({dropped} of {dropped}; by rule: {rules}): the dataset holds "
+            f"their metadata rows and no image; loosen the filters (or drop them) to keep images")
+
+
 def render(run: Run, stats: dict) -> str:
     """The card of a dataset planned with ``run`` (run.json) and collected into ``stats`` (stats.json)."""
     images = stats.get("images", 0)

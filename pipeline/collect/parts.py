@@ -309,6 +309,13 @@ class CollectPartFn(beam.DoFn):
         return heapq.nlargest(plan.gallery_shown, candidates + rows, key=gallery.score_key(plan.gallery_order))
 
 
+def dataset_rows(out: str) -> list[dict]:
+    """Every row of a collected dataset, in plan order, from its parts (for tests and
+    benchmarks: a reader of a large dataset reads the parts as one table instead)."""
+    return [row for path in storage.glob(naming.join(out, "dataset", "metadata", "part-*.parquet"))
+            for row in writer.read_parquet_rows(path)]
+
+
 def _read_ahead(pool, read, indices):
     """``read(i)`` for each of ``indices``, in order, at most ``READ_AHEAD`` in flight."""
     window = collections.deque()

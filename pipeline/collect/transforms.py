@@ -103,6 +103,38 @@ def gallery_rows(candidates: list[dict], order: str) -> list[dict]:
     return sorted(candidates, key=gallery.score_key(order), reverse=True)
 
 
+def _joined(parts: dict, label: str):
+    """The PCollections of ``parts`` ({name: PCollection}) joined into one element, {name:
+    [their elements]}, once every one of them is complete: a GroupByKey under one key, so
+    that a step that must come last waits for its inputs through its main input (the
+    DirectRunner has run a step before a side input it read was complete)."""
+    tagged = [pcoll | f"{label}Tag{name}" >> beam.Map(lambda element, name=name: (None, (name, element)))
+              for name, pcoll in sorted(parts.items())]
+
+    def gather(element) -> dict:
+        found = {name: [] for name in parts}
+        for name, value in element[1]:
+            found[name].append(value)
+        return found
+
+    return (tagged
+            | f"{label}Flatten" >> beam.Flatten()
+            | f"{label}Group" >> beam.GroupByKey()
+            | f"{label}Gather" >> beam.Map(gather))
+
+
+def _title(joined: dict, run: Run, order: str, page_size: int, out: str):
+    """(page, ("title", the gallery's title, how many it shows)) for each of its pages;
+    a gallery with nothing to show gets its first page, saying so, here."""
+    [tally], [rows] = joined["tally"], joined["shown"]
+    title = gallery.title(run.settings.model, tally.counts["ok"], tally.counts["ok"] + tally.counts["dropped"],
+                          len(rows), order)
+    if not rows:
+        beamio.write_text(naming.dataset_file(out, "index.html"), gallery.render_page([], 1, 1, 0, title), "text/html")
+    for page in range(-(-len(rows) // page_size)):
+        yield page, ("title", (title, len(rows)))
+
+
 def _by_slice(rows: list[dict]):
     for rank, row in enumerate(rows):
         yield row["slice"], (rank, row)
@@ -118,32 +150,23 @@ def _with_thumbs(element, out: str, page_size: int):
             wanted = {f"{row['key']}.jpg" for _, row in ranked}
             thumbs = {m.name[:-len(".jpg")]: pack.extractfile(m).read() for m in pack.getmembers() if m.name in wanted}
     for rank, row in ranked:
-        yield rank // page_size, (rank, {**row, "thumb": thumbs.get(row["key"])})
+        yield rank // page_size, ("row", (rank, {**row, "thumb": thumbs.get(row["key"])}))
 
 
-def _write_page(element, out: str, page_size: int, title: str, shown: list) -> int:
-    page, ranked = element
-    rows = [row for _, row in sorted(ranked, key=lambda item: item[0])]
-    total = len(shown[0])
+def _write_page(element, out: str, page_size: int) -> int:
+    """One page of the gallery, from its rows and the gallery's title (grouped by page)."""
+    page, found = element
+    [(title, total)] = [value for kind, value in found if kind == "title"]
+    rows = [row for _, row in sorted(value for kind, value in found if kind == "row")]
     html = gallery.render_page(rows, page + 1, gallery.page_count(total, page_size), total, title, page_size)
     beamio.write_text(naming.dataset_file(out, gallery.page_name(page + 1)), html, "text/html")
     return page
 
 
-def _write_empty(rows: list, out: str, title: str) -> list:
-    if not rows:  # a gallery with nothing to show still has its first page, saying so
-        beamio.write_text(naming.dataset_file(out, "index.html"), gallery.render_page([], 1, 1, 0, title), "text/html")
-    return []
-
-
-def _title(_, tally, run: Run, shown: list, order: str) -> str:
-    rows = tally.counts["ok"] + tally.counts["dropped"]
-    return gallery.title(run.settings.model, tally.counts["ok"], rows, len(shown[0]), order)
-
-
-def _write_stats(manifest: dict, tally, by_reason, started: float, out: str, run: Run, plan_args: tuple,
-                 *_written) -> dict:
+def _write_stats(joined: dict, out: str, run: Run, plan_args: tuple) -> dict:
     """stats.json and the card, once everything else is written; returns stats.json's content."""
+    [manifest], [tally], [by_reason], [started] = (joined[name] for name in ("manifest", "tally", "rejects",
+                                                                             "started"))
     plan = PartPlan.of(manifest, *plan_args)
     stats = dataset_stats(manifest, tally, by_reason or {}, collect_s=round(time.time() - started, 1),
                           safety="safety" in run.settings.scores, parts=plan.describe())
@@ -186,30 +209,29 @@ class Collect(beam.PTransform):
                  | "CollectParts" >> beam.ParDo(CollectPartFn(out, run, plan_args), beam.pvalue.AsSingleton(checked))
                  .with_outputs(INDEX, GALLERY, main="summaries"))
         tally = parts.summaries | "MergeSummaries" >> beam.CombineGlobally(StatsFn())
-        with_index = key_index.write_index(parts[INDEX], lambda bucket: naming.dataset_index(out, bucket))
+        indexed = (key_index.write_index(parts[INDEX], lambda bucket: naming.dataset_index(out, bucket))
+                   | "CountBuckets" >> beam.combiners.Count.Globally())
         rejects = (checked
                    | "MatchRejects" >> beam.FlatMap(lambda _: storage.glob(naming.join(naming.rejects_dir(out),
                                                                                        "*.jsonl")))
                    | "CountRejects" >> CountRejects())
-        written = [beam.pvalue.AsList(with_index)]
+        last = {"manifest": checked, "tally": tally, "rejects": rejects, "started": started, "index": indexed}
         if self.thumbnails:
             picked = (parts[GALLERY] | "GalleryCandidates" >> beam.combiners.ToList() if order == "position" else
                       parts[GALLERY] | "GalleryTop" >> beam.combiners.Top.Of(cap, key=gallery.score_key(order)))
             shown = picked | "RankGallery" >> beam.Map(gallery_rows, order)
-            title = checked | "GalleryTitle" >> beam.Map(_title, beam.pvalue.AsSingleton(tally), run,
-                                                          beam.pvalue.AsList(shown), order)
-            pages = (shown
-                     | "GalleryBySlice" >> beam.FlatMap(_by_slice)
-                     | "GroupBySlice" >> beam.GroupByKey()
-                     | "ReadThumbs" >> beam.FlatMap(_with_thumbs, out, page_size)
-                     | "GroupByPage" >> beam.GroupByKey()
-                     | "WritePage" >> beam.Map(_write_page, out, page_size, beam.pvalue.AsSingleton(title),
-                                                    beam.pvalue.AsList(shown)))
-            empty = shown | "EmptyGallery" >> beam.Map(_write_empty, out, beam.pvalue.AsSingleton(title))
-            written += [beam.pvalue.AsList(pages), beam.pvalue.AsList(empty)]
-        return checked | "WriteStats" >> beam.Map(
-            _write_stats, beam.pvalue.AsSingleton(tally), beam.pvalue.AsSingleton(rejects),
-            beam.pvalue.AsSingleton(started), out, run, plan_args, *written)
+            titles = (_joined({"tally": tally, "shown": shown}, "Title")
+                      | "GalleryTitle" >> beam.FlatMap(_title, run, order, page_size, out))
+            rows = (shown
+                    | "GalleryBySlice" >> beam.FlatMap(_by_slice)
+                    | "GroupBySlice" >> beam.GroupByKey()
+                    | "ReadThumbs" >> beam.FlatMap(_with_thumbs, out, page_size))
+            last["pages"] = ((titles, rows)
+                             | "PageParts" >> beam.Flatten()
+                             | "GroupByPage" >> beam.GroupByKey()
+                             | "WritePage" >> beam.Map(_write_page, out, page_size)
+                             | "CountPages" >> beam.combiners.Count.Globally())
+        return _joined(last, "Stats") | "WriteStats" >> beam.Map(_write_stats, out, run, plan_args)
 
 
 def check_verified(stats: dict) -> None:
@@ -224,19 +246,9 @@ def check_verified(stats: dict) -> None:
     raise CollectError("the dataset does not match the plan:\n  " + "\n  ".join(lines))
 
 
-def all_dropped(stats: dict) -> str | None:
-    """The warning for a dataset whose score filters dropped every image made, else None."""
-    dropped = (stats.get("dropped") or {}).get("images", 0)
-    if stats.get("images") or not dropped:
-        return None
-    rules = ", ".join(f"{rule} ({n})" for rule, n in (stats["dropped"].get("by_rule") or {}).items())
-    return (f"the score filters dropped every image ({dropped} of {dropped}; by rule: {rules}): the dataset holds "
-            f"their metadata rows and no image; loosen the filters (or drop them) to keep images")
-
-
 def warn_if_all_dropped(stats: dict) -> None:
     """Log ``all_images_dropped`` (a warning) when the filters dropped every image."""
-    message = all_dropped(stats)
+    message = card.all_dropped(stats)
     if message:
         logs.event("all_images_dropped", level=logging.WARNING, message=message,
                    dropped=stats["dropped"]["images"], by_rule=stats["dropped"].get("by_rule") or {})

@@ -19,12 +19,13 @@ def check_layout(out: str, run: Run) -> Run:
     nor finishes a run of another layout, and changes nothing of it."""
     if run.layout == naming.LAYOUT:
         return run
-    made_by = dict(run.versions).get("promptmill", "an earlier version")
+    made_by = dict(run.versions).get("promptmill", "unknown")
     when = "an earlier" if run.layout < naming.LAYOUT else "a later"
     raise OtherLayout(f"{out} holds a run made with output layout {run.layout} (by promptmill {made_by}), "
                       f"{when} layout than this version's ({naming.LAYOUT}); this version does not read or "
-                      f"finish it, and changed nothing in it. Finish it with the promptmill version that made it "
-                      f"({made_by}), or start again with --overwrite (which deletes that run) or another --out")
+                      f"finish it, and changed nothing in it. Finish it with the promptmill that made it (version "
+                      f"{made_by}, writing layout {run.layout}), or start again with --overwrite (which deletes "
+                      f"that run) or another --out")
 
 
 def exists(out: str) -> bool:

@@ -148,17 +148,12 @@ def write_zarr_group(out: str, group: str = "") -> None:
 
 
 def _open_array(spec: dict):
-    """``ts.open(spec, create=True, open=True)``; an array an older promptmill made without
-    dimension names is opened as it is (its data is the same)."""
+    """``ts.open(spec, create=True, open=True)``: made by whichever host comes first, with
+    the same metadata from every host. (An array of an earlier layout is never opened: such
+    a run is refused, ``pipeline.io.runs.check_layout``.)"""
     import tensorstore as ts
 
-    try:
-        return ts.open(spec, create=True, open=True).result()
-    except ValueError as e:
-        if "dimension_names" not in str(e):
-            raise
-        metadata = {k: v for k, v in spec["metadata"].items() if k != "dimension_names"}
-        return ts.open({**spec, "metadata": metadata}, create=True, open=True).result()
+    return ts.open(spec, create=True, open=True).result()
 
 
 def _sharded(image_shape: list[int], per_shard: int, inner: list[dict]) -> dict:

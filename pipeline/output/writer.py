@@ -225,6 +225,10 @@ class SliceWriter:
         data = formats.encode(image, self.image_format, self.quality)
         dropped = filters.dropped_reason(self.run.settings, scores or {}) if self.filtered else None
         if dropped is not None:  # in no image output: its row alone says it was made, and why it is not there
+            if "zarr" in self.formats:  # zeros, the fill value: the slice's shard is then written whole, unread
+                self.zarr_images[item.position - self.zarr_offset].write(np.zeros_like(image)).result()
+                if latents is not None:
+                    self.zarr_latents[item.position - self.zarr_offset].write(np.zeros_like(latents)).result()
             return metadata_row(item, self.run, self.host, data, "", truncated, scores, dropped), None, None
         location = image_location(self.run.settings, item, self.zarr_group, self.zarr_offset)
         if "files" in self.formats:

@@ -40,11 +40,11 @@ def pixels(position: int, size: int) -> np.ndarray:
 
 
 def fabricate(out: str, images: int, slice_size: int = 8, hosts: int = 2, chosen=("files",), per_record: int = 1,
-              *, prompts: str | None = None, scores: dict | None = None, **changes) -> dict:
+              *, prompts: str | None = None, image_scores: dict | None = None, **changes) -> dict:
     """Write a committed run of ``images`` images into ``out``; returns its manifest.
 
     ``per_record``: images per record; ``prompts``: where the prompts file goes (default
-    beside ``out``); ``scores``: {score column: value} given to every image (with the
+    beside ``out``); ``image_scores``: {score column: value} given to every image (with the
     settings' ``scores``, whose filters then keep images out or not); ``changes``: other
     settings (``scores``, ``min_clip_similarity``, ``clip_model``, ...).
     """
@@ -71,7 +71,7 @@ def fabricate(out: str, images: int, slice_size: int = 8, hosts: int = 2, chosen
                                         n * per_record, slice_size)]
     _write_plan(out, items, slices, slice_size, images)
     storage.write_json(naming.manifest(out), manifest)
-    _write_slices(out, run, items, slices, slice_size, hosts, scores)
+    _write_slices(out, run, items, slices, slice_size, hosts, image_scores)
     return manifest
 
 
