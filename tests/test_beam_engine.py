@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline.collect import parts
 from pipeline.core import logs, naming
 from pipeline.core.settings import Settings
 from pipeline.engines import beam as beam_engine
@@ -118,7 +119,7 @@ def fault_once(slice_index: int):
 
 
 def metadata_rows(out: str) -> dict[str, dict]:
-    return {r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+    return {r["key"]: r for r in parts.dataset_rows(out)}
 
 
 def image_hashes(out: str) -> dict[str, str]:

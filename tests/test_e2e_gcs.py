@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline.collect import parts
 from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.output import formats, writer
@@ -67,7 +68,7 @@ def clean_run(gcs_emulator, gcs_inputs, model_cache):
 
 
 def metadata(out):
-    return writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+    return parts.dataset_rows(out)
 
 
 def test_all_formats_with_prompts_model_and_output_on_gcs(clean_run, gcs_inputs, tmp_path):

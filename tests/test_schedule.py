@@ -16,11 +16,11 @@ import string
 import pytest
 
 from jobs import cli
+from pipeline.collect import parts
 from pipeline.cloud import dates as schedule
 from pipeline.core import logs, naming
 from pipeline.generate import compile_cache as compile_cache_lib
 from pipeline.io import storage
-from pipeline.output import writer
 from tests.conftest import run_cli
 
 DNS_1123_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -206,7 +206,7 @@ def test_scheduled_run_two_triggers_of_one_date_reuse_one_run_and_another_date_m
     [ready] = _host_events(out, "host_ready")
     assert ready["cache_hits"] > 0 and ready["cache_writes"] == 0
     assert _files(out) == before  # the same objects, none rewritten, none added
-    rows_out = writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+    rows_out = parts.dataset_rows(out)
     assert len(rows_out) == len({r["key"] for r in rows_out}) == 5  # no image twice
     assert storage.read_json(naming.dataset_file(out, "stats.json"))["verified"]
 

@@ -60,10 +60,14 @@ def test_every_format_is_written_and_committed_last(tmp_path):
     # the marker records the size of each whole object of the slice, which collect checks from listings
     objects = [naming.shard_metadata(out, 1), naming.thumb_pack(out, 1), naming.shard_tar(out, 1),
                naming.image_parquet(out, 1)]
+    index = marker.pop("thumbnail_index")
     assert marker == {"slice": 1, "images": 3, "thumbnails": 3,
                       "objects": {path[len(out) + 1:]: os.path.getsize(path) for path in sorted(objects)}}
-    # each image's thumbnail, made from its pixels, packed in the slice's one thumbnail object
+    # each image's thumbnail, made from its pixels, packed in the slice's one thumbnail object; the
+    # marker says where each is in the pack, so the gallery reads one thumbnail, not the pack
     assert thumbnails(out, 1) == {f"{row['key']}.jpg": formats.thumbnail(image(n)) for n, row in enumerate(rows)}
+    for n, row in enumerate(rows):
+        assert storage.read_range(naming.thumb_pack(out, 1), *index[row["key"]]) == formats.thumbnail(image(n))
     assert sorted(os.listdir(naming.join(out, "thumbs"))) == [f"{naming.output_name(1)}.tar"]
     # each row records the run's settings fingerprint and its image's size and md5, which collect checks
     for row in rows:
@@ -166,5 +170,6 @@ def test_a_filtered_image_keeps_its_row_and_is_in_no_image_output(tmp_path):
     dropped = formats.open_zarr_dropped(out, 12, 4)[4:8].read().result()
     assert dropped.tolist() == [False, True, False, False]
     marker = storage.read_json(naming.shard_stats(out, 1))
-    assert {k: v for k, v in marker.items() if k != "objects"} == {"slice": 1, "images": 3, "thumbnails": 2,
-                                                                    "dropped": 1}
+    assert {k: v for k, v in marker.items() if k not in ("objects", "thumbnail_index")} == {
+        "slice": 1, "images": 3, "thumbnails": 2, "dropped": 1}
+    assert sorted(marker["thumbnail_index"]) == ["rec_0000", "rec_0002"]

@@ -274,7 +274,7 @@ class CollectPartFn(beam.DoFn):
                     index[name] += values
                 if len(index["key"]) >= INDEX_FLUSH:
                     yield from self._index(index)
-                candidates = self._gallery(candidates, table)
+                candidates = self._gallery(candidates, table, files)
                 yield slice_summary(self.run, files, verdicts, table,
                                     self.geometry.bucket_of_slice(files.index))
             while pending:
@@ -289,7 +289,7 @@ class CollectPartFn(beam.DoFn):
         for values in index.values():
             values.clear()
 
-    def _gallery(self, candidates: list, table) -> list:
+    def _gallery(self, candidates: list, table, files: SliceFiles) -> list:
         """The part's gallery candidates so far, with the slice's: the rows of the positions
         the plan-time sample picks, or (a score's order) the part's highest ``gallery_shown``."""
         plan = self.plan
@@ -304,9 +304,16 @@ class CollectPartFn(beam.DoFn):
             import pyarrow.compute as pc
 
             table = table.filter(pc.is_in(table.column("position"), pa.array(picked, pa.int64())))
-            return candidates + table.select(list(GALLERY_COLUMNS)).to_pylist()
+            return candidates + self._located(table.select(list(GALLERY_COLUMNS)).to_pylist(), files)
         rows = table.select(list(GALLERY_COLUMNS)).to_pylist()
-        return heapq.nlargest(plan.gallery_shown, candidates + rows, key=gallery.score_key(plan.gallery_order))
+        top = heapq.nlargest(plan.gallery_shown, candidates + rows, key=gallery.score_key(plan.gallery_order))
+        return [row if "thumb_at" in row else self._located([row], files)[0] for row in top]
+
+    @staticmethod
+    def _located(rows: list[dict], files: SliceFiles) -> list[dict]:
+        """The rows with where their thumbnail is in their slice's pack (None: it has none)."""
+        index = (files.marker or {}).get("thumbnail_index", {})
+        return [{**row, "thumb_at": index.get(row["key"])} for row in rows]
 
 
 def dataset_rows(out: str) -> list[dict]:

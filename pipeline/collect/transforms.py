@@ -34,10 +34,8 @@ are read and written through Beam's FileSystems (``pipeline.io.beamio``); listin
 from __future__ import annotations
 
 import collections
-import io
 import json
 import logging
-import tarfile
 import time
 
 import apache_beam as beam
@@ -135,22 +133,13 @@ def _title(joined: dict, run: Run, order: str, page_size: int, out: str):
         yield page, ("title", (title, len(rows)))
 
 
-def _by_slice(rows: list[dict]):
-    for rank, row in enumerate(rows):
-        yield row["slice"], (rank, row)
-
-
-def _with_thumbs(element, out: str, page_size: int):
-    """A slice's gallery rows with their thumbnails, from the slice's pack, by page."""
-    index, ranked = element
-    ranked = list(ranked)
-    thumbs = {}
-    if any(not row["dropped"] for _, row in ranked):  # a dropped image has no thumbnail
-        with tarfile.open(fileobj=io.BytesIO(beamio.read_bytes(naming.thumb_pack(out, index)))) as pack:
-            wanted = {f"{row['key']}.jpg" for _, row in ranked}
-            thumbs = {m.name[:-len(".jpg")]: pack.extractfile(m).read() for m in pack.getmembers() if m.name in wanted}
-    for rank, row in ranked:
-        yield rank // page_size, ("row", (rank, {**row, "thumb": thumbs.get(row["key"])}))
+def _with_thumb(ranked, out: str, page_size: int):
+    """A gallery row with its thumbnail, read from its slice's pack where the slice's commit
+    marker says it is (a dropped image has none), by page."""
+    rank, row = ranked
+    at = row.pop("thumb_at", None)
+    thumb = storage.read_range(naming.thumb_pack(out, row["slice"]), *at) if at and not row["dropped"] else None
+    return rank // page_size, ("row", (rank, {**row, "thumb": thumb}))
 
 
 def _write_page(element, out: str, page_size: int) -> int:
@@ -168,6 +157,7 @@ def _write_stats(joined: dict, out: str, run: Run, plan_args: tuple) -> dict:
     [manifest], [tally], [by_reason], [started] = (joined[name] for name in ("manifest", "tally", "rejects",
                                                                              "started"))
     plan = PartPlan.of(manifest, *plan_args)
+    _delete_stale(out, plan.parts, joined.get("pages"))
     stats = dataset_stats(manifest, tally, by_reason or {}, collect_s=round(time.time() - started, 1),
                           safety="safety" in run.settings.scores, parts=plan.describe())
     if "zarr" in run.settings.formats:
@@ -180,6 +170,19 @@ def _write_stats(joined: dict, out: str, run: Run, plan_args: tuple) -> dict:
     # the card describes the run as run.json holds it now, with the plan's decisions
     beamio.write_text(naming.dataset_card(out), card.render(runs.read(out), stats), "text/markdown")
     return stats
+
+
+def _delete_stale(out: str, parts: int, pages: list | None) -> None:
+    """Delete the parts and gallery pages an earlier collect of this run wrote beyond this
+    one's (another ``--part-rows`` or gallery size): they would be read as this dataset's."""
+    stale = [path for path in storage.glob(naming.join(out, "dataset", "metadata", "part-*.parquet"))
+             if int(path.rsplit("-", 1)[1].split(".")[0]) >= parts]
+    if pages is not None:
+        stale += [path for path in storage.glob(naming.join(out, "dataset", "gallery", "page-*.html"))
+                  if int(path.rsplit("-", 1)[1].split(".")[0]) > max(1, pages[0])]
+    if stale:
+        beamio.delete(stale)
+        logs.event("stale_outputs_deleted", out=out, objects=len(stale), first=stale[0])
 
 
 class Collect(beam.PTransform):
@@ -223,9 +226,9 @@ class Collect(beam.PTransform):
             titles = (_joined({"tally": tally, "shown": shown}, "Title")
                       | "GalleryTitle" >> beam.FlatMap(_title, run, order, page_size, out))
             rows = (shown
-                    | "GalleryBySlice" >> beam.FlatMap(_by_slice)
-                    | "GroupBySlice" >> beam.GroupByKey()
-                    | "ReadThumbs" >> beam.FlatMap(_with_thumbs, out, page_size))
+                    | "GalleryRanks" >> beam.FlatMap(lambda rows: list(enumerate(rows)))
+                    | "SpreadRows" >> beam.Reshuffle()
+                    | "ReadThumbs" >> beam.Map(_with_thumb, out, page_size))
             last["pages"] = ((titles, rows)
                              | "PageParts" >> beam.Flatten()
                              | "GroupByPage" >> beam.GroupByKey()

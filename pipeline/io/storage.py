@@ -158,6 +158,15 @@ def read_json(path: str):
     return json.loads(read_text(path))
 
 
+def read_range(path: str, start: int, size: int) -> bytes:
+    """``size`` bytes of an object from byte ``start`` (one ranged request on GCS)."""
+    if is_gcs(path):
+        return _blob(path).download_as_bytes(start=start, end=start + size - 1, retry=_retry())
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(size)
+
+
 def open_read(path: str) -> IO[bytes]:
     """A binary stream of the object, read lazily (for large prompt shards)."""
     if is_gcs(path):

@@ -86,6 +86,19 @@ def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
     return buffer.getvalue()
 
 
+def tar_offsets(members: list[tuple[str, bytes]]) -> list[tuple[int, int]]:
+    """(offset, size) of each member's data in ``tar_bytes(members)`` (pure): a 512-byte
+    header before each member, its data padded to 512 bytes; names under 100 characters
+    (keys are at most 80), so no member needs a long-name header."""
+    found, at = [], 0
+    for name, data in members:
+        if len(name.encode()) >= 100:
+            raise ValueError(f"a member name of 100 bytes or more needs its own header: {name!r}")
+        found.append((at + 512, len(data)))
+        at += 512 + -(-len(data) // 512) * 512
+    return found
+
+
 def webdataset_members(rows: list[dict], encoded: list[bytes], ext: str) -> list[tuple[str, bytes]]:
     """WebDataset samples: KEY.<ext>, KEY.json (the metadata row), KEY.txt (the prompt)."""
     members = []

@@ -8,9 +8,10 @@ last, so a slice without it is simply redone with the same bytes.
 The thumbnail of each image is made from its pixels while they are in memory, and the
 slice's thumbnails are packed into one tar (``naming.thumb_pack``), so collect builds the
 gallery without reading any image back and a slice costs one thumbnail object, not one
-per image. The commit marker says how many thumbnails the slice holds (``thumbnails``)
-and the size of every whole object the slice wrote (``objects``), which collect checks
-against a listing. With zarr, the slice's images (and latents) are one shard of the array
+per image. The commit marker says how many thumbnails the slice holds (``thumbnails``),
+where each is in the pack (``thumbnail_index``: key -> [offset, size], so the gallery
+reads a thumbnail, not the pack) and the size of every whole object the slice wrote
+(``objects``), which collect checks against a listing. With zarr, the slice's images (and latents) are one shard of the array
 (``formats.open_zarr_images``), written whole when the slice commits.
 """
 from __future__ import annotations
@@ -262,6 +263,8 @@ class SliceWriter:
         kept = [(r, d, t) for r, d, t in results if r["dropped"] is None]
         kept_rows, encoded = [r for r, _, _ in kept], [d for _, d, _ in kept]
         thumbs = [(f"{r['key']}.jpg", t) for r, _, t in sorted(kept, key=lambda k: k[0]["position"])]
+        # where each thumbnail is in the pack, for the commit marker: the gallery reads one, not the pack
+        self._thumb_index = {name[:-len(".jpg")]: list(at) for (name, _), at in zip(thumbs, formats.tar_offsets(thumbs))}
         objects = [(naming.shard_metadata(self.out, self.index), lambda: parquet_bytes(rows)),
                    (naming.thumb_pack(self.out, self.index), lambda: formats.tar_bytes(thumbs))]
         if "webdataset" in self.formats:
@@ -302,7 +305,7 @@ class SliceWriter:
         has none)."""
         marker = stats if self._rows is None else {
             **stats, "thumbnails": sum(1 for row in self._rows if row["dropped"] is None),
-            "objects": dict(sorted(self._objects.items())),
+            "thumbnail_index": self._thumb_index, "objects": dict(sorted(self._objects.items())),
             **({"dropped": sum(1 for row in self._rows if row["dropped"] is not None)} if self.filtered else {})}
         storage.write_json(naming.shard_stats(self.out, self.index), marker)
 

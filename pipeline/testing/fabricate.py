@@ -39,6 +39,16 @@ def pixels(position: int, size: int) -> np.ndarray:
     return np.full((size, size, 3), [position % 251, (position // 251) % 251, 7], np.uint8)
 
 
+def item(position: int, slice_size: int, per_record: int, source: str) -> records.Item:
+    """The planned item at ``position`` (record ``position // per_record``, as ``records.expand``
+    places it) (pure)."""
+    n, index = divmod(position, per_record)
+    record_id = f"r{n:07d}"
+    return records.Item(key=naming.output_key(record_id, index), id=record_id, image_index=index,
+                        prompt=f"prompt number {n}", negative_prompt="", seed=n, guidance_scale=None, source=source,
+                        line=n + 1, position=position, slice=position // slice_size)
+
+
 def fabricate(out: str, images: int, slice_size: int = 8, hosts: int = 2, chosen=("files",), per_record: int = 1,
               *, prompts: str | None = None, image_scores: dict | None = None, **changes) -> dict:
     """Write a committed run of ``images`` images into ``out``; returns its manifest.
@@ -50,9 +60,10 @@ def fabricate(out: str, images: int, slice_size: int = 8, hosts: int = 2, chosen
     """
     prompts = prompts or out.rstrip("/") + "-prompts.jsonl"
     records_count = -(-images // per_record)
-    lines = [json.dumps({"id": f"r{n:07d}", "prompt": f"prompt number {n}", "seed": n,
-                         "num_images": min(per_record, images - n * per_record)}) for n in range(records_count)]
-    storage.write_text(prompts, "\n".join(lines) + "\n")
+    with storage.local_writer(prompts) if not storage.is_gcs(prompts) else _Buffer(prompts) as f:
+        for n in range(records_count):
+            f.write((json.dumps({"id": f"r{n:07d}", "prompt": f"prompt number {n}", "seed": n,
+                                 "num_images": min(per_record, images - n * per_record)}) + "\n").encode())
     settings = settings_of(out, prompts, slice_size, chosen, **changes)
     scorers = {name: "fabricated" for name in ("clip", "aesthetic", "safety")
                if {"clip": {"clip", "aesthetic"}, "aesthetic": {"aesthetic"}, "safety": {"safety"}}[name]
@@ -63,46 +74,62 @@ def fabricate(out: str, images: int, slice_size: int = 8, hosts: int = 2, chosen
     slices = -(-images // slice_size)
     manifest = {"slice_size": slice_size, "slices": slices, "records": records_count, "images": images,
                 "rejects": 0, "rejects_by_reason": {}, "input_rows": records_count, "input_files": 1}
-    items = [item for n in range(records_count)
-             for item in records.expand(records.Record(id=f"r{n:07d}", prompt=f"prompt number {n}",
-                                                       negative_prompt="", seed=n, num_images=min(
-                                                           per_record, images - n * per_record),
-                                                       guidance_scale=None, source=prompts, line=n + 1),
-                                        n * per_record, slice_size)]
-    _write_plan(out, items, slices, slice_size, images)
+
+    def chunk(index: int) -> list[records.Item]:
+        return [item(p, slice_size, per_record, prompts) for p in range(index * slice_size,
+                                                                         min(images, (index + 1) * slice_size))]
+
+    _write_plan(out, chunk, slices, images)
     storage.write_json(naming.manifest(out), manifest)
-    _write_slices(out, run, items, slices, slice_size, hosts, image_scores)
+    _write_slices(out, run, chunk, slices, images, hosts, image_scores)
     return manifest
 
 
-def _write_plan(out: str, items: list, slices: int, slice_size: int, images: int) -> None:
+class _Buffer:
+    """A gs:// prompts file, written whole when closed."""
+
+    def __init__(self, path: str):
+        self.path, self.parts = path, []
+
+    def __enter__(self):
+        return self
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def __exit__(self, *error):
+        if error[0] is None:
+            storage.write_bytes(self.path, b"".join(self.parts))
+
+
+def _write_plan(out: str, chunk, slices: int, images: int) -> None:
     buckets = key_index.bucket_count(images)
     pieces: dict[int, list] = {}
     for index in range(slices):
-        chunk = items[index * slice_size:(index + 1) * slice_size]
+        items = chunk(index)
         storage.write_bytes(naming.plan_slice(out, index), b"".join(
-            (json.dumps(i.to_json(), ensure_ascii=False, sort_keys=True) + "\n").encode() for i in chunk))
-        columns = {"key": [i.key for i in chunk], "slice": [index] * len(chunk), "position": [i.position for i in chunk]}
+            (json.dumps(i.to_json(), ensure_ascii=False, sort_keys=True) + "\n").encode() for i in items))
+        columns = {"key": [i.key for i in items], "slice": [index] * len(items), "position": [i.position for i in items]}
         for bucket, piece in key_index.split(columns, buckets):
             pieces.setdefault(bucket, []).append(piece)
     for bucket, found in pieces.items():
         storage.write_bytes(naming.plan_keys(out, bucket), key_index.bucket_bytes(found))
 
 
-def _write_slices(out: str, run: Run, items: list, slices: int, slice_size: int, hosts: int,
-                  scores: dict | None) -> None:
+def _write_slices(out: str, run: Run, chunk, slices: int, images: int, hosts: int, scores: dict | None) -> None:
     settings = run.settings
-    zarr = formats.open_zarr_images(out, len(items), settings.height, settings.width, per_shard=slice_size) \
+    size = settings.slice_size
+    zarr = formats.open_zarr_images(out, images, settings.height, settings.width, per_shard=size) \
         if "zarr" in settings.formats else None
     with ThreadPoolExecutor(8, thread_name_prefix="fabricate") as pool:
         for index in range(slices):
             started = time.time()
-            chunk = items[index * slice_size:(index + 1) * slice_size]
+            items = chunk(index)
             slice_writer = writer.SliceWriter(out, run, index, index % hosts, pool, zarr)
-            for item in chunk:
-                slice_writer.add(item, pixels(item.position, settings.width), scores=dict(scores) if scores else None)
-            slice_writer.commit({"slice": index, "host": index % hosts, "images": len(chunk),
-                                 "padding": slice_size - len(chunk), "seconds": 1.0, "images_per_s": len(chunk),
+            for one in items:
+                slice_writer.add(one, pixels(one.position, settings.width), scores=dict(scores) if scores else None)
+            slice_writer.commit({"slice": index, "host": index % hosts, "images": len(items),
+                                 "padding": size - len(items), "seconds": 1.0, "images_per_s": len(items),
                                  "input_s": 0.1, "device_wait_s": 0.1, "output_s": 0.1, "device_busy_s": 0.5,
                                  "commit_s": 0.0, "compiles_after_warmup": 0, "truncated_prompts": 0,
                                  "started_ts": round(started, 3), "committed_ts": round(started + 1.0, 3)})
