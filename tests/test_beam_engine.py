@@ -303,16 +303,14 @@ def run_bundle(fn, *indices) -> list:
 def same_slice_bytes(out: str, clean: str, index: int) -> int:
     """Asserts slice ``index``'s images and metadata shard in ``out`` are ``clean``'s, byte
     for byte; returns how many images it has."""
-    folder = naming.slice_name(index)
-    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(out, "images", folder, "*")))
-    assert images == sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(clean, "images", folder, "*")))
+    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(naming.images_dir(out, index), "*")))
+    assert images == sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(naming.images_dir(clean, index),
+                                                                                   "*")))
     for name in images:
-        assert (storage.read_bytes(naming.join(out, "images", folder, name))
-                == storage.read_bytes(naming.join(clean, "images", folder, name)))
-    assert storage.read_bytes(naming.shard_metadata(out, index)) == storage.read_bytes(
-        naming.shard_metadata(clean, index))
-    assert storage.checksums(naming.thumbs_dir(out, index)) == storage.checksums(naming.thumbs_dir(clean, index))
-    assert len(storage.checksums(naming.thumbs_dir(out, index))) == len(images)
+        assert (storage.read_bytes(naming.join(naming.images_dir(out, index), name))
+                == storage.read_bytes(naming.join(naming.images_dir(clean, index), name)))
+    for path in (naming.shard_metadata, naming.thumb_pack):
+        assert storage.read_bytes(path(out, index)) == storage.read_bytes(path(clean, index))
     return len(images)
 
 

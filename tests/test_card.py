@@ -83,7 +83,8 @@ def test_sections_and_settings():
                    "| steps | `30` |", "| guidance scale | `7.5` |", "| size (width x height) | `512 x 512` |",
                    "| dtype | `bf16` |", "| run seed | `1234` |", "| formats | `files, webdataset` |",
                    "| image format | `webp (quality 90)` |", "| planned at | `2024-07-01T12:00:00+00:00` |",
-                   "`jax` `0.4.30`", 'load_dataset("OUT", split="train")', 'data_files="OUT/dataset/metadata/*.parquet"',
+                   "`jax` `0.4.30`", 'load_dataset("OUT", split="train")',
+                   'data_files="OUT/dataset/metadata/*.parquet"',
                    "import pyarrow.parquet as pq", "promptmill reproduce KEY [KEY ...] --out OUT",
                    "| timestep spacing | `the checkpoint's` |",
                    "| classifier-free guidance | `yes (some record's guidance > 1)` |"):  # an older run: guided

@@ -205,6 +205,16 @@ def test_a_whole_object_missing_or_not_its_recorded_size_fails_its_slice():
     assert parts.broken_objects("o", files) == ("missing", ["thumbs/x.tar"])
 
 
+def test_the_key_index_places_each_key_from_the_plan_and_the_slices_places():
+    """A whole slice's key sits at its first row plus its offset in the slice; a slice with
+    problems lists its rows' positions, and a key without a row has no entry."""
+    plan = {"key": ["a", "b", "c", "d", "e"], "slice": [0, 0, 1, 1, 2], "position": [0, 1, 2, 3, 4]}
+    places = {0: (0, 0, 0, 0, None), 1: (1, 0, 2, 2, [3])}  # slice 1 kept only position 3; slice 2: no commit
+    found = parts.place_keys(plan, places, row_group_rows=2)
+    assert found == {"key": ["a", "b", "d"], "part": [0, 0, 0], "row_group": [0, 0, 1], "row": [0, 1, 0],
+                     "slice": [0, 0, 1]}
+
+
 def summary(index, ok, records, problems=None, unused_negatives=(0, 0), planned=None):
     return {"slice": index, "slices": 1, "ok": ok, "records": records, "planned_images": planned or ok,
             "problems": {kind: {"count": len(keys), "keys": keys} for kind, keys in (problems or {}).items()},

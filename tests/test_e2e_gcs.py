@@ -123,7 +123,7 @@ def test_a_hostile_id_gets_a_safe_unique_key_inside_out(clean_run, case):
     assert sum(r["key"] == row["key"] for r in rows) == 1
     # every object of the image sits under OUT, where the layout says
     image = naming.join(out, row["path"])
-    assert row["path"] == f"images/{naming.slice_name(row['slice'])}/{row['key']}.png" and storage.exists(image)
+    assert row["path"] == naming.image_name(row["slice"], row["key"]) and storage.exists(image)
     with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, row["slice"])))) as tar:
         names = tar.getnames()
     assert {f"{row['key']}.png", f"{row['key']}.json", f"{row['key']}.txt"} <= set(names)
@@ -200,14 +200,20 @@ def test_collect_reads_no_image_bytes(clean_run, gcs_emulator, model_cache):
             read[name[len(prefix):]] = read.get(name[len(prefix):], 0) + size
     slices = storage.read_json(naming.manifest(out))["slices"]
     # the proxy saw collect's reads: every slice's metadata shard and commit marker
+    thumbnails = 0
     for index in range(slices):
-        assert read[f"shards/{naming.slice_name(index)}.parquet"] > 0
-        assert f"shards/{naming.slice_name(index)}_stats.json" in read
+        assert read[naming.shard_metadata(out, index)[len(out) + 1:]] > 0
+        assert naming.shard_stats(out, index)[len(out) + 1:] in read
+        index_of = storage.read_json(naming.shard_stats(out, index))["thumbnail_index"]
+        thumbnails += sum(size for _, size in index_of.values())
     # (the zarr arrays' metadata is read, to consolidate it into OUT/zarr/zarr.json for xarray)
     images = {name: size for name, size in read.items()
               if (name.startswith(("images/", "thumbs/", "parquet/", "zarr/")) or name.endswith(".tar"))
-              and not re.fullmatch(r"zarr/\w+/zarr\.json", name)}
+              and not re.fullmatch(r"zarr/\w+/zarr\.json", name) and not name.startswith("thumbs/")}
     assert images == {}
+    # the gallery's thumbnails are read one by one from the slices' packs: never a whole pack
+    packs = {name: size for name, size in read.items() if name.startswith("thumbs/")}
+    assert packs and sum(packs.values()) <= thumbnails
     # (and OUT/README.md, whose first lines say whether collect wrote it: a user's card is never replaced)
     allowed = re.compile(r"run\.json|plan/manifest\.json|plan/inputs\.json|plan/slices/\d{5}\.jsonl|plan/rejects/.+\.jsonl"
                          r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json|zarr/\w+/zarr\.json|README\.md")

@@ -78,4 +78,5 @@ def test_overwrite_clears_a_run_of_the_earlier_layout(old_run):
 
     storage.write_text(naming.join(old_run, "notes.txt"), "mine")
     assert prepare.clear_run(old_run) == len(tree(FIXTURE)) - sum(1 for v in tree(FIXTURE).values() if v == "folder")
-    assert {k: v for k, v in tree(old_run).items() if v != "folder"} == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}
+    kept = {name: digest for name, digest in tree(old_run).items() if digest != "folder"}
+    assert kept == {"notes.txt": hashlib.sha256(b"mine").hexdigest()}

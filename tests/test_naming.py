@@ -89,7 +89,8 @@ def test_per_slice_output_names_spread_over_the_key_space():
             assert naming.output_name(index) in path and naming.owned(path[len("o/"):]), path
         assert naming.marker_slice(naming.shard_stats("gs://b/o", index)) == index
     # a marker-like name whose hash is not its slice's is no marker (a stray or renamed object)
-    assert naming.marker_slice(f"shards/0000-00042_stats.json") is None and naming.marker_slice("shards/00042_stats.json") is None
+    assert naming.marker_slice("shards/0000-00042_stats.json") is None
+    assert naming.marker_slice("shards/00042_stats.json") is None
 
 
 def test_owned_names_the_new_layouts_objects_and_the_earlier_ones():

@@ -123,7 +123,7 @@ def gke_dry_run(job: jobset.GkeJob) -> str:
 
 
 def committed_slices(out: str, total: int) -> int:
-    """How many of the planned slices have their commit marker (``shards/NNNNN_stats.json``)."""
+    """How many of the planned slices have their commit marker (``shards/SLICE_stats.json``)."""
     found = set(storage.glob(naming.join(out, "shards", "*_stats.json")))
     return sum(naming.shard_stats(out, i) in found for i in range(total))
 

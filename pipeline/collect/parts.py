@@ -13,12 +13,13 @@ size its marker recorded; then it
   * writes the slice's ``images/SLICE/metadata.jsonl`` (``--format files``: the
     ``imagefolder`` builder's) and its chunk of ``zarr/key`` (``--format zarr``);
   * yields the slice's summary (``SUMMARY``: counts, at most ``MAX_KEYS_IN_MESSAGE``
-    problem keys of each kind, its scores), pieces of the key index (``INDEX``: each key's
-    part, row group and row) and its gallery candidates (``GALLERY``: the rows of the
+    problem keys of each kind, its scores), where its rows are in the part (``ROWS``: for
+    the key index, ``place_keys``) and its gallery candidates (``GALLERY``: the rows of the
     positions the plan-time sample picks, or a bounded top-k of a score).
 
-Nothing here holds more than a row group, a few slices read ahead and a bounded index
-buffer, however large the run.
+Nothing here holds more than a row group and a few slices read ahead, however large the
+run. The key index is then written bucket by bucket from the plan's own (key -> slice,
+position) and the slices' places (``place_keys``): no key crosses a shuffle.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 from pipeline.collect import gallery
-from pipeline.collect.stats import MAX_KEYS_IN_MESSAGE
+from pipeline.collect.stats import HOST_TIMES, MAX_KEYS_IN_MESSAGE
 from pipeline.collect.verify import ACCOUNTED, unused_guidance, unused_negatives, verify_slice
 from pipeline.core import buckets, choices, filters, naming
 from pipeline.core.settings import Run
@@ -42,9 +43,9 @@ from pipeline.output import formats, key_index, writer
 
 PART_ROWS = 1_000_000  # images a part holds, about: whole slices
 ROW_GROUP_ROWS = 100_000  # rows a row group of a part holds (the last of a part: fewer)
-SUMMARY, INDEX, GALLERY = "summary", "index", "gallery"
+SUMMARY, ROWS, GALLERY = "summary", "rows", "gallery"
+HOST_FIELDS = ("host", "images", "seconds", *HOST_TIMES, "started_ts", "committed_ts", "finished_at")
 READ_AHEAD = 8  # slices read while the one before is written
-INDEX_FLUSH = 65_536  # index entries a part holds before it hands them on
 VERIFY_COLUMNS = ("key", "dropped", "settings_fingerprint", "image_bytes", "image_md5")
 GALLERY_COLUMNS = ("key", "prompt", "seed", "width", "height", "slice", "position", "path", "dropped", "nsfw",
                    "clip_similarity", "aesthetic", "nsfw_score")
@@ -96,7 +97,8 @@ class SliceFiles:
 def read_slice(out: str, run: Run, index: int) -> SliceFiles:
     """One slice's files, from reads of its plan items, marker and metadata shard, and
     listings of everything else (``storage.listed``)."""
-    items = [json.loads(raw) for raw in beamio.iter_lines(naming.plan_slice(out, index)) if raw.strip()]
+    items = [{name: item[name] for name in ("key", "image_index")}  # what verifying needs of each item
+             for item in (json.loads(raw) for raw in beamio.iter_lines(naming.plan_slice(out, index)) if raw.strip())]
     wholes = writer.whole_objects(out, run.settings, index)
     objects = {}
     for prefix in sorted({path.rsplit(".", 1)[0] for path in wholes}):
@@ -181,9 +183,9 @@ def slice_summary(run: Run, files: SliceFiles, verdicts: dict, table, size: int)
         reasons = table.filter(pc.is_valid(table.column("dropped"))).column("dropped").to_pylist()
         summary.update(dropped=len(dropped), dropped_by_rule=dict(collections.Counter(
             rule for reason in reasons for rule in filters.rules_of(reason))))
-    if files.marker is not None:
+    if files.marker is not None:  # the figures per host that stats.json sums (not the marker's indexes)
         summary.update(committed_slices=1, compiles_after_warmup=files.marker.get("compiles_after_warmup", 0),
-                       host_stats=files.marker)
+                       host_stats={name: files.marker[name] for name in HOST_FIELDS if name in files.marker})
     if settings.scores:
         summary["scores"] = {name: table.column(name).drop_null().to_numpy()
                              for name in ("clip_similarity", "aesthetic", "nsfw_score")}
@@ -229,7 +231,7 @@ def write_slice_outputs(out: str, run: Run, geometry, files: SliceFiles, table, 
 
 class CollectPartFn(beam.DoFn):
     """A part's index (and the manifest, a side input) -> its slices' summaries (main
-    output), key index pieces (``INDEX``) and gallery candidates (``GALLERY``); writes the
+    output), their places in the part (``ROWS``) and gallery candidates (``GALLERY``); writes the
     part, and each slice's own outputs. ``plan_args``: ``PartPlan.of``'s after the manifest."""
 
     def __init__(self, out: str, run: Run, plan_args: tuple):
@@ -253,7 +255,7 @@ class CollectPartFn(beam.DoFn):
         self.geometry = buckets.Geometry.of_manifest(manifest, settings.width, settings.height,
                                                      settings.per_device_batch)
         plan, out = self.plan, self.out
-        pending, index, candidates = [], {name: [] for name in key_index.DATASET_COLUMNS}, []
+        pending, candidates = [], []
         written = 0
         with beamio.open_write(naming.dataset_part(out, part), "application/vnd.apache.parquet") as sink, \
                 pq.ParquetWriter(sink, writer.metadata_schema()) as parquet, \
@@ -261,33 +263,20 @@ class CollectPartFn(beam.DoFn):
             for files in _read_ahead(pool, lambda i: read_slice(out, self.run, i), plan.slices_of(part)):
                 verdicts, table = check_slice(out, self.run, files)
                 self._count(verdicts)
-                rows = range(written, written + table.num_rows)
+                yield beam.pvalue.TaggedOutput(ROWS, slice_place(files, table, part, written,
+                                                                 self.geometry.slice_span(files.index)[0]))
                 written += table.num_rows
                 pending += [table] if table.num_rows else []
                 while sum(t.num_rows for t in pending) >= plan.row_group_rows:
                     pending = _write_group(parquet, pending, plan.row_group_rows)
                 write_slice_outputs(out, self.run, self.geometry, files, table, bool(self.manifest.get("buckets")))
-                for name, values in (("key", table.column("key").to_pylist()), ("part", [part] * len(rows)),
-                                     ("row_group", [r // plan.row_group_rows for r in rows]),
-                                     ("row", [r % plan.row_group_rows for r in rows]),
-                                     ("slice", [files.index] * len(rows))):
-                    index[name] += values
-                if len(index["key"]) >= INDEX_FLUSH:
-                    yield from self._index(index)
                 candidates = self._gallery(candidates, table, files)
                 yield slice_summary(self.run, files, verdicts, table,
                                     self.geometry.bucket_of_slice(files.index))
             while pending:
                 pending = _write_group(parquet, pending, plan.row_group_rows)
-        yield from self._index(index)
         for row in candidates:
             yield beam.pvalue.TaggedOutput(GALLERY, row)
-
-    def _index(self, index: dict):
-        for piece in key_index.split(index, key_index.bucket_count(self.plan.images)):
-            yield beam.pvalue.TaggedOutput(INDEX, piece)
-        for values in index.values():
-            values.clear()
 
     def _gallery(self, candidates: list, table, files: SliceFiles) -> list:
         """The part's gallery candidates so far, with the slice's: the rows of the positions
@@ -314,6 +303,71 @@ class CollectPartFn(beam.DoFn):
         """The rows with where their thumbnail is in their slice's pack (None: it has none)."""
         index = (files.marker or {}).get("thumbnail_index", {})
         return [{**row, "thumb_at": index.get(row["key"])} for row in rows]
+
+
+def slice_place(files: SliceFiles, table, part: int, first_row: int, start: int) -> tuple:
+    """(slice, part, its first row in the part, its first position, and the positions of its
+    rows when they are not exactly its planned positions in order; else None) (pure)."""
+    positions = table.column("position").to_pylist()
+    whole = positions == list(range(start, start + len(files.items)))
+    return files.index, part, first_row, start, None if whole else positions
+
+
+def place_keys(plan_entries: dict[str, list], places: dict[int, tuple], row_group_rows: int) -> dict[str, list]:
+    """The dataset's key index entries (``key_index.DATASET_COLUMNS``) of a bucket, from the
+    plan's entries of that bucket (key, slice, position) and each slice's place in the
+    dataset (``slice_place``, by slice); a key without a row in the dataset has none (pure)."""
+    import bisect
+
+    found = {name: [] for name in key_index.DATASET_COLUMNS}
+    for key, index, position in zip(plan_entries["key"], plan_entries["slice"], plan_entries["position"]):
+        if index not in places:
+            continue
+        _, part, first_row, start, positions = places[index]
+        if positions is None:
+            offset = position - start
+        else:
+            offset = bisect.bisect_left(positions, position)
+            if offset == len(positions) or positions[offset] != position:
+                continue
+        row = first_row + offset
+        for name, value in (("key", key), ("part", part), ("row_group", row // row_group_rows),
+                            ("row", row % row_group_rows), ("slice", index)):
+            found[name].append(value)
+    return found
+
+
+class PlacesFn(beam.CombineFn):
+    """``slice_place`` tuples -> {slice: its place}: one entry a slice, what the key index's
+    buckets need of every slice."""
+
+    def create_accumulator(self):
+        return {}
+
+    def add_input(self, places, place):
+        places[place[0]] = place
+        return places
+
+    def merge_accumulators(self, many):
+        merged = {}
+        for places in many:
+            merged.update(places)
+        return merged
+
+    def extract_output(self, places):
+        return places
+
+
+def write_index_bucket(bucket: int, out: str, plan_args: tuple, joined: dict) -> int:
+    """Bucket ``bucket`` of the dataset's key index, from the plan's and the slices' places
+    (``joined``: {"manifest": [it], "places": [{slice: place}]})."""
+    [manifest], [places] = joined["manifest"], joined["places"]
+    entries = key_index.read_bucket(naming.plan_keys(out, bucket))
+    found = place_keys(entries, places, PartPlan.of(manifest, *plan_args).row_group_rows) if entries else {}
+    if found and found["key"]:
+        beamio.write_bytes(naming.dataset_index(out, bucket), key_index.columns_bytes(found),
+                           "application/vnd.apache.parquet")
+    return bucket
 
 
 def dataset_rows(out: str) -> list[dict]:

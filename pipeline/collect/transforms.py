@@ -12,12 +12,13 @@ comes out of its generate -> collect barrier. Both then call ``check_verified``.
   CollectParts   each part (a contiguous range of slices, ``parts.PartPlan``), in parallel:
                  its slices verified and written as ``dataset/metadata/part-NNNNN.parquet``,
                  with each slice's ``images/SLICE/metadata.jsonl`` and ``zarr/key`` chunk
-                 (``pipeline.collect.parts``); out come slice summaries, key index pieces
-                 and gallery candidates
+                 (``pipeline.collect.parts``); out come slice summaries, each slice's
+                 place in its part, and gallery candidates
   MergeSummaries the summaries -> one ``stats.Tally``, by a combiner: counts, per-host and
                  per-size figures, a bounded sample of problem keys, score sketches
-  KeyIndex       the index pieces grouped by bucket -> ``dataset/index/BBBBB.parquet``
-                 (key -> part, row group, row; ``pipeline.output.key_index``)
+  KeyIndex       each bucket of the plan's key index, with every slice's place in the parts
+                 (O(slices) small tuples, merged by a combiner) -> ``dataset/index/BBBBB.parquet``
+                 (key -> part, row group, row; ``pipeline.output.key_index``): no key is shuffled
   CountRejects   each rejects file -> its rows by reason, summed
   Gallery        the candidates (the plan-time sample's rows, or a score's top-k) ranked,
                  their thumbnails read from their slices' packs, each page rendered on its
@@ -42,7 +43,7 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.collect import card, gallery
-from pipeline.collect.parts import GALLERY, INDEX, PART_ROWS, CollectPartFn, PartPlan
+from pipeline.collect.parts import GALLERY, PART_ROWS, ROWS, CollectPartFn, PartPlan, PlacesFn, write_index_bucket
 from pipeline.collect.stats import StatsFn, dataset_stats
 from pipeline.core import logs, naming
 from pipeline.core.settings import Run
@@ -210,9 +211,14 @@ class Collect(beam.PTransform):
                  | "PartIndices" >> beam.FlatMap(lambda m: range(PartPlan.of(m, *plan_args).parts))
                  | "SpreadParts" >> beam.Reshuffle()
                  | "CollectParts" >> beam.ParDo(CollectPartFn(out, run, plan_args), beam.pvalue.AsSingleton(checked))
-                 .with_outputs(INDEX, GALLERY, main="summaries"))
+                 .with_outputs(ROWS, GALLERY, main="summaries"))
         tally = parts.summaries | "MergeSummaries" >> beam.CombineGlobally(StatsFn())
-        indexed = (key_index.write_index(parts[INDEX], lambda bucket: naming.dataset_index(out, bucket))
+        places = _joined({"manifest": checked, "places": parts[ROWS] | "SlicePlaces" >> beam.CombineGlobally(
+            PlacesFn())}, "Places")
+        indexed = (places  # the buckets come out of the places, so each bucket's step reads them whole
+                   | "IndexBuckets" >> beam.FlatMap(lambda j: range(key_index.bucket_count(j["manifest"][0]["images"])))
+                   | "SpreadBuckets" >> beam.Reshuffle()
+                   | "WriteIndexBucket" >> beam.Map(write_index_bucket, out, plan_args, beam.pvalue.AsSingleton(places))
                    | "CountBuckets" >> beam.combiners.Count.Globally())
         rejects = (checked
                    | "MatchRejects" >> beam.FlatMap(lambda _: storage.glob(naming.join(naming.rejects_dir(out),

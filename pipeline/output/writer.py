@@ -11,8 +11,9 @@ gallery without reading any image back and a slice costs one thumbnail object, n
 per image. The commit marker says how many thumbnails the slice holds (``thumbnails``),
 where each is in the pack (``thumbnail_index``: key -> [offset, size], so the gallery
 reads a thumbnail, not the pack) and the size of every whole object the slice wrote
-(``objects``), which collect checks against a listing. With zarr, the slice's images (and latents) are one shard of the array
-(``formats.open_zarr_images``), written whole when the slice commits.
+(``objects``), which collect checks against a listing. With zarr, the slice's images (and
+latents) are one shard of each array (``formats.open_zarr_images``), written whole when
+the slice commits.
 """
 from __future__ import annotations
 
@@ -264,7 +265,8 @@ class SliceWriter:
         kept_rows, encoded = [r for r, _, _ in kept], [d for _, d, _ in kept]
         thumbs = [(f"{r['key']}.jpg", t) for r, _, t in sorted(kept, key=lambda k: k[0]["position"])]
         # where each thumbnail is in the pack, for the commit marker: the gallery reads one, not the pack
-        self._thumb_index = {name[:-len(".jpg")]: list(at) for (name, _), at in zip(thumbs, formats.tar_offsets(thumbs))}
+        self._thumb_index = {name[:-len(".jpg")]: list(at)
+                             for (name, _), at in zip(thumbs, formats.tar_offsets(thumbs))}
         objects = [(naming.shard_metadata(self.out, self.index), lambda: parquet_bytes(rows)),
                    (naming.thumb_pack(self.out, self.index), lambda: formats.tar_bytes(thumbs))]
         if "webdataset" in self.formats:

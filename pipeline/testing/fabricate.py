@@ -109,7 +109,8 @@ def _write_plan(out: str, chunk, slices: int, images: int) -> None:
         items = chunk(index)
         storage.write_bytes(naming.plan_slice(out, index), b"".join(
             (json.dumps(i.to_json(), ensure_ascii=False, sort_keys=True) + "\n").encode() for i in items))
-        columns = {"key": [i.key for i in items], "slice": [index] * len(items), "position": [i.position for i in items]}
+        columns = {"key": [i.key for i in items], "slice": [index] * len(items),
+                   "position": [i.position for i in items]}
         for bucket, piece in key_index.split(columns, buckets):
             pieces.setdefault(bucket, []).append(piece)
     for bucket, found in pieces.items():
