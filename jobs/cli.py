@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     flags.strict(status)
 
     add_submit_parser(sub)  # submit dataflow|gke, with its own --date
-    add_bench_parser(sub)  # bench generator|upload|plan|status|pipeline|tpu
+    add_bench_parser(sub)  # bench generator|upload|plan|collect|status|pipeline|tpu|sizes
     for command in _commands(parser):
         command.add_argument("--log-level", choices=list(logs.LEVELS), default="info",
                              help="the least important JSON log events shown on stderr (default: %(default)s)")

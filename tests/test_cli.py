@@ -173,7 +173,7 @@ def test_every_command_is_checked_and_only_the_beam_commands_take_beam_options()
     assert {name for name, takes in beam.items() if takes} == {
         "promptmill run", "promptmill plan", "promptmill collect", "promptmill submit dataflow",
         "promptmill submit gke"}
-    assert len(beam) == 15  # with status, bench status, bench tpu and bench sizes
+    assert len(beam) == 16  # with status, bench collect, bench status, bench tpu and bench sizes
 
 
 def test_beam_option_flags_are_beams_own():

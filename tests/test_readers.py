@@ -165,3 +165,23 @@ def test_collect_rewrites_its_own_card_and_overwrite_keeps_a_users(collected, tm
     prepare.clear_run(theirs)
     assert storage.read_text(naming.dataset_card(theirs)) == "# mine\n"
     assert not os.path.exists(naming.images_metadata(theirs, 3))
+
+
+def test_the_collect_bench_counts_objects_by_kind_and_carries_them_to_a_billion(collected, tmp_path):
+    """``bench collect``'s arithmetic on a collected run: objects per image and per slice,
+    write operations at 10^9 images, and the look-up's report (bytes read, objects read)."""
+    from pipeline.bench import collect_scale
+
+    out, rows = collected
+    counted = collect_scale.count_objects(out, 4)
+    # per image: its file; per slice: plan slice, metadata shard, marker, thumbnail pack, tar, metadata.jsonl,
+    # zarr shard and key chunk
+    assert (counted["per_image"], counted["per_slice_each"]) == (IMAGES, 8.0)
+    hosts = {"per_image": 10, "images": 10, "per_slice_each": 5.0}
+    found = collect_scale.per_billion(hosts, {"per_slice_each": 1.0}, slice_size=1000, part_rows=1_000_000)
+    assert found["per_image"] == 10 ** 9 and found["per_slice"] == 6 * 10 ** 6 and found["per_part"] == 1000
+    assert found["usd"] == round(found["total"] / 1000 * collect_scale.CLASS_A_USD_PER_1000, 2)
+    report = tmp_path / "lookup.json"
+    assert collect_scale.lookup(out, str(report), [rows[0]["key"], rows[-1]["key"]]) == 0
+    looked = json.loads(report.read_text())
+    assert looked["keys"] == 2 and looked["objects_read"] == 6  # a key: the manifest, a bucket and a shard

@@ -14,7 +14,7 @@ RSS sum over its process tree):
               the dataset's metadata (``dataset/metadata/``)
   status      ``promptmill status OUT --json``: wall seconds
 
-and counts the objects the hosts and collect wrote, by kind: per image, per slice, per
+and counts the objects the plan and the hosts, then collect, wrote, by kind: per image, per slice, per
 part, per index bucket, per run. The report's ``write_ops_per_billion`` carries those
 counts to 10^9 images at the same slice size (object counts follow from the layout:
 they are arithmetic, not a measurement), with their cost at ``CLASS_A_USD_PER_1000``.
@@ -63,13 +63,13 @@ def count_objects(out: str, slices: int) -> dict:
     return {**kinds, "total": len(names), "per_slice_each": round(kinds["per_slice"] / slices, 3)}
 
 
-def per_billion(hosts_objects: dict, collect_objects: dict, slice_size: int, part_rows: int) -> dict:
+def per_billion(written_before: dict, collect_objects: dict, slice_size: int, part_rows: int) -> dict:
     """Write operations (one per object written) at 10^9 images of the same layout, and their
     cost (pure): objects per image as counted, per slice at 10^9 / slice size slices, per
     part and per index bucket likewise."""
     slices = BILLION / slice_size
-    per_slice = (hosts_objects["per_slice_each"] + collect_objects["per_slice_each"])
-    writes = {"per_image": BILLION * (hosts_objects["per_image"] / max(1, hosts_objects["images"])),
+    per_slice = (written_before["per_slice_each"] + collect_objects["per_slice_each"])
+    writes = {"per_image": BILLION * (written_before["per_image"] / max(1, written_before["images"])),
               "per_slice": slices * per_slice,
               "per_part": BILLION / part_rows, "per_bucket": 2 * key_index.bucket_count(BILLION)}
     total = sum(writes.values())
@@ -117,13 +117,13 @@ def run(images: int, workdir: str | None = None, slice_size: int = 1024, hosts: 
                         prompts=os.path.join(workdir, "prompts.jsonl"))
     fabricated_s = time.perf_counter() - watch
     slices = -(-images // slice_size)
-    hosts_objects = {**count_objects(out, slices), "images": images}
+    written_before = {**count_objects(out, slices), "images": images}
     python = [sys.executable, "-m"]
     collected = _measure([*python, "jobs.cli", "collect", "--out", out, "--part-rows", str(part_rows),
                           "--log-level", "warning"], workdir, "collect")
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     after = count_objects(out, slices)
-    collect_objects = {k: after[k] - hosts_objects[k] for k in ("per_image", "per_slice", "per_part", "per_bucket",
+    collect_objects = {k: after[k] - written_before[k] for k in ("per_image", "per_slice", "per_part", "per_bucket",
                                                                  "per_run", "total")}
     collect_objects["per_slice_each"] = round(collect_objects["per_slice"] / slices, 3)
     rng = random.Random(seed)
@@ -145,9 +145,9 @@ def run(images: int, workdir: str | None = None, slice_size: int = 1024, hosts: 
         "lookups": {**measured["lookups"], "seconds_per_key": round(measured["lookups"]["seconds"] / lookups, 4)},
         "lookup_one_key": {**measured["lookup"], "metadata_bytes": metadata_bytes,
                            "share_of_metadata_read": round(measured["lookup"]["bytes_read"] / metadata_bytes, 6)},
-        "status": status, "objects_written": {"hosts": hosts_objects, "collect": collect_objects},
-        "objects_per_image": round((hosts_objects["total"] + collect_objects["total"]) / images, 4),
-        "write_ops_per_billion": per_billion(hosts_objects, collect_objects, slice_size, part_rows),
+        "status": status, "objects_written": {"plan_and_hosts": written_before, "collect": collect_objects},
+        "objects_per_image": round((written_before["total"] + collect_objects["total"]) / images, 4),
+        "write_ops_per_billion": per_billion(written_before, collect_objects, slice_size, part_rows),
         "machine": {"nproc": os.cpu_count(), "loadavg": list(os.getloadavg())},
     }
     if not keep:
@@ -168,7 +168,7 @@ def table(report: dict) -> str:
         f"{one['peak_rss_mib']} MiB, {one['bytes_read']:,} bytes read of {one['metadata_bytes']:,} "
         f"({one['share_of_metadata_read']:.4%})",
         f"  status    {report['status']['wall_s']:>9.2f} s",
-        f"  objects   {report['objects_per_image']} per image (hosts and collect)",
+        f"  objects   {report['objects_per_image']} per image (plan, hosts and collect)",
         f"  at 10^9 images: {w['total']:,} writes, ${w['usd']:,} at ${w['usd_per_1000_writes']} per 1,000",
     ])
 

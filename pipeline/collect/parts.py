@@ -99,12 +99,9 @@ def read_slice(out: str, run: Run, index: int) -> SliceFiles:
     listings of everything else (``storage.listed``)."""
     items = [{name: item[name] for name in ("key", "image_index")}  # what verifying needs of each item
              for item in (json.loads(raw) for raw in beamio.iter_lines(naming.plan_slice(out, index)) if raw.strip())]
-    wholes = writer.whole_objects(out, run.settings, index)
-    objects = {}
-    for prefix in sorted({path.rsplit(".", 1)[0] for path in wholes}):
-        objects.update((path, listed) for path, listed in storage.listed(prefix).items() if path in wholes)
     marker_path = naming.shard_stats(out, index)
-    committed = storage.exists(marker_path)
+    objects = storage.listed_paths([marker_path, *writer.whole_objects(out, run.settings, index)])
+    committed = marker_path in objects
     marker = beamio.read_json(marker_path) if committed else None
     table, images = None, None
     shard = naming.shard_metadata(out, index)

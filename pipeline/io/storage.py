@@ -290,6 +290,20 @@ def listed(prefix: str) -> dict[str, dict]:
     return found
 
 
+def listed_paths(paths) -> dict[str, dict]:
+    """``listed`` for these exact objects, those of them that exist: on GCS one listing per
+    run of names that share a start up to their extension (``shards/3fa1-00042.parquet`` and
+    ``.tar`` and ``_stats.json`` in one request); locally a ``stat`` each (a folder is never
+    scanned for them)."""
+    paths = set(paths)
+    if not any(is_gcs(path) for path in paths):
+        return dict(_stat(path) for path in sorted(paths) if os.path.isfile(path))
+    found = {}
+    for start in sorted({path.rsplit(".", 1)[0].removesuffix("_stats") for path in paths}):
+        found.update((path, listing) for path, listing in listed(start).items() if path in paths)
+    return found
+
+
 def _stat(path: str) -> tuple[str, dict]:
     return path, {"size": os.stat(path, follow_symlinks=False).st_size, "md5": None}
 
