@@ -185,3 +185,22 @@ def test_the_collect_bench_counts_objects_by_kind_and_carries_them_to_a_billion(
     assert collect_scale.lookup(out, str(report), [rows[0]["key"], rows[-1]["key"]]) == 0
     looked = json.loads(report.read_text())
     assert looked["keys"] == 2 and looked["objects_read"] == 6  # a key: the manifest, a bucket and a shard
+
+
+def test_reproduce_finds_a_key_from_the_plan_before_collect(tmp_path):
+    """Before collect, a key's slice comes from the plan's key index and its row from the
+    slice's shard: two small reads after the manifest, whatever the run's size; a key of a
+    slice not committed yet is refused, naming the slice."""
+    from pipeline.generate import reproduce
+
+    out = str(tmp_path / "out")
+    fabricate.fabricate(out, 9, slice_size=4)
+    assert not storage.glob(naming.join(out, "dataset"))
+    reads = []
+    found = reproduce.find_rows(out, ["r0000000_0000", "r0000008_0000", "nobody_0000"], reads)
+    assert sorted(found) == ["r0000000_0000", "r0000008_0000"] and found["r0000008_0000"]["slice"] == 2
+    assert [os.path.basename(path) for path, _ in reads] == [
+        "manifest.json", "00000.parquet", f"{naming.output_name(0)}.parquet", f"{naming.output_name(2)}.parquet"]
+    os.remove(naming.shard_stats(out, 2))
+    with pytest.raises(reproduce.ReproduceError, match="r0000008_0000: slice 2 is not committed yet"):
+        reproduce.find_rows(out, ["r0000008_0000"])

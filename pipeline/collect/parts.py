@@ -12,7 +12,7 @@ size its marker recorded; then it
     ``row_group_rows`` (so a part holds at most one row group in memory);
   * writes the slice's ``images/SLICE/metadata.jsonl`` (``--format files``: the
     ``imagefolder`` builder's) and its chunk of ``zarr/key`` (``--format zarr``);
-  * yields the slice's summary (``SUMMARY``: counts, at most ``MAX_KEYS_IN_MESSAGE``
+  * yields the slice's summary (its main output: counts, at most ``MAX_KEYS_IN_MESSAGE``
     problem keys of each kind, its scores), where its rows are in the part (``ROWS``: for
     the key index, ``place_keys``) and its gallery candidates (``GALLERY``: the rows of the
     positions the plan-time sample picks, or a bounded top-k of a score).
@@ -43,7 +43,7 @@ from pipeline.output import formats, key_index, writer
 
 PART_ROWS = 1_000_000  # images a part holds, about: whole slices
 ROW_GROUP_ROWS = 100_000  # rows a row group of a part holds (the last of a part: fewer)
-SUMMARY, ROWS, GALLERY = "summary", "rows", "gallery"
+ROWS, GALLERY = "rows", "gallery"  # the step's other outputs
 HOST_FIELDS = ("host", "images", "seconds", *HOST_TIMES, "started_ts", "committed_ts", "finished_at")
 READ_AHEAD = 8  # slices read while the one before is written
 VERIFY_COLUMNS = ("key", "dropped", "settings_fingerprint", "image_bytes", "image_md5")
