@@ -176,7 +176,10 @@ def _sharded(image_shape: list[int], per_shard: int, inner: list[dict]) -> dict:
     return {"chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [per_shard, *image_shape]}},
             "codecs": [{"name": "sharding_indexed", "configuration": {
                 "chunk_shape": [1, *image_shape], "codecs": inner,
-                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]}}]}
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                # the index first: a reader finds it with a range from the object's start, which every
+                # server answers (a suffix range, for an index at the end, is not: the GCS emulator's)
+                "index_location": "start"}}]}
 
 
 def open_zarr_images(out: str, count: int, height: int, width: int, group: str = "", per_shard: int = 1):
