@@ -303,9 +303,9 @@ def run_bundle(fn, *indices) -> list:
 def same_slice_bytes(out: str, clean: str, index: int) -> int:
     """Asserts slice ``index``'s images and metadata shard in ``out`` are ``clean``'s, byte
     for byte; returns how many images it has."""
-    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(naming.images_dir(out, index), "*")))
+    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(naming.images_dir(out, index), "*.png")))
     assert images == sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(naming.images_dir(clean, index),
-                                                                                   "*")))
+                                                                                   "*.png")))
     for name in images:
         assert (storage.read_bytes(naming.join(naming.images_dir(out, index), name))
                 == storage.read_bytes(naming.join(naming.images_dir(clean, index), name)))
@@ -330,7 +330,7 @@ def test_a_bundle_of_slices_fails_midway_and_its_retry_commits_the_same_bytes(be
     with fault_once(1), pytest.raises(TransientFault):
         run_bundle(fn, 0, 1, 2)
     assert writer.is_committed(out, 0) and not writer.is_committed(out, 1)
-    assert len(writer.leftovers(out, run.settings, 1)) == 2  # image, thumbnail
+    assert len(writer.leftovers(out, run.settings, 1)) == 1  # its first image (thumbnails are packed at commit)
     with captured_events() as events:
         outputs = run_bundle(fn, 0, 1, 2)
     assert outputs[0] == {"slice": 0, "skipped": True}
@@ -395,7 +395,11 @@ def test_a_filtered_run_keeps_every_row_and_puts_no_dropped_image_in_any_output(
     assert {k for k, r in rows.items() if r["path"]} == kept
     keys_of = lambda paths: {p.rsplit("/", 1)[-1].split(".")[0] for p in paths}  # noqa: E731
     assert keys_of(storage.glob(naming.join(out, "images", "*", "*.png"))) == kept
-    assert keys_of(storage.glob(naming.join(out, "thumbs", "*", "*.jpg"))) == kept
+    thumbs = set()
+    for index in range(3):  # each slice's thumbnails, packed: none of a dropped image
+        with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.thumb_pack(out, index)))) as pack:
+            thumbs |= keys_of(pack.getnames())
+    assert thumbs == kept
     members = set()
     for index in range(3):
         with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, index)))) as tar:

@@ -135,7 +135,7 @@ def test_the_collect_transforms_under_test_pipeline(dirty_run, tmp_path):
         manifests = p | "Manifest" >> beam.Create([manifest])
         summaries = (p
                      | "Parts" >> beam.Create(range(parts.PartPlan.of(manifest, *plan_args).parts))
-                     | "CollectParts" >> beam.ParDo(parts.CollectPartFn(out, run, plan_args),
+                     | "CollectParts" >> beam.ParDo(parts.CollectPartFn(out, plan_args),
                                                     beam.pvalue.AsSingleton(manifests))
                      .with_outputs(parts.INDEX, parts.GALLERY, main="summaries")).summaries
         assert_that(summaries | "Problems" >> beam.Map(lambda s: (s["slice"], s["problems"])),

@@ -38,7 +38,7 @@ from pipeline.collect.stats import HOST_TIMES, MAX_KEYS_IN_MESSAGE
 from pipeline.collect.verify import ACCOUNTED, unused_guidance, unused_negatives, verify_slice
 from pipeline.core import buckets, choices, filters, naming
 from pipeline.core.settings import Run
-from pipeline.io import beamio, storage
+from pipeline.io import beamio, runs, storage
 from pipeline.output import formats, key_index, writer
 
 PART_ROWS = 1_000_000  # images a part holds, about: whole slices
@@ -231,8 +231,9 @@ class CollectPartFn(beam.DoFn):
     output), their places in the part (``ROWS``) and gallery candidates (``GALLERY``); writes the
     part, and each slice's own outputs. ``plan_args``: ``PartPlan.of``'s after the manifest."""
 
-    def __init__(self, out: str, run: Run, plan_args: tuple):
-        self.out, self.run, self.plan_args = out, run, plan_args
+    def __init__(self, out: str, plan_args: tuple):
+        self.out, self.plan_args = out, plan_args
+        self.run = None  # read from OUT by the first part (``process``)
         self.counters = {}
 
     def setup(self):
@@ -247,6 +248,8 @@ class CollectPartFn(beam.DoFn):
     def process(self, part: int, manifest: dict):
         import pyarrow.parquet as pq
 
+        if self.run is None:  # run.json as the plan left it: its decisions change the settings fingerprint
+            self.run = runs.read(self.out)
         settings = self.run.settings
         self.manifest, self.plan = manifest, PartPlan.of(manifest, *self.plan_args)
         self.geometry = buckets.Geometry.of_manifest(manifest, settings.width, settings.height,

@@ -210,7 +210,7 @@ class Collect(beam.PTransform):
         parts = (checked
                  | "PartIndices" >> beam.FlatMap(lambda m: range(PartPlan.of(m, *plan_args).parts))
                  | "SpreadParts" >> beam.Reshuffle()
-                 | "CollectParts" >> beam.ParDo(CollectPartFn(out, run, plan_args), beam.pvalue.AsSingleton(checked))
+                 | "CollectParts" >> beam.ParDo(CollectPartFn(out, plan_args), beam.pvalue.AsSingleton(checked))
                  .with_outputs(ROWS, GALLERY, main="summaries"))
         tally = parts.summaries | "MergeSummaries" >> beam.CombineGlobally(StatsFn())
         places = _joined({"manifest": checked, "places": parts[ROWS] | "SlicePlaces" >> beam.CombineGlobally(
