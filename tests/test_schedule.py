@@ -145,11 +145,11 @@ def _host_events(out: str, name: str) -> list[dict]:
 
 def _files(out: str) -> dict[str, tuple[str, int]]:
     """{path under OUT: (size and checksum, mtime in ns)} of the images and shards (not
-    images/metadata.jsonl: collect's, rewritten by every collect as dataset/ is)."""
+    a slice folder's metadata.jsonl: collect's, rewritten by every collect as dataset/ is)."""
     sums = storage.checksums(out)
     return {name: (digest, os.stat(os.path.join(out, name)).st_mtime_ns)
             for name, digest in sums.items()
-            if name.startswith(("images/", "shards/")) and name != "images/metadata.jsonl"}
+            if name.startswith(("images/", "shards/")) and not name.endswith("/metadata.jsonl")}
 
 
 def test_scheduled_run_two_triggers_of_one_date_reuse_one_run_and_another_date_makes_another(tmp_path,
