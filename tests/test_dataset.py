@@ -137,7 +137,7 @@ def test_the_collect_transforms_under_test_pipeline(dirty_run, tmp_path):
                      | "Parts" >> beam.Create(range(parts.PartPlan.of(manifest, *plan_args).parts))
                      | "CollectParts" >> beam.ParDo(parts.CollectPartFn(out, plan_args),
                                                     beam.pvalue.AsSingleton(manifests))
-                     .with_outputs(parts.INDEX, parts.GALLERY, main="summaries")).summaries
+                     .with_outputs(parts.ROWS, parts.GALLERY, main="summaries")).summaries
         assert_that(summaries | "Problems" >> beam.Map(lambda s: (s["slice"], s["problems"])),
                     equal_to([(i, {}) for i in range(manifest["slices"])]), label="AllOk")
         assert_that(summaries | "Ok" >> beam.Map(lambda s: s["ok"]) | "Sum" >> beam.CombineGlobally(sum),
