@@ -12,10 +12,11 @@ size its marker recorded; then it
     ``row_group_rows`` (so a part holds at most one row group in memory);
   * writes the slice's ``images/SLICE/metadata.jsonl`` (``--format files``: the
     ``imagefolder`` builder's) and its chunk of ``zarr/key`` (``--format zarr``);
-  * yields the slice's summary (its main output: counts, at most ``MAX_KEYS_IN_MESSAGE``
-    problem keys of each kind, its scores), where its rows are in the part (``ROWS``: for
-    the key index, ``place_keys``) and its gallery candidates (``GALLERY``: the rows of the
-    positions the plan-time sample picks, or a bounded top-k of a score).
+  * yields, as (kind, value) pairs: the slice's summary (``SUMMARY``: counts, at most
+    ``MAX_KEYS_IN_MESSAGE`` problem keys of each kind, its scores), where its rows are in the
+    part (``PLACE``: for the key index, ``place_keys``) and, once a part is done, its gallery
+    candidates (``GALLERY``: the rows of the positions the plan-time sample picks, or a
+    bounded top-k of a score).
 
 Nothing here holds more than a row group and a few slices read ahead, however large the
 run. The key index is then written bucket by bucket from the plan's own (key -> slice,
@@ -43,7 +44,7 @@ from pipeline.output import formats, key_index, writer
 
 PART_ROWS = 1_000_000  # images a part holds, about: whole slices
 ROW_GROUP_ROWS = 100_000  # rows a row group of a part holds (the last of a part: fewer)
-ROWS, GALLERY = "rows", "gallery"  # the step's other outputs
+SUMMARY, PLACE, GALLERY = "slice", "place", "gallery"  # the kinds of what a part's step yields
 HOST_FIELDS = ("host", "images", "seconds", *HOST_TIMES, "started_ts", "committed_ts", "finished_at")
 READ_AHEAD = 8  # slices read while the one before is written
 VERIFY_COLUMNS = ("key", "dropped", "settings_fingerprint", "image_bytes", "image_md5")
@@ -227,8 +228,8 @@ def write_slice_outputs(out: str, run: Run, geometry, files: SliceFiles, table, 
 
 
 class CollectPartFn(beam.DoFn):
-    """A part's index (and the manifest, a side input) -> its slices' summaries (main
-    output), their places in the part (``ROWS``) and gallery candidates (``GALLERY``); writes the
+    """A part's index (and the manifest, a side input) -> (``SUMMARY``, a slice's summary),
+    (``PLACE``, its place in the part) and (``GALLERY``, a candidate row); writes the
     part, and each slice's own outputs. ``plan_args``: ``PartPlan.of``'s after the manifest."""
 
     def __init__(self, out: str, plan_args: tuple):
@@ -263,20 +264,19 @@ class CollectPartFn(beam.DoFn):
             for files in _read_ahead(pool, lambda i: read_slice(out, self.run, i), plan.slices_of(part)):
                 verdicts, table = check_slice(out, self.run, files)
                 self._count(verdicts)
-                yield beam.pvalue.TaggedOutput(ROWS, slice_place(files, table, part, written,
-                                                                 self.geometry.slice_span(files.index)[0]))
+                yield PLACE, slice_place(files, table, part, written, self.geometry.slice_span(files.index)[0])
                 written += table.num_rows
                 pending += [table] if table.num_rows else []
                 while sum(t.num_rows for t in pending) >= plan.row_group_rows:
                     pending = _write_group(parquet, pending, plan.row_group_rows)
                 write_slice_outputs(out, self.run, self.geometry, files, table, bool(self.manifest.get("buckets")))
                 candidates = self._gallery(candidates, table, files)
-                yield slice_summary(self.run, files, verdicts, table,
-                                    self.geometry.bucket_of_slice(files.index))
+                yield SUMMARY, slice_summary(self.run, files, verdicts, table,
+                                             self.geometry.bucket_of_slice(files.index))
             while pending:
                 pending = _write_group(parquet, pending, plan.row_group_rows)
         for row in candidates:
-            yield beam.pvalue.TaggedOutput(GALLERY, row)
+            yield GALLERY, row
 
     def _gallery(self, candidates: list, table, files: SliceFiles) -> list:
         """The part's gallery candidates so far, with the slice's: the rows of the positions
@@ -337,33 +337,11 @@ def place_keys(plan_entries: dict[str, list], places: dict[int, tuple], row_grou
     return found
 
 
-class PlacesFn(beam.CombineFn):
-    """``slice_place`` tuples -> {slice: its place}: one entry a slice, what the key index's
-    buckets need of every slice."""
-
-    def create_accumulator(self):
-        return {}
-
-    def add_input(self, places, place):
-        places[place[0]] = place
-        return places
-
-    def merge_accumulators(self, many):
-        merged = {}
-        for places in many:
-            merged.update(places)
-        return merged
-
-    def extract_output(self, places):
-        return places
-
-
-def write_index_bucket(bucket: int, out: str, plan_args: tuple, joined: dict) -> int:
+def write_index_bucket(bucket: int, out: str, row_group_rows: int, places: dict) -> int:
     """Bucket ``bucket`` of the dataset's key index, from the plan's and the slices' places
-    (``joined``: {"manifest": [it], "places": [{slice: place}]})."""
-    [manifest], [places] = joined["manifest"], joined["places"]
+    ({slice: ``slice_place``})."""
     entries = key_index.read_bucket(naming.plan_keys(out, bucket))
-    found = place_keys(entries, places, PartPlan.of(manifest, *plan_args).row_group_rows) if entries else {}
+    found = place_keys(entries, places, row_group_rows) if entries else {}
     if found and found["key"]:
         beamio.write_bytes(naming.dataset_index(out, bucket), key_index.columns_bytes(found),
                            "application/vnd.apache.parquet")

@@ -1,8 +1,8 @@
 """The dataset's stats (the content of ``dataset/stats.json``), merged without holding the run.
 
 Each slice's verification gives a small summary (``pipeline.collect.parts``); ``Tally``
-folds summaries into one, in any order and any grouping (it is what ``StatsFn``, a Beam
-CombineFn, accumulates), holding only counts, per-host and per-size figures, at most
+folds summaries into one, in any order and any grouping (collect's combiner,
+``transforms.MergeFn``, accumulates one), holding only counts, per-host and per-size figures, at most
 ``MAX_KEYS_IN_MESSAGE`` problem keys of each kind (the first by slice and key) and a
 ``sketch.Scores`` per score. ``dataset_stats`` (pure) turns the merged tally, the rejects
 by reason and the manifest into stats.json.
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
-
-import apache_beam as beam
 
 from pipeline.collect.sketch import Scores
 
@@ -109,26 +107,6 @@ def slice_span(stats: dict) -> tuple[float | None, float | None]:
         end = dt.datetime.fromisoformat(stats["finished_at"]).timestamp()
         return end - stats["seconds"], end
     return None, None
-
-
-class StatsFn(beam.CombineFn):
-    """Slice summaries -> one ``Tally``."""
-
-    def create_accumulator(self):
-        return Tally()
-
-    def add_input(self, tally, summary):
-        return tally.add(summary)
-
-    def merge_accumulators(self, tallies):
-        tallies = iter(tallies)
-        merged = next(tallies)
-        for tally in tallies:
-            merged.merge(tally)
-        return merged
-
-    def extract_output(self, tally):
-        return tally
 
 
 def host_figures(hosts: dict) -> dict:

@@ -14,17 +14,20 @@ comes out of its generate -> collect barrier. Both then call ``check_verified``.
                  with each slice's ``images/SLICE/metadata.jsonl`` and ``zarr/key`` chunk
                  (``pipeline.collect.parts``); out come slice summaries, each slice's
                  place in its part, and gallery candidates
-  MergeSummaries the summaries -> one ``stats.Tally``, by a combiner: counts, per-host and
-                 per-size figures, a bounded sample of problem keys, score sketches
-  KeyIndex       each bucket of the plan's key index, with every slice's place in the parts
-                 (O(slices) small tuples, merged by a combiner) -> ``dataset/index/BBBBB.parquet``
-                 (key -> part, row group, row; ``pipeline.output.key_index``): no key is shuffled
-  CountRejects   each rejects file -> its rows by reason, summed
-  Gallery        the candidates (the plan-time sample's rows, or a score's top-k) ranked,
-                 their thumbnails read from their slices' packs, each page rendered on its
-                 own: ``dataset/index.html`` and ``dataset/gallery/``
-  WriteStats     once all of the above is written: ``dataset/stats.json``, the dataset card
-                 ``OUT/README.md``, and (zarr) the groups' consolidated metadata
+  CountRejects   each rejects file -> its rows by reason
+  Merge          all of those -> one ``Merged``, by a combiner: the ``stats.Tally`` (counts,
+                 per-host and per-size figures, a bounded sample of problem keys, score
+                 sketches), each slice's place (one small tuple a slice), the gallery's
+                 candidates (the plan-time sample's rows, or a score's bounded top-k) and
+                 the rejects by reason
+  IndexBuckets   each bucket of the plan's key index with the slices' places ->
+                 ``dataset/index/BBBBB.parquet`` (key -> part, row group, row;
+                 ``pipeline.output.key_index``): no key crosses a shuffle
+  GalleryRows    the candidates ranked, each row's thumbnail read from its slice's pack,
+                 each page rendered on its own: ``dataset/index.html`` and ``dataset/gallery/``
+  WriteStats     once all of the above is written (one GroupByKey of it all):
+                 ``dataset/stats.json``, the dataset card ``OUT/README.md``, and (zarr) the
+                 groups' consolidated metadata
 
 What is gathered in one place is the merged tally, the rejects' counts and the gallery's
 rows (at most its cap): never the run's rows. ``check_verified`` raises ``CollectError``
@@ -35,6 +38,7 @@ are read and written through Beam's FileSystems (``pipeline.io.beamio``); listin
 from __future__ import annotations
 
 import collections
+import heapq
 import json
 import logging
 import time
@@ -43,8 +47,8 @@ import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.collect import card, gallery
-from pipeline.collect.parts import GALLERY, PART_ROWS, ROWS, CollectPartFn, PartPlan, PlacesFn, write_index_bucket
-from pipeline.collect.stats import StatsFn, dataset_stats
+from pipeline.collect.parts import GALLERY, PART_ROWS, PLACE, SUMMARY, CollectPartFn, PartPlan, write_index_bucket
+from pipeline.collect.stats import Tally, dataset_stats
 from pipeline.core import logs, naming
 from pipeline.core.settings import Run
 from pipeline.io import beamio, runs, storage
@@ -63,20 +67,11 @@ def count_rejects(path: str) -> collections.Counter:
     return collections.Counter(json.loads(raw)["reason"] for raw in beamio.iter_lines(path) if raw.strip())
 
 
-def _sum_counts(counters) -> collections.Counter:
-    total = collections.Counter()
-    for counter in counters:
-        total.update(counter)
-    return total
-
-
 class CountRejects(beam.PTransform):
-    """Rejects files (paths) -> one Counter of rows by reason over them all."""
+    """Rejects files (paths) -> ("rejects", the file's rows by reason) each, as ``MergeFn`` sums them."""
 
     def expand(self, paths):
-        return (paths
-                | "CountByReason" >> beam.Map(count_rejects)
-                | "SumCounts" >> beam.CombineGlobally(_sum_counts))
+        return paths | "CountByReason" >> beam.Map(lambda path: ("rejects", count_rejects(path)))
 
 
 def check_card(out: str) -> None:
@@ -102,64 +97,108 @@ def gallery_rows(candidates: list[dict], order: str) -> list[dict]:
     return sorted(candidates, key=gallery.score_key(order), reverse=True)
 
 
-def _joined(parts: dict, label: str):
-    """The PCollections of ``parts`` ({name: PCollection}) joined into one element, {name:
-    [their elements]}, once every one of them is complete: a GroupByKey under one key, so
-    that a step that must come last waits for its inputs through its main input (the
-    DirectRunner has run a step before a side input it read was complete)."""
-    tagged = [pcoll | f"{label}Tag{name}" >> beam.Map(lambda element, name=name: (None, (name, element)))
-              for name, pcoll in sorted(parts.items())]
+class Merged:
+    """What collect gathers in one place, from every part's step and every rejects file:
+    the slices' ``stats.Tally``, each slice's place in its part (for the key index: one small
+    tuple a slice), the gallery's candidates (at most its cap) and the rejects by reason."""
 
-    def gather(element) -> dict:
-        found = {name: [] for name in parts}
-        for name, value in element[1]:
-            found[name].append(value)
-        return found
+    def __init__(self, order: str, cap: int):
+        self.order, self.cap = order, cap
+        self.tally, self.places, self.candidates = Tally(), {}, []
+        self.by_reason = collections.Counter()
 
-    return (tagged
-            | f"{label}Flatten" >> beam.Flatten()
-            | f"{label}Group" >> beam.GroupByKey()
-            | f"{label}Gather" >> beam.Map(gather))
+    def add(self, kind: str, value) -> "Merged":
+        if kind == SUMMARY:
+            self.tally.add(value)
+        elif kind == PLACE:
+            self.places[value[0]] = value
+        elif kind == GALLERY:
+            self._keep([value])
+        else:  # a rejects file's counts
+            self.by_reason.update(value)
+        return self
+
+    def merge(self, other: "Merged") -> "Merged":
+        self.tally.merge(other.tally)
+        self.places.update(other.places)
+        self._keep(other.candidates)
+        self.by_reason.update(other.by_reason)
+        return self
+
+    def _keep(self, rows: list) -> None:
+        """The candidates, with ``rows``: every one of the plan-time sample (at most its
+        size), or a score's highest ``cap`` (a bounded top-k)."""
+        self.candidates += rows
+        if self.order != "position" and len(self.candidates) > self.cap:
+            self.candidates = heapq.nlargest(self.cap, self.candidates, key=gallery.score_key(self.order))
 
 
-def _title(joined: dict, run: Run, order: str, page_size: int, out: str):
-    """(page, ("title", the gallery's title, how many it shows)) for each of its pages;
-    a gallery with nothing to show gets its first page, saying so, here."""
-    [tally], [rows] = joined["tally"], joined["shown"]
-    title = gallery.title(run.settings.model, tally.counts["ok"], tally.counts["ok"] + tally.counts["dropped"],
-                          len(rows), order)
+class MergeFn(beam.CombineFn):
+    """(kind, value) pairs of the parts' steps and the rejects' counts -> one ``Merged``."""
+
+    def __init__(self, order: str, cap: int):
+        self.order, self.cap = order, cap
+
+    def create_accumulator(self):
+        return Merged(self.order, self.cap)
+
+    def add_input(self, merged, pair):
+        return merged.add(*pair)
+
+    def merge_accumulators(self, many):
+        many = iter(many)
+        merged = next(many)
+        for other in many:
+            merged.merge(other)
+        return merged
+
+    def extract_output(self, merged):
+        return merged
+
+
+def _gallery_rows(merged: Merged, out: str, model: str, page_size: int):
+    """Each row the gallery shows, ranked, with its page's title and the gallery's size; a
+    gallery with nothing to show gets its first page, saying so, here."""
+    rows = gallery_rows(merged.candidates, merged.order)
+    counts = merged.tally.counts
+    title = gallery.title(model, counts["ok"], counts["ok"] + counts["dropped"], len(rows), merged.order)
     if not rows:
         beamio.write_text(naming.dataset_file(out, "index.html"), gallery.render_page([], 1, 1, 0, title), "text/html")
-    for page in range(-(-len(rows) // page_size)):
-        yield page, ("title", (title, len(rows)))
+    for rank, row in enumerate(rows):
+        yield rank, row, title, len(rows)
 
 
 def _with_thumb(ranked, out: str, page_size: int):
     """A gallery row with its thumbnail, read from its slice's pack where the slice's commit
     marker says it is (a dropped image has none), by page."""
-    rank, row = ranked
+    rank, row, title, total = ranked
     at = row.pop("thumb_at", None)
     thumb = storage.read_range(naming.thumb_pack(out, row["slice"]), *at) if at and not row["dropped"] else None
-    return rank // page_size, ("row", (rank, {**row, "thumb": thumb}))
+    return rank // page_size, (rank, {**row, "thumb": thumb}, title, total)
 
 
 def _write_page(element, out: str, page_size: int) -> int:
-    """One page of the gallery, from its rows and the gallery's title (grouped by page)."""
+    """One page of the gallery, from its rows (grouped by page)."""
     page, found = element
-    [(title, total)] = [value for kind, value in found if kind == "title"]
-    rows = [row for _, row in sorted(value for kind, value in found if kind == "row")]
+    found = sorted(found, key=lambda item: item[0])
+    rows, (_, _, title, total) = [row for _, row, _, _ in found], found[0]
     html = gallery.render_page(rows, page + 1, gallery.page_count(total, page_size), total, title, page_size)
     beamio.write_text(naming.dataset_file(out, gallery.page_name(page + 1)), html, "text/html")
     return page
 
 
-def _write_stats(joined: dict, out: str, run: Run, plan_args: tuple) -> dict:
-    """stats.json and the card, once everything else is written; returns stats.json's content."""
-    [manifest], [tally], [by_reason], [started] = (joined[name] for name in ("manifest", "tally", "rejects",
-                                                                             "started"))
+def _index_buckets(merged: Merged, manifest: dict):
+    return range(key_index.bucket_count(manifest["images"]))
+
+
+def _write_stats(element, manifest: dict, started: float, out: str, run: Run, plan_args: tuple) -> dict:
+    """stats.json and the card, once everything else is written (grouped under one key, so
+    this waits for every bucket and page through its main input); returns stats.json's content."""
+    [merged] = [value for kind, value in element[1] if kind == "merged"]
+    pages = sum(1 for kind, _ in element[1] if kind == "page")
     plan = PartPlan.of(manifest, *plan_args)
-    _delete_stale(out, plan.parts, joined.get("pages"))
-    stats = dataset_stats(manifest, tally, by_reason or {}, collect_s=round(time.time() - started, 1),
+    _delete_stale(out, plan.parts, pages if plan.gallery_shown else None)
+    stats = dataset_stats(manifest, merged.tally, dict(merged.by_reason), collect_s=round(time.time() - started, 1),
                           safety="safety" in run.settings.scores, parts=plan.describe())
     if "zarr" in run.settings.formats:
         groups = [bucket["size"] for bucket in manifest.get("buckets") or ()] or [""]
@@ -173,17 +212,21 @@ def _write_stats(joined: dict, out: str, run: Run, plan_args: tuple) -> dict:
     return stats
 
 
-def _delete_stale(out: str, parts: int, pages: list | None) -> None:
+def _delete_stale(out: str, parts: int, pages: int | None) -> None:
     """Delete the parts and gallery pages an earlier collect of this run wrote beyond this
     one's (another ``--part-rows`` or gallery size): they would be read as this dataset's."""
     stale = [path for path in storage.glob(naming.join(out, "dataset", "metadata", "part-*.parquet"))
              if int(path.rsplit("-", 1)[1].split(".")[0]) >= parts]
     if pages is not None:
         stale += [path for path in storage.glob(naming.join(out, "dataset", "gallery", "page-*.html"))
-                  if int(path.rsplit("-", 1)[1].split(".")[0]) > max(1, pages[0])]
+                  if int(path.rsplit("-", 1)[1].split(".")[0]) > max(1, pages)]
     if stale:
         beamio.delete(stale)
         logs.event("stale_outputs_deleted", out=out, objects=len(stale), first=stale[0])
+
+
+def _tagged(kind: str):
+    return lambda value: (None, (kind, value))
 
 
 class Collect(beam.PTransform):
@@ -193,6 +236,10 @@ class Collect(beam.PTransform):
     hands it over only once every slice is committed. ``thumbnails``: write the gallery;
     ``gallery_max``: the images it shows (None: ``gallery.SAMPLE_SIZE``); ``part_rows``:
     the images of a part of the metadata, about.
+
+    Every step that must wait for others takes them as its main input (a side input is
+    only ever read by a step whose main input comes after it): the DirectRunner has run a
+    step whose main input was ready early before a side input it read was complete.
     """
 
     def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True,
@@ -207,40 +254,40 @@ class Collect(beam.PTransform):
         plan_args = (self.part_rows, cap, order)
         started = manifest | "StartClock" >> beam.Map(lambda _: time.time())
         checked = manifest | "CheckCard" >> beam.Map(_checked, out)
+        the_manifest = beam.pvalue.AsSingleton(checked)
         parts = (checked
                  | "PartIndices" >> beam.FlatMap(lambda m: range(PartPlan.of(m, *plan_args).parts))
                  | "SpreadParts" >> beam.Reshuffle()
-                 | "CollectParts" >> beam.ParDo(CollectPartFn(out, plan_args), beam.pvalue.AsSingleton(checked))
-                 .with_outputs(ROWS, GALLERY, main="summaries"))
-        tally = parts.summaries | "MergeSummaries" >> beam.CombineGlobally(StatsFn())
-        places = _joined({"manifest": checked, "places": parts[ROWS] | "SlicePlaces" >> beam.CombineGlobally(
-            PlacesFn())}, "Places")
-        indexed = (places  # the buckets come out of the places, so each bucket's step reads them whole
-                   | "IndexBuckets" >> beam.FlatMap(lambda j: range(key_index.bucket_count(j["manifest"][0]["images"])))
-                   | "SpreadBuckets" >> beam.Reshuffle()
-                   | "WriteIndexBucket" >> beam.Map(write_index_bucket, out, plan_args, beam.pvalue.AsSingleton(places))
-                   | "CountBuckets" >> beam.combiners.Count.Globally())
+                 | "CollectParts" >> beam.ParDo(CollectPartFn(out, plan_args), the_manifest))
         rejects = (checked
                    | "MatchRejects" >> beam.FlatMap(lambda _: storage.glob(naming.join(naming.rejects_dir(out),
                                                                                        "*.jsonl")))
                    | "CountRejects" >> CountRejects())
-        last = {"manifest": checked, "tally": tally, "rejects": rejects, "started": started, "index": indexed}
+        merged = ((parts, rejects)
+                  | "PartsAndRejects" >> beam.Flatten()
+                  | "Merge" >> beam.CombineGlobally(MergeFn(order, cap)))
+        row_groups = PartPlan.of({"slices": 1, "slice_size": 1, "images": 1}, self.part_rows).row_group_rows
+        done = [merged | "TagMerged" >> beam.Map(_tagged("merged")),
+                (merged  # the buckets come out of the merged places, so each bucket's step reads them whole
+                 | "IndexBuckets" >> beam.FlatMap(_index_buckets, the_manifest)
+                 | "SpreadBuckets" >> beam.Reshuffle()
+                 | "WriteIndexBucket" >> beam.Map(
+                     lambda bucket, m: write_index_bucket(bucket, out, row_groups, m.places),
+                     beam.pvalue.AsSingleton(merged))
+                 | "TagBucket" >> beam.Map(_tagged("bucket")))]
         if self.thumbnails:
-            picked = (parts[GALLERY] | "GalleryCandidates" >> beam.combiners.ToList() if order == "position" else
-                      parts[GALLERY] | "GalleryTop" >> beam.combiners.Top.Of(cap, key=gallery.score_key(order)))
-            shown = picked | "RankGallery" >> beam.Map(gallery_rows, order)
-            titles = (_joined({"tally": tally, "shown": shown}, "Title")
-                      | "GalleryTitle" >> beam.FlatMap(_title, run, order, page_size, out))
-            rows = (shown
-                    | "GalleryRanks" >> beam.FlatMap(lambda rows: list(enumerate(rows)))
-                    | "SpreadRows" >> beam.Reshuffle()
-                    | "ReadThumbs" >> beam.Map(_with_thumb, out, page_size))
-            last["pages"] = ((titles, rows)
-                             | "PageParts" >> beam.Flatten()
-                             | "GroupByPage" >> beam.GroupByKey()
-                             | "WritePage" >> beam.Map(_write_page, out, page_size)
-                             | "CountPages" >> beam.combiners.Count.Globally())
-        return _joined(last, "Stats") | "WriteStats" >> beam.Map(_write_stats, out, run, plan_args)
+            done.append(merged
+                        | "GalleryRows" >> beam.FlatMap(_gallery_rows, out, run.settings.model, page_size)
+                        | "SpreadRows" >> beam.Reshuffle()
+                        | "ReadThumbs" >> beam.Map(_with_thumb, out, page_size)
+                        | "GroupByPage" >> beam.GroupByKey()
+                        | "WritePage" >> beam.Map(_write_page, out, page_size)
+                        | "TagPage" >> beam.Map(_tagged("page")))
+        return (done
+                | "AllWritten" >> beam.Flatten()
+                | "Together" >> beam.GroupByKey()
+                | "WriteStats" >> beam.Map(_write_stats, the_manifest, beam.pvalue.AsSingleton(started), out, run,
+                                           plan_args))
 
 
 def check_verified(stats: dict) -> None:
