@@ -273,7 +273,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from pipeline.io import storage
 
         report = collect_scale.run(args.images, args.workdir, args.slice_size, args.hosts, parse_formats(args.format),
-                                   args.lookups, args.part_rows)
+                                   lookups=args.lookups, part_rows=args.part_rows)
         if args.report:
             storage.write_json(args.report, report)
         print(collect_scale.table(report))

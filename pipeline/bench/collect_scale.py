@@ -100,7 +100,7 @@ def _measure(argv: list[str], workdir: str, name: str) -> dict:
             "tree_peak_rss_mib": round(result["tree_peak_rss_kib"] / 1024, 1)}
 
 
-def run(images: int, workdir: str | None = None, slice_size: int = 1024, hosts: int = 4, chosen=("files",),
+def run(images: int, workdir: str | None = None, slice_size: int = 1024, hosts: int = 4, chosen=("files",), *,
         lookups: int = 100, part_rows: int | None = None, seed: int = 0) -> dict:
     """Fabricate, collect, look up and ask the status of a run of ``images``; returns the report."""
     from pipeline.collect.parts import PART_ROWS

@@ -29,8 +29,8 @@ comes out of its generate -> collect barrier. Both then call ``check_verified``.
                  ``dataset/stats.json``, the dataset card ``OUT/README.md``, and (zarr) the
                  groups' consolidated metadata
 
-What is gathered in one place is the merged tally, the rejects' counts and the gallery's
-rows (at most its cap): never the run's rows. ``check_verified`` raises ``CollectError``
+What is gathered in one place is the ``Merged``: O(slices) small tuples and bounded
+figures, never the run's rows or keys. ``check_verified`` raises ``CollectError``
 naming the bad keys with their slices, or a broken count. Inside the pipeline, objects
 are read and written through Beam's FileSystems (``pipeline.io.beamio``); listings with
 ``storage``. Counters (namespace ``collect``): keys_ok, keys_missing, and one per verdict.
@@ -243,7 +243,7 @@ class Collect(beam.PTransform):
     """
 
     def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True,
-                 gallery_max: int | None = None, gallery_order: str = "position", part_rows: int = PART_ROWS):
+                 gallery_max: int | None = None, gallery_order: str = "position", *, part_rows: int = PART_ROWS):
         super().__init__()
         self.out, self.run, self.page_size, self.thumbnails = out, run, page_size, thumbnails
         self.gallery_max, self.gallery_order, self.part_rows = gallery_max, gallery_order, part_rows
@@ -312,7 +312,7 @@ def warn_if_all_dropped(stats: dict) -> None:
 
 def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = GALLERY_PAGE_SIZE,
                 gallery_thumbnails: bool = True, gallery_max: int | None = None,
-                gallery_order: str = "position", part_rows: int = PART_ROWS) -> dict:
+                gallery_order: str = "position", *, part_rows: int = PART_ROWS) -> dict:
     """Collect ``out`` into ``out/dataset``; returns stats, or raises CollectError.
     ``gallery_max``: the gallery shows an even sample of at most this many images (None:
     ``gallery.SAMPLE_SIZE``); ``gallery_order``: or a score's order, highest first
@@ -331,7 +331,8 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
         _ = (p
              | "Manifest" >> beam.Create([manifest])
-             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails, gallery_max, gallery_order, part_rows))
+             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails, gallery_max, gallery_order,
+                                    part_rows=part_rows))
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     warn_if_all_dropped(stats)
     check_verified(stats)

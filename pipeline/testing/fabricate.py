@@ -81,7 +81,7 @@ def fabricate(out: str, images: int, slice_size: int = 8, hosts: int = 2, chosen
 
     _write_plan(out, chunk, slices, images)
     storage.write_json(naming.manifest(out), manifest)
-    _write_slices(out, run, chunk, slices, images, hosts, image_scores)
+    _write_slices(out, run, chunk, slices, images, hosts, scores=image_scores)
     return manifest
 
 
@@ -117,7 +117,7 @@ def _write_plan(out: str, chunk, slices: int, images: int) -> None:
         storage.write_bytes(naming.plan_keys(out, bucket), key_index.bucket_bytes(found))
 
 
-def _write_slices(out: str, run: Run, chunk, slices: int, images: int, hosts: int, scores: dict | None) -> None:
+def _write_slices(out: str, run: Run, chunk, slices: int, images: int, hosts: int, *, scores: dict | None) -> None:
     settings = run.settings
     size = settings.slice_size
     zarr = formats.open_zarr_images(out, images, settings.height, settings.width, per_shard=size) \
