@@ -1,4 +1,5 @@
-"""``promptmill bench generator|upload|plan|status|pipeline|tpu|sizes``: the benchmarks' flags and the call into ``pipeline.bench``.
+"""``promptmill bench generator|upload|plan|collect|status|pipeline|tpu|sizes``: the benchmarks' flags and
+the call into ``pipeline.bench``.
 
 jobs/cli.py adds the parser with ``add_bench_parser`` and dispatches to ``run_bench``.
 """
@@ -58,6 +59,21 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                                  "after, measured alike: its plan/ bytes must be the same")
     plan_bench.add_argument("--report", "--json", dest="report", help="write the JSON report here")
     strict.strict(plan_bench, beam_strings=("--beam-args",))
+    collect_bench = targets.add_parser("collect", help="collect, reproduce's look-up of random keys and status on a "
+                                       "fabricated committed run of --images (no model): seconds, peak RSS, bytes "
+                                       "read, objects written per image, and write operations at a billion images")
+    collect_bench.add_argument("--images", type=int, default=100_000, help="images of the run (default: %(default)s)")
+    collect_bench.add_argument("--slice-size", type=int, default=1024, help="images a slice (default: %(default)s)")
+    collect_bench.add_argument("--hosts", type=int, default=4, help="hosts the slices are spread over "
+                               "(default: %(default)s)")
+    collect_bench.add_argument("--format", default="files", help="the run's --format (default: %(default)s)")
+    collect_bench.add_argument("--lookups", type=int, default=100, help="random keys looked up "
+                               "(default: %(default)s)")
+    collect_bench.add_argument("--part-rows", type=int, default=None, help="collect's --part-rows (default: its own)")
+    collect_bench.add_argument("--workdir", help="where the run is made, kept after (default: a temporary folder, "
+                               "deleted after)")
+    collect_bench.add_argument("--report", help="write the JSON report here")
+    strict.strict(collect_bench)
     tpu = targets.add_parser("tpu", help="compile the host program for TPU chips here, without a TPU (libtpu): "
                              "memory per chip, whether it fits, FLOPs, attention kernels and compile time, over "
                              "per-device batches, attention implementations, TPU types and sizes")
@@ -268,6 +284,16 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.report:
             storage.write_json(args.report, report)
         print(tpu_bench.table(report))
+    elif args.target == "collect":
+        from pipeline.bench import collect_scale
+        from pipeline.core.choices import parse_formats
+        from pipeline.io import storage
+
+        report = collect_scale.run(args.images, args.workdir, args.slice_size, args.hosts, parse_formats(args.format),
+                                   lookups=args.lookups, part_rows=args.part_rows)
+        if args.report:
+            storage.write_json(args.report, report)
+        print(collect_scale.table(report))
     elif args.target == "status":
         from pipeline.bench import status as status_bench
         from pipeline.io import storage

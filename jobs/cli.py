@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     strict.strict(reproduce)  # its positional arguments are keys: OUT is --out
 
     add_submit_parser(sub)  # submit dataflow|gke, with its own --date
-    add_bench_parser(sub)  # bench generator|upload|plan|status|pipeline|tpu
+    add_bench_parser(sub)  # bench generator|upload|plan|collect|status|pipeline|tpu|sizes
     # --quiet promises only what a command does: run has a progress bar and a summary for people,
     # collect a summary; the others print their results (stdout) and log events (stderr) alone
     quiet = {run: f"{_QUIET}, no progress bar, no summary", collect: f"{_QUIET}, no summary"}
@@ -161,8 +161,12 @@ def summary(command: str, out: str, stats: dict, seconds: float) -> str:
     lines = [f"promptmill {command}: {made}, {dropped} dropped by filters, {rejects} input "
              f"row(s) rejected{' (OUT/plan/rejects/)' if rejects else ''}; {'verified' if stats.get('verified') else 'NOT verified'}",
              f"  {seconds:.1f} s{rate}",
-             f"  dataset: {out.rstrip('/')}/ (its card README.md; dataset/metadata.parquet, stats.json, index.html)",
+             f"  dataset: {out.rstrip('/')}/ (its card README.md; dataset/metadata/, stats.json, index.html)",
              f"  next: promptmill status {out}  |  promptmill reproduce KEY --out {out}"]
+    from pipeline.collect.card import all_dropped
+
+    if all_dropped(stats):
+        lines.insert(1, f"  warning: {all_dropped(stats)}")
     if rejects:
         lines[0] = lines[0].replace("OUT/", f"{out.rstrip('/')}/")
     return "\n".join(lines[:2] + _unused_lines(stats) + lines[2:])

@@ -337,22 +337,28 @@ def add_date_flag(parser: argparse.ArgumentParser, doing: str | None = None) -> 
 
 
 def add_gallery_flags(parser: argparse.ArgumentParser) -> None:
-    """The gallery's flags, for every command that collects (``collect``, ``run``)."""
-    from pipeline.collect.gallery import ORDERS, PAGE_SIZE
+    """The flags of what collect writes (the gallery, the metadata's parts), for every
+    command that collects (``collect``, ``run``)."""
+    from pipeline.collect.gallery import ORDERS, PAGE_SIZE, SAMPLE_SIZE
+    from pipeline.collect.parts import PART_ROWS
 
     parser.add_argument("--gallery-page-size", type=int, default=PAGE_SIZE,
                         help="thumbnails per page of dataset/index.html and dataset/gallery/ (default: %(default)s)")
     parser.add_argument("--gallery-max", type=int, default=None, metavar="N",
-                        help="show at most N images in the gallery, an even sample in plan order, for huge runs "
-                             "(default: every image)")
+                        help=f"show N images in the gallery, an even sample of the plan's positions (the same on "
+                             f"every collect) (default: {SAMPLE_SIZE}, or every image of a smaller run)")
     parser.add_argument("--gallery-order", choices=ORDERS, default="position",
-                        help="the gallery's order: plan order (position), or a score's, highest first (with "
-                             "--gallery-max N, the N highest) (default: %(default)s)")
+                        help="the gallery's order: plan order (position), or a score's, highest first (the "
+                             "--gallery-max highest) (default: %(default)s)")
+    parser.add_argument("--part-rows", type=int, default=PART_ROWS, metavar="N",
+                        help="images of each part of the metadata, dataset/metadata/part-NNNNN.parquet, about: each "
+                             "part holds whole slices (default: %(default)s)")
 
 
 def gallery_of(args: argparse.Namespace) -> dict:
-    """The gallery flags as ``run_collect``'s keywords."""
-    return dict(page_size=args.gallery_page_size, gallery_max=args.gallery_max, gallery_order=args.gallery_order)
+    """The flags of ``add_gallery_flags`` as ``run_collect``'s keywords."""
+    return dict(page_size=args.gallery_page_size, gallery_max=args.gallery_max, gallery_order=args.gallery_order,
+                part_rows=args.part_rows)
 
 
 def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:

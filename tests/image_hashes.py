@@ -57,6 +57,8 @@ def run(name: str, flags: list[str], scratch: str) -> dict:
     hashes = {}
     for folder, _, files in os.walk(os.path.join(out, "images")):
         for file in files:
+            if not file.endswith((".png", ".jpg", ".webp")):  # a slice folder's metadata.jsonl (collect's)
+                continue
             with open(os.path.join(folder, file), "rb") as f:
                 hashes[os.path.splitext(file)[0]] = hashlib.sha256(f.read()).hexdigest()
     digest = hashlib.sha256(json.dumps(sorted(hashes.items())).encode()).hexdigest()

@@ -30,6 +30,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 from PIL import Image
 
+from pipeline.collect import parts
 from pipeline.core import logs, naming
 from pipeline.core.settings import Settings
 from pipeline.engines import beam as beam_engine
@@ -122,7 +123,7 @@ def fault_once(slice_index: int):
 
 
 def metadata_rows(out: str) -> dict[str, dict]:
-    return {r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+    return {r["key"]: r for r in parts.dataset_rows(out)}
 
 
 def image_hashes(out: str) -> dict[str, str]:
@@ -307,16 +308,14 @@ def run_bundle(fn, *indices) -> list:
 def same_slice_bytes(out: str, clean: str, index: int) -> int:
     """Asserts slice ``index``'s images and metadata shard in ``out`` are ``clean``'s, byte
     for byte; returns how many images it has."""
-    folder = naming.slice_name(index)
-    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(out, "images", folder, "*")))
-    assert images == sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(clean, "images", folder, "*")))
+    images = sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(naming.images_dir(out, index), "*.png")))
+    assert images == sorted(p.rsplit("/", 1)[-1] for p in storage.glob(naming.join(naming.images_dir(clean, index),
+                                                                                   "*.png")))
     for name in images:
-        assert (storage.read_bytes(naming.join(out, "images", folder, name))
-                == storage.read_bytes(naming.join(clean, "images", folder, name)))
-    assert storage.read_bytes(naming.shard_metadata(out, index)) == storage.read_bytes(
-        naming.shard_metadata(clean, index))
-    assert storage.checksums(naming.thumbs_dir(out, index)) == storage.checksums(naming.thumbs_dir(clean, index))
-    assert len(storage.checksums(naming.thumbs_dir(out, index))) == len(images)
+        assert (storage.read_bytes(naming.join(naming.images_dir(out, index), name))
+                == storage.read_bytes(naming.join(naming.images_dir(clean, index), name)))
+    for path in (naming.shard_metadata, naming.thumb_pack):
+        assert storage.read_bytes(path(out, index)) == storage.read_bytes(path(clean, index))
     return len(images)
 
 
@@ -336,7 +335,7 @@ def test_a_bundle_of_slices_fails_midway_and_its_retry_commits_the_same_bytes(be
     with fault_once(1), pytest.raises(TransientFault):
         run_bundle(fn, 0, 1, 2)
     assert writer.is_committed(out, 0) and not writer.is_committed(out, 1)
-    assert len(writer.leftovers(out, run.settings, 1)) == 2  # image, thumbnail
+    assert len(writer.leftovers(out, run.settings, 1)) == 1  # its first image (thumbnails are packed at commit)
     with captured_events() as events:
         outputs = run_bundle(fn, 0, 1, 2)
     assert outputs[0] == {"slice": 0, "skipped": True}
@@ -401,7 +400,11 @@ def test_a_filtered_run_keeps_every_row_and_puts_no_dropped_image_in_any_output(
     assert {k for k, r in rows.items() if r["path"]} == kept
     keys_of = lambda paths: {p.rsplit("/", 1)[-1].split(".")[0] for p in paths}  # noqa: E731
     assert keys_of(storage.glob(naming.join(out, "images", "*", "*.png"))) == kept
-    assert keys_of(storage.glob(naming.join(out, "thumbs", "*", "*.jpg"))) == kept
+    thumbs = set()
+    for index in range(3):  # each slice's thumbnails, packed: none of a dropped image
+        with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.thumb_pack(out, index)))) as pack:
+            thumbs |= keys_of(pack.getnames())
+    assert thumbs == kept
     members = set()
     for index in range(3):
         with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, index)))) as tar:

@@ -13,6 +13,7 @@ import re
 import numpy as np
 import pytest
 
+from pipeline.collect import parts
 from pipeline.core import buckets, logs, naming, records
 from pipeline.core.settings import Settings
 from pipeline.io import storage
@@ -188,7 +189,7 @@ def single_size_hashes(out: str, rows: dict, sizes: tuple[str, ...]) -> dict:
 
 
 def _rows(out):
-    return {r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+    return {r["key"]: r for r in parts.dataset_rows(out)}
 
 
 def test_a_three_size_run_makes_each_image_at_its_size_as_a_single_size_run_does(sized_run):

@@ -50,11 +50,22 @@ def test_front_matter_is_hub_yaml():
         assert "- 10K<n<100K" in block
         return
     meta = yaml.safe_load(block)
-    # the images with their prompts (images/** and images/metadata.jsonl, imagefolder), marked as collect's
+    # the images with their prompts (images/** and each slice's metadata.jsonl, imagefolder), marked as collect's
     assert meta["configs"] == [{"config_name": "default", "data_files": "images/**", "drop_labels": True}]
     assert card.MARKER in block.split("\n") and card.is_ours(text) and not card.is_ours("# my notes\n")
     assert meta["task_categories"] == ["text-to-image"]
     assert meta["size_categories"] == ["10K<n<100K"]
+
+
+def test_a_dataset_without_images_points_its_config_at_the_rows_and_says_why():
+    """No image kept (every one dropped by a filter): image builders refuse a folder without
+    images, so the default config reads the metadata parts, and the card says so."""
+    kept_none = {**STATS, "images": 0, "dropped": {"images": 12_345, "by_rule": {"min_aesthetic": 12_345}}}
+    text = card.render(RUN, kept_none)
+    assert "  data_files: dataset/metadata/*.parquet" in front_matter(text).split("\n")
+    assert "No image was kept" in text and "`imagefolder`" in text
+    assert "  data_files: images/**" in front_matter(card.render(RUN, STATS)).split("\n")
+    assert "every image" in card.all_dropped(kept_none) and card.all_dropped(STATS) is None
 
 
 @pytest.mark.parametrize("images, label", [(0, "n<1K"), (999, "n<1K"), (1_000, "1K<n<10K"), (12_345, "10K<n<100K"),
@@ -72,7 +83,8 @@ def test_sections_and_settings():
                    "| steps | `30` |", "| guidance scale | `7.5` |", "| size (width x height) | `512 x 512` |",
                    "| dtype | `bf16` |", "| run seed | `1234` |", "| formats | `files, webdataset` |",
                    "| image format | `webp (quality 90)` |", "| planned at | `2024-07-01T12:00:00+00:00` |",
-                   "`jax` `0.4.30`", 'load_dataset("OUT", split="train")', 'data_files="OUT/dataset/metadata.parquet"',
+                   "`jax` `0.4.30`", 'load_dataset("OUT", split="train")',
+                   'data_files="OUT/dataset/metadata/*.parquet"',
                    "import pyarrow.parquet as pq", "promptmill reproduce KEY [KEY ...] --out OUT",
                    "| timestep spacing | `the checkpoint's` |",
                    "| classifier-free guidance | `yes (some record's guidance > 1)` |"):  # an older run: guided

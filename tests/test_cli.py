@@ -177,7 +177,7 @@ def test_every_command_is_checked_and_only_the_beam_commands_take_beam_options()
     assert {name for name, takes in beam.items() if takes} == {
         "promptmill run", "promptmill plan", "promptmill collect", "promptmill submit dataflow",
         "promptmill submit gke"}
-    assert len(beam) == 15  # with status, bench status, bench tpu and bench sizes
+    assert len(beam) == 16  # with status, bench collect, bench status, bench tpu and bench sizes
 
 
 def test_beam_option_flags_are_beams_own():
@@ -479,8 +479,9 @@ def test_the_steps_help_has_every_familys_default():
 
 def test_run_takes_the_gallery_flags_and_date_helps_say_what_each_command_does():
     parser = cli.build_parser()
-    args = parser.parse_args(["run", "--gallery-max", "5", "--gallery-order", "aesthetic", "--gallery-page-size", "7"])
-    assert flags.gallery_of(args) == {"page_size": 7, "gallery_max": 5, "gallery_order": "aesthetic"}
+    args = parser.parse_args(["run", "--gallery-max", "5", "--gallery-order", "aesthetic", "--gallery-page-size", "7",
+                              "--part-rows", "3"])
+    assert flags.gallery_of(args) == {"page_size": 7, "gallery_max": 5, "gallery_order": "aesthetic", "part_rows": 3}
     helps = {" ".join(path): next(a.help for a in p._actions if "--date" in a.option_strings)
              for path, p in _subparsers(parser) if any("--date" in a.option_strings for a in p._actions)}
     assert "resumes it" in helps["run"] and "resumes it" in helps["plan"]

@@ -1,8 +1,9 @@
 """A dirty corpus in, a dataset people can use out: one real ``promptmill run --dedupe``
 over shards in five formats holding every kind of bad row, then what collect made of it:
-exact reject counts by reason, conservation, truncation counts, ``metadata.parquet``
+exact reject counts by reason, conservation, truncation counts, the metadata's parts
 loaded by Hugging Face ``datasets``, the dataset card, the gallery in Chromium, and the
-collect transforms (VerifySlices, CountRejects, Collect) run again under TestPipeline."""
+collect transforms (CollectPartFn, CountRejects, Collect) run again under TestPipeline;
+then the pure parts of verification and stats (``verify``, ``stats.Tally``, ``sketch``)."""
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from pipeline.collect import stats as dataset_stats, transforms as collect, verify
+from pipeline.collect import parts, sketch, stats as dataset_stats, transforms as collect, verify
 from pipeline.core import naming
 from pipeline.io import runs, storage
 from pipeline.output import writer
@@ -110,8 +111,7 @@ def test_conservation_duplicates_and_truncation_are_in_the_stats(dirty_run):
                                      "rejects": sum(EXPECTED_REJECTS.values()), "holds": True}
     assert stats["duplicates"] == {"ids": 1, "prompts": 3}
     assert stats["truncated_prompts"] == {"records": 1, "images": 1}
-    truncated = {row["key"] for row in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
-                 if row["prompt_truncated"]}
+    truncated = {row["key"] for row in parts.dataset_rows(out) if row["prompt_truncated"]}
     assert truncated == {"long_0000"}
     host = stats["hosts"]["0"]
     assert host["images"] == EXPECTED_IMAGES and host["images_per_s"] > 0
@@ -123,80 +123,167 @@ def test_conservation_duplicates_and_truncation_are_in_the_stats(dirty_run):
 
 
 def test_the_collect_transforms_under_test_pipeline(dirty_run, tmp_path):
-    """VerifySlices and CountRejects on the run's files, and Collect composing them into
+    """CollectPartFn and CountRejects on the run's files, and Collect composing them into
     the same stats (less the wall times) as the run's own collect, on a copy of OUT."""
     out = str(tmp_path / "out")
     shutil.copytree(dirty_run[0], out)
     manifest, run = storage.read_json(naming.manifest(out)), runs.read(out)
     expected = storage.read_json(naming.dataset_file(out, "stats.json"))
     storage.delete_prefix(naming.join(out, "dataset"))
+    plan_args = (2, 0, "position")  # parts of 2 images: one slice (of 4) a part
     with TestPipeline() as p:
+        manifests = p | "Manifest" >> beam.Create([manifest])
         summaries = (p
-                     | "Indices" >> beam.Create(range(manifest["slices"]))
-                     | "VerifySlices" >> collect.VerifySlices(out, run.settings, thumbnails=False))
-        assert_that(summaries | "Verdicts" >> beam.Map(lambda s: (s["slice"], s["all_ok"], s["verdicts"])),
-                    equal_to([(i, True, {}) for i in range(manifest["slices"])]), label="AllOk")
+                     | "Parts" >> beam.Create(range(parts.PartPlan.of(manifest, *plan_args).parts))
+                     | "CollectParts" >> beam.ParDo(parts.CollectPartFn(out, plan_args),
+                                                    beam.pvalue.AsSingleton(manifests))
+                     | "Summaries" >> beam.FlatMap(lambda pair: [pair[1]] if pair[0] == parts.SUMMARY else []))
+        assert_that(summaries | "Problems" >> beam.Map(lambda s: (s["slice"], s["problems"])),
+                    equal_to([(i, {}) for i in range(manifest["slices"])]), label="AllOk")
         assert_that(summaries | "Ok" >> beam.Map(lambda s: s["ok"]) | "Sum" >> beam.CombineGlobally(sum),
                     equal_to([EXPECTED_IMAGES]), label="OkImages")
         counts = (p
                   | "Rejects" >> beam.Create(storage.glob(naming.join(naming.rejects_dir(out), "*.jsonl")))
                   | "CountRejects" >> collect.CountRejects()
-                  | "Reasons" >> beam.FlatMap(lambda counts: counts.items())
+                  | "Reasons" >> beam.FlatMap(lambda pair: pair[1].items())
                   | "SumByReason" >> beam.CombinePerKey(sum))
         assert_that(counts, equal_to(list(EXPECTED_REJECTS.items())), label="ByReason")
-    assert storage.glob(naming.join(out, "dataset", "*")) == []  # without thumbnails, verifying writes nothing
-    without_times = lambda stats: {k: v for k, v in stats.items() if k != "wall_times"}  # noqa: E731
+    assert len(storage.glob(naming.join(out, "dataset", "metadata", "*"))) == manifest["slices"]  # a part a slice
+    without_times = lambda stats: {k: v for k, v in stats.items() if k not in ("wall_times", "parts")}  # noqa: E731
     with TestPipeline() as p:
         collected = (p
                      | "Manifest" >> beam.Create([manifest])
                      | "Collect" >> collect.Collect(out, run, thumbnails=False))
         assert_that(collected | "Stats" >> beam.Map(without_times), equal_to([without_times(expected)]))
     assert without_times(storage.read_json(naming.dataset_file(out, "stats.json"))) == without_times(expected)
-    assert storage.exists(naming.dataset_file(out, "metadata.parquet"))
+    assert storage.glob(naming.join(out, "dataset", "metadata", "*")) == [naming.dataset_part(out, 0)]
 
 
-@pytest.mark.parametrize("image_paths, f_verdict", [(["s/a.png", "s/b.png", "s/e.png"], "missing"), (None, "ok")])
-def test_verify_slice_gives_every_key_one_verdict(image_paths, f_verdict):
+LISTED = {"size": 10, "md5": None}
+
+
+@pytest.mark.parametrize("images, f_verdict", [({"s/a.png": LISTED, "s/b.png": LISTED, "s/e.png": LISTED}, "missing"),
+                                               (None, "ok")])
+def test_verify_slice_gives_every_key_one_verdict(images, f_verdict):
     """a: all there; b: two rows; c, d: no row; e: never planned; f: a row, and an image
-    file only where the run writes files (``image_paths`` None: it writes none)."""
-    rows = [{"key": k} for k in ("a", "b", "b", "e", "f")]
-    verdicts = verify.verify_slice(["a", "b", "c", "d", "f"], rows, image_paths)
-    expected = {"ok": ["a"], "dropped": [], "missing": ["c", "d"], "duplicated": ["b"], "unexpected": ["e"], "foreign": []}
+    file only where the run writes files (``images`` None: it writes none)."""
+    rows = [{"key": k, "image_bytes": 10} for k in ("a", "b", "b", "e", "f")]
+    verdicts = verify.verify_slice(["a", "b", "c", "d", "f"], rows, images)
+    expected = {v: [] for v in verify.VERDICTS}
+    expected.update(ok=["a"], missing=["c", "d"], duplicated=["b"], unexpected=["e"])
     expected[f_verdict] = sorted(expected[f_verdict] + ["f"])
     assert verdicts == expected
     assert verify.verify_slice(["a", "a"], [{"key": "a"}], None)["duplicated"] == ["a"]
 
 
-@pytest.mark.parametrize("image_paths", [None, ["s/a.png", "s/b.png", "s/x.png"]])
-def test_a_missing_thumbnail_is_a_missing_key_like_a_missing_image(image_paths):
-    """a: image (if files) and thumbnail; b: no thumbnail; x: a thumbnail never planned.
-    Thumbnails ``None`` (a slice committed before hosts wrote them): not checked."""
-    rows = [{"key": k} for k in ("a", "b")]
-    verdicts = verify.verify_slice(["a", "b"], rows, image_paths, ["t/a.jpg", "t/x.jpg"])
-    assert (verdicts["ok"], verdicts["missing"], verdicts["unexpected"]) == (["a"], ["b"], ["x"])
-    assert verify.verify_slice(["a", "b"], rows, None, None)["ok"] == ["a", "b"]
+def test_a_row_of_another_run_and_a_damaged_image_fail_verification():
+    """Issue 55, items 2 and 4: a row whose settings fingerprint is not run.json's (a mixed
+    OUT, whatever the cause), and an image file whose listed size (or md5, where the store
+    lists one) is not what its row recorded (an empty file), are problems of their own."""
+    rows = [{"key": k, "settings_fingerprint": "run", "image_bytes": 10, "image_md5": "m"} for k in "abcde"]
+    rows[1]["settings_fingerprint"] = "another"
+    images = {"s/a.png": {"size": 10, "md5": None}, "s/b.png": {"size": 10, "md5": None},
+              "s/c.png": {"size": 0, "md5": None}, "s/d.png": {"size": 10, "md5": "other"},
+              "s/e.png": {"size": 10, "md5": "m"}}
+    verdicts = verify.verify_slice(list("abcde"), rows, images, "run")
+    assert (verdicts["ok"], verdicts["other_run"], verdicts["damaged"]) == (["a", "e"], ["b"], ["c", "d"])
+    # a dropped row of another run is of another run too; without a fingerprint to check, no row is
+    assert verify.classify(["k"], [{"key": "k", "dropped": "x", "settings_fingerprint": "old"}], None, "run") == \
+        "other_run"
+    assert verify.verify_slice(list("ab"), rows[:2], None)["ok"] == ["a", "b"]
 
 
-def summary(index, ok, records, verdicts=None, unused_negatives=(0, 0)):
-    return {"slice": index, "ok": ok, "records": records, "verdicts": verdicts or {}, "stats": None,
-            "truncated_images": 0, "truncated_records": 0, "unused_negative_records": unused_negatives[0],
-            "unused_negative_images": unused_negatives[1]}
+def test_a_whole_object_missing_or_not_its_recorded_size_fails_its_slice():
+    """The objects a slice writes whole (metadata shard, thumbnail pack, tar, image parquet)
+    are checked against the sizes its commit marker recorded, from listings."""
+    marker = {"objects": {"shards/x.tar": 100, "thumbs/x.tar": 50}}
+    files = parts.SliceFiles(3, [], marker, None, None, {"o/shards/x.tar": {"size": 100, "md5": None},
+                                                          "o/thumbs/x.tar": {"size": 50, "md5": None}})
+    assert parts.broken_objects("o", files) is None
+    files.objects["o/shards/x.tar"] = {"size": 0, "md5": None}
+    assert parts.broken_objects("o", files) == ("damaged", ["shards/x.tar"])
+    del files.objects["o/thumbs/x.tar"]
+    assert parts.broken_objects("o", files) == ("missing", ["thumbs/x.tar"])
+
+
+def test_the_key_index_places_each_key_from_the_plan_and_the_slices_places():
+    """A whole slice's key sits at its first row plus its offset in the slice; a slice with
+    problems lists its rows' positions, and a key without a row has no entry."""
+    plan = {"key": ["a", "b", "c", "d", "e"], "slice": [0, 0, 1, 1, 2], "position": [0, 1, 2, 3, 4]}
+    places = {0: (0, 0, 0, 0, None), 1: (1, 0, 2, 2, [3])}  # slice 1 kept only position 3; slice 2: no commit
+    found = parts.place_keys(plan, places, row_group_rows=2)
+    assert found == {"key": ["a", "b", "d"], "part": [0, 0, 0], "row_group": [0, 0, 1], "row": [0, 1, 0],
+                     "slice": [0, 0, 1]}
+
+
+def summary(index, ok, records, problems=None, unused_negatives=(0, 0), planned=None):
+    return {"slice": index, "slices": 1, "ok": ok, "records": records, "planned_images": planned or ok,
+            "problems": {kind: {"count": len(keys), "keys": keys} for kind, keys in (problems or {}).items()},
+            "unused_negative_records": unused_negatives[0], "unused_negative_images": unused_negatives[1]}
+
+
+def tally_of(summaries, split=1):
+    """A Tally of ``summaries`` merged from pieces, as a combiner merges them."""
+    pieces = [dataset_stats.Tally() for _ in range(split)]
+    for n, item in enumerate(summaries):
+        pieces[n % split].add(item)
+    merged = pieces[0]
+    for piece in pieces[1:]:
+        merged.merge(piece)
+    return merged
 
 
 def test_dataset_stats_count_problems_rejects_and_conservation():
     manifest = {"input_rows": 6, "images": 5, "slices": 2}
     summaries = [summary(1, 1, 2, {"missing": ["k1"]}, (1, 2)), summary(0, 3, 2, {"unexpected": ["k0"]}, (0, 1))]
-    stats = dataset_stats.dataset_stats(manifest, summaries, [{"invalid_json": 1}, {"duplicate_id": 1}], 1.5)
+    stats = dataset_stats.dataset_stats(manifest, tally_of(summaries), {"invalid_json": 1, "duplicate_id": 1}, 1.5)
     assert (stats["images"], stats["records"], stats["rejects"], stats["committed_slices"]) == (4, 4, 2, 0)
     assert stats["rejects_by_reason"] == {"duplicate_id": 1, "invalid_json": 1}
     assert stats["duplicates"] == {"ids": 1, "prompts": 0}
     assert stats["negative_prompts_unused"] == {"records": 1, "images": 3}
     assert stats["conservation"] == {"input_rows": 6, "records": 4, "rejects": 2, "holds": True}
-    assert stats["problems"] == {"missing": {"count": 1, "keys": ["k1"]}, "unexpected": {"count": 1, "keys": ["k0"]}}
+    assert stats["problems"] == {"missing": {"count": 1, "keys": ["k1 (slice 1)"]},
+                                 "unexpected": {"count": 1, "keys": ["k0 (slice 0)"]}}
     assert not stats["verified"] and stats["wall_times"] == {"generate_s": None, "collect_s": 1.5}
-    clean = dataset_stats.dataset_stats(manifest, [summary(0, 5, 4)], [{"bad_row": 1}], 0.0)
+    clean = dataset_stats.dataset_stats(manifest, tally_of([summary(0, 5, 4)]), {"bad_row": 1}, 0.0)
     assert clean["conservation"]["holds"] is False and not clean["verified"]
-    assert dataset_stats.dataset_stats(manifest, [summary(0, 5, 4)], [{"bad_row": 2}], 0.0)["verified"]
+    assert dataset_stats.dataset_stats(manifest, tally_of([summary(0, 5, 4)]), {"bad_row": 2}, 0.0)["verified"]
+
+
+def test_a_tally_keeps_counts_and_a_bounded_sample_of_problem_keys_however_it_is_merged():
+    """O(1) per kind of problem, whatever the run: the count, and the first keys by slice."""
+    summaries = [summary(i, 0, 1, {"missing": [f"k{i}a", f"k{i}b"]}) for i in range(200)]
+    one, many = tally_of(summaries), tally_of(reversed(summaries), split=7)
+    for tally in (one, many):
+        assert tally.problems["missing"]["count"] == 400
+        assert len(tally.problems["missing"]["keys"]) == dataset_stats.MAX_KEYS_IN_MESSAGE
+    assert one.problems == many.problems and one.counts == many.counts
+    assert one.problems["missing"]["keys"][:3] == [[0, "k0a"], [0, "k0b"], [1, "k1a"]]
+
+
+def test_score_figures_are_exact_when_small_and_within_their_bound_when_sketched():
+    """Up to ``sketch.EXACT_LIMIT`` values a score's quantiles are numpy's; above, the sketch's
+    are within ``RELATIVE_ERROR`` of a value of that rank, and the same however merged."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    small = rng.normal(0.2, 0.1, 1000)
+    exact = dataset_stats.score_figures({"clip_similarity": sketch.Scores().add(small)})["clip_similarity"]
+    assert exact["quantiles_exact"] and exact["quantiles"]["p50"] == round(float(np.quantile(small, 0.5)), 6)
+    values = np.concatenate([rng.normal(5.0, 1.0, sketch.EXACT_LIMIT), -rng.uniform(0, 1, 1000), np.zeros(10)])
+    whole = sketch.Scores().add(values)
+    pieces = [sketch.Scores().add(part) for part in np.array_split(values[::-1], 13)]
+    merged = pieces[0]
+    for piece in pieces[1:]:
+        merged.merge(piece)
+    assert whole.sketched and whole.quantiles(dataset_stats.QUANTILES) == merged.quantiles(dataset_stats.QUANTILES)
+    ordered = np.sort(values)
+    for q, got in zip(dataset_stats.QUANTILES, whole.quantiles(dataset_stats.QUANTILES)):
+        truth = ordered[int(q * (len(values) - 1))]
+        assert abs(got - truth) <= sketch.RELATIVE_ERROR * abs(truth) + 1e-12, (q, got, truth)
+    summary_ = whole.summary(dataset_stats.QUANTILES, dataset_stats.QUANTILE_NAMES)
+    assert summary_["count"] == len(values) and not summary_["quantiles_exact"]
+    assert (summary_["min"], summary_["max"]) == (round(values.min(), 6), round(values.max(), 6))
 
 
 def test_check_verified_names_the_bad_keys():
@@ -216,13 +303,12 @@ def test_hugging_face_datasets_loads_the_metadata(dirty_run, tmp_path, monkeypat
     import datasets
 
     out, _ = dirty_run
-    loaded = datasets.load_dataset("parquet", data_files=naming.dataset_file(out, "metadata.parquet"),
+    loaded = datasets.load_dataset("parquet", data_files=naming.join(out, "dataset", "metadata", "*.parquet"),
                                    split="train", cache_dir=str(tmp_path / "cache"))
     assert loaded.num_rows == EXPECTED_IMAGES
     assert loaded.column_names == [name for name, _ in writer.METADATA_FIELDS]
     assert loaded.features["prompt_truncated"].dtype == "bool" and loaded.features["seed"].dtype == "int64"
-    assert sorted(loaded["key"]) == sorted(r["key"] for r in writer.read_parquet_rows(
-        naming.dataset_file(out, "metadata.parquet")))
+    assert sorted(loaded["key"]) == sorted(r["key"] for r in parts.dataset_rows(out))
     assert loaded["position"] == sorted(loaded["position"])  # in plan order
 
 
@@ -230,7 +316,7 @@ def test_the_dataset_card_states_settings_fingerprint_and_counts(dirty_run):
     out, _ = dirty_run
     card = storage.read_text(naming.dataset_card(out))
     run = storage.read_json(naming.run_json(out))
-    assert run["model_fingerprint"] in card and "metadata.parquet" in card and "promptmill reproduce" in card
+    assert run["model_fingerprint"] in card and "dataset/metadata/" in card and "promptmill reproduce" in card
     assert "duplicate_prompt" in card and str(EXPECTED_IMAGES) in card
 
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from jobs import cli
-from pipeline.collect import status, transforms as collect
+from pipeline.collect import parts, status, transforms as collect
 from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.io import storage
@@ -59,14 +59,16 @@ def prompts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_by_two(prompts, tmp_path_factory, model_cache):
+    """Every format, and parts of 4 images: one slice a part, 5 parts (tar and zarr change no image)."""
     out = str(tmp_path_factory.mktemp("run-2x2") / "out")
-    result = run_cli(run_args(prompts, out, 2, 2), model_cache)
+    result = run_cli(run_args(prompts, out, 2, 2, "--format", "files,webdataset,zarr", "--part-rows", "4"),
+                     model_cache)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
 
 def metadata(out):
-    return writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+    return parts.dataset_rows(out)
 
 
 def image_hashes(out):
@@ -119,6 +121,28 @@ def test_collect_verified_and_nothing_recompiled(two_by_two):
     assert [name for name in storage.checksums(two_by_two) if not naming.owned(name)] == []
 
 
+def test_one_object_per_image_and_a_constant_number_per_slice(two_by_two):
+    """--format files writes each image's file and, per slice, its metadata shard, commit
+    marker, thumbnail pack and metadata.jsonl; webdataset adds a tar a slice and zarr a shard
+    and a key chunk a slice. Everything else is the run's, its parts' or its index buckets'."""
+    names = set(storage.checksums(two_by_two))
+    images = {name for name in names if re.fullmatch(r"images/[0-9a-f]{4}-\d{5}/[^/]+\.png", name)}
+    assert len(images) == 17
+    for index in range(5):
+        spread = naming.output_name(index)
+        mine = {name for name in names if spread in name} - images
+        assert mine == {f"shards/{spread}.parquet", f"shards/{spread}_stats.json", f"thumbs/{spread}.tar",
+                        f"images/{spread}/metadata.jsonl", f"shards/{spread}.tar"}, index
+        assert {f"plan/slices/{index:05d}.jsonl", f"zarr/images/c/{index}/0/0/0", f"zarr/key/c/{index}"} <= names
+    per_slice = {name for name in names if any(naming.output_name(i) in name for i in range(5))} | {
+        name for name in names if re.fullmatch(r"plan/slices/\d{5}\.jsonl|zarr/(images|key)/c/\d+(/0/0/0)?", name)}
+    rest = sorted(names - per_slice)
+    runs_own = r"run\.json|README\.md|plan/[a-z_]+\.json|plan/rejects/[^/]+|plan/keys/\d{5}\.parquet|" \
+               r"dataset/(stats\.json|index\.html|index/\d{5}\.parquet|metadata/part-\d{5}\.parquet)|" \
+               r"zarr/(zarr\.json|images/zarr\.json|key/zarr\.json)|logs/[^/]+|progress/[^/]+"
+    assert [name for name in rest if not re.fullmatch(runs_own, name)] == []
+
+
 @pytest.fixture(scope="module")
 def one_by_four(prompts, tmp_path_factory, model_cache):
     """The 2x2 run's settings on 1 host x 4 devices, with every score (two_by_two has none)."""
@@ -148,53 +172,110 @@ def test_topology_independence_1x4_vs_2x2_and_scores_change_no_image(two_by_two,
     assert ready and all(e["scorer_compile_s"] > 0 for e in ready)
 
 
-def test_collect_names_missing_and_duplicated_keys(two_by_two, tmp_path):
+def test_the_dataset_in_parts_reads_whole_in_every_reader(two_by_two, tmp_path, monkeypatch):
+    """Parts of 4 images (one slice each): the card's config, imagefolder (a metadata.jsonl a
+    slice folder), pyarrow and pandas (the parts as one table), xarray (the zarr store, its
+    key coordinate), webdataset (the tars) each read every image and row; the key index and
+    reproduce's look-up find keys of the first and the last part."""
+    import datasets
+    import pandas
+    import pyarrow.dataset
+    import webdataset as wds
+    import xarray
+
+    from pipeline.collect import parts
+    from pipeline.generate import reproduce
+    from pipeline.output import key_index
+
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    out, rows = two_by_two, metadata(two_by_two)
+    assert [os.path.basename(p) for p in storage.glob(naming.join(out, "dataset", "metadata", "*"))] == [
+        f"part-{n:05d}.parquet" for n in range(5)]
+    assert [r["position"] for r in rows] == list(range(17))
+    keys, by_key = sorted(r["key"] for r in rows), {r["key"]: r for r in rows}
+    folder = naming.join(out, "dataset", "metadata")
+    assert sorted(pyarrow.dataset.dataset(folder, format="parquet").to_table().column("key").to_pylist()) == keys
+    assert sorted(pandas.read_parquet(folder)["key"]) == keys
+    for loaded in (datasets.load_dataset(out, split="train", cache_dir=str(tmp_path / "c1")),
+                   datasets.load_dataset("imagefolder", data_dir=naming.join(out, "images"), split="train",
+                                         cache_dir=str(tmp_path / "c2"))):
+        assert sorted(loaded["key"]) == keys and "label" not in loaded.column_names
+        for example in loaded:
+            assert example["prompt"] == by_key[example["key"]]["prompt"] and example["image"].size == (32, 32)
+    zarr = xarray.open_zarr(naming.join(out, "zarr")).set_index(image="key")
+    for row in rows[::5]:
+        pixels = np.asarray(Image.open(io.BytesIO(storage.read_bytes(naming.join(out, row["path"])))))
+        assert (zarr["images"].sel(image=row["key"]).values == pixels).all()
+    samples = list(wds.WebDataset(sorted(storage.glob(naming.join(out, "shards", "*.tar"))), shardshuffle=False))
+    assert sorted(s["__key__"] for s in samples) == keys
+    assert all(s["png"] == storage.read_bytes(naming.join(out, by_key[s["__key__"]]["path"])) for s in samples)
+    first, last = rows[0]["key"], rows[-1]["key"]
+    reads = []
+    found = reproduce.find_rows(out, [first, last], reads)
+    assert {k: found[k]["sha256"] for k in (first, last)} == {k: by_key[k]["sha256"] for k in (first, last)}
+    assert len(reads) == 4  # the manifest, one bucket of the plan's index, and the two slices' shards
+    buckets = key_index.bucket_count(17)
+    entries = key_index.find(naming.dataset_index(out, key_index.bucket_of(first, buckets)), [first, last])
+    assert (entries[first]["part"], entries[first]["row"]) == (0, 0)
+    assert (entries[last]["part"], entries[last]["row_group"], entries[last]["row"]) == (4, 0, 0)
+    page = storage.read_text(naming.dataset_file(out, "index.html"))  # the gallery: every image (17 < 1000)
+    assert re.findall(r'alt="([^"]+)"', page) == [r["key"] for r in rows] and page.count("data:image/jpeg") == 17
+
+
+def test_collect_names_each_bad_key_with_its_slice(two_by_two, tmp_path):
+    """One collect of a copy of the 2x2 run, broken six ways: a missing image, a duplicated
+    row (an extra row in a slice), a missing row, a row of another run (issue 55, item 2: its
+    settings fingerprint is not run.json's), an empty image and a truncated one (item 4:
+    sizes checked from listings). Each fails verification, named with its slice."""
     out = str(tmp_path / "broken")
     shutil.copytree(two_by_two, out)
     rows = metadata(out)
-    victim, twin = rows[3], rows[6]
+    victim, twin, lost, mixed, empty, cut = rows[3], rows[6], rows[9], rows[12], rows[1], rows[15]
     os.remove(naming.join(out, victim["path"]))
-    shard = naming.shard_metadata(out, twin["slice"])
-    shard_rows = writer.read_parquet_rows(shard)
-    storage.write_bytes(shard, writer.parquet_bytes(shard_rows + [dict(twin)]))
+    for row, change in ((twin, lambda shard: shard + [dict(twin)]),
+                        (lost, lambda shard: [r for r in shard if r["key"] != lost["key"]]),
+                        (mixed, lambda shard: [dict(r, settings_fingerprint="0" * 64) if r["key"] == mixed["key"]
+                                               else r for r in shard])):
+        shard = naming.shard_metadata(out, row["slice"])
+        storage.write_bytes(shard, writer.parquet_bytes(change(writer.read_parquet_rows(shard))))
+        marker = storage.read_json(naming.shard_stats(out, row["slice"]))  # the shard's new size, as recorded
+        marker["objects"][shard[len(out) + 1:]] = os.path.getsize(shard)
+        storage.write_json(naming.shard_stats(out, row["slice"]), marker)
+    open(naming.join(out, empty["path"]), "wb").close()
+    with open(naming.join(out, cut["path"]), "r+b") as f:
+        f.truncate(cut["image_bytes"] - 1)
     with pytest.raises(collect.CollectError) as error:
         collect.run_collect(out)
     message = str(error.value)
-    assert f"missing: 1 key(s), e.g. {victim['key']}" in message
-    assert f"duplicated: 1 key(s), e.g. {twin['key']}" in message
+    assert f"duplicated: 1 key(s), e.g. {twin['key']} (slice {twin['slice']})" in message
+    assert f"other_run: 1 key(s), e.g. {mixed['key']} (slice {mixed['slice']})" in message
+    assert f"damaged: 2 key(s), e.g. {empty['key']} (slice {empty['slice']}), {cut['key']} (slice {cut['slice']})" \
+        in message
+    missing = sorted([(victim["slice"], victim["key"]), (lost["slice"], lost["key"])])
+    assert "missing: 2 key(s), e.g. " + ", ".join(f"{k} (slice {s})" for s, k in missing) in message
 
 
-def test_a_thumbnail_missing_from_a_committed_slice_is_a_missing_key(two_by_two, tmp_path):
-    out = str(tmp_path / "no-thumb")
+def test_a_thumbnail_pack_missing_from_a_committed_slice_fails_the_slice(two_by_two, tmp_path):
+    out = str(tmp_path / "no-thumbs")
     shutil.copytree(two_by_two, out)
-    victim = metadata(out)[5]
-    assert storage.read_json(naming.shard_stats(out, victim["slice"]))["thumbnails"] == 4
-    os.remove(naming.thumb_file(out, victim["slice"], victim["key"]))
-    with pytest.raises(collect.CollectError, match=f"missing: 1 key\\(s\\), e.g. {victim['key']}$"):
+    assert storage.read_json(naming.shard_stats(out, 2))["thumbnails"] == 4
+    os.remove(naming.thumb_pack(out, 2))
+    with pytest.raises(collect.CollectError, match="missing: 4 key\\(s\\), e.g. .* \\(slice 2\\)"):
         collect.run_collect(out)
 
 
-def test_slices_committed_without_thumbnails_get_them_from_their_images(two_by_two, tmp_path, model_cache, capfd):
-    """A run committed before hosts wrote thumbnails: collect makes them for those slices
-    only, from their images, says so in its log, and verifies the dataset."""
-    out = str(tmp_path / "old")
+def test_the_gallery_shows_the_plan_time_sample(two_by_two, tmp_path, capfd):
+    """--gallery-max 5: positions i * 17 // 5, whatever collect finds, with their thumbnails
+    from the slices' packs; one object of thumbnails a slice, none per image."""
+    out = str(tmp_path / "sample")
     shutil.copytree(two_by_two, out)
-    written = storage.checksums(naming.join(out, "thumbs"))
-    assert len(written) == 17
-    for index in (1, 3):  # as an older version committed them: no thumbnails, no count
-        stats_path = naming.shard_stats(out, index)
-        storage.write_json(stats_path, {k: v for k, v in storage.read_json(stats_path).items() if k != "thumbnails"})
-        shutil.rmtree(naming.thumbs_dir(out, index))
+    assert sorted(os.listdir(naming.join(out, "thumbs"))) == sorted(f"{naming.output_name(i)}.tar" for i in range(5))
     code, err = cli.main(["collect", "--out", out, "--gallery-max", "5"]), capfd.readouterr().err
     assert code == 0, err[-4000:]
-    made = _events(err, "thumbnails_made")
-    assert sorted((e["slice"], e["images"]) for e in made) == [(1, 4), (3, 4)]
-    # made from the PNGs, they are the bytes the hosts made from the pixels
-    assert storage.checksums(naming.join(out, "thumbs")) == written
-    assert storage.read_json(naming.dataset_file(out, "stats.json"))["verified"]
-    # --gallery-max 5: an even sample of the 17 images, in plan order
     page = storage.read_text(naming.dataset_file(out, "index.html"))
-    keys = [r["key"] for r in sorted(metadata(out), key=lambda r: r["position"])]
+    keys = [r["key"] for r in metadata(out)]
     assert re.findall(r'alt="([^"]+)"', page) == [keys[i * 17 // 5] for i in range(5)]
     assert "17 images, 5 shown" in page and not storage.exists(naming.dataset_file(out, "gallery/page-00002.html"))
 
@@ -299,16 +380,16 @@ def test_killed_mid_slice_and_between_slices_then_resumed(two_by_two, prompts, t
     assert compile_cache not in storage.read_text(naming.run_json(out))  # an execution option, not a setting
     committed = _committed(out)
     assert committed.get(0) == 0 and 2 not in committed
-    assert len(storage.glob(naming.join(out, "images", "00002", "*.png"))) == 2  # half a slice
+    assert len(storage.glob(naming.join(naming.images_dir(out, 2), "*.png"))) == 2  # half a slice
     assert not storage.exists(naming.shard_metadata(out, 2))
 
     run("0:committed:0")  # 2. right after its first commit, between two slices:
     assert [(e["cache_hits"] > 0, e["cache_writes"]) for e in _host_events(out, "host_ready") if e["host"] == 0] \
         == [(True, 0)]
-    # the half slice's 2 images and their 2 thumbnails were left over (host 0 owns the even
+    # the half slice's 2 images were left over (its thumbnails are packed at its commit; host 0 owns the even
     # slices; host 1, as warm as host 0 now, may have left half slices of its own, redone too)
     assert [(e["slice"], e["leftover_objects"]) for e in _host_events(out, "slice_redone")
-            if e["slice"] % 2 == 0] == [(2, 4)]
+            if e["slice"] % 2 == 0] == [(2, 2)]
     committed = _committed(out)  # ... which was the redone half slice
     assert {0, 2} <= set(committed) and 4 not in committed
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipeline.collect import parts
 from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.output import formats, writer
@@ -66,8 +67,20 @@ def clean_run(gcs_emulator, gcs_inputs, model_cache):
     return out
 
 
+def zarr_images(out: str):
+    """``OUT/zarr/images`` of a gs:// run, read from a local copy of its objects (fetched with
+    google-cloud-storage): tensorstore reads a sharded array with ranged reads that check
+    the object's generation, which the emulator's ranged responses do not carry (GCS's do)."""
+    import tempfile
+
+    local = tempfile.mkdtemp()
+    for path in storage.glob(naming.join(out, "zarr")):
+        storage.write_bytes(naming.join(local, path[len(out) + 1:]), storage.read_bytes(path))
+    return formats.read_zarr_images(local)
+
+
 def metadata(out):
-    return writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+    return parts.dataset_rows(out)
 
 
 def test_all_formats_with_prompts_model_and_output_on_gcs(clean_run, gcs_inputs, tmp_path):
@@ -99,7 +112,7 @@ def test_all_formats_with_prompts_model_and_output_on_gcs(clean_run, gcs_inputs,
                                           pixels[record["key"]])
             seen_parquet.add(record["key"])
     assert seen_tar == seen_parquet == set(pixels)
-    zarr = formats.read_zarr_images(out)
+    zarr = zarr_images(out)
     assert zarr.shape == (IMAGES, 32, 32, 3)
     for row in rows:
         np.testing.assert_array_equal(zarr[row["position"]].read().result(), pixels[row["key"]])
@@ -122,7 +135,7 @@ def test_a_hostile_id_gets_a_safe_unique_key_inside_out(clean_run, case):
     assert sum(r["key"] == row["key"] for r in rows) == 1
     # every object of the image sits under OUT, where the layout says
     image = naming.join(out, row["path"])
-    assert row["path"] == f"images/{naming.slice_name(row['slice'])}/{row['key']}.png" and storage.exists(image)
+    assert row["path"] == naming.image_name(row["slice"], row["key"]) and storage.exists(image)
     with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, row["slice"])))) as tar:
         names = tar.getnames()
     assert {f"{row['key']}.png", f"{row['key']}.json", f"{row['key']}.txt"} <= set(names)
@@ -139,10 +152,11 @@ def _normalized(out: str) -> dict:
 
     manifest = storage.read_json(naming.manifest(out))
     files = storage.checksums(naming.join(out, "images"))
-    jsonl = naming.join(out, "images", "metadata.jsonl")  # the imagefolder's metadata: rows with created_at
+    # each slice's imagefolder metadata: rows with created_at
+    jsonl = [naming.images_metadata(out, index) for index in range(manifest["slices"])]
     found = {"rows": sorted((strip(r) for r in metadata(out)), key=lambda r: r["key"]),
              "files": {name: sum_ for name, sum_ in files.items() if not name.endswith("metadata.jsonl")},
-             "jsonl": [strip(json.loads(line)) for line in storage.read_text(jsonl).splitlines()],
+             "jsonl": [strip(json.loads(line)) for path in jsonl for line in storage.read_text(path).splitlines()],
              "tar": {}, "parquet": {}}
     for index in range(manifest["slices"]):
         with tarfile.open(fileobj=io.BytesIO(storage.read_bytes(naming.shard_tar(out, index)))) as tar:
@@ -152,7 +166,7 @@ def _normalized(out: str) -> dict:
         table = writer.parquet_table(storage.read_bytes(naming.image_parquet(out, index)))
         for record in table.to_pylist():
             found["parquet"][record["key"]] = strip(record)
-    found["zarr"] = formats.read_zarr_images(out).read().result()
+    found["zarr"] = zarr_images(out).read().result()
     return found
 
 
@@ -199,21 +213,28 @@ def test_collect_reads_no_image_bytes(clean_run, gcs_emulator, model_cache):
             read[name[len(prefix):]] = read.get(name[len(prefix):], 0) + size
     slices = storage.read_json(naming.manifest(out))["slices"]
     # the proxy saw collect's reads: every slice's metadata shard and commit marker
+    thumbnails = 0
     for index in range(slices):
-        assert read[f"shards/{naming.slice_name(index)}.parquet"] > 0
-        assert f"shards/{naming.slice_name(index)}_stats.json" in read
+        assert read[naming.shard_metadata(out, index)[len(out) + 1:]] > 0
+        assert naming.shard_stats(out, index)[len(out) + 1:] in read
+        index_of = storage.read_json(naming.shard_stats(out, index))["thumbnail_index"]
+        thumbnails += sum(size for _, size in index_of.values())
     # (the zarr arrays' metadata is read, to consolidate it into OUT/zarr/zarr.json for xarray)
     images = {name: size for name, size in read.items()
               if (name.startswith(("images/", "thumbs/", "parquet/", "zarr/")) or name.endswith(".tar"))
-              and not re.fullmatch(r"zarr/\w+/zarr\.json", name)}
+              and not re.fullmatch(r"zarr/\w+/zarr\.json", name) and not name.startswith("thumbs/")}
     assert images == {}
+    # the gallery's thumbnails are read one by one from the slices' packs: never a whole pack
+    packs = {name: size for name, size in read.items() if name.startswith("thumbs/")}
+    assert packs and sum(packs.values()) <= thumbnails
     # (and OUT/README.md, whose first lines say whether collect wrote it: a user's card is never replaced)
     allowed = re.compile(r"run\.json|plan/manifest\.json|plan/inputs\.json|plan/slices/\d{5}\.jsonl|plan/rejects/.+\.jsonl"
-                         r"|shards/\d{5}(\.parquet|_stats\.json)|dataset/stats\.json|zarr/\w+/zarr\.json|README\.md|lease\.json|environment\.json")
+                         r"|plan/keys/\d{5}\.parquet|shards/[0-9a-f]{4}-\d{5}(\.parquet|_stats\.json)"
+                         r"|thumbs/[0-9a-f]{4}-\d{5}\.tar|dataset/stats\.json|zarr/\w+/zarr\.json|README\.md|lease\.json|environment\.json")
     assert [name for name in read if not allowed.fullmatch(name)] == []
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     assert stats["verified"] and stats["images"] == IMAGES
-    assert '<img src="../thumbs/' in storage.read_text(naming.dataset_file(out, "index.html"))
+    assert '<img src="data:image/jpeg;base64,' in storage.read_text(naming.dataset_file(out, "index.html"))
 
 
 def test_planning_a_gcs_model_downloads_no_weights_and_hosts_check_it_by_listing(gcs_emulator, gcs_inputs,

@@ -18,12 +18,12 @@ import jax
 import numpy as np
 import pytest
 
+from pipeline.collect import parts
 from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.generate import sampler
 from pipeline.io import storage
 from pipeline.model import families, load as model_lib
-from pipeline.output import writer
 from tests.conftest import run_cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
@@ -121,7 +121,7 @@ def flux_runs(tmp_path_factory, model_cache):
 
 
 def _rows(out: str) -> dict:
-    return {r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+    return {r["key"]: r for r in parts.dataset_rows(out)}
 
 
 def test_a_sharded_flux_dev_run_is_the_same_on_1x4_and_2x2(flux_runs):

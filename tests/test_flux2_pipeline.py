@@ -155,9 +155,9 @@ def klein_runs(tmp_path_factory, model_cache):
 
 def _rows(out):
     from pipeline.core import naming
-    from pipeline.output import writer
+    from pipeline.collect import parts
 
-    return {r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+    return {r["key"]: r for r in parts.dataset_rows(out)}
 
 
 def test_a_guided_klein_base_run_is_the_same_on_1x4_and_2x2(klein_runs):

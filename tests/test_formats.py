@@ -1,4 +1,5 @@
 import io
+import os
 import json
 import tarfile
 
@@ -74,27 +75,34 @@ def test_image_parquet_has_a_hugging_face_image_column():
     np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(first["bytes"]))), image(0))
 
 
-def test_zarr_images_round_trip_one_chunk_per_image(tmp_path):
+def test_zarr_images_round_trip_one_chunk_per_image_one_shard_per_slice(tmp_path):
+    """Each image is its own chunk (a reader reads one image alone), and a slice's images
+    are one shard, one object, written whole when the slice commits."""
+    import tensorstore as ts
+
     out = str(tmp_path)
-    array = formats.open_zarr_images(out, 5, 32, 48)
+    array = formats.open_zarr_images(out, 5, 32, 48, per_shard=2)
     array[3].write(image(3)).result()
-    again = formats.open_zarr_images(out, 5, 32, 48)  # a second host opens the same array
-    again[1].write(image(1)).result()
+    again = formats.open_zarr_images(out, 5, 32, 48, per_shard=2)  # a second host opens the same array
+    txn = ts.Transaction()  # a slice's writes, held until it commits
+    for n in (0, 1):
+        again.with_transaction(txn)[n].write(image(n)).result()
+    assert not os.path.exists(f"{out}/zarr/images/c/0")
+    txn.commit_async().result()
     back = formats.read_zarr_images(out)
     assert back.shape == (5, 32, 48, 3)
-    np.testing.assert_array_equal(back[3].read().result(), image(3))
-    np.testing.assert_array_equal(back[1].read().result(), image(1))
-    assert back.chunk_layout.read_chunk.shape == (1, 32, 48, 3)
+    for n in (0, 1, 3):
+        np.testing.assert_array_equal(back[n].read().result(), image(n))
+    assert back.chunk_layout.read_chunk.shape == (1, 32, 48, 3) and back.chunk_layout.write_chunk.shape[0] == 2
+    assert sorted(os.listdir(f"{out}/zarr/images/c")) == ["0", "1"]  # two shards: two objects for three images
 
 
 
-def test_out_zarr_is_a_group_that_xarray_opens_and_an_older_array_still_opens(tmp_path):
+def test_out_zarr_is_a_group_that_xarray_opens(tmp_path):
     """OUT/zarr: a zarr v3 group whose arrays name their dimensions (images, latents and
-    dropped share "image"), consolidated by collect; an images array an older promptmill
-    made without dimension names is opened as it is."""
+    dropped share "image"), consolidated by collect."""
     import warnings
 
-    import tensorstore as ts
     import xarray
 
     out = str(tmp_path / "out")
@@ -109,10 +117,3 @@ def test_out_zarr_is_a_group_that_xarray_opens_and_an_older_array_still_opens(tm
     assert dataset["images"].dims == formats.IMAGE_DIMS and dataset["latents"].dims == formats.LATENT_DIMS
     assert dataset.sizes["image"] == 3 and dataset["dropped"].values.tolist() == [True, False, False]
     assert dataset["images"][1].values.min() == 9 and not dataset["images"][2].values.any()
-    old = str(tmp_path / "old")
-    ts.open({"driver": "zarr3", "kvstore": formats.zarr_kvstore(f"{old}/zarr/images"),
-             "metadata": {"shape": [3, 8, 16, 3], "data_type": "uint8",
-                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, 8, 16, 3]}},
-                          "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}]}},
-            create=True).result()
-    assert formats.open_zarr_images(old, 3, 8, 16).shape == (3, 8, 16, 3)

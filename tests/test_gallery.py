@@ -1,4 +1,4 @@
-"""The gallery: names and links (pure), streaming pages, thumbnails, and what Chromium shows."""
+"""The gallery: names and links (pure), pages, the plan-time sample, thumbnails, and what Chromium shows."""
 from __future__ import annotations
 
 import io
@@ -17,10 +17,21 @@ from pipeline.output import formats
 HREF = re.compile(r'(?:href|src)="([^"]*)"')
 
 
+THUMB = formats.thumbnail(np.full((8, 8, 3), 90, np.uint8))
+
+
 def row(i: int, slice_index: int = 0, path: str | None = None, prompt: str | None = None) -> dict:
     key = f"rec{i:06d}_0000"
     return {"key": key, "prompt": prompt if prompt is not None else f"prompt number {i}", "seed": 1000 + i,
-            "slice": slice_index, "path": path if path is not None else f"images/{slice_index:05d}/{key}.png"}
+            "slice": slice_index, "path": path if path is not None else naming.image_name(slice_index, key),
+            "thumb": THUMB}
+
+
+def pages(rows: list[dict], page_size: int, title: str = "t") -> dict[str, str]:
+    """Every page of a gallery of ``rows``, as collect renders them (one page at a time)."""
+    total = gallery.page_count(len(rows), page_size)
+    return {gallery.page_name(n): gallery.render_page(rows[(n - 1) * page_size:n * page_size], n, total, len(rows),
+                                                      title, page_size) for n in range(1, total + 1)}
 
 
 def resolve(page: str, link: str) -> str:
@@ -57,11 +68,11 @@ def test_page_names():
         gallery.page_name(0)
 
 
-def test_thumb_path_uses_slice_names():
-    # the hosts write thumbnails under OUT, beside the images: ``..`` from dataset/
-    assert gallery.thumb_path(0, "a_0000") == "../thumbs/00000/a_0000.jpg"
-    assert gallery.thumb_path(123, "b--0123456789abcdef_0007") == "../thumbs/00123/b--0123456789abcdef_0007.jpg"
-    assert gallery.thumb_path(7, "k_0001") == "../" + naming.thumb_name(7, "k_0001")
+def test_thumbnails_are_inline_data():
+    """A page carries its thumbnails (the packs they come from are no files a browser reads)."""
+    assert gallery.thumb_uri(b"\xff\xd8jpeg") == "data:image/jpeg;base64,/9hqcGVn"
+    page_html = gallery.render_page([row(0)], 1, 1, 1, "t")
+    assert f'src="{gallery.thumb_uri(THUMB)}"' in page_html and "thumbs/" not in page_html
 
 
 @pytest.mark.parametrize("page", ["index.html", "gallery/page-00002.html", "gallery/page-01000.html"])
@@ -92,83 +103,55 @@ def test_image_target():
 
 # -- pages --------------------------------------------------------------------------
 
-def test_pages_stream_100k_rows_into_1000_linked_pages():
+def test_pages_of_a_large_gallery_link_every_page_and_number_their_images():
     total, size = 100_000, 100
-    names, first_numbers = set(), []
-    rows = (row(i, slice_index=i // 4096) for i in range(total))
-    for name, page_html in gallery.pages(rows, total, size, "big"):
-        assert name not in names
-        names.add(name)
+    total_pages = gallery.page_count(total, size)
+    for page in (1, 2, 500, 999, 1000):
+        name = gallery.page_name(page)
+        rows = [row(i, slice_index=i // 4096) for i in range((page - 1) * size, page * size)]
+        page_html = gallery.render_page(rows, page, total_pages, total, "big", size)
         assert page_html.count("<img") == size
-        # the first and last image of the page are the right ones
-        keys = re.findall(r'alt="(rec\d+_0000)"', page_html)
-        first_numbers.append(int(keys[0][3:9]))
-        assert int(keys[-1][3:9]) == first_numbers[-1] + size - 1
+        assert f"images {(page - 1) * size + 1:,}&ndash;{page * size:,} of {total:,}" in page_html
         for link in HREF.findall(page_html):
             target = resolve(name, link)
+            if link.startswith("data:"):
+                continue
             if target.endswith(".html"):
                 assert target == "index.html" or re.fullmatch(r"gallery/page-\d{5}\.html", target), target
                 number = 1 if target == "index.html" else int(target[-10:-5])
                 assert 1 <= number <= 1000, target
-            elif target.startswith("../thumbs/"):
-                assert re.fullmatch(r"\.\./thumbs/\d{5}/rec\d{6}_0000\.jpg", target), target
             else:
-                assert re.fullmatch(r"\.\./images/\d{5}/rec\d{6}_0000\.png", target), target
-    assert len(names) == 1000
-    assert names == {gallery.page_name(n) for n in range(1, 1001)}
-    assert first_numbers == list(range(0, total, size))
-
-
-def test_pages_hold_one_page_of_rows():
-    consumed = []
-
-    def rows():
-        for i in range(1000):
-            consumed.append(i)
-            yield row(i)
-
-    stream = gallery.pages(rows(), 1000, 10, "t")
-    name, page_html = next(stream)
-    assert name == "index.html" and page_html.count("<img") == 10
-    assert len(consumed) <= 11
-    name, _ = next(stream)
-    assert name == "gallery/page-00002.html" and len(consumed) <= 21
+                assert re.fullmatch(r"\.\./images/[0-9a-f]{4}-\d{5}/rec\d{6}_0000\.png", target), target
 
 
 def test_page_navigation_is_compact_and_complete():
     total_pages = 1000
-    page_html = gallery.render_page([row(i) for i in range(50)], 500, total_pages, 50_000, "t")
+    page_html = gallery.render_page([row(i) for i in range(50)], 500, total_pages, 50_000, "t", 50)
     here = gallery.page_name(500)
     nav = page_html[page_html.index("<nav"):page_html.index("</nav>")]
-    linked = sorted({int(resolve(here, link)[-10:-5]) if "page-" in link else 1 for link in HREF.findall(nav)})
+    linked = sorted({int(resolve(here, link)[-10:-5]) if "page-" in link else 1 for link in HREF.findall(nav)
+                     if not link.startswith("data:")})
     assert linked == [1, 497, 498, 499, 501, 502, 503, 1000]
     assert 'aria-current="page">500<' in nav
     assert 'rel="prev"' in nav and 'rel="next"' in nav
     assert "Page 500 of 1000, images 24,951&ndash;25,000 of 50,000" in page_html
 
 
-def test_last_page_counts_from_the_end():
-    pages = dict(gallery.pages((row(i) for i in range(11)), 11, 5, "t"))
-    assert list(pages) == ["index.html", "gallery/page-00002.html", "gallery/page-00003.html"]
-    assert "images 1&ndash;5 of 11" in pages["index.html"]
-    assert "images 11&ndash;11 of 11" in pages["gallery/page-00003.html"]
-    first = pages["index.html"]
+def test_last_page_holds_the_rest():
+    found = pages([row(i) for i in range(11)], 5)
+    assert list(found) == ["index.html", "gallery/page-00002.html", "gallery/page-00003.html"]
+    assert "images 1&ndash;5 of 11" in found["index.html"]
+    assert "images 11&ndash;11 of 11" in found["gallery/page-00003.html"]
+    first = found["index.html"]
     assert '<span class="off">&laquo; first</span>' in first and 'href="gallery/page-00003.html"' in first
-    last = pages["gallery/page-00003.html"]
+    last = found["gallery/page-00003.html"]
     assert 'href="../index.html"' in last and '<span class="off">next &rsaquo;</span>' in last
 
 
 def test_empty_dataset_has_one_page():
-    pages = list(gallery.pages(iter([]), 0, 100, "empty"))
-    assert len(pages) == 1
-    name, page_html = pages[0]
-    assert name == "index.html" and "no images" in page_html and "<img" not in page_html
-
-
-@pytest.mark.parametrize("given, total", [(9, 10), (11, 10), (5, 10), (1, 0)])
-def test_row_count_must_match_total(given, total):
-    with pytest.raises(ValueError):
-        list(gallery.pages((row(i) for i in range(given)), total, 5, "t"))
+    found = pages([], 100, "empty")
+    assert list(found) == ["index.html"]
+    assert "no images" in found["index.html"] and "<img" not in found["index.html"]
 
 
 def test_prompts_and_titles_are_escaped():
@@ -180,15 +163,15 @@ def test_prompts_and_titles_are_escaped():
 
 
 def test_locations_inside_files_get_no_file_link():
-    inside = "shards/00000.tar#rec000000_0000.png"
-    page_html = gallery.render_page([row(0, path=inside)], 2, 2, 2, "t")
+    inside = f"shards/{naming.output_name(0)}.tar#rec000000_0000.png"
+    page_html = gallery.render_page([row(0, path=inside)], 2, 2, 2, "t", 1)
     links = HREF.findall(page_html)
     assert not any("#" in link or "shards" in link for link in links)
-    thumb = "../../thumbs/00000/rec000000_0000.jpg"
+    thumb = gallery.thumb_uri(THUMB)
     assert f'<a href="{thumb}"><img src="{thumb}"' in page_html
     assert f">{inside}</div>" in page_html  # shown as text
-    plain = gallery.render_page([row(0)], 2, 2, 2, "t")
-    assert '<a href="../../images/00000/rec000000_0000.png"><img src="../../thumbs/00000/rec000000_0000.jpg"' in plain
+    plain = gallery.render_page([row(0)], 2, 2, 2, "t", 1)
+    assert f'<a href="../../{naming.image_name(0, "rec000000_0000")}"><img src="{thumb}"' in plain
 
 
 def test_no_external_resources_or_scripts():
@@ -197,31 +180,28 @@ def test_no_external_resources_or_scripts():
     assert page_html.startswith("<!DOCTYPE html>")
 
 
-# -- an even sample -----------------------------------------------------------------
+# -- the plan-time sample ----------------------------------------------------------
 
-@pytest.mark.parametrize("total,limit", [(10, 3), (10, 10), (10, None), (3, 10), (1000, 7), (7, 1), (0, 5),
-                                         (101, 100)])
-def test_even_sample_keeps_evenly_spaced_rows_in_order(total, limit):
-    consumed = []
-
-    def rows():
-        for i in range(total):
-            consumed.append(i)
-            yield {"i": i}
-
-    kept = [r["i"] for r in gallery.even_sample(rows(), total, limit)]
-    shown = gallery.sample_size(total, limit)
-    assert len(kept) == shown == (total if limit is None else min(total, limit))
-    assert kept == sorted(set(kept)) and (not kept or kept[0] == 0)
-    if shown:  # gaps differ by at most one: evenly spread over the whole run
+@pytest.mark.parametrize("total,shown", [(10, 3), (10, 10), (3, 10), (1000, 7), (7, 1), (0, 5), (101, 100),
+                                         (1_000_003, 1000)])
+def test_the_sample_is_evenly_spaced_positions_each_with_its_place(total, shown):
+    """The plan alone picks the gallery's images: position ``i * total // shown`` is the
+    i-th shown, whatever collect finds (so every collect of a run shows the same ones)."""
+    picked = {p: gallery.sample_rank(p, total, shown) for p in range(total)}
+    kept = sorted(p for p, rank in picked.items() if rank is not None)
+    assert len(kept) == min(total, shown) and (not kept or kept[0] == 0)
+    assert [picked[p] for p in kept] == list(range(len(kept)))  # its place in the gallery, in order
+    if kept:  # gaps differ by at most one: evenly spread over the whole run
         gaps = [b - a for a, b in zip(kept, [*kept[1:], total])]
         assert max(gaps) - min(gaps) <= 1, gaps
-    assert consumed == list(range(total))  # every row is consumed, kept or not
+    assert gallery.sample_rank(total, total, shown) is None and gallery.sample_rank(-1, total, shown) is None
 
 
-def test_even_sample_refuses_a_cap_below_one():
+def test_the_default_sample_is_fixed_and_a_cap_below_one_is_refused():
+    assert gallery.sample_size(10_000_000, None) == gallery.SAMPLE_SIZE == 1000
+    assert gallery.sample_size(5, None) == 5 and gallery.sample_size(10_000_000, 20_000) == 20_000
     with pytest.raises(ValueError, match=">= 1"):
-        list(gallery.even_sample(iter([]), 0, 0))
+        gallery.sample_size(0, 0)
 
 
 # -- thumbnails ---------------------------------------------------------------------
@@ -260,8 +240,9 @@ def test_thumbnail_does_not_enlarge():
 
 # -- what a browser shows -----------------------------------------------------------
 
-def write_gallery(out, count: int, page_size: int) -> list[dict]:
-    """OUT/images/00000/KEY.png, OUT/thumbs and the pages; returns the rows."""
+def write_gallery(out, count: int, page_size: int, without_thumb: int | None = None) -> list[dict]:
+    """OUT/images/SLICE/KEY.png and the pages, their thumbnails inline (but row
+    ``without_thumb``'s); returns the rows."""
     rng = np.random.default_rng(7)
     rows = []
     for i in range(count):
@@ -271,11 +252,9 @@ def write_gallery(out, count: int, page_size: int) -> list[dict]:
         image = out / r["path"]
         image.parent.mkdir(parents=True, exist_ok=True)
         image.write_bytes(data)
-        thumb = out / naming.thumb_name(r["slice"], r["key"])
-        thumb.parent.mkdir(parents=True, exist_ok=True)
-        thumb.write_bytes(formats.thumbnail(data))
+        r["thumb"] = formats.thumbnail(data) if i != without_thumb else b""
         rows.append(r)
-    for name, page_html in gallery.pages(iter(rows), count, page_size, "chromium test"):
+    for name, page_html in pages(rows, page_size, "chromium test").items():
         page = out / "dataset" / name
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(page_html, encoding="utf-8")
@@ -301,12 +280,12 @@ def test_chromium_shows_the_thumbnails(tmp_path):
     chromium.screenshot(dataset / "gallery/page-00003.html", shots / "3.png", 1000, 1400)
     assert chromium.count_thumbnails(shots / "3.png") == 1
 
-    # every link of page 1 reaches a file that exists
+    # every link of page 1 reaches a file that exists, or is the thumbnail inline
     for link in HREF.findall((dataset / "index.html").read_text()):
-        assert (dataset / link).resolve().is_file(), link
+        assert link.startswith("data:image/jpeg;base64,") or (dataset / link).resolve().is_file(), link
 
     # the count sees a missing thumbnail
-    (dataset / gallery.thumb_path(rows[2]["slice"], rows[2]["key"])).unlink()
+    write_gallery(out, 11, 5, without_thumb=2)
     chromium.screenshot(dataset / "index.html", shots / "1-missing.png", 1000, 1400)
     assert chromium.count_thumbnails(shots / "1-missing.png") == 4
     print(f"chromium test: {time.monotonic() - started:.1f}s")

@@ -316,7 +316,7 @@ def test_control_characters_are_escaped_in_the_gallery_and_the_card():
     hostile = "a NUL \x00, an escape \x1b[31m, a DEL \x7f and a C1 \x85"
     row = {"key": "k_0000", "prompt": hostile, "seed": 1, "slice": 0, "path": "images/00000/k_0000.png",
            "dropped": "clip_similarity \x00 < 0.2"}
-    [(_, page)] = list(gallery.pages(iter([row, dict(row, key="j_0000", dropped=None)]), 2, 10, "title \x00"))
+    page = gallery.render_page([row, dict(row, key="j_0000", dropped=None)], 1, 1, 2, "title \x00")
     assert not any(c in page for c in "\x00\x1b\x7f\x85")
     assert "a NUL \\x00, an escape \\x1b[31m, a DEL \\x7f and a C1 \\x85" in page
     run = Run.from_dict(dict(RUN_JSON, settings=dict(RUN_JSON["settings"], model="/m\x00del\x1b")))

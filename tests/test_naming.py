@@ -16,7 +16,7 @@ def test_keys_are_safe_file_names(record_id):
     assert "." not in key and len(key) <= 80
     out = "/data/out"
     path = os.path.normpath(naming.image_file(out, 12, key))
-    assert path.startswith(out + "/images/00012/")
+    assert path.startswith(naming.images_dir(out, 12) + "/") and naming.images_dir(out, 12).startswith(out + "/images/")
 
 
 def test_keys_are_unique_across_hostile_ids_and_indices():
@@ -70,20 +70,53 @@ def test_image_index_range_is_enforced():
 
 
 def test_paths_join_local_and_gcs_alike():
-    assert naming.shard_stats("gs://b/run/", 3) == "gs://b/run/shards/00003_stats.json"
+    assert naming.shard_stats("gs://b/run/", 3) == f"gs://b/run/shards/{naming.output_name(3)}_stats.json"
     assert naming.plan_slice("/tmp/o", 12) == "/tmp/o/plan/slices/00012.jsonl"
-    assert naming.shard_metadata("o", 0) == "o/shards/00000.parquet"
+    assert naming.shard_metadata("o", 0) == f"o/shards/{naming.output_name(0)}.parquet"
+
+
+def test_per_slice_output_names_spread_over_the_key_space():
+    """A short hash of the slice before its number: consecutive slices' objects do not share
+    a name prefix beyond their folder, and the name still reads as its slice."""
+    names = [naming.output_name(i) for i in range(4096)]
+    assert names[42] == naming.output_name(42) and re.fullmatch(r"[0-9a-f]{4}-00042", names[42])
+    assert len(set(names)) == len(names)
+    assert len({name[0] for name in names[:64]}) == 16  # the first character alone spreads 64 slices over 16 ranges
+    assert sorted(names) != names  # written in slice order, they do not arrive in name order
+    for index in (0, 7, 99_999, 123_456):
+        for path in (naming.shard_tar("o", index), naming.image_parquet("o", index), naming.thumb_pack("o", index),
+                     naming.images_metadata("o", index), naming.image_file("o", index, "k_0000")):
+            assert naming.output_name(index) in path and naming.owned(path[len("o/"):]), path
+        assert naming.marker_slice(naming.shard_stats("gs://b/o", index)) == index
+    # a marker-like name whose hash is not its slice's is no marker (a stray or renamed object)
+    assert naming.marker_slice("shards/0000-00042_stats.json") is None
+    assert naming.marker_slice("shards/00042_stats.json") is None
+
+
+def test_owned_names_the_new_layouts_objects_and_the_earlier_ones():
+    """--overwrite deletes a run of either layout: the names of layout 1 stay owned."""
+    for name in ("dataset/metadata/part-00003.parquet", "dataset/index/00017.parquet", "plan/keys/00000.parquet",
+                 "thumbs/5fec-00000.tar", "images/5fec-00000/metadata.jsonl",
+                 # layout 1's
+                 "dataset/metadata.parquet", "images/metadata.jsonl", "images/00000/k_0000.png",
+                 "thumbs/00000/k_0000.jpg", "shards/00000_stats.json"):
+        assert naming.owned(name), name
+    for name in ("dataset/metadata/notes.txt", "thumbs/5fec-00000.zip", "images/5fec-00000/notes.jsonl"):
+        assert not naming.owned(name), name
+
+
 
 
 # A sample value for each parameter a path function of naming takes: what writers pass.
 _SAMPLES = {"out": ["/o"], "logs": ["/o/logs"], "index": [0, 123456], "host": [0, 17],
             "key": ["a_cat--0123456789abcdef_0007"], "ext": ["png", "jpg", "webp"], "group": ["", "24x32"],
-            "source": ["gs://b/p[1]/x.jsonl"], "first_position": [0, 10 ** 12], "attempt": [1, 12]}
-_SAMPLES_OF = {"host_log": {"logs": ["/o/logs", "/o/logs/attempt-3"]}, "dataset_file": {"name": ["stats.json", "metadata.parquet", "index.html", "gallery/page-00002.html"]},
+            "source": ["gs://b/p[1]/x.jsonl"], "first_position": [0, 10 ** 12], "attempt": [1, 12],
+            "part": [0, 12345], "bucket": [0, 17]}
+_SAMPLES_OF = {"host_log": {"logs": ["/o/logs", "/o/logs/attempt-3"]}, "dataset_file": {"name": ["stats.json", "index.html", "gallery/page-00002.html"]},
                "progress_file": {"name": [naming.progress_name(0), naming.progress_name(12345)]},
                "plan_section": {"kind": ["ids", "prompts"]}}
 # folders: the names their writers give under them
-_UNDER = {"rejects_dir": ["x--0123456789abcdef.jsonl"], "thumbs_dir": ["k_0000.jpg"], "logs_dir": [
+_UNDER = {"rejects_dir": ["x--0123456789abcdef.jsonl"], "images_dir": ["k_0000.png", "metadata.jsonl"], "logs_dir": [
     "host-3.log", "hosts.json", "attempt-2/host-0.log", "attempt-2/hosts.json"],
     "progress_dir": ["host-00003.json"], "ledger_dir": ["host-00003.json"], "zarr_group": ["zarr.json", "images/zarr.json", "images/c/0/0/0/0",
                                                          "latents/c/1/0/0/0", "dropped/c/0", "key/c/0"],

@@ -49,7 +49,7 @@ def test_overwrite_deletes_only_what_promptmill_wrote(planned):
     assert manifest["slices"] == 1
     names = set(storage.checksums(out))
     assert {*USERS_OWN, "run.json", "plan/manifest.json", "plan/model_files.json", "plan/inputs.json",
-            "plan/input_cache.json", "plan/slices/00000.jsonl"} == names
+            "plan/input_cache.json", "plan/slices/00000.jsonl", "plan/keys/00000.parquet"} == names
     assert all(storage.read_bytes(naming.join(out, name)) == b"the user's own file" for name in USERS_OWN)
     assert storage.read_json(naming.run_json(out))["settings"]["steps"] == 4
     assert not (Path(out) / "images" / "00007").exists() and not (Path(out) / "zarr").exists()

@@ -1,77 +1,29 @@
 """Readers get the whole dataset: what collect writes for Hugging Face ``datasets``
-(``OUT/README.md``'s configs, ``images/metadata.jsonl``), xarray (``zarr/key``) and
-webdataset, read back with the real libraries. Cheap: a two-slice OUT is written by
-hand (run.json, slice metadata, image files, tars, zarr) and ``write_dataset`` collects it."""
+(``OUT/README.md``'s configs, each slice folder's ``metadata.jsonl``), pyarrow, pandas and
+DuckDB (the metadata's parts), xarray (``zarr/key``) and webdataset, read back with the
+real libraries. Cheap: the runs are fabricated (``pipeline.testing.fabricate``: the hosts'
+writers without a model) and collected by ``run_collect``."""
+import importlib.util
 import json
 import os
-import time
 
-import numpy as np
 import pytest
 
-from pipeline.collect import transforms as collect
-from pipeline.core import naming
-from pipeline.core.settings import Run
-from pipeline.io import runs, storage
-from pipeline.output import formats, writer
+from jobs import cli
+from pipeline.collect import parts, transforms as collect
+from pipeline.core import logs, naming
+from pipeline.io import storage
+from pipeline.testing import fabricate
 
-SLICES, PER_SLICE = 2, 3
-MANIFEST = {"slices": SLICES, "images": SLICES * PER_SLICE, "records": SLICES * PER_SLICE, "input_rows":
-            SLICES * PER_SLICE, "rejects": 0}
-
-
-def run_of(out, chosen):
-    return Run.from_dict({
-        "settings": {"prompts": "/in/*.jsonl", "out": out, "model": "tiny", "width": 8, "height": 8, "steps": 2,
-                     "scheduler": "ddim", "guidance_scale": 7.5, "seed": 1, "per_device_batch": 1,
-                     "batches_per_slice": PER_SLICE, "devices_per_host": 1, "dtype": "fp32",
-                     "formats": list(chosen), "image_format": "png", "prompt_field": "prompt"},
-        "model_fingerprint": "f00d", "scheduler": "ddim", "settings_fingerprint": "ab12",
-        "versions": {"promptmill": "0.1.0"}, "created_at": "2026-01-01T00:00:00+00:00"})
-
-
-def make_out(out, chosen):
-    """A committed two-slice OUT in ``chosen`` formats, collected by ``write_dataset``;
-    returns the metadata rows in position order."""
-    runs.write(out, run_of(out, chosen))
-    if "zarr" in chosen:
-        images_array = formats.open_zarr_images(out, SLICES * PER_SLICE, 8, 8)
-    rows = []
-    for index in range(SLICES):
-        sliced, encoded = [], []
-        for n in range(PER_SLICE):
-            position = index * PER_SLICE + n
-            key = f"rec{position:02d}_0"
-            pixels = np.full((8, 8, 3), 10 * position, np.uint8)
-            data = formats.encode(pixels, "png")
-            path = naming.image_file(out, index, key)[len(out) + 1:] if "files" in chosen else \
-                f"shards/{index:05d}.tar#{key}.png"
-            row = {name: None for name, _ in writer.METADATA_FIELDS}
-            row.update(key=key, id=f"rec{position:02d}", image_index=0, prompt=f"prompt number {position}",
-                       prompt_truncated=False, seed=100 + position, width=8, height=8, steps=2, slice=index,
-                       position=position, host=0, path=path, sha256="0" * 64)
-            if "files" in chosen:
-                storage.write_bytes(naming.join(out, path), data)
-            if "zarr" in chosen:
-                images_array[position].write(pixels).result()
-            sliced.append(row)
-            encoded.append(data)
-        if "webdataset" in chosen:
-            storage.write_bytes(naming.shard_tar(out, index),
-                                formats.tar_bytes(formats.webdataset_members(sliced, encoded, "png")))
-        storage.write_bytes(naming.shard_metadata(out, index), writer.parquet_bytes(sliced))
-        rows += sliced
-    summaries = [{"slice": i, "ok": PER_SLICE, "all_ok": True, "records": PER_SLICE, "verdicts": {}, "stats": None,
-                  "truncated_images": 0, "truncated_records": 0, "unused_negative_records": 0,
-                  "unused_negative_images": 0} for i in range(SLICES)]
-    collect.write_dataset(MANIFEST, summaries, [], time.time(), out, 50, thumbnails=False)
-    return rows
+IMAGES, SLICE, PART_ROWS = 14, 4, 8  # 4 slices (the last of 2 images), 2 slices a part: 2 parts
 
 
 @pytest.fixture(scope="module")
 def collected(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("readers") / "out")
-    return out, make_out(out, ("files", "webdataset", "zarr"))
+    fabricate.fabricate(out, IMAGES, slice_size=SLICE, chosen=("files", "webdataset", "zarr"), per_record=2)
+    collect.run_collect(out, part_rows=PART_ROWS)
+    return out, parts.dataset_rows(out)
 
 
 @pytest.fixture
@@ -82,50 +34,70 @@ def offline_hf(tmp_path, monkeypatch):
     return str(tmp_path / "cache")
 
 
+def test_the_metadata_is_in_parts_that_table_readers_read_as_one(collected):
+    import pandas
+    import pyarrow.dataset
+
+    out, rows = collected
+    assert sorted(os.listdir(naming.join(out, "dataset", "metadata"))) == ["part-00000.parquet", "part-00001.parquet"]
+    assert [r["position"] for r in rows] == list(range(IMAGES))  # every row, in plan order
+    folder = naming.join(out, "dataset", "metadata")
+    assert sorted(pyarrow.dataset.dataset(folder, format="parquet").to_table().column("key").to_pylist()) == \
+        sorted(r["key"] for r in rows)
+    assert sorted(pandas.read_parquet(folder)["key"]) == sorted(r["key"] for r in rows)
+    if importlib.util.find_spec("duckdb"):  # DuckDB is no dependency: read where installed
+        import duckdb
+
+        assert duckdb.sql(f"select count(*) from '{folder}/*.parquet'").fetchone()[0] == IMAGES
+
+
 def test_load_dataset_on_out_gives_images_with_their_prompts(collected, offline_hf):
     import datasets
 
     out, rows = collected
-    assert not os.path.exists(naming.dataset_file(out, "README.md"))  # the card is OUT/README.md now
     loaded = datasets.load_dataset(out, split="train", cache_dir=offline_hf)
     assert isinstance(loaded.features["image"], datasets.Image) and "label" not in loaded.column_names
-    assert sorted(loaded["key"]) == [r["key"] for r in rows]
+    assert sorted(loaded["key"]) == sorted(r["key"] for r in rows)
     by_key = {r["key"]: r for r in rows}
     for example in loaded:
         row = by_key[example["key"]]
         assert example["prompt"] == row["prompt"] and example["seed"] == row["seed"]
-        assert example["image"].size == (8, 8) and example["image"].getpixel((0, 0))[0] == 10 * row["position"]
+        assert example["image"].size == (8, 8)
+        assert example["image"].getpixel((0, 0)) == tuple(fabricate.pixels(row["position"], 8)[0, 0])
 
 
-def test_imagefolder_on_images_reads_the_metadata_and_no_label(collected, offline_hf):
+def test_imagefolder_on_images_reads_each_slices_metadata_and_no_label(collected, offline_hf):
     import datasets
 
     out, rows = collected
-    lines = [json.loads(line) for line in storage.read_text(naming.images_metadata(out)).splitlines()]
-    assert [line["file_name"] for line in lines] == [r["path"][len("images/"):] for r in rows]
-    assert not {"clip_similarity", "aesthetic", "nsfw", "nsfw_score", "dropped"} & set(lines[0])  # no --score
+    for index in range(4):
+        lines = [json.loads(line) for line in storage.read_text(naming.images_metadata(out, index)).splitlines()]
+        assert [line["file_name"] for line in lines] == [r["path"].rsplit("/", 1)[1] for r in rows
+                                                         if r["slice"] == index]
+        assert not {"clip_similarity", "aesthetic", "nsfw", "nsfw_score", "dropped"} & set(lines[0])  # no --score
     loaded = datasets.load_dataset("imagefolder", data_dir=naming.join(out, "images"), split="train",
                                    cache_dir=offline_hf)
     assert "label" not in loaded.column_names and loaded.num_rows == len(rows)
     assert {(e["key"], e["prompt"]) for e in loaded} == {(r["key"], r["prompt"]) for r in rows}
 
 
-def test_xarray_opens_the_zarr_store_with_a_key_coordinate(collected):
+def test_xarray_opens_the_zarr_store_with_a_key_coordinate_chunked_by_slice(collected):
     import xarray
 
     out, rows = collected
     ds = xarray.open_zarr(naming.join(out, "zarr"))
     assert "key" in ds.coords and ds["key"].dims == ("image",)
     assert [str(k) for k in ds["key"].values] == [r["key"] for r in rows]
-    picked = ds.set_index(image="key").sel(image=rows[4]["key"])
-    assert int(picked["images"].values[0, 0, 0]) == 10 * rows[4]["position"]
+    assert sorted(os.listdir(naming.join(out, "zarr", "key", "c"))) == ["0", "1", "2", "3"]  # one chunk a slice
+    picked = ds.set_index(image="key").sel(image=rows[6]["key"])
+    assert picked["images"].values[0, 0].tolist() == fabricate.pixels(6, 8)[0, 0].tolist()
 
 
 def test_webdataset_still_reads_the_tars(collected):
     import webdataset as wds
 
     out, rows = collected
-    samples = list(wds.WebDataset([naming.shard_tar(out, i) for i in range(SLICES)], shardshuffle=False))
+    samples = list(wds.WebDataset([naming.shard_tar(out, i) for i in range(4)], shardshuffle=False))
     assert [s["__key__"] for s in samples] == [r["key"] for r in rows]
     assert [s["txt"].decode() for s in samples] == [r["prompt"] for r in rows]
     assert [json.loads(s["json"])["seed"] for s in samples] == [r["seed"] for r in rows]
@@ -135,23 +107,47 @@ def test_a_webdataset_only_card_points_at_the_tars(tmp_path, offline_hf):
     import datasets
 
     out = str(tmp_path / "out")
-    rows = make_out(out, ("webdataset",))
-    assert not os.path.exists(naming.images_metadata(out))
+    fabricate.fabricate(out, 6, slice_size=3, chosen=("webdataset",))
+    collect.run_collect(out, gallery_thumbnails=False)
+    assert not storage.glob(naming.join(out, "images"))
     loaded = datasets.load_dataset(out, split="train", cache_dir=offline_hf)
     assert isinstance(loaded.features["png"], datasets.Image)
-    assert sorted(loaded["txt"]) == sorted(r["prompt"] for r in rows)
+    assert sorted(loaded["txt"]) == sorted(r["prompt"] for r in parts.dataset_rows(out))
+
+
+def test_a_filter_that_drops_every_image_is_said_and_the_dataset_still_loads(tmp_path, offline_hf, capfd):
+    """Issue 56, item 5: every image dropped is said in the end summary and as a warning
+    event, and ``datasets.load_dataset(OUT)`` still loads the dataset (its rows, each with
+    its reason), while the card says why the image builders cannot."""
+    import datasets
+
+    out = str(tmp_path / "out")
+    fabricate.fabricate(out, 5, slice_size=3, image_scores={"clip_similarity": -0.25}, scores=("clip",),
+                        clip_model="tiny-clip", min_clip_similarity=0.0)
+    assert cli.main(["collect", "--out", out]) == 0
+    err = capfd.readouterr().err
+    [warning] = [e for e in map(logs.parse, err.splitlines()) if e and e["event"] == "all_images_dropped"]
+    assert warning["level"] == "warning" and warning["dropped"] == 5
+    assert "warning: the score filters dropped every image (5 of 5" in err  # the summary's own line
+    stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    assert stats["verified"] and stats["images"] == 0 and stats["dropped"]["images"] == 5
+    loaded = datasets.load_dataset(out, split="train", cache_dir=offline_hf)
+    assert loaded.num_rows == 5 and set(loaded["dropped"]) == {"min_clip_similarity: clip_similarity -0.25 < 0"}
+    assert "No image was kept" in storage.read_text(naming.dataset_card(out))
+    page = storage.read_text(naming.dataset_file(out, "index.html"))  # each row, without a picture, and why
+    assert page.count('class="nopic"') == 5 and "<img" not in page
 
 
 def test_a_foreign_readme_is_refused_before_collect_writes_and_kept(tmp_path):
     out = str(tmp_path / "out")
-    os.makedirs(out)
+    fabricate.fabricate(out, 4, slice_size=2)
     mine = "# My notes\n\nthis folder is mine\n"
     storage.write_text(naming.dataset_card(out), mine)
     with pytest.raises(collect.CollectError, match="not a dataset card that promptmill wrote"):
-        make_out(out, ("files",))
+        collect.run_collect(out)
     assert storage.read_text(naming.dataset_card(out)) == mine
-    assert not os.path.exists(naming.dataset_file(out, "metadata.parquet"))
-    assert not os.path.exists(naming.images_metadata(out))
+    assert not storage.glob(naming.join(out, "dataset"))
+    assert not os.path.exists(naming.images_metadata(out, 0))
 
 
 def test_collect_rewrites_its_own_card_and_overwrite_keeps_a_users(collected, tmp_path):
@@ -160,11 +156,51 @@ def test_collect_rewrites_its_own_card_and_overwrite_keeps_a_users(collected, tm
     out, _ = collected
     assert naming.is_our_card(storage.read_text(naming.dataset_card(out)))
     collect.check_card(out)  # its own card: no refusal
-    assert naming.owned("README.md") and naming.owned("images/metadata.jsonl") and naming.owned("zarr/key/c/0")
+    assert naming.owned("README.md") and naming.owned(naming.images_metadata("", 3)[1:])
+    assert naming.owned("zarr/key/c/0")
     theirs = str(tmp_path / "theirs")
     storage.write_text(naming.join(theirs, "run.json"), storage.read_text(naming.run_json(out)))
     storage.write_text(naming.dataset_card(theirs), "# mine\n")
-    storage.write_text(naming.images_metadata(theirs), "{}\n")
+    storage.write_text(naming.images_metadata(theirs, 3), "{}\n")
     prepare.clear_run(theirs)
     assert storage.read_text(naming.dataset_card(theirs)) == "# mine\n"
-    assert not os.path.exists(naming.images_metadata(theirs))
+    assert not os.path.exists(naming.images_metadata(theirs, 3))
+
+
+def test_the_collect_bench_counts_objects_by_kind_and_carries_them_to_a_billion(collected, tmp_path):
+    """``bench collect``'s arithmetic on a collected run: objects per image and per slice,
+    write operations at 10^9 images, and the look-up's report (bytes read, objects read)."""
+    from pipeline.bench import collect_scale
+
+    out, rows = collected
+    counted = collect_scale.count_objects(out, 4)
+    # per image: its file; per slice: plan slice, metadata shard, marker, thumbnail pack, tar, metadata.jsonl,
+    # zarr shard and key chunk
+    assert (counted["per_image"], counted["per_slice_each"]) == (IMAGES, 8.0)
+    hosts = {"per_image": 10, "images": 10, "per_slice_each": 5.0}
+    found = collect_scale.per_billion(hosts, {"per_slice_each": 1.0}, slice_size=1000, part_rows=1_000_000)
+    assert found["per_image"] == 10 ** 9 and found["per_slice"] == 6 * 10 ** 6 and found["per_part"] == 1000
+    assert found["usd"] == round(found["total"] / 1000 * collect_scale.CLASS_A_USD_PER_1000, 2)
+    report = tmp_path / "lookup.json"
+    assert collect_scale.lookup(out, str(report), [rows[0]["key"], rows[-1]["key"]]) == 0
+    looked = json.loads(report.read_text())
+    assert looked["keys"] == 2 and looked["objects_read"] == 6  # a key: the manifest, a bucket and a shard
+
+
+def test_reproduce_finds_a_key_from_the_plan_before_collect(tmp_path):
+    """Before collect, a key's slice comes from the plan's key index and its row from the
+    slice's shard: two small reads after the manifest, whatever the run's size; a key of a
+    slice not committed yet is refused, naming the slice."""
+    from pipeline.generate import reproduce
+
+    out = str(tmp_path / "out")
+    fabricate.fabricate(out, 9, slice_size=4)
+    assert not storage.glob(naming.join(out, "dataset"))
+    reads = []
+    found = reproduce.find_rows(out, ["r0000000_0000", "r0000008_0000", "nobody_0000"], reads)
+    assert sorted(found) == ["r0000000_0000", "r0000008_0000"] and found["r0000008_0000"]["slice"] == 2
+    assert [os.path.basename(path) for path, _ in reads] == [
+        "manifest.json", "00000.parquet", f"{naming.output_name(0)}.parquet", f"{naming.output_name(2)}.parquet"]
+    os.remove(naming.shard_stats(out, 2))
+    with pytest.raises(reproduce.ReproduceError, match="r0000008_0000: slice 2 is not committed yet"):
+        reproduce.find_rows(out, ["r0000008_0000"])

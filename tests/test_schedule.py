@@ -16,11 +16,11 @@ import string
 import pytest
 
 from jobs import cli
+from pipeline.collect import parts
 from pipeline.cloud import dates as schedule
 from pipeline.core import logs, naming
 from pipeline.generate import compile_cache as compile_cache_lib
 from pipeline.io import storage
-from pipeline.output import writer
 from tests.conftest import run_cli
 
 DNS_1123_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -145,11 +145,11 @@ def _host_events(out: str, name: str) -> list[dict]:
 
 def _files(out: str) -> dict[str, tuple[str, int]]:
     """{path under OUT: (size and checksum, mtime in ns)} of the images and shards (not
-    images/metadata.jsonl: collect's, rewritten by every collect as dataset/ is)."""
+    a slice folder's metadata.jsonl: collect's, rewritten by every collect as dataset/ is)."""
     sums = storage.checksums(out)
     return {name: (digest, os.stat(os.path.join(out, name)).st_mtime_ns)
             for name, digest in sums.items()
-            if name.startswith(("images/", "shards/")) and name != "images/metadata.jsonl"}
+            if name.startswith(("images/", "shards/")) and not name.endswith("/metadata.jsonl")}
 
 
 def test_scheduled_run_two_triggers_of_one_date_reuse_one_run_and_another_date_makes_another(tmp_path,
@@ -203,7 +203,7 @@ def test_scheduled_run_two_triggers_of_one_date_reuse_one_run_and_another_date_m
     assert (again["slices_skipped"], again["slices_generated"], again["slices_redone"], again["images"]) == \
         (3, 0, 0, 0)
     assert _files(out) == before  # the same objects, none rewritten, none added
-    rows_out = writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+    rows_out = parts.dataset_rows(out)
     assert len(rows_out) == len({r["key"] for r in rows_out}) == 5  # no image twice
     assert storage.read_json(naming.dataset_file(out, "stats.json"))["verified"]
 

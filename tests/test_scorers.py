@@ -305,14 +305,15 @@ def test_a_run_planned_before_zero_thresholds_counted_keeps_its_rule():
 def test_dropped_rows_are_accounted_for_and_a_dropped_image_on_disk_is_unexpected():
     from pipeline.collect import stats as dataset_stats, verify
 
-    rows = [{"key": "a"}, {"key": "b", "dropped": "min_aesthetic: aesthetic 1 < 5"}, {"key": "c", "dropped": "x: y"}]
-    verdicts = verify.verify_slice(["a", "b", "c"], rows, ["i/a.png", "i/c.png"], ["t/a.jpg"])
+    rows = [{"key": "a", "image_bytes": 3}, {"key": "b", "dropped": "min_aesthetic: aesthetic 1 < 5"},
+            {"key": "c", "dropped": "x: y"}]
+    listed = {"size": 3, "md5": None}
+    verdicts = verify.verify_slice(["a", "b", "c"], rows, {"i/a.png": listed, "i/c.png": listed})
     assert (verdicts["ok"], verdicts["dropped"], verdicts["unexpected"]) == (["a"], ["b"], ["c"])
-    summary = {"slice": 0, "ok": 1, "records": 2, "verdicts": {}, "stats": None, "truncated_images": 0,
-               "truncated_records": 0, "unused_negative_records": 0, "unused_negative_images": 0, "dropped": 2,
-               "dropped_by_rule": {"min_aesthetic": 2, "drop_nsfw": 1}}
-    stats = dataset_stats.dataset_stats({"input_rows": 2, "images": 3, "slices": 1}, [summary], [], 0.0,
-                                        dataset_stats.score_stats({"aesthetic": np.arange(5.0)}, flagged=1))
+    summary = {"slice": 0, "slices": 1, "ok": 1, "records": 2, "dropped": 2, "flagged": 1,
+               "dropped_by_rule": {"min_aesthetic": 2, "drop_nsfw": 1}, "scores": {"aesthetic": np.arange(5.0)}}
+    stats = dataset_stats.dataset_stats({"input_rows": 2, "images": 3, "slices": 1},
+                                        dataset_stats.Tally().add(summary), {}, 0.0, safety=True)
     assert stats["verified"] and stats["images"] == 1
     assert stats["dropped"] == {"images": 2, "by_rule": {"drop_nsfw": 1, "min_aesthetic": 2}}
     assert stats["image_conservation"] == {"planned_images": 3, "images": 1, "dropped": 2, "holds": True}
@@ -348,14 +349,22 @@ def test_the_gallery_orders_by_a_score_and_shows_a_dropped_row_without_a_picture
     from pipeline.collect import gallery
     from pipeline.output import formats
 
+    import heapq
+
+    from pipeline.collect import gallery, transforms as collect
+    from pipeline.output import formats
+
+    thumb = formats.thumbnail(np.zeros((8, 8, 3), np.uint8))
     rows = [{"key": f"k{i}", "slice": 0, "position": i, "prompt": "p", "seed": 1, "path": f"images/00000/k{i}.png",
              "clip_similarity": value, "nsfw": i == 1, "nsfw_score": 0.01 if i == 1 else -0.2,
-             "dropped": "min_clip_similarity: clip_similarity 0.05 < 0.1" if i == 2 else None}
+             "dropped": "min_clip_similarity: clip_similarity 0.05 < 0.1" if i == 2 else None,
+             "thumb": None if i == 2 else thumb}
             for i, value in enumerate([0.1, 0.3, 0.05, 0.2, None])]
-    assert [r["key"] for r in gallery.ranked(iter(rows), "clip_similarity", None)] == ["k1", "k3", "k0", "k2", "k4"]
-    assert [r["key"] for r in gallery.ranked(iter(rows), "clip_similarity", 2)] == ["k1", "k3"]
+    assert [r["key"] for r in collect.gallery_rows(rows, "clip_similarity")] == ["k1", "k3", "k0", "k2", "k4"]
+    top = heapq.nlargest(2, rows, key=gallery.score_key("clip_similarity"))  # a part's bounded top-k
+    assert [r["key"] for r in top] == ["k1", "k3"]
     page = gallery.render_page(rows, 1, 1, 5, "t")
-    assert page.count('class="dropped"') == 1 and page.count("<img ") == 4 and "k2.jpg" not in page
+    assert page.count('class="dropped"') == 1 and page.count("<img ") == 4
     assert "dropped: min_clip_similarity: clip_similarity 0.05 &lt; 0.1" in page
     assert page.count("flagged by the safety checker") == 1 and "clip 0.300" in page
     gallery.check_order("aesthetic", ("clip", "aesthetic"))

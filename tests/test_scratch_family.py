@@ -5,9 +5,9 @@ import os
 
 import pytest
 
+from pipeline.collect import parts
 from pipeline.core import naming
 from pipeline.io import storage
-from pipeline.output import writer
 from tests.conftest import ROOT, run_cli
 
 PLUGIN = {"PROMPTMILL_FAMILIES": "tests.scratch_family:SCRATCH"}
@@ -23,7 +23,7 @@ def test_a_family_from_outside_the_package_runs_plan_generate_collect_on_two_hos
     assert result.returncode == 0, result.stderr[-3000:]
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
     assert stats["verified"] and stats["images"] == 5 and sorted(stats["hosts"]) == ["0", "1"]
-    rows = writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))
+    rows = parts.dataset_rows(out)
     assert {row["model"] for row in rows} == {"scratch-tiny"} and {(row["width"], row["height"]) for row in rows} == \
         {(32, 32)}
     hashes = {row["sha256"] for row in rows}

@@ -492,7 +492,7 @@ FAKE_LAUNCHER = textwrap.dedent(r'''
     # Like the real jobs it writes to OUT, through the GCS emulator's JSON API: plan the manifest
     # (FAKE_DATAFLOW_SLICES slices), generate one commit marker per RUNNING answer, collect the
     # dataset's stats.json once DONE. No Beam, no model: a few milliseconds a call.
-    import json, os, sys, urllib.parse, urllib.request
+    import hashlib, json, os, sys, urllib.parse, urllib.request
 
     STATE = os.environ["FAKE_DATAFLOW_STATE"]
     SCRIPT = json.loads(os.environ["FAKE_DATAFLOW_SCRIPT"])
@@ -514,7 +514,8 @@ FAKE_LAUNCHER = textwrap.dedent(r'''
         with open(os.path.join(STATE, stage + ".out")) as f:
             out = f.read()
         if stage == "generate" and state == "RUNNING" and n >= 1 and n - 1 < SLICES:
-            put(f"{out}/shards/{n - 1:05d}_stats.json", {"slice": n - 1})
+            spread = f"{hashlib.sha256(str(n - 1).encode()).hexdigest()[:4]}-{n - 1:05d}"  # naming.output_name
+            put(f"{out}/shards/{spread}_stats.json", {"slice": n - 1})
         if stage == "collect" and state == "DONE":
             put(f"{out}/dataset/stats.json", {"images": 2 * SLICES, "records": 2 * SLICES, "rejects": 0,
                                               "verified": True})

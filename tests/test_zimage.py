@@ -166,10 +166,10 @@ def zimage_runs(tmp_path_factory, model_cache):
 def test_a_zimage_run_is_the_same_on_1x4_and_2x2_and_reproduces(zimage_runs, model_cache):
     from pipeline.core import naming
     from pipeline.io import storage
-    from pipeline.output import writer
+    from pipeline.collect import parts
     from tests.conftest import run_cli
 
-    rows = [{r["key"]: r for r in writer.read_parquet_rows(naming.dataset_file(out, "metadata.parquet"))}
+    rows = [{r["key"]: r for r in parts.dataset_rows(out)}
             for out in zimage_runs.values()]
     assert {k: r["sha256"] for k, r in rows[0].items()} == {k: r["sha256"] for k, r in rows[1].items()}
     assert len({r["sha256"] for r in rows[0].values()}) == 6  # one seed, two prompts: two images

@@ -25,9 +25,9 @@ import sys
 import tempfile
 import time
 
+from pipeline.collect import parts
 from pipeline.core import buckets, children, logs, naming
 from pipeline.io import storage
-from pipeline.output import writer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,7 @@ def _run(args: list[str], out: str, cache: str, again: bool = False) -> dict:
             "generate_s": round(max(e["seconds"] for e in hosts), 3),
             "switches": [{k: e[k] for k in ("host", "size", "idle_s", "batch_s")}
                          for e in events if e["event"] == "size_switch"],
-            "hashes": {r["key"]: r["sha256"] for r in writer.read_parquet_rows(
-                naming.dataset_file(out, "metadata.parquet"))}}
+            "hashes": {r["key"]: r["sha256"] for r in parts.dataset_rows(out)}}
 
 
 def host_events(out: str) -> list[dict]:

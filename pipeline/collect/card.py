@@ -4,8 +4,9 @@ A dataset is only useful if a reader can tell what it is, how it was made, and h
 to load it. The card is Markdown with the YAML front matter that the Hugging Face
 Hub and ``datasets.load_dataset(OUT)`` read: its ``default`` config points at the files
 that hold the images with their prompts (``data_files``: ``images/**`` read by the
-``imagefolder`` builder with ``images/metadata.jsonl``, else the image parquet files,
-else the WebDataset tars). One config only: ``datasets`` reads every config of a
+``imagefolder`` builder with each slice folder's ``metadata.jsonl``, else the image
+parquet files, else the WebDataset tars, else the metadata parts; a dataset that kept
+no image, the metadata parts, and the card says why). One config only: ``datasets`` reads every config of a
 folder with the builder it infers for the default one. Its front matter holds ``MARKER``: collect rewrites a
 card that has it and refuses to overwrite an ``OUT/README.md`` that does not (a
 user's). Then comes what the
@@ -75,20 +76,27 @@ MARKER = naming.CARD_MARKER
 is_ours = naming.is_our_card
 
 
-def image_files(formats) -> tuple[str, list[str]]:
-    """The ``default`` config's ``data_files`` pattern for a run writing ``formats``, and
-    its builder's options (YAML lines): the files that hold the images with their rows."""
-    if "files" in formats:  # images/NNNNN/KEY.EXT + images/metadata.jsonl (imagefolder)
+METADATA_PARTS = "dataset/metadata/*.parquet"
+
+
+def image_files(formats, images: int = 1) -> tuple[str, list[str]]:
+    """The ``default`` config's ``data_files`` pattern for a run writing ``formats`` that
+    kept ``images`` images, and its builder's options (YAML lines): the files that hold the
+    images with their rows; the metadata parts when no file holds an image (zarr alone, or
+    no image kept: the builders of image files refuse a folder without one)."""
+    if not images:
+        return METADATA_PARTS, []
+    if "files" in formats:  # images/SLICE/KEY.EXT + images/SLICE/metadata.jsonl (imagefolder)
         return "images/**", ["  drop_labels: true"]
     if "parquet" in formats:  # metadata rows and an Image column
         return "parquet/*.parquet", []
     if "webdataset" in formats:  # KEY.EXT, KEY.json, KEY.txt per sample
         return "shards/*.tar", []
-    return "dataset/metadata.parquet", []  # zarr alone: no image file; the rows
+    return METADATA_PARTS, []  # zarr alone: no image file; the rows
 
 
 def _front_matter(images: int, formats=("files",)) -> list[str]:
-    pattern, options = image_files(formats)
+    pattern, options = image_files(formats, images)
     return [
         "---",
         MARKER,
@@ -249,7 +257,7 @@ def _scores(stats: dict) -> list[str]:
         return []
     names = list(next(iter(scores.values()))["quantiles"])
     lines = ["## Scores", "", "Computed for every image on the devices that made it (kept or dropped); the "
-             "columns `clip_similarity`, `aesthetic`, `nsfw_score` and `nsfw` of `dataset/metadata.parquet`.", "",
+             "columns `clip_similarity`, `aesthetic`, `nsfw_score` and `nsfw` of `dataset/metadata/`.", "",
              "| score | images | mean | min | " + " | ".join(names) + " | max |",
              "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | ---: |"]
     for name, value in scores.items():
@@ -262,29 +270,44 @@ def _scores(stats: dict) -> list[str]:
     return lines
 
 
+def all_dropped(stats: dict) -> str | None:
+    """The warning for a dataset whose score filters dropped every image made, else None."""
+    dropped = (stats.get("dropped") or {}).get("images", 0)
+    if stats.get("images") or not dropped:
+        return None
+    rules = ", ".join(f"{rule} ({n})" for rule, n in (stats["dropped"].get("by_rule") or {}).items())
+    return (f"the score filters dropped every image ({dropped} of {dropped}; by rule: {rules}): the dataset holds "
+            f"their metadata rows and no image; loosen the filters (or drop them) to keep images")
+
+
 def render(run: Run, stats: dict) -> str:
     """The card of a dataset planned with ``run`` (run.json) and collected into ``stats`` (stats.json)."""
     images = stats.get("images", 0)
     formats = run.settings.formats
     lines = _front_matter(images if isinstance(images, int) else 0, formats)
-    pattern, _ = image_files(formats)
+    pattern, _ = image_files(formats, images)
     lines += [
         "", "# promptmill dataset", "",
         f"Synthetic images generated from text prompts with {code(run.settings.model)}: "
         f"{_count(images)} image(s) from {_count(stats.get('records', 0))} prompt record(s).", "",
         "## What it is", "",
-        "`dataset/metadata.parquet` has one row per image: its `key`, `prompt`, `negative_prompt`, "
-        "`seed` and every generation setting, the `sha256` of its bytes, and `path`, where the image is, "
-        "relative to this folder (the run's output folder). A `path` with `#` names an image "
-        "inside a file: a WebDataset tar member (`shards/NNNNN.tar#KEY.EXT`), a parquet row "
-        "(`parquet/NNNNN.parquet#KEY`) or a zarr index (`zarr/images#POSITION`; `zarr/key` holds each "
-        "position's key). `dataset/index.html` is a gallery of thumbnails; `dataset/stats.json` has the "
-        "counts below.", "",
+        "`dataset/metadata/` has one row per image, in parts (`part-NNNNN.parquet`, each the rows of a range of "
+        "slices, in plan order), which pandas, pyarrow and DuckDB read as one table: each row's `key`, `prompt`, "
+        "`negative_prompt`, `seed` and every generation setting, the `sha256` of its bytes, and `path`, where "
+        "the image is, relative to this folder (the run's output folder). A `path` with `#` names an image "
+        "inside a file: a WebDataset tar member (`shards/SLICE.tar#KEY.EXT`), a parquet row "
+        "(`parquet/SLICE.parquet#KEY`) or a zarr index (`zarr/images#POSITION`; `zarr/key` holds each "
+        "position's key). `dataset/index/` finds a key's part, row group and row by reading one small file "
+        "(the bucket of a hash of the key). `dataset/index.html` is a gallery of a sample of thumbnails; "
+        "`dataset/stats.json` has the counts below.", "",
     ]
-    if "files" in formats:
-        lines += ["`images/metadata.jsonl` has one line per image file: its `file_name` (relative to `images/`) "
-                  "and its metadata row, so that the `imagefolder` builder reads the images with their prompts.",
-                  ""]
+    if "files" in formats and images:
+        lines += ["Each folder `images/SLICE/` has a `metadata.jsonl`, one line per image file: its `file_name` and "
+                  "its metadata row, so that the `imagefolder` builder reads the images with their prompts.", ""]
+    if not images:
+        lines += ["No image was kept (the score filters dropped every one, or none was made): the `imagefolder`, "
+                  "`webdataset` and parquet image builders refuse a folder without images, so this card's "
+                  "`default` config reads the metadata parts instead, each row with its `dropped` reason.", ""]
     lines += _generation(run)
     lines += [""] + _counts(stats)
     score_lines = _scores(stats)
@@ -296,16 +319,16 @@ def render(run: Run, stats: dict) -> str:
         "```python",
         "import pyarrow.parquet as pq",
         "",
-        'rows = pq.read_table("dataset/metadata.parquet").to_pylist()',
+        'rows = pq.read_table("dataset/metadata").to_pylist()',
         'print(rows[0]["prompt"], rows[0]["path"])',
         "```", "",
         "With 🤗 Datasets (this folder: its `default` config is the images, "
-        f"`{pattern}`, with their prompts; `dataset/metadata.parquet` the rows alone):", "",
+        f"`{pattern}`, with their prompts; `dataset/metadata/` the rows alone):", "",
         "```python",
         "from datasets import load_dataset",
         "",
         'ds = load_dataset("OUT", split="train")',
-        'rows = load_dataset("parquet", data_files="OUT/dataset/metadata.parquet", split="train")',
+        'rows = load_dataset("parquet", data_files="OUT/dataset/metadata/*.parquet", split="train")',
         "```", "",
         "## How to reproduce an image", "",
         "Every image is determined by its metadata row. To regenerate images and check their bytes against "

@@ -1,11 +1,17 @@
 """A static HTML gallery of the dataset (pure functions, streaming).
 
 People want to look at a generated dataset before they load it. The hosts write a
-JPEG thumbnail of every image as they encode it (``OUT/thumbs/NNNNN/KEY.jpg``, in the
-slice's commit); collect writes, under ``OUT/dataset/``, a paged gallery of them:
-``index.html`` is page 1 and ``gallery/page-NNNNN.html`` the others. Pages are plain
-HTML5 with inline CSS (no scripts, no external resources), so they open from a local
-folder, a bucket or a zip alike.
+JPEG thumbnail of every image as they encode it, packed per slice
+(``OUT/thumbs/SLICE.tar``, in the slice's commit); collect writes, under
+``OUT/dataset/``, a paged gallery of a sample of them: ``index.html`` is page 1 and
+``gallery/page-NNNNN.html`` the others. Each page holds its thumbnails inline (``data:``
+URIs, taken from the packs), so pages are plain HTML5 with inline CSS (no scripts, no
+external resources) and open from a local folder, a bucket or a zip alike.
+
+The sample is chosen by position when planning is done, not by what collect finds:
+``sample_rank`` picks ``shown`` of the plan's images, evenly spaced (``SAMPLE_SIZE`` by
+default, or ``--gallery-max``), so every collect of a run shows the same images.
+``--gallery-order`` shows a score's highest instead (a bounded top-k, ``score_key``).
 
 Every name here is relative to the ``dataset/`` folder, and every link is relative
 to the page it is on, so OUT can be moved. The metadata's ``path`` column and the
@@ -13,11 +19,9 @@ thumbnails are relative to OUT, which is ``..`` from ``dataset/``. A location ho
 ``#`` (an image inside a tar, parquet or zarr) is no file a browser can open: its
 thumbnail links to itself and the location is shown as text.
 
-``pages`` holds one page of rows at a time, so a gallery of millions of images is
-written in constant memory; the page list in each page's navigation shows the first,
-the last and the nearby pages only, so thousands of pages stay usable. ``even_sample``
-caps how many images a huge dataset's gallery shows. ``ranked`` orders it by a score
-instead, highest first (holding the rows it shows).
+Each page is rendered on its own (``render_page``); the page list in each page's
+navigation shows the first, the last and the nearby pages only, so thousands of pages
+stay usable.
 
 A row whose image a score filter dropped is shown without a picture, with the reason;
 an image the safety checker flagged has a blurred thumbnail (the host blurred it) and
@@ -25,15 +29,13 @@ says so. Each cell shows the row's scores.
 """
 from __future__ import annotations
 
-import heapq
+import base64
 import html
 import math
 import posixpath
-from typing import Iterable, Iterator
 from urllib.parse import quote
 
 from pipeline.collect.card import visible
-from pipeline.core import naming
 from pipeline.output import formats
 
 THUMB_SIZE = formats.THUMB_SIZE
@@ -41,6 +43,7 @@ NEARBY_PAGES = 3  # the page list shows pages within this distance of the curren
 # --gallery-order: plan order, or a score's (highest first), and the --score each needs
 ORDERS = ("position", "clip_similarity", "aesthetic", "nsfw_score")
 PAGE_SIZE = 100  # thumbnails per page, unless --gallery-page-size says otherwise
+SAMPLE_SIZE = 1000  # images the gallery shows, unless --gallery-max says otherwise
 ORDER_SCORES = {"clip_similarity": "clip", "aesthetic": "aesthetic", "nsfw_score": "safety"}
 
 
@@ -53,47 +56,33 @@ def check_order(order: str, scores) -> None:
         raise ValueError(f"--gallery-order {order}: the run did not compute it (it was planned {planned})")
 
 
-def ranked(rows: Iterable[dict], order: str, limit: int | None) -> list[dict]:
-    """The rows by the score ``order``, highest first (ties and unscored rows in plan
-    order, unscored last): all of them, or the ``limit`` highest. Every row of ``rows``
-    is consumed; only the kept ones are held."""
+def score_key(order: str):
+    """The sort key of rows by the score ``order``, highest first under ``max``/``nlargest``
+    (ties and unscored rows in plan order, unscored last)."""
     def key(row):
         value = row.get(order)
         missing = value is None or (isinstance(value, float) and math.isnan(value))
         return (0 if missing else 1, 0.0 if missing else value, -row["position"])
 
-    if limit is None:
-        return sorted(rows, key=key, reverse=True)
-    sample_size(0, limit)
-    return heapq.nlargest(limit, rows, key=key)
-
-
-def thumb_path(slice_index: int, key: str) -> str:
-    """Where the thumbnail of ``key`` is, relative to ``dataset/``: the host wrote it
-    beside the slice's images, under OUT (``naming.thumb_name``)."""
-    return "../" + naming.thumb_name(slice_index, key)
+    return key
 
 
 def sample_size(total: int, limit: int | None) -> int:
-    """How many of ``total`` images a gallery capped at ``limit`` shows (None: no cap)."""
+    """How many of ``total`` images a gallery capped at ``limit`` shows (None: ``SAMPLE_SIZE``)."""
     if limit is not None and limit < 1:
         raise ValueError(f"the gallery's cap must be >= 1, got {limit}")
-    return total if limit is None else min(total, limit)
+    return min(total, SAMPLE_SIZE if limit is None else limit)
 
 
-def even_sample(rows: Iterable[dict], total: int, limit: int | None) -> Iterator[dict]:
-    """The rows an even sample of ``sample_size(total, limit)`` of ``total`` rows keeps, in
-    their order: row ``i * total // shown`` for i = 0, 1, ... (the first row always).
-
-    Every row of ``rows`` is consumed, kept or not, so a generator that writes as it
-    yields (collect's metadata.parquet) is written whole.
-    """
-    shown = sample_size(total, limit)
-    next_pick = 0  # the index of the next sample
-    for index, row in enumerate(rows):
-        if next_pick < shown and index == next_pick * total // shown:
-            next_pick += 1
-            yield row
+def sample_rank(position: int, images: int, shown: int) -> int | None:
+    """The place in the gallery of the image at ``position`` of a plan of ``images``, when
+    an even sample of ``shown`` of them picks it (image ``i * images // shown`` for i = 0,
+    1, ...: the first always), else None (pure: the plan alone decides it)."""
+    shown = min(shown, images)
+    if not 0 <= position < images or shown < 1:
+        return None
+    rank = -(-position * shown // images)  # the least i with i * images // shown >= position
+    return rank if rank < shown and rank * images // shown == position else None
 
 
 def page_count(total: int, page_size: int) -> int:
@@ -137,7 +126,14 @@ def image_target(path: str) -> str | None:
 
 
 def _href(link: str) -> str:
+    if link.startswith("data:"):
+        return html.escape(link, quote=True)
     return html.escape(quote(link, safe="/"), quote=True)
+
+
+def thumb_uri(jpeg: bytes) -> str:
+    """A thumbnail inline, as the page's ``data:`` URI (no object of its own to fetch)."""
+    return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
 
 
 def _page_window(page: int, total_pages: int) -> list[int | None]:
@@ -211,7 +207,7 @@ def _cell(row: dict, here: str) -> str:
     if dropped:  # no output holds it, and no thumbnail was made: the row alone, and why
         return (f'<figure class="dropped"><div class="nopic" title="{_text(dropped)}">dropped: '
                 f'{_text(dropped)}</div>{caption}</figcaption></figure>')
-    thumb = relative(here, thumb_path(int(row["slice"]), key))
+    thumb = thumb_uri(row.get("thumb") or b"")
     path = str(row["path"])
     target = image_target(path)
     href = thumb if target is None else relative(here, target)
@@ -251,17 +247,16 @@ figcaption .flag{{color:#a40}}
 """
 
 
-def render_page(rows: list[dict], page: int, total_pages: int, total_images: int, title: str) -> str:
-    """Page ``page`` of ``total_pages``, showing ``rows`` (metadata rows: key, prompt, seed, slice, path).
-
-    Every page but the last is full, so the rows' place in the dataset follows from
-    their count: the last page ends at ``total_images``.
-    """
+def render_page(rows: list[dict], page: int, total_pages: int, total_images: int, title: str,
+                page_size: int = PAGE_SIZE) -> str:
+    """Page ``page`` of ``total_pages``, showing ``rows`` (metadata rows: key, prompt, seed,
+    slice, path, and ``thumb``, the thumbnail's JPEG bytes), the ``page``-th ``page_size``
+    of the gallery's ``total_images``."""
     if not 1 <= page <= total_pages:
         raise ValueError(f"page {page} is not in 1..{total_pages}")
     here = page_name(page)
     if rows:
-        first = (page - 1) * len(rows) + 1 if page < total_pages else total_images - len(rows) + 1
+        first = (page - 1) * page_size + 1
         summary = (f"Page {page} of {total_pages}, images {first:,}&ndash;{first + len(rows) - 1:,} "
                    f"of {total_images:,}")
         body = '<main class="grid">' + "".join(_cell(row, here) for row in rows) + "</main>"
@@ -279,24 +274,14 @@ def render_page(rows: list[dict], page: int, total_pages: int, total_images: int
     )
 
 
-def pages(rows: Iterable[dict], total_images: int, page_size: int, title: str) -> Iterator[tuple[str, str]]:
-    """Yield ``(page_name, html)`` for every page, consuming ``rows`` one page at a time.
-
-    ``rows`` must hold exactly ``total_images`` rows, in the gallery's order; ValueError
-    otherwise (as soon as it shows: a short input after the pages before it were yielded).
-    No rows: one page saying so.
-    """
-    total_pages = page_count(total_images, page_size)
-    page, buffer, seen = 1, [], 0
-    for row in rows:
-        seen += 1
-        if seen > total_images:
-            raise ValueError(f"more rows than total_images={total_images}")
-        buffer.append(row)
-        if len(buffer) == page_size:
-            yield page_name(page), render_page(buffer, page, total_pages, total_images, title)
-            page, buffer = page + 1, []
-    if seen != total_images:
-        raise ValueError(f"got {seen} rows, expected total_images={total_images}")
-    if buffer or total_images == 0:
-        yield page_name(page), render_page(buffer, page, total_pages, total_images, title)
+def title(model: str, images: int, rows: int, shown: int, order: str) -> str:
+    """The gallery's title (pure): the model, the images (and those dropped), how many are
+    shown and in which order."""
+    found = f"promptmill dataset: {model}, {images} images"
+    if rows > images:
+        found += f" and {rows - images} dropped by filters"
+    if shown < rows:
+        found += f", {shown} shown" + (" (an even sample)" if order == "position" else f" (the highest {order})")
+    elif order != "position":
+        found += f", by {order}"
+    return found

@@ -1,4 +1,5 @@
-"""``collect``: committed shards in, a verified dataset out (a Beam pipeline that streams).
+"""``collect``: committed shards in, a verified dataset out (a Beam pipeline with no serial
+pass over the slices).
 
 ``Collect`` composes the stages below: the manifest (one element, released once every
 slice may be read) -> the content of ``dataset/stats.json``. ``run_collect`` applies it
@@ -6,64 +7,52 @@ to the manifest that the plan wrote; the beam engine applies it to the manifest 
 comes out of its generate -> collect barrier. Both then call ``check_verified``.
 
   StartClock     the manifest -> when collect began (for stats.json's ``collect_s``)
-  SliceIndices   the manifest -> its slice indices
-  VerifySlices   each planned slice, on its own: its plan items, its metadata rows (if
-                 the slice is committed) and its image files are matched by key, and each
-                 key is classified: ok, missing (planned, no row or no image), duplicated
-                 (more than one row) or unexpected (a row or image never planned there).
-                 Images and their thumbnails are checked by listing them, never read: a
-                 thumbnail missing from a committed slice is a missing key, like a
-                 missing image file. Only a slice committed before hosts wrote
-                 thumbnails (its marker has no ``thumbnails`` count) has its images
-                 read, to make its thumbnails (logged as ``thumbnails_made``).
-  MatchRejects   the manifest -> the plan's rejects files
+  CheckCard      the manifest, once ``OUT/README.md`` is known to be collect's or absent
+                 (a user's is refused before anything is written)
+  CollectParts   each part (a contiguous range of slices, ``parts.PartPlan``), in parallel:
+                 its slices verified and written as ``dataset/metadata/part-NNNNN.parquet``,
+                 with each slice's ``images/SLICE/metadata.jsonl`` and ``zarr/key`` chunk
+                 (``pipeline.collect.parts``); out come slice summaries, each slice's
+                 place in its part, and gallery candidates
   CountRejects   each rejects file -> its rows by reason
-  WriteDataset   once, walking the slices in order with one slice's rows in memory at a
-                 time (a gallery ordered by a score keeps its shown rows): ``dataset/metadata.parquet``
-                 (one row group per slice: every image made, a dropped one with its reason),
-                 ``dataset/index.html`` and ``dataset/gallery/`` (the paginated gallery of
-                 the thumbnails under ``OUT/thumbs/``, or an even sample of at most
-                 ``gallery_max`` of them),
-                 ``dataset/stats.json``, the dataset card ``OUT/README.md`` (refused, before
-                 anything is written, where a README.md that collect did not write is
-                 there), with ``files`` ``images/metadata.jsonl`` (the ``imagefolder``
-                 builder's), with ``zarr`` the ``zarr/key`` coordinate
+  Merge          all of those -> one ``Merged``, by a combiner: the ``stats.Tally`` (counts,
+                 per-host and per-size figures, a bounded sample of problem keys, score
+                 sketches), each slice's place (one small tuple a slice), the gallery's
+                 candidates (the plan-time sample's rows, or a score's bounded top-k) and
+                 the rejects by reason
+  IndexBuckets   each bucket of the plan's key index with the slices' places ->
+                 ``dataset/index/BBBBB.parquet`` (key -> part, row group, row;
+                 ``pipeline.output.key_index``): no key crosses a shuffle
+  GalleryRows    the candidates ranked, each row's thumbnail read from its slice's pack,
+                 each page rendered on its own: ``dataset/index.html`` and ``dataset/gallery/``
+  WriteStats     once all of the above is written (one GroupByKey of it all):
+                 ``dataset/stats.json``, the dataset card ``OUT/README.md``, and (zarr) the
+                 groups' consolidated metadata
 
-The pure parts live beside this module: ``pipeline.collect.verify`` (a slice's verdicts,
-``verify_slice``) and ``pipeline.collect.stats`` (stats.json's content, ``dataset_stats``).
-Conservation is checked from what the plan wrote, not from its manifest's say-so:
-input rows = planned records (items with image index 0) + rows of the rejects files.
-``check_verified`` raises ``CollectError`` naming the bad keys, or a broken count.
-Inside the pipeline, objects are read and written through Beam's FileSystems
-(``pipeline.io.beamio``); listings with ``storage.glob``. Counters (namespace
-``collect``): keys_ok, keys_missing, keys_duplicated, keys_unexpected, thumbnails_made.
-
-What collect reads grows with the number of slices, not with the dataset's bytes: per
-slice its plan items, commit marker and metadata shard, and listings.
+What is gathered in one place is the ``Merged``: O(slices) small tuples and bounded
+figures, never the run's rows or keys. ``check_verified`` raises ``CollectError``
+naming the bad keys with their slices, or a broken count. Inside the pipeline, objects
+are read and written through Beam's FileSystems (``pipeline.io.beamio``); listings with
+``storage``. Counters (namespace ``collect``): keys_ok, keys_missing, and one per verdict.
 """
 from __future__ import annotations
 
 import collections
-import logging
-import contextlib
-import io
+import heapq
 import json
-import tarfile
+import logging
 import time
 
 import apache_beam as beam
-import pyarrow
-from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.collect import card, gallery
-from pipeline.collect.stats import dataset_stats, score_stats
-from pipeline.collect.verify import ACCOUNTED, unused_guidance, unused_negatives, verify_slice
-from pipeline.core import choices, filters, logs, naming
-from pipeline.core.settings import Run, Settings
-from pipeline.generate import environment
+from pipeline.collect.parts import GALLERY, PART_ROWS, PLACE, SUMMARY, CollectPartFn, PartPlan, write_index_bucket
+from pipeline.collect.stats import Tally, dataset_stats
+from pipeline.core import logs, naming
+from pipeline.core.settings import Run
 from pipeline.io import beamio, runs, storage
-from pipeline.output import formats, writer
+from pipeline.output import formats, key_index
 from pipeline.plan import input_table
 
 GALLERY_PAGE_SIZE = gallery.PAGE_SIZE
@@ -73,300 +62,16 @@ class CollectError(RuntimeError):
     pass
 
 
-def _read_lines(path: str):
-    for raw in beamio.iter_lines(path):
-        if raw.strip():
-            yield json.loads(raw)
-
-
-def _read_table(path: str):
-    return writer.parquet_table(beamio.read_bytes(path))
-
-
-def slice_images(out: str, settings: Settings, index: int, rows: list[dict]) -> dict[str, bytes]:
-    """Encoded images of a committed slice by key, from the first format that holds them."""
-    chosen = settings.formats
-    if "files" in chosen:
-        return {row["key"]: beamio.read_bytes(naming.join(out, row["path"])) for row in rows}
-    if "webdataset" in chosen:
-        members = {}
-        with tarfile.open(fileobj=io.BytesIO(beamio.read_bytes(naming.shard_tar(out, index)))) as tar:
-            for member in tar.getmembers():
-                key, _, ext = member.name.partition(".")
-                if ext not in ("json", "txt"):
-                    members[key] = tar.extractfile(member).read()
-        return members
-    if "parquet" in chosen:
-        table = _read_table(naming.image_parquet(out, index)).select(["key", "image"]).to_pylist()
-        return {row["key"]: row["image"]["bytes"] for row in table}
-    arrays, found = {}, {}
-    for row in rows:  # "zarr/images#I", or "zarr/WxH/images#I" in a run of several sizes
-        place, _, index = row["path"].partition("#")
-        group = place[len("zarr/"):-len("/images")].strip("/")
-        if group not in arrays:
-            arrays[group] = formats.read_zarr_images(out, group)
-        found[row["key"]] = formats.encode(arrays[group][int(index)].read().result(), "png")
-    return found
-
-
-def whole_objects(out: str, settings: Settings, index: int) -> list[str]:
-    """The objects that hold a committed slice's images whole (its tar, its image
-    parquet), for the formats the run writes."""
-    found = []
-    if "webdataset" in settings.formats:
-        found.append(naming.shard_tar(out, index))
-    if "parquet" in settings.formats:
-        found.append(naming.image_parquet(out, index))
-    return found
-
-
-def listed_images(out: str, settings: Settings, index: int) -> list[str] | None:
-    """What says a committed slice's images are stored, from listings alone: its image
-    files (``files``), or None when no format writes one file per image. A tar or image
-    parquet missing from the slice counts as every image missing (an empty list)."""
-    if any(not storage.exists(path) for path in whole_objects(out, settings, index)):
-        return []
-    if "files" not in settings.formats:
-        return None
-    return sorted(storage.files(naming.join(out, "images", naming.slice_name(index)), "*"))
-
-
-class _VerifySliceFn(beam.DoFn):
-    """One slice index -> its summary (``verify_slice``'s verdicts, counts, its stats).
-
-    Images and thumbnails are verified by listing them; no image is read. Only a slice
-    committed before hosts wrote thumbnails (its marker has no ``thumbnails``) has its
-    images read, once, to make its thumbnails, when ``thumbnails`` asks for the gallery.
-    """
-
-    def __init__(self, out: str, settings: Settings, thumbnails: bool):
-        self.out, self.settings, self.thumbnails = out, settings, thumbnails
-        self.environment = None  # the fingerprint every row must carry: read once slices are committed
-        self.counters = {}
-        self.thumbs = Metrics.counter("collect", "thumbnails_made")
-
-    def setup(self):
-        beamio.use_emulator_credentials()
-
-    def process(self, index: int):
-        if self.environment is None:  # after generation (a pipeline that generates too builds this before)
-            recorded = environment.recorded(self.out)
-            self.environment = environment.fingerprint(recorded) if recorded else "(no environment.json)"
-        items = list(_read_lines(naming.plan_slice(self.out, index)))
-        stats_path = naming.shard_stats(self.out, index)
-        committed = storage.exists(stats_path)
-        try:
-            slice_stats = beamio.read_json(stats_path) if committed else None
-            rows = _read_table(naming.shard_metadata(self.out, index)).to_pylist() if committed else []
-        except (ValueError, OSError, pyarrow.ArrowException) as e:  # a torn or foreign object of a committed slice
-            yield self._unreadable(index, items, e)
-            return
-        image_paths = listed_images(self.out, self.settings, index) if committed else None
-        has_thumbs = committed and "thumbnails" in slice_stats
-        thumb_paths = sorted(storage.files(naming.thumbs_dir(self.out, index), "*")) if has_thumbs else None
-        verdicts = verify_slice([i["key"] for i in items], rows, image_paths, thumb_paths, self.environment)
-        for verdict, keys in verdicts.items():
-            if verdict not in self.counters:
-                self.counters[verdict] = Metrics.counter("collect", f"keys_{verdict}")
-            self.counters[verdict].inc(len(keys))
-        ok, dropped = set(verdicts["ok"]), set(verdicts["dropped"])
-        good_rows = [row for row in rows if row["key"] in ok or row["key"] in dropped]  # every image made
-        if self.thumbnails and ok and not has_thumbs:
-            self._make_thumbnails(index, [row for row in good_rows if row["key"] in ok])
-        unused_records, unused_images = unused_negatives(good_rows, self.settings.guidance_rule)
-        guidance_records, guidance_images = unused_guidance(good_rows, self.settings.guidance_rule)
-        filtered = {}
-        if filters.active_rules(self.settings):  # the images a filter kept out, by rule
-            filtered = {"dropped": len(dropped), "dropped_by_rule": dict(collections.Counter(
-                rule for row in good_rows if row["key"] in dropped for rule in filters.rules_of(row["dropped"])))}
-        yield {"slice": index, "records": sum(1 for i in items if i["image_index"] == 0),
-               "planned_images": len(items), "stats": slice_stats,
-               "verdicts": {v: keys for v, keys in verdicts.items() if v not in ACCOUNTED and keys},
-               "ok": len(ok), "all_ok": len(ok) + len(dropped) == len(items) == len(rows), **filtered,
-               "truncated_images": sum(1 for row in good_rows if row.get("prompt_truncated")),
-               "truncated_records": sum(1 for row in good_rows if row.get("prompt_truncated")
-                                        and row["image_index"] == 0),
-               "unused_negative_records": unused_records, "unused_negative_images": unused_images,
-               "unused_guidance_records": guidance_records, "unused_guidance_images": guidance_images}
-
-    def _unreadable(self, index: int, items: list[dict], error: Exception) -> dict:
-        """The summary of a committed slice whose marker or metadata cannot be read: every
-        planned key of it is unaccounted for, and how to redo it is said."""
-        redo = (f"slice {index}'s commit marker or metadata cannot be read ({type(error).__name__}: "
-                f"{str(error)[:200]}); delete {naming.shard_stats(self.out, index)} and run the same command again: "
-                f"the slice is made again")
-        logs.event("slice_unreadable", logging.ERROR, slice=index, redo=redo)
-        keys = [item["key"] for item in items]
-        return {"slice": index, "records": sum(1 for i in items if i["image_index"] == 0),
-                "planned_images": len(items), "stats": None, "verdicts": {"unreadable": keys}, "ok": 0,
-                "all_ok": False, "unreadable": redo, "truncated_images": 0, "truncated_records": 0,
-                "unused_negative_records": 0, "unused_negative_images": 0, "unused_guidance_records": 0,
-                "unused_guidance_images": 0}
-
-    def _make_thumbnails(self, index: int, rows: list[dict]) -> None:
-        """A slice committed before hosts wrote thumbnails: make them from its images,
-        where the hosts write them now, so the gallery is the same for every slice."""
-        images = slice_images(self.out, self.settings, index, rows)
-        for row in rows:
-            beamio.write_bytes(naming.thumb_file(self.out, index, row["key"]), formats.thumbnail(images[row["key"]]),
-                               "image/jpeg")
-            self.thumbs.inc()
-        logs.event("thumbnails_made", slice=index, images=len(rows),
-                   why="the slice was committed without thumbnails; its images were read to make them")
-
-
-class VerifySlices(beam.PTransform):
-    """Slice indices -> one summary per slice: its records, planned images, committed
-    stats, ok count and the keys of every other verdict. With ``thumbnails``, a slice
-    committed without thumbnails gets them, made from its images."""
-
-    def __init__(self, out: str, settings: Settings, thumbnails: bool = True):
-        super().__init__()
-        self.out, self.settings, self.thumbnails = out, settings, thumbnails
-
-    def expand(self, indices):
-        return (indices
-                | "SpreadSlices" >> beam.Reshuffle()
-                | "VerifySlice" >> beam.ParDo(_VerifySliceFn(self.out, self.settings, self.thumbnails)))
-
-
 def count_rejects(path: str) -> collections.Counter:
     """The rows of one rejects file, by reason."""
-    return collections.Counter(row["reason"] for row in _read_lines(path))
+    return collections.Counter(json.loads(raw)["reason"] for raw in beamio.iter_lines(path) if raw.strip())
 
 
 class CountRejects(beam.PTransform):
-    """Rejects files (paths) -> one Counter of rows by reason per file."""
+    """Rejects files (paths) -> ("rejects", the file's rows by reason) each, as ``MergeFn`` sums them."""
 
     def expand(self, paths):
-        return paths | "CountByReason" >> beam.Map(count_rejects)
-
-
-def _conform(table, schema):
-    """``table`` with ``schema``'s columns in order; a column it lacks (a shard written by
-    an older version) is all nulls."""
-    import pyarrow as pa
-
-    columns = [table.column(f.name).cast(f.type) if f.name in table.column_names
-               else pa.nulls(table.num_rows, f.type) for f in schema]
-    return pa.Table.from_arrays(columns, schema=schema)
-
-
-def _ok_rows_table(out: str, summary: dict):
-    table = _read_table(naming.shard_metadata(out, summary["slice"]))
-    if not summary["all_ok"]:
-        bad = {key for keys in summary["verdicts"].values() for key in keys}
-        table = table.filter([key not in bad for key in table.column("key").to_pylist()])
-    return _conform(table.sort_by("position"), writer.metadata_schema())
-
-
-def write_dataset(manifest: dict, summaries: list[dict], reject_counts: list, started: float, out: str,
-                  page_size: int, thumbnails: bool, gallery_max: int | None = None,
-                  gallery_order: str = "position") -> dict:
-    """Writes the dataset's files from every slice's summary and every rejects file's
-    counts; returns stats.json's content. ``started``: when collect began (for its wall time).
-    The gallery shows every row (a dropped image's without a picture), or an even sample of
-    ``gallery_max`` in plan order; ``gallery_order``: a score's order instead, highest first
-    (with ``gallery_max``, the highest ones). The card describes the run as ``run.json``
-    holds it now, with the plan's decisions."""
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    run = runs.read(out)
-    check_card(out)  # before anything is written
-    summaries = sorted(summaries, key=lambda s: s["slice"])
-    images = sum(s["ok"] for s in summaries)
-    total = images + sum(s.get("dropped", 0) for s in summaries)  # the rows: every image made
-    values: dict[str, list] = collections.defaultdict(list)  # each score's values, slice by slice
-    flagged = [0]
-
-    files = "files" in run.settings.formats
-    zarr_keys = {} if "zarr" in run.settings.formats else None  # position -> key
-
-    def rows():  # one slice's rows in memory at a time, in position order
-        with contextlib.ExitStack() as stack:
-            f = stack.enter_context(beamio.open_write(naming.dataset_file(out, "metadata.parquet"),
-                                                      "application/vnd.apache.parquet"))
-            parquet = stack.enter_context(pq.ParquetWriter(f, writer.metadata_schema()))
-            jsonl = stack.enter_context(beamio.open_write(naming.images_metadata(out), "application/jsonl")) \
-                if files else None
-            for summary in summaries:
-                if summary["ok"] or summary.get("dropped"):
-                    table = _ok_rows_table(out, summary)
-                    parquet.write_table(table)
-                    if jsonl is not None:
-                        jsonl.write(image_lines(table.to_pylist(), run.settings.scores))
-                    if zarr_keys is not None:
-                        zarr_keys.update(zip(table.column("position").to_pylist(), table.column("key").to_pylist()))
-                    for name in ("clip_similarity", "aesthetic", "nsfw_score"):
-                        column = table.column(name).drop_null().to_numpy()
-                        if len(column):
-                            values[name].append(column)
-                    flagged[0] += sum(1 for v in table.column("nsfw").to_pylist() if v)
-                    yield from table.to_pylist()
-
-    if thumbnails:
-        if gallery_order == "position":
-            shown = gallery.sample_size(total, gallery_max)
-            picked = gallery.even_sample(rows(), total, gallery_max)
-        else:
-            picked = gallery.ranked(rows(), gallery_order, gallery_max)
-            shown = len(picked)
-        title = f"promptmill dataset: {run.settings.model}, {images} images"
-        if total > images:
-            title += f" and {total - images} dropped by filters"
-        if shown < total:
-            title += f", {shown} shown" + (" (an even sample)" if gallery_order == "position" else
-                                          f" (the highest {gallery_order})")
-        elif gallery_order != "position":
-            title += f", by {gallery_order}"
-        for name, html in gallery.pages(picked, shown, page_size, title):
-            beamio.write_text(naming.dataset_file(out, name), html, "text/html")
-    else:
-        collections.deque(rows(), maxlen=0)
-
-    scores = None
-    if run.settings.scores:
-        scores = score_stats({name: np.concatenate(parts) for name, parts in values.items()},
-                             flagged[0] if "safety" in run.settings.scores else None)
-    stats = dataset_stats(manifest, summaries, reject_counts, collect_s=round(time.time() - started, 1),
-                          scores=scores)
-    if "zarr" in run.settings.formats:
-        for group, offset in zarr_groups(manifest):
-            size = formats.read_zarr_images(out, group).shape[0]
-            formats.write_zarr_keys(out, [zarr_keys.get(offset + i, "") for i in range(size)], group)
-            formats.consolidate_zarr(out, group)
-        if manifest.get("buckets"):
-            formats.consolidate_zarr_sizes(out, [group for group, _ in zarr_groups(manifest)])
-    beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
-    beamio.write_text(naming.dataset_card(out), card.render(run, stats), "text/markdown")
-    return stats
-
-
-def zarr_groups(manifest: dict) -> list[tuple[str, int]]:
-    """(zarr group, its first image's position) of each size of a plan: ("", 0) for a
-    single-size run's ``OUT/zarr``, ("WxH", offset) for each size of a run of several (every
-    host opens every size's arrays, so a size without images has them too)."""
-    if not manifest.get("buckets"):
-        return [("", 0)]
-    return [(bucket["size"], bucket["offset"]) for bucket in manifest["buckets"]]
-
-
-def image_lines(rows: list[dict], scores) -> bytes:
-    """``images/metadata.jsonl``'s lines for metadata ``rows`` (a ``files`` run's): one per
-    image file (a dropped image has none), its ``file_name`` relative to ``images/`` and
-    the row's columns (the score columns of the ``scores`` the run computes; ``dropped``,
-    always null here, left out): what the ``imagefolder`` builder reads with the images."""
-    skipped = {"dropped"} | {c for name, columns in choices.SCORE_COLUMNS.items() if name not in scores
-                             for c in columns}
-    lines = []
-    for row in rows:
-        if row["dropped"] is not None or not row["path"].startswith("images/"):
-            continue
-        line = {"file_name": row["path"][len("images/"):]}
-        line.update((name, value) for name, value in row.items() if name not in skipped)
-        lines.append(json.dumps(line, ensure_ascii=False) + "\n")
-    return "".join(lines).encode("utf-8")
+        return paths | "CountByReason" >> beam.Map(lambda path: ("rejects", count_rejects(path)))
 
 
 def check_card(out: str) -> None:
@@ -379,73 +84,218 @@ def check_card(out: str) -> None:
                            "a file of yours; move it elsewhere (or delete it) and collect again")
 
 
-class WriteDataset(beam.PTransform):
-    """Every slice's summary and every rejects file's counts -> stats.json's content (one
-    element), once: metadata.parquet, the gallery, stats.json and the card are written.
-
-    Its input is a dict of PCollections: ``manifest`` (one element), ``started`` (one
-    element: when collect began), ``summaries`` (``VerifySlices``'s) and
-    ``reject_counts`` (``CountRejects``'s).
-    """
-
-    def __init__(self, out: str, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True,
-                 gallery_max: int | None = None, gallery_order: str = "position"):
-        super().__init__()
-        self.out, self.page_size, self.thumbnails, self.gallery_max = out, page_size, thumbnails, gallery_max
-        self.gallery_order = gallery_order
-
-    def expand(self, parts):
-        return (parts["manifest"]
-                | "Write" >> beam.Map(write_dataset, beam.pvalue.AsList(parts["summaries"]),
-                                      beam.pvalue.AsList(parts["reject_counts"]),
-                                      beam.pvalue.AsSingleton(parts["started"]), self.out,
-                                      self.page_size, self.thumbnails, self.gallery_max, self.gallery_order))
+def _checked(manifest: dict, out: str) -> dict:
+    beamio.use_emulator_credentials()
+    check_card(out)
+    return manifest
 
 
-def _slice_indices(manifest: dict):
-    return range(manifest["slices"])
+def gallery_rows(candidates: list[dict], order: str) -> list[dict]:
+    """The gallery's rows in its order: plan order, or a score's, highest first (pure)."""
+    if order == "position":
+        return sorted(candidates, key=lambda row: row["position"])
+    return sorted(candidates, key=gallery.score_key(order), reverse=True)
 
 
-def _rejects_files(_manifest: dict, out: str) -> list[str]:
-    return sorted(storage.files(naming.rejects_dir(out), "*.jsonl"))
+class Merged:
+    """What collect gathers in one place, from every part's step and every rejects file:
+    the slices' ``stats.Tally``, each slice's place in its part (for the key index: one small
+    tuple a slice), the gallery's candidates (at most its cap) and the rejects by reason."""
+
+    def __init__(self, order: str, cap: int):
+        self.order, self.cap = order, cap
+        self.tally, self.places, self.candidates = Tally(), {}, []
+        self.by_reason = collections.Counter()
+
+    def add(self, kind: str, value) -> "Merged":
+        if kind == SUMMARY:
+            self.tally.add(value)
+        elif kind == PLACE:
+            self.places[value[0]] = value
+        elif kind == GALLERY:
+            self._keep([value])
+        else:  # a rejects file's counts
+            self.by_reason.update(value)
+        return self
+
+    def merge(self, other: "Merged") -> "Merged":
+        self.tally.merge(other.tally)
+        self.places.update(other.places)
+        self._keep(other.candidates)
+        self.by_reason.update(other.by_reason)
+        return self
+
+    def _keep(self, rows: list) -> None:
+        """The candidates, with ``rows``: every one of the plan-time sample (at most its
+        size), or a score's highest ``cap`` (a bounded top-k)."""
+        self.candidates += rows
+        if self.order != "position" and len(self.candidates) > self.cap:
+            self.candidates = heapq.nlargest(self.cap, self.candidates, key=gallery.score_key(self.order))
 
 
-def _now(_) -> float:
-    return time.time()
+class MergeFn(beam.CombineFn):
+    """(kind, value) pairs of the parts' steps and the rejects' counts -> one ``Merged``."""
+
+    def __init__(self, order: str, cap: int):
+        self.order, self.cap = order, cap
+
+    def create_accumulator(self):
+        return Merged(self.order, self.cap)
+
+    def add_input(self, merged, pair):
+        return merged.add(*pair)
+
+    def merge_accumulators(self, many):
+        many = iter(many)
+        merged = next(many)
+        for other in many:
+            merged.merge(other)
+        return merged
+
+    def extract_output(self, merged):
+        return merged
+
+
+def _gallery_rows(merged: Merged, out: str, model: str, page_size: int):
+    """Each row the gallery shows, ranked, with its page's title and the gallery's size; a
+    gallery with nothing to show gets its first page, saying so, here."""
+    rows = gallery_rows(merged.candidates, merged.order)
+    counts = merged.tally.counts
+    title = gallery.title(model, counts["ok"], counts["ok"] + counts["dropped"], len(rows), merged.order)
+    if not rows:
+        beamio.write_text(naming.dataset_file(out, "index.html"), gallery.render_page([], 1, 1, 0, title), "text/html")
+    for rank, row in enumerate(rows):
+        yield rank, row, title, len(rows)
+
+
+def _with_thumb(ranked, out: str, page_size: int):
+    """A gallery row with its thumbnail, read from its slice's pack where the slice's commit
+    marker says it is (a dropped image has none), by page."""
+    rank, row, title, total = ranked
+    at = row.pop("thumb_at", None)
+    thumb = storage.read_range(naming.thumb_pack(out, row["slice"]), *at) if at and not row["dropped"] else None
+    return rank // page_size, (rank, {**row, "thumb": thumb}, title, total)
+
+
+def _write_page(element, out: str, page_size: int) -> int:
+    """One page of the gallery, from its rows (grouped by page)."""
+    page, found = element
+    found = sorted(found, key=lambda item: item[0])
+    rows, (_, _, title, total) = [row for _, row, _, _ in found], found[0]
+    html = gallery.render_page(rows, page + 1, gallery.page_count(total, page_size), total, title, page_size)
+    beamio.write_text(naming.dataset_file(out, gallery.page_name(page + 1)), html, "text/html")
+    return page
+
+
+def _index_buckets(merged: Merged, manifest: dict):
+    return range(key_index.bucket_count(manifest["images"]))
+
+
+def _write_stats(element, manifest: dict, started: float, out: str, run: Run, plan_args: tuple) -> dict:
+    """stats.json and the card, once everything else is written (grouped under one key, so
+    this waits for every bucket and page through its main input); returns stats.json's content."""
+    [merged] = [value for kind, value in element[1] if kind == "merged"]
+    pages = sum(1 for kind, _ in element[1] if kind == "page")
+    plan = PartPlan.of(manifest, *plan_args)
+    _delete_stale(out, plan.parts, pages if plan.gallery_shown else None)
+    stats = dataset_stats(manifest, merged.tally, dict(merged.by_reason), collect_s=round(time.time() - started, 1),
+                          safety="safety" in run.settings.scores, parts=plan.describe())
+    if "zarr" in run.settings.formats:
+        groups = [bucket["size"] for bucket in manifest.get("buckets") or ()] or [""]
+        for group in groups:
+            formats.consolidate_zarr(out, group)
+        if manifest.get("buckets"):
+            formats.consolidate_zarr_sizes(out, groups)
+    beamio.write_json(naming.dataset_file(out, "stats.json"), stats)
+    # the card describes the run as run.json holds it now, with the plan's decisions
+    beamio.write_text(naming.dataset_card(out), card.render(runs.read(out), stats), "text/markdown")
+    return stats
+
+
+def _delete_stale(out: str, parts: int, pages: int | None) -> None:
+    """Delete the parts and gallery pages an earlier collect of this run wrote beyond this
+    one's (another ``--part-rows`` or gallery size): they would be read as this dataset's."""
+    stale = [path for path in storage.glob(naming.join(out, "dataset", "metadata", "part-*.parquet"))
+             if int(path.rsplit("-", 1)[1].split(".")[0]) >= parts]
+    if pages is not None:
+        stale += [path for path in storage.glob(naming.join(out, "dataset", "gallery", "page-*.html"))
+                  if int(path.rsplit("-", 1)[1].split(".")[0]) > max(1, pages)]
+    if stale:
+        beamio.delete(stale)
+        logs.event("stale_outputs_deleted", out=out, objects=len(stale), first=stale[0])
+
+
+def _tagged(kind: str):
+    return lambda value: (None, (kind, value))
 
 
 class Collect(beam.PTransform):
     """The collect pipeline: the manifest (one element) -> stats.json's content (one element).
 
     Collect starts when the manifest element arrives, so a pipeline that also generates
-    hands it over only once every slice is committed.
+    hands it over only once every slice is committed. ``thumbnails``: write the gallery;
+    ``gallery_max``: the images it shows (None: ``gallery.SAMPLE_SIZE``); ``part_rows``:
+    the images of a part of the metadata, about.
+
+    Every step that must wait for others takes them as its main input (a side input is
+    only ever read by a step whose main input comes after it): the DirectRunner has run a
+    step whose main input was ready early before a side input it read was complete.
     """
 
     def __init__(self, out: str, run: Run, page_size: int = GALLERY_PAGE_SIZE, thumbnails: bool = True,
-                 gallery_max: int | None = None, gallery_order: str = "position"):
+                 gallery_max: int | None = None, gallery_order: str = "position", *, part_rows: int = PART_ROWS):
         super().__init__()
         self.out, self.run, self.page_size, self.thumbnails = out, run, page_size, thumbnails
-        self.gallery_max, self.gallery_order = gallery_max, gallery_order
+        self.gallery_max, self.gallery_order, self.part_rows = gallery_max, gallery_order, part_rows
 
     def expand(self, manifest):
-        started = manifest | "StartClock" >> beam.Map(_now)
-        summaries = (manifest
-                     | "SliceIndices" >> beam.FlatMap(_slice_indices)
-                     | "VerifySlices" >> VerifySlices(self.out, self.run.settings, self.thumbnails))
-        reject_counts = (manifest
-                         | "MatchRejects" >> beam.FlatMap(_rejects_files, self.out)
-                         | "CountRejects" >> CountRejects())
-        return ({"manifest": manifest, "started": started, "summaries": summaries, "reject_counts": reject_counts}
-                | "WriteDataset" >> WriteDataset(self.out, self.page_size, self.thumbnails, self.gallery_max,
-                                                 self.gallery_order))
+        out, run, order, page_size = self.out, self.run, self.gallery_order, self.page_size
+        cap = (gallery.SAMPLE_SIZE if self.gallery_max is None else self.gallery_max) if self.thumbnails else 0
+        plan_args = (self.part_rows, cap, order)
+        started = manifest | "StartClock" >> beam.Map(lambda _: time.time())
+        checked = manifest | "CheckCard" >> beam.Map(_checked, out)
+        the_manifest = beam.pvalue.AsSingleton(checked)
+        parts = (checked
+                 | "PartIndices" >> beam.FlatMap(lambda m: range(PartPlan.of(m, *plan_args).parts))
+                 | "SpreadParts" >> beam.Reshuffle()
+                 | "CollectParts" >> beam.ParDo(CollectPartFn(out, plan_args), the_manifest))
+        rejects = (checked
+                   | "MatchRejects" >> beam.FlatMap(lambda _: storage.glob(naming.join(naming.rejects_dir(out),
+                                                                                       "*.jsonl")))
+                   | "CountRejects" >> CountRejects())
+        merged = ((parts, rejects)
+                  | "PartsAndRejects" >> beam.Flatten()
+                  | "Merge" >> beam.CombineGlobally(MergeFn(order, cap)))
+        row_groups = PartPlan.of({"slices": 1, "slice_size": 1, "images": 1}, self.part_rows).row_group_rows
+        done = [merged | "TagMerged" >> beam.Map(_tagged("merged")),
+                (merged  # the buckets come out of the merged places, so each bucket's step reads them whole
+                 | "IndexBuckets" >> beam.FlatMap(_index_buckets, the_manifest)
+                 | "SpreadBuckets" >> beam.Reshuffle()
+                 | "WriteIndexBucket" >> beam.Map(
+                     lambda bucket, m: write_index_bucket(bucket, out, row_groups, m.places),
+                     beam.pvalue.AsSingleton(merged))
+                 | "TagBucket" >> beam.Map(_tagged("bucket")))]
+        if self.thumbnails:
+            done.append(merged
+                        | "GalleryRows" >> beam.FlatMap(_gallery_rows, out, run.settings.model, page_size)
+                        | "SpreadRows" >> beam.Reshuffle()
+                        | "ReadThumbs" >> beam.Map(_with_thumb, out, page_size)
+                        | "GroupByPage" >> beam.GroupByKey()
+                        | "WritePage" >> beam.Map(_write_page, out, page_size)
+                        | "TagPage" >> beam.Map(_tagged("page")))
+        return (done
+                | "AllWritten" >> beam.Flatten()
+                | "Together" >> beam.GroupByKey()
+                | "WriteStats" >> beam.Map(_write_stats, the_manifest, beam.pvalue.AsSingleton(started), out, run,
+                                           plan_args))
 
 
-COLLECT_FOLDERS = ("", "dataset", "dataset/gallery", "images", "zarr")  # where collect writes whole files
+COLLECT_FOLDERS = ("", "dataset", "dataset/gallery", "dataset/metadata", "dataset/index", "zarr")  # where collect writes whole files
 
 
 def check_verified(stats: dict) -> None:
-    """Raise CollectError, naming the bad keys (a few of each kind) and a broken count,
-    unless the dataset's stats.json content says it is verified."""
+    """Raise CollectError, naming the bad keys (a few of each kind, each with its slice)
+    and a broken count, unless the dataset's stats.json content says it is verified."""
     if stats["verified"]:
         return
     lines = [f"{kind}: {v['count']} key(s), e.g. {', '.join(v['keys'])}" for kind, v in stats["problems"].items()]
@@ -456,19 +306,29 @@ def check_verified(stats: dict) -> None:
     raise CollectError("the dataset does not match the plan:\n  " + "\n  ".join(lines))
 
 
+def warn_if_all_dropped(stats: dict) -> None:
+    """Log ``all_images_dropped`` (a warning) when the filters dropped every image."""
+    message = card.all_dropped(stats)
+    if message:
+        logs.event("all_images_dropped", level=logging.WARNING, message=message,
+                   dropped=stats["dropped"]["images"], by_rule=stats["dropped"].get("by_rule") or {})
+
+
 def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = GALLERY_PAGE_SIZE,
                 gallery_thumbnails: bool = True, gallery_max: int | None = None,
-                gallery_order: str = "position") -> dict:
+                gallery_order: str = "position", *, part_rows: int = PART_ROWS) -> dict:
     """Collect ``out`` into ``out/dataset``; returns stats, or raises CollectError.
-    ``gallery_max``: the gallery shows an even sample of at most this many images;
-    ``gallery_order``: or a score's order, highest first (``gallery.ORDERS``)."""
+    ``gallery_max``: the gallery shows an even sample of at most this many images (None:
+    ``gallery.SAMPLE_SIZE``); ``gallery_order``: or a score's order, highest first
+    (``gallery.ORDERS``); ``part_rows``: the images of each part of the metadata, about."""
     gallery.sample_size(0, gallery_max)  # a bad cap fails before the pipeline
     beamio.require_filesystem(out)
     manifest_path = naming.manifest(out)
+    run = runs.read(out)  # first: a run of another layout is refused before anything else
     if not storage.exists(manifest_path):
         raise CollectError(f"{manifest_path} does not exist: nothing was planned in {out}")
     manifest = storage.read_json(manifest_path)
-    run = runs.read(out)
+    PartPlan.of(manifest, part_rows)  # a bad part size fails before the pipeline
     gallery.check_order(gallery_order, run.settings.scores)
     input_table.check(out, run.settings.prompts, "collect")  # the slices were planned from these inputs
     check_card(out)  # a user's OUT/README.md: refused before the pipeline writes anything
@@ -477,7 +337,9 @@ def run_collect(out: str, beam_args: list[str] | None = None, page_size: int = G
     with beam.Pipeline(options=PipelineOptions(beam_args or [])) as p:
         _ = (p
              | "Manifest" >> beam.Create([manifest])
-             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails, gallery_max, gallery_order))
+             | "Collect" >> Collect(out, run, page_size, gallery_thumbnails, gallery_max, gallery_order,
+                                    part_rows=part_rows))
     stats = storage.read_json(naming.dataset_file(out, "stats.json"))
+    warn_if_all_dropped(stats)
     check_verified(stats)
     return stats

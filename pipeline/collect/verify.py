@@ -1,25 +1,29 @@
 """Verification of one slice, without Beam: every key's verdict from what the plan put in
-the slice and what the slice's commit wrote (``VerifySlices`` in
-``pipeline.collect.transforms`` runs it per slice).
+the slice and what the slice's commit wrote (``pipeline.collect.parts`` runs it per slice).
 
-  ok          planned once, one metadata row, its image file (when the run writes files)
-              and its thumbnail (when the slice's commit says it wrote thumbnails)
-  dropped     planned once, one metadata row whose ``dropped`` reason says a filter kept
-              the image out, and no image file and no thumbnail (it is accounted for)
-  missing     planned, but no row, no image file or no thumbnail
+  ok          planned once, one metadata row of this run, and its image file (when the
+              run writes files) of the size (and, where the store lists one, the md5)
+              its row recorded
+  dropped     planned once, one metadata row of this run whose ``dropped`` reason says a
+              filter kept the image out, and no image file (it is accounted for)
+  missing     planned, but no row or no image file
   duplicated  planned more than once, or more than one row
-  unexpected  a row, image file or thumbnail that was never planned in this slice, or an
-              image file or thumbnail of an image a filter dropped
-  foreign     planned once, one row, but made in another environment than the run's
-              (its ``environment`` is not OUT/environment.json's fingerprint)
+  unexpected  a row or image file that was never planned in this slice, or an image file
+              of an image a filter dropped
+  other_run   one row, but with another settings fingerprint than run.json's: a row of
+              another run (a mixed OUT), whatever the cause
+  foreign     one row of this run, but made in another environment than the run's (its
+              ``environment`` is not OUT/environment.json's fingerprint)
+  damaged     one row, but its image file's size or md5 is not the one the row recorded
+              (a truncated or empty file)
 
-Images and thumbnails are known from listings only: verifying never reads their bytes.
+Images are known from listings only (name, size, md5): verifying never reads their bytes.
 """
 from __future__ import annotations
 
 import collections
 
-VERDICTS = ("ok", "dropped", "missing", "duplicated", "unexpected", "foreign")
+VERDICTS = ("ok", "dropped", "missing", "duplicated", "unexpected", "other_run", "foreign", "damaged")
 ACCOUNTED = ("ok", "dropped")  # the verdicts of a planned image that is where it should be
 
 
@@ -28,48 +32,53 @@ def key_of_image(path: str) -> str:
     return path.rsplit("/", 1)[-1].rsplit(".", 1)[0]
 
 
-def classify(planned: list, rows: list, images: list | None, thumbs: list | None = None,
+def classify(planned: list, rows: list, images: list | None, fingerprint: str | None = None,
              environment: str | None = None) -> str:
     """The verdict for one key, from what was planned, written and stored under it.
 
-    ``images`` is None when the run writes no image files (its other formats are
-    written whole per slice, before the slice's commit marker); ``thumbs`` is None when
-    the slice's thumbnails are not checked (a slice committed before hosts wrote them);
-    ``environment``: the fingerprint every row must carry (None: not checked).
+    ``rows``: its metadata rows (``key``, ``dropped``, ``settings_fingerprint``,
+    ``image_bytes``, ``image_md5``); ``images``: its image files' listings ({"size", "md5"}),
+    None when the run writes no image files (its other formats are written whole per slice,
+    and checked as such); ``fingerprint``: run.json's settings fingerprint; ``environment``:
+    the environment fingerprint every row must carry (None: neither is checked).
     """
     if not planned:
         return "unexpected"
     if len(planned) > 1 or len(rows) > 1:
         return "duplicated"
+    if rows and fingerprint is not None and rows[0].get("settings_fingerprint") != fingerprint:
+        return "other_run"
     if rows and environment is not None and rows[0].get("environment") != environment:
         return "foreign"
     if rows and rows[0].get("dropped"):
-        return "unexpected" if images or thumbs else "dropped"
-    if not rows or (images is not None and not images) or (thumbs is not None and not thumbs):
+        return "unexpected" if images else "dropped"
+    if not rows or (images is not None and not images):
         return "missing"
-    return "ok"
+    if images is not None and len(images) == 1:
+        listed, row = images[0], rows[0]
+        if listed["size"] != row.get("image_bytes") or (
+                listed.get("md5") and row.get("image_md5") and listed["md5"] != row["image_md5"]):
+            return "damaged"
+    return "ok" if images is None or len(images) == 1 else "duplicated"
 
 
-def verify_slice(planned_keys: list[str], rows: list[dict], image_paths: list[str] | None,
-                 thumb_paths: list[str] | None = None, environment: str | None = None) -> dict[str, list[str]]:
+def verify_slice(planned_keys: list[str], rows: list[dict], images: dict[str, dict] | None,
+                 fingerprint: str | None = None, environment: str | None = None) -> dict[str, list[str]]:
     """Keys by verdict for one slice (pure): planned keys, its metadata rows, its image
-    files and its thumbnails (None: not checked), and the environment fingerprint its
-    rows must carry (None: not checked)."""
-    by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": [],
-                                                               "thumbs": []})
+    files' listings ({path: {"size", "md5"}}; None: the run writes no image files),
+    run.json's settings fingerprint and the run's environment fingerprint."""
+    by_key: dict[str, dict] = collections.defaultdict(lambda: {"planned": [], "rows": [], "images": []})
     for key in planned_keys:
         by_key[key]["planned"].append(key)
     for row in rows:
         by_key[row["key"]]["rows"].append(row)
-    for path in image_paths or ():
-        by_key[key_of_image(path)]["images"].append(path)
-    for path in thumb_paths or ():
-        by_key[key_of_image(path)]["thumbs"].append(path)
+    for path, listed in (images or {}).items():
+        by_key[key_of_image(path)]["images"].append(listed)
     verdicts: dict[str, list[str]] = {v: [] for v in VERDICTS}
     for key in sorted(by_key):
         got = by_key[key]
-        verdicts[classify(got["planned"], got["rows"], None if image_paths is None else got["images"],
-                          None if thumb_paths is None else got["thumbs"], environment)].append(key)
+        verdicts[classify(got["planned"], got["rows"], None if images is None else got["images"],
+                          fingerprint, environment)].append(key)
     return verdicts
 
 

@@ -112,11 +112,19 @@ def writes(pattern: str):
     return register
 
 
+_SPREAD = r"[0-9a-f]{4}-\d{5,}"  # ``output_name``
+# The names of the earlier output layout (1): a run of it is refused, never read or written,
+# but --overwrite still clears it (its objects are promptmill's).
+_EARLIER = (r"shards/\d{5,}(\.tar|\.parquet|_stats\.json)", r"images/\d{5,}/[A-Za-z0-9_-]+\.(png|jpg|webp)",
+            r"images/metadata\.jsonl", r"thumbs/\d{5,}/[A-Za-z0-9_-]+\.jpg", r"parquet/\d{5,}\.parquet",
+            r"dataset/metadata\.parquet")
+
+
 def owned(name: str) -> bool:
     """Whether promptmill writes an object of this name (relative to OUT)."""
     global _OWNED
     if _OWNED is None:
-        _OWNED = re.compile("|".join(f"(?:{pattern})" for pattern in [*WRITERS.values(), _TEMP]))
+        _OWNED = re.compile("|".join(f"(?:{pattern})" for pattern in [*WRITERS.values(), *_EARLIER, _TEMP]))
     return _OWNED.fullmatch(name) is not None
 
 
@@ -125,6 +133,11 @@ _TEMP = r"(.+/)?\.promptmill-tmp-[^/]+"  # a local file being written (``TEMP_PR
 
 
 TEMP_PREFIX = ".promptmill-tmp-"  # a local file being written, renamed to its name once whole
+
+# The output layout this version writes and reads (run.json's ``layout``): 2 puts each slice's
+# outputs under spread names (``output_name``), packs its thumbnails, and writes the dataset in
+# parts with a key index. A run of another layout is refused (``pipeline.io.runs``), never mixed.
+LAYOUT = 2
 
 
 def slice_name(index: int) -> str:
@@ -208,36 +221,47 @@ def rejects_file(out: str, source: str) -> str:
     return join(rejects_dir(out), f"{key_stem(source)}.jsonl")
 
 
-@writes(r"shards/\d{5,}\.parquet")
+def output_name(index: int) -> str:
+    """The name of slice ``index``'s outputs (``3fa1-00042``): a short hash of the index
+    before it, so that objects written slice after slice spread over the key space instead
+    of landing on one range (GCS's request-rate guidance: a sequential prefix concentrates
+    load on one server); the number after it keeps the name readable (pure)."""
+    return f"{hashlib.sha256(str(index).encode()).hexdigest()[:4]}-{slice_name(index)}"
+
+
+@writes(rf"shards/{_SPREAD}\.parquet")
 def shard_metadata(out: str, index: int) -> str:
-    return join(out, "shards", f"{slice_name(index)}.parquet")
+    return join(out, "shards", f"{output_name(index)}.parquet")
 
 
-@writes(r"shards/\d{5,}_stats\.json")
+@writes(rf"shards/{_SPREAD}_stats\.json")
 def shard_stats(out: str, index: int) -> str:
     """The commit marker of a slice: written last."""
-    return join(out, "shards", f"{slice_name(index)}_stats.json")
+    return join(out, "shards", f"{output_name(index)}_stats.json")
 
 
-_MARKER = re.compile(r"(\d{5,})_stats\.json")
+_MARKER = re.compile(r"[0-9a-f]{4}-(\d{5,})_stats\.json")
 
 
 def marker_slice(path: str) -> int | None:
     """The slice whose commit marker ``path`` names (``shard_stats``), else None."""
-    match = _MARKER.fullmatch(path.rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None
+    name = path.rsplit("/", 1)[-1]
+    match = _MARKER.fullmatch(name)
+    if not match or f"{output_name(int(match.group(1)))}_stats.json" != name:
+        return None
+    return int(match.group(1))
 
 
-@writes(r"shards/\d{5,}\.tar")
+@writes(rf"shards/{_SPREAD}\.tar")
 def shard_tar(out: str, index: int) -> str:
     """The slice's WebDataset shard."""
-    return join(out, "shards", f"{slice_name(index)}.tar")
+    return join(out, "shards", f"{output_name(index)}.tar")
 
 
-@writes(r"parquet/\d{5,}\.parquet")
+@writes(rf"parquet/{_SPREAD}\.parquet")
 def image_parquet(out: str, index: int) -> str:
     """The slice's rows with image bytes (the ``parquet`` format)."""
-    return join(out, "parquet", f"{slice_name(index)}.parquet")
+    return join(out, "parquet", f"{output_name(index)}.parquet")
 
 
 @writes(r"zarr/(\d+x\d+/)?(zarr\.json|(images|latents|dropped|key)/.+)")
@@ -257,29 +281,36 @@ def zarr_latents(out: str, group: str = "") -> str:
     return join(zarr_group(out, group), "latents")
 
 
-@writes(r"images/\d{5,}/[A-Za-z0-9_-]+\.(png|jpg|webp)")
+@writes(rf"images/{_SPREAD}/[A-Za-z0-9_-]+\.(png|jpg|webp)")
+def images_dir(out: str, index: int) -> str:
+    """The folder of slice ``index``'s image files (``--format files``) and their metadata."""
+    return join(out, "images", output_name(index))
+
+
+@writes(rf"images/{_SPREAD}/[A-Za-z0-9_-]+\.(png|jpg|webp)")
+def image_name(index: int, key: str, ext: str = "png") -> str:
+    """An image file's name relative to OUT (the metadata's ``path``)."""
+    return f"images/{output_name(index)}/{key}.{ext}"
+
+
+@writes(rf"images/{_SPREAD}/[A-Za-z0-9_-]+\.(png|jpg|webp)")
 def image_file(out: str, index: int, key: str, ext: str = "png") -> str:
-    return join(out, "images", slice_name(index), f"{key}.{ext}")
+    return join(out, image_name(index, key, ext))
 
 
-def thumb_name(index: int, key: str) -> str:
-    """The gallery thumbnail of ``key`` in slice ``index``, relative to OUT: a JPEG that the
-    host writes with the image, in the slice's commit (``thumb_file``)."""
-    return f"thumbs/{slice_name(index)}/{key}.jpg"
+@writes(rf"thumbs/{_SPREAD}\.tar")
+def thumb_pack_name(index: int) -> str:
+    """Slice ``index``'s gallery thumbnails, relative to OUT: one tar of ``KEY.jpg`` that the
+    host writes with the slice's other whole objects (``thumb_pack``)."""
+    return f"thumbs/{output_name(index)}.tar"
 
 
-@writes(r"thumbs/\d{5,}/[A-Za-z0-9_-]+\.jpg")
-def thumb_file(out: str, index: int, key: str) -> str:
-    return join(out, thumb_name(index, key))
+@writes(rf"thumbs/{_SPREAD}\.tar")
+def thumb_pack(out: str, index: int) -> str:
+    return join(out, thumb_pack_name(index))
 
 
-@writes(r"thumbs/\d{5,}/[A-Za-z0-9_-]+\.jpg")
-def thumbs_dir(out: str, index: int) -> str:
-    """The folder of slice ``index``'s thumbnails, listed by collect."""
-    return join(out, "thumbs", slice_name(index))
-
-
-@writes(r"dataset/(metadata\.parquet|stats\.json|index\.html|gallery/page-\d{5,}\.html)")
+@writes(r"dataset/(stats\.json|index\.html|gallery/page-\d{5,}\.html)")
 def dataset_file(out: str, name: str) -> str:
     return join(out, "dataset", name)
 
@@ -302,10 +333,30 @@ def is_our_card(text: str) -> bool:
     return CARD_MARKER in text.split("\n---", 1)[0].split("\n")
 
 
-@writes(r"images/metadata\.jsonl")
-def images_metadata(out: str) -> str:
-    """``OUT/images/metadata.jsonl``: one line per image file, for the ``imagefolder`` builder."""
-    return join(out, "images", "metadata.jsonl")
+@writes(rf"images/{_SPREAD}/metadata\.jsonl")
+def images_metadata(out: str, index: int) -> str:
+    """``OUT/images/SLICE/metadata.jsonl``: a line per image file of slice ``index``, for the
+    ``imagefolder`` builder (which reads a metadata file in each folder)."""
+    return join(images_dir(out, index), "metadata.jsonl")
+
+
+@writes(r"dataset/metadata/part-\d{5,}\.parquet")
+def dataset_part(out: str, part: int) -> str:
+    """A part of the dataset's metadata, ``OUT/dataset/metadata/part-NNNNN.parquet``: the rows
+    of a contiguous range of slices (``pipeline.collect.parts``)."""
+    return join(out, "dataset", "metadata", f"part-{part:05d}.parquet")
+
+
+@writes(r"dataset/index/\d{5,}\.parquet")
+def dataset_index(out: str, bucket: int) -> str:
+    """A bucket of the dataset's key index: key -> part, row group, row (``pipeline.output.key_index``)."""
+    return join(out, "dataset", "index", f"{bucket:05d}.parquet")
+
+
+@writes(r"plan/keys/\d{5,}\.parquet")
+def plan_keys(out: str, bucket: int) -> str:
+    """A bucket of the plan's key index: key -> slice, position (``pipeline.output.key_index``)."""
+    return join(out, "plan", "keys", f"{bucket:05d}.parquet")
 
 
 @writes(r"logs/(attempt-\d+/)?(host-\d+\.log|hosts\.json)")

@@ -438,6 +438,8 @@ class Run:
     # ``pipeline.generate.environment``): set by the hosts once they have checked it, written
     # into every metadata row; not part of run.json
     environment: str = ""
+    # the output layout the run was made with (``naming.LAYOUT``; a run.json without one: 1)
+    layout: int = naming.LAYOUT
 
     def __post_init__(self):
         asked = [parse_lora(spec) for spec in self.settings.loras]
@@ -474,6 +476,7 @@ class Run:
                 "scheduler": self.settings.scheduler, "settings_fingerprint": self.settings_fingerprint,
                 "versions": dict(self.versions), "created_at": self.created_at,
                 "loras": [lora.to_dict() for lora in self.loras], "scorers": dict(self.scorers),
+                "layout": self.layout,
                 **({"license": self.license} if self.license is not None else {}),
                 **({"sharding": self.sharding} if self.sharding is not None else {})}
 
@@ -490,7 +493,8 @@ class Run:
                        settings, data["model_fingerprint"], scorers),
                    created_at=data["created_at"], versions=tuple(sorted(data.get("versions", {}).items())),
                    loras=tuple(Lora(**lora) for lora in data.get("loras", ())), license=data.get("license"),
-                   sharding=data.get("sharding"), scorers=tuple(sorted(scorers.items())))
+                   sharding=data.get("sharding"), scorers=tuple(sorted(scorers.items())),
+                   layout=data.get("layout", 1))
 
 
 def scorer_models(settings: Settings) -> tuple[str, ...]:

@@ -17,8 +17,8 @@ Given the same settings and per-device batch, both engines write byte-identical 
   Barrier         once every slice has come out of Generate exactly once, i.e. every slice
                   is committed (``release_collect``): the manifest, released to collect
   Collect         ``pipeline.collect.transforms.Collect``, the same transform ``run_collect``
-                  runs (VerifySlices, CountRejects, WriteDataset): the manifest -> the
-                  dataset and its stats
+                  runs (its parts, key index, gallery and stats, in parallel): the
+                  manifest -> the dataset and its stats
 
 Before the pipeline, ``pipeline.plan.prepare.prepare`` resolves the settings and writes
 ``run.json``, as for ``run_plan``; after it, ``collect.check_verified`` raises on a
@@ -409,8 +409,8 @@ def build(p, settings: Settings, run: Run, thumbnails: bool = True, compile_cach
           cap_hosts: int | None = None, gallery: dict | None = None, *, kept: dict | None = None):
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
     returns the PCollection of stats.json's content. ``compile_cache``: a folder checked
-    by ``compile_cache.resolve``; ``cap_hosts``: see ``plan.Plan``; ``gallery``: the
-    gallery's options (``collect.Collect``'s page_size, gallery_max, gallery_order);
+    by ``compile_cache.resolve``; ``cap_hosts``: see ``plan.Plan``; ``gallery``: collect's
+    options (``collect.Collect``'s page_size, gallery_max, gallery_order, part_rows);
     ``kept``: the manifest of a finished plan that a resumed run keeps (``plan.kept_plan``),
     which then is not planned again."""
     out = settings.out
@@ -517,5 +517,6 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     stats = storage.read_json(naming.dataset_file(settings.out, "stats.json"))
     logs.event("collected", images=stats["images"], rejects=stats["rejects"], verified=stats["verified"],
                seconds=round(watch.seconds(), 2), dataset=naming.join(settings.out, "dataset"))
+    collect.warn_if_all_dropped(stats)
     collect.check_verified(stats)
     return stats

@@ -372,8 +372,8 @@ def _committed(out: str) -> str:
 
 def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, progress: bool = True,
               compile_cache: str | None = None, overwrite: bool = False, gallery: dict | None = None) -> dict:
-    """plan -> local hosts -> collect; returns the dataset stats. ``gallery``: the gallery's
-    options, ``run_collect``'s keywords (page_size, gallery_max, gallery_order).
+    """plan -> local hosts -> collect; returns the dataset stats. ``gallery``: collect's
+    options, ``run_collect``'s keywords (page_size, gallery_max, gallery_order, part_rows).
 
     ``compile_cache`` is an execution option, like ``num_hosts``: not a setting of the run.
     ``overwrite`` deletes an earlier run in OUT first; without it a re-run resumes.

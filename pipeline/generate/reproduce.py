@@ -7,34 +7,56 @@ local device (an image's bytes depend on the per-device batch, not on the number
 devices). The keys fill device batches in the order given, and the last batch is filled
 with padding rows as the host loop fills a slice's last batch: an image's bytes do not depend
 on its position in the batch or on its neighbours.
+
+A key's metadata row is found through the plan's key index (``pipeline.output.key_index``):
+the bucket of a hash of the key gives its slice, and the slice's metadata shard (one slice
+of rows) its row. So a look-up reads a few small objects whatever the size of the run, and
+works before collect as after it.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 
 from pipeline.core import naming
 from pipeline.core.settings import Run
 from pipeline.io import runs, storage
-from pipeline.output import formats, writer
+from pipeline.output import formats, key_index, writer
 
 
 class ReproduceError(RuntimeError):
     pass
 
 
-def load_rows(out: str) -> dict[str, dict]:
-    """Metadata rows by key: OUT/dataset/metadata.parquet, or else the committed shards'."""
-    path = naming.dataset_file(out, "metadata.parquet")
-    if storage.exists(path):
-        rows = writer.read_parquet_rows(path)
-    else:
-        shards = [p for p in sorted(storage.files(naming.join(out, "shards"), "*.parquet"))
-                  if storage.exists(p[:-len(".parquet")] + "_stats.json")]  # committed slices only
-        if not shards:
-            raise ReproduceError(f"{path} does not exist and no slice under {naming.join(out, 'shards')} is "
-                                 f"committed: run 'promptmill collect --out {out}' (after generate) first")
-        rows = [row for shard in sorted(shards) for row in writer.read_parquet_rows(shard)]
-    return {row["key"]: row for row in rows}
+def find_rows(out: str, keys, reads: list | None = None) -> dict[str, dict]:
+    """{key: its metadata row} for those of ``keys`` planned in ``out`` and committed;
+    ReproduceError naming a key whose slice is not committed yet. ``reads``: a list that
+    gets (path, bytes) of each object read."""
+    def read(path: str) -> bytes:
+        data = storage.read_bytes(path)
+        if reads is not None:
+            reads.append((path, len(data)))
+        return data
+
+    manifest_path = naming.manifest(out)
+    if not storage.exists(manifest_path):
+        raise ReproduceError(f"{manifest_path} does not exist: nothing was planned in {out}")
+    buckets = key_index.bucket_count(json.loads(read(manifest_path))["images"])
+    wanted: dict[int, set] = {}
+    for key in keys:
+        wanted.setdefault(key_index.bucket_of(key, buckets), set()).add(key)
+    slices: dict[int, set] = {}
+    for bucket, among in sorted(wanted.items()):
+        for key, entry in key_index.find(naming.plan_keys(out, bucket), among, read).items():
+            slices.setdefault(entry["slice"], set()).add(key)
+    rows = {}
+    for index, among in sorted(slices.items()):
+        if not storage.exists(naming.shard_stats(out, index)):
+            raise ReproduceError(f"{', '.join(sorted(among))}: slice {index} is not committed yet (generate it "
+                                 f"first, or resume the run)")
+        table = writer.parquet_table(read(naming.shard_metadata(out, index)))
+        rows.update((row["key"], row) for row in table.to_pylist() if row["key"] in among)
+    return rows
 
 
 def lookup(out: str, keys: list[str]) -> tuple[Run, list[dict]]:
@@ -42,7 +64,7 @@ def lookup(out: str, keys: list[str]) -> tuple[Run, list[dict]]:
     if not runs.exists(out):
         raise ReproduceError(f"{naming.run_json(out)} does not exist: is --out a promptmill output?")
     run = runs.read(out)
-    rows = load_rows(out)
+    rows = find_rows(out, keys)
     unknown = [k for k in keys if k not in rows]
     if unknown:
         raise ReproduceError(f"unknown key(s) in {out}: {', '.join(unknown)}")

@@ -187,11 +187,14 @@ def open_zarr(out: str, run: Run, model, images: int, group: str = ""):
         return None, None
     from pipeline.output import formats
 
-    zarr_images = formats.open_zarr_images(out, images, settings.height, settings.width, group=group)
+    # one shard per slice: a slice's first position (within its size's group) is a multiple of its size
+    zarr_images = formats.open_zarr_images(out, images, settings.height, settings.width, group=group,
+                                           per_shard=settings.slice_size)
     zarr_latents = None
     if settings.save_latents:
         zarr_latents = formats.open_zarr_latents(out, images, model.latent_shape(settings.width, settings.height),
-                                                 model.family.latents_note(model), group=group)
+                                                 model.family.latents_note(model), group=group,
+                                                 per_shard=settings.slice_size)
     return zarr_images, zarr_latents
 
 

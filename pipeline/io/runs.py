@@ -10,19 +10,40 @@ class RunNotPlanned(ValueError):
     pass
 
 
+class OtherLayout(ValueError):
+    """A run made with another output layout than this version's (``naming.LAYOUT``)."""
+
+
+def check_layout(out: str, run: Run) -> Run:
+    """``run``, or OtherLayout naming its layout and what to do: this version neither reads
+    nor finishes a run of another layout, and changes nothing of it."""
+    if run.layout == naming.LAYOUT:
+        return run
+    made_by = dict(run.versions).get("promptmill", "unknown")
+    when = "an earlier" if run.layout < naming.LAYOUT else "a later"
+    raise OtherLayout(f"{out} holds a run made with output layout {run.layout} (by promptmill {made_by}), "
+                      f"{when} layout than this version's ({naming.LAYOUT}); this version does not read or "
+                      f"finish it, and changed nothing in it. Finish it with the promptmill that made it (version "
+                      f"{made_by}, writing layout {run.layout}), or start again with --overwrite (which deletes "
+                      f"that run) or another --out")
+
+
 def exists(out: str) -> bool:
     return storage.exists(naming.run_json(out))
 
 
-def read(out: str) -> Run:
-    """The run planned in ``out``; RunNotPlanned if there is none."""
+def read(out: str, any_layout: bool = False) -> Run:
+    """The run planned in ``out``; RunNotPlanned if there is none, OtherLayout if it was made
+    with another output layout (``check_layout``), unless ``any_layout`` (``--overwrite``,
+    which only needs to know that a promptmill run is there)."""
     path = naming.run_json(out)
     if not storage.exists(path):
         raise RunNotPlanned(f"{path} does not exist: run 'promptmill plan' for this --out first")
     try:
-        return Run.from_dict(storage.read_json(path))
+        run = Run.from_dict(storage.read_json(path))
     except (KeyError, TypeError, ValueError) as e:
         raise RunNotPlanned(f"{path} is not a promptmill run.json: {e}") from e
+    return run if any_layout else check_layout(out, run)
 
 
 def write(out: str, run: Run) -> None:

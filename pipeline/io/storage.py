@@ -173,6 +173,15 @@ def read_json(path: str):
     return json.loads(read_text(path))
 
 
+def read_range(path: str, start: int, size: int) -> bytes:
+    """``size`` bytes of an object from byte ``start`` (one ranged request on GCS)."""
+    if is_gcs(path):
+        return _blob(path).download_as_bytes(start=start, end=start + size - 1, retry=_retry())
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(size)
+
+
 def open_read(path: str) -> IO[bytes]:
     """A binary stream of the object, read lazily (for large prompt shards)."""
     if is_gcs(path):
@@ -355,6 +364,49 @@ def modified_times(folder: str, suffix: str = "") -> dict[str, float]:
                                     fields="items(name,updated),nextPageToken", retry=_retry())
     return {f"{GCS_PREFIX}{bucket}/{b.name}": b.updated.timestamp() for b in blobs if b.name.endswith(suffix)
             and not b.name.endswith("/")}
+
+
+def listed_objects(prefix: str) -> dict[str, dict]:
+    """{path: {"size", "md5"}} of every object whose name starts with ``prefix`` (an object,
+    a folder, or the start of names: ``shards/3fa1-00042`` lists that slice's shard objects),
+    from a listing alone: nothing is read. ``md5`` is the hex digest GCS lists (None for a
+    composite object, and always None for a local file, whose checksum only a read gives)."""
+    if is_gcs(prefix):
+        bucket, name = _split_gcs(prefix)
+        blobs = gcs_client().list_blobs(bucket, prefix=name, fields="items(name,size,md5Hash),nextPageToken",
+                                        retry=_retry())
+        return {f"{GCS_PREFIX}{bucket}/{b.name}": {"size": b.size, "md5": base64.b64decode(b.md5_hash).hex()
+                                                   if b.md5_hash else None}
+                for b in blobs if not b.name.endswith("/")}
+    found = {}
+    if os.path.isdir(prefix):
+        for root, _, files in os.walk(prefix):  # links are not followed
+            found.update(_stat(os.path.join(root, name)) for name in files if not name.startswith(TEMP_PREFIX))
+        return found
+    folder, start = os.path.split(prefix)
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(folder or "."):
+            if entry.name.startswith(start) and not entry.name.startswith(TEMP_PREFIX):
+                found.update(listed_objects(entry.path) if entry.is_dir(follow_symlinks=False) else [_stat(entry.path)])
+    return found
+
+
+def listed_paths(paths) -> dict[str, dict]:
+    """``listed_objects`` for these exact objects, those of them that exist: on GCS one listing per
+    run of names that share a start up to their extension (``shards/3fa1-00042.parquet`` and
+    ``.tar`` and ``_stats.json`` in one request); locally a ``stat`` each (a folder is never
+    scanned for them)."""
+    paths = set(paths)
+    if not any(is_gcs(path) for path in paths):
+        return dict(_stat(path) for path in sorted(paths) if os.path.isfile(path))
+    found = {}
+    for start in sorted({path.rsplit(".", 1)[0].removesuffix("_stats") for path in paths}):
+        found.update((path, listing) for path, listing in listed_objects(start).items() if path in paths)
+    return found
+
+
+def _stat(path: str) -> tuple[str, dict]:
+    return path, {"size": os.stat(path, follow_symlinks=False).st_size, "md5": None}
 
 
 def checksums(prefix: str) -> dict[str, str]:

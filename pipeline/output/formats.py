@@ -3,8 +3,9 @@
 Every format is a pure function of the slice's images and metadata rows, so the bytes
 of every object are deterministic: tar members carry no times or owners, images are
 encoded with fixed settings, rows come in position order. Each object is written whole
-under its final name through ``pipeline.io.storage``; zarr chunks go through tensorstore's
-own kvstore (``file`` or ``gcs``), one chunk per image.
+under its final name through ``pipeline.io.storage``; zarr arrays go through tensorstore's
+own kvstore (``file`` or ``gcs``), with zarr's sharding codec: one chunk per image, one
+shard (one object) per slice, which the slice's commit writes whole.
 """
 from __future__ import annotations
 
@@ -85,6 +86,19 @@ def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
     return buffer.getvalue()
 
 
+def tar_offsets(members: list[tuple[str, bytes]]) -> list[tuple[int, int]]:
+    """(offset, size) of each member's data in ``tar_bytes(members)`` (pure): a 512-byte
+    header before each member, its data padded to 512 bytes; names under 100 characters
+    (keys are at most 80), so no member needs a long-name header."""
+    found, at = [], 0
+    for name, data in members:
+        if len(name.encode()) >= 100:
+            raise ValueError(f"a member name of 100 bytes or more needs its own header: {name!r}")
+        found.append((at + 512, len(data)))
+        at += 512 + -(-len(data) // 512) * 512
+    return found
+
+
 def webdataset_members(rows: list[dict], encoded: list[bytes], ext: str) -> list[tuple[str, bytes]]:
     """WebDataset samples: KEY.<ext>, KEY.json (the metadata row), KEY.txt (the prompt)."""
     members = []
@@ -147,22 +161,31 @@ def write_zarr_group(out: str, group: str = "") -> None:
 
 
 def _open_array(spec: dict):
-    """``ts.open(spec, create=True, open=True)``; an array an older promptmill made without
-    dimension names is opened as it is (its data is the same)."""
+    """``ts.open(spec, create=True, open=True)``: made by whichever host comes first, with
+    the same metadata from every host. (An array of an earlier layout is never opened: such
+    a run is refused, ``pipeline.io.runs.check_layout``.)"""
     import tensorstore as ts
 
-    try:
-        return ts.open(spec, create=True, open=True).result()
-    except ValueError as e:
-        if "dimension_names" not in str(e):
-            raise
-        metadata = {k: v for k, v in spec["metadata"].items() if k != "dimension_names"}
-        return ts.open({**spec, "metadata": metadata}, create=True, open=True).result()
+    return ts.open(spec, create=True, open=True).result()
 
 
-def open_zarr_images(out: str, count: int, height: int, width: int, group: str = ""):
-    """The dataset's zarr3 image array [count, H, W, 3] uint8, one chunk per image, in the
-    ``OUT/zarr`` group (``write_zarr_group``), its dimensions named ``IMAGE_DIMS``.
+def _sharded(image_shape: list[int], per_shard: int, inner: list[dict]) -> dict:
+    """The metadata of an array sharded by slice: a shard (one object) holds ``per_shard``
+    images, each its own chunk of ``image_shape`` encoded with ``inner`` (zarr v3's
+    ``sharding_indexed`` codec, so a reader still reads one image without its shard's others)."""
+    return {"chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [per_shard, *image_shape]}},
+            "codecs": [{"name": "sharding_indexed", "configuration": {
+                "chunk_shape": [1, *image_shape], "codecs": inner,
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                # the index first: a reader finds it with a range from the object's start, which every
+                # server answers (a suffix range, for an index at the end, is not: the GCS emulator's)
+                "index_location": "start"}}]}
+
+
+def open_zarr_images(out: str, count: int, height: int, width: int, group: str = "", per_shard: int = 1):
+    """The dataset's zarr3 image array [count, H, W, 3] uint8 in the ``OUT/zarr`` group
+    (``write_zarr_group``), its dimensions named ``IMAGE_DIMS``: one chunk per image and one
+    shard per slice (``per_shard``: the slice size; a slice's first position is a multiple of it).
 
     Every host opens it with ``create`` and ``open``: the metadata is the same from any
     host, so whichever writes it first writes the same bytes. A position never written
@@ -171,8 +194,8 @@ def open_zarr_images(out: str, count: int, height: int, width: int, group: str =
     write_zarr_group(out, group)
     spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out, group)),
             "metadata": {"shape": [max(count, 1), height, width, 3], "data_type": "uint8",
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, height, width, 3]}},
-                         "codecs": [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}],
+                         **_sharded([height, width, 3], per_shard,
+                                    [{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 3}}]),
                          "dimension_names": list(IMAGE_DIMS)}}
     return _open_array(spec)
 
@@ -194,8 +217,10 @@ def read_zarr_images(out: str, group: str = ""):
     return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_images(out, group))}).result()
 
 
-def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], note: dict, group: str = ""):
-    """``--save-latents``: the zarr3 array [count, C, H/f, W/f] float32, one chunk per image.
+def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], note: dict, group: str = "",
+                      per_shard: int = 1):
+    """``--save-latents``: the zarr3 array [count, C, H/f, W/f] float32, one chunk per image
+    and one shard per slice (``per_shard``), as ``open_zarr_images``.
 
     Opened by every host like ``open_zarr_images``; its attributes (``note``: the model
     family's ``latents_note``) say which latents these are and how to decode them (the
@@ -204,9 +229,8 @@ def open_zarr_latents(out: str, count: int, latent_shape: tuple[int, int, int], 
     shape = [int(n) for n in latent_shape]
     spec = {"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out, group)),
             "metadata": {"shape": [max(count, 1), *shape], "data_type": "float32",
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *shape]}},
-                         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                                    {"name": "zstd", "configuration": {"level": 3}}],
+                         **_sharded(shape, per_shard, [{"name": "bytes", "configuration": {"endian": "little"}},
+                                                       {"name": "zstd", "configuration": {"level": 3}}]),
                          "attributes": dict(note), "dimension_names": list(LATENT_DIMS)}}
     return _open_array(spec)
 
@@ -217,30 +241,29 @@ def read_zarr_latents(out: str, group: str = ""):
     return ts.open({"driver": "zarr3", "kvstore": zarr_kvstore(naming.zarr_latents(out, group))}).result()
 
 
-def write_zarr_keys(out: str, keys, group: str = "") -> None:
-    """``OUT/zarr/key``: each image position's key (a string array on the ``image``
-    dimension, one chunk; "" where no row has the position), so that
-    ``xarray.open_zarr(OUT/zarr)`` has a ``key`` coordinate to join the metadata on.
+def write_zarr_key_chunk(out: str, keys: list[str], count: int, per_chunk: int, chunk: int, group: str = "") -> None:
+    """One slice's chunk of ``OUT/zarr/key``: the key of each of its positions ("" where no
+    row holds one), chunk ``chunk`` of a string array of ``count`` on the ``image`` dimension
+    with one chunk per slice (``per_chunk``), so that ``xarray.open_zarr(OUT/zarr)`` has a
+    ``key`` coordinate to join the metadata on. The step that verifies the slice writes it;
+    the array's metadata comes with chunk 0 (the same bytes from any writer).
 
     Written by zarr-python, not tensorstore: tensorstore's zarr3 driver has no string
     data type, and zarr v3's variable-length ``string`` is what xarray reads as strings.
     zarr-python writes into memory and each object is then written through
-    ``pipeline.io.storage``, so a gs:// OUT needs no fsspec filesystem. Collect calls it
-    once, with every position's key, before ``consolidate_zarr``."""
-    import numpy as np
+    ``pipeline.io.storage``, so a gs:// OUT needs no fsspec filesystem."""
     import zarr
     from zarr.storage import MemoryStore
 
-    values = np.asarray(list(keys), dtype=str)
     contents = {}
-    store = MemoryStore(contents)
-    array = zarr.create_array(store=store, shape=(max(len(values), 1),), dtype=str, chunks=(max(len(values), 1),),
+    array = zarr.create_array(store=MemoryStore(contents), shape=(max(count, 1),), dtype=str, chunks=(per_chunk,),
                               fill_value="", dimension_names=["image"], zarr_format=3,
                               attributes={"promptmill": "the metadata's key of each image position"})
-    if len(values):
-        array[:] = values
+    if keys:
+        array[chunk * per_chunk:chunk * per_chunk + len(keys)] = np.asarray(keys, dtype=str)
     for name, buffer in sorted(contents.items()):
-        storage.write_bytes(naming.join(naming.zarr_group(out, group), "key", name), buffer.to_bytes())
+        if name != "zarr.json" or chunk == 0:
+            storage.write_bytes(naming.join(naming.zarr_group(out, group), "key", name), buffer.to_bytes())
 
 
 def consolidate_zarr(out: str, group: str = "") -> None:

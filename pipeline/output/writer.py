@@ -5,10 +5,15 @@ Every name and every byte is deterministic: PNGs carry no timestamps, a row's
 ``created_at`` is the run's (from run.json), and a slice's ``_stats.json`` is written
 last, so a slice without it is simply redone with the same bytes.
 
-The thumbnail of each image (``naming.thumb_file``) is made from its pixels while they
-are in memory, so collect can build the gallery without reading any image back. The
-commit marker says how many thumbnails the slice holds (``thumbnails``); a slice
-committed before hosts wrote them has no such field.
+The thumbnail of each image is made from its pixels while they are in memory, and the
+slice's thumbnails are packed into one tar (``naming.thumb_pack``), so collect builds the
+gallery without reading any image back and a slice costs one thumbnail object, not one
+per image. The commit marker says how many thumbnails the slice holds (``thumbnails``),
+where each is in the pack (``thumbnail_index``: key -> [offset, size], so the gallery
+reads a thumbnail, not the pack) and the size of every whole object the slice wrote
+(``objects``), which collect checks against a listing. With zarr, the slice's images (and
+latents) are one shard of each array (``formats.open_zarr_images``), written whole when
+the slice commits.
 """
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ METADATA_FIELDS = (
     ("decode_batch", "int32"),
     # the fingerprint of the environment it was made in (OUT/environment.json), which collect checks
     ("environment", "string"),
+    # the run's settings fingerprint (run.json's), which collect checks on every row: a row of another run fails
+    ("settings_fingerprint", "string"),
+    # the encoded image's size and md5 (hex), which collect checks against the image file's listing
+    ("image_bytes", "int64"), ("image_md5", "string"),
 )
 SCORE_FIELDS = ("clip_similarity", "aesthetic", "nsfw", "nsfw_score")
 
@@ -79,6 +88,8 @@ def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, trunca
         "dropped": dropped,
         "decode_batch": decode_batch.planned(settings.decode_batch),
         "environment": run.environment,
+        "settings_fingerprint": run.settings_fingerprint,
+        "image_bytes": len(data), "image_md5": hashlib.md5(data).hexdigest(),
     }
 
 
@@ -120,27 +131,31 @@ def is_committed(out: str, index: int) -> bool:
     return storage.exists(naming.shard_stats(out, index))
 
 
+def whole_objects(out: str, settings: Settings, index: int) -> list[str]:
+    """The objects a slice writes whole at its commit, before its marker: its metadata shard,
+    its thumbnail pack, and its tar or image parquet for the formats the run writes."""
+    found = [naming.shard_metadata(out, index), naming.thumb_pack(out, index)]
+    if "webdataset" in settings.formats:
+        found.append(naming.shard_tar(out, index))
+    if "parquet" in settings.formats:
+        found.append(naming.image_parquet(out, index))
+    return found
+
+
 def leftovers(out: str, settings: Settings, index: int) -> list[str]:
-    """Objects an uncommitted slice already has, from an attempt that died (zarr chunks aside)."""
-    chosen = settings.formats
-    found = sorted(storage.files(naming.join(out, "images", naming.slice_name(index)), "*")) if "files" in chosen else []
-    found += sorted(storage.files(naming.thumbs_dir(out, index), "*"))
-    candidates = [naming.shard_metadata(out, index)]
-    if "webdataset" in chosen:
-        candidates.append(naming.shard_tar(out, index))
-    if "parquet" in chosen:
-        candidates.append(naming.image_parquet(out, index))
-    return found + [path for path in candidates if storage.exists(path)]
+    """Objects an uncommitted slice already has, from an attempt that died (zarr shards aside)."""
+    found = sorted(storage.files(naming.images_dir(out, index), "*")) if "files" in settings.formats else []
+    return found + [path for path in whole_objects(out, settings, index) if storage.exists(path)]
 
 
 def image_location(settings: Settings, item: Item, zarr_group: str = "", zarr_offset: int = 0) -> str:
     """Where a reader finds the image, relative to OUT: its file, tar member, parquet row or
     zarr index (in a run of several sizes, the index in its size's group ``zarr_group``,
     whose first image is at position ``zarr_offset``)."""
-    name, ext = naming.slice_name(item.slice), formats.extension(settings.image_format)
+    name, ext = naming.output_name(item.slice), formats.extension(settings.image_format)
     chosen = settings.formats
     if "files" in chosen:
-        return f"images/{name}/{item.key}.{ext}"
+        return naming.image_name(item.slice, item.key, ext)
     if "webdataset" in chosen:
         return f"shards/{name}.tar#{item.key}.{ext}"
     if "parquet" in chosen:
@@ -176,8 +191,19 @@ class SliceWriter:
         # a run of several sizes: each size's zarr arrays are in its group, from position zarr_offset
         self.zarr_group, self.zarr_offset = zarr_group, zarr_offset
         self.filtered = bool(filters.active_rules(run.settings))  # a filter may keep an image out
+        # with zarr, the slice's images (and latents) are one shard of each array: their writes
+        # are held in one transaction, and the shard is written whole when the slice commits
+        self._zarr = None
+        if zarr_images is not None:
+            import tensorstore as ts
+
+            self._zarr = ts.Transaction()
+            self.zarr_images = zarr_images.with_transaction(self._zarr)
+            if zarr_latents is not None:
+                self.zarr_latents = zarr_latents.with_transaction(self._zarr)
         self._pending = []
         self._rows: list[dict] | None = None  # set by ``finish``
+        self._objects: dict[str, int] = {}  # the whole objects written by ``finish``: {name under OUT: bytes}
 
     def add(self, item: Item, image: np.ndarray, latents: np.ndarray | None = None, truncated: bool = False,
             scores: dict | None = None) -> None:
@@ -204,12 +230,16 @@ class SliceWriter:
         data = formats.encode(image, self.image_format, self.quality)
         dropped = filters.dropped_reason(self.run.settings, scores or {}) if self.filtered else None
         if dropped is not None:  # in no image output: its row alone says it was made, and why it is not there
-            return metadata_row(item, self.run, self.host, data, "", truncated, scores, dropped), None
+            if "zarr" in self.formats:  # zeros, the fill value: the slice's shard is then written whole, unread
+                self.zarr_images[item.position - self.zarr_offset].write(np.zeros_like(image)).result()
+                if latents is not None:
+                    self.zarr_latents[item.position - self.zarr_offset].write(np.zeros_like(latents)).result()
+            return metadata_row(item, self.run, self.host, data, "", truncated, scores, dropped), None, None
         location = image_location(self.run.settings, item, self.zarr_group, self.zarr_offset)
         if "files" in self.formats:
             storage.write_bytes(naming.join(self.out, location), data)
         flagged = bool(scores and scores.get("nsfw"))
-        storage.write_bytes(naming.thumb_file(self.out, item.slice, item.key), formats.thumbnail(image, blur=flagged))
+        thumb = formats.thumbnail(image, blur=flagged)  # packed with the slice's others by ``finish``
         if "zarr" in self.formats:
             self.zarr_images[item.position - self.zarr_offset].write(image).result()
         if latents is not None:
@@ -217,7 +247,8 @@ class SliceWriter:
         # the encoded bytes are kept for the slice's tar or image parquet only: with files
         # and zarr alone, a queued slice holds its rows, not its images
         keep = "webdataset" in self.formats or "parquet" in self.formats
-        return metadata_row(item, self.run, self.host, data, location, truncated, scores), data if keep else None
+        return metadata_row(item, self.run, self.host, data, location, truncated, scores), data if keep else None, \
+            thumb
 
     def wait_images(self) -> None:
         """Block until every image added so far is stored (or one failed)."""
@@ -231,11 +262,16 @@ class SliceWriter:
         never reaches ``mark``.
         """
         results = [future.result() for future in self._pending]
-        rows = [r for r, _ in results]
-        # a dropped image has no tar entry and no image parquet row, only its metadata row
-        kept = [(r, d) for r, d in results if r["dropped"] is None]
-        kept_rows, encoded = [r for r, _ in kept], [d for _, d in kept]
-        objects = [(naming.shard_metadata(self.out, self.index), lambda: parquet_bytes(rows))]
+        rows = [r for r, _, _ in results]
+        # a dropped image has no tar entry, image parquet row or thumbnail, only its metadata row
+        kept = [(r, d, t) for r, d, t in results if r["dropped"] is None]
+        kept_rows, encoded = [r for r, _, _ in kept], [d for _, d, _ in kept]
+        thumbs = [(f"{r['key']}.jpg", t) for r, _, t in sorted(kept, key=lambda k: k[0]["position"])]
+        # where each thumbnail is in the pack, for the commit marker: the gallery reads one, not the pack
+        self._thumb_index = {name[:-len(".jpg")]: list(at)
+                             for (name, _), at in zip(thumbs, formats.tar_offsets(thumbs))}
+        objects = [(naming.shard_metadata(self.out, self.index), lambda: parquet_bytes(rows)),
+                   (naming.thumb_pack(self.out, self.index), lambda: formats.tar_bytes(thumbs))]
         if "webdataset" in self.formats:
             ext = formats.extension(self.image_format)
             objects.append((naming.shard_tar(self.out, self.index),
@@ -245,11 +281,17 @@ class SliceWriter:
                             lambda: formats.image_parquet_bytes(kept_rows, encoded, metadata_schema())))
         if "zarr" in self.formats and self.filtered and rows:
             objects.append((None, lambda: self._write_dropped(rows)))
-        for future in [self.pool.submit(lambda p=p, make=make: make() if p is None else storage.write_bytes(p, make()))
+        if self._zarr is not None:  # the slice's shard of each zarr array, whole
+            objects.append((None, lambda: self._zarr.commit_async().result()))
+        for future in [self.pool.submit(lambda p=p, make=make: make() if p is None else self._store(p, make()))
                        for p, make in objects]:
             future.result()
         self._rows = rows
         return rows
+
+    def _store(self, path: str, data: bytes) -> None:
+        storage.write_bytes(path, data)
+        self._objects[path[len(self.out.rstrip("/")) + 1:]] = len(data)
 
     def _write_dropped(self, rows: list[dict]) -> None:
         """The slice's part of ``OUT/zarr/dropped`` (its own chunk): which of its positions a
@@ -268,6 +310,7 @@ class SliceWriter:
         has none)."""
         marker = stats if self._rows is None else {
             **stats, "thumbnails": sum(1 for row in self._rows if row["dropped"] is None),
+            "thumbnail_index": self._thumb_index, "objects": dict(sorted(self._objects.items())),
             **({"dropped": sum(1 for row in self._rows if row["dropped"] is not None)} if self.filtered else {})}
         storage.write_json(naming.shard_stats(self.out, self.index), marker)
 

@@ -240,7 +240,7 @@ def clear_run(out: str) -> int:
         raise PlanError(f"--out {out} is a file, not a folder: give a folder for the run's outputs")
     if runs.exists(out):
         try:
-            runs.read(out)
+            runs.read(out, any_layout=True)  # a run of an earlier layout is cleared like any other
         except (ValueError, KeyError, TypeError) as e:
             raise PlanError(f"{naming.run_json(out)} is not a promptmill run's ({e}); --overwrite deletes only what "
                             f"a promptmill run wrote: use another --out") from None

@@ -33,7 +33,9 @@ stages (prompt pattern -> the manifest); the per-file logic they run is in
                  per file)
   JoinShared     (slice, part file) pairs grouped by slice -> the parts concatenated in
                  position order into the slice, then deleted
-  WriteManifest  once every slice is written -> ``plan/manifest.json``
+  PlanKeys       every written slice -> the plan's key index, ``plan/keys/`` (key -> slice,
+                 position; ``pipeline.plan.index``)
+  WriteManifest  once every slice and the key index are written -> ``plan/manifest.json``
 
 ``run_plan`` runs ``Plan`` on its own; the beam engine composes it with generate and
 collect. Both first call ``pipeline.plan.prepare.prepare``, which writes ``run.json``
@@ -71,6 +73,7 @@ from pipeline.plan.layout import (
     relative_source,
     validated,
 )
+from pipeline.plan.index import PlanKeys
 from pipeline.plan.prepare import prepare
 
 
@@ -252,11 +255,11 @@ class WriteManifest(beam.PTransform):
         self.out, self.settings = out, settings
 
     def expand(self, inputs):
-        layout, written = inputs
+        layout, written, indexed = inputs
         settings = self.settings
         span = written | "Written" >> IndexSpan()
 
-        def write(_, layout: Layout, span: Span):
+        def write(_, layout: Layout, span: Span, _indexed):
             rejects = sum(layout.rejects_by_reason.values())
             manifest = {"slice_size": layout.slice_size, "slices": span.count, "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
@@ -278,7 +281,8 @@ class WriteManifest(beam.PTransform):
         return (written.pipeline
                 | "Once" >> beam.Create([None])
                 | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout),
-                                      beam.pvalue.AsSingleton(span, default_value=NO_SPAN)))
+                                      beam.pvalue.AsSingleton(span, default_value=NO_SPAN),
+                                      beam.pvalue.AsList(indexed)))  # the plan's key index is written first
 
 
 class Plan(beam.PTransform):
@@ -319,7 +323,8 @@ class Plan(beam.PTransform):
                   | "GroupShared" >> beam.GroupByKey()
                   | "JoinShared" >> beam.ParDo(_JoinPartsFn(out)))
         written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
-        return (layout, written) | "WriteManifest" >> WriteManifest(out, settings)
+        indexed = written | "PlanKeys" >> PlanKeys(out, layout)
+        return (layout, written, indexed) | "WriteManifest" >> WriteManifest(out, settings)
 
 
 def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,
