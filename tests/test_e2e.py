@@ -139,7 +139,8 @@ def test_one_object_per_image_and_a_constant_number_per_slice(two_by_two):
     rest = sorted(names - per_slice)
     runs_own = r"run\.json|README\.md|plan/[a-z_]+\.json|plan/rejects/[^/]+|plan/keys/\d{5}\.parquet|" \
                r"dataset/(stats\.json|index\.html|index/\d{5}\.parquet|metadata/part-\d{5}\.parquet)|" \
-               r"zarr/(zarr\.json|images/zarr\.json|key/zarr\.json)|logs/[^/]+|progress/[^/]+"
+               r"zarr/(zarr\.json|images/zarr\.json|key/zarr\.json)|logs/[^/]+|progress/[^/]+|ledger/[^/]+|" \
+               r"environment\.json"
     assert [name for name in rest if not re.fullmatch(runs_own, name)] == []
 
 

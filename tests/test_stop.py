@@ -228,7 +228,8 @@ def test_status_of_a_run_stopped_midway_reads_no_image_and_no_metadata(stopped_r
     assert [h["log"] for h in r["hosts"]] == [naming.join(out, "logs", f"host-{i}.log") for i in range(2)]
     assert not r["collect"]["ran"]
     assert sorted(os.path.relpath(p, out) for p in read) == [
-        "plan/manifest.json", "progress/host-00000.json", "progress/host-00001.json", "run.json"]
+        "ledger/host-00000.json", "ledger/host-00001.json", "plan/manifest.json", "progress/host-00000.json",
+        "progress/host-00001.json", "run.json"]
 
 
 def gke_hosts(out: str, cache: str, sigterm_to: int | None = None) -> tuple[list[int], list[str]]:
