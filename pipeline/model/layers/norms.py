@@ -1,5 +1,9 @@
-"""Norms computed in float32 and cast back, as diffusers' transformers compute them."""
+"""Norms computed in float32 and cast back: LayerNorm and RMSNorm as diffusers' transformers
+compute them, and PyTorch's affine LayerNorm and GroupNorm, as the UNets, the VAE decoder
+and CLIP use them."""
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -27,3 +31,41 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         normed = (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
         return normed * scale.astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """PyTorch's ``nn.LayerNorm`` with its weight and bias (``scale``, ``bias``) over the
+    last axis: normalised in float32 (two passes, as PyTorch's), scaled and shifted in
+    float32, cast to ``dtype``."""
+    eps: float = 1e-5
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        width = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (width,))
+        bias = self.param("bias", nn.initializers.zeros, (width,))
+        normed = layer_norm(x.astype(jnp.float32), self.eps)
+        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+
+
+class GroupNorm(nn.Module):
+    """PyTorch's ``nn.GroupNorm`` on channels-last input ([B, ..., C]): each group of
+    ``C / groups`` channels normalised over its channels and every position, in float32
+    (two passes: the mean, then the mean square of the deviations, as PyTorch), then
+    scaled and shifted per channel (``scale``, ``bias``) and cast to ``dtype``."""
+    groups: int
+    eps: float = 1e-5
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        channels = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (channels,))
+        bias = self.param("bias", nn.initializers.zeros, (channels,))
+        grouped = x.astype(jnp.float32).reshape(x.shape[0], -1, self.groups, channels // self.groups)
+        mean = jnp.mean(grouped, axis=(1, 3), keepdims=True)
+        centred = grouped - mean
+        variance = jnp.mean(jnp.square(centred), axis=(1, 3), keepdims=True)
+        normed = (centred * jax.lax.rsqrt(variance + self.eps)).reshape(x.shape)
+        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
