@@ -299,7 +299,7 @@ def index_key(description: dict, devices) -> str:
     lowered program is a change to one of these."""
     from importlib import metadata
 
-    libraries = [f"{name} {metadata.version(name)}" for name in ("flax", "diffusers", "transformers", "numpy")]
+    libraries = [f"{name} {metadata.version(name)}" for name in ("flax", "numpy")]
     return _digest([json.dumps(description, sort_keys=True), code_digest(), _jax_config()] + libraries
                    + _host_parts(devices))
 
@@ -351,7 +351,7 @@ class _Refused(Exception):
 
 _DTYPE_NAMES = ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                 "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
-_NODE_MODULES = ("diffusers.schedulers.", "pipeline.")  # where a tree's own node classes may be imported from
+_NODE_MODULES = ("pipeline.",)  # where a tree's own node classes may be imported from
 
 
 @functools.lru_cache(maxsize=1)

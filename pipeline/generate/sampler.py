@@ -18,13 +18,8 @@ from pipeline.core import keys
 
 def _seam(attention: str, platform: str | None, mesh=None):
     """The attention seam's context factory, entered while the program is traced."""
-    import contextlib
-
-    from pipeline.core.choices import LEGACY_ATTENTION
     from pipeline.model.layers import attention as attention_lib
 
-    if attention == LEGACY_ATTENTION:
-        return contextlib.nullcontext
     return lambda: attention_lib.use(attention, platform=platform, mesh=mesh)
 
 
