@@ -186,7 +186,8 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                         help="timestep spacing of the sweep and the recipes (default: the checkpoint's own)")
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                         help="which parts to run, comma-separated: flops (FLOPs per image by part of --flops-recipes, "
-                             "from shapes alone: no weights), sweep (ours and the seed recipe), recipes "
+                             "from shapes alone: no weights), sweep (ours and the seed notebook's recipe: needs the "
+                             "notebook extra, pip install 'promptmill[notebook]'), recipes "
                              "(guidance-free, few-step and default side by side), scoring (images/s with and without "
                              "--score clip,aesthetic,safety side by side, at --steps with CFG and 1-step "
                              "guidance-free), attention (each of --attentions "
@@ -195,7 +196,7 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                              "each --fsdp degree side by side), models (--model and --compare-models side by side) (default: %(default)s)")
     parser.add_argument("--attentions", default=",".join(BenchConfig.attentions),
                         help="attention implementations compared by the attention and memory parts, the first "
-                             "the reference; diffusers: diffusers' own attention (default: %(default)s)")
+                             "the reference (default: %(default)s)")
     parser.add_argument("--memory-sizes", type=_batch_sizes, default=BenchConfig.memory_sizes,
                         help="square image sizes of the memory part, comma-separated (default: 512,1024)")
     parser.add_argument("--fsdp", type=_batch_sizes, default=BenchConfig.fsdps, metavar="N[,N...]",

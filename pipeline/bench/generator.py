@@ -13,8 +13,9 @@ a sweep, the report gives:
 3. the devices' measured matmul peak in the run's dtype, and utilisation =
    achieved / peak;
 4. the seed notebook's recipe on the same model, devices and batch
-   (``pipeline.bench.baseline``), warmed up and timed the same way, batch by batch in turns
-   with ours, and our/seed throughput;
+   (``pipeline.bench.baseline``, diffusers' FlaxStableDiffusionPipeline: only with the
+   ``notebook`` extra installed, and only when ``--parts`` asks for the sweep), warmed up
+   and timed the same way, batch by batch in turns with ours, and our/seed throughput;
 5. start-up, cold and warm: a fresh process from nothing to a generator that has run
    its first batch, first with an empty compile cache and then with the cache that the
    first one filled (``pipeline.bench.startup``), side by side: the time to ready
@@ -62,7 +63,7 @@ import tempfile
 from pipeline.bench.programs import Programs
 from pipeline.core.decode_batch import DECODE_BATCH
 from pipeline.core import logs
-from pipeline.core.choices import ATTENTIONS, LEGACY_ATTENTION, SCHEDULERS, TIMESTEP_SPACINGS
+from pipeline.core.choices import ATTENTIONS, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import Settings, check_size
 from pipeline.generate.fit import GIB
 
@@ -78,7 +79,8 @@ SCORERS = {"random": dict(scores=("clip", "aesthetic", "safety"), clip_model="ra
                           aesthetic_head="random-aesthetic", safety_checker="random-safety-checker"),
            "tiny": dict(scores=("clip", "aesthetic", "safety"), clip_model="tiny-clip", aesthetic_head="tiny-aesthetic",
                         safety_checker="tiny-safety-checker")}
-DEFAULT_PARTS = ("sweep", "recipes", "startup")
+# the sweep compares with the seed notebook's recipe, which needs the notebook extra (diffusers)
+DEFAULT_PARTS = ("recipes", "startup")
 FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
 SD_DEFAULT_STEPS = 20  # the default recipe: SD's default steps (the bench compares SD 1.x/2.x checkpoints)
 
@@ -100,8 +102,8 @@ class BenchConfig:
     scheduler: str | None = None  # None: the checkpoint's own
     timestep_spacing: str | None = None  # None: the checkpoint's own
     # the attention and memory parts: the implementations compared (the first is the
-    # reference: "diffusers", diffusers' own attention) and the memory part's square sizes
-    attentions: tuple[str, ...] = (LEGACY_ATTENTION, "auto")
+    # reference: "xla", the whole attention matrix) and the memory part's square sizes
+    attentions: tuple[str, ...] = ("xla", "auto")
     memory_sizes: tuple[int, ...] = (512, 1024)
     # the flops part: (model, steps, guidance) of each recipe, costed from shapes at width x height
     flops_recipes: tuple[tuple[str, int, float], ...] = FLOPS_RECIPES
@@ -128,9 +130,8 @@ class BenchConfig:
             raise ValueError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {self.parts}")
         if self.scheduler is not None and self.scheduler not in SCHEDULERS:
             raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        known = (LEGACY_ATTENTION,) + ATTENTIONS
-        if not self.attentions or set(self.attentions) - set(known):
-            raise ValueError(f"--attentions takes a comma-separated subset of {', '.join(known)}, "
+        if not self.attentions or set(self.attentions) - set(ATTENTIONS):
+            raise ValueError(f"--attentions takes a comma-separated subset of {', '.join(ATTENTIONS)}, "
                              f"got {self.attentions}")
         if "models" in self.parts and not self.compare_models:
             raise ValueError("--parts models compares --model with --compare-models MODEL[,MODEL...]: give them")
@@ -501,7 +502,7 @@ def run_bench(config: BenchConfig) -> dict:
     import jax
 
     from pipeline.bench import attention as attention_bench, flops
-    from pipeline.bench.baseline import SeedPipeline
+    from pipeline.bench.baseline import SeedPipeline, notebook_pipeline
     from pipeline.io import storage
     from pipeline.model import load as model_lib
 
@@ -516,6 +517,8 @@ def run_bench(config: BenchConfig) -> dict:
         # the seed recipe is FlaxStableDiffusionPipeline's; SDXL's would be another baseline
         raise ValueError(f"bench generator's sweep and recipes compare with the SD 1.x/2.x notebook recipe; "
                          f"{config.model!r} is not SD 1.x/2.x: run the other parts (--parts fsdp,flops,...)")
+    if "sweep" in config.parts:
+        notebook_pipeline()  # the notebook extra installed, or a clear error before anything loads
     devices = jax.local_devices()[:config.devices] if config.devices else jax.local_devices()
     if config.devices and len(devices) < config.devices:
         raise ValueError(f"--devices {config.devices}: only {len(devices)} local devices")

@@ -27,7 +27,7 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     """Get a Generator ready as a host does (``runtime.ready_generator``, for a run of these
     settings) and run its first batch; returns the seconds of each part.
 
-    Parts, in order: ``import`` (jax, the model libraries, promptmill), then ``load`` (the
+    Parts, in order: ``import`` (jax, flax, promptmill), then ``load`` (the
     weights read, or memory-mapped once converted on this machine, and the files checked
     against the checkpoint's file table as a host checks them against its plan's) and
     ``transfer`` (the weights onto the devices) while, on a thread, ``compile`` (the
@@ -51,11 +51,6 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     from pipeline.io import storage
     from pipeline.model.loading import identity
     from pipeline.model import load as model_load
-    from pipeline.model.loading.libraries import quiet_libraries
-
-    quiet_libraries()
-    import diffusers  # noqa: F401 - imported here so that loading does not pay for it
-    import transformers  # noqa: F401
 
     cache = jax_events.CACHE.install()
     imported = time.perf_counter()
