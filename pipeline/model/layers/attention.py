@@ -165,7 +165,7 @@ def _hide(scores, key_lengths, causal: bool = False, first_query=0):
     return scores
 
 
-def _xla(q, k, v, scale, heads_first: bool = False, key_lengths=None, causal: bool = False):
+def _xla(q, k, v, scale, heads_first: bool = False, key_lengths=None, *, causal: bool = False):
     """diffusers' own arithmetic: scores, scale and softmax in the inputs' dtype.
 
     ``heads_first`` (on CPU devices): q, k and v are laid out [batch, heads, tokens,
@@ -217,7 +217,7 @@ def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False, *, ke
     batch, q_tokens, heads, head_dim = q.shape
     blocks, rows = query_blocks(batch, heads, q_tokens, k.shape[1], q.dtype.itemsize, budget_bytes)
     if blocks == 1:
-        return _xla(q, k, v, scale, heads_first, key_lengths, causal)
+        return _xla(q, k, v, scale, heads_first, key_lengths, causal=causal)
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
     def block(args):  # [batch, heads, rows, head_dim], the block's first query
@@ -283,7 +283,7 @@ def _pallas(q, k, v, scale, block_tokens: int, interpret: bool, *, key_lengths=N
     return out.transpose(0, 2, 1, 3)[:, :q_tokens, :, :v.shape[-1]]
 
 
-def _cudnn(q, k, v, scale, key_lengths=None, implementation: str | None = "cudnn", causal: bool = False):
+def _cudnn(q, k, v, scale, key_lengths=None, *, implementation: str | None = "cudnn", causal: bool = False):
     """cuDNN's fused attention (``implementation`` None: the same call on XLA, for tests
     off a GPU); ``key_lengths`` as cuDNN's padding mask, ``key_value_seq_lengths``."""
     import jax
@@ -320,7 +320,7 @@ def attend(q, k, v, scale, kernel: str, *, budget_bytes: int = DEFAULT_BUDGET_BY
     length on hidden; ``causal``: each query sees the keys up to its own position (see the
     module docstring)."""
     if kernel == "xla":
-        return _xla(q, k, v, scale, heads_first, key_lengths, causal)
+        return _xla(q, k, v, scale, heads_first, key_lengths, causal=causal)
     if kernel == "chunked":
         return _chunked(q, k, v, scale, budget_bytes, heads_first, key_lengths=key_lengths, causal=causal)
     if kernel == "pallas":
@@ -355,7 +355,7 @@ def record():
         _ACTIVE.recorders = outer
 
 
-def compute(site: str, q, k, v, scale, key_lengths=None, causal: bool = False):
+def compute(site: str, q, k, v, scale, key_lengths=None, *, causal: bool = False):
     """softmax(q k^T [* scale]) v for one attention call of promptmill's own networks, q, k,
     v and the result [batch, tokens, heads, head_dim]: through the seam active on this
     thread (``use``: its implementation picks the kernel and the call is recorded under
@@ -364,7 +364,7 @@ def compute(site: str, q, k, v, scale, key_lengths=None, causal: bool = False):
     seam = getattr(_ACTIVE, "seam", None)
     if seam is None:
         return _xla(q, k, v, scale, key_lengths=key_lengths, causal=causal)
-    return seam.core(site, q, k, v, scale, key_lengths, causal)
+    return seam.core(site, q, k, v, scale, key_lengths, causal=causal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +376,7 @@ class _Seam:
     calls: list
     mesh: object = None  # the mesh of a partitioned program (``use``)
 
-    def core(self, site, q, k, v, scale, key_lengths=None, causal: bool = False):
+    def core(self, site, q, k, v, scale, key_lengths=None, *, causal: bool = False):
         batch, q_tokens, heads, head_dim = q.shape
         kernel = choose(self.implementation, self.platform, q_tokens, k.shape[1], heads, head_dim, batch=batch,
                         dtype_bytes=q.dtype.itemsize, budget_bytes=self.budget_bytes)
