@@ -25,7 +25,7 @@ def run_of(out, chosen):
         "settings": {"prompts": "/in/*.jsonl", "out": out, "model": "tiny", "width": 8, "height": 8, "steps": 2,
                      "scheduler": "ddim", "guidance_scale": 7.5, "seed": 1, "per_device_batch": 1,
                      "batches_per_slice": PER_SLICE, "devices_per_host": 1, "dtype": "fp32",
-                     "formats": list(chosen), "image_format": "png", "prompt_field": "prompt"},
+                     "formats": list(chosen), "image_format": "png", "prompt_field": "prompt", "attention": "auto"},
         "model_fingerprint": "f00d", "scheduler": "ddim", "settings_fingerprint": "ab12",
         "versions": {"promptmill": "0.1.0"}, "created_at": "2026-01-01T00:00:00+00:00"})
 
