@@ -59,7 +59,7 @@ def kept_decode_batch(settings: Settings, overwrite: bool = False) -> Settings:
 
 
 def _versions() -> dict:
-    names = ("jax", "jaxlib", "flax", "diffusers", "transformers", "apache-beam", "numpy", "pillow", "pyarrow")
+    names = ("jax", "jaxlib", "flax", "tokenizers", "safetensors", "apache-beam", "numpy", "pillow", "pyarrow")
     found = {"promptmill": __version__}
     for name in names:
         try:
