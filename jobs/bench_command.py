@@ -209,6 +209,10 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-models", default="", metavar="MODEL[,MODEL...]",
                         help="the models part: models timed side by side with --model at its size and steps, each "
                              "at its family's default guidance (default: none)")
+    parser.add_argument("--startup-against", metavar="DIR",
+                        help="the startup part: another promptmill source tree (a checkout of an earlier commit) "
+                             "whose start-up is timed in turns with this one's, cold and warm, side by side "
+                             "(default: none)")
     parser.add_argument("--decode-batch", type=_decode_batch, default=BenchConfig.decode_batch, metavar="N|whole",
                         help="images the VAE decodes at once in every sampler timed, as a run's --decode-batch; "
                              "whole: the whole per-device batch, as runs planned before it (default: %(default)s, a "
@@ -293,7 +297,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                    compare_models=tuple(m for m in args.compare_models.split(",") if m),
                                    attentions=tuple(a for a in args.attentions.split(",") if a),
                                    memory_sizes=args.memory_sizes, fsdps=args.fsdp, scorers=args.scorers,
-                                   decode_batch=args.decode_batch,
+                                   decode_batch=args.decode_batch, startup_against=args.startup_against,
                                    **({"flops_recipes": args.flops_recipes} if args.flops_recipes else {}))
         report = bench.run_bench(config)
         print(bench.format_table(report))

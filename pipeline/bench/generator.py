@@ -57,8 +57,6 @@ import gc
 import json
 import os
 import platform
-import shutil
-import tempfile
 
 from pipeline.bench.programs import Programs
 from pipeline.core.decode_batch import DECODE_BATCH
@@ -114,6 +112,7 @@ class BenchConfig:
     # the VAE decode micro-batch of every sampler timed (--decode-batch): a new run's, by default
     decode_batch: int | None = DECODE_BATCH
     scorers: str = "random"  # the scoring part's scorers (SCORERS)
+    startup_against: str | None = None  # the startup part: another source tree timed in turns with this one
 
     def validate(self) -> "BenchConfig":
         if not self.per_device_batches or min(self.per_device_batches) < 1:
@@ -256,7 +255,7 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int,
         shape = (factor * per_device_batch, guidance > 1)
         if shape not in counted_parts:
             counted_parts[shape] = flops.part_flops(variant, width, height, *shape)
-        counted = flops.sampler_flops(variant, width, height, steps, shape[0], guided=shape[1],
+        counted = flops.sampler_flops(variant, width, height, steps, shape[0], generator.compiled, guided=shape[1],
                                       parts=counted_parts[shape])
         rows[name] = {"scheduler": variant.sampler.choice, "engine": variant.sampler.engine,
                       "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,
@@ -361,28 +360,25 @@ def _abstract(config: BenchConfig):
 
 
 def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
-    """Cold and warm start of a fresh process: cold as on a machine that never ran the
-    model (an empty compile cache, and no weights converted: this model's converted
-    files are removed first), warm with what the cold one left."""
+    """Cold and warm start of a fresh process (``startup.cold_and_warm``: cold as on a
+    machine that never ran the model, warm with what the cold one left); with
+    ``--startup-against DIR``, that source tree's too, in turns with this one's."""
     from pipeline.bench import startup
-    from pipeline.generate import compile_cache
-    from pipeline.model.loading import weights
-    from pipeline.model import load as model_load
 
-    for path in weights.converted_files(model_load.resolve(config.model)):
-        os.remove(path)
-    folder = tempfile.mkdtemp(prefix="promptmill-bench-cache-")
-    try:
-        args = (config.model, width, height, config.steps, per_device_batch, config.dtype, config.devices, folder)
-        cold = startup.probe(*args)
-        entries = compile_cache.entries(folder)
-        warm = startup.probe(*args)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    result = {"per_device_batch": per_device_batch, "cache_entries": entries, "cold": cold, "warm": warm,
-              "cold_over_warm": cold["total_s"] / warm["total_s"],
+    roots = (None, config.startup_against) if config.startup_against else (None,)
+    runs = startup.cold_and_warm(config.model, width, height, config.steps, per_device_batch, config.dtype,
+                                 config.devices, roots=roots)
+    cold, warm = runs[0]["cold"], runs[0]["warm"]
+    result = {"per_device_batch": per_device_batch, "cache_entries": runs[0]["cache_entries"], "cold": cold,
+              "warm": warm, "cold_over_warm": cold["total_s"] / warm["total_s"],
               # the time to ready (before the first batch), warm over cold: what a cache buys a host
               "ready_warm_over_cold": warm["ready_s"] / cold["ready_s"]}
+    if config.startup_against:
+        other = runs[1]
+        result["against"] = {"root": config.startup_against, **other,
+                             # this tree's time over the other's, for each start: below 1 is faster
+                             "over_against": {f"{side}_{key}": round(runs[0][side][key] / other[side][key], 3)
+                                              for side in ("cold", "warm") for key in ("ready_s", "total_s")}}
     logs.event("bench_startup", cold_s=cold["total_s"], warm_s=warm["total_s"], ready_cold_s=cold["ready_s"],
                ready_warm_s=warm["ready_s"], ratio=round(result["cold_over_warm"], 3))
     return result
@@ -411,6 +407,7 @@ def command_line(config: BenchConfig) -> str:
              "--flops-recipes": ",".join(f"{m}:{s}:{g:g}" for m, s, g in config.flops_recipes)
              if "flops" in config.parts and config.flops_recipes != FLOPS_RECIPES else None,
              "--scorers": config.scorers if "scoring" in config.parts and config.scorers != "random" else None,
+             "--startup-against": config.startup_against if "startup" in config.parts else None,
              "--decode-batch": None if config.decode_batch == DECODE_BATCH
              else "whole" if config.decode_batch is None else config.decode_batch,
              "--report": config.report}
@@ -668,6 +665,13 @@ def format_table(report: dict) -> str:
         lines.append(f"sampler from the executable cache: cold {cold['sampler_from_cache']}, warm "
                      f"{warm['sampler_from_cache']} ({warm['cache_hits']} cache hits); time to ready warm/cold "
                      f"{s['ready_warm_over_cold']:.2f}, fresh process cold/warm {s['cold_over_warm']:.2f}")
+        other = s.get("against")
+        if other:
+            lines.append(f"side by side with {other['root']} (timed in turns), seconds:")
+            lines.append(f"{'':>42} {'cold':>8} {'against':>8} {'warm':>8} {'against':>8}")
+            for label, key in STARTUP_ROWS:
+                lines.append(f"{label:>42} {cold[key]:>8.2f} {other['cold'][key]:>8.2f} {warm[key]:>8.2f} "
+                             f"{other['warm'][key]:>8.2f}")
     if report.get("flops"):
         lines += format_flops(report["flops"])
     f = report.get("fsdp")
