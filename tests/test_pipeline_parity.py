@@ -116,3 +116,72 @@ def test_images_match_diffusers_pytorch_pipeline(checkpoints, path):
     diff = np.abs(ours.astype(int) - case["images_uint8"].astype(int))
     assert diff.max() <= 2, f"{case_id(path)}: {diff.max()} levels (mean {diff.mean():.3f})"
     np.testing.assert_allclose(np.asarray(latents), case["step_latents"][-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["sd", "sd2", "sdxl"])
+def test_token_ids_and_text_conditioning_match_diffusers(checkpoints, family):
+    """``{family}.text.npz``: the pipeline's token ids, and the context its UNet got: SD's
+    last hidden state (after the final norm), SD 2's OpenCLIP-H-style encoder's, SDXL's
+    two encoders' penultimate states side by side; its negative rows, with no negative
+    prompt, are the empty prompt's (SD, SD 2) or zeros (SDXL)."""
+    text = dict(np.load(os.path.join(FIXTURES, f"{family}.text.npz")))
+    model = checkpoints(family, "own", json.dumps(json.load(open(os.path.join(
+        FIXTURES, family, "scheduler", "scheduler_config.json")))))
+    prompts = [str(p) for p in text["prompts"]]
+    ids = model.family.tokenize(model, prompts)
+    if family == "sdxl":
+        np.testing.assert_array_equal(ids[:, 0], text["input_ids"])
+        np.testing.assert_array_equal(ids[:, 1], text["input_ids_2"])
+    else:
+        np.testing.assert_array_equal(ids, text["input_ids"])
+    encode = jax.jit(model.family.make_encode_fn(model))
+    context, pooled = encode(model.params, jnp.asarray(ids))
+    np.testing.assert_allclose(np.asarray(context), text["encoder_hidden_states"], atol=1e-3)
+    negative = np.asarray(encode(model.params, jnp.asarray(model.family.tokenize(model, ["", ""])))[0])
+    expected = np.zeros_like(negative) if family == "sdxl" else negative
+    np.testing.assert_allclose(text["cfg_encoder_hidden_states"], np.concatenate([expected, np.asarray(context)]),
+                               atol=1e-3)
+    assert (pooled is None) == (family != "sdxl")
+
+
+@pytest.mark.parametrize("path", [p for p in CASES if p.endswith("-neg.npz")], ids=case_id)
+def test_the_first_unet_call_matches_diffusers_with_negative_prompts(checkpoints, path):
+    """The UNet's first call of a guided case with negative prompts, from our own
+    conditioning: SDXL's projected pooled output and added time ids against what its
+    UNet got, and the call's output (SD 2: v-prediction, upcast attention)."""
+    case = dict(np.load(path))
+    family = str(case["family"])
+    model = checkpoints(family, str(case["sampler"]), str(case["scheduler_config_file"]))
+    encode = jax.jit(model.family.make_encode_fn(model))
+    negative, positive = (encode(model.params, jnp.asarray(model.family.tokenize(model, [str(p) for p in texts])))
+                          for texts in (case["negative_prompts"], case["prompts"]))
+    context = jnp.concatenate([negative[0], positive[0]])
+    added = {}
+    if family == "sdxl":
+        np.testing.assert_allclose(np.asarray(jnp.concatenate([negative[1], positive[1]])), case["text_embeds"],
+                                   atol=1e-3)
+        size = int(case["height"])
+        np.testing.assert_array_equal(case["time_ids"], np.tile([size, size, 0, 0, size, size], (4, 1)))
+        added = {"text_embeds": jnp.asarray(case["text_embeds"]), "time_ids": jnp.asarray(case["time_ids"])}
+    sample = jnp.asarray(case["unet_sample_0"])
+    t = jnp.broadcast_to(jnp.asarray(case["unet_timesteps"][0]), (sample.shape[0],))
+    output = jax.jit(model.nets.unet.apply)({"params": model.params["unet"]}, sample, t, context, **added)
+    np.testing.assert_allclose(np.asarray(output), case["unet_output_0"], atol=1e-3)
+
+
+def test_sdxls_first_encoder_reads_and_runs_only_the_layers_its_penultimate_state_needs(checkpoints):
+    """SDXL takes the first encoder's penultimate state: its last layer and final norm are
+    neither read nor run (the conditioning above still matches diffusers'); the second
+    encoder's pooled, projected output needs all of it."""
+    from flax.traverse_util import flatten_dict
+
+    model = checkpoints("sdxl", "own", json.dumps(json.load(open(os.path.join(
+        FIXTURES, "sdxl", "scheduler", "scheduler_config.json")))))
+    for index, component in enumerate(("text_encoder", "text_encoder_2")):
+        encoder = model.nets.text_encoders[index]
+        params = flatten_dict(model.params[component])
+        depth = {value.shape[0] for key, value in params.items() if key[:3] == ("text_model", "encoder", "layers")}
+        read = encoder.config.num_hidden_layers - (index == 0)
+        assert depth == {read} and encoder.layers == read
+        assert any(key[1] == "final_layer_norm" for key in params) == (index == 1) == encoder.final
+        assert any(key[0] == "text_projection" for key in params) == (index == 1)
