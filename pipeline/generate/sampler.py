@@ -78,8 +78,7 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
     ``guidance_rule``, ``empty_negative_ids`` and ``return_latents``).
 
     ``attention``: how the networks' attention runs (``pipeline.model.layers.attention``; ``auto``
-    picks per call from ``platform``, default JAX's, and the shapes); ``"diffusers"``:
-    diffusers' own attention, untouched (runs planned before the seam).
+    picks per call from ``platform``, default JAX's, and the shapes).
 
     ``decode_batch``: the VAE decodes that many images at a time, per device of ``mesh``
     when given (``decoding.decode_in_micro_batches``); None: the whole batch at once.

@@ -1,7 +1,7 @@
 """FLUX.1 [schnell] and [dev]: rectified-flow transformers, in promptmill's own Flax networks.
 
-A diffusers ``FluxPipeline`` checkpoint: CLIP-L (``text_encoder``, transformers' Flax
-CLIP: its pooled output), the T5 v1.1 encoder (``text_encoder_2``,
+A diffusers ``FluxPipeline`` checkpoint: CLIP-L (``text_encoder``,
+``pipeline.model.layers.text.clip``: its pooled output), the T5 v1.1 encoder (``text_encoder_2``,
 ``pipeline.model.layers.t5``), ``FluxTransformer2DModel`` (``transformer``,
 ``pipeline.model.families.flux.transformer``), the 16-channel VAE without quant convs (``vae``,
 ``pipeline.model.layers.vae``) and ``FlowMatchEulerDiscreteScheduler``
