@@ -42,11 +42,7 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        width = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (width,))
-        bias = self.param("bias", nn.initializers.zeros, (width,))
-        normed = layer_norm(x.astype(jnp.float32), self.eps)
-        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+        return _affine(self, layer_norm(x.astype(jnp.float32), self.eps))
 
 
 class GroupNorm(nn.Module):
@@ -61,11 +57,17 @@ class GroupNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         channels = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (channels,))
-        bias = self.param("bias", nn.initializers.zeros, (channels,))
         grouped = x.astype(jnp.float32).reshape(x.shape[0], -1, self.groups, channels // self.groups)
         mean = jnp.mean(grouped, axis=(1, 3), keepdims=True)
         centred = grouped - mean
         variance = jnp.mean(jnp.square(centred), axis=(1, 3), keepdims=True)
-        normed = (centred * jax.lax.rsqrt(variance + self.eps)).reshape(x.shape)
-        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(self.dtype)
+        return _affine(self, (centred * jax.lax.rsqrt(variance + self.eps)).reshape(x.shape))
+
+
+def _affine(module: nn.Module, normed):
+    """``normed`` (float32, channels last) scaled and shifted per channel by ``module``'s
+    ``scale`` and ``bias`` (PyTorch's weight and bias) in float32, cast to its dtype."""
+    width = normed.shape[-1]
+    scale = module.param("scale", nn.initializers.ones, (width,)).astype(jnp.float32)
+    bias = module.param("bias", nn.initializers.zeros, (width,)).astype(jnp.float32)
+    return (normed * scale + bias).astype(module.dtype)

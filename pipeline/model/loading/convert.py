@@ -130,6 +130,39 @@ def torch_shapes(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layo
     return out
 
 
+def _gathered(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout, where: str, lookup,
+              convert) -> dict:
+    """Flat params of the network whose flat param shapes are ``shapes``, blocks stacked:
+    ``lookup(path, index, shape)`` gives each block's (weight name, stored array or None,
+    the shape it must have as stored), ``convert(path, array)`` its Flax array.
+    WeightsError, naming ``where`` and the weights, when any is missing or has another shape."""
+    flat, missing, odd = {}, [], []
+    for path, shape in shapes.items():
+        shape, arrays = tuple(shape), []
+        blocks = _blocks(path, shape, layout)
+        for index in blocks:
+            name, array, expected = lookup(path, index, shape[1:] if index is not None else shape)
+            if array is None:
+                missing.append(name)
+            elif tuple(array.shape) != expected:
+                odd.append(f"{name} has shape {tuple(array.shape)}, the network expects {expected}")
+            else:
+                arrays.append(convert(path, array))
+        if len(arrays) == len(blocks):
+            flat[path] = np.stack(arrays) if stack_of(path, layout) is not None else arrays[0]
+    if missing:
+        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
+    if odd:
+        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
+    return flat
+
+
+def _refuse_unknown(where: str, unknown: list[str]) -> None:
+    if unknown:
+        raise WeightsError(f"{where}: {len(unknown)} weight(s) the network does not have, e.g. "
+                           f"{', '.join(unknown[:5])}")
+
+
 def from_torch(state: Mapping[str, np.ndarray], shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout,
                where: str) -> dict:
     """Nested Flax params from a PyTorch state dict ({name: array}, e.g. memory-mapped
@@ -137,32 +170,17 @@ def from_torch(state: Mapping[str, np.ndarray], shapes: Mapping[tuple[str, ...],
     its dtype. WeightsError, naming ``where`` and the weights, when any is missing, has
     another shape than the network's, or is not a weight of the network (names under
     ``layout.ignored`` excepted)."""
-    flat, missing, odd, used = {}, [], [], set()
-    for path, shape in shapes.items():
-        shape, arrays = tuple(shape), []
-        for index in _blocks(path, shape, layout):
-            name = torch_name(path, layout, index)
-            found = next((n for n in (name, *layout.aliases.get(name, ())) if n in state), None)
-            if found is None:
-                missing.append(name)
-                continue
-            used.update((name, *layout.aliases.get(name, ())))
-            array = state[found]
-            expected = torch_shape(path, shape[1:] if index is not None else shape)
-            if tuple(array.shape) != expected:
-                odd.append(f"{found} has shape {tuple(array.shape)}, the network expects {expected}")
-                continue
-            arrays.append(from_torch_array(path, array))
-        if len(arrays) == len(_blocks(path, shape, layout)):
-            flat[path] = np.stack(arrays) if stack_of(path, layout) is not None else arrays[0]
-    if missing:
-        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
-    if odd:
-        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
-    unknown = sorted(name for name in state if name not in used and not name.startswith(layout.ignored))
-    if unknown:
-        raise WeightsError(f"{where}: {len(unknown)} weight(s) the network does not have, e.g. "
-                           f"{', '.join(unknown[:5])}")
+    used = set()
+
+    def lookup(path, index, shape):
+        name = torch_name(path, layout, index)
+        names = (name, *layout.aliases.get(name, ()))
+        used.update(names)
+        found = next((n for n in names if n in state), None)
+        return (name, None, None) if found is None else (found, state[found], torch_shape(path, shape))
+
+    flat = _gathered(shapes, layout, where, lookup, from_torch_array)
+    _refuse_unknown(where, sorted(name for name in state if name not in used and not name.startswith(layout.ignored)))
     return unflatten(flat)
 
 
@@ -194,30 +212,16 @@ def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], shapes: Mapping[tuple[
     WeightsError, naming ``where`` and the weights, when any is missing, has another shape,
     or is not a weight of the network (keys whose "/"-joined form starts with one of
     ``ignored`` excepted)."""
-    out, missing, odd, used = {}, [], [], set()
-    for path, shape in shapes.items():
-        shape, arrays = tuple(shape), []
-        for index in _blocks(path, shape, layout):
-            key = flax_key(path, layout, index, joined=joined, renames=renames)
-            if key not in flat:
-                missing.append("/".join(key))
-                continue
-            used.add(key)
-            expected = shape[1:] if index is not None else shape
-            if tuple(flat[key].shape) != expected:
-                odd.append(f"{'/'.join(key)} has shape {tuple(flat[key].shape)}, the network expects {expected}")
-                continue
-            arrays.append(np.asarray(flat[key]))
-        if len(arrays) == len(_blocks(path, shape, layout)):
-            out[path] = np.stack(arrays) if stack_of(path, layout) is not None else arrays[0]
-    if missing:
-        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
-    if odd:
-        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
-    unknown = sorted("/".join(key) for key in flat if key not in used and not "/".join(key).startswith(ignored))
-    if unknown:
-        raise WeightsError(f"{where}: {len(unknown)} weight(s) the network does not have, e.g. "
-                           f"{', '.join(unknown[:5])}")
+    used = set()
+
+    def lookup(path, index, shape):
+        key = flax_key(path, layout, index, joined=joined, renames=renames)
+        used.add(key)
+        return "/".join(key), flat.get(key), shape
+
+    out = _gathered(shapes, layout, where, lookup, lambda path, array: np.asarray(array))
+    _refuse_unknown(where, sorted("/".join(key) for key in flat
+                                  if key not in used and not "/".join(key).startswith(ignored)))
     return unflatten(out)
 
 
