@@ -184,3 +184,33 @@ def test_mapped_weights_go_onto_cpu_devices_without_a_copy(tmp_path, model_cache
     placed = replicate({"k": kernel}, jax.local_devices())["k"]
     assert [s.data.unsafe_buffer_pointer() for s in placed.addressable_shards] == \
         [kernel.ctypes.data] * len(jax.local_devices())
+
+
+def test_threads_asking_for_a_networks_shapes_at_once_share_one_trace():
+    """A host loads its weights (their shapes check them) while a thread compiles its
+    sampler from the same shapes: the second asker waits for the first one's trace."""
+    import dataclasses
+    import threading
+
+    from pipeline.model.layers import vae
+    from pipeline.model.loading import convert
+
+    config = dataclasses.replace(vae.VaeConfig.from_dict({
+        "latent_channels": 4, "norm_num_groups": 2, "block_out_channels": [4, 4],
+        "up_block_types": ["UpDecoderBlock2D"] * 2}, shifted=False), scaling_factor=0.123457)  # no other test's
+    before = convert._traced_shapes.cache_info()
+    start = threading.Barrier(2)
+    found = []
+
+    def ask():
+        start.wait()
+        found.append(vae.param_shapes(config))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    after = convert._traced_shapes.cache_info()
+    assert found[0] == found[1] and found[0]
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)

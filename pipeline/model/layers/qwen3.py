@@ -337,8 +337,10 @@ def _example(config):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def network(layers: int | None = None) -> convert.Network:
-    """The ``convert.Network`` of ``Qwen3Encoder(config, layers=layers)``."""
+    """The ``convert.Network`` of ``Qwen3Encoder(config, layers=layers)``: one object for the
+    same ``layers``, so that its shapes are traced once a config."""
     return convert.Network(lambda config: Qwen3Encoder(config, layers=layers), _example, LAYOUT)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -264,7 +265,8 @@ class Network:
     def param_shapes(self, config) -> dict[tuple[str, ...], tuple[int, ...]]:
         """{flat param path: shape}, from the config alone (traced once per config: nothing
         is computed, a 12B model's shapes come in a moment)."""
-        return dict(_traced_shapes(self.module, self.example, config))  # a copy: the cached one is shared
+        with _TRACING:  # a host's load and its compile thread ask at once: one traces, the other waits
+            return dict(_traced_shapes(self.module, self.example, config))  # a copy: the cached one is shared
 
     def from_torch(self, state: Mapping[str, np.ndarray], config, where: str) -> dict:
         """Params from a PyTorch state dict ({name: array}), each array in its stored dtype,
@@ -274,6 +276,9 @@ class Network:
     def to_torch(self, params: Mapping) -> dict[str, np.ndarray]:
         """The PyTorch state dict of ``params``: ``from_torch``'s inverse."""
         return to_torch(params, self.layout)
+
+
+_TRACING = threading.Lock()
 
 
 @functools.lru_cache(maxsize=16)

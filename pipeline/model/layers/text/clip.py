@@ -283,8 +283,10 @@ def _example(config):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def network(layers: int | None = None, final: bool = True, projection: bool = False) -> convert.Network:
-    """The ``convert.Network`` of ``ClipText(config, layers=..., final=..., projection=...)``."""
+    """The ``convert.Network`` of ``ClipText(config, layers=..., final=..., projection=...)``: one
+    object for the same arguments, so that its shapes are traced once a config."""
     return convert.Network(lambda config: ClipText(config, layers=layers, final=final, projection=projection),
                            _example, LAYOUT)
 
