@@ -169,6 +169,12 @@ def test_an_optional_import_is_one_files_and_comes_with_its_extra():
         assert files.get(module) == {path}, (module, files.get(module))
         assert module in {Requirement(r).name for r in keywords["extras_require"][extra]}
     assert not {"transformers", "torch"} & {name.split(".")[0] for name in _imports()}
+    # so a fresh `pip install -e .` brings neither, and importing the package loads neither
+    assert not {"diffusers", "transformers", "torch"} & _install_closure()
+    loaded = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, sys, pipeline, jobs.cli; print(json.dumps(sorted(sys.modules)))"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    assert "jobs.cli" in loaded and not {"diffusers", "transformers", "torch"} & {m.split(".")[0] for m in loaded}
 
 
 def _check_demo(clone, result):
