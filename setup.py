@@ -14,9 +14,10 @@ setup(
         # jax from PyPI is the CPU build; the `tpu` extra adds the TPU runtime.
         "jax>=0.7,<0.11",
         "flax>=0.10,<0.13",
-        # The last releases with Flax: diffusers removed it after 0.39, transformers in 5.0.
-        "diffusers==0.39.*",
-        "transformers>=4.57,<5",
+        # every network is promptmill's own (no diffusers, no transformers); the tokenisers
+        # come from Hugging Face's tokenizers, checkpoints by hub id from huggingface-hub
+        "tokenizers>=0.20,<1",
+        "huggingface-hub>=0.24,<2",
         "apache-beam>=2.60,<3",
         "google-cloud-storage>=2.14,<4",
         "filelock>=3.12",  # one download of a gs:// checkpoint per machine (pipeline.model.loading.cache)
@@ -36,13 +37,17 @@ setup(
         "tpu": ["jax[tpu]>=0.7,<0.11"],
         # gs:// inside the Beam pipelines (plan, collect) and Dataflow; hosts need only google-cloud-storage
         "gcp": ["apache-beam[gcp]>=2.60,<3"],
+        # `bench generator --parts sweep` times the seed notebook's FlaxStableDiffusionPipeline:
+        # diffusers' last release with Flax, and transformers' last major with Flax
+        "notebook": ["diffusers==0.39.*", "transformers>=4.57,<5"],
         "test": ["apache-beam[gcp]>=2.60,<3", "pytest>=8", "pytest-timeout>=2.2", "gcp-storage-emulator>=2024.8",
                  # the suite compiles real TPU programs for the TPU check (libtpu, no TPU needed)
                  "jax[tpu]>=0.7,<0.11",
                  "webdataset>=0.2",
                  # pytest.ini runs the suite on two worker processes
                  "pytest-xdist>=3.6",
-                 # metadata.parquet must load in Hugging Face datasets; <5.1 keeps huggingface-hub<1 for transformers 4
+                 # metadata.parquet must load in Hugging Face datasets; <5.1 keeps huggingface-hub<1, which the
+                 # notebook extra's transformers 4 needs, so that the extras install together
                  "datasets>=3,<5.1",
                  # the rendered GKE manifests are checked against Kubernetes' own object schemas
                  "kubernetes-validate>=1.30,<2",

@@ -212,7 +212,8 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                         help="timestep spacing of the sweep and the recipes (default: the checkpoint's own)")
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                         help="which parts to run, comma-separated: flops (FLOPs per image by part of --flops-recipes, "
-                             "from shapes alone: no weights), sweep (ours and the seed recipe), recipes "
+                             "from shapes alone: no weights), sweep (ours and the seed notebook's recipe: needs the "
+                             "notebook extra, pip install 'promptmill[notebook]'), recipes "
                              "(guidance-free, few-step and default side by side), scoring (images/s with and without "
                              "--score clip,aesthetic,safety side by side, at --steps with CFG and 1-step "
                              "guidance-free), attention (each of --attentions "
@@ -221,7 +222,7 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
                              "each --fsdp degree side by side), models (--model and --compare-models side by side) (default: %(default)s)")
     parser.add_argument("--attentions", default=",".join(BenchConfig.attentions),
                         help="attention implementations compared by the attention and memory parts, the first "
-                             "the reference; diffusers: diffusers' own attention (default: %(default)s)")
+                             "the reference (default: %(default)s)")
     parser.add_argument("--memory-sizes", type=_batch_sizes, default=BenchConfig.memory_sizes,
                         help="square image sizes of the memory part, comma-separated (default: 512,1024)")
     parser.add_argument("--fsdp", type=_batch_sizes, default=BenchConfig.fsdps, metavar="N[,N...]",
@@ -234,6 +235,10 @@ def _add_bench_generator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-models", default="", metavar="MODEL[,MODEL...]",
                         help="the models part: models timed side by side with --model at its size and steps, each "
                              "at its family's default guidance (default: none)")
+    parser.add_argument("--startup-against", metavar="DIR",
+                        help="the startup part: another promptmill source tree (a checkout of an earlier commit) "
+                             "whose start-up is timed in turns with this one's, cold and warm, side by side "
+                             "(default: none)")
     parser.add_argument("--decode-batch", type=_decode_batch, default=BenchConfig.decode_batch, metavar="N|whole",
                         help="images the VAE decodes at once in every sampler timed, as a run's --decode-batch; "
                              "whole: the whole per-device batch, as runs planned before it (default: %(default)s, a "
@@ -331,7 +336,7 @@ def run_bench(args: argparse.Namespace) -> int:
                                    compare_models=tuple(m for m in args.compare_models.split(",") if m),
                                    attentions=tuple(a for a in args.attentions.split(",") if a),
                                    memory_sizes=args.memory_sizes, fsdps=args.fsdp, scorers=args.scorers,
-                                   decode_batch=args.decode_batch,
+                                   decode_batch=args.decode_batch, startup_against=args.startup_against,
                                    **({"flops_recipes": args.flops_recipes} if args.flops_recipes else {}))
         report = bench.run_bench(config)
         print(bench.format_table(report))

@@ -340,7 +340,7 @@ def _finish(command: str, out: str, stats: dict, seconds: float, quiet: bool) ->
 def entry() -> None:
     """The ``promptmill`` command: ``main``, and the process ends with its exit code once
     every exit handler has run (JAX's shutdown, logging's, temporary folders'), without the
-    interpreter's teardown of the libraries loaded (jax, Beam, diffusers, transformers):
+    interpreter's teardown of the libraries loaded (jax, Beam, flax, tensorstore):
     measured at 0.3 to 0.9 s per process on CPU after the work was done, on every host
     and every command. ``main`` itself returns, so it can be called in a process that goes on."""
     import atexit

@@ -121,9 +121,8 @@ def model_cache(tmp_path_factory):
 
     Under pytest-xdist each worker has its own cache (its compile-cache mirrors are keyed
     by gs:// paths that every worker's emulator shares), but the workers share one
-    ``models`` folder, where the first builds the tiny model while the others wait for it,
-    and one ``shapes`` folder. Models and shapes are written to a scratch file or folder
-    and renamed into place, so sharing is safe.
+    ``models`` folder, where the first builds the tiny model while the others wait for it.
+    Models are written to a scratch folder and renamed into place, so sharing is safe.
     """
     import fcntl
 
@@ -131,10 +130,9 @@ def model_cache(tmp_path_factory):
     os.environ["PROMPTMILL_CACHE"] = path
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = tmp_path_factory.getbasetemp().parent  # the run's root, above each worker's
-        for folder in ("models", "shapes"):
-            (root / f"promptmill-{folder}").mkdir(exist_ok=True)
-            os.symlink(root / f"promptmill-{folder}", os.path.join(path, folder))
         shared = root / "promptmill-models"
+        shared.mkdir(exist_ok=True)
+        os.symlink(shared, os.path.join(path, "models"))
         from pipeline.model import load
 
         with open(shared / ".lock", "w") as lock:
@@ -143,13 +141,40 @@ def model_cache(tmp_path_factory):
     return path
 
 
+# libraries no host may import: promptmill's networks are its own (neither diffusers' nor
+# transformers' Flax classes, removed from both libraries) and the package never needs torch
+NOT_ON_HOSTS = frozenset({"diffusers", "transformers", "torch"})
+
+
 def run_cli(args, cache, timeout=600, env=None):
-    """Run ``python -m jobs.cli ARGS`` in a subprocess; returns CompletedProcess."""
+    """Run ``python -m jobs.cli ARGS`` in a subprocess; returns CompletedProcess, with
+    ``host_modules``: the top-level packages its host processes (``generate``) imported,
+    as each recorded them (``tests/host_modules``; empty where no host ran)."""
+    import glob
+    import json
     import subprocess
+    import tempfile
 
     full_env = dict(os.environ if env is None else env, PROMPTMILL_CACHE=cache)
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "tests", "host_modules"),
+                                                           full_env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="promptmill-modules-") as records:
+        full_env["PROMPTMILL_TEST_MODULES"] = records
+        result = subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=full_env,
+                                capture_output=True, text=True, timeout=timeout)
+        result.host_modules = set()
+        for path in glob.glob(os.path.join(records, "*.txt")):
+            with open(path, encoding="utf-8") as f:
+                argv, *names = f.read().splitlines()
+            if json.loads(argv)[1:2] == ["generate"]:
+                result.host_modules.update(names)
+    return result
+
+
+def check_host_imports(result):
+    """The run's hosts generated (they imported jax) without any of ``NOT_ON_HOSTS``."""
+    assert "jax" in result.host_modules, "no host recorded its imports"
+    assert not NOT_ON_HOSTS & result.host_modules, sorted(NOT_ON_HOSTS & result.host_modules)
 
 
 def rewritten(tmp_path, source, change, name="lora.safetensors"):

@@ -1,11 +1,12 @@
-"""The attention seam: kernel choice, and every CPU-runnable kernel against diffusers' own.
+"""The attention seam: kernel choice, and every CPU-runnable kernel against the whole matrix.
 
-``xla`` is checked module by module against diffusers' own call (bf16 included); the
-tiny models' whole UNet and VAE then check chunked and flash against diffusers, all
-variants of a network in one jitted program, so each model compiles once. Chunked runs with a budget small enough that every call splits
-into several query blocks (uneven ones included), and the Pallas kernel, interpreted,
-with 128-token blocks, so a 256-token call spans 2 x 2 blocks and 77 text tokens are
-padded and masked.
+``xla`` is checked against attention written out in numpy (self, cross, causal, bf16); the
+tiny models' whole UNet and VAE then check chunked and flash against the networks outside a
+seam (``xla``), all variants of a network in one jitted program, so each model compiles
+once. Chunked runs with a budget small enough that every call splits into several query
+blocks (uneven ones included), and the Pallas kernel, interpreted, with 128-token blocks,
+so a 256-token call spans 2 x 2 blocks and 77 text tokens are padded and masked. CLIP's
+causal attention runs through every kernel too.
 """
 import dataclasses
 
@@ -20,7 +21,7 @@ from pipeline.model import load as model_lib
 MiB = 2 ** 20
 BUDGET = 64 * 1024  # bytes of scores per chunk in the parity tests: 4 rows of the largest call
 BLOCK = 128  # the Pallas kernel's smallest block
-VARIANTS = ("chunked", "flash")  # xla: test_xla_is_diffusers_own_arithmetic
+VARIANTS = ("chunked", "flash")  # xla: test_xla_is_attention_written_out
 
 
 @pytest.mark.parametrize("requested,platform,q,kv,heads,head_dim,batch,dtype_bytes,expected", [
@@ -152,7 +153,7 @@ def test_on_cpu_xla_runs_its_products_heads_first_within_rounding_of_the_other_l
 
 
 def test_bf16_kernels_stay_within_bf16_rounding():
-    """In bf16, xla and chunked compute scores and softmax in bf16, as diffusers does; the
+    """In bf16, xla and chunked compute scores and softmax in bf16, as PyTorch does; the
     Pallas kernel keeps scores and its running sums in float32. All stay within a few
     bf16 roundings of the float32 result."""
     q, k, v = _qkv((2, 256, 2, 64), 256, seed=1)
@@ -166,62 +167,49 @@ def test_bf16_kernels_stay_within_bf16_rounding():
         assert 0 < error.max() < 0.05, kernel  # really bf16; a bf16 step at 1 is 1/128
 
 
-def _random_params(module, *inputs):
-    """Random weights of a module's shapes, drawn without running its initialisers."""
-    rng = np.random.default_rng(4)
-    shapes = jax.eval_shape(module.init, jax.random.PRNGKey(0), *inputs)
-    return jax.tree_util.tree_map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.3, s.dtype), shapes)
+def _written_out(q, k, v, scale, causal=False):
+    """softmax(q k^T scale) v in float64 numpy, q, k, v [batch, tokens, heads, head_dim]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        scores = np.where(np.tril(np.ones(scores.shape[-2:], bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", weights / weights.sum(-1, keepdims=True), v)
 
 
-def _with_and_without_seam(cases, implementation):
-    """[(diffusers' output or None, the seam's), ...] of (module, params, inputs, seam_only)
-    cases, all in one program."""
-    def apply(params, inputs):
-        pairs = []
-        for (module, _, _, seam_only), p, x in zip(cases, params, inputs):
-            with attention.use(implementation, platform="cpu") as calls:
-                seam = module.apply(p, *x)
-            assert [call.kernel for call in calls] == [implementation]
-            pairs.append((None if seam_only else module.apply(p, *x), seam))
-        return pairs
-    pairs = jax.jit(apply)([case[1] for case in cases], [case[2] for case in cases])
-    return [(None if a is None else np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in pairs]
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 ** -5)])
+def test_xla_is_attention_written_out(dtype, tolerance):
+    """``xla`` is softmax(q k^T scale) v: self-attention, cross-attention (77 keys), causal
+    (CLIP's), in both layouts; bf16 within bf16 roundings."""
+    for q_tokens, kv_tokens, causal in ((64, 64, False), (64, 77, False), (77, 77, True)):
+        q, k, v = _qkv((2, q_tokens, 2, 16), kv_tokens, seed=q_tokens, dtype=dtype)
+        expected = _written_out(q, k, v, 0.25, causal)
+        for heads_first in (False, True):
+            out = attention.attend(q, k, v, 0.25, "xla", heads_first=heads_first, causal=causal)
+            assert out.dtype == dtype
+            np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=tolerance)
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2 ** -7)])
-def test_xla_is_diffusers_own_arithmetic(dtype, tolerance):
-    """Under the seam, ``xla`` gives what each attention module gives without it: the
-    transformer's self- and cross-attention, the VAE's one-head and multi-head blocks; and
-    with diffusers' split_head_dim and use_memory_efficient_attention both set (moot under
-    the seam), the plain module's result. bf16: within one bf16 rounding, as XLA may fuse
-    differently."""
-    from diffusers.models.attention_flax import FlaxAttention
-    from diffusers.models.vae_flax import FlaxAttentionBlock
-
-    keys = jax.random.split(jax.random.PRNGKey(2), 3)
-    tokens = jax.random.normal(keys[0], (2, 64, 32)).astype(dtype)
-    text = jax.random.normal(keys[1], (2, 77, 24)).astype(dtype)
-    image = jax.random.normal(keys[2], (2, 8, 8, 64)).astype(dtype)
-    plain = FlaxAttention(query_dim=32, heads=2, dim_head=16, dtype=dtype)
-    flagged = FlaxAttention(query_dim=32, heads=2, dim_head=16, dtype=dtype, split_head_dim=True,
-                            use_memory_efficient_attention=True)
-    cases = [(plain, (tokens,)), (FlaxAttention(query_dim=32, heads=4, dim_head=8, dtype=dtype), (tokens, text)),
-             (FlaxAttentionBlock(channels=64, dtype=dtype), (image,)),
-             (FlaxAttentionBlock(channels=64, num_head_channels=16, dtype=dtype), (image,))]
-    cases = [(module, _random_params(module, *inputs), inputs, False) for module, inputs in cases]
-    # diffusers' own call fails with both flags set (its chunked path transposes 3-d, gets 4-d)
-    cases.append((flagged, cases[0][1], (tokens,), True))
-    pairs = _with_and_without_seam(cases, "xla")
-    for (module, _, _, _), (expected, seam) in zip(cases[:-1], pairs):
-        assert np.abs(expected).max() > 0.1
-        np.testing.assert_allclose(seam, expected, atol=tolerance, err_msg=repr(module))
-    np.testing.assert_allclose(pairs[-1][1], pairs[0][0], atol=tolerance)  # flags moot: the plain module's result
+def test_every_kernel_attends_causally():
+    """CLIP's causal self-attention (query i sees keys 0..i) in every kernel: chunked blocks
+    past the first see the keys up to their own rows, the Pallas kernel (interpreted, 77
+    tokens padded to 128) and cuDNN's call (on XLA here) their own causal masks."""
+    q, k, v = _qkv((2, 77, 4, 8), 77, seed=5)
+    expected = _written_out(q, k, v, 0.3, causal=True)
+    found = {kernel: attention.attend(q, k, v, 0.3, kernel, budget_bytes=2 * 4 * 77 * 4 * 10, interpret=True,
+                                      causal=True) for kernel in ("xla", "chunked", "pallas")}
+    found["cudnn-call"] = attention._cudnn(q, k, v, 0.3, implementation=None, causal=True)
+    found["compute"] = attention.compute("text_encoder", q, k, v, 0.3, causal=True)
+    assert attention.query_blocks(2, 4, 77, 77, 4, 2 * 4 * 77 * 4 * 10)[0] > 1  # chunked really chunks
+    for kernel, out in found.items():
+        np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, err_msg=kernel)
+    assert np.abs(np.asarray(found["xla"]) - np.asarray(attention.attend(q, k, v, 0.3, "xla"))).max() > 0.1
 
 
 def test_the_seam_ends_with_its_block():
-    from diffusers.models.attention_flax import FlaxAttention
+    from pipeline.model.families.sd.unet import Attention
 
-    module = FlaxAttention(query_dim=32, heads=2, dim_head=16)
+    module = Attention(heads=2, head_dim=16)
     x = jax.ShapeDtypeStruct((1, 8, 32), jnp.float32)
     params = jax.eval_shape(module.init, jax.random.PRNGKey(0), x)
     with attention.use("chunked", platform="cpu") as calls:
@@ -269,31 +257,29 @@ def _options(variant):
 
 
 def _network_outputs(model, size, decode):
-    """{variant: (UNet output, decoded images or None)} for diffusers' own attention
-    ("diffusers") and each of ``VARIANTS``, all in one program; and {variant: [Call]}."""
+    """{variant: (UNet output, decoded images or None)} outside a seam ("xla") and for each
+    of ``VARIANTS``, all in one program; and {variant: [Call]}."""
+    from pipeline.model.layers import vae
+
     rng = np.random.default_rng(0)
     unet, config = model.nets.unet, model.nets.unet.config
     batch = 2
     latents = jnp.asarray(rng.standard_normal((batch, *model.latent_shape(size, size))), jnp.float32)
     context = jnp.asarray(rng.standard_normal((batch, 77, config.cross_attention_dim)), jnp.float32)
-    added = None
+    added = {}
     if model.family.name == "sdxl":
-        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-        added = {"text_embeds": jnp.asarray(rng.standard_normal((batch, pooled)), jnp.float32),
+        added = {"text_embeds": jnp.asarray(rng.standard_normal((batch, config.pooled_dim)), jnp.float32),
                  "time_ids": jnp.full((batch, 6), float(size))}
     calls = {}
 
     def networks(params, latents, context, added):
-        prediction = unet.apply({"params": params["unet"]}, latents, jnp.array([500, 500]),
-                                encoder_hidden_states=context, added_cond_kwargs=added).sample
+        prediction = unet.apply({"params": params["unet"]}, latents, jnp.array([500, 500]), context, **added)
         if not decode:
             return prediction, None
-        images = model.nets.vae.apply({"params": params["vae"]}, latents / model.nets.vae.config.scaling_factor,
-                                 method=model.nets.vae.decode).sample
-        return prediction, images
+        return prediction, vae.vae_decode(model.nets.vae, params["vae"], latents, model.nets.vae.config)
 
     def everything(params, latents, context, added):
-        outputs = {"diffusers": networks(params, latents, context, added)}
+        outputs = {"xla": networks(params, latents, context, added)}
         for variant in VARIANTS:
             with attention.use(variant, platform="cpu", **_options(variant)) as calls[variant]:
                 outputs[variant] = networks(params, latents, context, added)
@@ -324,9 +310,9 @@ def tiny_sdxl(model_cache):
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_sdxl"])
-def test_every_kernel_matches_diffusers(request, name):
+def test_every_kernel_matches_the_whole_matrix(request, name):
     outputs, calls = request.getfixturevalue(name)
-    reference, _ = outputs["diffusers"]
+    reference, _ = outputs["xla"]
     assert np.abs(reference).max() > 0.5  # a real prediction, not zeros
     for variant in VARIANTS:
         np.testing.assert_allclose(outputs[variant][0], reference, atol=1e-3, err_msg=variant)
@@ -343,17 +329,16 @@ def test_every_kernel_matches_diffusers(request, name):
 def test_decoded_images_match_across_kernels(tiny):
     outputs, calls = tiny
     assert [(c.site, c.q_tokens) for c in calls["chunked"] if c.site == "vae"] == [("vae", 256)]
-    images = {name: np.round(np.clip(decoded / 2 + 0.5, 0, 1) * 255).astype(int)
-              for name, (_, decoded) in outputs.items()}
+    images = {name: np.round(decoded * 255).astype(int) for name, (_, decoded) in outputs.items()}
     for variant in VARIANTS:
-        np.testing.assert_allclose(outputs[variant][1], outputs["diffusers"][1], atol=1e-3, err_msg=variant)
-        assert np.abs(images[variant] - images["diffusers"]).max() <= 1
-    assert len(np.unique(images["diffusers"])) > 20  # images, not a flat colour
+        np.testing.assert_allclose(outputs[variant][1], outputs["xla"][1], atol=1e-3, err_msg=variant)
+        assert np.abs(images[variant] - images["xla"]).max() <= 1
+    assert len(np.unique(images["xla"])) > 20  # images, not a flat colour
 
 
 def test_chunked_attention_bounds_the_programs_memory(tiny_model):
     """XLA's memory analysis of the tiny UNet call (CFG batch 2) and VAE decode at 64x64:
-    diffusers' attention holds each call's whole matrix (the largest, 2 x 8 x 1024^2
+    outside a seam (xla) each call holds its whole matrix (the largest, 2 x 8 x 1024^2
     float32, is 64 MiB), chunked one 1 MiB block of it."""
     from pipeline.bench import memory
 

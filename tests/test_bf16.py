@@ -18,10 +18,10 @@ from pipeline.model import load as model_lib
 def test_bf16_images_are_close_to_fp32(model_cache, name):
     images = {}
     for dtype in ("fp32", "bf16"):
-        model = model_lib.load(name, dtype=dtype)
-        leaves = jax.tree_util.tree_leaves(model.params["unet"])
-        assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16 if dtype == "bf16" else jnp.float32)}
+        model = model_lib.load(name, dtype=dtype)  # weights as stored; cast on the devices
         generator = Generator(model, 32, 32, 4, 2, devices=jax.local_devices()[:1])
+        leaves = jax.tree_util.tree_leaves(generator.params["unet"])
+        assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16 if dtype == "bf16" else jnp.float32)}
         batch = generator.batch(["a lighthouse at dusk", "a red fox"], ["", "blurry"], [7.5, 5.0], [1, 2**40], [0, 3])
         images[dtype] = generator(batch).astype(int)
     diff = np.abs(images["fp32"] - images["bf16"])

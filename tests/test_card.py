@@ -12,7 +12,7 @@ RUN_JSON = {
         "width": 512, "height": 512, "steps": 30, "scheduler": "dpm", "guidance_scale": 7.5, "seed": 1234,
         "per_device_batch": 4, "batches_per_slice": 2, "devices_per_host": 8, "dtype": "bf16",
         "formats": ["files", "webdataset"], "image_format": "webp", "quality": 90, "save_latents": False,
-        "prompt_field": "prompt",
+        "prompt_field": "prompt", "attention": "auto",  # (a run without it is refused: test_settings.py)
     },
     "model_fingerprint": "3f2a9c0d1e",
     "scheduler": "dpm",
@@ -130,6 +130,6 @@ def test_missing_optional_stats_do_not_crash():
     assert "| images | 3 |" in text and "| rejected rows | 0 |" in text
     assert "duplicates" not in text and "truncated prompts" not in text and "images/s" not in text
     # run.json of the oldest runs: settings added later are missing
-    text = card.render(Run.from_dict({"settings": {"model": "tiny"}, "model_fingerprint": "m",
+    text = card.render(Run.from_dict({"settings": {"model": "tiny", "attention": "auto"}, "model_fingerprint": "m",
                                       "created_at": "2024-01-01T00:00:00+00:00"}), {})
     assert "| images | 0 |" in text and "- n<1K" in text and "| model | `tiny` |" in text

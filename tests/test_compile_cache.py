@@ -440,7 +440,7 @@ def test_a_checkpoints_program_digest_is_its_configs_not_its_weights(tmp_path, m
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     shutil.copytree(tiny, a)
     shutil.copytree(tiny, b)
-    with open(os.path.join(b, "vae", "diffusion_flax_model.msgpack"), "r+b") as f:  # other weights
+    with open(os.path.join(b, "vae", "diffusion_pytorch_model.safetensors"), "r+b") as f:  # other weights
         f.seek(100)
         f.write(b"\x01\x02\x03")
     assert model_load.program_digest(a) == model_load.program_digest(b) == model_load.program_digest("tiny")
@@ -576,14 +576,14 @@ def test_the_host_check_reads_no_checkpoint_byte_when_the_plans_table_matches(tm
     identity.check_files(directory, table)
     assert opened == []
 
-    weights = os.path.join(directory, "unet", "diffusion_flax_model.msgpack")
+    weights = os.path.join(directory, "unet", "diffusion_pytorch_model.safetensors")
     data = bytearray(open(weights, "rb").read())
     data[-1] ^= 1  # same size, other bytes
     with real_open(weights, "wb") as f:
         f.write(data)
-    with pytest.raises(ModelError, match="unet/diffusion_flax_model.msgpack differs"):
+    with pytest.raises(ModelError, match="unet/diffusion_pytorch_model.safetensors differs"):
         identity.check_files(directory, table)
     with real_open(weights, "ab") as f:
         f.write(b"x")
-    with pytest.raises(ModelError, match="unet/diffusion_flax_model.msgpack has"):
+    with pytest.raises(ModelError, match="unet/diffusion_pytorch_model.safetensors has"):
         identity.check_files(directory, table)

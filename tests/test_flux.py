@@ -24,7 +24,8 @@ from pipeline.core.settings import Settings
 from pipeline.generate import sampler
 from pipeline.io import storage
 from pipeline.model import families, load as model_lib
-from tests.conftest import run_cli
+from pipeline.output import writer
+from tests.conftest import check_host_imports, run_cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
 
@@ -116,6 +117,7 @@ def flux_runs(tmp_path_factory, model_cache):
                           "16", "--per-device-batch", "1", "--batches-per-slice", "1", "--fsdp", "2",
                           "--sizes", ",".join(SIZES), "--no-progress"], model_cache)
         assert result.returncode == 0, result.stderr[-4000:]
+        check_host_imports(result)
         outs[f"{hosts}x{devices}"] = out
     return outs
 

@@ -135,7 +135,7 @@ ROWS = [{"prompt": "a red fox", "id": "fox", "seed": 3},
 def klein_runs(tmp_path_factory, model_cache):
     """{hosts x devices: OUT} of one ``tiny-klein-base`` run (classifier-free guidance, the
     guided program, 48 Qwen3 tokens) on 2x2 and on 1x4 hosts x devices."""
-    from tests.conftest import run_cli
+    from tests.conftest import check_host_imports, run_cli
 
     folder = tmp_path_factory.mktemp("klein")
     prompts = folder / "p.jsonl"
@@ -149,6 +149,7 @@ def klein_runs(tmp_path_factory, model_cache):
                           "--batches-per-slice", "1", "--no-progress"], model_cache)
         assert result.returncode == 0, result.stderr[-4000:]
         assert json.loads(result.stdout) == {"images": 6, "records": 5, "rejects": 0, "verified": True}
+        check_host_imports(result)
         outs[f"{hosts}x{devices}"] = out
     return outs
 
@@ -216,11 +217,10 @@ def test_a_distilled_plan_records_its_default_steps_and_counts_a_guidance_it_wil
 
 
 def test_a_tokenizer_without_a_chat_template_is_refused_naming_it(models):
-    import copy
+    import dataclasses
 
     model = models["model"]
-    bare = copy.copy(model.nets.tokenizer)
-    bare.chat_template = None
+    bare = dataclasses.replace(model.nets.tokenizer, chat_template=None)
     with pytest.raises(ValueError, match="tokenizer has no chat_template"):
         sampling.format_prompt(bare, "a fox")
 

@@ -1,4 +1,4 @@
-"""promptmill's own FLUX.1 networks (``pipeline.model.layers``) against diffusers' and
+"""promptmill's own FLUX.1 networks (``pipeline.model.layers``, CLIP's in ``layers.text``) against diffusers' and
 transformers' PyTorch modules, on checkpoints they wrote.
 
 ``tests/fixtures/flux`` holds a tiny FLUX.1 [schnell]-like (bf16) and [dev]-like (fp16)
@@ -89,7 +89,7 @@ def probed(loaded):
                                                   text["pooled_prompt_embeds"], t, image_ids, txt_ids, guidance=guidance)
             calls.extend(traced)
             return dict(t5=nets.t5.apply({"params": params["text_encoder_2"]}, t5_ids),
-                        pooled=nets.clip(clip_ids, params=params["text_encoder"]).pooler_output,
+                        pooled=nets.clip.apply({"params": params["text_encoder"]}, clip_ids).pooled,
                         transformer=velocity,
                         images=vae.vae_decode(nets.vae, params["vae"], final, nets.vae.config))
 
@@ -137,7 +137,7 @@ def test_t5_config_follows_transformers_and_refuses_what_it_lacks():
             t5.T5Config.from_dict({**base, key: value})
 
 
-# ---- CLIP (transformers' Flax module, our naming rule)
+# ---- CLIP (our own, pooled at the end token)
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_clip_pooled_output_matches_transformers(loaded, probed, variant):
@@ -243,7 +243,7 @@ def test_vae_decode_matches_diffusers(probed, variant):
     np.testing.assert_allclose(outputs["images"] * 255, case["images_float"] * 255, rtol=0, atol=0.01)
 
 
-def test_vae_config_refuses_what_the_flax_decoder_would_drop():
+def test_vae_config_refuses_what_the_decoder_does_not_do():
     config = json.load(open(os.path.join(FIXTURES, "schnell", "vae", "config.json")))
     parsed = vae.VaeConfig.from_dict(config)
     assert (parsed.latent_channels, parsed.scale_factor, parsed.use_post_quant_conv) == (16, 2, False)
@@ -259,7 +259,11 @@ def test_vae_config_refuses_what_the_flax_decoder_would_drop():
     assert vae.from_torch({**stored, **conv}, with_conv)["post_quant_conv"]["kernel"].shape == (1, 1, 16, 16)
     with pytest.raises(weights.WeightsError, match="missing.*post_quant_conv"):
         vae.from_torch(stored, with_conv)
-    for key, value in (("act_fn", "gelu"), ("mid_block_add_attention", False), ("shift_factor", None),
+    # a mid block without its attention is decoded without it
+    plain = vae.VaeConfig.from_dict({**config, "mid_block_add_attention": False})
+    assert not any("attentions" in path for path in vae.param_shapes(plain))
+    assert any("attentions" in path for path in vae.param_shapes(parsed))
+    for key, value in (("act_fn", "gelu"), ("mid_block_add_attention", "no"), ("shift_factor", None),
                        ("up_block_types", ["UpDecoderBlock2D", "AttnUpDecoderBlock2D"]), ("norm_num_groups", 3),
                        ("_class_name", "AutoencoderDC"), ("scaling_factor", 0)):  # FLUX.2's is a variant
         with pytest.raises(ValueError, match=key):

@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from transformers import CLIPTokenizer, T5TokenizerFast
 
 from pipeline.model.sampling import flow
 from pipeline.model.families.flux import sampling as fs
 from pipeline.model.layers import patching
+from pipeline.model.loading import tokenizer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
 VARIANTS = ("schnell", "dev")
@@ -52,8 +52,8 @@ def checkpoints():
         directory = os.path.join(FIXTURES, variant)
         nets = fs.read_nets(directory)
         params = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), fs.read_params(directory, nets))
-        out[variant] = (nets, params, CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer")),
-                        T5TokenizerFast.from_pretrained(os.path.join(directory, "tokenizer_2")),
+        out[variant] = (nets, params, tokenizer.clip(os.path.join(directory, "tokenizer")),
+                        tokenizer.from_json(os.path.join(directory, "tokenizer_2"), fs.MAX_SEQUENCE_LENGTH),
                         dict(np.load(os.path.join(FIXTURES, f"{variant}.text.npz"))))
     return out
 
@@ -146,7 +146,8 @@ def test_tokenize_is_flux_pipelines(checkpoints, variant):
     np.testing.assert_array_equal(clip_ids, text["clip_ids"])
     np.testing.assert_array_equal(t5_ids, text["t5_ids"])
     assert t5_ids.shape == (2, length) and clip_ids.shape == (2, 77)
-    assert t5_ids[1, -1] == t5_tokenizer.eos_token_id and t5_ids[0, -1] == t5_tokenizer.pad_token_id
+    eos = t5_tokenizer.backend.token_to_id(t5_tokenizer.special_tokens["eos_token"])
+    assert t5_ids[1, -1] == eos and t5_ids[0, -1] == t5_tokenizer.pad_id
     assert fs.truncated(t5_tokenizer, prompts, length) == [False, True]
     assert fs.truncated(clip_tokenizer, prompts, 77) == [False, True]
     for bad in (0, 513, "16"):

@@ -271,7 +271,10 @@ def test_one_plan_over_every_bad_row_conserves_them(tmp_path, model_cache):
     (["--guidance-scale", "nan"], "--guidance-scale must be a number in [0, 100]"),
     (["--steps", "10000"], "--steps must be a whole number from 1 to 1000"),
     (["--steps", "0"], "--steps must be a whole number from 1 to 1000"),
-    (["--scheduler", "ddim", "--steps", "1000"], None),
+    (["--scheduler", "ddim", "--steps", "999"], None),
+    # leading spacing with SD's steps_offset 1: 1000 steps would reach timestep 1000, which
+    # diffusers' DDIMScheduler would index past its 1000 alphas
+    (["--scheduler", "ddim", "--steps", "1000"], "reaches timestep 1000, past the last (999)"),
     (["--scheduler", "pndm", "--steps", "3"], "runs 4 to 1000 steps (the pndm sampler"),
     (["--scheduler", "dpmpp", "--steps", "1000"], "runs 1 to 999 steps"),
     (["--height", "100000"], "--height must be at most 8192 pixels"),

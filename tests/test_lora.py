@@ -57,6 +57,12 @@ def models():
 _PROGRAMS = {}
 
 
+def with_loras(model, loras, dtype=jnp.float32):
+    """``lora.merge`` as the family's load merges: by the networks' layouts, against their
+    whole shapes, each merged kernel in the run's ``dtype``."""
+    return lora.merge(model.params, loras, model.family.lora_layouts(), model.family.lora_shapes(model.path), dtype)
+
+
 def images_of(model, params, reference) -> np.ndarray:
     """uint8 images of the reference's prompts and latents, guidance 0, with ``params``,
     from one compiled program per model."""
@@ -82,7 +88,7 @@ def test_images_match_diffusers_pytorch_lora_loading(models, family, form):
     model = models(family)
     reference = dict(np.load(os.path.join(LORAS, f"{family}.npz")))
     for scale, theirs in zip(reference["scales"], reference["images_uint8"]):
-        merged = lora.merge(model.params, [(files(family)[form], float(scale))])
+        merged = with_loras(model, [(files(family)[form], float(scale))])
         within_two_levels(images_of(model, merged, reference), theirs, f"{family} {form} at scale {scale}")
     # without the adapter, the same program gives other images: the comparison above can fail
     plain = images_of(model, model.params, reference)
@@ -91,11 +97,18 @@ def test_images_match_diffusers_pytorch_lora_loading(models, family, form):
 
 
 def test_sdxl_lora_adapts_both_text_encoders_and_the_unet(models):
-    merged = lora.merge(models("sdxl").params, [(files("sdxl")["diffusers"], 1.0)])
+    merged = with_loras(models("sdxl"), [(files("sdxl")["diffusers"], 1.0)])
     for component in ("unet", "text_encoder", "text_encoder_2"):
         before, after = flatten_dict(models("sdxl").params[component]), flatten_dict(merged[component])
         assert any(not np.array_equal(np.asarray(before[k]), after[k]) for k in before), component
     assert merged["vae"] is models("sdxl").params["vae"]
+    # SDXL reads its first encoder's penultimate state: its last layer is neither loaded nor run,
+    # and the adapter's update of that layer (which diffusers computes for nothing) is not merged
+    with safe_open(files("sdxl")["diffusers"], "np") as f:
+        assert any(key.startswith("text_encoder.text_model.encoder.layers.1.") for key in f.keys())
+    assert kernel(merged, "text_encoder", ("text_model", "encoder", "layers", "mlp", "fc1", "kernel")).shape[0] == 1
+    with pytest.raises(lora.LoraError, match="match no layer"):  # without the whole shapes, it would not match
+        lora.merge(models("sdxl").params, [(files("sdxl")["diffusers"], 1.0)], models("sdxl").family.lora_layouts())
 
 
 def kernel(params, component, path):
@@ -105,41 +118,42 @@ def kernel(params, component, path):
 def test_merged_kernels_are_w_plus_scale_alpha_over_rank_up_down_in_float32(models):
     model = models("sd")
     scale = 0.7
-    merged = lora.merge(model.params, [(SD_LORA, scale)])
+    result = with_loras(model, [(SD_LORA, scale)])
     with safe_open(SD_LORA, "np") as f:
         tensors = {key: f.get_tensor(key) for key in f.keys()}
         alpha = json.loads(f.metadata()["lora_adapter_metadata"])["unet.lora_alpha"]
     assert alpha == 8.0
     layers = {  # a Dense layer, a 1x1 and a 3x3 convolution
-        "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k": ("down_blocks_0", "attentions_0",
-                                                                        "transformer_blocks_0", "attn2", "to_k"),
-        "down_blocks.0.attentions.0.proj_in": ("down_blocks_0", "attentions_0", "proj_in"),
-        "up_blocks.1.resnets.0.conv1": ("up_blocks_1", "resnets_0", "conv1"),
+        "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k": ("down_blocks", "0", "attentions", "0",
+                                                                        "transformer_blocks", "0", "attn2", "to_k"),
+        "down_blocks.0.attentions.0.proj_in": ("down_blocks", "0", "attentions", "0", "proj_in"),
+        "up_blocks.1.resnets.0.conv1": ("up_blocks", "1", "resnets", "0", "conv1"),
     }
     for module, path in layers.items():
         down = tensors[f"unet.{module}.lora_A.weight"]
         up = tensors[f"unet.{module}.lora_B.weight"]
         rank = down.shape[0]
-        w = kernel(model.params, "unet", path + ("kernel",))
+        w = kernel(model.params, "unet", path + ("kernel",)).astype(np.float32)  # stored in float16
         product = up.reshape(up.shape[0], rank) @ down.reshape(rank, -1)  # PyTorch's (out, in·kh·kw)
         if w.ndim == 2:
             update = product.T  # Flax Dense: (in, out)
         else:  # Flax Conv: (kh, kw, in, out) from PyTorch's (out, in, kh, kw)
             update = product.reshape(w.shape[3], w.shape[2], w.shape[0], w.shape[1]).transpose(2, 3, 1, 0)
         expected = w + np.float32(scale * alpha / rank) * update
-        got = kernel(merged, "unet", path + ("kernel",))
+        got = kernel(result, "unet", path + ("kernel",))
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got, expected, err_msg=module)
         assert not np.array_equal(got, w)
         if path[-1] != "to_k":  # a bias is not touched
-            np.testing.assert_array_equal(kernel(merged, "unet", path + ("bias",)),
+            np.testing.assert_array_equal(kernel(result, "unet", path + ("bias",)),
                                           kernel(model.params, "unet", path + ("bias",)))
-    # the text encoder's layers likewise (its metadata has its own alpha)
+    # the text encoder's layers likewise (its metadata has its own alpha), block 1 of its stack
     down = tensors["text_encoder.text_model.encoder.layers.1.mlp.fc1.lora_A.weight"]
     up = tensors["text_encoder.text_model.encoder.layers.1.mlp.fc1.lora_B.weight"]
-    path = ("text_model", "encoder", "layers", "1", "mlp", "fc1", "kernel")
-    expected = kernel(model.params, "text_encoder", path) + np.float32(scale * 8.0 / 4) * (up @ down).T
-    np.testing.assert_array_equal(kernel(merged, "text_encoder", path), expected)
+    path = ("text_model", "encoder", "layers", "mlp", "fc1", "kernel")
+    stored = kernel(model.params, "text_encoder", path).astype(np.float32)
+    expected = stored[1] + np.float32(scale * 8.0 / 4) * (up @ down).T
+    np.testing.assert_array_equal(kernel(result, "text_encoder", path)[1], expected)
 
 
 def test_older_diffusers_names_and_a_file_without_alphas(models, tmp_path):
@@ -159,7 +173,7 @@ def test_older_diffusers_names_and_a_file_without_alphas(models, tmp_path):
     save_file(tensors, path)  # no header: alpha = rank, half the saved file's alpha 8 over rank 4
     assert lora.read(path).format == "diffusers/PEFT"
     params = models("sd").params
-    ours, saved = lora.merge(params, [(path, 1.0)]), lora.merge(params, [(SD_LORA, 0.5)])
+    ours, saved = with_loras(models("sd"), [(path, 1.0)]), with_loras(models("sd"), [(SD_LORA, 0.5)])
     for component in ("unet", "text_encoder"):
         for key, value in flatten_dict(saved[component]).items():
             np.testing.assert_array_equal(flatten_dict(ours[component])[key], value, err_msg=str(key))
@@ -168,9 +182,9 @@ def test_older_diffusers_names_and_a_file_without_alphas(models, tmp_path):
 def test_two_loras_compose_additively(models):
     params = models("sd").params
     first, second = files("sd")["diffusers"], files("sd")["kohya"]
-    both = lora.merge(params, [(first, 0.5), (second, -0.25)])
-    one = lora.merge(params, [(first, 0.5)])
-    other = lora.merge(params, [(second, -0.25)])
+    both = with_loras(models("sd"), [(first, 0.5), (second, -0.25)])
+    one = with_loras(models("sd"), [(first, 0.5)])
+    other = with_loras(models("sd"), [(second, -0.25)])
     changed = 0
     for component in ("unet", "text_encoder"):
         base = flatten_dict(params[component])
@@ -185,22 +199,24 @@ def test_two_loras_compose_additively(models):
 
 def test_an_adapter_leaves_the_compiled_program_unchanged(models):
     from pipeline.bench import flops
+    from pipeline.model.families import shapes
 
     model = models("sd")
-    merged = dataclasses.replace(model, params=lora.merge(model.params, [(SD_LORA, 1.0)]))
-    counted = flops.part_flops(merged, 32, 32, 1, guided=False)
+    adapted = dataclasses.replace(model, params=with_loras(model, [(SD_LORA, 1.0)]))
+    counted = flops.part_flops(adapted, 32, 32, 1, guided=False)
     assert counted == flops.part_flops(model, 32, 32, 1, guided=False) and counted["denoiser_call"] > 0
-    assert jax.tree_util.tree_structure(merged.params) == jax.tree_util.tree_structure(model.params)
-    assert {x.dtype for x in jax.tree_util.tree_leaves(merged.params["unet"])} == {np.dtype(np.float32)}
+    assert jax.tree_util.tree_structure(adapted.params) == jax.tree_util.tree_structure(model.params)
+    # the host keeps the stored float16 where nothing merged: the devices get one dtype either way
+    assert shapes.struct(adapted.params, model.param_dtype) == shapes.struct(model.params, model.param_dtype)
 
 
 def test_load_merges_the_adapters_before_the_cast_and_fingerprints_them(models, tmp_path):
     folder = os.path.join(LORAS, "sd")  # a folder holding pytorch_lora_weights.safetensors
     loaded = model_lib.load(SD, dtype="bf16", loras=[f"{folder}@0.5"])
-    expected = lora.merge(models("sd").params, [(SD_LORA, 0.5)])
-    path = ("down_blocks_0", "attentions_0", "transformer_blocks_0", "attn1", "to_q", "kernel")
+    expected = with_loras(models("sd"), [(SD_LORA, 0.5)])
+    path = ("down_blocks", "0", "attentions", "0", "transformer_blocks", "0", "attn1", "to_q", "kernel")
     got = kernel(loaded.params, "unet", path)
-    assert got.dtype == jnp.bfloat16
+    assert got.dtype == jnp.bfloat16  # merged in float32, then in the run's dtype
     np.testing.assert_array_equal(got, kernel(expected, "unet", path).astype(jnp.bfloat16))
     plain = models("sd").fingerprint
     assert loaded.fingerprint != plain
@@ -222,9 +238,9 @@ def test_generate_and_reproduce_load_the_planned_adapters(models, tmp_path, mode
     assert Run.from_dict(json.loads(json.dumps(run.to_dict()))) == run
     model = runtime.load_model(run)  # as every host, and reproduce, load the run's model
     assert model.fingerprint == run.model_fingerprint
-    path = ("text_model", "encoder", "layers", "0", "self_attn", "q_proj", "kernel")
+    path = ("text_model", "encoder", "layers", "self_attn", "q_proj", "kernel")
     np.testing.assert_array_equal(kernel(model.params, "text_encoder", path),
-                                  kernel(lora.merge(models("sd").params, [(SD_LORA, 0.5)]), "text_encoder", path))
+                                  kernel(with_loras(models("sd"), [(SD_LORA, 0.5)]), "text_encoder", path))
     # a changed adapter file is caught before any image is made
     def doubled(tensors):
         key = next(iter(tensors))
@@ -285,7 +301,7 @@ def test_a_shape_that_does_not_fit_is_an_error(tmp_path):
         tensors[key] = np.zeros((4, 48), np.float32)
 
     with pytest.raises(model_lib.ModelError, match=r"attn1\.to_q\.lora_A\.weight \(4, 48\).*do not fit "
-                                                   r"unet/down_blocks_0/.*/to_q/kernel \(32, 32\)"):
+                                                   r"unet/down_blocks/0/.*/to_q/kernel \(32, 32\)"):
         model_lib.describe(SD, loras=[rewritten(tmp_path, SD_LORA, wider)])
 
 

@@ -84,11 +84,7 @@ def other_unet(model_cache, tmp_path_factory):
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    from tests.pt_export import write_twin
-
-    twin = str(tmp_path_factory.mktemp("twin") / "tiny")
-    write_twin(model_lib.resolve("tiny"), twin)
-    tensors = load_file(os.path.join(twin, "unet", "diffusion_pytorch_model.safetensors"))
+    tensors = load_file(os.path.join(model_lib.resolve("tiny"), "unet", "diffusion_pytorch_model.safetensors"))
     path = str(tmp_path_factory.mktemp("unet") / "fast_unet.safetensors")
     save_file({k: (v * 1.5 + 0.01).astype(np.float32) for k, v in tensors.items()}, path)
     return path
@@ -250,10 +246,10 @@ def test_a_download_that_does_not_match_its_listing_is_an_error_naming_the_objec
     local = model_lib.resolve("tiny")
     prefix = f"gs://{gcs_emulator}/models/tiny-corrupt"
     upload_tree(local, prefix)
-    corrupt_listing(f"{prefix}/unet/diffusion_flax_model.msgpack")
+    corrupt_listing(f"{prefix}/unet/diffusion_pytorch_model.safetensors")
     monkeypatch.setenv("PROMPTMILL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(storage, "CHUNK_SIZE", 1 << 20)  # the 3 MB UNet in chunks
-    with pytest.raises(model_lib.ModelError, match=f"{prefix}: unet/diffusion_flax_model.msgpack does not match "
+    with pytest.raises(model_lib.ModelError, match=f"{prefix}: unet/diffusion_pytorch_model.safetensors does not match "
                                                    "its listed checksum"):
         model_lib.resolve(prefix)
     remote = tmp_path / "cache" / "models" / "remote"
@@ -304,7 +300,7 @@ def test_a_host_checks_a_gcs_model_by_listing_it_and_refuses_a_changed_object(gc
     prefix = f"gs://{gcs_emulator}/models/tiny-check"
     upload_tree(local, prefix)
     table = model_lib.model_table(prefix)  # what the plan writes
-    weights = "unet/diffusion_flax_model.msgpack"
+    weights = "unet/diffusion_pytorch_model.safetensors"
     assert table[weights] == storage.object_checksums(local)[weights]  # size, md5 and crc32c
     with watched() as proxy:
         model_lib.check_model(prefix, table)

@@ -90,20 +90,38 @@ def test_the_tour_from_a_clean_clone(tmp_path, monkeypatch, capsys):
 PROMPTMILL = ".venv/bin/promptmill"
 
 
-def _imported_distributions() -> dict[str, str]:
-    """{module imported by the package (pipeline/, jobs/): the distribution that provides it}."""
-    import ast
-    from importlib import metadata
+# modules the package imports only for an optional feature, from an extra: {module: (the
+# extra, the one file that imports it)}; the seed notebook's baseline of `bench generator`
+OPTIONAL_IMPORTS = {"diffusers": ("notebook", "pipeline/bench/baseline.py")}
 
-    names = set()
+
+def _imports() -> dict[str, set[str]]:
+    """{module imported by the package (pipeline/, jobs/), as written: the files importing it}."""
+    import ast
+
+    names = {}
     for package in ("pipeline", "jobs"):
         for folder, _, files in os.walk(os.path.join(ROOT, package)):
             for file in (f for f in files if f.endswith(".py")):
-                for node in ast.walk(ast.parse(open(os.path.join(folder, file), encoding="utf-8").read())):
+                path = os.path.join(folder, file)
+                for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
                     if isinstance(node, ast.Import):
-                        names |= {alias.name for alias in node.names}
+                        found = {alias.name for alias in node.names}
                     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                        names |= {f"{node.module}.{alias.name}" for alias in node.names}
+                        found = {f"{node.module}.{alias.name}" for alias in node.names}
+                    else:
+                        continue
+                    for name in found:
+                        names.setdefault(name, set()).add(os.path.relpath(path, ROOT))
+    return names
+
+
+def _imported_distributions() -> dict[str, str]:
+    """{module imported by the package (pipeline/, jobs/), but for ``OPTIONAL_IMPORTS``:
+    the distribution that provides it}."""
+    from importlib import metadata
+
+    names = {n for n in _imports() if n.split(".")[0] not in OPTIONAL_IMPORTS}
     # a namespace package (google.*) is told apart by its next levels
     names = {".".join(n.split(".")[:3 if n.startswith("google.cloud.") else 2 if n.startswith("google.") else 1])
              for n in names}
@@ -156,6 +174,34 @@ def test_everything_the_package_imports_comes_with_its_own_install():
     missing = {module: dist for module, dist in imported.items()
                if dist is None or canonicalize_name(dist) not in closure}
     assert not missing, f"imported but not installed by install_requires: {missing}"
+
+
+def test_an_optional_import_is_one_files_and_comes_with_its_extra():
+    """diffusers is no dependency: only the seed notebook's baseline imports it, and the
+    ``notebook`` extra installs it (neither diffusers nor transformers is in install_requires)."""
+    import ast
+
+    from packaging.requirements import Requirement
+
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read())
+    keywords = {k.arg: ast.literal_eval(k.value) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                for k in node.keywords if k.arg in ("install_requires", "extras_require")}
+    required = {Requirement(r).name for r in keywords["install_requires"]}
+    assert not {"diffusers", "transformers"} & required
+    files = {}
+    for name, where in _imports().items():
+        if name.split(".")[0] in OPTIONAL_IMPORTS:
+            files.setdefault(name.split(".")[0], set()).update(where)
+    for module, (extra, path) in OPTIONAL_IMPORTS.items():
+        assert files.get(module) == {path}, (module, files.get(module))
+        assert module in {Requirement(r).name for r in keywords["extras_require"][extra]}
+    assert not {"transformers", "torch"} & {name.split(".")[0] for name in _imports()}
+    # so a fresh `pip install -e .` brings neither, and importing the package loads neither
+    assert not {"diffusers", "transformers", "torch"} & _install_closure()
+    loaded = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, sys, pipeline, jobs.cli; print(json.dumps(sorted(sys.modules)))"],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    assert "jobs.cli" in loaded and not {"diffusers", "transformers", "torch"} & {m.split(".")[0] for m in loaded}
 
 
 def _check_demo(clone, result, out="promptmill-out", parquet=False):

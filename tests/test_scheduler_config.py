@@ -1,7 +1,8 @@
-"""A checkpoint's scheduler config is honoured or refused at plan time, never ignored:
-the Flax schedulers lack keys that diffusers' PyTorch ones act on (trailing spacing,
-Karras sigmas, zero-SNR betas, ...), and ``from_config`` would drop them silently. Such
-configs run on promptmill's own steps where those do what the config asks."""
+"""A checkpoint's scheduler config is honoured or refused at plan time, never ignored: every
+sampler runs on promptmill's own steps, which read the config as diffusers' PyTorch class of
+that sampler does (its keys, its defaults for the missing ones), and refuse what they do not
+do, naming the key. A config written by one of diffusers' former Flax classes keeps the
+meaning it had there."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import pytest
 
 from pipeline.core.settings import Settings
 from pipeline.model import load as model_lib
-from pipeline.model.sampling import scheduler as scheduler_lib
+from pipeline.model.sampling import scheduler as scheduler_lib, steps
 from pipeline.plan import prepare
 
 # scheduler_config.json as diffusers' PyTorch classes write them for released checkpoints
@@ -26,67 +27,72 @@ SDXL_EULER = {"_class_name": "EulerDiscreteScheduler", "beta_end": 0.012, "beta_
 TURBO_EULER_A = dict(SDXL_EULER, _class_name="EulerAncestralDiscreteScheduler", timestep_spacing="trailing")
 
 
-@pytest.mark.parametrize("choice", ["ddim", "pndm", "euler", "dpmpp"])
-def test_released_sd_configs_are_honoured_by_every_sampler(choice):
-    assert scheduler_lib.unhonoured(SD15_PNDM, choice) == []
-
-
-@pytest.mark.parametrize("config, choice, expected", [
-    (SDXL_EULER, "euler", []),
-    (SDXL_EULER, "dpmpp", []),
-    (dict(SDXL_EULER, timestep_spacing="trailing"), "euler", [("timestep_spacing", "trailing")]),
-    (dict(SDXL_EULER, timestep_spacing="linspace", steps_offset=0), "euler", []),
-    (dict(SDXL_EULER, steps_offset=0), "euler", [("steps_offset", 0)]),  # Flax's leading Euler adds 1
-    ({k: v for k, v in SDXL_EULER.items() if k != "steps_offset"}, "euler", [("steps_offset", 0)]),
-    (dict(SDXL_EULER, use_karras_sigmas=True, final_sigmas_type="sigma_min"), "euler",
-     [("use_karras_sigmas", True), ("final_sigmas_type", "sigma_min")]),
-    (dict(SD15_PNDM, timestep_spacing="trailing"), "ddim", [("timestep_spacing", "trailing")]),
-    (dict(SD15_PNDM, timestep_spacing="trailing"), "pndm", [("timestep_spacing", "trailing")]),
-    (dict(SD15_PNDM, timestep_spacing="trailing"), "dpmpp", []),  # Flax DPM-Solver has trailing
-    (dict(SD15_PNDM, rescale_betas_zero_snr=True, thresholding=True), "ddim",
-     [("rescale_betas_zero_snr", True), ("thresholding", True)]),
-    (dict(SD15_PNDM, prediction_type="sample"), "pndm", [("prediction_type", "sample")]),
-    (dict(SD15_PNDM, prediction_type="sample"), "ddim", []),
-    (dict(SD15_PNDM, algorithm_type="sde-dpmsolver++", solver_order=3), "dpmpp",
-     [("algorithm_type", "sde-dpmsolver++"), ("solver_order", 3)]),
-    (TURBO_EULER_A, "euler", [("timestep_spacing", "trailing")]),
-    # written by a Flax class: Flax keys, Flax semantics
-    ({"_class_name": "FlaxEulerDiscreteScheduler", "timestep_spacing": "leading"}, "euler", []),
-])
-def test_each_key_a_sampler_would_not_honour_is_named(config, choice, expected):
-    assert [(key, value) for key, value, _ in scheduler_lib.unhonoured(config, choice)] == expected
-
-
-@pytest.mark.parametrize("config, choice, engine", [
-    (SD15_PNDM, "ddim", "flax"),
-    (SD15_PNDM, "euler", "flax"),
-    (dict(SD15_PNDM, timestep_spacing="trailing"), "ddim", "steps"),  # Flax DDIM has no spacing
-    (dict(SDXL_EULER, timestep_spacing="trailing"), "euler", "steps"),
-    (dict(SDXL_EULER, steps_offset=0), "euler", "steps"),  # PyTorch's leading spacing without Flax's + 1
-    (dict(SDXL_EULER, use_karras_sigmas=True), "euler", "steps"),
-    (dict(SDXL_EULER, timestep_spacing="trailing"), "dpmpp", "flax"),
-    (TURBO_EULER_A, None, "steps"),  # the checkpoint's own: Euler ancestral
-    (dict(SD15_PNDM, _class_name="LCMScheduler"), None, "steps"),
-])
-def test_each_config_runs_on_the_engine_that_honours_it(tmp_path, config, choice, engine):
-    (tmp_path / "scheduler").mkdir()
+def _checkpoint(tmp_path, config):
+    (tmp_path / "scheduler").mkdir(exist_ok=True)
     (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
-    sampler = scheduler_lib.resolve_sampler(str(tmp_path), choice)
-    assert sampler.engine == engine
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("choice", ["ddim", "pndm", "euler", "dpmpp", "euler_a", "lcm"])
+@pytest.mark.parametrize("config", [SD15_PNDM, SDXL_EULER])
+def test_released_configs_are_honoured_by_every_sampler_keeping_their_noise_schedule(tmp_path, config, choice):
+    sampler = scheduler_lib.resolve_sampler(_checkpoint(tmp_path, config), choice, num_steps=4)
+    assert (sampler.choice, sampler.engine) == (choice, "steps")
+    resolved = steps.resolved_config(sampler.config, choice)
+    assert (resolved["beta_schedule"], resolved["beta_start"], resolved["beta_end"]) == ("scaled_linear", 0.00085,
+                                                                                        0.012)
+    assert resolved["num_train_timesteps"] == 1000 and resolved["prediction_type"] == "epsilon"
+    if choice == "dpmpp":  # --scheduler dpmpp: DPM-Solver++ of order 2
+        assert (resolved["algorithm_type"], resolved["solver_order"]) == ("dpmsolver++", 2)
+
+
+@pytest.mark.parametrize("config, choice, spacing, steps_offset, final_sigmas", [
+    # a config without a spacing key means the PyTorch class's default
+    (SD15_PNDM, "ddim", "leading", 1, None),
+    (SD15_PNDM, "euler", "linspace", 1, "zero"),
+    (SD15_PNDM, "dpmpp", "linspace", 1, "zero"),
+    # written by a Flax class: Flax semantics (no spacing key: leading; leading Euler adds 1;
+    # DPM-Solver's last step to timestep 0)
+    ({"_class_name": "FlaxDDIMScheduler", "steps_offset": 1}, "ddim", "leading", 1, None),
+    ({"_class_name": "FlaxPNDMScheduler"}, "pndm", "leading", 0, None),
+    ({"_class_name": "FlaxEulerDiscreteScheduler", "timestep_spacing": "leading"}, "euler", "leading", 1, "zero"),
+    ({"_class_name": "FlaxDPMSolverMultistepScheduler"}, "dpmpp", "linspace", 0, "sigma_min"),
+])
+def test_a_config_means_what_it_meant_to_the_class_that_wrote_it(tmp_path, config, choice, spacing, steps_offset,
+                                                                  final_sigmas):
+    resolved = steps.resolved_config(scheduler_lib.resolve_sampler(_checkpoint(tmp_path, config), choice).config,
+                                     choice)
+    assert (resolved["timestep_spacing"], resolved["steps_offset"]) == (spacing, steps_offset)
+    assert resolved.get("final_sigmas_type") == final_sigmas
+
+
+@pytest.mark.parametrize("config, choice", [
+    (TURBO_EULER_A, None),  # the checkpoint's own: Euler ancestral
+    (dict(SD15_PNDM, _class_name="LCMScheduler"), None),
+    (dict(SDXL_EULER, timestep_spacing="trailing", use_karras_sigmas=True), "euler"),
+    (dict(SD15_PNDM, timestep_spacing="trailing"), "pndm"),
+    (dict(SDXL_EULER, final_sigmas_type="sigma_min", solver_type="heun"), "dpmpp"),
+])
+def test_what_the_steps_do_is_run_as_asked(tmp_path, config, choice):
+    sampler = scheduler_lib.resolve_sampler(_checkpoint(tmp_path, config), choice)
+    assert sampler.engine == "steps"
     assert sampler.choice == (choice or {"EulerAncestralDiscreteScheduler": "euler_a",
                                          "LCMScheduler": "lcm"}[config["_class_name"]])
+    for key, value in config.items():
+        if not key.startswith("_") and key in steps.DEFAULTS[sampler.choice]:
+            assert sampler.config[key] == value, key
 
 
 @pytest.mark.parametrize("config, choice, spacing, refused", [
-    (dict(SD15_PNDM, timestep_spacing="trailing"), "pndm", None, r"timestep_spacing='trailing' \(the pndm sampler "
-                                                                  r"runs 'leading'\)"),
-    (SD15_PNDM, "pndm", "linspace", r"with --timestep-spacing asks for timestep_spacing='linspace'"),
+    (dict(SD15_PNDM, prediction_type="sample"), "pndm", None, r"prediction_type='sample'"),
+    (dict(SD15_PNDM, rescale_betas_zero_snr=True), "dpmpp", None, r"rescale_betas_zero_snr=True"),
+    (SD15_PNDM, "dpmpp", "bogus", r"--timestep-spacing must be one of"),
     (dict(SDXL_EULER, thresholding=True), "ddim", None, r"thresholding=True"),
     (dict(SDXL_EULER, use_beta_sigmas=True), "euler", None, r"use_beta_sigmas=True"),
-    (dict(SD15_PNDM, algorithm_type="sde-dpmsolver++"), "dpmpp", None, r"algorithm_type='sde-dpmsolver\+\+'"),
+    (dict(SD15_PNDM, use_karras_sigmas=True), "dpmpp", None, r"use_karras_sigmas=True"),
     (dict(SDXL_EULER, prediction_type="sample"), "euler_a", None, r"prediction_type='sample'"),
 ])
-def test_what_no_engine_does_is_refused_naming_the_key(tmp_path, config, choice, spacing, refused):
+def test_what_the_steps_do_not_do_is_refused_naming_the_key(tmp_path, config, choice, spacing, refused):
     (tmp_path / "scheduler").mkdir()
     (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
     with pytest.raises(model_lib.ModelError, match=refused):
@@ -107,17 +113,24 @@ def trailing_checkpoint(model_cache, tmp_path_factory):
 
 def test_the_plan_honours_the_checkpoints_spacing_or_refuses_it(trailing_checkpoint, tmp_path):
     settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"), model=trailing_checkpoint)
-    for choice in (None, "euler", "euler_a", "lcm", "dpmpp"):  # the checkpoint's own (ddim), and more
+    for choice in (None, "euler", "euler_a", "lcm", "dpmpp", "pndm"):  # the checkpoint's own (ddim), and more
         resolved, run = prepare.resolve_settings(settings.replace(scheduler=choice))
         assert resolved.scheduler == run.settings.scheduler == (choice or "ddim")
-    with pytest.raises(model_lib.ModelError, match=r"asks for timestep_spacing='trailing' \(the pndm sampler "
-                                                   r"runs 'leading'\)"):
-        prepare.resolve_settings(settings.replace(scheduler="pndm"))
-    with pytest.raises(model_lib.ModelError, match="timestep_spacing='trailing'"):
-        model_lib.load(trailing_checkpoint, dtype="fp32", scheduler="pndm")  # and a host loading it refuses too
+    path = f"{trailing_checkpoint}/scheduler/scheduler_config.json"
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump(dict(config, thresholding=True), f)
+    try:
+        with pytest.raises(model_lib.ModelError, match=r"asks for thresholding=True"):
+            prepare.resolve_settings(settings)
+        with pytest.raises(model_lib.ModelError, match="thresholding=True"):
+            model_lib.load(trailing_checkpoint, dtype="fp32")  # and a host loading it refuses too
+    finally:
+        with open(path, "w") as f:
+            json.dump(config, f)
     model = model_lib.load(trailing_checkpoint, dtype="fp32")
-    found = (model.sampler.engine, model.sampler.config["timestep_spacing"], model.nets.scheduler)
-    assert found == ("steps", "trailing", None)
+    assert (model.sampler.engine, model.sampler.config["timestep_spacing"]) == ("steps", "trailing")
 
 
 def test_a_step_count_the_sampler_cannot_run_is_refused_at_plan_time(trailing_checkpoint, tmp_path):
@@ -129,15 +142,13 @@ def test_a_step_count_the_sampler_cannot_run_is_refused_at_plan_time(trailing_ch
 
 
 def test_the_timestep_spacing_flag_overrides_the_checkpoints(model_cache, tmp_path):
-    settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"))  # tiny: Flax DDIM, leading
-    assert model_lib.load("tiny").sampler.engine == "flax"
+    settings = Settings(prompts=str(tmp_path / "*.jsonl"), out=str(tmp_path / "out"))  # tiny: DDIM, leading
+    assert model_lib.load("tiny").sampler.config["timestep_spacing"] == "leading"
     trailing = model_lib.load("tiny", dtype="fp32", scheduler=None, timestep_spacing="trailing").sampler
     assert (trailing.engine, trailing.config["timestep_spacing"]) == ("steps", "trailing")
     resolved, run = prepare.resolve_settings(settings.replace(timestep_spacing="trailing"))
     assert resolved.timestep_spacing == "trailing"
     assert run.settings_fingerprint != prepare.resolve_settings(settings)[1].settings_fingerprint
-    with pytest.raises(model_lib.ModelError, match="with --timestep-spacing asks for timestep_spacing='trailing'"):
-        prepare.resolve_settings(settings.replace(timestep_spacing="trailing", scheduler="pndm"))
 
 
 def test_an_lcm_unet_with_a_guidance_embedding_is_refused(model_cache, tmp_path):

@@ -54,9 +54,10 @@ def test_an_older_run_json_reads_with_the_defaults_and_keeps_its_fingerprint():
     """A run planned before the newer settings existed: they are missing from its
     run.json, take their defaults, and its stored fingerprint is still the one a plan
     with the same settings computes, so a re-run resumes it."""
-    current = run_of(SETTINGS.replace(**NEWER_SETTINGS))  # what those runs had
+    newer = {k: v for k, v in NEWER_SETTINGS.items() if k != "attention"}  # see the test below
+    current = run_of(SETTINGS.replace(**newer))  # what those runs had
     old = as_stored(current)
-    for name in NEWER_SETTINGS:
+    for name in newer:
         del old["settings"][name]
     del old["loras"]
     decisive = {k: v for k, v in old["settings"].items() if k != "out"}
@@ -67,6 +68,15 @@ def test_an_older_run_json_reads_with_the_defaults_and_keeps_its_fingerprint():
     assert read.settings_fingerprint == old["settings_fingerprint"] == current.settings_fingerprint
     # a newer setting away from its default is part of the fingerprint
     assert fingerprint(current.settings.replace(dedupe=True), "f" * 64) != current.settings_fingerprint
+
+
+def test_a_run_planned_before_the_attention_seam_is_refused_with_a_clear_error():
+    """Its SD networks were diffusers' Flax modules: this version has none, so the run is
+    refused instead of resumed with other networks."""
+    old = as_stored(run_of(SETTINGS))
+    del old["settings"]["attention"]
+    with pytest.raises(ValueError, match="earlier promptmill version"):
+        Run.from_dict(old)
 
 
 def test_a_run_json_without_a_settings_fingerprint_gets_it_computed():
@@ -129,7 +139,7 @@ def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are
     out = str(tmp_path / "out")
     _, run = prepare.resolve_settings(Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=2))
     old = as_stored(run)
-    for name in NEWER_SETTINGS:
+    for name in set(NEWER_SETTINGS) - {"attention"}:  # a run without it is refused (see above)
         del old["settings"][name]
     del old["loras"]
     old["created_at"] = "2025-01-01T00:00:00+00:00"

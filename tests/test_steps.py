@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model.sampling import stepping, steps
+from pipeline.model.sampling import multistep, stepping, steps
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "schedulers")
-FILES = ("ddim", "euler", "euler_a", "lcm")
+FILES = ("ddim", "pndm", "euler", "dpmpp", "euler_a", "lcm")
 ATOL = 1e-5
 
 
@@ -55,13 +55,14 @@ ALL_CASES = [(file, str(name)) for file in FILES for name in CASES[file]["name"]
 
 
 def _run(schedule, model_outputs, noise, latents):
-    """Our chain, as a sampler runs it: (scaled inputs, outputs) of every step."""
+    """Our chain, as a sampler runs it: (scaled inputs, outputs) of every network call."""
     sample = jnp.asarray(latents) * schedule.init_noise_sigma
+    state = stepping.start(schedule, sample)
     scaled, outputs = [], []
     for i in range(schedule.num_steps):
         scaled.append(np.asarray(stepping.scale_input(schedule, i, sample)))
-        sample = stepping.step(schedule, i, jnp.asarray(model_outputs[i]), sample,
-                            jnp.asarray(noise[i]) if schedule.stochastic else None)
+        sample, state = stepping.advance(schedule, i, jnp.asarray(model_outputs[i]), sample,
+                                         jnp.asarray(noise[i]) if schedule.stochastic else None, state)
         outputs.append(np.asarray(sample))
     return np.stack(scaled), np.stack(outputs)
 
@@ -79,6 +80,11 @@ def test_fixtures_are_diffusers_039_and_cover_every_sampler_spacing_and_predicti
                     assert (sampler, spacing, prediction, n) in covered
     assert {(s, p, n) for s, _, p, n in covered if s == "lcm"} >= {
         ("lcm", p, n) for p in ("epsilon", "v_prediction") for n in (1, 2, 4, 7)}
+    for sampler in ("pndm", "dpmpp"):  # the multistep samplers, on every spacing and prediction
+        assert {(s, sp, p, n) for s, sp, p, n in covered if s == sampler} >= {
+            (sampler, sp, p, n) for sp in steps.SPACINGS for p in ("epsilon", "v_prediction") for n in (1, 2, 4, 7)}
+    prk = [case for case in (_case(*key) for key in ALL_CASES) if case["config"].get("skip_prk_steps") is False]
+    assert prk and all(len(case["timesteps"]) == case["steps"] + 9 for case in prk)  # PNDM's Runge-Kutta calls
 
 
 def tolerance(case, schedule) -> float:
@@ -100,6 +106,8 @@ def tolerance(case, schedule) -> float:
         gain = float((1 / np.sqrt(alpha)).max())
     elif schedule.sampler in ("ddim", "lcm") and schedule.prediction_type == "sample":
         gain = float((1 / np.sqrt(1 - alpha)).max())
+    elif schedule.sampler == "dpmpp" and schedule.prediction_type == "epsilon":  # x0 = (x - sigma eps) / alpha
+        gain = float((1 / schedule.plan[:, multistep.DPMPP_COLUMNS.index("alpha_s")]).max())
     return ATOL * max(1.0, reach / 32, gain / 32)
 
 
@@ -164,18 +172,20 @@ def test_a_whole_chain_runs_in_one_jitted_fori_loop(sampler):
         return jax.random.normal(jax.random.fold_in(key, i), shape) if schedule.stochastic else None
 
     def model(i, sample):  # a stand-in network that reads its scaled input
-        return model_outputs[i] + 0.01 * stepping.scale_input(schedule, i, sample)
+        return model_outputs[i % 4] + 0.01 * stepping.scale_input(schedule, i, sample)
 
     @jax.jit
     def loop(schedule, latents):
-        def body(i, sample):
-            return stepping.step(schedule, i, model(i, sample), sample, noise(i))
-        return jax.lax.fori_loop(0, schedule.num_steps, body, latents * schedule.init_noise_sigma)
+        def body(i, carry):
+            return stepping.advance(schedule, i, model(i, carry[0]), carry[0], noise(i), carry[1])
+        start = latents * schedule.init_noise_sigma
+        return jax.lax.fori_loop(0, schedule.num_steps, body, (start, stepping.start(schedule, start)))[0]
 
     looped = loop(schedule, latents)
     sample = latents * schedule.init_noise_sigma
+    state = stepping.start(schedule, sample)
     for i in range(schedule.num_steps):
-        sample = stepping.step(schedule, i, model(i, sample), sample, noise(i))
+        sample, state = stepping.advance(schedule, i, model(i, sample), sample, noise(i), state)
     # compiled as one program, XLA may round differently from op-by-op (x / sqrt(a) can
     # become x * rsqrt(a)), and random model outputs reach magnitudes near 50 here
     np.testing.assert_allclose(np.asarray(looped), np.asarray(sample), rtol=1e-6, atol=1e-6)
@@ -326,20 +336,24 @@ def test_lcm_ignores_spacing_as_diffusers_does():
 
 
 def test_unknown_sampler_is_refused():
-    with pytest.raises(ValueError, match="pndm"):
-        steps.unsupported(SD, "pndm")
+    with pytest.raises(ValueError, match="heun"):
+        steps.unsupported(SD, "heun")
 
 
 def test_step_takes_noise_exactly_when_the_sampler_is_stochastic():
     sample = jnp.ones((1, 4, 2, 2))
     for sampler in steps.SAMPLERS:
-        schedule = steps.make_schedule(SD, sampler, 2)
+        schedule = steps.make_schedule(dict(SD, skip_prk_steps=True), sampler, 2)
+        state = stepping.start(schedule, sample)
         if schedule.stochastic:
             with pytest.raises(ValueError, match="noise"):
-                stepping.step(schedule, 0, sample, sample)
+                stepping.advance(schedule, 0, sample, sample, None, state)
         else:
             with pytest.raises(ValueError, match="no noise"):
-                stepping.step(schedule, 0, sample, sample, sample)
+                stepping.advance(schedule, 0, sample, sample, sample, state)
+        if sampler in ("pndm", "dpmpp"):  # a state to keep: not a plain step
+            with pytest.raises(ValueError, match="advance"):
+                stepping.step(schedule, 0, sample, sample)
     assert steps.STOCHASTIC == {"euler_a", "lcm"}
 
 

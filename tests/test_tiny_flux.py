@@ -114,14 +114,18 @@ def test_random_flux_has_flux1s_real_sizes(tmp_path):
     assert flow.unsupported(config(directory, "scheduler/scheduler_config.json")) == []
 
 
-def test_the_t5_tokenizer():
-    tokenizer = tiny_flux.t5_tokenizer()
-    assert [tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id] == [0, 1, 2]
-    ids = tokenizer("a red fox, 42").input_ids
-    assert tokenizer.convert_ids_to_tokens(ids) == ["\u2581a", "\u2581red", "\u2581fox", ",", "\u2581", "4", "2", "</s>"]
-    assert tokenizer.unk_token_id not in tokenizer("Any Plain TEXT (ascii), 0-9!").input_ids
-    assert len(tokenizer) <= json.load(open(os.path.join(FIXTURES, "dev", "text_encoder_2", "config.json")))[
-        "vocab_size"]
+def test_the_t5_tokenizer(tmp_path):
+    from pipeline.model.loading import tokenizer as tokenizer_lib
+
+    tiny_flux.write_tokenizers(str(tmp_path))
+    tokenizer = tokenizer_lib.from_json(str(tmp_path / "tokenizer_2"), 512)
+    backend = tokenizer.backend
+    assert [backend.token_to_id(t) for t in ("<pad>", "</s>", "<unk>")] == [0, 1, 2] and tokenizer.pad_id == 0
+    ids = tokenizer.ids(["a red fox, 42"], 8)[0]
+    assert [backend.id_to_token(i) for i in ids] == ["\u2581a", "\u2581red", "\u2581fox", ",", "\u2581", "4", "2", "</s>"]
+    assert 2 not in tokenizer.ids(["Any Plain TEXT (ascii), 0-9!"], 64)[0]
+    assert backend.get_vocab_size() <= json.load(open(os.path.join(FIXTURES, "dev", "text_encoder_2",
+                                                                   "config.json")))["vocab_size"]
 
 
 def test_the_presets_import_no_jax():

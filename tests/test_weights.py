@@ -1,7 +1,9 @@
-"""Checkpoints with PyTorch safetensors load without torch and give the same images."""
+"""Checkpoints load without torch, from PyTorch safetensors or the libraries' Flax msgpack,
+to the same weights; converted once per machine and memory-mapped after."""
 import importlib.util
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -9,44 +11,53 @@ from flax.traverse_util import flatten_dict
 
 from pipeline.model import load as model_lib
 from pipeline.model.loading import weights
-from tests.pt_export import write_twin
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
 def test_torch_is_not_installed():
     assert importlib.util.find_spec("torch") is None
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-sdxl"])
-def twins(request, model_cache, tmp_path_factory):
-    flax_dir = model_lib.resolve(request.param)
-    pt_dir = str(tmp_path_factory.mktemp("pt") / request.param)
-    write_twin(flax_dir, pt_dir)
-    return flax_dir, pt_dir
+@pytest.fixture(scope="module")
+def flax_twin(tmp_path_factory):
+    """``pt_pipelines/sd`` and ``sdxl`` with their networks' weights as diffusers' and
+    transformers' Flax modules saved them (``fixtures/flax_twin``: SD's UNet, VAE and text
+    encoder; SDXL's second text encoder, the projected one)."""
+    twins = {}
+    for family, components in (("sd", ("unet", "vae", "text_encoder")), ("sdxl", ("text_encoder_2",))):
+        target = tmp_path_factory.mktemp("flax") / family
+        shutil.copytree(os.path.join(FIXTURES, "pt_pipelines", family), target)
+        for component in components:
+            for name in os.listdir(target / component):
+                if name.endswith(".safetensors"):
+                    os.remove(target / component / name)
+            for name in os.listdir(os.path.join(FIXTURES, "flax_twin", component)):
+                shutil.copy(os.path.join(FIXTURES, "flax_twin", component, name), target / component / name)
+        twins[family] = str(target)
+    return twins
 
 
-def test_safetensors_params_equal_the_flax_params(twins):
-    """Equal parameters, bit for bit: the sampler is a pure function of them, so a
-    safetensors checkpoint gives the same images as its Flax twin."""
-    flax_dir, pt_dir = twins
-    assert not any(f.endswith(".msgpack") for _, _, files in os.walk(pt_dir) for f in files)
-    a, b = model_lib.load(flax_dir), model_lib.load(pt_dir)
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_flax_msgpack_weights_equal_the_safetensors_weights(flax_twin, family):
+    """The libraries' own Flax files (diffusers' ``down_blocks_0/...``, the VAE's
+    ``query``/``proj_attn``, transformers' ``layers/0/...``) load by the same naming rule to the
+    PyTorch files' weights, bit for bit, in their stored dtype: the same images."""
+    assert any(f.endswith(".msgpack") for _, _, files in os.walk(flax_twin[family]) for f in files)
+    a, b = model_lib.load(flax_twin[family]), model_lib.load(os.path.join(FIXTURES, "pt_pipelines", family))
     assert a.family == b.family
     for name in a.params:
-        if name == "scheduler":
-            continue
         fa, fb = flatten_dict(a.params[name]), flatten_dict(b.params[name])
         assert set(fa) == set(fb), name
         for key in fa:
+            assert np.asarray(fa[key]).dtype == np.float16, key  # as stored
             np.testing.assert_array_equal(np.asarray(fa[key]), np.asarray(fb[key]), err_msg=f"{name}/{key}")
     assert a.fingerprint != b.fingerprint  # other files, other fingerprint
 
 
-def test_missing_weights_are_named(twins, tmp_path):
-    _, pt_dir = twins
+def test_missing_weights_are_named(tmp_path, model_cache):
     broken = tmp_path / "broken"
-    import shutil
-
-    shutil.copytree(pt_dir, broken)
+    shutil.copytree(model_lib.resolve("tiny"), broken)
     os.remove(broken / "vae" / "diffusion_pytorch_model.safetensors")
     with pytest.raises(model_lib.ModelError, match=r"no weights for 'vae'.*diffusion_pytorch_model.safetensors"):
         model_lib.load(str(broken))
@@ -56,12 +67,12 @@ def test_a_weight_with_the_wrong_shape_is_named(tmp_path, model_cache):
     from safetensors.numpy import load_file, save_file
 
     pt_dir = str(tmp_path / "pt")
-    write_twin(model_lib.resolve("tiny"), pt_dir)
+    shutil.copytree(model_lib.resolve("tiny"), pt_dir)
     path = os.path.join(pt_dir, "unet", "diffusion_pytorch_model.safetensors")
     tensors = load_file(path)
     tensors["conv_in.weight"] = np.zeros((1, 1, 3, 3), np.float32)
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(weights.WeightsError, match="conv_in/kernel"):
+    with pytest.raises(weights.WeightsError, match=r"conv_in\.weight has shape \(1, 1, 3, 3\)"):
         model_lib.load(pt_dir)
 
 
@@ -70,8 +81,6 @@ def test_a_weight_with_the_wrong_shape_is_named(tmp_path, model_cache):
                                             ("scheduler/scheduler_config.json", "missing scheduler/scheduler_config.json"),
                                             ("tokenizer", "missing component 'tokenizer/'")])
 def test_a_malformed_checkpoint_names_the_missing_piece(tmp_path, model_cache, remove, message):
-    import shutil
-
     target = tmp_path / "ckpt"
     shutil.copytree(model_lib.resolve("tiny"), target)
     victim = target / remove
@@ -81,8 +90,6 @@ def test_a_malformed_checkpoint_names_the_missing_piece(tmp_path, model_cache, r
 
 
 def test_sdxl_without_its_second_text_encoder_is_named(tmp_path, model_cache):
-    import shutil
-
     target = tmp_path / "xl"
     shutil.copytree(model_lib.resolve("tiny-sdxl"), target)
     shutil.rmtree(target / "text_encoder_2")
@@ -93,11 +100,16 @@ def test_sdxl_without_its_second_text_encoder_is_named(tmp_path, model_cache):
 
 def _mapped(array) -> bool:
     """Whether ``array`` is a view of a memory-mapped file."""
+    return _file(array) is not None
+
+
+def _file(array) -> str | None:
+    """The file ``array`` is a view of (memory-mapped), or None."""
     while array is not None:
-        if isinstance(array, np.memmap):
-            return True
+        if isinstance(array, np.memmap) and array.filename:
+            return os.path.realpath(array.filename)
         array = getattr(array, "base", None)
-    return False
+    return None
 
 
 def test_safetensors_written_array_by_array_are_read_back_mapped_and_by_the_library(tmp_path):
@@ -128,13 +140,11 @@ def test_weights_are_converted_once_and_memory_mapped_after(tmp_path, model_cach
     """The first load converts a component's weights and keeps them; the next load maps
     them (read-only views, the same bits); a changed source is converted anew; a broken
     converted file is replaced."""
-    import shutil
-
     directory = str(tmp_path / "ckpt")
     shutil.copytree(model_lib.resolve("tiny"), directory)
     assert weights.converted_files(directory) == []
     first = model_lib.load(directory)
-    converted = weights.converted_files(directory)
+    converted = {os.path.realpath(path) for path in weights.converted_files(directory)}
     assert len(converted) == 3  # text encoder, UNet, VAE
     second = model_lib.load(directory)
     for name in ("text_encoder", "unet", "vae"):
@@ -142,14 +152,15 @@ def test_weights_are_converted_once_and_memory_mapped_after(tmp_path, model_cach
         assert set(a) == set(b)
         for key in a:
             np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=f"{name}/{key}")
-            assert _mapped(b[key]) and not _mapped(a[key]), f"{name}/{key}"
-    unet = os.path.join(directory, "unet", weights.FLAX_FILES["diffusers"])
+            # converted from the checkpoint's file (views of it where no axes moved), then mapped
+            assert _file(b[key]) in converted and _file(a[key]) not in converted, f"{name}/{key}"
+    unet = os.path.join(directory, "unet", weights.SAFETENSORS_FILES["diffusers"])
     before = weights.converted_path(unet, os.path.dirname(unet))
     os.utime(unet, ns=(os.stat(unet).st_atime_ns, os.stat(unet).st_mtime_ns + 10**9))  # "changed"
     assert weights.converted_path(unet, os.path.dirname(unet)) != before
     third = model_lib.load(directory)
     assert len(weights.converted_files(directory)) == 3 and os.path.isfile(before)
-    assert not _mapped(flatten_dict(third.params["unet"])[("conv_in", "kernel")])  # converted anew
+    assert _file(flatten_dict(third.params["unet"])[("conv_in", "kernel")]) not in converted  # converted anew
     broken = weights.converted_path(unet, os.path.dirname(unet))
     with open(broken, "wb") as f:
         f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
@@ -173,3 +184,33 @@ def test_mapped_weights_go_onto_cpu_devices_without_a_copy(tmp_path, model_cache
     placed = replicate({"k": kernel}, jax.local_devices())["k"]
     assert [s.data.unsafe_buffer_pointer() for s in placed.addressable_shards] == \
         [kernel.ctypes.data] * len(jax.local_devices())
+
+
+def test_threads_asking_for_a_networks_shapes_at_once_share_one_trace():
+    """A host loads its weights (their shapes check them) while a thread compiles its
+    sampler from the same shapes: the second asker waits for the first one's trace."""
+    import dataclasses
+    import threading
+
+    from pipeline.model.layers import vae
+    from pipeline.model.loading import convert
+
+    config = dataclasses.replace(vae.VaeConfig.from_dict({
+        "latent_channels": 4, "norm_num_groups": 2, "block_out_channels": [4, 4],
+        "up_block_types": ["UpDecoderBlock2D"] * 2}, shifted=False), scaling_factor=0.123457)  # no other test's
+    before = convert._traced_shapes.cache_info()
+    start = threading.Barrier(2)
+    found = []
+
+    def ask():
+        start.wait()
+        found.append(vae.param_shapes(config))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    after = convert._traced_shapes.cache_info()
+    assert found[0] == found[1] and found[0]
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)

@@ -143,7 +143,7 @@ ROWS = [{"prompt": "a red fox", "id": "fox", "seed": 3},
 def zimage_runs(tmp_path_factory, model_cache):
     """{hosts x devices: OUT} of one ``tiny-zimage`` run (its defaults guide: the guided
     program; 64 Qwen3 tokens) on 2x2 and on 1x4 hosts x devices."""
-    from tests.conftest import run_cli
+    from tests.conftest import check_host_imports, run_cli
 
     folder = tmp_path_factory.mktemp("zimage")
     env = _optimised_env()
@@ -159,6 +159,7 @@ def zimage_runs(tmp_path_factory, model_cache):
         assert result.returncode == 0, result.stderr[-4000:]
         assert json.loads(result.stdout) == {"images": 6, "records": 5, "rejects": 0, "verified": True}
         assert "--steps 8 --guidance-scale 0" in result.stderr  # the guidance is a default: the Turbo recipe said
+        check_host_imports(result)
         outs[f"{hosts}x{devices}"] = out
     return outs
 

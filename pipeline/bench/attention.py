@@ -4,8 +4,7 @@
   per-device batch, all on one replicated copy of the weights, timed batch by batch in
   turns, each with its compiled program's memory (XLA's ``memory_analysis()``) and the
   kernels its attention calls ran; images/s relative to the first implementation
-  listed (by default ``diffusers``: diffusers' own attention, untouched, as runs planned
-  before the seam have it).
+  listed (by default ``xla``: the whole attention matrix).
 - ``memory``: the sampler program of each implementation at each of the square
   ``--memory-sizes``, compiled from shapes alone (no weights are read, so the largest
   sizes can be measured on any machine), with its temp per image and how temp grows
@@ -23,11 +22,8 @@ def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool
     import contextlib
 
     from pipeline.generate import parts
-    from pipeline.core.choices import LEGACY_ATTENTION
     from pipeline.model.layers import attention as attention_lib
 
-    if attention == LEGACY_ATTENTION:
-        return {"diffusers": None}
     calls = []
 
     def seam():

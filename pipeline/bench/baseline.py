@@ -7,10 +7,32 @@ This follows the diffusers JAX/Flax notebook and blog post that promptmill start
 over the devices, call the pipeline with ``jit=True`` (its module-level pmap) and turn
 the result into PIL images with ``numpy_to_pil``. Nothing is tuned: the point is to
 measure that recipe as a user would run it, on the same model, devices and batch.
+
+diffusers removed its Flax pipelines after 0.39, and promptmill does not need diffusers at
+all: this baseline alone does, through the ``notebook`` extra
+(``pip install 'promptmill[notebook]'``, which pins diffusers 0.39 and the transformers and
+jax it runs on). Without it, asking for the baseline is an error saying so.
 """
 from __future__ import annotations
 
 import numpy as np
+
+
+NOTEBOOK_EXTRA = "notebook"
+
+
+def notebook_pipeline():
+    """diffusers' ``FlaxStableDiffusionPipeline``; RuntimeError naming the extra to install
+    when diffusers (0.39, the last with Flax) is not there."""
+    try:
+        import diffusers
+        from diffusers import FlaxStableDiffusionPipeline
+    except ImportError as e:
+        raise RuntimeError(f"the seed notebook's baseline runs diffusers' FlaxStableDiffusionPipeline, which "
+                           f"promptmill does not install: pip install 'promptmill[{NOTEBOOK_EXTRA}]' (diffusers "
+                           f"0.39, its last release with Flax) to compare with it ({e})") from None
+    diffusers.utils.logging.set_verbosity_error()  # its Flax classes warn at every instance
+    return FlaxStableDiffusionPipeline
 
 
 class SeedPipeline:
@@ -19,12 +41,11 @@ class SeedPipeline:
     def __init__(self, directory: str, dtype: str, devices):
         import jax
         import jax.numpy as jnp
-        from diffusers import FlaxStableDiffusionPipeline
         from flax.jax_utils import replicate
 
-        from pipeline.model.load import DTYPES, quiet_libraries
+        from pipeline.core.choices import DTYPES
 
-        quiet_libraries()
+        FlaxStableDiffusionPipeline = notebook_pipeline()
         jdtype = getattr(jnp, DTYPES[dtype])
         self.devices = list(devices)
         self.pipeline, params = FlaxStableDiffusionPipeline.from_pretrained(

@@ -17,9 +17,9 @@ a step). The whole program's own count is reported next to it, with how many UNe
 it implies, so a change in XLA's behaviour shows up in the report rather than silently
 skewing it.
 
-The parts are costed with diffusers' own attention, whatever ``--attention`` a run uses:
-every implementation computes the same exact attention, so the work per image is the
-same, but the chunked kernel's ``lax.map`` over query blocks is a loop that XLA would
+The parts are costed outside the attention seam (every call the whole matrix, ``xla``),
+whatever ``--attention`` a run uses: every implementation computes the same exact
+attention, so the work per image is the same, but the chunked kernel's ``lax.map`` over query blocks is a loop that XLA would
 count once. Utilisation is thus always achieved model FLOPs over the peak (MFU).
 """
 from __future__ import annotations

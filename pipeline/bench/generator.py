@@ -13,8 +13,9 @@ a sweep, the report gives:
 3. the devices' measured matmul peak in the run's dtype, and utilisation =
    achieved / peak;
 4. the seed notebook's recipe on the same model, devices and batch
-   (``pipeline.bench.baseline``), warmed up and timed the same way, batch by batch in turns
-   with ours, and our/seed throughput;
+   (``pipeline.bench.baseline``, diffusers' FlaxStableDiffusionPipeline: only with the
+   ``notebook`` extra installed, and only when ``--parts`` asks for the sweep), warmed up
+   and timed the same way, batch by batch in turns with ours, and our/seed throughput;
 5. start-up, cold and warm: a fresh process from nothing to a generator that has run
    its first batch, first with an empty compile cache and then with the cache that the
    first one filled (``pipeline.bench.startup``), side by side: the time to ready
@@ -56,13 +57,11 @@ import gc
 import json
 import os
 import platform
-import shutil
-import tempfile
 
 from pipeline.bench.programs import Programs
 from pipeline.core.decode_batch import DECODE_BATCH
 from pipeline.core import logs
-from pipeline.core.choices import ATTENTIONS, LEGACY_ATTENTION, SCHEDULERS, TIMESTEP_SPACINGS
+from pipeline.core.choices import ATTENTIONS, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import Settings, check_size
 from pipeline.generate.fit import GIB
 
@@ -78,7 +77,8 @@ SCORERS = {"random": dict(scores=("clip", "aesthetic", "safety"), clip_model="ra
                           aesthetic_head="random-aesthetic", safety_checker="random-safety-checker"),
            "tiny": dict(scores=("clip", "aesthetic", "safety"), clip_model="tiny-clip", aesthetic_head="tiny-aesthetic",
                         safety_checker="tiny-safety-checker")}
-DEFAULT_PARTS = ("sweep", "recipes", "startup")
+# the sweep compares with the seed notebook's recipe, which needs the notebook extra (diffusers)
+DEFAULT_PARTS = ("recipes", "startup")
 FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
 SD_DEFAULT_STEPS = 20  # the default recipe: SD's default steps (the bench compares SD 1.x/2.x checkpoints)
 
@@ -100,8 +100,8 @@ class BenchConfig:
     scheduler: str | None = None  # None: the checkpoint's own
     timestep_spacing: str | None = None  # None: the checkpoint's own
     # the attention and memory parts: the implementations compared (the first is the
-    # reference: "diffusers", diffusers' own attention) and the memory part's square sizes
-    attentions: tuple[str, ...] = (LEGACY_ATTENTION, "auto")
+    # reference: "xla", the whole attention matrix) and the memory part's square sizes
+    attentions: tuple[str, ...] = ("xla", "auto")
     memory_sizes: tuple[int, ...] = (512, 1024)
     # the flops part: (model, steps, guidance) of each recipe, costed from shapes at width x height
     flops_recipes: tuple[tuple[str, int, float], ...] = FLOPS_RECIPES
@@ -112,6 +112,7 @@ class BenchConfig:
     # the VAE decode micro-batch of every sampler timed (--decode-batch): a new run's, by default
     decode_batch: int | None = DECODE_BATCH
     scorers: str = "random"  # the scoring part's scorers (SCORERS)
+    startup_against: str | None = None  # the startup part: another source tree timed in turns with this one
 
     def validate(self) -> "BenchConfig":
         if not self.per_device_batches or min(self.per_device_batches) < 1:
@@ -128,9 +129,8 @@ class BenchConfig:
             raise ValueError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {self.parts}")
         if self.scheduler is not None and self.scheduler not in SCHEDULERS:
             raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        known = (LEGACY_ATTENTION,) + ATTENTIONS
-        if not self.attentions or set(self.attentions) - set(known):
-            raise ValueError(f"--attentions takes a comma-separated subset of {', '.join(known)}, "
+        if not self.attentions or set(self.attentions) - set(ATTENTIONS):
+            raise ValueError(f"--attentions takes a comma-separated subset of {', '.join(ATTENTIONS)}, "
                              f"got {self.attentions}")
         if "models" in self.parts and not self.compare_models:
             raise ValueError("--parts models compares --model with --compare-models MODEL[,MODEL...]: give them")
@@ -255,7 +255,7 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int,
         shape = (factor * per_device_batch, guidance > 1)
         if shape not in counted_parts:
             counted_parts[shape] = flops.part_flops(variant, width, height, *shape)
-        counted = flops.sampler_flops(variant, width, height, steps, shape[0], guided=shape[1],
+        counted = flops.sampler_flops(variant, width, height, steps, shape[0], generator.compiled, guided=shape[1],
                                       parts=counted_parts[shape])
         rows[name] = {"scheduler": variant.sampler.choice, "engine": variant.sampler.engine,
                       "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,
@@ -360,28 +360,25 @@ def _abstract(config: BenchConfig):
 
 
 def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
-    """Cold and warm start of a fresh process: cold as on a machine that never ran the
-    model (an empty compile cache, and no weights converted: this model's converted
-    files are removed first), warm with what the cold one left."""
+    """Cold and warm start of a fresh process (``startup.cold_and_warm``: cold as on a
+    machine that never ran the model, warm with what the cold one left); with
+    ``--startup-against DIR``, that source tree's too, in turns with this one's."""
     from pipeline.bench import startup
-    from pipeline.generate import compile_cache
-    from pipeline.model.loading import weights
-    from pipeline.model import load as model_load
 
-    for path in weights.converted_files(model_load.resolve(config.model)):
-        os.remove(path)
-    folder = tempfile.mkdtemp(prefix="promptmill-bench-cache-")
-    try:
-        args = (config.model, width, height, config.steps, per_device_batch, config.dtype, config.devices, folder)
-        cold = startup.probe(*args)
-        entries = compile_cache.entries(folder)
-        warm = startup.probe(*args)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    result = {"per_device_batch": per_device_batch, "cache_entries": entries, "cold": cold, "warm": warm,
-              "cold_over_warm": cold["total_s"] / warm["total_s"],
+    roots = (None, config.startup_against) if config.startup_against else (None,)
+    runs = startup.cold_and_warm(config.model, width, height, config.steps, per_device_batch, config.dtype,
+                                 config.devices, roots=roots)
+    cold, warm = runs[0]["cold"], runs[0]["warm"]
+    result = {"per_device_batch": per_device_batch, "cache_entries": runs[0]["cache_entries"], "cold": cold,
+              "warm": warm, "cold_over_warm": cold["total_s"] / warm["total_s"],
               # the time to ready (before the first batch), warm over cold: what a cache buys a host
               "ready_warm_over_cold": warm["ready_s"] / cold["ready_s"]}
+    if config.startup_against:
+        other = runs[1]
+        result["against"] = {"root": config.startup_against, **other,
+                             # this tree's time over the other's, for each start: below 1 is faster
+                             "over_against": {f"{side}_{key}": round(runs[0][side][key] / other[side][key], 3)
+                                              for side in ("cold", "warm") for key in ("ready_s", "total_s")}}
     logs.event("bench_startup", cold_s=cold["total_s"], warm_s=warm["total_s"], ready_cold_s=cold["ready_s"],
                ready_warm_s=warm["ready_s"], ratio=round(result["cold_over_warm"], 3))
     return result
@@ -410,6 +407,7 @@ def command_line(config: BenchConfig) -> str:
              "--flops-recipes": ",".join(f"{m}:{s}:{g:g}" for m, s, g in config.flops_recipes)
              if "flops" in config.parts and config.flops_recipes != FLOPS_RECIPES else None,
              "--scorers": config.scorers if "scoring" in config.parts and config.scorers != "random" else None,
+             "--startup-against": config.startup_against if "startup" in config.parts else None,
              "--decode-batch": None if config.decode_batch == DECODE_BATCH
              else "whole" if config.decode_batch is None else config.decode_batch,
              "--report": config.report}
@@ -501,7 +499,7 @@ def run_bench(config: BenchConfig) -> dict:
     import jax
 
     from pipeline.bench import attention as attention_bench, flops
-    from pipeline.bench.baseline import SeedPipeline
+    from pipeline.bench.baseline import SeedPipeline, notebook_pipeline
     from pipeline.io import storage
     from pipeline.model import load as model_lib
 
@@ -516,6 +514,8 @@ def run_bench(config: BenchConfig) -> dict:
         # the seed recipe is FlaxStableDiffusionPipeline's; SDXL's would be another baseline
         raise ValueError(f"bench generator's sweep and recipes compare with the SD 1.x/2.x notebook recipe; "
                          f"{config.model!r} is not SD 1.x/2.x: run the other parts (--parts fsdp,flops,...)")
+    if "sweep" in config.parts:
+        notebook_pipeline()  # the notebook extra installed, or a clear error before anything loads
     devices = jax.local_devices()[:config.devices] if config.devices else jax.local_devices()
     if config.devices and len(devices) < config.devices:
         raise ValueError(f"--devices {config.devices}: only {len(devices)} local devices")
@@ -665,6 +665,13 @@ def format_table(report: dict) -> str:
         lines.append(f"sampler from the executable cache: cold {cold['sampler_from_cache']}, warm "
                      f"{warm['sampler_from_cache']} ({warm['cache_hits']} cache hits); time to ready warm/cold "
                      f"{s['ready_warm_over_cold']:.2f}, fresh process cold/warm {s['cold_over_warm']:.2f}")
+        other = s.get("against")
+        if other:
+            lines.append(f"side by side with {other['root']} (timed in turns), seconds:")
+            lines.append(f"{'':>42} {'cold':>8} {'against':>8} {'warm':>8} {'against':>8}")
+            for label, key in STARTUP_ROWS:
+                lines.append(f"{label:>42} {cold[key]:>8.2f} {other['cold'][key]:>8.2f} {warm[key]:>8.2f} "
+                             f"{other['warm'][key]:>8.2f}")
     if report.get("flops"):
         lines += format_flops(report["flops"])
     f = report.get("fsdp")

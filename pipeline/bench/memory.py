@@ -29,7 +29,7 @@ def part_memory(model, width: int, height: int, per_device_batch: int, guided: b
     decode (at B), for B = ``per_device_batch``: {"denoiser_call": {...}, "vae_decode": {...}}.
 
     ``attention``: the seam's implementation (``pipeline.model.layers.attention.use``), or None
-    for diffusers' own attention; ``platform`` and ``seam`` (``budget_bytes``,
+    for none (every call then runs ``xla``, the whole matrix); ``platform`` and ``seam`` (``budget_bytes``,
     ``block_tokens``) are passed to ``use``. ``model`` needs ``unet``, ``vae``, ``params``
     (arrays or ShapeDtypeStructs), ``dtype``, ``latent_shape`` and ``tokenizer``, as
     ``load.Model`` has.

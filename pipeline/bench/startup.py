@@ -27,7 +27,7 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     """Get a Generator ready as a host does (``runtime.ready_generator``, for a run of these
     settings) and run its first batch; returns the seconds of each part.
 
-    Parts, in order: ``import`` (jax, the model libraries, promptmill), then ``load`` (the
+    Parts, in order: ``import`` (jax, flax, promptmill), then ``load`` (the
     weights read, or memory-mapped once converted on this machine, and the files checked
     against the checkpoint's file table as a host checks them against its plan's) and
     ``transfer`` (the weights onto the devices) while, on a thread, ``compile`` (the
@@ -51,11 +51,6 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
     from pipeline.io import storage
     from pipeline.model.loading import identity
     from pipeline.model import load as model_load
-    from pipeline.model.loading.libraries import quiet_libraries
-
-    quiet_libraries()
-    import diffusers  # noqa: F401 - imported here so that loading does not pay for it
-    import transformers  # noqa: F401
 
     cache = jax_events.CACHE.install()
     imported = time.perf_counter()
@@ -83,24 +78,68 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
             "build_cache_hits": build_hits}
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this source tree
+
+
 def probe(model: str, width: int, height: int, steps: int, per_device_batch: int, dtype: str = "fp32",
           devices: int | None = None, compile_cache: str | None = None, env: dict | None = None,
-          timeout: float = 1800) -> dict:
-    """Run ``ready`` in a fresh Python process; adds ``total_s``, the wall time seen from here."""
-    command = [sys.executable, "-P", "-m", "pipeline.bench.startup",  # -P: as pipeline.core.children
-               "--model", model, "--width", str(width), "--height",
+          timeout: float = 1800, *, root: str | None = None) -> dict:
+    """Run ``ready`` in a fresh Python process; adds ``total_s``, the wall time seen from here.
+    ``root``: the promptmill source tree the process imports (default: this one), e.g. a
+    checkout of an earlier commit whose start-up is compared with this one's."""
+    command = [sys.executable, "-m", "pipeline.bench.startup", "--model", model, "--width", str(width), "--height",
                str(height), "--steps", str(steps), "--per-device-batch", str(per_device_batch), "--dtype", dtype]
     if devices:
         command += ["--devices", str(devices)]
     if compile_cache:
         command += ["--compile-cache", compile_cache]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = root or ROOT  # ``-m`` puts the working folder first on the import path
     start = time.perf_counter()
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     total = time.perf_counter() - start
     if result.returncode != 0:
         raise RuntimeError(f"start-up probe failed ({result.returncode}): {result.stderr[-2000:]}")
     return {"total_s": round(total, 3), **json.loads(result.stdout.strip().splitlines()[-1])}
+
+
+def cold_and_warm(model: str, width: int, height: int, steps: int, per_device_batch: int, dtype: str = "fp32",
+                  devices: int | None = None, *, roots: tuple[str | None, ...] = (None,)) -> list[dict]:
+    """Cold then warm start of a fresh process importing each source tree of ``roots``
+    (None: this one), in turns: the cold start of each, then the warm start of each.
+
+    Each tree gets a promptmill cache folder of its own (``PROMPTMILL_CACHE``: converted
+    weights, file digests) and a compile cache of its own, empty for the cold start, as on
+    a machine that never ran the model; the warm start finds what the cold one left. The
+    checkpoints are this machine's (the cache's ``models``, linked), each tree's built-in
+    models made before anything is timed. Returns per root {"cold", "warm",
+    "cache_entries"}; the folders are removed."""
+    import shutil
+    import tempfile
+
+    from pipeline.generate import compile_cache
+    from pipeline.model.loading.cache import cache_dir
+
+    models = os.path.join(cache_dir(), "models")
+    os.makedirs(models, exist_ok=True)
+    folders = [tempfile.mkdtemp(prefix="promptmill-bench-startup-") for _ in roots]
+    try:
+        envs = []
+        for folder, root in zip(folders, roots):
+            os.symlink(models, os.path.join(folder, "models"))
+            env = {**os.environ, "PROMPTMILL_CACHE": folder}
+            subprocess.run([sys.executable, "-c", f"from pipeline.model import load; load.resolve({model!r})"],
+                           cwd=root or ROOT, env=env, check=True, capture_output=True, timeout=1800)
+            envs.append(env)
+        args = (model, width, height, steps, per_device_batch, dtype, devices)
+        runs = [{"cold": probe(*args, os.path.join(folder, "compile"), env, root=root)}
+                for folder, root, env in zip(folders, roots, envs)]
+        for run, folder, root, env in zip(runs, folders, roots, envs):
+            run["cache_entries"] = compile_cache.entries(os.path.join(folder, "compile"))
+            run["warm"] = probe(*args, os.path.join(folder, "compile"), env, root=root)
+        return runs
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

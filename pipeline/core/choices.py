@@ -9,24 +9,21 @@ from __future__ import annotations
 # --dtype choices -> the jax.numpy dtype name of the networks' weights and compute
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
-# --scheduler choices -> (diffusers Flax class, config overrides); None: no Flax class,
-# promptmill's own steps run it (pipeline.model.sampling.steps)
+# --scheduler choices -> what each is (promptmill's own steps run them all:
+# pipeline.model.sampling.steps, as diffusers' PyTorch scheduler of that name)
 SCHEDULERS = {
-    "ddim": ("FlaxDDIMScheduler", {}),
-    "pndm": ("FlaxPNDMScheduler", {}),
-    "euler": ("FlaxEulerDiscreteScheduler", {}),
-    "dpmpp": ("FlaxDPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
-    "euler_a": (None, {}),  # Euler ancestral (SD-Turbo, SDXL-Turbo)
-    "lcm": (None, {}),  # LCM multistep (LCM and LCM-LoRA models)
-    "flow_euler": (None, {}),  # flow-matching Euler (FLUX.1: FlowMatchEulerDiscreteScheduler)
+    "ddim": "DDIM (DDIMScheduler)",
+    "pndm": "PNDM/PLMS (PNDMScheduler; SD 1.x's own)",
+    "euler": "Euler (EulerDiscreteScheduler; SDXL's own)",
+    "dpmpp": "DPM-Solver++ of order 2 (DPMSolverMultistepScheduler)",
+    "euler_a": "Euler ancestral (EulerAncestralDiscreteScheduler: SD-Turbo, SDXL-Turbo)",
+    "lcm": "LCM multistep (LCMScheduler: LCM and LCM-LoRA models)",
+    "flow_euler": "flow-matching Euler (FlowMatchEulerDiscreteScheduler: FLUX.1, FLUX.2, Z-Image)",
 }
 FLOW_SCHEDULERS = ("flow_euler",)  # the rectified-flow families' samplers
 
-# --attention choices: how the UNet's and the VAE's attention run (pipeline.model.layers.attention);
-# "diffusers" (not a flag choice) is diffusers' own attention modules, untouched: runs planned
-# before the attention seam
+# --attention choices: how every network's attention runs (pipeline.model.layers.attention)
 ATTENTIONS = ("auto", "xla", "chunked", "flash")
-LEGACY_ATTENTION = "diffusers"
 
 # --timestep-spacing choices (None: the checkpoint's own)
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")

@@ -19,7 +19,6 @@ from pipeline.core.choices import (
     DTYPES,
     FORMATS,
     IMAGE_FORMATS,
-    LEGACY_ATTENTION,
     SCHEDULERS,
     SCORES,
     TIMESTEP_SPACINGS,
@@ -165,7 +164,7 @@ class Settings:
             raise ValueError(f"filter_rule must be one of {', '.join(FILTER_RULES)}, got {self.filter_rule!r}")
         if self.guidance_rule not in GUIDANCE_RULES:
             raise ValueError(f"guidance_rule must be one of {', '.join(GUIDANCE_RULES)}, got {self.guidance_rule!r}")
-        if self.attention not in ATTENTIONS + (LEGACY_ATTENTION,):
+        if self.attention not in ATTENTIONS:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
             raise ValueError(f"--timestep-spacing must be one of {', '.join(TIMESTEP_SPACINGS)}, "
@@ -298,6 +297,8 @@ class Settings:
             raise ValueError(f"unknown run setting(s) {', '.join(unknown)}: the run was planned by another "
                              f"promptmill version")
         values = {**{name: legacy for name, legacy in NEWER_SETTINGS.items() if name not in data}, **data}
+        if values["attention"] == EARLIER_ATTENTION:
+            raise ValueError("run planned by an earlier promptmill version (diffusers' attention): plan it anew")
         for name in ("formats", "loras", "scores", "sizes", "bucket_batches"):  # JSON has lists
             if name in values:
                 values[name] = tuple(values[name])
@@ -365,11 +366,12 @@ MAX_DEVICES_PER_HOST = 64
 MAX_DEVICE_MEMORY = 4096  # GiB
 
 
+EARLIER_ATTENTION = "diffusers"  # runs planned before the attention seam: refused
 # Settings added after runs were first planned, with the value those runs had (for all but
 # guidance_rule and guided, the default): at that value they stay out of the fingerprint, so those
 # runs keep theirs (and resume).
 NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
-                  "timestep_spacing": None, "guided": True, "unet": None, "attention": LEGACY_ATTENTION,
+                  "timestep_spacing": None, "guided": True, "unet": None, "attention": EARLIER_ATTENTION,
                   "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1, "scores": (),
                   "clip_model": None, "aesthetic_head": None, "safety_checker": None, "min_clip_similarity": None,
                   "min_aesthetic": None, "drop_nsfw": False, "filter_rule": "truthy", "key_names": "hashed",

@@ -140,9 +140,6 @@ def run(call: str, *args):
 
 def main(argv: list[str]) -> int:
     request, answer = argv
-    from pipeline.model.loading import libraries
-
-    libraries.quiet_libraries()  # before the model's classes are unpickled: each would warn
     call, args = _load_private(request)
     module, name = call.split(":")
     try:

@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 
-from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.generate import compile_cache, jax_events, sampler
 from pipeline.model import sharding
 from pipeline.model.layers import attention as attention_lib
@@ -199,8 +198,7 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
     from jax.core import ShapedArray
 
     devices = list(devices)
-    if attention != LEGACY_ATTENTION:
-        attention_lib.check_platform(attention, devices[0].platform)
+    attention_lib.check_platform(attention, devices[0].platform)
     if fsdp != 1:
         return lower_fsdp(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
                           attention, fsdp, decode_batch=decode_batch)
@@ -263,8 +261,7 @@ class Generator:
         self.latents = latents
         self.guided = guided  # False: the guidance-free program, which reads no negative prompt
         self.devices = list(devices or jax.local_devices())
-        if attention != LEGACY_ATTENTION:
-            attention_lib.check_platform(attention, self.devices[0].platform)
+        attention_lib.check_platform(attention, self.devices[0].platform)
         self.per_device_batch = per_device_batch
         self.batch_size = len(self.devices) * per_device_batch
         self.fsdp = fsdp

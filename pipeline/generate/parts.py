@@ -64,5 +64,5 @@ def part_flops(model, width: int, height: int, per_device_batch: int, guided: bo
 def image_flops(model, width: int, height: int, steps: int, per_device_batch: int = 1, guided: bool = True) -> float:
     """Flops of one image: (text encoders + ``steps`` denoiser calls + VAE decode) / batch."""
     counted = part_flops(model, width, height, per_device_batch, guided)
-    return (counted["text_encoder"] + model.family.denoiser_calls(steps) * counted["denoiser_call"]
+    return (counted["text_encoder"] + model.family.denoiser_calls(model, steps) * counted["denoiser_call"]
             + counted["vae_decode"]) / per_device_batch

@@ -140,12 +140,9 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
 
     from pipeline.generate.generator import place_params
 
-    from pipeline.model.loading.libraries import import_libraries
-
     devices = list(devices or jax.local_devices())
     _check_guided(run.settings)
     started = time.perf_counter()
-    import_libraries()  # once, here: both threads need them
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile") as pool:
         compiling = pool.submit(compile_run_sampler, run.settings, devices)
         model = load_model(run, out)

@@ -18,13 +18,8 @@ from pipeline.core import keys
 
 def _seam(attention: str, platform: str | None, mesh=None):
     """The attention seam's context factory, entered while the program is traced."""
-    import contextlib
-
-    from pipeline.core.choices import LEGACY_ATTENTION
     from pipeline.model.layers import attention as attention_lib
 
-    if attention == LEGACY_ATTENTION:
-        return contextlib.nullcontext
     return lambda: attention_lib.use(attention, platform=platform, mesh=mesh)
 
 
@@ -83,8 +78,7 @@ def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: 
     ``guidance_rule``, ``empty_negative_ids`` and ``return_latents``).
 
     ``attention``: how the networks' attention runs (``pipeline.model.layers.attention``; ``auto``
-    picks per call from ``platform``, default JAX's, and the shapes); ``"diffusers"``:
-    diffusers' own attention, untouched (runs planned before the seam).
+    picks per call from ``platform``, default JAX's, and the shapes).
 
     ``decode_batch``: the VAE decodes that many images at a time, per device of ``mesh``
     when given (``decoding.decode_in_micro_batches``); None: the whole batch at once.

@@ -207,7 +207,6 @@ def ready_scorer(run, devices, like: Scorer | None = None) -> tuple[Scorer | Non
         return None, {}
     devices = list(devices)
     started = time.perf_counter()
-    models.import_libraries()  # once, here: both threads need them (see libraries.import_libraries)
     if like is not None:
         if like.devices != devices:
             raise ValueError("a scorer shares another's params only on the same devices")

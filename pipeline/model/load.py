@@ -22,7 +22,6 @@ from pipeline.model.loading.checkpoint import ModelError, read_json_file
 from pipeline.model.loading.fetch import resolve_lora
 from pipeline.model.loading.identity import file_sha256, model_fingerprint
 from pipeline.model.loading.layout import check_layout
-from pipeline.model.loading.libraries import quiet_libraries
 
 __all__ = ["LoadRequest", "Model", "ModelError", "describe", "family_of", "load", "resolve", "with_sampler"]
 
@@ -91,7 +90,6 @@ def load(request: LoadRequest | str, *, abstract: bool = False, fingerprint: boo
     computed: the caller checks the files another way, ``identity.check_files``).
     """
     request = request_of(request, **fields)
-    quiet_libraries()  # before the Flax classes are imported: some warn at import
     if request.dtype not in DTYPES:
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, got {request.dtype!r}")
     directory = resolve(request.model, weights=not abstract, shapes=abstract)  # shapes come from the configs alone

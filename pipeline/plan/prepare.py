@@ -16,7 +16,6 @@ from importlib import metadata
 
 from pipeline import __version__
 from pipeline.core import buckets, logs, naming
-from pipeline.core.choices import LEGACY_ATTENTION
 from pipeline.core.decode_batch import DECODE_BATCH  # what --decode-batch auto resolves to, as the sampler reads it
 from pipeline.core.settings import AUTO, Lora, Run, Settings
 from pipeline.io import beamio, listing, runs, storage
@@ -100,7 +99,7 @@ def kept_batches_per_slice(settings: Settings, overwrite: bool = False) -> Setti
 
 
 def _versions() -> dict:
-    names = ("jax", "jaxlib", "flax", "diffusers", "transformers", "apache-beam", "numpy", "pillow", "pyarrow")
+    names = ("jax", "jaxlib", "flax", "tokenizers", "safetensors", "apache-beam", "numpy", "pillow", "pyarrow")
     found = {"promptmill": __version__}
     for name in names:
         try:
@@ -196,8 +195,6 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
         # whether it is guided was decided by its plan, which checks it again (decide_guidance)
         asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided,
                                      filter_rule=previous.settings.filter_rule, key_names=previous.settings.key_names)
-        if previous.settings.attention == LEGACY_ATTENTION:  # planned before the attention seam: keeps its program
-            asked = asked.replace(attention=LEGACY_ATTENTION)
         if previous.settings_fingerprint == run.fingerprint_of(asked):
             input_table.check(out, pattern, "resume")
             return previous

@@ -30,7 +30,7 @@ class Refused(Exception):
 
 _DTYPE_NAMES = ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                 "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
-_NODE_MODULES = ("diffusers.schedulers.", "pipeline.")  # where a tree's own node classes may be imported from
+_NODE_MODULES = ("pipeline.",)  # where a tree's own node classes may be imported from
 
 
 @functools.lru_cache(maxsize=1)

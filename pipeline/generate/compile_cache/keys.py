@@ -84,7 +84,7 @@ def index_key(description: dict, devices) -> str:
     lowered program is a change to one of these."""
     from importlib import metadata
 
-    libraries = [f"{name} {metadata.version(name)}" for name in ("flax", "diffusers", "transformers", "numpy")]
+    libraries = [f"{name} {metadata.version(name)}" for name in ("flax", "numpy")]
     return _digest([json.dumps(description, sort_keys=True), code_digest(), _jax_config()] + libraries
                    + _host_parts(devices))
 

@@ -6,11 +6,12 @@ one line in ``BUILTIN``. Nothing outside its folder imports it: the rest of prom
 asks this registry (``detect``, ``BY_NAME``, ``BUILTINS``) and calls the ``Family``
 interface (``base``).
 
-- ``sd``: SD 1.x/2.x (``sd``) and SDXL (``sdxl``): diffusers' Flax UNet and VAE,
-  transformers' Flax CLIP text encoders, classifier-free guidance, the SD samplers;
+- ``sd``: SD 1.x/2.x (``sd``) and SDXL (``sdxl``): promptmill's own UNet (built from
+  ``unet/config.json``), the shared CLIP text encoders and VAE decode, classifier-free
+  guidance, the SD samplers;
 - ``flux``: FLUX.1 [schnell] and [dev]: promptmill's own rectified-flow transformer,
-  the shared T5 encoder and 16-channel VAE decode (``pipeline.model.layers``),
-  transformers' Flax CLIP, flow-matching Euler, and guidance embedded in the
+  the shared T5 and CLIP-L encoders and 16-channel VAE decode (``pipeline.model.layers``),
+  flow-matching Euler, and guidance embedded in the
   transformer ([dev]) or none ([schnell]);
 - ``flux2``: FLUX.2 [klein], distilled and base: promptmill's own FLUX.2 transformer, the
   shared Qwen3 and the batch-norm VAE, guidance none (distilled) or classifier-free (base);

@@ -238,6 +238,6 @@ class Family:
         network's repeated layers are unrolled (the same arithmetic)."""
         raise NotImplementedError
 
-    def denoiser_calls(self, steps: int) -> int:
-        """How many times one image's step runs the denoiser part (``parts``)."""
+    def denoiser_calls(self, model: Model, steps: int) -> int:
+        """How many times ``steps`` steps of one image run the denoiser part (``parts``)."""
         return steps

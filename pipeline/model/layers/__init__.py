@@ -1,20 +1,20 @@
 """The layers more than one family uses, written once: promptmill's own Flax networks and
-their parts, for models diffusers' and transformers' Flax code lacks or no longer runs on
-our jax.
+their parts (promptmill runs no network of diffusers' or transformers').
 
 - ``attention``: the attention seam (xla, chunked, Pallas, cuDNN), which every network's
   attention goes through;
 - ``norms``, ``rotary``, ``embeddings``, ``modulation``, ``mlp``: float32 norms, multi-axis
   rotary embeddings, timestep embeddings, AdaLN modulation, feed-forwards named as
   diffusers names them;
+- ``resnet``: convolutions, resnet blocks, up- and downsampling (the VAE's and the UNet's);
 - ``patching``: 2x2 latent packing;
-- ``t5``: the T5 v1.1 encoder (transformers' Flax T5 calls ``jnp.clip(a_min=...)``, gone
-  from jax);
-- ``vae``: the VAE decode and its config-driven variants (FLUX.1's AutoencoderKL, FLUX.2's
-  batch-norm, 2x2-patch AutoencoderKLFlux2).
+- ``text``: the CLIP text encoders (CLIP-L, OpenCLIP-H, OpenCLIP-bigG); ``t5``: the T5 v1.1
+  encoder; ``qwen3``: the Qwen3 encoder;
+- ``vae``: the VAE decode and its config-driven variants (SD's and SDXL's, FLUX.1's
+  AutoencoderKL, FLUX.2's batch-norm, 2x2-patch AutoencoderKLFlux2).
 
-They are Flax Linen modules, like the diffusers and transformers modules the rest of
-promptmill runs (the SD/SDXL UNets, the VAE, CLIP): one parameter convention (nested
+They are Flax Linen modules, as are the families' own networks (SD's UNet, the
+transformers): one parameter convention (nested
 dicts of arrays, ``module.apply({"params": params}, ...)``) for every network, so that
 weight conversion, casting, LoRA merging, sharding and the compile cache treat them all
 alike. Their parameter names follow diffusers' and transformers' PyTorch modules, so a

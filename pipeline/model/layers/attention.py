@@ -1,13 +1,9 @@
-"""The attention seam: one place that decides how the UNet's and the VAE's attention run.
+"""The attention seam: one place that decides how every network's attention runs.
 
-diffusers' Flax modules are pinned and never patched. ``use`` intercepts (Flax method
-interception) the ``__call__`` of the two attention modules they have, the transformer
-blocks' ``FlaxAttention`` and the VAE's ``FlaxAttentionBlock``, and recomputes it with
-the module's own bound layers (projections, norm, output projection), replacing only
-the core softmax(Q K^T) V. promptmill's own Flax networks (``pipeline.model.layers``: the
-FLUX.1 transformer, the scorers' towers) call ``compute`` for their core instead, which
-goes through the seam that is active on the tracing thread (``xla`` outside one). The
-core has these kernels:
+Each of promptmill's own Flax networks (the SD UNets, the VAE decoder, CLIP, the FLUX.1,
+FLUX.2 and Z-Image transformers, the scorers' towers) computes its projections itself and
+calls ``compute`` for the core softmax(Q K^T) V, which goes through the seam that ``use``
+opened on the tracing thread (``xla`` outside one). The core has these kernels:
 
 - ``xla``: the whole [batch, heads, queries, keys] matrix, as diffusers computes it.
 - ``chunked``: the same per query row, one block of query rows at a time (a ``lax.map``
@@ -31,16 +27,16 @@ torch's boolean masks make them), the Pallas kernel through its segment ids, cuD
 ``jax.nn.dot_product_attention``'s ``key_value_seq_lengths``. Each item keeps at least one
 key: a length below 1 is the caller's bug.
 
-Layout: the seam always splits heads as [batch, tokens, heads, head_dim] (the layout
-diffusers' ``split_head_dim=True`` uses, and cuDNN's), whatever the module's
-``split_head_dim`` and ``use_memory_efficient_attention`` fields say: under the seam
-those two fields have no effect.
+Causal attention (CLIP's text encoder): query i sees keys 0..i only (``causal``), in every
+kernel: ``xla`` and ``chunked`` mask the scores as the key lengths do, the Pallas kernel and
+cuDNN through their own causal masks.
+
+Layout: the seam always splits heads as [batch, tokens, heads, head_dim] (cuDNN's).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import threading
 
 from pipeline.core.choices import ATTENTIONS
@@ -75,7 +71,7 @@ _CUDNN_MAX_HEAD_DIM = 128
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One attention call as the seam traced it, and the kernel it ran."""
-    site: str  # "unet" (FlaxAttention), "vae" (FlaxAttentionBlock), or an own network's (``compute``)
+    site: str  # the network's: "unet", "vae", "text_encoder", "transformer", ...
     batch: int
     q_tokens: int
     kv_tokens: int
@@ -151,20 +147,25 @@ def check_platform(implementation: str, platform: str) -> None:
 
 
 # ---- kernels: q, k, v are [batch, tokens, heads, head_dim]; scores are multiplied by
-# ``scale`` unless it is None (the VAE scales q and k beforehand, as diffusers does)
+# ``scale`` unless it is None (a caller that scales q and k beforehand)
 
-def _hide(scores, key_lengths):
-    """``scores`` [batch, heads, queries, keys] with each item's keys from its length on
-    at the dtype's lowest value (weight 0 after the softmax); as they are without lengths."""
+def _hide(scores, key_lengths, causal: bool = False, first_query=0):
+    """``scores`` [batch, heads, queries, keys] with each item's keys from its length on,
+    and with ``causal`` each query's later keys (the queries numbered from ``first_query``),
+    at the dtype's lowest value (weight 0 after the softmax); as they are without either."""
     import jax.numpy as jnp
 
-    if key_lengths is None:
-        return scores
-    shown = jnp.arange(scores.shape[-1])[None, :] < jnp.asarray(key_lengths)[:, None]
-    return jnp.where(shown[:, None, None, :], scores, jnp.finfo(scores.dtype).min)
+    if key_lengths is not None:
+        shown = jnp.arange(scores.shape[-1])[None, :] < jnp.asarray(key_lengths)[:, None]
+        scores = jnp.where(shown[:, None, None, :], scores, jnp.finfo(scores.dtype).min)
+    if causal:
+        queries = first_query + jnp.arange(scores.shape[-2])
+        seen = jnp.arange(scores.shape[-1])[None, :] <= queries[:, None]
+        scores = jnp.where(seen[None, None], scores, jnp.finfo(scores.dtype).min)
+    return scores
 
 
-def _xla(q, k, v, scale, heads_first: bool = False, key_lengths=None):
+def _xla(q, k, v, scale, heads_first: bool = False, key_lengths=None, *, causal: bool = False):
     """diffusers' own arithmetic: scores, scale and softmax in the inputs' dtype.
 
     ``heads_first`` (on CPU devices): q, k and v are laid out [batch, heads, tokens,
@@ -184,7 +185,7 @@ def _xla(q, k, v, scale, heads_first: bool = False, key_lengths=None):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     if scale is not None:
         scores = scores * scale
-    scores = _hide(scores, key_lengths)
+    scores = _hide(scores, key_lengths, causal)
     if heads_first:
         return jnp.einsum("bhqk,bhkd->bhqd", nn.softmax(scores, axis=-1), v).transpose(0, 2, 1, 3)
     return jnp.einsum("bhqk,bkhd->bqhd", nn.softmax(scores, axis=-1), v)
@@ -199,7 +200,8 @@ def query_blocks(batch: int, heads: int, q_tokens: int, kv_tokens: int, dtype_by
     return blocks, -(-q_tokens // blocks)
 
 
-def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False, *, key_lengths=None):
+def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False, *, key_lengths=None,
+             causal: bool = False):
     """``_xla``'s arithmetic, one block of query rows at a time (``query_blocks``).
 
     A ``lax.map`` keeps one block's scores alive: on XLA:CPU (jax 0.10.2) a Python loop
@@ -215,18 +217,19 @@ def _chunked(q, k, v, scale, budget_bytes: int, heads_first: bool = False, *, ke
     batch, q_tokens, heads, head_dim = q.shape
     blocks, rows = query_blocks(batch, heads, q_tokens, k.shape[1], q.dtype.itemsize, budget_bytes)
     if blocks == 1:
-        return _xla(q, k, v, scale, heads_first, key_lengths)
+        return _xla(q, k, v, scale, heads_first, key_lengths, causal=causal)
     keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def block(queries):  # [batch, heads, rows, head_dim]
+    def block(args):  # [batch, heads, rows, head_dim], the block's first query
+        queries, first = args
         scores = jnp.einsum("bhqd,bhkd->bhqk", queries, keys)
         if scale is not None:
             scores = scores * scale
-        return jnp.einsum("bhqk,bhkd->bhqd", nn.softmax(_hide(scores, key_lengths), axis=-1), values)
+        return jnp.einsum("bhqk,bhkd->bhqd", nn.softmax(_hide(scores, key_lengths, causal, first), axis=-1), values)
 
     padded = jnp.pad(q, ((0, 0), (0, blocks * rows - q_tokens), (0, 0), (0, 0)))
     stacked = padded.reshape(batch, blocks, rows, heads, head_dim).transpose(1, 0, 3, 2, 4)
-    out = jax.lax.map(block, stacked)  # [blocks, batch, heads, rows, head_dim]
+    out = jax.lax.map(block, (stacked, jnp.arange(blocks) * rows))  # [blocks, batch, heads, rows, head_dim]
     out = out.transpose(1, 0, 3, 2, 4).reshape(batch, blocks * rows, heads, v.shape[-1])
     return out[:, :q_tokens]
 
@@ -240,7 +243,7 @@ def _block(padded: int, most: int) -> int:
     return max(b for b in range(_LANES, max(_LANES, most) + 1, _LANES) if padded % b == 0)
 
 
-def _pallas(q, k, v, scale, block_tokens: int, interpret: bool, *, key_lengths=None):
+def _pallas(q, k, v, scale, block_tokens: int, interpret: bool, *, key_lengths=None, causal: bool = False):
     """The Pallas TPU flash-attention kernel, shapes padded to what it takes.
 
     Its blocks must divide the key length and be multiples of 128 when keys are streamed,
@@ -276,11 +279,11 @@ def _pallas(q, k, v, scale, block_tokens: int, interpret: bool, *, key_lengths=N
     with mode:
         out = fa.flash_attention(layout(q, q_padded), layout(k, kv_padded), layout(v, kv_padded),
                                  segment_ids=segments, sm_scale=1.0 if scale is None else float(scale),
-                                 block_sizes=sizes)
+                                 block_sizes=sizes, causal=causal)
     return out.transpose(0, 2, 1, 3)[:, :q_tokens, :, :v.shape[-1]]
 
 
-def _cudnn(q, k, v, scale, key_lengths=None, implementation: str | None = "cudnn"):
+def _cudnn(q, k, v, scale, key_lengths=None, *, implementation: str | None = "cudnn", causal: bool = False):
     """cuDNN's fused attention (``implementation`` None: the same call on XLA, for tests
     off a GPU); ``key_lengths`` as cuDNN's padding mask, ``key_value_seq_lengths``."""
     import jax
@@ -288,7 +291,7 @@ def _cudnn(q, k, v, scale, key_lengths=None, implementation: str | None = "cudnn
 
     lengths = None if key_lengths is None else jnp.asarray(key_lengths, jnp.int32)
     query_lengths = None if lengths is None else jnp.full_like(lengths, q.shape[1])
-    return jax.nn.dot_product_attention(q, k, v, scale=1.0 if scale is None else scale,
+    return jax.nn.dot_product_attention(q, k, v, scale=1.0 if scale is None else scale, is_causal=causal,
                                         query_seq_lengths=query_lengths, key_value_seq_lengths=lengths,
                                         implementation=implementation)
 
@@ -307,27 +310,29 @@ def _per_device(kernel, mesh, *arrays):
 
 def attend(q, k, v, scale, kernel: str, *, budget_bytes: int = DEFAULT_BUDGET_BYTES["cpu"],
            block_tokens: int = DEFAULT_BLOCK_TOKENS, interpret: bool = False, mesh=None,
-           heads_first: bool = False, key_lengths=None):
+           heads_first: bool = False, key_lengths=None, causal: bool = False):
     """softmax(q k^T [* scale]) v with ``kernel``; q, k, v and the result are
     [batch, tokens, heads, head_dim]. ``budget_bytes``: chunked's block, in bytes of
     scores; ``block_tokens``: the Pallas kernel's block; ``interpret``: run the Pallas
     kernel in interpret mode (on a CPU); ``mesh``: the mesh a partitioned program runs
     over (the Pallas kernel then runs per device, ``_per_device``); ``heads_first``:
     ``xla``'s CPU layout (``_xla``); ``key_lengths``: int [batch], each item's keys from its
-    length on hidden (see the module docstring)."""
+    length on hidden; ``causal``: each query sees the keys up to its own position (see the
+    module docstring)."""
     if kernel == "xla":
-        return _xla(q, k, v, scale, heads_first, key_lengths)
+        return _xla(q, k, v, scale, heads_first, key_lengths, causal=causal)
     if kernel == "chunked":
-        return _chunked(q, k, v, scale, budget_bytes, heads_first, key_lengths=key_lengths)
+        return _chunked(q, k, v, scale, budget_bytes, heads_first, key_lengths=key_lengths, causal=causal)
     if kernel == "pallas":
         if mesh is not None:
             if key_lengths is None:
-                return _per_device(lambda a, b, c: _pallas(a, b, c, scale, block_tokens, interpret), mesh, q, k, v)
-            return _per_device(lambda a, b, c, n: _pallas(a, b, c, scale, block_tokens, interpret, key_lengths=n),
-                               mesh, q, k, v, key_lengths)
-        return _pallas(q, k, v, scale, block_tokens, interpret, key_lengths=key_lengths)
+                return _per_device(lambda a, b, c: _pallas(a, b, c, scale, block_tokens, interpret, causal=causal),
+                                   mesh, q, k, v)
+            return _per_device(lambda a, b, c, n: _pallas(a, b, c, scale, block_tokens, interpret, key_lengths=n,
+                                                          causal=causal), mesh, q, k, v, key_lengths)
+        return _pallas(q, k, v, scale, block_tokens, interpret, key_lengths=key_lengths, causal=causal)
     if kernel == "cudnn":
-        return _cudnn(q, k, v, scale, key_lengths)
+        return _cudnn(q, k, v, scale, key_lengths, causal=causal)
     raise ValueError(f"attention kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
 
 
@@ -350,16 +355,16 @@ def record():
         _ACTIVE.recorders = outer
 
 
-def compute(site: str, q, k, v, scale, key_lengths=None):
+def compute(site: str, q, k, v, scale, key_lengths=None, *, causal: bool = False):
     """softmax(q k^T [* scale]) v for one attention call of promptmill's own networks, q, k,
     v and the result [batch, tokens, heads, head_dim]: through the seam active on this
     thread (``use``: its implementation picks the kernel and the call is recorded under
-    ``site``), else ``xla``. Call it while the program is traced, as the diffusers modules'
-    attention is intercepted then. ``key_lengths``: see ``attend``."""
+    ``site``), else ``xla``. Call it while the program is traced. ``key_lengths``,
+    ``causal``: see ``attend``."""
     seam = getattr(_ACTIVE, "seam", None)
     if seam is None:
-        return _xla(q, k, v, scale, key_lengths=key_lengths)
-    return seam.core(site, q, k, v, scale, key_lengths)
+        return _xla(q, k, v, scale, key_lengths=key_lengths, causal=causal)
+    return seam.core(site, q, k, v, scale, key_lengths, causal=causal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,7 +376,7 @@ class _Seam:
     calls: list
     mesh: object = None  # the mesh of a partitioned program (``use``)
 
-    def core(self, site, q, k, v, scale, key_lengths=None):
+    def core(self, site, q, k, v, scale, key_lengths=None, *, causal: bool = False):
         batch, q_tokens, heads, head_dim = q.shape
         kernel = choose(self.implementation, self.platform, q_tokens, k.shape[1], heads, head_dim, batch=batch,
                         dtype_bytes=q.dtype.itemsize, budget_bytes=self.budget_bytes)
@@ -381,42 +386,13 @@ class _Seam:
             recorder.append(call)
         return attend(q, k, v, scale, kernel, budget_bytes=self.budget_bytes, block_tokens=self.block_tokens,
                       interpret=self.platform == "cpu", mesh=self.mesh, heads_first=self.platform == "cpu",
-                      key_lengths=key_lengths)
-
-    def unet_attention(self, module, hidden_states, context=None, deterministic=True):
-        """``FlaxAttention.__call__`` with the seam's core."""
-        context = hidden_states if context is None else context
-        batch = hidden_states.shape[0]
-
-        def heads(x):
-            return x.reshape(batch, -1, module.heads, module.dim_head)
-
-        out = self.core("unet", heads(module.query(hidden_states)), heads(module.key(context)),
-                        heads(module.value(context)), module.scale)
-        out = module.proj_attn(out.reshape(batch, -1, module.heads * module.dim_head))
-        return module.dropout_layer(out, deterministic=deterministic)
-
-    def vae_attention(self, module, hidden_states):
-        """``FlaxAttentionBlock.__call__`` with the seam's core."""
-        residual = hidden_states
-        batch, height, width, channels = hidden_states.shape
-        flat = module.group_norm(hidden_states).reshape(batch, height * width, channels)
-
-        def heads(x):
-            return x.reshape(batch, height * width, module.num_heads, -1)
-
-        # diffusers scales q and k by head_dim ** -0.25 each before their product
-        scale = 1 / math.sqrt(math.sqrt(channels / module.num_heads))
-        out = self.core("vae", heads(module.query(flat)) * scale, heads(module.key(flat)) * scale,
-                        heads(module.value(flat)), None)
-        out = module.proj_attn(out.reshape(batch, height * width, channels))
-        return out.reshape(batch, height, width, channels) + residual
+                      key_lengths=key_lengths, causal=causal)
 
 
 @contextlib.contextmanager
 def use(implementation: str = "auto", platform: str | None = None, budget_bytes: int | None = None,
         block_tokens: int = DEFAULT_BLOCK_TOKENS, mesh=None):
-    """Run the UNet's and the VAE's attention through the seam while tracing in this block.
+    """Run every network's attention (``compute``) through the seam while tracing in this block.
 
     ``implementation``: one of ``IMPLEMENTATIONS``; ``platform``: the platform the traced
     program will run on (default: JAX's default backend); ``budget_bytes``: see
@@ -427,31 +403,18 @@ def use(implementation: str = "auto", platform: str | None = None, budget_bytes:
 
     The seam acts while JAX traces, so enter it inside the function that ``jit`` or
     ``pmap`` traces: around a ``jax.jit(f)`` call it has no effect when ``f``'s trace is
-    already cached (the list then stays empty). Interception is per thread.
+    already cached (the list then stays empty). The seam is per thread.
     """
-    import flax.linen as nn
     import jax
-    from diffusers.models.attention_flax import FlaxAttention
-    from diffusers.models.vae_flax import FlaxAttentionBlock
 
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     platform = platform_of(platform or jax.default_backend())
     budget = DEFAULT_BUDGET_BYTES[platform] if budget_bytes is None else budget_bytes
     seam = _Seam(implementation, platform, budget, block_tokens, [], mesh)
-
-    def interceptor(next_fun, args, kwargs, context):
-        if context.method_name == "__call__":
-            if isinstance(context.module, FlaxAttention):
-                return seam.unet_attention(context.module, *args, **kwargs)
-            if isinstance(context.module, FlaxAttentionBlock):
-                return seam.vae_attention(context.module, *args, **kwargs)
-        return next_fun(*args, **kwargs)
-
     outer = getattr(_ACTIVE, "seam", None)
     _ACTIVE.seam = seam
     try:
-        with nn.intercept_methods(interceptor):
-            yield seam.calls
+        yield seam.calls
     finally:
         _ACTIVE.seam = outer

@@ -139,6 +139,15 @@ class Qwen3Config:
                    rope_theta=float(values["rope_theta"]), attention_bias=values["attention_bias"])
 
 
+def hf_config(**values) -> dict:
+    """A ``text_encoder/config.json`` as transformers' ``Qwen3Config.save_pretrained`` writes
+    one: its defaults (a key missing from a checkpoint's file means these), ``values`` over
+    them (the built-in models' configs)."""
+    return {"model_type": "qwen3", **_DEFAULTS, "max_position_embeddings": 40960, "use_sliding_window": False,
+            "sliding_window": None, "rope_scaling": None, "tie_word_embeddings": False, "attention_dropout": 0.0,
+            **values}
+
+
 def rope_cos_sin(length: int, head_dim: int, theta: float):
     """(cos, sin), float32 [length, head_dim]: transformers' default RoPE at positions
     0..length-1, each frequency repeated over the two halves (``cat((freqs, freqs))``),
@@ -328,8 +337,10 @@ def _example(config):
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def network(layers: int | None = None) -> convert.Network:
-    """The ``convert.Network`` of ``Qwen3Encoder(config, layers=layers)``."""
+    """The ``convert.Network`` of ``Qwen3Encoder(config, layers=layers)``: one object for the
+    same ``layers``, so that its shapes are traced once a config."""
     return convert.Network(lambda config: Qwen3Encoder(config, layers=layers), _example, LAYOUT)
 
 

@@ -1,28 +1,29 @@
-"""FLUX.1's VAE decode: latents to images, with diffusers' Flax decoder.
+"""The VAE decode of every family: latents to images, with our own decoder.
 
-FLUX.1's ``AutoencoderKL`` has 16 latent channels and no quant convs
-(``use_quant_conv`` and ``use_post_quant_conv`` false), and FluxPipeline decodes
-``z / scaling_factor + shift_factor``. diffusers' ``FlaxAutoencoderKL`` (0.39) always
-builds both quant convs and knows no shift, so ``VaeDecoder`` runs its ``FlaxDecoder``
-submodule directly, with ``post_quant_conv`` only where the config has one. The
-parameter names are those of ``FlaxAutoencoderKL`` (``decoder/...``,
-``post_quant_conv/...``), converted from PyTorch safetensors by diffusers' own renaming
-rules; the encoder's weights are not read (decoding never uses them).
+One decoder, diffusers' ``AutoencoderKL.decode`` (its ``Decoder``: ``conv_in``, a mid
+block of two ResNet blocks around a one-head self-attention, ``UpDecoderBlock2D`` blocks
+of ``layers_per_block + 1`` ResNet blocks and a 2x upsampler each but the last,
+``conv_norm_out``, SiLU, ``conv_out``), its variants config-driven: the quant convs,
+latent channels, scaling and shift (``AutoencoderKL``: SD 1.x/2.x and SDXL decode
+``z / scaling_factor``, FLUX.1 and Z-Image ``z / scaling_factor + shift_factor``), and
+``AutoencoderKLFlux2``'s: its latents come 2x2-patched ([B, 4C, h, w], channel
+``c*4 + 2*dy + dx``) and normalised by a batch norm's running statistics, so the decode
+first un-normalises them (``z * sqrt(var + eps) + mean``, the 4C statistics
+``bn.running_mean``/``bn.running_var`` of its state dict, in float32), unpatches them and
+decodes them with no scaling or shift, as diffusers' FLUX.2 pipelines do;
+``decoder_block_out_channels`` gives the decoder channels of its own.
 
-One decoder, its variants config-driven: quant convs, latent channels, scaling and shift
-(``AutoencoderKL``), and ``AutoencoderKLFlux2``'s: its latents come 2x2-patched
-([B, 4C, h, w], channel ``c*4 + 2*dy + dx``) and normalised by a batch norm's running
-statistics, so the decode first un-normalises them (``z * sqrt(var + eps) + mean``, the
-4C statistics ``bn.running_mean``/``bn.running_var`` of its state dict, in float32),
-unpatches them and decodes them with no scaling or shift, as diffusers' FLUX.2
-pipelines do; ``decoder_block_out_channels`` gives the decoder channels of its own.
+The parameter names are the PyTorch module's (``decoder.up_blocks.0.resnets.1.conv1``...;
+``convert``'s rule), so a checkpoint's safetensors load by rule, as do the older names of
+the mid block's attention (``query``/``key``/``value``/``proj_attn``, which diffusers still
+reads) and diffusers' Flax msgpack (``from_flax``); the encoder's weights are not read
+(decoding never uses them). Its attention goes through the attention seam
+(``pipeline.model.layers.attention.compute``, site "vae").
 
-``VaeConfig.from_dict`` reads the whole ``vae/config.json`` and refuses what the Flax
-decoder would silently do otherwise: it hard-codes SiLU, the ``UpDecoderBlock2D`` blocks
-and the mid-block attention, so another ``act_fn``, block type or
-``mid_block_add_attention: false`` is refused by name. Keys FluxPipeline's decode never
-reads (the encoder's, ``force_upcast``, ``latents_mean``/``latents_std``, ``sample_size``:
-tiling is off) do not change its images, here as there.
+``VaeConfig.from_dict`` reads the whole ``vae/config.json`` and refuses what the decoder
+would silently do otherwise: another ``act_fn`` or block type is refused by name. Keys the
+pipelines' decode never reads (the encoder's, ``force_upcast``, ``sample_size``: tiling is
+off) do not change its images, here as there.
 """
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from pipeline.model.layers import attention
+from pipeline.model.layers.norms import GroupNorm
+from pipeline.model.layers.resnet import Numbered, ResnetBlock2D, Upsample2D, conv
 from pipeline.model.loading import convert
-from pipeline.model.loading.weights import WeightsError
 
 CLASS_NAME = "AutoencoderKL"
 FLUX2_CLASS_NAME = "AutoencoderKLFlux2"  # the batch-norm, 2x2-patch variant
@@ -60,6 +63,7 @@ class VaeConfig:
     shift_factor: float = 0.1159
     use_post_quant_conv: bool = False
     use_quant_conv: bool = False  # the encoder's: never used by a decode, read to write checkpoints
+    mid_block_add_attention: bool = True
     decoder_block_out_channels: tuple[int, ...] | None = None  # None: block_out_channels
     # the FLUX.2 variant: latents normalised by a batch norm of this eps, in 2x2 patches (None, 1: neither)
     batch_norm_eps: float | None = None
@@ -80,9 +84,12 @@ class VaeConfig:
         return 2 ** (len(self.block_out_channels) - 1)
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> VaeConfig:
+    def from_dict(cls, config: Mapping[str, Any], shifted: bool = True) -> VaeConfig:
         """The config of a diffusers ``vae/config.json`` (missing keys at ``AutoencoderKL``'s
-        defaults); ValueError naming the key and value that the decode would not honour."""
+        defaults); ValueError naming the key and value that the decode would not honour.
+        ``shifted``: the family's pipeline decodes ``z / scaling_factor + shift_factor``
+        (FLUX.1, Z-Image), so the shift must be given; else (SD 1.x/2.x, SDXL) it decodes
+        ``z / scaling_factor`` and the shift is 0 whatever the config says, as there."""
         def refuse(key, why):
             raise ValueError(f"vae config: {key}={config.get(key)!r} {why}")
 
@@ -91,10 +98,10 @@ class VaeConfig:
             refuse("_class_name", f"is neither {CLASS_NAME} nor {FLUX2_CLASS_NAME}")
         flux2 = class_name == FLUX2_CLASS_NAME
         values = {key: config.get(key, default) for key, default in (_FLUX2_DEFAULTS if flux2 else _DEFAULTS).items()}
-        if values["act_fn"] != "silu":
-            refuse("act_fn", "is not silu, the only activation diffusers' Flax decoder has")
-        if not values["mid_block_add_attention"]:
-            refuse("mid_block_add_attention", "drops the mid-block attention, which diffusers' Flax decoder always has")
+        if values["act_fn"] not in ("silu", "swish"):
+            refuse("act_fn", "is not silu, the only activation promptmill's decoder has")
+        if not isinstance(values["mid_block_add_attention"], bool):
+            refuse("mid_block_add_attention", "must be true or false")
         blocks = values["block_out_channels"]
         if not isinstance(blocks, (list, tuple)) or not blocks or not all(
                 isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in blocks):
@@ -107,7 +114,7 @@ class VaeConfig:
         types = values["up_block_types"]
         if not isinstance(types, (list, tuple)) or list(types) != ["UpDecoderBlock2D"] * len(decoder or blocks):
             refuse("up_block_types", f"is not {len(decoder or blocks)} x UpDecoderBlock2D, the only decoder block "
-                                     f"diffusers' Flax decoder has (one per decoder channel entry)")
+                                     f"promptmill's decoder has (one per decoder channel entry)")
         for key in ("latent_channels", "out_channels", "layers_per_block", "norm_num_groups"):
             if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 1:
                 refuse(key, "must be a positive integer")
@@ -122,6 +129,8 @@ class VaeConfig:
                 refuse("batch_norm_eps", "must be a positive number")
             patch, eps = 2, float(eps)
             values["scaling_factor"], values["shift_factor"] = 1.0, 0.0
+        if not shifted:
+            values["shift_factor"] = 0.0
         for key in ("scaling_factor", "shift_factor"):
             value = values[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -136,7 +145,7 @@ class VaeConfig:
                    norm_num_groups=values["norm_num_groups"], scaling_factor=float(values["scaling_factor"]),
                    shift_factor=float(values["shift_factor"]), use_post_quant_conv=values["use_post_quant_conv"],
                    use_quant_conv=values["use_quant_conv"], decoder_block_out_channels=decoder, batch_norm_eps=eps,
-                   patch_size=patch)
+                   patch_size=patch, mid_block_add_attention=values["mid_block_add_attention"])
 
 
 def unpatch(latents, patch: int):
@@ -162,6 +171,83 @@ class BatchNormStatistics(nn.Module):
         return x.astype(jnp.float32) * std[None, :, None, None] + mean[None, :, None, None]
 
 
+class VaeAttention(nn.Module):
+    """The mid block's self-attention over every pixel, one head of all the channels:
+    ``group_norm``, then ``to_q``/``to_k``/``to_v`` (with biases), softmax(q k^T / sqrt(C)) v
+    through the seam, ``to_out.0``, added back (diffusers' ``Attention`` with
+    ``residual_connection``)."""
+    groups: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        batch, height, width, channels = x.shape
+        flat = GroupNorm(self.groups, 1e-6, self.dtype, name="group_norm")(x).reshape(batch, height * width, channels)
+
+        def project(name):
+            return nn.Dense(channels, dtype=self.dtype, name=name)(flat).reshape(batch, height * width, 1, channels)
+
+        out = attention.compute("vae", project("to_q"), project("to_k"), project("to_v"), channels ** -0.5)
+        out = Numbered(name="to_out")(lambda: nn.Dense(channels, dtype=self.dtype, name="0"),
+                                      out.reshape(batch, height * width, channels))
+        return out.reshape(x.shape) + x
+
+
+class _MidBlock(nn.Module):
+    """diffusers' ``UNetMidBlock2D`` of the decoder: ``resnets.0``, ``attentions.0`` (when
+    the config has it), ``resnets.1``; no time embedding."""
+    channels: int
+    groups: int
+    with_attention: bool = True
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        resnets = Numbered(name="resnets")
+        x = resnets(lambda: ResnetBlock2D(self.channels, self.groups, 1e-6, dtype=self.dtype, name="0"), x)
+        if self.with_attention:
+            x = Numbered(name="attentions")(lambda: VaeAttention(self.groups, self.dtype, name="0"), x)
+        return resnets(lambda: ResnetBlock2D(self.channels, self.groups, 1e-6, dtype=self.dtype, name="1"), x)
+
+
+class _UpDecoderBlock(nn.Module):
+    """diffusers' ``UpDecoderBlock2D``: ``resnets.0..layers-1``, then ``upsamplers.0`` unless last."""
+    channels: int
+    layers: int
+    groups: int
+    upsample: bool
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        resnets = Numbered(name="resnets")
+        for i in range(self.layers):
+            x = resnets(lambda i=i: ResnetBlock2D(self.channels, self.groups, 1e-6, dtype=self.dtype, name=str(i)), x)
+        if self.upsample:
+            x = Numbered(name="upsamplers")(lambda: Upsample2D(self.channels, self.dtype, name="0"), x)
+        return x
+
+
+class Decoder(nn.Module):
+    """diffusers' ``Decoder`` (see the module's docstring) on NHWC latents."""
+    config: VaeConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, z):
+        cfg = self.config
+        channels = cfg.decoder_channels[::-1]
+        groups = cfg.norm_num_groups
+        x = conv(channels[0], 3, self.dtype, "conv_in")(z)
+        x = _MidBlock(channels[0], groups, cfg.mid_block_add_attention, self.dtype, name="mid_block")(x)
+        blocks = Numbered(name="up_blocks")
+        for i, out in enumerate(channels):
+            x = blocks(lambda i=i, out=out: _UpDecoderBlock(out, cfg.layers_per_block + 1, groups,
+                                                            i < len(channels) - 1, self.dtype, name=str(i)), x)
+        x = nn.silu(GroupNorm(groups, 1e-6, self.dtype, name="conv_norm_out")(x))
+        return conv(cfg.out_channels, 3, self.dtype, "conv_out")(x)
+
+
 class VaeDecoder(nn.Module):
     """``VaeDecoder(config, dtype)(latents [B, C, h, w]) -> [B, 3, h*f, w*f]``: the
     autoencoder's ``decode`` (its post-quant conv where the config has one, then the
@@ -173,25 +259,18 @@ class VaeDecoder(nn.Module):
 
     @nn.compact
     def __call__(self, latents):
-        from diffusers.models.vae_flax import FlaxDecoder
-
         cfg = self.config
         if cfg.batch_norm_eps is not None:
             latents = BatchNormStatistics(cfg.latent_input_channels, cfg.batch_norm_eps, name="bn")(latents)
             latents = unpatch(latents, cfg.patch_size).astype(self.dtype)
-        z = latents.transpose(0, 2, 3, 1)  # the Flax decoder is NHWC
+        z = latents.transpose(0, 2, 3, 1).astype(self.dtype)  # the decoder is NHWC
         if cfg.use_post_quant_conv:
-            z = nn.Conv(cfg.latent_channels, kernel_size=(1, 1), padding="VALID", dtype=self.dtype,
-                        name="post_quant_conv")(z)
-        images = FlaxDecoder(in_channels=cfg.latent_channels, out_channels=cfg.out_channels,
-                             up_block_types=("UpDecoderBlock2D",) * len(cfg.decoder_channels),
-                             block_out_channels=cfg.decoder_channels, layers_per_block=cfg.layers_per_block,
-                             norm_num_groups=cfg.norm_num_groups, dtype=self.dtype, name="decoder")(z)
-        return images.transpose(0, 3, 1, 2)
+            z = conv(cfg.latent_channels, 1, self.dtype, "post_quant_conv")(z)
+        return Decoder(cfg, self.dtype, name="decoder")(z).transpose(0, 3, 1, 2)
 
 
 def vae_decode(module: VaeDecoder, params, latents, config: VaeConfig):
-    """float32 images [B, H, W, 3] in [0, 1] from FluxPipeline's final latents, unpacked,
+    """float32 images [B, H, W, 3] in [0, 1] from a pipeline's final latents, unpacked,
     [B, C, H/f, W/f]: ``latents / scaling_factor + shift_factor`` (in float32, then the
     module's dtype), decoded, then ``x / 2 + 0.5`` clamped to [0, 1], as diffusers'
     ``VaeImageProcessor.postprocess`` does."""
@@ -200,7 +279,26 @@ def vae_decode(module: VaeDecoder, params, latents, config: VaeConfig):
     return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
 
 
-# the decoder's shapes; its weights come by diffusers' own renaming rules (``from_torch``)
+# the older names of the mid block's attention, which diffusers still reads (its
+# ``_convert_deprecated_attention_blocks``); diffusers' Flax module keeps them too
+_OLD_ATTENTION = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+_FLAX_RENAMES = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out_0": "proj_attn"}
+# the PyTorch weights a decode never reads
+_UNUSED = ("encoder.", "quant_conv.", "bn.num_batches_tracked")
+
+
+def _layout(config: VaeConfig) -> convert.Layout:
+    aliases = {}
+    for path in param_shapes(config):
+        name = convert.torch_name(path, _PLAIN)
+        for new, old in _OLD_ATTENTION.items():
+            if f".attentions.0.{new}." in name:
+                aliases[name] = (name.replace(f".attentions.0.{new}.", f".attentions.0.{old}."),)
+    ignored = _UNUSED + (() if config.use_post_quant_conv else ("post_quant_conv.",))
+    return convert.Layout(stacks=(), aliases=aliases, ignored=ignored)
+
+
+_PLAIN = convert.Layout(stacks=())
 NETWORK = convert.Network(VaeDecoder, lambda config: ((jnp.zeros((1, config.latent_input_channels, 1, 1)),), {}))
 
 
@@ -209,78 +307,75 @@ def param_shapes(config: VaeConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     return NETWORK.param_shapes(config)
 
 
-# the PyTorch weights a decode never reads
-_UNUSED = ("encoder.", "quant_conv.", "bn.num_batches_tracked")
-_STATISTICS = ("bn.running_mean", "bn.running_var")  # the FLUX.2 variant's, as they are (1-D)
-
-
 def from_torch(state: Mapping[str, np.ndarray], config: VaeConfig, where: str = "vae") -> dict:
-    """Decoder params from an ``AutoencoderKL`` state dict ({name: array}) by diffusers'
-    PyTorch-to-Flax renaming rules, each array in its stored dtype (convolutions
-    transposed to HWIO, as views); WeightsError naming any missing, misshapen or unknown
-    weight. The encoder's and ``quant_conv``'s weights are skipped."""
-    from diffusers.models.modeling_flax_pytorch_utils import rename_key, rename_key_and_reshape_tensor
-
-    shapes = {path: _Spec(shape) for path, shape in param_shapes(config).items()}
-    flat, odd, unknown = {}, [], []
-    for name, tensor in state.items():
-        if name.startswith(_UNUSED) or (name.startswith("post_quant_conv.") and not config.use_post_quant_conv):
-            continue
-        if name in _STATISTICS:
-            key, array = tuple(name.split(".")), tensor
-        else:
-            key, array = rename_key_and_reshape_tensor(tuple(rename_key(name).split(".")), tensor, shapes)
-        if key not in shapes:
-            unknown.append(name)
-        elif tuple(array.shape) != shapes[key].shape:
-            odd.append(f"{name} has shape {tuple(tensor.shape)}, the decoder expects {shapes[key].shape} (Flax layout)")
-        else:
-            flat[key] = array
-    if odd:
-        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
-    missing = sorted("/".join(key) for key in shapes if key not in flat)
-    if missing:
-        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
-    if unknown:
-        raise WeightsError(f"{where}: {len(unknown)} weight(s) the decoder does not have, e.g. "
-                           f"{', '.join(sorted(unknown)[:5])}")
-    return convert.unflatten(flat)
+    """Decoder params from an ``AutoencoderKL`` or ``AutoencoderKLFlux2`` state dict ({name:
+    array}) by the naming rule (the mid block's attention under its new or its older
+    names), each array in its stored dtype (convolutions' axes moved, as views);
+    WeightsError naming any missing, misshapen or unknown weight. The encoder's,
+    ``quant_conv``'s and the batch norm's counter are skipped."""
+    return convert.from_torch(state, param_shapes(config), _layout(config), where)
 
 
-# diffusers' Flax names of the attention projections -> PyTorch's
-_ATTENTION_NAMES = {"query": ("to_q",), "key": ("to_k",), "value": ("to_v",), "proj_attn": ("to_out", "0")}
+def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], config: VaeConfig, where: str = "vae") -> dict:
+    """Decoder params from the flat params of diffusers' ``FlaxAutoencoderKL`` (a
+    ``diffusion_flax_model.msgpack``): its ``decoder/up_blocks_0/...`` and attention's
+    ``query``/``key``/``value``/``proj_attn``; the encoder's are skipped."""
+    ignored = ("encoder/", "quant_conv/") + (() if config.use_post_quant_conv else ("post_quant_conv/",))
+    return convert.from_flax(flat, param_shapes(config), _PLAIN, where, joined=True, renames=_FLAX_RENAMES,
+                             ignored=ignored)
 
 
 def to_torch(params: Mapping, config: VaeConfig) -> dict[str, np.ndarray]:
-    """An ``AutoencoderKL`` state dict ({PyTorch name: array in its param's dtype}) from
-    the params of diffusers' ``FlaxAutoencoderKL`` (encoder included), inverting
-    diffusers' renaming rules (``from_torch``): ``name_0`` -> ``name.0``, attention's
-    query/key/value/proj_attn -> to_q/to_k/to_v/to_out.0, kernels back to PyTorch's layouts
-    (convolutions OIHW, linears [out, in]), norms' ``scale`` -> ``weight``. The quant
-    convs the config says the autoencoder lacks are left out, as its PyTorch module has
-    none."""
-    import re
-
-    state = {}
-    for path, value in convert.flatten(params).items():
-        if (path[0] == "quant_conv" and not config.use_quant_conv) or (
-                path[0] == "post_quant_conv" and not config.use_post_quant_conv):
-            continue
-        array = np.asarray(value)
-        if path[0] == "bn":  # the batch norm's statistics keep their PyTorch names, and its count
-            state[".".join(path)] = array
-            state["bn.num_batches_tracked"] = np.zeros((), np.int64)
-            continue
-        names = []
-        for part in path[:-1]:
-            names += _ATTENTION_NAMES.get(part, (re.sub(r"_(\d+)$", r".\1", part),))
-        leaf = path[-1]
-        if leaf == "kernel":
-            array = array.transpose(3, 2, 0, 1) if array.ndim == 4 else array.T
-        state[".".join(names + ["bias" if leaf == "bias" else "weight"])] = array
+    """The decoder's part of an autoencoder's state dict ({PyTorch name: array in its
+    param's dtype}), ``from_torch``'s inverse; the FLUX.2 variant's batch norm with its
+    counter, as PyTorch saves one."""
+    state = convert.to_torch(params, _PLAIN)
+    if "bn" in params:
+        state["bn.num_batches_tracked"] = np.zeros((), np.int64)
     return state
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:  # the shape diffusers' renaming rules look up (they read ``.shape`` only)
-    shape: tuple[int, ...]
+def encoder_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{PyTorch name: shape} of an ``AutoencoderKL``'s encoder and ``quant_conv`` (from its
+    ``vae/config.json``, diffusers' defaults for missing keys): what a checkpoint holds
+    besides the decoder, for the built-in models, whose files diffusers loads too."""
+    blocks = list(config.get("block_out_channels", _DEFAULTS["block_out_channels"]))
+    layers = config.get("layers_per_block", _DEFAULTS["layers_per_block"])
+    latent = config.get("latent_channels", _DEFAULTS["latent_channels"])
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def conv_shape(name, out, fan_in, kernel=3):
+        shapes[f"{name}.weight"], shapes[f"{name}.bias"] = (out, fan_in, kernel, kernel), (out,)
+
+    def norm(name, channels):
+        shapes[f"{name}.weight"], shapes[f"{name}.bias"] = (channels,), (channels,)
+
+    def resnet(name, fan_in, out):
+        norm(f"{name}.norm1", fan_in)
+        conv_shape(f"{name}.conv1", out, fan_in)
+        norm(f"{name}.norm2", out)
+        conv_shape(f"{name}.conv2", out, out)
+        if fan_in != out:
+            conv_shape(f"{name}.conv_shortcut", out, fan_in, 1)
+
+    conv_shape("encoder.conv_in", blocks[0], config.get("in_channels", 3))
+    fan_in = blocks[0]
+    for i, out in enumerate(blocks):
+        for j in range(layers):
+            resnet(f"encoder.down_blocks.{i}.resnets.{j}", fan_in if j == 0 else out, out)
+        if i < len(blocks) - 1:
+            conv_shape(f"encoder.down_blocks.{i}.downsamplers.0.conv", out, out)
+        fan_in = out
+    last = blocks[-1]
+    resnet("encoder.mid_block.resnets.0", last, last)
+    if config.get("mid_block_add_attention", True):
+        norm("encoder.mid_block.attentions.0.group_norm", last)
+        for name in ("to_q", "to_k", "to_v", "to_out.0"):
+            shapes[f"encoder.mid_block.attentions.0.{name}.weight"] = (last, last)
+            shapes[f"encoder.mid_block.attentions.0.{name}.bias"] = (last,)
+    resnet("encoder.mid_block.resnets.1", last, last)
+    norm("encoder.conv_norm_out", last)
+    conv_shape("encoder.conv_out", 2 * latent, last)
+    if config.get("use_quant_conv", True):
+        conv_shape("quant_conv", 2 * latent, 2 * latent, 1)
+    return shapes

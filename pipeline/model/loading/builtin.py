@@ -19,6 +19,9 @@ import zlib
 from pipeline.model.loading.cache import cache_dir, is_made, materialize
 
 SHAPES_ONLY = "promptmill_shapes_only.json"  # marks a built-in model saved without weights
+# the diffusers and transformers releases whose on-disk format the built-in models are written in
+# (their configs' ``_diffusers_version`` and ``transformers_version``): the last with Flax
+DIFFUSERS_VERSION, TRANSFORMERS_VERSION = "0.39.0", "4.57.6"
 CLIP_MAX_LENGTH = 77  # the built-in CLIP tokenizers' length, as CLIP's
 CLIP_SPECIAL = ("<|startoftext|>", "<|endoftext|>")
 
@@ -91,13 +94,19 @@ def random_params(shapes, seed: int, embeddings: tuple[str, ...] = ("['embedding
     return jax.tree_util.tree_map_with_path(leaf, shapes)
 
 
-def write_clip_tokenizer_files(folder: str) -> tuple[str, str]:
-    """A byte-level CLIP BPE vocabulary with no merges: 512 symbols plus 2 specials
-    (``CLIP_SPECIAL``); (vocab.json, merges.txt)."""
-    from transformers.models.clip.tokenization_clip import bytes_to_unicode
+def clip_vocabulary() -> dict[str, int]:
+    """The built-in models' byte-level CLIP BPE vocabulary, which needs no merges: the 256
+    byte symbols, each again ending a word (``</w>``), then the 2 specials (``CLIP_SPECIAL``)."""
+    from pipeline.model.loading.tokenizer import byte_symbols
 
-    symbols = list(bytes_to_unicode().values())
-    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols] + list(CLIP_SPECIAL))}
+    symbols = byte_symbols()
+    return {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols] + list(CLIP_SPECIAL))}
+
+
+def write_clip_tokenizer_files(folder: str) -> tuple[str, str]:
+    """The built-in vocabulary (``clip_vocabulary``) as CLIP's tokenizer files: (vocab.json,
+    merges.txt)."""
+    vocab = clip_vocabulary()
     vocab_file, merges_file = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
     with open(vocab_file, "w", encoding="utf-8") as f:
         json.dump(vocab, f, ensure_ascii=False)
@@ -125,3 +134,21 @@ def random_flat_params(shapes, seed: int, stacked=lambda path: False):
             std = 0.02 if path[-1] == "embedding" else fan_in ** -0.5
             params[path] = (rng.standard_normal(shape) * std).astype(np.float32)
     return params
+
+
+def random_torch_state(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:
+    """Weights for a PyTorch state dict's {name: shape}, float32 numpy, leaf by leaf, each
+    seeded by (seed, its name): biases 0, a norm's weight (1-D) 1, a Linear's or a
+    convolution's weight N(0, 1/fan_in) (fan_in: every axis but the first)."""
+    import numpy as np
+
+    state = {}
+    for name, shape in shapes.items():
+        if name.endswith(".bias"):
+            state[name] = np.zeros(shape, np.float32)
+        elif len(shape) == 1:
+            state[name] = np.ones(shape, np.float32)
+        else:
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            state[name] = (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32)
+    return state

@@ -3,8 +3,10 @@
 The rule (``torch_name``): a Flax parameter's path is its PyTorch name split at the
 dots, except for
 - the leaf: Flax's ``kernel`` is a Linear's ``weight``, stored transposed ([in, out]
-  for PyTorch's [out, in]); ``scale`` (a norm's) and ``embedding`` (an Embedding's) are
-  ``weight`` as stored; ``bias`` is ``bias``;
+  for PyTorch's [out, in]), or a convolution's, its axes moved ([kh, kw, in, out] for
+  PyTorch's [out, in, kh, kw]); ``scale`` (a norm's) and ``embedding`` (an Embedding's)
+  are ``weight`` as stored; ``bias`` is ``bias``, and a batch norm's running statistics
+  keep their names;
 - the stacks: a path under one of the network's scanned stacks (``Layout.stacks``, e.g.
   ``transformer_blocks``) holds every block's weight on a leading axis, block ``i``
   being PyTorch's ``transformer_blocks.{i}.…``;
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -26,7 +29,10 @@ import numpy as np
 from pipeline.model.loading.weights import WeightsError
 
 # Flax leaf name -> PyTorch parameter name
-LEAVES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
+LEAVES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias",
+          "running_mean": "running_mean", "running_var": "running_var"}
+# a Flax convolution's kernel [kh, kw, in, out] from PyTorch's [out, in, kh, kw], and back
+_CONV_FROM_TORCH, _CONV_TO_TORCH = (2, 3, 1, 0), (3, 2, 0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,27 @@ def _blocks(path, shape, layout) -> list[int | None]:
     return list(range(shape[0])) if stack_of(path, layout) is not None else [None]
 
 
+def torch_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The PyTorch shape of one (unstacked) Flax parameter of ``shape`` at ``path``."""
+    if path[-1] != "kernel":
+        return tuple(shape)
+    return tuple(shape[axis] for axis in _CONV_TO_TORCH) if len(shape) == 4 else tuple(shape[::-1])
+
+
+def from_torch_array(path: tuple[str, ...], array: np.ndarray) -> np.ndarray:
+    """A PyTorch weight in the Flax layout of the parameter at ``path`` (a view)."""
+    if path[-1] != "kernel":
+        return array
+    return array.transpose(_CONV_FROM_TORCH) if array.ndim == 4 else array.T
+
+
+def to_torch_array(path: tuple[str, ...], array: np.ndarray) -> np.ndarray:
+    """``from_torch_array``'s inverse (a view)."""
+    if path[-1] != "kernel":
+        return array
+    return array.transpose(_CONV_TO_TORCH) if array.ndim == 4 else array.T
+
+
 def torch_shapes(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout) -> dict[str, tuple[int, ...]]:
     """{PyTorch name: shape} of the network whose flat Flax param shapes are ``shapes``:
     what its PyTorch checkpoint holds."""
@@ -100,8 +127,41 @@ def torch_shapes(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layo
         shape = tuple(shape)
         for index in _blocks(path, shape, layout):
             one = shape[1:] if index is not None else shape
-            out[torch_name(path, layout, index)] = one[::-1] if path[-1] == "kernel" else one
+            out[torch_name(path, layout, index)] = torch_shape(path, one)
     return out
+
+
+def _gathered(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout, where: str, lookup,
+              convert) -> dict:
+    """Flat params of the network whose flat param shapes are ``shapes``, blocks stacked:
+    ``lookup(path, index, shape)`` gives each block's (weight name, stored array or None,
+    the shape it must have as stored), ``convert(path, array)`` its Flax array.
+    WeightsError, naming ``where`` and the weights, when any is missing or has another shape."""
+    flat, missing, odd = {}, [], []
+    for path, shape in shapes.items():
+        shape, arrays = tuple(shape), []
+        blocks = _blocks(path, shape, layout)
+        for index in blocks:
+            name, array, expected = lookup(path, index, shape[1:] if index is not None else shape)
+            if array is None:
+                missing.append(name)
+            elif tuple(array.shape) != expected:
+                odd.append(f"{name} has shape {tuple(array.shape)}, the network expects {expected}")
+            else:
+                arrays.append(convert(path, array))
+        if len(arrays) == len(blocks):
+            flat[path] = np.stack(arrays) if stack_of(path, layout) is not None else arrays[0]
+    if missing:
+        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
+    if odd:
+        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
+    return flat
+
+
+def _refuse_unknown(where: str, unknown: list[str]) -> None:
+    if unknown:
+        raise WeightsError(f"{where}: {len(unknown)} weight(s) the network does not have, e.g. "
+                           f"{', '.join(unknown[:5])}")
 
 
 def from_torch(state: Mapping[str, np.ndarray], shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout,
@@ -111,35 +171,59 @@ def from_torch(state: Mapping[str, np.ndarray], shapes: Mapping[tuple[str, ...],
     its dtype. WeightsError, naming ``where`` and the weights, when any is missing, has
     another shape than the network's, or is not a weight of the network (names under
     ``layout.ignored`` excepted)."""
-    flat, missing, odd, used = {}, [], [], set()
-    for path, shape in shapes.items():
-        shape, arrays = tuple(shape), []
-        for index in _blocks(path, shape, layout):
-            name = torch_name(path, layout, index)
-            found = next((n for n in (name, *layout.aliases.get(name, ())) if n in state), None)
-            if found is None:
-                missing.append(name)
-                continue
-            used.update((name, *layout.aliases.get(name, ())))
-            array = state[found]
-            expected = shape[1:] if index is not None else shape
-            if path[-1] == "kernel":
-                expected = expected[::-1]
-            if tuple(array.shape) != expected:
-                odd.append(f"{found} has shape {tuple(array.shape)}, the network expects {expected}")
-                continue
-            arrays.append(array.T if path[-1] == "kernel" else array)
-        if len(arrays) == len(_blocks(path, shape, layout)):
-            flat[path] = np.stack(arrays) if stack_of(path, layout) is not None else arrays[0]
-    if missing:
-        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
-    if odd:
-        raise WeightsError(f"{where}: {'; '.join(odd[:5])}")
-    unknown = sorted(name for name in state if name not in used and not name.startswith(layout.ignored))
-    if unknown:
-        raise WeightsError(f"{where}: {len(unknown)} weight(s) the network does not have, e.g. "
-                           f"{', '.join(unknown[:5])}")
+    used = set()
+
+    def lookup(path, index, shape):
+        name = torch_name(path, layout, index)
+        names = (name, *layout.aliases.get(name, ()))
+        used.update(names)
+        found = next((n for n in names if n in state), None)
+        return (name, None, None) if found is None else (found, state[found], torch_shape(path, shape))
+
+    flat = _gathered(shapes, layout, where, lookup, from_torch_array)
+    _refuse_unknown(where, sorted(name for name in state if name not in used and not name.startswith(layout.ignored)))
     return unflatten(flat)
+
+
+def flax_key(path: tuple[str, ...], layout: Layout, index: int | None, *, joined: bool,
+             renames: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The key that the libraries' own Flax modules give the parameter at ``path`` (of block
+    ``index`` when stacked), in their msgpack files: PyTorch's module path with our leaf,
+    a list's index joined to the list's name (``joined``: diffusers' ``down_blocks_0``) or a
+    key of its own (transformers' ``layers/0``), module names in ``renames`` renamed (after
+    joining: ``{"to_out_0": "proj_attn"}``). A moved parameter keeps its path."""
+    if "/".join(path) in layout.moved:
+        return path
+    parts: list[str] = []
+    for part in torch_name(path, layout, index).split(".")[:-1]:
+        if joined and part.isdigit() and parts:
+            parts[-1] = f"{parts[-1]}_{part}"
+        else:
+            parts.append(part)
+    renames = renames or {}
+    return (*(renames.get(part, part) for part in parts), path[-1])
+
+
+def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+              layout: Layout, where: str, *, joined: bool, renames: Mapping[str, str] | None = None,
+              ignored: tuple[str, ...] = ()) -> dict:
+    """Nested params from the flat params of a Flax checkpoint written by diffusers' or
+    transformers' own Flax module of the same network (a msgpack file: ``flax_key`` names
+    each weight, already in Flax's layout), blocks stacked, each array in its stored dtype.
+    WeightsError, naming ``where`` and the weights, when any is missing, has another shape,
+    or is not a weight of the network (keys whose "/"-joined form starts with one of
+    ``ignored`` excepted)."""
+    used = set()
+
+    def lookup(path, index, shape):
+        key = flax_key(path, layout, index, joined=joined, renames=renames)
+        used.add(key)
+        return "/".join(key), flat.get(key), shape
+
+    out = _gathered(shapes, layout, where, lookup, lambda path, array: np.asarray(array))
+    _refuse_unknown(where, sorted("/".join(key) for key in flat
+                                  if key not in used and not "/".join(key).startswith(ignored)))
+    return unflatten(out)
 
 
 def to_torch(params: Mapping, layout: Layout) -> dict[str, np.ndarray]:
@@ -150,7 +234,7 @@ def to_torch(params: Mapping, layout: Layout) -> dict[str, np.ndarray]:
         array = np.asarray(value)
         for index in _blocks(path, array.shape, layout):
             one = array[index] if index is not None else array
-            out[torch_name(path, layout, index)] = one.T if path[-1] == "kernel" else one
+            out[torch_name(path, layout, index)] = to_torch_array(path, one)
     return out
 
 
@@ -181,7 +265,8 @@ class Network:
     def param_shapes(self, config) -> dict[tuple[str, ...], tuple[int, ...]]:
         """{flat param path: shape}, from the config alone (traced once per config: nothing
         is computed, a 12B model's shapes come in a moment)."""
-        return dict(_traced_shapes(self.module, self.example, config))  # a copy: the cached one is shared
+        with _TRACING:  # a host's load and its compile thread ask at once: one traces, the other waits
+            return dict(_traced_shapes(self.module, self.example, config))  # a copy: the cached one is shared
 
     def from_torch(self, state: Mapping[str, np.ndarray], config, where: str) -> dict:
         """Params from a PyTorch state dict ({name: array}), each array in its stored dtype,
@@ -191,6 +276,9 @@ class Network:
     def to_torch(self, params: Mapping) -> dict[str, np.ndarray]:
         """The PyTorch state dict of ``params``: ``from_torch``'s inverse."""
         return to_torch(params, self.layout)
+
+
+_TRACING = threading.Lock()
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,18 +7,19 @@ formats are read:
 
 - diffusers/PEFT: ``unet.``, ``text_encoder.``, ``text_encoder_2.`` + the layer's module
   path + ``.lora_A.weight``/``.lora_B.weight`` (older files: ``.lora.down.weight``/
-  ``.lora.up.weight``, ``.lora_linear_layer.``, ``.processor.``: renamed by diffusers' own
-  state-dict rules), alpha from the adapter config diffusers keeps in the safetensors
+  ``.lora.up.weight``, ``.lora_linear_layer.``, ``.processor.``, ``to_q_lora``: read by
+  ``_peft_name``), alpha from the adapter config diffusers keeps in the safetensors
   header (``lora_adapter_metadata``), else from ``.alpha`` keys, else the rank;
 - kohya: ``lora_unet_``, ``lora_te_``/``lora_te1_``, ``lora_te2_`` + the module path with
   '_' for '.' + ``.lora_down.weight``/``.lora_up.weight``/``.alpha``.
 
-Both name a layer by its module path, and diffusers' and transformers' Flax modules keep
-PyTorch's module names ('down_blocks_0/attentions_0/.../attn1/to_q/kernel' for
-'down_blocks.0.attentions.0....attn1.to_q'). So a layer is found by its path joined with
-'_' (kohya's own spelling) in the model's own parameter tree, for every format and
-architecture, with no table of names to keep up to date; two layers whose joined names
-collide would be refused, not guessed between.
+Both name a layer by its module path, and promptmill's networks keep PyTorch's module
+names (``down_blocks/0/attentions/0/.../attn1/to_q/kernel`` for
+``down_blocks.0.attentions.0....attn1.to_q``; a scanned stack's block by its index,
+``kernels``). So a layer is found by its path joined with '_' (kohya's own spelling) in
+the model's own parameter tree, for every format and architecture, with no table of
+names to keep up to date; two layers whose joined names collide would be refused, not
+guessed between.
 
 The merge runs on the host in float32, before the cast to the run's dtype and the
 transfer to devices: the compiled program is the one without adapters (only parameter
@@ -137,22 +138,31 @@ def _kohya_updates(path: str, keys: list[str], alphas: dict) -> tuple[Update, ..
     return _pair(path, KOHYA, parts, lambda name, keys_: alphas.get(keys_.get("alpha")) if "alpha" in keys_ else None)
 
 
-def _diffusers_names(keys: list[str]) -> dict[str, str]:
-    """{key: its PEFT name}: the older diffusers names renamed by diffusers' own rules (UNet
-    attention processors' ``to_q_lora``, ``.lora.down``; text encoders' ``lora_linear_layer``)."""
-    from diffusers.utils.state_dict_utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
+# the older diffusers names of attention projections' adapters (its attention processors'
+# ``to_q_lora``...) -> the layer they adapt, in the UNet and in the text encoders
+_OLD_PROJECTIONS = {"to_q": ("to_q", "q_proj"), "to_k": ("to_k", "k_proj"), "to_v": ("to_v", "v_proj"),
+                    "to_out": ("to_out.0", "out_proj")}
+_OLD_PROJECTION = re.compile(r"\.(to_q|to_k|to_v|to_out)_lora\.(down|up|alpha)\b")
 
-    names = {}
-    for component in COMPONENTS:
-        own = [key for key in keys if key.startswith(f"{component}.")]
-        if component == "unet":
-            renamed = convert_unet_state_dict_to_peft(dict(zip(own, own)))
-        elif any("lora_linear_layer" in key or "to_out_lora" in key for key in own):
-            renamed = convert_state_dict_to_peft(dict(zip(own, own)))
-        else:
-            renamed = {key: key for key in own}
-        names.update({original: new for new, original in renamed.items()})
-    return names
+
+def _peft_name(key: str) -> str:
+    """The PEFT spelling of a diffusers LoRA key: its older forms (an attention processor's
+    ``.processor.`` and ``to_q_lora.down``, a text encoder's ``lora_linear_layer``) name the
+    layer they adapt and ``lora.down``/``lora.up``, which ``_PEFT_SUFFIXES`` reads."""
+    component, _, rest = key.partition(".")
+    rest = rest.replace(".processor.", ".").replace(".lora_linear_layer.", ".lora.")
+    found = _OLD_PROJECTION.search(rest)
+    if found:
+        unet_layer, text_layer = _OLD_PROJECTIONS[found.group(1)]
+        layer = unet_layer if component == "unet" else text_layer
+        half = "alpha" if found.group(2) == "alpha" else f"lora.{found.group(2)}"
+        rest = f"{rest[:found.start()]}.{layer}.{half}{rest[found.end():]}"
+    return f"{component}.{rest}"
+
+
+def _diffusers_names(keys: list[str]) -> dict[str, str]:
+    """{key: its PEFT name} of the keys under a component's prefix (``_peft_name``)."""
+    return {key: _peft_name(key) for key in keys if key.split(".", 1)[0] in COMPONENTS}
 
 
 def _adapter_configs(path: str, header: dict) -> dict:
@@ -338,13 +348,17 @@ def delta(down: np.ndarray, up: np.ndarray, kernel_shape: tuple[int, ...]) -> np
     return product.reshape(out, fan_in, kh, kw).transpose(2, 3, 1, 0)
 
 
-def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = None) -> dict:
+def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = None, shapes: dict | None = None,
+          dtype=None) -> dict:
     """``params`` ({component: tree}) with each (local file, scale) of ``loras`` merged in
     order: kernel + float32(scale·alpha/rank)·(up·down), in float32 numpy on the host, then
-    back in the kernel's dtype. A changed kernel is copied once, in its dtype (the one copy
-    a merge makes), and merged one block at a time (a stacked kernel, ``layouts``: see
-    ``kernels``): float32 is only ever one block's worth, so a bf16 model is never held in
-    float32. The parameters given are never modified."""
+    in ``dtype`` (None: the kernel's own; a run's dtype, when it is not the stored one). A
+    changed kernel is copied once (the one copy a merge makes), and merged one block at a
+    time (a stacked kernel, ``layouts``: see ``kernels``): float32 is only ever one block's
+    worth, so a bf16 model is never held in float32. ``shapes`` ({component: flat shapes}):
+    the whole networks a LoRA names layers of, when ``params`` hold fewer (a text encoder
+    whose last layer a run never computes): an update of a layer ``params`` lack changes
+    nothing the run computes and is not merged. The parameters given are never modified."""
     import contextlib
 
     from flax.traverse_util import flatten_dict, unflatten_dict
@@ -353,12 +367,16 @@ def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = N
     if not loras:
         return params
     flat = {name: flatten_dict(tree) for name, tree in params.items() if name in COMPONENTS}
-    shapes = {name: {path: tuple(np.shape(leaf)) for path, leaf in tree.items()} for name, tree in flat.items()}
+    held = {name: {path: tuple(np.shape(leaf)) for path, leaf in tree.items()} for name, tree in flat.items()}
+    shapes = held if shapes is None else {name: shapes[name] for name in held}
     # (component, kernel path) -> {block: [(file, factor, match)]}: a kernel's updates, in the files' order
     steps: dict = {}
     for path, scale in loras:
         adapter = read(path)
         for found in match(adapter, shapes, layouts):
+            have = held[found.update.component].get(found.path)
+            if have is None or (found.index is not None and found.index >= have[0]):
+                continue  # a layer the run never computes
             blocks = steps.setdefault((found.update.component, found.path), {})
             blocks.setdefault(found.index, []).append((path, adapter.factor(found.update, scale), found))
     changed = {}
@@ -366,15 +384,16 @@ def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = N
         tensors = {path: files.enter_context(safe_open(path, "np")) for path in {path for path, _ in loras}}
         for key, blocks in steps.items():
             component, kernel_path = key
-            kernel = np.array(flat[component][kernel_path])  # writable, in the stored dtype
+            stored = flat[component][kernel_path]
+            kernel = np.array(stored, dtype=dtype)  # writable: in the stored dtype, or dtype
             for index, updates in blocks.items():
                 where = ... if index is None else index
-                value = kernel[where].astype(np.float32)
+                value = np.asarray(stored[where]).astype(np.float32)  # from the stored values
                 for path, factor, found in updates:
                     down = tensors[path].get_tensor(found.update.down)
                     up = tensors[path].get_tensor(found.update.up)
                     value += factor * delta(down, up, found.shape)
-                kernel[where] = value  # back in the kernel's dtype
+                kernel[where] = value  # in the kernel's dtype
             changed[key] = kernel
     merged = dict(params)
     for component in {component for component, _ in changed}:

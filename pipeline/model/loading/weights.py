@@ -1,20 +1,21 @@
-"""Component weights: Flax msgpack, or PyTorch safetensors converted without torch.
+"""Component weights: PyTorch safetensors (single or sharded) or the libraries' Flax
+msgpack, read without torch, and converted once per machine.
 
 A diffusers-format checkpoint keeps each network's weights in its own folder, either
-as Flax msgpack (``diffusion_flax_model.msgpack`` / ``flax_model.msgpack``) or as
-PyTorch safetensors (``diffusion_pytorch_model.safetensors`` / ``model.safetensors``).
-Safetensors are read as numpy arrays and mapped to Flax names and layouts with the
-libraries' own renaming rules; the target tree comes from ``jax.eval_shape``, so no
-random initialisation runs and torch is never imported. Flax msgpack is read the same
-way, as numpy arrays checked against that tree. Weights stay on the host until the
-generator puts them on its devices.
+as PyTorch safetensors (``diffusion_pytorch_model.safetensors`` / ``model.safetensors``,
+or shards named by their ``.index.json``) or as Flax msgpack written by diffusers' or
+transformers' Flax modules (``diffusion_flax_model.msgpack`` / ``flax_model.msgpack``).
+Either is read as numpy arrays (safetensors memory-mapped, ``read_mapped``) and mapped to
+our networks' names and layouts by their naming rule (``pipeline.model.loading.convert``:
+``from_torch``, ``from_flax``), each array in its stored dtype; torch is never imported.
+Weights stay on the host until the generator puts them on its devices.
 
-Converting costs more than the bytes: parsing, renaming, transposing, and tracing each
-module's init for its shapes. So each component's weights are converted once per
-machine and kept in the promptmill cache as one safetensors file of Flax names and
-layouts (``converted``), keyed by the source file (path, size, mtime, inode) and the
-component's config; every later load memory-maps that file (``read_mapped``): its
-arrays are views of the page cache, and their only copy is the one onto the devices.
+Converting costs more than the bytes: parsing, renaming, transposing, stacking. So each
+component's weights are converted once per machine and kept in the promptmill cache as
+one safetensors file of Flax names and layouts (``converted``), keyed by the source file
+(path, size, mtime, inode), the component's config and what of it the network reads;
+every later load memory-maps that file (``read_mapped``): its arrays are views of the
+page cache, and their only copy is the one onto the devices.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import json
 import os
 import struct
 import tempfile
-import types
 
 import numpy as np
 
@@ -67,16 +67,6 @@ def source_files(source: str) -> list[str]:
     except (OSError, ValueError, KeyError, AttributeError) as e:
         raise WeightsError(f"{source}: not a readable safetensors index ({type(e).__name__}: {e})") from e
     return [source] + [os.path.join(os.path.dirname(source), os.path.basename(shard)) for shard in shards]
-
-
-def _check_complete(where: str, shapes: dict, flat: dict) -> None:
-    missing = sorted("/".join(k) for k in set(shapes) - set(flat))
-    if missing:
-        raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
-    for key, spec in shapes.items():
-        if tuple(flat[key].shape) != tuple(spec.shape):
-            raise WeightsError(f"{where}: weight {'/'.join(key)} has shape {tuple(flat[key].shape)}, "
-                               f"the model expects {tuple(spec.shape)}")
 
 
 # safetensors' dtype names (https://github.com/huggingface/safetensors, the format's spec)
@@ -169,17 +159,15 @@ def write_safetensors(path: str, arrays: dict[str, np.ndarray], align: bool = Tr
             os.remove(scratch)
 
 
-CONVERTED_VERSION = "2"  # bump whenever the conversion's result could change
+CONVERTED_VERSION = "3"  # bump whenever the conversion's result could change
 
 
-def converted_path(source: str, component_dir: str) -> str:
+def converted_path(source: str, component_dir: str, variant: str = "") -> str:
     """Where the converted weights of ``source`` (a component's weights file, or the index
-    of its shards) are kept: keyed by its files (path, size, mtime, inode: a changed file
-    is converted anew; ``source_files``), the component's config (the module they were
-    checked against) and the libraries whose renaming rules convert them."""
-    import diffusers
-    import transformers
-
+    of its shards) are kept: named by its files (path, size, mtime, inode: a changed file
+    is converted anew; ``source_files``) and the component's config (the network they were
+    checked against), then by ``variant``: what of the network is read (e.g. a text
+    encoder's layers up to the deepest state a family reads)."""
     from pipeline.model.loading.cache import cache_dir
 
     parts = [CONVERTED_VERSION]
@@ -188,25 +176,26 @@ def converted_path(source: str, component_dir: str) -> str:
         parts += [os.path.abspath(path), str(stat.st_size), str(stat.st_mtime_ns), str(stat.st_ino)]
     with open(os.path.join(component_dir, "config.json"), "rb") as f:
         config = f.read()
-    parts += [diffusers.__version__, transformers.__version__]
     key = hashlib.sha256("\0".join(parts).encode() + b"\0" + config).hexdigest()[:32]
-    return os.path.join(cache_dir(), "weights", f"{key}.safetensors")
+    read = hashlib.sha256(variant.encode()).hexdigest()[:8]
+    return os.path.join(cache_dir(), "weights", f"{key}-{read}.safetensors")
 
 
 def converted_files(directory: str) -> list[str]:
-    """The converted files (``converted_path``) of a checkpoint's components' weights on
-    this machine, those that exist."""
+    """The converted files (``converted_path``, any variant) of a checkpoint's components'
+    weights on this machine, those that exist."""
+    import glob
+
     found = []
     for component in LIBRARY:
         component_dir = os.path.join(directory, component)
         if os.path.isfile(os.path.join(component_dir, "config.json")):
-            path = converted_path(find(component_dir, component)[1], component_dir)
-            if os.path.isfile(path):
-                found.append(path)
+            named = converted_path(find(component_dir, component)[1], component_dir)
+            found += sorted(glob.glob(named.rsplit("-", 1)[0] + "-*.safetensors"))
     return found
 
 
-def converted(source: str, component_dir: str, convert) -> dict:
+def converted(source: str, component_dir: str, convert, variant: str = "") -> dict:
     """Flax params of ``source``: memory-mapped from its converted file when this machine
     converted it before, else ``convert()`` (read, converted and checked against the
     module's shapes), kept as that file for the next load; processes converting the same
@@ -221,7 +210,7 @@ def converted(source: str, component_dir: str, convert) -> dict:
     def mapped():
         return unflatten_dict({tuple(name.split("/")): array for name, array in read_mapped(path).items()})
 
-    path = converted_path(source, component_dir)
+    path = converted_path(source, component_dir, variant)
     if os.path.isfile(path):
         try:
             return mapped()
@@ -237,120 +226,19 @@ def converted(source: str, component_dir: str, convert) -> dict:
     return params
 
 
-def _read_msgpack(path: str) -> dict:
-    """The nested dict of numpy arrays in a Flax msgpack file (nothing goes to a device)."""
+def read_msgpack(path: str) -> dict[tuple[str, ...], np.ndarray]:
+    """{key path: numpy array} of a Flax msgpack file (as diffusers' and transformers' Flax
+    modules save their params), in its stored dtypes; nothing goes to a device."""
     from flax.serialization import msgpack_restore
+    from flax.traverse_util import flatten_dict
 
     with open(path, "rb") as f:
         data = f.read()
     try:
-        return msgpack_restore(data)
+        tree = msgpack_restore(data)
     except Exception as e:  # a truncated or foreign file: name it
         raise WeightsError(f"{path}: not a readable Flax msgpack file ({e})") from e
-
-
-def params_from_msgpack(shapes_tree, path: str) -> dict:
-    """Flax params from a Flax msgpack file, checked against the module's shapes: numpy
-    arrays on the host, as stored, so the cast to the run's dtype happens on the host
-    and each device receives its weights in one transfer."""
-    from flax.traverse_util import flatten_dict, unflatten_dict
-
-    shapes = flatten_dict(shapes_tree)
-    flat = {key: np.asarray(value) for key, value in flatten_dict(_read_msgpack(path)).items() if key in shapes}
-    _check_complete(path, shapes, flat)
-    return unflatten_dict(flat)
-
-
-def _shapes(module):
-    """The params' shapes of a diffusers Flax module, from its config alone: no
-    initialiser runs, and its trace is kept (``shapes.diffusers_shapes``)."""
-    from pipeline.model.loading.shapes import diffusers_shapes
-
-    return diffusers_shapes(module)
-
-
-def diffusers_params_from_safetensors(module, path: str) -> dict:
-    """Flax params for a diffusers Flax module (UNet, VAE) from PyTorch safetensors."""
-    from diffusers.models.modeling_flax_pytorch_utils import rename_key, rename_key_and_reshape_tensor
-    from flax.traverse_util import flatten_dict, unflatten_dict
-
-    shapes = flatten_dict(_shapes(module))
-    flat = {}
-    for pt_key, tensor in read_weights(path).items():
-        key, tensor = rename_key_and_reshape_tensor(tuple(rename_key(pt_key).split(".")), tensor, shapes)
-        if key in shapes:  # anything else (buffers, unused heads) is not a weight of the Flax module
-            flat[key] = np.asarray(tensor, dtype=np.float32)
-    _check_complete(path, shapes, flat)
-    return unflatten_dict(flat)
-
-
-def transformers_params_from_safetensors(module, path: str) -> dict:
-    """Flax params for a transformers Flax CLIP text model (``shapes.TransformersModel``)."""
-    from flax.traverse_util import flatten_dict, unflatten_dict
-    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
-
-    shapes = flatten_dict(module.params_shape_tree)
-    # The converter only reads the target's key names and shapes and its prefix.
-    target = types.SimpleNamespace(params=module.params_shape_tree, base_model_prefix=module.base_model_prefix)
-    converted = flatten_dict(convert_pytorch_state_dict_to_flax(read_weights(path), target))
-    flat = {k: np.asarray(v, dtype=np.float32) for k, v in converted.items() if k in shapes}  # drops position_ids
-    _check_complete(path, shapes, flat)
-    return unflatten_dict(flat)
-
-
-def load_diffusers(cls, directory: str, component: str, dtype, weights_file: str | None = None,
-                   abstract: bool = False):
-    """(module, params) of a UNet or VAE folder, whatever its weight format; with
-    ``weights_file`` (PyTorch safetensors), the folder's config with that file's weights.
-    ``abstract``: params as float32 ``jax.ShapeDtypeStruct``s, from the config alone (no
-    weight is read or initialised)."""
-    component_dir = os.path.join(directory, component)
-    module = cls.from_config(cls.load_config(component_dir), dtype=dtype)
-    if abstract:
-        return module, _shapes(module)
-    kind, path = ("safetensors", weights_file) if weights_file else find(component_dir, component)
-    if kind == "flax":
-        return module, converted(path, component_dir, lambda: params_from_msgpack(_shapes(module), path))
-    return module, converted(path, component_dir, lambda: diffusers_params_from_safetensors(module, path))
-
-
-def load_transformers(cls, directory: str, component: str, dtype, abstract: bool = False):
-    """(module, params) of a CLIP text encoder folder, whatever its weight format;
-    ``abstract``: see ``load_diffusers``."""
-    import jax
-    from transformers import CLIPTextConfig
-
-    from pipeline.model.loading.shapes import transformers_model
-
-    component_dir = os.path.join(directory, component)
-    # no random initialisation of weights the file replaces anyway (the eager init took most
-    # of a small model's load time); its shapes traced once per machine, built once per process
-    module = transformers_model(cls, CLIPTextConfig.from_pretrained(component_dir), dtype)
-    if abstract:  # a copy of the tree: the model is shared
-        return module, jax.tree_util.tree_map(lambda leaf: leaf, module.params_shape_tree)
-    kind, path = find(component_dir, component)
-    if kind == "flax":
-        return module, converted(path, component_dir, lambda: params_from_msgpack(module.params_shape_tree, path))
-    return module, converted(path, component_dir, lambda: transformers_params_from_safetensors(module, path))
-
-
-def param_shapes(directory: str, component: str) -> dict:
-    """{flat parameter path: shape} of a component's Flax network, from its config alone
-    (``abstract``: no weights are read and no initialiser runs)."""
-    import jax.numpy as jnp
-    from flax.traverse_util import flatten_dict
-
-    if LIBRARY[component] == "diffusers":
-        from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel
-
-        cls = FlaxUNet2DConditionModel if component == "unet" else FlaxAutoencoderKL
-        _, tree = load_diffusers(cls, directory, component, jnp.float32, abstract=True)
-    else:
-        from transformers import FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
-
-        cls = FlaxCLIPTextModelWithProjection if component == "text_encoder_2" else FlaxCLIPTextModel
-        _, tree = load_transformers(cls, directory, component, jnp.float32, abstract=True)
-    return {path: tuple(leaf.shape) for path, leaf in flatten_dict(tree).items()}
+    return {key: np.asarray(value) for key, value in flatten_dict(tree).items()}
 
 
 # ---- sharded safetensors: a checkpoint split over several files, named by an index
@@ -408,23 +296,32 @@ def read_safetensors_weights(component_dir: str, library: str) -> dict[str, np.n
     raise WeightsError(f"{component_dir}: no PyTorch safetensors weights (expected {name} or {name}.index.json)")
 
 
-def converted_components(directory: str, rules: dict, libraries: dict, title: str) -> dict:
+def converted_components(directory: str, rules: dict, libraries: dict, title: str, flax_rules: dict | None = None,
+                         variants: dict | None = None) -> dict:
     """{component: params} of a checkpoint of promptmill's own networks: each component's
-    PyTorch safetensors (``libraries[component]``'s file names), converted once per machine
-    by ``rules[component](state, where)`` (the networks' naming rule, in the stored dtype)
-    and memory-mapped after (``converted``). A component stored as Flax msgpack is refused,
-    naming the family (``title``)."""
+    weights (``libraries[component]``'s file names), converted once per machine and
+    memory-mapped after (``converted``; ``variants[component]``: what of it is read). PyTorch
+    safetensors go through ``rules[component](state, where)``, Flax msgpack through
+    ``flax_rules[component](flat, where)`` (the networks' naming rules, in the stored dtype); a
+    component stored as Flax msgpack without a rule for it is refused, naming the family
+    (``title``)."""
     from pipeline.model.loading.checkpoint import ModelError
 
+    flax_rules, variants = flax_rules or {}, variants or {}
     params = {}
     for component, rule in rules.items():
         component_dir = os.path.join(directory, component)
         library = libraries[component]
         kind, source = find(component_dir, component, library)
         if kind == "flax":
-            raise ModelError(f"{component_dir}: {title} reads PyTorch safetensors weights, not Flax msgpack")
+            if component not in flax_rules:
+                raise ModelError(f"{component_dir}: {title} reads PyTorch safetensors weights, not Flax msgpack")
+            params[component] = converted(
+                source, component_dir, lambda rule=flax_rules[component], source=source, component_dir=component_dir:
+                rule(read_msgpack(source), component_dir), variants.get(component, ""))
+            continue
         params[component] = converted(
             source, component_dir,
             lambda rule=rule, component_dir=component_dir, library=library: rule(
-                read_safetensors_weights(component_dir, library), component_dir))
+                read_safetensors_weights(component_dir, library), component_dir), variants.get(component, ""))
     return params

@@ -1,20 +1,24 @@
 """Sampler steps on the devices: the traceable, pure half of ``pipeline.model.sampling.steps``.
 
-``scale_input`` and ``step`` read a ``Schedule`` that ``steps.make_schedule`` computed on
-the host; ``i`` may be the counter of a ``lax.fori_loop``. Importing this module makes a
-``Schedule`` a pytree (its arrays leaves, its sampler, prediction type and clip range
-static), so it can be passed into ``jit`` as an argument.
+``scale_input``, ``step`` and ``advance`` read a ``Schedule`` that ``steps.make_schedule``
+computed on the host; ``i`` (a network call's index) may be the counter of a
+``lax.fori_loop``. The multistep samplers (PNDM, DPM-Solver++) keep outputs of earlier
+calls in a state (``start``, ``advance``); the others' state is empty. Importing this
+module makes a ``Schedule`` a pytree (its arrays leaves, its sampler, prediction type and
+clip range static), so it can be passed into ``jit`` as an argument.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pipeline.model.sampling import multistep
 from pipeline.model.sampling.steps import Schedule
 
 jax.tree_util.register_dataclass(
     Schedule,
-    data_fields=["timesteps", "sigmas", "alpha_t", "alpha_prev", "c_skip", "c_out", "inject", "init_noise_sigma"],
+    data_fields=["timesteps", "sigmas", "alpha_t", "alpha_prev", "c_skip", "c_out", "inject", "init_noise_sigma",
+                 "plan"],
     meta_fields=["sampler", "prediction_type", "clip_range"])
 
 
@@ -58,14 +62,76 @@ def _x0_from_sigma(schedule: Schedule, sigma, model_output, sample):
     raise ValueError(f"prediction_type {kind!r} is not supported by {schedule.sampler}")
 
 
+def start(schedule: Schedule, sample: jax.Array) -> tuple:
+    """The state a sampler keeps between calls, before the first: PNDM's last 4 outputs
+    (oldest first), its kept sample and its Runge-Kutta accumulator; DPM-Solver++'s previous
+    x0; nothing for the others."""
+    zeros = jnp.zeros(sample.shape, jnp.float32)
+    if schedule.sampler == "pndm":
+        return jnp.zeros((4,) + sample.shape, jnp.float32), zeros, zeros
+    if schedule.sampler == "dpmpp":
+        return (zeros,)
+    return ()
+
+
+def _column(schedule: Schedule, columns: tuple[str, ...], i, name: str):
+    return jnp.asarray(schedule.plan)[i, columns.index(name)]
+
+
+def _pndm(schedule: Schedule, i, output, sample, state):
+    ets, kept_sample, acc = state
+    col = lambda name: _column(schedule, multistep.PNDM_COLUMNS, i, name)  # noqa: E731
+    combined = col("w_now") * output + col("w_acc") * acc
+    ets = jnp.where(col("append") > 0, jnp.concatenate([ets[1:], output[None]]), ets)
+    for k in range(1, 5):
+        combined = combined + col(f"w_{k}") * ets[-k]
+    acc = col("acc_keep") * acc + col("acc_add") * output
+    kept_sample = jnp.where(col("keep_sample") > 0, sample, kept_sample)
+    source = jnp.where(col("use_kept_sample") > 0, kept_sample, sample)
+    if schedule.prediction_type == "v_prediction":
+        alpha = col("alpha_t")
+        combined = jnp.sqrt(alpha) * combined + jnp.sqrt(1 - alpha) * source
+    return col("sample_coef") * source - col("output_coef") * combined, (ets, kept_sample, acc)
+
+
+def _dpmpp(schedule: Schedule, i, output, sample, state):
+    (previous,) = state
+    col = lambda name: _column(schedule, multistep.DPMPP_COLUMNS, i, name)  # noqa: E731
+    alpha, sigma = col("alpha_s"), col("sigma_s")
+    kind = schedule.prediction_type
+    if kind == "epsilon":
+        x0 = (sample - sigma * output) / alpha
+    elif kind == "v_prediction":
+        x0 = alpha * sample - sigma * output
+    else:  # "sample"
+        x0 = output
+    return col("sample_coef") * sample + col("x0_coef") * x0 + col("previous_coef") * previous, (x0,)
+
+
+def advance(schedule: Schedule, i, model_output: jax.Array, sample: jax.Array, noise: jax.Array | None = None,
+            state: tuple = ()) -> tuple[jax.Array, tuple]:
+    """(the sample after call ``i`` (float32), the sampler's state after it), given the
+    network's output at call ``i`` and the state before it (``start``); ``noise``: see
+    ``step``."""
+    if schedule.sampler in ("pndm", "dpmpp"):
+        if noise is not None:
+            raise ValueError(f"the {schedule.sampler} sampler is deterministic and takes no noise")
+        kernel = _pndm if schedule.sampler == "pndm" else _dpmpp
+        return kernel(schedule, i, model_output.astype(jnp.float32), sample.astype(jnp.float32), state)
+    return step(schedule, i, model_output, sample, noise), state
+
+
 def step(schedule: Schedule, i, model_output: jax.Array, sample: jax.Array, noise: jax.Array | None = None
          ) -> jax.Array:
-    """The sample after step ``i`` (float32), given the network's output at step ``i``.
+    """The sample after step ``i`` (float32), given the network's output at step ``i``, for
+    the samplers without a state (``advance`` runs every sampler).
 
     ``noise`` (same shape as ``sample``, unit normal) is required by the stochastic
     samplers and refused by the others. For LCM the result of the last step is the
     denoised sample itself, and its noise is not used.
     """
+    if schedule.sampler in ("pndm", "dpmpp"):
+        raise ValueError(f"the {schedule.sampler} sampler keeps a state: run it with advance")
     if schedule.stochastic and noise is None:
         raise ValueError(f"the {schedule.sampler} sampler needs the step's noise")
     if not schedule.stochastic and noise is not None:

@@ -1,10 +1,11 @@
-"""Sampler schedules: DDIM, Euler, Euler ancestral and LCM, as diffusers' PyTorch schedulers define them.
+"""Sampler schedules: DDIM, PNDM, Euler, DPM-Solver++, Euler ancestral and LCM, as diffusers'
+PyTorch schedulers define them.
 
-diffusers' Flax schedulers lack trailing Euler, any spacing for DDIM, Euler ancestral and
-LCM, and they silently drop config keys they do not know. These functions follow the
-PyTorch schedulers of diffusers 0.39 instead (``DDIMScheduler``,
-``EulerDiscreteScheduler``, ``EulerAncestralDiscreteScheduler``, ``LCMScheduler``), and
-``tests/test_steps.py`` checks them against fixtures those schedulers wrote.
+These functions follow the PyTorch schedulers of diffusers 0.39 (``DDIMScheduler``,
+``PNDMScheduler``, ``EulerDiscreteScheduler``, ``DPMSolverMultistepScheduler``,
+``EulerAncestralDiscreteScheduler``, ``LCMScheduler``; the multistep ones' tables in
+``pipeline.model.sampling.multistep``), and ``tests/test_steps.py`` checks them against
+fixtures those schedulers wrote.
 
 Two halves:
 - ``make_schedule(config, sampler, steps)`` runs once on the host, in numpy, and returns
@@ -36,8 +37,9 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.choices import TIMESTEP_SPACINGS
+from pipeline.model.sampling import multistep
 
-SAMPLERS = ("ddim", "euler", "euler_a", "lcm")
+SAMPLERS = ("ddim", "pndm", "euler", "dpmpp", "euler_a", "lcm")
 STOCHASTIC = frozenset({"euler_a", "lcm"})  # samplers whose step takes fresh noise
 SPACINGS = TIMESTEP_SPACINGS
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
@@ -45,14 +47,23 @@ BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 # The PyTorch scheduler class whose behaviour each sampler reproduces, and that class's
 # defaults in diffusers 0.39: a key missing from a checkpoint's config takes these values,
 # exactly as ``SchedulerClass.from_config`` would give it.
-CLASS_NAMES = {"ddim": "DDIMScheduler", "euler": "EulerDiscreteScheduler",
-               "euler_a": "EulerAncestralDiscreteScheduler", "lcm": "LCMScheduler"}
+CLASS_NAMES = {"ddim": "DDIMScheduler", "pndm": "PNDMScheduler", "euler": "EulerDiscreteScheduler",
+               "dpmpp": "DPMSolverMultistepScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
+               "lcm": "LCMScheduler"}
+# --scheduler dpmpp is DPM-Solver++ of order 2, whatever a checkpoint's config says
+OVERRIDES = {"dpmpp": {"algorithm_type": "dpmsolver++", "solver_order": 2}}
 _COMMON = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02, beta_schedule="linear",
                trained_betas=None, prediction_type="epsilon", steps_offset=0, rescale_betas_zero_snr=False)
 _ALPHA_MODELS = dict(clip_sample=True, clip_sample_range=1.0, set_alpha_to_one=True, thresholding=False,
                      dynamic_thresholding_ratio=0.995, sample_max_value=1.0, timestep_spacing="leading")
 DEFAULTS: dict[str, dict[str, Any]] = {
     "ddim": {**_COMMON, **_ALPHA_MODELS},
+    "pndm": {**_COMMON, "skip_prk_steps": False, "set_alpha_to_one": False, "timestep_spacing": "leading"},
+    "dpmpp": {**_COMMON, "solver_order": 2, "thresholding": False, "algorithm_type": "dpmsolver++",
+              "solver_type": "midpoint", "lower_order_final": True, "euler_at_final": False,
+              "use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False,
+              "use_lu_lambdas": False, "use_flow_sigmas": False, "final_sigmas_type": "zero",
+              "lambda_min_clipped": float("-inf"), "variance_type": None, "timestep_spacing": "linspace"},
     "euler": {**_COMMON, "interpolation_type": "linear", "use_karras_sigmas": False, "use_exponential_sigmas": False,
               "use_beta_sigmas": False, "sigma_min": None, "sigma_max": None, "timestep_spacing": "linspace",
               "timestep_type": "discrete", "final_sigmas_type": "zero"},
@@ -99,6 +110,18 @@ _ALPHA_SUPPORT = dict(clip_sample=_is(False, True), clip_sample_range=_number, s
 SUPPORTED = {
     "ddim": {**_COMMON_SUPPORT, **_ALPHA_SUPPORT, "prediction_type": _is("epsilon", "v_prediction", "sample"),
              "timestep_spacing": _is(*SPACINGS)},
+    "pndm": {**_COMMON_SUPPORT, "prediction_type": _is("epsilon", "v_prediction"), "timestep_spacing": _is(*SPACINGS),
+             "skip_prk_steps": _is(False, True), "set_alpha_to_one": _is(False, True)},
+    "dpmpp": {**_COMMON_SUPPORT, "prediction_type": _is("epsilon", "v_prediction", "sample"),
+              "timestep_spacing": _is(*SPACINGS), "thresholding": _is(False), "dynamic_thresholding_ratio": _any,
+              "sample_max_value": _any, "solver_order": _is(2), "algorithm_type": _is("dpmsolver++"),
+              "solver_type": _is("midpoint", "heun"), "lower_order_final": _is(False, True),
+              "euler_at_final": _is(False, True), "final_sigmas_type": _is("zero", "sigma_min"),
+              # sigma conversions, clipped lambdas, learned variance, zero SNR, flow sigmas: not reproduced
+              "use_karras_sigmas": _is(False, None), "use_exponential_sigmas": _is(False, None),
+              "use_beta_sigmas": _is(False, None), "use_lu_lambdas": _is(False, None),
+              "use_flow_sigmas": _is(False, None), "lambda_min_clipped": _is(float("-inf")),
+              "variance_type": _is(None), "rescale_betas_zero_snr": _is(False)},
     "euler": {**_COMMON_SUPPORT, "prediction_type": _is("epsilon", "v_prediction", "sample", "original_sample"),
               "timestep_spacing": _is(*SPACINGS),
               # log_linear gives n + 2 sigmas for n steps in diffusers 0.39; not reproduced
@@ -125,6 +148,7 @@ def unsupported(config: Mapping[str, Any], sampler: str) -> list[tuple[str, Any]
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    config = {**config, **OVERRIDES.get(sampler, {})}
     rules = SUPPORTED[sampler]
     refused = [(key, value) for key, value in config.items() if key in rules and not rules[key](value)]
     if sampler == "euler" and config.get("use_karras_sigmas") and config.get("use_exponential_sigmas"):
@@ -137,7 +161,7 @@ def resolved_config(config: Mapping[str, Any], sampler: str) -> dict[str, Any]:
     that class's defaults (what ``from_config`` would build)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
-    defaults = DEFAULTS[sampler]
+    defaults, config = DEFAULTS[sampler], {**config, **OVERRIDES.get(sampler, {})}
     return {key: config.get(key, default) for key, default in defaults.items()}
 
 
@@ -235,8 +259,10 @@ def spaced_timesteps(config: Mapping[str, Any], steps: int) -> np.ndarray:
 class Schedule:
     """Everything a sampler's step needs, precomputed for a fixed number of steps.
 
-    ``timesteps[i]`` is what the network sees at step ``i`` (int32 for DDIM and LCM,
-    float32 for the Euler samplers). ``sigmas`` has ``num_steps + 1`` entries for the
+    ``timesteps[i]`` is what the network sees at call ``i`` (int32 for DDIM, PNDM,
+    DPM-Solver++ and LCM, float32 for the Euler samplers); there is one call per step but
+    for PNDM (``multistep.pndm_timesteps``). ``plan`` is a multistep sampler's table, one
+    row per call (``multistep``; empty otherwise). ``sigmas`` has ``num_steps + 1`` entries for the
     Euler samplers (zeros otherwise). ``alpha_t``/``alpha_prev`` are alpha_bar at the
     step's timestep and at the one it steps to (DDIM, LCM). ``c_skip``/``c_out`` are
     LCM's boundary-condition scalings, and ``inject[i]`` is 1 where LCM re-noises after
@@ -254,9 +280,11 @@ class Schedule:
     c_out: np.ndarray
     inject: np.ndarray
     init_noise_sigma: np.ndarray
+    plan: np.ndarray
 
     @property
     def num_steps(self) -> int:
+        """How many network calls the schedule makes (for PNDM, more than its steps)."""
         return int(self.timesteps.shape[0])
 
     @property
@@ -282,7 +310,7 @@ def make_schedule(config: Mapping[str, Any], sampler: str, steps: int) -> Schedu
     if steps > cfg["num_train_timesteps"]:
         raise ValueError(f"steps ({steps}) cannot exceed num_train_timesteps ({cfg['num_train_timesteps']})")
     alphas = alphas_cumprod(cfg)
-    build = {"ddim": _ddim, "euler": _euler, "euler_a": _euler, "lcm": _lcm}[sampler]
+    build = {"ddim": _ddim, "pndm": _pndm, "euler": _euler, "dpmpp": _dpmpp, "euler_a": _euler, "lcm": _lcm}[sampler]
     return build(cfg, sampler, steps, alphas)
 
 
@@ -290,7 +318,7 @@ def _filled(sampler, cfg, timesteps, clip_range=None, **arrays) -> Schedule:
     n = len(timesteps)
     zeros = np.zeros(n, np.float32)
     fields = dict(sigmas=np.zeros(n + 1, np.float32), alpha_t=zeros, alpha_prev=zeros, c_skip=zeros, c_out=zeros,
-                  inject=zeros, init_noise_sigma=np.float32(1.0))
+                  inject=zeros, init_noise_sigma=np.float32(1.0), plan=np.zeros((n, 0), np.float32))
     fields.update(arrays)
     return Schedule(sampler=sampler, prediction_type=cfg["prediction_type"], clip_range=clip_range,
                     timesteps=timesteps, **fields)
@@ -308,6 +336,16 @@ def _ddim(cfg, sampler, steps, alphas) -> Schedule:
     alpha_prev = np.where(prev >= 0, alphas[np.clip(prev, 0, None)], final).astype(np.float32)
     return _filled(sampler, cfg, timesteps.astype(np.int32), _clip_range(cfg),
                    alpha_t=alphas[timesteps], alpha_prev=alpha_prev)
+
+
+def _pndm(cfg, sampler, steps, alphas) -> Schedule:
+    timesteps, plan = multistep.pndm_plan(cfg, steps, alphas)
+    return _filled(sampler, cfg, timesteps.astype(np.int32), plan=plan)
+
+
+def _dpmpp(cfg, sampler, steps, alphas) -> Schedule:
+    timesteps, plan = multistep.dpmpp_plan(cfg, steps, alphas)
+    return _filled(sampler, cfg, timesteps.astype(np.int32), plan=plan)
 
 
 def _lcm(cfg, sampler, steps, alphas) -> Schedule:

@@ -1,8 +1,9 @@
 """CLIP as a scorer: a transformers-format CLIP checkpoint, its prompt and image embeddings.
 
-The networks are transformers' Flax CLIP modules (``FlaxCLIPModule``), which run on our
-jax; the weights are the folder's Flax msgpack or safetensors, read without torch and
-converted once per machine (``pipeline.model.loading.weights.converted``). The image side takes
+The networks are our own (``pipeline.model.scorers.towers``: CLIP's text and vision towers
+and projections); the weights are the folder's PyTorch safetensors or transformers' Flax
+msgpack, read without torch and converted by rule once per machine
+(``pipeline.model.loading.weights.converted``). The image side takes
 the uint8 images the sampler made and preprocesses them on the device
 (``pipeline.model.scorers.preprocess``: the folder's ``preprocessor_config.json``, i.e.
 what ``CLIPProcessor`` would do with the written images). The prompt is tokenised on the
@@ -26,9 +27,9 @@ class ScorerError(ValueError):
 class Clip:
     path: str  # as --clip-model gave it
     directory: str  # the local folder
-    config: object  # transformers' CLIPConfig
-    module: object  # FlaxCLIPModule
-    tokenizer: object
+    config: object  # towers.ClipConfig
+    module: object  # towers.ClipModel
+    tokenizer: object  # pipeline.model.loading.tokenizer.Tokenizer
     preprocessing: preprocess.Preprocessing
     params: dict  # numpy arrays, or ShapeDtypeStructs for an abstract one
 
@@ -38,12 +39,12 @@ class Clip:
 
     @property
     def image_size(self) -> int:
-        return self.config.vision_config.image_size
+        return self.config.vision.image_size
 
     @property
     def max_length(self) -> int:
         """Tokens per prompt: CLIP's context (77), or less if its tokenizer says so."""
-        return min(self.tokenizer.model_max_length, self.config.text_config.max_position_embeddings)
+        return min(self.tokenizer.model_max_length, self.config.text.max_position_embeddings)
 
 
 def find_weights(folder: str, flag: str) -> tuple[str, str]:
@@ -60,97 +61,73 @@ def find_weights(folder: str, flag: str) -> tuple[str, str]:
                       f"{weights.SAFETENSORS_FILES['transformers']}{also}")
 
 
-def load_params(folder: str, shapes, flag: str, base_model_prefix: str = "clip") -> dict:
-    """The Flax params of a transformers-format folder's weights for a module of ``shapes``
-    (its ``params_shape_tree``): Flax msgpack as stored, or PyTorch safetensors converted by
-    transformers' renaming rules; converted once per machine and memory-mapped after."""
-    import types
-
+def load_params(folder: str, flag: str, from_torch, from_flax) -> dict:
+    """The params of a transformers-format folder's weights: PyTorch safetensors by
+    ``from_torch(state, where)``, Flax msgpack by ``from_flax(flat, where)`` (the networks'
+    naming rules); converted once per machine and memory-mapped after."""
     kind, path = find_weights(folder, flag)
     try:
         if kind == "flax":
-            return weights.converted(path, folder, lambda: weights.params_from_msgpack(shapes, path))
-        target = types.SimpleNamespace(params_shape_tree=shapes, base_model_prefix=base_model_prefix)
-        return weights.converted(path, folder, lambda: weights.transformers_params_from_safetensors(target, path))
+            return weights.converted(path, folder, lambda: from_flax(weights.read_msgpack(path), folder))
+        return weights.converted(path, folder, lambda: from_torch(weights.read_mapped(path), folder))
     except (weights.WeightsError, ValueError) as e:
         raise ScorerError(f"{flag} {folder}: {e}") from None
+
+
+def read_config(directory: str, path: str, flag: str, text: bool = True):
+    """The ``towers.ClipConfig`` of a folder's config.json; ScorerError naming the flag."""
+    import json
+
+    from pipeline.model.scorers import towers
+
+    file = os.path.join(directory, "config.json")
+    if not os.path.isfile(file):
+        raise ScorerError(f"{flag} {path}: no config.json in {directory} (not a transformers-format CLIP model)")
+    try:
+        with open(file, encoding="utf-8") as f:
+            return towers.ClipConfig.from_dict(json.load(f), text=text)
+    except ValueError as e:
+        raise ScorerError(f"{flag} {path}: {e}") from None
 
 
 def load(directory: str, path: str, abstract: bool = False) -> Clip:
     """The CLIP model of ``directory`` (``path``: what --clip-model named); ``abstract``:
     its params as ShapeDtypeStructs, from the config alone (enough to compile)."""
-    from pipeline.model.loading.libraries import quiet_libraries
-
-    quiet_libraries()  # before the Flax classes: they warn at every instance
-    import jax
     import jax.numpy as jnp
-    from transformers import CLIPConfig, FlaxCLIPModel
 
-    from pipeline.model.loading.shapes import transformers_model
+    from pipeline.model.loading import convert, tokenizer as tokenizer_lib
+    from pipeline.model.scorers import towers
 
     flag = "--clip-model"
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise ScorerError(f"{flag} {path}: no config.json in {directory} (not a transformers-format CLIP model)")
-    config = CLIPConfig.from_pretrained(directory)
-    if config.model_type != "clip":
-        raise ScorerError(f"{flag} {path}: its config is a {config.model_type!r} model, not CLIP")
-    tokenizer = _tokenizer(directory, path)
-    pre, _ = preprocess.read(directory, config.vision_config.image_size)
-    model = transformers_model(FlaxCLIPModel, config, jnp.float32)  # shapes traced once per machine
-    shapes = model.params_shape_tree
-    # abstract: a copy of the shapes, the model being shared
-    params = (jax.tree_util.tree_map(lambda leaf: leaf, shapes) if abstract
-              else load_params(directory, shapes, flag, model.base_model_prefix))
-    return Clip(path=path, directory=directory, config=config, module=model.module, tokenizer=tokenizer,
+    config = read_config(directory, path, flag)
+    try:
+        tokenizer = tokenizer_lib.clip(directory, config.text.max_position_embeddings)
+    except tokenizer_lib.TokenizerError as e:
+        raise ScorerError(f"--clip-model {path}: no CLIP tokenizer in {directory} (vocab.json and merges.txt, or "
+                          f"tokenizer.json): {e}") from None
+    pre, _ = preprocess.read(directory, config.vision.image_size)
+    if abstract:
+        params = convert.abstract_params({"clip": towers.param_shapes(config)}, jnp.float32)["clip"]
+    else:
+        params = load_params(directory, flag, lambda state, where: towers.from_torch(state, config, where),
+                             lambda flat, where: towers.from_flax(flat, config, where))
+    return Clip(path=path, directory=directory, config=config, module=towers.ClipModel(config), tokenizer=tokenizer,
                 preprocessing=pre, params=params)
-
-
-def _tokenizer(directory: str, path: str):
-    """The folder's CLIP tokenizer: the Python one from vocab.json and merges.txt (as the
-    sampler's; it may be shared by threads), else the fast one from tokenizer.json alone.
-    They tokenise alike (CLIPProcessor loads the fast one)."""
-    from transformers import CLIPTokenizer, CLIPTokenizerFast
-
-    errors = []
-    for cls in (CLIPTokenizer, CLIPTokenizerFast):
-        try:
-            return cls.from_pretrained(directory)
-        except (OSError, TypeError, ValueError, AttributeError) as e:
-            errors.append(f"{cls.__name__}: {type(e).__name__}: {e}")
-    raise ScorerError(f"--clip-model {path}: no CLIP tokenizer in {directory} (vocab.json and merges.txt, or "
-                      f"tokenizer.json): {'; '.join(errors)}")
 
 
 def tokenize(clip: Clip, texts) -> "np.ndarray":
     """int32 [N, max_length] token ids of ``texts``, padded and truncated (the end token kept)."""
-    import numpy as np
-
-    ids = clip.tokenizer(list(texts), padding="max_length", max_length=clip.max_length, truncation=True,
-                         return_tensors="np").input_ids
-    return ids.astype(np.int32)
-
-
-def _image_features(module, pixels):
-    return module.visual_projection(module.vision_model(pixel_values=pixels, deterministic=True)[1])
-
-
-def _text_features(module, ids):
-    import jax.numpy as jnp
-
-    positions = jnp.broadcast_to(jnp.arange(ids.shape[-1]), ids.shape)
-    pooled = module.text_model(input_ids=ids, attention_mask=jnp.ones_like(ids), position_ids=positions,
-                               deterministic=True)[1]  # at the end token, as transformers pools
-    return module.text_projection(pooled)
+    return clip.tokenizer.ids(list(texts), clip.max_length)
 
 
 def image_embeds(clip: Clip, params, pixels):
     """The projected image embeddings [B, projection_dim] of preprocessed pixels [B, S, S, 3]."""
-    return clip.module.apply({"params": params}, pixels, method=_image_features)
+    return clip.module.apply({"params": params}, pixels, method="image_features")
 
 
 def text_embeds(clip: Clip, params, ids):
     """The projected prompt embeddings [B, projection_dim] of token ids [B, L]."""
-    return clip.module.apply({"params": params}, ids, method=_text_features)
+    return clip.module.apply({"params": params}, ids, method="text_features")
 
 
 def normalized(x):

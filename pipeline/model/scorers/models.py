@@ -43,16 +43,6 @@ class Scorers:
         return {name: model.params for name, model in found.items() if model is not None}
 
 
-def import_libraries() -> None:
-    """The libraries and Flax classes the scorers load, imported on this thread, before
-    two threads (one loading weights, one compiling) may import them at once."""
-    from pipeline.model.loading.libraries import import_libraries as model_libraries
-
-    model_libraries()
-    from transformers import CLIPConfig, CLIPTokenizer, CLIPTokenizerFast, FlaxCLIPModel  # noqa: F401
-    from transformers.models.clip.modeling_flax_clip import FlaxCLIPVisionModule  # noqa: F401
-
-
 def _fetch_hub(repo_id: str, flag: str) -> str:
     from huggingface_hub import snapshot_download
 

@@ -4,12 +4,14 @@
 in seconds on a CPU, for tests and demos; ``random-clip-vit-l-14``,
 ``random-safety-checker`` and ``random-aesthetic`` have the real sizes (CLIP ViT-L/14,
 SD 1.x's safety checker, LAION's 768-wide head), for benchmarks. Their weights are
-random, so their scores mean nothing. Each is built from a fixed seed and written in
-the formats users' files come in: a CLIP folder as ``FlaxCLIPModel.save_pretrained``
-writes it (config, Flax msgpack, tokenizer, ``preprocessor_config.json``), a checker
-folder (CLIP config, Flax msgpack, ``preprocessor_config.json``), an aesthetic head as a
-safetensors file with LAION's names; then ``pipeline.model.scorers.models`` loads them by
-the same code as any other. Bump a preset's version when its recipe changes.
+random, so their scores mean nothing. Each is built from a fixed seed by our own networks
+and written in the formats users' files come in: a CLIP folder as transformers'
+``CLIPModel.save_pretrained`` writes it (config, PyTorch-named safetensors, tokenizer,
+``preprocessor_config.json``), a checker folder as diffusers'
+``StableDiffusionSafetyChecker`` (CLIP config, safetensors, ``preprocessor_config.json``),
+an aesthetic head as a safetensors file with LAION's names; then
+``pipeline.model.scorers.models`` loads them by the same code as any other. Bump a
+preset's version when its recipe changes.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import zlib
 
 import numpy as np
 
+from pipeline.model.loading import builtin
 from pipeline.model.loading.cache import cache_dir, materialize
-from pipeline.model.loading.libraries import quiet_libraries
 
 SEED = 0
 MAX_LENGTH = 77
@@ -33,17 +35,17 @@ _L14_VISION = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads
 
 CLIPS = {
     # images are resized (24 < the tiny models' 32) and cropped like a real CLIP's
-    "tiny-clip": dict(version="tiny-clip-v1", text=_TINY_TEXT, vision=dict(_TINY_VISION, image_size=24, patch_size=6),
+    "tiny-clip": dict(version="tiny-clip-v2", text=_TINY_TEXT, vision=dict(_TINY_VISION, image_size=24, patch_size=6),
                       projection_dim=16),
     "random-clip-vit-l-14": dict(
-        version="random-clip-vit-l-14-v1", projection_dim=768, vision=_L14_VISION,
+        version="random-clip-vit-l-14-v2", projection_dim=768, vision=_L14_VISION,
         text=dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
                   vocab_size=49408)),
 }
 CHECKERS = {
-    "tiny-safety-checker": dict(version="tiny-safety-checker-v1", vision=dict(_TINY_VISION, image_size=20,
+    "tiny-safety-checker": dict(version="tiny-safety-checker-v2", vision=dict(_TINY_VISION, image_size=20,
                                                                               patch_size=5), projection_dim=16),
-    "random-safety-checker": dict(version="random-safety-checker-v1", vision=_L14_VISION, projection_dim=768),
+    "random-safety-checker": dict(version="random-safety-checker-v2", vision=_L14_VISION, projection_dim=768),
 }
 HEADS = {
     "tiny-aesthetic": dict(version="tiny-aesthetic-v1", widths=(16, 32, 16, 8, 4, 1)),
@@ -58,88 +60,88 @@ def _root() -> str:
     return os.path.join(cache_dir(), "models", "scorers")
 
 
-def random_params(shapes, seed: int):
-    """Weights for a tree of ShapeDtypeStructs, leaf by leaf (no initialiser is run), as the
-    tiny models draw theirs, with CLIP's embeddings among the embeddings."""
-    from pipeline.model.loading import builtin
-
-    return builtin.random_params(shapes, seed, embeddings=("['embedding']", "_embedding']", "embeds']"))
-
-
-def _write_tokenizer(folder: str) -> None:
-    """A byte-level CLIP BPE vocabulary with no merges (512 symbols, 2 specials), saved as
-    ``CLIPTokenizer.save_pretrained`` saves one."""
-    import tempfile
-
-    from transformers import CLIPTokenizer
-    from transformers.models.clip.tokenization_clip import bytes_to_unicode
-
-    symbols = list(bytes_to_unicode().values())
-    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols] + list(SPECIAL))}
-    with tempfile.TemporaryDirectory() as scratch:
-        vocab_file, merges_file = os.path.join(scratch, "vocab.json"), os.path.join(scratch, "merges.txt")
-        with open(vocab_file, "w", encoding="utf-8") as f:
-            json.dump(vocab, f, ensure_ascii=False)
-        with open(merges_file, "w", encoding="utf-8") as f:
-            f.write("#version: 0.2\n")
-        CLIPTokenizer(vocab_file, merges_file, model_max_length=MAX_LENGTH).save_pretrained(folder)
+def _write_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def _write_preprocessor(folder: str, image_size: int) -> None:
-    from transformers import CLIPImageProcessor
+    """``preprocessor_config.json`` as transformers' ``CLIPImageProcessor.save_pretrained``
+    writes CLIP's: bicubic resize of the shorter side, centre crop, CLIP's mean and std."""
+    from pipeline.model.scorers.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-    CLIPImageProcessor(size={"shortest_edge": image_size},
-                       crop_size={"height": image_size, "width": image_size}).save_pretrained(folder)
+    _write_json(os.path.join(folder, "preprocessor_config.json"), {
+        "crop_size": {"height": image_size, "width": image_size}, "do_center_crop": True, "do_convert_rgb": True,
+        "do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": list(OPENAI_CLIP_MEAN),
+        "image_processor_type": "CLIPImageProcessor", "image_std": list(OPENAI_CLIP_STD), "resample": 3,
+        "rescale_factor": 1 / 255, "size": {"shortest_edge": image_size}})
 
 
-def _clip_config(preset: dict):
-    from transformers import CLIPConfig
+def _clip_config(preset: dict, architecture: str) -> dict:
+    """A ``config.json`` as transformers' ``CLIPConfig`` saves one, the text tower's special
+    ids the built-in vocabulary's (a checker's text tower is transformers' default)."""
+    vocab = builtin.clip_vocabulary()
+    bos, eos = (vocab[token] for token in SPECIAL)
+    text = dict(dict(vocab_size=len(vocab)), **preset.get("text", {}), max_position_embeddings=MAX_LENGTH,
+                bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, model_type="clip_text_model")
+    vision = dict(preset["vision"], model_type="clip_vision_model", hidden_act="quick_gelu", num_channels=3)
+    return {"architectures": [architecture], "model_type": "clip", "projection_dim": preset["projection_dim"],
+            "logit_scale_init_value": 2.6592, "text_config": text if "text" in preset else {}, "vision_config": vision,
+            "dtype": "float32", "transformers_version": builtin.TRANSFORMERS_VERSION}
 
-    bos, eos = 512, 513  # the byte-level vocabulary's specials
-    text = dict(preset["text"])
-    text.setdefault("vocab_size", 514)
-    return CLIPConfig(text_config=dict(text, max_position_embeddings=MAX_LENGTH, bos_token_id=bos, eos_token_id=eos,
-                                       pad_token_id=eos),
-                      vision_config=preset["vision"], projection_dim=preset["projection_dim"])
+
+def _write_weights(folder: str, state: dict) -> None:
+    from pipeline.model.loading import weights
+
+    weights.write_safetensors(os.path.join(folder, weights.SAFETENSORS_FILES["transformers"]),
+                              dict(sorted(state.items())), align=False, metadata={"format": "pt"})
+
+
+def _random(shapes: dict, layout, seed: int) -> dict:
+    """Weights for flat param shapes, as the tiny models draw theirs (``builtin.random_flat_params``),
+    CLIP's class embedding among the embeddings (N(0, 0.02))."""
+    from pipeline.model.loading import convert
+
+    params = builtin.random_flat_params(shapes, seed, lambda path: convert.stack_of(path, layout) is not None)
+    for path in params:
+        if path[-1] == "class_embedding":
+            params[path] = params[path] * np.float32(0.02)
+    return convert.unflatten(params)
 
 
 def build_clip(folder: str, name: str) -> None:
-    import jax.numpy as jnp
-    from transformers import FlaxCLIPModel
+    from pipeline.model.loading import tokenizer
+    from pipeline.model.scorers import towers
 
-    quiet_libraries()
     preset = CLIPS[name]
-    model = FlaxCLIPModel(_clip_config(preset), dtype=jnp.float32, _do_init=False)
-    params = random_params(model.params_shape_tree, SEED)
+    os.makedirs(folder, exist_ok=True)
+    config = _clip_config(preset, "CLIPModel")
+    shapes = towers.param_shapes(towers.ClipConfig.from_dict(config))
+    params = _random(shapes, towers.MODEL_LAYOUT, SEED)
     params["logit_scale"] = np.asarray(np.log(1 / 0.07), np.float32)
-    model.save_pretrained(folder, params=params)
-    _write_tokenizer(folder)
+    _write_weights(folder, towers.to_torch(params))
+    tokenizer.write_clip(folder, builtin.clip_vocabulary(), [], model_max_length=MAX_LENGTH)
     _write_preprocessor(folder, preset["vision"]["image_size"])
+    _write_json(os.path.join(folder, "config.json"), config)  # last: it marks the folder made
 
 
 def build_checker(folder: str, name: str) -> None:
     """Random weights, concept thresholds of 0.34 and special-care ones of 0.3: the tiny
     models' noise images then have largest concept scores on both sides of 0, so some are
     flagged and some are not (tests and demos see both)."""
-    import jax
-    from flax.serialization import msgpack_serialize
-    from transformers import CLIPConfig
+    from pipeline.model.scorers import safety, towers
 
-    from pipeline.model.scorers import safety
-
-    quiet_libraries()
     preset = CHECKERS[name]
-    config = CLIPConfig(text_config={}, vision_config=preset["vision"], projection_dim=preset["projection_dim"])
-    config.architectures = ["StableDiffusionSafetyChecker"]
-    size = preset["vision"]["image_size"]
-    params = random_params(safety.param_shapes(safety.module_class()(config), size), SEED + 1)
+    os.makedirs(folder, exist_ok=True)
+    config = _clip_config(preset, "StableDiffusionSafetyChecker")
+    shapes = safety.NETWORK.param_shapes(towers.ClipConfig.from_dict(config, text=False))
+    params = _random(shapes, safety.LAYOUT, SEED + 1)
     params["concept_embeds_weights"] = np.full((safety.CONCEPTS,), 0.34, np.float32)
     params["special_care_embeds_weights"] = np.full((safety.SPECIAL_CARE,), 0.3, np.float32)
-    os.makedirs(folder, exist_ok=True)
-    config.save_pretrained(folder)
-    with open(os.path.join(folder, "flax_model.msgpack"), "wb") as f:
-        f.write(msgpack_serialize(jax.tree_util.tree_map(np.asarray, params)))
-    _write_preprocessor(folder, size)
+    _write_weights(folder, safety.NETWORK.to_torch(params))
+    _write_preprocessor(folder, preset["vision"]["image_size"])
+    _write_json(os.path.join(folder, "config.json"), config)
 
 
 def build_head(folder: str, name: str) -> None:

@@ -1,13 +1,13 @@
 """diffusers' Stable Diffusion safety checker, as our own Flax module.
 
-diffusers' ``FlaxStableDiffusionSafetyChecker`` does not run on our jax (its cosine
-distance calls ``jnp.clip(a_min=...)``, gone from jax 0.10), so this is the checker
-written again from what it is: a CLIP vision tower (transformers' Flax module), a
-projection, and cosine similarities with 17 concept embeddings and 3 "special care"
-ones, each against a threshold of its own (``*_embeds_weights``). Parameter names are
-diffusers', so the checkpoint's ``safety_checker/`` loads as it is: PyTorch safetensors
-(``StableDiffusionSafetyChecker``) by transformers' renaming rules, or the Flax
-revision's msgpack as stored.
+The checker written again from what it is: a CLIP vision tower (our own,
+``pipeline.model.scorers.towers``), a projection, and cosine similarities with 17 concept
+embeddings and 3 "special care" ones, each against a threshold of its own
+(``*_embeds_weights``). Parameter names are the PyTorch module's
+(``vision_model.vision_model.…``: its ``CLIPVisionModel``), so the checkpoint's
+``safety_checker/`` loads as it is: PyTorch safetensors (``StableDiffusionSafetyChecker``)
+by rule, or the Flax revision's msgpack (diffusers' Flax checker, whose vision tower is one
+level less deep).
 
 The decision is diffusers' (``StableDiffusionSafetyChecker.forward``): each special-care
 score is ``round(cos - threshold + adjustment, 3)``, the adjustment becoming 0.01 once a
@@ -20,43 +20,69 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pipeline.model.scorers import preprocess
-from pipeline.model.scorers.clip import ScorerError, load_params, normalized
+import flax.linen as nn
+import jax.numpy as jnp
+
+from pipeline.model.loading import convert
+from pipeline.model.scorers import preprocess, towers
+from pipeline.model.scorers.clip import ScorerError, load_params, normalized, read_config
 
 CONCEPTS, SPECIAL_CARE = 17, 3  # as diffusers' checker has them
 ADJUSTMENT = 0.01  # what a special-care hit adds to every concept score after it
 
 
-def module_class():
-    import flax.linen as nn
-    import jax.numpy as jnp
-    from transformers.models.clip.modeling_flax_clip import FlaxCLIPVisionModule
+class _VisionHolder(nn.Module):  # transformers' CLIPVisionModel: its transformer under ``vision_model``
+    config: object
+    dtype: object = jnp.float32
 
-    class SafetyCheckerModule(nn.Module):
-        """(projected image embeddings, cosines with the special-care concepts, with the concepts)."""
-        config: object  # CLIPConfig
-        dtype: object = jnp.float32
+    @nn.compact
+    def __call__(self, pixels):
+        return towers.VisionModel(self.config, self.dtype, name="vision_model")(pixels)
 
-        def setup(self):
-            self.vision_model = FlaxCLIPVisionModule(self.config.vision_config, dtype=self.dtype)
-            self.visual_projection = nn.Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype)
-            width = self.config.projection_dim
-            ones = nn.initializers.ones
-            self.concept_embeds = self.param("concept_embeds", ones, (CONCEPTS, width))
-            self.special_care_embeds = self.param("special_care_embeds", ones, (SPECIAL_CARE, width))
-            self.concept_embeds_weights = self.param("concept_embeds_weights", ones, (CONCEPTS,))
-            self.special_care_embeds_weights = self.param("special_care_embeds_weights", ones, (SPECIAL_CARE,))
 
-        def __call__(self, pixels):
-            from jax import lax
+class SafetyCheckerModule(nn.Module):
+    """(cosines with the special-care concepts, with the concepts) of preprocessed pixels."""
+    config: object  # towers.ClipConfig
+    dtype: object = jnp.float32
 
-            pooled = self.vision_model(pixel_values=pixels, deterministic=True)[1]
-            embeds = normalized(self.visual_projection(pooled).astype(jnp.float32))
-            special = jnp.matmul(embeds, normalized(self.special_care_embeds).T, precision=lax.Precision.HIGHEST)
-            concepts = jnp.matmul(embeds, normalized(self.concept_embeds).T, precision=lax.Precision.HIGHEST)
-            return special, concepts
+    @nn.compact
+    def __call__(self, pixels):
+        from jax import lax
 
-    return SafetyCheckerModule
+        cfg = self.config
+        width, ones = cfg.projection_dim, nn.initializers.ones
+        pooled = _VisionHolder(cfg.vision, self.dtype, name="vision_model")(pixels)
+        projected = nn.Dense(width, use_bias=False, dtype=self.dtype, name="visual_projection")(pooled)
+        embeds = normalized(projected.astype(jnp.float32))
+        concept = self.param("concept_embeds", ones, (CONCEPTS, width))
+        special = self.param("special_care_embeds", ones, (SPECIAL_CARE, width))
+        self.param("concept_embeds_weights", ones, (CONCEPTS,))  # thresholds, read by ``check``
+        self.param("special_care_embeds_weights", ones, (SPECIAL_CARE,))
+        return (jnp.matmul(embeds, normalized(special).T, precision=lax.Precision.HIGHEST),
+                jnp.matmul(embeds, normalized(concept).T, precision=lax.Precision.HIGHEST))
+
+
+_RAW = ("concept_embeds", "special_care_embeds", "concept_embeds_weights", "special_care_embeds_weights")
+LAYOUT = convert.Layout(stacks=("vision_model/vision_model/encoder/layers",),
+                        moved={"vision_model/vision_model/embeddings/class_embedding":
+                               "vision_model.vision_model.embeddings.class_embedding",
+                               **{name: name for name in _RAW}},
+                        ignored=("vision_model.vision_model.embeddings.position_ids",))
+
+
+def _example(config):
+    size = config.vision.image_size
+    return (jnp.zeros((1, size, size, config.vision.num_channels)),), {}
+
+
+NETWORK = convert.Network(SafetyCheckerModule, _example, LAYOUT)
+
+
+def from_flax(flat, config, where: str) -> dict:
+    """Params from diffusers' Flax checker's (``flax_model.msgpack``): its vision tower's keys
+    one level less deep (``vision_model/embeddings/...``)."""
+    deeper = {(("vision_model",) + key if key[0] == "vision_model" else key): value for key, value in flat.items()}
+    return convert.from_flax(deeper, NETWORK.param_shapes(config), LAYOUT, where, joined=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +96,7 @@ class SafetyChecker:
 
     @property
     def image_size(self) -> int:
-        return self.config.vision_config.image_size
+        return self.config.vision.image_size
 
 
 def folder_of(path: str) -> str:
@@ -80,34 +106,27 @@ def folder_of(path: str) -> str:
     return inner if os.path.isfile(os.path.join(inner, "config.json")) else path
 
 
-def param_shapes(module, image_size: int) -> dict:
-    """The checker module's params as ShapeDtypeStructs (no initialiser runs)."""
-    import jax
-    import jax.numpy as jnp
-
-    return jax.eval_shape(module.init, jax.ShapeDtypeStruct((2,), jnp.uint32),
-                          jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32))["params"]
-
-
 def load(directory: str, path: str, abstract: bool = False) -> SafetyChecker:
     """The checker in ``directory`` (a ``safety_checker/`` folder: config.json and
     weights); its preprocessing is the folder's ``preprocessor_config.json``, else the
     checkpoint's ``feature_extractor/`` beside it, else CLIP's at its image size."""
-    from transformers import CLIPConfig
+    import jax.numpy as jnp
 
     flag = "--safety-checker"
     if not os.path.isfile(os.path.join(directory, "config.json")):
         raise ScorerError(f"{flag} {path}: no config.json in {directory} (not a safety checker folder)")
-    config = CLIPConfig.from_pretrained(directory)
-    module = module_class()(config)
-    size = config.vision_config.image_size
-    shapes = param_shapes(module, size)
+    config = read_config(directory, path, flag, text=False)
+    size = config.vision.image_size
     sibling = os.path.join(os.path.dirname(os.path.abspath(directory)), "feature_extractor",
                            "preprocessor_config.json")
     pre, _ = preprocess.read(directory, size, (sibling,))
-    params = shapes if abstract else load_params(directory, shapes, flag, base_model_prefix="safety_checker")
-    return SafetyChecker(path=path, directory=directory, config=config, module=module, preprocessing=pre,
-                         params=params)
+    if abstract:
+        params = convert.abstract_params({"safety": NETWORK.param_shapes(config)}, jnp.float32)["safety"]
+    else:
+        params = load_params(directory, flag, lambda state, where: NETWORK.from_torch(state, config, where),
+                             lambda flat, where: from_flax(flat, config, where))
+    return SafetyChecker(path=path, directory=directory, config=config, module=SafetyCheckerModule(config),
+                         preprocessing=pre, params=params)
 
 
 def _round3(x):

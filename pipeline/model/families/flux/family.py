@@ -1,7 +1,7 @@
 """FLUX.1 [schnell] and [dev]: rectified-flow transformers, in promptmill's own Flax networks.
 
-A diffusers ``FluxPipeline`` checkpoint: CLIP-L (``text_encoder``, transformers' Flax
-CLIP: its pooled output), the T5 v1.1 encoder (``text_encoder_2``,
+A diffusers ``FluxPipeline`` checkpoint: CLIP-L (``text_encoder``,
+``pipeline.model.layers.text.clip``: its pooled output), the T5 v1.1 encoder (``text_encoder_2``,
 ``pipeline.model.layers.t5``), ``FluxTransformer2DModel`` (``transformer``,
 ``pipeline.model.families.flux.transformer``), the 16-channel VAE without quant convs (``vae``,
 ``pipeline.model.layers.vae``) and ``FlowMatchEulerDiscreteScheduler``
@@ -115,13 +115,19 @@ class Flux(Family):
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
         import jax
         import jax.numpy as jnp
-        from transformers import CLIPTokenizer, T5TokenizerFast
+
+        from pipeline.model.loading import tokenizer as tokenizer_lib
 
         described = self.describe(directory, dataclasses.replace(request, steps=None), unet_file)
         jdtype = getattr(jnp, request.jax_dtype)
         nets = self._nets(directory, jdtype)
-        tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
-        tokenizer_2 = T5TokenizerFast.from_pretrained(os.path.join(directory, "tokenizer_2"))
+        try:
+            tokenizer = tokenizer_lib.clip(os.path.join(directory, "tokenizer"),
+                                           nets.clip.config.max_position_embeddings)
+            tokenizer_2 = tokenizer_lib.from_json(os.path.join(directory, "tokenizer_2"),
+                                                  flux_sampling.MAX_SEQUENCE_LENGTH)
+        except tokenizer_lib.TokenizerError as e:
+            raise ModelError(str(e)) from None
         if abstract:  # the networks' shapes, in the run's dtype: what the devices hold
             shapes = self._flat_shapes(nets)
             params = {component: convert.unflatten({path: jax.ShapeDtypeStruct(shape, jdtype)
@@ -147,7 +153,9 @@ class Flux(Family):
         from pipeline.model.families.flux import transformer as flux_net
         from pipeline.model.layers import t5, vae as vae_net
 
-        return {"text_encoder": convert.flat_shapes(nets.clip.params_shape_tree),
+        from pipeline.model.layers.text import clip
+
+        return {"text_encoder": clip.param_shapes(nets.clip.config),
                 "text_encoder_2": t5.param_shapes(nets.t5.config),
                 "transformer": flux_net.param_shapes(nets.transformer.config),
                 "vae": vae_net.param_shapes(nets.vae.config)}
@@ -158,8 +166,9 @@ class Flux(Family):
         from pipeline.model.families.flux import transformer as flux_net
         from pipeline.model.layers import t5, vae as vae_net
 
-        clip_shapes = convert.flat_shapes(nets.clip.params_shape_tree)
-        rules = {"text_encoder": lambda state, where: convert.from_torch(state, clip_shapes, convert.CLIP_TEXT, where),
+        from pipeline.model.layers.text import clip
+
+        rules = {"text_encoder": lambda state, where: clip.from_torch(state, nets.clip.config, where),
                  "text_encoder_2": lambda state, where: t5.from_torch(state, nets.t5.config, where),
                  "transformer": lambda state, where: flux_net.from_torch(state, nets.transformer.config, where),
                  "vae": lambda state, where: vae_net.from_torch(state, nets.vae.config, where)}
@@ -180,7 +189,9 @@ class Flux(Family):
         from pipeline.model.families.flux import transformer as flux_net
         from pipeline.model.layers import t5
 
-        return {"transformer": flux_net.LAYOUT, "text_encoder": convert.CLIP_TEXT, "text_encoder_2": t5.LAYOUT}
+        from pipeline.model.layers.text import clip
+
+        return {"transformer": flux_net.LAYOUT, "text_encoder": clip.LAYOUT, "text_encoder_2": t5.LAYOUT}
 
     def lora_shapes(self, directory: str) -> dict:
         nets = self._nets(directory)
@@ -265,14 +276,15 @@ class Flux(Family):
         def placed(component):
             return shapes.params(model.params[component], sharding, model.param_dtype)
 
-        t5_net, transformer = model.nets.t5, model.nets.transformer
+        clip_net, t5_net, transformer = model.nets.clip, model.nets.t5, model.nets.transformer
         if count:
+            clip_net = clip_net.clone(unroll=clip_net.config.num_hidden_layers)
             t5_net = t5_net.clone(unroll=t5_net.config.num_layers)
             transformer = transformer.clone(unroll=max(transformer.config.num_layers,
                                                        transformer.config.num_single_layers))
         length = model.nets.max_sequence_length
         found = [("text_encoder", ("text_encoder",), jax.jit(
-                     lambda p, i: model.nets.clip(i, params=p).pooler_output).lower(
+                     lambda p, i: clip_net.apply({"params": p}, i).pooled).lower(
                      placed("text_encoder"), make((b, model.nets.tokenizer.model_max_length), jnp.int32))),
                  ("text_encoder", ("text_encoder_2",), jax.jit(
                      lambda p, i: t5_net.apply({"params": p}, i)).lower(

@@ -17,8 +17,8 @@ The weights are random, drawn from numpy leaf by leaf from a fixed seed and the
 parameter's name, and stored in PyTorch's names and layouts (``to_torch`` of each
 network) in the preset's dtype (bf16, as FLUX.1's own files): loading them takes the
 path a user's checkpoint takes. Their images are noise. The tokenizers are tiny: CLIP's
-byte-level vocabulary (``pipeline.model.families.sd.presets``) and a ~140-piece Unigram vocabulary
-for T5 (``t5_tokenizer``).
+byte-level vocabulary (``builtin.clip_vocabulary``) and a ~140-piece Unigram vocabulary
+for T5 (``t5_backend``), written as transformers' ``save_pretrained`` writes them.
 
 This module imports no jax at import time: the torch-only fixture script
 (tests/fixtures/make_flux_fixtures.py) builds PyTorch pipelines from its presets.
@@ -26,7 +26,6 @@ This module imports no jax at import time: the torch-only fixture script
 from __future__ import annotations
 
 import os
-import tempfile
 import zlib
 
 from pipeline.model.loading import builtin
@@ -79,16 +78,16 @@ _FLUX_VAE = dict(latent_channels=16, block_out_channels=[128, 256, 512, 512],
 
 # Built-in random models, by --model name. Bump a name's version when its recipe changes.
 PRESETS = {
-    "tiny-flux": dict(version="tiny-flux-v1", variant="schnell", weights_dtype="bfloat16", text=_TINY_CLIP,
+    "tiny-flux": dict(version="tiny-flux-v2", variant="schnell", weights_dtype="bfloat16", text=_TINY_CLIP,
                       t5=_TINY_T5, transformer=_TINY_TRANSFORMER, vae=_TINY_VAE, scheduler=SCHNELL_SCHEDULER),
-    "tiny-flux-dev": dict(version="tiny-flux-dev-v1", variant="dev", weights_dtype="bfloat16", text=_TINY_CLIP,
+    "tiny-flux-dev": dict(version="tiny-flux-dev-v2", variant="dev", weights_dtype="bfloat16", text=_TINY_CLIP,
                           t5=_TINY_T5, transformer=dict(_TINY_TRANSFORMER, guidance_embeds=True), vae=_TINY_VAE,
                           scheduler=DEV_SCHEDULER),
     # FLUX.1's sizes: configs only (build(..., weights=False)), for the TPU check and FLOP counts
-    "random-flux": dict(version="random-flux-v1", variant="schnell", weights_dtype="bfloat16", text=_CLIP_L,
+    "random-flux": dict(version="random-flux-v2", variant="schnell", weights_dtype="bfloat16", text=_CLIP_L,
                         t5=_T5_XXL, transformer=_FLUX_TRANSFORMER, vae=_FLUX_VAE, scheduler=SCHNELL_SCHEDULER,
                         shapes_only=True),
-    "random-flux-dev": dict(version="random-flux-dev-v1", variant="dev", weights_dtype="bfloat16", text=_CLIP_L,
+    "random-flux-dev": dict(version="random-flux-dev-v2", variant="dev", weights_dtype="bfloat16", text=_CLIP_L,
                             t5=_T5_XXL, transformer=dict(_FLUX_TRANSFORMER, guidance_embeds=True), vae=_FLUX_VAE,
                             scheduler=DEV_SCHEDULER, shapes_only=True),
 }
@@ -121,31 +120,24 @@ def t5_config(name: str) -> dict:
     return dict(PRESETS[name]["t5"])
 
 
-def clip_config(name: str, tokenizer) -> dict:
-    """The keyword arguments of transformers' ``CLIPTextConfig`` for the preset's
-    text_encoder, its special ids from ``tokenizer`` (the preset's CLIP tokenizer)."""
+def clip_config(name: str) -> dict:
+    """The preset's ``text_encoder/config.json`` (transformers' ``CLIPTextConfig`` keys), its
+    special ids the built-in CLIP vocabulary's."""
+    vocab = builtin.clip_vocabulary()
     config = dict(PRESETS[name]["text"])
-    bos, eos = (tokenizer.convert_tokens_to_ids(t) for t in builtin.CLIP_SPECIAL)
-    config.setdefault("vocab_size", len(tokenizer))
-    return dict(config, max_position_embeddings=CLIP_MAX_LENGTH, bos_token_id=bos, eos_token_id=eos,
-                pad_token_id=eos)
+    config.setdefault("vocab_size", len(vocab))
+    bos, eos = (vocab[token] for token in builtin.CLIP_SPECIAL)
+    return dict(dict(hidden_act="quick_gelu", layer_norm_eps=1e-05, model_type="clip_text_model",
+                     attention_dropout=0.0, initializer_factor=1.0, initializer_range=0.02), **config,
+                max_position_embeddings=CLIP_MAX_LENGTH, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
 
 
-def clip_tokenizer(scratch: str):
-    """The CLIP tokenizer of every preset (``pipeline.model.families.sd.presets``'s byte-level
-    vocabulary), its files written into ``scratch``."""
-    from transformers import CLIPTokenizer
-
-    return CLIPTokenizer(*builtin.write_clip_tokenizer_files(scratch), model_max_length=CLIP_MAX_LENGTH)
-
-
-def t5_tokenizer():
-    """A ``T5TokenizerFast`` over a tiny Unigram vocabulary, built with the ``tokenizers``
-    library, deterministic: ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2 (T5's ids), words, then
-    single characters; SentencePiece-style word starts (``▁``), ``</s>`` appended to every
-    sequence, no sentinel ``<extra_id_*>`` tokens. Saved, it is a ``tokenizer.json``."""
+def t5_backend():
+    """The tiny T5 tokenizer, built with the ``tokenizers`` library, deterministic: a Unigram
+    vocabulary of ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2 (T5's ids), words, then single
+    characters; SentencePiece-style word starts (``▁``), ``</s>`` appended to every sequence,
+    no sentinel ``<extra_id_*>`` tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -6.0)]
     pieces += [("\u2581" + word, -3.0) for word in _T5_WORDS]
@@ -157,13 +149,25 @@ def t5_tokenizer():
     tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
     tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
                                                              special_tokens=[("</s>", 1)])
-    return T5TokenizerFast(tokenizer_object=tokenizer, extra_ids=0, eos_token="</s>", unk_token="<unk>",
-                           pad_token="<pad>", model_max_length=T5_MAX_LENGTH)
+    return tokenizer
 
 
-def model_index(diffusers_version: str) -> dict:
+def write_tokenizers(directory: str) -> None:
+    """``tokenizer/`` (the built-in CLIP vocabulary) and ``tokenizer_2/`` (``t5_backend``, as
+    ``T5TokenizerFast.save_pretrained`` writes it)."""
+    from pipeline.model.loading import tokenizer
+
+    tokenizer.write_clip(os.path.join(directory, "tokenizer"), builtin.clip_vocabulary(), [],
+                         model_max_length=CLIP_MAX_LENGTH)
+    tokenizer.write_json(os.path.join(directory, "tokenizer_2"), t5_backend(), "T5TokenizerFast",
+                         {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}, T5_MAX_LENGTH,
+                         special_map_as_strings=True, add_prefix_space=None, extra_ids=0,
+                         additional_special_tokens=[])
+
+
+def model_index() -> dict:
     """The ``model_index.json`` of a FluxPipeline checkpoint, as ``save_pretrained`` writes it."""
-    return {"_class_name": "FluxPipeline", "_diffusers_version": diffusers_version,
+    return {"_class_name": "FluxPipeline", "_diffusers_version": builtin.DIFFUSERS_VERSION,
             "feature_extractor": [None, None], "image_encoder": [None, None],
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
             "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
@@ -207,70 +211,55 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
     model_index.json, scheduler/, tokenizer/, tokenizer_2/, text_encoder/,
     text_encoder_2/, transformer/, vae/. ``weights=False``: configs and tokenizers only
     (``random-flux``'s 34 GB of weights are never written)."""
-    import diffusers
-    import jax
-    from transformers import CLIPTextConfig, T5Config
-
-    from pipeline.model.loading import weights as weights_lib
-    from pipeline.model.loading.libraries import quiet_libraries
-    from pipeline.model.loading import convert
     from pipeline.model.families.flux import transformer as flux
     from pipeline.model.layers import t5, vae
+    from pipeline.model.layers.text import clip
+    from pipeline.model.loading import convert, weights as weights_lib
 
-    quiet_libraries()
     preset = PRESETS[name]
     dtype = preset["weights_dtype"]
-    builtin.write_json(os.path.join(directory, "model_index.json"), model_index(diffusers.__version__))
-    meta = {"_diffusers_version": diffusers.__version__}
+    builtin.write_json(os.path.join(directory, "model_index.json"), model_index())
+    meta = {"_diffusers_version": builtin.DIFFUSERS_VERSION}
     builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
-                {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})
+                       {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})
     builtin.write_json(os.path.join(directory, "transformer", "config.json"),
-                {"_class_name": "FluxTransformer2DModel", **meta, **transformer_config(name)})
+                       {"_class_name": "FluxTransformer2DModel", **meta, **transformer_config(name)})
     builtin.write_json(os.path.join(directory, "vae", "config.json"), {"_class_name": "AutoencoderKL", **meta,
-                                                                **vae_config(name)})
-    with tempfile.TemporaryDirectory() as scratch:
-        clip_tok = clip_tokenizer(scratch)
-        clip_tok.save_pretrained(os.path.join(directory, "tokenizer"))
-    t5_tokenizer().save_pretrained(os.path.join(directory, "tokenizer_2"))
-    clip = CLIPTextConfig(**clip_config(name, clip_tok))
+                                                                       **vae_config(name)})
+    write_tokenizers(directory)
     # T5EncoderModel turns these off in the config it saves: it is an encoder alone
-    t5_hf = T5Config(**t5_config(name), is_encoder_decoder=False, use_cache=False)
-    for component, config, architecture in (("text_encoder", clip, "CLIPTextModel"),
-                                            ("text_encoder_2", t5_hf, "T5EncoderModel")):
-        config.architectures = [architecture]
-        config.dtype = dtype
-        config.save_pretrained(os.path.join(directory, component))
+    t5_json = dict(t5_config(name), is_encoder_decoder=False, use_cache=False, model_type="t5",
+                   dense_act_fn="gelu_new", is_gated_act=True, layer_norm_epsilon=1e-6, pad_token_id=0,
+                   eos_token_id=1, classifier_dropout=0.0, dropout_rate=0.1, initializer_factor=1.0,
+                   num_decoder_layers=t5_config(name)["num_layers"])
+    for component, config, architecture in (("text_encoder", clip_config(name), "CLIPTextModel"),
+                                            ("text_encoder_2", t5_json, "T5EncoderModel")):
+        builtin.write_json(os.path.join(directory, component, "config.json"),
+                           {**config, "architectures": [architecture], "dtype": dtype,
+                            "transformers_version": builtin.TRANSFORMERS_VERSION})
     if not weights:
         builtin.mark_shapes_only(directory, name)
         return
 
-    t5_cfg = t5.T5Config.from_dict(t5_hf.to_dict())
+    t5_cfg = t5.T5Config.from_dict(t5_json)
+    clip_cfg = clip.ClipTextConfig.from_dict(clip_config(name))
     flux_cfg = flux.FluxConfig.from_dict(transformer_config(name))
     vae_cfg = vae.VaeConfig.from_dict(vae_config(name))
-    clip_module = _flax_clip(clip)
-    full_vae = diffusers.FlaxAutoencoderKL.from_config(vae_config(name))
     states = {
-        "text_encoder": convert.to_torch(convert.unflatten(random_params(
-            convert.flat_shapes(clip_module.params_shape_tree), SEED)), convert.CLIP_TEXT),
+        "text_encoder": clip.to_torch(convert.unflatten(random_params(
+            clip.param_shapes(clip_cfg), SEED, lambda p: convert.stack_of(p, clip.LAYOUT) is not None))),
         "text_encoder_2": t5.to_torch(convert.unflatten(random_params(
             t5.param_shapes(t5_cfg), SEED + 1, lambda p: convert.stack_of(p, t5.LAYOUT) is not None)), t5_cfg),
         "transformer": flux.to_torch(convert.unflatten(random_params(
             flux.param_shapes(flux_cfg), SEED + 2, lambda p: convert.stack_of(p, flux.LAYOUT) is not None)),
             flux_cfg),
-        "vae": vae.to_torch(convert.unflatten(random_params(
-            convert.flat_shapes(jax.eval_shape(full_vae.init_weights, jax.random.PRNGKey(0))), SEED + 3)), vae_cfg),
+        "vae": {**vae.to_torch(convert.unflatten(random_params(vae.param_shapes(vae_cfg), SEED + 3)), vae_cfg),
+                **builtin.random_torch_state(vae.encoder_shapes(vae_config(name)), SEED + 4)},
     }
     for component, state in states.items():
         library = "transformers" if component.startswith("text_encoder") else "diffusers"
         path = os.path.join(directory, component, weights_lib.SAFETENSORS_FILES[library])
         weights_lib.write_safetensors(path, _stored(state, dtype), align=False, metadata={"format": "pt"})
-
-
-def _flax_clip(config):
-    """transformers' Flax CLIP text model of ``config`` (params not initialised)."""
-    from transformers import FlaxCLIPTextModel
-
-    return FlaxCLIPTextModel(config, _do_init=False)
 
 
 def ensure(name: str, shapes: bool = False) -> str:

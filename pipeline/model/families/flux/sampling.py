@@ -37,30 +37,23 @@ def tokenize(clip_tokenizer, t5_tokenizer, prompts, max_sequence_length: int = M
     FluxPipeline's ``_get_clip_prompt_embeds`` and ``_get_t5_prompt_embeds`` make them:
     padded to the length, cut at it (the special tokens kept). ValueError for a length
     FluxPipeline refuses (above 512) or below 1."""
-    import numpy as np
-
     if not (isinstance(max_sequence_length, int) and 1 <= max_sequence_length <= MAX_SEQUENCE_LENGTH):
         raise ValueError(f"max_sequence_length must be an integer from 1 to {MAX_SEQUENCE_LENGTH}, "
                          f"got {max_sequence_length!r}")
     prompts = list(prompts)
-    clip_ids = clip_tokenizer(prompts, padding="max_length", max_length=clip_tokenizer.model_max_length,
-                              truncation=True, return_tensors="np").input_ids
-    t5_ids = t5_tokenizer(prompts, padding="max_length", max_length=max_sequence_length, truncation=True,
-                          return_tensors="np").input_ids
-    return clip_ids.astype(np.int32), t5_ids.astype(np.int32)
+    return clip_tokenizer.ids(prompts), t5_tokenizer.ids(prompts, max_sequence_length)
 
 
 def truncated(tokenizer, prompts, max_length: int) -> list[bool]:
     """Whether each prompt has more tokens (special tokens included) than ``max_length``,
     so that ``tokenize`` cuts it short."""
-    ids = tokenizer(list(prompts), truncation=False, verbose=False).input_ids
-    return [len(row) > max_length for row in ids]
+    return [count > max_length for count in tokenizer.counts(list(prompts))]
 
 
 @dataclasses.dataclass(frozen=True)
 class FluxNets:
     """The networks of a FLUX.1 checkpoint, in one dtype, and its scheduler config."""
-    clip: Any  # transformers' FlaxCLIPTextModel (its pooled output)
+    clip: Any  # clip.ClipText (its pooled output)
     t5: t5.T5Encoder
     transformer: flux.FluxTransformer
     vae: vae.VaeDecoder
@@ -93,14 +86,11 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
     in ``dtype`` (default float32), from its configs alone. ValueError naming the
     component, key and value of any config it would not honour (scheduler included)."""
     import jax.numpy as jnp
-    from transformers import CLIPTextConfig, FlaxCLIPTextModel
 
-    from pipeline.model.loading.libraries import quiet_libraries
     from pipeline.model.families.flux import transformer as flux
     from pipeline.model.layers import t5, vae
-    from pipeline.model.loading.shapes import transformers_model
+    from pipeline.model.layers.text import clip
 
-    quiet_libraries()
     dtype = jnp.float32 if dtype is None else dtype
     scheduler_config = _config(directory, "scheduler", "scheduler_config.json")
     refused = flow.unsupported(scheduler_config)
@@ -108,14 +98,13 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
         raise ValueError(f"{directory}: scheduler/scheduler_config.json asks for "
                          + "; ".join(f"{k}={v!r}" for k, v in refused) + ", which flow-matching Euler does not do")
     try:
+        clip_config = clip.ClipTextConfig.from_dict(_config(directory, "text_encoder"))
         t5_config = t5.T5Config.from_dict(_config(directory, "text_encoder_2"))
         flux_config = flux.FluxConfig.from_dict(_config(directory, "transformer"))
         vae_config = vae.VaeConfig.from_dict(_config(directory, "vae"))
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
-    clip = transformers_model(FlaxCLIPTextModel, CLIPTextConfig.from_pretrained(os.path.join(directory, "text_encoder")),
-                              dtype)
-    return FluxNets(clip=clip, t5=t5.T5Encoder(t5_config, dtype), transformer=flux.FluxTransformer(flux_config, dtype),
+    return FluxNets(clip=clip.ClipText(clip_config, dtype), t5=t5.T5Encoder(t5_config, dtype), transformer=flux.FluxTransformer(flux_config, dtype),
                     vae=vae.VaeDecoder(vae_config, dtype), scheduler_config=scheduler_config)
 
 
@@ -128,15 +117,15 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     from pipeline.model.loading import weights
     from pipeline.model.families.flux import transformer as flux
     from pipeline.model.layers import t5, vae
+    from pipeline.model.layers.text import clip
 
     def state(component, library):
         return weights.read_safetensors_weights(os.path.join(directory, component), library)
 
     where = lambda component: os.path.join(directory, component)  # noqa: E731
-    clip_shapes = convert.flat_shapes(nets.clip.params_shape_tree)
     return {
-        "text_encoder": convert.from_torch(state("text_encoder", "transformers"), clip_shapes, convert.CLIP_TEXT,
-                                           where("text_encoder")),
+        "text_encoder": clip.from_torch(state("text_encoder", "transformers"), nets.clip.config,
+                                        where("text_encoder")),
         "text_encoder_2": t5.from_torch(state("text_encoder_2", "transformers"), nets.t5.config,
                                         where("text_encoder_2")),
         "transformer": flux.from_torch(state("transformer", "diffusers"), nets.transformer.config,
@@ -165,7 +154,7 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigma
     batch, _, rows, cols = latents.shape
     if nets.guidance_embeds and guidance is None:
         raise ValueError("this FLUX.1 transformer embeds guidance: sampling needs a guidance per image")
-    pooled = nets.clip(clip_ids, params=params["text_encoder"]).pooler_output
+    pooled = nets.clip.apply({"params": params["text_encoder"]}, clip_ids).pooled
     context = nets.t5.apply({"params": params["text_encoder_2"]}, t5_ids)
     embedded = guidance.astype(jnp.float32) if nets.guidance_embeds else None
     image_ids, txt_ids = flux.latent_image_ids(rows // 2, cols // 2), flux.text_ids(t5_ids.shape[1])

@@ -118,12 +118,15 @@ class Flux2(Family):
 
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
         import jax.numpy as jnp
-        from transformers import AutoTokenizer
+        from pipeline.model.loading import qwen_tokenizer, tokenizer as tokenizer_lib
 
         described = self.describe(directory, dataclasses.replace(request, steps=None), unet_file)
         jdtype = getattr(jnp, request.jax_dtype)
         nets = self._nets(directory, jdtype)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
+        try:
+            tokenizer = qwen_tokenizer.load(os.path.join(directory, "tokenizer"))
+        except tokenizer_lib.TokenizerError as e:
+            raise ModelError(str(e)) from None
         if abstract:
             params = convert.abstract_params(self._flat_shapes(nets), jdtype)
         else:

@@ -36,7 +36,8 @@ from __future__ import annotations
 import os
 
 from pipeline.model.loading import builtin
-from pipeline.model.loading.qwen_tokenizer import IM_END, PAD, tokenizer
+from pipeline.model.loading import qwen_tokenizer
+from pipeline.model.loading.qwen_tokenizer import IM_END, PAD
 
 SEED = 0
 TOKENIZER_MAX_LENGTH = 512  # Flux2KleinPipeline's tokenizer_max_length, its default max_sequence_length
@@ -79,12 +80,12 @@ APACHE, NON_COMMERCIAL = "apache-2.0", "flux-non-commercial-license"
 _TINY = dict(weights_dtype="float32", qwen3=_TINY_QWEN3, transformer=_TINY_TRANSFORMER, vae=_TINY_VAE,
              scheduler=KLEIN_SCHEDULER)
 PRESETS = {
-    "tiny-klein": dict(_TINY, version="tiny-klein-v1", default_size=32, distilled=True),
-    "tiny-klein-base": dict(_TINY, version="tiny-klein-base-v1", default_size=32, distilled=False),
-    "random-klein-4b": dict(version="random-klein-4b-v1", distilled=True, weights_dtype="bfloat16", qwen3=_QWEN3_4B,
+    "tiny-klein": dict(_TINY, version="tiny-klein-v2", default_size=32, distilled=True),
+    "tiny-klein-base": dict(_TINY, version="tiny-klein-base-v2", default_size=32, distilled=False),
+    "random-klein-4b": dict(version="random-klein-4b-v2", distilled=True, weights_dtype="bfloat16", qwen3=_QWEN3_4B,
                             transformer=_KLEIN_4B, vae=_FLUX2_VAE, scheduler=KLEIN_SCHEDULER, license=APACHE,
                             shapes_only=True),
-    "random-klein-9b": dict(version="random-klein-9b-v1", distilled=True, weights_dtype="bfloat16", qwen3=_QWEN3_8B,
+    "random-klein-9b": dict(version="random-klein-9b-v2", distilled=True, weights_dtype="bfloat16", qwen3=_QWEN3_8B,
                             transformer=_KLEIN_9B, vae=_FLUX2_VAE, scheduler=KLEIN_SCHEDULER,
                             license=NON_COMMERCIAL, shapes_only=True),
 }
@@ -102,15 +103,15 @@ def scheduler_config(name: str) -> dict:
     return dict(PRESETS[name]["scheduler"])
 
 
-def qwen3_config(name: str, tokenizer) -> dict:
-    """The keyword arguments of transformers' ``Qwen3Config`` of the preset's text encoder,
-    its vocabulary and special ids from ``tokenizer`` (``tokenizer()``)."""
-    pad = tokenizer.convert_tokens_to_ids(PAD)
-    return dict({"vocab_size": len(tokenizer)}, **PRESETS[name]["qwen3"], pad_token_id=pad, bos_token_id=pad,
-                eos_token_id=tokenizer.convert_tokens_to_ids(IM_END))
+def qwen3_config(name: str) -> dict:
+    """The preset's ``text_encoder/config.json`` keys (transformers' ``Qwen3Config``'s), its
+    vocabulary and special ids the built-in Qwen tokenizer's (``qwen_tokenizer``)."""
+    vocab = qwen_tokenizer.vocabulary()
+    return dict({"vocab_size": len(vocab)}, **PRESETS[name]["qwen3"], pad_token_id=vocab[PAD], bos_token_id=vocab[PAD],
+                eos_token_id=vocab[IM_END])
 
 
-def model_index(diffusers_version: str, distilled: bool = True) -> dict:
+def model_index(diffusers_version: str = builtin.DIFFUSERS_VERSION, distilled: bool = True) -> dict:
     """The ``model_index.json`` of a Flux2KleinPipeline checkpoint, as ``save_pretrained`` writes it."""
     return {"_class_name": "Flux2KleinPipeline", "_diffusers_version": diffusers_version, "is_distilled": distilled,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
@@ -122,39 +123,32 @@ def build(directory: str, name: str = "tiny-klein", weights: bool = True) -> Non
     """Write the random model ``name`` into ``directory`` in diffusers' Flux2KleinPipeline
     layout: model_index.json, scheduler/, tokenizer/, text_encoder/, transformer/, vae/.
     ``weights=False``: configs and tokenizer only."""
-    import diffusers
-    from transformers import Qwen3Config
-
     from pipeline.model.families.flux2 import transformer as flux2
     from pipeline.model.layers import qwen3, vae
     from pipeline.model.loading import convert, weights as weights_lib
-    from pipeline.model.loading.libraries import quiet_libraries
-
-    quiet_libraries()
     preset = PRESETS[name]
     builtin.write_json(os.path.join(directory, "model_index.json"),
-                       model_index(diffusers.__version__, preset["distilled"]))
+                       model_index(builtin.DIFFUSERS_VERSION, preset["distilled"]))
     if preset.get("license"):  # the model card's front matter, as the hub keeps it
         with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
             f.write(f"---\nlicense: {preset['license']}\n---\n\n{name}: random weights, {preset['version']}\n")
-    meta = {"_diffusers_version": diffusers.__version__}
+    meta = {"_diffusers_version": builtin.DIFFUSERS_VERSION}
     builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
                 {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})
     builtin.write_json(os.path.join(directory, "transformer", "config.json"),
                 {"_class_name": flux2.CLASS_NAME, **meta, **transformer_config(name)})
     builtin.write_json(os.path.join(directory, "vae", "config.json"),
                 {"_class_name": vae.FLUX2_CLASS_NAME, **meta, **vae_config(name)})
-    tok = tokenizer()
-    tok.save_pretrained(os.path.join(directory, "tokenizer"))
-    hf_config = Qwen3Config(**qwen3_config(name, tok))
-    hf_config.architectures = ["Qwen3ForCausalLM"]
-    hf_config.dtype = PRESETS[name]["weights_dtype"]
-    hf_config.save_pretrained(os.path.join(directory, "text_encoder"))
+    qwen_tokenizer.write(os.path.join(directory, "tokenizer"))
+    hf_config = qwen3.hf_config(**qwen3_config(name), architectures=["Qwen3ForCausalLM"],
+                                transformers_version=builtin.TRANSFORMERS_VERSION)
+    hf_config["dtype"] = PRESETS[name]["weights_dtype"]
+    builtin.write_json(os.path.join(directory, "text_encoder", "config.json"), hf_config)
     if not weights:
         builtin.mark_shapes_only(directory, name)
         return
 
-    q_cfg = qwen3.Qwen3Config.from_dict(hf_config.to_dict())
+    q_cfg = qwen3.Qwen3Config.from_dict(hf_config)
     t_cfg = flux2.Flux2Config.from_dict(transformer_config(name))
     v_cfg = vae.VaeConfig.from_dict({"_class_name": vae.FLUX2_CLASS_NAME, **vae_config(name)})
     text = qwen3.to_torch(convert.unflatten(builtin.random_flat_params(

@@ -1,12 +1,13 @@
-"""SD 1.x/2.x and SDXL: diffusers' Flax UNet and VAE, transformers' Flax CLIP text encoders.
+"""SD 1.x/2.x and SDXL, in promptmill's own Flax networks: the UNet (``unet``), CLIP
+(``pipeline.model.layers.text.clip``) and the VAE decoder (``pipeline.model.layers.vae``),
+read by ``nets``.
 
 SD runs one CLIP text encoder (its last hidden state); SDXL runs two side by side (their
 penultimate hidden states, the second's projected pooled output) and conditions the
 UNet on size ids. Classifier-free guidance runs the UNet on [negative; positive] (twice
-the rows), or not at all in a guidance-free run; the loop is diffusers' Flax scheduler
-or promptmill's own steps (``pipeline.model.sampling.scheduler``); the VAE decodes
-``latents / scaling_factor``. Their code and their images are those promptmill always
-made: this module is where they live behind the family seam.
+the rows), or not at all in a guidance-free run; the loop is promptmill's own steps
+(``pipeline.model.sampling.scheduler``, ``stepping``), the schedule made on the host; the VAE
+decodes ``latents / scaling_factor``.
 """
 from __future__ import annotations
 
@@ -15,35 +16,17 @@ import dataclasses
 import os
 
 from pipeline.core import keys
-from pipeline.model.loading import fetch, lora, weights
+from pipeline.model.loading import fetch, lora
 from pipeline.model.families.base import Described, Family, Model
-from pipeline.model.families.sd import presets
+from pipeline.model.families.sd import nets as sd_nets, presets
 from pipeline.model.sampling import decoding, guidance as guidance_rules
-from pipeline.model.sampling.scheduler import Sampler, make_flax_scheduler, resolve_sampler, step_range
+from pipeline.model.sampling.scheduler import resolve_sampler, step_range
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
 SDXL_COMPONENTS = ("tokenizer_2", "text_encoder_2")  # SDXL's second text encoder
 DEFAULT_GUIDANCE = 7.5  # diffusers' StableDiffusionPipeline and StableDiffusionXLPipeline
 SIZE_MULTIPLE = 8  # the VAE's scale factor
-
-# UNet config keys that the Flax UNet lacks and that would change its output: a
-# checkpoint setting them is refused, not loaded without them
-_UNET_KEYS_FLAX_LACKS = ("time_cond_proj_dim", "class_embed_type", "encoder_hid_dim")
-
-
-def _config(directory: str, component: str, filename: str = "config.json") -> dict:
-    return read_json_file(os.path.join(directory, component, filename))
-
-
-def check_unet(directory: str) -> None:
-    """ModelError naming each UNet config key the Flax UNet would drop (e.g. an LCM
-    UNet's ``time_cond_proj_dim``, the guidance embedding)."""
-    config = _config(directory, "unet")
-    asked = [f"{key}={config[key]!r}" for key in _UNET_KEYS_FLAX_LACKS if config.get(key) is not None]
-    if asked:
-        raise ModelError(f"{directory}: unet/config.json asks for {', '.join(asked)}, which diffusers' Flax UNet "
-                         f"does not have; promptmill cannot run this UNet as its config says")
 
 
 def check_unet_file(directory: str, unet_file: str) -> None:
@@ -70,43 +53,6 @@ def check_unet_file(directory: str, unet_file: str) -> None:
                              f"for another architecture, or not a diffusers-format UNet)")
 
 
-def _to_bf16(tree):
-    import jax
-    import jax.numpy as jnp
-
-    def cast(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)
-        return x.astype(jnp.bfloat16)
-
-    return jax.tree_util.tree_map(cast, tree)
-
-
-def with_sampler_state(sampler: Sampler, params: dict) -> tuple[object, dict]:
-    """(the Flax scheduler or None, params with the Flax scheduler's state or without any)."""
-    params = {name: tree for name, tree in params.items() if name != "scheduler"}
-    if sampler.engine != "flax":
-        return None, params
-    flax_scheduler, params["scheduler"] = make_flax_scheduler(sampler)
-    return flax_scheduler, params
-
-
-@dataclasses.dataclass(frozen=True)
-class SdNets:
-    """An SD or SDXL checkpoint's networks (``Model.nets``): diffusers' Flax UNet and VAE,
-    transformers' CLIP tokenizers and text encoders (the second ones SDXL's), and the
-    diffusers Flax scheduler of a "flax"-engine sampler (else None)."""
-    tokenizer: object
-    text_encoder: object
-    unet: object
-    vae: object
-    scheduler: object = None
-    tokenizer_2: object = None
-    text_encoder_2: object = None
-
-
 class StableDiffusion(Family):
     """SD 1.x/2.x (``sdxl=False``) or SDXL."""
 
@@ -123,10 +69,7 @@ class StableDiffusion(Family):
 
     def with_sampler(self, model: Model, directory: str, scheduler: str | None,
                      timestep_spacing: str | None) -> Model:
-        sampler = resolve_sampler(directory, scheduler, timestep_spacing)
-        flax_scheduler, params = with_sampler_state(sampler, model.params)
-        nets = dataclasses.replace(model.nets, scheduler=flax_scheduler)
-        return dataclasses.replace(model, sampler=sampler, nets=nets, params=params)
+        return dataclasses.replace(model, sampler=resolve_sampler(directory, scheduler, timestep_spacing))
 
     def builtins(self) -> dict:
         return {name: preset for name, preset in presets.PRESETS.items() if preset["family"] == self.name}
@@ -146,58 +89,69 @@ class StableDiffusion(Family):
         check_unet_file(directory, unet_file)
         return unet_file
 
+    def _nets(self, directory: str, dtype=None) -> sd_nets.SdNets:
+        return sd_nets.read_nets(directory, self.sdxl, dtype)
+
     def describe(self, directory, request, unet_file) -> Described:
         scheduler, timestep_spacing = request.scheduler, request.timestep_spacing
         steps, max_sequence_length = request.steps, request.max_sequence_length
-        check_unet(directory)
+        nets = self._nets(directory)
         if max_sequence_length is not None:
             raise ModelError(f"--max-sequence-length {max_sequence_length}: {self.title}'s CLIP text encoders take "
-                             f"{_config(directory, 'text_encoder').get('max_position_embeddings', 77)} tokens, always; "
-                             f"the length is a setting of the families whose text encoder takes one (see --help)")
-        vae_scale = 2 ** (len(_config(directory, "vae")["block_out_channels"]) - 1)
+                             f"{nets.text_encoders[0].config.max_position_embeddings} tokens, always; the length is "
+                             f"a setting of the families whose text encoder takes one (see --help)")
         sampler = resolve_sampler(directory, scheduler, timestep_spacing, steps)
         low, high, why = step_range(sampler)
-        return Described(family=self.name, native_size=_config(directory, "unet")["sample_size"] * vae_scale,
-                         scheduler=sampler.choice, size_multiple=SIZE_MULTIPLE, default_guidance=DEFAULT_GUIDANCE,
-                         guidance_rule="diffusers", cfg=True, min_steps=low, max_steps=high, steps_bound=why)
+        native = nets.unet.config.sample_size * nets.vae.config.scale_factor
+        return Described(family=self.name, native_size=native, scheduler=sampler.choice,
+                         size_multiple=SIZE_MULTIPLE, default_guidance=DEFAULT_GUIDANCE, guidance_rule="diffusers",
+                         cfg=True, min_steps=low, max_steps=high, steps_bound=why)
 
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
         import jax.numpy as jnp
-        from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel
-        from transformers import CLIPTokenizer, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
 
-        check_unet(directory)
+        from pipeline.model.loading import convert, tokenizer as tokenizer_lib
+
         sampler = resolve_sampler(directory, request.scheduler, request.timestep_spacing)
         jdtype = getattr(jnp, request.jax_dtype)
-        tokenizer = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer"))
-        text_encoder, text_params = weights.load_transformers(
-            FlaxCLIPTextModel, directory, "text_encoder", jdtype, abstract)
-        unet, unet_params = weights.load_diffusers(
-            FlaxUNet2DConditionModel, directory, "unet", jdtype, unet_file, abstract)
-        vae, vae_params = weights.load_diffusers(FlaxAutoencoderKL, directory, "vae", jdtype, abstract=abstract)
-        params = {"text_encoder": text_params, "unet": unet_params, "vae": vae_params}
-        tokenizer_2 = text_encoder_2 = None
-        if self.sdxl:
-            tokenizer_2 = CLIPTokenizer.from_pretrained(os.path.join(directory, "tokenizer_2"))
-            text_encoder_2, params["text_encoder_2"] = weights.load_transformers(
-                FlaxCLIPTextModelWithProjection, directory, "text_encoder_2", jdtype, abstract)
-        if not abstract:
-            try:  # on the host, in float32: before the cast below and before any transfer to devices
-                params = lora.merge(params, loras)
-            except lora.LoraError as e:
-                raise ModelError(str(e)) from None
-        if jdtype == jnp.bfloat16:  # weights in bf16 too: half the memory and bandwidth
-            params = {component: _to_bf16(tree) for component, tree in params.items()}
-        flax_scheduler, params = with_sampler_state(sampler, params)
-        f = 2 ** (len(vae.config.block_out_channels) - 1)
-        nets = SdNets(tokenizer, text_encoder, unet, vae, flax_scheduler, tokenizer_2, text_encoder_2)
+        nets = self._nets(directory, jdtype)
+        if abstract:  # the networks' shapes, in the run's dtype: what the devices hold
+            params = convert.abstract_params(nets.flat_shapes(), jdtype)
+        else:
+            params = sd_nets.read_params(directory, nets, unet_file)
+            if loras:
+                try:  # on the host, in float32, each merged kernel then in the run's dtype
+                    params = lora.merge(params, loras, self.lora_layouts(), self._lora_shapes(nets), jdtype)
+                except lora.LoraError as e:
+                    raise ModelError(str(e)) from None
+        length = nets.text_encoders[0].config.max_position_embeddings
+        try:
+            tokenizers = [tokenizer_lib.clip(os.path.join(directory, folder), length)
+                          for folder in ("tokenizer", "tokenizer_2")[:len(nets.text_encoders)]]
+        except tokenizer_lib.TokenizerError as e:
+            raise ModelError(str(e)) from None
+        nets = dataclasses.replace(nets, tokenizer=tokenizers[0], tokenizer_2=tokenizers[1] if self.sdxl else None)
+        f = nets.vae.config.scale_factor
+        unet = nets.unet.config
         return Model(path=request.model, fingerprint=None, family=self, nets=nets, sampler=sampler, params=params,
-                     dtype=unet.dtype, latent_channels=unet.config.in_channels, vae_scale_factor=f,
-                     native_size=unet.config.sample_size * f)
+                     dtype=jdtype, latent_channels=unet.in_channels, vae_scale_factor=f,
+                     native_size=unet.sample_size * f, param_dtype=jdtype)
+
+    def lora_layouts(self) -> dict:
+        from pipeline.model.families.sd import unet as unet_net
+        from pipeline.model.layers.text import clip
+
+        return {"unet": unet_net.LAYOUT, "text_encoder": clip.LAYOUT, "text_encoder_2": clip.LAYOUT}
+
+    @staticmethod
+    def _lora_shapes(nets: sd_nets.SdNets) -> dict:
+        """The UNet's and every text encoder layer's shapes, the layers a run does not compute
+        included (a LoRA for SDXL's first encoder adapts its last layer too)."""
+        shapes = {name: encoder.whole_shapes() for name, encoder in zip(nets.text_components, nets.text_encoders)}
+        return {**shapes, "unet": nets.flat_shapes()["unet"]}
 
     def lora_shapes(self, directory: str) -> dict:
-        components = ("unet", "text_encoder") + (("text_encoder_2",) if self.sdxl else ())
-        return {component: weights.param_shapes(directory, component) for component in components}
+        return self._lora_shapes(self._nets(directory))
 
     # ---- prompts
 
@@ -208,51 +162,56 @@ class StableDiffusion(Family):
 
         length = model.nets.tokenizer.model_max_length
         tokenizers = [model.nets.tokenizer] + ([model.nets.tokenizer_2] if self.sdxl else [])
-        ids = [t(list(texts), padding="max_length", max_length=length, truncation=True,
-                 return_tensors="np").input_ids for t in tokenizers]
+        ids = [t.ids(list(texts), length) for t in tokenizers]
         return (ids[0] if len(ids) == 1 else np.stack(ids, axis=1)).astype(np.int32)
 
     def truncated(self, model: Model, texts) -> list[bool]:
         limit = model.nets.tokenizer.model_max_length
-        ids = model.nets.tokenizer(list(texts), truncation=False, verbose=False).input_ids
-        return [len(row) > limit for row in ids]
+        return [count > limit for count in model.nets.tokenizer.counts(list(texts))]
 
     # ---- sampling
 
     def make_encode_fn(self, model: Model):
-        """``encode(params, ids) -> (context, added_cond)``.
+        """``encode(params, ids) -> (context, text_embeds)``.
 
-        SD 1.x/2.x: the text encoder's last hidden state, no added conditioning.
+        SD 1.x/2.x: the text encoder's last hidden state, no pooled embedding.
         SDXL: the penultimate hidden states of both encoders side by side, and the second
-        encoder's projected pooled output as ``text_embeds``; ids are [B, 2, L].
+        encoder's projected pooled output; ids are [B, 2, L].
         """
         import jax.numpy as jnp
 
+        nets = model.nets
+        modules = [encoder.module(model.dtype) for encoder in nets.text_encoders]
+
+        def run(params, index, ids):
+            return modules[index].apply({"params": params[nets.text_components[index]]}, ids)
+
         if not self.sdxl:
-            def encode(params, ids):
-                return model.nets.text_encoder(ids, params=params["text_encoder"])[0], None
-            return encode
+            return lambda params, ids: (run(params, 0, ids).last, None)
 
         def encode(params, ids):
-            first = model.nets.text_encoder(ids[:, 0], params=params["text_encoder"], output_hidden_states=True)
-            second = model.nets.text_encoder_2(ids[:, 1], params=params["text_encoder_2"], output_hidden_states=True)
-            context = jnp.concatenate([first.hidden_states[-2], second.hidden_states[-2]], axis=-1)
-            return context, {"text_embeds": second.text_embeds}
+            first, second = run(params, 0, ids[:, 0]), run(params, 1, ids[:, 1])
+            return jnp.concatenate([first.hidden, second.previous], axis=-1), second.embeds
         return encode
 
     def decode_latents(self, model: Model, vae_params, latents):
         """Decoded ``latents / scaling_factor``, as float32 images in [0, 1]."""
-        import jax.numpy as jnp
+        from pipeline.model.layers import vae as vae_net
 
-        vae = model.nets.vae
-        images = vae.apply({"params": vae_params}, latents / vae.config.scaling_factor, method=vae.decode).sample
-        return jnp.clip(images.astype(jnp.float32) / 2 + 0.5, 0, 1).transpose(0, 2, 3, 1)
+        return vae_net.vae_decode(model.nets.vae, vae_params, latents, model.nets.vae.config)
 
     def latents_note(self, model: Model) -> dict:
         return {"latents": ("final latents of each image: the scheduler's output after the last step, before the "
                             "division by the VAE's scaling_factor; decode(latents / scaling_factor) gives the image. "
                             "Row = position, as in zarr/images."),
                 "vae_scaling_factor": float(model.nets.vae.config.scaling_factor)}
+
+    def denoiser_calls(self, model: Model, steps: int) -> int:
+        """The UNet calls of ``steps`` steps: one each, but for PNDM (one more, or 9 more
+        with its Runge-Kutta start, as diffusers' pipelines run it)."""
+        from pipeline.model.sampling import steps as steps_lib
+
+        return steps_lib.make_schedule(model.sampler.config, model.sampler.choice, steps).num_steps
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
@@ -282,38 +241,40 @@ class StableDiffusion(Family):
         import jax
         import jax.numpy as jnp
 
+        from pipeline.model.sampling import stepping, steps as steps_lib
+
         if guidance_rule not in ("diffusers", "always"):
             raise ValueError(f"guidance_rule must be diffusers or always, got {guidance_rule!r}")
         if guidance_rule == "always" and not guided:
             raise ValueError("the 'always' guidance rule guides every image; it has no guidance-free program")
         unet = model.nets.unet
-        loop = _FlaxSteps(model, steps) if model.sampler.engine == "flax" else _OwnSteps(model, steps)
+        schedule = steps_lib.make_schedule(model.sampler.config, model.sampler.choice, steps)  # on the host, once
         stochastic = model.sampler.stochastic
         encode = self.make_encode_fn(model)
         factor = model.vae_scale_factor
 
         def conditioning(params, prompt_ids, negative_ids, latents):
-            """(context, added) for the UNet batch: [negative; positive] when guided."""
+            """(context, {text_embeds, time_ids} or None) for the UNet batch: [negative;
+            positive] when guided."""
             batch = prompt_ids.shape[0]
-            context, added = encode(params, prompt_ids)
+            context, pooled = encode(params, prompt_ids)
             if guided:
-                negative_context, negative_added = encode(params, negative_ids)
-            if added is not None:
-                height, width = latents.shape[2] * factor, latents.shape[3] * factor
-                # SDXL's micro-conditioning: original size, crop top-left, target size
-                time_ids = jnp.broadcast_to(jnp.array([height, width, 0, 0, height, width], context.dtype), (batch, 6))
-                if not guided:
-                    return context, {"text_embeds": added["text_embeds"], "time_ids": time_ids}
-                if empty_negative_ids is not None:
-                    empty = jnp.all(negative_ids == jnp.asarray(empty_negative_ids),
-                                    axis=tuple(range(1, negative_ids.ndim)))
-                    negative_context = jnp.where(empty[:, None, None], 0, negative_context)
-                    negative_added = {"text_embeds": jnp.where(empty[:, None], 0, negative_added["text_embeds"])}
-                added = {"text_embeds": jnp.concatenate([negative_added["text_embeds"], added["text_embeds"]]),
-                         "time_ids": jnp.concatenate([time_ids, time_ids])}
+                negative_context, negative_pooled = encode(params, negative_ids)
+            if pooled is None:
+                return (jnp.concatenate([negative_context, context]) if guided else context), None
+            height, width = latents.shape[2] * factor, latents.shape[3] * factor
+            # SDXL's micro-conditioning: original size, crop top-left, target size (float32, as exact as can be)
+            time_ids = jnp.broadcast_to(jnp.array([height, width, 0, 0, height, width], jnp.float32), (batch, 6))
             if not guided:
-                return context, added
-            return jnp.concatenate([negative_context, context]), added
+                return context, {"text_embeds": pooled, "time_ids": time_ids}
+            if empty_negative_ids is not None:
+                empty = jnp.all(negative_ids == jnp.asarray(empty_negative_ids),
+                                axis=tuple(range(1, negative_ids.ndim)))
+                negative_context = jnp.where(empty[:, None, None], 0, negative_context)
+                negative_pooled = jnp.where(empty[:, None], 0, negative_pooled)
+            return jnp.concatenate([negative_context, context]), {
+                "text_embeds": jnp.concatenate([negative_pooled, pooled]),
+                "time_ids": jnp.concatenate([time_ids, time_ids])}
 
         def denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None):
             with seam():
@@ -326,24 +287,25 @@ class StableDiffusion(Family):
                                  f"keys")
             context, added = conditioning(params, prompt_ids, negative_ids, latents)
             scale = guidance.astype(jnp.float32).reshape(batch, 1, 1, 1)
-            latents, state = loop.start(params, latents)
+            latents = latents * schedule.init_noise_sigma
             noise_shape = latents.shape[1:]
+            timesteps = jnp.asarray(schedule.timesteps)
 
             def step(i, carry):
                 latents, state = carry
-                t = loop.timestep(state, i)
-                model_input = loop.scale(state, i, t, jnp.concatenate([latents, latents]) if guided else latents)
+                t = timesteps[i]
+                model_input = stepping.scale_input(schedule, i, jnp.concatenate([latents, latents])
+                                                   if guided else latents)
                 prediction = unet.apply({"params": params["unet"]}, model_input,
-                                        jnp.broadcast_to(t, (model_input.shape[0],)),
-                                        encoder_hidden_states=context, added_cond_kwargs=added).sample
+                                        jnp.broadcast_to(t, (model_input.shape[0],)), context, **(added or {}))
                 # guidance and the scheduler run in float32 whatever the network dtype
-                prediction = prediction.astype(jnp.float32)
                 if guided:
                     prediction = guidance_rules.combine(guidance_rule, prediction, scale)
                 noise = jax.vmap(lambda k: keys.step_noise(k, i, noise_shape))(image_keys) if stochastic else None
-                return loop.update(state, i, t, prediction, latents, noise)
+                return stepping.advance(schedule, i, prediction, latents, noise, state)
 
-            latents, _ = jax.lax.fori_loop(0, steps, step, (latents, state))
+            carry = (latents, stepping.start(schedule, latents))
+            latents, _ = jax.lax.fori_loop(0, schedule.num_steps, step, carry)
             images = decode(lambda z: self.decode_latents(model, params["vae"], z), latents)
             return (images, latents.astype(jnp.float32)) if return_latents else images
 
@@ -354,91 +316,54 @@ class StableDiffusion(Family):
     def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool, *,
               seam=contextlib.nullcontext, sharding=None, count: bool = False
               ) -> list[tuple[str, tuple[str, ...], object]]:
+        """The text encoders on the UNet's rows, one UNet call, the VAE decode. ``count``:
+        the text encoders' scanned layers unrolled, so that XLA's cost analysis (which counts
+        a loop's body once) counts every one of them."""
         import jax
         import jax.numpy as jnp
 
         from pipeline.model.families import shapes
+        from pipeline.model.layers import vae as vae_net
 
+        nets = model.nets
         rows = per_device_batch * (2 if guided else 1)  # through the text encoders and the UNet
         make = shapes.on(sharding)
+
+        def placed(component):
+            return shapes.params(model.params[component], sharding, model.param_dtype)
+
         found = []
-        ids = make((rows, model.nets.tokenizer.model_max_length), jnp.int32)
-        for name in sorted(n for n in model.params if n.startswith("text_encoder")):
-            lowered = jax.jit(lambda p, i, e=getattr(model.nets, name): e(i, params=p)[0]).lower(
-                shapes.params(model.params[name], sharding), ids)
+        length = nets.text_encoders[0].config.max_position_embeddings
+        for name, encoder in zip(nets.text_components, nets.text_encoders):
+            module = encoder.module(model.dtype)
+            if count:
+                module = module.clone(unroll=encoder.layers)
+            lowered = jax.jit(lambda p, i, m=module: m.apply({"params": p}, i)).lower(
+                placed(name), make((rows, length), jnp.int32))
             found.append(("text_encoder", (name,), lowered))
-        unet, config = model.nets.unet, model.nets.unet.config
+        unet, config = nets.unet, nets.unet.config
         channels, h, w = model.latent_shape(width, height)
-        added = None
-        if getattr(config, "addition_embed_type", None) == "text_time":  # SDXL: pooled text and 6 size/crop ids
-            pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-            added = {"text_embeds": make((rows, pooled), model.dtype), "time_ids": make((rows, 6), model.dtype)}
+        added = {}
+        if config.addition_embed_type == "text_time":  # SDXL: pooled text and 6 size/crop ids
+            added = {"text_embeds": make((rows, config.pooled_dim), model.dtype),
+                     "time_ids": make((rows, 6), jnp.float32)}
+        context_width = sum(encoder.config.hidden_size for encoder in nets.text_encoders)
 
         def call(p, x, t, context, added):
             with seam():
-                return unet.apply({"params": p}, x, t, encoder_hidden_states=context, added_cond_kwargs=added).sample
+                return unet.apply({"params": p}, x, t, context, **added)
 
-        length = model.nets.tokenizer.model_max_length
         found.append(("denoiser", ("unet",), jax.jit(call).lower(
-            shapes.params(model.params["unet"], sharding), make((rows, channels, h, w), jnp.float32),
-            make((rows,), jnp.int32), make((rows, length, config.cross_attention_dim), model.dtype), added)))
-        vae = model.nets.vae
+            placed("unet"), make((rows, channels, h, w), jnp.float32), make((rows,), jnp.int32),
+            make((rows, length, context_width), model.dtype), added)))
 
         def decode(p, z):
             with seam():
-                return vae.apply({"params": p}, z, method=vae.decode).sample
+                return vae_net.vae_decode(nets.vae, p, z, nets.vae.config)
 
         found.append(("vae_decode", ("vae",), jax.jit(decode).lower(
-            shapes.params(model.params["vae"], sharding),
-            make((per_device_batch, *model.latent_shape(width, height)), jnp.float32))))
+            placed("vae"), make((per_device_batch, *model.latent_shape(width, height)), jnp.float32))))
         return found
-
-
-class _FlaxSteps:
-    """The loop of a ``flax``-engine sampler: diffusers' Flax scheduler and its state."""
-
-    def __init__(self, model, steps: int):
-        self.scheduler, self.steps = model.nets.scheduler, steps
-
-    def start(self, params, latents):
-        state = self.scheduler.set_timesteps(params["scheduler"], num_inference_steps=self.steps, shape=latents.shape)
-        return latents * state.init_noise_sigma, state
-
-    def timestep(self, state, i):
-        # not cast to int: Euler's timesteps are fractional and it finds its step by value
-        return state.timesteps[i]
-
-    def scale(self, state, i, t, sample):
-        return self.scheduler.scale_model_input(state, sample, t)
-
-    def update(self, state, i, t, prediction, sample, noise):
-        return self.scheduler.step(state, prediction, t, sample).to_tuple()
-
-
-class _OwnSteps:
-    """The loop of a ``steps``-engine sampler: ``pipeline.model.sampling.stepping`` over a schedule
-    that ``pipeline.model.sampling.steps`` computed once, on the host, when the program is traced
-    (no state)."""
-
-    def __init__(self, model, steps: int):
-        from pipeline.model.sampling import stepping, steps as steps_lib
-
-        self.lib = stepping
-        self.schedule = steps_lib.make_schedule(model.sampler.config, model.sampler.choice, steps)
-
-    def start(self, params, latents):
-        return latents * self.schedule.init_noise_sigma, ()
-
-    def timestep(self, state, i):
-        import jax.numpy as jnp
-
-        return jnp.asarray(self.schedule.timesteps)[i]
-
-    def scale(self, state, i, t, sample):
-        return self.lib.scale_input(self.schedule, i, sample)
-
-    def update(self, state, i, t, prediction, sample, noise):
-        return self.lib.step(self.schedule, i, prediction, sample, noise), state
 
 
 SD = StableDiffusion(sdxl=False)

@@ -30,7 +30,8 @@ from __future__ import annotations
 import os
 
 from pipeline.model.loading import builtin
-from pipeline.model.loading.qwen_tokenizer import IM_END, PAD, tokenizer
+from pipeline.model.loading import qwen_tokenizer
+from pipeline.model.loading.qwen_tokenizer import IM_END, PAD
 
 SEED = 0
 TOKENIZER_MAX_LENGTH = 512  # ZImagePipeline's default max_sequence_length
@@ -64,9 +65,9 @@ _FLUX_VAE = dict(_TINY_VAE, down_block_types=["DownEncoderBlock2D"] * 4, up_bloc
 
 # Built-in random models, by --model name. Bump a name's version when its recipe changes.
 PRESETS = {
-    "tiny-zimage": dict(version="tiny-zimage-v1", default_size=32, weights_dtype="float32", qwen3=_TINY_QWEN3,
+    "tiny-zimage": dict(version="tiny-zimage-v2", default_size=32, weights_dtype="float32", qwen3=_TINY_QWEN3,
                         transformer=_TINY_TRANSFORMER, vae=_TINY_VAE, scheduler=TURBO_SCHEDULER),
-    "random-zimage": dict(version="random-zimage-v1", weights_dtype="bfloat16", qwen3=_QWEN3_4B,
+    "random-zimage": dict(version="random-zimage-v2", weights_dtype="bfloat16", qwen3=_QWEN3_4B,
                           transformer=_TURBO_TRANSFORMER, vae=_FLUX_VAE, scheduler=TURBO_SCHEDULER,
                           license="apache-2.0", shapes_only=True),
 }
@@ -84,15 +85,15 @@ def scheduler_config(name: str) -> dict:
     return dict(PRESETS[name]["scheduler"])
 
 
-def qwen3_config(name: str, tok) -> dict:
-    """The keyword arguments of transformers' ``Qwen3Config`` of the preset's text encoder,
-    its vocabulary and special ids from ``tok``."""
-    pad = tok.convert_tokens_to_ids(PAD)
-    return dict({"vocab_size": len(tok)}, **PRESETS[name]["qwen3"], pad_token_id=pad, bos_token_id=pad,
-                eos_token_id=tok.convert_tokens_to_ids(IM_END))
+def qwen3_config(name: str) -> dict:
+    """The preset's ``text_encoder/config.json`` keys (transformers' ``Qwen3Config``'s), its
+    vocabulary and special ids the built-in Qwen tokenizer's (``qwen_tokenizer``)."""
+    vocab = qwen_tokenizer.vocabulary()
+    return dict({"vocab_size": len(vocab)}, **PRESETS[name]["qwen3"], pad_token_id=vocab[PAD], bos_token_id=vocab[PAD],
+                eos_token_id=vocab[IM_END])
 
 
-def model_index(diffusers_version: str) -> dict:
+def model_index(diffusers_version: str = builtin.DIFFUSERS_VERSION) -> dict:
     """The ``model_index.json`` of a ZImagePipeline checkpoint, as ``save_pretrained`` writes it."""
     return {"_class_name": "ZImagePipeline", "_diffusers_version": diffusers_version,
             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
@@ -103,38 +104,31 @@ def model_index(diffusers_version: str) -> dict:
 def build(directory: str, name: str = "tiny-zimage", weights: bool = True) -> None:
     """Write the random model ``name`` into ``directory`` in diffusers' ZImagePipeline
     layout. ``weights=False``: configs and tokenizer only."""
-    import diffusers
-    from transformers import Qwen3Config
-
     from pipeline.model.families.zimage import transformer as zimage
     from pipeline.model.layers import qwen3, vae
     from pipeline.model.loading import convert, weights as weights_lib
-    from pipeline.model.loading.libraries import quiet_libraries
-
-    quiet_libraries()
     preset = PRESETS[name]
-    builtin.write_json(os.path.join(directory, "model_index.json"), model_index(diffusers.__version__))
+    builtin.write_json(os.path.join(directory, "model_index.json"), model_index(builtin.DIFFUSERS_VERSION))
     if preset.get("license"):
         with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
             f.write(f"---\nlicense: {preset['license']}\n---\n\n{name}: random weights, {preset['version']}\n")
-    meta = {"_diffusers_version": diffusers.__version__}
+    meta = {"_diffusers_version": builtin.DIFFUSERS_VERSION}
     builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
                        {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})
     builtin.write_json(os.path.join(directory, "transformer", "config.json"),
                        {"_class_name": zimage.CLASS_NAME, **meta, **transformer_config(name)})
     builtin.write_json(os.path.join(directory, "vae", "config.json"),
                        {"_class_name": "AutoencoderKL", **meta, **vae_config(name)})
-    tok = tokenizer()
-    tok.save_pretrained(os.path.join(directory, "tokenizer"))
-    hf_config = Qwen3Config(**qwen3_config(name, tok))
-    hf_config.architectures = ["Qwen3Model"]
-    hf_config.dtype = preset["weights_dtype"]
-    hf_config.save_pretrained(os.path.join(directory, "text_encoder"))
+    qwen_tokenizer.write(os.path.join(directory, "tokenizer"))
+    hf_config = qwen3.hf_config(**qwen3_config(name), architectures=["Qwen3Model"],
+                                transformers_version=builtin.TRANSFORMERS_VERSION)
+    hf_config["dtype"] = preset["weights_dtype"]
+    builtin.write_json(os.path.join(directory, "text_encoder", "config.json"), hf_config)
     if not weights:
         builtin.mark_shapes_only(directory, name)
         return
 
-    q_cfg = qwen3.Qwen3Config.from_dict(hf_config.to_dict())
+    q_cfg = qwen3.Qwen3Config.from_dict(hf_config)
     t_cfg = zimage.ZImageConfig.from_dict(transformer_config(name))
     v_cfg = vae.VaeConfig.from_dict({"_class_name": "AutoencoderKL", **vae_config(name)})
     states = {
