@@ -185,7 +185,6 @@ def test_the_dataset_in_parts_reads_whole_in_every_reader(two_by_two, tmp_path, 
     import webdataset as wds
     import xarray
 
-    from pipeline.collect import parts
     from pipeline.generate import reproduce
     from pipeline.output import key_index
 

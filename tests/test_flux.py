@@ -24,7 +24,6 @@ from pipeline.core.settings import Settings
 from pipeline.generate import sampler
 from pipeline.io import storage
 from pipeline.model import families, load as model_lib
-from pipeline.output import writer
 from tests.conftest import check_host_imports, run_cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")

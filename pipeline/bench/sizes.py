@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
