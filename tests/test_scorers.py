@@ -101,8 +101,18 @@ def test_aesthetic_head_equals_the_reference_mlp(loaded, reference):
     np.testing.assert_allclose(outputs, reference["aesthetic_outputs"], atol=1e-5)
 
 
+def as_sampled(images, devices):
+    """``images`` [N, H, W, 3] on ``devices`` as the sampler leaves them: split over the
+    host's mesh (``--fsdp 1``), each device its own rows."""
+    import jax
+
+    from pipeline.model import sharding
+
+    return jax.device_put(images, sharding.batch_sharding(sharding.mesh(devices, 1), 4))
+
+
 def test_the_scoring_program_on_the_devices_gives_the_reference_scores(loaded, reference):
-    """The pmapped program the hosts run (``scoring.Scorer``), on two devices, with a padding
+    """The program the hosts run (``scoring.Scorer``), on two devices, with a padding
     row: the same scores as the PyTorch models give the fixture's two 32x32 images."""
     import jax
 
@@ -114,9 +124,7 @@ def test_the_scoring_program_on_the_devices_gives_the_reference_scores(loaded, r
     scorer = scoring.Scorer(scorers, 32, 32, 2, devices)
     images = np.stack([fixture_image(0), fixture_image(1), fixture_image(1), np.zeros((32, 32, 3), np.uint8)])
     prompts = json.loads(str(reference["prompts"]))[:2]
-    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))  # laid out as the sampler's output is
-    on_devices = jax.device_put(images.reshape(2, 2, 32, 32, 3),
-                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica")))
+    on_devices = as_sampled(images, devices)
     generator = type("G", (), {"latents": False})()
     scores = scorer.fetch(scorer.dispatch(on_devices, generator, scorer.tokenize(prompts + [prompts[1], ""])))
     assert set(scores) == {"clip_similarity", "aesthetic", "nsfw", "nsfw_score"}
@@ -148,11 +156,10 @@ def test_a_later_sizes_scorer_shares_the_first_sizes_models_and_params(loaded, m
     assert later.params is first.params and later.scorers is first.scorers and "scorer_load" not in parts
     assert later.program is not first.program
     own = scoring.Scorer(scorers, 24, 32, 1, devices)
-    images = np.stack([fixture_image(0)[:, 4:28], fixture_image(1)[:, :24]]).reshape(2, 1, 32, 24, 3)
+    images = np.stack([fixture_image(0)[:, 4:28], fixture_image(1)[:, :24]])
     generator = type("G", (), {"latents": False})()
     ids = own.tokenize(["a photo", "a drawing"])
-    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))  # laid out as the sampler's output is
-    on_devices = jax.device_put(images, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica")))
+    on_devices = as_sampled(images, devices)
     got, expected = (s.fetch(s.dispatch(on_devices, generator, ids)) for s in (later, own))
     assert {k: list(v) for k, v in got.items()} == {k: list(v) for k, v in expected.items()}
     with pytest.raises(ValueError, match="same devices"):

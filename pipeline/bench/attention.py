@@ -78,7 +78,7 @@ def run_memory(config, platform: str, speed: dict | None = None) -> dict:
 
     ``speed``: the attention part's result; its programs' memory is reused for its own
     size when that is one of the (square) sizes: a program compiled from shapes on one
-    device has the memory of the pmapped program per device (``fit.sampler_memory``)."""
+    device has the memory of the host's program per device (``fit.sampler_memory``)."""
     from pipeline.generate.fit import sampler_memory
     from pipeline.model import load as model_lib
 

@@ -32,7 +32,8 @@ from pipeline.generate.parts import flops as lowered_flops, part_flops  # noqa: 
 
 
 def whole_program_flops(compiled) -> float:
-    """What XLA's cost analysis says of a compiled (pmapped) sampler: one device's program."""
+    """What XLA's cost analysis says of a compiled sampler over the host's mesh: one device's
+    (partitioned) program."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
@@ -62,7 +63,8 @@ def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: 
 def matmul_peak(devices, dtype: str, size: int, min_seconds: float = 1.0) -> dict:
     """Measured matmul FLOP/s of ``devices`` together, in the run's dtype.
 
-    One [size, size] @ [size, size] product per device at once (pmapped), so devices
+    One [size, size] @ [size, size] product per device at once (``shard_map`` over the
+    host's mesh, each device its own product of its whole copy), so devices
     that share hardware (several CPU "devices" on the same cores) are not counted
     twice. Timed after a warm-up call, over enough calls to last ``min_seconds``.
     """
@@ -70,12 +72,16 @@ def matmul_peak(devices, dtype: str, size: int, min_seconds: float = 1.0) -> dic
     import jax.numpy as jnp
 
     from pipeline.core.choices import DTYPES
+    from jax.sharding import PartitionSpec
+
     from pipeline.generate.generator import replicate
+    from pipeline.model import sharding
 
     jdtype = getattr(jnp, DTYPES[dtype])
-    a = replicate(np.random.default_rng(0).standard_normal((size, size), np.float32), devices)
-    a = jax.pmap(lambda x: x.astype(jdtype), devices=devices)(a)
-    matmul = jax.pmap(lambda x: jnp.dot(x, x), devices=devices)
+    a = replicate(np.random.default_rng(0).standard_normal((size, size), np.float32), devices, jdtype)
+    the_mesh = sharding.mesh(devices, 1)
+    matmul = jax.jit(jax.shard_map(lambda x: jnp.dot(x, x), mesh=the_mesh, in_specs=PartitionSpec(),
+                                   out_specs=sharding.batch_sharding(the_mesh, 2).spec, check_vma=False))
     matmul(a).block_until_ready()  # compile and first run
     calls, seconds = 2, 0.0
     while True:

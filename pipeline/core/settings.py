@@ -66,8 +66,8 @@ class Settings:
     # a slice from a million), recorded in run.json, and a resumed run keeps its own
     batches_per_slice: int | str = "auto"
     devices_per_host: int = 1
-    # FSDP (pipeline.generate.sharding): each host's weights sharded over groups of this many of
-    # its devices, gathered as they are used; 1: a whole copy on every device (the pmapped
+    # FSDP (pipeline.model.sharding): each host's weights sharded over groups of this many of
+    # its devices, gathered as they are used; 1: a whole copy on every device (the replicated
     # program); "auto": the smallest that fits one image per device, chosen before planning
     fsdp: int | str = 1
     dtype: str = "fp32"

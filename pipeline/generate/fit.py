@@ -64,14 +64,14 @@ def sampler_memory(model, width: int, height: int, steps: int, per_device_batch:
 
     rule = guidance_rule if guidance_rule is not None else model.family.guidance_rule(model)
     if fsdp != 1:
-        from pipeline.generate.generator import lower_fsdp
+        from pipeline.generate.generator import lower_sampler
 
         devices = list(devices or jax.local_devices())
         if len(devices) < fsdp:
             raise FitError(f"--fsdp {fsdp}: measuring its program needs {fsdp} devices, this process has "
                            f"{len(devices)}")
-        lowered = lower_fsdp(model, width, height, steps, per_device_batch, devices[:fsdp], latents, rule, guided,
-                             attention, fsdp, decode_batch=decode_batch)
+        lowered = lower_sampler(model, width, height, steps, per_device_batch, devices[:fsdp], latents, rule, guided,
+                                attention, fsdp, decode_batch=decode_batch)
         return program_memory(lowered.compile())
     fn = sampler.make_sample_fn(model, width, height, steps, latents, rule, guided=guided, attention=attention,
                                 platform=platform, decode_batch=decode_batch)

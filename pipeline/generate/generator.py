@@ -1,13 +1,16 @@
 """The generator of one host: the model on the local devices, compiled once.
 
-Parameters are replicated onto the host's local devices, and the sampling function is
-pmapped over them and compiled ahead of time for the run's one set of shapes. Calling
+The sampling function is one program over a mesh of the host's local devices (axes
+``data`` and ``fsdp``, ``pipeline.model.sharding``), jitted and compiled ahead of time for
+the run's one set of shapes: at ``--fsdp 1`` every device holds a whole copy of the
+parameters (the replicated run), at N > 1 the large weights are split over groups of N.
+Either way the batch is split over every device, so each device computes its own images. Calling
 the compiled executable can never recompile (a wrong shape is an error), and
 ``jax_events.COMPILES`` lets tests and logs prove that nothing else compiles either.
 
 The sampler is lowered from shapes alone (``compile_sampler``): the params as
-``jax.ShapeDtypeStruct``s with the device axis, which gives the very program that
-lowering from the replicated arrays gives (same text, same executable cache key). So a
+``jax.ShapeDtypeStruct``s with their shardings on the mesh, which gives the very program
+that lowering from the placed arrays gives (same text, same executable cache key). So a
 host can compile it, or load it from its executable cache, from an abstract model
 (``load(abstract=True)``) on one thread while another reads the weights, and hand the
 result to the Generator (``program``).
@@ -45,47 +48,41 @@ PADDING_ROW = ("", "", 0.0, 0, 0)
 
 
 def replicate(tree, devices, dtype=None):
-    """Put one copy of every leaf on each device, laid out as pmap expects.
-
-    The host array is broadcast as a view and sliced per device, so no device ever
-    holds more than one copy (stacking on device 0 first would need D copies there).
-    ``dtype``: floating leaves are cast to it on the devices (``Model.param_dtype``: the
-    host keeps its weights in their stored dtype).
-    """
+    """Put a whole copy of every leaf on each device: replicated over the host's mesh at
+    ``--fsdp 1`` (``sharding.mesh``), as the host's programs take it. Each device is given
+    its copy from the host array (``sharding.place``). ``dtype``: floating leaves are cast
+    to it (``Model.param_dtype``: the host keeps its weights in their stored dtype)."""
     import jax
-    import jax.numpy as jnp
 
-    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
-    spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
-
-    def put(leaf):
-        leaf = np.asarray(leaf)
-        placed = jax.device_put(np.broadcast_to(leaf, (len(devices),) + leaf.shape), spread)
-        if dtype is not None and jnp.issubdtype(placed.dtype, jnp.floating) and placed.dtype != dtype:
-            placed = placed.astype(dtype)
-        return placed
-
-    return jax.tree_util.tree_map(put, tree)
+    the_mesh = sharding.mesh(devices, 1)
+    whole = jax.sharding.NamedSharding(the_mesh, jax.sharding.PartitionSpec())
+    return sharding.place(tree, jax.tree_util.tree_map(lambda _: whole, tree), dtype)
 
 
 def replicated_shapes(tree, devices=None, dtype=None):
     """``jax.ShapeDtypeStruct``s of ``tree`` (arrays or structs) as ``replicate`` lays it
-    out on ``devices`` (the device axis first; ``dtype``: as ``replicate`` casts it);
-    without ``devices``, of ``tree`` as it is."""
+    out on ``devices`` (``dtype``: as ``replicate`` casts it); without ``devices``, of
+    ``tree`` as it is, without shardings."""
     import jax
 
     from pipeline.model.families.shapes import struct
 
-    lead = () if devices is None else (len(devices),)
-    return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(lead + tuple(leaf.shape), leaf.dtype),
-                                  struct(tree, dtype))
+    if devices is None:
+        return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype),
+                                      struct(tree, dtype))
+    whole = jax.sharding.NamedSharding(sharding.mesh(devices, 1), jax.sharding.PartitionSpec())
+    return sharding.shaped(tree, jax.tree_util.tree_map(lambda _: whole, tree), dtype)
 
 
-def _same_shapes(a, b) -> bool:
+def same_shapes(a, b) -> bool:
+    """Whether two trees of arrays or structs have the same structure, shapes and dtypes
+    (their shardings aside)."""
     import jax
 
-    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and \
-        jax.tree_util.tree_leaves(a) == jax.tree_util.tree_leaves(b)
+    def plain(tree):
+        return [(tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in jax.tree_util.tree_leaves(tree)]
+
+    return jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b) and plain(a) == plain(b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,26 +101,20 @@ class SamplerProgram:
         """Whether it runs on ``devices`` with ``params`` (as ``place_params`` lays them out
         at ``fsdp``): the same tree of the same shapes and dtypes it was lowered for."""
         return self.devices == tuple(devices) and self.fsdp == fsdp and \
-            _same_shapes(self.params, replicated_shapes(params))
+            same_shapes(self.params, params)
 
 
 def program_params(model, devices, fsdp: int = 1):
-    """``jax.ShapeDtypeStruct``s of the params as the host's program takes them: replicated
-    (``replicated_shapes``, with the device axis) at ``fsdp`` 1, else their global shapes
-    (the mesh's shardings are the program's own)."""
-    from pipeline.model.families.shapes import struct
-
-    if fsdp == 1:
-        return replicated_shapes(model.params, devices, model.param_dtype)
-    return struct(model.params, model.param_dtype)
+    """``jax.ShapeDtypeStruct``s of the params as the host's program takes them: their
+    global shapes, with their shardings on the host's mesh (``sharding.shaped``)."""
+    the_mesh = sharding.mesh(devices, fsdp)
+    return sharding.shaped(model.params, sharding.param_shardings(model.params, sharding.layout_of(model.params, fsdp),
+                                                                  the_mesh), model.param_dtype)
 
 
 def place_params(model, devices, fsdp: int = 1):
-    """The model's params on ``devices`` as the host's program takes them: replicated
-    (``replicate``) at ``fsdp`` 1, else on the host's FSDP mesh (``sharding.place``: each
-    device its shard)."""
-    if fsdp == 1:
-        return replicate(model.params, devices, model.param_dtype)
+    """The model's params on ``devices`` as the host's program takes them, on the host's
+    mesh (``sharding.place``: each device its shard, or at ``fsdp`` 1 its whole copy)."""
     the_mesh = sharding.mesh(devices, fsdp)
     shardings = sharding.param_shardings(model.params, sharding.layout_of(model.params, fsdp), the_mesh)
     return sharding.place(model.params, shardings, model.param_dtype)
@@ -133,8 +124,8 @@ def compile_sampler(model, width: int, height: int, steps: int, per_device_batch
                     latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
                     attention: str = "auto", index_key: str | None = None, fsdp: int = 1,
                     lowered=None, decode_batch: int | None = None) -> SamplerProgram:
-    """The host's sampler for ``devices`` (pmapped, or at ``fsdp`` > 1 one program over the
-    host's FSDP mesh), lowered from shapes alone and compiled, or loaded from the
+    """The host's sampler for ``devices`` (one program over the host's mesh,
+    ``lower_sampler``), lowered from shapes alone and compiled, or loaded from the
     executable cache (``compile_cache.load_or_compile``).
 
     ``model``'s params may be arrays or ``ShapeDtypeStruct``s (``load(abstract=True)``):
@@ -184,55 +175,27 @@ def load_indexed_program(index_key: str, devices) -> tuple | None:
 def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool = False,
                   guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto", fsdp: int = 1, *,
                   decode_batch: int | None = None):
-    """The host's sampler for ``devices``, lowered from the shapes of ``model``'s params
-    and of a batch (``compile_sampler``): pmapped at ``fsdp`` 1, else ``lower_fsdp``.
-    ``decode_batch``: the VAE decodes each device's images that many at a time (None: all
-    at once; ``sampler.make_sample_fn``).
-
-    The shapes are given to pmap as abstract values (``jax.core.ShapedArray``), not as
-    ``ShapeDtypeStruct``s: in a cluster, pmap turns each argument that is not a device
-    array into a numpy array (to make it global), which a struct is not; abstract values
-    pass through as they are, and on a host's own devices the global shape is the local one."""
+    """The host's sampler for ``devices`` as one program over the host's mesh
+    (``sharding.mesh``: axes data and fsdp), lowered from the shapes of ``model``'s params
+    and of a batch (``compile_sampler``): the batch of D x per-device batch images split
+    over the D devices, so each computes its own; the weights of the sharded components
+    split over groups of ``fsdp`` of them, every other weight (all of them at ``fsdp`` 1)
+    whole on every device. ``decode_batch``: the VAE decodes each device's images that
+    many at a time (None: all at once; ``sampler.make_sample_fn``)."""
     import jax
     import jax.numpy as jnp
-    from jax.core import ShapedArray
 
     devices = list(devices)
     attention_lib.check_platform(attention, devices[0].platform)
-    if fsdp != 1:
-        return lower_fsdp(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
-                          attention, fsdp, decode_batch=decode_batch)
-    fn = jax.pmap(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided,
-                                            attention, devices[0].platform, decode_batch=decode_batch),
-                  devices=devices)
-    shaped = (len(devices), per_device_batch)
-    ids = ShapedArray(shaped + model.family.tokenize(model, [""]).shape[1:], jnp.int32)
-    words = ShapedArray(shaped, jnp.uint32)
-    params = jax.tree_util.tree_map(lambda s: ShapedArray(s.shape, s.dtype),
-                                    replicated_shapes(model.params, devices, model.param_dtype))
-    return fn.lower(params, ids, ids, ShapedArray(shaped, jnp.float32), words, words, words)
-
-
-def lower_fsdp(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool,
-               guidance_rule: str, guided: bool, attention: str, fsdp: int, *, decode_batch: int | None = None):
-    """The sampler as one program over the host's FSDP mesh (``sharding``): the batch of
-    D x per-device batch images split over the D devices, the weights of the sharded
-    components split over groups of ``fsdp`` of them, from shapes alone. ``decode_batch``:
-    the VAE decodes each device's images that many at a time (None: all at once)."""
-    import jax
-    import jax.numpy as jnp
-
     the_mesh = sharding.mesh(devices, fsdp)
-    params = sharding.shaped(model.params, sharding.param_shardings(model.params,
-                                                                    sharding.layout_of(model.params, fsdp), the_mesh),
-                             model.param_dtype)
+    params = program_params(model, devices, fsdp)
     n = len(devices) * per_device_batch
     ids = model.family.tokenize(model, [""]).shape[1:]
     one = sharding.batch_sharding(the_mesh, 1)
     images = sharding.batch_sharding(the_mesh, 4)
     fn = jax.jit(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention,
                                         devices[0].platform, the_mesh, decode_batch=decode_batch),
-                 out_shardings=(images, sharding.batch_sharding(the_mesh, 4)) if latents else images)
+                 out_shardings=(images, images) if latents else images)
     ids_struct = jax.ShapeDtypeStruct((n, *ids), jnp.int32, sharding=sharding.batch_sharding(the_mesh, 1 + len(ids)))
     words = jax.ShapeDtypeStruct((n,), jnp.uint32, sharding=one)
     return fn.lower(params, ids_struct, ids_struct, jax.ShapeDtypeStruct((n,), jnp.float32, sharding=one), words,
@@ -245,8 +208,7 @@ class Generator:
     params on these devices, else the sampler is compiled here. ``params``: the model's
     params already on ``devices`` as the program takes them (``place_params``; generators
     of one model may share them). ``fsdp``: the weights sharded over groups of that many
-    devices (``pipeline.generate.sharding``); 1, the pmapped program with a whole copy on
-    every device. ``decode_batch``: the VAE decodes each device's images that many at a
+    devices (``pipeline.model.sharding``); 1, a whole copy on every device. ``decode_batch``: the VAE decodes each device's images that many at a
     time (None: the whole batch at once, the program of runs planned before)."""
 
     def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
@@ -266,7 +228,7 @@ class Generator:
         self.batch_size = len(self.devices) * per_device_batch
         self.fsdp = fsdp
         self.decode_batch = decode_batch
-        self._mesh = sharding.mesh(self.devices, fsdp) if fsdp != 1 else None
+        self._mesh = sharding.mesh(self.devices, fsdp)
         started = time.perf_counter()
         self.params = place_params(model, self.devices, fsdp) if params is None else params
         jax.block_until_ready(self.params)
@@ -318,15 +280,12 @@ class Generator:
         return jax_events.COMPILES.count()
 
     def _device_shaped(self, batch: Batch) -> tuple:
-        """The batch's arrays as the program takes them: [devices, per-device batch, ...]
-        for pmap; at fsdp > 1, the whole batch split over the mesh's devices."""
+        """The batch's arrays as the program takes them: the whole batch split over the
+        mesh's devices, each its own per-device batch of rows."""
         import jax
 
         arrays = [np.asarray(a) for a in dataclasses.astuple(batch)]
-        if self._mesh is not None:
-            return tuple(jax.device_put(a, sharding.batch_sharding(self._mesh, a.ndim)) for a in arrays)
-        d, b = len(self.devices), self.per_device_batch
-        return tuple(a.reshape((d, b) + a.shape[1:]) for a in arrays)
+        return tuple(jax.device_put(a, sharding.batch_sharding(self._mesh, a.ndim)) for a in arrays)
 
     def dispatch(self, batch: Batch):
         """Start a device step; returns the device array, or (images, latents) with
@@ -342,8 +301,7 @@ class Generator:
         jax.block_until_ready(out)
 
     def _host(self, array) -> np.ndarray:
-        array = np.asarray(array)
-        return array.reshape((self.batch_size,) + array.shape[1 if self._mesh is not None else 2:])
+        return np.asarray(array)
 
     def __call__(self, batch: Batch) -> np.ndarray:
         """uint8 images [N, height, width, 3] of one batch, in batch order (latents, if

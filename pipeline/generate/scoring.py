@@ -3,8 +3,8 @@
 ``--score clip,aesthetic,safety`` computes, per image, the CLIP similarity of the image
 and its prompt, LAION's aesthetic score and the safety checker's margin and decision
 (``pipeline.model.scorers``), from the uint8 images the sampler left on the devices: no
-image goes to the host and back to be scored. It is a program of its own, pmapped over
-the generator's devices and dispatched right after each sampler step on that step's
+image goes to the host and back to be scored. It is a program of its own, over the
+generator's mesh (each device scores its own rows, ``shard_map``), and dispatched right after each sampler step on that step's
 output, so:
 
 * an image's bytes are the sampler's, with scores on or off (the sampler program is
@@ -29,7 +29,8 @@ import numpy as np
 from pipeline.core import logs
 from pipeline.core.choices import SCORE_COLUMNS
 from pipeline.generate import compile_cache, jax_events
-from pipeline.generate.generator import load_indexed_program, replicate, replicated_shapes
+from pipeline.generate.generator import load_indexed_program, replicate, replicated_shapes, same_shapes
+from pipeline.model import sharding
 from pipeline.model.scorers import aesthetic, clip as clip_lib, models, preprocess, safety
 
 COLUMNS = tuple(column for columns in SCORE_COLUMNS.values() for column in columns)
@@ -84,18 +85,25 @@ class ScorerProgram:
 
 
 def lower_scorer(scorers: models.Scorers, width: int, height: int, per_device_batch: int, devices):
-    """The pmapped scoring program for ``devices``, lowered from shapes alone."""
+    """The scoring program for ``devices``, lowered from shapes alone: one program over the
+    host's mesh at ``--fsdp 1`` (``sharding.mesh``), the scorers' params whole on every
+    device, the batch's rows split over the devices, each device scoring its own
+    per-device batch (``shard_map``), as the sampler left them there."""
     import jax
     import jax.numpy as jnp
-    from jax.core import ShapedArray
+    from jax.sharding import PartitionSpec
 
     devices = list(devices)
-    fn = jax.pmap(make_score_fn(scorers), devices=devices)
-    shaped = (len(devices), per_device_batch)
-    params = jax.tree_util.tree_map(lambda s: ShapedArray(s.shape, s.dtype),
-                                    replicated_shapes(scorers.params, devices))
-    return fn.lower(params, ShapedArray(shaped + (height, width, 3), jnp.uint8),
-                    ShapedArray(shaped + (token_length(scorers),), jnp.int32))
+    the_mesh = sharding.mesh(devices, 1)
+    rows = sharding.batch_sharding(the_mesh, 1).spec
+    fn = jax.jit(jax.shard_map(make_score_fn(scorers), mesh=the_mesh, in_specs=(PartitionSpec(), rows, rows),
+                               out_specs=rows, check_vma=False))
+    n = len(devices) * per_device_batch
+    return fn.lower(replicated_shapes(scorers.params, devices),
+                    jax.ShapeDtypeStruct((n, height, width, 3), jnp.uint8,
+                                         sharding=sharding.batch_sharding(the_mesh, 4)),
+                    jax.ShapeDtypeStruct((n, token_length(scorers)), jnp.int32,
+                                         sharding=sharding.batch_sharding(the_mesh, 2)))
 
 
 def compile_scorer(scorers: models.Scorers, width: int, height: int, per_device_batch: int, devices,
@@ -140,9 +148,7 @@ class Scorer:
         self.batch_size = len(self.devices) * per_device_batch
         self.params = params if params is not None else jax.block_until_ready(replicate(scorers.params, self.devices))
         same = program is not None and program.devices == tuple(self.devices) and \
-            jax.tree_util.tree_structure(program.params) == jax.tree_util.tree_structure(
-                replicated_shapes(self.params)) and \
-            jax.tree_util.tree_leaves(program.params) == jax.tree_util.tree_leaves(replicated_shapes(self.params))
+            same_shapes(program.params, self.params)
         if not same:
             program = compile_scorer(scorers, width, height, per_device_batch, self.devices)
         self.program = program
@@ -156,11 +162,13 @@ class Scorer:
     def dispatch(self, generated, generator, ids: np.ndarray):
         """Start scoring the images of a dispatched sampler step (``generated``: what
         ``generator.dispatch`` returned; its images stay on the devices); asynchronous."""
-        images = generated[0] if generator.latents else generated
-        d, b = len(self.devices), self.per_device_batch
-        if getattr(generator, "fsdp", 1) != 1:  # the FSDP program's images: [N, ...] over the mesh, not [D, B, ...]
-            images = images.reshape((d, b) + images.shape[1:])
-        return self.program.compiled(self.params, images, np.asarray(ids).reshape((d, b) + ids.shape[1:]))
+        import jax
+
+        images = generated[0] if generator.latents else generated  # [N, H, W, 3], split over the mesh
+        ids = np.asarray(ids)
+        return self.program.compiled(self.params, images,
+                                     jax.device_put(ids, sharding.batch_sharding(sharding.mesh(self.devices, 1),
+                                                                                 ids.ndim)))
 
     def fetch(self, handle) -> dict[str, np.ndarray]:
         """{column: values [N]} of a dispatched scoring, in batch order (blocks until done)."""

@@ -3,11 +3,12 @@
 ``--fsdp N`` lays a host's D devices out as a mesh of D/N rows of N (axes ``data`` and
 ``fsdp``). Every device still computes its own images: the batch is split over all D
 devices (its leading axis over both mesh axes), so a device's batch, the slice layout
-and every image's key mean what they mean with pmap. A sharded weight is split over the
+and every image's key mean what they mean in a replicated run. A sharded weight is split over the
 ``fsdp`` axis (replicated down ``data``), and XLA's SPMD partitioner gathers each one
 where the program uses it (a scanned stack's blocks inside its loop: layer by layer).
-Hosts exchange nothing: the mesh is one host's devices. ``--fsdp 1`` is the replicated
-pmap program (``pipeline.generate.generator`` runs both), byte for byte.
+Hosts exchange nothing: the mesh is one host's devices. ``--fsdp 1`` is the same kind of
+program on a (D, 1) mesh, every weight whole on every device (the replicated run):
+``pipeline.generate.generator`` lowers both the same way.
 
 The rule (``sharded_components``, written down here and recorded in run.json): with N > 1
 the denoiser (UNet or transformer) is sharded, and so is every text encoder of at least
@@ -162,7 +163,7 @@ def place(params, shardings, dtype=None):
     import jax.numpy as jnp
 
     def put(leaf, sharding):
-        host = leaf
+        host = leaf if hasattr(leaf, "dtype") and hasattr(leaf, "shape") else np.asarray(leaf)
         cast = dtype is not None and jnp.issubdtype(host.dtype, jnp.floating) and host.dtype != dtype
 
         def shard(index):
@@ -171,7 +172,7 @@ def place(params, shardings, dtype=None):
 
         return jax.make_array_from_callback(tuple(host.shape), sharding, shard)
 
-    return {component: jax.tree_util.tree_map(put, tree, shardings[component]) for component, tree in params.items()}
+    return jax.tree_util.tree_map(put, params, shardings)
 
 
 def shaped(params, shardings, dtype=None):
@@ -180,6 +181,5 @@ def shaped(params, shardings, dtype=None):
 
     from pipeline.model.families.shapes import struct
 
-    return {component: jax.tree_util.tree_map(
-        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), struct(tree, dtype),
-        shardings[component]) for component, tree in params.items()}
+    return jax.tree_util.tree_map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                  struct(params, dtype), shardings)

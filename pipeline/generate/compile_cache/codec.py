@@ -109,7 +109,7 @@ def _axis_types(names) -> tuple:
 
 
 def sharding_json(sharding) -> dict:
-    """A NamedSharding on a concrete mesh (pmap's internal one, or an FSDP mesh): the
+    """A NamedSharding on a concrete mesh (the host's mesh of axes data and fsdp): the
     mesh's device ids and shape, axis names and types, the spec, the memory kind."""
     from jax.sharding import Mesh, NamedSharding
 

@@ -7,7 +7,7 @@ submission can be refused before anything is provisioned. The program is lowered
 shapes alone (``load(abstract=True)``: the checkpoint's configs, no weight byte read),
 with the run's sampler, family, size, steps, dtype, guidance mode, attention (``auto``
 resolves on the TPU platform, so the Pallas kernel appears where a host would run it)
-and per-device batch, pmapped over one host's chips exactly as
+and per-device batch, over the mesh of one host's chips exactly as
 ``generator.lower_sampler`` lowers it on the host itself. Hosts exchange nothing, so one
 host's program is the same in a 4-chip slice and in a 256-chip one: the check compiles
 for a topology of one host's chips.

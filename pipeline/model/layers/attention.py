@@ -401,8 +401,7 @@ def use(implementation: str = "auto", platform: str | None = None, budget_bytes:
     program: its Pallas kernels run per device). Yields a list that receives one ``Call``
     per attention call traced inside the block.
 
-    The seam acts while JAX traces, so enter it inside the function that ``jit`` or
-    ``pmap`` traces: around a ``jax.jit(f)`` call it has no effect when ``f``'s trace is
+    The seam acts while JAX traces, so enter it inside the function that ``jit`` traces: around a ``jax.jit(f)`` call it has no effect when ``f``'s trace is
     already cached (the list then stays empty). The seam is per thread.
     """
     import jax
