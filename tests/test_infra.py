@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -101,7 +102,24 @@ def _entrypoint(stage: dict) -> list[str]:
 def _python_base(stage: dict) -> str:
     match = re.fullmatch(r"python:(3\.\d+)(-slim[-\w]*)?", stage["from"])
     assert match, f"expected an official python base image, got FROM {stage['from']}"
+    assert match.group(1) == project_python(), \
+        f"the image runs Python {match.group(1)}, the project's .python-version names {project_python()}"
     return match.group(1)
+
+
+def project_python() -> str:
+    """The Python minor version the project's .python-version names (pyenv's choice in the
+    repository, and the images')."""
+    with open(os.path.join(ROOT, ".python-version"), encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def test_the_python_version_file_the_setup_and_the_running_python_agree():
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read())
+    [call] = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"]
+    requires = ast.literal_eval({k.arg: k.value for k in call.keywords}["python_requires"])
+    assert requires == ">=3.12"  # jax 0.11 dropped 3.11
+    assert _major_minor(project_python()) >= (3, 12) and sys.version_info[:2] >= (3, 12)
 
 
 def _setup_extras_and_packages() -> tuple[set[str], set[str]]:
