@@ -322,3 +322,23 @@ def test_a_record_without_an_id_gets_a_readable_key_and_a_run_planned_with_hashe
     plan.run_plan(Settings(prompts=pattern, out=old))  # this version's default asks for readable names
     again = {json.loads(line)["key"] for line in storage.read_text(naming.plan_slice(old, 0)).splitlines()}
     assert again == {i["key"] for i in items["hashed"].values()} and runs.read(old).settings.key_names == "hashed"
+
+
+def test_the_batch_auto_chose_is_logged_as_run_json_records_it(tmp_path, model_cache, caplog):
+    """--per-device-batch auto: the plan lowers the largest batch that fits to what the run's
+    images fill on its hosts, and ``per_device_batch_chosen`` says the batch run.json holds,
+    beside the one that fits (``per_device_batch_fits`` comes from the fit, before)."""
+    import logging
+
+    from pipeline.plan import decide
+
+    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(7)))
+    settings = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "out"), per_device_batch=256,
+                        devices_per_host=2)
+    prepare(settings)
+    counted = layout.make_layout([layout.FileCounts("p", 7, {}, (7,), (7,))])
+    with caplog.at_level(logging.INFO, logger="promptmill"):
+        decided = decide.decide_per_device_batch(counted, settings.out, cap_hosts=2)
+    chosen = [r.fields for r in caplog.records if r.getMessage() == "per_device_batch_chosen"]
+    assert decided.per_device_batch == runs.read(settings.out).settings.per_device_batch == 2  # 7 images, 4 devices
+    assert [(c["per_device_batch"], c["fits"]) for c in chosen] == [(2, 256)]

@@ -29,23 +29,25 @@ def decide_per_device_batch(layout: Layout, out: str, cap_hosts: int | None) -> 
     """The run's settings, once ``out``'s run.json holds a per-device batch no larger than
     the run can fill on ``cap_hosts`` hosts (``slicing.most_per_device``), when the batch
     was chosen by ``--per-device-batch auto`` for this plan (``cap_hosts`` not None; a
-    resumed run keeps the batch its slices were cut with). Logged as
-    ``per_device_batch_capped`` when lowered."""
+    resumed run keeps the batch its slices were cut with). The batch recorded is logged
+    (``per_device_batch_chosen``, beside the largest that fits), and as
+    ``per_device_batch_capped`` where lowered."""
     run = runs.read(out)
     settings = run.settings
     if cap_hosts is None:
         return settings
     fits = [batch for _, _, batch in settings.buckets()]
-    most = [slicing.most_per_device(images, cap_hosts, settings.devices_per_host)
-            for images in layout.bucket_images or [layout.images]]
+    counts = layout.bucket_images or [layout.images]
+    most = [slicing.most_per_device(images, cap_hosts, settings.devices_per_host) for images in counts]
     capped = [min(fit, top) for fit, top in zip(fits, most)]
+    for (width, height, fit), chosen, images in zip(settings.buckets(), capped, counts):
+        size = {"size": f"{width}x{height}"} if settings.sizes else {}
+        if fit > chosen:
+            logs.event("per_device_batch_capped", out=out, fits=fit, per_device_batch=chosen, images=images,
+                       hosts=cap_hosts, devices_per_host=settings.devices_per_host, **size)
+        logs.event("per_device_batch_chosen", out=out, per_device_batch=chosen, fits=fit, **size)
     if capped == fits:
         return settings
-    for (width, height, fit), top, images in zip(settings.buckets(), most, layout.bucket_images or [layout.images]):
-        if fit > top:
-            logs.event("per_device_batch_capped", out=out, fits=fit, per_device_batch=top, images=images,
-                       hosts=cap_hosts, devices_per_host=settings.devices_per_host,
-                       **({"size": f"{width}x{height}"} if settings.sizes else {}))
     settings = settings.replace(per_device_batch=capped[0],
                                 bucket_batches=tuple(capped) if settings.bucket_batches else ()).validate()
     runs.write(out, run.with_settings(settings))
