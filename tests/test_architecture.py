@@ -14,6 +14,8 @@ import os
 
 import pytest
 
+from pipeline.model import families as families_registry
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("pipeline", "jobs")  # the trees that are checked (tests/ may import anything)
 
@@ -417,7 +419,7 @@ def test_no_module_uses_another_modules_private_names():
 
 
 FAMILIES = "pipeline.model.families"  # a family is one folder here; the package itself is the registry
-FAMILY_NAMES = ("sd", "sdxl", "flux")  # the names the registry knows today (what no other code may compare)
+FAMILY_NAMES = tuple(families_registry.BY_NAME)  # what no code outside the families may name
 
 
 def family_of(module: str) -> str | None:
@@ -443,23 +445,17 @@ def family_seam_violations(edges: list[Edge], packages=(FAMILIES,)) -> list[str]
 
 
 def family_name_comparisons(source: str, names=FAMILY_NAMES) -> list[int]:
-    """Lines of ``source`` that compare a value with a family's name (``== "flux"``,
-    ``"sdxl" != x``, ``in ("sd", ...)``): what a family is must be asked of it, never told
-    from its name."""
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        literals = []
-        for operand in operands:
-            if isinstance(operand, ast.Constant):
-                literals.append(operand.value)
-            elif isinstance(operand, (ast.Tuple, ast.List, ast.Set)):
-                literals += [e.value for e in operand.elts if isinstance(e, ast.Constant)]
-        if any(value in names for value in literals if isinstance(value, str)):
-            lines.append(node.lineno)
-    return lines
+    """Lines of ``source`` that name a registered family in code: a string that is a
+    family's name, compared (``== "flux"``, ``in ("sd", ...)``), a key or value of a
+    literal, or an argument (docstrings aside): what a family is, and what it brings, must
+    be asked of it, never told from its name."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return sorted({node.lineno for node in ast.walk(tree)
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                   and id(node) not in docstrings})
 
 
 def test_only_the_registry_imports_a_family():
@@ -531,9 +527,10 @@ def test_family_of_and_the_seam():
 
 
 def test_family_name_comparisons():
-    source = ('a = x == "flux"\nb = "sdxl" != y\nc = z in ("sd", "other")\nd = name == "fluxion"\n'
-              'e = {"flux": 1}\nf = x is None\n')
-    assert family_name_comparisons(source) == [1, 2, 3]
+    source = ('"""The flux family, "flux"."""\na = x == "flux"\nb = "sdxl" != y\nc = z in ("sd", "other")\n'
+              'd = name == "fluxion"\ne = {"flux": 1}\nf = x is None\ng = rule("zimage")\n')
+    assert family_name_comparisons(source) == [2, 3, 4, 6, 8]
+    assert set(FAMILY_NAMES) >= {"sd", "sdxl", "flux", "flux2", "zimage"}  # read from the registry
 
 MODULES = {"pipeline", "pipeline.core", "pipeline.core.keys", "pipeline.core.settings", "pipeline.io",
            "pipeline.io.storage", "pipeline.model", "pipeline.model.load", "pipeline.output",

@@ -12,7 +12,7 @@ RUN_JSON = {
         "width": 512, "height": 512, "steps": 30, "scheduler": "dpm", "guidance_scale": 7.5, "seed": 1234,
         "per_device_batch": 4, "batches_per_slice": 2, "devices_per_host": 8, "dtype": "bf16",
         "formats": ["files", "webdataset"], "image_format": "webp", "quality": 90, "save_latents": False,
-        "prompt_field": "prompt", "attention": "auto",  # (a run without it is refused: test_settings.py)
+        "prompt_field": "prompt", "attention": "auto", "guided": True,
     },
     "model_fingerprint": "3f2a9c0d1e",
     "scheduler": "dpm",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.core import decode_batch
-from pipeline.core.settings import AUTO, NEWER_SETTINGS, Settings, fingerprint
+from pipeline.core.settings import AUTO, Settings, fingerprint
 from pipeline.generate import runtime
 from pipeline.generate.generator import Generator, lower_sampler
 from pipeline.model import load as model_lib, sharding
@@ -129,9 +129,6 @@ def test_the_run_records_its_decode_batch_and_an_old_run_keeps_its_fingerprint()
     new, old = _planned(decode_batch=1), _planned(decode_batch=None)
     assert new.to_dict()["decode_batch"] == 1 and Settings.from_dict(new.to_dict()) == new  # run.json
     assert fingerprint(new, "m") != fingerprint(old, "m") != fingerprint(_planned(decode_batch=2), "m")
-    # a run planned before the setting: its run.json lacks it, it reads as None and its fingerprint is as it was
-    legacy = {k: v for k, v in old.to_dict().items() if k != "decode_batch"}
-    assert NEWER_SETTINGS["decode_batch"] is None and Settings.from_dict(legacy) == old
     # the executable cache's description names it only for a micro-batched program
     assert "decode_batch" not in runtime.sampler_description(old)
     assert runtime.sampler_description(new)["decode_batch"] == 1

@@ -107,15 +107,10 @@ def test_guidance_at_most_1_uses_the_prompt_alone_as_diffusers_does(generator):
     np.testing.assert_array_equal(mixed[1], high[1])
 
 
-def test_runs_planned_before_the_rule_keep_guiding_every_image(generator):
-    legacy = Generator(generator.model, width=32, height=32, steps=2, per_device_batch=1, guidance_rule="always")
-    batch = make_batch(legacy, ["a red fox", "a blue whale in the ocean"], ["", ""], [0.0, 0.0], [5, 5], [0, 0])
-    images = legacy(batch)
-    np.testing.assert_array_equal(images[0], images[1])  # at 0 the guided prediction is the unconditional one
-    above = make_batch(legacy, ["a red fox"] * 2, ["", "blurry"], [7.5, 7.5], [5, 5], [0, 0])
-    np.testing.assert_array_equal(legacy(above), generator(above))  # above 1 both rules are one program
-    with pytest.raises(ValueError, match="guidance_rule"):
-        Generator(generator.model, width=32, height=32, steps=2, per_device_batch=1, guidance_rule="sometimes")
+def test_a_rule_the_family_does_not_take_is_refused(generator):
+    for rule in ("zimage", "sometimes"):
+        with pytest.raises(ValueError, match="guidance_rule"):
+            Generator(generator.model, width=32, height=32, steps=2, per_device_batch=1, guidance_rule=rule)
 
 
 def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_batch(generator, monkeypatch):

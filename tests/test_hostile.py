@@ -255,16 +255,23 @@ def test_a_compile_cache_the_hosts_would_refuse_is_refused_before_planning(tmp_p
     assert not out.exists()  # nothing was planned
 
 
-def test_captions_are_padded_on_the_right_whatever_the_tokenizer_config_says():
+def test_captions_are_padded_on_the_right_whatever_the_tokenizer_config_says(tmp_path):
     """Z-Image (and FLUX.2) read a caption's tokens from the start of its row: a checkpoint
     whose tokenizer config pads on the left still gets its padding on the right."""
+    import shutil
+
     from pipeline.model.families.zimage import sampling
     from pipeline.model.loading import qwen_tokenizer
 
-    tokenizer = qwen_tokenizer.tokenizer()
-    right = sampling.tokenize(tokenizer, ["a cat", "a much longer caption of a dog"], 64)
-    tokenizer.padding_side = tokenizer.truncation_side = "left"
-    ids, mask = sampling.tokenize(tokenizer, ["a cat", "a much longer caption of a dog"], 64)
+    qwen_tokenizer.write(str(tmp_path / "right"))
+    shutil.copytree(tmp_path / "right", tmp_path / "left")
+    config = json.loads((tmp_path / "left" / "tokenizer_config.json").read_text())
+    assert config["padding_side"] == "right"
+    config.update(padding_side="left", truncation_side="left")
+    (tmp_path / "left" / "tokenizer_config.json").write_text(json.dumps(config))
+    captions = ["a cat", "a much longer caption of a dog"]
+    right = sampling.tokenize(qwen_tokenizer.load(str(tmp_path / "right")), captions, 64)
+    ids, mask = sampling.tokenize(qwen_tokenizer.load(str(tmp_path / "left")), captions, 64)
     assert (ids == right[0]).all() and (mask == right[1]).all()
     assert all(row[:row.sum()].all() and not row[row.sum():].any() for row in mask)
 

@@ -3,7 +3,10 @@ refused by ``run``, ``collect``, ``status`` and ``reproduce``, with what to do, 
 as it was. ``tests/fixtures/layout1_run`` is a finished tiny run (1 host, 3 images) made
 once with the code of commit ec47c59, the last to write layout 1 (``promptmill run
 --model tiny --width 32 --height 32 --steps 2 --hosts 1 --devices-per-host 1``, its host
-logs left out); it is copied, never changed."""
+logs left out); it is copied, never changed. ``tests/fixtures/settings1_run`` is a planned
+run (one prompt) made once with the code of commit 8902dbf, the last to write settings
+version 1 (its earlier guidance, filter and key-name modes; ``promptmill plan --prompts
+p.jsonl --out OUT --model tiny``): it is refused alike."""
 import hashlib
 import os
 import shutil
@@ -17,6 +20,7 @@ from pipeline.testing import fabricate
 from tests.conftest import ROOT
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "layout1_run")
+SETTINGS1 = os.path.join(ROOT, "tests", "fixtures", "settings1_run")
 
 
 def tree(folder: str) -> dict[str, str]:
@@ -44,7 +48,7 @@ def test_run_json_records_the_layout_and_one_without_it_is_layout_1(tmp_path):
     assert storage.read_json(naming.run_json(out))["layout"] == naming.LAYOUT == 2
     assert runs.read(out).layout == 2
     assert "layout" not in storage.read_json(os.path.join(FIXTURE, "run.json"))
-    assert runs.read(FIXTURE, any_layout=True).layout == 1
+    assert runs.read_document(FIXTURE, any_version=True).get("layout", 1) == 1
 
 
 @pytest.mark.parametrize("argv", [
@@ -69,6 +73,28 @@ def test_a_run_of_the_earlier_layout_is_refused_by_every_command_and_left_as_it_
            f"this version's (2)" in err
     assert "changed nothing in it" in err and "--overwrite" in err and "another --out" in err
     assert tree(old_run) == before  # not a byte, nor a folder, added, changed or removed
+
+
+@pytest.mark.parametrize("argv", [
+    ["status", "{out}"],
+    ["collect", "--out", "{out}"],
+    ["run", "--prompts", "{prompts}", "--out", "{out}", "--model", "tiny", "--hosts", "1", "--no-compile-cache"],
+    ["plan", "--prompts", "{prompts}", "--out", "{out}", "--model", "tiny"],
+])
+def test_a_run_of_the_earlier_settings_version_is_refused_by_every_command_and_left_as_it_was(tmp_path, argv, capfd,
+                                                                                              model_cache):
+    out = str(tmp_path / "old")
+    shutil.copytree(SETTINGS1, out)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a fox"}\n')
+    before = tree(out)
+    code = cli.main([arg.format(out=out, prompts=prompts) for arg in argv])
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    assert f"{out} holds a run made with settings version 1 (by promptmill 0.1.0), an earlier settings version " \
+           f"than this version's (2)" in err
+    assert "changed nothing in it" in err and "--overwrite" in err and "another --out" in err
+    assert tree(out) == before
 
 
 def test_overwrite_clears_a_run_of_the_earlier_layout(old_run):

@@ -298,27 +298,35 @@ def test_steps_default_per_family_at_plan_time_and_a_resumed_run_keeps_its_own(t
         plan.run_plan(Settings(prompts=str(tmp_path / "p.jsonl"), out=old, model="tiny-flux", steps=4))
 
 
-def test_a_record_without_an_id_gets_a_readable_key_and_a_run_planned_with_hashed_names_keeps_them(tmp_path,
-                                                                                                   model_cache):
-    """Only the key's spelling changes: the id (FILE:LINE) and the seed derived from it are
-    the same; a run planned before (``key_names`` "hashed") re-plans with its own names."""
+def test_a_record_without_an_id_gets_a_readable_key(tmp_path, model_cache):
+    """Its file's label and line: the id (FILE:LINE) and the seed derived from it are those
+    of its file and line."""
     folder = tmp_path / "in"
     for sub in ("a", "b"):
         (folder / sub).mkdir(parents=True)
         (folder / sub / "p.txt").write_text(f"a fox from {sub}\n")
-    pattern = str(folder / "*" / "p.txt")
-    items = {}
-    for rule in ("readable", "hashed"):
-        out = str(tmp_path / rule)
-        plan.run_plan(Settings(prompts=pattern, out=out, key_names=rule))
-        items[rule] = {i["id"]: i for i in (json.loads(line) for line in storage.read_text(
-            naming.plan_slice(out, 0)).splitlines())}
-    assert {i["key"] for i in items["readable"].values()} == {"a-p--L1_0000", "b-p--L1_0000"}
-    assert {i["key"] for i in items["hashed"].values()} == {naming.output_key("a/p.txt:1", 0),
-                                                           naming.output_key("b/p.txt:1", 0)}
-    assert {(i["id"], i["seed"]) for i in items["readable"].values()} == \
-        {(i["id"], i["seed"]) for i in items["hashed"].values()}
-    old = str(tmp_path / "hashed")
-    plan.run_plan(Settings(prompts=pattern, out=old))  # this version's default asks for readable names
-    again = {json.loads(line)["key"] for line in storage.read_text(naming.plan_slice(old, 0)).splitlines()}
-    assert again == {i["key"] for i in items["hashed"].values()} and runs.read(old).settings.key_names == "hashed"
+    out = str(tmp_path / "out")
+    plan.run_plan(Settings(prompts=str(folder / "*" / "p.txt"), out=out))
+    items = [json.loads(line) for line in storage.read_text(naming.plan_slice(out, 0)).splitlines()]
+    assert {(i["key"], i["id"]) for i in items} == {("a-p--L1_0000", "a/p.txt:1"), ("b-p--L1_0000", "b/p.txt:1")}
+    assert len({i["seed"] for i in items}) == 2
+
+
+def test_the_batch_auto_chose_is_logged_as_run_json_records_it(tmp_path, model_cache, caplog):
+    """--per-device-batch auto: the plan lowers the largest batch that fits to what the run's
+    images fill on its hosts, and ``per_device_batch_chosen`` says the batch run.json holds,
+    beside the one that fits (``per_device_batch_fits`` comes from the fit, before)."""
+    import logging
+
+    from pipeline.plan import decide
+
+    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(7)))
+    settings = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "out"), per_device_batch=256,
+                        devices_per_host=2)
+    prepare(settings)
+    counted = layout.make_layout([layout.FileCounts("p", 7, {}, (7,), (7,))])
+    with caplog.at_level(logging.INFO, logger="promptmill"):
+        decided = decide.decide_per_device_batch(counted, settings.out, cap_hosts=2)
+    chosen = [r.fields for r in caplog.records if r.getMessage() == "per_device_batch_chosen"]
+    assert decided.per_device_batch == runs.read(settings.out).settings.per_device_batch == 2  # 7 images, 4 devices
+    assert [(c["per_device_batch"], c["fits"]) for c in chosen] == [(2, 256)]

@@ -85,9 +85,17 @@ def planned_objects(folder: str) -> dict:
             for root, _, names in os.walk(os.path.join(name, "out", "plan")):
                 for file in names:
                     relative = os.path.relpath(os.path.join(root, file), os.path.join(name, "out"))
-                    if relative not in ("plan/inputs.json", "plan/input_cache.json", "plan/model_files.json"):
+                    # (the plan's key index, layout 2's, came after the known answer)
+                    if relative not in ("plan/inputs.json", "plan/input_cache.json", "plan/model_files.json") \
+                            and not relative.startswith("plan/keys/"):
                         with open(os.path.join(root, file)) as f:
                             objects[relative] = f.read()
+            # (what the manifest says of records whose settings play no part came after the known answer)
+            manifest = json.loads(objects["plan/manifest.json"])
+            if {"guidance_unused", "negative_prompts_unused"} & set(manifest):
+                for added in ("guidance_unused", "negative_prompts_unused"):
+                    manifest.pop(added, None)
+                objects["plan/manifest.json"] = json.dumps(manifest, indent=2) + "\n"
             found[name] = dict(sorted(objects.items()))
         return found
     finally:

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from pipeline.core import filters
-from pipeline.core.settings import NEWER_SETTINGS, Run, Settings, fingerprint, scorer_models
+from pipeline.core.settings import Run, Settings, fingerprint, scorer_models
 from pipeline.model.scorers import aesthetic, clip, models, preprocess, safety
 from pipeline.model.scorers.clip import ScorerError
 
@@ -248,9 +248,6 @@ def test_score_settings_are_refused_naming_the_flag(changes, message):
 
 def test_scores_and_their_models_are_in_the_fingerprint_and_old_runs_keep_theirs():
     plain = Settings()
-    assert fingerprint(plain, "m") == fingerprint(plain.replace(**{k: v for k, v in NEWER_SETTINGS.items()
-                                                                   if k in SCORED or k.startswith(("min_", "drop"))}),
-                                                  "m")
     scored = Settings(**SCORED)
     models_a, models_b = {"clip": "a", "aesthetic": "b", "safety": "c"}, {"clip": "a", "aesthetic": "b", "safety": "d"}
     values = {fingerprint(plain, "m"), fingerprint(scored, "m", models_a), fingerprint(scored, "m", models_b),
@@ -296,17 +293,9 @@ def test_a_filter_at_zero_or_below_is_applied(rule, column, threshold):
         Run.create(settings, "m", "t", {}, scorers={name: "f" for name in scorer_models(settings)}), {})
 
 
-def test_a_run_planned_before_zero_thresholds_counted_keeps_its_rule():
-    """Runs planned before (no filter_rule in run.json) ran with a threshold of 0 off: resumed,
-    they keep that, so no run ends with filtered and unfiltered slices; new runs apply it."""
-    old = Settings.from_dict({**Settings(**SCORED, min_clip_similarity=0.0).to_dict(), "filter_rule": None})
-    legacy = Settings.from_dict({k: v for k, v in Settings(**SCORED, min_clip_similarity=0.0).to_dict().items()
-                                 if k != "filter_rule"})
-    assert legacy.filter_rule == "truthy" and filters.active_rules(legacy) == ()
-    assert filters.active_rules(legacy.replace(min_clip_similarity=0.25)) == ("min_clip_similarity",)
-    assert Settings(**SCORED, min_clip_similarity=0.0).filter_rule == "set"
-    with pytest.raises(ValueError, match="filter_rule must be one of set, truthy"):
-        old.validate()
+def test_a_threshold_of_zero_is_a_threshold():
+    assert filters.active_rules(Settings(**SCORED, min_clip_similarity=0.0)) == ("min_clip_similarity",)
+    assert filters.active_rules(Settings(**SCORED)) == ()
 
 
 def test_dropped_rows_are_accounted_for_and_a_dropped_image_on_disk_is_unexpected():

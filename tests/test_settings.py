@@ -3,13 +3,12 @@ still read (and keep their fingerprint), and an unknown setting is an error."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 
 import pytest
 
 from pipeline.core import naming
-from pipeline.core.settings import NEWER_SETTINGS, Lora, Run, Settings, check_size, fingerprint, parse_lora
+from pipeline.core.settings import Lora, Run, Settings, check_size, fingerprint, parse_lora
 from pipeline.io import runs, storage
 
 SETTINGS = Settings(prompts="gs://b/p/*.jsonl", out="gs://b/out", model="/models/sd", width=512, height=768,
@@ -43,40 +42,11 @@ def test_run_json_has_the_documented_keys(tmp_path):
     runs.write(out, run_of(SETTINGS))
     stored = storage.read_json(naming.run_json(out))
     assert set(stored) == {"settings", "model_fingerprint", "scheduler", "settings_fingerprint", "versions",
-                           "created_at", "loras", "scorers"}
+                           "created_at", "loras", "scorers", "layout", "settings_version"}
     assert stored["scheduler"] == "euler" and stored["versions"] == {"jax": "0.10.2", "promptmill": "0.1.0"}
     assert stored["loras"] == [{"path": "gs://b/loras/style.safetensors", "scale": 0.8, "sha256": "a" * 64},
                                {"path": "/loras/lcm", "scale": 1.0, "sha256": "a" * 64}]
     assert runs.read(out) == run_of(SETTINGS)
-
-
-def test_an_older_run_json_reads_with_the_defaults_and_keeps_its_fingerprint():
-    """A run planned before the newer settings existed: they are missing from its
-    run.json, take their defaults, and its stored fingerprint is still the one a plan
-    with the same settings computes, so a re-run resumes it."""
-    newer = {k: v for k, v in NEWER_SETTINGS.items() if k != "attention"}  # see the test below
-    current = run_of(SETTINGS.replace(**newer))  # what those runs had
-    old = as_stored(current)
-    for name in newer:
-        del old["settings"][name]
-    del old["loras"]
-    decisive = {k: v for k, v in old["settings"].items() if k != "out"}
-    decisive["model"] = old["model_fingerprint"]
-    old["settings_fingerprint"] = hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
-    read = Run.from_dict(old)
-    assert read.settings == current.settings
-    assert read.settings_fingerprint == old["settings_fingerprint"] == current.settings_fingerprint
-    # a newer setting away from its default is part of the fingerprint
-    assert fingerprint(current.settings.replace(dedupe=True), "f" * 64) != current.settings_fingerprint
-
-
-def test_a_run_planned_before_the_attention_seam_is_refused_with_a_clear_error():
-    """Its SD networks were diffusers' Flax modules: this version has none, so the run is
-    refused instead of resumed with other networks."""
-    old = as_stored(run_of(SETTINGS))
-    del old["settings"]["attention"]
-    with pytest.raises(ValueError, match="earlier promptmill version"):
-        Run.from_dict(old)
 
 
 def test_a_run_json_without_a_settings_fingerprint_gets_it_computed():
@@ -132,31 +102,21 @@ def test_sizes_are_positive_whole_numbers_and_their_unit_is_the_familys(value, o
         check_size("width", 12, 8)
 
 
-def test_an_out_planned_before_the_newer_settings_resumes_and_other_settings_are_refused(tmp_path, model_cache):
-    """The plan's resume check on a real OUT whose run.json an older version wrote."""
-    from pipeline.plan import input_table, layout, prepare
-
-    out = str(tmp_path / "out")
-    _, run = prepare.resolve_settings(Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=2))
-    old = as_stored(run)
-    for name in set(NEWER_SETTINGS) - {"attention"}:  # a run without it is refused (see above)
-        del old["settings"][name]
-    del old["loras"]
-    old["created_at"] = "2025-01-01T00:00:00+00:00"
-    old["settings_fingerprint"] = fingerprint(Settings.from_dict(old["settings"]), old["model_fingerprint"])
-    input_table.record(out, str(tmp_path / "*.jsonl"))
-    storage.write_json(naming.run_json(out), old)
-    assert run.settings.guidance_rule == "diffusers"
-    # --decode-batch auto keeps the old run's whole-batch decoding, as prepare does before resolving
-    asked = Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=2)
-    assert prepare.kept_decode_batch(asked).decode_batch is None and run.settings.decode_batch == 1
-    assert prepare.kept_decode_batch(asked.replace(decode_batch=2)).decode_batch == 2  # asked for: kept as asked
-    run = prepare.resolve_settings(prepare.kept_decode_batch(asked))[1]
-    resumed = prepare.prepare_out(out, run)
-    assert resumed.created_at == "2025-01-01T00:00:00+00:00"  # the old run, kept: redone slices get its bytes
-    assert resumed.settings.guidance_rule == "always"  # and the guidance rule it was planned with
-    assert storage.read_json(naming.run_json(out)) == old  # run.json untouched
-    _, other = prepare.resolve_settings(prepare.kept_decode_batch(
-        Settings(prompts=str(tmp_path / "*.jsonl"), out=out, steps=3, dedupe=True)))
-    with pytest.raises(layout.PlanError, match=r"already holds a run with other settings \(changed: dedupe, steps\)"):
-        prepare.prepare_out(out, other)
+def test_a_run_json_of_another_settings_version_is_refused_and_left_as_it_was(tmp_path):
+    """No compatibility modes: a run.json without this version's settings version (an
+    earlier promptmill's) is refused when read, naming its version and what to do."""
+    out = str(tmp_path)
+    stored = as_stored(run_of(SETTINGS))
+    del stored["settings_version"]
+    storage.write_json(naming.run_json(out), stored)
+    before = storage.read_bytes(naming.run_json(out))
+    with pytest.raises(runs.OtherVersion, match=r"settings version 1 \(by promptmill 0.1.0\), an earlier settings "
+                                                r"version than this version's \(2\)"):
+        runs.read(out)
+    stored["settings_version"] = 3
+    storage.write_json(naming.run_json(out), stored)
+    with pytest.raises(runs.OtherVersion, match="a later settings version"):
+        runs.read(out)
+    assert runs.read_document(out, any_version=True)["settings_version"] == 3  # what --overwrite asks
+    storage.write_bytes(naming.run_json(out), before)
+    assert storage.read_bytes(naming.run_json(out)) == before

@@ -249,9 +249,9 @@ ALL_CHANGED = Settings(
     scheduler="dpmpp", timestep_spacing="trailing", guidance_scale=3.25, max_sequence_length=256, seed=12,
     per_device_batch=3, device_memory=15.5, batches_per_slice=3, devices_per_host=8, fsdp=2, dtype="bf16",
     decode_batch=2, attention="chunked", formats=("files", "zarr"), image_format="webp", quality=80, save_latents=True,
-    prompt_field="text", dedupe=True, guidance_rule="always", guided=True, scores=("clip", "aesthetic", "safety"),
+    prompt_field="text", dedupe=True, guidance_rule="zimage", guided=True, scores=("clip", "aesthetic", "safety"),
     clip_model="gs://b/clip", aesthetic_head="gs://b/a.safetensors", safety_checker="gs://b/sd",
-    min_clip_similarity=0.28, min_aesthetic=5.5, drop_nsfw=True, filter_rule="truthy", key_names="hashed").validate()
+    min_clip_similarity=0.28, min_aesthetic=5.5, drop_nsfw=True).validate()
 
 
 def _flag_fields(settings: Settings) -> Settings:

@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def count_objects(out: str, slices: int) -> dict:
     """Objects under ``out`` by what they are per: image, slice, part, bucket or run (pure
     of the names: a per-slice object holds a slice's spread name or number)."""
-    names = [path[len(out.rstrip("/")) + 1:] for path in storage.glob(out)]
+    names = [path[len(out.rstrip("/")) + 1:] for path in sorted(storage.files(out))]
     kinds = {"per_image": 0, "per_slice": 0, "per_part": 0, "per_bucket": 0, "per_run": 0}
     for name in names:
         if name.startswith("images/") and not name.endswith("metadata.jsonl"):
@@ -135,7 +135,7 @@ def run(images: int, workdir: str | None = None, slice_size: int = 1024, hosts: 
                                    *chosen_keys], workdir, name)
         with open(report_path) as f:
             measured[name].update(json.load(f))
-    metadata_bytes = sum(os.path.getsize(p) for p in storage.glob(naming.join(out, "dataset", "metadata", "*")))
+    metadata_bytes = sum(os.path.getsize(p) for p in storage.files(naming.join(out, "dataset", "metadata"), "*"))
     status = _measure([*python, "jobs.cli", "status", out, "--json"], workdir, "status")
     report = {
         "bench": "collect", "images": images, "slice_size": slice_size, "slices": slices, "hosts": hosts,

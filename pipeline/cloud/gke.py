@@ -26,9 +26,7 @@ KUBECTL_FAILURES_TOLERATED = 5  # consecutive failed status polls before the wai
 # out, so a plan command plans them as they are decided there.
 NOT_FLAGS = {
     "guidance_rule": "decided by the model's family when the run is planned (prepare); a resumed run keeps its own",
-    "guided": "decided by the plan: whether any planned record has guidance above 1 (under the diffusers rule)",
-    "filter_rule": "how the filters read a threshold of 0: a new run's is 'set'; a resumed run keeps its own",
-    "key_names": "how records without an id are named: a new run's is 'readable'; a resumed run keeps its own",
+    "guided": "decided by the plan: whether any planned record's guidance asks for it under the run's rule",
 }
 # Settings fields written within another's flag: each size's per-device batch is --per-device-batch N,N,...
 WITHIN = {"bucket_batches": "per_device_batch"}

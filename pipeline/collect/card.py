@@ -24,8 +24,8 @@ import re
 
 from pipeline import __version__
 from pipeline.core import filters, naming
-from pipeline.core.settings import NO_CFG_RULES, Run
-from pipeline.model.sampling import guidance as guidance_rules
+from pipeline.core.settings import Run
+from pipeline.model import families
 
 # The Hub's size categories: (upper bound, exclusive; label).
 _SIZES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
@@ -115,21 +115,6 @@ def _front_matter(images: int, formats=("files",)) -> list[str]:
     ]
 
 
-# What the guidance scale does, by the run's guidance rule (its model family's)
-GUIDANCE_MEANING = {
-    "diffusers": "classifier-free guidance: an image whose guidance is above 1 runs the denoiser on its negative "
-                 "and its prompt and mixes them; at 1 or below, the prompt alone",
-    "always": "classifier-free guidance on every image (a run planned before guidance <= 1 went unguided)",
-    "embedded": "embedded guidance: each image's guidance scale is an input of the denoiser, one call per step; "
-                "negative prompts are not used",
-    "unused": "none (the model takes no guidance): a guidance scale given plays no part, and neither do negative "
-              "prompts; both are counted below",
-    "zimage": "Z-Image's classifier-free guidance, as ZImagePipeline runs it: an image whose guidance g is above 0 "
-              "takes prompt + g x (prompt - negative prompt); at 0, the prompt alone (the Turbo recipe). Not SD's "
-              "scale: g = 1 already guides",
-}
-
-
 def _with_fingerprint(path, fingerprint) -> str | None:
     return None if fingerprint is None else f"{path} (fingerprint {fingerprint[:12]})"
 
@@ -147,6 +132,7 @@ def _filters(settings) -> list[str]:
 
 def _generation(run: Run) -> list[str]:
     settings = run.settings
+    rule = families.guidance_rule(settings.guidance_rule)
     scorers = dict(run.scorers)
     versions = dict(run.versions)
     quality = f" (quality {settings.quality})" if settings.image_format != "png" else ""
@@ -161,10 +147,10 @@ def _generation(run: Run) -> list[str]:
         ("timestep spacing", settings.timestep_spacing or "the checkpoint's"),
         ("steps", settings.steps),
         ("guidance scale", settings.guidance_scale),
-        ("guidance", GUIDANCE_MEANING.get(settings.guidance_rule)),
-        ("classifier-free guidance", None if settings.guidance_rule in NO_CFG_RULES else {
-            True: f"yes (some record's guidance > {guidance_rules.threshold(settings.guidance_rule)})",
-            False: f"no: guidance-free (every record's guidance <= {guidance_rules.threshold(settings.guidance_rule)})"
+        ("guidance", rule.meaning),
+        ("classifier-free guidance", None if not rule.classifier_free else {
+            True: f"yes (some record's guidance > {rule.above:g})",
+            False: f"no: guidance-free (every record's guidance <= {rule.above:g})"
         }.get(settings.guided)),
         ("text sequence length (tokens)", settings.max_sequence_length),
         ("FSDP (weights sharded over N devices)", settings.fsdp if settings.fsdp != 1 else None),

@@ -372,7 +372,7 @@ def write_index_bucket(bucket: int, out: str, row_group_rows: int, places: dict)
 def dataset_rows(out: str) -> list[dict]:
     """Every row of a collected dataset, in plan order, from its parts (for tests and
     benchmarks: a reader of a large dataset reads the parts as one table instead)."""
-    return [row for path in storage.glob(naming.join(out, "dataset", "metadata", "part-*.parquet"))
+    return [row for path in sorted(storage.files(naming.join(out, "dataset", "metadata"), "part-*.parquet"))
             for row in writer.read_parquet_rows(path)]
 
 

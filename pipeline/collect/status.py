@@ -30,6 +30,7 @@ from pipeline.core.numbers import counted
 from pipeline.core.settings import Run, guided_by_records_line
 from pipeline.generate import progress as progress_lib
 from pipeline.io import ledgers, runs, storage
+from pipeline.model import families
 
 RATE_WINDOW_S = 600.0  # the rate is over the commits of the last ten minutes
 STALE_AFTER_S = 12 * progress_lib.INTERVAL_S  # a running host's progress older than this: it stopped writing
@@ -55,8 +56,8 @@ def settings_line(run: Run, planned: bool = True) -> str:
     if s.timestep_spacing:
         parts.append(f"spacing={s.timestep_spacing}")
     guidance = "the family's" if s.guidance_scale is None else f"{s.guidance_scale:g}"
-    kind = {"embedded": " (embedded)", "unused": " (not used)"}.get(s.guidance_rule,
-                                                                    "" if s.guided is not False else " (guidance-free)")
+    shown = families.guidance_rule(s.guidance_rule).shown
+    kind = shown if shown is not None else "" if s.guided is not False else " (guidance-free)"
     if s.max_sequence_length is not None:
         parts.append(f"text_tokens={s.max_sequence_length}")  # T5's for FLUX.1, Qwen3's for others
     if s.fsdp != 1:

@@ -215,10 +215,10 @@ def _write_stats(element, manifest: dict, started: float, out: str, run: Run, pl
 def _delete_stale(out: str, parts: int, pages: int | None) -> None:
     """Delete the parts and gallery pages an earlier collect of this run wrote beyond this
     one's (another ``--part-rows`` or gallery size): they would be read as this dataset's."""
-    stale = [path for path in storage.glob(naming.join(out, "dataset", "metadata", "part-*.parquet"))
+    stale = [path for path in sorted(storage.files(naming.join(out, "dataset", "metadata"), "part-*.parquet"))
              if int(path.rsplit("-", 1)[1].split(".")[0]) >= parts]
     if pages is not None:
-        stale += [path for path in storage.glob(naming.join(out, "dataset", "gallery", "page-*.html"))
+        stale += [path for path in sorted(storage.files(naming.join(out, "dataset", "gallery"), "page-*.html"))
                   if int(path.rsplit("-", 1)[1].split(".")[0]) > max(1, pages)]
     if stale:
         beamio.delete(stale)
@@ -260,8 +260,7 @@ class Collect(beam.PTransform):
                  | "SpreadParts" >> beam.Reshuffle()
                  | "CollectParts" >> beam.ParDo(CollectPartFn(out, plan_args), the_manifest))
         rejects = (checked
-                   | "MatchRejects" >> beam.FlatMap(lambda _: storage.glob(naming.join(naming.rejects_dir(out),
-                                                                                       "*.jsonl")))
+                   | "MatchRejects" >> beam.FlatMap(lambda _: sorted(storage.files(naming.rejects_dir(out), "*.jsonl")))
                    | "CountRejects" >> CountRejects())
         merged = ((parts, rejects)
                   | "PartsAndRejects" >> beam.Flatten()

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import collections
 
+from pipeline.model import families
+
 VERDICTS = ("ok", "dropped", "missing", "duplicated", "unexpected", "other_run", "foreign", "damaged")
 ACCOUNTED = ("ok", "dropped")  # the verdicts of a planned image that is where it should be
 
@@ -83,25 +85,16 @@ def verify_slice(planned_keys: list[str], rows: list[dict], images: dict[str, di
 
 
 def unused_negatives(rows: list[dict], guidance_rule: str) -> tuple[int, int]:
-    """(records, images) among metadata ``rows`` whose negative prompt played no part:
-    under diffusers' rule an image with guidance <= 1 is not guided, so its negative
-    prompt does nothing; a family without classifier-free guidance (the "embedded" and
-    "unused" rules: FLUX.1) never uses one (pure)."""
-    if guidance_rule in ("embedded", "unused"):
-        unused = [row for row in rows if row["negative_prompt"]]
-    elif guidance_rule == "diffusers":
-        unused = [row for row in rows if row["negative_prompt"] and row["guidance_scale"] <= 1]
-    elif guidance_rule == "zimage":  # Z-Image guides above 0
-        unused = [row for row in rows if row["negative_prompt"] and row["guidance_scale"] <= 0]
-    else:
-        return 0, 0
+    """(records, images) among metadata ``rows`` whose negative prompt played no part at the
+    image's guidance under the run's rule (``Rule.negative_unused``)."""
+    rule = families.guidance_rule(guidance_rule)
+    unused = [row for row in rows if row["negative_prompt"] and rule.negative_unused(row["guidance_scale"])]
     return sum(1 for row in unused if row["image_index"] == 0), len(unused)
 
 
 def unused_guidance(rows: list[dict], guidance_rule: str) -> tuple[int, int]:
-    """(records, images) among metadata ``rows`` given a guidance the model cannot use:
-    under the "unused" rule (FLUX.1 [schnell], which takes none) any guidance but 0 (pure)."""
-    if guidance_rule != "unused":
-        return 0, 0
-    unused = [row for row in rows if row["guidance_scale"] != 0]
+    """(records, images) among metadata ``rows`` given a guidance the model cannot use
+    (``Rule.guidance_unused``: a model that takes none, any guidance but 0)."""
+    rule = families.guidance_rule(guidance_rule)
+    unused = [row for row in rows if rule.guidance_unused(row["guidance_scale"])]
     return sum(1 for row in unused if row["image_index"] == 0), len(unused)

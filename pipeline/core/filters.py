@@ -18,11 +18,7 @@ SEPARATOR = "; "
 
 def active_rules(settings) -> tuple[str, ...]:
     """The rules ``settings`` turn on, in ``RULES`` order: a threshold whenever it is set,
-    0 and negative ones included; ``drop_nsfw`` when true. A run planned before thresholds
-    of 0 counted (its ``filter_rule`` is "truthy") keeps the rule it ran with, where a
-    threshold of 0 was off, so its slices never mix filtered and unfiltered ones."""
-    if getattr(settings, "filter_rule", "set") == "truthy":
-        return tuple(rule for rule in RULES if getattr(settings, rule) not in (None, False))
+    0 and negative ones included; ``drop_nsfw`` when true."""
     return tuple(rule for rule in RULES if (getattr(settings, rule) is True if rule == "drop_nsfw"
                                             else getattr(settings, rule) is not None))
 

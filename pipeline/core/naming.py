@@ -6,7 +6,7 @@ stays short. Keys are unique because:
   * an id that is already safe (``SAFE_ID``, no ``--``) is its own stem;
   * a record without an id, whose id is its file's path (relative to the input root) and
     line, ``FILE:LINE``, is named by its file's label and line, ``label--LLINE``
-    (``readable_stem``; runs planned with ``key_names`` "readable"): labels are unique per
+    (``readable_stem``): labels are unique per
     run (``file_labels``) and hold no ``--``, and a line is digits after an ``L``;
   * any other id becomes ``slug--hash`` (slug of the id, ``--``, 16 lowercase hex of
     sha256), which no readable stem is (an ``L`` is not hex), and a safe stem never
@@ -37,7 +37,7 @@ def key_stem(record_id: str) -> str:
 
 def output_key(record_id: str, image_index: int, labels: dict[str, str] | None = None) -> str:
     """The key of one image of a record. ``labels`` ({file's relative path: label},
-    ``file_labels``, for runs whose ``key_names`` is "readable"): an id ``FILE:LINE`` of
+    ``file_labels``): an id ``FILE:LINE`` of
     one of those files is named ``readable_stem``; every other id ``key_stem``."""
     if not 0 <= image_index < MAX_IMAGES_PER_RECORD:
         raise ValueError(f"image_index must be in [0, {MAX_IMAGES_PER_RECORD}), got {image_index}")
@@ -54,7 +54,6 @@ def readable_stem(label: str, line: int) -> str:
     return f"{label}--L{line}"
 
 
-KEY_NAMES = ("readable", "hashed")  # Settings.key_names: how records without an id are named
 _FORMAT_SUFFIX = re.compile(r"(\.(jsonl|json|csv|tsv|txt|parquet))?(\.gz)?$", re.IGNORECASE)
 
 

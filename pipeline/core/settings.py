@@ -84,17 +84,13 @@ class Settings:
     save_latents: bool = False  # zarr: also OUT/zarr/latents, the final latents before VAE decoding
     prompt_field: str = "prompt"  # the prompt's column / key in jsonl, json, csv, tsv and parquet inputs
     dedupe: bool = False  # plan: a record whose prompt an earlier record has is rejected (duplicate_prompt)
-    # how guidance acts. Classifier-free guidance: "diffusers" runs it only for images whose guidance
-    # is > 1 and uses the conditional prediction alone at guidance <= 1, as diffusers does; "always"
-    # (runs planned before the rule) guided every image. Families without it: "embedded" (FLUX.1
-    # [dev]: each image's guidance is an input of the transformer) and "unused" (FLUX.1 [schnell]:
-    # none). "zimage": Z-Image's classifier-free guidance, pos + g * (pos - neg) for an image whose
-    # guidance is above 0, the conditional prediction alone at 0. Not a flag: decided by the
-    # model's family when planning, and a run keeps it.
+    # the name of how guidance acts (``pipeline.model.sampling.guidance``: a rule the shared ones or
+    # the model's family bring). Not a flag: decided by the model's family when planning, and a
+    # run keeps it.
     guidance_rule: str = "diffusers"
     # whether the run's program runs classifier-free guidance (UNet batch 2B, negative prompts
     # encoded) or is guidance-free (batch B, no negative prompts): decided by the plan, True
-    # when any planned record has guidance > 1 (under the "diffusers" rule); None until then.
+    # when any planned record's guidance asks for it under the run's rule; None until then.
     # Not a flag. Per run, never per batch, so an image's bits never depend on its neighbours.
     guided: bool | None = None
     # scores computed on the devices that made the images (pipeline.generate.scoring): a subset
@@ -110,15 +106,6 @@ class Settings:
     min_clip_similarity: float | None = None
     min_aesthetic: float | None = None
     drop_nsfw: bool = False
-    # how the filters read their thresholds (``filters.active_rules``): "set", a threshold applies
-    # whenever it is set, 0 included; "truthy" (runs planned before), a threshold of 0 was off.
-    # Not a flag: a new run's is "set", and a run keeps the one it was planned with.
-    filter_rule: str = "set"
-    # how records without an id are named (``naming.output_key``): "readable", their file's label
-    # and line (``prompts--L12_0000``); "hashed" (runs planned before), a slug and 16 hex of the
-    # id's sha256. Not a flag: a new run's is "readable", and a run keeps the one it was planned
-    # with, so its keys never change. The id and the seed are the same either way.
-    key_names: str = "readable"
 
     @property
     def slice_size(self) -> int:
@@ -158,12 +145,8 @@ class Settings:
         if self.save_latents and "zarr" not in self.formats:
             raise ValueError(f"--save-latents needs --format zarr (latents are written to OUT/zarr/latents), "
                              f"got --format {','.join(self.formats)}")
-        if self.key_names not in naming.KEY_NAMES:
-            raise ValueError(f"key_names must be one of {', '.join(naming.KEY_NAMES)}, got {self.key_names!r}")
-        if self.filter_rule not in FILTER_RULES:
-            raise ValueError(f"filter_rule must be one of {', '.join(FILTER_RULES)}, got {self.filter_rule!r}")
-        if self.guidance_rule not in GUIDANCE_RULES:
-            raise ValueError(f"guidance_rule must be one of {', '.join(GUIDANCE_RULES)}, got {self.guidance_rule!r}")
+        if not isinstance(self.guidance_rule, str) or not self.guidance_rule:
+            raise ValueError(f"guidance_rule must name a guidance rule, got {self.guidance_rule!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
@@ -171,10 +154,6 @@ class Settings:
                              f"got {self.timestep_spacing!r}")
         if self.guided not in (None, True, False):
             raise ValueError(f"guided must be true, false or null, got {self.guided!r}")
-        if self.guidance_rule == "always" and self.guided is False:
-            raise ValueError("a run under the 'always' guidance rule guides every image, so it cannot be guidance-free")
-        if self.guidance_rule in NO_CFG_RULES and self.guided:
-            raise ValueError(f"a run under the {self.guidance_rule!r} guidance rule has no classifier-free guidance")
         if self.guidance_scale is not None and (isinstance(self.guidance_scale, bool) or not isinstance(
                 self.guidance_scale, (int, float)) or not MIN_GUIDANCE <= self.guidance_scale <= MAX_GUIDANCE):
             raise ValueError(f"--guidance-scale must be a number in [{MIN_GUIDANCE:g}, {MAX_GUIDANCE:g}] (as a "
@@ -288,17 +267,16 @@ class Settings:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Settings":
-        """Settings from ``run.json``'s ``settings``. A setting missing there (a run planned
-        before it existed) takes the value those runs had (``NEWER_SETTINGS``); a name this
-        version does not know is an error, since ignoring it could change the run's outputs."""
+        """Settings from ``run.json``'s ``settings``, as this version writes them (a run.json of
+        another settings version is refused before: ``pipeline.io.runs``): a name this version
+        does not know is an error, since ignoring it could change the run's outputs; one left
+        out (a document written by hand) takes its default."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(f"unknown run setting(s) {', '.join(unknown)}: the run was planned by another "
                              f"promptmill version")
-        values = {**{name: legacy for name, legacy in NEWER_SETTINGS.items() if name not in data}, **data}
-        if values["attention"] == EARLIER_ATTENTION:
-            raise ValueError("run planned by an earlier promptmill version (diffusers' attention): plan it anew")
+        values = dict(data)
         for name in ("formats", "loras", "scores", "sizes", "bucket_batches"):  # JSON has lists
             if name in values:
                 values[name] = tuple(values[name])
@@ -366,19 +344,10 @@ MAX_DEVICES_PER_HOST = 64
 MAX_DEVICE_MEMORY = 4096  # GiB
 
 
-EARLIER_ATTENTION = "diffusers"  # runs planned before the attention seam: refused
-# Settings added after runs were first planned, with the value those runs had (for all but
-# guidance_rule and guided, the default): at that value they stay out of the fingerprint, so those
-# runs keep theirs (and resume).
-NEWER_SETTINGS = {"save_latents": False, "prompt_field": "prompt", "dedupe": False, "guidance_rule": "always",
-                  "timestep_spacing": None, "guided": True, "unet": None, "attention": EARLIER_ATTENTION,
-                  "device_memory": None, "loras": (), "max_sequence_length": None, "fsdp": 1, "scores": (),
-                  "clip_model": None, "aesthetic_head": None, "safety_checker": None, "min_clip_similarity": None,
-                  "min_aesthetic": None, "drop_nsfw": False, "filter_rule": "truthy", "key_names": "hashed",
-                  "sizes": (), "bucket_batches": (), "decode_batch": None}
-GUIDANCE_RULES = ("diffusers", "always", "embedded", "unused", "zimage")
-FILTER_RULES = ("set", "truthy")
-NO_CFG_RULES = ("embedded", "unused")  # the families whose guidance is never classifier-free
+# The version of the settings' meaning that run.json records (``Run.settings_version``): a run
+# of another is refused, never carried (``pipeline.io.runs``). 2: guidance rules registered by
+# families; no earlier run's guidance, filter, key-name or attention modes.
+SETTINGS_VERSION = 2
 MAX_SEQUENCE_LENGTH = 512  # the longest text sequence any family takes; each family may allow less
 
 
@@ -394,9 +363,6 @@ def fingerprint(settings: Settings, model_fingerprint: str, scorers: dict | None
     decisive.pop("unet")  # where the --unet file is does not matter: its bytes are in the model fingerprint
     decisive.pop("device_memory")  # it only chose per_device_batch, which is here
     decisive.pop("loras")  # likewise the --lora files: their bytes and scales are in the model fingerprint
-    for name, legacy in NEWER_SETTINGS.items():
-        if name in decisive and decisive[name] == legacy:
-            decisive.pop(name)
     decisive["model"] = model_fingerprint
     if scorers:
         decisive["scorers"] = dict(sorted(scorers.items()))
@@ -442,6 +408,8 @@ class Run:
     environment: str = ""
     # the output layout the run was made with (``naming.LAYOUT``; a run.json without one: 1)
     layout: int = naming.LAYOUT
+    # the version of its settings' meaning (``SETTINGS_VERSION``; a run.json without one: 1)
+    settings_version: int = SETTINGS_VERSION
 
     def __post_init__(self):
         asked = [parse_lora(spec) for spec in self.settings.loras]
@@ -478,13 +446,14 @@ class Run:
                 "scheduler": self.settings.scheduler, "settings_fingerprint": self.settings_fingerprint,
                 "versions": dict(self.versions), "created_at": self.created_at,
                 "loras": [lora.to_dict() for lora in self.loras], "scorers": dict(self.scorers),
-                "layout": self.layout,
+                "layout": self.layout, "settings_version": self.settings_version,
                 **({"license": self.license} if self.license is not None else {}),
                 **({"sharding": self.sharding} if self.sharding is not None else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Run":
-        """A run from its ``run.json`` document, of this version or an older one."""
+        """A run from its ``run.json`` document (``pipeline.io.runs`` refuses one of another
+        layout or settings version first)."""
         settings = Settings.from_dict(data["settings"])
         if data.get("scheduler") not in (None, settings.scheduler):
             raise ValueError(f"run.json names scheduler {data['scheduler']!r} but its settings say "
@@ -496,7 +465,7 @@ class Run:
                    created_at=data["created_at"], versions=tuple(sorted(data.get("versions", {}).items())),
                    loras=tuple(Lora(**lora) for lora in data.get("loras", ())), license=data.get("license"),
                    sharding=data.get("sharding"), scorers=tuple(sorted(scorers.items())),
-                   layout=data.get("layout", 1))
+                   layout=data.get("layout", 1), settings_version=data.get("settings_version", 1))
 
 
 def scorer_models(settings: Settings) -> tuple[str, ...]:

@@ -160,7 +160,7 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
     """The largest per-device batch whose sampler program (weights, inputs, outputs and
     temporaries) fits one device of ``devices`` (default: this process's local devices),
     for ``settings``' model, size, steps, dtype, guidance and attention; logged as the
-    ``per_device_batch_chosen`` event."""
+    ``per_device_batch_fits`` event (the plan may record a smaller one: ``plan.decide``)."""
     import jax
 
     from pipeline.model import load as model_lib
@@ -182,7 +182,7 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
     except FitError as e:
         raise FitError(f"--per-device-batch auto: {e} ({source}) for {settings.model} at "
                        f"{width}x{height}, {settings.dtype}, --attention {settings.attention}") from e
-    logs.event("per_device_batch_chosen", per_device_batch=chosen, capacity_gib=round(capacity / GIB, 3),
+    logs.event("per_device_batch_fits", per_device_batch=chosen, capacity_gib=round(capacity / GIB, 3),
                capacity_from=source, platform=platform,
                tried_gib={b: round(n / GIB, 3) for b, n in sorted(tried.items())})
     return chosen

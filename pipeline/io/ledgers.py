@@ -203,7 +203,7 @@ class HostLedger:
 def forget(out: str) -> int:
     """Remove every ledger of ``out`` (a run whose commits keep none, as the beam engine's);
     returns how many."""
-    found = storage.glob(naming.join(naming.ledger_dir(out), "*.json"))
+    found = sorted(storage.files(naming.ledger_dir(out), "*.json"))
     if found:
         storage.delete(found)
         logs.event("ledgers_removed", out=out, ledgers=len(found),
@@ -258,7 +258,7 @@ def committed(out: str, run, manifest: dict) -> Committed:
     """What ``out`` has committed of its plan: from the hosts' ledgers when they are one
     consistent, current set (O(hosts) objects), else from a listing of the markers, with
     the reason in ``note``."""
-    paths = storage.glob(naming.join(naming.ledger_dir(out), "host-*.json"))
+    paths = sorted(storage.files(naming.ledger_dir(out), "host-*.json"))
     if not paths:
         return _from_listing(out, manifest, "no ledgers (a run by the beam engine, or hosts not started)", 1)
     with ThreadPoolExecutor(READERS, thread_name_prefix="ledgers") as pool:

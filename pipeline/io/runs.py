@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pipeline.core import naming
-from pipeline.core.settings import Run
+from pipeline.core.settings import SETTINGS_VERSION, Run
 from pipeline.io import storage
 
 
@@ -10,40 +10,59 @@ class RunNotPlanned(ValueError):
     pass
 
 
-class OtherLayout(ValueError):
-    """A run made with another output layout than this version's (``naming.LAYOUT``)."""
+class OtherVersion(ValueError):
+    """A run made by a promptmill whose output layout or settings' meaning this version's
+    are not (``naming.LAYOUT``, ``settings.SETTINGS_VERSION``)."""
 
 
-def check_layout(out: str, run: Run) -> Run:
-    """``run``, or OtherLayout naming its layout and what to do: this version neither reads
-    nor finishes a run of another layout, and changes nothing of it."""
-    if run.layout == naming.LAYOUT:
-        return run
-    made_by = dict(run.versions).get("promptmill", "unknown")
-    when = "an earlier" if run.layout < naming.LAYOUT else "a later"
-    raise OtherLayout(f"{out} holds a run made with output layout {run.layout} (by promptmill {made_by}), "
-                      f"{when} layout than this version's ({naming.LAYOUT}); this version does not read or "
-                      f"finish it, and changed nothing in it. Finish it with the promptmill that made it (version "
-                      f"{made_by}, writing layout {run.layout}), or start again with --overwrite (which deletes "
-                      f"that run) or another --out")
+
+def check_versions(out: str, data: dict) -> None:
+    """OtherVersion naming the version of ``data`` (a run.json document) that is not this
+    promptmill's, and what to do: this version neither reads nor finishes such a run, and
+    changes nothing of it."""
+    made_by = (data.get("versions") or {}).get("promptmill", "unknown")
+    found = [(what, short, data.get(name, 1), ours) for what, short, name, ours in (
+        ("output layout", "layout", "layout", naming.LAYOUT),
+        ("settings version", "settings version", "settings_version", SETTINGS_VERSION)) if data.get(name, 1) != ours]
+    if not found:
+        return
+    what, short, theirs, ours = found[0]
+    when = "an earlier" if theirs < ours else "a later"
+    raise OtherVersion(f"{out} holds a run made with {what} {theirs} (by promptmill {made_by}), {when} {short} than "
+                       f"this version's ({ours}); this version does not read or finish it, and changed nothing in "
+                       f"it. Finish it with the promptmill that made it (version {made_by}), or start again with "
+                       f"--overwrite (which deletes that run) or another --out")
 
 
 def exists(out: str) -> bool:
     return storage.exists(naming.run_json(out))
 
 
-def read(out: str, any_layout: bool = False) -> Run:
-    """The run planned in ``out``; RunNotPlanned if there is none, OtherLayout if it was made
-    with another output layout (``check_layout``), unless ``any_layout`` (``--overwrite``,
-    which only needs to know that a promptmill run is there)."""
+def read(out: str) -> Run:
+    """The run planned in ``out``; RunNotPlanned if there is none, OtherVersion if it was made
+    with another output layout or settings version (``check_versions``)."""
+    data = read_document(out)
+    try:
+        return Run.from_dict(data)
+    except (KeyError, TypeError, ValueError) as e:
+        raise RunNotPlanned(f"{naming.run_json(out)} is not a promptmill run.json: {e}") from e
+
+
+def read_document(out: str, any_version: bool = False) -> dict:
+    """``out``'s run.json as a document, checked as ``read`` does (``any_version``: not its
+    versions; ``--overwrite`` only needs to know that a promptmill run is there)."""
     path = naming.run_json(out)
     if not storage.exists(path):
         raise RunNotPlanned(f"{path} does not exist: run 'promptmill plan' for this --out first")
     try:
-        run = Run.from_dict(storage.read_json(path))
-    except (KeyError, TypeError, ValueError) as e:
+        data = storage.read_json(path)
+        if not isinstance(data, dict) or not isinstance(data.get("settings"), dict) or "model_fingerprint" not in data:
+            raise ValueError("it has no settings and model fingerprint")
+    except ValueError as e:
         raise RunNotPlanned(f"{path} is not a promptmill run.json: {e}") from e
-    return run if any_layout else check_layout(out, run)
+    if not any_version:
+        check_versions(out, data)
+    return data
 
 
 def write(out: str, run: Run) -> None:

@@ -163,7 +163,7 @@ def write_zarr_group(out: str, group: str = "") -> None:
 def _open_array(spec: dict):
     """``ts.open(spec, create=True, open=True)``: made by whichever host comes first, with
     the same metadata from every host. (An array of an earlier layout is never opened: such
-    a run is refused, ``pipeline.io.runs.check_layout``.)"""
+    a run is refused, ``pipeline.io.runs.check_versions``.)"""
     import tensorstore as ts
 
     return ts.open(spec, create=True, open=True).result()

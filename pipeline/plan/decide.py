@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.core import logs, slicing
-from pipeline.core.settings import AUTO, MAX_BATCHES_PER_SLICE, NO_CFG_RULES, Settings
+from pipeline.core.settings import AUTO, MAX_BATCHES_PER_SLICE, Settings
 from pipeline.io import runs
-from pipeline.model.sampling import guidance as guidance_rules
+from pipeline.model import families
 from pipeline.plan.layout import Layout, PlanError
 
 
@@ -29,23 +29,25 @@ def decide_per_device_batch(layout: Layout, out: str, cap_hosts: int | None) -> 
     """The run's settings, once ``out``'s run.json holds a per-device batch no larger than
     the run can fill on ``cap_hosts`` hosts (``slicing.most_per_device``), when the batch
     was chosen by ``--per-device-batch auto`` for this plan (``cap_hosts`` not None; a
-    resumed run keeps the batch its slices were cut with). Logged as
-    ``per_device_batch_capped`` when lowered."""
+    resumed run keeps the batch its slices were cut with). The batch recorded is logged
+    (``per_device_batch_chosen``, beside the largest that fits), and as
+    ``per_device_batch_capped`` where lowered."""
     run = runs.read(out)
     settings = run.settings
     if cap_hosts is None:
         return settings
     fits = [batch for _, _, batch in settings.buckets()]
-    most = [slicing.most_per_device(images, cap_hosts, settings.devices_per_host)
-            for images in layout.bucket_images or [layout.images]]
+    counts = layout.bucket_images or [layout.images]
+    most = [slicing.most_per_device(images, cap_hosts, settings.devices_per_host) for images in counts]
     capped = [min(fit, top) for fit, top in zip(fits, most)]
+    for (width, height, fit), chosen, images in zip(settings.buckets(), capped, counts):
+        size = {"size": f"{width}x{height}"} if settings.sizes else {}
+        if fit > chosen:
+            logs.event("per_device_batch_capped", out=out, fits=fit, per_device_batch=chosen, images=images,
+                       hosts=cap_hosts, devices_per_host=settings.devices_per_host, **size)
+        logs.event("per_device_batch_chosen", out=out, per_device_batch=chosen, fits=fit, **size)
     if capped == fits:
         return settings
-    for (width, height, fit), top, images in zip(settings.buckets(), most, layout.bucket_images or [layout.images]):
-        if fit > top:
-            logs.event("per_device_batch_capped", out=out, fits=fit, per_device_batch=top, images=images,
-                       hosts=cap_hosts, devices_per_host=settings.devices_per_host,
-                       **({"size": f"{width}x{height}"} if settings.sizes else {}))
     settings = settings.replace(per_device_batch=capped[0],
                                 bucket_batches=tuple(capped) if settings.bucket_batches else ()).validate()
     runs.write(out, run.with_settings(settings))
@@ -70,16 +72,16 @@ def decide_batches_per_slice(layout: Layout, out: str) -> Settings:
 
 
 def decide_guidance(layout: Layout, out: str) -> Layout:
-    """Record in ``out``'s run.json whether the run is guided (some kept record has
-    guidance > 1, or the run guides every image under the older rule); returns the
-    layout. A run that already recorded the other choice is refused: its images would
+    """Record in ``out``'s run.json whether the run is guided (some kept record's guidance
+    asks for it under the run's rule); returns the layout. A run that already recorded the other choice is refused: its images would
     mix two programs."""
     run = runs.read(out)
     settings = run.settings
-    if settings.guidance_rule in NO_CFG_RULES:  # a family without classifier-free guidance: decided when prepared
+    rule = families.guidance_rule(settings.guidance_rule)
+    if not rule.classifier_free:  # a family without classifier-free guidance: decided when prepared
         return layout
-    guided = layout.guided or settings.guidance_rule == "always"
-    if guided and not guidance_rules.asks(settings.guidance_rule, settings.guidance_scale):
+    guided = layout.guided
+    if guided and not rule.asks(settings.guidance_scale):
         layout = dataclasses.replace(layout, guided_by_records=True)  # the manifest and status say so
     if settings.guided is None:
         settings = settings.replace(guided=guided).validate()
@@ -87,8 +89,7 @@ def decide_guidance(layout: Layout, out: str) -> Layout:
         logs.event("guidance_decided", out=out, guided=guided)
     elif settings.guided != guided:
         planned = "guided" if settings.guided else "guidance-free"
-        above = guidance_rules.threshold(settings.guidance_rule)
-        now = f"some record's guidance is > {above}" if guided else f"no record's guidance is > {above}"
+        now = f"some record's guidance is > {rule.above:g}" if guided else f"no record's guidance is > {rule.above:g}"
         raise PlanError(f"{out} holds a {planned} run, but now {now}: the run's images would mix two programs; "
                         "use another --out, or add --overwrite to start over")
     return layout

@@ -30,11 +30,12 @@ import re
 import numpy as np
 
 from pipeline.core import buckets, records
-from pipeline.model.sampling import guidance as guidance_rules
+from pipeline.model import families
 from pipeline.io import beamio, listing, storage
 from pipeline.plan import inputs
 
 _WILDCARD = re.compile(r"[*?\[]")
+UNUSED_GUIDANCE, UNUSED_NEGATIVE = 1, 2  # ``FileScan.unused``'s bits
 HASH_BYTES = 16  # of an id or a prompt: collisions are out of reach (2**-128 a pair)
 
 
@@ -118,14 +119,19 @@ class FileScan:
     images: np.ndarray  # int32
     id_hashes: np.ndarray  # S16
     prompt_hashes: np.ndarray  # S16; empty without dedupe
-    guided: np.ndarray  # bool: the record's guidance (its own, else the run's) asks for it (``guidance.asks``)
+    guided: np.ndarray  # bool: the record's guidance (its own, else the run's) asks for it (``Rule.asks``)
     buckets: np.ndarray | None = None  # int16: the index of the size the record asked for (None: all 0)
+    # int8 bits: UNUSED_GUIDANCE, the record's own guidance scale plays no part (``Rule.guidance_unused``);
+    # UNUSED_NEGATIVE, its negative prompt plays none (``Rule.negative_unused``)
+    unused: np.ndarray | None = None
 
 
 def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt", dedupe: bool = True,
               default_guidance: float = 7.5, *, rule: str = "diffusers", sizes: tuple[str, ...] = ()) -> FileScan:
     rows, reasons = 0, collections.Counter()
     lines, images, guided, sized = array.array("i"), array.array("i"), array.array("b"), array.array("h")
+    unused = array.array("b")
+    found = families.guidance_rule(rule)
     ids, prompts = bytearray(), bytearray()
     for _, result in validated(path, run_seed, root, prompt_field, sizes):
         rows += 1
@@ -136,13 +142,16 @@ def scan_file(path: str, run_seed: int, root: str, prompt_field: str = "prompt",
         images.append(result.num_images)
         sized.append(result.bucket)
         guidance = default_guidance if result.guidance_scale is None else result.guidance_scale
-        guided.append(guidance_rules.asks(rule, guidance))
+        guided.append(found.asks(guidance))
+        unused.append((UNUSED_GUIDANCE if result.guidance_scale is not None and found.guidance_unused(guidance) else 0)
+                      | (UNUSED_NEGATIVE if result.negative_prompt and found.negative_unused(guidance) else 0))
         ids += digest(result.id)
         if dedupe:
             prompts += digest(result.prompt)
     as_hashes = lambda b: np.frombuffer(bytes(b), dtype=f"S{HASH_BYTES}")  # noqa: E731
     return FileScan(path, rows, dict(reasons), np.asarray(lines, np.int32), np.asarray(images, np.int32),
-                    as_hashes(ids), as_hashes(prompts), np.asarray(guided, bool), np.asarray(sized, np.int16))
+                    as_hashes(ids), as_hashes(prompts), np.asarray(guided, bool), np.asarray(sized, np.int16),
+                    np.asarray(unused, np.int8))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +166,12 @@ class FileCounts:
     bucket_images: tuple[int, ...]
     guided_records: int = 0
     first_guided: int | None = None  # the line of the first kept record that asks for guidance
+    # the kept records whose own guidance scale, and whose negative prompt, plays no part, and the
+    # line of the first of each
+    unused_guidance: int = 0
+    first_unused_guidance: int | None = None
+    unused_negative: int = 0
+    first_unused_negative: int | None = None
 
 
 def count_file(scan: FileScan, drops, num_buckets: int = 1) -> FileCounts:
@@ -167,10 +182,14 @@ def count_file(scan: FileScan, drops, num_buckets: int = 1) -> FileCounts:
     asking = np.flatnonzero(scan.guided & kept)
     reasons = collections.Counter(scan.reasons)
     reasons.update(drops.reason_counts())
+    unused = scan.unused if scan.unused is not None else np.zeros(len(scan.lines), np.int8)
+    idle = [np.flatnonzero(((unused & bit) != 0) & kept) for bit in (UNUSED_GUIDANCE, UNUSED_NEGATIVE)]
+    first = [int(scan.lines[found[0]]) if len(found) else None for found in idle]
     return FileCounts(scan.source, scan.rows, dict(reasons),
                       tuple(int(((sized == b) & kept).sum()) for b in range(num_buckets)),
                       tuple(int(images[sized == b].sum()) for b in range(num_buckets)),
-                      len(asking), int(scan.lines[asking[0]]) if len(asking) else None)
+                      len(asking), int(scan.lines[asking[0]]) if len(asking) else None,
+                      len(idle[0]), first[0], len(idle[1]), first[1])
 
 
 @dataclasses.dataclass
@@ -187,6 +206,10 @@ class Layout:
     guided_records: int = 0  # the kept records whose guidance (their own, else the run's) asks for it
     first_guided: str | None = None  # the first of them, "SOURCE line N"
     guided_by_records: bool = False  # they made the run guided: its own guidance does not ask (``decide_guidance``)
+    # the kept records whose own guidance scale, and whose negative prompt, plays no part: (count,
+    # the first one's "SOURCE line N")
+    unused_guidance: tuple = (0, None)
+    unused_negative: tuple = (0, None)
     slice_size: int | None = None  # the run's slice size, once the plan decided it (``decide.decide``)
     # per size (bucket) of the run, in order: each file's first global position in it, its
     # images and records, and the buckets' totals (one bucket in a single-size run: ``first``)
@@ -216,6 +239,8 @@ def make_layout(counts: list[FileCounts], num_buckets: int = 1) -> Layout:
     for c in counts:
         reasons.update(c.reasons)
     asking = [c for c in counts if c.guided_records]
+    idle_guidance = [c for c in counts if c.unused_guidance]
+    idle_negative = [c for c in counts if c.unused_negative]
     records = [sum(c.bucket_records[b] for c in counts) for b in range(num_buckets)]
     return Layout(first={s: int(bucket_starts[0, i]) for i, s in enumerate(sources)},
                   images_of={s: int(per_bucket[:, i].sum()) for i, s in enumerate(sources)},
@@ -223,12 +248,16 @@ def make_layout(counts: list[FileCounts], num_buckets: int = 1) -> Layout:
                   rejects_by_reason=dict(sorted(reasons.items())), guided=bool(asking),
                   guided_records=sum(c.guided_records for c in asking),
                   first_guided=f"{asking[0].source} line {asking[0].first_guided}" if asking else None,
+                  unused_guidance=(sum(c.unused_guidance for c in idle_guidance), f"{idle_guidance[0].source} line "
+                                   f"{idle_guidance[0].first_unused_guidance}" if idle_guidance else None),
+                  unused_negative=(sum(c.unused_negative for c in idle_negative), f"{idle_negative[0].source} line "
+                                   f"{idle_negative[0].first_unused_negative}" if idle_negative else None),
                   bucket_first={s: [int(f) for f in bucket_starts[:, i]] for i, s in enumerate(sources)},
                   bucket_images=[int(n) for n in per_bucket.sum(axis=1)], bucket_records=records,
                   file_bucket_images={s: [int(n) for n in per_bucket[:, i]] for i, s in enumerate(sources)})
 
 
-_ARRAYS = ("lines", "images", "guided", "buckets")  # the hashes are in the sections (``duplicates.section``)
+_ARRAYS = ("lines", "images", "guided", "buckets", "unused")  # the hashes are in the sections (``duplicates.section``)
 
 
 def save_scan(scan: FileScan, path: str) -> None:

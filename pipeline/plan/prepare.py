@@ -36,8 +36,7 @@ def prepare(settings: Settings, overwrite: bool = False) -> tuple[Settings, Run]
     settings, run = resolve_settings(kept_batches_per_slice(kept_decode_batch(kept_steps(settings, overwrite),
                                                                               overwrite), overwrite))
     run = prepare_out(settings.out, run, overwrite)
-    # a resumed run keeps the names its plan gave (``key_names``): a re-plan writes the same keys
-    return settings.replace(key_names=run.settings.key_names), run
+    return settings, run
 
 
 # names a run writes under OUT that a prompt pattern could take for prompt files
@@ -135,7 +134,8 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     if described["defaults_note"] and (settings.steps is None or settings.guidance_scale is None):
         logs.event("defaults_note", logging.WARNING, model=settings.model, note=described["defaults_note"])
     guidance = settings.guidance_scale if settings.guidance_scale is not None else described["default_guidance"]
-    if described["guidance_rule"] == "unused" and settings.guidance_scale not in (None, 0):
+    if settings.guidance_scale is not None and families.guidance_rule(described["guidance_rule"]).guidance_unused(
+            settings.guidance_scale):
         logs.event("guidance_unused", logging.WARNING, guidance_scale=settings.guidance_scale, model=settings.model,
                    why=f"{settings.model} takes no guidance ({described['family']}, guidance-distilled): the scale "
                        f"is recorded with each image and counted in the dataset's stats, never used")
@@ -193,8 +193,7 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
         previous = runs.read(out)
         # the guidance rule is a version's, not a flag: a run keeps the one it was planned with;
         # whether it is guided was decided by its plan, which checks it again (decide_guidance)
-        asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided,
-                                     filter_rule=previous.settings.filter_rule, key_names=previous.settings.key_names)
+        asked = run.settings.replace(guidance_rule=previous.settings.guidance_rule, guided=previous.settings.guided)
         if previous.settings_fingerprint == run.fingerprint_of(asked):
             input_table.check(out, pattern, "resume")
             return previous
@@ -237,7 +236,7 @@ def clear_run(out: str) -> int:
         raise PlanError(f"--out {out} is a file, not a folder: give a folder for the run's outputs")
     if runs.exists(out):
         try:
-            runs.read(out, any_layout=True)  # a run of an earlier layout is cleared like any other
+            runs.read_document(out, any_version=True)  # a run of an earlier version is cleared like any other
         except (ValueError, KeyError, TypeError) as e:
             raise PlanError(f"{naming.run_json(out)} is not a promptmill run's ({e}); --overwrite deletes only what "
                             f"a promptmill run wrote: use another --out") from None

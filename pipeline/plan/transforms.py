@@ -93,11 +93,9 @@ def write_slice(out: str, index: int, items) -> int:
     return index
 
 
-def key_labels(settings: Settings, paths: list[str]) -> dict[str, str] | None:
-    """{relative path: label} of the run's prompt files (``naming.file_labels``) when its
-    records without an id get readable keys (``key_names`` "readable"), else None."""
-    if settings.key_names != "readable":
-        return None
+def key_labels(settings: Settings, paths: list[str]) -> dict[str, str]:
+    """{relative path: label} of the run's prompt files (``naming.file_labels``): the names
+    of the records without an id (``naming.readable_stem``)."""
     root = input_root(settings.prompts)
     return naming.file_labels(relative_source(path, root) for path in paths)
 
@@ -275,6 +273,10 @@ class WriteManifest(beam.PTransform):
                 raise PlanError(f"slices are not contiguous: {span.describe(expected)}")
             if layout.guided_by_records:
                 manifest["guided_by_records"] = {"records": layout.guided_records, "first": layout.first_guided}
+            for name, (count, first) in (("guidance_unused", layout.unused_guidance),
+                                         ("negative_prompts_unused", layout.unused_negative)):
+                if count:  # said once the plan is done (``run_plan``)
+                    manifest[name] = {"records": count, "first": first}
             beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
 
@@ -356,8 +358,29 @@ def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: 
         line = guided_by_records_line(asked)
         logs.event("guided_by_records", level=logging.WARNING, message=line, **asked)
         print(f"promptmill plan: {line}", file=sys.stderr)
+    if not kept:  # settings the records give that play no part: said once, when planned
+        for name, line in unused_lines(manifest, settings.model).items():
+            logs.event(name, level=logging.WARNING, message=line, **manifest[name])
+            print(f"promptmill plan: {line}", file=sys.stderr)
     logs.event("plan_done", out=settings.out, kept=kept, slices=manifest["slices"], seconds=round(watch.seconds(), 3))
     return manifest
+
+
+def unused_lines(manifest: dict, model: str) -> dict[str, str]:
+    """{event: the line for people} for the records whose own guidance scale, or whose
+    negative prompt, plays no part, as the plan counted them (pure)."""
+    lines = {}
+    if manifest.get("guidance_unused"):
+        asked = manifest["guidance_unused"]
+        lines["guidance_unused"] = (f"{asked['records']} record(s) give a guidance_scale that {model} takes none of "
+                                    f"(the first: {asked['first']}): recorded with each image and counted in the "
+                                    f"dataset's stats, never used")
+    if manifest.get("negative_prompts_unused"):
+        asked = manifest["negative_prompts_unused"]
+        lines["negative_prompts_unused"] = (f"{asked['records']} record(s) give a negative_prompt that plays no part "
+                                            f"at their guidance on {model} (the first: {asked['first']}): counted in "
+                                            f"the dataset's stats")
+    return lines
 
 
 def kept_plan(out: str) -> dict | None:

@@ -11,6 +11,7 @@ cannot be reproduced, only looked up.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +21,12 @@ import numpy as np
 from pipeline import __version__
 from pipeline.core import naming, records
 from pipeline.core.settings import Run, Settings
+from pipeline.generate import environment
 from pipeline.io import runs, storage
 from pipeline.output import formats, key_index, writer
 from pipeline.plan import input_table
+
+HOSTS_PLATFORM = "cpu/cpu"  # the platform the fabricated slices say they were made on
 
 CREATED_AT = "2026-01-01T00:00:00+00:00"
 
@@ -71,6 +75,9 @@ def fabricate(out: str, images: int, slice_size: int = 8, hosts: int = 2, chosen
     run = Run.create(settings, "fabricated", CREATED_AT, {"promptmill": __version__}, scorers=scorers)
     input_table.record(out, prompts)
     runs.write(out, run)
+    # made "in" this process's environment, as hosts record theirs, and every row carries it
+    run = dataclasses.replace(run, environment=environment.establish(out, environment.current(HOSTS_PLATFORM),
+                                                                     "the fabricator"))
     slices = -(-images // slice_size)
     manifest = {"slice_size": slice_size, "slices": slices, "records": records_count, "images": images,
                 "rejects": 0, "rejects_by_reason": {}, "input_rows": records_count, "input_files": 1}

@@ -36,6 +36,7 @@ from pipeline.model.families.flux.family import FLUX
 from pipeline.model.families.flux2.family import FLUX2
 from pipeline.model.families.sd.family import SD, SDXL
 from pipeline.model.families.zimage.family import ZIMAGE
+from pipeline.model.sampling import guidance
 
 BUILTIN: tuple[Family, ...] = (SD, SDXL, FLUX, FLUX2, ZIMAGE)
 PLUGINS_ENV = "PROMPTMILL_FAMILIES"  # "module:attribute[,module:attribute...]": families outside the package
@@ -96,9 +97,18 @@ def check() -> None:
     registered: nothing runs without a family that was asked for."""
     if _BROKEN is not None:
         raise _BROKEN
+for _family in FAMILIES:  # each family's own guidance rules, beside the shared ones
+    for _rule in _family.rules:
+        guidance.register(_rule)
 BY_NAME = {family.name: family for family in FAMILIES}
 # the built-in random models (``--model tiny``, ...), by name: the family whose presets hold each
 BUILTINS: dict[str, Family] = {name: family for family in FAMILIES for name in family.builtins()}
+
+
+def guidance_rule(name: str) -> guidance.Rule:
+    """The guidance rule a run records by ``name``: a shared one, or one a registered family
+    brings (``guidance.UnknownRule`` when none does)."""
+    return guidance.rule(name)
 
 
 def builtin_folder(name: str, shapes: bool = False) -> str:

@@ -118,6 +118,7 @@ class Family:
     title: str = ""  # for people: "SD 1.x/2.x", "SDXL", "FLUX.1"
     pipeline_classes: tuple[str, ...] = ()  # model_index.json _class_name values it takes
     cfg: bool = True  # whether it has classifier-free guidance (a guided program) at all
+    rules: tuple = ()  # the guidance rules it brings of its own (``guidance.Rule``), registered with it
     # pipeline classes of a model this family will run one day, refused now with the reason
     # ({class: why}), where a plain "promptmill does not run it" would not say enough
     not_yet: dict = {}

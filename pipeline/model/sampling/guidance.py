@@ -1,59 +1,98 @@
-"""The guidance rules, in one place: how each rule combines the denoiser's predictions,
-whether an image asks for guidance, and whether a run compiles the guided program.
+"""Guidance rules: how a run's guidance scale acts, one object a rule.
 
-A run's ``guidance_rule`` (``Settings.guidance_rule``, its family's, kept by the run):
+A run records its rule's name (``Settings.guidance_rule``), decided by its model's
+family when planning and kept by the run. A ``Rule`` says everything the rest of
+promptmill asks of it: whether an image of a given guidance asks for the guided program
+(``asks``), how the guided program combines the denoiser's predictions (``combine``),
+which negative prompts and which guidance scales go unused, what the scale means for
+the dataset card, and how ``status`` shows it.
 
-- ``diffusers``: classifier-free guidance, as diffusers' SD pipelines run it: an image whose
+The rules shared by several families are here; a family with a rule of its own brings it
+(``Family.rules``), and the family registry registers every rule its families bring
+(``pipeline.model.families``), so nothing outside a family names one of its own.
+
+- ``diffusers``: classifier-free guidance as diffusers' pipelines run it: an image whose
   guidance is above 1 takes ``uncond + g * (cond - uncond)``; at 1 or below, the
   conditional prediction alone (selected, not computed with g = 1);
-- ``always``: classifier-free guidance on every image (runs planned before the rule above);
-- ``zimage``: classifier-free guidance as ``ZImagePipeline`` runs it: an image whose
-  guidance g is above 0 takes ``cond + g * (cond - uncond)``; at 0 (or below) the
-  conditional prediction alone (selected);
-- ``embedded``: the guidance is an input of the denoiser, one call per step (FLUX.1 [dev]);
+- ``embedded``: the guidance is an input of the denoiser, one call per step;
 - ``unused``: the model takes no guidance.
 
 Whether a run's program is the guided one (the denoiser at twice the rows, negative prompts
-encoded) is decided once, by its plan, from every record (``asks``); before the plan has
-read the prompts (``--per-device-batch auto``, the TPU check before a submission), the
-guess is ``guided_before_planning``, the same for every caller. A run whose records ask
-for more than its ``--guidance-scale`` is guided after all: the plan says so, and a
-submission checks the planned program again.
+encoded) is decided once, by its plan, from every record (``Rule.asks``); before the plan
+has read the prompts (``--per-device-batch auto``, the TPU check before a submission), the
+guess is ``guided_before_planning``, the same for every caller.
 """
 from __future__ import annotations
 
-from pipeline.core.settings import GUIDANCE_RULES as RULES, NO_CFG_RULES  # noqa: F401 (the rules' names)
+import dataclasses
 
 
-def asks(rule: str, guidance: float) -> bool:
-    """Whether an image of ``guidance`` under ``rule`` needs the guided program."""
-    if rule == "always":
-        return True
-    if rule == "zimage":
-        return guidance > 0
-    return rule == "diffusers" and guidance > 1
+class UnknownRule(ValueError):
+    pass
 
 
-def threshold(rule: str) -> float:
-    """The guidance above which an image is guided under a classifier-free ``rule``: 0 for
-    "zimage", 1 for the others (for people: refusals, the card)."""
-    return 0 if rule == "zimage" else 1
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A guidance rule. ``classifier_free``: the guided program runs the denoiser on
+    [negative; positive] prompts; ``above``: an image whose guidance is above it is guided
+    (classifier-free rules); ``takes_guidance``: False for a model that takes none (any
+    scale but 0 is unused); ``meaning``: what the scale does, for the dataset card;
+    ``shown``: what ``status`` adds after the scale (None: "guidance-free" when unguided)."""
+    name: str
+    meaning: str
+    classifier_free: bool = True
+    above: float = 1.0
+    takes_guidance: bool = True
+    shown: str | None = None
+
+    def asks(self, guidance: float) -> bool:
+        """Whether an image of ``guidance`` needs the guided program."""
+        return self.classifier_free and guidance > self.above
+
+    def combine(self, prediction, scale):
+        """The guided program's prediction of each image from the denoiser's on [negative;
+        positive] (``prediction``, float32, twice the batch) and each image's scale ([B, 1,
+        ...]): ``uncond + g * (cond - uncond)`` above ``above``, else the conditional
+        prediction alone, selected (``uncond + 1 * (cond - uncond)`` is not bit-equal to it)."""
+        import jax.numpy as jnp
+
+        uncond, cond = jnp.split(prediction, 2)
+        return jnp.where(scale > self.above, uncond + scale * (cond - uncond), cond)
+
+    def negative_unused(self, guidance: float) -> bool:
+        """Whether an image's negative prompt plays no part at ``guidance``."""
+        return not self.asks(guidance)
+
+    def guidance_unused(self, guidance: float) -> bool:
+        """Whether an image's guidance scale plays no part (a model that takes none)."""
+        return not self.takes_guidance and guidance != 0
 
 
-def combine(rule: str, prediction, scale):
-    """The guided program's prediction of each image from the denoiser's on [negative;
-    positive] (``prediction``, float32, twice the batch) and each image's scale ([B, 1, ...]):
-    ``uncond + g * (cond - uncond)``, for every image under "always" and, under "diffusers",
-    for an image whose guidance is above 1 (at 1 or below the conditional prediction
-    alone, selected: ``uncond + 1 * (cond - uncond)`` is not bit-equal to it); under
-    "zimage", ``cond + g * (cond - uncond)`` above 0, else ``cond``."""
-    import jax.numpy as jnp
+DIFFUSERS = Rule("diffusers", "classifier-free guidance: an image whose guidance is above 1 runs the denoiser on its "
+                              "negative and its prompt and mixes them; at 1 or below, the prompt alone")
+EMBEDDED = Rule("embedded", "embedded guidance: each image's guidance scale is an input of the denoiser, one call per "
+                            "step; negative prompts are not used", classifier_free=False, shown=" (embedded)")
+UNUSED = Rule("unused", "none (the model takes no guidance): a guidance scale given plays no part, and neither do "
+                        "negative prompts; both are counted below", classifier_free=False, takes_guidance=False,
+              shown=" (not used)")
+SHARED = (DIFFUSERS, EMBEDDED, UNUSED)
+_RULES: dict[str, Rule] = {rule.name: rule for rule in SHARED}
 
-    uncond, cond = jnp.split(prediction, 2)
-    if rule == "zimage":
-        return jnp.where(scale > 0, cond + scale * (cond - uncond), cond)
-    guided = uncond + scale * (cond - uncond)
-    return guided if rule == "always" else jnp.where(scale > 1, guided, cond)
+
+def register(rule: Rule) -> None:
+    """Make ``rule`` known by its name (the family registry does, for its families' rules)."""
+    if _RULES.get(rule.name, rule) != rule:
+        raise UnknownRule(f"two guidance rules are named {rule.name!r}: a family's rule needs a name of its own")
+    _RULES[rule.name] = rule
+
+
+def rule(name: str) -> Rule:
+    """The registered rule ``name``; UnknownRule when no registered family brings it."""
+    try:
+        return _RULES[name]
+    except KeyError:
+        raise UnknownRule(f"guidance rule {name!r} is not one of the registered rules ({', '.join(sorted(_RULES))}): "
+                          f"the family that brings it is not registered") from None
 
 
 def guided_before_planning(settings, model=None) -> bool:
@@ -66,5 +105,5 @@ def guided_before_planning(settings, model=None) -> bool:
     family = None if model is None else model.family
     if family is not None and not family.classifier_free(model):
         return False
-    rule = "diffusers" if family is None else family.guidance_rule(model)
-    return settings.guidance_scale is None or asks(rule, settings.guidance_scale)
+    found = DIFFUSERS if family is None else rule(family.guidance_rule(model))
+    return settings.guidance_scale is None or found.asks(settings.guidance_scale)

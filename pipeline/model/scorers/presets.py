@@ -43,7 +43,7 @@ CLIPS = {
                   vocab_size=49408)),
 }
 CHECKERS = {
-    "tiny-safety-checker": dict(version="tiny-safety-checker-v2", vision=dict(_TINY_VISION, image_size=20,
+    "tiny-safety-checker": dict(version="tiny-safety-checker-v3", vision=dict(_TINY_VISION, image_size=20,
                                                                               patch_size=5), projection_dim=16),
     "random-safety-checker": dict(version="random-safety-checker-v2", vision=_L14_VISION, projection_dim=768),
 }
@@ -127,7 +127,7 @@ def build_clip(folder: str, name: str) -> None:
 
 
 def build_checker(folder: str, name: str) -> None:
-    """Random weights, concept thresholds of 0.34 and special-care ones of 0.3: the tiny
+    """Random weights, concept thresholds of 0.5 and special-care ones of 0.3: the tiny
     models' noise images then have largest concept scores on both sides of 0, so some are
     flagged and some are not (tests and demos see both)."""
     from pipeline.model.scorers import safety, towers
@@ -137,7 +137,7 @@ def build_checker(folder: str, name: str) -> None:
     config = _clip_config(preset, "StableDiffusionSafetyChecker")
     shapes = safety.NETWORK.param_shapes(towers.ClipConfig.from_dict(config, text=False))
     params = _random(shapes, safety.LAYOUT, SEED + 1)
-    params["concept_embeds_weights"] = np.full((safety.CONCEPTS,), 0.34, np.float32)
+    params["concept_embeds_weights"] = np.full((safety.CONCEPTS,), 0.5, np.float32)
     params["special_care_embeds_weights"] = np.full((safety.SPECIAL_CARE,), 0.3, np.float32)
     _write_weights(folder, safety.NETWORK.to_torch(params))
     _write_preprocessor(folder, preset["vision"]["image_size"])

@@ -189,10 +189,10 @@ class Flux2(Family):
         """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
         ``flux2_sampling.make_denoise`` on the ids and masks ``tokenize`` made. A distilled
         model's program never reads negative ids or guidance; a base model's ``guided``
-        program reads both (``guidance_rule`` "diffusers" or "always"). Image keys are never
+        program reads both (``guidance_rule`` "diffusers"). Image keys are never
         read (the sampler is deterministic)."""
         nets, f = model.nets, model.vae_scale_factor
-        allowed = ("unused",) if nets.distilled else ("diffusers", "always")
+        allowed = ("unused",) if nets.distilled else ("diffusers",)
         if guidance_rule not in allowed:
             raise ValueError(f"guidance_rule {guidance_rule!r}: a {'distilled' if nets.distilled else 'base'} "
                              f"FLUX.2 [klein] takes {' or '.join(allowed)}")

@@ -206,7 +206,7 @@ def sample(nets: Flux2Nets, params, input_ids, attention_mask, latents, *, sigma
         velocity = nets.transformer.apply({"params": params["transformer"]}, model_input, context, t, image_ids,
                                           txt_ids).astype(jnp.float32)
         if negative is not None:
-            velocity = guidance.combine(rule, velocity, scale)
+            velocity = guidance.rule(rule).combine(velocity, scale)
         return flow.step(x, velocity, sigmas[i], sigmas[i + 1])
 
     packed = jax.lax.fori_loop(0, timesteps.shape[0], step, pack(latents.astype(jnp.float32)))

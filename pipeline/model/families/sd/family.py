@@ -230,7 +230,7 @@ class StableDiffusion(Family):
         [negative; positive] (batch 2B). Under ``guidance_rule="diffusers"`` (diffusers' rule)
         an image whose guidance is > 1 gets ``uncond + g * (cond - uncond)`` and one at
         guidance <= 1 the conditional prediction alone; each image's own guidance decides,
-        never its neighbours'. ``"always"`` guides every image (runs planned before the rule).
+        never its neighbours'.
         False is the guidance-free program: the UNet runs on the prompts alone (batch B), no
         negative prompt is encoded, and ``negative_ids`` and ``guidance`` are not read.
 
@@ -243,10 +243,8 @@ class StableDiffusion(Family):
 
         from pipeline.model.sampling import stepping, steps as steps_lib
 
-        if guidance_rule not in ("diffusers", "always"):
-            raise ValueError(f"guidance_rule must be diffusers or always, got {guidance_rule!r}")
-        if guidance_rule == "always" and not guided:
-            raise ValueError("the 'always' guidance rule guides every image; it has no guidance-free program")
+        if guidance_rule != "diffusers":
+            raise ValueError(f"guidance_rule must be diffusers, got {guidance_rule!r}")
         unet = model.nets.unet
         schedule = steps_lib.make_schedule(model.sampler.config, model.sampler.choice, steps)  # on the host, once
         stochastic = model.sampler.stochastic
@@ -300,7 +298,7 @@ class StableDiffusion(Family):
                                         jnp.broadcast_to(t, (model_input.shape[0],)), context, **(added or {}))
                 # guidance and the scheduler run in float32 whatever the network dtype
                 if guided:
-                    prediction = guidance_rules.combine(guidance_rule, prediction, scale)
+                    prediction = guidance_rules.rule(guidance_rule).combine(prediction, scale)
                 noise = jax.vmap(lambda k: keys.step_noise(k, i, noise_shape))(image_keys) if stochastic else None
                 return stepping.advance(schedule, i, prediction, latents, noise, state)
 

@@ -8,7 +8,7 @@ tokens), its tokenizer (``tokenizer``, Qwen's chat template, thinking on),
 FLUX.1's ``AutoencoderKL`` (``vae``) and ``FlowMatchEulerDiscreteScheduler``
 (``pipeline.model.families.zimage.sampling``).
 
-Guidance is Z-Image's own rule ("zimage", ``guidance.combine``), not SD's: an image whose
+Guidance is Z-Image's own rule ("zimage", ``zimage.guidance``), not SD's: an image whose
 guidance g is above 0 gets classifier-free guidance, ``pos + g * (pos - neg)`` (g = 1
 already guides), at 0 the prompt alone. The defaults are diffusers' (50 steps, guidance
 5.0: the base model's settings); the Turbo recipe is 8 steps at guidance 0. A Turbo
@@ -22,7 +22,7 @@ import dataclasses
 import os
 
 from pipeline.model.families.base import Described, Family, Model
-from pipeline.model.families.zimage import presets, sampling as zimage_sampling
+from pipeline.model.families.zimage import guidance, presets, sampling as zimage_sampling
 from pipeline.model.loading import convert, lora, weights
 from pipeline.model.loading.checkpoint import ModelError, license_of
 from pipeline.model.sampling import decoding
@@ -42,6 +42,7 @@ TURBO_NOTE = (f"ZImagePipeline's defaults ({STEPS} steps, guidance {GUIDANCE:g}:
 class ZImage(Family):
     name, title = "zimage", "Z-Image"
     pipeline_classes = ("ZImagePipeline",)
+    rules = (guidance.ZIMAGE,)
     size_rule = "twice the VAE's scale factor (2x2 patches): 16, or 4 for the built-in tiny models"
     steps_help = f"{STEPS} (Turbo's recipe: {TURBO_STEPS})"
     guidance_help = (f"classifier-free guidance above 0, prompt + g x (prompt - negative), not SD's scale "
@@ -56,7 +57,7 @@ class ZImage(Family):
         return presets.ensure(name, shapes)
 
     def guidance_rule(self, model: Model) -> str:
-        return "zimage"
+        return guidance.ZIMAGE.name
 
     def components(self, index: dict) -> tuple[str, ...]:
         return COMPONENTS
@@ -97,7 +98,7 @@ class ZImage(Family):
         config = nets.transformer.config
         f = 2 * nets.vae_scale_factor
         return Described(family=self.name, native_size=1024, scheduler=SAMPLER, size_multiple=f,
-                         default_guidance=GUIDANCE, guidance_rule="zimage", cfg=True, max_sequence_length=length,
+                         default_guidance=GUIDANCE, guidance_rule=guidance.ZIMAGE.name, cfg=True, max_sequence_length=length,
                          license=license_of(directory), default_steps=STEPS, defaults_note=TURBO_NOTE,
                          max_size=min(4096, f * min(config.axes_lens[1], config.axes_lens[2])))
 
@@ -175,7 +176,7 @@ class ZImage(Family):
         ``zimage_sampling.make_denoise`` on the ids and masks ``tokenize`` made; the guided
         program reads the negative ids and each image's guidance, the other neither. ``decode``:
         how the VAE decodes (``Family.make_denoise``)."""
-        if guidance_rule != "zimage":
+        if guidance_rule != guidance.ZIMAGE.name:
             raise ValueError(f"guidance_rule {guidance_rule!r}: Z-Image guides by its own rule, 'zimage'")
         nets, f = model.nets, model.vae_scale_factor
 

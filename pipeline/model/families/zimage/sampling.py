@@ -14,7 +14,7 @@ fixed-shape program per run.
   scheduler config (Turbo: a static shift of 3; FluxPipeline's ``mu`` where the config asks
   for dynamic shifting); the model's timestep is ``(1000 - t) / 1000`` = 1 - sigma, and its
   output is negated before the Euler step;
-- guidance (``guidance.combine``'s "zimage" rule): with a scale above 0, the transformer
+- guidance (the "zimage" rule, ``zimage.guidance``): with a scale above 0, the transformer
   runs on [negative; positive] and ``pos + g * (pos - neg)``; at 0, the positive
   prediction alone. ``cfg_normalization`` and ``cfg_truncation`` are ZImagePipeline call
   arguments, off by default; promptmill has neither setting, so it runs them off;
@@ -154,7 +154,7 @@ def sample(nets: ZImageNets, params, input_ids, attention_mask, latents, *, sigm
     """float32 images [B, H, W, 3] in [0, 1] and the final latents [B, C, H/f, W/f] from
     initial latents, as ZImagePipeline makes them, over a schedule given as arrays.
     ``negative`` (ids, mask) and ``scale`` [B]: the guided program (``guidance.combine``
-    under ``rule``)."""
+    under ``rule``: ``guidance.rule``)."""
     import jax
     import jax.numpy as jnp
 
@@ -177,7 +177,7 @@ def sample(nets: ZImageNets, params, input_ids, attention_mask, latents, *, sigm
         out = nets.transformer.apply({"params": params["transformer"]}, model_input, states, lengths, t,
                                      image_rows=rows // 2).astype(jnp.float32)
         if negative is not None:
-            out = guidance.combine(rule, out, scale)
+            out = guidance.rule(rule).combine(out, scale)
         return flow.step(x, -out, sigmas[i], sigmas[i + 1])
 
     tokens = jax.lax.fori_loop(0, t_model.shape[0], step, pack_latents(latents.astype(jnp.float32), PATCH_ORDER))
