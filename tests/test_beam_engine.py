@@ -35,6 +35,7 @@ from pipeline.core import logs, naming
 from pipeline.core.settings import Settings
 from pipeline.engines import beam as beam_engine
 from pipeline.io import runs, storage
+from pipeline.model import sharding as model_sharding
 from pipeline.output import formats, writer
 from pipeline.plan import transforms as plan
 from tests.conftest import ROOT
@@ -349,13 +350,12 @@ def test_a_bundle_of_slices_fails_midway_and_its_retry_commits_the_same_bytes(be
 
     generator, scorer = fn.worker.generator, fn.worker.scorer
     rows = sorted(writer.read_parquet_rows(naming.shard_metadata(out, 0)), key=lambda r: -r["position"])
-    mesh = jax.sharding.Mesh(np.array(generator.devices), ("replica",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+    split = model_sharding.batch_sharding(model_sharding.mesh(generator.devices, 1), 4)  # as the sampler's images
     for start in range(0, len(rows), generator.batch_size):
         chunk = rows[start:start + generator.batch_size]
         images = np.stack([np.asarray(Image.open(io.BytesIO(storage.read_bytes(naming.join(out, r["path"])))))
                            for r in chunk])
-        on_devices = jax.device_put(images.reshape(len(generator.devices), -1, 32, 32, 3), sharding)
+        on_devices = jax.device_put(images, split)
         found = scorer.fetch(scorer.dispatch(on_devices, generator, scorer.tokenize([r["prompt"] for r in chunk])))
         for k, row in enumerate(chunk):
             assert tuple(row[name] for name in SCORE_COLUMNS) == tuple(found[name][k].item() for name in SCORE_COLUMNS)
