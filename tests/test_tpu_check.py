@@ -471,7 +471,8 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
     out, err = capfd.readouterr()
     [event] = _events(err, "tpu_program")
     assert event["fits"] and event["tpu_type"] == "v6e" and event["chips_per_host"] == 8
-    assert event["dtype"] == "bf16" and event["per_device_batch"] == 1 and event["usable_gib"] == 31.25
+    # what libtpu reports a v6e chip leaves one program: 31.24 GiB since libtpu 0.0.50 (0.0.42 said 31.25)
+    assert event["dtype"] == "bf16" and event["per_device_batch"] == 1 and event["usable_gib"] == 31.24
     for field in ("argument_gib", "temp_gib", "total_gib", "hbm_gib", "compile_s", "jax", "libtpu", "topology"):
         assert field in event
     assert "# TPU check: the host program fits" in out and "\n---\n" in out
