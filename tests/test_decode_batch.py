@@ -1,5 +1,5 @@
 """The VAE decode in micro-batches (``--decode-batch``): the chunking rule alone, then tiny
-generators (SD and FLUX.1, pmapped and FSDP) against whole-batch decoding, and the setting
+generators (SD and FLUX.1, replicated and FSDP) against whole-batch decoding, and the setting
 as a run records it (run.json's settings, the fingerprint, each metadata row, the program
 a run's generator and reproduce compile, an old run's whole-batch program)."""
 import dataclasses

@@ -104,7 +104,7 @@ def flux_runs(tmp_path_factory, model_cache):
     """{hosts x devices: OUT} of one tiny [dev] run with its weights sharded over pairs of
     devices (``--fsdp 2``), on 2x2 and on 1x4 hosts x devices, in three sizes (``SIZES``:
     records ask for one by width/height, by aspect_ratio, or get the first). (The
-    replicated program is the pmapped one every SD run of the suite takes; FLUX.1's images
+    replicated program, --fsdp 1, is the one every SD run of the suite takes; FLUX.1's images
     at --fsdp 2 against --fsdp 1 are compared in test_fsdp.py.)"""
     folder = tmp_path_factory.mktemp("flux")
     prompts = _prompts(folder)
