@@ -13,13 +13,60 @@ import os
 
 from pipeline.model.families.base import Family, Model
 from pipeline.model.loading import convert, lora, weights
-from pipeline.model.loading.checkpoint import ModelError
-from pipeline.model.sampling import decoding
+from pipeline.model.loading import qwen_tokenizer
+from pipeline.model.loading.checkpoint import ModelError, read_json_file
+from pipeline.model.sampling import decoding, flow
 from pipeline.model.sampling.scheduler import Sampler
 
 COMPONENTS = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
 LIBRARIES = {"text_encoder": "transformers", "transformer": "diffusers", "vae": "diffusers"}
 SAMPLER = "flow_euler"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompts:
+    """Prompts in a checkpoint's own chat template, as a family's pipeline formats them:
+    ``family`` (for messages), ``thinking`` (the pipeline's enable_thinking) and the most
+    text tokens it takes (``qwen_tokenizer``)."""
+    family: str
+    thinking: bool
+    most: int
+
+    def format_prompt(self, tokenizer, text: str) -> str:
+        return qwen_tokenizer.format_prompt(tokenizer, text, thinking=self.thinking, family=self.family)
+
+    def tokenize(self, tokenizer, prompts, max_sequence_length: int):
+        """(input_ids, attention_mask) int32 [B, L]: chat-formatted, padded to and cut at
+        ``max_sequence_length`` (1 to ``most``)."""
+        return qwen_tokenizer.tokenize(tokenizer, prompts, max_sequence_length, thinking=self.thinking,
+                                       family=self.family, most=self.most)
+
+    def truncated(self, tokenizer, prompts, max_length: int) -> list[bool]:
+        """Whether each chat-formatted prompt has more tokens than ``max_length``."""
+        return qwen_tokenizer.truncated(tokenizer, prompts, max_length, thinking=self.thinking, family=self.family)
+
+
+def read_configs(directory: str, transformer_config, check=None) -> tuple:
+    """(scheduler config, Qwen3 config, transformer config, VAE config) of the checkpoint in
+    ``directory`` (``transformer_config``: the family's config class, with ``from_dict``;
+    ``check(qwen3 config)``: the family's own check of its text encoder); ValueError naming a
+    config it would not honour."""
+    from pipeline.model.layers import qwen3, vae
+
+    scheduler_config = read_json_file(os.path.join(directory, "scheduler", "scheduler_config.json"))
+    refused = flow.unsupported(scheduler_config)
+    if refused:
+        raise ValueError(f"{directory}: scheduler/scheduler_config.json asks for "
+                         + "; ".join(f"{k}={v!r}" for k, v in refused) + ", which flow-matching Euler does not do")
+    try:
+        q_cfg = qwen3.Qwen3Config.from_dict(read_json_file(os.path.join(directory, "text_encoder", "config.json")))
+        t_cfg = transformer_config.from_dict(read_json_file(os.path.join(directory, "transformer", "config.json")))
+        v_cfg = vae.VaeConfig.from_dict(read_json_file(os.path.join(directory, "vae", "config.json")))
+        if check is not None:
+            check(q_cfg)
+    except ValueError as e:
+        raise ValueError(f"{directory}: {e}") from None
+    return scheduler_config, q_cfg, t_cfg, v_cfg
 
 
 class QwenTextFamily(Family):
