@@ -254,76 +254,101 @@ def _lease(args):
     return lease.Held(args.out, f"promptmill {args.command}")
 
 
-def _dispatch(args, beam_args: list[str]) -> int:
+def _run(args, beam_args: list[str]) -> int:
+    started = time.perf_counter()
+    settings = flags.settings_from_args(args, args.devices_per_host)
+    if args.engine == "beam":
+        from pipeline.engines import beam as beam_engine
+
+        if args.hosts is not None:
+            raise ValueError("--hosts is for --engine pod; with --engine beam each Beam worker generates on "
+                             "its own --devices-per-host devices")
+        stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite,
+                                     compile_cache=args.compile_cache, gallery=flags.gallery_of(args))
+    else:
+        from pipeline.engines import local as launcher
+        from pipeline.generate import compile_cache
+
+        if args.compile_cache and args.no_compile_cache:
+            raise ValueError("give --compile-cache DIR or --no-compile-cache, not both")
+        cache = None if args.no_compile_cache else args.compile_cache or compile_cache.local_default()
+        stats = launcher.run_local(settings, 2 if args.hosts is None else args.hosts, beam_args,
+                                   progress=not (args.no_progress or args.quiet), compile_cache=cache,
+                                   overwrite=args.overwrite, gallery=flags.gallery_of(args))
+    _finish("run", settings.out, stats, time.perf_counter() - started, args.quiet)
+    return 0
+
+
+def _plan(args, beam_args: list[str]) -> int:
     import json
 
-    started = time.perf_counter()
-    if args.command == "run":
-        settings = flags.settings_from_args(args, args.devices_per_host)
-        if args.engine == "beam":
-            from pipeline.engines import beam as beam_engine
+    from pipeline.generate import fit
+    from pipeline.plan import transforms as plan
 
-            if args.hosts is not None:
-                raise ValueError("--hosts is for --engine pod; with --engine beam each Beam worker generates on "
-                                 "its own --devices-per-host devices")
-            stats = beam_engine.run_beam(settings, beam_args, overwrite=args.overwrite,
-                                         compile_cache=args.compile_cache, gallery=flags.gallery_of(args))
-        else:
-            from pipeline.engines import local as launcher
-            from pipeline.generate import compile_cache
-
-            if args.compile_cache and args.no_compile_cache:
-                raise ValueError("give --compile-cache DIR or --no-compile-cache, not both")
-            cache = None if args.no_compile_cache else args.compile_cache or compile_cache.local_default()
-            stats = launcher.run_local(settings, 2 if args.hosts is None else args.hosts, beam_args,
-                                       progress=not (args.no_progress or args.quiet), compile_cache=cache,
-                                       overwrite=args.overwrite, gallery=flags.gallery_of(args))
-        _finish("run", settings.out, stats, time.perf_counter() - started, args.quiet)
-    elif args.command == "plan":
-        from pipeline.generate import fit
-        from pipeline.plan import transforms as plan
-
-        # tpu_check: --device-memory is kept in run.json, for a submission's check after its plan
-        asked = flags.settings_from_args(args, args.devices_per_host, tpu_check=True)
-        settings = fit.resolve_per_device_batch(asked, args.overwrite)
-        print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite,
-                                       fit.cap_hosts(asked, args.hosts, args.overwrite))))
-    elif args.command == "generate":
-        from pipeline.generate import json_stderr
-
-        json_stderr.route()  # first: every line of a host's log is JSON, the C++ libraries' too
-        from pipeline.generate import cluster, host_loop as host
-
-        host.generate(args.out, cluster.ClusterArgs(args.coordinator, args.num_hosts, args.host_id),
-                      compile_cache=args.compile_cache)
-    elif args.command == "collect":
-        from pipeline.collect import transforms as collect
-
-        stats = collect.run_collect(args.out, beam_args, **flags.gallery_of(args))
-        _finish("collect", args.out, stats, time.perf_counter() - started, args.quiet)
-    elif args.command == "reproduce":
-        from pipeline.generate import reproduce
-
-        results = reproduce.reproduce(args.out, args.keys, save=args.save,
-                                      emit=lambda result: print(json.dumps(result), flush=True))
-        mismatched = [r["key"] for r in results if not r["match"]]
-        if mismatched:
-            print(f"promptmill reproduce: {len(mismatched)} of {len(results)} image(s) differ from their metadata's "
-                  f"sha256: {', '.join(mismatched)}", file=sys.stderr)
-            return 1
-    elif args.command == "status":
-        from pipeline.collect import status
-
-        if args.watch is not None:
-            status.watch(args.out, args.watch, args.json)
-        else:
-            report = status.status(args.out)
-            print(json.dumps(report, sort_keys=True) if args.json else status.format_text(report))
-    elif args.command == "submit":
-        return run_submit(args, beam_args)
-    elif args.command == "bench":
-        return run_bench(args)
+    # tpu_check: --device-memory is kept in run.json, for a submission's check after its plan
+    asked = flags.settings_from_args(args, args.devices_per_host, tpu_check=True)
+    settings = fit.resolve_per_device_batch(asked, args.overwrite)
+    cap = fit.cap_hosts(asked, args.hosts, args.overwrite)
+    print(json.dumps(plan.run_plan(settings, beam_args, args.overwrite, cap)))
     return 0
+
+
+def _generate(args, beam_args: list[str]) -> int:
+    from pipeline.generate import json_stderr
+
+    json_stderr.route()  # first: every line of a host's log is JSON, the C++ libraries' too
+    from pipeline.generate import cluster, host_loop as host
+
+    host.generate(args.out, cluster.ClusterArgs(args.coordinator, args.num_hosts, args.host_id),
+                  compile_cache=args.compile_cache)
+    return 0
+
+
+def _collect(args, beam_args: list[str]) -> int:
+    from pipeline.collect import transforms as collect
+
+    started = time.perf_counter()
+    stats = collect.run_collect(args.out, beam_args, **flags.gallery_of(args))
+    _finish("collect", args.out, stats, time.perf_counter() - started, args.quiet)
+    return 0
+
+
+def _reproduce(args, beam_args: list[str]) -> int:
+    import json
+
+    from pipeline.generate import reproduce
+
+    results = reproduce.reproduce(args.out, args.keys, save=args.save,
+                                  emit=lambda result: print(json.dumps(result), flush=True))
+    mismatched = [r["key"] for r in results if not r["match"]]
+    if mismatched:
+        print(f"promptmill reproduce: {len(mismatched)} of {len(results)} image(s) differ from their metadata's "
+              f"sha256: {', '.join(mismatched)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _status(args, beam_args: list[str]) -> int:
+    import json
+
+    from pipeline.collect import status
+
+    if args.watch is not None:
+        status.watch(args.out, args.watch, args.json)
+    else:
+        report = status.status(args.out)
+        print(json.dumps(report, sort_keys=True) if args.json else status.format_text(report))
+    return 0
+
+
+# each command's entry: (the parsed arguments, the Beam options) -> the exit status
+COMMANDS = {"run": _run, "plan": _plan, "generate": _generate, "collect": _collect, "reproduce": _reproduce,
+            "status": _status, "submit": lambda args, beam_args: run_submit(args, beam_args),
+            "bench": lambda args, beam_args: run_bench(args)}
+
+
+def _dispatch(args, beam_args: list[str]) -> int:
+    return COMMANDS[args.command](args, beam_args)
 
 
 def _finish(command: str, out: str, stats: dict, seconds: float, quiet: bool) -> None:

@@ -53,7 +53,7 @@ class _Reads:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        for name in ("read_bytes", "exists", "glob", "modified_times"):
+        for name in ("read_bytes", "exists", "files", "modified_times"):
             real = getattr(storage, name)
             monkeypatch.setattr(storage, name, self._counted(name, real))
 

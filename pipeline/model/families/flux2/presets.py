@@ -33,11 +33,8 @@ This module imports no jax at import time: the torch-only fixture script
 """
 from __future__ import annotations
 
-import os
 
-from pipeline.model.loading import builtin
-from pipeline.model.loading import qwen_tokenizer
-from pipeline.model.loading.qwen_tokenizer import IM_END, PAD
+from pipeline.model.loading import builtin, qwen_checkpoint
 
 SEED = 0
 TOKENIZER_MAX_LENGTH = 512  # Flux2KleinPipeline's tokenizer_max_length, its default max_sequence_length
@@ -104,11 +101,8 @@ def scheduler_config(name: str) -> dict:
 
 
 def qwen3_config(name: str) -> dict:
-    """The preset's ``text_encoder/config.json`` keys (transformers' ``Qwen3Config``'s), its
-    vocabulary and special ids the built-in Qwen tokenizer's (``qwen_tokenizer``)."""
-    vocab = qwen_tokenizer.vocabulary()
-    return dict({"vocab_size": len(vocab)}, **PRESETS[name]["qwen3"], pad_token_id=vocab[PAD], bos_token_id=vocab[PAD],
-                eos_token_id=vocab[IM_END])
+    """The preset's ``text_encoder/config.json`` keys (``qwen_checkpoint.qwen3_config``)."""
+    return qwen_checkpoint.qwen3_config(PRESETS[name])
 
 
 def model_index(diffusers_version: str = builtin.DIFFUSERS_VERSION, distilled: bool = True) -> dict:
@@ -124,48 +118,18 @@ def build(directory: str, name: str = "tiny-klein", weights: bool = True) -> Non
     layout: model_index.json, scheduler/, tokenizer/, text_encoder/, transformer/, vae/.
     ``weights=False``: configs and tokenizer only."""
     from pipeline.model.families.flux2 import transformer as flux2
-    from pipeline.model.layers import qwen3, vae
-    from pipeline.model.loading import convert, weights as weights_lib
+    from pipeline.model.layers import vae
+
     preset = PRESETS[name]
-    builtin.write_json(os.path.join(directory, "model_index.json"),
-                       model_index(builtin.DIFFUSERS_VERSION, preset["distilled"]))
-    if preset.get("license"):  # the model card's front matter, as the hub keeps it
-        with open(os.path.join(directory, "README.md"), "w", encoding="utf-8") as f:
-            f.write(f"---\nlicense: {preset['license']}\n---\n\n{name}: random weights, {preset['version']}\n")
-    meta = {"_diffusers_version": builtin.DIFFUSERS_VERSION}
-    builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),
-                {"_class_name": "FlowMatchEulerDiscreteScheduler", **meta, **scheduler_config(name)})
-    builtin.write_json(os.path.join(directory, "transformer", "config.json"),
-                {"_class_name": flux2.CLASS_NAME, **meta, **transformer_config(name)})
-    builtin.write_json(os.path.join(directory, "vae", "config.json"),
-                {"_class_name": vae.FLUX2_CLASS_NAME, **meta, **vae_config(name)})
-    qwen_tokenizer.write(os.path.join(directory, "tokenizer"))
-    hf_config = qwen3.hf_config(**qwen3_config(name), architectures=["Qwen3ForCausalLM"],
-                                transformers_version=builtin.TRANSFORMERS_VERSION)
-    hf_config["dtype"] = PRESETS[name]["weights_dtype"]
-    builtin.write_json(os.path.join(directory, "text_encoder", "config.json"), hf_config)
+    hf_config = qwen_checkpoint.write_configs(directory, name, preset, model_index(builtin.DIFFUSERS_VERSION, preset["distilled"]),
+                                              {"scheduler": "FlowMatchEulerDiscreteScheduler",
+                                               "transformer": flux2.CLASS_NAME, "vae": vae.FLUX2_CLASS_NAME,
+                                               "text_encoder": "Qwen3ForCausalLM"})
     if not weights:
         builtin.mark_shapes_only(directory, name)
         return
-
-    q_cfg = qwen3.Qwen3Config.from_dict(hf_config)
-    t_cfg = flux2.Flux2Config.from_dict(transformer_config(name))
-    v_cfg = vae.VaeConfig.from_dict({"_class_name": vae.FLUX2_CLASS_NAME, **vae_config(name)})
-    text = qwen3.to_torch(convert.unflatten(builtin.random_flat_params(
-        qwen3.param_shapes(q_cfg), SEED, lambda p: convert.stack_of(p, qwen3.LAYOUT) is not None)), q_cfg)
-    states = {
-        "text_encoder": {"model." + k: v for k, v in text.items()},  # a Qwen3ForCausalLM's names
-        "transformer": flux2.to_torch(convert.unflatten(builtin.random_flat_params(
-            flux2.param_shapes(t_cfg), SEED + 1, lambda p: convert.stack_of(p, flux2.LAYOUT) is not None)), t_cfg),
-        "vae": vae.to_torch(convert.unflatten(builtin.random_flat_params(vae.param_shapes(v_cfg), SEED + 2)), v_cfg),
-    }
-    states["text_encoder"]["lm_head.weight"] = builtin.random_flat_params(
-        {("lm_head", "kernel"): (q_cfg.vocab_size, q_cfg.hidden_size)}, SEED + 3)[("lm_head", "kernel")]
-    for component, state in states.items():
-        library = "transformers" if component == "text_encoder" else "diffusers"
-        path = os.path.join(directory, component, weights_lib.SAFETENSORS_FILES[library])
-        weights_lib.write_safetensors(path, {k: v for k, v in sorted(state.items())}, align=False,
-                                      metadata={"format": "pt"})
+    qwen_checkpoint.write_random_weights(directory, preset, hf_config, flux2, flux2.Flux2Config, vae.FLUX2_CLASS_NAME,
+                                         SEED, causal_lm=True)
 
 
 def ensure(name: str, shapes: bool = False) -> str:

@@ -23,12 +23,10 @@ fixed-shape program per run.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from pipeline.model.families.zimage import presets
-from pipeline.model.loading import qwen_tokenizer
-from pipeline.model.loading.checkpoint import read_json_file
+from pipeline.model.families import qwen_text
 from pipeline.model.sampling import decoding, flow
 
 MAX_SEQUENCE_LENGTH = presets.TOKENIZER_MAX_LENGTH
@@ -38,22 +36,8 @@ PATCH_ORDER = "yxc"
 FAMILY, THINKING = "Z-Image", True  # the pipeline's enable_thinking
 
 
-def format_prompt(tokenizer, text: str) -> str:
-    """``text`` in the checkpoint's own chat template, thinking on, as the pipeline formats it
-    (``qwen_tokenizer.format_prompt``)."""
-    return qwen_tokenizer.format_prompt(tokenizer, text, thinking=THINKING, family=FAMILY)
-
-
-def tokenize(tokenizer, prompts, max_sequence_length: int):
-    """(input_ids, attention_mask) int32 [B, L]: chat-formatted, padded to and cut at
-    ``max_sequence_length`` (1 to 512; ``qwen_tokenizer.tokenize``)."""
-    return qwen_tokenizer.tokenize(tokenizer, prompts, max_sequence_length, thinking=THINKING, family=FAMILY,
-                                   most=MAX_SEQUENCE_LENGTH)
-
-
-def truncated(tokenizer, prompts, max_length: int) -> list[bool]:
-    """Whether each chat-formatted prompt has more tokens than ``max_length``."""
-    return qwen_tokenizer.truncated(tokenizer, prompts, max_length, thinking=THINKING, family=FAMILY)
+PROMPTS = qwen_text.ChatPrompts(FAMILY, THINKING, MAX_SEQUENCE_LENGTH)
+format_prompt, tokenize, truncated = PROMPTS.format_prompt, PROMPTS.tokenize, PROMPTS.truncated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +77,10 @@ def read_nets(directory: str, dtype=None) -> ZImageNets:
     import jax.numpy as jnp
 
     from pipeline.model.families.zimage import transformer as zimage
-    from pipeline.model.layers import qwen3, vae
+    from pipeline.model.layers import vae
 
     dtype = jnp.float32 if dtype is None else dtype
-    scheduler_config = read_json_file(os.path.join(directory, "scheduler", "scheduler_config.json"))
-    refused = flow.unsupported(scheduler_config)
-    if refused:
-        raise ValueError(f"{directory}: scheduler/scheduler_config.json asks for "
-                         + "; ".join(f"{k}={v!r}" for k, v in refused) + ", which flow-matching Euler does not do")
-    try:
-        q_cfg = qwen3.Qwen3Config.from_dict(read_json_file(os.path.join(directory, "text_encoder", "config.json")))
-        t_cfg = zimage.ZImageConfig.from_dict(read_json_file(os.path.join(directory, "transformer", "config.json")))
-        v_cfg = vae.VaeConfig.from_dict(read_json_file(os.path.join(directory, "vae", "config.json")))
-    except ValueError as e:
-        raise ValueError(f"{directory}: {e}") from None
+    scheduler_config, q_cfg, t_cfg, v_cfg = qwen_text.read_configs(directory, zimage.ZImageConfig)
     if q_cfg.num_hidden_layers < 2:
         raise ValueError(f"{directory}: the text encoder has {q_cfg.num_hidden_layers} layer(s); Z-Image reads its "
                          f"second-to-last hidden state, which needs 2 or more")
