@@ -18,6 +18,10 @@ from pipeline.core import logs
 
 logs.drop_beams_apitools_warning()  # before anything imports Beam
 
+from pipeline.generate import environment  # noqa: E402
+
+environment.pin_cpu_threads()  # before anything starts jax's CPU backend: the same programs on any device count
+
 from jobs import flags, strict  # noqa: E402
 from jobs.bench_command import add_bench_parser, run_bench  # noqa: E402
 from jobs.flags import add_compile_cache_flag, add_date_flag, add_overwrite_flag, add_settings_flags  # noqa: E402

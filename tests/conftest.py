@@ -17,6 +17,11 @@ import pytest
 SUITE_XLA_FLAGS = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", SUITE_XLA_FLAGS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# the CPU backend's thread count, pinned as every promptmill process pins it (tests that
+# compare a 1x4 run with a 2x2 one, in-process generators with host processes' images)
+from pipeline.generate import environment as _environment  # noqa: E402
+
+_environment.pin_cpu_threads()
 # The suite starts a few hundred Python processes (hosts, launchers, workers): each reads
 # its imports' bytecode from the __pycache__ folders the first one wrote, even where the
 # environment says not to write them (PYTHONDONTWRITEBYTECODE), so the install need not

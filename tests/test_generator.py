@@ -50,16 +50,16 @@ def test_compile_counter_sees_a_compilation():
 
 
 def test_the_sampler_lowered_from_shapes_is_the_program_of_the_weights(generator):
-    from pipeline.generate import compile_cache, sampler
-    from pipeline.generate.generator import lower_sampler
+    from pipeline.generate import compile_cache
+    from pipeline.generate.generator import _per_device_program, lower_sampler
     from pipeline.model import sharding
 
     devices = generator.devices
     abstract = model_lib.load("tiny", abstract=True)  # configs only: no weight read
     from_shapes = lower_sampler(abstract, 32, 32, 2, 1, devices)
     the_mesh = sharding.mesh(devices, 1)  # --fsdp 1: the replicated run is a program over a (D, 1) mesh
-    fn = jax.jit(sampler.make_sample_fn(generator.model, 32, 32, 2, platform=devices[0].platform, mesh=the_mesh),
-                 out_shardings=sharding.batch_sharding(the_mesh, 4))
+    fn = jax.jit(_per_device_program(generator.model, 32, 32, 2, False, "diffusers", True, "auto", the_mesh, 1,
+                                     decode_batch=None), out_shardings=sharding.batch_sharding(the_mesh, 4))
     from_weights = fn.lower(generator.params, *generator._device_shaped(generator.padding_batch()))
     assert from_shapes.as_text() == from_weights.as_text()
     assert compile_cache.executable_key(from_shapes, devices) == compile_cache.executable_key(from_weights, devices)
@@ -133,7 +133,7 @@ def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_
     monkeypatch.setattr(model.family, "make_encode_fn", spy_encode)
     spied = dataclasses.replace(model, nets=dataclasses.replace(model.nets, unet=SpyUnet()))
     free = Generator(spied, width=32, height=32, steps=2, per_device_batch=1, guided=False)
-    n = free.batch_size  # the program is traced for the whole batch, D x B, split over the mesh
+    n = free.per_device_batch  # at --fsdp 1 the program is written per device: traced for its own B rows
     assert (encoded, unet_batches) == ([n], [n])  # the prompt alone, a UNet batch of N
     encoded.clear(), unet_batches.clear()
     Generator(spied, width=32, height=32, steps=2, per_device_batch=1, guided=True)

@@ -25,11 +25,29 @@ from pipeline.io import storage
 
 LIBRARIES = ("jax", "jaxlib", "libtpu", "flax")  # besides promptmill; libtpu only where installed
 NOT_DECISIVE = ("--xla_force_host_platform_device_count",)  # XLA flags that do not change an image's bits
-FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")  # where flags reach XLA's compilers
+# where flags reach XLA's compilers; NPROC: the CPU backend's thread count (``pin_cpu_threads``)
+FLAG_VARIABLES = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "NPROC")
+# XLA's CPU backend sizes its thread pool max(NPROC or the machine's cores, local CPU
+# devices), and compiles for that many threads: it splits a large elementwise loop into
+# up to that many parts, and a loop split otherwise may round its floats otherwise. So
+# without a pin a host of 4 CPU devices on a 2-core machine compiles other bits than a
+# host of 2 (a 1x4 run would not equal its 2x2 twin). Every promptmill process pins
+# NPROC to at least this many threads, which makes the pool, and so the programs, the
+# same for up to this many local devices per process on any machine of at most this
+# many cores; a machine with more cores keeps its own count.
+CPU_THREADS = 8
 
 
 class EnvironmentChanged(RuntimeError):
     pass
+
+
+def pin_cpu_threads(environ=None) -> None:
+    """Set NPROC (``CPU_THREADS``, or the machine's cores if more) in ``environ``
+    (``os.environ``) unless it is set: before jax starts its CPU backend, which reads it
+    then. A value the user set is kept, and recorded like an XLA flag (``current``)."""
+    environ = os.environ if environ is None else environ
+    environ.setdefault("NPROC", str(max(os.cpu_count() or 1, CPU_THREADS)))
 
 
 def current(platform: str | None = None) -> dict:

@@ -193,13 +193,35 @@ def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: 
     ids = model.family.tokenize(model, [""]).shape[1:]
     one = sharding.batch_sharding(the_mesh, 1)
     images = sharding.batch_sharding(the_mesh, 4)
-    fn = jax.jit(sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention,
-                                        devices[0].platform, the_mesh, decode_batch=decode_batch),
+    fn = jax.jit(_per_device_program(model, width, height, steps, latents, guidance_rule, guided, attention,
+                                     the_mesh, fsdp, decode_batch=decode_batch),
                  out_shardings=(images, images) if latents else images)
     ids_struct = jax.ShapeDtypeStruct((n, *ids), jnp.int32, sharding=sharding.batch_sharding(the_mesh, 1 + len(ids)))
     words = jax.ShapeDtypeStruct((n,), jnp.uint32, sharding=one)
     return fn.lower(params, ids_struct, ids_struct, jax.ShapeDtypeStruct((n,), jnp.float32, sharding=one), words,
                     words, words)
+
+
+def _per_device_program(model, width: int, height: int, steps: int, latents: bool, guidance_rule: str,
+                        guided: bool, attention: str, the_mesh, fsdp: int, *, decode_batch: int | None):
+    """The sample function as the host's program runs it. At ``fsdp`` 1 it is written per
+    device (``shard_map`` over every axis of the mesh: each device runs the same program on
+    its own rows with its whole copy of the weights), so the program a device runs does not
+    depend on how many devices the host has: a 2x2 run and a 1x4 run compute every image
+    with the same instructions, byte for byte. At N > 1 the weights are split over the fsdp
+    axis and the compiler partitions the program over the mesh (sharding annotations)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    platform = the_mesh.devices.flat[0].platform
+    if fsdp > 1:
+        return sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention,
+                                      platform, the_mesh, decode_batch=decode_batch)
+    fn = sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention, platform,
+                                None, decode_batch=decode_batch)
+    rows = PartitionSpec(tuple(the_mesh.axis_names))
+    return jax.shard_map(fn, mesh=the_mesh, in_specs=(PartitionSpec(),) + (rows,) * 6,
+                         out_specs=(rows, rows) if latents else rows, check_vma=False)
 
 
 class Generator:
