@@ -157,6 +157,24 @@ class Family:
         family's ``cfg``, or per checkpoint (FLUX.2 [klein]: its base models only)."""
         return self.cfg
 
+    def loaded_params(self, directory: str, nets, loras, abstract: bool, dtype) -> dict:
+        """{component: params} of a family that converts its own weights (its ``_flat_shapes``
+        and ``_params``): the networks' shapes in ``dtype`` when ``abstract`` (what the devices
+        hold), else the converted weights with ``loras`` merged (a merged layer is the one
+        copy made on the host, cast back to its stored dtype)."""
+        from pipeline.model.loading import convert, lora
+        from pipeline.model.loading.checkpoint import ModelError
+
+        if abstract:
+            return convert.abstract_params(self._flat_shapes(nets), dtype)
+        params = self._params(directory, nets)
+        if loras:
+            try:
+                params = lora.merge(params, loras, layouts=self.lora_layouts())
+            except lora.LoraError as e:
+                raise ModelError(str(e)) from None
+        return params
+
     def lora_layouts(self) -> dict:
         """{component: ``nets.convert.Layout``} of promptmill's own networks, whose layers a
         LoRA names by PyTorch's names (a stacked block by its index)."""

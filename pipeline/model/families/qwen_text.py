@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from pipeline.model.families.base import Family, Model
-from pipeline.model.loading import convert, lora, weights
+from pipeline.model.loading import weights
 from pipeline.model.loading import qwen_tokenizer
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
 from pipeline.model.sampling import decoding, flow
@@ -143,15 +143,7 @@ class QwenTextFamily(Family):
             tokenizer = qwen_tokenizer.load(os.path.join(directory, "tokenizer"))
         except tokenizer_lib.TokenizerError as e:
             raise ModelError(str(e)) from None
-        if abstract:
-            params = convert.abstract_params(self._flat_shapes(nets), jdtype)
-        else:
-            params = self._params(directory, nets)
-            if loras:
-                try:  # a merged layer is the one copy made on the host, cast back to its stored dtype
-                    params = lora.merge(params, loras, layouts=self.lora_layouts())
-                except lora.LoraError as e:
-                    raise ModelError(str(e)) from None
+        params = self.loaded_params(directory, nets, loras, abstract, jdtype)
         nets = dataclasses.replace(nets, tokenizer=tokenizer, max_sequence_length=described.max_sequence_length)
         return Model(path=request.model, fingerprint=None, family=self, nets=nets,
                      sampler=Sampler(SAMPLER, nets.scheduler_config, "flow"), params=params, dtype=jdtype,

@@ -42,8 +42,8 @@ def write_configs(directory: str, name: str, preset: dict, index: dict, classes:
     return hf_config
 
 
-def write_random_weights(directory: str, preset: dict, hf_config: dict, net, transformer_config, vae_class: str,
-                         seed: int, *, causal_lm: bool = False) -> None:
+def write_random_weights(directory: str, preset: dict, hf_config: dict, net, transformer_config, *, vae_class: str,
+                         seed: int, causal_lm: bool = False) -> None:
     """Random weights drawn from ``seed`` (the text encoder's, the transformer's (``net``, its
     module, from ``transformer_config``), the VAE's: seed, seed + 1, seed + 2), in PyTorch
     names, as safetensors; ``causal_lm``: the text encoder is a ``Qwen3ForCausalLM`` (its

@@ -29,9 +29,8 @@ import os
 
 from pipeline.model.sampling import decoding, flow
 from pipeline.model.families.flux import presets, sampling as flux_sampling
-from pipeline.model.loading import lora, weights
+from pipeline.model.loading import weights
 from pipeline.model.families.base import Described, Family, Model
-from pipeline.model.loading import convert  # the networks themselves (flax, jax) where they are used
 from pipeline.model.sampling.scheduler import Sampler
 from pipeline.model.loading.checkpoint import ModelError, license_of, read_json_file
 
@@ -113,7 +112,6 @@ class Flux(Family):
                                                        f"(FluxPipeline's default of {DEV_STEPS} is [dev]'s)"))
 
     def load(self, directory, request, unet_file, loras, abstract) -> Model:
-        import jax
         import jax.numpy as jnp
 
         from pipeline.model.loading import tokenizer as tokenizer_lib
@@ -128,18 +126,7 @@ class Flux(Family):
                                                   flux_sampling.MAX_SEQUENCE_LENGTH)
         except tokenizer_lib.TokenizerError as e:
             raise ModelError(str(e)) from None
-        if abstract:  # the networks' shapes, in the run's dtype: what the devices hold
-            shapes = self._flat_shapes(nets)
-            params = {component: convert.unflatten({path: jax.ShapeDtypeStruct(shape, jdtype)
-                                                    for path, shape in flat.items()})
-                      for component, flat in shapes.items()}
-        else:
-            params = self._params(directory, nets)
-            if loras:
-                try:  # a merged layer is the one copy made on the host, cast back to its stored dtype
-                    params = lora.merge(params, loras, layouts=self.lora_layouts())
-                except lora.LoraError as e:
-                    raise ModelError(str(e)) from None
+        params = self.loaded_params(directory, nets, loras, abstract, jdtype)
         f = nets.vae_scale_factor
         nets = dataclasses.replace(nets, tokenizer=tokenizer, tokenizer_2=tokenizer_2,
                                    max_sequence_length=described.max_sequence_length)

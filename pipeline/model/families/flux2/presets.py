@@ -128,8 +128,8 @@ def build(directory: str, name: str = "tiny-klein", weights: bool = True) -> Non
     if not weights:
         builtin.mark_shapes_only(directory, name)
         return
-    qwen_checkpoint.write_random_weights(directory, preset, hf_config, flux2, flux2.Flux2Config, vae.FLUX2_CLASS_NAME,
-                                         SEED, causal_lm=True)
+    qwen_checkpoint.write_random_weights(directory, preset, hf_config, flux2, flux2.Flux2Config,
+                                         vae_class=vae.FLUX2_CLASS_NAME, seed=SEED, causal_lm=True)
 
 
 def ensure(name: str, shapes: bool = False) -> str:

@@ -108,8 +108,8 @@ def build(directory: str, name: str = "tiny-zimage", weights: bool = True) -> No
     if not weights:
         builtin.mark_shapes_only(directory, name)
         return
-    qwen_checkpoint.write_random_weights(directory, preset, hf_config, zimage, zimage.ZImageConfig, "AutoencoderKL",
-                                         SEED)
+    qwen_checkpoint.write_random_weights(directory, preset, hf_config, zimage, zimage.ZImageConfig,
+                                         vae_class="AutoencoderKL", seed=SEED)
 
 
 def ensure(name: str, shapes: bool = False) -> str:
