@@ -184,6 +184,28 @@ def read_range(path: str, start: int, length: int) -> bytes:
     return data
 
 
+def read_pieces(pieces: list[tuple[str, int, int]], pool=None) -> list[bytes]:
+    """The bytes of each piece, (path, first byte, length), in order (``read_range``).
+
+    On GCS through ``pool`` (a ``ThreadPoolExecutor``): in parallel, which the requests'
+    latency needs. Local files one after the other: each thread allocates in its own
+    malloc arena, which keeps the memory once freed (a 10M-prompt plan with --dedupe
+    peaked 240 MiB higher with 16 reader threads)."""
+    remote = pool is not None and any(path.startswith("gs://") for path, _, _ in pieces)
+    return list((pool.map if remote else map)(lambda piece: read_range(*piece), pieces))
+
+
+def write_pieces(path: str, blocks: list[bytes]) -> list[tuple[str, int, int]]:
+    """Write ``blocks`` one after the other as the object ``path``; returns each block's
+    piece, (path, first byte, length), for ``read_pieces``."""
+    pieces, at = [], 0
+    for block in blocks:
+        pieces.append((path, at, len(block)))
+        at += len(block)
+    write_bytes(path, b"".join(blocks))
+    return pieces
+
+
 @functools.lru_cache(maxsize=None)
 def _gcsio():
     """The process's Beam GCS client (one per process, as Beam's filesystem keeps one)."""
