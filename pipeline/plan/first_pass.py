@@ -24,8 +24,6 @@ files -> (counts, (file, its drops' object or None), the objects to delete once 
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import apache_beam as beam
 import numpy as np
 from apache_beam.metrics import Metrics
@@ -36,9 +34,6 @@ from pipeline.plan import duplicates
 from pipeline.plan.duplicates import Drops, Segment
 from pipeline.plan.layout import count_file, load_scan, save_scan, scan_file
 
-# A range reads one segment of every file with rows in it, a file a piece of every range:
-# on GCS, ranged reads in parallel (``beamio.read_pieces``)
-READERS = 16
 # what travels where, each value tagged with its kind, so that one GroupByKey gathers several kinds;
 # TEMPS: objects deleted once the plan's key index is written
 IDS, PROMPTS, EXCLUDED, SAVED, COUNTS, TEMPS = "ids", "prompts", "excluded", "saved", "counts", "temps"
@@ -91,20 +86,16 @@ class _CheckFn(beam.DoFn):
 
     def setup(self):
         beamio.use_emulator_credentials()
-        self.pool = ThreadPoolExecutor(READERS, thread_name_prefix="pieces")
-
-    def teardown(self):
-        self.pool.shutdown()
 
     def process(self, element):
         hash_range, grouped = element
         segments, left_out = [], []
         for kind, value in grouped:
             (segments if kind == self.kind else left_out).append(value)
-        read = beamio.read_pieces([duplicates.piece_of(s, self.dtype) for s in segments], self.pool)
+        read = beamio.read_pieces([duplicates.piece_of(s, self.dtype) for s in segments])
         parts = [(s.source, np.frombuffer(data, self.dtype)) for s, data in zip(segments, read)]
         excluded = {}
-        for data in beamio.read_pieces(left_out, self.pool):
+        for data in beamio.read_pieces(left_out):
             for source, lines in duplicates.lines_from_bytes(data).items():
                 excluded.setdefault(source, []).append(lines)
         excluded = {source: np.concatenate(lines) for source, lines in excluded.items()}
@@ -137,16 +128,12 @@ class _CountFn(beam.DoFn):
 
     def setup(self):
         beamio.use_emulator_credentials()
-        self.pool = ThreadPoolExecutor(READERS, thread_name_prefix="pieces")
-
-    def teardown(self):
-        self.pool.shutdown()
 
     def process(self, element):
         source, grouped = element
         [saved] = [value for kind, value in grouped if kind == SAVED]
         pieces = [value for kind, value in grouped if kind != SAVED]
-        drops = Drops.merged([Drops.from_bytes(data) for data in beamio.read_pieces(pieces, self.pool)])
+        drops = Drops.merged([Drops.from_bytes(data) for data in beamio.read_pieces(pieces)])
         yield beam.pvalue.TaggedOutput(COUNTS, count_file(load_scan(saved[0]), drops, self.num_buckets))
         beamio.delete(saved)  # every range has read its segments: the checks are a step before
         if not len(drops):

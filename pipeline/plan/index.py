@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import array
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import apache_beam as beam
 import numpy as np
@@ -32,7 +31,6 @@ from pipeline.output import key_index
 # about 20 MB; the pieces that cross the runner are a few per file and range.
 BUCKETS_PER_RANGE = 64
 CHUNK = 1 << 17  # keys a placing step holds before it writes them out: about 10 MB
-READERS = 16  # pieces read at once on GCS (``beamio.read_pieces``)
 
 
 def pack_block(keys: list[bytes], numbers: np.ndarray) -> bytes:
@@ -102,15 +100,11 @@ class _WriteRangeFn(beam.DoFn):
 
     def setup(self):
         beamio.use_emulator_credentials()
-        self.pool = ThreadPoolExecutor(READERS, thread_name_prefix="keys")
-
-    def teardown(self):
-        self.pool.shutdown()
 
     def process(self, element):
         _, pieces = element
         keys, numbers = [], []
-        for data in beamio.read_pieces(list(pieces), self.pool):
+        for data in beamio.read_pieces(list(pieces)):
             found, rows = unpack_block(data)
             keys += found
             numbers.append(rows)

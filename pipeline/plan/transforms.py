@@ -5,9 +5,9 @@ is read twice, one row at a time, and only small summaries, file names and where
 objects lie cross a shuffle (no record, rejected row or key: a runner may hold a
 step's whole output, as Beam's DirectRunner does in its one process). No step holds a
 value of every record: the only thing gathered in one place is a few counts per file.
-At most one slice of items, and a chunk of keys, is in memory at a time. ``Plan`` composes the
-stages (prompt pattern -> the manifest); the per-file logic they run is in
-``pipeline.plan.layout``.
+At most one slice of items, and a chunk of keys, is in memory at a time. ``Plan``
+composes the stages (prompt pattern -> the manifest); the per-file logic they run is
+in ``pipeline.plan.layout``.
 
   MatchFiles     the prompt pattern -> its files (``layout.prompt_files``)
   FirstPass      ``pipeline.plan.first_pass``: each file scanned (row count, rejects by
@@ -65,8 +65,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.core import logs, naming, records, slicing
 from pipeline.core.settings import Settings, guided_by_records_line
 from pipeline.io import beamio, runs, storage
-from pipeline.output import key_index
 from pipeline.model import load as model_lib
+from pipeline.output import key_index
 from pipeline.plan import duplicates
 from pipeline.plan.decide import decide
 from pipeline.plan.first_pass import TEMPS, FirstPass
@@ -344,10 +344,10 @@ class Plan(beam.PTransform):
         indexed = placed[_PlaceFn.KEYS] | "PlanKeys" >> PlanKeys(out)
         # every object the checks and the placing steps wrote for later steps, deleted once the
         # last reader (the key index) is done: the manifest waits for it
+        buckets = indexed | "Indexed" >> beam.combiners.Count.Globally()
         cleared = ((checked, placed[TEMPS])
                    | "Temporaries" >> beam.Flatten()
-                   | "Delete" >> beam.Map(lambda path, _: beamio.delete([path]),
-                                          beam.pvalue.AsSingleton(indexed | "Indexed" >> beam.combiners.Count.Globally()))
+                   | "Delete" >> beam.Map(lambda path, _: beamio.delete([path]), beam.pvalue.AsSingleton(buckets))
                    | "Deleted" >> beam.combiners.Count.Globally())
         return (layout, written, cleared) | "WriteManifest" >> WriteManifest(out, settings)
 
