@@ -146,7 +146,7 @@ class _CountFn(beam.DoFn):
 
 class FirstPass(beam.PTransform):
     """Files (paths) -> (every file's ``FileCounts``, (file, its ``Drops``' object or None)
-    per file, the objects the checks wrote, to delete once read).
+    per file, the PCollections of the objects the checks wrote, to delete once read).
 
     ``args``: (run seed, input root, prompt field); ``ranges``: the hash ranges of the
     duplicate checks (``duplicates.range_count``)."""
@@ -179,4 +179,4 @@ class FirstPass(beam.PTransform):
                    | "ByFile" >> beam.GroupByKey()
                    | "CountFiles" >> beam.ParDo(_CountFn(out, max(1, len(s.sizes)))).with_outputs(COUNTS,
                                                                                                   main="drops"))
-        return counted[COUNTS], counted.drops, temps | "CheckObjects" >> beam.Flatten()
+        return counted[COUNTS], counted.drops, tuple(temps)

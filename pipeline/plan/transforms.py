@@ -37,10 +37,9 @@ in ``pipeline.plan.layout``.
                  position order into the slice, then deleted
   PlanKeys       every file's keys, by range of buckets -> the plan's key index,
                  ``plan/keys/`` (key -> slice, position; ``pipeline.plan.index``)
-  Delete         once the key index is written: the objects the checks and the placing
-                 steps wrote for later steps (``plan/scans/``)
-  WriteManifest  once every slice and the key index are written and those objects
-                 deleted -> ``plan/manifest.json``
+  WriteManifest  once every slice and the key index are written -> the objects the
+                 checks and the placing steps wrote for later steps (``plan/scans/``)
+                 deleted, then ``plan/manifest.json``
 
 ``run_plan`` runs ``Plan`` on its own; the beam engine composes it with generate and
 collect. Both first call ``pipeline.plan.prepare.prepare``, which writes ``run.json``
@@ -261,19 +260,22 @@ NO_SPAN = Span(0, None, None)
 
 
 class WriteManifest(beam.PTransform):
-    """(the Layout, the slice indices written, what it waits for) -> the manifest, once every
-    slice is written and each planned slice was written exactly once (``IndexSpan``)."""
+    """(the Layout, the slice indices written, the key index's buckets written, the objects
+    the plan's steps wrote for later steps) -> the manifest, once every slice is written and
+    each planned slice was written exactly once (``IndexSpan``), the key index is written
+    (its step is the last reader of those objects) and those objects are deleted (a few a
+    file and hash range, ``pipeline.plan.first_pass``)."""
 
     def __init__(self, out: str, settings: Settings | None = None):
         super().__init__()
         self.out, self.settings = out, settings
 
     def expand(self, inputs):
-        layout, written, awaited = inputs
+        layout, written, indexed, temporaries = inputs
         settings = self.settings
         span = written | "Written" >> IndexSpan()
 
-        def write(_, layout: Layout, span: Span, _awaited):
+        def write(_, layout: Layout, span: Span, _indexed, temporaries):
             rejects = sum(layout.rejects_by_reason.values())
             manifest = {"slice_size": layout.slice_size, "slices": span.count, "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
@@ -293,6 +295,7 @@ class WriteManifest(beam.PTransform):
                                          ("negative_prompts_unused", layout.unused_negative)):
                 if count:  # said once the plan is done (``run_plan``)
                     manifest[name] = {"records": count, "first": first}
+            beamio.delete(temporaries)
             beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
 
@@ -300,7 +303,7 @@ class WriteManifest(beam.PTransform):
                 | "Once" >> beam.Create([None])
                 | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout),
                                       beam.pvalue.AsSingleton(span, default_value=NO_SPAN),
-                                      beam.pvalue.AsList(awaited)))  # the key index written, the rest deleted
+                                      beam.pvalue.AsList(indexed), beam.pvalue.AsList(temporaries)))
 
 
 class Plan(beam.PTransform):
@@ -342,14 +345,8 @@ class Plan(beam.PTransform):
                   | "JoinShared" >> beam.ParDo(_JoinPartsFn(out)))
         written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
         indexed = placed[_PlaceFn.KEYS] | "PlanKeys" >> PlanKeys(out)
-        # every object the checks and the placing steps wrote for later steps, deleted once the
-        # last reader (the key index) is done: the manifest waits for it
-        buckets = indexed | "Indexed" >> beam.combiners.Count.Globally()
-        cleared = ((checked, placed[TEMPS])
-                   | "Temporaries" >> beam.Flatten()
-                   | "Delete" >> beam.Map(lambda path, _: beamio.delete([path]), beam.pvalue.AsSingleton(buckets))
-                   | "Deleted" >> beam.combiners.Count.Globally())
-        return (layout, written, cleared) | "WriteManifest" >> WriteManifest(out, settings)
+        temporaries = (*checked, placed[TEMPS]) | "Temporaries" >> beam.Flatten()
+        return (layout, written, indexed, temporaries) | "WriteManifest" >> WriteManifest(out, settings)
 
 
 def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,
