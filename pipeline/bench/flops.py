@@ -3,7 +3,7 @@
 XLA's cost analysis (``HloCostAnalysis``) counts the body of a while loop once, however
 many times it runs: for the tiny model at 32x32 the compiled sampler reports the same
 flops for 2, 4 and 8 steps (checked with jax 0.10.2 on CPU, and by
-tests/test_bench.py). The denoising loop is a ``lax.fori_loop``, which lowers to a
+tests/bench/test_bench.py). The denoising loop is a ``lax.fori_loop``, which lowers to a
 while loop, so ``Generator.compiled.cost_analysis()`` undercounts a step of S
 denoising steps by about (S - 1) UNet calls.
 

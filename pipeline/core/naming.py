@@ -97,7 +97,7 @@ def join(base: str, *parts: str) -> str:
 # Everything promptmill writes under OUT, by name relative to OUT, is given by a function of
 # this module registered with the pattern of the names it gives (``writes``); ``owned`` matches
 # exactly those, and ``--overwrite`` deletes exactly the objects it matches, never another (a
-# user's own file in OUT is kept). tests/test_naming.py calls every path function here and
+# user's own file in OUT is kept). tests/core/test_naming.py calls every path function here and
 # holds each name it gives against ``owned``, so a writer cannot give a name the rule misses.
 WRITERS: dict[str, str] = {}  # {function name: the pattern of the names under OUT it gives}
 _SIZE_GROUP = r"(\d+x\d+/)?"  # a run of several sizes keeps a zarr group per size

@@ -3,7 +3,7 @@ Linen module, to serve as a text encoder: diffusers' FLUX.2 [klein] and Z-Image 
 condition on the hidden states of some of its layers.
 
 What it computes, as transformers 4.57's PyTorch ``Qwen3Model`` with its eager attention
-does (checked against it with fixtures: tests/test_qwen3.py):
+does (checked against it with fixtures: tests/model/test_qwen3.py):
 - the token embedding (``embed_tokens``), unscaled;
 - ``num_hidden_layers`` decoder layers, each: an RMS norm (``input_layernorm``) then
   self-attention, added back; an RMS norm (``post_attention_layernorm``) then the SwiGLU

@@ -7,7 +7,7 @@ Linen, like the diffusers and transformers modules promptmill runs (see
 ``pipeline.model.layers``).
 
 What it computes, as transformers' PyTorch ``T5EncoderModel`` does (checked against it
-with fixtures: tests/test_flux_nets.py):
+with fixtures: tests/families/test_flux_nets.py):
 - the token embedding (``shared``), unscaled;
 - ``num_layers`` blocks, each: an RMS layer norm (no mean subtraction, no bias) then
   self-attention, whose scores are not scaled by 1/sqrt(d_kv) and get a learnt bias by

@@ -4,7 +4,7 @@ PyTorch schedulers define them.
 These functions follow the PyTorch schedulers of diffusers 0.39 (``DDIMScheduler``,
 ``PNDMScheduler``, ``EulerDiscreteScheduler``, ``DPMSolverMultistepScheduler``,
 ``EulerAncestralDiscreteScheduler``, ``LCMScheduler``; the multistep ones' tables in
-``pipeline.model.sampling.multistep``), and ``tests/test_steps.py`` checks them against
+``pipeline.model.sampling.multistep``), and ``tests/model/test_steps.py`` checks them against
 fixtures those schedulers wrote.
 
 Two halves:

@@ -16,7 +16,7 @@ Parameter names are transformers' PyTorch names split at the dots (the layers st
 ``vision_model.encoder.layers.{i}.…``), so a CLIP folder's safetensors load by rule
 (``convert``), and transformers' Flax msgpack by ``convert.from_flax``. The attention cores
 go through the attention seam (sites "text_encoder" and "vision"). Checked against
-transformers' and diffusers' PyTorch models with stored fixtures: tests/test_scorers.py.
+transformers' and diffusers' PyTorch models with stored fixtures: tests/model/test_scorers.py.
 """
 from __future__ import annotations
 

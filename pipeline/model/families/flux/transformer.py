@@ -2,7 +2,7 @@
 Flax Linen modules (Linen, like the rest of promptmill's networks: ``pipeline.model.layers``).
 
 The forward pass, as diffusers 0.39 computes it (checked against its PyTorch module and
-its ``FluxPipeline`` with fixtures: tests/test_flux_nets.py):
+its ``FluxPipeline`` with fixtures: tests/families/test_flux_nets.py):
 - ``x_embedder`` (packed latents -> width) and ``context_embedder`` (T5 states -> width);
 - ``time_text_embed``: the timestep (times 1000) as a 256-channel sinusoid through an
   MLP, plus the pooled CLIP embedding through an MLP, plus, with ``guidance_embeds``,

@@ -3,7 +3,7 @@
 (``pipeline.model.families.flux.transformer``).
 
 The forward pass, as diffusers 0.39 computes it (checked against its PyTorch module with
-fixtures: tests/test_flux2_transformer.py):
+fixtures: tests/families/test_flux2_transformer.py):
 - ``x_embedder`` (packed latents -> width) and ``context_embedder`` (the text encoder's
   stacked hidden states -> width); no biases anywhere in the network;
 - ``time_guidance_embed``: the timestep (times 1000) as a ``timestep_guidance_channels``

@@ -2,7 +2,7 @@
 one image per prompt) as our own Flax Linen modules, in a fixed-shape program.
 
 The forward pass, as diffusers 0.39 computes it (checked against its PyTorch module with
-fixtures: tests/test_zimage.py):
+fixtures: tests/families/test_zimage.py):
 - ``t_embedder``: the model's timestep t (1 - sigma) times ``t_scale`` as a 256-channel
   sinusoid through ``mlp.0`` (1024), SiLU, ``mlp.2`` (min(dim, 256)): the conditioning;
 - image tokens: the latents' 2x2 patches (``patching.pack_latents(order="yxc")``: dy,
