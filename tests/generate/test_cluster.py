@@ -76,4 +76,4 @@ def test_a_tpu_is_found_by_its_pci_vendor(tmp_path):
 
 
 # Hosts that form their cluster from these variables alone, started from a rendered JobSet's
-# command and env, complete a run in tests/test_submit.py::test_gke_end_to_end_with_a_fake_kubectl.
+# command and env, complete a run in tests/cloud/test_submit_gke.py::test_gke_end_to_end_with_a_fake_kubectl.

@@ -2,7 +2,7 @@
 ``UNet2DConditionModel``, built block by block from its config (``unet_config``).
 
 What it computes, as diffusers 0.39's PyTorch module does (checked against it with stored
-fixtures: tests/families/test_pipeline_parity.py, tests/test_unet.py):
+fixtures: tests/families/test_pipeline_parity.py):
 - the timestep's sinusoid (``flip_sin_to_cos``, ``freq_shift``) through ``time_embedding``
   (linear, SiLU, linear); SDXL adds ``add_embedding`` of [pooled text, the sinusoids of its
   6 time ids] (``addition_embed_type`` "text_time");

@@ -4,7 +4,7 @@ OpenCLIP-bigG with its projection for SDXL), and the encoder layer CLIP's vision
 shares (``EncoderLayer``).
 
 What it computes, as transformers 4.57's PyTorch module does (checked against it with
-stored fixtures: tests/test_clip.py, tests/families/test_pipeline_parity.py):
+stored fixtures: tests/families/test_flux_nets.py, tests/families/test_pipeline_parity.py):
 - the token embedding plus the learned position embedding (positions 0..L-1);
 - ``num_hidden_layers`` encoder layers, each: a layer norm (``layer_norm1``) then causal
   self-attention (``q_proj``, ``k_proj``, ``v_proj`` with biases, scores scaled by
