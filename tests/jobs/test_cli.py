@@ -12,14 +12,15 @@ from pipeline.model import families
 from tests.conftest import ROOT
 
 
-def test_missing_google_credentials_are_one_clear_line(monkeypatch, capsys):
+def test_missing_google_credentials_are_one_clear_line(monkeypatch, capsys, tmp_path):
     from google.auth.exceptions import DefaultCredentialsError
 
     def dispatch(args, beam_args):
         raise DefaultCredentialsError("Your default credentials were not found.")
 
     monkeypatch.setattr(cli, "_dispatch", dispatch)
-    assert cli.main(["collect", "--out", "gs://bucket/run"]) == 1
+    # a local OUT: its lease needs no bucket (where a module before this one left the GCS emulator on)
+    assert cli.main(["collect", "--out", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("promptmill collect: error: no usable Google Cloud credentials")
     assert "credentials were not found" in err and "gcloud auth application-default login" in err
