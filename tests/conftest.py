@@ -90,7 +90,7 @@ def pytest_collection_modifyitems(items):
 
     The sort is stable: the tests of a module keep their order and stay together."""
     def rank(item):
-        name = os.path.relpath(str(item.path), TESTS)
+        name = os.path.relpath(os.path.realpath(item.path), os.path.realpath(TESTS))
         return SLOW_MODULES.index(name) + 1 if name in SLOW_MODULES else 0
 
     items.sort(key=rank)
