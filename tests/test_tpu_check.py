@@ -229,7 +229,7 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
     # --decode-batch auto (1): the program decodes one image at a time, and so does its VAE part
     compiled.clear()
     micro = tpu_check.Context.of(settings.replace(decode_batch="auto"), context.target)
-    assert micro.settings.decode_batch == 1 and micro.sampler_args()["decode_batch"] == 1
+    assert micro.settings.decode_batch == 1 and micro.spec(1).decode_batch == 1
     assert tpu_check.parts_memory(micro, 3) == 150  # the denoiser's, at 3
     assert ("vae_decode", 1) in compiled and ("vae_decode", 3) not in compiled
 
