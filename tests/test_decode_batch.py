@@ -161,7 +161,7 @@ def test_a_runs_generator_and_reproduce_use_its_decode_batch(monkeypatch):
     ``ready_generator``, build) makes the run's program: micro-batched for a new run, whole
     for one planned before the setting (the programs themselves are compared above)."""
     made = []
-    monkeypatch.setattr(runtime, "Generator", lambda *args, **kwargs: made.append(kwargs["decode_batch"]))
+    monkeypatch.setattr(runtime, "Generator", lambda model, spec, *args, **kwargs: made.append(spec.decode_batch))
     for micro in (2, None):
         runtime.make_generator(object(), _planned(decode_batch=micro), jax.local_devices()[:1])
     assert made == [2, None]

@@ -140,11 +140,11 @@ def run_slices(sizes: _Sizes, out: str, slots, host: int, pool, *, compiles_at_w
 
     def hand_over(flight: _InFlight) -> None:  # a dispatched batch, to the writers
         nonlocal committing
-        made, state, chunk, cut, handle, last, done_at, scored = dataclasses.astuple(flight)
+        made, state, chunk, cut = flight.made, flight.state, flight.chunk, flight.cut
         clock = logs.Stopwatch()
-        images, latents = made.generator.fetch(handle)
-        scores = None if scored is None else made.scorer.fetch(scored)
-        busy = device.busy(done_at.result())
+        images, latents = made.generator.fetch(flight.handle)
+        scores = None if flight.scored is None else made.scorer.fetch(flight.scored)
+        busy = device.busy(flight.done_at.result())
         if made is not seen[0]:  # the first step of another size: how long the devices waited for it
             if seen[0] is not None:
                 logs.event("size_switch", host=host, size=f"{made.run.settings.width}x{made.run.settings.height}",
@@ -165,7 +165,7 @@ def run_slices(sizes: _Sizes, out: str, slots, host: int, pool, *, compiles_at_w
         state.batches_handed += 1
         if state.batches_handed == 1:
             crashpoints.reached("mid_slice", host, before=lambda: (committed_previous(), state.writer.wait_images()))
-        if last:
+        if flight.last:
             state.compiles = sizes.compiles_since(compiles_at_warm)
             committed_previous()  # at most one slice commits while the next one runs
             committing = committer.submit(commit, state)
