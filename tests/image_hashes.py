@@ -7,7 +7,7 @@ so the suite relies on its parity and topology tests instead of stored hashes).
 
 Each run is a real ``promptmill run`` (local engine, CPU devices) into a scratch folder:
 SD, SDXL, FLUX.1 [schnell] and [dev], with and without a LoRA, --fsdp 2, guided and
-guidance-free, scored. The JSON holds, per run, every image's key -> sha256, and a digest
+guidance-free, scored; FLUX.2 [klein], klein base (guided) and Z-Image. The JSON holds, per run, every image's key -> sha256, and a digest
 of the whole set.
 """
 from __future__ import annotations
@@ -38,6 +38,9 @@ RUNS = {  # name -> the run's own flags
     "flux-schnell-fsdp2": ["--model", "tiny-flux", "--fsdp", "2"],
     "flux-dev": ["--model", "tiny-flux-dev", "--guidance-scale", "3.5"],
     "flux-dev-lora": ["--model", os.path.join(FIXTURES, "flux", "dev"), "--lora", FLUX_LORA],
+    "klein": ["--model", "tiny-klein"],
+    "klein-base": ["--model", "tiny-klein-base", "--guidance-scale", "4"],
+    "zimage": ["--model", "tiny-zimage"],
 }
 PROMPTS = [{"prompt": "a red cube on a table"}, {"prompt": "a blue sphere", "num_images": 2},
            {"prompt": "a green cone", "guidance_scale": 1.0}, {"prompt": "a yellow torus", "seed": 7}]

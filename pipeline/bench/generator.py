@@ -443,12 +443,12 @@ def run_fsdp(model, config: BenchConfig, devices, width: int, height: int) -> di
     from pipeline.bench.timing import in_turns, ours_call
     from pipeline.generate.fit import program_memory
     from pipeline.generate.generator import Generator
+    from pipeline.generate.spec import ProgramSpec
 
     per_device_batch = config.per_device_batches[0]
-    generators = {fsdp: Generator(model, width, height, config.steps, per_device_batch, devices=devices,
-                                  guided=model.family.classifier_free(model) and config.guided,
-                                  guidance_rule=model.family.guidance_rule(model), fsdp=fsdp,
-                                  decode_batch=config.decode_batch)
+    spec = ProgramSpec(width, height, config.steps, per_device_batch, model.family.guidance_rule(model),
+                       model.family.classifier_free(model) and config.guided, decode_batch=config.decode_batch)
+    generators = {fsdp: Generator(model, spec.at(fsdp=fsdp), devices)
                   for fsdp in config.fsdps}
     timings = in_turns({str(n): ours_call(g, config.guidance_scale) for n, g in generators.items()},
                        {str(n): g.batch_size for n, g in generators.items()}, config.batches)
@@ -469,20 +469,22 @@ def run_models(model, config: BenchConfig, devices, width: int, height: int, pro
     from pipeline.bench.timing import in_turns, ours_call
     from pipeline.generate import parts
     from pipeline.generate.generator import Generator
+    from pipeline.generate.spec import ProgramSpec
     from pipeline.model import load as model_lib
 
     per_device_batch = config.per_device_batches[0]
     rows, calls, sizes = {}, {}, {}
     for name in (config.model, *config.compare_models):
         loaded = model if name == config.model else model_lib.load(name, dtype=config.dtype)
-        guidance = model_lib.describe(name)["default_guidance"]
+        guidance = model_lib.describe(name).default_guidance
         guided = loaded.family.classifier_free(loaded) and guidance > 1
         rule = loaded.family.guidance_rule(loaded)
         if programs is not None and rule == "diffusers":  # a program an earlier part compiled, if it did
-            generator = programs.generator(loaded, width, height, config.steps, per_device_batch, devices, guided)
+            generator = programs.generator(loaded, width, height, config.steps, per_device_batch, devices,
+                                           guided=guided)
         else:
-            generator = Generator(loaded, width, height, config.steps, per_device_batch, devices=devices,
-                                  guided=guided, guidance_rule=rule, decode_batch=config.decode_batch)
+            generator = Generator(loaded, ProgramSpec(width, height, config.steps, per_device_batch, rule, guided,
+                                                      decode_batch=config.decode_batch), devices)
         calls[name], sizes[name] = ours_call(generator, guidance), generator.batch_size
         rows[name] = {"family": loaded.family.name, "guidance_scale": guidance, "guided": guided,
                       "flops_per_image": parts.image_flops(loaded, width, height, config.steps, per_device_batch,

@@ -206,8 +206,8 @@ def run_pipeline(generator, out: str, run: dict, slices: int, size: int) -> dict
     rss_after_commit = []  # this process's RSS each time a slice is committed: flat if memory is bounded
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=host_loop.WRITER_THREADS, thread_name_prefix="writer") as pool:
-        stats = host_loop.run_slices(generator, out, run, range(slices), size, 0, pool,
-                                on_commit=lambda _: rss_after_commit.append(_rss()["rss_mib"]))
+        stats = host_loop.run_slices(host_loop.one_size(generator, run, size), out, range(slices), 0, pool,
+                                     on_commit=lambda _: rss_after_commit.append(_rss()["rss_mib"]))
     seconds = watch.seconds()
     parts = {name: round(sum(s[name] for s in stats), 4) for name in ("input_s", "device_wait_s", "output_s")}
     parts["other_s"] = round(seconds - sum(parts.values()), 4)
@@ -310,6 +310,7 @@ def _build_generator(config: PipelineBenchConfig):
     import jax
 
     from pipeline.generate.generator import Generator
+    from pipeline.generate.spec import ProgramSpec
     from pipeline.model import load as model_lib
 
     devices = jax.local_devices()
@@ -318,7 +319,7 @@ def _build_generator(config: PipelineBenchConfig):
     watch = logs.Stopwatch()
     model = model_lib.load("tiny", dtype="fp32")
     width, height = model.size(config.width, config.height)
-    generator = Generator(model, width, height, config.steps, config.batch // len(devices))
+    generator = Generator(model, ProgramSpec(width, height, config.steps, config.batch // len(devices)))
     generator.warm_up()
     run = bench_run(width, height, config.steps, generator.per_device_batch, "tiny", model.sampler.choice,
                     model.fingerprint, config.batches_per_slice, len(devices))

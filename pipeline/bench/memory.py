@@ -43,7 +43,6 @@ def part_memory(model, width: int, height: int, per_device_batch: int, guided: b
             return contextlib.nullcontext()
         return attention_lib.use(attention, platform=platform, **seam)
 
-    return {"denoiser_call": program_memory(parts.lowered(model, width, height, per_device_batch, guided,
-                                                          "denoiser", seam_block).compile()),
-            "vae_decode": program_memory(parts.lowered(model, width, height, per_device_batch, guided, "vae_decode",
-                                                       seam_block).compile())}
+    return {label: program_memory(parts.lowered(model, width, height, per_device_batch, guided, part,
+                                                seam=seam_block).compile())
+            for label, part in (("denoiser_call", "denoiser"), ("vae_decode", "vae_decode"))}

@@ -11,7 +11,7 @@ Given the same settings and per-device batch, both engines write byte-identical 
                   (``SliceIndices``: the count in chunks, each chunk enumerated by a worker)
   Generate        ``GenerateSlicesFn``: the model, loaded once per worker process in ``setup``; per
                   slice, a committed slice is skipped (resume), any other is generated,
-                  written and committed by ``host_loop.run_slice``; emits the slice's stats
+                  written and committed by ``host_loop.run_slices``; emits the slice's stats
   AllGenerated    the generated slice indices, counted per index and combined
                   (``plan.IndexSpan``: no worker lists them)
   Barrier         once every slice has come out of Generate exactly once, i.e. every slice
@@ -218,19 +218,19 @@ class _BundleRun:
     far; ``close`` waits for the rest and re-raises a failure of the thread.
     """
 
-    def __init__(self, worker, out: str, run: Run, size: int, host: int, zarr_arrays, zarr_group: str = "",
+    def __init__(self, worker, out: str, run: Run, size: int, host: int, *, zarr_arrays, zarr_group: str = "",
                  zarr_offset: int = 0):
         self.slots: queue.Queue = queue.Queue()
         self.committed: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.added: list[int] = []  # the slices queued, in order
-        args = (worker.generator, out, run, self._slots(), size, host, worker.pool)
-        sizes = host_loop.one_size(worker.generator, run, size, worker.scorer, zarr_arrays, zarr_group, zarr_offset)
+        sizes = host_loop.one_size(worker.generator, run, size, scorer=worker.scorer, zarr_arrays=zarr_arrays,
+                                   zarr_group=zarr_group, zarr_offset=zarr_offset)
 
         def work():
             try:
-                host_loop.run_slices(*args, compiles_at_warm=worker.compiles_at_warm, on_commit=self.committed.put,
-                                     scorer=worker.scorer, sizes=sizes)
+                host_loop.run_slices(sizes, out, self._slots(), host, worker.pool,
+                                     compiles_at_warm=worker.compiles_at_warm, on_commit=self.committed.put)
             except BaseException as e:  # noqa: BLE001 (handed to the DoFn's thread, which raises it)
                 self.error = e
 
@@ -386,11 +386,12 @@ class GenerateSlicesFn(beam.DoFn):
         bucket = self._bucket_of(index)
         if bucket not in self.bundles:
             worker = self._worker(bucket)
-            where = ("", 0) if self.geometry is None else (self.geometry.buckets[bucket].name,
-                                                           self.geometry.buckets[bucket].offset)
+            group, offset = ("", 0) if self.geometry is None else (self.geometry.buckets[bucket].name,
+                                                                   self.geometry.buckets[bucket].offset)
             self.bundles[bucket] = _BundleRun(worker, self.out, bucket_programs.bucket_run(self.run, bucket),
-                                              self._slice_size(bucket), worker.host, self._zarr_arrays(bucket),
-                                              *where)
+                                              self._slice_size(bucket), worker.host,
+                                              zarr_arrays=self._zarr_arrays(bucket), zarr_group=group,
+                                              zarr_offset=offset)
         self.bundles[bucket].add(index)
         for stats in self.bundles[bucket].finished():
             yield self._emit(stats)
@@ -405,8 +406,8 @@ class GenerateSlicesFn(beam.DoFn):
                        waited_s=round(watch.seconds(), 3))
 
 
-def build(p, settings: Settings, run: Run, thumbnails: bool = True, compile_cache: str | None = None,
-          cap_hosts: int | None = None, gallery: dict | None = None, *, kept: dict | None = None):
+def build(p, settings: Settings, run: Run, *, thumbnails: bool = True, compile_cache: str | None = None,
+          cap_hosts: int | None = None, gallery: dict | None = None, kept: dict | None = None):
     """The whole job on ``p`` for resolved ``settings`` and ``run`` (run.json in force);
     returns the PCollection of stats.json's content. ``compile_cache``: a folder checked
     by ``compile_cache.resolve``; ``cap_hosts``: see ``plan.Plan``; ``gallery``: collect's
@@ -506,7 +507,8 @@ def run_beam(settings: Settings, beam_args: list[str] | None = None, overwrite: 
     logs.event("beam_engine_started", out=settings.out, runner=runner_name(beam_args) or "DirectRunner",
                devices_per_host=settings.devices_per_host, batches_per_slice=settings.batches_per_slice)
     p = beam.Pipeline(options=PipelineOptions(list(beam_args or [])))
-    build(p, settings, run, gallery_thumbnails, compile_cache, cap, gallery, kept=kept)
+    build(p, settings, run, thumbnails=gallery_thumbnails, compile_cache=compile_cache, cap_hosts=cap, gallery=gallery,
+          kept=kept)
     result = p.run()
     result.wait_until_finish()
     manifest = storage.read_json(naming.manifest(settings.out))

@@ -17,7 +17,7 @@ from pipeline.core.settings import parse_lora
 from pipeline.model import families
 from pipeline.model.loading import builtin, fetch, identity, lora
 from pipeline.model.loading import resolve as resolving
-from pipeline.model.families.base import LoadRequest, Model
+from pipeline.model.families.base import Described, LoadRequest, Model
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
 from pipeline.model.loading.fetch import resolve_lora
 from pipeline.model.loading.identity import file_sha256, model_fingerprint
@@ -189,7 +189,17 @@ def _checked_loras(directory: str, family: families.Family, specs) -> list[tuple
     return adapters
 
 
-def describe(request: LoadRequest | str, **fields) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Description(Described):
+    """``describe``'s answer: the family's ``Described`` of a checkpoint, with the folder
+    of its configs, the run's model fingerprint (the checkpoint, --unet and --lora files)
+    and each LoRA file read ({path, scale, sha256})."""
+    directory: str = ""
+    fingerprint: str = ""
+    loras: tuple[dict, ...] = ()
+
+
+def describe(request: LoadRequest | str, **fields) -> Description:
     """What planning needs to know of a model, from its configs alone (no weights loaded),
     for ``request`` (``request_of``); ``scheduler``, ``timestep_spacing``, ``steps`` and
     ``max_sequence_length``: the run's,
@@ -207,7 +217,8 @@ def describe(request: LoadRequest | str, **fields) -> dict:
     described = family.describe(directory, request, unet_file)
     described = dataclasses.replace(described, native_size=default_size(request.model, described.native_size))
     adapters = _checked_loras(directory, family, request.loras)
-    return {"directory": directory,
-            "fingerprint": model_fingerprint(directory, unet_file, [(local, scale) for _, local, scale in adapters]),
-            "loras": [{"path": path, "scale": scale, "sha256": file_sha256(local)} for path, local, scale in adapters],
-            **dataclasses.asdict(described)}
+    return Description(**dataclasses.asdict(described), directory=directory,
+                       fingerprint=model_fingerprint(directory, unet_file,
+                                                     [(local, scale) for _, local, scale in adapters]),
+                       loras=tuple({"path": path, "scale": scale, "sha256": file_sha256(local)}
+                                   for path, local, scale in adapters))

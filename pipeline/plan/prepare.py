@@ -115,7 +115,7 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
 
     settings.validate()
     described = model.describe(model.LoadRequest.of(settings))
-    size, multiple = described["native_size"], described["size_multiple"]
+    size, multiple = described.native_size, described.size_multiple
     sizes = settings.sizes
     if sizes == (buckets.PRESET,):
         sizes = buckets.preset_sizes(size, multiple)
@@ -123,36 +123,36 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     problem = families.size_problem(settings, described, sizes)
     if problem:
         raise PlanError(problem)
-    steps = described["default_steps"] if settings.steps is None else settings.steps
-    if not described["min_steps"] <= steps <= described["max_steps"]:
+    steps = described.default_steps if settings.steps is None else settings.steps
+    if not described.min_steps <= steps <= described.max_steps:
         raise PlanError(f"--steps {steps}{'' if settings.steps is not None else ' (the model default)'}: "
-                        f"{settings.model} runs {described['min_steps']} to "
-                        f"{described['max_steps']} steps ({described['steps_bound'] or described['family']})")
+                        f"{settings.model} runs {described.min_steps} to "
+                        f"{described.max_steps} steps ({described.steps_bound or described.family})")
     if settings.steps is None:
         logs.event("steps_default", steps=steps, model=settings.model,
-                   **({"note": described["steps_note"]} if described["steps_note"] else {}))
-    if described["defaults_note"] and (settings.steps is None or settings.guidance_scale is None):
-        logs.event("defaults_note", logging.WARNING, model=settings.model, note=described["defaults_note"])
-    guidance = settings.guidance_scale if settings.guidance_scale is not None else described["default_guidance"]
-    if settings.guidance_scale is not None and families.guidance_rule(described["guidance_rule"]).guidance_unused(
+                   **({"note": described.steps_note} if described.steps_note else {}))
+    if described.defaults_note and (settings.steps is None or settings.guidance_scale is None):
+        logs.event("defaults_note", logging.WARNING, model=settings.model, note=described.defaults_note)
+    guidance = settings.guidance_scale if settings.guidance_scale is not None else described.default_guidance
+    if settings.guidance_scale is not None and families.guidance_rule(described.guidance_rule).guidance_unused(
             settings.guidance_scale):
         logs.event("guidance_unused", logging.WARNING, guidance_scale=settings.guidance_scale, model=settings.model,
-                   why=f"{settings.model} takes no guidance ({described['family']}, guidance-distilled): the scale "
+                   why=f"{settings.model} takes no guidance ({described.family}, guidance-distilled): the scale "
                        f"is recorded with each image and counted in the dataset's stats, never used")
     first = buckets.parse_size(sizes[0]) if sizes else (settings.width or size, settings.height or size)
     resolved = dict(width=first[0], height=first[1], sizes=tuple(sizes), steps=steps,
                     decode_batch=DECODE_BATCH if settings.decode_batch == AUTO else settings.decode_batch,
-                    scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),
-                    max_sequence_length=described["max_sequence_length"])
-    resolved.update(guidance_rule=described["guidance_rule"])  # the family's (a resumed run keeps its own)
-    if not described["cfg"]:  # no classifier-free guidance: the program is decided by the family, now
+                    scheduler=settings.scheduler or described.scheduler, guidance_scale=float(guidance),
+                    max_sequence_length=described.max_sequence_length)
+    resolved.update(guidance_rule=described.guidance_rule)  # the family's (a resumed run keeps its own)
+    if not described.cfg:  # no classifier-free guidance: the program is decided by the family, now
         resolved.update(guided=False)
     settings = settings.replace(**resolved).validate()
-    run = Run.create(settings, described["fingerprint"], versions=_versions(),
+    run = Run.create(settings, described.fingerprint, versions=_versions(),
                      created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                     loras=tuple(Lora(**lora) for lora in described["loras"]), license=described["license"],
+                     loras=tuple(Lora(**lora) for lora in described.loras), license=described.license,
                      sharding=_sharding(settings),
-                     scorers=scorer_models.describe(settings, described["fingerprint"])["fingerprints"])
+                     scorers=scorer_models.describe(settings, described.fingerprint)["fingerprints"])
     return settings, run
 
 

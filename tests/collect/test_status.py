@@ -48,7 +48,8 @@ def test_the_rate_counts_the_images_after_the_windows_first_commit_up_to_now():
 def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
     committed = {0: NOW - 100, 2: NOW - 60, 4: NOW - 10}  # 4 + 4 + 1 images
     hosts = [_host(0, "generating", NOW - 3, redone_slices=[2]), _host(1, "failed", NOW - 400, failure="OSError: x")]
-    r = status.report("gs://b/o", _run(), MANIFEST, _found(committed), hosts, None, NOW, host_logs=frozenset({1}))
+    r = status.report("gs://b/o", _run(), MANIFEST, _found(committed), hosts, dataset_stats=None, now=NOW,
+                      host_logs=frozenset({1}))
     assert r["state"] == "generating"
     assert [h["log"] for h in r["hosts"]] == [None, "gs://b/o/logs/host-1.log"]
     assert r["planned"] == {"slices": 5, "images": 17, "records": 15}
@@ -77,7 +78,7 @@ def test_report_counts_committed_out_of_planned_and_gives_a_rate_and_an_eta():
      "collected_unverified"),
 ])
 def test_the_runs_state(hosts, committed, stats, state):
-    r = status.report("o", _run(), MANIFEST, _found(committed), hosts, stats, NOW)
+    r = status.report("o", _run(), MANIFEST, _found(committed), hosts, dataset_stats=stats, now=NOW)
     assert r["state"] == state
     assert r["rate"]["eta_s"] is None or state == "generating"
     if state == "idle":
@@ -87,7 +88,7 @@ def test_the_runs_state(hosts, committed, stats, state):
 
 
 def test_before_the_manifest_the_run_is_planning():
-    r = status.report("o", _run(), None, ledgers.from_times({}, None), [], None, NOW)
+    r = status.report("o", _run(), None, ledgers.from_times({}, None), [], dataset_stats=None, now=NOW)
     assert r["state"] == "planning" and "plan      not written yet" in status.format_text(r)
 
 
@@ -115,11 +116,11 @@ def test_while_planning_status_shows_no_fingerprint_the_plan_may_still_change(tm
 def test_status_words_one_commit_one_slice_and_one_image_right():
     one = dict(MANIFEST, slices=1, images=1)
     r = status.report("o", _run(), one, ledgers.from_times({0: NOW - 1}, one), [_host(0, "done", NOW - 1, slices=1, images=1)],
-                      {"verified": True, "images": 1}, NOW)
+                      dataset_stats={"verified": True, "images": 1}, now=NOW)
     text = status.format_text(r)
     assert "too few commits in the last 10 min to measure a rate (last commit 1 s ago)" in text
     assert "1 slice, 1 image this attempt" in text and "verified: 1 image" in text
-    r = status.report("o", _run(), one, ledgers.from_times({0: NOW - 4000}, one), [], None, NOW)
+    r = status.report("o", _run(), one, ledgers.from_times({0: NOW - 4000}, one), [], dataset_stats=None, now=NOW)
     assert "rate      no commits in the last 10 min (last commit 67 min ago)" in status.format_text(r)
 
 
@@ -191,7 +192,8 @@ def test_the_status_bench_measures_status_and_a_starting_host_from_ledgers_and_f
 
 def test_status_names_hosts_that_never_started_and_one_stopped_before_its_first_event():
     starting = {**_host(0, "starting", NOW - 600, hosts=3), "last_event": None, "last_event_at": None}
-    r = status.report("o", _run(), MANIFEST, _found({}), [starting], None, NOW, host_logs=frozenset({1}))
+    r = status.report("o", _run(), MANIFEST, _found({}), [starting], dataset_stats=None, now=NOW,
+                      host_logs=frozenset({1}))
     assert r["never_started"] == [{"host": 1, "log": "o/logs/host-1.log"}, {"host": 2, "log": None}]
     text = status.format_text(r)
     assert "None" not in text and "never;" not in text
@@ -207,7 +209,7 @@ def test_status_counts_dropped_images_and_its_settings_line_has_scores_and_filte
     run = Run.create(settings, "f" * 64, "2025-01-01T00:00:00+00:00", {},
                      scorers={"clip": "c" * 64, "aesthetic": "a" * 64})
     r = status.report("o", run, MANIFEST, _found(dict.fromkeys(range(5), NOW - 9)), [],
-                      {"verified": True, "images": 13, "dropped": {"images": 4}}, NOW)
+                      dataset_stats={"verified": True, "images": 13, "dropped": {"images": 4}}, now=NOW)
     text = status.format_text(r)
     assert "collect   verified: 13 images, 4 dropped by filters" in text
     assert "scores=clip,aesthetic filters=clip_similarity>=0,aesthetic>=-1.5" in text  # a threshold of 0 shows

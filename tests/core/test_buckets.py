@@ -341,8 +341,8 @@ def test_auto_chooses_each_sizes_batch_and_a_resumed_run_keeps_them(tmp_path, mo
 
     mib = 2 ** 20
     monkeypatch.setattr(fit, "device_capacity", lambda devices, memory, on_machine=None: (40 * mib, "faked"))
-    monkeypatch.setattr(fit, "sampler_memory", lambda model, width, height, steps, b, *args, **kwargs: {
-        "total": 4 * mib + b * mib * width * height // (32 * 32)})
+    monkeypatch.setattr(fit, "sampler_memory", lambda model, spec, *args, **kwargs: {
+        "total": 4 * mib + spec.per_device_batch * mib * spec.width * spec.height // (32 * 32)})
     asked = Settings(out=str(tmp_path / "out"), model="tiny", sizes=("64x64", "32x32", "32x64"),
                      per_device_batch="auto", steps=1)
     chosen = fit.resolve_per_device_batch(asked)

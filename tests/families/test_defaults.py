@@ -19,7 +19,7 @@ TINY = tuple(name for name in families.runnable_builtins() if name.startswith("t
 
 def _default_side(model: str) -> tuple[int, dict]:
     described = load.describe(model)
-    return load.default_size(model, described["native_size"]), described
+    return load.default_size(model, described.native_size), described
 
 
 def test_the_tiny_built_ins_are_every_family_s(model_cache):
@@ -43,6 +43,6 @@ def test_a_tiny_built_in_runs_at_its_defaults(model, tmp_path, model_cache):
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {"images": 3, "records": 3, "rejects": 0,
                                                                   "verified": True}
     settings = runs.read(out).settings
-    assert (settings.width, settings.height, settings.steps) == (side, side, described["default_steps"])
+    assert (settings.width, settings.height, settings.steps) == (side, side, described.default_steps)
     started = [json.loads(line) for line in result.stderr.splitlines() if '"event": "hosts_started"' in line]
     assert [event["hosts"] for event in started] == [2]

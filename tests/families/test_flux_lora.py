@@ -180,10 +180,10 @@ def test_a_stacked_bf16_kernel_is_merged_without_a_float32_copy_of_the_stack(tmp
 def test_describe_accepts_it_and_fingerprints_it(loaded, reference):
     spec = f"{TRANSFORMER_LORA}@0.5"
     described = model_lib.describe(DEV, loras=[spec], max_sequence_length=int(reference["max_sequence_length"]))
-    assert described["family"] == "flux"
-    assert described["loras"] == [{"path": TRANSFORMER_LORA, "scale": 0.5,
-                                   "sha256": identity.file_sha256(TRANSFORMER_FILE)}]
-    assert described["fingerprint"] == loaded(spec).fingerprint != loaded(None).fingerprint
+    assert described.family == "flux"
+    assert described.loras == ({"path": TRANSFORMER_LORA, "scale": 0.5,
+                                "sha256": identity.file_sha256(TRANSFORMER_FILE)},)
+    assert described.fingerprint == loaded(spec).fingerprint != loaded(None).fingerprint
 
 
 # ---------------------------------------------------------------- refused at plan time

@@ -230,4 +230,4 @@ def test_a_checkpoints_default_size_it_cannot_make_is_refused_when_planning(tmp_
     err = capfd.readouterr().err
     assert "the default width (--width not given) 1024: zimage images are at most 256 pixels each way" in err
     assert not out.exists()
-    assert load.describe("tiny-zimage")["native_size"] == 32
+    assert load.describe("tiny-zimage").native_size == 32

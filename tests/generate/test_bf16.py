@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.generate.generator import Generator
 from pipeline.model import load as model_lib
+from pipeline.generate.spec import ProgramSpec
 
 
 # SDXL's bf16 path is exercised end to end in test_e2e (tiny-sdxl, bf16, dpmpp).
@@ -19,7 +20,7 @@ def test_bf16_images_are_close_to_fp32(model_cache, name):
     images = {}
     for dtype in ("fp32", "bf16"):
         model = model_lib.load(name, dtype=dtype)  # weights as stored; cast on the devices
-        generator = Generator(model, 32, 32, 4, 2, devices=jax.local_devices()[:1])
+        generator = Generator(model, ProgramSpec(32, 32, 4, 2), devices=jax.local_devices()[:1])
         leaves = jax.tree_util.tree_leaves(generator.params["unet"])
         assert {leaf.dtype for leaf in leaves} == {jnp.dtype(jnp.bfloat16 if dtype == "bf16" else jnp.float32)}
         batch = generator.batch(["a lighthouse at dusk", "a red fox"], ["", "blurry"], [7.5, 5.0], [1, 2**40], [0, 3])

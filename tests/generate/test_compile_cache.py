@@ -12,6 +12,7 @@ import pytest
 from pipeline.engines import local as launcher
 from pipeline.generate import compile_cache
 from pipeline.generate.compile_cache import jax_cache
+from pipeline.generate.spec import ProgramSpec
 
 
 def test_local_folders_are_made_absolute(tmp_path, monkeypatch):
@@ -403,8 +404,8 @@ def test_the_index_finds_a_sampler_without_tracing_it_and_it_makes_the_same_imag
     batch = images[0].batch_of([("a red cube", "", 7.5, 3, 0)])
     np.testing.assert_array_equal(images[0](batch), images[1](batch))
     # other settings, another program: the index knows none for them
-    key = compile_cache.index_key(runtime.sampler_description(dataclasses.replace(settings, steps=2)), devices)
-    assert key != compile_cache.index_key(runtime.sampler_description(settings), devices)
+    key = compile_cache.index_key(ProgramSpec.of(dataclasses.replace(settings, steps=2)).description(), devices)
+    assert key != compile_cache.index_key(ProgramSpec.of(settings).description(), devices)
     assert compile_cache.load_indexed(key, devices) is None
 
 

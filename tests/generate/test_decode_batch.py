@@ -15,6 +15,7 @@ from pipeline.generate import runtime
 from pipeline.generate.generator import Generator, lower_sampler
 from pipeline.model import load as model_lib, sharding
 from pipeline.model.sampling import decoding
+from pipeline.generate.spec import ProgramSpec
 
 # ---- the chunking rule alone
 
@@ -86,7 +87,7 @@ def _rows(n):
 def whole_tiny(model_cache):
     """tiny's whole-batch generator (2 devices x 3 images) and its images of ``_rows``."""
     model = model_lib.load("tiny")
-    whole = Generator(model, 32, 32, 2, 3)
+    whole = Generator(model, ProgramSpec(32, 32, 2, 3))
     rows = _rows(whole.batch_size)
     return model, whole, rows, whole(whole.batch_of(rows)).astype(int)
 
@@ -97,23 +98,23 @@ def test_decoding_in_micro_batches_moves_no_pixel_more_than_two_levels(name, kin
         model, whole, rows, expected = whole_tiny
     else:
         model = model_lib.load(name)
-        whole = Generator(model, 32, 32, 2, 3, **kind)  # 2 devices x 3 images
+        whole = Generator(model, ProgramSpec(32, 32, 2, 3, **kind))  # 2 devices x 3 images
         rows = _rows(whole.batch_size)
         expected = whole(whole.batch_of(rows)).astype(int)
     # 2: a device's 3 images as 2 + 1 padded (a micro-batch of 1 is the e2e runs' and the sizes tests')
-    gen = Generator(model, 32, 32, 2, 3, params=whole.params, decode_batch=2, **kind)
+    gen = Generator(model, ProgramSpec(32, 32, 2, 3, decode_batch=2, **kind), params=whole.params)
     assert np.abs(gen(gen.batch_of(rows)).astype(int) - expected).max() <= 2
     assert gen.compiled.as_text() != whole.compiled.as_text()
     # a micro-batch of at least the batch is the whole-batch program, the one of runs planned before
     shapes = model_lib.load(name, abstract=True)
-    texts = [lower_sampler(shapes, 32, 32, 2, 3, whole.devices, decode_batch=micro, **kind).as_text()
+    texts = [lower_sampler(shapes, ProgramSpec(32, 32, 2, 3, decode_batch=micro, **kind), whole.devices).as_text()
              for micro in (None, 3)]
     assert texts[0] == texts[1]
 
 
 def test_an_fsdp_generator_decodes_each_devices_images_in_micro_batches(whole_tiny):
     model, _, rows, expected = whole_tiny
-    sharded = Generator(model, 32, 32, 2, 3, fsdp=2, decode_batch=2)
+    sharded = Generator(model, ProgramSpec(32, 32, 2, 3, fsdp=2, decode_batch=2))
     assert np.abs(sharded(sharded.batch_of(rows)).astype(int) - expected).max() <= 2
 
 
@@ -130,8 +131,8 @@ def test_the_run_records_its_decode_batch_and_an_old_run_keeps_its_fingerprint()
     assert new.to_dict()["decode_batch"] == 1 and Settings.from_dict(new.to_dict()) == new  # run.json
     assert fingerprint(new, "m") != fingerprint(old, "m") != fingerprint(_planned(decode_batch=2), "m")
     # the executable cache's description names it only for a micro-batched program
-    assert "decode_batch" not in runtime.sampler_description(old)
-    assert runtime.sampler_description(new)["decode_batch"] == 1
+    assert "decode_batch" not in ProgramSpec.of(old).description()
+    assert ProgramSpec.of(new).description()["decode_batch"] == 1
     assert runtime.program_tag(_run(new)) != runtime.program_tag(_run(old))
 
 
@@ -160,7 +161,7 @@ def test_a_runs_generator_and_reproduce_use_its_decode_batch(monkeypatch):
     ``ready_generator``, build) makes the run's program: micro-batched for a new run, whole
     for one planned before the setting (the programs themselves are compared above)."""
     made = []
-    monkeypatch.setattr(runtime, "Generator", lambda *args, **kwargs: made.append(kwargs["decode_batch"]))
+    monkeypatch.setattr(runtime, "Generator", lambda model, spec, *args, **kwargs: made.append(spec.decode_batch))
     for micro in (2, None):
         runtime.make_generator(object(), _planned(decode_batch=micro), jax.local_devices()[:1])
     assert made == [2, None]

@@ -13,6 +13,7 @@ import pytest
 from jobs import cli, flags
 from pipeline.core.settings import AUTO, Settings
 from pipeline.generate import fit
+from pipeline.generate.spec import ProgramSpec
 
 GIB = fit.GIB
 
@@ -115,22 +116,23 @@ def test_auto_picks_the_largest_batch_that_fits_and_a_resumed_run_keeps_it(tmp_p
     # each batch's program is compiled once in this test (they take seconds each)
     compiled, original = {}, fit.sampler_memory
 
-    def sampler_memory(model, width, height, steps, b, *args, **kwargs):
+    def sampler_memory(model, spec, *args, **kwargs):
+        b = spec.per_device_batch
         if b not in compiled:
-            compiled[b] = original(model, width, height, steps, b, *args, **kwargs)
+            compiled[b] = original(model, spec, *args, **kwargs)
         return compiled[b]
 
     monkeypatch.setattr(fit, "sampler_memory", sampler_memory)
     # the program compiled from shapes is the one a host compiles from real weights
     abstract = load.load("tiny", abstract=True)
-    host = Generator(load.load("tiny"), 32, 32, 1, 2, devices=jax.local_devices()[:1])
-    assert fit.sampler_memory(abstract, 32, 32, 1, 2) == fit.program_memory(host.compiled)
+    host = Generator(load.load("tiny"), ProgramSpec(32, 32, 1, 2), devices=jax.local_devices()[:1])
+    assert fit.sampler_memory(abstract, ProgramSpec(32, 32, 1, 2)) == fit.program_memory(host.compiled)
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"p {i}"}) + "\n" for i in range(5)))
     out = str(tmp_path / "out")
     # room for 2 images' programs and not 3
-    two, three = (fit.sampler_memory(abstract, 32, 32, 1, b)["total"] for b in (2, 3))
+    two, three = (fit.sampler_memory(abstract, ProgramSpec(32, 32, 1, b))["total"] for b in (2, 3))
     device_memory = (two + three) / 2 / fit.HEADROOM / GIB
     asked = Settings(prompts=str(prompts), out=out, width=32, height=32, steps=1, per_device_batch=AUTO,
                      device_memory=device_memory, batches_per_slice=1)

@@ -8,11 +8,12 @@ import pytest
 from pipeline.generate import jax_events
 from pipeline.generate.generator import Generator
 from pipeline.model import load as model_lib
+from pipeline.generate.spec import ProgramSpec
 
 
 @pytest.fixture(scope="module")
 def generator(model_cache):
-    return Generator(model_lib.load("tiny"), width=32, height=32, steps=2, per_device_batch=1)
+    return Generator(model_lib.load("tiny"), ProgramSpec(32, 32, 2, 1))
 
 
 def make_batch(gen, prompts, negatives, guidance, seeds, indices):
@@ -51,15 +52,15 @@ def test_compile_counter_sees_a_compilation():
 
 def test_the_sampler_lowered_from_shapes_is_the_program_of_the_weights(generator):
     from pipeline.generate import compile_cache
-    from pipeline.generate.generator import _per_device_program, lower_sampler
+    from pipeline.generate.generator import lower_sampler, per_device_program
     from pipeline.model import sharding
 
     devices = generator.devices
     abstract = model_lib.load("tiny", abstract=True)  # configs only: no weight read
-    from_shapes = lower_sampler(abstract, 32, 32, 2, 1, devices)
+    from_shapes = lower_sampler(abstract, ProgramSpec(32, 32, 2, 1), devices)
     the_mesh = sharding.mesh(devices, 1)  # --fsdp 1: the replicated run is a program over a (D, 1) mesh
-    fn = jax.jit(_per_device_program(generator.model, 32, 32, 2, False, "diffusers", True, "auto", the_mesh, 1,
-                                     decode_batch=None), out_shardings=sharding.batch_sharding(the_mesh, 4))
+    fn = jax.jit(per_device_program(generator.model, ProgramSpec(32, 32, 2, 1), the_mesh),
+                 out_shardings=sharding.batch_sharding(the_mesh, 4))
     from_weights = fn.lower(generator.params, *generator._device_shaped(generator.padding_batch()))
     assert from_shapes.as_text() == from_weights.as_text()
     assert compile_cache.executable_key(from_shapes, devices) == compile_cache.executable_key(from_weights, devices)
@@ -70,7 +71,7 @@ def test_the_sampler_lowered_from_shapes_is_the_program_of_the_weights(generator
                                   generator.params["vae"])
     assert not program.takes({**generator.params, "vae": half}, devices)
     before = jax_events.COMPILES.count()
-    again = Generator(generator.model, 32, 32, 2, 1, params=generator.params, program=program)
+    again = Generator(generator.model, ProgramSpec(32, 32, 2, 1), params=generator.params, program=program)
     assert again.program is program and jax_events.COMPILES.count() == before
 
 
@@ -110,7 +111,7 @@ def test_guidance_at_most_1_uses_the_prompt_alone_as_diffusers_does(generator):
 def test_a_rule_the_family_does_not_take_is_refused(generator):
     for rule in ("zimage", "sometimes"):
         with pytest.raises(ValueError, match="guidance_rule"):
-            Generator(generator.model, width=32, height=32, steps=2, per_device_batch=1, guidance_rule=rule)
+            Generator(generator.model, ProgramSpec(32, 32, 2, 1, guidance_rule=rule))
 
 
 def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_batch(generator, monkeypatch):
@@ -132,11 +133,11 @@ def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_
 
     monkeypatch.setattr(model.family, "make_encode_fn", spy_encode)
     spied = dataclasses.replace(model, nets=dataclasses.replace(model.nets, unet=SpyUnet()))
-    free = Generator(spied, width=32, height=32, steps=2, per_device_batch=1, guided=False)
+    free = Generator(spied, ProgramSpec(32, 32, 2, 1, guided=False))
     n = free.per_device_batch  # at --fsdp 1 the program is written per device: traced for its own B rows
     assert (encoded, unet_batches) == ([n], [n])  # the prompt alone, a UNet batch of N
     encoded.clear(), unet_batches.clear()
-    Generator(spied, width=32, height=32, steps=2, per_device_batch=1, guided=True)
+    Generator(spied, ProgramSpec(32, 32, 2, 1, guided=True))
     assert (encoded, unet_batches) == ([n, n], [2 * n])  # prompt and negative prompt, batch 2N
     fox_and_whale = make_batch(free, ["a red fox", "a blue whale in the ocean"], ["", ""], [0.0, 0.0], [5, 5], [0, 0])
     images = free(fox_and_whale)
@@ -151,8 +152,7 @@ def test_a_guidance_free_program_encodes_no_negative_prompt_and_halves_the_unet_
 
 @pytest.mark.parametrize("choice", ["euler_a", "lcm"])
 def test_stochastic_samplers_draw_each_images_noise_from_its_own_key(model_cache, choice):
-    gen = Generator(model_lib.load("tiny", dtype="fp32", scheduler=choice), width=32, height=32, steps=3,
-                    per_device_batch=1)
+    gen = Generator(model_lib.load("tiny", dtype="fp32", scheduler=choice), ProgramSpec(32, 32, 3, 1))
     a = gen(make_batch(gen, ["a cat", "a dog"], ["", ""], [7.5, 7.5], [11, 2**40], [0, 5]))
     b = gen(make_batch(gen, ["a dog", "a cat"], ["", ""], [7.5, 7.5], [2**40, 11], [5, 0]))
     np.testing.assert_array_equal(a[0], b[1])  # same image on another device, next to another neighbour

@@ -18,14 +18,15 @@ from pipeline.generate.generator import Generator
 from pipeline.io import storage
 from pipeline.model import load as model_lib
 from pipeline.output import formats, writer
+from pipeline.generate.spec import ProgramSpec
 
 SIZE = 6  # three batches of two: two in flight at a time
 
 
 @pytest.fixture(scope="module")
 def generator(model_cache):
-    return Generator(model_lib.load("tiny", dtype="fp32", scheduler="ddim"), 32, 32, 2, 1,
-                     devices=jax.local_devices()[:2])
+    return Generator(model_lib.load("tiny", dtype="fp32", scheduler="ddim"), ProgramSpec(32, 32, 2, 1),
+                     jax.local_devices()[:2])
 
 
 def planned_out(tmp_path, count):
@@ -44,7 +45,7 @@ def planned_out(tmp_path, count):
 def test_the_overlapped_loop_writes_what_a_sequential_loop_writes(generator, tmp_path):
     out, run, items = planned_out(tmp_path, SIZE - 1)
     with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
-        stats = host.run_slice(generator, out, run, 0, SIZE, 0, pool)
+        [stats] = host.run_slices(host.one_size(generator, run, SIZE), out, [0], 0, pool)
     assert stats["images"] == SIZE - 1 and stats["padding"] == 1
     assert min(stats["input_s"], stats["device_wait_s"], stats["output_s"]) >= 0
     assert stats["input_s"] + stats["device_wait_s"] + stats["output_s"] <= stats["seconds"]
@@ -105,7 +106,7 @@ def test_a_failed_encoder_fails_the_slice_loudly_and_commits_nothing(generator, 
     monkeypatch.setattr(formats, "encode", failing)
     with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
         with pytest.raises(OSError, match="injected"):
-            host.run_slice(generator, out, run, 0, SIZE, 0, pool)
+            host.run_slices(host.one_size(generator, run, SIZE), out, [0], 0, pool)
     assert not writer.is_committed(out, 0)  # redone by the next run, never half-counted as done
     assert not storage.exists(naming.shard_metadata(out, 0))
 
@@ -124,7 +125,7 @@ def test_slices_overlap_across_their_boundaries_and_commit_in_order(generator, t
     out, run, first, second = two_slices(tmp_path)
     commits = []
     with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
-        stats = host.run_slices(generator, out, run, [0, None, 1], SIZE, 0, pool,
+        stats = host.run_slices(host.one_size(generator, run, SIZE), out, [0, None, 1], 0, pool,
                                 on_commit=lambda s: commits.append((s["slice"], writer.is_committed(out, s["slice"]))))
     assert [s["slice"] for s in stats] == [0, 1] and commits == [(0, True), (1, True)]
     assert [s["images"] for s in stats] == [SIZE, SIZE - 2] and stats[1]["padding"] == 2
@@ -135,7 +136,7 @@ def test_slices_overlap_across_their_boundaries_and_commit_in_order(generator, t
         alone = str(tmp_path / f"alone-{index}")
         storage.write_text(naming.plan_slice(alone, index), storage.read_text(naming.plan_slice(out, index)))
         with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
-            host.run_slice(generator, alone, run, index, SIZE, 0, pool)
+            host.run_slices(host.one_size(generator, run, SIZE), alone, [index], 0, pool)
         for item in items:
             path = naming.image_name(index, item.key)
             assert storage.read_bytes(naming.join(out, path)) == storage.read_bytes(naming.join(alone, path))
@@ -150,7 +151,7 @@ def test_a_failed_commit_stops_the_host_and_later_slices_stay_uncommitted(genera
     monkeypatch.setattr(writer, "parquet_bytes", failing)
     with ThreadPoolExecutor(host.WRITER_THREADS) as pool:
         with pytest.raises(OSError, match="injected"):
-            host.run_slices(generator, out, run, [0, 1], SIZE, 0, pool)
+            host.run_slices(host.one_size(generator, run, SIZE), out, [0, 1], 0, pool)
     assert not writer.is_committed(out, 0) and not writer.is_committed(out, 1)
 
 

@@ -11,6 +11,7 @@ from pipeline.generate.generator import Generator
 from pipeline.io import storage
 from pipeline.model import load as model_lib
 from pipeline.output import formats
+from pipeline.generate.spec import ProgramSpec
 from tests.conftest import run_cli
 from tests.e2e.test_e2e import run_args, write_prompts
 
@@ -37,7 +38,7 @@ def decode_uint8(model):
 
 
 def test_generator_latents_decode_to_its_images_and_nothing_recompiles(model, decode_uint8):
-    generator = Generator(model, width=32, height=32, steps=2, per_device_batch=1, latents=True)
+    generator = Generator(model, ProgramSpec(32, 32, 2, 1, latents=True))
     generator(generator.padding_batch())  # warm-up
     before = jax_events.COMPILES.count()
     batch = generator.batch(["a cat", "a dog"], ["", "blurry"], [7.5, 3.0], [11, 2**40], [0, 5])

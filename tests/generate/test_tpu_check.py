@@ -229,7 +229,7 @@ def test_the_parts_of_a_batch_that_cannot_fit_stop_at_the_first_part_past_the_ch
     # --decode-batch auto (1): the program decodes one image at a time, and so does its VAE part
     compiled.clear()
     micro = tpu_check.Context.of(settings.replace(decode_batch="auto"), context.target)
-    assert micro.settings.decode_batch == 1 and micro.sampler_args()["decode_batch"] == 1
+    assert micro.settings.decode_batch == 1 and micro.spec(1).decode_batch == 1
     assert tpu_check.parts_memory(micro, 3) == 150  # the denoiser's, at 3
     assert ("vae_decode", 1) in compiled and ("vae_decode", 3) not in compiled
 
@@ -502,7 +502,8 @@ def test_submit_gke_dry_run_checks_a_v6e_host_and_refuses_what_does_not_fit(mode
     assert 0 < scored["scorer_argument_gib"] < scored["scorer_total_gib"]
     assert scored["total_gib"] == pytest.approx(max(event["total_gib"] + scored["scorer_argument_gib"],
                                                     scored["scorer_total_gib"] + event["argument_gib"]), abs=0.002)
-    assert scored["total_gib"] > event["total_gib"]
+    # the tiny scorers' weights are under half a MiB: at the report's 3 decimals of a GiB the total may not move
+    assert scored["total_gib"] >= event["total_gib"]
 
 
 def test_bench_tpu_compiles_the_sampler_and_the_scorer_for_the_chips(tmp_path, model_cache, capsys):
@@ -516,7 +517,7 @@ def test_bench_tpu_compiles_the_sampler_and_the_scorer_for_the_chips(tmp_path, m
     assert row["scores"] == ["clip", "aesthetic", "safety"] and row["fits"] and row["chips_per_host"] == 8
     assert row["total_gib"] == pytest.approx(max(row["sampler_total_gib"] + row["scorer_argument_gib"],
                                                  row["scorer_total_gib"] + row["argument_gib"]), abs=0.002)
-    assert row["total_gib"] > row["sampler_total_gib"] > row["argument_gib"]
+    assert row["total_gib"] >= row["sampler_total_gib"] > row["argument_gib"]  # (the tiny scorers: see above)
     assert row["scorer_compile_s"] > 0
     assert "with the scorer's" in table and "v6e" in table
     with pytest.raises(SystemExit):

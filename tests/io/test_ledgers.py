@@ -192,5 +192,6 @@ def test_a_ledger_keeps_few_recent_commits_and_status_adds_up_each_hosts_rate(tm
         hosts[index % 2].add(index, 4, now - 100 + index // 2)
     assert all(len(host.ledger.recent) == ledgers.RECENT_MAX for host in hosts)
     found = ledgers.Committed(200, 800, (), tuple(host.ledger.recent for host in hosts), now, "ledgers")
-    rate = status.report(out, run, {**MANIFEST, "slices": 300, "images": 1200}, found, [], None, now)["rate"]
+    rate = status.report(out, run, {**MANIFEST, "slices": 300, "images": 1200}, found, [], dataset_stats=None,
+                         now=now)["rate"]
     assert rate["images_per_s"] == pytest.approx(2 * 4 * 63 / 64, rel=0.01)  # two hosts, 4 images/s each

@@ -17,6 +17,7 @@ import pytest
 
 from pipeline.model.layers import attention
 from pipeline.model import load as model_lib
+from pipeline.generate.spec import ProgramSpec
 
 MiB = 2 ** 20
 BUDGET = 64 * 1024  # bytes of scores per chunk in the parity tests: 4 rows of the largest call
@@ -81,7 +82,7 @@ def test_flash_is_refused_for_jobs_on_cpu(tmp_path, capsys):
     from pipeline.generate.generator import Generator
 
     with pytest.raises(ValueError, match="--attention flash needs a TPU"):
-        Generator(None, 32, 32, 1, 1, attention="flash")
+        Generator(None, ProgramSpec(32, 32, 1, 1, attention="flash"))
     # a local run's hosts are CPU processes: refused before anything is planned or written
     from jobs import cli
 

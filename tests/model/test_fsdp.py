@@ -12,6 +12,7 @@ from pipeline.core.settings import AUTO, Settings
 from pipeline.generate import fit
 from pipeline.generate.generator import Generator
 from pipeline.model import load as model_lib, sharding
+from pipeline.generate.spec import ProgramSpec
 
 
 @pytest.mark.parametrize("shape,fsdp,axis", [
@@ -67,7 +68,7 @@ def test_fsdp_2_makes_the_images_of_fsdp_1_with_half_the_sharded_weights_on_each
     rule = model.family.guidance_rule(model)
     images, programs = {}, {}
     for fsdp in (1, 2):
-        generator = Generator(model, 32, 32, 2, 1, devices=devices, guided=False, guidance_rule=rule, fsdp=fsdp)
+        generator = Generator(model, ProgramSpec(32, 32, 2, 1, rule, guided=False, fsdp=fsdp), devices)
         images[fsdp] = generator(generator.batch_of(ROWS))
         programs[fsdp] = fit.program_memory(generator.compiled)
     diff = np.abs(images[1].astype(int) - images[2].astype(int))
@@ -104,15 +105,15 @@ def test_a_device_holds_a_sharded_weights_share_and_every_replicated_weight():
 def test_fsdp_auto_takes_the_smallest_n_that_fits(devices, model_cache, monkeypatch, tmp_path):
     measured, original = {}, fit.sampler_memory
 
-    def sampler_memory(model, *args, fsdp=1, devices=None, decode_batch=None):  # each program compiled once here
-        if fsdp not in measured:
-            measured[fsdp] = original(model, *args, fsdp=fsdp, devices=devices, decode_batch=decode_batch)
-        return measured[fsdp]
+    def sampler_memory(model, spec, *args, **kwargs):  # each program compiled once here
+        if spec.fsdp not in measured:
+            measured[spec.fsdp] = original(model, spec, *args, **kwargs)
+        return measured[spec.fsdp]
 
     monkeypatch.setattr(fit, "sampler_memory", sampler_memory)
     model = model_lib.load("tiny", dtype="fp32", abstract=True)
-    one = fit.sampler_memory(model, 32, 32, 1, 1, True, fsdp=1)["total"]
-    two = fit.sampler_memory(model, 32, 32, 1, 1, True, fsdp=2, devices=devices)["total"]
+    one = fit.sampler_memory(model, ProgramSpec(32, 32, 1, 1))["total"]
+    two = fit.sampler_memory(model, ProgramSpec(32, 32, 1, 1, fsdp=2), devices=devices)["total"]
     assert two < one
     asked = Settings(out=str(tmp_path / "out"), width=32, height=32, steps=1, devices_per_host=2, fsdp=AUTO,
                      device_memory=(one + two) / 2 / fit.HEADROOM / fit.GIB)
@@ -157,7 +158,7 @@ def test_fsdp_shards_klein_s_qwen3_with_its_transformer_and_makes_the_images_of_
     rows = [("a red fox in the snow", "", 4.0, 5, 0), ("a blue whale", "blurry", 1.0, 9, 2)]
     images = {}
     for fsdp in (1, 2):
-        generator = Generator(model, 16, 16, 2, 1, devices=devices, guided=True, guidance_rule="diffusers", fsdp=fsdp)
+        generator = Generator(model, ProgramSpec(16, 16, 2, 1, "diffusers", fsdp=fsdp), devices)
         images[fsdp] = generator(generator.batch_of(rows))
     diff = np.abs(images[1].astype(int) - images[2].astype(int))
     assert diff.max() <= 2, diff.max()
@@ -176,7 +177,7 @@ def test_fsdp_shards_zimage_s_qwen3_and_transformer_and_makes_the_images_of_fsdp
     rows = [("a red fox in the snow, at dawn, in the hills", "", 3.0, 5, 0), ("owl", "blurry", 0.0, 9, 2)]
     images = {}
     for fsdp in (1, 2):
-        generator = Generator(model, 16, 16, 2, 1, devices=devices, guided=True, guidance_rule="zimage", fsdp=fsdp)
+        generator = Generator(model, ProgramSpec(16, 16, 2, 1, "zimage", fsdp=fsdp), devices)
         images[fsdp] = generator(generator.batch_of(rows))
     diff = np.abs(images[1].astype(int) - images[2].astype(int))
     assert diff.max() <= 2, diff.max()

@@ -220,7 +220,7 @@ def test_load_merges_the_adapters_before_the_cast_and_fingerprints_them(models, 
     np.testing.assert_array_equal(got, kernel(expected, "unet", path).astype(jnp.bfloat16))
     plain = models("sd").fingerprint
     assert loaded.fingerprint != plain
-    assert model_lib.describe(SD, loras=[f"{folder}@0.5"])["fingerprint"] == loaded.fingerprint  # the plan's
+    assert model_lib.describe(SD, loras=[f"{folder}@0.5"]).fingerprint == loaded.fingerprint  # the plan's
     # another scale: another fingerprint; the same bytes elsewhere: the same
     assert identity.model_fingerprint(SD, None, [(SD_LORA, 1.0)]) not in (loaded.fingerprint, plain)
     copy = tmp_path / "copy.safetensors"

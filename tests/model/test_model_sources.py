@@ -34,7 +34,7 @@ def test_gcs_model_is_copied_once_and_loads_like_the_local_one(gcs_emulator, mod
     assert fetched.startswith(os.path.join(model_cache, "models", "remote"))
     assert storage.object_checksums(fetched) == storage.object_checksums(local)  # the same bytes
     # a gs:// checkpoint's fingerprint is its objects' checksums: the prefix's, its copy's and the plan's agree
-    assert identity.fingerprint(fetched) == identity.fingerprint(prefix) == model_lib.describe(prefix)["fingerprint"]
+    assert identity.fingerprint(fetched) == identity.fingerprint(prefix) == model_lib.describe(prefix).fingerprint
     assert identity.fingerprint(prefix) != identity.fingerprint(local)
     # a local checkpoint's is still the hash of its files' names and bytes
     content = hashlib.sha256()
@@ -149,8 +149,8 @@ def test_a_gcs_lora_is_copied_once_and_fingerprinted_like_the_local_file(gcs_emu
     assert copied.startswith(os.path.join(model_cache, "loras")) and fetch.resolve_lora(file) == copied
     expected = model_lib.describe(checkpoint, loras=[f"{local}@0.5"])
     described = model_lib.describe(checkpoint, loras=[f"{folder}@0.5"])
-    assert described["fingerprint"] == expected["fingerprint"] != model_lib.describe(checkpoint)["fingerprint"]
-    assert described["loras"] == [{"path": folder, "scale": 0.5, "sha256": expected["loras"][0]["sha256"]}]
+    assert described.fingerprint == expected.fingerprint != model_lib.describe(checkpoint).fingerprint
+    assert described.loras == ({"path": folder, "scale": 0.5, "sha256": expected.loras[0]["sha256"]},)
 
     def no_download(*args):
         raise AssertionError("an unchanged adapter must not be fetched again")

@@ -37,7 +37,7 @@ def thumbnails(out, index):
 def write_slice(out, run=RUN):
     zarr = formats.open_zarr_images(out, 12, 8, 16, per_shard=4) if "zarr" in run.settings.formats else None
     with ThreadPoolExecutor(4) as pool:
-        slice_writer = writer.SliceWriter(out, run, 1, 0, pool, zarr)
+        slice_writer = writer.SliceWriter(out, run, 1, 0, pool, zarr_images=zarr)
         for n, item in enumerate(items()):
             slice_writer.add(item, image(n))
         return slice_writer.commit({"slice": 1, "images": 3})
@@ -150,7 +150,7 @@ def test_a_filtered_image_keeps_its_row_and_is_in_no_image_output(tmp_path):
               {"aesthetic": 5.0, "nsfw": True, "nsfw_score": 0.03}]
     zarr = formats.open_zarr_images(out, 12, 8, 16, per_shard=4)
     with ThreadPoolExecutor(4) as pool:
-        slice_writer = writer.SliceWriter(out, run, 1, 0, pool, zarr)
+        slice_writer = writer.SliceWriter(out, run, 1, 0, pool, zarr_images=zarr)
         with pytest.raises(ValueError, match="came without scores"):
             slice_writer.add(items()[0], image(0))
         for n, item in enumerate(items()):
