@@ -18,6 +18,7 @@ from pipeline.core import buckets, logs, naming, records
 from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.output import writer
+from tests import trees
 from tests.conftest import run_cli
 from tests.test_tpu_check import _Shapes  # a model of no shapes, for the checks whose memory figures are faked
 
@@ -271,7 +272,7 @@ def test_a_resumed_run_of_several_sizes_makes_what_is_left_starting_at_its_first
     assert [e["slice"] for e in host0 if e["event"] == "slice_skipped"] == [square["first_slice"]]
     [done] = [e for e in host0 if e["event"] == "host_done"]
     assert done["slices_skipped"] == 1 and done["slices_generated"] == 2
-    assert [name for name in storage.checksums(out) if not naming.owned(name)] == []
+    assert [name for name in trees.checksums(out) if not naming.owned(name)] == []
     _overwrite_keeps_links(tmp_path, out, os.path.join(os.path.dirname(sized_run), "p.jsonl"), model_cache)
 
 
@@ -295,7 +296,7 @@ def _overwrite_keeps_links(tmp_path, out, prompts, model_cache):
     assert links == {"images/00099", "zarr/images", "shards/00098_stats.json", "a", "b"}
     [event] = [e for e in map(logs.parse, result.stderr.splitlines()) if e and e["event"] == "overwrite"]
     assert event["level"] == "warning" and len(event["links_kept"]) == 5
-    left = sorted(name for name in storage.checksums(out) if not name.startswith(("plan/slices/", "plan/keys/")))
+    left = sorted(name for name in trees.checksums(out) if not name.startswith(("plan/slices/", "plan/keys/")))
     assert left == ["plan/input_cache.json", "plan/inputs.json", "plan/manifest.json", "plan/model_files.json",
                     "run.json"]  # the new plan
     assert storage.read_json(naming.run_json(out))["settings"]["steps"] == 2

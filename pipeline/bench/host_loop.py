@@ -49,7 +49,7 @@ import numpy as np
 
 from pipeline.core import logs, naming, records
 from pipeline.core.settings import Run, Settings, check_size
-from pipeline.io import runs, storage
+from pipeline.io import gcs, runs, storage
 
 BUCKET = "promptmill-pipeline-bench"
 GUIDANCE = 7.5
@@ -335,7 +335,7 @@ def _gcs_bucket():
     context = contextlib.nullcontext() if os.environ.get("STORAGE_EMULATOR_HOST") else emulator.running(BUCKET)
     with context:
         bucket = f"{BUCKET}-{uuid.uuid4().hex[:8]}"
-        storage.gcs_client().create_bucket(bucket)
+        gcs.client().create_bucket(bucket)
         yield bucket
 
 
