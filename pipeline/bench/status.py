@@ -40,15 +40,17 @@ import time
 
 from pipeline.core import buckets, naming
 from pipeline.core.settings import Run, Settings
-from pipeline.io import ledgers, runs, storage
+from pipeline.io import inventory, ledgers, runs, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUCKET = "promptmill-status-bench"
 SLICE_S = 60.0  # a host commits a slice of SLICE_SIZE images a minute (17 images/s)
 SLICE_SIZE = 1024
 COMMITTED_SHARE = 0.99  # of the planned slices: the run is still generating, so status gives a rate and an ETA
-LISTINGS = ("files", "modified_times", "listed")  # storage's calls that list objects
-COUNTED = ("read_bytes", "exists", *LISTINGS)
+# the storage layer's calls that list objects, and all it counts: (module, name)
+LISTINGS = ((storage, "files"), (inventory, "modified_times"), (inventory, "listed"))
+COUNTED = ((storage, "read_bytes"), (storage, "exists"), *LISTINGS)
+LISTING_NAMES = tuple(name for _, name in LISTINGS)
 
 
 class BenchError(RuntimeError):
@@ -100,16 +102,16 @@ class Counter:
     ``with`` block."""
 
     def __enter__(self):
-        self.calls = dict.fromkeys(COUNTED, 0)
+        self.calls = {name: 0 for _, name in COUNTED}
         self.listed = 0
-        self.real = {name: getattr(storage, name) for name in COUNTED}
-        for name, real in self.real.items():
-            setattr(storage, name, self._wrap(name, real))
+        self.real = {(module, name): getattr(module, name) for module, name in COUNTED}
+        for (module, name), real in self.real.items():
+            setattr(module, name, self._wrap(name, real))
         return self
 
     def __exit__(self, *_):
-        for name, real in self.real.items():
-            setattr(storage, name, real)
+        for (module, name), real in self.real.items():
+            setattr(module, name, real)
 
     def _wrap(self, name, real):
         def call(*args, **kwargs):
@@ -117,7 +119,7 @@ class Counter:
             found = real(*args, **kwargs)
             if name == "files":  # a stream of paths: counted as they are taken
                 return self._counted(found)
-            if name in LISTINGS:
+            if name in LISTING_NAMES:
                 self.listed += len(found)
             return found
         return call
@@ -130,7 +132,7 @@ class Counter:
     def counts(self) -> dict:
         return {"reads": self.calls["read_bytes"], "exists": self.calls["exists"],
                 "objects_read": self.calls["read_bytes"] + self.calls["exists"],
-                "listings": sum(self.calls[name] for name in LISTINGS),
+                "listings": sum(self.calls[name] for name in LISTING_NAMES),
                 "objects_listed": self.listed}
 
 
