@@ -535,7 +535,7 @@ def test_family_name_comparisons():
 MODULES = {"pipeline", "pipeline.core", "pipeline.core.keys", "pipeline.core.settings", "pipeline.io",
            "pipeline.io.storage", "pipeline.model", "pipeline.model.load", "pipeline.output",
            "pipeline.output.formats", "pipeline.plan", "pipeline.plan.inputs", "pipeline.generate",
-           "pipeline.generate.host_loop", "pipeline.bench", "pipeline.bench.plan", "pipeline.testing",
+           "pipeline.generate.host_loop", "pipeline.bench", "pipeline.bench.plan_scale", "pipeline.testing",
            "pipeline.testing.emulator", "jobs", "jobs.cli"}
 
 
@@ -599,16 +599,16 @@ def test_an_import_of_a_missing_module_of_ours_is_reported():
     ("pipeline.core.keys", "pipeline.core.settings", None),
     ("pipeline.plan.inputs", "pipeline.model.load", None),
     ("pipeline.output.formats", "pipeline", None),
-    ("jobs.cli", "pipeline.bench.plan", None),
+    ("jobs.cli", "pipeline.bench.plan_scale", None),
     ("jobs.cli", "pipeline.generate.host_loop", None),
-    ("pipeline.bench.plan", "pipeline.testing.emulator", None),
-    ("pipeline.bench.plan", "pipeline.generate.host_loop", None),
+    ("pipeline.bench.plan_scale", "pipeline.testing.emulator", None),
+    ("pipeline.bench.plan_scale", "pipeline.generate.host_loop", None),
     ("pipeline.core.settings", "pipeline.output.formats", "upward: core is below output"),
     ("pipeline.model.load", "pipeline.output.formats", "peers: model and output share a rank"),
     ("pipeline.plan.inputs", "pipeline.generate.host_loop", "peers: plan and generate share a rank"),
-    ("pipeline.generate.host_loop", "pipeline.bench.plan", "bench is a leaf"),
-    ("pipeline.testing.emulator", "pipeline.bench.plan", "bench is a leaf"),
-    ("pipeline.bench.plan", "jobs.cli", "nothing in pipeline/ imports jobs/"),
+    ("pipeline.generate.host_loop", "pipeline.bench.plan_scale", "bench is a leaf"),
+    ("pipeline.testing.emulator", "pipeline.bench.plan_scale", "bench is a leaf"),
+    ("pipeline.bench.plan_scale", "jobs.cli", "nothing in pipeline/ imports jobs/"),
     ("pipeline.io.storage", "jobs.cli", "nothing in pipeline/ imports jobs/"),
     ("pipeline.extras.thing", "pipeline.core.keys", "unit 'extras' is neither in LAYERS nor in LEAVES"),
 ])

@@ -172,7 +172,7 @@ def test_the_status_bench_measures_status_and_a_starting_host_from_ledgers_and_f
     O(hosts) objects and lists no marker, and a starting host reads a few objects; with
     the ledgers put aside both list every marker (the 1,000,000-slice figures are in
     docs/benchmarks.md)."""
-    from pipeline.bench import status as status_bench
+    from pipeline.bench import status_scale as status_bench
 
     report = status_bench.run((40,), hosts=4, repeats=1, workdir=str(tmp_path))
     [found] = report["runs"]

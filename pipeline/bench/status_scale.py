@@ -11,7 +11,7 @@ For each size N (``--committed-slices``):
    its time), each host's progress object and each host's ledger (``pipeline.io.ledgers``: its slices as runs of
    its stride, counts, recent commits). Only the markers are written of each slice's
    objects: a listing of ``shards/`` on GCS asks for the markers alone (``matchGlob``).
-2. **status, in a fresh process** (``python -m pipeline.bench.status count OUT``,
+2. **status, in a fresh process** (``python -m pipeline.bench.status_scale count OUT``,
    ``repeats`` times): the whole command's wall time, status's own ``seconds``, and the
    storage layer's calls it made (reads, existence checks, listings, and the objects
    the listings returned), counted by wrapping them. Then the same with the ledgers put
@@ -137,7 +137,7 @@ class Counter:
 
 
 def _count(out: str) -> dict:
-    """In a fresh process (``python -m pipeline.bench.status count OUT``): status, counted."""
+    """In a fresh process (``python -m pipeline.bench.status_scale count OUT``): status, counted."""
     from pipeline.collect import status
 
     with Counter() as counter:
@@ -149,7 +149,7 @@ def _count(out: str) -> dict:
 def time_status(out: str, repeats: int, env: dict) -> dict:
     """Wall seconds of status in fresh processes, its own ``seconds`` and what it read."""
     walls, found = [], []
-    command = [sys.executable, "-m", "pipeline.bench.status", "count", out]
+    command = [sys.executable, "-m", "pipeline.bench.status_scale", "count", out]
     for _ in range(repeats):
         started = time.perf_counter()
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -254,7 +254,7 @@ def _main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "count":
         print(json.dumps(_count(argv[1])))
         return 0
-    print("usage: python -m pipeline.bench.status count OUT (a helper of `promptmill bench status`)", file=sys.stderr)
+    print("usage: python -m pipeline.bench.status_scale count OUT (a helper of `promptmill bench status`)", file=sys.stderr)
     return 2
 
 

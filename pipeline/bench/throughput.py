@@ -44,6 +44,11 @@ recipe always runs CFG at its default sampler, as the notebook does.
 Both pipelines are in memory together during the sweep (two copies of the weights
 each: loaded and replicated), 16 GB for SD 1.5 in fp32 on one device.
 
+This module runs the sweep, start-up, ``fsdp`` and ``models`` parts and composes the
+report; the other parts are modules of their own (``recipes``, ``attention`` with
+``memory``, ``scoring_overhead``, ``flops``), all reading one ``BenchConfig``
+(``throughput_config``), and ``throughput_table`` prints the report.
+
 Everything runs on whatever devices JAX finds (``--devices N``: the first N), CPU or
 accelerator alike. The CPU run of docs/benchmarks.md was::
 
@@ -55,118 +60,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
-import platform
 
+from pipeline.bench.machine import machine
 from pipeline.bench.programs import Programs
-from pipeline.core.decode_batch import DECODE_BATCH
+from pipeline.bench.recipes import run_recipes
+from pipeline.bench.scoring_overhead import run_scoring
+from pipeline.bench.throughput_config import BenchConfig, command_line
 from pipeline.core import logs
-from pipeline.core.choices import ATTENTIONS, SCHEDULERS, TIMESTEP_SPACINGS
-from pipeline.core.settings import Settings, check_size
-from pipeline.generate.fit import GIB
-
-GUIDANCE = 7.5  # SD's default guidance; above 1 its value does not change the work done
-PARTS = ("sweep", "recipes", "attention", "memory", "startup", "scoring", "flops", "fsdp", "models")
-# the flops part's default recipes (MODEL, steps, guidance): FLUX.1 [schnell] 4 steps and [dev] 28
-# steps, beside SDXL-Lightning's 4 guidance-free steps and SDXL's default 20 guided ones
-FLOPS_RECIPES = (("random-flux", 4, 0.0), ("random-flux-dev", 28, 3.5), ("random-sdxl", 4, 0.0),
-                 ("random-sdxl", 20, 7.5))
-# the scoring part's scorers (--scorers): random ones of the real sizes (CLIP ViT-L/14, SD 1.x's
-# safety checker, LAION's head), or the tiny ones; built once into the cache like the random models
-SCORERS = {"random": dict(scores=("clip", "aesthetic", "safety"), clip_model="random-clip-vit-l-14",
-                          aesthetic_head="random-aesthetic", safety_checker="random-safety-checker"),
-           "tiny": dict(scores=("clip", "aesthetic", "safety"), clip_model="tiny-clip", aesthetic_head="tiny-aesthetic",
-                        safety_checker="tiny-safety-checker")}
-# the sweep compares with the seed notebook's recipe, which needs the notebook extra (diffusers)
-DEFAULT_PARTS = ("recipes", "startup")
-FEW_STEPS = 4  # the few-step recipe's steps (SD-Turbo, SDXL-Turbo, SDXL-Lightning 4-step)
-SD_DEFAULT_STEPS = 20  # the default recipe: SD's default steps (the bench compares SD 1.x/2.x checkpoints)
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    model: str = "tiny"
-    width: int | None = None  # None: the model's native size
-    height: int | None = None
-    steps: int = 4
-    per_device_batches: tuple[int, ...] = (1,)
-    batches: int = 2
-    dtype: str = "fp32"
-    devices: int | None = None  # None: every local device
-    matmul_size: int | None = None  # None: 4096 on CPU, 8192 on accelerators
-    report: str | None = None
-    guidance_scale: float = GUIDANCE
-    parts: tuple[str, ...] = DEFAULT_PARTS  # which parts of the report to run
-    scheduler: str | None = None  # None: the checkpoint's own
-    timestep_spacing: str | None = None  # None: the checkpoint's own
-    # the attention and memory parts: the implementations compared (the first is the
-    # reference: "xla", the whole attention matrix) and the memory part's square sizes
-    attentions: tuple[str, ...] = ("xla", "auto")
-    memory_sizes: tuple[int, ...] = (512, 1024)
-    # the flops part: (model, steps, guidance) of each recipe, costed from shapes at width x height
-    flops_recipes: tuple[tuple[str, int, float], ...] = FLOPS_RECIPES
-    fsdps: tuple[int, ...] = (1, 2)  # the fsdp part: FSDP degrees timed side by side
-    # the models part: other models timed side by side with --model, at its size and steps, each
-    # at its own default guidance (a guidance-distilled model takes none)
-    compare_models: tuple[str, ...] = ()
-    # the VAE decode micro-batch of every sampler timed (--decode-batch): a new run's, by default
-    decode_batch: int | None = DECODE_BATCH
-    scorers: str = "random"  # the scoring part's scorers (SCORERS)
-    startup_against: str | None = None  # the startup part: another source tree timed in turns with this one
-
-    def validate(self) -> "BenchConfig":
-        if not self.per_device_batches or min(self.per_device_batches) < 1:
-            raise ValueError(f"--per-device-batch needs sizes >= 1, got {self.per_device_batches}")
-        if self.batches < 1 or self.steps < 1:
-            raise ValueError("--batches and --steps must be >= 1")
-        if self.decode_batch is not None and self.decode_batch < 1:
-            raise ValueError(f"--decode-batch must be >= 1 or whole, got {self.decode_batch}")
-        for name in ("width", "height"):
-            value = getattr(self, name)
-            if value is not None:
-                check_size(name, value, 8)  # every family makes multiples of 8 at real sizes
-        if not self.parts or set(self.parts) - set(PARTS):
-            raise ValueError(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {self.parts}")
-        if self.scheduler is not None and self.scheduler not in SCHEDULERS:
-            raise ValueError(f"--scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
-        if not self.attentions or set(self.attentions) - set(ATTENTIONS):
-            raise ValueError(f"--attentions takes a comma-separated subset of {', '.join(ATTENTIONS)}, "
-                             f"got {self.attentions}")
-        if "models" in self.parts and not self.compare_models:
-            raise ValueError("--parts models compares --model with --compare-models MODEL[,MODEL...]: give them")
-        if self.scorers not in SCORERS:
-            raise ValueError(f"--scorers must be one of {', '.join(SCORERS)}, got {self.scorers!r}")
-        if not self.memory_sizes:
-            raise ValueError("--memory-sizes needs at least one size")
-        for size in self.memory_sizes:
-            check_size("memory-sizes", size, 8)
-        if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
-            raise ValueError(f"--timestep-spacing must be one of {', '.join(TIMESTEP_SPACINGS)}, "
-                             f"got {self.timestep_spacing!r}")
-        return self
-
-    @property
-    def guided(self) -> bool:
-        return self.guidance_scale > 1
-
-
-def cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return platform.processor() or None
-
-
-def machine(devices) -> dict:
-    """What the numbers were measured on."""
-    import jax
-
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-    return {"platform": devices[0].platform, "device_kind": devices[0].device_kind, "devices": len(devices),
-            "local_devices": jax.local_device_count(), "cpu_count": os.cpu_count(), "cpu_model": cpu_model(),
-            "memory_gib": round(memory / 2**30, 1) if memory else None, "machine": platform.machine(),
-            "python": platform.python_version(), "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: int, peak: float,
@@ -212,153 +112,6 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
     return rows
 
 
-def recipes(config: BenchConfig) -> dict:
-    """The compared recipes: name -> (scheduler, timestep spacing, steps, guidance,
-    per-device batch factor); None: the checkpoint's own sampler and spacing.
-    ``guidance_free_2x`` runs twice the images per device: the UNet rows, and so about
-    the memory, of the guided program at the sweep's first batch."""
-    return {"cfg": (config.scheduler, config.timestep_spacing, config.steps, GUIDANCE, 1),
-            "guidance_free": (config.scheduler, config.timestep_spacing, config.steps, 0.0, 1),
-            "guidance_free_2x": (config.scheduler, config.timestep_spacing, config.steps, 0.0, 2),
-            "few_step": (config.scheduler, config.timestep_spacing, FEW_STEPS, 0.0, 1),
-            "default": (None, None, SD_DEFAULT_STEPS, GUIDANCE, 1)}
-
-
-def run_recipes(model, config: BenchConfig, devices, width: int, height: int,
-                programs: Programs | None = None) -> dict:
-    """Images/s and FLOPs per image of each recipe (``recipes``), side by side: one
-    replicated copy of the weights, one generator each, timed batch by batch in turns."""
-    from pipeline.bench import flops
-    from pipeline.bench.timing import in_turns, ours_call
-    from pipeline.generate.generator import replicate
-    from pipeline.model import load as model_lib
-
-    programs = programs or Programs(config.decode_batch)
-
-    per_device_batch = config.per_device_batches[0]
-    networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
-    calls, rows, counted_parts = {}, {}, {}  # (batch, guided) -> part_flops: recipes share them
-    first_of = {}  # a recipe's program -> the first recipe that runs it (at --steps 4, few_step is guidance_free)
-    same_as = {}
-    for name, (scheduler, spacing, steps, guidance, factor) in recipes(config).items():
-        program = (scheduler, spacing, steps, guidance > 1, factor)
-        if program in first_of:
-            same_as[name] = first_of[program]
-            rows[name] = {**rows[same_as[name]], "guidance_scale": guidance}
-            continue
-        first_of[program] = name
-        variant = model_lib.with_sampler(model, scheduler, spacing)
-        state = replicate({"scheduler": variant.params["scheduler"]}, devices) if "scheduler" in variant.params else {}
-        generator = programs.generator(variant, width, height, steps, factor * per_device_batch, devices,
-                                       guided=guidance > 1, params={**networks, **state})
-        calls[name] = ours_call(generator, guidance)
-        shape = (factor * per_device_batch, guidance > 1)
-        if shape not in counted_parts:
-            counted_parts[shape] = flops.part_flops(variant, width, height, *shape)
-        counted = flops.sampler_flops(variant, width, height, steps, shape[0], generator.compiled, guided=shape[1],
-                                      parts=counted_parts[shape])
-        rows[name] = {"scheduler": variant.sampler.choice, "engine": variant.sampler.engine,
-                      "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,
-                      "guidance_scale": guidance, "guided": guidance > 1, "flops": counted,
-                      "batch_size": generator.batch_size}
-    timings = in_turns(calls, {name: rows[name]["batch_size"] for name in calls}, config.batches)
-    for name, row in rows.items():
-        row.update(timings[same_as.get(name, name)])  # one program, timed once
-        if name in same_as:
-            row["same_program_as"] = same_as[name]
-    speed = {name: row["images_per_s"] for name, row in rows.items()}
-    work = {name: row["flops"]["per_image"] for name, row in rows.items()}
-    result = {"per_device_batch": per_device_batch, "recipes": rows,
-              "guidance_free_over_cfg": speed["guidance_free"] / speed["cfg"],
-              "guidance_free_2x_over_cfg": speed["guidance_free_2x"] / speed["cfg"],
-              "few_step_over_default": speed["few_step"] / speed["default"],
-              "flops_cfg_over_guidance_free": work["cfg"] / work["guidance_free"],
-              "flops_default_over_few_step": work["default"] / work["few_step"]}
-    logs.event("bench_recipes", **{name: round(value, 4) for name, value in speed.items()},
-               guidance_free_over_cfg=round(result["guidance_free_over_cfg"], 3),
-               few_step_over_default=round(result["few_step_over_default"], 3))
-    return result
-
-
-SCORING_RECIPES = {"cfg": None, "one_step": (1, 0.0)}  # None: --steps, with guidance
-
-
-def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
-                reference: tuple[int, int] | None = (512, 20), recipes_run=tuple(SCORING_RECIPES),
-                programs: Programs | None = None) -> dict:
-    """Images/s with and without every score (``SCORERS[config.scorers]``), side by side, timed in turns:
-    at ``--steps`` with guidance (``cfg``) and the 1-step guidance-free recipe
-    (``one_step``) (``recipes_run``: some of them); and the FLOPs per image of the scoring
-    program and of the samplers, also at ``reference`` (size, steps: the issue's 512x512 with
-    20 steps; None: not), from shapes alone."""
-    import jax
-
-    from pipeline.bench import flops
-    from pipeline.bench.timing import in_turns, ours_call, scored_call
-    from pipeline.generate import scoring
-    from pipeline.generate.generator import replicate
-    from pipeline.model.scorers import models
-
-    programs = programs or Programs(config.decode_batch)
-
-    per_device_batch = config.per_device_batches[0]
-    chosen = SCORERS[config.scorers]
-    settings = Settings(**chosen, width=width, height=height, per_device_batch=per_device_batch).validate()
-    watch = logs.Stopwatch()
-    scorers = models.load(settings)
-    models.check_images(scorers, width, height)
-    load_s = watch.seconds()
-    watch = logs.Stopwatch()
-    scorer = scoring.Scorer(scorers, width, height, per_device_batch, devices)
-    compile_s = watch.seconds()
-    scorer_flops = flops.whole_program_flops(scorer.program.compiled) / per_device_batch
-    networks = replicate({k: v for k, v in model.params.items() if k != "scheduler"}, devices)
-    state = replicate({"scheduler": model.params["scheduler"]}, devices) if "scheduler" in model.params else {}
-    recipes_run = {name: SCORING_RECIPES[name] or (config.steps, GUIDANCE) for name in recipes_run}
-    calls, sizes, work = {}, {}, {}
-    for name, (steps, guidance) in recipes_run.items():
-        generator = programs.generator(model, width, height, steps, per_device_batch, devices, guided=guidance > 1,
-                                       params={**networks, **state})
-        calls[name], calls[f"{name}_scored"] = ours_call(generator, guidance), scored_call(generator, scorer, guidance)
-        sizes[name] = sizes[f"{name}_scored"] = generator.batch_size
-        counted = flops.sampler_flops(model, width, height, steps, per_device_batch, guided=guidance > 1)
-        work[name] = counted["per_image"]
-    timings = in_turns(calls, sizes, config.batches)
-    rows = {}
-    for name, (steps, guidance) in recipes_run.items():
-        plain, scored = timings[name], timings[f"{name}_scored"]
-        rows[name] = {"steps": steps, "guidance_scale": guidance, "plain": plain, "scored": scored,
-                      "overhead": 1 - scored["images_per_s"] / plain["images_per_s"],
-                      "sampler_flops_per_image": work[name],
-                      "scorer_flops_over_sampler": scorer_flops / work[name]}
-    result = {"per_device_batch": per_device_batch, "scorers": dict(chosen, scores=list(chosen["scores"])),
-              "scorer_load_s": round(load_s, 3), "scorer_compile_s": round(compile_s, 3),
-              "scorer_flops_per_image": scorer_flops, "recipes": rows, "flops_at_512": None}
-    if reference is not None:  # the issue's case, from shapes alone: SD at 512x512 with 20 steps, and 1-step
-        size, steps_at = reference
-        abstract = _abstract(config)
-        at_512 = {name: flops.sampler_flops(abstract, size, size, steps, 1, guided=guidance > 1)["per_image"]
-                  for name, (steps, guidance) in {"cfg_20_steps": (steps_at, GUIDANCE), "one_step": (1, 0.0)}.items()}
-        scorer_512 = flops.lowered_flops(scoring.lower_scorer(
-            models.load(settings.replace(width=size, height=size), abstract=True), size, size, 1, devices[:1]))
-        result["flops_at_512"] = {"size": size, "steps": steps_at, "scorer_per_image": scorer_512,
-                                  **{f"{name}_sampler_per_image": v for name, v in at_512.items()},
-                                  **{f"{name}_scorer_over_sampler": scorer_512 / v for name, v in at_512.items()}}
-    logs.event("bench_scoring", **{f"{name}_overhead": round(row["overhead"], 4) for name, row in rows.items()},
-               **{f"{name}_flops_ratio": round(row["scorer_flops_over_sampler"], 4) for name, row in rows.items()})
-    del scorer, networks
-    gc.collect()
-    jax.clear_caches()
-    return result
-
-
-def _abstract(config: BenchConfig):
-    from pipeline.model import load as model_lib
-
-    return model_lib.load(config.model, dtype=config.dtype, scheduler=config.scheduler,
-                          timestep_spacing=config.timestep_spacing, abstract=True)
-
-
 def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: int) -> dict:
     """Cold and warm start of a fresh process (``startup.cold_and_warm``: cold as on a
     machine that never ran the model, warm with what the cold one left); with
@@ -382,58 +135,6 @@ def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: 
     logs.event("bench_startup", cold_s=cold["total_s"], warm_s=warm["total_s"], ready_cold_s=cold["ready_s"],
                ready_warm_s=warm["ready_s"], ratio=round(result["cold_over_warm"], 3))
     return result
-
-
-# the rows of the start-up table: (label, key of the probe's result)
-STARTUP_ROWS = (("import", "import_s"), ("load weights, check files", "load_s"),
-                ("transfer to devices", "transfer_s"),
-                ("compile or deserialize (beside load and transfer)", "compile_s"),
-                ("wait for the compile", "wait_s"), ("time to ready", "ready_s"),
-                ("first batch", "first_batch_s"), ("fresh process in all", "total_s"))
-
-
-def command_line(config: BenchConfig) -> str:
-    """The ``promptmill bench generator`` command that runs ``config``."""
-    flags = {"--model": config.model, "--width": config.width, "--height": config.height, "--steps": config.steps,
-             "--per-device-batch": ",".join(map(str, config.per_device_batches)), "--batches": config.batches,
-             "--dtype": config.dtype, "--devices": config.devices, "--matmul-size": config.matmul_size,
-             "--guidance-scale": config.guidance_scale, "--scheduler": config.scheduler,
-             "--timestep-spacing": config.timestep_spacing,
-             "--parts": ",".join(config.parts) if tuple(config.parts) != DEFAULT_PARTS else None,
-             "--attentions": ",".join(config.attentions) if {"attention", "memory"} & set(config.parts) else None,
-             "--memory-sizes": ",".join(map(str, config.memory_sizes)) if "memory" in config.parts else None,
-             "--fsdp": ",".join(map(str, config.fsdps)) if "fsdp" in config.parts else None,
-             "--compare-models": ",".join(config.compare_models) if "models" in config.parts else None,
-             "--flops-recipes": ",".join(f"{m}:{s}:{g:g}" for m, s, g in config.flops_recipes)
-             if "flops" in config.parts and config.flops_recipes != FLOPS_RECIPES else None,
-             "--scorers": config.scorers if "scoring" in config.parts and config.scorers != "random" else None,
-             "--startup-against": config.startup_against if "startup" in config.parts else None,
-             "--decode-batch": None if config.decode_batch == DECODE_BATCH
-             else "whole" if config.decode_batch is None else config.decode_batch,
-             "--report": config.report}
-    return " ".join(["promptmill bench generator"] + [f"{k} {v}" for k, v in flags.items() if v is not None])
-
-
-def run_flops(config: BenchConfig) -> dict:
-    """FLOPs per image by part of each of ``config.flops_recipes``, from shapes alone (no
-    weights: the real-size built-in models need none), at the config's size (default
-    1024x1024) and dtype: the text encoders, one denoiser call (a UNet's, on 2B rows when
-    guided, or a transformer's), the VAE decode, and the whole image (text + steps x
-    denoiser + decode)."""
-    from pipeline.generate import parts
-    from pipeline.model import load as model_lib
-
-    width, height = config.width or 1024, config.height or 1024
-    rows = []
-    for name, steps, guidance in config.flops_recipes:
-        model = model_lib.load(name, dtype=config.dtype, abstract=True)
-        guided = model.family.classifier_free(model) and guidance > 1
-        counted = parts.part_flops(model, width, height, 1, guided)
-        per_image = parts.image_flops(model, width, height, steps, 1, guided)
-        rows.append({"model": name, "family": model.family.name, "steps": steps, "guidance_scale": guidance,
-                     "guided": guided, **counted, "per_image": per_image})
-        logs.event("bench_flops", **rows[-1])
-    return {"width": width, "height": height, "dtype": config.dtype, "rows": rows}
 
 
 def run_fsdp(model, config: BenchConfig, devices, width: int, height: int) -> dict:
@@ -505,7 +206,7 @@ def run_bench(config: BenchConfig) -> dict:
 
     config.validate()
     if set(config.parts) == {"flops"}:  # shapes alone: no weights loaded, nothing run
-        report = {"command": command_line(config), "config": dataclasses.asdict(config), "flops": run_flops(config)}
+        report = {"command": command_line(config), "config": dataclasses.asdict(config), "flops": flops.run_flops(config)}
         if config.report:
             storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
         return report
@@ -559,127 +260,10 @@ def run_bench(config: BenchConfig) -> dict:
               "machine": machine(devices),
               "load_s": {"ours": round(load, 3), "seed": seed_load and round(seed_load, 3)},
               "peak": peak, "sweep": rows, "recipes": compared, "attention": attention, "memory": program_memory,
-              "startup": start, "scoring": scored, "flops": run_flops(config) if "flops" in config.parts else None,
+              "startup": start, "scoring": scored, "flops": flops.run_flops(config) if "flops" in config.parts else None,
               "fsdp": sharded, "models": models,
               # samplers compiled, and generators built on a sampler an earlier part compiled
               "programs": {"compiled": programs.compiled, "shared": programs.shared}}
     if config.report:
         storage.write_text(config.report, json.dumps(report, indent=2) + "\n")
     return report
-
-
-def format_flops(flops_report: dict) -> list[str]:
-    f = flops_report
-    lines = [f"FLOPs per image by part at {f['width']}x{f['height']} ({f['dtype']}, from shapes; TFLOP):",
-             f"{'model':>16} {'steps':>5} {'guidance':>8} {'guided':>6} {'text':>7} {'denoiser call':>13} "
-             f"{'VAE decode':>10} {'per image':>9}"]
-    for row in f["rows"]:
-        lines.append(f"{row['model']:>16} {row['steps']:>5} {row['guidance_scale']:>8} {str(row['guided']):>6} "
-                     f"{row['text_encoder'] / 1e12:>7.2f} {row['denoiser_call'] / 1e12:>13.2f} "
-                     f"{row['vae_decode'] / 1e12:>10.2f} {row['per_image'] / 1e12:>9.1f}")
-    return lines
-
-
-def format_table(report: dict) -> str:
-    """The report as a readable table."""
-    if "machine" not in report:  # the flops part alone
-        return "\n".join(format_flops(report["flops"]))
-    c, m, peak = report["config"], report["machine"], report["peak"]["flops_per_s"]
-    lines = [f"model {c['model']} {c['width']}x{c['height']} steps {c['steps']} {c['dtype']} on "
-             f"{m['devices']} x {m['device_kind']} ({m['platform']}); matmul peak {peak / 1e9:.1f} GFLOP/s"]
-    if report["sweep"]:
-        lines.append(f"{'per-dev batch':>13} {'ours img/s':>11} {'seed img/s':>11} {'ours/seed':>9} {'GFLOP/img':>10} "
-                     f"{'GFLOP/s':>8} {'util':>6} {'seed util':>9}")
-    for row in report["sweep"] or []:
-        lines.append(f"{row['per_device_batch']:>13} {row['ours']['images_per_s']:>11.4f} "
-                     f"{row['seed']['images_per_s']:>11.4f} {row['ours_over_seed']:>9.3f} "
-                     f"{row['flops']['per_image'] / 1e9:>10.2f} {row['achieved_flops_per_s'] / 1e9:>8.2f} "
-                     f"{row['utilisation']:>6.1%} {row['seed_utilisation']:>9.1%}")
-    if report.get("models"):
-        m_ = report["models"]
-        lines.append(f"models side by side (per-device batch {m_['per_device_batch']}, {m_['steps']} steps, timed in "
-                     f"turns):")
-        lines.append(f"{'model':>18} {'guidance':>8} {'guided':>6} {'img/s':>9} {'GFLOP/img':>10} {'over first':>10}")
-        for name, row in m_["rows"].items():
-            lines.append(f"{name:>18} {row['guidance_scale']:>8} {str(row['guided']):>6} {row['images_per_s']:>9.4f} "
-                         f"{row['flops_per_image'] / 1e9:>10.3f} {row['over_first']:>10.3f}")
-    r = report["recipes"]
-    if r:
-        lines.append(f"recipes (per-device batch {r['per_device_batch']}, timed in turns):")
-        lines.append(f"{'recipe':>16} {'sampler':>8} {'spacing':>9} {'steps':>5} {'guidance':>8} {'batch':>5} "
-                     f"{'img/s':>9} {'GFLOP/img':>10}")
-        for name, row in r["recipes"].items():
-            lines.append(f"{name:>16} {row['scheduler']:>8} {str(row['timestep_spacing']):>9} {row['steps']:>5} "
-                         f"{row['guidance_scale']:>8} {row['batch_size']:>5} {row['images_per_s']:>9.4f} "
-                         f"{row['flops']['per_image'] / 1e9:>10.2f}")
-        lines.append(f"guidance-free / CFG at {report['config']['steps']} steps: {r['guidance_free_over_cfg']:.2f}x "
-                     f"images/s ({r['flops_cfg_over_guidance_free']:.2f}x fewer FLOPs), "
-                     f"{r['guidance_free_2x_over_cfg']:.2f}x at twice the images per device; few-step guidance-free / "
-                     f"20-step CFG default: {r['few_step_over_default']:.2f}x "
-                     f"({r['flops_default_over_few_step']:.2f}x)")
-    a = report.get("attention")
-    if a:
-        lines.append(f"attention at {a['width']}x{a['height']}, per-device batch {a['per_device_batch']} "
-                     f"(timed in turns; relative to {a['relative_to']}):")
-        lines.append(f"{'attention':>10} {'img/s':>9} {'relative':>8} {'temp GiB':>9} {'total GiB':>9}  kernels")
-        for name, row in a["implementations"].items():
-            memory = row["memory"]
-            lines.append(f"{name:>10} {row['images_per_s']:>9.4f} {row['over_first']:>8.3f} "
-                         f"{memory.get('temp', 0) / GIB:>9.3f} {memory.get('total', 0) / GIB:>9.3f}  "
-                         f"{row['kernels']}")
-    mem = report.get("memory")
-    if mem:
-        lines.append(f"sampler program memory per image (compiled from shapes, per-device batch "
-                     f"{mem['per_device_batch']}):")
-        lines.append(f"{'attention':>10} {'size':>6} {'temp GiB':>9} {'total GiB':>9}")
-        for row in mem["rows"]:
-            lines.append(f"{row['attention']:>10} {row['size']:>6} {row['temp_per_image'] / GIB:>9.3f} "
-                         f"{row['total_per_image'] / GIB:>9.3f}")
-        for name, growth in mem["temp_growth"].items():
-            lines.append(f"temp {mem['sizes'][-1]}^2 / {mem['sizes'][0]}^2 with {name}: {growth:.2f}x "
-                         f"(pixels {mem['pixel_growth']:.1f}x)")
-    sc = report.get("scoring")
-    if sc:
-        lines.append(f"scoring overhead (--score {','.join(sc['scorers']['scores'])}: {sc['scorers']['clip_model']}, "
-                     f"{sc['scorers']['aesthetic_head']}, {sc['scorers']['safety_checker']}; per-device batch "
-                     f"{sc['per_device_batch']}; timed in turns):")
-        lines.append(f"{'recipe':>10} {'steps':>5} {'plain img/s':>11} {'scored img/s':>12} {'overhead':>8} "
-                     f"{'scorer/sampler FLOPs':>20}")
-        for name, row in sc["recipes"].items():
-            lines.append(f"{name:>10} {row['steps']:>5} {row['plain']['images_per_s']:>11.4f} "
-                         f"{row['scored']['images_per_s']:>12.4f} {row['overhead']:>8.1%} "
-                         f"{row['scorer_flops_over_sampler']:>20.2%}")
-        f = sc["flops_at_512"]
-        if f:
-            lines.append(f"at {f['size']}x{f['size']}: scorer {f['scorer_per_image'] / 1e9:.1f} GFLOP/image, "
-                         f"{f['cfg_20_steps_scorer_over_sampler']:.2%} of a {f['steps']}-step CFG image, "
-                         f"{f['one_step_scorer_over_sampler']:.2%} of a 1-step guidance-free one")
-    s = report["startup"]
-    if s:
-        cold, warm = s["cold"], s["warm"]
-        lines.append(f"start-up of a fresh process (per-device batch {s['per_device_batch']}), seconds:")
-        lines.append(f"{'':>42} {'cold':>8} {'warm':>8} {'warm/cold':>9}")
-        for label, key in STARTUP_ROWS:
-            ratio = f"{warm[key] / cold[key]:>9.2f}" if cold[key] else f"{'':>9}"
-            lines.append(f"{label:>42} {cold[key]:>8.2f} {warm[key]:>8.2f} {ratio}")
-        lines.append(f"sampler from the executable cache: cold {cold['sampler_from_cache']}, warm "
-                     f"{warm['sampler_from_cache']} ({warm['cache_hits']} cache hits); time to ready warm/cold "
-                     f"{s['ready_warm_over_cold']:.2f}, fresh process cold/warm {s['cold_over_warm']:.2f}")
-        other = s.get("against")
-        if other:
-            lines.append(f"side by side with {other['root']} (timed in turns), seconds:")
-            lines.append(f"{'':>42} {'cold':>8} {'against':>8} {'warm':>8} {'against':>8}")
-            for label, key in STARTUP_ROWS:
-                lines.append(f"{label:>42} {cold[key]:>8.2f} {other['cold'][key]:>8.2f} {warm[key]:>8.2f} "
-                             f"{other['warm'][key]:>8.2f}")
-    if report.get("flops"):
-        lines += format_flops(report["flops"])
-    f = report.get("fsdp")
-    if f:
-        lines.append(f"--fsdp side by side (per-device batch {f['per_device_batch']}, {f['devices']} devices, "
-                     f"timed in turns):")
-        lines.append(f"{'fsdp':>5} {'img/s':>9} {'relative':>8} {'argument MiB/device':>19}")
-        for n, row in f["rows"].items():
-            lines.append(f"{n:>5} {row['images_per_s']:>9.4f} {row['over_first']:>8.3f} "
-                         f"{row['argument_bytes'] / 2 ** 20:>19.2f}")
-    return "\n".join(lines)
