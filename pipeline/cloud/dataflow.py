@@ -32,6 +32,7 @@ from typing import Callable
 
 from pipeline.cloud import checks, program_check, tpu
 from pipeline.cloud.gke import committed_slices, settings_flags, settings_lines
+from pipeline.cloud.submission import Submission
 from pipeline.core import children, naming
 from pipeline.core.numbers import counted
 from pipeline.io import storage
@@ -41,7 +42,6 @@ DEFAULT_DISK_SIZE_GB = 100
 # Plan and collect parse JSON and parquet and write thumbnails: general-purpose CPU work.
 DEFAULT_CPU_MACHINE_TYPE = "n2-standard-4"
 DEFAULT_CPU_MAX_WORKERS = 10
-DEFAULT_POLL_S = 30.0
 
 STAGES = ("plan", "generate", "collect")  # launched in this order, each once the one before is DONE
 SUCCEEDED = "DONE"
@@ -191,24 +191,16 @@ def format_options(options: list[str] | tuple) -> str:
     return "\n".join(shlex.quote(option) for option in options)
 
 
-@dataclasses.dataclass(frozen=True)
-class DataflowJob:
-    settings: object  # pipeline.core.settings.Settings, devices_per_host = the worker's chips
-    tpu_slice: tpu.TpuSlice
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataflowJob(Submission):
+    """Three Dataflow jobs: plan and collect on CPU workers, generate on TPU workers (the
+    ``tpu_slice``, single-host); their DataflowRunner options, stage by stage."""
     plan_options: tuple[str, ...]
     generate_options: tuple[str, ...]
     collect_options: tuple[str, ...]
     project: str
     region: str
     cpu_machine_type: str = DEFAULT_CPU_MACHINE_TYPE
-    overwrite: bool = False
-    poll_s: float = DEFAULT_POLL_S
-    tpu_program: dict | None = None  # the TPU check's report (``pipeline.cloud.program_check``); None: skipped
-    cap_hosts: int | None = None  # hosts the plan caps an auto per-device batch for (``plan.Plan``)
-
-    @property
-    def out(self) -> str:
-        return self.settings.out
 
     def options(self, stage: str) -> tuple[str, ...]:
         return {"plan": self.plan_options, "generate": self.generate_options, "collect": self.collect_options}[stage]
