@@ -85,7 +85,11 @@ def test_the_geometry_places_each_size_after_the_last_and_hosts_walk_sizes_in_st
     assert [(b.offset, b.first_slice, b.slices) for b in geometry.buckets] == [(0, 0, 2), (9, 2, 0), (9, 2, 2)]
     assert geometry.slices == 4 and geometry.slice_span(1) == (8, 9) and geometry.slice_span(3) == (21, 22)
     assert [geometry.bucket_of_slice(i) for i in range(4)] == [0, 0, 2, 2]
-    assert geometry.slice_of(2, 20) == 2 + (20 - 9) // 12
+    # a record's items are placed in the slices whose spans hold their positions
+    record = records.parse_row({"prompt": "p", "num_images": 2}, "f", 1, 0, "f:1")
+    items = records.expand(record, 20, 12, bucket_start=(9, 2))  # bucket 2: from position 9, slice 2
+    assert [geometry.slice_span(item.slice)[0] <= item.position < geometry.slice_span(item.slice)[1]
+            for item in items] == [True, True] and [item.slice for item in items] == [2, 3]
     manifest = {"buckets": [b.to_json() for b in geometry.buckets], "slice_size": 8, "images": 22, "slices": 4}
     assert [buckets.manifest_slice_images(manifest, i) for i in range(4)] == [8, 1, 12, 1]
     assert buckets.Geometry.of_manifest(json.loads(json.dumps(manifest)), 0, 0, 0) == geometry

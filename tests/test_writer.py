@@ -160,7 +160,7 @@ def test_a_filtered_image_keeps_its_row_and_is_in_no_image_output(tmp_path):
     assert [(r["dropped"], r["path"] != "") for r in rows] == [
         (None, True), ("min_aesthetic: aesthetic 4.5 < 5", False), (None, True)]
     assert rows[1]["sha256"] and rows[2]["nsfw"] is True and rows[1]["aesthetic"] == 4.5
-    assert not os.path.exists(naming.image_file(out, 1, "rec_0001"))
+    assert not os.path.exists(naming.join(out, naming.image_name(1, "rec_0001")))
     packed = thumbnails(out, 1)  # no thumbnail of the dropped image; a flagged one's blurred
     assert list(packed) == ["rec_0000.jpg", "rec_0002.jpg"]
     assert packed["rec_0002.jpg"] == formats.thumbnail(image(3), blur=True)
