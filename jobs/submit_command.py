@@ -75,7 +75,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
                     "the committed slices are printed while generate runs, and a job that fails stops the chain. "
                     "--dtype defaults to bf16. Flags not listed here are passed on to all three jobs as "
                     "Dataflow/Beam options if Beam knows them (e.g. --worker_zone, --network). DATAFLOW_LAUNCHER "
-                    "overrides the launcher (python -m jobs.dataflow_launch). Example: "
+                    "overrides the launcher (python -m jobs.dataflow_launcher). Example: "
                     + _DATAFLOW_EXAMPLE)
     _add_common(dataflow)
     strict.strict(dataflow, beam=True, out=True)

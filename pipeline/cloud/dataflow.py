@@ -14,7 +14,7 @@ process per worker, since a TPU can be opened by one process only. The CPU jobs'
 the same container and locations, a CPU machine type and no accelerator.
 
 Every launch and every state query goes through one seam, the launcher executable
-(``python -m jobs.dataflow_launch``, whose work ``pipeline.cloud.dataflow_launch`` does, or
+(``python -m jobs.dataflow_launcher``, whose work ``pipeline.cloud.dataflow_stages`` does, or
 ``DATAFLOW_LAUNCHER``; the tests use a fake). The plan job gets the run's settings as the flags
 ``promptmill plan`` takes (``pipeline.cloud.gke.settings_flags``, every setting), which the
 launcher reads back with the CLI's own parser, as ``submit gke``'s plan command is read. The
@@ -213,18 +213,18 @@ class DataflowJob(Submission):
 
 def launcher_command() -> list[str]:
     """``DATAFLOW_LAUNCHER`` (an executable), or this Python running the launcher's command line,
-    ``jobs.dataflow_launch`` (it reads the plan's settings flags with the CLI's parser; the work is
-    ``pipeline.cloud.dataflow_launch``'s)."""
+    ``jobs.dataflow_launcher`` (it reads the plan's settings flags with the CLI's parser; the work is
+    ``pipeline.cloud.dataflow_stages``'s)."""
     override = os.environ.get("DATAFLOW_LAUNCHER")
     if override:
         if not (os.path.isfile(override) and os.access(override, os.X_OK)):
             raise RuntimeError(f"DATAFLOW_LAUNCHER={override!r} is not an executable file")
         return [override]
-    return children.python("-m", "jobs.dataflow_launch")
+    return children.python("-m", "jobs.dataflow_launcher")
 
 
 def stage_arguments(job: DataflowJob, stage: str) -> list[str]:
-    """The launcher's arguments that submit ``stage`` (``jobs.dataflow_launch``); the plan's
+    """The launcher's arguments that submit ``stage`` (``jobs.dataflow_launcher``); the plan's
     carry every setting as ``promptmill plan``'s flags (``settings_flags``, with ``--out``)."""
     if stage != "plan":
         return ["run", stage, "--out", job.out, "--", *job.options(stage)]
@@ -261,7 +261,7 @@ class Launcher:
 
     def launch(self, job: DataflowJob, stage: str) -> tuple[str, str]:
         """Submit ``stage``; (job id, state) once Dataflow accepted it. A plan the run keeps
-        (``dataflow_launch.launch``) submits nothing: its job id is ""."""
+        (``dataflow_stages.launch``) submits nothing: its job id is ""."""
         answer = self._call(stage_arguments(job, stage), LAUNCH_TIMEOUT_S)
         return ("" if answer["plan_kept"] else answer["job_id"]), answer["state"]
 
