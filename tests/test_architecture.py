@@ -503,6 +503,20 @@ def test_the_model_has_no_family_specific_field():
                                                    "param_dtype", "default_steps"}
 
 
+MOST_LINES = 500  # of a module of pipeline/ or jobs/: past it, a module does more than one job
+
+
+def long_modules(sources: dict[str, tuple[str, bool, str]], most: int = MOST_LINES) -> list[str]:
+    """``PATH: N lines`` of every module of ``sources`` ({module: (relative path, is_package,
+    source)}) longer than ``most`` lines: split it into modules named by their roles."""
+    return [f"{relative}: {len(source.splitlines())} lines" for relative, _, source in sorted(sources.values())
+            if len(source.splitlines()) > most]
+
+
+def test_no_module_is_over_500_lines():
+    _fail_with(f"modules of pipeline/ and jobs/ over {MOST_LINES} lines", long_modules(_sources()))
+
+
 # ---------------------------------------------------------------------------------------
 # The helpers, on tiny synthetic sources and graphs
 
@@ -700,3 +714,10 @@ def test_private_names_of_objects_and_of_the_module_itself_are_fine():
     assert private_uses(source, "pipeline.plan.inputs", modules=MODULES) == []
     assert private_uses("from pipeline.core import keys\nkeys._cache\n", "pipeline.core.keys", modules=MODULES) \
         == []
+
+
+def test_long_modules():
+    sources = {"pipeline.a": ("pipeline/a.py", False, "x = 1\n" * 3), "pipeline.b": ("pipeline/b.py", False, "y\n" * 4),
+               "pipeline": ("pipeline/__init__.py", True, "")}
+    assert long_modules(sources, most=3) == ["pipeline/b.py: 4 lines"]
+    assert long_modules(sources, most=4) == []

@@ -72,7 +72,7 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
         "few_step": ("euler_a", "trailing", 4, False), "default": ("ddim", "leading", 20, True)}  # tiny's own
     cfg, free = recipes["cfg"]["flops"], recipes["guidance_free"]["flops"]
     # XLA counts the fori_loop's body once: the reason the flops are counted by parts
-    # (pipeline/flops.py). If this changes, revisit that module.
+    # (pipeline/bench/flops.py). If this changes, revisit that module.
     assert cfg["xla_denoiser_calls_counted"] == pytest.approx(1.0, abs=0.05)
     # by parts: the guidance-free program encodes and denoises half the rows, and decodes as many
     assert cfg["denoiser_call"] == pytest.approx(2 * free["denoiser_call"], rel=0.01)
