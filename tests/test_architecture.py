@@ -503,6 +503,20 @@ def test_the_model_has_no_family_specific_field():
                                                    "param_dtype", "default_steps"}
 
 
+MOST_LINES = 500  # of a module of pipeline/ or jobs/: past it, a module does more than one job
+
+
+def long_modules(sources: dict[str, tuple[str, bool, str]], most: int = MOST_LINES) -> list[str]:
+    """``PATH: N lines`` of every module of ``sources`` ({module: (relative path, is_package,
+    source)}) longer than ``most`` lines: split it into modules named by their roles."""
+    return [f"{relative}: {len(source.splitlines())} lines" for relative, _, source in sorted(sources.values())
+            if len(source.splitlines()) > most]
+
+
+def test_no_module_is_over_500_lines():
+    _fail_with(f"modules of pipeline/ and jobs/ over {MOST_LINES} lines", long_modules(_sources()))
+
+
 # ---------------------------------------------------------------------------------------
 # The helpers, on tiny synthetic sources and graphs
 
@@ -535,7 +549,7 @@ def test_family_name_comparisons():
 MODULES = {"pipeline", "pipeline.core", "pipeline.core.keys", "pipeline.core.settings", "pipeline.io",
            "pipeline.io.storage", "pipeline.model", "pipeline.model.load", "pipeline.output",
            "pipeline.output.formats", "pipeline.plan", "pipeline.plan.inputs", "pipeline.generate",
-           "pipeline.generate.host_loop", "pipeline.bench", "pipeline.bench.plan", "pipeline.testing",
+           "pipeline.generate.host_loop", "pipeline.bench", "pipeline.bench.plan_scale", "pipeline.testing",
            "pipeline.testing.emulator", "jobs", "jobs.cli"}
 
 
@@ -599,16 +613,16 @@ def test_an_import_of_a_missing_module_of_ours_is_reported():
     ("pipeline.core.keys", "pipeline.core.settings", None),
     ("pipeline.plan.inputs", "pipeline.model.load", None),
     ("pipeline.output.formats", "pipeline", None),
-    ("jobs.cli", "pipeline.bench.plan", None),
+    ("jobs.cli", "pipeline.bench.plan_scale", None),
     ("jobs.cli", "pipeline.generate.host_loop", None),
-    ("pipeline.bench.plan", "pipeline.testing.emulator", None),
-    ("pipeline.bench.plan", "pipeline.generate.host_loop", None),
+    ("pipeline.bench.plan_scale", "pipeline.testing.emulator", None),
+    ("pipeline.bench.plan_scale", "pipeline.generate.host_loop", None),
     ("pipeline.core.settings", "pipeline.output.formats", "upward: core is below output"),
     ("pipeline.model.load", "pipeline.output.formats", "peers: model and output share a rank"),
     ("pipeline.plan.inputs", "pipeline.generate.host_loop", "peers: plan and generate share a rank"),
-    ("pipeline.generate.host_loop", "pipeline.bench.plan", "bench is a leaf"),
-    ("pipeline.testing.emulator", "pipeline.bench.plan", "bench is a leaf"),
-    ("pipeline.bench.plan", "jobs.cli", "nothing in pipeline/ imports jobs/"),
+    ("pipeline.generate.host_loop", "pipeline.bench.plan_scale", "bench is a leaf"),
+    ("pipeline.testing.emulator", "pipeline.bench.plan_scale", "bench is a leaf"),
+    ("pipeline.bench.plan_scale", "jobs.cli", "nothing in pipeline/ imports jobs/"),
     ("pipeline.io.storage", "jobs.cli", "nothing in pipeline/ imports jobs/"),
     ("pipeline.extras.thing", "pipeline.core.keys", "unit 'extras' is neither in LAYERS nor in LEAVES"),
 ])
@@ -700,3 +714,10 @@ def test_private_names_of_objects_and_of_the_module_itself_are_fine():
     assert private_uses(source, "pipeline.plan.inputs", modules=MODULES) == []
     assert private_uses("from pipeline.core import keys\nkeys._cache\n", "pipeline.core.keys", modules=MODULES) \
         == []
+
+
+def test_long_modules():
+    sources = {"pipeline.a": ("pipeline/a.py", False, "x = 1\n" * 3), "pipeline.b": ("pipeline/b.py", False, "y\n" * 4),
+               "pipeline": ("pipeline/__init__.py", True, "")}
+    assert long_modules(sources, most=3) == ["pipeline/b.py: 4 lines"]
+    assert long_modules(sources, most=4) == []

@@ -21,6 +21,9 @@ The parts are costed outside the attention seam (every call the whole matrix, ``
 whatever ``--attention`` a run uses: every implementation computes the same exact
 attention, so the work per image is the same, but the chunked kernel's ``lax.map`` over query blocks is a loop that XLA would
 count once. Utilisation is thus always achieved model FLOPs over the peak (MFU).
+
+``run_flops`` is ``bench generator``'s flops part: the FLOPs per image by part of whole
+recipes (model, steps, guidance), from shapes alone.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import time
 
 import numpy as np
 
+from pipeline.bench.throughput_config import BenchConfig
+from pipeline.core import logs
 from pipeline.generate.parts import flops as lowered_flops, part_flops  # noqa: F401 (the bench's names)
 
 
@@ -96,3 +101,25 @@ def matmul_peak(devices, dtype: str, size: int, min_seconds: float = 1.0) -> dic
     flops = 2 * size ** 3 * len(devices) * calls
     return {"flops_per_s": flops / seconds, "size": size, "dtype": dtype, "calls": calls,
             "seconds": round(seconds, 4), "devices": len(devices)}
+
+
+def run_flops(config: BenchConfig) -> dict:
+    """FLOPs per image by part of each of ``config.flops_recipes``, from shapes alone (no
+    weights: the real-size built-in models need none), at the config's size (default
+    1024x1024) and dtype: the text encoders, one denoiser call (a UNet's, on 2B rows when
+    guided, or a transformer's), the VAE decode, and the whole image (text + steps x
+    denoiser + decode)."""
+    from pipeline.generate import parts
+    from pipeline.model import load as model_lib
+
+    width, height = config.width or 1024, config.height or 1024
+    rows = []
+    for name, steps, guidance in config.flops_recipes:
+        model = model_lib.load(name, dtype=config.dtype, abstract=True)
+        guided = model.family.classifier_free(model) and guidance > 1
+        counted = parts.part_flops(model, width, height, 1, guided)
+        per_image = parts.image_flops(model, width, height, steps, 1, guided)
+        rows.append({"model": name, "family": model.family.name, "steps": steps, "guidance_scale": guidance,
+                     "guided": guided, **counted, "per_image": per_image})
+        logs.event("bench_flops", **rows[-1])
+    return {"width": width, "height": height, "dtype": config.dtype, "rows": rows}

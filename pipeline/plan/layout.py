@@ -25,16 +25,14 @@ import hashlib
 import io
 import json
 import os
-import re
 
 import numpy as np
 
 from pipeline.core import buckets, records
 from pipeline.model import families
-from pipeline.io import beamio, listing, storage
+from pipeline.io import beamio, inventory, listing, storage
 from pipeline.plan import inputs
 
-_WILDCARD = re.compile(r"[*?\[]")
 UNUSED_GUIDANCE, UNUSED_NEGATIVE = 1, 2  # ``FileScan.unused``'s bits
 HASH_BYTES = 16  # of an id or a prompt: collisions are out of reach (2**-128 a pair)
 
@@ -45,8 +43,8 @@ class PlanError(ValueError):
 
 def input_root(pattern: str) -> str:
     """The folder that auto ids are relative to: the pattern's part before any wildcard."""
-    head = _WILDCARD.split(pattern, maxsplit=1)[0]
-    return head if _WILDCARD.search(pattern) and head.endswith("/") else head.rpartition("/")[0]
+    head = listing.WILDCARD.split(pattern, maxsplit=1)[0]
+    return head if listing.WILDCARD.search(pattern) and head.endswith("/") else head.rpartition("/")[0]
 
 
 def relative_source(source: str, root: str) -> str:
@@ -64,11 +62,11 @@ def match_prompt_files(pattern: str) -> list[str]:
     return sorted(prompt_files(pattern))
 
 
-def prompt_files(pattern: str) -> dict[str, storage.Listed]:
-    """{file: what its listing says of it} of ``pattern``'s files (``storage.listed``: one
+def prompt_files(pattern: str) -> dict[str, inventory.Listed]:
+    """{file: what its listing says of it} of ``pattern``'s files (``inventory.listed``: one
     listing on GCS); PlanError if one has an unknown format or is not a file."""
     try:
-        found = storage.listed(pattern)
+        found = inventory.listed(pattern)
         inputs.check_formats(sorted(found))
     except (inputs.UnsupportedInput, listing.NotAPromptFile) as e:
         raise PlanError(str(e)) from None

@@ -97,15 +97,22 @@ def kept_batches_per_slice(settings: Settings, overwrite: bool = False) -> Setti
     return settings.replace(batches_per_slice=runs.read(settings.out).settings.batches_per_slice)
 
 
+# the packages whose versions run.json records beside promptmill's, where installed
+RECORDED_PACKAGES = ("jax", "jaxlib", "flax", "tokenizers", "safetensors", "apache-beam", "numpy", "pillow", "pyarrow")
+
+
+def _installed(name: str) -> str | None:
+    """The installed version of package ``name``, or None."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _versions() -> dict:
-    names = ("jax", "jaxlib", "flax", "tokenizers", "safetensors", "apache-beam", "numpy", "pillow", "pyarrow")
-    found = {"promptmill": __version__}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
+    """promptmill's version and those of the ``RECORDED_PACKAGES`` installed, for run.json."""
+    installed = {name: _installed(name) for name in RECORDED_PACKAGES}
+    return {"promptmill": __version__, **{name: version for name, version in installed.items() if version}}
 
 
 def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
@@ -215,8 +222,6 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
     return run
 
 
-CARD = "README.md"  # naming.dataset_card's name under OUT: ours to delete only when it says so
-LEASE = "lease.json"  # naming.lease's name under OUT
 DELETE_BATCH = 1000  # objects deleted at a time while --overwrite lists OUT (a GCS listing page)
 SHOWN = 5  # names a refusal or a report shows
 
@@ -245,7 +250,8 @@ def clear_run(out: str) -> int:
     kept = Kept()
     deleted, batch = 0, []
     for path, name in _owned_entries(out, kept):
-        if name not in ("run.json", LEASE):  # run.json goes last; the lease is this command's own
+        # run.json goes last; the lease is this command's own
+        if name not in (naming.run_json.name, naming.lease.name):
             batch.append(path)
         if len(batch) >= DELETE_BATCH:
             deleted += storage.delete(batch)
@@ -284,7 +290,8 @@ def _owned_entries(out: str, kept: Kept):
     root = out.rstrip("/")
     for path, kind in storage.entries(root):
         name = path[len(root) + 1:].replace(os.sep, "/")
-        if kind == "file" and naming.owned(name) and (name != CARD or _is_our_card(path)):
+        # the dataset card is ours to delete only when it says so
+        if kind == "file" and naming.owned(name) and (name != naming.dataset_card.name or _is_our_card(path)):
             yield path, name
         else:
             kept.add(name, kind)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from jobs import cli
-from pipeline.bench import generator as bench, startup
+from pipeline.bench import scoring_overhead, startup, throughput, throughput_config, throughput_table
+from pipeline.bench.throughput_config import BenchConfig
 
 
 def test_batch_sizes_flag_and_bad_configs():
@@ -16,13 +17,13 @@ def test_batch_sizes_flag_and_bad_configs():
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["bench", "generator", "--per-device-batch", "1,x"])
     with pytest.raises(ValueError):
-        bench.BenchConfig(per_device_batches=(0,)).validate()
+        BenchConfig(per_device_batches=(0,)).validate()
     with pytest.raises(ValueError):
-        bench.BenchConfig(width=30).validate()
+        BenchConfig(width=30).validate()
     with pytest.raises(ValueError, match="--parts"):
-        bench.BenchConfig(parts=("sweep", "speed")).validate()
+        BenchConfig(parts=("sweep", "speed")).validate()
     with pytest.raises(ValueError, match="--compare-models"):
-        bench.BenchConfig(parts=("models",)).validate()
+        BenchConfig(parts=("models",)).validate()
     args = cli.build_parser().parse_args(["bench", "generator", "--parts", "recipes"])
     assert args.parts == "recipes"
 
@@ -34,8 +35,8 @@ def test_the_seed_notebook_sweep_without_its_extra_is_a_clear_error_before_any_w
 
     monkeypatch.setitem(sys.modules, "diffusers", None)  # as where it is not installed
     with pytest.raises(RuntimeError, match=r"pip install 'promptmill\[notebook\]'"):
-        bench.run_bench(bench.BenchConfig(parts=("sweep",)))
-    assert "sweep" not in bench.DEFAULT_PARTS
+        throughput.run_bench(BenchConfig(parts=("sweep",)))
+    assert "sweep" not in throughput_config.DEFAULT_PARTS
 
 
 def test_bench_generator_report(tmp_path, model_cache, capsys):
@@ -71,7 +72,7 @@ def test_bench_generator_report(tmp_path, model_cache, capsys):
         "few_step": ("euler_a", "trailing", 4, False), "default": ("ddim", "leading", 20, True)}  # tiny's own
     cfg, free = recipes["cfg"]["flops"], recipes["guidance_free"]["flops"]
     # XLA counts the fori_loop's body once: the reason the flops are counted by parts
-    # (pipeline/flops.py). If this changes, revisit that module.
+    # (pipeline/bench/flops.py). If this changes, revisit that module.
     assert cfg["xla_denoiser_calls_counted"] == pytest.approx(1.0, abs=0.05)
     # by parts: the guidance-free program encodes and denoises half the rows, and decodes as many
     assert cfg["denoiser_call"] == pytest.approx(2 * free["denoiser_call"], rel=0.01)
@@ -142,15 +143,15 @@ def test_startup_against_times_another_tree_in_turns_and_says_each_over_the_othe
                  "cache_entries": 3} for ready in (2.0, 4.0)[:len(roots)]]
 
     figures = {"total_s": 8.0, "sampler_from_cache": False, "cache_hits": 0,
-               **{key: 1.0 for _, key in bench.STARTUP_ROWS if key not in ("ready_s", "total_s")}}
+               **{key: 1.0 for _, key in throughput_table.STARTUP_ROWS if key not in ("ready_s", "total_s")}}
     monkeypatch.setattr(startup, "cold_and_warm", fake)
-    result = bench.run_startup(bench.BenchConfig(startup_against="/other/tree"), 32, 32, 1)
+    result = throughput.run_startup(BenchConfig(startup_against="/other/tree"), 32, 32, 1)
     assert asked == [(None, "/other/tree")]
     other = result["against"]
     assert other["root"] == "/other/tree" and other["cold"]["ready_s"] == 4.0
     assert other["over_against"] == {"cold_ready_s": 0.5, "cold_total_s": 1.0, "warm_ready_s": 0.5,
                                      "warm_total_s": 1.0}
-    table = bench.format_table({**{k: None for k in ("sweep", "recipes", "attention", "memory", "models", "fsdp",
+    table = throughput_table.format_table({**{k: None for k in ("sweep", "recipes", "attention", "memory", "models", "fsdp",
                                                        "flops")}, "startup": result, "peak": {"flops_per_s": 1e9},
                                 "config": {"model": "tiny", "width": 32, "height": 32, "steps": 4, "dtype": "fp32"},
                                 "machine": {"devices": 1, "device_kind": "cpu", "platform": "cpu"}})
@@ -198,7 +199,7 @@ def test_flops_per_image_do_not_depend_on_the_batch(model_cache):
 def test_sdxl_is_refused_before_any_work(model_cache):
     # the seed recipe is FlaxStableDiffusionPipeline's: there is no SD 1.x baseline for SDXL
     with pytest.raises(ValueError, match="'tiny-sdxl' is not SD 1.x/2.x"):
-        bench.run_bench(bench.BenchConfig(model="tiny-sdxl", width=32, height=32))
+        throughput.run_bench(BenchConfig(model="tiny-sdxl", width=32, height=32))
 
 
 def test_the_scoring_part_times_the_generator_with_and_without_scores(model_cache):
@@ -208,13 +209,13 @@ def test_the_scoring_part_times_the_generator_with_and_without_scores(model_cach
     at 64x64: the suite's time)."""
     from pipeline.model import load as model_lib
 
-    config = bench.BenchConfig(model="tiny", width=32, height=32, steps=1, batches=1, parts=("scoring",),
+    config = BenchConfig(model="tiny", width=32, height=32, steps=1, batches=1, parts=("scoring",),
                                scorers="tiny").validate()
-    assert "--scorers tiny" in bench.command_line(config)
+    assert "--scorers tiny" in throughput_config.command_line(config)
     model = model_lib.load("tiny")
     import jax
 
-    report = bench.run_scoring(model, config, jax.local_devices(), 32, 32, reference=(64, 2),
+    report = scoring_overhead.run_scoring(model, config, jax.local_devices(), 32, 32, reference=(64, 2),
                                recipes_run=("one_step",))
     assert report["scorers"]["clip_model"] == "tiny-clip" and report["scorer_flops_per_image"] > 0
     assert list(report["recipes"]) == ["one_step"]
@@ -225,9 +226,9 @@ def test_the_scoring_part_times_the_generator_with_and_without_scores(model_cach
         assert 0 < row["scorer_flops_over_sampler"] < 1
     at_512 = report["flops_at_512"]
     assert at_512["one_step_scorer_over_sampler"] > at_512["cfg_20_steps_scorer_over_sampler"] > 0
-    assert "scoring overhead" in bench.format_table({**EMPTY_REPORT, "scoring": report})
+    assert "scoring overhead" in throughput_table.format_table({**EMPTY_REPORT, "scoring": report})
     with pytest.raises(ValueError, match="--scorers must be one of random, tiny"):
-        bench.BenchConfig(scorers="huge").validate()
+        BenchConfig(scorers="huge").validate()
 
 
 EMPTY_REPORT = {"config": {"model": "tiny", "width": 32, "height": 32, "steps": 1, "dtype": "fp32"},

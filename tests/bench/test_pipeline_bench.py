@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.bench import host_loop as pipeline_bench
+from pipeline.bench import host_overhead as pipeline_bench
 from pipeline.core import naming
 from pipeline.io import runs, storage
 from pipeline.output import writer

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from pipeline.bench import plan as plan_bench, prompts
+from pipeline.bench import plan_scale as plan_bench, prompts
 from pipeline.core import records
 from tests.conftest import ROOT
 

@@ -33,9 +33,9 @@ def test_upload_bench_with_added_latency_side_by_side(gcs_emulator):
     assert "latency_ms" in table and len(table.splitlines()) == 2 + 4
     # the client points at the emulator again, and still works
     assert os.environ["STORAGE_EMULATOR_HOST"] == emulator_host
-    from pipeline.io import storage
+    from pipeline.io import gcs, storage
 
-    assert not [b.name for b in storage.gcs_client().list_buckets() if b.name.startswith("promptmill-bench-")]
+    assert not [b.name for b in gcs.client().list_buckets() if b.name.startswith("promptmill-bench-")]
     storage.write_bytes(f"gs://{gcs_emulator}/after-bench.txt", b"ok")
     assert storage.read_bytes(f"gs://{gcs_emulator}/after-bench.txt") == b"ok"
 
@@ -43,14 +43,14 @@ def test_upload_bench_with_added_latency_side_by_side(gcs_emulator):
 def test_proxy_holds_each_request_for_its_latency(gcs_emulator):
     import time
 
-    from pipeline.io import storage
+    from pipeline.io import gcs, storage
     from pipeline.testing.fault_proxy import FaultyProxy
 
     upstream = int(os.environ["STORAGE_EMULATOR_HOST"].rsplit(":", 1)[1])
     previous = os.environ["STORAGE_EMULATOR_HOST"]
     with FaultyProxy(upstream, failure_rate=0.0, latency_s=0.2, max_upstream=1) as proxy:
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
-        storage.reset_gcs_client()
+        gcs.reset_client()
         try:
             storage.write_bytes(f"gs://{gcs_emulator}/latency/warm.bin", b"x")
             start = time.perf_counter()
@@ -59,6 +59,6 @@ def test_proxy_holds_each_request_for_its_latency(gcs_emulator):
             assert storage.read_bytes(f"gs://{gcs_emulator}/latency/one.bin") == b"y"
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = previous
-            storage.reset_gcs_client()
+            gcs.reset_client()
     assert proxy.counts["forwarded"] >= 3 and proxy.upstream_errors == 0
     assert sum(proxy.counts[k] for k in ("503", "429", "dropped")) == 0

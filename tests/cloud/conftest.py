@@ -148,7 +148,7 @@ def kubectl(tmp_path, monkeypatch):
 
 FAKE_LAUNCHER = textwrap.dedent(r'''
     #!PYTHON
-    # A stand-in for the Dataflow launcher (pipeline.cloud.dataflow_launch): records its calls and
+    # A stand-in for the Dataflow launcher (pipeline.cloud.dataflow_stages): records its calls and
     # answers each stage's states from FAKE_DATAFLOW_SCRIPT ({stage: [state at launch, at query 1, ...]}).
     # Like the real jobs it writes to OUT, through the GCS emulator's JSON API: plan the manifest
     # (FAKE_DATAFLOW_SLICES slices), generate one commit marker per RUNNING answer, collect the

@@ -21,6 +21,7 @@ from pipeline.cloud import dates as schedule
 from pipeline.core import logs, naming
 from pipeline.generate import compile_cache as compile_cache_lib
 from pipeline.io import storage
+from tests import trees
 from tests.conftest import run_cli
 
 DNS_1123_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -146,7 +147,7 @@ def _host_events(out: str, name: str) -> list[dict]:
 def _files(out: str) -> dict[str, tuple[str, int]]:
     """{path under OUT: (size and checksum, mtime in ns)} of the images and shards (not
     a slice folder's metadata.jsonl: collect's, rewritten by every collect as dataset/ is)."""
-    sums = storage.checksums(out)
+    sums = trees.checksums(out)
     return {name: (digest, os.stat(os.path.join(out, name)).st_mtime_ns)
             for name, digest in sums.items()
             if name.startswith(("images/", "shards/")) and not name.endswith("/metadata.jsonl")}
@@ -207,7 +208,7 @@ def test_scheduled_run_two_triggers_of_one_date_reuse_one_run_and_another_date_m
     assert len(rows_out) == len({r["key"] for r in rows_out}) == 5  # no image twice
     assert storage.read_json(naming.dataset_file(out, "stats.json"))["verified"]
 
-    whole_run = storage.checksums(out)
+    whole_run = trees.checksums(out)
     trigger("2026-11-21")
     assert sorted(os.listdir(daily)) == ["2026-11-20", "2026-11-21"]  # another date, another OUT
     other = str(daily / "2026-11-21")
@@ -215,4 +216,4 @@ def test_scheduled_run_two_triggers_of_one_date_reuse_one_run_and_another_date_m
     [ready] = _host_events(other, "host_ready")  # its host found every program in the gs:// cache
     assert ready["cache_hits"] > 0 and ready["cache_writes"] == 0
     assert storage.read_json(naming.run_json(out))["settings"]["out"] == out
-    assert storage.checksums(out) == whole_run  # the other date's run left this one alone
+    assert trees.checksums(out) == whole_run  # the other date's run left this one alone

@@ -113,14 +113,14 @@ def test_settings_the_flags_cannot_say_are_refused():
 
 def test_the_dataflow_plan_job_reads_back_every_setting():
     """The Dataflow plan job's launcher arguments, read by the real launcher's parser, give the same settings."""
-    from jobs import dataflow_launch
+    from jobs import dataflow_launcher
 
     for settings in (ALL_CHANGED, Settings(out=OUT, fsdp=2, devices_per_host=8)):
         job = _dataflow_job(OUT, settings=settings, overwrite=True, cap_hosts=2)
-        args, options = dataflow_launch.parse(dataflow.stage_arguments(job, "plan"))
+        args, options = dataflow_launcher.parse(dataflow.stage_arguments(job, "plan"))
         assert (args.command, args.stage, args.out, args.overwrite, args.cap_hosts) == ("run", "plan", OUT, True, 2)
         assert options == list(job.options("plan"))
-        assert dataflow_launch.plan_settings(args) == _flag_fields(settings)
+        assert dataflow_launcher.plan_settings(args) == _flag_fields(settings)
 
 
 # ---------------------------------------------------------------- the CLI
@@ -246,7 +246,7 @@ def test_what_a_gke_dry_run_prints_plans_every_setting_it_checked(kubectl, monke
 def test_what_a_dataflow_dry_run_prints_plans_every_setting_it_checked(monkeypatch, capsys):
     """Every setting given to submit dataflow is in the printed plan job's launcher command,
     which the real launcher reads back as the same settings (the launch itself faked)."""
-    from jobs import dataflow_launch as launcher_cli
+    from jobs import dataflow_launcher as launcher_cli
 
     monkeypatch.delenv("DATAFLOW_LAUNCHER", raising=False)
     argv = [*given(DATAFLOW, "--steps", "7"), *SUBMIT_ALL_CHANGED]
@@ -260,7 +260,7 @@ def test_what_a_dataflow_dry_run_prints_plans_every_setting_it_checked(monkeypat
     assert command[:len(launcher) + 2] == [*launcher, "run", "plan"] and \
         command[-len(printed_options) - 1:] == ["--", *printed_options]
     launched = []
-    monkeypatch.setattr("pipeline.cloud.dataflow_launch.launch",
+    monkeypatch.setattr("pipeline.cloud.dataflow_stages.launch",
                         lambda *a: launched.append(a) or {"job_id": "j", "state": "PENDING"})
     assert launcher_cli.main(command[len(launcher):]) == 0
     [(stage, out_, options, settings, overwrite, cap)] = launched

@@ -203,7 +203,7 @@ def test_dataflow_launches_plan_generate_collect_in_order_on_cpu_tpu_cpu(gcs_emu
         if call[0] == "state":
             assert call[2:] == ["--", *options[call[1].rsplit("-", 1)[1]]]
     plan_call = calls[0]
-    from jobs import dataflow_launch as launcher_cli
+    from jobs import dataflow_launcher as launcher_cli
 
     settings = launcher_cli.plan_settings(launcher_cli.parse(plan_call)[0])  # as the real launcher reads them
     assert (settings.out, settings.dtype, settings.devices_per_host) == (out, "bf16", 8)
@@ -251,19 +251,19 @@ def test_a_dataflow_resume_that_keeps_its_plan_launches_no_plan_job(gcs_emulator
 def test_the_launchers_plan_stage_keeps_a_finished_plan_and_submits_nothing(tmp_path, model_cache):
     import apache_beam as beam
 
-    from pipeline.cloud import dataflow_launch
+    from pipeline.cloud import dataflow_stages
     from pipeline.plan import transforms as plan
 
     (tmp_path / "p.jsonl").write_text('{"prompt": "a fox"}\n')
     settings = Settings(prompts=str(tmp_path / "p.jsonl"), out=str(tmp_path / "out"))
     manifest = plan.run_plan(settings)
     p = beam.Pipeline()
-    assert dataflow_launch.build_stage(p, "plan", settings.out, settings) == manifest
+    assert dataflow_stages.build_stage(p, "plan", settings.out, settings) == manifest
     assert "Plan" not in p.applied_labels
-    assert dataflow_launch.launch("plan", settings.out, [], settings) == {"job_id": "", "state": "DONE",
+    assert dataflow_stages.launch("plan", settings.out, [], settings) == {"job_id": "", "state": "DONE",
                                                                           "plan_kept": True}
     p = beam.Pipeline()
-    assert dataflow_launch.build_stage(p, "plan", settings.out, settings, overwrite=True) is None
+    assert dataflow_stages.build_stage(p, "plan", settings.out, settings, overwrite=True) is None
     assert "Plan" in p.applied_labels  # a new plan (built here, never run)
 
 
@@ -284,14 +284,14 @@ def test_the_launcher_reads_what_submit_passes_and_builds_each_stage(tmp_path):
     the generate and collect stages build their pipelines over a planned OUT (built, never run)."""
     import apache_beam as beam
 
-    from jobs import dataflow_launch as launcher_cli
-    from pipeline.cloud import dataflow_launch
+    from jobs import dataflow_launcher as launcher_cli
+    from pipeline.cloud import dataflow_stages
     from pipeline.core.settings import Run
     from pipeline.io import runs
 
     out = str(tmp_path / "out")
     job = _dataflow_job(out, settings=Settings(out=out, dtype="bf16", steps=3), overwrite=True)
-    assert dataflow.launcher_command()[1:] == ["-P", "-m", "jobs.dataflow_launch"]  # never the folder it stands in
+    assert dataflow.launcher_command()[1:] == ["-P", "-m", "jobs.dataflow_launcher"]  # never the folder it stands in
     for stage in dataflow.STAGES:
         args, options = launcher_cli.parse(dataflow.stage_arguments(job, stage))
         assert (args.command, args.stage, args.out, options) == ("run", stage, out, list(job.options(stage)))
@@ -303,14 +303,14 @@ def test_the_launcher_reads_what_submit_passes_and_builds_each_stage(tmp_path):
     with pytest.raises(SystemExit):  # the generate and collect jobs take no settings: they read run.json
         launcher_cli.parse(["run", "generate", "--out", out, "--steps", "3", "--"])
     with pytest.raises(ValueError, match="needs its settings"):
-        dataflow_launch.build_stage(beam.Pipeline(), "plan", out)
+        dataflow_stages.build_stage(beam.Pipeline(), "plan", out)
     with pytest.raises(runs.RunNotPlanned):
-        dataflow_launch.build_stage(beam.Pipeline(), "generate", out)
+        dataflow_stages.build_stage(beam.Pipeline(), "generate", out)
     runs.write(out, Run.create(job.settings, "f" * 64, "2026-01-01T00:00:00+00:00", {}))
     storage.write_json(naming.manifest(out), {"records": 5, "images": 5, "rejects": 0, "slices": 3, "slice_size": 2})
     for stage, label in (("generate", "Generate"), ("collect", "Collect")):
         p = beam.Pipeline()
-        dataflow_launch.build_stage(p, stage, out)
+        dataflow_stages.build_stage(p, stage, out)
         assert label in p.applied_labels and "Plan" not in p.applied_labels
 
 

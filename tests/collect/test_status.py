@@ -131,7 +131,7 @@ def _planned_out(tmp_path):
     for index in (0, 1, 4):
         storage.write_json(naming.shard_stats(out, index), {"slice": index})
         storage.write_bytes(naming.shard_metadata(out, index), b"PAR1 not read")
-        storage.write_bytes(naming.image_file(out, index, f"k{index}"), b"PNG not read")
+        storage.write_bytes(naming.join(out, naming.image_name(index, f"k{index}")), b"PNG not read")
     storage.write_json(naming.join(out, "shards", "sub", "00003_stats.json"), {})  # not a marker of OUT
     storage.write_json(naming.progress_file(out, "host-00000"), _host(0, "stopped", 1.0))
     storage.write_text(naming.progress_file(out, "host-00001"), '{"name": "host-0')  # caught half-written
@@ -173,7 +173,7 @@ def test_the_status_bench_measures_status_and_a_starting_host_from_ledgers_and_f
     O(hosts) objects and lists no marker, and a starting host reads a few objects; with
     the ledgers put aside both list every marker (the 1,000,000-slice figures are in
     docs/benchmarks.md)."""
-    from pipeline.bench import status as status_bench
+    from pipeline.bench import status_scale as status_bench
 
     report = status_bench.run((40,), hosts=4, repeats=1, workdir=str(tmp_path))
     [found] = report["runs"]

@@ -18,6 +18,7 @@ from pipeline.core import buckets, logs, naming, records
 from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.output import writer
+from tests import trees
 from tests.conftest import run_cli
 from tests.generate.test_tpu_check import _Shapes  # a model of no shapes, for the checks whose memory figures are faked
 
@@ -84,7 +85,11 @@ def test_the_geometry_places_each_size_after_the_last_and_hosts_walk_sizes_in_st
     assert [(b.offset, b.first_slice, b.slices) for b in geometry.buckets] == [(0, 0, 2), (9, 2, 0), (9, 2, 2)]
     assert geometry.slices == 4 and geometry.slice_span(1) == (8, 9) and geometry.slice_span(3) == (21, 22)
     assert [geometry.bucket_of_slice(i) for i in range(4)] == [0, 0, 2, 2]
-    assert geometry.slice_of(2, 20) == 2 + (20 - 9) // 12
+    # a record's items are placed in the slices whose spans hold their positions
+    record = records.parse_row({"prompt": "p", "num_images": 2}, "f", 1, 0, "f:1")
+    items = records.expand(record, 20, 12, bucket_start=(9, 2))  # bucket 2: from position 9, slice 2
+    assert [geometry.slice_span(item.slice)[0] <= item.position < geometry.slice_span(item.slice)[1]
+            for item in items] == [True, True] and [item.slice for item in items] == [2, 3]
     manifest = {"buckets": [b.to_json() for b in geometry.buckets], "slice_size": 8, "images": 22, "slices": 4}
     assert [buckets.manifest_slice_images(manifest, i) for i in range(4)] == [8, 1, 12, 1]
     assert buckets.Geometry.of_manifest(json.loads(json.dumps(manifest)), 0, 0, 0) == geometry
@@ -271,7 +276,7 @@ def test_a_resumed_run_of_several_sizes_makes_what_is_left_starting_at_its_first
     assert [e["slice"] for e in host0 if e["event"] == "slice_skipped"] == [square["first_slice"]]
     [done] = [e for e in host0 if e["event"] == "host_done"]
     assert done["slices_skipped"] == 1 and done["slices_generated"] == 2
-    assert [name for name in storage.checksums(out) if not naming.owned(name)] == []
+    assert [name for name in trees.checksums(out) if not naming.owned(name)] == []
     _overwrite_keeps_links(tmp_path, out, os.path.join(os.path.dirname(sized_run), "p.jsonl"), model_cache)
 
 
@@ -295,7 +300,7 @@ def _overwrite_keeps_links(tmp_path, out, prompts, model_cache):
     assert links == {"images/00099", "zarr/images", "shards/00098_stats.json", "a", "b"}
     [event] = [e for e in map(logs.parse, result.stderr.splitlines()) if e and e["event"] == "overwrite"]
     assert event["level"] == "warning" and len(event["links_kept"]) == 5
-    left = sorted(name for name in storage.checksums(out) if not name.startswith(("plan/slices/", "plan/keys/")))
+    left = sorted(name for name in trees.checksums(out) if not name.startswith(("plan/slices/", "plan/keys/")))
     assert left == ["plan/input_cache.json", "plan/inputs.json", "plan/manifest.json", "plan/model_files.json",
                     "run.json"]  # the new plan
     assert storage.read_json(naming.run_json(out))["settings"]["steps"] == 2

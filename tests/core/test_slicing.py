@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from pipeline.core import slicing
+from pipeline.core import buckets, slicing
 
 CASES = [(n, size, hosts) for n in (0, 1, 3, 7, 8, 9, 31, 64, 100, 257)
          for size in (1, 2, 4, 6, 8) for hosts in (1, 2, 3, 4, 8)]
@@ -11,15 +11,13 @@ CASES = [(n, size, hosts) for n in (0, 1, 3, 7, 8, 9, 31, 64, 100, 257)
 @pytest.mark.parametrize("n,size,hosts", CASES)
 def test_every_item_in_exactly_one_slice_and_every_slice_on_exactly_one_host(n, size, hosts):
     total = slicing.num_slices(n, size)
-    members = {}
-    for position in range(n):
-        index, offset = slicing.locate(position, size)
-        assert 0 <= index < total and 0 <= offset < size
-        members.setdefault(index, []).append(offset)
-    assert sorted(members) == list(range(total))
-    for index, offsets in members.items():
-        assert offsets == list(range(len(offsets)))  # contiguous, no gaps
-        assert len(offsets) == size or index == total - 1  # only the last slice is short
+    geometry = buckets.Geometry.lay_out([(8, 8)], [1], [size], [n])  # a single-size plan's one bucket
+    assert geometry.slices == total
+    spans = [geometry.slice_span(index) for index in range(total)]
+    starts = [0] + [stop for _, stop in spans]
+    assert [start for start, _ in spans] == starts[:-1] and starts[-1] == n  # from 0 to n without gaps
+    assert all(stop - start == size for start, stop in spans[:-1]) and all(0 < stop - start <= size
+                                                                            for start, stop in spans[-1:])
     slots = [slicing.host_slots(h, hosts, total) for h in range(hosts)]
     real = [s for host in slots for s in host if s is not None]
     assert sorted(real) == list(range(total))  # each slice on exactly one host
@@ -52,21 +50,6 @@ def test_slice_size_rejects_non_positive_factors(args):
 def test_host_slots_rejects_bad_host():
     with pytest.raises(ValueError):
         slicing.host_slots(2, 2, 5)
-
-
-@pytest.mark.parametrize("real,size", [(0, 4), (3, 4), (4, 4)])
-def test_pad_mask(real, size):
-    mask = slicing.pad_mask(real, size)
-    assert len(mask) == size and sum(mask) == real and mask == sorted(mask, reverse=True)
-
-
-@pytest.mark.parametrize("n,size", [(n, size) for n in (0, 1, 7, 8, 9, 95) for size in (1, 4, 8)])
-def test_the_items_of_every_slice_add_up_to_the_items(n, size):
-    counts = [slicing.items_in_slice(i, size, n) for i in range(slicing.num_slices(n, size) + 2)]
-    assert sum(counts) == n and all(0 <= c <= size for c in counts)
-    assert counts[:-3] == [size] * (len(counts) - 3)  # only the last real slice may hold fewer
-    with pytest.raises(ValueError):
-        slicing.items_in_slice(-1, size, n)
 
 
 @pytest.mark.parametrize("images,devices,batch,expected", [

@@ -17,6 +17,7 @@ from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.output import writer
+from tests import trees
 from tests.conftest import ROOT, check_host_imports, run_cli
 
 STEPS = "3"
@@ -119,14 +120,14 @@ def test_collect_verified_and_nothing_recompiled(two_by_two):
         assert storage.read_json(naming.shard_stats(two_by_two, index))["compiles_after_warmup"] == 0
     assert sorted(stats["hosts"]) == ["0", "1"]
     # --overwrite deletes exactly what a run writes: its list names every object of this one
-    assert [name for name in storage.checksums(two_by_two) if not naming.owned(name)] == []
+    assert [name for name in trees.checksums(two_by_two) if not naming.owned(name)] == []
 
 
 def test_one_object_per_image_and_a_constant_number_per_slice(two_by_two):
     """--format files writes each image's file and, per slice, its metadata shard, commit
     marker, thumbnail pack and metadata.jsonl; webdataset adds a tar a slice and zarr a shard
     and a key chunk a slice. Everything else is the run's, its parts' or its index buckets'."""
-    names = set(storage.checksums(two_by_two))
+    names = set(trees.checksums(two_by_two))
     images = {name for name in names if re.fullmatch(r"images/[0-9a-f]{4}-\d{5}/[^/]+\.png", name)}
     assert len(images) == 17
     for index in range(5):
@@ -419,7 +420,7 @@ def test_killed_mid_slice_and_between_slices_then_resumed(two_by_two, prompts, t
     assert image_hashes(out) == image_hashes(two_by_two)  # the bytes of an uninterrupted run
     assert {r["key"]: r["sha256"] for r in rows} == {r["key"]: r["sha256"] for r in metadata(two_by_two)}
     assert len(storage.glob(naming.join(out, "images", "*", "*.png"))) == 17  # no stray objects
-    assert storage.checksums(naming.join(out, "thumbs")) == storage.checksums(naming.join(two_by_two, "thumbs"))
+    assert trees.checksums(naming.join(out, "thumbs")) == trees.checksums(naming.join(two_by_two, "thumbs"))
 
 
 def test_a_guidance_free_few_step_run_is_the_same_on_1x4_and_2x2(tmp_path, model_cache):
@@ -514,7 +515,7 @@ def test_other_settings_are_refused_then_overwrite_starts_over(two_by_two, one_b
                                                               model_cache):
     out = str(tmp_path / "reused")
     shutil.copytree(one_by_four, out)  # a finished run with other settings: 3 slices of 8
-    before = storage.checksums(out)
+    before = trees.checksums(out)
 
     refused = run_cli(run_args(prompts, out, 2, 2), model_cache)
     assert refused.returncode == 1
@@ -522,7 +523,7 @@ def test_other_settings_are_refused_then_overwrite_starts_over(two_by_two, one_b
     assert ("already holds a run with other settings (changed: aesthetic_head, clip_model, devices_per_host, "
             "safety_checker, scores)") in refused.stderr
     assert "--overwrite" in refused.stderr
-    assert storage.checksums(out) == before
+    assert trees.checksums(out) == before
 
     result = run_cli(run_args(prompts, out, 2, 2, "--overwrite"), model_cache)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,10 +13,11 @@ from PIL import Image
 
 from pipeline.collect import parts
 from pipeline.core import naming
-from pipeline.io import storage
+from pipeline.io import gcs, storage
 from pipeline.output import formats, writer
 from pipeline.testing import emulator
 from pipeline.testing.fault_proxy import FaultyProxy
+from tests import trees
 from tests.conftest import run_cli
 from tests.e2e.test_e2e import STEPS, run_args, write_prompts
 
@@ -151,7 +152,7 @@ def _normalized(out: str) -> dict:
         return {k: v for k, v in row.items() if k != "created_at"}
 
     manifest = storage.read_json(naming.manifest(out))
-    files = storage.checksums(naming.join(out, "images"))
+    files = trees.checksums(naming.join(out, "images"))
     # each slice's imagefolder metadata: rows with created_at
     jsonl = [naming.images_metadata(out, index) for index in range(manifest["slices"])]
     found = {"rows": sorted((strip(r) for r in metadata(out)), key=lambda r: r["key"]),
@@ -287,12 +288,12 @@ def test_status_of_a_gcs_run_reads_no_image_and_no_metadata_shard(clean_run, gcs
     prefix = out[len(f"gs://{gcs_emulator}/"):] + "/"
     with FaultyProxy(int(upstream.rsplit(":", 1)[1]), failure_rate=0.0, own_links=True) as proxy:
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
-        storage.reset_gcs_client()
+        gcs.reset_client()
         try:
             report = status.status(out)
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = upstream
-            storage.reset_gcs_client()
+            gcs.reset_client()
     slices = storage.read_json(naming.manifest(out))["slices"]
     assert report["state"] == "collected" and report["collect"]["verified"]
     assert (report["committed"]["slices"], report["committed"]["images"]) == (slices, IMAGES)

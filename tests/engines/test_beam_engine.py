@@ -33,7 +33,7 @@ from PIL import Image
 from pipeline.collect import parts
 from pipeline.core import logs, naming
 from pipeline.core.settings import Settings
-from pipeline.engines import beam as beam_engine
+from pipeline.engines import beam as beam_engine, beam_worker
 from pipeline.io import runs, storage
 from pipeline.model import sharding as model_sharding
 from pipeline.output import formats, writer
@@ -145,7 +145,7 @@ def comparable(row: dict) -> dict:
 
 def this_worker() -> int:
     """The ``host`` column of slices generated in this process (the in-process runners)."""
-    return beam_engine.worker_id(socket.gethostname(), os.getpid())
+    return beam_worker.worker_id(socket.gethostname(), os.getpid())
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +331,7 @@ def test_a_bundle_of_slices_fails_midway_and_its_retry_commits_the_same_bytes(be
     shutil.copy(naming.run_json(clean), naming.run_json(out))  # same run: same created_at
     shutil.copy(naming.manifest(clean), naming.manifest(out))
     run = runs.read(out)
-    fn = beam_engine.GenerateSlicesFn(out)
+    fn = beam_worker.GenerateSlicesFn(out)
     fn.setup()
     with fault_once(1), pytest.raises(TransientFault):
         run_bundle(fn, 0, 1, 2)
@@ -435,16 +435,16 @@ def test_a_worker_with_other_devices_than_planned_is_refused_before_loading(beam
     out, _, _ = beam_run
     run = runs.read(out)
     run = dataclasses.replace(run, settings=run.settings.replace(devices_per_host=4))
-    with pytest.raises(beam_engine.BeamEngineError, match=r"has 2 local cpu device\(s\), but the run was planned "
+    with pytest.raises(beam_worker.BeamEngineError, match=r"has 2 local cpu device\(s\), but the run was planned "
                                                           r"with --devices-per-host 4.*--devices-per-host 2"):
-        beam_engine._Worker(run, out)
+        beam_worker.Worker(run, out)
 
 
 def test_worker_ids_are_stable_31_bit_and_tell_workers_apart():
-    ids = {beam_engine.worker_id(machine, pid) for machine in ("wk-a", "wk-b", "promptmill-harness-0x1")
+    ids = {beam_worker.worker_id(machine, pid) for machine in ("wk-a", "wk-b", "promptmill-harness-0x1")
            for pid in (1, 2, 4096, 2**22)}
     assert len(ids) == 12 and all(0 <= i < 2**31 for i in ids)
-    assert beam_engine.worker_id("wk-a", 7) == beam_engine.worker_id("wk-a", 7)
+    assert beam_worker.worker_id("wk-a", 7) == beam_worker.worker_id("wk-a", 7)
 
 
 def test_compile_cache_is_on_before_the_worker_compiles(beam_run, tmp_path):
@@ -461,7 +461,7 @@ def test_compile_cache_is_on_before_the_worker_compiles(beam_run, tmp_path):
     try:
         with captured_events() as events:
             for _ in range(2):  # the second as a restarted worker on the same machine
-                beam_engine._Worker(runs.read(out), out, folder).pool.shutdown()
+                beam_worker.Worker(runs.read(out), out, folder).pool.shutdown()
     finally:  # the rest of this process compiles without a persistent cache, as before
         jax.config.update("jax_enable_compilation_cache", False)
         compilation_cache.reset_cache()
@@ -495,9 +495,9 @@ def test_cli_passes_compile_cache_to_the_beam_engine(monkeypatch, tmp_path):
 
 
 def test_check_devices_and_the_collect_barrier():
-    beam_engine.check_devices(4, 4)
-    with pytest.raises(beam_engine.BeamEngineError, match="1 local tpu device.*--devices-per-host 8"):
-        beam_engine.check_devices(1, 8, "tpu")
+    beam_worker.check_devices(4, 4)
+    with pytest.raises(beam_worker.BeamEngineError, match="1 local tpu device.*--devices-per-host 8"):
+        beam_worker.check_devices(1, 8, "tpu")
     manifest = {"slices": 3}
     with TestPipeline() as p:  # what the barrier gets: the generated slices, counted per slice, never listed
         found = p | beam.Create([2, 0, 5, 2, 1]) | plan.IndexSpan()
@@ -507,7 +507,7 @@ def test_check_devices_and_the_collect_barrier():
     for span, message in ((plan.Span(2, 0, 2), r"2 distinct slice\(s\) from 0 to 2 for 3 planned, 0 more"),
                           (plan.Span(3, 0, 2, 1, (2,)), r"3 distinct .* 1 more than once \[2\]"),
                           (plan.Span(3, 1, 3), r"3 distinct slice\(s\) from 1 to 3 for 3 planned")):
-        with pytest.raises(beam_engine.BeamEngineError, match=message):
+        with pytest.raises(beam_worker.BeamEngineError, match=message):
             beam_engine.release_collect(span, manifest)
 
 

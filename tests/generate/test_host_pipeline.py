@@ -131,7 +131,7 @@ def test_slices_overlap_across_their_boundaries_and_commit_in_order(generator, t
     assert [s["images"] for s in stats] == [SIZE, SIZE - 2] and stats[1]["padding"] == 2
     assert all(s["commit_s"] >= 0 for s in stats)
     written = storage.glob(naming.join(out, "images", "*", "*.png"))  # padding rows and slots: nothing
-    assert sorted(written) == sorted(naming.image_file(out, i.slice, i.key) for i in first + second)
+    assert sorted(written) == sorted(naming.join(out, naming.image_name(i.slice, i.key)) for i in first + second)
     for index, items in enumerate((first, second)):  # each slice's bytes are those of a slice run alone
         alone = str(tmp_path / f"alone-{index}")
         storage.write_text(naming.plan_slice(alone, index), storage.read_text(naming.plan_slice(out, index)))

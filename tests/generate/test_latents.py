@@ -12,6 +12,7 @@ from pipeline.io import storage
 from pipeline.model import load as model_lib
 from pipeline.output import formats
 from pipeline.generate.spec import ProgramSpec
+from tests import trees
 from tests.conftest import run_cli
 from tests.e2e.test_e2e import run_args, write_prompts
 
@@ -83,7 +84,7 @@ def test_run_writes_latents_that_decode_to_the_zarr_images(tmp_path, model_cache
     attributes = json.loads(storage.read_text(naming.join(naming.zarr_latents(out), "zarr.json")))["attributes"]
     assert attributes["vae_scaling_factor"] == model.nets.vae.config.scaling_factor
     # --overwrite's list of what promptmill writes holds every object of the run, zarr and latents included
-    assert [name for name in storage.checksums(out) if not naming.owned(name)] == []
+    assert [name for name in trees.checksums(out) if not naming.owned(name)] == []
     assert "before the division" in attributes["latents"]
     assert_within_one_level(decode_uint8(latents[2:4]), images[2:4])  # one compiled decoder: batches of 2
 

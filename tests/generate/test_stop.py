@@ -23,6 +23,7 @@ from pipeline.engines.local import host_env
 from pipeline.generate import cluster, compile_cache, stopping
 from pipeline.io import runs, storage
 from pipeline.output import writer
+from tests import trees
 from tests.conftest import ROOT
 
 RECORDS = 95  # and one bad row: 95 images in 24 slices of 4, the last one of 3
@@ -296,11 +297,11 @@ def test_sigterm_to_one_host_stops_both_at_the_same_batch_with_nothing_partial(s
 def resumed(stopped_host, model_cache):
     """``promptmill run`` again, as a user resumes, on the OUT both stops left, with its progress bar."""
     out = stopped_host["out"]
-    before = storage.checksums(out)
+    before = trees.checksums(out)
     fast_math = dict(_env(model_cache), XLA_FLAGS=os.environ["XLA_FLAGS"] + " --xla_cpu_enable_fast_math=true")
     refused = subprocess.run(run_command(stopped_host["prompts"], out), cwd=ROOT, env=fast_math, capture_output=True,
                              text=True, timeout=DEADLINE_S)
-    untouched = storage.checksums(out) == before
+    untouched = trees.checksums(out) == before
     terminal = Terminal()
     done = subprocess.run(run_command(stopped_host["prompts"], out, progress=True), cwd=ROOT, env=_env(model_cache),
                           stdout=subprocess.PIPE, stderr=terminal.slave, text=True, timeout=DEADLINE_S)

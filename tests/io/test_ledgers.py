@@ -12,7 +12,7 @@ import pytest
 from pipeline.collect import status
 from pipeline.core import buckets, naming
 from pipeline.core.settings import Run, Settings
-from pipeline.io import ledgers, runs, storage
+from pipeline.io import inventory, ledgers, runs, storage
 
 MANIFEST = {"slices": 10, "slice_size": 4, "images": 38, "records": 38, "rejects": 0, "rejects_by_reason": {},
             "input_rows": 38}
@@ -53,9 +53,9 @@ class _Reads:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        for name in ("read_bytes", "exists", "files", "modified_times"):
-            real = getattr(storage, name)
-            monkeypatch.setattr(storage, name, self._counted(name, real))
+        for module, name in ((storage, "read_bytes"), (storage, "exists"), (storage, "files"),
+                             (inventory, "modified_times")):
+            monkeypatch.setattr(module, name, self._counted(name, getattr(module, name)))
 
     def _counted(self, name, real):
         def call(*args, **kwargs):

@@ -3,8 +3,9 @@ import os
 
 import pytest
 
-from pipeline.io import listing, storage
+from pipeline.io import gcs, inventory, listing, storage
 from pipeline.testing.fault_proxy import FaultyProxy
+from tests import trees
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -26,14 +27,29 @@ def test_write_read_exists_glob(root):
     assert [p[len(root) + 1:] for p in storage.glob(f"{root}/?/[wx].*")] == ["a/x.jsonl", "b/w.txt"]
     assert [p[len(root) + 1:] for p in storage.glob(f"{root}/a")] == ["a/sub/z.jsonl", "a/x.jsonl", "a/y.jsonl"]
     assert list(storage.iter_lines(f"{root}/b/w.txt")) == [b"b/w.txt"]
-    assert set(storage.checksums(f"{root}/a")) == {"x.jsonl", "y.jsonl", "sub/z.jsonl"}
+    assert set(trees.checksums(f"{root}/a")) == {"x.jsonl", "y.jsonl", "sub/z.jsonl"}
+
+
+def test_what_a_listing_says_of_objects(root):
+    root = f"{root}/listed"  # the emulator's bucket is the session's
+    for name in ("a/x.jsonl", "a/sub/z.jsonl", "b/w.txt"):
+        storage.write_bytes(f"{root}/{name}", name.encode())
+    found = inventory.listed(f"{root}/a/**/*.jsonl")
+    assert sorted(found) == [f"{root}/a/sub/z.jsonl", f"{root}/a/x.jsonl"] and found[f"{root}/a/x.jsonl"].size == 9
+    assert sorted(inventory.listed_objects(f"{root}/a/")) == sorted(found)
+    assert inventory.listed_paths([f"{root}/b/w.txt", f"{root}/b/nope.txt"]) == {
+        f"{root}/b/w.txt": {"size": 7, "md5": inventory.listed_objects(f"{root}/b/w.txt")[f"{root}/b/w.txt"]["md5"]}}
+    assert set(inventory.modified_times(root, ".txt")) == {f"{root}/b/w.txt"}
+    assert storage.checksum(f"{root}/b/w.txt").startswith("7:")
+    with pytest.raises(FileNotFoundError):
+        storage.checksum(f"{root}/b/nope.txt")
 
 
 def test_gcs_through_a_proxy_failing_one_request_in_ten(gcs_emulator, monkeypatch):
     upstream = int(os.environ["STORAGE_EMULATOR_HOST"].rsplit(":", 1)[1])
     with FaultyProxy(upstream, failure_rate=0.1, seed=3) as proxy:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{proxy.port}")
-        storage.reset_gcs_client()
+        gcs.reset_client()
         root = f"gs://{gcs_emulator}/faulty"
         blobs = {f"{root}/o{n:03d}.bin": os.urandom(1000 + n) for n in range(60)}
         for path, data in blobs.items():
@@ -43,7 +59,7 @@ def test_gcs_through_a_proxy_failing_one_request_in_ten(gcs_emulator, monkeypatc
             assert storage.exists(path)
         assert storage.glob(f"{root}/*.bin") == sorted(blobs)
         assert sum(proxy.counts[k] for k in ("503", "429", "dropped")) >= 10  # faults really happened
-    storage.reset_gcs_client()
+    gcs.reset_client()
 
 
 @pytest.mark.parametrize("pattern,name,matches", [

@@ -12,6 +12,7 @@ from jobs import cli
 from pipeline.core import naming
 from pipeline.io import listing, storage
 from pipeline.plan import inputs
+from tests import trees
 
 
 def _rows(path):
@@ -96,12 +97,12 @@ def test_a_folder_of_a_users_files_without_a_run_is_refused_by_every_command_tha
     for name in ("dataset/index.html", "dataset/stats.json", "images/metadata.jsonl", "thesis.tex"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(f"the user's {name}")
-    before = storage.checksums(str(out))
+    before = trees.checksums(str(out))
     assert cli.main([command, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--steps", "2"]) == 1
     err = capfd.readouterr().err
     assert f"{out} holds files that no promptmill run wrote (thesis.tex) and no run.json" in err
     assert "give a new --out" in err
-    assert storage.checksums(str(out)) == before
+    assert trees.checksums(str(out)) == before
 
 
 def test_a_crashed_runs_lease_lapses_and_a_live_one_holds(tmp_path, monkeypatch):

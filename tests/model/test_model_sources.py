@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from pipeline.io import storage
+from pipeline.io import gcs, storage
 from pipeline.model import load as model_lib
 from pipeline.model.loading import fetch, identity
 from pipeline.testing.fault_proxy import FaultyProxy
@@ -171,12 +171,12 @@ def watched(latency_s: float = 0.0):
     with FaultyProxy(int(previous.rsplit(":", 1)[1]), failure_rate=0.0, latency_s=latency_s,
                      own_links=True) as proxy:
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
-        storage.reset_gcs_client()
+        gcs.reset_client()
         try:
             yield proxy
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = previous
-            storage.reset_gcs_client()
+            gcs.reset_client()
 
 
 def downloads(proxy, prefix: str) -> dict[str, list[int]]:
@@ -195,7 +195,7 @@ def downloads(proxy, prefix: str) -> dict[str, list[int]]:
 def corrupt_listing(path: str) -> None:
     """Give an object another crc32c (the emulator lets its metadata be patched): its bytes
     no longer match what it is listed with, as if they were corrupted on the way."""
-    blob = storage.gcs_client().bucket(path.split("/")[2]).blob(path.split("/", 3)[3])
+    blob = gcs.client().bucket(path.split("/")[2]).blob(path.split("/", 3)[3])
     blob.reload()
     blob.crc32c = "AAAAAA=="
     blob.patch()

@@ -12,6 +12,7 @@ from pipeline.core import naming, records
 from pipeline.core.settings import Run, Settings
 from pipeline.io import storage
 from pipeline.output import formats, writer
+from tests import trees
 
 RUN = Run.create(Settings(width=16, height=8, steps=2, guidance_scale=7.5, model="tiny", dtype="fp32",
                           scheduler="ddim", per_device_batch=1, formats=("files", "webdataset", "parquet", "zarr")),
@@ -105,14 +106,14 @@ def test_rewriting_a_slice_gives_byte_identical_objects(tmp_path):
     """A slice redone after a crash overwrites its partial objects with the same bytes."""
     out = str(tmp_path)
     write_slice(out)
-    first = storage.checksums(out)
+    first = trees.checksums(out)
     for path in storage.glob(out):
         # tensorstore writes each zarr object (metadata, a slice's shard) under a temporary name and renames it
         if not path.endswith(("_stats.json", "zarr.json")) and "/zarr/images/" not in path:
             with open(path, "r+b") as f:  # a partial object left by a crash
                 f.truncate(max(1, os.path.getsize(path) // 2))
     write_slice(out)
-    assert storage.checksums(out) == first
+    assert trees.checksums(out) == first
     assert any(name.startswith("zarr/") for name in first) and any(name.endswith(".tar") for name in first)
 
 
@@ -159,7 +160,7 @@ def test_a_filtered_image_keeps_its_row_and_is_in_no_image_output(tmp_path):
     assert [(r["dropped"], r["path"] != "") for r in rows] == [
         (None, True), ("min_aesthetic: aesthetic 4.5 < 5", False), (None, True)]
     assert rows[1]["sha256"] and rows[2]["nsfw"] is True and rows[1]["aesthetic"] == 4.5
-    assert not os.path.exists(naming.image_file(out, 1, "rec_0001"))
+    assert not os.path.exists(naming.join(out, naming.image_name(1, "rec_0001")))
     packed = thumbnails(out, 1)  # no thumbnail of the dropped image; a flagged one's blurred
     assert list(packed) == ["rec_0000.jpg", "rec_0002.jpg"]
     assert packed["rec_0002.jpg"] == formats.thumbnail(image(3), blur=True)

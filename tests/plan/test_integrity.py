@@ -17,6 +17,7 @@ from pipeline.core.settings import Run, Settings
 from pipeline.io import storage
 from pipeline.plan import input_table, inputs, layout
 from pipeline.plan import transforms as plan
+from tests import trees
 
 
 def _rows(count, word="test prompt number"):
@@ -85,7 +86,7 @@ def test_a_resume_keeps_the_finished_plan_and_reads_again_only_an_input_whose_si
 ])
 def test_changed_inputs_refuse_resume_and_collect_naming_the_file(planned, change, what, capfd):
     settings, folder = planned
-    before = storage.checksums(settings.out)
+    before = trees.checksums(settings.out)
     if change == "edit":  # the battery's sed -i: another prompt, another size
         (folder / "a.jsonl").write_text(_rows(3).replace("test prompt number", "CHANGED prompt"))
     elif change == "same size":
@@ -96,7 +97,7 @@ def test_changed_inputs_refuse_resume_and_collect_naming_the_file(planned, chang
         (folder / "b.jsonl").unlink()
     with pytest.raises(layout.PlanError, match=f"cannot resume .*{what}.*--overwrite"):
         plan.run_plan(settings)
-    assert storage.checksums(settings.out) == before  # nothing was re-planned
+    assert trees.checksums(settings.out) == before  # nothing was re-planned
     assert cli.main(["collect", "--out", settings.out]) == 1
     assert f"cannot collect {settings.out}: its input files changed" in capfd.readouterr().err
     plan.run_plan(settings, overwrite=True)  # starting again is allowed, and records the new inputs
@@ -109,12 +110,12 @@ def test_a_run_whose_input_table_is_gone_is_refused_by_resume_and_collect(planne
     settings, folder = planned
     storage.delete([naming.plan_inputs(settings.out)])
     (folder / "a.jsonl").write_text(_rows(3).replace("number 1", "number 9"))
-    before = storage.checksums(settings.out)
+    before = trees.checksums(settings.out)
     with pytest.raises(layout.PlanError, match=r"cannot resume .*plan/inputs.json is missing.*--overwrite"):
         plan.run_plan(settings)
     assert cli.main(["collect", "--out", settings.out]) == 1
     assert "plan/inputs.json is missing" in capfd.readouterr().err
-    assert storage.checksums(settings.out) == before
+    assert trees.checksums(settings.out) == before
 
 
 def test_input_table_changes_is_pure_and_ordered():

@@ -9,6 +9,7 @@ from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.plan import transforms as plan
+from tests import trees
 
 
 @pytest.fixture
@@ -27,10 +28,10 @@ def test_resuming_keeps_the_first_run_json(planned):
 
 
 def test_other_settings_are_refused_with_a_hint_and_nothing_changes(planned):
-    before = storage.checksums(planned.out)
+    before = trees.checksums(planned.out)
     with pytest.raises(plan.PlanError, match=r"changed: steps, width\).*--overwrite"):
         plan.run_plan(planned.replace(steps=4, width=64))
-    assert storage.checksums(planned.out) == before
+    assert trees.checksums(planned.out) == before
 
 
 USERS_OWN = ("notes.txt", "planning/keep.txt", "images/mine.png", "logs/app.log", "dataset/mydata.csv",
@@ -47,7 +48,7 @@ def test_overwrite_deletes_only_what_promptmill_wrote(planned):
         storage.write_bytes(naming.join(out, name), b"the user's own file")
     manifest = plan.run_plan(planned.replace(steps=4), overwrite=True)
     assert manifest["slices"] == 1
-    names = set(storage.checksums(out))
+    names = set(trees.checksums(out))
     assert {*USERS_OWN, "run.json", "plan/manifest.json", "plan/model_files.json", "plan/inputs.json",
             "plan/input_cache.json", "plan/slices/00000.jsonl", "plan/keys/00000.parquet"} == names
     assert all(storage.read_bytes(naming.join(out, name)) == b"the user's own file" for name in USERS_OWN)
@@ -62,12 +63,12 @@ def test_overwrite_refuses_a_folder_that_holds_no_run_and_deletes_nothing(tmp_pa
     for name in ("images/mine.png", "logs/app.log", "dataset/mydata.csv"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(b"the user's own file")
-    before = storage.checksums(str(out))
+    before = trees.checksums(str(out))
     assert cli.main(["plan", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out), "--overwrite"]) == 1
     err = capfd.readouterr().err
     assert "holds files that no promptmill run wrote (dataset/mydata.csv, images/mine.png, logs/app.log)" in err
     assert "--overwrite deletes only what a promptmill run wrote" in err
-    assert storage.checksums(str(out)) == before
+    assert trees.checksums(str(out)) == before
 
 
 def test_overwrite_refuses_a_run_json_that_is_not_a_promptmill_run(tmp_path):
@@ -91,13 +92,3 @@ def test_an_out_that_is_a_file_is_refused_clearly(tmp_path, capfd):
                          *extra]) == 1
         assert "is a file, not a folder" in capfd.readouterr().err
     assert (tmp_path / "afile").read_text() == "not a folder"
-
-
-def test_delete_prefix_on_gcs_takes_the_object_and_its_folder_only(gcs_emulator):
-    base = f"gs://{gcs_emulator}/delete-test"
-    for name in ("run.json", "run.json.bak", "plan/a", "plan/b/c", "planning/x"):
-        storage.write_bytes(f"{base}/{name}", b"x")
-    assert storage.delete_prefix(f"{base}/run.json") == 1
-    assert storage.delete_prefix(f"{base}/plan") == 2
-    assert storage.delete_prefix(f"{base}/nothing") == 0
-    assert storage.glob(base) == [f"{base}/planning/x", f"{base}/run.json.bak"]

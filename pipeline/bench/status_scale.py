@@ -11,7 +11,7 @@ For each size N (``--committed-slices``):
    its time), each host's progress object and each host's ledger (``pipeline.io.ledgers``: its slices as runs of
    its stride, counts, recent commits). Only the markers are written of each slice's
    objects: a listing of ``shards/`` on GCS asks for the markers alone (``matchGlob``).
-2. **status, in a fresh process** (``python -m pipeline.bench.status count OUT``,
+2. **status, in a fresh process** (``python -m pipeline.bench.status_scale count OUT``,
    ``repeats`` times): the whole command's wall time, status's own ``seconds``, and the
    storage layer's calls it made (reads, existence checks, listings, and the objects
    the listings returned), counted by wrapping them. Then the same with the ledgers put
@@ -40,15 +40,17 @@ import time
 
 from pipeline.core import buckets, naming
 from pipeline.core.settings import Run, Settings
-from pipeline.io import ledgers, runs, storage
+from pipeline.io import inventory, ledgers, runs, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUCKET = "promptmill-status-bench"
 SLICE_S = 60.0  # a host commits a slice of SLICE_SIZE images a minute (17 images/s)
 SLICE_SIZE = 1024
 COMMITTED_SHARE = 0.99  # of the planned slices: the run is still generating, so status gives a rate and an ETA
-LISTINGS = ("files", "modified_times", "listed")  # storage's calls that list objects
-COUNTED = ("read_bytes", "exists", *LISTINGS)
+# the storage layer's calls that list objects, and all it counts: (module, name)
+LISTINGS = ((storage, "files"), (inventory, "modified_times"), (inventory, "listed"))
+COUNTED = ((storage, "read_bytes"), (storage, "exists"), *LISTINGS)
+LISTING_NAMES = tuple(name for _, name in LISTINGS)
 
 
 class BenchError(RuntimeError):
@@ -100,16 +102,16 @@ class Counter:
     ``with`` block."""
 
     def __enter__(self):
-        self.calls = dict.fromkeys(COUNTED, 0)
+        self.calls = {name: 0 for _, name in COUNTED}
         self.listed = 0
-        self.real = {name: getattr(storage, name) for name in COUNTED}
-        for name, real in self.real.items():
-            setattr(storage, name, self._wrap(name, real))
+        self.real = {(module, name): getattr(module, name) for module, name in COUNTED}
+        for (module, name), real in self.real.items():
+            setattr(module, name, self._wrap(name, real))
         return self
 
     def __exit__(self, *_):
-        for name, real in self.real.items():
-            setattr(storage, name, real)
+        for (module, name), real in self.real.items():
+            setattr(module, name, real)
 
     def _wrap(self, name, real):
         def call(*args, **kwargs):
@@ -117,7 +119,7 @@ class Counter:
             found = real(*args, **kwargs)
             if name == "files":  # a stream of paths: counted as they are taken
                 return self._counted(found)
-            if name in LISTINGS:
+            if name in LISTING_NAMES:
                 self.listed += len(found)
             return found
         return call
@@ -130,12 +132,12 @@ class Counter:
     def counts(self) -> dict:
         return {"reads": self.calls["read_bytes"], "exists": self.calls["exists"],
                 "objects_read": self.calls["read_bytes"] + self.calls["exists"],
-                "listings": sum(self.calls[name] for name in LISTINGS),
+                "listings": sum(self.calls[name] for name in LISTING_NAMES),
                 "objects_listed": self.listed}
 
 
 def _count(out: str) -> dict:
-    """In a fresh process (``python -m pipeline.bench.status count OUT``): status, counted."""
+    """In a fresh process (``python -m pipeline.bench.status_scale count OUT``): status, counted."""
     from pipeline.collect import status
 
     with Counter() as counter:
@@ -147,7 +149,7 @@ def _count(out: str) -> dict:
 def time_status(out: str, repeats: int, env: dict) -> dict:
     """Wall seconds of status in fresh processes, its own ``seconds`` and what it read."""
     walls, found = [], []
-    command = [sys.executable, "-m", "pipeline.bench.status", "count", out]
+    command = [sys.executable, "-m", "pipeline.bench.status_scale", "count", out]
     for _ in range(repeats):
         started = time.perf_counter()
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
@@ -252,7 +254,7 @@ def _main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "count":
         print(json.dumps(_count(argv[1])))
         return 0
-    print("usage: python -m pipeline.bench.status count OUT (a helper of `promptmill bench status`)", file=sys.stderr)
+    print("usage: python -m pipeline.bench.status_scale count OUT (a helper of `promptmill bench status`)", file=sys.stderr)
     return 2
 
 

@@ -36,7 +36,7 @@ class TpuBenchConfig:
     fsdps: tuple = (1,)  # FSDP degrees (each dividing the host's chips), or AUTO: the smallest that fits
     targets: tuple[tuple[str, str, str | None], ...] = (("v5e", "2x2", None),)  # (type, topology, machine type)
     guidance_scale: float | None = None  # None: the model family's
-    scorers: str | None = None  # with every score, by these scorers (generator.SCORERS); None: no scores
+    scorers: str | None = None  # with every score, by these scorers (throughput_config.SCORERS); None: no scores
     report: str | None = None
 
 
@@ -53,7 +53,7 @@ def run(config: TpuBenchConfig) -> dict:
     """Every combination of the sweep, compiled (or searched) in turn; the report."""
     import jax
 
-    from pipeline.bench.generator import SCORERS
+    from pipeline.bench.throughput_config import SCORERS
     from pipeline.cloud import program_check, tpu
     from pipeline.generate import tpu_check
 

@@ -7,14 +7,11 @@ Each plan-side measurement runs in a fresh process:
    and, with ``duplicates``, of rows repeating an earlier row's id.
 2. **Plan.** ``python -m jobs.cli plan --prompts DIR/*.jsonl --out OUT --model tiny``
    (``PLAN_COMMAND``, a name in a command line: this module imports nothing of ``jobs/``)
-   in a subprocess, started by a small launcher process (``_launch``) and timed from
-   start to exit. Its memory is measured twice: ``peak_rss_mib`` is the kernel's
-   high-water mark (``os.wait4``'s ``ru_maxrss``: the largest RSS any single process of
-   the tree reached, exact); ``tree_peak_rss_mib`` is the largest sum of ``VmRSS`` over
-   the process and all its descendants, sampled from ``/proc`` every ``POLL_S`` (it
-   counts shared pages once per process, and can miss a peak shorter than the
-   interval); ``rss_timeline_mib`` is that sum over time, [seconds, MiB] pairs, thinned
-   to ``TIMELINE_POINTS``. With Beam's default in-memory DirectRunner the tree is one
+   in a subprocess, measured by ``pipeline.bench.process_memory.run_measured``: its wall
+   and CPU time, ``peak_rss_mib`` (the kernel's high-water mark of its largest process),
+   ``tree_peak_rss_mib`` (the largest sum over its process tree, sampled every
+   ``POLL_S``) and ``rss_timeline_mib`` (that sum over time, [seconds, MiB] pairs). With
+   Beam's default in-memory DirectRunner the tree is one
    process. The tiny model is built (once, into the cache) before the clock starts, so
    the plan only reads its configs. Optionally, the same command again on the finished
    plan (``again``: it keeps the plan, and no plan object may change), and the same
@@ -41,128 +38,26 @@ import os
 import platform
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 from pipeline.bench import prompts as prompts_lib
+from pipeline.bench.process_memory import MIB, POLL_S, mib, run_measured, status_kib, tail
 
-POLL_S = 0.2
-TIMELINE_POINTS = 100  # of the plan's RSS over time, in the report
 MARKER = ".promptmill-plan-bench"  # a workdir holding this file is ours to clear
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 # How the bench runs `promptmill plan` (after `python`), and what that process imports: module
 # names, not imports, so that nothing in pipeline/ imports jobs/.
 PLAN_COMMAND = ("-m", "jobs.cli", "plan")
 BASELINE_MODULES = ("apache_beam", "jobs.cli", "pipeline.plan.transforms")
-MIB = 1 << 20
 HOLD_UP_TO = 1_000_000  # prompts the held-in-memory process holds by default (10M would take ~6 GB)
 
 
 class BenchError(RuntimeError):
     pass
 
-# --- measuring a process tree --------------------------------------------------------
-
-def _status_kib(pid: int | str, field: str) -> int:
-    """``field`` (e.g. VmRSS) of /proc/PID/status in KiB; 0 if gone or absent (a zombie)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return 0
-
-
-def _descendants(root: int) -> list[int]:
-    """``root`` and every process below it (from each /proc/PID/stat's parent pid)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])  # the name, in parentheses, may hold spaces
-        children.setdefault(ppid, []).append(int(name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, ()))
-    return found
-
-
-def _launch(result_path: str, argv: list[str]) -> int:
-    """In a small process (``python -m pipeline.bench.plan launch RESULT ARGV...``): run
-    ``argv`` and write its exit code, wall and CPU seconds and ``ru_maxrss`` to RESULT.
-
-    Why a launcher: Linux keeps a process's peak RSS across ``execve`` (the kernel
-    folds the old address space's high-water mark into it), so a child started from a
-    big process (the bench has imported Beam and built the model) would report the
-    parent's RSS as its own peak. A child started from this small process starts from
-    the launcher's few MiB.
-    """
-    start = time.perf_counter()
-    pid = os.posix_spawnp(argv[0], argv, dict(os.environ))
-    _, status, usage = os.wait4(pid, 0)
-    result = {"exit_code": os.waitstatus_to_exitcode(status), "wall_s": time.perf_counter() - start,
-              "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_kib": usage.ru_maxrss,
-              "launcher_rss_kib": _status_kib("self", "VmHWM")}
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    return 0
-
-
-def run_measured(argv: list[str], env: dict, cwd: str, log_prefix: str) -> dict:
-    """Run ``argv`` to its end through ``_launch``; returns its exit code, wall and CPU
-    seconds, the kernel's peak RSS of its largest process (``peak_rss_kib``), and from
-    /proc samples every ``POLL_S``: the largest RSS sum over its process tree
-    (``tree_peak_rss_kib``) and the largest high-water mark (VmHWM) any of its processes
-    showed (``sampled_hwm_kib``, a cross-check of ``peak_rss_kib``).
-
-    stdout and stderr go to ``LOG_PREFIX.stdout`` / ``.stderr``.
-    """
-    result_path = log_prefix + ".result.json"
-    launcher = [sys.executable, "-m", "pipeline.bench.plan", "launch", result_path, *argv]
-    with open(log_prefix + ".stdout", "wb") as out, open(log_prefix + ".stderr", "wb") as err:
-        proc = subprocess.Popen(launcher, env=env, cwd=cwd, stdout=out, stderr=err)
-        start = time.perf_counter()
-        hwm_kib, seen, timeline = 0, set(), []
-        while proc.poll() is None:
-            tree = [pid for pid in _descendants(proc.pid) if pid != proc.pid]  # not the launcher itself
-            seen.update(tree)
-            timeline.append((time.perf_counter() - start, sum(_status_kib(p, "VmRSS") for p in tree)))
-            hwm_kib = max([hwm_kib, *(_status_kib(p, "VmHWM") for p in tree)])
-            time.sleep(POLL_S)
-    if proc.returncode != 0 or not os.path.exists(result_path):
-        raise BenchError(f"the launcher of {shlex.join(argv[:4])}... exited with {proc.returncode}:\n"
-                         f"{_tail(log_prefix + '.stderr')}")
-    with open(result_path) as f:
-        result = json.load(f)
-    return {**result, "tree_peak_rss_kib": max((kib for _, kib in timeline), default=0), "sampled_hwm_kib": hwm_kib,
-            "processes_seen": len(seen), "samples": len(timeline), "timeline": _thin(timeline)}
-
-
-def _thin(timeline: list[tuple[float, int]], points: int = TIMELINE_POINTS) -> list[list[float]]:
-    """At most ``points`` [seconds, tree RSS in MiB] pairs: the sample with the most RSS
-    of each of ``points`` equal runs of samples, so no peak is lost."""
-    step = max(1, math.ceil(len(timeline) / points))
-    return [[round(t, 1), _mib(kib)] for t, kib in
-            (max(timeline[k:k + step], key=lambda sample: sample[1]) for k in range(0, len(timeline), step))]
-
-
-def _tail(path: str, chars: int = 3000) -> str:
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", "replace")[-chars:]
-
-
-# --- the held-in-memory process (``python -m pipeline.bench.plan hold MODULES FILE...``) ---
+# --- the held-in-memory process (``python -m pipeline.bench.plan_scale hold MODULES FILE...``) ---
 
 def _hold(modules: list[str], paths: list[str]) -> dict:
     """In a fresh process: import ``modules`` (what the plan process imports), then hold every
@@ -177,7 +72,7 @@ def _hold(modules: list[str], paths: list[str]) -> dict:
 
     import_s = time.perf_counter() - start
     gc.collect()
-    before = _status_kib("self", "VmRSS")
+    before = status_kib("self", "VmRSS")
     start = time.perf_counter()
     held, prompt_bytes = [], 0
     for path in paths:
@@ -192,10 +87,10 @@ def _hold(modules: list[str], paths: list[str]) -> dict:
                     prompt_bytes += len(row.prompt.encode("utf-8"))
     load_s = time.perf_counter() - start
     gc.collect()
-    after = _status_kib("self", "VmRSS")
+    after = status_kib("self", "VmRSS")
     valid = sum(isinstance(r, records.Record) for r in held)
     return {"baseline_rss_kib": before, "held_rss_kib": after, "held_increase_kib": after - before,
-            "peak_rss_kib": _status_kib("self", "VmHWM"), "rows": len(held), "records": valid,
+            "peak_rss_kib": status_kib("self", "VmHWM"), "rows": len(held), "records": valid,
             "rejects": len(held) - valid, "prompt_bytes": prompt_bytes, "import_s": import_s, "load_s": load_s}
 
 
@@ -274,10 +169,6 @@ def plan_state(out: str) -> dict:
     return {"digest": digest.hexdigest(), "written": written}
 
 
-def _mib(kib: int) -> float:
-    return round(kib / 1024, 1)
-
-
 def _machine() -> dict:
     import apache_beam
 
@@ -287,7 +178,7 @@ def _machine() -> dict:
             mem = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
     except (OSError, StopIteration):
         pass
-    return {"nproc": os.cpu_count(), "mem_total_mib": _mib(mem), "loadavg_before": list(os.getloadavg()),
+    return {"nproc": os.cpu_count(), "mem_total_mib": mib(mem), "loadavg_before": list(os.getloadavg()),
             "python": platform.python_version(), "apache_beam": apache_beam.__version__,
             "platform": platform.platform()}
 
@@ -374,7 +265,7 @@ def _plan(argv: list[str], env: dict, cwd: str, workdir: str, name: str) -> dict
     measured = run_measured(argv, env, cwd, os.path.join(workdir, name))
     if measured["exit_code"] != 0:
         raise BenchError(f"{name} exited with {measured['exit_code']} (logs in {workdir}):\n"
-                         f"{_tail(os.path.join(workdir, name + '.stderr'))}")
+                         f"{tail(os.path.join(workdir, name + '.stderr'))}")
     with open(os.path.join(workdir, name + ".stderr"), errors="replace") as f:  # the plan stage, without start-up
         done = [json.loads(line) for line in f if '"event": "plan_done"' in line]
     return {**measured, "stage_s": done[-1]["seconds"] if done else None}
@@ -383,31 +274,31 @@ def _plan(argv: list[str], env: dict, cwd: str, workdir: str, name: str) -> dict
 def _figures(measured: dict, rows: int) -> dict:
     """Wall, CPU and peak RSS of one measured plan, and its peak per record."""
     return {"wall_s": round(measured["wall_s"], 2), "cpu_s": round(measured["cpu_s"], 2), "stage_s": measured["stage_s"],
-            "rows_per_s": round(rows / measured["wall_s"], 1), "peak_rss_mib": _mib(measured["peak_rss_kib"]),
-            "tree_peak_rss_mib": _mib(measured["tree_peak_rss_kib"]),
+            "rows_per_s": round(rows / measured["wall_s"], 1), "peak_rss_mib": mib(measured["peak_rss_kib"]),
+            "tree_peak_rss_mib": mib(measured["tree_peak_rss_kib"]),
             "peak_rss_bytes_per_record": round(measured["peak_rss_kib"] * 1024 / rows, 1),
             "tree_peak_rss_bytes_per_record": round(measured["tree_peak_rss_kib"] * 1024 / rows, 1),
-            "sampled_hwm_mib": _mib(measured["sampled_hwm_kib"]), "processes_seen": measured["processes_seen"],
+            "sampled_hwm_mib": mib(measured["sampled_hwm_kib"]), "processes_seen": measured["processes_seen"],
             "rss_timeline_mib": measured["timeline"]}
 
 
 def _held(paths: list[str], baseline_modules: tuple[str, ...], env: dict, workdir: str, rows: int,
           peak: int) -> dict:
     """The held-in-memory process's figures (see the module's docstring)."""
-    hold_argv = [sys.executable, "-m", "pipeline.bench.plan", "hold", ",".join(baseline_modules), *paths]
+    hold_argv = [sys.executable, "-m", "pipeline.bench.plan_scale", "hold", ",".join(baseline_modules), *paths]
     held_run = run_measured(hold_argv, env, ROOT, os.path.join(workdir, "hold"))
     if held_run["exit_code"] != 0:
         raise BenchError(f"the held-in-memory process exited with {held_run['exit_code']}:\n"
-                         f"{_tail(os.path.join(workdir, 'hold.stderr'))}")
+                         f"{tail(os.path.join(workdir, 'hold.stderr'))}")
     with open(os.path.join(workdir, "hold.stdout")) as f:
         held = json.loads(f.read().strip().splitlines()[-1])
     if held["rows"] != rows:
         raise BenchError(f"the held-in-memory process read {held['rows']} rows, expected {rows}")
     baseline, increase = held["baseline_rss_kib"], held["held_increase_kib"]
     return {"prompt_bytes": held["prompt_bytes"], "prompt_bytes_mib": round(held["prompt_bytes"] / MIB, 1),
-            "baseline_rss_mib": _mib(baseline), "baseline_import_s": round(held["import_s"], 2),
-            "plan_increment_mib": _mib(peak - baseline), "held_in_memory_rss_mib": _mib(increase),
-            "held_in_memory_total_rss_mib": _mib(held["held_rss_kib"]),
+            "baseline_rss_mib": mib(baseline), "baseline_import_s": round(held["import_s"], 2),
+            "plan_increment_mib": mib(peak - baseline), "held_in_memory_rss_mib": mib(increase),
+            "held_in_memory_total_rss_mib": mib(held["held_rss_kib"]),
             "held_in_memory_load_s": round(held["load_s"], 2), "held_records": held["records"],
             "held_rejects": held["rejects"], "baseline_modules": list(baseline_modules),
             "peak_over_held_in_memory": round(peak / increase, 3) if increase > 0 else None,
@@ -481,13 +372,10 @@ def table(report: dict) -> str:
 
 
 def _main(argv: list[str]) -> int:
-    if len(argv) >= 3 and argv[0] == "launch":
-        return _launch(argv[1], argv[2:])
     if len(argv) >= 3 and argv[0] == "hold":
         print(json.dumps(_hold([m for m in argv[1].split(",") if m], argv[2:])))
         return 0
-    print("usage: python -m pipeline.bench.plan {launch RESULT ARGV... | hold MODULE,... FILE...} (helpers of "
-          "`promptmill bench plan`)",
+    print("usage: python -m pipeline.bench.plan_scale hold MODULE,... FILE... (a helper of `promptmill bench plan`)",
           file=sys.stderr)
     return 2
 

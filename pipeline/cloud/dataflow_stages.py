@@ -1,9 +1,10 @@
-"""The Dataflow launcher's work: start one stage of ``submit dataflow`` as a Dataflow job, or read a job's state.
+"""The stages of ``submit dataflow`` as Dataflow jobs: each stage's pipeline built and submitted,
+and a job's state read (the Dataflow launcher's work).
 
 ``submit dataflow`` runs the launcher as a subprocess, the one place it talks to Dataflow (as
 ``pipeline.cloud.kubectl`` is for ``submit gke``), and ``DATAFLOW_LAUNCHER`` replaces it
 with another executable (the tests point it at a fake). Its command line is
-``jobs.dataflow_launch`` (``python -m jobs.dataflow_launch``), which reads the plan's settings
+``jobs.dataflow_launcher`` (``python -m jobs.dataflow_launcher``), which reads the plan's settings
 flags with the CLI's own parser and calls ``launch`` or ``job_state`` here. Each call prints
 one JSON line, ``{"job_id": ..., "state": ...}``, where the state is one of Beam's
 ``PipelineState`` names (``RUNNING``, ``DONE``, ``FAILED``, ...), and exits 0; a failure exits

@@ -1,11 +1,11 @@
-"""The Dataflow launcher's command line: ``python -m jobs.dataflow_launch``, the executable
+"""The Dataflow launcher's command line: ``python -m jobs.dataflow_launcher``, the executable
 ``submit dataflow`` runs (``pipeline.cloud.dataflow.launcher_command``) to start one stage as
-a Dataflow job or to read a job's state; ``pipeline.cloud.dataflow_launch`` does the work.
+a Dataflow job or to read a job's state; ``pipeline.cloud.dataflow_stages`` does the work.
 
-    python -m jobs.dataflow_launch run plan SETTINGS-FLAGS [--overwrite] [--cap-hosts N] -- OPTION...
-    python -m jobs.dataflow_launch run generate --out OUT -- OPTION...
-    python -m jobs.dataflow_launch run collect --out OUT -- OPTION...
-    python -m jobs.dataflow_launch state JOB_ID -- OPTION...
+    python -m jobs.dataflow_launcher run plan SETTINGS-FLAGS [--overwrite] [--cap-hosts N] -- OPTION...
+    python -m jobs.dataflow_launcher run generate --out OUT -- OPTION...
+    python -m jobs.dataflow_launcher run collect --out OUT -- OPTION...
+    python -m jobs.dataflow_launcher state JOB_ID -- OPTION...
 
 SETTINGS-FLAGS are the run's settings as ``promptmill plan`` takes them (``--prompts``,
 ``--out``, ``--model``, ..., ``--devices-per-host``; ``pipeline.cloud.gke.settings_flags``
@@ -21,11 +21,11 @@ import json
 import sys
 
 from jobs import flags
-from pipeline.cloud import dataflow_launch as launcher
+from pipeline.cloud import dataflow_stages as launcher
 
 
 def parser() -> flags.Parser:
-    top = flags.Parser(prog="python -m jobs.dataflow_launch", description=__doc__.split("\n")[0],
+    top = flags.Parser(prog="python -m jobs.dataflow_launcher", description=__doc__.split("\n")[0],
                        epilog="After --: the job's DataflowRunner options (for state: project and region).")
     commands = top.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="submit one stage as a Dataflow job")

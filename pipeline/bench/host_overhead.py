@@ -47,9 +47,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from pipeline.bench.machine import cpu_model
 from pipeline.core import logs, naming, records
 from pipeline.core.settings import Run, Settings, check_size
-from pipeline.io import runs, storage
+from pipeline.io import gcs, runs, storage
 
 BUCKET = "promptmill-pipeline-bench"
 GUIDANCE = 7.5
@@ -249,7 +250,7 @@ def run_beam(generator, out: str, slices: int) -> dict:
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from pipeline.engines.beam import GenerateSlicesFn
+    from pipeline.engines.beam_worker import GenerateSlicesFn
 
     token = uuid.uuid4().hex
     _IN_PROCESS[token] = generator
@@ -336,7 +337,7 @@ def _gcs_bucket():
     context = contextlib.nullcontext() if os.environ.get("STORAGE_EMULATOR_HOST") else emulator.running(BUCKET)
     with context:
         bucket = f"{BUCKET}-{uuid.uuid4().hex[:8]}"
-        storage.gcs_client().create_bucket(bucket)
+        gcs.client().create_bucket(bucket)
         yield bucket
 
 
@@ -360,7 +361,6 @@ def command_line(config: PipelineBenchConfig) -> str:
 def run(config: PipelineBenchConfig) -> dict:
     """Run (a), (b) local, (b) GCS if asked, and (c) on the same slices; returns the
     report (and writes it to ``config.report``)."""
-    from pipeline.bench import generator as generator_bench
     from pipeline.generate import host_loop
 
     config.validate()
@@ -410,7 +410,7 @@ def run(config: PipelineBenchConfig) -> dict:
               "config": {**dataclasses.asdict(config), "modes": list(config.modes), "width": width, "height": height,
                          "batch_size": generator.batch_size, "slice_size": size,
                          "images_per_mode": size * config.slices, "writer_threads": host_loop.WRITER_THREADS},
-              "setup": setup, "machine": {"cpu_count": os.cpu_count(), "cpu_model": generator_bench.cpu_model()},
+              "setup": setup, "machine": {"cpu_count": os.cpu_count(), "cpu_model": cpu_model()},
               "rss_before_modes": rss_before, "modes": modes, "ratios": ratios,
               "peak_rss_mib": _rss()["peak_rss_mib"]}
     if config.report:
