@@ -15,7 +15,7 @@ from __future__ import annotations
 from pipeline.core import logs
 
 
-def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool, attention: str,
+def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool, *, attention: str,
              platform: str) -> dict:
     """{kernel: attention calls} of one sampler step's UNet call and VAE decode, as the
     seam chooses them (traced from shapes; nothing compiles)."""
@@ -60,8 +60,8 @@ def run_speed(model, config, devices, width: int, height: int, programs=None) ->
         program = program_memory(generator.compiled)
         rows[attention] = {"batch_size": generator.batch_size, "memory": program,
                            "temp_per_image": program.get("temp", 0) / per_device_batch,
-                           "kernels": _kernels(model, width, height, per_device_batch, config.guided, attention,
-                                               devices[0].platform)}
+                           "kernels": _kernels(model, width, height, per_device_batch, config.guided,
+                                               attention=attention, platform=devices[0].platform)}
     timings = in_turns(calls, {name: row["batch_size"] for name, row in rows.items()}, config.batches)
     first = config.attentions[0]
     for name, row in rows.items():

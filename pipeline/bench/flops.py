@@ -45,7 +45,7 @@ def whole_program_flops(compiled) -> float:
     return float(cost["flops"])
 
 
-def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: int, compiled=None,
+def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: int, *, compiled=None,
                   guided: bool = True, parts: dict | None = None) -> dict:
     """Flops of one device step (``per_device_step``) and of one image, counted by parts.
 

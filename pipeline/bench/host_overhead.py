@@ -138,7 +138,7 @@ class PipelineBenchConfig:
         return self
 
 
-def bench_run(width: int, height: int, steps: int, per_device_batch: int, model: str = "synthetic",
+def bench_run(width: int, height: int, steps: int, per_device_batch: int, *, model: str = "synthetic",
               scheduler: str = "synthetic", fingerprint: str = "0" * 64, batches_per_slice: int = 2,
               devices_per_host: int = 1) -> Run:
     """The run the benchmark's slices belong to: PNG files only."""
@@ -322,8 +322,9 @@ def _build_generator(config: PipelineBenchConfig):
     width, height = model.size(config.width, config.height)
     generator = Generator(model, ProgramSpec(width, height, config.steps, config.batch // len(devices)))
     generator.warm_up()
-    run = bench_run(width, height, config.steps, generator.per_device_batch, "tiny", model.sampler.choice,
-                    model.fingerprint, config.batches_per_slice, len(devices))
+    run = bench_run(width, height, config.steps, generator.per_device_batch, model="tiny",
+                    scheduler=model.sampler.choice, fingerprint=model.fingerprint,
+                    batches_per_slice=config.batches_per_slice, devices_per_host=len(devices))
     return generator, width, height, run, {"devices": len(devices), "platform": devices[0].platform,
                                            "build_s": round(watch.seconds(), 3)}
 

@@ -23,7 +23,7 @@ def in_gib(memory: dict, digits: int = 3) -> dict:
     return {name: round(value / GIB, digits) for name, value in memory.items()}
 
 
-def part_memory(model, width: int, height: int, per_device_batch: int, guided: bool = True,
+def part_memory(model, width: int, height: int, per_device_batch: int, guided: bool = True, *,
                 attention: str | None = "auto", platform: str | None = None, **seam) -> dict:
     """``program_memory`` of one UNet call (at 2B when ``guided``, else B) and of one VAE
     decode (at B), for B = ``per_device_batch``: {"denoiser_call": {...}, "vae_decode": {...}}.

@@ -183,10 +183,10 @@ def _machine() -> dict:
             "platform": platform.platform()}
 
 
-def run(prompts: int = 1_000_000, shards: int = 100, workdir: str | None = None, devices_per_host: int = 4,
+def run(prompts: int = 1_000_000, *, shards: int = 100, workdir: str | None = None, devices_per_host: int = 4,
         per_device_batch: int = 8, batches_per_slice: int = 32, beam_args: list[str] | None = None,
         model: str = "tiny", plan_command: tuple[str, ...] = PLAN_COMMAND,
-        baseline_modules: tuple[str, ...] = BASELINE_MODULES, *, dedupe: bool = False, duplicates: float = 0.0,
+        baseline_modules: tuple[str, ...] = BASELINE_MODULES, dedupe: bool = False, duplicates: float = 0.0,
         hold: bool | None = None, again: bool = False, reference: str | None = None) -> dict:
     """Generate the input, plan it in a fresh process, hold it in another; returns the report.
 

@@ -51,7 +51,7 @@ def run_recipes(model, config: BenchConfig, devices, width: int, height: int,
         shape = (factor * per_device_batch, guidance > 1)
         if shape not in counted_parts:
             counted_parts[shape] = flops.part_flops(variant, width, height, *shape)
-        counted = flops.sampler_flops(variant, width, height, steps, shape[0], generator.compiled, guided=shape[1],
+        counted = flops.sampler_flops(variant, width, height, steps, shape[0], compiled=generator.compiled, guided=shape[1],
                                       parts=counted_parts[shape])
         rows[name] = {"scheduler": variant.sampler.choice, "engine": variant.sampler.engine,
                       "timestep_spacing": variant.sampler.config.get("timestep_spacing"), "steps": steps,

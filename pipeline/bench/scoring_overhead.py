@@ -15,7 +15,7 @@ from pipeline.core.settings import Settings
 SCORING_RECIPES = {"cfg": None, "one_step": (1, 0.0)}  # None: --steps, with guidance
 
 
-def run_scoring(model, config: BenchConfig, devices, width: int, height: int,
+def run_scoring(model, config: BenchConfig, devices, width: int, height: int, *,
                 reference: tuple[int, int] | None = (512, 20), recipes_run=tuple(SCORING_RECIPES),
                 programs: Programs | None = None) -> dict:
     """Images/s with and without every score (``SCORERS[config.scorers]``), side by side, timed in turns:

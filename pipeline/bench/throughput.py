@@ -69,7 +69,7 @@ from pipeline.bench.throughput_config import BenchConfig, command_line
 from pipeline.core import logs
 
 
-def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: int, peak: float,
+def run_sweep(model, recipe, config: BenchConfig, devices, *, width: int, height: int, peak: float,
               programs: Programs | None = None) -> list[dict]:
     """One row per per-device batch size: ours and the seed recipe, and the FLOPs.
 
@@ -87,8 +87,8 @@ def run_sweep(model, recipe, config: BenchConfig, devices, width: int, height: i
         generator = programs.generator(model, width, height, config.steps, per_device_batch, devices,
                                        guided=config.guided)
         build = watch.seconds()
-        counted = flops.sampler_flops(model, width, height, config.steps, per_device_batch, generator.compiled,
-                                      config.guided)
+        counted = flops.sampler_flops(model, width, height, config.steps, per_device_batch,
+                                      compiled=generator.compiled, guided=config.guided)
         ours = ours_call(generator, config.guidance_scale)
         seed = seed_call(recipe, generator.batch_size, config.steps, width, height)  # compiles in its warm-up
         timings = in_turns({"ours": ours, "seed": seed}, {"ours": generator.batch_size,
@@ -119,8 +119,8 @@ def run_startup(config: BenchConfig, width: int, height: int, per_device_batch: 
     from pipeline.bench import startup
 
     roots = (None, config.startup_against) if config.startup_against else (None,)
-    runs = startup.cold_and_warm(config.model, width, height, config.steps, per_device_batch, config.dtype,
-                                 config.devices, roots=roots)
+    runs = startup.cold_and_warm(config.model, width, height, config.steps, per_device_batch, dtype=config.dtype,
+                                 devices=config.devices, roots=roots)
     cold, warm = runs[0]["cold"], runs[0]["warm"]
     result = {"per_device_batch": per_device_batch, "cache_entries": runs[0]["cache_entries"], "cold": cold,
               "warm": warm, "cold_over_warm": cold["total_s"] / warm["total_s"],
@@ -237,7 +237,8 @@ def run_bench(config: BenchConfig) -> dict:
         watch = logs.Stopwatch()
         recipe = SeedPipeline(model_lib.resolve(config.model), config.dtype, devices)
         seed_load = watch.seconds()
-        rows = run_sweep(model, recipe, config, devices, width, height, peak["flops_per_s"], programs)
+        rows = run_sweep(model, recipe, config, devices, width=width, height=height, peak=peak["flops_per_s"],
+                         programs=programs)
         del recipe
         gc.collect()
     if "recipes" in config.parts:

@@ -297,7 +297,7 @@ class StageFailed(RuntimeError):
 
 
 def wait_for_stage(launcher: Launcher, job: DataflowJob, stage: str, job_id: str, state: str,
-                   emit: Callable[[str], None], total: int | None = None,
+                   emit: Callable[[str], None], *, total: int | None = None,
                    sleep: Callable[[float], None] = time.sleep) -> None:
     """Poll ``job_id`` until it is DONE; with ``total`` (generate), print ``committed/total`` as it changes.
 
@@ -370,8 +370,8 @@ def submit_dataflow(job: DataflowJob, emit: Callable[[str], None] = print, launc
                 emit(f"plan kept: {job.out} holds this run's finished plan, and its inputs are unchanged")
             else:
                 emit(f"{stage} job {job_id} launched on {job.workers(stage)}")
-                wait_for_stage(launcher, job, stage, job_id, state, emit, total if stage == "generate" else None,
-                               sleep)
+                wait_for_stage(launcher, job, stage, job_id, state, emit,
+                               total=total if stage == "generate" else None, sleep=sleep)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts)
             emit(stopped_following(job, stage, job_id))
             raise

@@ -73,7 +73,7 @@ def prompt_files(pattern: str) -> dict[str, inventory.Listed]:
     return found
 
 
-def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
+def validate_payload(source: str, line: int, payload, run_seed: int, root: str, *,
                      prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> records.Record | records.Reject | None:
     """One row of ``inputs.read_rows`` to a Record, a Reject, or None (a blank line)."""
     if isinstance(payload, records.Reject):
@@ -95,7 +95,7 @@ def validated(path: str, run_seed: int, root: str, prompt_field: str = "prompt",
     """The rows of one prompt file, checked: ``(payload, Record | Reject)`` in file order;
     ``sizes``: the run's buckets, which a row may ask for (``records.parse_row``)."""
     for source, line, payload in inputs.read_rows(path, prompt_field):
-        result = validate_payload(source, line, payload, run_seed, root, prompt_field, sizes)
+        result = validate_payload(source, line, payload, run_seed, root, prompt_field=prompt_field, sizes=sizes)
         if result is not None:  # a blank line is not a row
             yield payload, result
 

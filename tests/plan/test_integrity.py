@@ -235,7 +235,7 @@ BATTERY = [  # (a JSONL line, the reason it is rejected for; None: it is a recor
 
 @pytest.mark.parametrize("line,reason", BATTERY, ids=[f"{n}-{r}" for n, (_, r) in enumerate(BATTERY)])
 def test_the_battery_row_by_row(line, reason):
-    result = layout.validate_payload("battery.jsonl", 7, line, 0, "", "prompt")
+    result = layout.validate_payload("battery.jsonl", 7, line, 0, "", prompt_field="prompt")
     if reason is None:
         assert isinstance(result, records.Record)
         [item, *_] = records.expand(result, 0, 4)
