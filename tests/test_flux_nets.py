@@ -28,7 +28,8 @@ from pipeline.model.families.flux import sampling as fs
 from pipeline.model.loading import convert
 from pipeline.model.families.flux import transformer as flux
 from pipeline.model.layers import patching, rotary
-from pipeline.model.layers import t5, vae
+from pipeline.model.layers import vae
+from pipeline.model.layers.text import t5
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")
 VARIANTS = ("schnell", "dev")

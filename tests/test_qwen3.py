@@ -1,4 +1,4 @@
-"""promptmill's own Qwen3 (``pipeline.model.layers.qwen3``) against transformers' PyTorch
+"""promptmill's own Qwen3 (``pipeline.model.layers.text.qwen3``) against transformers' PyTorch
 ``Qwen3Model``, on checkpoints it wrote.
 
 ``tests/fixtures/qwen3`` holds a tiny random Qwen3 (28 layers, head_dim 8 != hidden 16 / 4
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model.layers import qwen3
+from pipeline.model.layers.text import qwen3
 from pipeline.model.loading import weights
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "qwen3")

@@ -22,7 +22,8 @@ from pipeline.model.sampling import flow
 from pipeline.model.families.flux import presets as tiny_flux
 from pipeline.model.loading import weights
 from pipeline.model.families.flux import transformer as flux
-from pipeline.model.layers import t5, vae
+from pipeline.model.layers import vae
+from pipeline.model.layers.text import t5
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "flux")

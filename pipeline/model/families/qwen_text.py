@@ -51,7 +51,8 @@ def read_configs(directory: str, transformer_config, check=None) -> tuple:
     ``directory`` (``transformer_config``: the family's config class, with ``from_dict``;
     ``check(qwen3 config)``: the family's own check of its text encoder); ValueError naming a
     config it would not honour."""
-    from pipeline.model.layers import qwen3, vae
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import qwen3
 
     scheduler_config = read_json_file(os.path.join(directory, "scheduler", "scheduler_config.json"))
     refused = flow.unsupported(scheduler_config)
@@ -151,14 +152,16 @@ class QwenTextFamily(Family):
                      native_size=described.native_size, param_dtype=jdtype, default_steps=described.default_steps)
 
     def _flat_shapes(self, nets) -> dict:
-        from pipeline.model.layers import qwen3, vae as vae_net
+        from pipeline.model.layers import vae as vae_net
+        from pipeline.model.layers.text import qwen3
 
         return {"text_encoder": qwen3.param_shapes(nets.qwen3, nets.text_layers),
                 "transformer": self.transformer_module().param_shapes(nets.transformer.config),
                 "vae": vae_net.param_shapes(nets.vae.config)}
 
     def _params(self, directory: str, nets) -> dict:
-        from pipeline.model.layers import qwen3, vae as vae_net
+        from pipeline.model.layers import vae as vae_net
+        from pipeline.model.layers.text import qwen3
 
         net = self.transformer_module()
         rules = {"text_encoder": lambda state, where: qwen3.from_torch(state, nets.qwen3, where, nets.text_layers),

@@ -23,7 +23,7 @@ def write_configs(directory: str, name: str, preset: dict, index: dict, classes:
     scheduler's, transformer's and VAE's configs (``classes``: their ``_class_name``s and the
     text encoder's ``architecture``), the tokenizer and the text encoder's config, which is
     returned."""
-    from pipeline.model.layers import qwen3
+    from pipeline.model.layers.text import qwen3
 
     builtin.write_json(os.path.join(directory, "model_index.json"), index)
     if preset.get("license"):  # the model card's front matter, as the hub keeps it
@@ -48,7 +48,8 @@ def write_random_weights(directory: str, preset: dict, hf_config: dict, net, tra
     module, from ``transformer_config``), the VAE's: seed, seed + 1, seed + 2), in PyTorch
     names, as safetensors; ``causal_lm``: the text encoder is a ``Qwen3ForCausalLM`` (its
     names under ``model.``, and an ``lm_head`` drawn from seed + 3)."""
-    from pipeline.model.layers import qwen3, vae
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import qwen3
     from pipeline.model.loading import convert, weights as weights_lib
 
     q_cfg = qwen3.Qwen3Config.from_dict(hf_config)

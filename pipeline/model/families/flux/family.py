@@ -2,7 +2,7 @@
 
 A diffusers ``FluxPipeline`` checkpoint: CLIP-L (``text_encoder``,
 ``pipeline.model.layers.text.clip``: its pooled output), the T5 v1.1 encoder (``text_encoder_2``,
-``pipeline.model.layers.t5``), ``FluxTransformer2DModel`` (``transformer``,
+``pipeline.model.layers.text.t5``), ``FluxTransformer2DModel`` (``transformer``,
 ``pipeline.model.families.flux.transformer``), the 16-channel VAE without quant convs (``vae``,
 ``pipeline.model.layers.vae``) and ``FlowMatchEulerDiscreteScheduler``
 (``pipeline.model.sampling.flow``). Sampling is ``pipeline.model.families.flux.sampling``: initial latents
@@ -138,7 +138,8 @@ class Flux(Family):
     @staticmethod
     def _flat_shapes(nets: flux_sampling.FluxNets) -> dict:
         from pipeline.model.families.flux import transformer as flux_net
-        from pipeline.model.layers import t5, vae as vae_net
+        from pipeline.model.layers import vae as vae_net
+        from pipeline.model.layers.text import t5
 
         from pipeline.model.layers.text import clip
 
@@ -151,7 +152,8 @@ class Flux(Family):
         """Each component's params, converted once per machine from its safetensors (by the
         networks' naming rule, in the stored dtype) and memory-mapped after."""
         from pipeline.model.families.flux import transformer as flux_net
-        from pipeline.model.layers import t5, vae as vae_net
+        from pipeline.model.layers import vae as vae_net
+        from pipeline.model.layers.text import t5
 
         from pipeline.model.layers.text import clip
 
@@ -174,7 +176,7 @@ class Flux(Family):
 
     def lora_layouts(self) -> dict:
         from pipeline.model.families.flux import transformer as flux_net
-        from pipeline.model.layers import t5
+        from pipeline.model.layers.text import t5
 
         from pipeline.model.layers.text import clip
 

@@ -212,7 +212,8 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
     text_encoder_2/, transformer/, vae/. ``weights=False``: configs and tokenizers only
     (``random-flux``'s 34 GB of weights are never written)."""
     from pipeline.model.families.flux import transformer as flux
-    from pipeline.model.layers import t5, vae
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import t5
     from pipeline.model.layers.text import clip
     from pipeline.model.loading import convert, weights as weights_lib
 

@@ -88,7 +88,8 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
     import jax.numpy as jnp
 
     from pipeline.model.families.flux import transformer as flux
-    from pipeline.model.layers import t5, vae
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import t5
     from pipeline.model.layers.text import clip
 
     dtype = jnp.float32 if dtype is None else dtype
@@ -116,7 +117,8 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     unknown weight."""
     from pipeline.model.loading import weights
     from pipeline.model.families.flux import transformer as flux
-    from pipeline.model.layers import t5, vae
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import t5
     from pipeline.model.layers.text import clip
 
     def state(component, library):
@@ -149,7 +151,8 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigma
 
     from pipeline.model.families.flux import transformer as flux
     from pipeline.model.layers import patching
-    from pipeline.model.layers import t5, vae
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import t5
 
     batch, _, rows, cols = latents.shape
     if nets.guidance_embeds and guidance is None:

@@ -1,7 +1,7 @@
 """FLUX.2 [klein]: guidance-distilled rectified-flow transformer, in promptmill's own Flax networks.
 
 A diffusers ``Flux2KleinPipeline`` checkpoint: a Qwen3 causal LM (``text_encoder``,
-``pipeline.model.layers.qwen3``: hidden states 9, 18, 27, stacked), its tokenizer
+``pipeline.model.layers.text.qwen3``: hidden states 9, 18, 27, stacked), its tokenizer
 (``tokenizer``, Qwen's chat template), ``Flux2Transformer2DModel`` (``transformer``,
 ``pipeline.model.families.flux2.transformer``), ``AutoencoderKLFlux2`` (``vae``: batch-norm
 statistics, 2x2-patched latents, ``pipeline.model.layers.vae``) and

@@ -77,7 +77,7 @@ class Flux2Nets:
     @property
     def text_layers(self) -> int:
         """The decoder layers the text encoder runs (up to the deepest hidden state read)."""
-        from pipeline.model.layers import qwen3
+        from pipeline.model.layers.text import qwen3
 
         return qwen3.layers_for(self.qwen3, HIDDEN_STATES)
 
@@ -97,7 +97,8 @@ def read_nets(directory: str, dtype=None) -> Flux2Nets:
     import jax.numpy as jnp
 
     from pipeline.model.families.flux2 import transformer as flux2
-    from pipeline.model.layers import qwen3, vae
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import qwen3
 
     dtype = jnp.float32 if dtype is None else dtype
     scheduler_config, q_cfg, t_cfg, v_cfg = qwen_text.read_configs(
@@ -127,7 +128,7 @@ def stacked_states(nets: Flux2Nets, text_params, input_ids, attention_mask, unro
     loop's body once)."""
     import jax.numpy as jnp
 
-    from pipeline.model.layers import qwen3
+    from pipeline.model.layers.text import qwen3
 
     states = qwen3.hidden_states(text_params, nets.qwen3, input_ids, attention_mask, indices=HIDDEN_STATES,
                                  dtype=nets.dtype, unroll=unroll)

@@ -2,7 +2,7 @@
 promptmill's own Flax networks.
 
 A diffusers ``ZImagePipeline`` checkpoint: a Qwen3 ``Qwen3Model`` (``text_encoder``,
-``pipeline.model.layers.qwen3``: its second-to-last hidden state, each prompt's own
+``pipeline.model.layers.text.qwen3``: its second-to-last hidden state, each prompt's own
 tokens), its tokenizer (``tokenizer``, Qwen's chat template, thinking on),
 ``ZImageTransformer2DModel`` (``transformer``, ``pipeline.model.families.zimage.transformer``),
 FLUX.1's ``AutoencoderKL`` (``vae``) and ``FlowMatchEulerDiscreteScheduler``

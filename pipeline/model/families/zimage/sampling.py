@@ -58,7 +58,7 @@ class ZImageNets:
 
     @property
     def text_layers(self) -> int:
-        from pipeline.model.layers import qwen3
+        from pipeline.model.layers.text import qwen3
 
         return qwen3.layers_for(self.qwen3, (self.hidden_state,))
 
@@ -102,7 +102,7 @@ def caption_states(nets: ZImageNets, text_params, input_ids, attention_mask, unr
     prompt's first ``length`` rows)."""
     import jax.numpy as jnp
 
-    from pipeline.model.layers import qwen3
+    from pipeline.model.layers.text import qwen3
 
     (states,) = qwen3.hidden_states(text_params, nets.qwen3, input_ids, attention_mask, indices=(nets.hidden_state,),
                                     dtype=nets.dtype, unroll=unroll)
