@@ -205,13 +205,13 @@ def test_config_refusals(raw_config):
 def test_attention_bias_is_honoured(raw_config, config):
     biased = qwen3.Qwen3Config.from_dict({**raw_config, "attention_bias": True})
     shapes = qwen3.param_shapes(biased, layers=2)
-    names = qwen3.convert.torch_shapes(shapes, qwen3.LAYOUT)
+    names = qwen3.convert.torch_shapes(shapes, qwen3.TORCH_NAMES)
     assert names["layers.1.self_attn.q_proj.bias"] == (32,)
     assert names["layers.1.self_attn.k_proj.bias"] == (16,)
     assert names["layers.1.self_attn.o_proj.bias"] == (16,)
     assert "layers.1.mlp.gate_proj.bias" not in names
     assert not any(name.endswith(".bias") for name in qwen3.convert.torch_shapes(qwen3.param_shapes(config),
-                                                                                 qwen3.LAYOUT))
+                                                                                 qwen3.TORCH_NAMES))
 
 
 def test_rope_rotates_halves_as_numpy():

@@ -60,7 +60,7 @@ def sampler_memory(model, width: int, height: int, steps: int, per_device_batch:
     import jax.numpy as jnp
 
     from pipeline.generate import sampler
-    from pipeline.model.families.shapes import struct
+    from pipeline.model.shapes import struct
 
     rule = guidance_rule if guidance_rule is not None else model.family.guidance_rule(model)
     if fsdp != 1:
