@@ -239,11 +239,13 @@ def test_leading_spacing_past_the_last_timestep_is_refused(sampler):
 
 
 def test_leading_adds_the_offset_and_linspace_spans_the_range():
-    assert list(schedules.make_schedule(dict(SD, timestep_spacing="leading"), "ddim", 4).timesteps) == [751, 501, 251, 1]
-    assert list(schedules.make_schedule(dict(SD, timestep_spacing="leading", steps_offset=0), "ddim", 4).timesteps) == [
-        750, 500, 250, 0]
-    assert list(schedules.make_schedule(dict(SD, timestep_spacing="linspace"), "ddim", 4).timesteps) == [999, 666, 333, 0]
-    assert list(schedules.make_schedule(dict(SD, timestep_spacing="trailing"), "ddim", 4).timesteps) == [999, 749, 499, 249]
+    def ddim(**config):
+        return list(schedules.make_schedule(dict(SD, **config), "ddim", 4).timesteps)
+
+    assert ddim(timestep_spacing="leading") == [751, 501, 251, 1]
+    assert ddim(timestep_spacing="leading", steps_offset=0) == [750, 500, 250, 0]
+    assert ddim(timestep_spacing="linspace") == [999, 666, 333, 0]
+    assert ddim(timestep_spacing="trailing") == [999, 749, 499, 249]
     euler = schedules.make_schedule(dict(SD, timestep_spacing="linspace"), "euler", 4)
     np.testing.assert_array_equal(euler.timesteps, np.array([999, 666, 333, 0], np.float32))
 

@@ -83,7 +83,7 @@ class TextFlow:
     - ``make_schedule(config, steps, image_tokens)``: its flow-matching schedule, and
       ``sigmas_note``: what its sigmas are, for a refused ``--timestep-spacing``;
     - ``text_states(nets, text_params, input_ids, attention_mask, unroll)``: what its
-      transformer reads of the text encoder (a tuple of arrays);
+      transformer reads of the text encoder (an array, or a tuple of them);
     - ``condition(...)``: those states and what else the transformer takes of the batch
       (by default the states alone), made once before the loop;
     - ``model_times(timesteps)``: the transformer's timestep of each step;
@@ -127,10 +127,10 @@ class TextFlow:
     def make_schedule(self, config, steps: int, image_tokens: int) -> flow.FlowSchedule:
         return flow.make_schedule(config, steps, image_tokens)
 
-    def text_states(self, nets, text_params, input_ids, attention_mask, unroll: int = 1) -> tuple:
+    def text_states(self, nets, text_params, input_ids, attention_mask, unroll: int = 1):
         raise NotImplementedError
 
-    def condition(self, nets, text_params, input_ids, attention_mask, grid, *, unroll: int = 1) -> tuple:
+    def condition(self, nets, text_params, input_ids, attention_mask, grid, *, unroll: int = 1):
         return self.text_states(nets, text_params, input_ids, attention_mask, unroll)
 
     def model_times(self, timesteps):

@@ -125,9 +125,7 @@ class Flux(Family):
     def _flat_shapes(nets: flux_sampling.FluxNets) -> dict:
         from pipeline.model.families.flux import transformer as flux_net
         from pipeline.model.layers import vae as vae_net
-        from pipeline.model.layers.text import t5
-
-        from pipeline.model.layers.text import clip
+        from pipeline.model.layers.text import clip, t5
 
         return {"text_encoder": clip.param_shapes(nets.clip.config),
                 "text_encoder_2": t5.NETWORK.param_shapes(nets.t5.config),
@@ -139,9 +137,7 @@ class Flux(Family):
         networks' naming rule, in the stored dtype) and memory-mapped after."""
         from pipeline.model.families.flux import transformer as flux_net
         from pipeline.model.layers import vae as vae_net
-        from pipeline.model.layers.text import t5
-
-        from pipeline.model.layers.text import clip
+        from pipeline.model.layers.text import clip, t5
 
         rules = {"text_encoder": lambda state, where: clip.from_torch(state, nets.clip.config, where),
                  "text_encoder_2": lambda state, where: t5.NETWORK.from_torch(state, nets.t5.config, where),
@@ -151,9 +147,7 @@ class Flux(Family):
 
     def lora_torch_names(self) -> dict:
         from pipeline.model.families.flux import transformer as flux_net
-        from pipeline.model.layers.text import t5
-
-        from pipeline.model.layers.text import clip
+        from pipeline.model.layers.text import clip, t5
 
         return {"transformer": flux_net.TORCH_NAMES, "text_encoder": clip.TORCH_NAMES, "text_encoder_2": t5.TORCH_NAMES}
 

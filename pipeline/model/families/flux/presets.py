@@ -186,8 +186,7 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
     (``random-flux``'s 34 GB of weights are never written)."""
     from pipeline.model.families.flux import transformer as flux
     from pipeline.model.layers import vae
-    from pipeline.model.layers.text import t5
-    from pipeline.model.layers.text import clip
+    from pipeline.model.layers.text import clip, t5
     from pipeline.model.loading import weights as weights_lib
 
     preset = PRESETS[name]

@@ -80,8 +80,7 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
 
     from pipeline.model.families.flux import transformer as flux
     from pipeline.model.layers import vae
-    from pipeline.model.layers.text import t5
-    from pipeline.model.layers.text import clip
+    from pipeline.model.layers.text import clip, t5
 
     dtype = jnp.float32 if dtype is None else dtype
     scheduler_config = _config(directory, "scheduler", "scheduler_config.json")
@@ -109,8 +108,7 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     from pipeline.model.loading import weights
     from pipeline.model.families.flux import transformer as flux
     from pipeline.model.layers import vae
-    from pipeline.model.layers.text import t5
-    from pipeline.model.layers.text import clip
+    from pipeline.model.layers.text import clip, t5
 
     def state(component, library):
         return weights.read_safetensors_weights(os.path.join(directory, component), library)
