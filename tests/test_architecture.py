@@ -519,8 +519,68 @@ def test_no_module_is_over_500_lines():
     _fail_with(f"modules of pipeline/ and jobs/ over {MOST_LINES} lines", long_modules(_sources()))
 
 
+# The rooms of pipeline/model, lowest first: a module imports its own room or a lower one,
+# never an upper one (rooms of one rank do not import each other). ``load`` is the model's
+# front door, above the families it asks; the scorers load a checkpoint's own safety checker
+# through it.
+MODEL = "pipeline.model"
+MODEL_ROOMS = (("shapes",), ("sharding",), ("loading",), ("layers", "sampling"), ("families",), ("load",),
+               ("scorers",))
+
+
+def model_room(module: str) -> str | None:
+    """The room of pipeline/model that holds ``module`` (``pipeline.model.families.flux.sampling``
+    -> "families", ``pipeline.model.sharding`` -> "sharding"); None outside it, and for the
+    package itself."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == MODEL.split(".") and len(parts) > 2 else None
+
+
+def model_upward_arrows(edges: list[Edge], rooms=MODEL_ROOMS) -> list[str]:
+    """Imports inside pipeline/model from a room to a higher one, or to another of its rank."""
+    found = []
+    for edge in edges:
+        a, b = model_room(edge.source), model_room(edge.target)
+        if a is None or b is None or a == b:
+            continue
+        ra, rb = rank(a, rooms), rank(b, rooms)
+        if ra is None or rb is None:
+            found.append(f"{edge.source}:{edge.line}: imports {edge.target} (room {a if ra is None else b!r} is not "
+                         f"in MODEL_ROOMS)")
+        elif rb >= ra:
+            found.append(f"{edge.source}:{edge.line}: imports {edge.target} "
+                         f"({'upward: ' + a + ' is below ' + b if rb > ra else 'peers: ' + a + ' and ' + b})")
+    return found
+
+
+def test_the_model_has_no_upward_arrow():
+    sources = _sources()
+    unplaced = sorted(name for name in sources if model_room(name) and rank(model_room(name), MODEL_ROOMS) is None)
+    assert not unplaced, f"modules of pipeline/model in no room of MODEL_ROOMS: {unplaced}"
+    _fail_with("imports from a room of pipeline/model up to a higher one", model_upward_arrows(_tree_edges()[2]))
+
+
 # ---------------------------------------------------------------------------------------
 # The helpers, on tiny synthetic sources and graphs
+
+
+def test_model_rooms_and_their_arrows():
+    assert model_room("pipeline.model.families.flux.sampling") == "families"
+    assert model_room("pipeline.model.sharding") == "sharding"
+    assert model_room("pipeline.model") is None and model_room("pipeline.generate.fit") is None
+    edges = [Edge("pipeline.model.sharding", "pipeline.model.families.shapes", 1),  # the arrow issue 59 removed
+             Edge("pipeline.model.loading.builtin", "pipeline.model.layers.text.qwen3", 2),
+             Edge("pipeline.model.layers.vae", "pipeline.model.sampling.flow", 3),
+             Edge("pipeline.model.families.qwen_text", "pipeline.model.layers.text.chat", 4),
+             Edge("pipeline.model.scorers.models", "pipeline.model.load", 5),
+             Edge("pipeline.model.sampling.decoding", "pipeline.model.sharding", 6),
+             Edge("pipeline.generate.fit", "pipeline.model.shapes", 7)]
+    assert model_upward_arrows(edges) == [
+        "pipeline.model.sharding:1: imports pipeline.model.families.shapes (upward: sharding is below families)",
+        "pipeline.model.loading.builtin:2: imports pipeline.model.layers.text.qwen3 (upward: loading is below layers)",
+        "pipeline.model.layers.vae:3: imports pipeline.model.sampling.flow (peers: layers and sampling)"]
+    assert model_upward_arrows([Edge("pipeline.model.nets.x", "pipeline.model.load", 1)]) == [
+        "pipeline.model.nets.x:1: imports pipeline.model.load (room 'nets' is not in MODEL_ROOMS)"]
 
 
 def test_wide_functions():

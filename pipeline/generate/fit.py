@@ -57,7 +57,7 @@ def sampler_memory(model, spec: ProgramSpec, platform: str | None = None, device
     import jax.numpy as jnp
 
     from pipeline.generate import sampler
-    from pipeline.model.families.shapes import struct
+    from pipeline.model.shapes import struct
 
     if spec.fsdp != 1:
         from pipeline.generate.generator import lower_sampler

@@ -66,7 +66,7 @@ def replicated_shapes(tree, devices=None, dtype=None):
     ``tree`` as it is, without shardings."""
     import jax
 
-    from pipeline.model.families.shapes import struct
+    from pipeline.model.shapes import struct
 
     if devices is None:
         return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype),

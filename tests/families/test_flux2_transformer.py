@@ -45,7 +45,7 @@ def loaded():
     out = {}
     for variant in VARIANTS:
         config = flux2.Flux2Config.from_dict(raw_config(variant))
-        out[variant] = (config, flux2.from_torch(state_of(variant), config),
+        out[variant] = (config, flux2.NETWORK.from_torch(state_of(variant), config, "transformer"),
                         dict(np.load(os.path.join(FIXTURES, f"{variant}.npz"))))
     return out
 
@@ -80,11 +80,14 @@ def test_configs_from_the_fixtures(loaded):
 def test_config_defaults_are_diffusers():
     """Missing keys take ``Flux2Transformer2DModel``'s defaults (FLUX.2 [dev]'s shape)."""
     config = flux2.Flux2Config.from_dict({"_class_name": "Flux2Transformer2DModel"})
-    assert config == flux2.Flux2Config()
+    assert config == flux2.Flux2Config(
+        in_channels=128, out_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+        num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
+        axes_dims_rope=(32, 32, 32, 32), rope_theta=2000.0, eps=1e-6, guidance_embeds=True)
     assert (config.inner_dim, config.out_channels, config.rope_theta, config.guidance_embeds) == (6144, 128, 2000, True)
     assert flux2.Flux2Config.from_dict({"in_channels": 64}).out_channels == 64
     # keys diffusers' class does not take are ignored, as from_config ignores them
-    assert flux2.Flux2Config.from_dict({"_diffusers_version": "0.39.0", "whatever": 1}) == flux2.Flux2Config()
+    assert flux2.Flux2Config.from_dict({"_diffusers_version": "0.39.0", "whatever": 1}) == config
 
 
 @pytest.mark.parametrize("key,value", [
@@ -102,8 +105,8 @@ def test_config_refuses_what_it_does_not_do(key, value):
 def test_param_shapes_are_the_state_dicts(variant, loaded):
     config, params, _ = loaded[variant]
     state = state_of(variant)
-    shapes = flux2.param_shapes(config)
-    assert convert.torch_shapes(shapes, flux2.LAYOUT) == {name: tuple(a.shape) for name, a in state.items()}
+    shapes = flux2.NETWORK.param_shapes(config)
+    assert convert.torch_shapes(shapes, flux2.TORCH_NAMES) == {name: tuple(a.shape) for name, a in state.items()}
     assert shapes == convert.flat_shapes(params)
     # FLUX.2's layout: shared modulation outside the blocks, no biases, guidance only when embedded
     assert "double_stream_modulation_img.linear.weight" in state
@@ -152,12 +155,12 @@ def test_position_id_helpers_are_the_pipelines(loaded):
 def test_to_torch_round_trips(variant, loaded):
     config, params, _ = loaded[variant]
     state = state_of(variant)
-    back = flux2.to_torch(params, config)
+    back = flux2.NETWORK.to_torch(params)
     assert set(back) == set(state)
     for name, array in state.items():
         assert back[name].dtype == array.dtype
         np.testing.assert_array_equal(back[name], array)
-    again = flux2.from_torch(back, config)
+    again = flux2.NETWORK.from_torch(back, config, "transformer")
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(np.array_equal, again, params))
 
 
@@ -166,12 +169,12 @@ def test_from_torch_refuses_a_wrong_state(loaded):
     state = dict(state_of("klein"))
     missing = {k: v for k, v in state.items() if k != "single_transformer_blocks.1.attn.to_out.weight"}
     with pytest.raises(weights.WeightsError, match="single_transformer_blocks.1.attn.to_out.weight"):
-        flux2.from_torch(missing, config)
+        flux2.NETWORK.from_torch(missing, config, "transformer")
     with pytest.raises(weights.WeightsError, match="does not have"):
-        flux2.from_torch({**state, "x_embedder.bias": np.zeros(32, np.float32)}, config)
+        flux2.NETWORK.from_torch({**state, "x_embedder.bias": np.zeros(32, np.float32)}, config, "transformer")
     # the guided checkpoint is not the klein config's
     with pytest.raises(weights.WeightsError):
-        flux2.from_torch(state_of("guided"), config)
+        flux2.NETWORK.from_torch(state_of("guided"), config, "transformer")
 
 
 def test_guidance_only_when_embedded(loaded):

@@ -160,11 +160,11 @@ def test_a_stacked_bf16_kernel_is_merged_without_a_float32_copy_of_the_stack(tmp
             (width, rank)).astype(np.float32)
     path = str(tmp_path / "stacked.safetensors")
     save_file(tensors, path)
-    layouts = {"transformer": convert.Layout(stacks=("transformer_blocks",))}
-    lora.merge(params, [(path, 1.0)], layouts)  # imports and caches warmed up outside the trace
+    torch_names = {"transformer": convert.TorchNames(stacks=("transformer_blocks",))}
+    lora.merge(params, [(path, 1.0)], torch_names)  # imports and caches warmed up outside the trace
     tracemalloc.start()
     try:
-        merged = lora.merge(params, [(path, 1.0)], layouts)
+        merged = lora.merge(params, [(path, 1.0)], torch_names)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -28,7 +28,8 @@ from pipeline.model.families.flux import sampling as fs
 from pipeline.model.loading import convert
 from pipeline.model.families.flux import transformer as flux
 from pipeline.model.layers import patching, rotary
-from pipeline.model.layers import t5, vae
+from pipeline.model.layers import vae
+from pipeline.model.layers.text import t5
 from tests.conftest import TESTS
 
 FIXTURES = os.path.join(TESTS, "fixtures", "flux")
@@ -253,17 +254,18 @@ def test_vae_config_refuses_what_the_decoder_does_not_do():
     vae.VaeConfig.from_dict({**config, "force_upcast": False, "latents_mean": [0.0] * 16, "sample_size": 1024})
     # a post-quant conv, where a config has one, is decoded through and loaded by diffusers' names
     with_conv = vae.VaeConfig.from_dict({**config, "use_post_quant_conv": True})
-    assert vae.param_shapes(with_conv)[("post_quant_conv", "kernel")] == (1, 1, 16, 16)
-    assert ("post_quant_conv", "kernel") not in vae.param_shapes(parsed)
+    assert vae.NETWORK.param_shapes(with_conv)[("post_quant_conv", "kernel")] == (1, 1, 16, 16)
+    assert ("post_quant_conv", "kernel") not in vae.NETWORK.param_shapes(parsed)
     stored = state("schnell", "vae")
     conv = {"post_quant_conv.weight": np.ones((16, 16, 1, 1), np.float32), "post_quant_conv.bias": np.zeros(16)}
-    assert vae.from_torch({**stored, **conv}, with_conv)["post_quant_conv"]["kernel"].shape == (1, 1, 16, 16)
+    converted = vae.NETWORK.from_torch({**stored, **conv}, with_conv, "vae")
+    assert converted["post_quant_conv"]["kernel"].shape == (1, 1, 16, 16)
     with pytest.raises(weights.WeightsError, match="missing.*post_quant_conv"):
-        vae.from_torch(stored, with_conv)
+        vae.NETWORK.from_torch(stored, with_conv, "vae")
     # a mid block without its attention is decoded without it
     plain = vae.VaeConfig.from_dict({**config, "mid_block_add_attention": False})
-    assert not any("attentions" in path for path in vae.param_shapes(plain))
-    assert any("attentions" in path for path in vae.param_shapes(parsed))
+    assert not any("attentions" in path for path in vae.NETWORK.param_shapes(plain))
+    assert any("attentions" in path for path in vae.NETWORK.param_shapes(parsed))
     for key, value in (("act_fn", "gelu"), ("mid_block_add_attention", "no"), ("shift_factor", None),
                        ("up_block_types", ["UpDecoderBlock2D", "AttnUpDecoderBlock2D"]), ("norm_num_groups", 3),
                        ("_class_name", "AutoencoderDC"), ("scaling_factor", 0)):  # FLUX.2's is a variant
@@ -276,22 +278,23 @@ def test_vae_config_refuses_what_the_decoder_does_not_do():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_conversion_keeps_the_stored_dtype_and_round_trips(loaded, variant):
     nets, _, _ = loaded[variant]
-    for component, module, config in (("text_encoder_2", t5, nets.t5.config),
-                                      ("transformer", flux, nets.transformer.config)):
+    for component, network, config in (("text_encoder_2", t5.NETWORK, nets.t5.config),
+                                       ("transformer", flux.NETWORK, nets.transformer.config)):
         stored = state(variant, component)
-        params = module.from_torch(stored, config)
+        params = network.from_torch(stored, config, component)
         leaves = jax.tree_util.tree_leaves(params)
         assert {leaf.dtype.name for leaf in leaves} == {STORED[variant]}
         assert all(isinstance(leaf, np.ndarray) for leaf in leaves)  # on the host, not on a device
-        back = module.to_torch(params, config)
+        back = network.to_torch(params)
         assert sorted(back) == sorted(stored)
         for name, array in stored.items():
             assert back[name].dtype == array.dtype and np.array_equal(back[name], array), name
-    stacked = module.from_torch(state(variant, "transformer"), nets.transformer.config)["transformer_blocks"]
+    stacked = flux.NETWORK.from_torch(state(variant, "transformer"), nets.transformer.config,
+                                      "transformer")["transformer_blocks"]
     assert stacked["attn"]["to_q"]["kernel"].shape == (2, 24, 24)
     np.testing.assert_array_equal(stacked["attn"]["to_q"]["kernel"][1],
                                   state(variant, "transformer")["transformer_blocks.1.attn.to_q.weight"].T)
-    decoder = vae.from_torch(state(variant, "vae"), nets.vae.config)
+    decoder = vae.NETWORK.from_torch(state(variant, "vae"), nets.vae.config, "vae")
     assert {leaf.dtype.name for leaf in jax.tree_util.tree_leaves(decoder)} == {STORED[variant]}
 
 
@@ -301,22 +304,24 @@ def test_conversion_names_the_weight_it_refuses(loaded):
     config = nets.transformer.config
     missing = {k: v for k, v in stored.items() if k != "single_transformer_blocks.1.proj_mlp.bias"}
     with pytest.raises(weights.WeightsError, match=r"missing.*single_transformer_blocks\.1\.proj_mlp\.bias"):
-        flux.from_torch(missing, config)
+        flux.NETWORK.from_torch(missing, config, "transformer")
     odd = {**stored, "x_embedder.weight": np.zeros((24, 63), np.float32)}
     with pytest.raises(weights.WeightsError, match=r"x_embedder\.weight has shape \(24, 63\).*\(24, 64\)"):
-        flux.from_torch(odd, config)
+        flux.NETWORK.from_torch(odd, config, "transformer")
     extra = {**stored, "transformer_blocks.2.attn.to_q.weight": stored["transformer_blocks.0.attn.to_q.weight"]}
     with pytest.raises(weights.WeightsError, match=r"does not have.*transformer_blocks\.2\.attn\.to_q\.weight"):
-        flux.from_torch(extra, config)
+        flux.NETWORK.from_torch(extra, config, "transformer")
     t5_state = state("schnell", "text_encoder_2")
     # the tied embedding may be saved under either name; a T5ForConditionalGeneration's decoder is skipped
     renamed = {("encoder.embed_tokens.weight" if k == "shared.weight" else k): v for k, v in t5_state.items()}
-    assert t5.from_torch({**renamed, "decoder.final_layer_norm.weight": np.ones(16)}, nets.t5.config)
+    assert t5.NETWORK.from_torch({**renamed, "decoder.final_layer_norm.weight": np.ones(16)}, nets.t5.config,
+                                 "text_encoder_2")
     with pytest.raises(weights.WeightsError, match=r"missing.*relative_attention_bias"):
-        t5.from_torch({k: v for k, v in t5_state.items() if "relative_attention_bias" not in k}, nets.t5.config)
+        t5.NETWORK.from_torch({k: v for k, v in t5_state.items() if "relative_attention_bias" not in k},
+                              nets.t5.config, "text_encoder_2")
     with pytest.raises(weights.WeightsError, match=r"decoder\.up_blocks\.0\.resnets\.0\.conv1\.weight has shape"):
-        vae.from_torch({**state("schnell", "vae"), "decoder.up_blocks.0.resnets.0.conv1.weight":
-                        np.zeros((8, 8, 3, 1), np.float32)}, nets.vae.config)
+        vae.NETWORK.from_torch({**state("schnell", "vae"), "decoder.up_blocks.0.resnets.0.conv1.weight":
+                                np.zeros((8, 8, 3, 1), np.float32)}, nets.vae.config, "vae")
 
 
 def test_sharded_safetensors_read_through_their_index(tmp_path):
@@ -348,10 +353,10 @@ def test_sharded_safetensors_read_through_their_index(tmp_path):
 
 
 def test_the_naming_rule():
-    layout = convert.Layout(stacks=("transformer_blocks",), moved={"a/b/embedding": "x.y.weight"})
-    assert convert.torch_name(("transformer_blocks", "attn", "to_out", "0", "kernel"), layout, 7) == \
+    names = convert.TorchNames(stacks=("transformer_blocks",), moved={"a/b/embedding": "x.y.weight"})
+    assert convert.torch_name(("transformer_blocks", "attn", "to_out", "0", "kernel"), names, 7) == \
         "transformer_blocks.7.attn.to_out.0.weight"
-    assert convert.torch_name(("norm_out", "linear", "bias"), layout) == "norm_out.linear.bias"
-    assert convert.torch_name(("a", "b", "embedding"), layout) == "x.y.weight"
-    assert convert.torch_shapes({("transformer_blocks", "ff", "kernel"): (3, 4, 5)}, layout) == \
+    assert convert.torch_name(("norm_out", "linear", "bias"), names) == "norm_out.linear.bias"
+    assert convert.torch_name(("a", "b", "embedding"), names) == "x.y.weight"
+    assert convert.torch_shapes({("transformer_blocks", "ff", "kernel"): (3, 4, 5)}, names) == \
         {f"transformer_blocks.{i}.ff.weight": (5, 4) for i in range(3)}

@@ -22,7 +22,8 @@ from pipeline.model.sampling import flow
 from pipeline.model.families.flux import presets as tiny_flux
 from pipeline.model.loading import weights
 from pipeline.model.families.flux import transformer as flux
-from pipeline.model.layers import t5, vae
+from pipeline.model.layers import vae
+from pipeline.model.layers.text import t5
 from tests.conftest import ROOT, TESTS
 
 FIXTURES = os.path.join(TESTS, "fixtures", "flux")
@@ -104,11 +105,11 @@ def test_random_flux_has_flux1s_real_sizes(tmp_path):
         return sum(int(np.prod(shape)) for shape in shapes.values())
 
     transformer = flux.FluxConfig.from_dict(config(directory, "transformer/config.json"))
-    assert count(flux.param_shapes(transformer)) == 11_891_178_560
+    assert count(flux.NETWORK.param_shapes(transformer)) == 11_891_178_560
     dev = flux.FluxConfig.from_dict(tiny_flux.transformer_config("random-flux-dev"))
-    assert count(flux.param_shapes(dev)) == 11_901_408_320
+    assert count(flux.NETWORK.param_shapes(dev)) == 11_901_408_320
     encoder = t5.T5Config.from_dict(json.load(open(os.path.join(directory, "text_encoder_2", "config.json"))))
-    assert count(t5.param_shapes(encoder)) == 4_762_310_656
+    assert count(t5.NETWORK.param_shapes(encoder)) == 4_762_310_656
     decoder = vae.VaeConfig.from_dict(config(directory, "vae/config.json"))
     assert (decoder.scale_factor, decoder.latent_channels, decoder.shift_factor) == (8, 16, 0.1159)
     assert flow.unsupported(config(directory, "scheduler/scheduler_config.json")) == []

@@ -75,7 +75,7 @@ def test_fsdp_2_makes_the_images_of_fsdp_1_with_half_the_sharded_weights_on_each
     assert diff.max() <= 2, diff.max()
     assert not np.array_equal(images[2][0], images[2][1])
     # each device holds every replicated weight and half of each sharded one (in the run's dtype)
-    from pipeline.model.families.shapes import struct
+    from pipeline.model.shapes import struct
 
     sizes = sharding.component_bytes(struct(model.params, model.param_dtype))
     sharded = [c for c in sharding.layout_of(model.params, 2).sharded]

@@ -60,7 +60,7 @@ _PROGRAMS = {}
 def with_loras(model, loras, dtype=jnp.float32):
     """``lora.merge`` as the family's load merges: by the networks' layouts, against their
     whole shapes, each merged kernel in the run's ``dtype``."""
-    return lora.merge(model.params, loras, model.family.lora_layouts(), model.family.lora_shapes(model.path), dtype)
+    return lora.merge(model.params, loras, model.family.lora_torch_names(), model.family.lora_shapes(model.path), dtype)
 
 
 def images_of(model, params, reference) -> np.ndarray:
@@ -108,7 +108,7 @@ def test_sdxl_lora_adapts_both_text_encoders_and_the_unet(models):
         assert any(key.startswith("text_encoder.text_model.encoder.layers.1.") for key in f.keys())
     assert kernel(merged, "text_encoder", ("text_model", "encoder", "layers", "mlp", "fc1", "kernel")).shape[0] == 1
     with pytest.raises(lora.LoraError, match="match no layer"):  # without the whole shapes, it would not match
-        lora.merge(models("sdxl").params, [(files("sdxl")["diffusers"], 1.0)], models("sdxl").family.lora_layouts())
+        lora.merge(models("sdxl").params, [(files("sdxl")["diffusers"], 1.0)], models("sdxl").family.lora_torch_names())
 
 
 def kernel(params, component, path):
@@ -199,7 +199,7 @@ def test_two_loras_compose_additively(models):
 
 def test_an_adapter_leaves_the_compiled_program_unchanged(models):
     from pipeline.bench import flops
-    from pipeline.model.families import shapes
+    from pipeline.model import shapes
 
     model = models("sd")
     adapted = dataclasses.replace(model, params=with_loras(model, [(SD_LORA, 1.0)]))

@@ -1,4 +1,4 @@
-"""promptmill's own Qwen3 (``pipeline.model.layers.qwen3``) against transformers' PyTorch
+"""promptmill's own Qwen3 (``pipeline.model.layers.text.qwen3``) against transformers' PyTorch
 ``Qwen3Model``, on checkpoints it wrote.
 
 ``tests/fixtures/qwen3`` holds a tiny random Qwen3 (28 layers, head_dim 8 != hidden 16 / 4
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model.layers import qwen3
+from pipeline.model.layers.text import qwen3
 from pipeline.model.loading import weights
 from tests.conftest import TESTS
 
@@ -206,13 +206,13 @@ def test_config_refusals(raw_config):
 def test_attention_bias_is_honoured(raw_config, config):
     biased = qwen3.Qwen3Config.from_dict({**raw_config, "attention_bias": True})
     shapes = qwen3.param_shapes(biased, layers=2)
-    names = qwen3.convert.torch_shapes(shapes, qwen3.LAYOUT)
+    names = qwen3.convert.torch_shapes(shapes, qwen3.TORCH_NAMES)
     assert names["layers.1.self_attn.q_proj.bias"] == (32,)
     assert names["layers.1.self_attn.k_proj.bias"] == (16,)
     assert names["layers.1.self_attn.o_proj.bias"] == (16,)
     assert "layers.1.mlp.gate_proj.bias" not in names
     assert not any(name.endswith(".bias") for name in qwen3.convert.torch_shapes(qwen3.param_shapes(config),
-                                                                                 qwen3.LAYOUT))
+                                                                                 qwen3.TORCH_NAMES))
 
 
 def test_rope_rotates_halves_as_numpy():

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.core.settings import Settings
 from pipeline.model import load as model_lib
-from pipeline.model.sampling import scheduler as scheduler_lib, steps
+from pipeline.model.sampling import samplers, schedules
 from pipeline.plan import prepare
 
 # scheduler_config.json as diffusers' PyTorch classes write them for released checkpoints
@@ -36,9 +36,9 @@ def _checkpoint(tmp_path, config):
 @pytest.mark.parametrize("choice", ["ddim", "pndm", "euler", "dpmpp", "euler_a", "lcm"])
 @pytest.mark.parametrize("config", [SD15_PNDM, SDXL_EULER])
 def test_released_configs_are_honoured_by_every_sampler_keeping_their_noise_schedule(tmp_path, config, choice):
-    sampler = scheduler_lib.resolve_sampler(_checkpoint(tmp_path, config), choice, num_steps=4)
+    sampler = samplers.resolve_sampler(_checkpoint(tmp_path, config), choice, num_steps=4)
     assert (sampler.choice, sampler.engine) == (choice, "steps")
-    resolved = steps.resolved_config(sampler.config, choice)
+    resolved = schedules.resolved_config(sampler.config, choice)
     assert (resolved["beta_schedule"], resolved["beta_start"], resolved["beta_end"]) == ("scaled_linear", 0.00085,
                                                                                         0.012)
     assert resolved["num_train_timesteps"] == 1000 and resolved["prediction_type"] == "epsilon"
@@ -60,7 +60,7 @@ def test_released_configs_are_honoured_by_every_sampler_keeping_their_noise_sche
 ])
 def test_a_config_means_what_it_meant_to_the_class_that_wrote_it(tmp_path, config, choice, spacing, steps_offset,
                                                                   final_sigmas):
-    resolved = steps.resolved_config(scheduler_lib.resolve_sampler(_checkpoint(tmp_path, config), choice).config,
+    resolved = schedules.resolved_config(samplers.resolve_sampler(_checkpoint(tmp_path, config), choice).config,
                                      choice)
     assert (resolved["timestep_spacing"], resolved["steps_offset"]) == (spacing, steps_offset)
     assert resolved.get("final_sigmas_type") == final_sigmas
@@ -74,12 +74,12 @@ def test_a_config_means_what_it_meant_to_the_class_that_wrote_it(tmp_path, confi
     (dict(SDXL_EULER, final_sigmas_type="sigma_min", solver_type="heun"), "dpmpp"),
 ])
 def test_what_the_steps_do_is_run_as_asked(tmp_path, config, choice):
-    sampler = scheduler_lib.resolve_sampler(_checkpoint(tmp_path, config), choice)
+    sampler = samplers.resolve_sampler(_checkpoint(tmp_path, config), choice)
     assert sampler.engine == "steps"
     assert sampler.choice == (choice or {"EulerAncestralDiscreteScheduler": "euler_a",
                                          "LCMScheduler": "lcm"}[config["_class_name"]])
     for key, value in config.items():
-        if not key.startswith("_") and key in steps.DEFAULTS[sampler.choice]:
+        if not key.startswith("_") and key in schedules.DEFAULTS[sampler.choice]:
             assert sampler.config[key] == value, key
 
 
@@ -96,7 +96,7 @@ def test_what_the_steps_do_not_do_is_refused_naming_the_key(tmp_path, config, ch
     (tmp_path / "scheduler").mkdir()
     (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
     with pytest.raises(model_lib.ModelError, match=refused):
-        scheduler_lib.resolve_sampler(str(tmp_path), choice, spacing)
+        samplers.resolve_sampler(str(tmp_path), choice, spacing)
 
 
 @pytest.fixture(scope="module")

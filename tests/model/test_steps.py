@@ -1,4 +1,5 @@
-"""Our sampler schedules and steps (pipeline/model/steps.py, stepping.py) against diffusers' PyTorch schedulers.
+"""Our sampler schedules and steps (pipeline/model/sampling/schedules.py, stepping.py) against diffusers'
+PyTorch schedulers.
 
 The fixtures under tests/fixtures/schedulers/ were written once by
 tests/fixtures/make_scheduler_fixtures.sh with torch and diffusers 0.39; these tests need
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.model.sampling import multistep, stepping, steps
+from pipeline.model.sampling import multistep, schedules, stepping
 from tests.conftest import TESTS
 
 FIXTURES = os.path.join(TESTS, "fixtures", "schedulers")
@@ -75,7 +76,7 @@ def test_fixtures_are_diffusers_039_and_cover_every_sampler_spacing_and_predicti
     covered = {(case["sampler"], case["config"].get("timestep_spacing"), case["config"]["prediction_type"],
                 case["steps"]) for case in (_case(*key) for key in ALL_CASES)}
     for sampler in ("ddim", "euler", "euler_a"):
-        for spacing in steps.SPACINGS:
+        for spacing in schedules.SPACINGS:
             for prediction in ("epsilon", "v_prediction"):
                 for n in (1, 2, 4, 7):
                     assert (sampler, spacing, prediction, n) in covered
@@ -83,7 +84,7 @@ def test_fixtures_are_diffusers_039_and_cover_every_sampler_spacing_and_predicti
         ("lcm", p, n) for p in ("epsilon", "v_prediction") for n in (1, 2, 4, 7)}
     for sampler in ("pndm", "dpmpp"):  # the multistep samplers, on every spacing and prediction
         assert {(s, sp, p, n) for s, sp, p, n in covered if s == sampler} >= {
-            (sampler, sp, p, n) for sp in steps.SPACINGS for p in ("epsilon", "v_prediction") for n in (1, 2, 4, 7)}
+            (sampler, sp, p, n) for sp in schedules.SPACINGS for p in ("epsilon", "v_prediction") for n in (1, 2, 4, 7)}
     prk = [case for case in (_case(*key) for key in ALL_CASES) if case["config"].get("skip_prk_steps") is False]
     assert prk and all(len(case["timesteps"]) == case["steps"] + 9 for case in prk)  # PNDM's Runge-Kutta calls
 
@@ -125,7 +126,7 @@ def _timesteps_match(ours, theirs):
 @pytest.mark.parametrize("file,name", ALL_CASES, ids=[f"{f}:{n}" for f, n in ALL_CASES])
 def test_matches_diffusers_pytorch(file, name):
     case = _case(file, name)
-    schedule = steps.make_schedule(case["config"], case["sampler"], case["steps"])
+    schedule = schedules.make_schedule(case["config"], case["sampler"], case["steps"])
     _timesteps_match(schedule.timesteps, case["timesteps"])
     np.testing.assert_allclose(schedule.init_noise_sigma, case["init_noise_sigma"], rtol=1e-6)
     if "sigmas" in case:
@@ -153,17 +154,17 @@ def test_matches_diffusers_pytorch(file, name):
 def test_training_schedule_matches_diffusers(name, overrides):
     config = json.loads(str(INPUTS[f"alphas_config_{name}"]))
     assert all(config[key] == value for key, value in overrides.items())
-    ours = steps.alphas_cumprod(steps.resolved_config(config, "ddim"))
+    ours = schedules.alphas_cumprod(schedules.resolved_config(config, "ddim"))
     np.testing.assert_allclose(ours, INPUTS[f"alphas_cumprod_{name}"], rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("sampler", steps.SAMPLERS)
+@pytest.mark.parametrize("sampler", schedules.SAMPLERS)
 def test_a_whole_chain_runs_in_one_jitted_fori_loop(sampler):
     """The steps trace: the counter of a lax.fori_loop indexes the schedule, and the
     per-step noise comes from fold_in(key, i), as a sampler would draw it."""
     config = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                   timestep_spacing="trailing", clip_sample=False)
-    schedule = steps.make_schedule(config, sampler, 4)
+    schedule = schedules.make_schedule(config, sampler, 4)
     key = jax.random.PRNGKey(3)
     shape = (1, 4, 4, 4)
     model_outputs = jax.random.normal(jax.random.PRNGKey(1), (4,) + shape)
@@ -200,11 +201,11 @@ SD = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_sch
 
 
 @pytest.mark.parametrize("sampler", ("ddim", "euler", "euler_a"))
-@pytest.mark.parametrize("spacing", steps.SPACINGS)
+@pytest.mark.parametrize("spacing", schedules.SPACINGS)
 def test_timesteps_descend_and_count_the_steps(sampler, spacing):
     for n in list(range(1, 60)) + [100, 250, 500, 1000]:
         config = dict(SD, timestep_spacing=spacing, steps_offset=0 if n == 1000 else 1)
-        schedule = steps.make_schedule(config, sampler, n)
+        schedule = schedules.make_schedule(config, sampler, n)
         t = np.asarray(schedule.timesteps, np.float64)
         assert np.all(np.diff(t) < 0), (n, t)
         assert 0 <= t.min() and t.max() <= 999
@@ -217,9 +218,9 @@ def test_timesteps_descend_and_count_the_steps(sampler, spacing):
 @pytest.mark.parametrize("sampler", ("ddim", "euler", "euler_a"))
 def test_trailing_starts_at_the_last_training_timestep(sampler):
     for n in (1, 2, 3, 4, 7, 8, 25, 50):
-        schedule = steps.make_schedule(dict(SD, timestep_spacing="trailing"), sampler, n)
+        schedule = schedules.make_schedule(dict(SD, timestep_spacing="trailing"), sampler, n)
         assert schedule.timesteps[0] == 999
-        assert steps.make_schedule(dict(SD, timestep_spacing="trailing", num_train_timesteps=500), sampler,
+        assert schedules.make_schedule(dict(SD, timestep_spacing="trailing", num_train_timesteps=500), sampler,
                                    n).timesteps[0] == 499
 
 
@@ -228,66 +229,68 @@ def test_trailing_step_counts_that_would_reach_timestep_minus_one_are_refused(sa
     # np.arange(1000, 0, -1000 / 61) has 62 entries, the last rounding to timestep -1
     for n in (61, 103, 121):
         with pytest.raises(ValueError, match=f"trailing spacing with {n} steps"):
-            steps.make_schedule(dict(SD, timestep_spacing="trailing"), sampler, n)
-    assert steps.make_schedule(dict(SD, timestep_spacing="leading"), sampler, 61).num_steps == 61
+            schedules.make_schedule(dict(SD, timestep_spacing="trailing"), sampler, n)
+    assert schedules.make_schedule(dict(SD, timestep_spacing="leading"), sampler, 61).num_steps == 61
 
 
 @pytest.mark.parametrize("sampler", ("ddim", "euler", "euler_a"))
 def test_leading_spacing_past_the_last_timestep_is_refused(sampler):
     with pytest.raises(ValueError, match="reaches timestep 1000"):
-        steps.make_schedule(dict(SD, timestep_spacing="leading", steps_offset=1), sampler, 1000)
+        schedules.make_schedule(dict(SD, timestep_spacing="leading", steps_offset=1), sampler, 1000)
 
 
 def test_leading_adds_the_offset_and_linspace_spans_the_range():
-    assert list(steps.make_schedule(dict(SD, timestep_spacing="leading"), "ddim", 4).timesteps) == [751, 501, 251, 1]
-    assert list(steps.make_schedule(dict(SD, timestep_spacing="leading", steps_offset=0), "ddim", 4).timesteps) == [
-        750, 500, 250, 0]
-    assert list(steps.make_schedule(dict(SD, timestep_spacing="linspace"), "ddim", 4).timesteps) == [999, 666, 333, 0]
-    assert list(steps.make_schedule(dict(SD, timestep_spacing="trailing"), "ddim", 4).timesteps) == [999, 749, 499, 249]
-    euler = steps.make_schedule(dict(SD, timestep_spacing="linspace"), "euler", 4)
+    def ddim(**config):
+        return list(schedules.make_schedule(dict(SD, **config), "ddim", 4).timesteps)
+
+    assert ddim(timestep_spacing="leading") == [751, 501, 251, 1]
+    assert ddim(timestep_spacing="leading", steps_offset=0) == [750, 500, 250, 0]
+    assert ddim(timestep_spacing="linspace") == [999, 666, 333, 0]
+    assert ddim(timestep_spacing="trailing") == [999, 749, 499, 249]
+    euler = schedules.make_schedule(dict(SD, timestep_spacing="linspace"), "euler", 4)
     np.testing.assert_array_equal(euler.timesteps, np.array([999, 666, 333, 0], np.float32))
 
 
 def test_initial_noise_sigma_follows_the_spacing():
     for spacing in ("linspace", "trailing"):
-        schedule = steps.make_schedule(dict(SD, timestep_spacing=spacing), "euler", 4)
+        schedule = schedules.make_schedule(dict(SD, timestep_spacing=spacing), "euler", 4)
         assert schedule.init_noise_sigma == schedule.sigmas.max()
-    leading = steps.make_schedule(dict(SD, timestep_spacing="leading"), "euler_a", 4)
+    leading = schedules.make_schedule(dict(SD, timestep_spacing="leading"), "euler_a", 4)
     assert leading.init_noise_sigma == pytest.approx(float(np.sqrt(leading.sigmas.max() ** 2 + 1)), rel=1e-6)
-    assert steps.make_schedule(SD, "ddim", 4).init_noise_sigma == 1.0
-    assert steps.make_schedule(SD, "lcm", 4).init_noise_sigma == 1.0
+    assert schedules.make_schedule(SD, "ddim", 4).init_noise_sigma == 1.0
+    assert schedules.make_schedule(SD, "lcm", 4).init_noise_sigma == 1.0
 
 
 def test_karras_sigmas_descend_between_the_bounds():
-    schedule = steps.make_schedule(dict(SD, use_karras_sigmas=True, sigma_min=0.1, sigma_max=10.0), "euler", 6)
+    schedule = schedules.make_schedule(dict(SD, use_karras_sigmas=True, sigma_min=0.1, sigma_max=10.0), "euler", 6)
     sigmas = np.asarray(schedule.sigmas)
     assert sigmas[0] == pytest.approx(10.0, rel=1e-6) and sigmas[-2] == pytest.approx(0.1, rel=1e-6)
     assert np.all(np.diff(sigmas) < 0) and np.all(np.diff(np.asarray(schedule.timesteps)) < 0)
 
 
 def test_lcm_picks_from_the_distillation_schedule():
-    schedule = steps.make_schedule(SD, "lcm", 4)
+    schedule = schedules.make_schedule(SD, "lcm", 4)
     assert list(schedule.timesteps) == [999, 759, 499, 259]
     assert list(schedule.inject) == [1, 1, 1, 0]
     # a consistency model's boundary condition: c_skip -> 1 and c_out -> 0 as t -> 0
-    tiny = steps.make_schedule(dict(SD, original_inference_steps=1000, num_train_timesteps=1000), "lcm", 1000)
+    tiny = schedules.make_schedule(dict(SD, original_inference_steps=1000, num_train_timesteps=1000), "lcm", 1000)
     assert tiny.c_skip[-1] == pytest.approx(0.25 / (0.0 + 0.25)) and tiny.c_out[-1] == 0.0
     with pytest.raises(ValueError, match="original_inference_steps"):
-        steps.make_schedule(SD, "lcm", 51)
+        schedules.make_schedule(SD, "lcm", 51)
 
 
 def test_trained_betas_replace_the_beta_schedule():
     scaled = (np.linspace(0.00085 ** 0.5, 0.012 ** 0.5, 1000) ** 2).tolist()
-    given = steps.make_schedule(dict(SD, beta_schedule="linear", trained_betas=scaled), "euler", 4)
-    np.testing.assert_allclose(given.sigmas, steps.make_schedule(SD, "euler", 4).sigmas, rtol=1e-6)
+    given = schedules.make_schedule(dict(SD, beta_schedule="linear", trained_betas=scaled), "euler", 4)
+    np.testing.assert_allclose(given.sigmas, schedules.make_schedule(SD, "euler", 4).sigmas, rtol=1e-6)
     with pytest.raises(ValueError, match="trained_betas has 3 values"):
-        steps.make_schedule(dict(SD, trained_betas=[0.1, 0.2, 0.3]), "ddim", 2)
+        schedules.make_schedule(dict(SD, trained_betas=[0.1, 0.2, 0.3]), "ddim", 2)
 
 
 @pytest.mark.parametrize("steps_value", [0, -1, 1001, 2.0, True])
 def test_bad_step_counts_are_refused(steps_value):
     with pytest.raises(ValueError, match="steps"):
-        steps.make_schedule(SD, "ddim", steps_value)
+        schedules.make_schedule(SD, "ddim", steps_value)
 
 
 # -- unsupported ------------------------------------------------------------------------
@@ -308,43 +311,43 @@ def test_bad_step_counts_are_refused(steps_value):
 ])
 def test_unsupported_names_the_key_and_its_value(sampler, key, value):
     config = dict(SD, **{key: value})
-    assert steps.unsupported(config, sampler) == [(key, value)]
+    assert schedules.unsupported(config, sampler) == [(key, value)]
     with pytest.raises(ValueError, match=f"{key}={value!r}"):
-        steps.make_schedule(config, sampler, 4)
+        schedules.make_schedule(config, sampler, 4)
 
 
 def test_unsupported_lists_every_offending_key():
     config = dict(SD, thresholding=True, timestep_spacing="uniform", prediction_type="flow")
-    assert sorted(steps.unsupported(config, "ddim")) == [
+    assert sorted(schedules.unsupported(config, "ddim")) == [
         ("prediction_type", "flow"), ("thresholding", True), ("timestep_spacing", "uniform")]
     both = dict(SD, use_karras_sigmas=True, use_exponential_sigmas=True)
-    assert steps.unsupported(both, "euler") == [("use_exponential_sigmas", True)]
+    assert schedules.unsupported(both, "euler") == [("use_exponential_sigmas", True)]
 
 
-@pytest.mark.parametrize("sampler", steps.SAMPLERS)
+@pytest.mark.parametrize("sampler", schedules.SAMPLERS)
 def test_keys_the_scheduler_class_lacks_and_metadata_are_not_refused(sampler):
     # a Stable Diffusion 1.5 scheduler_config.json, written for PNDM
     config = dict(SD, _class_name="PNDMScheduler", _diffusers_version="0.6.0", skip_prk_steps=True,
                   trained_betas=None)
-    assert steps.unsupported(config, sampler) == []
-    assert steps.unsupported({**config, "thresholding": True}, "euler") == []  # Euler has no thresholding
+    assert schedules.unsupported(config, sampler) == []
+    assert schedules.unsupported({**config, "thresholding": True}, "euler") == []  # Euler has no thresholding
 
 
 def test_lcm_ignores_spacing_as_diffusers_does():
-    a = steps.make_schedule(dict(SD, timestep_spacing="trailing"), "lcm", 4)
-    b = steps.make_schedule(dict(SD, timestep_spacing="leading", steps_offset=0), "lcm", 4)
+    a = schedules.make_schedule(dict(SD, timestep_spacing="trailing"), "lcm", 4)
+    b = schedules.make_schedule(dict(SD, timestep_spacing="leading", steps_offset=0), "lcm", 4)
     np.testing.assert_array_equal(a.timesteps, b.timesteps)
 
 
 def test_unknown_sampler_is_refused():
     with pytest.raises(ValueError, match="heun"):
-        steps.unsupported(SD, "heun")
+        schedules.unsupported(SD, "heun")
 
 
 def test_step_takes_noise_exactly_when_the_sampler_is_stochastic():
     sample = jnp.ones((1, 4, 2, 2))
-    for sampler in steps.SAMPLERS:
-        schedule = steps.make_schedule(dict(SD, skip_prk_steps=True), sampler, 2)
+    for sampler in schedules.SAMPLERS:
+        schedule = schedules.make_schedule(dict(SD, skip_prk_steps=True), sampler, 2)
         state = stepping.start(schedule, sample)
         if schedule.stochastic:
             with pytest.raises(ValueError, match="noise"):
@@ -355,17 +358,17 @@ def test_step_takes_noise_exactly_when_the_sampler_is_stochastic():
         if sampler in ("pndm", "dpmpp"):  # a state to keep: not a plain step
             with pytest.raises(ValueError, match="advance"):
                 stepping.step(schedule, 0, sample, sample)
-    assert steps.STOCHASTIC == {"euler_a", "lcm"}
+    assert schedules.STOCHASTIC == {"euler_a", "lcm"}
 
 
 def test_stochastic_steps_use_their_noise():
     sample = jnp.ones((1, 4, 2, 2))
     for sampler in ("euler_a", "lcm"):
-        schedule = steps.make_schedule(SD, sampler, 4)
+        schedule = schedules.make_schedule(SD, sampler, 4)
         a = stepping.step(schedule, 0, sample, sample, jnp.zeros_like(sample))
         b = stepping.step(schedule, 0, sample, sample, jnp.ones_like(sample))
         assert not np.allclose(a, b)
     # LCM's last step returns the denoised sample, whatever the noise
-    lcm = steps.make_schedule(SD, "lcm", 4)
+    lcm = schedules.make_schedule(SD, "lcm", 4)
     np.testing.assert_array_equal(stepping.step(lcm, 3, sample, sample, jnp.zeros_like(sample)),
                                   stepping.step(lcm, 3, sample, sample, jnp.ones_like(sample)))

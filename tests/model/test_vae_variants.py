@@ -33,9 +33,9 @@ def test_the_flux2_config_is_a_variant_of_the_decoder():
         vae.VaeConfig.from_dict({"_class_name": "AutoencoderKLFlux2", **TINY, "patch_size": [1, 1]})
     with pytest.raises(ValueError, match="_class_name='AutoencoderDC' is neither"):
         vae.VaeConfig.from_dict({"_class_name": "AutoencoderDC"})
-    shapes = vae.param_shapes(config)
+    shapes = vae.NETWORK.param_shapes(config)
     assert shapes[("bn", "running_mean")] == shapes[("bn", "running_var")] == (16,)
-    assert ("bn", "running_mean") not in vae.param_shapes(plain)
+    assert ("bn", "running_mean") not in vae.NETWORK.param_shapes(plain)
 
 
 def test_the_flux2_decode_unnormalises_and_unpatches_before_the_plain_decoder():
@@ -61,8 +61,8 @@ def test_the_statistics_load_from_and_write_to_pytorch_names():
     config = vae.VaeConfig.from_dict({"_class_name": "AutoencoderKLFlux2", **TINY})
     params = jax.tree_util.tree_map(np.asarray, vae.VaeDecoder(config).init(jax.random.PRNGKey(2),
                                                                             jnp.zeros((1, 16, 1, 1)))["params"])
-    state = vae.to_torch(params, config)
+    state = vae.NETWORK.to_torch(params)
     assert state["bn.running_mean"].shape == (16,) and state["bn.num_batches_tracked"].dtype == np.int64
-    back = vae.from_torch(state, config)
+    back = vae.NETWORK.from_torch(state, config, "vae")
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
     jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)

@@ -205,7 +205,7 @@ def test_threads_asking_for_a_networks_shapes_at_once_share_one_trace():
 
     def ask():
         start.wait()
-        found.append(vae.param_shapes(config))
+        found.append(vae.NETWORK.param_shapes(config))
 
     threads = [threading.Thread(target=ask) for _ in range(2)]
     for thread in threads:

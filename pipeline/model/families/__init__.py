@@ -19,6 +19,10 @@ interface (``base``).
   shared Qwen3 and 16-channel VAE, prompts of any length in one fixed-shape batch, its own
   guidance rule (above 0).
 
+What families share lives once, beside them: ``base`` (the ``Family`` interface and the
+defaults the built-in families share), ``qwen_text`` (FLUX.2's and Z-Image's plumbing and
+sampling loop) and ``qwen_presets`` (their built-in checkpoints). None of them is a family.
+
 A family that lives outside the package is registered without editing it, in every
 process of a run (the hosts and Beam workers import this registry as the launcher
 does): name its object as ``module:attribute`` in the ``PROMPTMILL_FAMILIES``

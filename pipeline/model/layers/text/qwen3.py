@@ -50,7 +50,6 @@ encoder's and is skipped).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -60,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipeline.model.layers.mlp import SwiGLU
 from pipeline.model.loading import convert
 
 # transformers' activation names (ACT2FN) for SiLU, the only activation this module has
@@ -225,19 +225,6 @@ class Qwen3Attention(nn.Module):
         return nn.Dense(cfg.hidden_size, use_bias=cfg.attention_bias, dtype=self.dtype, name="o_proj")(out)
 
 
-class Qwen3MLP(nn.Module):
-    """SwiGLU: ``down_proj(silu(gate_proj x) * up_proj x)``, no biases."""
-    config: Qwen3Config
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        dense = lambda size, name: nn.Dense(size, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
-        hidden = jax.nn.silu(dense(cfg.intermediate_size, "gate_proj")(x)) * dense(cfg.intermediate_size, "up_proj")(x)
-        return dense(cfg.hidden_size, "down_proj")(hidden)
-
-
 class Qwen3DecoderLayer(nn.Module):
     """One decoder layer; the scan's body: (residual stream, (mask, cos, sin)) -> (its
     output, its output): the second is what the scan stacks, the hidden states."""
@@ -251,7 +238,8 @@ class Qwen3DecoderLayer(nn.Module):
         normed = Qwen3RMSNorm(eps, self.dtype, name="input_layernorm")(x)
         x = x + Qwen3Attention(self.config, self.dtype, name="self_attn")(normed, mask, cos, sin).astype(x.dtype)
         normed = Qwen3RMSNorm(eps, self.dtype, name="post_attention_layernorm")(x)
-        x = x + Qwen3MLP(self.config, self.dtype, name="mlp")(normed).astype(x.dtype)
+        mlp = SwiGLU(self.config.intermediate_size, self.config.hidden_size, dtype=self.dtype, name="mlp")
+        x = x + mlp(normed).astype(x.dtype)
         return x, x
 
 
@@ -328,26 +316,18 @@ def hidden_states(params: Mapping, config: Qwen3Config, input_ids, attention_mas
 
 # The naming rule's exceptions (``convert``): a Qwen3ForCausalLM file's head is not the
 # encoder's. (Its ``model.`` prefix is taken off by ``from_torch`` before the rule.)
-LAYOUT = convert.Layout(stacks=("layers",), ignored=("lm_head.",))
+TORCH_NAMES = convert.TorchNames(stacks=("layers",), ignored=("lm_head.",))
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def _example(config):
-    return (jnp.zeros((1, 2), jnp.int32),), {}
-
-
-@functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
-def network(layers: int | None = None) -> convert.Network:
-    """The ``convert.Network`` of ``Qwen3Encoder(config, layers=layers)``: one object for the
-    same ``layers``, so that its shapes are traced once a config."""
-    return convert.Network(lambda config: Qwen3Encoder(config, layers=layers), _example, LAYOUT)
+# ``network(layers=N)``: the ``convert.Network`` of ``Qwen3Encoder`` run to its first N layers
+network = convert.variants(Qwen3Encoder, convert.token_ids_example, TORCH_NAMES)
 
 
 def param_shapes(config: Qwen3Config, layers: int | None = None) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{flat param path: shape} of the encoder of its first ``layers`` layers (None: all),
     from its config alone."""
-    return network(run_layers(config, layers)).param_shapes(config)
+    return network(layers=run_layers(config, layers)).param_shapes(config)
 
 
 def from_torch(state: Mapping[str, np.ndarray], config: Qwen3Config, where: str = "text_encoder",
@@ -367,9 +347,9 @@ def from_torch(state: Mapping[str, np.ndarray], config: Qwen3Config, where: str 
                 short == "norm.weight" and count < config.num_hidden_layers):
             continue
         kept[short] = state[name]  # a view: memory-mapped arrays stay unread
-    return network(count).from_torch(kept, config, where)
+    return network(layers=count).from_torch(kept, config, where)
 
 
 def to_torch(params: Mapping, config: Qwen3Config) -> dict[str, np.ndarray]:
     """The ``Qwen3Model`` state dict of ``params`` (no prefix): ``from_torch``'s inverse."""
-    return convert.to_torch(params, LAYOUT)
+    return convert.to_torch(params, TORCH_NAMES)

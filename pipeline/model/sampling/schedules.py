@@ -44,12 +44,9 @@ STOCHASTIC = frozenset({"euler_a", "lcm"})  # samplers whose step takes fresh no
 SPACINGS = TIMESTEP_SPACINGS
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
-# The PyTorch scheduler class whose behaviour each sampler reproduces, and that class's
-# defaults in diffusers 0.39: a key missing from a checkpoint's config takes these values,
-# exactly as ``SchedulerClass.from_config`` would give it.
-CLASS_NAMES = {"ddim": "DDIMScheduler", "pndm": "PNDMScheduler", "euler": "EulerDiscreteScheduler",
-               "dpmpp": "DPMSolverMultistepScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
-               "lcm": "LCMScheduler"}
+# The defaults in diffusers 0.39 of the PyTorch scheduler class each sampler reproduces (the
+# classes: ``samplers.CHECKPOINT_SCHEDULERS``): a key missing from a checkpoint's config takes
+# these values, exactly as ``SchedulerClass.from_config`` would give it.
 # --scheduler dpmpp is DPM-Solver++ of order 2, whatever a checkpoint's config says
 OVERRIDES = {"dpmpp": {"algorithm_type": "dpmsolver++", "solver_order": 2}}
 _COMMON = dict(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02, beta_schedule="linear",

@@ -2,7 +2,7 @@
 or refused, never silently changed.
 
 Every SD/SDXL sampler runs on promptmill's own pure-JAX steps
-(``pipeline.model.sampling.steps``, ``stepping``: ``ddim``, ``pndm``, ``euler``, ``dpmpp``,
+(``pipeline.model.sampling.schedules``, ``stepping``: ``ddim``, ``pndm``, ``euler``, ``dpmpp``,
 ``euler_a``, ``lcm``), which follow diffusers' PyTorch schedulers: a checkpoint's
 ``scheduler_config.json`` means what it means to the PyTorch class of the chosen sampler
 (its keys, that class's defaults for the missing ones). A config written by one of
@@ -16,7 +16,7 @@ import dataclasses
 import os
 
 from pipeline.core.choices import FLOW_SCHEDULERS, SCHEDULERS, TIMESTEP_SPACINGS
-from pipeline.model.sampling import steps
+from pipeline.model.sampling import schedules
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
 # checkpoint scheduler class names (with or without the Flax prefix) -> --scheduler choice
@@ -36,7 +36,7 @@ class Sampler:
 
     @property
     def stochastic(self) -> bool:
-        return self.choice in steps.STOCHASTIC
+        return self.choice in schedules.STOCHASTIC
 
 
 def read_scheduler_config(directory: str) -> dict:
@@ -73,7 +73,7 @@ def resolve_sampler(directory: str, choice: str | None, timestep_spacing: str | 
                              f"got {timestep_spacing!r}")
         config = {**config, "timestep_spacing": timestep_spacing}
     config = _steps_view(config)
-    refused = steps.unsupported(config, choice)
+    refused = schedules.unsupported(config, choice)
     if refused:
         asked = "; ".join(f"{key}={value!r}" for key, value in refused)
         source = "scheduler/scheduler_config.json" + (" with --timestep-spacing" if overridden else "")
@@ -86,7 +86,7 @@ def resolve_sampler(directory: str, choice: str | None, timestep_spacing: str | 
         if not low <= num_steps <= high:
             raise ModelError(f"--steps {num_steps}: {directory} runs {low} to {high} steps ({why})")
         try:
-            steps.make_schedule(sampler.config, choice, num_steps)
+            schedules.make_schedule(sampler.config, choice, num_steps)
         except ValueError as e:
             raise ModelError(f"{directory}: {e}") from e
     return sampler

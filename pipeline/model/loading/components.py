@@ -1,5 +1,5 @@
 """Whether a checkpoint has the pieces its family needs: every component folder, each
-weight-holding component's config and weights, the scheduler's config (``check_layout``).
+weight-holding component's config and weights, the scheduler's config (``check_components``).
 A ``gs://`` checkpoint's configs-only copy is checked against its listing, whose weights
 are listed but not downloaded.
 """
@@ -12,7 +12,7 @@ from pipeline.model.loading.checkpoint import ModelError, read_json_file
 from pipeline.model.loading.fetch import configs_only, remote_objects
 
 
-def check_layout(directory: str, components, libraries: dict) -> None:
+def check_components(directory: str, components, libraries: dict) -> None:
     """Check that every component folder a checkpoint's family needs (``components``) is
     present, and that each one holding weights (``libraries``: {component: library})
     has its config and weights; ModelError naming the first missing piece."""

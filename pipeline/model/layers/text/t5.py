@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipeline.model.layers.scan import stacked
 from pipeline.model.loading import convert
 
 # transformers' activation names (ACT2FN) that T5 configs use, as functions
@@ -229,6 +230,17 @@ class T5Block(nn.Module):
         return _Layers(self.config, self.dtype, name="layer")(x, bias), None
 
 
+def position_bias(config: T5Config, length: int, dtype):
+    """[heads, L, L]: the relative position bias every layer adds to its attention scores, of
+    ``length`` tokens, from the bucket table (``relative_attention_bias``, a child of the
+    compact module that calls this: PyTorch keeps it in the first layer)."""
+    buckets = relative_position_buckets(length, config.relative_attention_num_buckets,
+                                        config.relative_attention_max_distance)
+    table = nn.Embed(config.relative_attention_num_buckets, config.num_heads, dtype=dtype,
+                     name="relative_attention_bias")
+    return table(jnp.asarray(buckets)).transpose(2, 0, 1)
+
+
 class T5Stack(nn.Module):
     """PyTorch's ``encoder``: the position bias, the scanned blocks, the final norm.
     ``unroll``: layers per loop iteration (``nn.scan``'s): the same arithmetic, a loop
@@ -239,16 +251,10 @@ class T5Stack(nn.Module):
 
     @nn.compact
     def __call__(self, embeds):
-        cfg = self.config
-        buckets = relative_position_buckets(embeds.shape[1], cfg.relative_attention_num_buckets,
-                                            cfg.relative_attention_max_distance)
-        table = nn.Embed(cfg.relative_attention_num_buckets, cfg.num_heads, dtype=self.dtype,
-                         name="relative_attention_bias")
-        bias = table(jnp.asarray(buckets)).transpose(2, 0, 1)  # [heads, L, L]
-        blocks = nn.scan(T5Block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=nn.broadcast,
-                         length=cfg.num_layers, unroll=self.unroll)
-        x, _ = blocks(cfg, self.dtype, name="block")(embeds.astype(jnp.float32), bias)
-        return T5LayerNorm(cfg.layer_norm_epsilon, self.dtype, name="final_layer_norm")(x)
+        bias = position_bias(self.config, embeds.shape[1], self.dtype)
+        blocks = stacked(T5Block, self.config.num_layers, 1, self.unroll)(self.config, self.dtype, name="block")
+        x, _ = blocks(embeds.astype(jnp.float32), bias)
+        return T5LayerNorm(self.config.layer_norm_epsilon, self.dtype, name="final_layer_norm")(x)
 
 
 class T5Encoder(nn.Module):
@@ -269,7 +275,7 @@ class T5Encoder(nn.Module):
 # the first layer in PyTorch; the token embedding is tied to encoder.embed_tokens (a file
 # may hold either name or both); a T5ForConditionalGeneration file's decoder and head are
 # not the encoder's.
-LAYOUT = convert.Layout(
+TORCH_NAMES = convert.TorchNames(
     stacks=("encoder/block",),
     moved={"encoder/relative_attention_bias/embedding":
            "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"},
@@ -277,20 +283,4 @@ LAYOUT = convert.Layout(
     ignored=("decoder.", "lm_head."))
 
 
-NETWORK = convert.Network(T5Encoder, lambda config: ((jnp.zeros((1, 2), jnp.int32),), {}), LAYOUT)
-
-
-def param_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the encoder, from its config alone."""
-    return NETWORK.param_shapes(config)
-
-
-def from_torch(state: Mapping[str, np.ndarray], config: T5Config, where: str = "text_encoder_2") -> dict:
-    """Params from a ``T5EncoderModel`` state dict (``convert.Network.from_torch``)."""
-    return NETWORK.from_torch(state, config, where)
-
-
-def to_torch(params: Mapping, config: T5Config) -> dict[str, np.ndarray]:
-    """The ``T5EncoderModel`` state dict of ``params``, as ``save_pretrained`` writes it
-    (the tied token embedding once, as ``shared.weight``): ``from_torch``'s inverse."""
-    return NETWORK.to_torch(params)
+NETWORK = convert.Network(T5Encoder, convert.token_ids_example, TORCH_NAMES)
