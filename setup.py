@@ -3,7 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="promptmill",
     version="0.1.0",
-    # the model families' titles, as the registry has them (tests/test_families.py checks it)
+    # the model families' titles, as the registry has them (tests/families/test_scratch_family.py checks it)
     description="Generate image datasets from text prompts with diffusion models (SD 1.x/2.x, SDXL, FLUX.1, "
                 "FLUX.2 [klein], Z-Image) in JAX/Flax on TPU pods.",
     long_description=open("README.md", encoding="utf-8").read(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from jobs import flags, strict
-from pipeline.bench.generator import DEFAULT_PARTS, GUIDANCE, BenchConfig
+from pipeline.bench.throughput_config import DEFAULT_PARTS, GUIDANCE, BenchConfig
 from pipeline.core.choices import DTYPES, SCHEDULERS, TIMESTEP_SPACINGS
 from pipeline.core.settings import AUTO
 
@@ -262,7 +262,7 @@ def run_bench(args: argparse.Namespace) -> int:
     elif args.target == "plan":
         import shlex
 
-        from pipeline.bench import plan as plan_bench
+        from pipeline.bench import plan_scale as plan_bench
         from pipeline.io import storage
 
         options = dict(shards=args.shards, devices_per_host=args.devices_per_host,
@@ -278,7 +278,7 @@ def run_bench(args: argparse.Namespace) -> int:
             storage.write_json(args.report, report)
         print(plan_bench.table(report))
     elif args.target == "tpu":
-        from pipeline.bench import tpu as tpu_bench
+        from pipeline.bench import tpu_fit as tpu_bench
         from pipeline.io import storage
 
         report = tpu_bench.run(tpu_bench.TpuBenchConfig(
@@ -300,7 +300,7 @@ def run_bench(args: argparse.Namespace) -> int:
             storage.write_json(args.report, report)
         print(collect_scale.table(report))
     elif args.target == "status":
-        from pipeline.bench import status as status_bench
+        from pipeline.bench import status_scale as status_bench
         from pipeline.io import storage
 
         report = status_bench.run(args.committed_slices, args.hosts, args.repeats, args.workdir, args.gcs_up_to)
@@ -316,7 +316,7 @@ def run_bench(args: argparse.Namespace) -> int:
             batches_per_slice=args.batches_per_slice, workdir=args.workdir, report=args.report))
         print(sizes_bench.table(report))
     elif args.target == "pipeline":
-        from pipeline.bench import host_loop as pipeline_bench
+        from pipeline.bench import host_overhead as pipeline_bench
 
         report = pipeline_bench.run(pipeline_bench.PipelineBenchConfig(
             generator=args.generator, width=args.width, height=args.height, batch=args.batch,
@@ -325,9 +325,9 @@ def run_bench(args: argparse.Namespace) -> int:
             workdir=args.workdir, report=args.report))
         print(pipeline_bench.table(report))
     else:
-        from pipeline.bench import generator as bench
+        from pipeline.bench import throughput, throughput_table
 
-        config = bench.BenchConfig(model=args.model, width=args.width, height=args.height, steps=args.steps,
+        config = BenchConfig(model=args.model, width=args.width, height=args.height, steps=args.steps,
                                    per_device_batches=args.per_device_batch, batches=args.batches, dtype=args.dtype,
                                    devices=args.devices, matmul_size=args.matmul_size, report=args.report,
                                    guidance_scale=args.guidance_scale, scheduler=args.scheduler,
@@ -338,8 +338,8 @@ def run_bench(args: argparse.Namespace) -> int:
                                    memory_sizes=args.memory_sizes, fsdps=args.fsdp, scorers=args.scorers,
                                    decode_batch=args.decode_batch, startup_against=args.startup_against,
                                    **({"flops_recipes": args.flops_recipes} if args.flops_recipes else {}))
-        report = bench.run_bench(config)
-        print(bench.format_table(report))
+        report = throughput.run_bench(config)
+        print(throughput_table.format_table(report))
     return 0
 
 

@@ -377,7 +377,7 @@ def entry() -> None:
     code = [1]  # an exception main let through: Python prints it, and the exit code is 1
 
     # registered first, so it runs after every other exit handler (importing this module
-    # registers none: tests/test_cli.py)
+    # registers none: tests/jobs/test_cli.py)
     def end() -> None:
         from pipeline.generate import stopping
 

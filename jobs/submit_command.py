@@ -14,7 +14,7 @@ import shlex
 import sys
 
 from jobs import flags, strict
-from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, jobset, program_check, tpu
+from pipeline.cloud import checks, dataflow as dataflow_lib, gke as gke_lib, jobset, program_check, submission, tpu
 from pipeline.io import lease
 
 SUMMARY = ("images", "records", "rejects", "verified")  # what the other commands print of the dataset stats
@@ -75,7 +75,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
                     "the committed slices are printed while generate runs, and a job that fails stops the chain. "
                     "--dtype defaults to bf16. Flags not listed here are passed on to all three jobs as "
                     "Dataflow/Beam options if Beam knows them (e.g. --worker_zone, --network). DATAFLOW_LAUNCHER "
-                    "overrides the launcher (python -m jobs.dataflow_launch). Example: "
+                    "overrides the launcher (python -m jobs.dataflow_launcher). Example: "
                     + _DATAFLOW_EXAMPLE)
     _add_common(dataflow)
     strict.strict(dataflow, beam=True, out=True)
@@ -89,7 +89,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
                           help="machine type of the plan and collect jobs' CPU workers (default: %(default)s)")
     dataflow.add_argument("--cpu-max-workers", type=int, default=dataflow_lib.DEFAULT_CPU_MAX_WORKERS,
                           help="most CPU workers at once for plan and collect (default: %(default)s)")
-    dataflow.add_argument("--poll-seconds", type=float, default=dataflow_lib.DEFAULT_POLL_S,
+    dataflow.add_argument("--poll-seconds", type=float, default=submission.DEFAULT_POLL_S,
                           help="seconds between state and progress checks while a job runs (default: %(default)s)")
     dataflow.add_argument("--harness-threads", type=int, default=1,
                           help="threads per worker (--number_of_worker_harness_threads): each holds a copy of the "
@@ -124,7 +124,7 @@ def add_submit_parser(sub) -> argparse.ArgumentParser:
                      "listed here)")
     gke.add_argument("--collect-beam-args", help="Beam options for collect, one quoted string (default: the flags "
                      "not listed here)")
-    gke.add_argument("--poll-seconds", type=float, default=jobset.DEFAULT_POLL_S,
+    gke.add_argument("--poll-seconds", type=float, default=submission.DEFAULT_POLL_S,
                      help="seconds between progress checks while the JobSet runs (default: %(default)s)")
     strict.strict(gke, beam=True, beam_strings=("--plan-beam-args", "--collect-beam-args"), out=True)
     return submit

@@ -30,6 +30,9 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the suite's folder: test modules sit in folders below it that mirror the package, so their
+# paths (fixtures, the repository) start here, never at their own __file__
+TESTS = os.path.join(ROOT, "tests")
 
 
 # The modules that run whole jobs (subprocess runs, Beam pipelines, compilation), slowest
@@ -38,44 +41,47 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pytest-xdist worker as a unit (--dist loadscope, so a module's shared runs happen once),
 # in this order (--no-loadscope-reorder): the longest start first, and the worker that
 # finishes early takes the shorter ones, so neither waits alone on a long module at the end.
+# Each is a module's path below tests/ (a module named here that is not there is a test failure:
+# tests/test_suite.py).
 # (Measured on two workers of a 2-core machine, in seconds: test_e2e 315, test_bench 135,
 # test_tpu_check 114, test_readme 110, test_parity 83, test_e2e_gcs 83, test_stop 78.)
 SLOW_MODULES = [
-    "test_e2e.py",
-    "test_bench.py",
-    "test_tpu_check.py",
+    "e2e/test_e2e.py",
+    "bench/test_bench.py",
+    "generate/test_tpu_check.py",
     "test_readme.py",
-    "test_parity.py",
-    "test_e2e_gcs.py",
-    "test_stop.py",
-    "test_buckets.py",
-    "test_pipeline_parity.py",
-    "test_beam_engine.py",
-    "test_flux.py",
-    "test_flux2_pipeline.py",
-    "test_zimage.py",
-    "test_submit.py",
-    "test_attention.py",
-    "test_compile_cache.py",
-    "test_decode_batch.py",
-    "test_fsdp.py",
-    "test_generator.py",
-    "test_dataset.py",
-    "test_latents.py",
-    "test_schedule.py",
-    "test_lora.py",
-    "test_fit.py",
-    "test_scorers.py",
-    "test_bf16.py",
-    "test_flux_nets.py",
-    "test_flux_sampling.py",
-    "test_model_sources.py",
-    "test_host_pipeline.py",
-    "test_flux_lora.py",
-    "test_plan_bench.py",
-    "test_beamio.py",
-    "test_weights.py",
-    "test_tiny_flux.py",
+    "e2e/test_e2e_gcs.py",
+    "generate/test_stop.py",
+    "core/test_buckets.py",
+    "families/test_pipeline_parity.py",
+    "engines/test_beam_engine.py",
+    "families/test_flux.py",
+    "families/test_flux2_pipeline.py",
+    "families/test_zimage.py",
+    "cloud/test_submit_gke.py",
+    "cloud/test_submit_dataflow.py",
+    "cloud/test_submit.py",
+    "model/test_attention.py",
+    "generate/test_compile_cache.py",
+    "generate/test_decode_batch.py",
+    "model/test_fsdp.py",
+    "generate/test_generator.py",
+    "collect/test_dataset.py",
+    "generate/test_latents.py",
+    "cloud/test_schedule.py",
+    "model/test_lora.py",
+    "generate/test_fit.py",
+    "model/test_scorers.py",
+    "generate/test_bf16.py",
+    "families/test_flux_nets.py",
+    "families/test_flux_sampling.py",
+    "model/test_model_sources.py",
+    "generate/test_host_pipeline.py",
+    "families/test_flux_lora.py",
+    "bench/test_plan_bench.py",
+    "io/test_beamio.py",
+    "model/test_weights.py",
+    "families/test_tiny_flux.py",
 ]
 
 
@@ -84,7 +90,7 @@ def pytest_collection_modifyitems(items):
 
     The sort is stable: the tests of a module keep their order and stay together."""
     def rank(item):
-        name = os.path.basename(str(item.path))
+        name = os.path.relpath(os.path.realpath(item.path), os.path.realpath(TESTS))
         return SLOW_MODULES.index(name) + 1 if name in SLOW_MODULES else 0
 
     items.sort(key=rank)

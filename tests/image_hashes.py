@@ -6,8 +6,8 @@ so the suite relies on its parity and topology tests instead of stored hashes).
     python tests/image_hashes.py OUT.json [--only NAME ...]
 
 Each run is a real ``promptmill run`` (local engine, CPU devices) into a scratch folder:
-SD, SDXL, FLUX.1 [schnell] and [dev], with and without a LoRA, --fsdp 2, guided and
-guidance-free, scored. The JSON holds, per run, every image's key -> sha256, and a digest
+SD, SDXL, FLUX.1 [schnell] and [dev], FLUX.2 [klein] (distilled and base) and Z-Image, with
+and without a LoRA, --fsdp 2, guided and guidance-free, scored. The JSON holds, per run, every image's key -> sha256, and a digest
 of the whole set.
 """
 from __future__ import annotations
@@ -26,6 +26,10 @@ SCORES = ["--score", "clip,aesthetic,safety", "--clip-model", "tiny-clip", "--ae
           "--safety-checker", "tiny-safety-checker"]
 SD_LORA = os.path.join(FIXTURES, "loras", "sd", "pytorch_lora_weights.safetensors")
 FLUX_LORA = os.path.join(FIXTURES, "flux_loras", "transformer")
+KLEIN = os.path.join(FIXTURES, "flux2_pipeline", "model")
+KLEIN_LORA = os.path.join(FIXTURES, "flux2_lora", "pytorch_lora_weights.safetensors")
+ZIMAGE = os.path.join(FIXTURES, "zimage", "model")
+ZIMAGE_LORA = os.path.join(FIXTURES, "zimage_lora", "pytorch_lora_weights.safetensors")
 
 RUNS = {  # name -> the run's own flags
     "sd-guided": ["--model", "tiny", "--guidance-scale", "7.5"],
@@ -38,6 +42,15 @@ RUNS = {  # name -> the run's own flags
     "flux-schnell-fsdp2": ["--model", "tiny-flux", "--fsdp", "2"],
     "flux-dev": ["--model", "tiny-flux-dev", "--guidance-scale", "3.5"],
     "flux-dev-lora": ["--model", os.path.join(FIXTURES, "flux", "dev"), "--lora", FLUX_LORA],
+    "klein": ["--model", "tiny-klein"],
+    "klein-fsdp2": ["--model", "tiny-klein", "--fsdp", "2"],
+    "klein-base": ["--model", "tiny-klein-base", "--guidance-scale", "4.0"],
+    "klein-base-guidance-free": ["--model", "tiny-klein-base", "--guidance-scale", "1.0"],
+    "klein-lora": ["--model", KLEIN, "--width", "32", "--height", "32", "--lora", f"{KLEIN_LORA}@0.5"],
+    "zimage": ["--model", "tiny-zimage"],
+    "zimage-guided": ["--model", "tiny-zimage", "--guidance-scale", "4.0"],
+    "zimage-fsdp2": ["--model", "tiny-zimage", "--guidance-scale", "4.0", "--fsdp", "2"],
+    "zimage-lora": ["--model", ZIMAGE, "--width", "32", "--height", "32", "--lora", f"{ZIMAGE_LORA}@0.5"],
 }
 PROMPTS = [{"prompt": "a red cube on a table"}, {"prompt": "a blue sphere", "num_images": 2},
            {"prompt": "a green cone", "guidance_scale": 1.0}, {"prompt": "a yellow torus", "seed": 7}]

@@ -486,11 +486,13 @@ def wide_functions(source: str, most: int = MOST_POSITIONAL) -> list[tuple[int, 
     return found
 
 
-def test_no_function_of_the_model_takes_more_than_six_positional_parameters():
+def test_no_function_of_the_package_takes_more_than_six_positional_parameters():
+    """Options after ``*``; what travels together is one object (the host's program is a
+    ``generate.spec.ProgramSpec``, a host loop's sizes one ``host_loop.one_size``)."""
     found = [f"{relative} line {line}: {name} takes {count}" for module, (relative, _, source) in
-             sorted(_sources().items()) if module.startswith("pipeline.model") for line, name, count in
+             sorted(_sources().items()) if module.startswith("pipeline") for line, name, count in
              wide_functions(source)]
-    _fail_with(f"functions of pipeline/model with more than {MOST_POSITIONAL} parameters before *", found)
+    _fail_with(f"functions of pipeline/ with more than {MOST_POSITIONAL} parameters before *", found)
 
 
 def test_the_model_has_no_family_specific_field():
@@ -503,8 +505,82 @@ def test_the_model_has_no_family_specific_field():
                                                    "param_dtype", "default_steps"}
 
 
+MOST_LINES = 500  # of a module of pipeline/ or jobs/: past it, a module does more than one job
+
+
+def long_modules(sources: dict[str, tuple[str, bool, str]], most: int = MOST_LINES) -> list[str]:
+    """``PATH: N lines`` of every module of ``sources`` ({module: (relative path, is_package,
+    source)}) longer than ``most`` lines: split it into modules named by their roles."""
+    return [f"{relative}: {len(source.splitlines())} lines" for relative, _, source in sorted(sources.values())
+            if len(source.splitlines()) > most]
+
+
+def test_no_module_is_over_500_lines():
+    _fail_with(f"modules of pipeline/ and jobs/ over {MOST_LINES} lines", long_modules(_sources()))
+
+
+# The rooms of pipeline/model, lowest first: a module imports its own room or a lower one,
+# never an upper one (rooms of one rank do not import each other). ``load`` is the model's
+# front door, above the families it asks; the scorers load a checkpoint's own safety checker
+# through it.
+MODEL = "pipeline.model"
+MODEL_ROOMS = (("shapes",), ("sharding",), ("loading",), ("layers", "sampling"), ("families",), ("load",),
+               ("scorers",))
+
+
+def model_room(module: str) -> str | None:
+    """The room of pipeline/model that holds ``module`` (``pipeline.model.families.flux.sampling``
+    -> "families", ``pipeline.model.sharding`` -> "sharding"); None outside it, and for the
+    package itself."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == MODEL.split(".") and len(parts) > 2 else None
+
+
+def model_upward_arrows(edges: list[Edge], rooms=MODEL_ROOMS) -> list[str]:
+    """Imports inside pipeline/model from a room to a higher one, or to another of its rank."""
+    found = []
+    for edge in edges:
+        a, b = model_room(edge.source), model_room(edge.target)
+        if a is None or b is None or a == b:
+            continue
+        ra, rb = rank(a, rooms), rank(b, rooms)
+        if ra is None or rb is None:
+            found.append(f"{edge.source}:{edge.line}: imports {edge.target} (room {a if ra is None else b!r} is not "
+                         f"in MODEL_ROOMS)")
+        elif rb >= ra:
+            found.append(f"{edge.source}:{edge.line}: imports {edge.target} "
+                         f"({'upward: ' + a + ' is below ' + b if rb > ra else 'peers: ' + a + ' and ' + b})")
+    return found
+
+
+def test_the_model_has_no_upward_arrow():
+    sources = _sources()
+    unplaced = sorted(name for name in sources if model_room(name) and rank(model_room(name), MODEL_ROOMS) is None)
+    assert not unplaced, f"modules of pipeline/model in no room of MODEL_ROOMS: {unplaced}"
+    _fail_with("imports from a room of pipeline/model up to a higher one", model_upward_arrows(_tree_edges()[2]))
+
+
 # ---------------------------------------------------------------------------------------
 # The helpers, on tiny synthetic sources and graphs
+
+
+def test_model_rooms_and_their_arrows():
+    assert model_room("pipeline.model.families.flux.sampling") == "families"
+    assert model_room("pipeline.model.sharding") == "sharding"
+    assert model_room("pipeline.model") is None and model_room("pipeline.generate.fit") is None
+    edges = [Edge("pipeline.model.sharding", "pipeline.model.families.shapes", 1),  # the arrow issue 59 removed
+             Edge("pipeline.model.loading.builtin", "pipeline.model.layers.text.qwen3", 2),
+             Edge("pipeline.model.layers.vae", "pipeline.model.sampling.flow", 3),
+             Edge("pipeline.model.families.qwen_text", "pipeline.model.layers.text.chat", 4),
+             Edge("pipeline.model.scorers.models", "pipeline.model.load", 5),
+             Edge("pipeline.model.sampling.decoding", "pipeline.model.sharding", 6),
+             Edge("pipeline.generate.fit", "pipeline.model.shapes", 7)]
+    assert model_upward_arrows(edges) == [
+        "pipeline.model.sharding:1: imports pipeline.model.families.shapes (upward: sharding is below families)",
+        "pipeline.model.loading.builtin:2: imports pipeline.model.layers.text.qwen3 (upward: loading is below layers)",
+        "pipeline.model.layers.vae:3: imports pipeline.model.sampling.flow (peers: layers and sampling)"]
+    assert model_upward_arrows([Edge("pipeline.model.nets.x", "pipeline.model.load", 1)]) == [
+        "pipeline.model.nets.x:1: imports pipeline.model.load (room 'nets' is not in MODEL_ROOMS)"]
 
 
 def test_wide_functions():
@@ -535,7 +611,7 @@ def test_family_name_comparisons():
 MODULES = {"pipeline", "pipeline.core", "pipeline.core.keys", "pipeline.core.settings", "pipeline.io",
            "pipeline.io.storage", "pipeline.model", "pipeline.model.load", "pipeline.output",
            "pipeline.output.formats", "pipeline.plan", "pipeline.plan.inputs", "pipeline.generate",
-           "pipeline.generate.host_loop", "pipeline.bench", "pipeline.bench.plan", "pipeline.testing",
+           "pipeline.generate.host_loop", "pipeline.bench", "pipeline.bench.plan_scale", "pipeline.testing",
            "pipeline.testing.emulator", "jobs", "jobs.cli"}
 
 
@@ -599,16 +675,16 @@ def test_an_import_of_a_missing_module_of_ours_is_reported():
     ("pipeline.core.keys", "pipeline.core.settings", None),
     ("pipeline.plan.inputs", "pipeline.model.load", None),
     ("pipeline.output.formats", "pipeline", None),
-    ("jobs.cli", "pipeline.bench.plan", None),
+    ("jobs.cli", "pipeline.bench.plan_scale", None),
     ("jobs.cli", "pipeline.generate.host_loop", None),
-    ("pipeline.bench.plan", "pipeline.testing.emulator", None),
-    ("pipeline.bench.plan", "pipeline.generate.host_loop", None),
+    ("pipeline.bench.plan_scale", "pipeline.testing.emulator", None),
+    ("pipeline.bench.plan_scale", "pipeline.generate.host_loop", None),
     ("pipeline.core.settings", "pipeline.output.formats", "upward: core is below output"),
     ("pipeline.model.load", "pipeline.output.formats", "peers: model and output share a rank"),
     ("pipeline.plan.inputs", "pipeline.generate.host_loop", "peers: plan and generate share a rank"),
-    ("pipeline.generate.host_loop", "pipeline.bench.plan", "bench is a leaf"),
-    ("pipeline.testing.emulator", "pipeline.bench.plan", "bench is a leaf"),
-    ("pipeline.bench.plan", "jobs.cli", "nothing in pipeline/ imports jobs/"),
+    ("pipeline.generate.host_loop", "pipeline.bench.plan_scale", "bench is a leaf"),
+    ("pipeline.testing.emulator", "pipeline.bench.plan_scale", "bench is a leaf"),
+    ("pipeline.bench.plan_scale", "jobs.cli", "nothing in pipeline/ imports jobs/"),
     ("pipeline.io.storage", "jobs.cli", "nothing in pipeline/ imports jobs/"),
     ("pipeline.extras.thing", "pipeline.core.keys", "unit 'extras' is neither in LAYERS nor in LEAVES"),
 ])
@@ -700,3 +776,10 @@ def test_private_names_of_objects_and_of_the_module_itself_are_fine():
     assert private_uses(source, "pipeline.plan.inputs", modules=MODULES) == []
     assert private_uses("from pipeline.core import keys\nkeys._cache\n", "pipeline.core.keys", modules=MODULES) \
         == []
+
+
+def test_long_modules():
+    sources = {"pipeline.a": ("pipeline/a.py", False, "x = 1\n" * 3), "pipeline.b": ("pipeline/b.py", False, "y\n" * 4),
+               "pipeline": ("pipeline/__init__.py", True, "")}
+    assert long_modules(sources, most=3) == ["pipeline/b.py: 4 lines"]
+    assert long_modules(sources, most=4) == []

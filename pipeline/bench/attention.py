@@ -15,7 +15,7 @@ from __future__ import annotations
 from pipeline.core import logs
 
 
-def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool, attention: str,
+def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool, *, attention: str,
              platform: str) -> dict:
     """{kernel: attention calls} of one sampler step's UNet call and VAE decode, as the
     seam chooses them (traced from shapes; nothing compiles)."""
@@ -34,7 +34,7 @@ def _kernels(model, width: int, height: int, per_device_batch: int, guided: bool
             calls.extend(traced)
         return block()
 
-    parts.parts(model, width, height, per_device_batch, guided, seam)
+    parts.parts(model, width, height, per_device_batch, guided, seam=seam)
     counted: dict[str, int] = {}
     for call in calls:
         counted[call.kernel] = counted.get(call.kernel, 0) + 1
@@ -60,8 +60,8 @@ def run_speed(model, config, devices, width: int, height: int, programs=None) ->
         program = program_memory(generator.compiled)
         rows[attention] = {"batch_size": generator.batch_size, "memory": program,
                            "temp_per_image": program.get("temp", 0) / per_device_batch,
-                           "kernels": _kernels(model, width, height, per_device_batch, config.guided, attention,
-                                               devices[0].platform)}
+                           "kernels": _kernels(model, width, height, per_device_batch, config.guided,
+                                               attention=attention, platform=devices[0].platform)}
     timings = in_turns(calls, {name: row["batch_size"] for name, row in rows.items()}, config.batches)
     first = config.attentions[0]
     for name, row in rows.items():
@@ -80,6 +80,7 @@ def run_memory(config, platform: str, speed: dict | None = None) -> dict:
     size when that is one of the (square) sizes: a program compiled from shapes on one
     device has the memory of the host's program per device (``fit.sampler_memory``)."""
     from pipeline.generate.fit import sampler_memory
+    from pipeline.generate.spec import ProgramSpec
     from pipeline.model import load as model_lib
 
     model = model_lib.load(config.model, dtype=config.dtype, scheduler=config.scheduler,
@@ -93,8 +94,8 @@ def run_memory(config, platform: str, speed: dict | None = None) -> dict:
     for attention in config.attentions:
         for size in sizes:
             program = known.get((attention, size)) or sampler_memory(
-                model, size, size, config.steps, per_device_batch, config.guided, attention, platform,
-                decode_batch=config.decode_batch)
+                model, ProgramSpec(size, size, config.steps, per_device_batch, model.family.guidance_rule(model),
+                                   config.guided, attention=attention, decode_batch=config.decode_batch), platform)
             rows.append({"attention": attention, "size": size, "memory": program,
                          "measured": "attention part" if (attention, size) in known else "from shapes",
                          "temp_per_image": program.get("temp", 0) / per_device_batch,

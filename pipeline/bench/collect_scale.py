@@ -3,7 +3,7 @@
 The bench fabricates a committed run of N images (``pipeline.testing.fabricate``: a real
 plan's files and the hosts' own writer, several hosts' worth, each image a small flat
 PNG), then measures, each in a fresh process started from a small launcher
-(``pipeline.bench.plan.run_measured``: the kernel's peak RSS of the process, the largest
+(``pipeline.bench.process_memory.run_measured``: the kernel's peak RSS of the process, the largest
 RSS sum over its process tree):
 
   collect     ``promptmill collect --out OUT``: wall and CPU seconds, peak RSS
@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from pipeline.bench.plan import run_measured
+from pipeline.bench.process_memory import mib, run_measured
 from pipeline.core import naming
 from pipeline.io import storage
 from pipeline.output import key_index
@@ -96,8 +96,7 @@ def lookup(out: str, report: str, keys: list[str]) -> int:
 def _measure(argv: list[str], workdir: str, name: str) -> dict:
     result = run_measured(argv, dict(os.environ), ROOT, os.path.join(workdir, name))
     return {"wall_s": round(result["wall_s"], 2), "cpu_s": round(result["cpu_s"], 2),
-            "peak_rss_mib": round(result["peak_rss_kib"] / 1024, 1),
-            "tree_peak_rss_mib": round(result["tree_peak_rss_kib"] / 1024, 1)}
+            "peak_rss_mib": mib(result["peak_rss_kib"]), "tree_peak_rss_mib": mib(result["tree_peak_rss_kib"])}
 
 
 def run(images: int, workdir: str | None = None, slice_size: int = 1024, hosts: int = 4, chosen=("files",), *,

@@ -3,7 +3,7 @@
 XLA's cost analysis (``HloCostAnalysis``) counts the body of a while loop once, however
 many times it runs: for the tiny model at 32x32 the compiled sampler reports the same
 flops for 2, 4 and 8 steps (checked with jax 0.10.2 on CPU, and by
-tests/test_bench.py). The denoising loop is a ``lax.fori_loop``, which lowers to a
+tests/bench/test_bench.py). The denoising loop is a ``lax.fori_loop``, which lowers to a
 while loop, so ``Generator.compiled.cost_analysis()`` undercounts a step of S
 denoising steps by about (S - 1) UNet calls.
 
@@ -21,6 +21,9 @@ The parts are costed outside the attention seam (every call the whole matrix, ``
 whatever ``--attention`` a run uses: every implementation computes the same exact
 attention, so the work per image is the same, but the chunked kernel's ``lax.map`` over query blocks is a loop that XLA would
 count once. Utilisation is thus always achieved model FLOPs over the peak (MFU).
+
+``run_flops`` is ``bench generator``'s flops part: the FLOPs per image by part of whole
+recipes (model, steps, guidance), from shapes alone.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import time
 
 import numpy as np
 
+from pipeline.bench.throughput_config import BenchConfig
+from pipeline.core import logs
 from pipeline.generate.parts import flops as lowered_flops, part_flops  # noqa: F401 (the bench's names)
 
 
@@ -40,7 +45,7 @@ def whole_program_flops(compiled) -> float:
     return float(cost["flops"])
 
 
-def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: int, compiled=None,
+def sampler_flops(model, width: int, height: int, steps: int, per_device_batch: int, *, compiled=None,
                   guided: bool = True, parts: dict | None = None) -> dict:
     """Flops of one device step (``per_device_step``) and of one image, counted by parts.
 
@@ -96,3 +101,25 @@ def matmul_peak(devices, dtype: str, size: int, min_seconds: float = 1.0) -> dic
     flops = 2 * size ** 3 * len(devices) * calls
     return {"flops_per_s": flops / seconds, "size": size, "dtype": dtype, "calls": calls,
             "seconds": round(seconds, 4), "devices": len(devices)}
+
+
+def run_flops(config: BenchConfig) -> dict:
+    """FLOPs per image by part of each of ``config.flops_recipes``, from shapes alone (no
+    weights: the real-size built-in models need none), at the config's size (default
+    1024x1024) and dtype: the text encoders, one denoiser call (a UNet's, on 2B rows when
+    guided, or a transformer's), the VAE decode, and the whole image (text + steps x
+    denoiser + decode)."""
+    from pipeline.generate import parts
+    from pipeline.model import load as model_lib
+
+    width, height = config.width or 1024, config.height or 1024
+    rows = []
+    for name, steps, guidance in config.flops_recipes:
+        model = model_lib.load(name, dtype=config.dtype, abstract=True)
+        guided = model.family.classifier_free(model) and guidance > 1
+        counted = parts.part_flops(model, width, height, 1, guided)
+        per_image = parts.image_flops(model, width, height, steps, 1, guided)
+        rows.append({"model": name, "family": model.family.name, "steps": steps, "guidance_scale": guidance,
+                     "guided": guided, **counted, "per_image": per_image})
+        logs.event("bench_flops", **rows[-1])
+    return {"width": width, "height": height, "dtype": config.dtype, "rows": rows}

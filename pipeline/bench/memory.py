@@ -23,7 +23,7 @@ def in_gib(memory: dict, digits: int = 3) -> dict:
     return {name: round(value / GIB, digits) for name, value in memory.items()}
 
 
-def part_memory(model, width: int, height: int, per_device_batch: int, guided: bool = True,
+def part_memory(model, width: int, height: int, per_device_batch: int, guided: bool = True, *,
                 attention: str | None = "auto", platform: str | None = None, **seam) -> dict:
     """``program_memory`` of one UNet call (at 2B when ``guided``, else B) and of one VAE
     decode (at B), for B = ``per_device_batch``: {"denoiser_call": {...}, "vae_decode": {...}}.
@@ -43,7 +43,6 @@ def part_memory(model, width: int, height: int, per_device_batch: int, guided: b
             return contextlib.nullcontext()
         return attention_lib.use(attention, platform=platform, **seam)
 
-    return {"denoiser_call": program_memory(parts.lowered(model, width, height, per_device_batch, guided,
-                                                          "denoiser", seam_block).compile()),
-            "vae_decode": program_memory(parts.lowered(model, width, height, per_device_batch, guided, "vae_decode",
-                                                       seam_block).compile())}
+    return {label: program_memory(parts.lowered(model, width, height, per_device_batch, guided, part,
+                                                seam=seam_block).compile())
+            for label, part in (("denoiser_call", "denoiser"), ("vae_decode", "vae_decode"))}

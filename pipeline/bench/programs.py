@@ -27,23 +27,21 @@ class Programs:
     def compiled(self) -> int:
         return len(self._compiled)
 
-    def generator(self, model, width: int, height: int, steps: int, per_device_batch: int, devices,
+    def generator(self, model, width: int, height: int, steps: int, per_device_batch: int, devices, *,
                   guided: bool = True, params=None, attention: str = "auto"):
-        """``Generator(model, width, height, steps, per_device_batch, devices=devices,
-        guided=guided, params=params, attention=attention)`` at this bench run's
-        ``decode_batch``, its sampler compiled here only if no earlier call lowered the same
-        program for the same devices."""
+        """The ``Generator`` of that program (the "diffusers" guidance rule) on ``devices`` at
+        this bench run's ``decode_batch``, its sampler compiled here only if no earlier call
+        lowered the same program for the same devices."""
         from pipeline.generate.generator import Generator, compile_sampler, lower_sampler
+        from pipeline.generate.spec import ProgramSpec
 
-        lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, guided=guided,
-                                attention=attention, decode_batch=self.decode_batch)
+        spec = ProgramSpec(width, height, steps, per_device_batch, guided=guided, attention=attention,
+                           decode_batch=self.decode_batch)
+        lowered = lower_sampler(model, spec, devices)
         key = hashlib.sha256(repr([d.id for d in devices]).encode() + lowered.as_text().encode()).hexdigest()
         program = self._compiled.get(key)
         if program is None:
-            program = self._compiled[key] = compile_sampler(model, width, height, steps, per_device_batch, devices,
-                                                            guided=guided, attention=attention, lowered=lowered,
-                                                            decode_batch=self.decode_batch)
+            program = self._compiled[key] = compile_sampler(model, spec, devices, lowered=lowered)
         else:
             self.shared += 1
-        return Generator(model, width, height, steps, per_device_batch, devices=devices, guided=guided, params=params,
-                         attention=attention, program=program, decode_batch=self.decode_batch)
+        return Generator(model, spec, devices, params=params, program=program)

@@ -7,7 +7,7 @@ bad in one of four ways (invalid JSON, empty prompt, ``num_images`` 0, no prompt
 the rejects path runs too and the expected counts are known exactly. With
 ``duplicates``, one row in that many repeats the id of the row before it, which the plan
 rejects as ``duplicate_id`` (``expected_duplicate_ids`` counts them). Used by ``promptmill
-bench plan`` (``pipeline.bench.plan``) and ``bench status``.
+bench plan`` (``pipeline.bench.plan_scale``) and ``bench status``.
 """
 from __future__ import annotations
 

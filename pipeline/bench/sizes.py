@@ -34,13 +34,21 @@ class SizesBenchConfig:
     model: str = "tiny"
     sizes: tuple[str, ...] = ("64x64", "48x64", "64x48")
     records: int = 24  # per size
+    workdir: str | None = None
+    report: str | None = None
+    # what every arm's run takes besides its prompts and sizes (``run_flags``)
     steps: int | None = None  # None: the model's default, as a run takes it
     hosts: int = 2
     devices_per_host: int = 2
     per_device_batch: int = 2
     batches_per_slice: int = 2
-    workdir: str | None = None
-    report: str | None = None
+
+    def run_flags(self) -> list[str]:
+        """The ``promptmill run`` flags every arm shares: the model, the steps and the layout."""
+        layout = {"--hosts": self.hosts, "--devices-per-host": self.devices_per_host,
+                  "--per-device-batch": self.per_device_batch, "--batches-per-slice": self.batches_per_slice}
+        return ["--model", self.model, *(["--steps", str(self.steps)] if self.steps else []),
+                *(word for flag, value in layout.items() for word in (flag, str(value)))]
 
 
 def _prompts(folder: str, config: SizesBenchConfig) -> tuple[str, dict[str, str]]:
@@ -115,10 +123,7 @@ def run(config: SizesBenchConfig) -> dict:
         folder = config.workdir or scratch
         os.makedirs(folder, exist_ok=True)
         every, alone = _prompts(folder, config)
-        common = ["--model", config.model, "--hosts", str(config.hosts), "--devices-per-host",
-                  str(config.devices_per_host), *(["--steps", str(config.steps)] if config.steps else []),
-                  "--per-device-batch", str(config.per_device_batch), "--batches-per-slice",
-                  str(config.batches_per_slice)]
+        common = config.run_flags()
         passes = {}
         for name, again in (("cold", False), ("warm", True)):
             sized = _run(["--prompts", every, "--sizes", ",".join(config.sizes), *common],

@@ -22,7 +22,7 @@ import time
 _T0 = time.perf_counter()  # as early as this module can see: before jax is imported
 
 
-def ready(model: str, width: int, height: int, steps: int, per_device_batch: int, dtype: str = "fp32",
+def ready(model: str, width: int, height: int, steps: int, per_device_batch: int, *, dtype: str = "fp32",
           devices: int | None = None, compile_cache: str | None = None) -> dict:
     """Get a Generator ready as a host does (``runtime.ready_generator``, for a run of these
     settings) and run its first batch; returns the seconds of each part.
@@ -81,9 +81,9 @@ def ready(model: str, width: int, height: int, steps: int, per_device_batch: int
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this source tree
 
 
-def probe(model: str, width: int, height: int, steps: int, per_device_batch: int, dtype: str = "fp32",
+def probe(model: str, width: int, height: int, steps: int, per_device_batch: int, *, dtype: str = "fp32",
           devices: int | None = None, compile_cache: str | None = None, env: dict | None = None,
-          timeout: float = 1800, *, root: str | None = None) -> dict:
+          timeout: float = 1800, root: str | None = None) -> dict:
     """Run ``ready`` in a fresh Python process; adds ``total_s``, the wall time seen from here.
     ``root``: the promptmill source tree the process imports (default: this one), e.g. a
     checkout of an earlier commit whose start-up is compared with this one's."""
@@ -102,8 +102,8 @@ def probe(model: str, width: int, height: int, steps: int, per_device_batch: int
     return {"total_s": round(total, 3), **json.loads(result.stdout.strip().splitlines()[-1])}
 
 
-def cold_and_warm(model: str, width: int, height: int, steps: int, per_device_batch: int, dtype: str = "fp32",
-                  devices: int | None = None, *, roots: tuple[str | None, ...] = (None,)) -> list[dict]:
+def cold_and_warm(model: str, width: int, height: int, steps: int, per_device_batch: int, *, dtype: str = "fp32",
+                  devices: int | None = None, roots: tuple[str | None, ...] = (None,)) -> list[dict]:
     """Cold then warm start of a fresh process importing each source tree of ``roots``
     (None: this one), in turns: the cold start of each, then the warm start of each.
 
@@ -130,12 +130,14 @@ def cold_and_warm(model: str, width: int, height: int, steps: int, per_device_ba
             subprocess.run([sys.executable, "-c", f"from pipeline.model import load; load.resolve({model!r})"],
                            cwd=root or ROOT, env=env, check=True, capture_output=True, timeout=1800)
             envs.append(env)
-        args = (model, width, height, steps, per_device_batch, dtype, devices)
-        runs = [{"cold": probe(*args, os.path.join(folder, "compile"), env, root=root)}
+        args = (model, width, height, steps, per_device_batch)
+        runs = [{"cold": probe(*args, dtype=dtype, devices=devices, compile_cache=os.path.join(folder, "compile"),
+                               env=env, root=root)}
                 for folder, root, env in zip(folders, roots, envs)]
         for run, folder, root, env in zip(runs, folders, roots, envs):
             run["cache_entries"] = compile_cache.entries(os.path.join(folder, "compile"))
-            run["warm"] = probe(*args, os.path.join(folder, "compile"), env, root=root)
+            run["warm"] = probe(*args, dtype=dtype, devices=devices, compile_cache=os.path.join(folder, "compile"),
+                                env=env, root=root)
         return runs
     finally:
         for folder in folders:
@@ -153,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, help="use the first N local devices (default: all)")
     parser.add_argument("--compile-cache", help="persistent compilation cache folder")
     args = parser.parse_args(argv)
-    timings = ready(args.model, args.width, args.height, args.steps, args.per_device_batch, args.dtype,
-                    args.devices, args.compile_cache)
+    timings = ready(args.model, args.width, args.height, args.steps, args.per_device_batch, dtype=args.dtype,
+                    devices=args.devices, compile_cache=args.compile_cache)
     sys.stdout.write(json.dumps(timings) + "\n")  # the probe's result, read by ``probe``
     return 0
 

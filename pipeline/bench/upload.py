@@ -25,7 +25,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-from pipeline.io import storage
+from pipeline.io import gcs, storage
 from pipeline.testing import emulator, fault_proxy
 
 BUCKET = "promptmill-bench"
@@ -55,13 +55,13 @@ def _through_proxy(latency_ms: float, bucket: str):
     with fault_proxy.FaultyProxy(upstream, failure_rate=0.0, latency_s=latency_ms / 1000,
                               max_upstream=MAX_UPSTREAM) as proxy:
         os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{proxy.port}"
-        storage.reset_gcs_client()
+        gcs.reset_client()
         try:
             storage.write_bytes(f"gs://{bucket}/warm-up.bin", b"")  # a new client's first use also reads
             yield proxy  # the bucket: keep that out of the measurement
         finally:
             os.environ["STORAGE_EMULATOR_HOST"] = previous
-            storage.reset_gcs_client()
+            gcs.reset_client()
 
 
 def _proxy_counts(proxy) -> dict:
@@ -94,7 +94,7 @@ def run(count: int = 200, size: int = 100_000, parallel: tuple[int, ...] = (1, 4
     samples: dict[tuple[float, int], list[dict]] = {(lat, p): [] for lat in latencies for p in workers}
     context = contextlib.nullcontext() if os.environ.get("STORAGE_EMULATOR_HOST") else emulator.running(BUCKET)
     with context:
-        admin = storage.gcs_client()  # straight to the emulator, for setting up and cleaning up
+        admin = gcs.client()  # straight to the emulator, for setting up and cleaning up
         bucket = f"{BUCKET}-{uuid.uuid4().hex[:8]}"
         admin.create_bucket(bucket)
         policy = admin.bucket(bucket)

@@ -14,7 +14,7 @@ process per worker, since a TPU can be opened by one process only. The CPU jobs'
 the same container and locations, a CPU machine type and no accelerator.
 
 Every launch and every state query goes through one seam, the launcher executable
-(``python -m jobs.dataflow_launch``, whose work ``pipeline.cloud.dataflow_launch`` does, or
+(``python -m jobs.dataflow_launcher``, whose work ``pipeline.cloud.dataflow_stages`` does, or
 ``DATAFLOW_LAUNCHER``; the tests use a fake). The plan job gets the run's settings as the flags
 ``promptmill plan`` takes (``pipeline.cloud.gke.settings_flags``, every setting), which the
 launcher reads back with the CLI's own parser, as ``submit gke``'s plan command is read. The
@@ -32,6 +32,7 @@ from typing import Callable
 
 from pipeline.cloud import checks, program_check, tpu
 from pipeline.cloud.gke import committed_slices, settings_flags, settings_lines
+from pipeline.cloud.submission import Submission
 from pipeline.core import children, naming
 from pipeline.core.numbers import counted
 from pipeline.io import storage
@@ -41,7 +42,6 @@ DEFAULT_DISK_SIZE_GB = 100
 # Plan and collect parse JSON and parquet and write thumbnails: general-purpose CPU work.
 DEFAULT_CPU_MACHINE_TYPE = "n2-standard-4"
 DEFAULT_CPU_MAX_WORKERS = 10
-DEFAULT_POLL_S = 30.0
 
 STAGES = ("plan", "generate", "collect")  # launched in this order, each once the one before is DONE
 SUCCEEDED = "DONE"
@@ -191,24 +191,16 @@ def format_options(options: list[str] | tuple) -> str:
     return "\n".join(shlex.quote(option) for option in options)
 
 
-@dataclasses.dataclass(frozen=True)
-class DataflowJob:
-    settings: object  # pipeline.core.settings.Settings, devices_per_host = the worker's chips
-    tpu_slice: tpu.TpuSlice
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataflowJob(Submission):
+    """Three Dataflow jobs: plan and collect on CPU workers, generate on TPU workers (the
+    ``tpu_slice``, single-host); their DataflowRunner options, stage by stage."""
     plan_options: tuple[str, ...]
     generate_options: tuple[str, ...]
     collect_options: tuple[str, ...]
     project: str
     region: str
     cpu_machine_type: str = DEFAULT_CPU_MACHINE_TYPE
-    overwrite: bool = False
-    poll_s: float = DEFAULT_POLL_S
-    tpu_program: dict | None = None  # the TPU check's report (``pipeline.cloud.program_check``); None: skipped
-    cap_hosts: int | None = None  # hosts the plan caps an auto per-device batch for (``plan.Plan``)
-
-    @property
-    def out(self) -> str:
-        return self.settings.out
 
     def options(self, stage: str) -> tuple[str, ...]:
         return {"plan": self.plan_options, "generate": self.generate_options, "collect": self.collect_options}[stage]
@@ -221,18 +213,18 @@ class DataflowJob:
 
 def launcher_command() -> list[str]:
     """``DATAFLOW_LAUNCHER`` (an executable), or this Python running the launcher's command line,
-    ``jobs.dataflow_launch`` (it reads the plan's settings flags with the CLI's parser; the work is
-    ``pipeline.cloud.dataflow_launch``'s)."""
+    ``jobs.dataflow_launcher`` (it reads the plan's settings flags with the CLI's parser; the work is
+    ``pipeline.cloud.dataflow_stages``'s)."""
     override = os.environ.get("DATAFLOW_LAUNCHER")
     if override:
         if not (os.path.isfile(override) and os.access(override, os.X_OK)):
             raise RuntimeError(f"DATAFLOW_LAUNCHER={override!r} is not an executable file")
         return [override]
-    return children.python("-m", "jobs.dataflow_launch")
+    return children.python("-m", "jobs.dataflow_launcher")
 
 
 def stage_arguments(job: DataflowJob, stage: str) -> list[str]:
-    """The launcher's arguments that submit ``stage`` (``jobs.dataflow_launch``); the plan's
+    """The launcher's arguments that submit ``stage`` (``jobs.dataflow_launcher``); the plan's
     carry every setting as ``promptmill plan``'s flags (``settings_flags``, with ``--out``)."""
     if stage != "plan":
         return ["run", stage, "--out", job.out, "--", *job.options(stage)]
@@ -269,7 +261,7 @@ class Launcher:
 
     def launch(self, job: DataflowJob, stage: str) -> tuple[str, str]:
         """Submit ``stage``; (job id, state) once Dataflow accepted it. A plan the run keeps
-        (``dataflow_launch.launch``) submits nothing: its job id is ""."""
+        (``dataflow_stages.launch``) submits nothing: its job id is ""."""
         answer = self._call(stage_arguments(job, stage), LAUNCH_TIMEOUT_S)
         return ("" if answer["plan_kept"] else answer["job_id"]), answer["state"]
 
@@ -305,7 +297,7 @@ class StageFailed(RuntimeError):
 
 
 def wait_for_stage(launcher: Launcher, job: DataflowJob, stage: str, job_id: str, state: str,
-                   emit: Callable[[str], None], total: int | None = None,
+                   emit: Callable[[str], None], *, total: int | None = None,
                    sleep: Callable[[float], None] = time.sleep) -> None:
     """Poll ``job_id`` until it is DONE; with ``total`` (generate), print ``committed/total`` as it changes.
 
@@ -378,8 +370,8 @@ def submit_dataflow(job: DataflowJob, emit: Callable[[str], None] = print, launc
                 emit(f"plan kept: {job.out} holds this run's finished plan, and its inputs are unchanged")
             else:
                 emit(f"{stage} job {job_id} launched on {job.workers(stage)}")
-                wait_for_stage(launcher, job, stage, job_id, state, emit, total if stage == "generate" else None,
-                               sleep)
+                wait_for_stage(launcher, job, stage, job_id, state, emit,
+                               total=total if stage == "generate" else None, sleep=sleep)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (pipeline.core.interrupts)
             emit(stopped_following(job, stage, job_id))
             raise

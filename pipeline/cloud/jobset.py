@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.cloud import checks, dates as schedule, tpu
+from pipeline.cloud.submission import Submission
 from pipeline.io import lease
 
 DEFAULT_COORDINATOR_PORT = 8476  # jax.distributed's usual coordinator port
-DEFAULT_POLL_S = 30.0
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 REPLICATED_JOB = "hosts"  # the JobSet's one replicatedJob; pod host names are NAME-hosts-0-I
 CONTAINER = "promptmill"
@@ -32,10 +32,9 @@ def worker_hostnames(name: str, hosts: int, subdomain: str | None = None) -> lis
     return [f"{name}-{REPLICATED_JOB}-0-{i}.{domain}" for i in range(hosts)]
 
 
-@dataclasses.dataclass(frozen=True)
-class GkeJob:
-    settings: object  # pipeline.core.settings.Settings, devices_per_host = chips per host
-    tpu_slice: tpu.TpuSlice
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GkeJob(Submission):
+    """A JobSet of one pod per host of the ``tpu_slice``, with its plan and collect commands."""
     name: str
     image: str
     namespace: str = "default"
@@ -44,14 +43,6 @@ class GkeJob:
     service_account: str | None = None
     plan_beam_args: tuple[str, ...] = ()
     collect_beam_args: tuple[str, ...] = ()
-    overwrite: bool = False
-    poll_s: float = DEFAULT_POLL_S
-    tpu_program: dict | None = None  # the TPU check's report (``pipeline.cloud.program_check``); None: skipped
-    cap_hosts: int | None = None  # hosts the plan caps an auto per-device batch for (``plan.Plan``)
-
-    @property
-    def out(self) -> str:
-        return self.settings.out
 
     def validate(self) -> "GkeJob":
         if not 1 <= self.coordinator_port <= 65535:

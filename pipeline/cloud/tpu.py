@@ -65,38 +65,23 @@ TYPES = {t.name: t for t in (
 _ALIASES = {**{t.accelerator: t.name for t in TYPES.values()}, "v5litepod": "v5e", "trillium": "v6e",
             "ironwood": "tpu7x", "v7x": "tpu7x"}
 
-# (type, topology, machine type, runs on Dataflow). The first row of a (type, topology)
-# is its default machine type: the one with the fewest hosts.
-_ROWS = (
-    ("v5e", "1x1", "ct5lp-hightpu-1t", True),
-    ("v5e", "2x2", "ct5lp-hightpu-4t", True),
-    ("v5e", "2x4", "ct5lp-hightpu-8t", True),  # single host: one 8-chip VM
-    ("v5e", "2x4", "ct5lp-hightpu-4t", False),  # the same topology as two 4-chip VMs (multi-host)
-    ("v5e", "4x4", "ct5lp-hightpu-4t", False),
-    ("v5e", "4x8", "ct5lp-hightpu-4t", False),
-    ("v5e", "8x8", "ct5lp-hightpu-4t", False),
-    ("v5e", "8x16", "ct5lp-hightpu-4t", False),
-    ("v5e", "16x16", "ct5lp-hightpu-4t", False),
-    ("v6e", "1x1", "ct6e-standard-1t", True),
-    ("v6e", "2x2", "ct6e-standard-4t", True),
-    ("v6e", "2x4", "ct6e-standard-8t", True),  # single host: one 8-chip VM
-    ("v6e", "2x4", "ct6e-standard-4t", False),  # two 4-chip VMs (multi-host)
-    ("v6e", "4x4", "ct6e-standard-4t", False),
-    ("v6e", "4x8", "ct6e-standard-4t", False),
-    ("v6e", "8x8", "ct6e-standard-4t", False),
-    ("v6e", "8x16", "ct6e-standard-4t", False),
-    ("v6e", "16x16", "ct6e-standard-4t", False),
-    ("v5p", "2x2x1", "ct5p-hightpu-4t", False),
-    ("v5p", "2x2x2", "ct5p-hightpu-4t", False),
-    ("v5p", "2x2x4", "ct5p-hightpu-4t", False),
-    ("v5p", "2x4x4", "ct5p-hightpu-4t", False),
-    ("v5p", "4x4x4", "ct5p-hightpu-4t", False),
-    ("tpu7x", "2x2x1", "tpu7x-standard-4t", False),  # one host of 4 chips (8 devices)
-    ("tpu7x", "2x2x2", "tpu7x-standard-4t", False),
-    ("tpu7x", "2x2x4", "tpu7x-standard-4t", False),
-    ("tpu7x", "2x4x4", "tpu7x-standard-4t", False),
-    ("tpu7x", "4x4x4", "tpu7x-standard-4t", False),
-)
+# Single-host slices on one VM that Dataflow runs, per type: (topology, machine type).
+_DATAFLOW_VMS = {
+    "v5e": (("1x1", "ct5lp-hightpu-1t"), ("2x2", "ct5lp-hightpu-4t"), ("2x4", "ct5lp-hightpu-8t")),
+    "v6e": (("1x1", "ct6e-standard-1t"), ("2x2", "ct6e-standard-4t"), ("2x4", "ct6e-standard-8t")),
+}
+# Every type also runs on VMs of 4 chips (GKE only): its machine type, and the topologies it
+# runs on them, by topology dimensions. A 2-D type's 2x4 is two such VMs beside its one 8-chip
+# VM above; a 3-D type's 2x2x1 is one VM.
+_FOUR_CHIP_VMS = {"v5e": "ct5lp-hightpu-4t", "v6e": "ct6e-standard-4t", "v5p": "ct5p-hightpu-4t",
+                  "tpu7x": "tpu7x-standard-4t"}
+_FOUR_CHIP_TOPOLOGIES = {2: ("2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+                         3: ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4")}
+# (type, topology, machine type, runs on Dataflow), type by type. The first row of a (type,
+# topology) is its default machine type: the one with the fewest hosts.
+_ROWS = tuple(row for name, t in TYPES.items() for row in (
+    *((name, topology, machine, True) for topology, machine in _DATAFLOW_VMS.get(name, ())),
+    *((name, topology, _FOUR_CHIP_VMS[name], False) for topology in _FOUR_CHIP_TOPOLOGIES[t.dims])))
 
 _TOPOLOGY = re.compile(r"[1-9][0-9]*(x[1-9][0-9]*)+")
 _MACHINE_CHIPS = re.compile(r"(?:ct[0-9a-z]+|tpu[0-9a-z]+)-[a-z]+-([1-9][0-9]*)t")

@@ -42,7 +42,7 @@ from pipeline.collect.verify import ACCOUNTED, VERDICTS, unused_guidance, unused
 from pipeline.core import buckets, choices, filters, logs, naming
 from pipeline.core.settings import Run
 from pipeline.generate import environment as environment_lib
-from pipeline.io import beamio, runs, storage
+from pipeline.io import beamio, inventory, runs, storage
 from pipeline.output import formats, key_index, writer
 
 PART_ROWS = 1_000_000  # images a part holds, about: whole slices
@@ -101,11 +101,11 @@ class SliceFiles:
 
 def read_slice(out: str, run: Run, index: int) -> SliceFiles:
     """One slice's files, from reads of its plan items, marker and metadata shard, and
-    listings of everything else (``storage.listed_objects``)."""
+    listings of everything else (``inventory.listed_objects``)."""
     items = [{name: item[name] for name in ("key", "image_index")}  # what verifying needs of each item
              for item in (json.loads(raw) for raw in beamio.iter_lines(naming.plan_slice(out, index)) if raw.strip())]
     marker_path = naming.shard_stats(out, index)
-    objects = storage.listed_paths([marker_path, *writer.whole_objects(out, run.settings, index)])
+    objects = inventory.listed_paths([marker_path, *writer.whole_objects(out, run.settings, index)])
     committed = marker_path in objects
     table, images = None, None
     shard = naming.shard_metadata(out, index)
@@ -119,7 +119,7 @@ def read_slice(out: str, run: Run, index: int) -> SliceFiles:
         logs.event("slice_unreadable", logging.ERROR, slice=index, redo=redo)
         return SliceFiles(index, items, None, None, None, objects, redo)
     if committed and "files" in run.settings.formats:
-        images = {path: listed for path, listed in storage.listed_objects(naming.images_dir(out, index) + "/").items()
+        images = {path: listed for path, listed in inventory.listed_objects(naming.images_dir(out, index) + "/").items()
                   if not path.endswith("/metadata.jsonl")}
     return SliceFiles(index, items, marker, table, images, objects)
 

@@ -149,10 +149,11 @@ def run_state(committed: int, planned: int, hosts: list[dict], collect: dict) ->
     return "idle"
 
 
-def report(out: str, run: Run, manifest: dict | None, committed: ledgers.Committed, progress: list[dict],
+def report(out: str, run: Run, manifest: dict | None, committed: ledgers.Committed, progress: list[dict], *,
            dataset_stats: dict | None, now: float, host_logs: frozenset[int] = frozenset()) -> dict:
-    """The status of the run in ``out`` (pure), from what ``gather`` read; ``host_logs``:
-    the hosts whose log a local run keeps in ``OUT/logs``."""
+    """The status of the run in ``out`` (pure) at ``now``, from what ``gather`` read
+    (``dataset_stats``: collect's, None until it ran); ``host_logs``: the hosts whose log a
+    local run keeps in ``OUT/logs``."""
     planned_slices = manifest["slices"] if manifest else 0
     images = committed.images
     rates = [commit_rate([t for t, _ in group], [n for _, n in group], now) for group in committed.recent]
@@ -240,7 +241,8 @@ def status(out: str) -> dict:
     """The status of the run in ``out`` now, with how long reading it took (``seconds``)."""
     watch = logs.Stopwatch()
     run, manifest, committed, progress, stats, host_logs = gather(out)
-    return {**report(out, run, manifest, committed, progress, stats, time.time(), host_logs),
+    return {**report(out, run, manifest, committed, progress, dataset_stats=stats, now=time.time(),
+                     host_logs=host_logs),
             "seconds": round(watch.seconds(), 3)}
 
 

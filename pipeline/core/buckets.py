@@ -206,13 +206,6 @@ class Geometry:
                 return b
         raise ValueError(f"slice {index} is not in the plan ({self.slices} slices)")
 
-    def slice_of(self, bucket: int, position: int) -> int:
-        """The slice of the image at global ``position``, of bucket ``bucket``."""
-        b = self.buckets[bucket]
-        if not b.offset <= position < b.offset + b.images:
-            raise ValueError(f"position {position} is not in bucket {b.name}")
-        return b.first_slice + (position - b.offset) // b.slice_size
-
     def slice_span(self, index: int) -> tuple[int, int]:
         """[start, stop) global positions of slice ``index`` (the last of a bucket may hold fewer)."""
         b = self.buckets[self.bucket_of_slice(index)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 # --scheduler choices -> what each is (promptmill's own steps run them all:
-# pipeline.model.sampling.steps, as diffusers' PyTorch scheduler of that name)
+# pipeline.model.sampling.schedules, as diffusers' PyTorch scheduler of that name)
 SCHEDULERS = {
     "ddim": "DDIM (DDIMScheduler)",
     "pndm": "PNDM/PLMS (PNDMScheduler; SD 1.x's own)",

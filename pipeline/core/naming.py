@@ -18,6 +18,7 @@ record's repeat, rejected, never a second record with its name.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 
@@ -95,10 +96,11 @@ def join(base: str, *parts: str) -> str:
 
 
 # Everything promptmill writes under OUT, by name relative to OUT, is given by a function of
-# this module registered with the pattern of the names it gives (``writes``); ``owned`` matches
-# exactly those, and ``--overwrite`` deletes exactly the objects it matches, never another (a
-# user's own file in OUT is kept). tests/test_naming.py calls every path function here and
-# holds each name it gives against ``owned``, so a writer cannot give a name the rule misses.
+# this module registered with the pattern of the names it gives (``writes``), or by a ``Fixed``
+# name or a ``PerSlice`` object, which spell their own pattern; ``owned`` matches exactly those, and ``--overwrite`` deletes
+# exactly the objects it matches, never another (a user's own file in OUT is kept).
+# tests/core/test_naming.py calls every path function here and holds each name it gives against
+# ``owned``, so a writer cannot give a name the rule misses.
 WRITERS: dict[str, str] = {}  # {function name: the pattern of the names under OUT it gives}
 _SIZE_GROUP = r"(\d+x\d+/)?"  # a run of several sizes keeps a zarr group per size
 
@@ -119,11 +121,40 @@ _EARLIER = (r"shards/\d{5,}(\.tar|\.parquet|_stats\.json)", r"images/\d{5,}/[A-Z
             r"dataset/metadata\.parquet")
 
 
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """The path function of the one object of a fixed ``name`` under OUT, called as the others
+    are (``naming.manifest(out)``). The name is spelled once: it is its own pattern (``owned``)."""
+    name: str  # relative to OUT
+
+    def __call__(self, out: str) -> str:
+        return join(out, self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class PerSlice:
+    """The path function of one whole object of each slice under OUT, called as the others are
+    (``naming.shard_tar(out, index)``): ``FOLDER/NAME+SUFFIX``, NAME the slice's spread name
+    (``output_name``). Its pattern follows from the folder and the suffix (``owned``)."""
+    folder: str
+    suffix: str
+
+    def __call__(self, out: str, index: int) -> str:
+        return join(out, self.folder, f"{output_name(index)}{self.suffix}")
+
+    @property
+    def pattern(self) -> str:
+        return rf"{re.escape(self.folder)}/{_SPREAD}{re.escape(self.suffix)}"
+
+
 def owned(name: str) -> bool:
     """Whether promptmill writes an object of this name (relative to OUT)."""
     global _OWNED
     if _OWNED is None:
-        _OWNED = re.compile("|".join(f"(?:{pattern})" for pattern in [*WRITERS.values(), *_EARLIER, _TEMP]))
+        spelled = [re.escape(value.name) if isinstance(value, Fixed) else value.pattern
+                   for value in globals().values() if isinstance(value, (Fixed, PerSlice))]
+        _OWNED = re.compile("|".join(f"(?:{pattern})" for pattern in [*WRITERS.values(), *spelled, *_EARLIER,
+                                                                       _TEMP]))
     return _OWNED.fullmatch(name) is not None
 
 
@@ -143,38 +174,22 @@ def slice_name(index: int) -> str:
     return f"{index:05d}"
 
 
-@writes(r"run\.json")
-def run_json(out: str) -> str:
-    return join(out, "run.json")
-
-
-@writes(r"environment\.json")
-def environment(out: str) -> str:
-    """What the run's images are made in: libraries, XLA flags, platform (``pipeline.generate.environment``)."""
-    return join(out, "environment.json")
-
-
-@writes(r"lease\.json")
-def lease(out: str) -> str:
-    """The lease of the command that writes OUT now (``pipeline.io.lease``)."""
-    return join(out, "lease.json")
-
-
-@writes(r"plan/manifest\.json")
-def manifest(out: str) -> str:
-    return join(out, "plan", "manifest.json")
-
-
-@writes(r"plan/inputs\.json")
-def plan_inputs(out: str) -> str:
-    """The input table: every prompt file the plan read, with its size and checksum."""
-    return join(out, "plan", "inputs.json")
-
-
-@writes(r"plan/model_files\.json")
-def model_files(out: str) -> str:
-    """The checkpoint's file table (sizes and sha256) the plan was made with."""
-    return join(out, "plan", "model_files.json")
+# The objects of one fixed name under OUT (``Fixed``):
+run_json = Fixed("run.json")
+# what the run's images are made in: libraries, XLA flags, platform (``pipeline.generate.environment``)
+environment = Fixed("environment.json")
+lease = Fixed("lease.json")  # the lease of the command that writes OUT now (``pipeline.io.lease``)
+manifest = Fixed("plan/manifest.json")
+# the input table: every prompt file the plan read, with its size and checksum
+plan_inputs = Fixed("plan/inputs.json")
+# the local prompt files' checksums by size and modification time, so that a resume reads only a
+# file that changed (``pipeline.plan.input_table``)
+input_cache = Fixed("plan/input_cache.json")
+# the checkpoint's file table (sizes and sha256) the plan was made with
+model_files = Fixed("plan/model_files.json")
+# the dataset card, ``OUT/README.md``: where Hugging Face readers look for it
+# (``datasets.load_dataset(OUT)`` reads its ``configs``)
+dataset_card = Fixed("README.md")
 
 
 @writes(r"plan/slices/\d{5,}\.jsonl")
@@ -212,13 +227,6 @@ def plan_range(out: str, kind: str, hash_range: int) -> str:
     return join(out, "plan", "scans", f"{kind}-{hash_range:05d}.range")
 
 
-@writes(r"plan/input_cache\.json")
-def input_cache(out: str) -> str:
-    """The local prompt files' checksums by size and modification time, so that a resume
-    reads only a file that changed (``pipeline.plan.input_table``)."""
-    return join(out, "plan", "input_cache.json")
-
-
 @writes(r"plan/rejects/[A-Za-z0-9_-]+\.jsonl")
 def rejects_dir(out: str) -> str:
     return join(out, "plan", "rejects")
@@ -238,17 +246,13 @@ def output_name(index: int) -> str:
     return f"{hashlib.sha256(str(index).encode()).hexdigest()[:4]}-{slice_name(index)}"
 
 
-@writes(rf"shards/{_SPREAD}\.parquet")
-def shard_metadata(out: str, index: int) -> str:
-    return join(out, "shards", f"{output_name(index)}.parquet")
-
-
-@writes(rf"shards/{_SPREAD}_stats\.json")
-def shard_stats(out: str, index: int) -> str:
-    """The commit marker of a slice: written last."""
-    return join(out, "shards", f"{output_name(index)}_stats.json")
-
-
+# The slice's whole objects (``PerSlice``):
+shard_metadata = PerSlice("shards", ".parquet")  # one metadata row per image
+shard_stats = PerSlice("shards", "_stats.json")  # the commit marker of a slice: written last
+shard_tar = PerSlice("shards", ".tar")  # the WebDataset shard
+image_parquet = PerSlice("parquet", ".parquet")  # the rows with image bytes (the ``parquet`` format)
+# the gallery's thumbnails: one tar of ``KEY.jpg`` that the host writes with the other whole objects
+thumb_pack = PerSlice("thumbs", ".tar")
 _MARKER = re.compile(r"[0-9a-f]{4}-(\d{5,})_stats\.json")
 
 
@@ -256,21 +260,9 @@ def marker_slice(path: str) -> int | None:
     """The slice whose commit marker ``path`` names (``shard_stats``), else None."""
     name = path.rsplit("/", 1)[-1]
     match = _MARKER.fullmatch(name)
-    if not match or f"{output_name(int(match.group(1)))}_stats.json" != name:
+    if not match or f"{output_name(int(match.group(1)))}{shard_stats.suffix}" != name:
         return None
     return int(match.group(1))
-
-
-@writes(rf"shards/{_SPREAD}\.tar")
-def shard_tar(out: str, index: int) -> str:
-    """The slice's WebDataset shard."""
-    return join(out, "shards", f"{output_name(index)}.tar")
-
-
-@writes(rf"parquet/{_SPREAD}\.parquet")
-def image_parquet(out: str, index: int) -> str:
-    """The slice's rows with image bytes (the ``parquet`` format)."""
-    return join(out, "parquet", f"{output_name(index)}.parquet")
 
 
 @writes(r"zarr/(\d+x\d+/)?(zarr\.json|(images|latents|dropped|key)/.+)")
@@ -302,33 +294,9 @@ def image_name(index: int, key: str, ext: str = "png") -> str:
     return f"images/{output_name(index)}/{key}.{ext}"
 
 
-@writes(rf"images/{_SPREAD}/[A-Za-z0-9_-]+\.(png|jpg|webp)")
-def image_file(out: str, index: int, key: str, ext: str = "png") -> str:
-    return join(out, image_name(index, key, ext))
-
-
-@writes(rf"thumbs/{_SPREAD}\.tar")
-def thumb_pack_name(index: int) -> str:
-    """Slice ``index``'s gallery thumbnails, relative to OUT: one tar of ``KEY.jpg`` that the
-    host writes with the slice's other whole objects (``thumb_pack``)."""
-    return f"thumbs/{output_name(index)}.tar"
-
-
-@writes(rf"thumbs/{_SPREAD}\.tar")
-def thumb_pack(out: str, index: int) -> str:
-    return join(out, thumb_pack_name(index))
-
-
 @writes(r"dataset/(stats\.json|index\.html|gallery/page-\d{5,}\.html)")
 def dataset_file(out: str, name: str) -> str:
     return join(out, "dataset", name)
-
-
-@writes(r"README\.md")
-def dataset_card(out: str) -> str:
-    """The dataset card, ``OUT/README.md``: where Hugging Face readers look for it
-    (``datasets.load_dataset(OUT)`` reads its ``configs``)."""
-    return join(out, "README.md")
 
 
 # A YAML comment in the card's front matter (``pipeline.collect.card``): an OUT/README.md

@@ -152,7 +152,7 @@ def _unique_keys(pairs):
     return row
 
 
-def parse_row(row, source: str, line: int, run_seed: int, auto_id: str,
+def parse_row(row, source: str, line: int, run_seed: int, auto_id: str, *,
               max_images: int = 100, prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> Record:
     """Validate one decoded row; raise ``_Bad`` with a reason code.
 
@@ -226,7 +226,7 @@ def _decode_line(raw: bytes, source: str, line: int) -> str | Reject:
                       raw.decode("utf-8", "replace"))
 
 
-def parse_jsonl_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: str,
+def parse_jsonl_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: str, *,
                      prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> Record | Reject | None:
     """One JSONL line to a Record, a Reject, or None for a blank line."""
     text = _decode_line(raw, source, line)
@@ -254,7 +254,7 @@ def parse_text_line(raw: bytes, source: str, line: int, run_seed: int, auto_id: 
     return parse_decoded({"prompt": text}, source, line, run_seed, auto_id, sizes=sizes)
 
 
-def parse_decoded(row, source: str, line: int, run_seed: int, auto_id: str,
+def parse_decoded(row, source: str, line: int, run_seed: int, auto_id: str, *,
                   prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> Record | Reject:
     """A row some reader already decoded (a CSV row, a JSON array element, a Parquet row)."""
     try:

@@ -422,7 +422,7 @@ class Run:
                              f"settings read {sorted(needed)} (--score {','.join(self.settings.scores)})")
 
     @classmethod
-    def create(cls, settings: Settings, model_fingerprint: str, created_at: str, versions: dict,
+    def create(cls, settings: Settings, model_fingerprint: str, created_at: str, versions: dict, *,
                loras: tuple[Lora, ...] = (), license: str | None = None, sharding: dict | None = None,
                scorers: dict | None = None) -> "Run":
         scorers = dict(scorers or {})

@@ -27,20 +27,6 @@ def num_slices(num_items: int, size: int) -> int:
     return math.ceil(num_items / size) if num_items > 0 else 0
 
 
-def items_in_slice(index: int, size: int, num_items: int) -> int:
-    """How many of the ``num_items`` items slice ``index`` holds (the last one may hold fewer)."""
-    if index < 0 or size < 1:
-        raise ValueError(f"a slice index >= 0 and a size >= 1, got {index} and {size}")
-    return max(0, min(size, num_items - index * size))
-
-
-def locate(position: int, size: int) -> tuple[int, int]:
-    """(slice index, offset inside the slice) of the item at global ``position``."""
-    if position < 0:
-        raise ValueError(f"position must be >= 0, got {position}")
-    return divmod(position, size)
-
-
 def slots_per_host(total_slices: int, num_hosts: int) -> int:
     """How many slice slots every host runs (the same for all hosts)."""
     if num_hosts < 1:
@@ -67,13 +53,6 @@ def batches_per_slice(size: int, local_devices: int, per_device_batch: int) -> i
             f"slice size {size} is not a multiple of local devices ({local_devices}) x "
             f"per-device batch ({per_device_batch}); re-plan with --devices-per-host {local_devices}")
     return size // step
-
-
-def pad_mask(num_real: int, size: int) -> list[bool]:
-    """True for real rows, False for the padding rows that fill a slice to ``size``."""
-    if not 0 <= num_real <= size:
-        raise ValueError(f"a slice holds 0..{size} real items, got {num_real}")
-    return [True] * num_real + [False] * (size - num_real)
 
 
 def most_per_device(images: int, hosts: int, devices_per_host: int) -> int:

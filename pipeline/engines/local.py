@@ -370,7 +370,7 @@ def _committed(out: str) -> str:
     return f"{sum(index < planned for index in runs.committed(out))}/{planned}"
 
 
-def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, progress: bool = True,
+def run_local(settings, num_hosts: int, beam_args: list[str] | None = None, *, progress: bool = True,
               compile_cache: str | None = None, overwrite: bool = False, gallery: dict | None = None) -> dict:
     """plan -> local hosts -> collect; returns the dataset stats. ``gallery``: collect's
     options, ``run_collect``'s keywords (page_size, gallery_max, gallery_order, part_rows).

@@ -40,7 +40,7 @@ class BucketPrograms:
     so each is ready long before the host gets to it; ``get(b)`` returns size ``b``'s,
     waiting for its compile if it is still running."""
 
-    def __init__(self, run: Run, model, first: Program, count: int, host: int = 0, empty: tuple[int, ...] = (),
+    def __init__(self, run: Run, model, first: Program, count: int, *, host: int = 0, empty: tuple[int, ...] = (),
                  first_index: int = 0):
         """``empty``: sizes this host runs nothing of (no record asked for them, or a resumed
         run committed them), whose programs are never needed."""

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 
 from pipeline.core import buckets, logs
+from pipeline.generate.spec import ProgramSpec
 from pipeline.model.sampling import decoding, guidance
 
 GIB = 2 ** 30
@@ -46,41 +47,43 @@ def program_memory(compiled) -> dict:
 
 
 
-def sampler_memory(model, width: int, height: int, steps: int, per_device_batch: int, guided: bool = True,
-                   attention: str = "auto", platform: str | None = None, latents: bool = False,
-                   guidance_rule: str | None = None, fsdp: int = 1, devices=None, *,
-                   decode_batch: int | None = None) -> dict:
-    """``program_memory`` of one device's sampler program at ``per_device_batch`` images,
-    compiled from shapes (``model``'s params may be arrays or ``ShapeDtypeStruct``s);
-    ``guidance_rule``: default the model's family's (``Family.guidance_rule``). ``fsdp`` > 1:
-    the FSDP program of one group of ``fsdp`` of ``devices`` (a device's memory is the
-    same in a host of one group or of many). ``decode_batch``: the VAE decodes that many
-    images at a time (None: all at once), as the run's program does."""
+def sampler_memory(model, spec: ProgramSpec, platform: str | None = None, devices=None) -> dict:
+    """``program_memory`` of one device's program of ``spec`` (at its ``per_device_batch``
+    images), compiled from shapes (``model``'s params may be arrays or
+    ``ShapeDtypeStruct``s). At ``spec.fsdp`` > 1: the FSDP program of one group of that
+    many of ``devices`` (a device's memory is the same in a host of one group or of many);
+    at 1, the per-device program every device of a host runs (``generator.per_device_program``)."""
     import jax
     import jax.numpy as jnp
 
     from pipeline.generate import sampler
-    from pipeline.model.families.shapes import struct
+    from pipeline.model.shapes import struct
 
-    rule = guidance_rule if guidance_rule is not None else model.family.guidance_rule(model)
-    if fsdp != 1:
+    if spec.fsdp != 1:
         from pipeline.generate.generator import lower_sampler
 
         devices = list(devices or jax.local_devices())
-        if len(devices) < fsdp:
-            raise FitError(f"--fsdp {fsdp}: measuring its program needs {fsdp} devices, this process has "
+        if len(devices) < spec.fsdp:
+            raise FitError(f"--fsdp {spec.fsdp}: measuring its program needs {spec.fsdp} devices, this process has "
                            f"{len(devices)}")
-        lowered = lower_sampler(model, width, height, steps, per_device_batch, devices[:fsdp], latents, rule, guided,
-                                attention, fsdp, decode_batch=decode_batch)
-        return program_memory(lowered.compile())
-    fn = sampler.make_sample_fn(model, width, height, steps, latents, rule, guided=guided, attention=attention,
-                                platform=platform, decode_batch=decode_batch)
+        return program_memory(lower_sampler(model, spec, devices[:spec.fsdp]).compile())
+    fn = sampler.make_sample_fn(model, spec, platform)
     params = struct(model.params, model.param_dtype)
-    b = per_device_batch
+    b = spec.per_device_batch
     ids = jax.ShapeDtypeStruct((b, *model.family.tokenize(model, [""]).shape[1:]), jnp.int32)
     words = jax.ShapeDtypeStruct((b,), jnp.uint32)
     lowered = jax.jit(fn).lower(params, ids, ids, jax.ShapeDtypeStruct((b,), jnp.float32), words, words, words)
     return program_memory(lowered.compile())
+
+
+def fit_spec(settings, model, width: int, height: int, guided: bool) -> ProgramSpec:
+    """The program a fit measures for ``settings`` (before planning: the model's own guidance
+    rule and default steps, a ``decode_batch`` of "auto" as planning resolves it), at one
+    image per device; the fit varies ``per_device_batch`` and ``fsdp``."""
+    return ProgramSpec(width, height, model.steps(settings.steps), 1, model.family.guidance_rule(model), guided,
+                       settings.save_latents, settings.attention,
+                       settings.fsdp if isinstance(settings.fsdp, int) else 1,  # "auto": the fit of --fsdp varies it
+                       decoding.planned(settings.decode_batch))
 
 
 def largest_batch(needs: Callable[[int], int], capacity: int, most: int = MOST_PER_DEVICE) -> tuple[int, dict]:
@@ -172,10 +175,10 @@ def choose_per_device_batch(settings, devices=None, devices_on_machine: int | No
     guided = guidance.guided_before_planning(settings, model)  # the one rule, as the TPU check's
     platform = devices[0].platform
 
+    spec = fit_spec(settings, model, width, height, guided)
+
     def needs(b: int) -> int:
-        return sampler_memory(model, width, height, model.steps(settings.steps), b, guided, settings.attention, platform,
-                              settings.save_latents, fsdp=settings.fsdp, devices=devices,
-                              decode_batch=decoding.planned(settings.decode_batch))["total"]
+        return sampler_memory(model, spec.at(per_device_batch=b), platform, devices)["total"]
 
     try:
         chosen, tried = largest_batch(needs, capacity)
@@ -227,7 +230,7 @@ def resolve_sizes(settings):
     from pipeline.model import load as model_lib
 
     described = model_lib.describe(model_lib.LoadRequest.of(settings))
-    sizes = buckets.preset_sizes(described["native_size"], described["size_multiple"])
+    sizes = buckets.preset_sizes(described.native_size, described.size_multiple)
     return settings.replace(sizes=sizes, width=None, height=None).validate()
 
 
@@ -274,13 +277,12 @@ def choose_fsdp(settings, devices=None, devices_on_machine: int | None = None) -
     width, height = max((buckets.parse_size(n) for n in settings.sizes), key=lambda wh: wh[0] * wh[1]) \
         if settings.sizes else model.size(settings.width, settings.height)
     guided = guidance.guided_before_planning(settings, model)
+    spec = fit_spec(settings, model, width, height, guided)
     tried = {}
     for n in sharding.divisors(settings.devices_per_host):
         if n > len(devices):
             break
-        tried[n] = sampler_memory(model, width, height, model.steps(settings.steps), 1, guided, settings.attention,
-                                  devices[0].platform, settings.save_latents, fsdp=n, devices=devices,
-                                  decode_batch=decoding.planned(settings.decode_batch))["total"]
+        tried[n] = sampler_memory(model, spec.at(fsdp=n), devices[0].platform, devices)["total"]
         if tried[n] <= capacity:
             logs.event("fsdp_chosen", fsdp=n, capacity_gib=round(capacity / GIB, 3), capacity_from=source,
                        tried_gib={k: round(v / GIB, 3) for k, v in tried.items()})

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from pipeline.generate import compile_cache, jax_events, sampler
+from pipeline.generate.spec import ProgramSpec
 from pipeline.model import sharding
 from pipeline.model.layers import attention as attention_lib
 
@@ -65,7 +66,7 @@ def replicated_shapes(tree, devices=None, dtype=None):
     ``tree`` as it is, without shardings."""
     import jax
 
-    from pipeline.model.families.shapes import struct
+    from pipeline.model.shapes import struct
 
     if devices is None:
         return jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype),
@@ -120,32 +121,28 @@ def place_params(model, devices, fsdp: int = 1):
     return sharding.place(model.params, shardings, model.param_dtype)
 
 
-def compile_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices,
-                    latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
-                    attention: str = "auto", index_key: str | None = None, fsdp: int = 1,
-                    lowered=None, decode_batch: int | None = None) -> SamplerProgram:
-    """The host's sampler for ``devices`` (one program over the host's mesh,
+def compile_sampler(model, spec: ProgramSpec, devices, *, index_key: str | None = None,
+                    lowered=None) -> SamplerProgram:
+    """The host's sampler of ``spec`` for ``devices`` (one program over the host's mesh,
     ``lower_sampler``), lowered from shapes alone and compiled, or loaded from the
     executable cache (``compile_cache.load_or_compile``).
 
     ``model``'s params may be arrays or ``ShapeDtypeStruct``s (``load(abstract=True)``):
     only their shapes and dtypes are read, so this can run on a thread while the weights
-    load. The Generator's arguments of the same names mean the same. ``index_key``: the
-    ``compile_cache.index_key`` of these arguments, under which ``indexed_sampler`` finds
-    the executable next time without lowering it. ``lowered``: the program ``lower_sampler``
-    made of these same arguments, when the caller has it already."""
+    load. ``index_key``: the ``compile_cache.index_key`` of the program, under which
+    ``indexed_sampler`` finds the executable next time without lowering it. ``lowered``:
+    the program ``lower_sampler`` made of these same arguments, when the caller has it already."""
     jax_events.COMPILES.install()
     started = time.perf_counter()
     devices = list(devices)
     compiles = jax_events.COMPILES.count_here()
     if lowered is None:
-        lowered = lower_sampler(model, width, height, steps, per_device_batch, devices, latents, guidance_rule, guided,
-                                attention, fsdp, decode_batch=decode_batch)
-    params = program_params(model, devices, fsdp)
+        lowered = lower_sampler(model, spec, devices)
+    params = program_params(model, devices, spec.fsdp)
     compiled, from_cache = compile_cache.load_or_compile(lowered, devices,
                                                          index=(index_key, params) if index_key else None)
     return SamplerProgram(compiled, params, tuple(devices), from_cache,
-                          jax_events.COMPILES.count_here() - compiles, time.perf_counter() - started, fsdp=fsdp)
+                          jax_events.COMPILES.count_here() - compiles, time.perf_counter() - started, fsdp=spec.fsdp)
 
 
 def indexed_sampler(index_key: str, devices, fsdp: int = 1) -> SamplerProgram | None:
@@ -172,93 +169,82 @@ def load_indexed_program(index_key: str, devices) -> tuple | None:
     return (*found, jax_events.COMPILES.count_here() - compiles, time.perf_counter() - started)
 
 
-def lower_sampler(model, width: int, height: int, steps: int, per_device_batch: int, devices, latents: bool = False,
-                  guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto", fsdp: int = 1, *,
-                  decode_batch: int | None = None):
-    """The host's sampler for ``devices`` as one program over the host's mesh
+def lower_sampler(model, spec: ProgramSpec, devices):
+    """The host's sampler of ``spec`` for ``devices`` as one program over the host's mesh
     (``sharding.mesh``: axes data and fsdp), lowered from the shapes of ``model``'s params
     and of a batch (``compile_sampler``): the batch of D x per-device batch images split
     over the D devices, so each computes its own; the weights of the sharded components
-    split over groups of ``fsdp`` of them, every other weight (all of them at ``fsdp`` 1)
-    whole on every device. ``decode_batch``: the VAE decodes each device's images that
-    many at a time (None: all at once; ``sampler.make_sample_fn``)."""
+    split over groups of ``spec.fsdp`` of them, every other weight (all of them at
+    ``fsdp`` 1) whole on every device."""
     import jax
     import jax.numpy as jnp
 
     devices = list(devices)
-    attention_lib.check_platform(attention, devices[0].platform)
-    the_mesh = sharding.mesh(devices, fsdp)
-    params = program_params(model, devices, fsdp)
-    n = len(devices) * per_device_batch
+    attention_lib.check_platform(spec.attention, devices[0].platform)
+    the_mesh = sharding.mesh(devices, spec.fsdp)
+    params = program_params(model, devices, spec.fsdp)
+    n = len(devices) * spec.per_device_batch
     ids = model.family.tokenize(model, [""]).shape[1:]
     one = sharding.batch_sharding(the_mesh, 1)
     images = sharding.batch_sharding(the_mesh, 4)
-    fn = jax.jit(_per_device_program(model, width, height, steps, latents, guidance_rule, guided, attention,
-                                     the_mesh, fsdp, decode_batch=decode_batch),
-                 out_shardings=(images, images) if latents else images)
+    fn = jax.jit(per_device_program(model, spec, the_mesh), out_shardings=(images, images) if spec.latents else images)
     ids_struct = jax.ShapeDtypeStruct((n, *ids), jnp.int32, sharding=sharding.batch_sharding(the_mesh, 1 + len(ids)))
     words = jax.ShapeDtypeStruct((n,), jnp.uint32, sharding=one)
     return fn.lower(params, ids_struct, ids_struct, jax.ShapeDtypeStruct((n,), jnp.float32, sharding=one), words,
                     words, words)
 
 
-def _per_device_program(model, width: int, height: int, steps: int, latents: bool, guidance_rule: str,
-                        guided: bool, attention: str, the_mesh, fsdp: int, *, decode_batch: int | None):
-    """The sample function as the host's program runs it. At ``fsdp`` 1 it is written per
-    device (``shard_map`` over every axis of the mesh: each device runs the same program on
-    its own rows with its whole copy of the weights), so the program a device runs does not
-    depend on how many devices the host has: a 2x2 run and a 1x4 run compute every image
-    with the same instructions, byte for byte. At N > 1 the weights are split over the fsdp
-    axis and the compiler partitions the program over the mesh (sharding annotations)."""
+def per_device_program(model, spec: ProgramSpec, the_mesh):
+    """The sample function of ``spec`` as the host's program runs it over ``the_mesh``. At
+    ``fsdp`` 1 it is written per device (``shard_map`` over every axis of the mesh: each
+    device runs the same program on its own rows with its whole copy of the weights), so
+    the program a device runs does not depend on how many devices the host has: a 2x2 run
+    and a 1x4 run compute every image with the same instructions, byte for byte. At N > 1
+    the weights are split over the fsdp axis and the compiler partitions the program over
+    the mesh (sharding annotations)."""
     import jax
     from jax.sharding import PartitionSpec
 
     platform = the_mesh.devices.flat[0].platform
-    if fsdp > 1:
-        return sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention,
-                                      platform, the_mesh, decode_batch=decode_batch)
-    fn = sampler.make_sample_fn(model, width, height, steps, latents, guidance_rule, guided, attention, platform,
-                                None, decode_batch=decode_batch)
+    if spec.fsdp > 1:
+        return sampler.make_sample_fn(model, spec, platform, the_mesh)
     rows = PartitionSpec(tuple(the_mesh.axis_names))
-    return jax.shard_map(fn, mesh=the_mesh, in_specs=(PartitionSpec(),) + (rows,) * 6,
-                         out_specs=(rows, rows) if latents else rows, check_vma=False)
+    return jax.shard_map(sampler.make_sample_fn(model, spec, platform), mesh=the_mesh,
+                         in_specs=(PartitionSpec(),) + (rows,) * 6, out_specs=(rows, rows) if spec.latents else rows,
+                         check_vma=False)
 
 
 class Generator:
-    """``program``: the sampler ``compile_sampler`` made for these arguments (e.g. from an
-    abstract model while the weights loaded); it is used when it takes exactly these
-    params on these devices, else the sampler is compiled here. ``params``: the model's
-    params already on ``devices`` as the program takes them (``place_params``; generators
-    of one model may share them). ``fsdp``: the weights sharded over groups of that many
-    devices (``pipeline.model.sharding``); 1, a whole copy on every device. ``decode_batch``: the VAE decodes each device's images that many at a
-    time (None: the whole batch at once, the program of runs planned before)."""
+    """The sampler of ``spec`` on ``devices`` (default: every local device), with the
+    model's weights on them. ``program``: the sampler ``compile_sampler`` made of the same
+    spec (e.g. from an abstract model while the weights loaded); it is used when it takes
+    exactly these params on these devices, else the sampler is compiled here. ``params``:
+    the model's params already on ``devices`` as the program takes them (``place_params``;
+    generators of one model may share them)."""
 
-    def __init__(self, model, width: int, height: int, steps: int, per_device_batch: int, devices=None,
-                 latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True, params=None,
-                 attention: str = "auto", program: SamplerProgram | None = None, fsdp: int = 1,
-                 decode_batch: int | None = None):
+    def __init__(self, model, spec: ProgramSpec, devices=None, *, params=None,
+                 program: SamplerProgram | None = None):
         import jax
 
         jax_events.COMPILES.install()
-        self.model = model
-        self.width, self.height, self.steps = width, height, steps
-        self.latents = latents
-        self.guided = guided  # False: the guidance-free program, which reads no negative prompt
+        self.model, self.spec = model, spec
+        self.width, self.height, self.steps = spec.width, spec.height, spec.steps
+        self.latents = spec.latents
+        self.guided = spec.guided  # False: the guidance-free program, which reads no negative prompt
         self.devices = list(devices or jax.local_devices())
-        attention_lib.check_platform(attention, self.devices[0].platform)
-        self.per_device_batch = per_device_batch
-        self.batch_size = len(self.devices) * per_device_batch
-        self.fsdp = fsdp
-        self.decode_batch = decode_batch
-        self._mesh = sharding.mesh(self.devices, fsdp)
+        attention_lib.check_platform(spec.attention, self.devices[0].platform)
+        self.per_device_batch = spec.per_device_batch
+        self.batch_size = len(self.devices) * spec.per_device_batch
+        self.fsdp = spec.fsdp
+        self.decode_batch = spec.decode_batch
+        self._mesh = sharding.mesh(self.devices, spec.fsdp)
         started = time.perf_counter()
-        self.params = place_params(model, self.devices, fsdp) if params is None else params
+        self.params = place_params(model, self.devices, spec.fsdp) if params is None else params
         jax.block_until_ready(self.params)
         self.transfer_s = time.perf_counter() - started  # putting the weights on the devices
-        self.program_given = program is not None and program.takes(self.params, self.devices, fsdp)
+        self.program_given = program is not None and program.takes(self.params, self.devices, spec.fsdp)
         if not self.program_given:  # none given, or made for other shapes
-            program = compile_sampler(model, width, height, steps, per_device_batch, self.devices, latents,
-                                      guidance_rule, guided, attention, fsdp=fsdp, decode_batch=decode_batch)
+            program = compile_sampler(model, spec, self.devices)
         self.program = program
         # from_cache: loaded from this host's executable cache (``compile_cache.enable``);
         # sampler_compiles: the backend compilations that building the sampler took

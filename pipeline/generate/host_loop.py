@@ -52,15 +52,17 @@ class _DeviceClock:
 class _Slice:
     """One slice on its way through the host loop: its items, writer and timing."""
 
-    def __init__(self, out: str, run: Run, index: int, size: int, host: int, pool, queued,
-                 zarr_images=None, zarr_latents=None, zarr_group: str = "", zarr_offset: int = 0):
+    def __init__(self, out: str, made: _Made, index: int, host: int, pool, queued):
+        """Slice ``index`` of ``made``'s size, written by ``pool``'s threads (``queued``: the
+        images handed to the writers, all slices)."""
         self.watch = logs.Stopwatch()
         self.started_ts = time.time()
-        self.index, self.size, self.host = index, size, host
+        self.index, self.size, self.host = index, made.size, host
         self.items = writer.read_slice_items(out, index)
-        self.padded = [*self.items, *[None] * (size - len(self.items))]
-        self.writer = writer.SliceWriter(out, run, index, host, pool, zarr_images, zarr_latents, slots=queued,
-                                         zarr_group=zarr_group, zarr_offset=zarr_offset)
+        self.padded = [*self.items, *[None] * (made.size - len(self.items))]
+        self.writer = writer.SliceWriter(out, made.run, index, host, pool, zarr_images=made.zarr_images,
+                                         zarr_latents=made.zarr_latents, slots=queued, zarr_group=made.zarr_group,
+                                         zarr_offset=made.zarr_offset)
         self.timing = {"input_s": 0.0, "device_wait_s": 0.0, "output_s": 0.0, "device_busy_s": 0.0}
         self.truncated_prompts = 0  # images whose prompt was cut to the text encoder's length
         self.batches_handed = 0
@@ -84,11 +86,12 @@ class _Slice:
         return stats
 
 
-def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host: int, pool,
-               zarr_images=None, zarr_latents=None, compiles_at_warm: int = 0,
+def run_slices(sizes: _Sizes, out: str, slots, host: int, pool, *, compiles_at_warm: int = 0,
                on_commit: Callable[[dict], None] | None = None,
-               stop: Callable[[], bool] | None = None, scorer=None, sizes=None) -> list[dict]:
+               stop: Callable[[], bool] | None = None) -> list[dict]:
     """Generate, write and commit the slices ``slots`` names, in order; returns their stats.
+    ``sizes``: the programs, slice size and zarr arrays of each size of the loop
+    (``one_size``, or ``host_sizes`` for a run of several); ``pool``: the writers' threads.
 
     A slot is a slice index, or ``None`` for a padding slot (its device steps run, nothing
     is written). The devices never wait for the host: the next batch is tokenised and
@@ -103,14 +106,13 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
     slice's last (that slice is whole, and commits), the slice under way is left
     uncommitted, and the loop returns once the commit in progress is written.
 
-    ``scorer`` (``scoring.Scorer``): each batch's images are scored on the devices right after
-    they are made, and their scores go to the writers with them.
+    A size's scorer (``scoring.Scorer``, with --score): each batch's images are scored on the
+    devices right after they are made, and their scores go to the writers with them.
 
-    ``sizes`` (``_Sizes``): a run of several sizes, whose slots are (size index, slice or
-    None) and whose every size has its own generator, scorer, slice size and zarr arrays;
-    the batches of one size follow the last of the size before without a pause.
+    In a run of several sizes the slots are (size index, slice or None), every size has its
+    own generator, scorer, slice size and zarr arrays, and the batches of one size follow
+    the last of the size before without a pause.
     """
-    sizes = sizes or _Sizes.single(generator, run, size, scorer, zarr_images, zarr_latents)
     done: list[dict] = []
     committing: Future | None = None  # the previous slice's commit
     queued = threading.BoundedSemaphore(writer.MAX_PENDING)  # images handed to the writers, all slices
@@ -120,9 +122,7 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
             bucket, slot = slot if isinstance(slot, tuple) else (0, slot)
             made = sizes.of(bucket)
             n, size = made.generator.batch_size, made.size
-            state = None if slot is None else _Slice(out, made.run, slot, size, host, pool, queued,
-                                                      made.zarr_images, made.zarr_latents, made.zarr_group,
-                                                      made.zarr_offset)
+            state = None if slot is None else _Slice(out, made, slot, host, pool, queued)
             padded = [None] * size if state is None else state.padded
             for start in range(0, size, n):
                 yield made, state, padded[start:start + n], start + n >= size
@@ -138,12 +138,13 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
             on_commit(stats)
         return stats
 
-    def hand_over(made, state, chunk, cut, handle, last, done_at, scored) -> None:  # a dispatched batch, to the writers
+    def hand_over(flight: _InFlight) -> None:  # a dispatched batch, to the writers
         nonlocal committing
+        made, state, chunk, cut = flight.made, flight.state, flight.chunk, flight.cut
         clock = logs.Stopwatch()
-        images, latents = made.generator.fetch(handle)
-        scores = None if scored is None else made.scorer.fetch(scored)
-        busy = device.busy(done_at.result())
+        images, latents = made.generator.fetch(flight.handle)
+        scores = None if flight.scored is None else made.scorer.fetch(flight.scored)
+        busy = device.busy(flight.done_at.result())
         if made is not seen[0]:  # the first step of another size: how long the devices waited for it
             if seen[0] is not None:
                 logs.event("size_switch", host=host, size=f"{made.run.settings.width}x{made.run.settings.height}",
@@ -164,7 +165,7 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
         state.batches_handed += 1
         if state.batches_handed == 1:
             crashpoints.reached("mid_slice", host, before=lambda: (committed_previous(), state.writer.wait_images()))
-        if last:
+        if flight.last:
             state.compiles = sizes.compiles_since(compiles_at_warm)
             committed_previous()  # at most one slice commits while the next one runs
             committing = committer.submit(commit, state)
@@ -194,14 +195,27 @@ def run_slices(generator: Generator, out: str, run: Run, slots, size: int, host:
             crashpoints.batch_dispatched()
             # the devices are busy until the step's last program (the scorer's, if any) is done
             done_at = watcher.submit(_done_at, generator, handle if scored is None else scored, dispatched_at)
-            dispatched = (made, state, chunk, cut, handle, last, done_at, scored)
+            dispatched = _InFlight(made, state, chunk, cut, handle, last, done_at, scored)
             if previous is not None:
-                hand_over(*previous)
+                hand_over(previous)
             previous = dispatched
-        if previous is not None and (not stopped or previous[5]):
-            hand_over(*previous)
+        if previous is not None and (not stopped or previous.last):
+            hand_over(previous)
         committed_previous()
     return done
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A batch dispatched to the devices and not yet handed to the writers."""
+    made: _Made  # its size's programs
+    state: _Slice | None  # its slice (None: a padding slot)
+    chunk: list  # its slice's items it holds (None for padding rows)
+    cut: list  # whether each one's prompt was cut to the text encoder's length
+    handle: object  # the generator's output on the devices
+    last: bool  # the slice's last batch
+    done_at: Future  # (dispatched, done) times of its device step
+    scored: object  # the scorer's output on the devices, None without --score
 
 
 @dataclasses.dataclass
@@ -227,15 +241,6 @@ class _Sizes:
         self.run, self.geometry, self.programs, self.zarr = run, geometry, programs, zarr
         self._made: dict[int, _Made] = {}
         self.loop_compiles = jax_events.COMPILES.count_here()  # made on the loop's thread, before it starts
-
-    @classmethod
-    def single(cls, generator, run: Run, size: int, scorer=None, zarr_images=None, zarr_latents=None,
-               zarr_group: str = "", zarr_offset: int = 0) -> "_Sizes":
-        """One size: ``run``'s (with ``zarr_group``, one size of a run of several, whose zarr
-        arrays are its group's and start at position ``zarr_offset``)."""
-        sizes = cls(run, None, None, {})
-        sizes._made[0] = _Made(run, generator, scorer, size, zarr_images, zarr_latents, zarr_group, zarr_offset)
-        return sizes
 
     def of(self, bucket: int) -> _Made:
         if bucket not in self._made:
@@ -265,19 +270,15 @@ def host_sizes(run: Run, geometry, programs, zarr: dict) -> "_Sizes":
     return _Sizes(run, geometry, programs, zarr)
 
 
-def one_size(generator, run: Run, size: int, scorer, zarr_arrays, zarr_group: str = "", zarr_offset: int = 0):
-    """The ``sizes`` argument of ``run_slices`` for the slices of one size of a run of
-    several (a Beam worker's bundle): ``run`` is that size's (``bucket_programs.bucket_run``)."""
-    images, latents = zarr_arrays
-    return _Sizes.single(generator, run, size, scorer, images, latents, zarr_group, zarr_offset)
-
-
-def run_slice(generator: Generator, out: str, run: Run, index: int, size: int, host: int, pool,
-              zarr_images=None, compiles_at_warm: int = 0, zarr_latents=None, scorer=None) -> dict:
-    """Generate one slice, write it in every chosen format and commit it; returns its stats."""
-    [stats] = run_slices(generator, out, run, [index], size, host, pool, zarr_images, zarr_latents,
-                         compiles_at_warm, scorer=scorer)
-    return stats
+def one_size(generator: Generator, run: Run, size: int, *, scorer=None, zarr_arrays=(None, None),
+             zarr_group: str = "", zarr_offset: int = 0) -> _Sizes:
+    """The ``sizes`` argument of ``run_slices`` for slices of one size, ``size`` images each:
+    a single-size run's, or one size of a run of several (a Beam worker's bundle: ``run`` is
+    that size's, ``bucket_programs.bucket_run``, its zarr arrays (images, latents) its
+    group's, ``zarr_group``, starting at position ``zarr_offset``)."""
+    sizes = _Sizes(run, None, None, {})
+    sizes._made[0] = _Made(run, generator, scorer, size, *zarr_arrays, zarr_group, zarr_offset)
+    return sizes
 
 
 def generate(out: str, cluster_args: cluster.ClusterArgs, compile_cache: str | None = None) -> dict:
@@ -391,12 +392,12 @@ def _run_host(out: str, run: Run, manifest: dict, cluster_place: tuple[int, int]
                                              group=bucket.name) for b, bucket in enumerate(geometry.buckets)}
         empty = tuple(b for b in range(len(geometry.buckets)) if b not in to_make)
         programs = bucket_programs.BucketPrograms(run, model, bucket_programs.Program(generator, scorer, 0, 0.0),
-                                                  len(geometry.buckets), host, empty, first_size)
+                                                  len(geometry.buckets), host=host, empty=empty, first_index=first_size)
         sizes = host_sizes(run, geometry, programs, zarr_by_size)
-        zarr_images = zarr_latents = None
     else:
-        zarr_images, zarr_latents = runtime.open_zarr(out, run, model, manifest["images"])
-        programs = sizes = None
+        programs = None
+        sizes = one_size(generator, run, size, scorer=scorer,
+                         zarr_arrays=runtime.open_zarr(out, run, model, manifest["images"]))
     counts = {"skipped": 0, "redone": 0}
 
     def slots():  # this host's slots still to do; a committed slice is never redone (resume)
@@ -404,7 +405,7 @@ def _run_host(out: str, run: Run, manifest: dict, cluster_place: tuple[int, int]
             if holder is not None and holder.lost.is_set():
                 raise lease.LeaseLost(f"host {host} stops before slice {slot}: {holder.why}")
             if slot is None:  # padding slot: same device steps as a real slice, nothing written
-                logs.event("padding_slot", host=host, **({"bucket": bucket} if sizes else {}))
+                logs.event("padding_slot", host=host, **({"bucket": bucket} if settings.sizes else {}))
                 yield (bucket, slot)
                 continue
             decision = runtime.SliceDecision("skip") if slot in committed_before else runtime.decide(out, settings, slot)
@@ -430,8 +431,8 @@ def _run_host(out: str, run: Run, manifest: dict, cluster_place: tuple[int, int]
     watch = logs.Stopwatch()
     with ThreadPoolExecutor(max_workers=WRITER_THREADS, thread_name_prefix="writer") as pool:
         try:
-            done = run_slices(generator, out, run, slots(), size, host, pool, zarr_images, zarr_latents,
-                              compiles_at_warm, on_commit=committed, stop=stop, scorer=scorer, sizes=sizes)
+            done = run_slices(sizes, out, slots(), host, pool, compiles_at_warm=compiles_at_warm, on_commit=committed,
+                              stop=stop)
         finally:
             if programs is not None:
                 programs.close()
@@ -442,7 +443,7 @@ def _run_host(out: str, run: Run, manifest: dict, cluster_place: tuple[int, int]
     summary = {"host": host, "images": sum(s["images"] for s in done), "seconds": round(watch.seconds(), 3),
                "slices_generated": len(done), "slices_redone": counts["redone"], "slices_skipped": counts["skipped"],
                "compiles_after_warmup": recompiles,
-               **({"sizes": len(geometry.buckets), "size_compiles": size_compiles} if sizes else {})}
+               **({"sizes": len(geometry.buckets), "size_compiles": size_compiles} if settings.sizes else {})}
     stopped_hosts = sorted(h for h, outcome in outcomes.items() if outcome == "stopped")
     gone = sorted(h for h, outcome in outcomes.items() if outcome == "gone")
     if gone and not stop.stopped_at:

@@ -17,7 +17,7 @@ import contextlib
 LABELS = ("text_encoder", "denoiser_call", "vae_decode")  # the parts, as reports name them
 
 
-def parts(model, width: int, height: int, per_device_batch: int, guided: bool, seam=contextlib.nullcontext,
+def parts(model, width: int, height: int, per_device_batch: int, guided: bool, *, seam=contextlib.nullcontext,
           sharding=None, count: bool = False) -> list[tuple[str, tuple[str, ...], object]]:
     """(label, the param components it reads, lowered program) of each part of one step
     (``Family.parts``); labels "text_encoder" (one per encoder), "denoiser", "vae_decode"."""
@@ -25,11 +25,11 @@ def parts(model, width: int, height: int, per_device_batch: int, guided: bool, s
                               count=count)
 
 
-def lowered(model, width: int, height: int, per_device_batch: int, guided: bool, label: str,
+def lowered(model, width: int, height: int, per_device_batch: int, guided: bool, label: str, *,
             seam=contextlib.nullcontext, sharding=None):
     """The lowered program of the part ``label`` ("denoiser" or "vae_decode")."""
-    [found] = [program for name, _, program in parts(model, width, height, per_device_batch, guided, seam, sharding)
-               if name == label]
+    [found] = [program for name, _, program in parts(model, width, height, per_device_batch, guided, seam=seam,
+                                                     sharding=sharding) if name == label]
     return found
 
 

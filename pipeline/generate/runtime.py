@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pipeline.core import logs, naming
 from pipeline.core.settings import Run, Settings
 from pipeline.generate.generator import Generator, SamplerProgram, compile_sampler, indexed_sampler
+from pipeline.generate.spec import ProgramSpec
 from pipeline.io import runs, storage
 from pipeline.output import writer
 
@@ -68,14 +69,12 @@ def _check_guided(settings: Settings) -> None:
 def make_generator(model, settings: Settings, devices=None, program: SamplerProgram | None = None,
                    params=None) -> Generator:
     """The run's generator on ``devices`` (default: every local device), compiled once:
-    the guided or the guidance-free program, as the plan decided (``Settings.guided``).
-    ``program``: its sampler, compiled already (``compile_run_sampler``); ``params``: the
-    model's params already on ``devices`` (``generator.replicate``)."""
+    the program of its settings (``ProgramSpec.of``: the guided or the guidance-free one,
+    as the plan decided). ``program``: its sampler, compiled already
+    (``compile_run_sampler``); ``params``: the model's params already on ``devices``
+    (``generator.place_params``)."""
     _check_guided(settings)
-    return Generator(model, settings.width, settings.height, settings.steps, settings.per_device_batch,
-                     devices=devices, latents=settings.save_latents, guidance_rule=settings.guidance_rule,
-                     guided=settings.guided, attention=settings.attention, program=program, params=params,
-                     fsdp=settings.fsdp, decode_batch=settings.decode_batch)
+    return Generator(model, ProgramSpec.of(settings), devices, program=program, params=params)
 
 
 def abstract_model(settings: Settings):
@@ -87,24 +86,6 @@ def abstract_model(settings: Settings):
     return model_lib.load(model_lib.LoadRequest.of(settings), abstract=True)
 
 
-def sampler_description(settings: Settings) -> dict:
-    """What the run's sampler program is made of, for the executable cache's index
-    (``compile_cache.index_key``): the checkpoint's configs and tokenizer files (never its
-    weights: --unet and --lora change values, not shapes) and the settings the program is
-    built from. ``decode_batch`` is there only when the run decodes in micro-batches, so a
-    whole-batch program keeps the key it had before the setting."""
-    from pipeline.model import load as model_lib
-
-    s = settings
-    return {"checkpoint": model_lib.program_digest(s.model), "dtype": s.dtype, "scheduler": s.scheduler,
-            "timestep_spacing": s.timestep_spacing, "width": s.width, "height": s.height, "steps": s.steps,
-            "per_device_batch": s.per_device_batch, "latents": s.save_latents, "guidance_rule": s.guidance_rule,
-            "guided": s.guided, "attention": s.attention,
-            **({"max_sequence_length": s.max_sequence_length} if s.max_sequence_length is not None else {}),
-            **({"fsdp": s.fsdp} if s.fsdp != 1 else {}),
-            **({"decode_batch": s.decode_batch} if s.decode_batch is not None else {})}
-
-
 def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerProgram:
     """The run's sampler for ``devices``: found through the executable cache's index when
     this host made it before (nothing is traced), else compiled (or loaded from the
@@ -113,14 +94,12 @@ def compile_run_sampler(settings: Settings, devices, abstract=None) -> SamplerPr
 
     _check_guided(settings)
     devices = list(devices)
-    key = compile_cache.index_key(sampler_description(settings), devices)
-    program = indexed_sampler(key, devices, settings.fsdp)
+    spec = ProgramSpec.of(settings)
+    key = compile_cache.index_key(spec.description(), devices)
+    program = indexed_sampler(key, devices, spec.fsdp)
     if program is not None:
         return program
-    abstract = abstract or abstract_model(settings)
-    return compile_sampler(abstract, settings.width, settings.height, settings.steps, settings.per_device_batch,
-                           devices, settings.save_latents, settings.guidance_rule, settings.guided,
-                           settings.attention, index_key=key, fsdp=settings.fsdp, decode_batch=settings.decode_batch)
+    return compile_sampler(abstract or abstract_model(settings), spec, devices, index_key=key)
 
 
 def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[object, Generator, dict]:
@@ -170,9 +149,7 @@ def ready_generator(run: Run, out: str | None = None, devices=None) -> tuple[obj
 def program_tag(run: Run) -> tuple:
     """What decides a compiled generator: runs with equal tags can share one in a process."""
     s = run.settings
-    return (s.model, run.model_fingerprint, s.dtype, s.scheduler, s.width, s.height, s.steps, s.per_device_batch,
-            s.save_latents, s.devices_per_host, s.guidance_rule, s.timestep_spacing, s.guided, s.attention,
-            s.max_sequence_length, s.fsdp, s.decode_batch,
+    return (ProgramSpec.of(s), run.model_fingerprint, s.devices_per_host,
             s.scores, run.scorers)  # the scorers too: a worker holds its scoring program beside the sampler
 
 

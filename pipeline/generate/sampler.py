@@ -14,6 +14,7 @@ With ``latents=True`` it also returns each image's final latents: float32
 from __future__ import annotations
 
 from pipeline.core import keys
+from pipeline.generate.spec import ProgramSpec
 
 
 def _seam(attention: str, platform: str | None, mesh=None):
@@ -23,32 +24,29 @@ def _seam(attention: str, platform: str | None, mesh=None):
     return lambda: attention_lib.use(attention, platform=platform, mesh=mesh)
 
 
-def make_sample_fn(model, width: int, height: int, steps: int, latents: bool = False,
-                   guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto",
-                   platform: str | None = None, mesh=None, *, decode_batch: int | None = None):
-    """``sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index)``.
+def make_sample_fn(model, spec: ProgramSpec, platform: str | None = None, mesh=None):
+    """``sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index)``:
+    the program ``spec`` describes (its size, steps, guidance, latents, attention and decode
+    batch; the batch is whatever the arrays hold).
 
     Shapes (B = batch): ids int32 [B, ...] (``tokenize``); guidance float32 [B]; seed words
-    and image indices uint32 [B]. Returns uint8 [B, height, width, 3]; with ``latents``, the
-    pair (images, final latents float32 [B, C, height/f, width/f]). Without ``latents`` the
-    program is exactly the images-only one. ``guided``: see ``make_denoise_fn`` (a
-    guidance-free program never reads ``negative_ids``). ``attention`` and ``platform``: see
-    ``make_denoise_fn``; ``mesh``: the mesh an FSDP program is partitioned over.
-    ``decode_batch``: the VAE decodes each device's images that many at a time (None: all
-    at once, the program of runs planned before; ``pipeline.model.sampling.decoding``).
+    and image indices uint32 [B]. Returns uint8 [B, height, width, 3]; with ``spec.latents``,
+    the pair (images, final latents float32 [B, C, height/f, width/f]). Without latents the
+    program is exactly the images-only one. ``platform``: see ``make_denoise_fn``;
+    ``mesh``: the mesh an FSDP program is partitioned over (None: the program of one device).
     """
     import jax
 
-    latent_shape = model.latent_shape(width, height)
-    denoise = make_denoise_fn(model, steps, empty_negative_ids=model.family.tokenize(model, [""])[0],
-                              return_latents=latents,
-                              guidance_rule=guidance_rule, guided=guided, attention=attention, platform=platform,
-                              mesh=mesh, decode_batch=decode_batch)
+    latent_shape = model.latent_shape(spec.width, spec.height)
+    denoise = make_denoise_fn(model, spec.steps, empty_negative_ids=model.family.tokenize(model, [""])[0],
+                              return_latents=spec.latents, guidance_rule=spec.guidance_rule, guided=spec.guided,
+                              attention=spec.attention, platform=platform, mesh=mesh, decode_batch=spec.decode_batch)
 
-    def sample(params, prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index):
+    def sample(params, *batch):  # the arrays of ``generator.Batch``, in its order
+        prompt_ids, negative_ids, guidance, seed_hi, seed_lo, image_index = batch
         image_keys = keys.fold_keys(seed_hi, seed_lo, image_index)
         initial = jax.vmap(lambda k: keys.initial_latents(k, latent_shape))(image_keys)
-        if not latents:
+        if not spec.latents:
             images = denoise(params, prompt_ids, negative_ids, guidance, initial, image_keys)
             return to_uint8(images)
         images, final = denoise(params, prompt_ids, negative_ids, guidance, initial, image_keys)
@@ -69,9 +67,9 @@ def decode_latents(model, vae_params, latents):
     return model.family.decode_latents(model, vae_params, latents)
 
 
-def make_denoise_fn(model, steps: int, empty_negative_ids=None, return_latents: bool = False,
+def make_denoise_fn(model, steps: int, empty_negative_ids=None, *, return_latents: bool = False,
                     guidance_rule: str = "diffusers", guided: bool = True, attention: str = "auto",
-                    platform: str | None = None, mesh=None, *, decode_batch: int | None = None):
+                    platform: str | None = None, mesh=None, decode_batch: int | None = None):
     """``denoise(params, prompt_ids, negative_ids, guidance, latents, image_keys=None)``:
     float32 images in [0, 1], [B, H, W, 3], from given initial latents (float32
     [B, C, H/f, W/f]); the family's (``Family.make_denoise``: see it for ``guided``,

@@ -136,7 +136,7 @@ class Scorer:
     """The scoring program on the generator's devices, with the scorer models' params
     replicated there. ``dispatch`` takes what the generator's ``dispatch`` returned."""
 
-    def __init__(self, scorers: models.Scorers, width: int, height: int, per_device_batch: int, devices,
+    def __init__(self, scorers: models.Scorers, width: int, height: int, per_device_batch: int, devices, *,
                  program: ScorerProgram | None = None, params=None):
         """``params``: ``scorers``' params already replicated on ``devices`` (another size's
         scorer's), shared instead of copied again."""
@@ -220,8 +220,8 @@ def ready_scorer(run, devices, like: Scorer | None = None) -> tuple[Scorer | Non
             raise ValueError("a scorer shares another's params only on the same devices")
         models.check_images(like.scorers, settings.width, settings.height)
         compiled = scorer_program(settings, devices)
-        scorer = Scorer(like.scorers, settings.width, settings.height, settings.per_device_batch, devices, compiled,
-                        params=like.params)
+        scorer = Scorer(like.scorers, settings.width, settings.height, settings.per_device_batch, devices,
+                        program=compiled, params=like.params)
         return scorer, {"scorer_compile": compiled.seconds, "scorer_ready": time.perf_counter() - started}
 
 
@@ -232,7 +232,7 @@ def ready_scorer(run, devices, like: Scorer | None = None) -> tuple[Scorer | Non
         models.check_images(loaded, settings.width, settings.height)
         load_s = time.perf_counter() - started
         compiled = compiling.result()
-    scorer = Scorer(loaded, settings.width, settings.height, settings.per_device_batch, devices, compiled)
+    scorer = Scorer(loaded, settings.width, settings.height, settings.per_device_batch, devices, program=compiled)
     if scorer.program is not compiled:
         logs.event("scorer_recompiled", reason="the weights' shapes differ from the configs'")
     return scorer, {"scorer_load": load_s, "scorer_compile": compiled.seconds,

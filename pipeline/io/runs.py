@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pipeline.core import naming
 from pipeline.core.settings import SETTINGS_VERSION, Run
-from pipeline.io import storage
+from pipeline.io import inventory, storage
 
 
 class RunNotPlanned(ValueError):
@@ -73,7 +73,7 @@ def committed(out: str) -> dict[int, float]:
     """{slice: when its commit marker was written, unix seconds} of every committed slice of
     ``out``, from one listing of ``OUT/shards`` (no marker is read)."""
     found = {}
-    for path, when in storage.modified_times(naming.join(out, "shards"), "_stats.json").items():
+    for path, when in inventory.modified_times(naming.join(out, "shards"), "_stats.json").items():
         index = naming.marker_slice(path)
         if index is not None and path == naming.shard_stats(out, index):
             found[index] = when

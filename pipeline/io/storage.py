@@ -11,26 +11,22 @@ never write-then-rename there: an upload is committed whole or not at all; a loc
 is written under a temporary name beside it and renamed, so no truncated file ever has
 a final name; names and contents are deterministic, so a rewrite after a crash is
 harmless). GCS goes through google-cloud-storage with its retry policy on
-429/5xx and connection errors; ``STORAGE_EMULATOR_HOST`` points it at an emulator.
+429/5xx and connection errors (``pipeline.io.gcs``); what a listing says of objects
+without reading them (sizes, checksums, times) is ``pipeline.io.inventory``'s.
 """
 from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
-import functools
 import hashlib
 import json
 import os
-import re
 from typing import IO, Iterator
 
 from pipeline.core import logs
 from pipeline.core.naming import TEMP_PREFIX
-from pipeline.io import listing
+from pipeline.io import gcs, listing
 
-GCS_PREFIX = "gs://"
-_WILDCARD = re.compile(r"[*?\[]")
 # Large objects download in ranges of CHUNK_SIZE on CHUNK_WORKERS threads. 32 MiB is
 # transfer_manager's own default: each range pays its request's latency once, and a
 # 3.4 GB UNet still spreads over every worker. Threads, not processes: the work is
@@ -42,47 +38,7 @@ os.umask(_UMASK)
 
 
 def is_gcs(path: str) -> bool:
-    return path.startswith(GCS_PREFIX)
-
-
-def _split_gcs(path: str) -> tuple[str, str]:
-    bucket, _, name = path[len(GCS_PREFIX):].partition("/")
-    if not bucket:
-        raise ValueError(f"not a gs://bucket/object path: {path!r}")
-    return bucket, name
-
-
-@functools.lru_cache(maxsize=None)
-def gcs_client():
-    """The process's google-cloud-storage client (anonymous against an emulator)."""
-    from google.cloud import storage  # imported here: local runs never need it
-
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        from google.auth.credentials import AnonymousCredentials
-
-        return storage.Client(project="promptmill-test", credentials=AnonymousCredentials())
-    return storage.Client()
-
-
-def reset_gcs_client() -> None:
-    """Forget the client, so the next one follows a changed ``STORAGE_EMULATOR_HOST``."""
-    gcs_client.cache_clear()
-
-
-def _blob(path: str):
-    bucket, name = _split_gcs(path)
-    return gcs_client().bucket(bucket).blob(name)
-
-
-def _retry():
-    """Retry 429, 5xx and connection errors with jittered exponential backoff.
-
-    Every object promptmill writes is deterministic, so retrying an upload whose
-    outcome is unknown is safe even without generation preconditions.
-    """
-    from google.cloud.storage.retry import DEFAULT_RETRY
-
-    return DEFAULT_RETRY.with_delay(initial=0.2, multiplier=2.0, maximum=20.0).with_deadline(300.0)
+    return path.startswith(gcs.PREFIX)
 
 
 def write_bytes(path: str, data: bytes) -> None:
@@ -90,7 +46,7 @@ def write_bytes(path: str, data: bytes) -> None:
     local file is written under a temporary name beside it and renamed, so a full disk
     or a kill never leaves a truncated file under the final name."""
     if is_gcs(path):
-        _blob(path).upload_from_string(data, retry=_retry(), timeout=120)
+        gcs.blob(path).upload_from_string(data, retry=gcs.retry(), timeout=120)
         return
     with local_writer(path) as f:
         f.write(data)
@@ -140,7 +96,7 @@ def delete(paths: list[str]) -> int:
             from google.api_core.exceptions import NotFound
 
             with contextlib.suppress(NotFound):
-                _blob(path).delete(retry=_retry(), timeout=60)
+                gcs.blob(path).delete(retry=gcs.retry(), timeout=60)
         else:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
@@ -152,7 +108,7 @@ def delete(paths: list[str]) -> int:
 
 def read_bytes(path: str) -> bytes:
     if is_gcs(path):
-        return _blob(path).download_as_bytes(retry=_retry(), timeout=120)
+        return gcs.blob(path).download_as_bytes(retry=gcs.retry(), timeout=120)
     with open(path, "rb") as f:
         return f.read()
 
@@ -176,7 +132,7 @@ def read_json(path: str):
 def read_range(path: str, start: int, size: int) -> bytes:
     """``size`` bytes of an object from byte ``start`` (one ranged request on GCS)."""
     if is_gcs(path):
-        return _blob(path).download_as_bytes(start=start, end=start + size - 1, retry=_retry())
+        return gcs.blob(path).download_as_bytes(start=start, end=start + size - 1, retry=gcs.retry())
     with open(path, "rb") as f:
         f.seek(start)
         return f.read(size)
@@ -185,13 +141,13 @@ def read_range(path: str, start: int, size: int) -> bytes:
 def open_read(path: str) -> IO[bytes]:
     """A binary stream of the object, read lazily (for large prompt shards)."""
     if is_gcs(path):
-        return _blob(path).open("rb", retry=_retry())
+        return gcs.blob(path).open("rb", retry=gcs.retry())
     return open(path, "rb")
 
 
 def exists(path: str) -> bool:
     if is_gcs(path):
-        return _blob(path).exists(retry=_retry())
+        return gcs.blob(path).exists(retry=gcs.retry())
     return os.path.exists(path)
 
 
@@ -205,9 +161,9 @@ def read_versioned(path: str) -> tuple[bytes | None, object]:
     if is_gcs(path):
         from google.api_core.exceptions import NotFound
 
-        blob = _blob(path)
+        blob = gcs.blob(path)
         try:
-            data = blob.download_as_bytes(retry=_retry(), timeout=60)
+            data = blob.download_as_bytes(retry=gcs.retry(), timeout=60)
         except NotFound:
             return None, 0
         return data, blob.generation
@@ -229,7 +185,7 @@ def write_if(path: str, data: bytes, version) -> None:
         from google.api_core.exceptions import PreconditionFailed
 
         try:
-            _blob(path).upload_from_string(data, if_generation_match=version, retry=_retry(), timeout=60)
+            gcs.blob(path).upload_from_string(data, if_generation_match=version, retry=gcs.retry(), timeout=60)
         except PreconditionFailed:
             raise Conflict(path) from None
         return
@@ -264,15 +220,15 @@ def glob(pattern: str) -> list[str]:
     names is listed with ``files``, where its name is never a pattern."""
     if not is_gcs(pattern):
         return listing.glob(pattern)
-    bucket, name = _split_gcs(pattern)
+    bucket, name = gcs.split(pattern)
     if name and exists(pattern):
         return [pattern]
-    match = _WILDCARD.search(name)
+    match = listing.WILDCARD.search(name)
     if not match:  # a folder: everything under it
         return sorted(files(pattern))
-    literal = f"{GCS_PREFIX}{bucket}/{name[:match.start()]}"
+    literal = f"{gcs.PREFIX}{bucket}/{name[:match.start()]}"
     matches = listing.regex(name[match.start():]).match
-    return sorted(path for path in _gcs_names(literal) if matches(path[len(literal):]))
+    return sorted(path for path in gcs.names(literal) if matches(path[len(literal):]))
 
 
 def files(folder: str, pattern: str = "**") -> Iterator[str]:
@@ -283,7 +239,7 @@ def files(folder: str, pattern: str = "**") -> Iterator[str]:
         return listing.files(folder, pattern)
     prefix = folder.rstrip("/") + "/"
     matches = listing.regex(pattern).match
-    return (path for path in _gcs_names(prefix) if matches(path[len(prefix):]))
+    return (path for path in gcs.names(prefix) if matches(path[len(prefix):]))
 
 
 def entries(folder: str) -> Iterator[tuple[str, str]]:
@@ -291,150 +247,18 @@ def entries(folder: str) -> Iterator[tuple[str, str]]:
     "file", or locally "link" (never followed) or "other" (``listing.entries``)."""
     if not is_gcs(folder):
         return listing.entries(folder)
-    return ((path, "file") for path in _gcs_names(folder.rstrip("/") + "/"))
-
-
-def _gcs_names(prefix: str) -> Iterator[str]:
-    """Every object whose name starts with ``prefix`` (a gs:// path), listed page by page."""
-    return (path for path, _ in _gcs_blobs(prefix, "items(name),nextPageToken"))
-
-
-def _gcs_blobs(prefix: str, fields: str = "items(name,size,md5Hash,crc32c),nextPageToken") -> Iterator[tuple]:
-    """(path, blob with the listed ``fields``) of every object whose name starts with ``prefix``."""
-    bucket, name = _split_gcs(prefix)
-    for blob in gcs_client().list_blobs(bucket, prefix=name, fields=fields, retry=_retry()):
-        if not blob.name.endswith("/"):
-            yield f"{GCS_PREFIX}{bucket}/{blob.name}", blob
-
-
-@dataclasses.dataclass(frozen=True)
-class Listed:
-    """What a listing says of one object: its size, its modification time in ns (a local
-    file's; None on GCS) and its checksum (GCS's md5, or crc32c for a composite object, as
-    ``checksum`` gives it; None locally, where it takes reading the file)."""
-    size: int
-    mtime_ns: int | None = None
-    checksum: str | None = None
-
-
-def listed(pattern: str) -> dict[str, Listed]:
-    """``glob``'s objects, with what a listing says of each: on GCS one listing (a request
-    per 1,000 objects; nothing is read), locally a stat of each file."""
-    if not is_gcs(pattern):
-        found = {}
-        for path in glob(pattern):
-            stat = os.stat(path)
-            found[path] = Listed(stat.st_size, stat.st_mtime_ns)
-        return found
-    bucket, name = _split_gcs(pattern)
-    if name:
-        blob = gcs_client().bucket(bucket).get_blob(name, retry=_retry())
-        if blob is not None:
-            return {pattern: Listed(blob.size, None, f"{blob.size}:{blob.md5_hash or blob.crc32c}")}
-    match = _WILDCARD.search(name)
-    literal = f"{GCS_PREFIX}{bucket}/{name[:match.start()] if match else name.rstrip('/') + '/' if name else ''}"
-    matches = listing.regex(name[match.start():] if match else "**").match
-    return {path: Listed(blob.size, None, f"{blob.size}:{blob.md5_hash or blob.crc32c}")
-            for path, blob in _gcs_blobs(literal) if matches(path[len(literal):])}
-
-
-def modified_times(folder: str, suffix: str = "") -> dict[str, float]:
-    """{path: when it was last written, unix seconds} of every object under ``folder`` whose
-    name ends with ``suffix``.
-
-    Names and times only, and nothing is read: on GCS one listing (the server's ``updated``
-    time, in pages of 1000, asking for those two fields alone); locally the files' mtimes.
-    """
-    folder = folder.rstrip("/")
-    if not is_gcs(folder):
-        found = {}
-        for root, _, files in os.walk(folder):
-            for name in files:
-                if name.endswith(suffix):
-                    path = os.path.join(root, name)
-                    try:
-                        found[path] = os.stat(path).st_mtime
-                    except FileNotFoundError:  # deleted while listing
-                        continue
-        return found
-    bucket, name = _split_gcs(folder + "/")
-    # match_glob narrows the listing on GCS itself; a server that ignores it (an emulator)
-    # lists the whole folder, filtered here alike
-    blobs = gcs_client().list_blobs(bucket, prefix=name, match_glob=f"{name}**{suffix}" if suffix else None,
-                                    fields="items(name,updated),nextPageToken", retry=_retry())
-    return {f"{GCS_PREFIX}{bucket}/{b.name}": b.updated.timestamp() for b in blobs if b.name.endswith(suffix)
-            and not b.name.endswith("/")}
-
-
-def listed_objects(prefix: str) -> dict[str, dict]:
-    """{path: {"size", "md5"}} of every object whose name starts with ``prefix`` (an object,
-    a folder, or the start of names: ``shards/3fa1-00042`` lists that slice's shard objects),
-    from a listing alone: nothing is read. ``md5`` is the hex digest GCS lists (None for a
-    composite object, and always None for a local file, whose checksum only a read gives)."""
-    if is_gcs(prefix):
-        bucket, name = _split_gcs(prefix)
-        blobs = gcs_client().list_blobs(bucket, prefix=name, fields="items(name,size,md5Hash),nextPageToken",
-                                        retry=_retry())
-        return {f"{GCS_PREFIX}{bucket}/{b.name}": {"size": b.size, "md5": base64.b64decode(b.md5_hash).hex()
-                                                   if b.md5_hash else None}
-                for b in blobs if not b.name.endswith("/")}
-    found = {}
-    if os.path.isdir(prefix):
-        for root, _, files in os.walk(prefix):  # links are not followed
-            found.update(_stat(os.path.join(root, name)) for name in files if not name.startswith(TEMP_PREFIX))
-        return found
-    folder, start = os.path.split(prefix)
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for entry in os.scandir(folder or "."):
-            if entry.name.startswith(start) and not entry.name.startswith(TEMP_PREFIX):
-                found.update(listed_objects(entry.path) if entry.is_dir(follow_symlinks=False) else [_stat(entry.path)])
-    return found
-
-
-def listed_paths(paths) -> dict[str, dict]:
-    """``listed_objects`` for these exact objects, those of them that exist: on GCS one listing per
-    run of names that share a start up to their extension (``shards/3fa1-00042.parquet`` and
-    ``.tar`` and ``_stats.json`` in one request); locally a ``stat`` each (a folder is never
-    scanned for them)."""
-    paths = set(paths)
-    if not any(is_gcs(path) for path in paths):
-        return dict(_stat(path) for path in sorted(paths) if os.path.isfile(path))
-    found = {}
-    for start in sorted({path.rsplit(".", 1)[0].removesuffix("_stats") for path in paths}):
-        found.update((path, listing) for path, listing in listed_objects(start).items() if path in paths)
-    return found
-
-
-def _stat(path: str) -> tuple[str, dict]:
-    return path, {"size": os.stat(path, follow_symlinks=False).st_size, "md5": None}
-
-
-def checksums(prefix: str) -> dict[str, str]:
-    """{name relative to ``prefix``: ``checksum``} of every object under it (on GCS from one
-    listing: nothing is read)."""
-    prefix = prefix.rstrip("/")
-    if is_gcs(prefix):
-        bucket, name = _split_gcs(prefix + "/")
-        blobs = gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
-        return {b.name[len(name):]: f"{b.size}:{b.md5_hash or b.crc32c}" for b in blobs if not b.name.endswith("/")}
-    import hashlib
-
-    sums = {}
-    for path in sorted(files(prefix)):
-        with open(path, "rb") as f:
-            sums[os.path.relpath(path, prefix).replace(os.sep, "/")] = f"{os.path.getsize(path)}:" \
-                f"{hashlib.sha256(f.read()).hexdigest()}"
-    return sums
+    return ((path, "file") for path in gcs.names(folder.rstrip("/") + "/"))
 
 
 def checksum(path: str) -> str:
     """Size and content checksum of one object: on GCS from its metadata (md5, or crc32c for
     a composite object; nothing is read), locally the sha256 of its bytes."""
     if is_gcs(path):
-        found = listed(path).get(path)
+        bucket, name = gcs.split(path)
+        found = gcs.client().bucket(bucket).get_blob(name, retry=gcs.retry()) if name else None
         if found is None:
             raise FileNotFoundError(path)
-        return found.checksum
+        return gcs.checksum(found)
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -442,48 +266,11 @@ def checksum(path: str) -> str:
     return f"{os.path.getsize(path)}:{digest.hexdigest()}"
 
 
-def delete_prefix(prefix: str) -> int:
-    """Delete the object ``prefix`` and every object under ``prefix/``; returns how many.
-
-    Deletes run in parallel; a missing object counts as deleted (a retried delete may
-    find it gone).
-    """
-    prefix = prefix.rstrip("/")
-    if not is_gcs(prefix):
-        import shutil
-
-        if os.path.isdir(prefix):
-            count = sum(len(files) for _, _, files in os.walk(prefix))
-            shutil.rmtree(prefix)
-            return count
-        if os.path.exists(prefix):
-            os.remove(prefix)
-            return 1
-        return 0
-    from concurrent.futures import ThreadPoolExecutor
-
-    from google.api_core.exceptions import NotFound
-
-    bucket, name = _split_gcs(prefix)
-    blobs = [b for b in gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
-             if b.name == name or b.name.startswith(name + "/")]
-
-    def delete(blob):
-        try:
-            blob.delete(retry=_retry(), timeout=60)
-        except NotFound:
-            pass
-
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(delete, blobs))
-    return len(blobs)
-
-
 def download(path: str, local_path: str) -> None:
     """Copy one object to a local file, streamed."""
     os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
     if is_gcs(path):
-        _blob(path).download_to_filename(local_path, retry=_retry(), timeout=600)
+        gcs.blob(path).download_to_filename(local_path, retry=gcs.retry(), timeout=600)
         return
     import shutil
 
@@ -511,10 +298,8 @@ def object_checksums(prefix: str) -> dict[str, dict]:
     """
     prefix = prefix.rstrip("/")
     if is_gcs(prefix):
-        bucket, name = _split_gcs(prefix + "/")
-        blobs = gcs_client().list_blobs(bucket, prefix=name, retry=_retry())
-        return {b.name[len(name):]: {"size": b.size, "md5": b.md5_hash, "crc32c": b.crc32c}
-                for b in blobs if not b.name.endswith("/")}
+        return {path[len(prefix) + 1:]: {"size": b.size, "md5": b.md5_hash, "crc32c": b.crc32c}
+                for path, b in gcs.blobs(prefix + "/")}
     found = {}
     for path in sorted(files(prefix)):
         hashes = _Hashing(None, md5=True, crc32c=True)
@@ -615,9 +400,9 @@ def _download_chunked(path: str, local_path: str, expected: dict, chunk_size: in
     from google.api_core.exceptions import NotFound
     from google.cloud.storage import transfer_manager
 
-    blob = _blob(path)
+    blob = gcs.blob(path)
     try:
-        blob.reload(retry=_retry())  # its generation pins the ranges to one version of the object
+        blob.reload(retry=gcs.retry())  # its generation pins the ranges to one version of the object
     except NotFound:
         raise FileNotFoundError(path) from None
     now = {"size": blob.size, "md5": blob.md5_hash, "crc32c": blob.crc32c}
@@ -627,7 +412,7 @@ def _download_chunked(path: str, local_path: str, expected: dict, chunk_size: in
     try:
         # checks the crc32c combined from the ranges against the blob's, which is the listed one
         transfer_manager.download_chunks_concurrently(
-            blob, local_path, chunk_size=chunk_size, download_kwargs={"retry": _retry(), "timeout": 600},
+            blob, local_path, chunk_size=chunk_size, download_kwargs={"retry": gcs.retry(), "timeout": 600},
             worker_type=transfer_manager.THREAD, max_workers=workers, crc32c_checksum=True)
     except _data_corruption() as e:
         raise ChecksumError(f"{path}: the downloaded ranges' crc32c differs from the listed {expected['crc32c']} "
@@ -643,7 +428,7 @@ def _download_whole(path: str, local_path: str, expected: dict) -> dict:
         hashes = _Hashing(f, md5=not expected.get("crc32c") and expected.get("md5") is not None,
                           crc32c=bool(expected.get("crc32c")))
         try:
-            _blob(path).download_to_file(hashes, retry=_retry(), timeout=600)
+            gcs.blob(path).download_to_file(hashes, retry=gcs.retry(), timeout=600)
         except NotFound:
             raise FileNotFoundError(path) from None
         except _data_corruption() as e:  # the client's own check against the server's x-goog-hash

@@ -2,7 +2,7 @@
 
 Every model, ``--model tiny`` included, is a diffusers-format directory found by
 ``pipeline.model.loading.resolve`` (fetched by ``loading.fetch``, pinned by
-``loading.identity``, checked by ``loading.layout``); its ``model_index.json`` says its family
+``loading.identity``, checked by ``loading.components``); its ``model_index.json`` says its family
 (``pipeline.model.families``: SD 1.x/2.x, SDXL, FLUX.1), which loads it (``load``) and
 describes it for a plan (``describe``). The rest of promptmill sees only ``Model`` and
 calls its family.
@@ -17,11 +17,11 @@ from pipeline.core.settings import parse_lora
 from pipeline.model import families
 from pipeline.model.loading import builtin, fetch, identity, lora
 from pipeline.model.loading import resolve as resolving
-from pipeline.model.families.base import LoadRequest, Model
+from pipeline.model.families.base import Described, LoadRequest, Model
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
 from pipeline.model.loading.fetch import resolve_lora
 from pipeline.model.loading.identity import file_sha256, model_fingerprint
-from pipeline.model.loading.layout import check_layout
+from pipeline.model.loading.components import check_components
 
 __all__ = ["LoadRequest", "Model", "ModelError", "describe", "family_of", "load", "resolve", "with_sampler"]
 
@@ -53,7 +53,7 @@ def family_of(directory: str) -> tuple[families.Family, dict]:
         family = families.detect(index, directory)
     except families.FamilyError as e:
         raise ModelError(str(e)) from None
-    check_layout(directory, family.components(index), family.weight_libraries(index))
+    check_components(directory, family.components(index), family.weight_libraries(index))
     return family, index
 
 
@@ -181,15 +181,25 @@ def _checked_loras(directory: str, family: families.Family, specs) -> list[tuple
     try:
         read = [lora.read(local) for _, local, _ in adapters]  # headers only: an unreadable file fails first
         shapes = family.lora_shapes(directory)
-        layouts = family.lora_layouts()
+        torch_names = family.lora_torch_names()
         for adapter in read:
-            lora.match(adapter, shapes, layouts)
+            lora.match(adapter, shapes, torch_names)
     except lora.LoraError as e:
         raise ModelError(str(e)) from None
     return adapters
 
 
-def describe(request: LoadRequest | str, **fields) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Description(Described):
+    """``describe``'s answer: the family's ``Described`` of a checkpoint, with the folder
+    of its configs, the run's model fingerprint (the checkpoint, --unet and --lora files)
+    and each LoRA file read ({path, scale, sha256})."""
+    directory: str = ""
+    fingerprint: str = ""
+    loras: tuple[dict, ...] = ()
+
+
+def describe(request: LoadRequest | str, **fields) -> Description:
     """What planning needs to know of a model, from its configs alone (no weights loaded),
     for ``request`` (``request_of``); ``scheduler``, ``timestep_spacing``, ``steps`` and
     ``max_sequence_length``: the run's,
@@ -207,7 +217,8 @@ def describe(request: LoadRequest | str, **fields) -> dict:
     described = family.describe(directory, request, unet_file)
     described = dataclasses.replace(described, native_size=default_size(request.model, described.native_size))
     adapters = _checked_loras(directory, family, request.loras)
-    return {"directory": directory,
-            "fingerprint": model_fingerprint(directory, unet_file, [(local, scale) for _, local, scale in adapters]),
-            "loras": [{"path": path, "scale": scale, "sha256": file_sha256(local)} for path, local, scale in adapters],
-            **dataclasses.asdict(described)}
+    return Description(**dataclasses.asdict(described), directory=directory,
+                       fingerprint=model_fingerprint(directory, unet_file,
+                                                     [(local, scale) for _, local, scale in adapters]),
+                       loras=tuple({"path": path, "scale": scale, "sha256": file_sha256(local)}
+                                   for path, local, scale in adapters))

@@ -104,7 +104,7 @@ def device_bytes(params, fsdp: int, dtype=None) -> int:
     replicated leaf whole. What a program's arguments take per device, without compiling it."""
     import jax
 
-    from pipeline.model.families.shapes import struct
+    from pipeline.model.shapes import struct
 
     layout = layout_of(params, fsdp)
     total = 0
@@ -179,7 +179,7 @@ def shaped(params, shardings, dtype=None):
     """``jax.ShapeDtypeStruct``s of the params as ``place`` lays them out (for lowering)."""
     import jax
 
-    from pipeline.model.families.shapes import struct
+    from pipeline.model.shapes import struct
 
     return jax.tree_util.tree_map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
                                   struct(params, dtype), shardings)

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.core import naming
 from pipeline.core.choices import IMAGE_FORMATS
-from pipeline.io import storage
+from pipeline.io import gcs, storage
 
 PNG_COMPRESS_LEVEL = 6
 THUMB_SIZE = 128  # the gallery's thumbnails fit in THUMB_SIZE x THUMB_SIZE
@@ -137,7 +137,7 @@ def image_parquet_bytes(rows: list[dict], encoded: list[bytes], schema) -> bytes
 def zarr_kvstore(path: str) -> dict:
     """A tensorstore kvstore spec for a local folder or a gs:// prefix."""
     if storage.is_gcs(path):
-        bucket, _, prefix = path[len(storage.GCS_PREFIX):].partition("/")
+        bucket, _, prefix = path[len(gcs.PREFIX):].partition("/")
         return {"driver": "gcs", "bucket": bucket, "path": prefix.rstrip("/") + "/"}
     return {"driver": "file", "path": path}
 

@@ -60,7 +60,7 @@ def metadata_schema():
     return pa.schema([(name, getattr(pa, kind)()) for name, kind in METADATA_FIELDS])
 
 
-def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, truncated: bool = False,
+def metadata_row(item: Item, run: Run, host: int, data: bytes, path: str, *, truncated: bool = False,
                  scores: dict | None = None, dropped: str | None = None) -> dict:
     """The metadata of one image (``METADATA_FIELDS``); ``truncated``: the prompt was
     longer than the text encoder takes, and only its start was used; ``scores``: its
@@ -180,7 +180,7 @@ class SliceWriter:
     bound through ``slots``.
     """
 
-    def __init__(self, out: str, run: Run, index: int, host: int, pool, zarr_images=None, zarr_latents=None,
+    def __init__(self, out: str, run: Run, index: int, host: int, pool, *, zarr_images=None, zarr_latents=None,
                  max_pending: int = MAX_PENDING, slots: threading.Semaphore | None = None,
                  zarr_group: str = "", zarr_offset: int = 0):
         self.out, self.run, self.index, self.host, self.pool = out, run, index, host, pool
@@ -234,7 +234,8 @@ class SliceWriter:
                 self.zarr_images[item.position - self.zarr_offset].write(np.zeros_like(image)).result()
                 if latents is not None:
                     self.zarr_latents[item.position - self.zarr_offset].write(np.zeros_like(latents)).result()
-            return metadata_row(item, self.run, self.host, data, "", truncated, scores, dropped), None, None
+            return metadata_row(item, self.run, self.host, data, "", truncated=truncated, scores=scores,
+                                dropped=dropped), None, None
         location = image_location(self.run.settings, item, self.zarr_group, self.zarr_offset)
         if "files" in self.formats:
             storage.write_bytes(naming.join(self.out, location), data)
@@ -247,8 +248,8 @@ class SliceWriter:
         # the encoded bytes are kept for the slice's tar or image parquet only: with files
         # and zarr alone, a queued slice holds its rows, not its images
         keep = "webdataset" in self.formats or "parquet" in self.formats
-        return metadata_row(item, self.run, self.host, data, location, truncated, scores), data if keep else None, \
-            thumb
+        row = metadata_row(item, self.run, self.host, data, location, truncated=truncated, scores=scores)
+        return row, data if keep else None, thumb
 
     def wait_images(self) -> None:
         """Block until every image added so far is stored (or one failed)."""

@@ -43,7 +43,7 @@ class _ScanFn(beam.DoFn):
     """Scans one file; saves its arrays and its sorted sections (the Beam runner never
     holds, copies or pickles them) and yields where they are."""
 
-    def __init__(self, out: str, args: tuple, sizes: tuple[str, ...], dedupe: bool, default_guidance: float,
+    def __init__(self, out: str, args: tuple, sizes: tuple[str, ...], dedupe: bool, *, default_guidance: float,
                  rule: str, ranges: int):
         self.out, self.args, self.sizes, self.dedupe = out, args, sizes, dedupe
         self.default_guidance, self.rule, self.ranges = default_guidance, rule, ranges
@@ -157,9 +157,9 @@ class FirstPass(beam.PTransform):
 
     def expand(self, files):
         s, ranges, out = self.settings, self.ranges, self.out
-        scanned = files | "ScanFiles" >> beam.ParDo(_ScanFn(out, self.args, s.sizes, s.dedupe, s.guidance_scale,
-                                                           s.guidance_rule, ranges)).with_outputs(IDS, PROMPTS,
-                                                                                                    main=SAVED)
+        scan = _ScanFn(out, self.args, s.sizes, s.dedupe, default_guidance=s.guidance_scale, rule=s.guidance_rule,
+                       ranges=ranges)
+        scanned = files | "ScanFiles" >> beam.ParDo(scan).with_outputs(IDS, PROMPTS, main=SAVED)
         id_dtype = duplicates.ID_ROW_WITH_PROMPT if s.dedupe else duplicates.ROW
         ids = (scanned[IDS]
                | "IdRanges" >> beam.GroupByKey()

@@ -25,16 +25,14 @@ import hashlib
 import io
 import json
 import os
-import re
 
 import numpy as np
 
 from pipeline.core import buckets, records
 from pipeline.model import families
-from pipeline.io import beamio, listing, storage
+from pipeline.io import beamio, inventory, listing, storage
 from pipeline.plan import inputs
 
-_WILDCARD = re.compile(r"[*?\[]")
 UNUSED_GUIDANCE, UNUSED_NEGATIVE = 1, 2  # ``FileScan.unused``'s bits
 HASH_BYTES = 16  # of an id or a prompt: collisions are out of reach (2**-128 a pair)
 
@@ -45,8 +43,8 @@ class PlanError(ValueError):
 
 def input_root(pattern: str) -> str:
     """The folder that auto ids are relative to: the pattern's part before any wildcard."""
-    head = _WILDCARD.split(pattern, maxsplit=1)[0]
-    return head if _WILDCARD.search(pattern) and head.endswith("/") else head.rpartition("/")[0]
+    head = listing.WILDCARD.split(pattern, maxsplit=1)[0]
+    return head if listing.WILDCARD.search(pattern) and head.endswith("/") else head.rpartition("/")[0]
 
 
 def relative_source(source: str, root: str) -> str:
@@ -64,18 +62,18 @@ def match_prompt_files(pattern: str) -> list[str]:
     return sorted(prompt_files(pattern))
 
 
-def prompt_files(pattern: str) -> dict[str, storage.Listed]:
-    """{file: what its listing says of it} of ``pattern``'s files (``storage.listed``: one
+def prompt_files(pattern: str) -> dict[str, inventory.Listed]:
+    """{file: what its listing says of it} of ``pattern``'s files (``inventory.listed``: one
     listing on GCS); PlanError if one has an unknown format or is not a file."""
     try:
-        found = storage.listed(pattern)
+        found = inventory.listed(pattern)
         inputs.check_formats(sorted(found))
     except (inputs.UnsupportedInput, listing.NotAPromptFile) as e:
         raise PlanError(str(e)) from None
     return found
 
 
-def validate_payload(source: str, line: int, payload, run_seed: int, root: str,
+def validate_payload(source: str, line: int, payload, run_seed: int, root: str, *,
                      prompt_field: str = "prompt", sizes: tuple[str, ...] = ()) -> records.Record | records.Reject | None:
     """One row of ``inputs.read_rows`` to a Record, a Reject, or None (a blank line)."""
     if isinstance(payload, records.Reject):
@@ -97,7 +95,7 @@ def validated(path: str, run_seed: int, root: str, prompt_field: str = "prompt",
     """The rows of one prompt file, checked: ``(payload, Record | Reject)`` in file order;
     ``sizes``: the run's buckets, which a row may ask for (``records.parse_row``)."""
     for source, line, payload in inputs.read_rows(path, prompt_field):
-        result = validate_payload(source, line, payload, run_seed, root, prompt_field, sizes)
+        result = validate_payload(source, line, payload, run_seed, root, prompt_field=prompt_field, sizes=sizes)
         if result is not None:  # a blank line is not a row
             yield payload, result
 

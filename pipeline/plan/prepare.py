@@ -97,15 +97,22 @@ def kept_batches_per_slice(settings: Settings, overwrite: bool = False) -> Setti
     return settings.replace(batches_per_slice=runs.read(settings.out).settings.batches_per_slice)
 
 
+# the packages whose versions run.json records beside promptmill's, where installed
+RECORDED_PACKAGES = ("jax", "jaxlib", "flax", "tokenizers", "safetensors", "apache-beam", "numpy", "pillow", "pyarrow")
+
+
+def _installed(name: str) -> str | None:
+    """The installed version of package ``name``, or None."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _versions() -> dict:
-    names = ("jax", "jaxlib", "flax", "tokenizers", "safetensors", "apache-beam", "numpy", "pillow", "pyarrow")
-    found = {"promptmill": __version__}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
+    """promptmill's version and those of the ``RECORDED_PACKAGES`` installed, for run.json."""
+    installed = {name: _installed(name) for name in RECORDED_PACKAGES}
+    return {"promptmill": __version__, **{name: version for name, version in installed.items() if version}}
 
 
 def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
@@ -115,7 +122,7 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
 
     settings.validate()
     described = model.describe(model.LoadRequest.of(settings))
-    size, multiple = described["native_size"], described["size_multiple"]
+    size, multiple = described.native_size, described.size_multiple
     sizes = settings.sizes
     if sizes == (buckets.PRESET,):
         sizes = buckets.preset_sizes(size, multiple)
@@ -123,36 +130,36 @@ def resolve_settings(settings: Settings) -> tuple[Settings, Run]:
     problem = families.size_problem(settings, described, sizes)
     if problem:
         raise PlanError(problem)
-    steps = described["default_steps"] if settings.steps is None else settings.steps
-    if not described["min_steps"] <= steps <= described["max_steps"]:
+    steps = described.default_steps if settings.steps is None else settings.steps
+    if not described.min_steps <= steps <= described.max_steps:
         raise PlanError(f"--steps {steps}{'' if settings.steps is not None else ' (the model default)'}: "
-                        f"{settings.model} runs {described['min_steps']} to "
-                        f"{described['max_steps']} steps ({described['steps_bound'] or described['family']})")
+                        f"{settings.model} runs {described.min_steps} to "
+                        f"{described.max_steps} steps ({described.steps_bound or described.family})")
     if settings.steps is None:
         logs.event("steps_default", steps=steps, model=settings.model,
-                   **({"note": described["steps_note"]} if described["steps_note"] else {}))
-    if described["defaults_note"] and (settings.steps is None or settings.guidance_scale is None):
-        logs.event("defaults_note", logging.WARNING, model=settings.model, note=described["defaults_note"])
-    guidance = settings.guidance_scale if settings.guidance_scale is not None else described["default_guidance"]
-    if settings.guidance_scale is not None and families.guidance_rule(described["guidance_rule"]).guidance_unused(
+                   **({"note": described.steps_note} if described.steps_note else {}))
+    if described.defaults_note and (settings.steps is None or settings.guidance_scale is None):
+        logs.event("defaults_note", logging.WARNING, model=settings.model, note=described.defaults_note)
+    guidance = settings.guidance_scale if settings.guidance_scale is not None else described.default_guidance
+    if settings.guidance_scale is not None and families.guidance_rule(described.guidance_rule).guidance_unused(
             settings.guidance_scale):
         logs.event("guidance_unused", logging.WARNING, guidance_scale=settings.guidance_scale, model=settings.model,
-                   why=f"{settings.model} takes no guidance ({described['family']}, guidance-distilled): the scale "
+                   why=f"{settings.model} takes no guidance ({described.family}, guidance-distilled): the scale "
                        f"is recorded with each image and counted in the dataset's stats, never used")
     first = buckets.parse_size(sizes[0]) if sizes else (settings.width or size, settings.height or size)
     resolved = dict(width=first[0], height=first[1], sizes=tuple(sizes), steps=steps,
                     decode_batch=DECODE_BATCH if settings.decode_batch == AUTO else settings.decode_batch,
-                    scheduler=settings.scheduler or described["scheduler"], guidance_scale=float(guidance),
-                    max_sequence_length=described["max_sequence_length"])
-    resolved.update(guidance_rule=described["guidance_rule"])  # the family's (a resumed run keeps its own)
-    if not described["cfg"]:  # no classifier-free guidance: the program is decided by the family, now
+                    scheduler=settings.scheduler or described.scheduler, guidance_scale=float(guidance),
+                    max_sequence_length=described.max_sequence_length)
+    resolved.update(guidance_rule=described.guidance_rule)  # the family's (a resumed run keeps its own)
+    if not described.cfg:  # no classifier-free guidance: the program is decided by the family, now
         resolved.update(guided=False)
     settings = settings.replace(**resolved).validate()
-    run = Run.create(settings, described["fingerprint"], versions=_versions(),
+    run = Run.create(settings, described.fingerprint, versions=_versions(),
                      created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                     loras=tuple(Lora(**lora) for lora in described["loras"]), license=described["license"],
+                     loras=tuple(Lora(**lora) for lora in described.loras), license=described.license,
                      sharding=_sharding(settings),
-                     scorers=scorer_models.describe(settings, described["fingerprint"])["fingerprints"])
+                     scorers=scorer_models.describe(settings, described.fingerprint)["fingerprints"])
     return settings, run
 
 
@@ -215,8 +222,6 @@ def prepare_out(out: str, run: Run, overwrite: bool = False) -> Run:
     return run
 
 
-CARD = "README.md"  # naming.dataset_card's name under OUT: ours to delete only when it says so
-LEASE = "lease.json"  # naming.lease's name under OUT
 DELETE_BATCH = 1000  # objects deleted at a time while --overwrite lists OUT (a GCS listing page)
 SHOWN = 5  # names a refusal or a report shows
 
@@ -245,7 +250,8 @@ def clear_run(out: str) -> int:
     kept = Kept()
     deleted, batch = 0, []
     for path, name in _owned_entries(out, kept):
-        if name not in ("run.json", LEASE):  # run.json goes last; the lease is this command's own
+        # run.json goes last; the lease is this command's own
+        if name not in (naming.run_json.name, naming.lease.name):
             batch.append(path)
         if len(batch) >= DELETE_BATCH:
             deleted += storage.delete(batch)
@@ -284,7 +290,8 @@ def _owned_entries(out: str, kept: Kept):
     root = out.rstrip("/")
     for path, kind in storage.entries(root):
         name = path[len(root) + 1:].replace(os.sep, "/")
-        if kind == "file" and naming.owned(name) and (name != CARD or _is_our_card(path)):
+        # the dataset card is ours to delete only when it says so
+        if kind == "file" and naming.owned(name) and (name != naming.dataset_card.name or _is_our_card(path)):
             yield path, name
         else:
             kept.add(name, kind)

@@ -27,7 +27,7 @@ def running(bucket: str = "promptmill-test", timeout_s: float = 30.0):
 
     The process environment points at it while the block runs and is restored after.
     """
-    from pipeline.io import storage
+    from pipeline.io import gcs
 
     exe = shutil.which("gcp-storage-emulator", path=os.path.dirname(sys.executable)) or \
         shutil.which("gcp-storage-emulator")
@@ -49,9 +49,9 @@ def running(bucket: str = "promptmill-test", timeout_s: float = 30.0):
     url = f"http://127.0.0.1:{port}"
     previous = {k: os.environ.get(k) for k in env_for(url)}
     os.environ.update(env_for(url))
-    storage.reset_gcs_client()
+    gcs.reset_client()
     try:
-        storage.gcs_client().create_bucket(bucket)
+        gcs.client().create_bucket(bucket)
         yield url
     finally:
         proc.terminate()
@@ -59,7 +59,7 @@ def running(bucket: str = "promptmill-test", timeout_s: float = 30.0):
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
-        storage.reset_gcs_client()
+        gcs.reset_client()
         for key, value in previous.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -133,7 +133,7 @@ def _write_slices(out: str, run: Run, chunk, slices: int, images: int, hosts: in
         for index in range(slices):
             started = time.time()
             items = chunk(index)
-            slice_writer = writer.SliceWriter(out, run, index, index % hosts, pool, zarr)
+            slice_writer = writer.SliceWriter(out, run, index, index % hosts, pool, zarr_images=zarr)
             for one in items:
                 slice_writer.add(one, pixels(one.position, settings.width), scores=dict(scores) if scores else None)
             slice_writer.commit({"slice": index, "host": index % hosts, "images": len(items),

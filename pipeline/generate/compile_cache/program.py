@@ -93,10 +93,11 @@ class Program:
         """The ``jax.stages.Compiled`` of ``xla_executable`` (loaded onto ``devices``)."""
         from jax._src import stages
 
-        executable = _mesh_executable(
-            xla_executable, self.name, self.devices, self.in_avals, self.out_avals, self.in_shardings,
-            self.out_shardings, (None,) * len(self.in_avals), (None,) * len(self.out_avals), self.committed,
-            self.kept_var_idx, [], self.all_args)
+        executable = _mesh_executable(xla_executable, self.name, self.devices, {
+            "in_avals": self.in_avals, "out_avals": self.out_avals, "in_shardings": self.in_shardings,
+            "out_shardings": self.out_shardings, "in_layouts": (None,) * len(self.in_avals),
+            "out_layouts": (None,) * len(self.out_avals), "committed": self.committed,
+            "kept_var_idx": self.kept_var_idx, "keepalive": [], "all_args_info": self.all_args})
         in_types, out_types = self.types()
         return stages.Compiled(executable, [], self.in_tree.unflatten(self.args), self.out_tree,
                                no_kwargs=self.no_kwargs, in_types=in_types, out_types=out_types)
@@ -108,15 +109,20 @@ class Program:
         return (self.in_tree, [arg._aval for arg in self.args]), (self.out_tree, list(self.out_avals))
 
 
-def _mesh_executable(xla_executable, name, devices, in_avals, out_avals, in_shardings, out_shardings, in_layouts,
-                     out_layouts, committed, kept_var_idx, keepalive, all_args_info, intermediate_shardings=None,
-                     context_mesh=None):
-    """pxla's ``UnloadedMeshExecutable.from_hlo`` (jax 0.10) from its compilation on:
-    the executable's shardings checked against the program's, its layouts read, the
-    result loaded. For programs without effects, host callbacks or mutable arrays."""
+def _mesh_executable(xla_executable, name, devices, program: dict):
+    """pxla's ``UnloadedMeshExecutable.from_hlo`` from its compilation on: the executable's
+    shardings checked against the program's, its layouts read, the result loaded. For
+    programs without effects, host callbacks or mutable arrays. ``program``: what the
+    program is, named as a lowering's compile arguments name it (``in_avals``,
+    ``out_avals``, ``in_shardings``, ``out_shardings``, ``in_layouts``, ``out_layouts``,
+    ``committed``, ``kept_var_idx``, ``keepalive``, ``all_args_info``, and optionally
+    ``intermediate_shardings`` and ``context_mesh``)."""
     from jax._src.interpreters import pxla
     from jax._src.lib import xla_client as xc
 
+    in_avals, out_avals = program["in_avals"], program["out_avals"]
+    in_shardings, out_shardings = program["in_shardings"], program["out_shardings"]
+    in_layouts, out_layouts = program["in_layouts"], program["out_layouts"]
     device_list = devices if isinstance(devices, xc.DeviceList) else xc.DeviceList(tuple(devices))
     in_shardings = tuple(pxla.maybe_concretize_mesh(s, device_list) for s in in_shardings)
     out_shardings = tuple(pxla.maybe_concretize_mesh(s, device_list) for s in out_shardings)
@@ -126,14 +132,16 @@ def _mesh_executable(xla_executable, name, devices, in_avals, out_avals, in_shar
                                                                         in_avals, out_avals)
     dispatch_in_layouts = pxla.get_dispatch_layouts(xla_in_layouts, in_shardings, in_avals)
     out_shardings = pxla.maybe_recover_user_shardings(in_shardings, out_shardings, in_avals, out_avals,
-                                                      intermediate_shardings, context_mesh)
+                                                      program.get("intermediate_shardings"),
+                                                      program.get("context_mesh"))
     return pxla.UnloadedMeshExecutable(
         xla_executable=xla_executable, device_list=device_list, backend=xla_executable.client,
         input_avals=in_avals, input_shardings=pxla.finalize_shardings(in_shardings, device_list),
         output_avals=out_avals, output_shardings=pxla.finalize_shardings(out_shardings, device_list),
-        committed=committed, name=name, unordered_effects=[], ordered_effects=[], keepalive=keepalive,
-        host_callbacks=[], kept_var_idx=kept_var_idx, mut=None, xla_in_layouts=xla_in_layouts,
-        dispatch_in_layouts=dispatch_in_layouts, xla_out_layouts=xla_out_layouts, all_args_info=all_args_info,
+        committed=program["committed"], name=name, unordered_effects=[], ordered_effects=[],
+        keepalive=program["keepalive"], host_callbacks=[], kept_var_idx=program["kept_var_idx"], mut=None,
+        xla_in_layouts=xla_in_layouts, dispatch_in_layouts=dispatch_in_layouts, xla_out_layouts=xla_out_layouts,
+        all_args_info=program["all_args_info"],
         pgle_profiler=None).load()
 
 
@@ -162,11 +170,11 @@ def from_lowering(lowered, xla_executable):
 
     lowering = lowering_of(lowered)
     args = lowering.compile_args
-    executable = _mesh_executable(
-        xla_executable, lowering._name, lowering._device_list, args["global_in_avals"], args["global_out_avals"],
-        args["in_shardings"], args["out_shardings"], args["in_layouts"], args["out_layouts"], args["committed"],
-        args["kept_var_idx"], args["keepalive"], args["all_args_info"], args.get("intermediate_shardings"),
-        args.get("context_mesh"))
+    executable = _mesh_executable(xla_executable, lowering._name, lowering._device_list, {
+        **{name: args[name] for name in ("in_shardings", "out_shardings", "in_layouts", "out_layouts", "committed",
+                                         "kept_var_idx", "keepalive", "all_args_info")},
+        "in_avals": args["global_in_avals"], "out_avals": args["global_out_avals"],
+        "intermediate_shardings": args.get("intermediate_shardings"), "context_mesh": args.get("context_mesh")})
     return stages.Compiled(executable, lowering.const_args, lowered.args_info, lowered.out_tree, lowered._no_kwargs,
                            lowered._in_types, lowered._out_types)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pipeline.generate.spec import ProgramSpec
 from pipeline.generate.tpu_check.chips import Target
 from pipeline.model import sharding
 from pipeline.model.sampling import decoding, guidance
@@ -50,12 +51,14 @@ class Context:
         settings = settings.replace(decode_batch=decoding.planned(settings.decode_batch))
         return cls(settings, target, model, width, height, run_guided(settings, model))
 
-    def sampler_args(self) -> dict:
-        """The arguments of ``generator.lower_sampler`` the run's settings decide."""
+    def spec(self, per_device_batch: int) -> ProgramSpec:
+        """The host program the check lowers, at ``per_device_batch`` images per chip: the
+        run's (``ProgramSpec.of``), guided as decided here, its rule the family's where the
+        plan has not named one yet."""
         settings, model = self.settings, self.model
         rule = settings.guidance_rule if settings.guided is not None else model.family.guidance_rule(model)
-        return dict(steps=settings.steps, latents=settings.save_latents, guidance_rule=rule, guided=self.guided,
-                    attention=settings.attention, decode_batch=settings.decode_batch)
+        return ProgramSpec.of(settings).at(width=self.width, height=self.height, per_device_batch=per_device_batch,
+                                           guidance_rule=rule, guided=self.guided)
 
     def weights(self) -> int:
         """The bytes of the model's weights on each chip (its share under ``--fsdp``)."""

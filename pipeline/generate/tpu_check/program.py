@@ -48,9 +48,7 @@ def lowered_sampler(context, per_device_batch: int) -> tuple:
 
     devices = chips.host_devices(context.target)
     with attention.record() as calls:
-        lowered = generator.lower_sampler(context.model, context.width, context.height,
-                                          per_device_batch=per_device_batch, devices=devices,
-                                          fsdp=context.settings.fsdp, **context.sampler_args())
+        lowered = generator.lower_sampler(context.model, context.spec(per_device_batch), devices)
     return lowered, tuple(attention.summary(calls))
 
 

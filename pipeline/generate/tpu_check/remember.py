@@ -11,12 +11,12 @@ def description(settings, target: chips.Target, per_device_batch, scorers: bool 
     """What a remembered result is of; ``scorers``: with the scoring program's models (the
     sampler and its parts are the same programs with scores or without). A ``decode_batch``
     left "auto" is described as the one planning resolves it to (``Context.of``)."""
-    from pipeline.generate import runtime
+    from pipeline.generate.spec import ProgramSpec
     from pipeline.model.sampling import decoding
 
-    described = runtime.sampler_description(settings.replace(
+    described = ProgramSpec.of(settings.replace(
         per_device_batch=per_device_batch if per_device_batch is not None else 1,
-        decode_batch=decoding.planned(settings.decode_batch)))
+        decode_batch=decoding.planned(settings.decode_batch))).description()
     if scorers and settings.scores:
         from pipeline.model.scorers import models
 

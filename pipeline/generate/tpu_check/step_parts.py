@@ -93,11 +93,12 @@ def lowered_parts(context, per_device_batch: int) -> list:
         with attention.use(context.settings.attention, platform="tpu"):
             yield
 
-    found = parts.parts(context.model, context.width, context.height, per_device_batch, context.guided, seam, single)
+    found = parts.parts(context.model, context.width, context.height, per_device_batch, context.guided, seam=seam,
+                        sharding=single)
     micro = context.settings.decode_batch
     if micro is None or micro >= per_device_batch:
         return found
-    decode = parts.lowered(context.model, context.width, context.height, micro, context.guided, "vae_decode", seam,
-                           single)
+    decode = parts.lowered(context.model, context.width, context.height, micro, context.guided, "vae_decode",
+                           seam=seam, sharding=single)
     return [(label, components, decode if label == "vae_decode" else program)
             for label, components, program in found]

@@ -19,6 +19,10 @@ interface (``base``).
   shared Qwen3 and 16-channel VAE, prompts of any length in one fixed-shape batch, its own
   guidance rule (above 0).
 
+What families share lives once, beside them: ``base`` (the ``Family`` interface and the
+defaults the built-in families share), ``qwen_text`` (FLUX.2's and Z-Image's plumbing and
+sampling loop) and ``qwen_presets`` (their built-in checkpoints). None of them is a family.
+
 A family that lives outside the package is registered without editing it, in every
 process of a run (the hosts and Beam workers import this registry as the launcher
 does): name its object as ``module:attribute`` in the ``PROMPTMILL_FAMILIES``
@@ -153,7 +157,7 @@ def steps_help() -> str:
     return _by_family({family.title: family.steps_help for family in FAMILIES})
 
 
-def size_problem(settings, described: dict, sizes: tuple[str, ...] | None = None) -> str | None:
+def size_problem(settings, described, sizes: tuple[str, ...] | None = None) -> str | None:
     """What is wrong with a side of the images of a run's ``settings`` (``--width``,
     ``--height``, each of ``sizes``: its ``--sizes`` unless given), by the rule of its model's
     family as ``load.describe`` gave it (``described``): a multiple of its size unit, at most
@@ -161,7 +165,7 @@ def size_problem(settings, described: dict, sizes: tuple[str, ...] | None = None
     from pipeline.core import buckets
 
     sizes = settings.sizes if sizes is None else sizes
-    family, size, multiple = BY_NAME.get(described["family"]), described["native_size"], described["size_multiple"]
+    family, size, multiple = BY_NAME.get(described.family), described.native_size, described.size_multiple
     # a side left to the model is one it must make too: refused when planning, never by the hosts
     sides = [(f"--{name}", getattr(settings, name)) if getattr(settings, name) is not None or sizes
              else (f"the default {name} (--{name} not given)", size) for name in ("width", "height")]
@@ -169,11 +173,11 @@ def size_problem(settings, described: dict, sizes: tuple[str, ...] | None = None
               for side, value in zip(("width", "height"), buckets.parse_size(name))]
     for what, value in sides:
         if value is not None and value % multiple:
-            rule = f"{family.title}'s size unit: {family.size_rule}" if family else described["family"]
+            rule = f"{family.title}'s size unit: {family.size_rule}" if family else described.family
             return f"{what} {value}: {settings.model}'s images are multiples of {multiple} pixels each way ({rule})"
-        if value is not None and value > described["max_size"]:
-            return (f"{what} {value}: {described['family']} images are at most {described['max_size']} pixels each "
-                    f"way ({described['max_size'] * described['max_size'] / size ** 2:g} times the model's native "
+        if value is not None and value > described.max_size:
+            return (f"{what} {value}: {described.family} images are at most {described.max_size} pixels each "
+                    f"way ({described.max_size * described.max_size / size ** 2:g} times the model's native "
                     f"area, {size}x{size})")
     return None
 

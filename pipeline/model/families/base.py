@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Any
 
 from pipeline.model.sampling import decoding
+
+# the size rule of the families whose latents go 2x2 into tokens (``Family.size_rule``)
+PATCHED_SIZE_RULE = "twice the VAE's scale factor (2x2 patches): 16, or 4 for the built-in tiny models"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,24 @@ class Model:
         return (self.latent_channels, height // f, width // f)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerNets:
+    """What the networks of the rectified-flow transformer families (FLUX.1, FLUX.2 [klein],
+    Z-Image) have in common, in one dtype: the transformer, the VAE decoder and the scheduler
+    config, and, once the family loads them, the (first) tokenizer and the text length; a
+    family's subclass adds its text encoders and how many channels its latents are drawn with
+    (``latent_channels``)."""
+    transformer: Any  # the family's transformer module
+    vae: Any  # vae.VaeDecoder
+    scheduler_config: dict
+    tokenizer: Any = None
+    max_sequence_length: int | None = None
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.vae.config.scale_factor
+
+
 @dataclasses.dataclass(frozen=True)
 class Described:
     """What a plan needs to know of a checkpoint, from its configs alone."""
@@ -113,7 +135,8 @@ class Described:
 class Family:
     """The interface of a model family (see the module docstring); one object per family,
     registered in ``pipeline.model.families.FAMILIES``. Methods that take a model take
-    the ``Model`` this family's ``load`` made."""
+    the ``Model`` this family's ``load`` made. The defaults here are what the built-in
+    families share: a family overrides only what is its own."""
     name: str = ""
     title: str = ""  # for people: "SD 1.x/2.x", "SDXL", "FLUX.1"
     pipeline_classes: tuple[str, ...] = ()  # model_index.json _class_name values it takes
@@ -132,6 +155,13 @@ class Family:
     # whether diffusers' Flax notebook recipe (FlaxStableDiffusionPipeline) runs it: the seed
     # baseline that ``bench generator``'s sweep and recipes compare with
     notebook_baseline: bool = False
+    # its built-in random models: a module (or object) with ``PRESETS`` ({name: preset}) and
+    # ``ensure(name, shapes)``; None: it has none
+    presets = None
+    # the folders a checkpoint of it has, and the ones holding weights by the library whose
+    # file names they use ({component: "diffusers" | "transformers"})
+    component_folders: tuple[str, ...] = ()
+    libraries: dict = {}
 
     def with_sampler(self, model: Model, directory: str, scheduler: str | None,
                      timestep_spacing: str | None) -> Model:
@@ -142,11 +172,11 @@ class Family:
 
     def builtins(self) -> dict:
         """{name: preset} of the family's built-in random models (``--model tiny``, ...)."""
-        return {}
+        return {} if self.presets is None else dict(self.presets.PRESETS)
 
     def ensure_builtin(self, name: str, shapes: bool = False) -> str:
         """The folder of the built-in model ``name`` (one of ``builtins``), built once per machine."""
-        raise NotImplementedError
+        return self.presets.ensure(name, shapes)
 
     def guidance_rule(self, model: Model) -> str:
         """How a new run's guidance acts (``Settings.guidance_rule``)."""
@@ -170,13 +200,13 @@ class Family:
         params = self._params(directory, nets)
         if loras:
             try:
-                params = lora.merge(params, loras, layouts=self.lora_layouts())
+                params = lora.merge(params, loras, torch_names=self.lora_torch_names())
             except lora.LoraError as e:
                 raise ModelError(str(e)) from None
         return params
 
-    def lora_layouts(self) -> dict:
-        """{component: ``nets.convert.Layout``} of promptmill's own networks, whose layers a
+    def lora_torch_names(self) -> dict:
+        """{component: ``convert.TorchNames``} of promptmill's own networks, whose layers a
         LoRA names by PyTorch's names (a stacked block by its index)."""
         return {}
 
@@ -186,13 +216,28 @@ class Family:
 
     def components(self, index: dict) -> tuple[str, ...]:
         """The folders a checkpoint of this family must have."""
-        raise NotImplementedError
+        return self.component_folders
 
     def weight_libraries(self, index: dict) -> dict[str, str]:
         """{component: "diffusers" | "transformers"}: the components that hold weights, by
         the library whose file names they use (``weights.FLAX_FILES`` /
         ``SAFETENSORS_FILES``)."""
+        return dict(self.libraries)
+
+    def read_nets(self, directory: str, dtype=None):
+        """The family's networks of the checkpoint in ``directory``, computing in ``dtype``
+        (None: float32), from its configs alone; ValueError naming a config it would not
+        honour."""
         raise NotImplementedError
+
+    def nets_of(self, directory: str, dtype=None):
+        """``read_nets``, a config it would not honour a ModelError."""
+        from pipeline.model.loading.checkpoint import ModelError
+
+        try:
+            return self.read_nets(directory, dtype)
+        except ValueError as e:
+            raise ModelError(str(e)) from None
 
     def unet_file(self, directory: str, unet: str) -> str:
         """The local file of ``--unet`` (``unet``: a UNet-only safetensors file, local or
@@ -240,8 +285,12 @@ class Family:
 
     def decode_latents(self, model: Model, vae_params, latents):
         """float32 images [B, H, W, 3] in [0, 1] from final latents as the sampler returns
-        them (``make_denoise(..., return_latents=True)``)."""
-        raise NotImplementedError
+        them (``make_denoise(..., return_latents=True)``): by default the model's VAE
+        decoder (``model.nets.vae``, ``pipeline.model.layers.vae``), which undoes its own
+        scaling, shift or batch-norm statistics."""
+        from pipeline.model.layers import vae
+
+        return vae.vae_decode(model.nets.vae, vae_params, latents, model.nets.vae.config)
 
     def latents_note(self, model: Model) -> dict:
         """Attributes of a run's saved final latents: how to decode them."""

@@ -8,8 +8,8 @@ their parts (promptmill runs no network of diffusers' or transformers').
   diffusers names them;
 - ``resnet``: convolutions, resnet blocks, up- and downsampling (the VAE's and the UNet's);
 - ``patching``: 2x2 latent packing;
-- ``text``: the CLIP text encoders (CLIP-L, OpenCLIP-H, OpenCLIP-bigG); ``t5``: the T5 v1.1
-  encoder; ``qwen3``: the Qwen3 encoder;
+- ``text``: the text encoders and what prepares their input: CLIP (CLIP-L, OpenCLIP-H,
+  OpenCLIP-bigG), the T5 v1.1 encoder, the Qwen3 encoder and its chat prompts;
 - ``vae``: the VAE decode and its config-driven variants (SD's and SDXL's, FLUX.1's
   AutoencoderKL, FLUX.2's batch-norm, 2x2-patch AutoencoderKLFlux2).
 

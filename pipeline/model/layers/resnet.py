@@ -4,9 +4,10 @@ channels-last (NHWC) arrays and named as PyTorch names them, so weights load by 
 (``pipeline.model.loading.convert``: a convolution's ``weight`` [out, in, kh, kw] is Flax's
 ``kernel`` [kh, kw, in, out]).
 
-Also ``Numbered``: PyTorch's ``nn.ModuleList`` as a Flax parent, its children named "0",
-"1", ..., so a parameter's path is its PyTorch name split at the dots
-(``down_blocks/1/resnets/0/conv1/kernel`` for ``down_blocks.1.resnets.0.conv1.weight``).
+Also ``Numbered``: PyTorch's ``nn.ModuleList`` (or any module that only holds others) as a
+Flax parent, its children named "0", "1", ... (or as the caller names them), so a
+parameter's path is its PyTorch name split at the dots (``down_blocks/1/resnets/0/conv1/kernel``
+for ``down_blocks.1.resnets.0.conv1.weight``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def conv(features: int, kernel: int, dtype, name: str, stride: int = 1, padding:
 class Numbered(nn.Module):
     """A ``nn.ModuleList``: ``Numbered(name="resnets")(make, *args)`` runs ``make()``, a
     module built here with ``name=str(index)``, on ``args`` (blocks of several lists can
-    be called in turn, as PyTorch's forwards interleave them)."""
+    be called in turn, as PyTorch's forwards interleave them). A PyTorch module that holds
+    others and no weights of its own (CLIP's ``encoder`` and ``embeddings``, Z-Image's
+    ``cap_embedder``) is
+    one too, its children named as PyTorch names them."""
 
     @nn.compact
     def __call__(self, make, *args, **kwargs):

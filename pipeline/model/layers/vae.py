@@ -287,33 +287,44 @@ _FLAX_RENAMES = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out_0": "p
 _UNUSED = ("encoder.", "quant_conv.", "bn.num_batches_tracked")
 
 
-def _layout(config: VaeConfig) -> convert.Layout:
+def _torch_names(config: VaeConfig) -> convert.TorchNames:
     aliases = {}
-    for path in param_shapes(config):
-        name = convert.torch_name(path, _PLAIN)
+    for path in NETWORK.param_shapes(config):
+        name = convert.torch_name(path, _PLAIN_NAMES)
         for new, old in _OLD_ATTENTION.items():
             if f".attentions.0.{new}." in name:
                 aliases[name] = (name.replace(f".attentions.0.{new}.", f".attentions.0.{old}."),)
     ignored = _UNUSED + (() if config.use_post_quant_conv else ("post_quant_conv.",))
-    return convert.Layout(stacks=(), aliases=aliases, ignored=ignored)
+    return convert.TorchNames(stacks=(), aliases=aliases, ignored=ignored)
 
 
-_PLAIN = convert.Layout(stacks=())
-NETWORK = convert.Network(VaeDecoder, lambda config: ((jnp.zeros((1, config.latent_input_channels, 1, 1)),), {}))
+_PLAIN_NAMES = convert.TorchNames(stacks=())
 
 
-def param_shapes(config: VaeConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the decoder, from its config alone."""
-    return NETWORK.param_shapes(config)
+@dataclasses.dataclass(frozen=True)
+class DecoderNetwork(convert.Network):
+    """The decoder's ``convert.Network``, whose PyTorch names depend on its config."""
+
+    def from_torch(self, state: Mapping[str, np.ndarray], config: VaeConfig, where: str) -> dict:
+        """Decoder params from an ``AutoencoderKL`` or ``AutoencoderKLFlux2`` state dict
+        ({name: array}) by the naming rule (the mid block's attention under its new or its
+        older names), each array in its stored dtype (convolutions' axes moved, as views);
+        WeightsError naming any missing, misshapen or unknown weight. The encoder's,
+        ``quant_conv``'s and the batch norm's counter are skipped."""
+        return convert.from_torch(state, self.param_shapes(config), _torch_names(config), where)
+
+    def to_torch(self, params: Mapping) -> dict[str, np.ndarray]:
+        """The decoder's part of an autoencoder's state dict ({PyTorch name: array in its
+        param's dtype}), ``from_torch``'s inverse; the FLUX.2 variant's batch norm with its
+        counter, as PyTorch saves one."""
+        state = convert.to_torch(params, _PLAIN_NAMES)
+        if "bn" in params:
+            state["bn.num_batches_tracked"] = np.zeros((), np.int64)
+        return state
 
 
-def from_torch(state: Mapping[str, np.ndarray], config: VaeConfig, where: str = "vae") -> dict:
-    """Decoder params from an ``AutoencoderKL`` or ``AutoencoderKLFlux2`` state dict ({name:
-    array}) by the naming rule (the mid block's attention under its new or its older
-    names), each array in its stored dtype (convolutions' axes moved, as views);
-    WeightsError naming any missing, misshapen or unknown weight. The encoder's,
-    ``quant_conv``'s and the batch norm's counter are skipped."""
-    return convert.from_torch(state, param_shapes(config), _layout(config), where)
+NETWORK = DecoderNetwork(VaeDecoder, lambda config: ((jnp.zeros((1, config.latent_input_channels, 1, 1)),), {}),
+                         _PLAIN_NAMES)
 
 
 def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], config: VaeConfig, where: str = "vae") -> dict:
@@ -321,18 +332,9 @@ def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], config: VaeConfig, whe
     ``diffusion_flax_model.msgpack``): its ``decoder/up_blocks_0/...`` and attention's
     ``query``/``key``/``value``/``proj_attn``; the encoder's are skipped."""
     ignored = ("encoder/", "quant_conv/") + (() if config.use_post_quant_conv else ("post_quant_conv/",))
-    return convert.from_flax(flat, param_shapes(config), _PLAIN, where, joined=True, renames=_FLAX_RENAMES,
-                             ignored=ignored)
+    return convert.from_flax(flat, NETWORK.param_shapes(config), _PLAIN_NAMES, where, joined=True,
+                             renames=_FLAX_RENAMES, ignored=ignored)
 
-
-def to_torch(params: Mapping, config: VaeConfig) -> dict[str, np.ndarray]:
-    """The decoder's part of an autoencoder's state dict ({PyTorch name: array in its
-    param's dtype}), ``from_torch``'s inverse; the FLUX.2 variant's batch norm with its
-    counter, as PyTorch saves one."""
-    state = convert.to_torch(params, _PLAIN)
-    if "bn" in params:
-        state["bn.num_batches_tracked"] = np.zeros((), np.int64)
-    return state
 
 
 def encoder_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -5,7 +5,7 @@ its own folder (``families/<name>/presets.py``: configs, and how to build and sa
 them in diffusers format) and the registry gathers them (``pipeline.model.families``:
 ``builtin_folder``). Here is what they have in common, and no family: building a
 model once per machine into the cache (``ensure``), weights drawn leaf by leaf
-(``random_params``), the tokenizer files of a byte-level CLIP vocabulary, and the
+(``random_params``, ``random_weights``), the tokenizer files of a byte-level CLIP vocabulary, and the
 mark of a real-size model saved with its configs alone (``SHAPES_ONLY``: its weights
 are never written; the TPU check, FLOP counts and memory benchmarks need its shapes
 alone, and it cannot run). Their images are noise.
@@ -54,6 +54,15 @@ def ensure(version: str, build, shapes: bool = False, shapes_only_preset: bool =
     if not shapes or is_made(whole):
         return materialize(whole, lambda scratch: build(scratch, True))
     return materialize(f"{whole}-shapes", lambda scratch: build(scratch, False))
+
+
+def ensure_preset(presets: dict, name: str, build, shapes: bool = False) -> str:
+    """The folder of the built-in model ``name`` of a family's ``presets`` ({name: preset,
+    each with its ``version`` and maybe ``shapes_only``}), built by ``build(folder, name,
+    weights)`` once per machine (``ensure``)."""
+    preset = presets[name]
+    return ensure(preset["version"], lambda folder, weights: build(folder, name, weights),
+                  shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))
 
 
 def shapes_only(directory: str) -> bool:
@@ -134,6 +143,17 @@ def random_flat_params(shapes, seed: int, stacked=lambda path: False):
             std = 0.02 if path[-1] == "embedding" else fan_in ** -0.5
             params[path] = (rng.standard_normal(shape) * std).astype(np.float32)
     return params
+
+
+def random_weights(network, config, seed: int) -> dict:
+    """A network's random weights, as a built-in model's files hold them: drawn leaf by leaf
+    from ``seed`` (``random_flat_params``; a scanned stack's kernels at one block's fan-in)
+    for ``network`` (a ``convert.Network``) of ``config``, in PyTorch's names and layouts
+    (``network.to_torch``)."""
+    from pipeline.model.loading import convert
+
+    stacked = lambda path: convert.stack_of(path, network.torch_names) is not None  # noqa: E731
+    return network.to_torch(convert.unflatten(random_flat_params(network.param_shapes(config), seed, stacked)))
 
 
 def random_torch_state(shapes: dict[str, tuple[int, ...]], seed: int) -> dict:

@@ -7,10 +7,10 @@ dots, except for
   PyTorch's [out, in, kh, kw]); ``scale`` (a norm's) and ``embedding`` (an Embedding's)
   are ``weight`` as stored; ``bias`` is ``bias``, and a batch norm's running statistics
   keep their names;
-- the stacks: a path under one of the network's scanned stacks (``Layout.stacks``, e.g.
+- the stacks: a path under one of the network's scanned stacks (``TorchNames.stacks``, e.g.
   ``transformer_blocks``) holds every block's weight on a leading axis, block ``i``
   being PyTorch's ``transformer_blocks.{i}.…``;
-- the few weights a network moves (``Layout.moved``), e.g. T5's relative position
+- the few weights a network moves (``TorchNames.moved``), e.g. T5's relative position
   bias, which every layer uses but the first layer stores.
 
 Arrays keep their stored dtype: a bf16 checkpoint stays bf16 (a 12B model must never
@@ -36,7 +36,7 @@ _CONV_FROM_TORCH, _CONV_TO_TORCH = (2, 3, 1, 0), (3, 2, 0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class TorchNames:
     """What a network's naming rule needs besides the rule itself."""
     stacks: tuple[str, ...]  # "/"-joined Flax paths of its scanned stacks
     moved: Mapping[str, str] = dataclasses.field(default_factory=dict)  # "/"-joined Flax path -> PyTorch name
@@ -44,33 +44,28 @@ class Layout:
     ignored: tuple[str, ...] = ()  # PyTorch name prefixes that are not weights of the network
 
 
-# transformers' Flax CLIP text model follows the rule as it is (no stacks); the position
-# ids some PyTorch CLIP files hold are a buffer, not a weight
-CLIP_TEXT = Layout(stacks=(), ignored=("text_model.embeddings.position_ids",))
-
-
-def stack_of(path: tuple[str, ...], layout: Layout) -> str | None:
+def stack_of(path: tuple[str, ...], torch_names: TorchNames) -> str | None:
     """The stack ``path`` lies under, or None."""
     joined = "/".join(path)
-    return next((stack for stack in layout.stacks if joined.startswith(stack + "/")), None)
+    return next((stack for stack in torch_names.stacks if joined.startswith(stack + "/")), None)
 
 
-def torch_name(path: tuple[str, ...], layout: Layout, index: int | None = None) -> str:
+def torch_name(path: tuple[str, ...], torch_names: TorchNames, index: int | None = None) -> str:
     """The PyTorch name of the Flax parameter at ``path`` (of block ``index`` for a
     stacked one)."""
     joined = "/".join(path)
-    if joined in layout.moved:
-        return layout.moved[joined]
+    if joined in torch_names.moved:
+        return torch_names.moved[joined]
     if path[-1] not in LEAVES:
         raise ValueError(f"no PyTorch name for the Flax parameter {joined}: its leaf is not one of {', '.join(LEAVES)}")
-    names = list(path[:-1]) + [LEAVES[path[-1]]]
-    stack = stack_of(path, layout)
+    parts = list(path[:-1]) + [LEAVES[path[-1]]]
+    stack = stack_of(path, torch_names)
     if stack is not None:
         if index is None:
             raise ValueError(f"{joined} is stacked: a block index is needed")
         depth = stack.count("/") + 1
-        names = names[:depth] + [str(index)] + names[depth:]
-    return ".".join(names)
+        parts = parts[:depth] + [str(index)] + parts[depth:]
+    return ".".join(parts)
 
 
 def flatten(tree, prefix=()) -> dict[tuple[str, ...], object]:
@@ -94,8 +89,8 @@ def unflatten(flat: Mapping[tuple[str, ...], object]) -> dict:
     return tree
 
 
-def _blocks(path, shape, layout) -> list[int | None]:
-    return list(range(shape[0])) if stack_of(path, layout) is not None else [None]
+def _blocks(path, shape, torch_names) -> list[int | None]:
+    return list(range(shape[0])) if stack_of(path, torch_names) is not None else [None]
 
 
 def torch_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -119,19 +114,20 @@ def to_torch_array(path: tuple[str, ...], array: np.ndarray) -> np.ndarray:
     return array.transpose(_CONV_TO_TORCH) if array.ndim == 4 else array.T
 
 
-def torch_shapes(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout) -> dict[str, tuple[int, ...]]:
+def torch_shapes(shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+                 torch_names: TorchNames) -> dict[str, tuple[int, ...]]:
     """{PyTorch name: shape} of the network whose flat Flax param shapes are ``shapes``:
     what its PyTorch checkpoint holds."""
     out = {}
     for path, shape in shapes.items():
         shape = tuple(shape)
-        for index in _blocks(path, shape, layout):
+        for index in _blocks(path, shape, torch_names):
             one = shape[1:] if index is not None else shape
-            out[torch_name(path, layout, index)] = torch_shape(path, one)
+            out[torch_name(path, torch_names, index)] = torch_shape(path, one)
     return out
 
 
-def _gathered(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout, where: str, lookup,
+def _gathered(shapes: Mapping[tuple[str, ...], tuple[int, ...]], torch_names: TorchNames, where: str, lookup,
               convert) -> dict:
     """Flat params of the network whose flat param shapes are ``shapes``, blocks stacked:
     ``lookup(path, index, shape)`` gives each block's (weight name, stored array or None,
@@ -140,7 +136,7 @@ def _gathered(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout,
     flat, missing, odd = {}, [], []
     for path, shape in shapes.items():
         shape, arrays = tuple(shape), []
-        blocks = _blocks(path, shape, layout)
+        blocks = _blocks(path, shape, torch_names)
         for index in blocks:
             name, array, expected = lookup(path, index, shape[1:] if index is not None else shape)
             if array is None:
@@ -150,7 +146,7 @@ def _gathered(shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout,
             else:
                 arrays.append(convert(path, array))
         if len(arrays) == len(blocks):
-            flat[path] = np.stack(arrays) if stack_of(path, layout) is not None else arrays[0]
+            flat[path] = np.stack(arrays) if stack_of(path, torch_names) is not None else arrays[0]
     if missing:
         raise WeightsError(f"{where}: {len(missing)} weight(s) missing, e.g. {', '.join(missing[:5])}")
     if odd:
@@ -164,38 +160,39 @@ def _refuse_unknown(where: str, unknown: list[str]) -> None:
                            f"{', '.join(unknown[:5])}")
 
 
-def from_torch(state: Mapping[str, np.ndarray], shapes: Mapping[tuple[str, ...], tuple[int, ...]], layout: Layout,
-               where: str) -> dict:
+def from_torch(state: Mapping[str, np.ndarray], shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+               torch_names: TorchNames, where: str) -> dict:
     """Nested Flax params from a PyTorch state dict ({name: array}, e.g. memory-mapped
     safetensors), for a network whose flat param shapes are ``shapes``. Each array keeps
     its dtype. WeightsError, naming ``where`` and the weights, when any is missing, has
     another shape than the network's, or is not a weight of the network (names under
-    ``layout.ignored`` excepted)."""
+    ``torch_names.ignored`` excepted)."""
     used = set()
 
     def lookup(path, index, shape):
-        name = torch_name(path, layout, index)
-        names = (name, *layout.aliases.get(name, ()))
-        used.update(names)
-        found = next((n for n in names if n in state), None)
+        name = torch_name(path, torch_names, index)
+        candidates = (name, *torch_names.aliases.get(name, ()))
+        used.update(candidates)
+        found = next((n for n in candidates if n in state), None)
         return (name, None, None) if found is None else (found, state[found], torch_shape(path, shape))
 
-    flat = _gathered(shapes, layout, where, lookup, from_torch_array)
-    _refuse_unknown(where, sorted(name for name in state if name not in used and not name.startswith(layout.ignored)))
+    flat = _gathered(shapes, torch_names, where, lookup, from_torch_array)
+    _refuse_unknown(where, sorted(name for name in state
+                                  if name not in used and not name.startswith(torch_names.ignored)))
     return unflatten(flat)
 
 
-def flax_key(path: tuple[str, ...], layout: Layout, index: int | None, *, joined: bool,
+def flax_key(path: tuple[str, ...], torch_names: TorchNames, index: int | None, *, joined: bool,
              renames: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """The key that the libraries' own Flax modules give the parameter at ``path`` (of block
     ``index`` when stacked), in their msgpack files: PyTorch's module path with our leaf,
     a list's index joined to the list's name (``joined``: diffusers' ``down_blocks_0``) or a
     key of its own (transformers' ``layers/0``), module names in ``renames`` renamed (after
     joining: ``{"to_out_0": "proj_attn"}``). A moved parameter keeps its path."""
-    if "/".join(path) in layout.moved:
+    if "/".join(path) in torch_names.moved:
         return path
     parts: list[str] = []
-    for part in torch_name(path, layout, index).split(".")[:-1]:
+    for part in torch_name(path, torch_names, index).split(".")[:-1]:
         if joined and part.isdigit() and parts:
             parts[-1] = f"{parts[-1]}_{part}"
         else:
@@ -205,7 +202,7 @@ def flax_key(path: tuple[str, ...], layout: Layout, index: int | None, *, joined
 
 
 def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], shapes: Mapping[tuple[str, ...], tuple[int, ...]],
-              layout: Layout, where: str, *, joined: bool, renames: Mapping[str, str] | None = None,
+              torch_names: TorchNames, where: str, *, joined: bool, renames: Mapping[str, str] | None = None,
               ignored: tuple[str, ...] = ()) -> dict:
     """Nested params from the flat params of a Flax checkpoint written by diffusers' or
     transformers' own Flax module of the same network (a msgpack file: ``flax_key`` names
@@ -216,25 +213,25 @@ def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], shapes: Mapping[tuple[
     used = set()
 
     def lookup(path, index, shape):
-        key = flax_key(path, layout, index, joined=joined, renames=renames)
+        key = flax_key(path, torch_names, index, joined=joined, renames=renames)
         used.add(key)
         return "/".join(key), flat.get(key), shape
 
-    out = _gathered(shapes, layout, where, lookup, lambda path, array: np.asarray(array))
+    out = _gathered(shapes, torch_names, where, lookup, lambda path, array: np.asarray(array))
     _refuse_unknown(where, sorted("/".join(key) for key in flat
                                   if key not in used and not "/".join(key).startswith(ignored)))
     return unflatten(out)
 
 
-def to_torch(params: Mapping, layout: Layout) -> dict[str, np.ndarray]:
+def to_torch(params: Mapping, torch_names: TorchNames) -> dict[str, np.ndarray]:
     """The PyTorch state dict ({name: numpy array}, each in its param's dtype) of nested
     Flax params: ``from_torch``'s inverse."""
     out = {}
     for path, value in flatten(params).items():
         array = np.asarray(value)
-        for index in _blocks(path, array.shape, layout):
+        for index in _blocks(path, array.shape, torch_names):
             one = array[index] if index is not None else array
-            out[torch_name(path, layout, index)] = to_torch_array(path, one)
+            out[torch_name(path, torch_names, index)] = to_torch_array(path, one)
     return out
 
 
@@ -255,12 +252,14 @@ def flat_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
 @dataclasses.dataclass(frozen=True)
 class Network:
     """One of our own networks, carried from its config to its module, parameter shapes
-    and weight layout: ``module(config, dtype)`` builds it, ``example(config)`` gives the
-    (args, kwargs) of the smallest call that initialises it, and ``layout`` names its
-    parameters as PyTorch does (``from_torch``, ``to_torch``: by rule, blocks stacked)."""
+    and weights: ``module(config)`` builds it, ``example(config)`` gives the (args, kwargs)
+    of the smallest call that initialises it, and ``torch_names`` says how PyTorch torch_names its
+    parameters (``from_torch``, ``to_torch``: by rule, blocks stacked). A network module
+    exports its ``Network`` (or, with options of its own, ``variants``): callers read its
+    shapes and convert its weights through it, so that no network writes these again."""
     module: type
     example: object  # config -> (args, kwargs) of ``module.init`` after the random key
-    layout: Layout | None = None
+    torch_names: TorchNames | None = None
 
     def param_shapes(self, config) -> dict[tuple[str, ...], tuple[int, ...]]:
         """{flat param path: shape}, from the config alone (traced once per config: nothing
@@ -270,12 +269,31 @@ class Network:
 
     def from_torch(self, state: Mapping[str, np.ndarray], config, where: str) -> dict:
         """Params from a PyTorch state dict ({name: array}), each array in its stored dtype,
-        blocks stacked; WeightsError naming any missing, misshapen or unknown weight."""
-        return from_torch(state, self.param_shapes(config), self.layout, where)
+        blocks stacked; WeightsError, naming ``where``, for any missing, misshapen or unknown
+        weight."""
+        return from_torch(state, self.param_shapes(config), self.torch_names, where)
 
     def to_torch(self, params: Mapping) -> dict[str, np.ndarray]:
         """The PyTorch state dict of ``params``: ``from_torch``'s inverse."""
-        return to_torch(params, self.layout)
+        return to_torch(params, self.torch_names)
+
+
+def variants(module, example, torch_names: TorchNames):
+    """``network(**options)``: the ``Network`` of ``module(config, **options)`` (a text encoder
+    run to some of its layers, ...), one object for the same options, so that its shapes are
+    traced once a config. Ask with the options in one order: each order is an object."""
+    @functools.lru_cache(maxsize=None)
+    def network(**options) -> Network:
+        return Network(functools.partial(module, **options), example, torch_names)
+
+    return network
+
+
+def token_ids_example(config):
+    """A text encoder's smallest call (``Network.example``): one row of two token ids."""
+    import jax.numpy as jnp
+
+    return (jnp.zeros((1, 2), jnp.int32),), {}
 
 
 _TRACING = threading.Lock()

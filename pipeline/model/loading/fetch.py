@@ -5,7 +5,7 @@ A ``gs://`` checkpoint is copied once per machine into the local cache, keyed by
 objects' checksums and checked against them as it downloads; planning copies only its
 configs (``CONFIG_SUFFIXES``), and its listing kept beside the copy
 (``remote_objects``) is what ``pipeline.model.loading.identity`` fingerprints and
-``pipeline.model.loading.layout`` checks. ``--unet`` names a UNet-only safetensors
+``pipeline.model.loading.components`` checks. ``--unet`` names a UNet-only safetensors
 file (local or ``gs://``, copied once into the cache) that replaces the checkpoint's
 UNet weights, and each ``--lora`` a LoRA adapter's file, found the same way
 (``pipeline.model.loading.lora`` merges it).
@@ -83,7 +83,7 @@ def fetch_remote(prefix: str, weights: bool = True, marker: str = "model_index.j
 
     ``weights=False``: the whole copy if the cache has it, else a folder of the configs
     alone (``CONFIG_SUFFIXES``), made the same way under ``remote-configs/KEY``; its
-    listing still names every object, weights included (``layout.check_layout`` reads it).
+    listing still names every object, weights included (``components.check_components`` reads it).
     ``marker``: the file that makes a folder a model (a transformers model's folder, such as
     a CLIP scorer's, holds ``config.json`` rather than ``model_index.json``).
     """

@@ -238,41 +238,41 @@ def _refuse_unknown(path: str, format_: str, keys: list[str]) -> None:
 
 # ---------------------------------------------------------------- matching
 
-def kernels(shapes: dict, layouts: dict | None = None) -> dict[str, dict[str, tuple]]:
+def kernels(shapes: dict, torch_names: dict | None = None) -> dict[str, dict[str, tuple]]:
     """{component: {'_'-joined layer name: (kernel path, kernel shape, block index)}} of a
     model's Dense and convolution kernels, from {component: flat {path: shape}}. A
-    component of promptmill's own networks (``layouts``: {component:
-    ``nets.convert.Layout``}) names its layers by PyTorch's names (``convert.torch_name``),
+    component of promptmill's own networks (``torch_names``: {component:
+    ``convert.TorchNames``}) names its layers by PyTorch's names (``convert.torch_name``),
     one per block of a stacked kernel (block index, and one block's shape). A joined name
     that two layers share maps to None (a match on it is refused)."""
     from pipeline.model.loading import convert
 
-    layouts = layouts or {}
+    torch_names = torch_names or {}
     index = {}
     for component, flat in shapes.items():
         own = index.setdefault(component, {})
-        layout = layouts.get(component)
+        names = torch_names.get(component)
         for path, shape in flat.items():
             if path[-1] != "kernel":
                 continue
             path, shape = tuple(path), tuple(shape)
-            if layout is None or convert.stack_of(path, layout) is None:
+            if names is None or convert.stack_of(path, names) is None:
                 entries = [("_".join(path[:-1]), shape, None)]
             else:
-                entries = [(convert.torch_name(path, layout, i).removesuffix(".weight").replace(".", "_"), shape[1:], i)
+                entries = [(convert.torch_name(path, names, i).removesuffix(".weight").replace(".", "_"), shape[1:], i)
                            for i in range(shape[0])]
             for name, one, block in entries:
                 own[name] = None if name in own else (path, one, block)
     return index
 
 
-def match(adapter: Adapter, shapes: dict, layouts: dict | None = None) -> list[Match]:
+def match(adapter: Adapter, shapes: dict, torch_names: dict | None = None) -> list[Match]:
     """Every update of ``adapter`` with the kernel it changes, for a model whose components'
-    flat parameter shapes are ``shapes`` ({component: {path: shape}}; ``layouts``: see
+    flat parameter shapes are ``shapes`` ({component: {path: shape}}; ``torch_names``: see
     ``kernels``); LoraError for an adapter of another family, a key that matches no
     layer, or a shape that does not fit."""
     _check_family(adapter, shapes)
-    index = kernels(shapes, layouts)
+    index = kernels(shapes, torch_names)
     matches, unmatched = [], []
     for update in adapter.updates:
         found = index.get(update.component, {}).get(update.layer)
@@ -348,13 +348,13 @@ def delta(down: np.ndarray, up: np.ndarray, kernel_shape: tuple[int, ...]) -> np
     return product.reshape(out, fan_in, kh, kw).transpose(2, 3, 1, 0)
 
 
-def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = None, shapes: dict | None = None,
+def merge(params: dict, loras: list[tuple[str, float]], torch_names: dict | None = None, shapes: dict | None = None,
           dtype=None) -> dict:
     """``params`` ({component: tree}) with each (local file, scale) of ``loras`` merged in
     order: kernel + float32(scale·alpha/rank)·(up·down), in float32 numpy on the host, then
     in ``dtype`` (None: the kernel's own; a run's dtype, when it is not the stored one). A
     changed kernel is copied once (the one copy a merge makes), and merged one block at a
-    time (a stacked kernel, ``layouts``: see ``kernels``): float32 is only ever one block's
+    time (a stacked kernel, ``torch_names``: see ``kernels``): float32 is only ever one block's
     worth, so a bf16 model is never held in float32. ``shapes`` ({component: flat shapes}):
     the whole networks a LoRA names layers of, when ``params`` hold fewer (a text encoder
     whose last layer a run never computes): an update of a layer ``params`` lack changes
@@ -373,7 +373,7 @@ def merge(params: dict, loras: list[tuple[str, float]], layouts: dict | None = N
     steps: dict = {}
     for path, scale in loras:
         adapter = read(path)
-        for found in match(adapter, shapes, layouts):
+        for found in match(adapter, shapes, torch_names):
             have = held[found.update.component].get(found.path)
             if have is None or (found.index is not None and found.index >= have[0]):
                 continue  # a layer the run never computes

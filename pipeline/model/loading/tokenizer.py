@@ -15,7 +15,7 @@
 ``Tokenizer.ids`` truncates each text to a length keeping the special tokens the
 post-processor adds (CLIP's start and end, T5's ``</s>``) and pads it with the pad token, as
 transformers' ``padding="max_length", truncation=True``: the token ids are those
-transformers 4.57's tokenizers gave (tests/test_tokenizer.py, on every prompt of the suite).
+transformers 4.57's tokenizers gave (tests/model/test_tokenizer.py, on every prompt of the suite).
 The built-in random models' tokenizer files are written here too (``write_clip``,
 ``write_json``), as ``save_pretrained`` lays them out.
 """

@@ -11,7 +11,7 @@ terminal sigma 0 is appended. The timesteps are the sigmas times
 sigma, for 1000 training timesteps), and the transformer multiplies it by 1000 again.
 A step is ``x + (sigma_next - sigma) * v`` in float32, ``v`` the transformer's velocity.
 
-Two halves, as ``pipeline.model.sampling.steps``:
+Two halves, as SD's samplers' (``pipeline.model.sampling.schedules``, ``stepping``):
 - ``make_schedule(config, steps, image_seq_len)`` runs once on the host, in numpy, with
   diffusers' own float32 arithmetic (its sigmas to the bit), after ``unsupported`` has
   refused, naming key and value, anything in the config it does not reproduce;

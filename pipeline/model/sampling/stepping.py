@@ -1,6 +1,7 @@
-"""Sampler steps on the devices: the traceable, pure half of ``pipeline.model.sampling.steps``.
+"""Sampler steps on the devices: the traceable, pure half of the samplers whose schedules
+``pipeline.model.sampling.schedules`` makes on the host.
 
-``scale_input``, ``step`` and ``advance`` read a ``Schedule`` that ``steps.make_schedule``
+``scale_input``, ``step`` and ``advance`` read a ``Schedule`` that ``schedules.make_schedule``
 computed on the host; ``i`` (a network call's index) may be the counter of a
 ``lax.fori_loop``. The multistep samplers (PNDM, DPM-Solver++) keep outputs of earlier
 calls in a state (``start``, ``advance``); the others' state is empty. Importing this
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pipeline.model.sampling import multistep
-from pipeline.model.sampling.steps import Schedule
+from pipeline.model.sampling.schedules import Schedule
 
 jax.tree_util.register_dataclass(
     Schedule,

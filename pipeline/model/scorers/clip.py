@@ -107,9 +107,9 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
                           f"tokenizer.json): {e}") from None
     pre, _ = preprocess.read(directory, config.vision.image_size)
     if abstract:
-        params = convert.abstract_params({"clip": towers.param_shapes(config)}, jnp.float32)["clip"]
+        params = convert.abstract_params({"clip": towers.NETWORK.param_shapes(config)}, jnp.float32)["clip"]
     else:
-        params = load_params(directory, flag, lambda state, where: towers.from_torch(state, config, where),
+        params = load_params(directory, flag, lambda state, where: towers.NETWORK.from_torch(state, config, where),
                              lambda flat, where: towers.from_flax(flat, config, where))
     return Clip(path=path, directory=directory, config=config, module=towers.ClipModel(config), tokenizer=tokenizer,
                 preprocessing=pre, params=params)

@@ -98,12 +98,12 @@ def _write_weights(folder: str, state: dict) -> None:
                               dict(sorted(state.items())), align=False, metadata={"format": "pt"})
 
 
-def _random(shapes: dict, layout, seed: int) -> dict:
+def _random(shapes: dict, names, seed: int) -> dict:
     """Weights for flat param shapes, as the tiny models draw theirs (``builtin.random_flat_params``),
     CLIP's class embedding among the embeddings (N(0, 0.02))."""
     from pipeline.model.loading import convert
 
-    params = builtin.random_flat_params(shapes, seed, lambda path: convert.stack_of(path, layout) is not None)
+    params = builtin.random_flat_params(shapes, seed, lambda path: convert.stack_of(path, names) is not None)
     for path in params:
         if path[-1] == "class_embedding":
             params[path] = params[path] * np.float32(0.02)
@@ -117,10 +117,10 @@ def build_clip(folder: str, name: str) -> None:
     preset = CLIPS[name]
     os.makedirs(folder, exist_ok=True)
     config = _clip_config(preset, "CLIPModel")
-    shapes = towers.param_shapes(towers.ClipConfig.from_dict(config))
-    params = _random(shapes, towers.MODEL_LAYOUT, SEED)
+    shapes = towers.NETWORK.param_shapes(towers.ClipConfig.from_dict(config))
+    params = _random(shapes, towers.MODEL_TORCH_NAMES, SEED)
     params["logit_scale"] = np.asarray(np.log(1 / 0.07), np.float32)
-    _write_weights(folder, towers.to_torch(params))
+    _write_weights(folder, towers.NETWORK.to_torch(params))
     tokenizer.write_clip(folder, builtin.clip_vocabulary(), [], model_max_length=MAX_LENGTH)
     _write_preprocessor(folder, preset["vision"]["image_size"])
     _write_json(os.path.join(folder, "config.json"), config)  # last: it marks the folder made
@@ -136,7 +136,7 @@ def build_checker(folder: str, name: str) -> None:
     os.makedirs(folder, exist_ok=True)
     config = _clip_config(preset, "StableDiffusionSafetyChecker")
     shapes = safety.NETWORK.param_shapes(towers.ClipConfig.from_dict(config, text=False))
-    params = _random(shapes, safety.LAYOUT, SEED + 1)
+    params = _random(shapes, safety.TORCH_NAMES, SEED + 1)
     params["concept_embeds_weights"] = np.full((safety.CONCEPTS,), 0.5, np.float32)
     params["special_care_embeds_weights"] = np.full((safety.SPECIAL_CARE,), 0.3, np.float32)
     _write_weights(folder, safety.NETWORK.to_torch(params))
@@ -168,5 +168,3 @@ def ensure(name: str) -> str:
             return materialize(target, lambda scratch: build(scratch, name), marker="config.json")
     raise KeyError(name)
 
-
-NAMES = (*CLIPS, *CHECKERS, *HEADS)

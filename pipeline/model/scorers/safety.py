@@ -63,11 +63,11 @@ class SafetyCheckerModule(nn.Module):
 
 
 _RAW = ("concept_embeds", "special_care_embeds", "concept_embeds_weights", "special_care_embeds_weights")
-LAYOUT = convert.Layout(stacks=("vision_model/vision_model/encoder/layers",),
-                        moved={"vision_model/vision_model/embeddings/class_embedding":
-                               "vision_model.vision_model.embeddings.class_embedding",
-                               **{name: name for name in _RAW}},
-                        ignored=("vision_model.vision_model.embeddings.position_ids",))
+TORCH_NAMES = convert.TorchNames(stacks=("vision_model/vision_model/encoder/layers",),
+                                 moved={"vision_model/vision_model/embeddings/class_embedding":
+                                        "vision_model.vision_model.embeddings.class_embedding",
+                                        **{name: name for name in _RAW}},
+                                 ignored=("vision_model.vision_model.embeddings.position_ids",))
 
 
 def _example(config):
@@ -75,14 +75,14 @@ def _example(config):
     return (jnp.zeros((1, size, size, config.vision.num_channels)),), {}
 
 
-NETWORK = convert.Network(SafetyCheckerModule, _example, LAYOUT)
+NETWORK = convert.Network(SafetyCheckerModule, _example, TORCH_NAMES)
 
 
 def from_flax(flat, config, where: str) -> dict:
     """Params from diffusers' Flax checker's (``flax_model.msgpack``): its vision tower's keys
     one level less deep (``vision_model/embeddings/...``)."""
     deeper = {(("vision_model",) + key if key[0] == "vision_model" else key): value for key, value in flat.items()}
-    return convert.from_flax(deeper, NETWORK.param_shapes(config), LAYOUT, where, joined=False)
+    return convert.from_flax(deeper, NETWORK.param_shapes(config), TORCH_NAMES, where, joined=False)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ Parameter names are transformers' PyTorch names split at the dots (the layers st
 ``vision_model.encoder.layers.{i}.…``), so a CLIP folder's safetensors load by rule
 (``convert``), and transformers' Flax msgpack by ``convert.from_flax``. The attention cores
 go through the attention seam (sites "text_encoder" and "vision"). Checked against
-transformers' and diffusers' PyTorch models with stored fixtures: tests/test_scorers.py.
+transformers' and diffusers' PyTorch models with stored fixtures: tests/model/test_scorers.py.
 """
 from __future__ import annotations
 
@@ -111,19 +111,6 @@ class _VisionEmbeddings(nn.Module):
         return (tokens + positions).astype(self.dtype)
 
 
-class _VisionEncoder(nn.Module):
-    config: ClipVisionConfig
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        (last, _), _ = clip.encoder(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size,
-                                    cfg.hidden_act, cfg.layer_norm_eps, causal=False, site="vision",
-                                    dtype=self.dtype)((x, x), None)
-        return last
-
-
 class VisionModel(nn.Module):
     """transformers' ``CLIPVisionTransformer``: preprocessed pixels [B, S, S, C] -> the
     pooled output [B, hidden] (the class token after ``post_layernorm``)."""
@@ -135,7 +122,7 @@ class VisionModel(nn.Module):
         cfg = self.config
         x = _VisionEmbeddings(cfg, self.dtype, name="embeddings")(pixels.astype(self.dtype))
         x = LayerNorm(cfg.layer_norm_eps, self.dtype, name="pre_layrnorm")(x)  # transformers' own spelling
-        x = _VisionEncoder(cfg, self.dtype, name="encoder")(x)
+        x, _ = clip.encoder(clip.LayerSpec.of(cfg, False, "vision"), cfg.num_hidden_layers, x, self.dtype)
         return LayerNorm(cfg.layer_norm_eps, self.dtype, name="post_layernorm")(x[:, 0])
 
 
@@ -163,10 +150,11 @@ class ClipModel(nn.Module):
         return self.image_features(pixels), self.text_features(ids), self.logit_scale
 
 
-MODEL_LAYOUT = convert.Layout(stacks=("text_model/encoder/layers", "vision_model/encoder/layers"),
-                              moved={"vision_model/embeddings/class_embedding": "vision_model.embeddings.class_embedding",
-                                     "logit_scale": "logit_scale"},
-                              ignored=("text_model.embeddings.position_ids", "vision_model.embeddings.position_ids"))
+MODEL_TORCH_NAMES = convert.TorchNames(
+    stacks=("text_model/encoder/layers", "vision_model/encoder/layers"),
+    moved={"vision_model/embeddings/class_embedding": "vision_model.embeddings.class_embedding",
+           "logit_scale": "logit_scale"},
+    ignored=("text_model.embeddings.position_ids", "vision_model.embeddings.position_ids"))
 
 
 def _example(config: ClipConfig):
@@ -174,23 +162,10 @@ def _example(config: ClipConfig):
     return (jnp.zeros((1, size, size, config.vision.num_channels)), jnp.zeros((1, 2), jnp.int32)), {}
 
 
-NETWORK = convert.Network(ClipModel, _example, MODEL_LAYOUT)
-
-
-def param_shapes(config: ClipConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of ``ClipModel``, from its config alone."""
-    return NETWORK.param_shapes(config)
-
-
-def from_torch(state: Mapping[str, np.ndarray], config: ClipConfig, where: str) -> dict:
-    """``ClipModel`` params from a ``CLIPModel`` state dict (``model.safetensors``), by rule."""
-    return NETWORK.from_torch(state, config, where)
+NETWORK = convert.Network(ClipModel, _example, MODEL_TORCH_NAMES)
 
 
 def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], config: ClipConfig, where: str) -> dict:
     """``ClipModel`` params from transformers' ``FlaxCLIPModel`` params (``flax_model.msgpack``)."""
-    return convert.from_flax(flat, param_shapes(config), MODEL_LAYOUT, where, joined=False)
+    return convert.from_flax(flat, NETWORK.param_shapes(config), MODEL_TORCH_NAMES, where, joined=False)
 
-
-def to_torch(params: Mapping) -> dict[str, np.ndarray]:
-    return NETWORK.to_torch(params)

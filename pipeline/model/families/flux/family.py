@@ -2,7 +2,7 @@
 
 A diffusers ``FluxPipeline`` checkpoint: CLIP-L (``text_encoder``,
 ``pipeline.model.layers.text.clip``: its pooled output), the T5 v1.1 encoder (``text_encoder_2``,
-``pipeline.model.layers.t5``), ``FluxTransformer2DModel`` (``transformer``,
+``pipeline.model.layers.text.t5``), ``FluxTransformer2DModel`` (``transformer``,
 ``pipeline.model.families.flux.transformer``), the 16-channel VAE without quant convs (``vae``,
 ``pipeline.model.layers.vae``) and ``FlowMatchEulerDiscreteScheduler``
 (``pipeline.model.sampling.flow``). Sampling is ``pipeline.model.families.flux.sampling``: initial latents
@@ -27,12 +27,12 @@ import contextlib
 import dataclasses
 import os
 
-from pipeline.model.sampling import decoding, flow
+from pipeline.model.families.base import PATCHED_SIZE_RULE, Described, Family, Model
 from pipeline.model.families.flux import presets, sampling as flux_sampling
 from pipeline.model.loading import weights
-from pipeline.model.families.base import Described, Family, Model
-from pipeline.model.sampling.scheduler import Sampler
 from pipeline.model.loading.checkpoint import ModelError, license_of, read_json_file
+from pipeline.model.sampling import decoding, flow
+from pipeline.model.sampling.samplers import Sampler
 
 COMPONENTS = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "transformer", "vae", "scheduler")
 LIBRARIES = {"text_encoder": "transformers", "text_encoder_2": "transformers", "transformer": "diffusers",
@@ -53,33 +53,19 @@ class Flux(Family):
     name, title = "flux", "FLUX.1"
     pipeline_classes = ("FluxPipeline",)
     cfg = False
-    size_rule = "twice the VAE's scale factor (2x2 patches): 16, or 4 for the built-in tiny models"
+    presets, component_folders, libraries = presets, COMPONENTS, LIBRARIES
+    size_rule = PATCHED_SIZE_RULE
     steps_help = f"[schnell] {SCHNELL_STEPS}, [dev] {DEV_STEPS}"
     guidance_help = (f"[dev]: the guidance embedded in the transformer, one call per step (default {DEV_GUIDANCE:g}); "
                      f"[schnell] takes none")
     sequence_help = (f"T5 tokens, at most {flux_sampling.MAX_SEQUENCE_LENGTH} (default "
                      f"{flux_sampling.MAX_SEQUENCE_LENGTH}, as diffusers' FluxPipeline; [schnell]'s authors use 256)")
 
-    def builtins(self) -> dict:
-        return dict(presets.PRESETS)
-
-    def ensure_builtin(self, name: str, shapes: bool = False) -> str:
-        return presets.ensure(name, shapes)
-
     def guidance_rule(self, model: Model) -> str:
         return "embedded" if model.nets.transformer.config.guidance_embeds else "unused"
 
-    def components(self, index: dict) -> tuple[str, ...]:
-        return COMPONENTS
-
-    def weight_libraries(self, index: dict) -> dict[str, str]:
-        return dict(LIBRARIES)
-
-    def _nets(self, directory: str, dtype=None) -> flux_sampling.FluxNets:
-        try:
-            return flux_sampling.read_nets(directory, dtype)
-        except ValueError as e:
-            raise ModelError(str(e)) from None
+    def read_nets(self, directory: str, dtype=None) -> flux_sampling.FluxNets:
+        return flux_sampling.read_nets(directory, dtype)
 
     def describe(self, directory, request, unet_file) -> Described:
         scheduler, timestep_spacing = request.scheduler, request.timestep_spacing
@@ -92,7 +78,7 @@ class Flux(Family):
         if timestep_spacing is not None:
             raise ModelError(f"--timestep-spacing {timestep_spacing}: FLUX.1's flow-matching sigmas are "
                              f"linspace(1, 1/N, N), shifted as its scheduler config says; there is no spacing to set")
-        nets = self._nets(directory)
+        nets = self.nets_of(directory)
         length = flux_sampling.MAX_SEQUENCE_LENGTH if max_sequence_length is None else max_sequence_length
         if not 1 <= length <= flux_sampling.MAX_SEQUENCE_LENGTH:
             raise ModelError(f"--max-sequence-length must be from 1 to {flux_sampling.MAX_SEQUENCE_LENGTH} (T5 "
@@ -118,7 +104,7 @@ class Flux(Family):
 
         described = self.describe(directory, dataclasses.replace(request, steps=None), unet_file)
         jdtype = getattr(jnp, request.jax_dtype)
-        nets = self._nets(directory, jdtype)
+        nets = self.nets_of(directory, jdtype)
         try:
             tokenizer = tokenizer_lib.clip(os.path.join(directory, "tokenizer"),
                                            nets.clip.config.max_position_embeddings)
@@ -138,50 +124,35 @@ class Flux(Family):
     @staticmethod
     def _flat_shapes(nets: flux_sampling.FluxNets) -> dict:
         from pipeline.model.families.flux import transformer as flux_net
-        from pipeline.model.layers import t5, vae as vae_net
-
-        from pipeline.model.layers.text import clip
+        from pipeline.model.layers import vae as vae_net
+        from pipeline.model.layers.text import clip, t5
 
         return {"text_encoder": clip.param_shapes(nets.clip.config),
-                "text_encoder_2": t5.param_shapes(nets.t5.config),
-                "transformer": flux_net.param_shapes(nets.transformer.config),
-                "vae": vae_net.param_shapes(nets.vae.config)}
+                "text_encoder_2": t5.NETWORK.param_shapes(nets.t5.config),
+                "transformer": flux_net.NETWORK.param_shapes(nets.transformer.config),
+                "vae": vae_net.NETWORK.param_shapes(nets.vae.config)}
 
     def _params(self, directory: str, nets: flux_sampling.FluxNets) -> dict:
         """Each component's params, converted once per machine from its safetensors (by the
         networks' naming rule, in the stored dtype) and memory-mapped after."""
         from pipeline.model.families.flux import transformer as flux_net
-        from pipeline.model.layers import t5, vae as vae_net
-
-        from pipeline.model.layers.text import clip
+        from pipeline.model.layers import vae as vae_net
+        from pipeline.model.layers.text import clip, t5
 
         rules = {"text_encoder": lambda state, where: clip.from_torch(state, nets.clip.config, where),
-                 "text_encoder_2": lambda state, where: t5.from_torch(state, nets.t5.config, where),
-                 "transformer": lambda state, where: flux_net.from_torch(state, nets.transformer.config, where),
-                 "vae": lambda state, where: vae_net.from_torch(state, nets.vae.config, where)}
-        params = {}
-        for component, rule in rules.items():
-            component_dir = os.path.join(directory, component)
-            kind, source = weights.find(component_dir, component, LIBRARIES[component])
-            if kind == "flax":
-                raise ModelError(f"{component_dir}: FLUX.1 reads PyTorch safetensors weights, not Flax msgpack")
-            library = LIBRARIES[component]
-            params[component] = weights.converted(
-                source, component_dir,
-                lambda rule=rule, component_dir=component_dir, library=library: rule(
-                    weights.read_safetensors_weights(component_dir, library), component_dir))
-        return params
+                 "text_encoder_2": lambda state, where: t5.NETWORK.from_torch(state, nets.t5.config, where),
+                 "transformer": lambda state, where: flux_net.NETWORK.from_torch(state, nets.transformer.config, where),
+                 "vae": lambda state, where: vae_net.NETWORK.from_torch(state, nets.vae.config, where)}
+        return weights.converted_components(directory, rules, LIBRARIES, self.title)
 
-    def lora_layouts(self) -> dict:
+    def lora_torch_names(self) -> dict:
         from pipeline.model.families.flux import transformer as flux_net
-        from pipeline.model.layers import t5
+        from pipeline.model.layers.text import clip, t5
 
-        from pipeline.model.layers.text import clip
-
-        return {"transformer": flux_net.LAYOUT, "text_encoder": clip.LAYOUT, "text_encoder_2": t5.LAYOUT}
+        return {"transformer": flux_net.TORCH_NAMES, "text_encoder": clip.TORCH_NAMES, "text_encoder_2": t5.TORCH_NAMES}
 
     def lora_shapes(self, directory: str) -> dict:
-        nets = self._nets(directory)
+        nets = self.nets_of(directory)
         return {component: flat for component, flat in self._flat_shapes(nets).items() if component != "vae"}
 
     # ---- prompts
@@ -231,10 +202,6 @@ class Flux(Family):
 
         return denoise
 
-    def decode_latents(self, model: Model, vae_params, latents):
-        from pipeline.model.layers import vae as vae_net
-        return vae_net.vae_decode(model.nets.vae, vae_params, latents, model.nets.vae.config)
-
     def latents_note(self, model: Model) -> dict:
         return {"latents": ("final latents of each image, unpacked [C, H/f, W/f]: the flow's output after the last "
                             "step, before the VAE's scaling and shift; decode(latents / scaling_factor + "
@@ -253,7 +220,7 @@ class Flux(Family):
         import jax.numpy as jnp
         import numpy as np
 
-        from pipeline.model.families import shapes
+        from pipeline.model import shapes
         from pipeline.model.families.flux import transformer as flux_net
         from pipeline.model.layers import vae as vae_net
 

@@ -26,9 +26,9 @@ This module imports no jax at import time: the torch-only fixture script
 from __future__ import annotations
 
 import os
-import zlib
 
 from pipeline.model.loading import builtin
+from pipeline.model.sampling import flow
 
 SEED = 0
 CLIP_MAX_LENGTH = builtin.CLIP_MAX_LENGTH  # 77, FluxPipeline's CLIP length
@@ -38,8 +38,8 @@ SCHNELL_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_l
                          num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
 DEV_SCHEDULER = dict(SCHNELL_SCHEDULER, shift=3.0, use_dynamic_shifting=True)
 
-# Every key FluxTransformer2DModel, AutoencoderKL and FlowMatchEulerDiscreteScheduler take,
-# at diffusers 0.39's defaults: save_pretrained writes them all
+# Every key FluxTransformer2DModel and AutoencoderKL take, at diffusers 0.39's defaults
+# (FlowMatchEulerDiscreteScheduler's: ``flow.DEFAULTS``): save_pretrained writes them all
 _TRANSFORMER_DEFAULTS = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
                              attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
                              pooled_projection_dim=768, guidance_embeds=False, axes_dims_rope=[16, 56, 56])
@@ -48,10 +48,6 @@ _VAE_DEFAULTS = dict(in_channels=3, out_channels=3, down_block_types=["DownEncod
                      latent_channels=4, norm_num_groups=32, sample_size=32, scaling_factor=0.18215, shift_factor=None,
                      latents_mean=None, latents_std=None, force_upcast=True, use_quant_conv=True,
                      use_post_quant_conv=True, mid_block_add_attention=True)
-_SCHEDULER_DEFAULTS = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False, base_shift=0.5,
-                           max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096, invert_sigmas=False,
-                           shift_terminal=None, use_karras_sigmas=False, use_exponential_sigmas=False,
-                           use_beta_sigmas=False, time_shift_type="exponential", stochastic_sampling=False)
 
 _TINY_TRANSFORMER = dict(in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=12,
                          num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=16,
@@ -112,7 +108,7 @@ def vae_config(name: str) -> dict:
 
 def scheduler_config(name: str) -> dict:
     """The preset's ``scheduler/scheduler_config.json`` (without diffusers' metadata keys)."""
-    return dict(_SCHEDULER_DEFAULTS, **PRESETS[name]["scheduler"])
+    return dict(flow.DEFAULTS, **PRESETS[name]["scheduler"])
 
 
 def t5_config(name: str) -> dict:
@@ -175,29 +171,6 @@ def model_index() -> dict:
             "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
 
 
-def random_params(shapes, seed: int, stacked=lambda path: False):
-    """Weights for flat Flax param shapes ({path: shape}), from numpy, leaf by leaf, as
-    float32 numpy arrays: norms' scales 1, biases 0, embeddings N(0, 0.02), kernels
-    N(0, 1/fan_in) (fan_in: the kernel's input axes, without the leading layer axis of a
-    ``stacked(path)`` one). Each leaf's generator is seeded by (seed, its path), so the
-    result does not depend on the order of the leaves."""
-    import numpy as np
-
-    params = {}
-    for path, shape in shapes.items():
-        name = "/".join(path)
-        if path[-1] == "scale":
-            params[path] = np.ones(shape, np.float32)
-        elif path[-1] == "bias":
-            params[path] = np.zeros(shape, np.float32)
-        else:
-            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-            fan_in = int(np.prod(shape[1 if stacked(path) else 0:-1])) or 1
-            std = 0.02 if path[-1] == "embedding" else fan_in ** -0.5
-            params[path] = (rng.standard_normal(shape) * std).astype(np.float32)
-    return params
-
-
 def _stored(state: dict, dtype: str) -> dict:
     import ml_dtypes
     import numpy as np
@@ -212,9 +185,9 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
     text_encoder_2/, transformer/, vae/. ``weights=False``: configs and tokenizers only
     (``random-flux``'s 34 GB of weights are never written)."""
     from pipeline.model.families.flux import transformer as flux
-    from pipeline.model.layers import t5, vae
-    from pipeline.model.layers.text import clip
-    from pipeline.model.loading import convert, weights as weights_lib
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import clip, t5
+    from pipeline.model.loading import weights as weights_lib
 
     preset = PRESETS[name]
     dtype = preset["weights_dtype"]
@@ -246,14 +219,11 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
     flux_cfg = flux.FluxConfig.from_dict(transformer_config(name))
     vae_cfg = vae.VaeConfig.from_dict(vae_config(name))
     states = {
-        "text_encoder": clip.to_torch(convert.unflatten(random_params(
-            clip.param_shapes(clip_cfg), SEED, lambda p: convert.stack_of(p, clip.LAYOUT) is not None))),
-        "text_encoder_2": t5.to_torch(convert.unflatten(random_params(
-            t5.param_shapes(t5_cfg), SEED + 1, lambda p: convert.stack_of(p, t5.LAYOUT) is not None)), t5_cfg),
-        "transformer": flux.to_torch(convert.unflatten(random_params(
-            flux.param_shapes(flux_cfg), SEED + 2, lambda p: convert.stack_of(p, flux.LAYOUT) is not None)),
-            flux_cfg),
-        "vae": {**vae.to_torch(convert.unflatten(random_params(vae.param_shapes(vae_cfg), SEED + 3)), vae_cfg),
+        "text_encoder": builtin.random_weights(clip.network(layers=clip_cfg.num_hidden_layers, final=True,
+                                                            projection=False), clip_cfg, SEED),
+        "text_encoder_2": builtin.random_weights(t5.NETWORK, t5_cfg, SEED + 1),
+        "transformer": builtin.random_weights(flux.NETWORK, flux_cfg, SEED + 2),
+        "vae": {**builtin.random_weights(vae.NETWORK, vae_cfg, SEED + 3),
                 **builtin.random_torch_state(vae.encoder_shapes(vae_config(name)), SEED + 4)},
     }
     for component, state in states.items():
@@ -263,8 +233,6 @@ def build(directory: str, name: str = "tiny-flux", weights: bool = True) -> None
 
 
 def ensure(name: str, shapes: bool = False) -> str:
-    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure``;
+    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure_preset``;
     ``shapes``: its configs alone will do)."""
-    preset = PRESETS[name]
-    return builtin.ensure(preset["version"], lambda folder, weights: build(folder, name, weights=weights),
-                          shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))
+    return builtin.ensure_preset(PRESETS, name, build, shapes)

@@ -26,8 +26,8 @@ import os
 from typing import Any
 
 from pipeline.model.sampling import decoding, flow
+from pipeline.model.families.base import TransformerNets
 from pipeline.model.loading.checkpoint import read_json_file
-from pipeline.model.loading import convert  # the networks (flax, jax) are imported where they are used
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 length, and the most it allows
 
@@ -50,27 +50,18 @@ def truncated(tokenizer, prompts, max_length: int) -> list[bool]:
     return [count > max_length for count in tokenizer.counts(list(prompts))]
 
 
-@dataclasses.dataclass(frozen=True)
-class FluxNets:
-    """The networks of a FLUX.1 checkpoint, in one dtype, and its scheduler config."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FluxNets(TransformerNets):
+    """The networks of a FLUX.1 checkpoint: its two text encoders besides the transformer
+    (``transformer.FluxTransformer``) and the VAE; ``tokenizer`` is CLIP's, ``tokenizer_2``
+    T5's, both set once the family loads them (``Flux.load``)."""
     clip: Any  # clip.ClipText (its pooled output)
-    t5: t5.T5Encoder
-    transformer: flux.FluxTransformer
-    vae: vae.VaeDecoder
-    scheduler_config: dict
-    # the tokenizers and the T5 length, once the family loads them (``Flux.load``); reading the
-    # networks from their configs needs none
-    tokenizer: Any = None  # CLIP's
-    tokenizer_2: Any = None  # T5's
-    max_sequence_length: int | None = None
+    t5: Any  # t5.T5Encoder
+    tokenizer_2: Any = None
 
     @property
     def guidance_embeds(self) -> bool:
         return self.transformer.config.guidance_embeds
-
-    @property
-    def vae_scale_factor(self) -> int:
-        return self.vae.config.scale_factor
 
     @property
     def latent_channels(self) -> int:
@@ -88,8 +79,8 @@ def read_nets(directory: str, dtype=None) -> FluxNets:
     import jax.numpy as jnp
 
     from pipeline.model.families.flux import transformer as flux
-    from pipeline.model.layers import t5, vae
-    from pipeline.model.layers.text import clip
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import clip, t5
 
     dtype = jnp.float32 if dtype is None else dtype
     scheduler_config = _config(directory, "scheduler", "scheduler_config.json")
@@ -116,8 +107,8 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     unknown weight."""
     from pipeline.model.loading import weights
     from pipeline.model.families.flux import transformer as flux
-    from pipeline.model.layers import t5, vae
-    from pipeline.model.layers.text import clip
+    from pipeline.model.layers import vae
+    from pipeline.model.layers.text import clip, t5
 
     def state(component, library):
         return weights.read_safetensors_weights(os.path.join(directory, component), library)
@@ -126,11 +117,11 @@ def read_params(directory: str, nets: FluxNets) -> dict:
     return {
         "text_encoder": clip.from_torch(state("text_encoder", "transformers"), nets.clip.config,
                                         where("text_encoder")),
-        "text_encoder_2": t5.from_torch(state("text_encoder_2", "transformers"), nets.t5.config,
+        "text_encoder_2": t5.NETWORK.from_torch(state("text_encoder_2", "transformers"), nets.t5.config,
                                         where("text_encoder_2")),
-        "transformer": flux.from_torch(state("transformer", "diffusers"), nets.transformer.config,
+        "transformer": flux.NETWORK.from_torch(state("transformer", "diffusers"), nets.transformer.config,
                                        where("transformer")),
-        "vae": vae.from_torch(state("vae", "diffusers"), nets.vae.config, where("vae")),
+        "vae": vae.NETWORK.from_torch(state("vae", "diffusers"), nets.vae.config, where("vae")),
     }
 
 
@@ -148,8 +139,7 @@ def sample(nets: FluxNets, params, clip_ids, t5_ids, latents, guidance, *, sigma
     import jax.numpy as jnp
 
     from pipeline.model.families.flux import transformer as flux
-    from pipeline.model.layers import patching
-    from pipeline.model.layers import t5, vae
+    from pipeline.model.layers import patching, vae
 
     batch, _, rows, cols = latents.shape
     if nets.guidance_embeds and guidance is None:

@@ -2,7 +2,7 @@
 Flax Linen modules (Linen, like the rest of promptmill's networks: ``pipeline.model.layers``).
 
 The forward pass, as diffusers 0.39 computes it (checked against its PyTorch module and
-its ``FluxPipeline`` with fixtures: tests/test_flux_nets.py):
+its ``FluxPipeline`` with fixtures: tests/families/test_flux_nets.py):
 - ``x_embedder`` (packed latents -> width) and ``context_embedder`` (T5 states -> width);
 - ``time_text_embed``: the timestep (times 1000) as a 256-channel sinusoid through an
   MLP, plus the pooled CLIP embedding through an MLP, plus, with ``guidance_embeds``,
@@ -26,7 +26,6 @@ Parameter names are diffusers' PyTorch names split at the dots (``convert``), so
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -35,13 +34,13 @@ import numpy as np
 
 from pipeline.model.layers import attention
 from pipeline.model.layers.embeddings import MLPEmbedding, timestep_embedding
+from pipeline.model.layers.mmdit import MMDiTConfig, check_guidance
 from pipeline.model.layers.mlp import MLP_RATIO, FeedForward, Indexed
 from pipeline.model.layers.modulation import AdaLayerNormContinuous, AdaLayerNormZero
 from pipeline.model.layers.norms import RMSNorm, layer_norm
 from pipeline.model.layers.rotary import apply_rotary, grid_position_ids, rotary_tables
 from pipeline.model.layers.scan import stacked
 from pipeline.model.loading import convert
-from pipeline.model.loading.config_values import ConfigValues
 
 CLASS_NAME = "FluxTransformer2DModel"
 _DEFAULTS = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19, num_single_layers=38,
@@ -50,46 +49,15 @@ _DEFAULTS = dict(patch_size=1, in_channels=64, out_channels=None, num_layers=19,
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxConfig:
+class FluxConfig(MMDiTConfig):
     """What the transformer's output depends on; ``from_dict`` reads its config.json."""
-    in_channels: int = 64
-    out_channels: int = 64
-    num_layers: int = 19
-    num_single_layers: int = 38
-    attention_head_dim: int = 128
-    num_attention_heads: int = 24
-    joint_attention_dim: int = 4096
-    pooled_projection_dim: int = 768
-    guidance_embeds: bool = False
-    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+    pooled_projection_dim: int
+    diffusers_class, title, defaults = CLASS_NAME, "FLUX.1", _DEFAULTS
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> FluxConfig:
-        """The config of a diffusers ``transformer/config.json`` (missing keys at
-        ``FluxTransformer2DModel``'s defaults). ValueError naming the key and value for
-        anything this module does not do; keys diffusers' class does not take are
-        ignored, as ``from_config`` ignores them."""
-        values = ConfigValues("transformer config", config, _DEFAULTS)
-        values.class_name(CLASS_NAME)
-        if values["patch_size"] != 1:
-            values.refuse("patch_size", "is not 1 (FLUX.1's; packing 2x2 latents is done outside the transformer)")
-        values.ints(("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim",
-                     "pooled_projection_dim"))
-        values.ints(("num_layers", "num_single_layers"), least=0)
-        values.optional_int("out_channels")
-        values.boolean("guidance_embeds")
-        axes = values.rope_axes("axes_dims_rope", "attention_head_dim")
-        return cls(in_channels=values["in_channels"], out_channels=values["out_channels"] or values["in_channels"],
-                   num_layers=values["num_layers"], num_single_layers=values["num_single_layers"],
-                   attention_head_dim=values["attention_head_dim"],
-                   num_attention_heads=values["num_attention_heads"],
-                   joint_attention_dim=values["joint_attention_dim"],
-                   pooled_projection_dim=values["pooled_projection_dim"], guidance_embeds=values["guidance_embeds"],
-                   axes_dims_rope=axes)
+    def own(cls, values) -> dict:
+        values.ints(("pooled_projection_dim",))
+        return {"pooled_projection_dim": values["pooled_projection_dim"]}
 
 
 # ---- pure helpers: position ids, as FluxPipeline makes them
@@ -223,11 +191,7 @@ class FluxTransformer(nn.Module):
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, *,
                  guidance=None):
         cfg = self.config
-        if cfg.guidance_embeds and guidance is None:
-            raise ValueError("this transformer embeds guidance (guidance_embeds): it needs a guidance scale per image")
-        if not cfg.guidance_embeds and guidance is not None:
-            raise ValueError("this transformer has no guidance embedding (guidance_embeds is false): "
-                             "it takes no guidance")
+        check_guidance(cfg, guidance)
         x = nn.Dense(cfg.inner_dim, dtype=self.dtype, name="x_embedder")(hidden_states)
         timestep = timestep.astype(self.dtype) * 1000
         if guidance is not None:
@@ -250,7 +214,7 @@ class FluxTransformer(nn.Module):
         return nn.Dense(cfg.out_channels, dtype=self.dtype, name="proj_out")(x)
 
 
-LAYOUT = convert.Layout(stacks=("transformer_blocks", "single_transformer_blocks"))
+TORCH_NAMES = convert.TorchNames(stacks=("transformer_blocks", "single_transformer_blocks"))
 
 
 def _example(config: FluxConfig):
@@ -260,19 +224,4 @@ def _example(config: FluxConfig):
              jnp.zeros((1, config.pooled_projection_dim)), jnp.zeros((1,)), ids, ids), {"guidance": guidance})
 
 
-NETWORK = convert.Network(FluxTransformer, _example, LAYOUT)
-
-
-def param_shapes(config: FluxConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the transformer, from its config alone."""
-    return NETWORK.param_shapes(config)
-
-
-def from_torch(state: Mapping[str, np.ndarray], config: FluxConfig, where: str = "transformer") -> dict:
-    """Params from a ``FluxTransformer2DModel`` state dict (``convert.Network.from_torch``)."""
-    return NETWORK.from_torch(state, config, where)
-
-
-def to_torch(params: Mapping, config: FluxConfig) -> dict[str, np.ndarray]:
-    """The ``FluxTransformer2DModel`` state dict of ``params``: ``from_torch``'s inverse."""
-    return NETWORK.to_torch(params)
+NETWORK = convert.Network(FluxTransformer, _example, TORCH_NAMES)

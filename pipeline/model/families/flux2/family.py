@@ -1,7 +1,7 @@
 """FLUX.2 [klein]: guidance-distilled rectified-flow transformer, in promptmill's own Flax networks.
 
 A diffusers ``Flux2KleinPipeline`` checkpoint: a Qwen3 causal LM (``text_encoder``,
-``pipeline.model.layers.qwen3``: hidden states 9, 18, 27, stacked), its tokenizer
+``pipeline.model.layers.text.qwen3``: hidden states 9, 18, 27, stacked), its tokenizer
 (``tokenizer``, Qwen's chat template), ``Flux2Transformer2DModel`` (``transformer``,
 ``pipeline.model.families.flux2.transformer``), ``AutoencoderKLFlux2`` (``vae``: batch-norm
 statistics, 2x2-patched latents, ``pipeline.model.layers.vae``) and
@@ -33,7 +33,6 @@ from pipeline.model.families.base import Described, Model
 from pipeline.model.families.flux2 import presets, sampling as flux2_sampling
 from pipeline.model.families.qwen_text import SAMPLER, QwenTextFamily
 from pipeline.model.loading.checkpoint import license_of
-from pipeline.model.sampling import decoding
 
 GUIDANCE = 0.0  # a distilled klein takes none (its authors pass 1.0, unused): recorded 0, as FLUX.1 [schnell]
 BASE_GUIDANCE = 4.0  # Flux2KleinPipeline's default guidance_scale, for the base models
@@ -48,22 +47,10 @@ class Flux2(QwenTextFamily):
     name, title = "flux2", "FLUX.2 [klein]"
     pipeline_classes = ("Flux2KleinPipeline",)
     not_yet = NOT_YET
-    size_rule = "twice the VAE's scale factor (2x2 patches): 16, or 4 for the built-in tiny models"
     steps_help = f"{STEPS}, its base models {BASE_STEPS}"
     guidance_help = (f"[klein] (distilled): none, a guidance scale given is unused; [klein] base: classifier-free "
                      f"guidance above 1 (default {BASE_GUIDANCE:g})")
-    sequence_help = (f"Qwen3 tokens of the chat-formatted prompt, at most {flux2_sampling.MAX_SEQUENCE_LENGTH} "
-                     f"(default {flux2_sampling.MAX_SEQUENCE_LENGTH}, as Flux2KleinPipeline)")
-    presets, sampling = presets, flux2_sampling
-    pipeline_title = "Flux2KleinPipeline"
-    sigmas_note = "FLUX.2's flow-matching sigmas are linspace(1, 1/N, N), shifted by its empirical mu"
-    latent_factor = 2  # initial latents are drawn 2x2-patched, [4C, H/2f, W/2f]
-
-    @staticmethod
-    def transformer_module():
-        from pipeline.model.families.flux2 import transformer
-
-        return transformer
+    presets, flow = presets, flux2_sampling.FLOW
 
     def guidance_rule(self, model: Model) -> str:
         return "unused" if model.nets.distilled else "diffusers"
@@ -84,24 +71,6 @@ class Flux2(QwenTextFamily):
                          steps_note=(f"{STEPS}, BFL's setting for a distilled [klein] (Flux2KleinPipeline's default "
                                      f"of {BASE_STEPS} is the base models')" if distilled else ""))
 
-    # ---- sampling
-
-    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
-                     return_latents: bool = False, guidance_rule: str = "unused", guided: bool = False,
-                     seam=contextlib.nullcontext, decode=decoding.whole):
-        """``QwenTextFamily.denoise_fn``: a distilled model's program never reads negative ids
-        or guidance; a base model's ``guided`` program reads both (``guidance_rule``
-        "diffusers")."""
-        nets = model.nets
-        allowed = ("unused",) if nets.distilled else ("diffusers",)
-        if guidance_rule not in allowed:
-            raise ValueError(f"guidance_rule {guidance_rule!r}: a {'distilled' if nets.distilled else 'base'} "
-                             f"FLUX.2 [klein] takes {' or '.join(allowed)}")
-        if guided and nets.distilled:
-            raise ValueError("a distilled FLUX.2 [klein] has no classifier-free guidance: its program is never the "
-                             "guided one")
-        return self.denoise_fn(model, steps, return_latents, guided, guidance_rule, seam=seam, decode=decode)
-
     def latents_note(self, model: Model) -> dict:
         return {"latents": ("final latents of each image, 2x2-patched and unpacked [4C, H/2f, W/2f]: the flow's "
                             "output after the last step, before the VAE's batch-norm un-normalisation; "
@@ -111,45 +80,26 @@ class Flux2(QwenTextFamily):
 
     # ---- parts
 
-    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool, *,
-              seam=contextlib.nullcontext, sharding=None, count: bool = False):
-        """Qwen3 (its hidden states stacked) on B prompts, one transformer call on B images,
-        the VAE decode."""
-        import jax
+    def deepest_stack(self, config) -> int:
+        return max(config.num_layers, config.num_single_layers)
+
+    def denoiser_call(self, model: Model, transformer, grid, batch: int, *, make, seam=contextlib.nullcontext):
+        """The transformer on the stacked states, with the image and text tokens' positions."""
         import jax.numpy as jnp
         import numpy as np
 
-        from pipeline.model.families import shapes
         from pipeline.model.families.flux2 import transformer as flux2_net
 
-        nets = model.nets
-        b = per_device_batch * (2 if guided else 1)  # through Qwen3 and the transformer: [negative; positive]
-        make = shapes.on(sharding)
-
-        def placed(component):
-            return shapes.params(model.params[component], sharding, model.param_dtype)
-
-        transformer = nets.transformer
-        if count:
-            transformer = transformer.clone(unroll=max(transformer.config.num_layers,
-                                                       transformer.config.num_single_layers))
-        length = nets.max_sequence_length
-        found = [("text_encoder", ("text_encoder",), jax.jit(
-            lambda p, i, m: flux2_sampling.stacked_states(nets, p, i, m, nets.text_layers if count else 1)).lower(
-            placed("text_encoder"), make((b, length), jnp.int32), make((b, length), jnp.int32)))]
-        _, rows, cols = model.latent_shape(width, height)
-        config = transformer.config
+        rows, cols = grid
+        config, length = transformer.config, model.nets.max_sequence_length
         image_ids, txt_ids = flux2_net.latent_image_ids(rows, cols), flux2_net.text_ids(length)
 
         def call(p, x, context, t):
             with seam():
                 return transformer.apply({"params": p}, x, context, t, np.asarray(image_ids), np.asarray(txt_ids))
 
-        found.append(("denoiser", ("transformer",), jax.jit(call).lower(
-            placed("transformer"), make((b, rows * cols, config.in_channels), jnp.float32),
-            make((b, length, config.joint_attention_dim), model.dtype), make((b,), jnp.float32))))
-        found.append(self.vae_part(model, per_device_batch, width, height, seam=seam, make=make, placed=placed))
-        return found
+        return call, (make((batch, rows * cols, config.in_channels), jnp.float32),
+                      make((batch, length, config.joint_attention_dim), model.dtype), make((batch,), jnp.float32))
 
 
 FLUX2 = Flux2()

@@ -22,8 +22,8 @@ lays a checkpoint out: ``--model tiny-klein``, ...
   Non-Commercial License (9B).
 
 The weights are random, drawn from numpy leaf by leaf from a fixed seed and the
-parameter's name (``flux.presets``' rule, ``random_params`` here), stored float32 in
-PyTorch's names and layouts (``to_torch`` of each network): loading them takes the path
+parameter's name (``builtin.random_weights``), stored float32 in PyTorch's names and
+layouts (``to_torch`` of each network): loading them takes the path
 a user's checkpoint takes. Their images are noise. The tokenizer is a byte-level BPE
 vocabulary without merges plus Qwen's chat tokens (``tokenizer``), with the part of
 Qwen3's chat template that ``Flux2KleinPipeline`` uses (``CHAT_TEMPLATE``).
@@ -34,19 +34,15 @@ This module imports no jax at import time: the torch-only fixture script
 from __future__ import annotations
 
 
-from pipeline.model.loading import builtin, qwen_checkpoint
+from pipeline.model.families import qwen_presets
+from pipeline.model.loading import builtin
+from pipeline.model.sampling import flow
 
 SEED = 0
 TOKENIZER_MAX_LENGTH = 512  # Flux2KleinPipeline's tokenizer_max_length, its default max_sequence_length
 # FLUX.2 [klein]'s scheduler config (FlowMatchEulerDiscreteScheduler, every key at 0.39's names)
-KLEIN_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                       max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096, invert_sigmas=False,
-                       shift_terminal=None, use_karras_sigmas=False, use_exponential_sigmas=False,
-                       use_beta_sigmas=False, time_shift_type="exponential", stochastic_sampling=False)
-_TINY_QWEN3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=28, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, hidden_act="silu", max_position_embeddings=1024,
-                   rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
-                   tie_word_embeddings=False)
+KLEIN_SCHEDULER = dict(flow.DEFAULTS, shift=3.0, use_dynamic_shifting=True)
+_TINY_QWEN3 = dict(qwen_presets.TINY_QWEN3, num_hidden_layers=28)
 _TINY_TRANSFORMER = dict(patch_size=1, in_channels=16, out_channels=None, num_layers=2, num_single_layers=2,
                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
                          timestep_guidance_channels=64, mlp_ratio=3.0, axes_dims_rope=[4, 4, 4, 4], rope_theta=2000,
@@ -58,10 +54,7 @@ _TINY_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBl
                  batch_norm_eps=1e-4, batch_norm_momentum=0.1, patch_size=[2, 2])
 
 # the real sizes (see the module docstring for where each number comes from)
-_QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=40960,
-                 rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
-                 tie_word_embeddings=True, vocab_size=151936)
+_QWEN3_4B = qwen_presets.QWEN3_4B
 _QWEN3_8B = dict(_QWEN3_4B, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
 _KLEIN_4B = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=5, num_single_layers=20,
                  attention_head_dim=128, num_attention_heads=24, joint_attention_dim=7680,
@@ -88,52 +81,23 @@ PRESETS = {
 }
 
 
-def transformer_config(name: str) -> dict:
-    return dict(PRESETS[name]["transformer"])
-
-
-def vae_config(name: str) -> dict:
-    return dict(PRESETS[name]["vae"])
-
-
-def scheduler_config(name: str) -> dict:
-    return dict(PRESETS[name]["scheduler"])
-
-
-def qwen3_config(name: str) -> dict:
-    """The preset's ``text_encoder/config.json`` keys (``qwen_checkpoint.qwen3_config``)."""
-    return qwen_checkpoint.qwen3_config(PRESETS[name])
-
-
-def model_index(diffusers_version: str = builtin.DIFFUSERS_VERSION, distilled: bool = True) -> dict:
-    """The ``model_index.json`` of a Flux2KleinPipeline checkpoint, as ``save_pretrained`` writes it."""
-    return {"_class_name": "Flux2KleinPipeline", "_diffusers_version": diffusers_version, "is_distilled": distilled,
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-            "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"]}
+# how Flux2KleinPipeline.save_pretrained lays a checkpoint out
+CHECKPOINT = qwen_presets.Checkpoint("Flux2KleinPipeline", text_encoder="Qwen3ForCausalLM",
+                                     transformer="Flux2Transformer2DModel", vae="AutoencoderKLFlux2")
 
 
 def build(directory: str, name: str = "tiny-klein", weights: bool = True) -> None:
     """Write the random model ``name`` into ``directory`` in diffusers' Flux2KleinPipeline
-    layout: model_index.json, scheduler/, tokenizer/, text_encoder/, transformer/, vae/.
-    ``weights=False``: configs and tokenizer only."""
+    layout: model_index.json (with the preset's ``is_distilled``), scheduler/, tokenizer/,
+    text_encoder/, transformer/, vae/. ``weights=False``: configs and tokenizer only."""
     from pipeline.model.families.flux2 import transformer as flux2
-    from pipeline.model.layers import vae
 
     preset = PRESETS[name]
-    hf_config = qwen_checkpoint.write_configs(directory, name, preset, model_index(builtin.DIFFUSERS_VERSION, preset["distilled"]),
-                                              {"scheduler": "FlowMatchEulerDiscreteScheduler",
-                                               "transformer": flux2.CLASS_NAME, "vae": vae.FLUX2_CLASS_NAME,
-                                               "text_encoder": "Qwen3ForCausalLM"})
-    if not weights:
-        builtin.mark_shapes_only(directory, name)
-        return
-    qwen_checkpoint.write_random_weights(directory, preset, hf_config, flux2, flux2.Flux2Config,
-                                         vae_class=vae.FLUX2_CLASS_NAME, seed=SEED, causal_lm=True)
+    qwen_presets.write(directory, name, preset, CHECKPOINT.model_index(is_distilled=preset["distilled"]),
+                       checkpoint=CHECKPOINT, transformer=(flux2.NETWORK, flux2.Flux2Config), seed=SEED,
+                       weights=weights)
 
 
 def ensure(name: str, shapes: bool = False) -> str:
-    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure``)."""
-    preset = PRESETS[name]
-    return builtin.ensure(preset["version"], lambda folder, weights: build(folder, name, weights=weights),
-                          shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))
+    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure_preset``)."""
+    return builtin.ensure_preset(PRESETS, name, build, shapes)

@@ -3,7 +3,7 @@
 (``pipeline.model.families.flux.transformer``).
 
 The forward pass, as diffusers 0.39 computes it (checked against its PyTorch module with
-fixtures: tests/test_flux2_transformer.py):
+fixtures: tests/families/test_flux2_transformer.py):
 - ``x_embedder`` (packed latents -> width) and ``context_embedder`` (the text encoder's
   stacked hidden states -> width); no biases anywhere in the network;
 - ``time_guidance_embed``: the timestep (times 1000) as a ``timestep_guidance_channels``
@@ -32,7 +32,6 @@ norms and the rotation in float32, as diffusers does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -42,11 +41,12 @@ import numpy as np
 from pipeline.model.layers import attention
 from pipeline.model.layers.embeddings import timestep_embedding
 from pipeline.model.layers.mlp import Indexed
+from pipeline.model.layers.mmdit import MMDiTConfig, check_guidance
 from pipeline.model.layers.norms import RMSNorm, layer_norm
 from pipeline.model.layers.rotary import apply_rotary, grid_position_ids, rotary_tables
 from pipeline.model.layers.scan import stacked
 from pipeline.model.loading import convert
-from pipeline.model.loading.config_values import ConfigValues, is_int, is_number
+from pipeline.model.loading.config_values import is_int, is_number
 
 CLASS_NAME = "Flux2Transformer2DModel"
 ATTENTION_SITE = "flux2"
@@ -57,25 +57,13 @@ _DEFAULTS = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=8,
 
 
 @dataclasses.dataclass(frozen=True)
-class Flux2Config:
+class Flux2Config(MMDiTConfig):
     """What the transformer's output depends on; ``from_dict`` reads its config.json."""
-    in_channels: int = 128
-    out_channels: int = 128
-    num_layers: int = 8
-    num_single_layers: int = 48
-    attention_head_dim: int = 128
-    num_attention_heads: int = 48
-    joint_attention_dim: int = 15360
-    timestep_guidance_channels: int = 256
-    mlp_ratio: float = 3.0
-    axes_dims_rope: tuple[int, ...] = (32, 32, 32, 32)
-    rope_theta: float = 2000.0
-    eps: float = 1e-6
-    guidance_embeds: bool = True
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+    timestep_guidance_channels: int
+    mlp_ratio: float
+    rope_theta: float
+    eps: float
+    diffusers_class, title, defaults = CLASS_NAME, "FLUX.2", _DEFAULTS
 
     @property
     def mlp_hidden_dim(self) -> int:
@@ -83,33 +71,15 @@ class Flux2Config:
         return int(self.inner_dim * self.mlp_ratio)
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> Flux2Config:
-        """The config of a diffusers ``transformer/config.json`` (missing keys at
-        ``Flux2Transformer2DModel``'s defaults). ValueError naming the key and value for
-        anything this module does not do; keys diffusers' class does not take are
-        ignored, as ``from_config`` ignores them."""
-        values = ConfigValues("transformer config", config, _DEFAULTS)
-        values.class_name(CLASS_NAME)
-        if values["patch_size"] != 1:
-            values.refuse("patch_size", "is not 1 (FLUX.2's; packing 2x2 latents is done outside the transformer)")
-        values.ints(("in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim"))
-        values.ints(("num_layers", "num_single_layers"), least=0)
-        values.optional_int("out_channels")
-        out, channels, ratio = values["out_channels"], values["timestep_guidance_channels"], values["mlp_ratio"]
+    def own(cls, values) -> dict:
+        channels, ratio = values["timestep_guidance_channels"], values["mlp_ratio"]
         if not is_int(channels) or channels < 2 or channels % 2:
             values.refuse("timestep_guidance_channels", "must be a positive even integer")
         if not is_number(ratio) or int(values["attention_head_dim"] * values["num_attention_heads"] * ratio) < 1:
             values.refuse("mlp_ratio", "must be a positive number (at least one MLP channel)")
         values.positive_numbers(("rope_theta", "eps"))
-        values.boolean("guidance_embeds")
-        axes = values.rope_axes("axes_dims_rope", "attention_head_dim")
-        return cls(in_channels=values["in_channels"], out_channels=out or values["in_channels"],
-                   num_layers=values["num_layers"], num_single_layers=values["num_single_layers"],
-                   attention_head_dim=values["attention_head_dim"],
-                   num_attention_heads=values["num_attention_heads"],
-                   joint_attention_dim=values["joint_attention_dim"], timestep_guidance_channels=channels,
-                   mlp_ratio=float(ratio), axes_dims_rope=axes, rope_theta=float(values["rope_theta"]),
-                   eps=float(values["eps"]), guidance_embeds=values["guidance_embeds"])
+        return dict(timestep_guidance_channels=channels, mlp_ratio=float(ratio), rope_theta=float(values["rope_theta"]),
+                    eps=float(values["eps"]))
 
 
 # ---- pure helpers: position ids, as Flux2KleinPipeline makes them
@@ -334,11 +304,7 @@ class Flux2Transformer(nn.Module):
     @nn.compact
     def __call__(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, *, guidance=None):
         cfg = self.config
-        if cfg.guidance_embeds and guidance is None:
-            raise ValueError("this transformer embeds guidance (guidance_embeds): it needs a guidance scale per image")
-        if not cfg.guidance_embeds and guidance is not None:
-            raise ValueError("this transformer has no guidance embedding (guidance_embeds is false): "
-                             "it takes no guidance")
+        check_guidance(cfg, guidance)
         timestep = timestep.astype(self.dtype) * 1000
         if guidance is not None:
             guidance = guidance.astype(self.dtype) * 1000
@@ -364,7 +330,7 @@ class Flux2Transformer(nn.Module):
         return _linear(cfg.out_channels, self.dtype, "proj_out")(x)
 
 
-LAYOUT = convert.Layout(stacks=("transformer_blocks", "single_transformer_blocks"))
+TORCH_NAMES = convert.TorchNames(stacks=("transformer_blocks", "single_transformer_blocks"))
 
 
 def _example(config: Flux2Config):
@@ -374,19 +340,4 @@ def _example(config: Flux2Config):
              jnp.zeros((1,)), ids, ids), {"guidance": guidance})
 
 
-NETWORK = convert.Network(Flux2Transformer, _example, LAYOUT)
-
-
-def param_shapes(config: Flux2Config) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the transformer, from its config alone."""
-    return NETWORK.param_shapes(config)
-
-
-def from_torch(state: Mapping[str, np.ndarray], config: Flux2Config, where: str = "transformer") -> dict:
-    """Params from a ``Flux2Transformer2DModel`` state dict (``convert.Network.from_torch``)."""
-    return NETWORK.from_torch(state, config, where)
-
-
-def to_torch(params: Mapping, config: Flux2Config) -> dict[str, np.ndarray]:
-    """The ``Flux2Transformer2DModel`` state dict of ``params``: ``from_torch``'s inverse."""
-    return NETWORK.to_torch(params)
+NETWORK = convert.Network(Flux2Transformer, _example, TORCH_NAMES)

@@ -6,7 +6,7 @@ SD runs one CLIP text encoder (its last hidden state); SDXL runs two side by sid
 penultimate hidden states, the second's projected pooled output) and conditions the
 UNet on size ids. Classifier-free guidance runs the UNet on [negative; positive] (twice
 the rows), or not at all in a guidance-free run; the loop is promptmill's own steps
-(``pipeline.model.sampling.scheduler``, ``stepping``), the schedule made on the host; the VAE
+(``pipeline.model.sampling.samplers``, ``schedules``, ``stepping``), the schedule made on the host; the VAE
 decodes ``latents / scaling_factor``.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pipeline.model.loading import fetch, lora
 from pipeline.model.families.base import Described, Family, Model
 from pipeline.model.families.sd import nets as sd_nets, presets
 from pipeline.model.sampling import decoding, guidance as guidance_rules
-from pipeline.model.sampling.scheduler import resolve_sampler, step_range
+from pipeline.model.sampling.samplers import resolve_sampler, step_range
 from pipeline.model.loading.checkpoint import ModelError, read_json_file
 
 COMPONENTS = ("tokenizer", "text_encoder", "unet", "vae", "scheduler")
@@ -55,6 +55,7 @@ def check_unet_file(directory: str, unet_file: str) -> None:
 
 class StableDiffusion(Family):
     """SD 1.x/2.x (``sdxl=False``) or SDXL."""
+    presets = presets  # both families' built-in models (``builtins`` keeps each its own)
 
     def __init__(self, sdxl: bool):
         self.sdxl = sdxl
@@ -74,9 +75,6 @@ class StableDiffusion(Family):
     def builtins(self) -> dict:
         return {name: preset for name, preset in presets.PRESETS.items() if preset["family"] == self.name}
 
-    def ensure_builtin(self, name: str, shapes: bool = False) -> str:
-        return presets.ensure(name, shapes)
-
     def components(self, index: dict) -> tuple[str, ...]:
         return COMPONENTS + (SDXL_COMPONENTS if self.sdxl else ())
 
@@ -89,13 +87,16 @@ class StableDiffusion(Family):
         check_unet_file(directory, unet_file)
         return unet_file
 
-    def _nets(self, directory: str, dtype=None) -> sd_nets.SdNets:
+    def read_nets(self, directory: str, dtype=None) -> sd_nets.SdNets:
         return sd_nets.read_nets(directory, self.sdxl, dtype)
+
+    def nets_of(self, directory: str, dtype=None) -> sd_nets.SdNets:
+        return self.read_nets(directory, dtype)  # its configs' errors are ModelErrors already
 
     def describe(self, directory, request, unet_file) -> Described:
         scheduler, timestep_spacing = request.scheduler, request.timestep_spacing
         steps, max_sequence_length = request.steps, request.max_sequence_length
-        nets = self._nets(directory)
+        nets = self.nets_of(directory)
         if max_sequence_length is not None:
             raise ModelError(f"--max-sequence-length {max_sequence_length}: {self.title}'s CLIP text encoders take "
                              f"{nets.text_encoders[0].config.max_position_embeddings} tokens, always; the length is "
@@ -114,14 +115,14 @@ class StableDiffusion(Family):
 
         sampler = resolve_sampler(directory, request.scheduler, request.timestep_spacing)
         jdtype = getattr(jnp, request.jax_dtype)
-        nets = self._nets(directory, jdtype)
+        nets = self.nets_of(directory, jdtype)
         if abstract:  # the networks' shapes, in the run's dtype: what the devices hold
             params = convert.abstract_params(nets.flat_shapes(), jdtype)
         else:
             params = sd_nets.read_params(directory, nets, unet_file)
             if loras:
                 try:  # on the host, in float32, each merged kernel then in the run's dtype
-                    params = lora.merge(params, loras, self.lora_layouts(), self._lora_shapes(nets), jdtype)
+                    params = lora.merge(params, loras, self.lora_torch_names(), self._lora_shapes(nets), jdtype)
                 except lora.LoraError as e:
                     raise ModelError(str(e)) from None
         length = nets.text_encoders[0].config.max_position_embeddings
@@ -137,11 +138,11 @@ class StableDiffusion(Family):
                      dtype=jdtype, latent_channels=unet.in_channels, vae_scale_factor=f,
                      native_size=unet.sample_size * f, param_dtype=jdtype)
 
-    def lora_layouts(self) -> dict:
+    def lora_torch_names(self) -> dict:
         from pipeline.model.families.sd import unet as unet_net
         from pipeline.model.layers.text import clip
 
-        return {"unet": unet_net.LAYOUT, "text_encoder": clip.LAYOUT, "text_encoder_2": clip.LAYOUT}
+        return {"unet": unet_net.TORCH_NAMES, "text_encoder": clip.TORCH_NAMES, "text_encoder_2": clip.TORCH_NAMES}
 
     @staticmethod
     def _lora_shapes(nets: sd_nets.SdNets) -> dict:
@@ -151,7 +152,7 @@ class StableDiffusion(Family):
         return {**shapes, "unet": nets.flat_shapes()["unet"]}
 
     def lora_shapes(self, directory: str) -> dict:
-        return self._lora_shapes(self._nets(directory))
+        return self._lora_shapes(self.nets_of(directory))
 
     # ---- prompts
 
@@ -194,12 +195,6 @@ class StableDiffusion(Family):
             return jnp.concatenate([first.hidden, second.previous], axis=-1), second.embeds
         return encode
 
-    def decode_latents(self, model: Model, vae_params, latents):
-        """Decoded ``latents / scaling_factor``, as float32 images in [0, 1]."""
-        from pipeline.model.layers import vae as vae_net
-
-        return vae_net.vae_decode(model.nets.vae, vae_params, latents, model.nets.vae.config)
-
     def latents_note(self, model: Model) -> dict:
         return {"latents": ("final latents of each image: the scheduler's output after the last step, before the "
                             "division by the VAE's scaling_factor; decode(latents / scaling_factor) gives the image. "
@@ -209,9 +204,9 @@ class StableDiffusion(Family):
     def denoiser_calls(self, model: Model, steps: int) -> int:
         """The UNet calls of ``steps`` steps: one each, but for PNDM (one more, or 9 more
         with its Runge-Kutta start, as diffusers' pipelines run it)."""
-        from pipeline.model.sampling import steps as steps_lib
+        from pipeline.model.sampling import schedules
 
-        return steps_lib.make_schedule(model.sampler.config, model.sampler.choice, steps).num_steps
+        return schedules.make_schedule(model.sampler.config, model.sampler.choice, steps).num_steps
 
     def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
                      return_latents: bool = False, guidance_rule: str = "diffusers", guided: bool = True,
@@ -241,12 +236,12 @@ class StableDiffusion(Family):
         import jax
         import jax.numpy as jnp
 
-        from pipeline.model.sampling import stepping, steps as steps_lib
+        from pipeline.model.sampling import schedules, stepping
 
         if guidance_rule != "diffusers":
             raise ValueError(f"guidance_rule must be diffusers, got {guidance_rule!r}")
         unet = model.nets.unet
-        schedule = steps_lib.make_schedule(model.sampler.config, model.sampler.choice, steps)  # on the host, once
+        schedule = schedules.make_schedule(model.sampler.config, model.sampler.choice, steps)  # on the host, once
         stochastic = model.sampler.stochastic
         encode = self.make_encode_fn(model)
         factor = model.vae_scale_factor
@@ -320,7 +315,7 @@ class StableDiffusion(Family):
         import jax
         import jax.numpy as jnp
 
-        from pipeline.model.families import shapes
+        from pipeline.model import shapes
         from pipeline.model.layers import vae as vae_net
 
         nets = model.nets

@@ -89,7 +89,8 @@ class SdNets:
         from pipeline.model.layers import vae as vae_net
 
         shapes = {name: encoder.shapes() for name, encoder in zip(self.text_components, self.text_encoders)}
-        return {**shapes, "unet": unet_net.param_shapes(self.unet.config), "vae": vae_net.param_shapes(self.vae.config)}
+        return {**shapes, "unet": unet_net.param_shapes(self.unet.config),
+                "vae": vae_net.NETWORK.param_shapes(self.vae.config)}
 
 
 def _config(directory: str, component: str) -> dict:
@@ -147,7 +148,7 @@ def read_params(directory: str, nets: SdNets, unet_file: str | None = None) -> d
 
     unet_cfg, vae_cfg = nets.unet.config, nets.vae.config
     rules = {"unet": lambda state, where: unet_net.from_torch(state, unet_cfg, where),
-             "vae": lambda state, where: vae_net.from_torch(state, vae_cfg, where)}
+             "vae": lambda state, where: vae_net.NETWORK.from_torch(state, vae_cfg, where)}
     flax_rules = {"unet": lambda flat, where: unet_net.from_flax(flat, unet_cfg, where),
                   "vae": lambda flat, where: vae_net.from_flax(flat, vae_cfg, where)}
     variants = {}

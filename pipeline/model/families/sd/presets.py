@@ -19,7 +19,7 @@ import os
 
 from pipeline.model.loading import builtin
 from pipeline.model.loading.builtin import CLIP_MAX_LENGTH as MAX_LENGTH, CLIP_SPECIAL as SPECIAL
-from pipeline.model.sampling import steps
+from pipeline.model.sampling import schedules
 from pipeline.model.loading.builtin import mark_shapes_only
 
 SEED = 0
@@ -168,7 +168,7 @@ def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
     builtin.write_json(os.path.join(directory, "model_index.json"), model_index(name))
     kind, scheduler = preset["scheduler"]
     builtin.write_json(os.path.join(directory, "scheduler", "scheduler_config.json"),  # every key of the class
-                       {"_class_name": SCHEDULER_CLASSES[kind], **meta, **steps.resolved_config(scheduler, kind)})
+                       {"_class_name": SCHEDULER_CLASSES[kind], **meta, **schedules.resolved_config(scheduler, kind)})
     builtin.write_json(os.path.join(directory, "unet", "config.json"),
                        {"_class_name": "UNet2DConditionModel", **meta, **unet_config(name)})
     builtin.write_json(os.path.join(directory, "vae", "config.json"),
@@ -188,16 +188,14 @@ def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
     states = {}
     for seed, (component, key, architecture, _, _) in enumerate(texts, start=SEED):
         config = clip.ClipTextConfig.from_dict(text_config(name, key))
-        projection = architecture.endswith("WithProjection")
-        shapes_ = clip.param_shapes(config, projection=projection)
-        states[component] = clip.to_torch(convert.unflatten(builtin.random_flat_params(
-            shapes_, seed, lambda path: convert.stack_of(path, clip.LAYOUT) is not None)))
+        network = clip.network(layers=config.num_hidden_layers, final=True,
+                               projection=architecture.endswith("WithProjection"))
+        states[component] = builtin.random_weights(network, config, seed)
     states["unet"] = unet_net.to_torch(convert.unflatten(builtin.random_flat_params(
         unet_net.param_shapes(unet_cfg.UNetConfig.from_dict(unet_config(name))), SEED + 2)))
     vae_cfg = vae_net.VaeConfig.from_dict(vae_config(name), shifted=False)
-    states["vae"] = {**vae_net.to_torch(convert.unflatten(builtin.random_flat_params(
-        vae_net.param_shapes(vae_cfg), SEED + 3)), vae_cfg),
-        **builtin.random_torch_state(vae_net.encoder_shapes(vae_config(name)), SEED + 4)}
+    states["vae"] = {**builtin.random_weights(vae_net.NETWORK, vae_cfg, SEED + 3),
+                     **builtin.random_torch_state(vae_net.encoder_shapes(vae_config(name)), SEED + 4)}
     for component, state in states.items():
         library = "transformers" if component.startswith("text_encoder") else "diffusers"
         weights.write_safetensors(os.path.join(directory, component, weights.SAFETENSORS_FILES[library]),
@@ -205,8 +203,9 @@ def build(directory: str, name: str = "tiny", shapes: bool = False) -> None:
 
 
 def ensure(name: str, shapes: bool = False) -> str:
-    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure``;
+    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure_preset``;
     ``shapes``: its configs alone will do)."""
-    preset = PRESETS[name]
-    return builtin.ensure(preset["version"], lambda folder, weights: build(folder, name, shapes=not weights),
-                          shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))
+    def build_weights(folder: str, preset: str, weights: bool) -> None:
+        build(folder, preset, shapes=not weights)
+
+    return builtin.ensure_preset(PRESETS, name, build_weights, shapes)

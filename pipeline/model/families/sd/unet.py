@@ -2,7 +2,7 @@
 ``UNet2DConditionModel``, built block by block from its config (``unet_config``).
 
 What it computes, as diffusers 0.39's PyTorch module does (checked against it with stored
-fixtures: tests/test_pipeline_parity.py, tests/test_unet.py):
+fixtures: tests/families/test_pipeline_parity.py):
 - the timestep's sinusoid (``flip_sin_to_cos``, ``freq_shift``) through ``time_embedding``
   (linear, SiLU, linear); SDXL adds ``add_embedding`` of [pooled text, the sinusoids of its
   6 time ids] (``addition_embed_type`` "text_time");
@@ -41,7 +41,7 @@ from pipeline.model.layers.norms import GroupNorm, LayerNorm
 from pipeline.model.layers.resnet import Downsample2D, Numbered, ResnetBlock2D, Upsample2D, conv
 from pipeline.model.loading import convert
 
-LAYOUT = convert.Layout(stacks=())
+TORCH_NAMES = convert.TorchNames(stacks=())
 
 
 class Attention(nn.Module):
@@ -248,7 +248,7 @@ def _example(config: UNetConfig):
 
 @functools.lru_cache(maxsize=None)
 def _network(dtype_name: str) -> convert.Network:
-    return convert.Network(lambda config: UNet(config, jnp.dtype(dtype_name)), _example, LAYOUT)
+    return convert.Network(lambda config: UNet(config, jnp.dtype(dtype_name)), _example, TORCH_NAMES)
 
 
 def param_shapes(config: UNetConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -259,15 +259,15 @@ def param_shapes(config: UNetConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
 def from_torch(state: Mapping[str, np.ndarray], config: UNetConfig, where: str = "unet") -> dict:
     """Params from a ``UNet2DConditionModel`` state dict by the naming rule, each array in its
     stored dtype; WeightsError naming any missing, misshapen or unknown weight."""
-    return convert.from_torch(state, param_shapes(config), LAYOUT, where)
+    return convert.from_torch(state, param_shapes(config), TORCH_NAMES, where)
 
 
 def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], config: UNetConfig, where: str = "unet") -> dict:
     """Params from the flat params of diffusers' ``FlaxUNet2DConditionModel`` (a
     ``diffusion_flax_model.msgpack``: ``down_blocks_0/resnets_0/...``, already in Flax's layout)."""
-    return convert.from_flax(flat, param_shapes(config), LAYOUT, where, joined=True)
+    return convert.from_flax(flat, param_shapes(config), TORCH_NAMES, where, joined=True)
 
 
 def to_torch(params: Mapping) -> dict[str, np.ndarray]:
     """The ``UNet2DConditionModel`` state dict of ``params``: ``from_torch``'s inverse."""
-    return convert.to_torch(params, LAYOUT)
+    return convert.to_torch(params, TORCH_NAMES)

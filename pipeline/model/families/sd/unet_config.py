@@ -65,22 +65,23 @@ class UNetConfig:
     up: tuple[Block, ...]
     mid: Block | None  # None: no mid block
     mid_cross: bool
-    norm_num_groups: int = 32
-    norm_eps: float = 1e-5
-    flip_sin_to_cos: bool = True
-    freq_shift: float = 0.0
-    center_input_sample: bool = False
-    use_linear_projection: bool = False
-    upcast_attention: bool = False
-    time_embed_dim: int = 1280
-    downsample_padding: int = 1
-    mid_block_scale_factor: float = 1.0
-    conv_in_kernel: int = 3
-    conv_out_kernel: int = 3
-    addition_embed_type: str | None = None
+    # the rest as ``from_dict`` reads them (diffusers' defaults for missing keys live there, once)
+    norm_num_groups: int
+    norm_eps: float
+    flip_sin_to_cos: bool
+    freq_shift: float
+    center_input_sample: bool
+    use_linear_projection: bool
+    upcast_attention: bool
+    time_embed_dim: int
+    downsample_padding: int
+    mid_block_scale_factor: float
+    conv_in_kernel: int
+    conv_out_kernel: int
+    addition_embed_type: str | None  # SDXL's "text_time", with the two below; else None
+    cross_attention_dim: int  # the text states' width the first cross-attention takes
     addition_time_embed_dim: int | None = None
     projection_class_embeddings_input_dim: int | None = None
-    cross_attention_dim: int = 768  # the text states' width the first cross-attention takes
 
     @property
     def pooled_dim(self) -> int | None:

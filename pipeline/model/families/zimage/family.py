@@ -2,7 +2,7 @@
 promptmill's own Flax networks.
 
 A diffusers ``ZImagePipeline`` checkpoint: a Qwen3 ``Qwen3Model`` (``text_encoder``,
-``pipeline.model.layers.qwen3``: its second-to-last hidden state, each prompt's own
+``pipeline.model.layers.text.qwen3``: its second-to-last hidden state, each prompt's own
 tokens), its tokenizer (``tokenizer``, Qwen's chat template, thinking on),
 ``ZImageTransformer2DModel`` (``transformer``, ``pipeline.model.families.zimage.transformer``),
 FLUX.1's ``AutoencoderKL`` (``vae``) and ``FlowMatchEulerDiscreteScheduler``
@@ -23,7 +23,6 @@ from pipeline.model.families.base import Described, Model
 from pipeline.model.families.qwen_text import SAMPLER, QwenTextFamily
 from pipeline.model.families.zimage import guidance, presets, sampling as zimage_sampling
 from pipeline.model.loading.checkpoint import ModelError, license_of
-from pipeline.model.sampling import decoding
 
 GUIDANCE, STEPS = 5.0, 50  # ZImagePipeline's defaults (the base model's settings)
 TURBO_STEPS, TURBO_GUIDANCE = 8, 0.0  # the Turbo recipe: 8 transformer calls in diffusers 0.39
@@ -37,21 +36,10 @@ class ZImage(QwenTextFamily):
     name, title = "zimage", "Z-Image"
     pipeline_classes = ("ZImagePipeline",)
     rules = (guidance.ZIMAGE,)
-    size_rule = "twice the VAE's scale factor (2x2 patches): 16, or 4 for the built-in tiny models"
     steps_help = f"{STEPS} (Turbo's recipe: {TURBO_STEPS})"
     guidance_help = (f"classifier-free guidance above 0, prompt + g x (prompt - negative), not SD's scale "
                      f"(default {GUIDANCE:g}; Turbo: 0)")
-    sequence_help = (f"Qwen3 tokens of the chat-formatted prompt, at most {zimage_sampling.MAX_SEQUENCE_LENGTH} "
-                     f"(default {zimage_sampling.MAX_SEQUENCE_LENGTH}, as ZImagePipeline)")
-    presets, sampling = presets, zimage_sampling
-    pipeline_title = "ZImagePipeline"
-    sigmas_note = "Z-Image's flow-matching sigmas are linspace(1, 1/N, N), shifted as its scheduler config says"
-
-    @staticmethod
-    def transformer_module():
-        from pipeline.model.families.zimage import transformer
-
-        return transformer
+    presets, flow = presets, zimage_sampling.FLOW
 
     def guidance_rule(self, model: Model) -> str:
         return guidance.ZIMAGE.name
@@ -72,16 +60,6 @@ class ZImage(QwenTextFamily):
                          defaults_note=TURBO_NOTE,
                          max_size=min(4096, f * min(config.axes_lens[1], config.axes_lens[2])))
 
-    # ---- sampling
-
-    def make_denoise(self, model: Model, steps: int, empty_negative_ids=None, *,
-                     return_latents: bool = False, guidance_rule: str = "zimage", guided: bool = True,
-                     seam=contextlib.nullcontext, decode=decoding.whole):
-        """``QwenTextFamily.denoise_fn`` under Z-Image's own rule."""
-        if guidance_rule != guidance.ZIMAGE.name:
-            raise ValueError(f"guidance_rule {guidance_rule!r}: Z-Image guides by its own rule, 'zimage'")
-        return self.denoise_fn(model, steps, return_latents, guided, guidance_rule, seam=seam, decode=decode)
-
     def latents_note(self, model: Model) -> dict:
         config = model.nets.vae.config
         return {"latents": ("final latents of each image [C, H/f, W/f], the flow's output after the last step: "
@@ -91,41 +69,23 @@ class ZImage(QwenTextFamily):
 
     # ---- parts
 
-    def parts(self, model: Model, width: int, height: int, per_device_batch: int, guided: bool, *,
-              seam=contextlib.nullcontext, sharding=None, count: bool = False):
-        """Qwen3 (to its second-to-last layer) on B prompts, one transformer call on B
-        images, the VAE decode (B: twice the images in a guided program)."""
-        import jax
+    def deepest_stack(self, config) -> int:
+        return max(config.n_layers, config.n_refiner_layers, 1)
+
+    def denoiser_call(self, model: Model, transformer, grid, batch: int, *, make, seam=contextlib.nullcontext):
+        """The transformer on each caption's own states (its length), the image 2x2-patched."""
         import jax.numpy as jnp
 
-        from pipeline.model.families import shapes
-
-        nets = model.nets
-        b = per_device_batch * (2 if guided else 1)
-        make = shapes.on(sharding)
-
-        def placed(component):
-            return shapes.params(model.params[component], sharding, model.param_dtype)
-
-        transformer = nets.transformer
-        config = transformer.config
-        if count:
-            transformer = transformer.clone(unroll=max(config.n_layers, config.n_refiner_layers, 1))
-        length = nets.max_sequence_length
-        found = [("text_encoder", ("text_encoder",), jax.jit(
-            lambda p, i, m: zimage_sampling.caption_states(nets, p, i, m, nets.text_layers if count else 1)).lower(
-            placed("text_encoder"), make((b, length), jnp.int32), make((b, length), jnp.int32)))]
-        _, rows, cols = model.latent_shape(width, height)
+        rows, cols = grid
+        config, length = transformer.config, model.nets.max_sequence_length
 
         def call(p, x, states, lengths, t):
             with seam():
                 return transformer.apply({"params": p}, x, states, lengths, t, image_rows=rows // 2)
 
-        found.append(("denoiser", ("transformer",), jax.jit(call).lower(
-            placed("transformer"), make((b, (rows // 2) * (cols // 2), config.patch_dim), jnp.float32),
-            make((b, length, config.cap_feat_dim), model.dtype), make((b,), jnp.int32), make((b,), jnp.float32))))
-        found.append(self.vae_part(model, per_device_batch, width, height, seam=seam, make=make, placed=placed))
-        return found
+        return call, (make((batch, (rows // 2) * (cols // 2), config.patch_dim), jnp.float32),
+                      make((batch, length, config.cap_feat_dim), model.dtype), make((batch,), jnp.int32),
+                      make((batch,), jnp.float32))
 
 
 ZIMAGE = ZImage()

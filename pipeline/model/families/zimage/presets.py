@@ -28,19 +28,15 @@ Imports no jax at import time (the torch-only fixture script builds pipelines fr
 from __future__ import annotations
 
 
-from pipeline.model.loading import builtin, qwen_checkpoint
+from pipeline.model.families import qwen_presets
+from pipeline.model.loading import builtin
+from pipeline.model.sampling import flow
 
 SEED = 0
 TOKENIZER_MAX_LENGTH = 512  # ZImagePipeline's default max_sequence_length
 # Z-Image-Turbo's scheduler config (every key at diffusers 0.39's names)
-TURBO_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False, base_shift=0.5,
-                       max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096, invert_sigmas=False,
-                       shift_terminal=None, use_karras_sigmas=False, use_exponential_sigmas=False,
-                       use_beta_sigmas=False, time_shift_type="exponential", stochastic_sampling=False)
-_TINY_QWEN3 = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, hidden_act="silu", max_position_embeddings=1024,
-                   rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
-                   tie_word_embeddings=False)
+TURBO_SCHEDULER = dict(flow.DEFAULTS, shift=3.0)
+_TINY_QWEN3 = dict(qwen_presets.TINY_QWEN3, num_hidden_layers=4)
 _TINY_TRANSFORMER = dict(all_patch_size=[2], all_f_patch_size=[1], in_channels=4, dim=32, n_layers=2,
                          n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=16,
                          siglip_feat_dim=None, rope_theta=256.0, t_scale=1000.0, axes_dims=[4, 6, 6],
@@ -50,10 +46,6 @@ _TINY_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBl
                  act_fn="silu", latent_channels=4, norm_num_groups=8, sample_size=32, scaling_factor=0.3611,
                  shift_factor=0.1159, latents_mean=None, latents_std=None, force_upcast=True, use_quant_conv=False,
                  use_post_quant_conv=False, mid_block_add_attention=True)
-_QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=40960,
-                 rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, use_sliding_window=False,
-                 tie_word_embeddings=True, vocab_size=151936)
 _TURBO_TRANSFORMER = dict(_TINY_TRANSFORMER, in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30,
                           n_kv_heads=30, cap_feat_dim=2560, axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512])
 _FLUX_VAE = dict(_TINY_VAE, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
@@ -64,35 +56,15 @@ _FLUX_VAE = dict(_TINY_VAE, down_block_types=["DownEncoderBlock2D"] * 4, up_bloc
 PRESETS = {
     "tiny-zimage": dict(version="tiny-zimage-v2", default_size=32, weights_dtype="float32", qwen3=_TINY_QWEN3,
                         transformer=_TINY_TRANSFORMER, vae=_TINY_VAE, scheduler=TURBO_SCHEDULER),
-    "random-zimage": dict(version="random-zimage-v2", weights_dtype="bfloat16", qwen3=_QWEN3_4B,
+    "random-zimage": dict(version="random-zimage-v2", weights_dtype="bfloat16", qwen3=qwen_presets.QWEN3_4B,
                           transformer=_TURBO_TRANSFORMER, vae=_FLUX_VAE, scheduler=TURBO_SCHEDULER,
                           license="apache-2.0", shapes_only=True),
 }
 
 
-def transformer_config(name: str) -> dict:
-    return dict(PRESETS[name]["transformer"])
-
-
-def vae_config(name: str) -> dict:
-    return dict(PRESETS[name]["vae"])
-
-
-def scheduler_config(name: str) -> dict:
-    return dict(PRESETS[name]["scheduler"])
-
-
-def qwen3_config(name: str) -> dict:
-    """The preset's ``text_encoder/config.json`` keys (``qwen_checkpoint.qwen3_config``)."""
-    return qwen_checkpoint.qwen3_config(PRESETS[name])
-
-
-def model_index(diffusers_version: str = builtin.DIFFUSERS_VERSION) -> dict:
-    """The ``model_index.json`` of a ZImagePipeline checkpoint, as ``save_pretrained`` writes it."""
-    return {"_class_name": "ZImagePipeline", "_diffusers_version": diffusers_version,
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Qwen3Model"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-            "transformer": ["diffusers", "ZImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"]}
+# how ZImagePipeline.save_pretrained lays a checkpoint out
+CHECKPOINT = qwen_presets.Checkpoint("ZImagePipeline", text_encoder="Qwen3Model",
+                                     transformer="ZImageTransformer2DModel", vae="AutoencoderKL")
 
 
 def build(directory: str, name: str = "tiny-zimage", weights: bool = True) -> None:
@@ -100,20 +72,10 @@ def build(directory: str, name: str = "tiny-zimage", weights: bool = True) -> No
     layout. ``weights=False``: configs and tokenizer only."""
     from pipeline.model.families.zimage import transformer as zimage
 
-    preset = PRESETS[name]
-    hf_config = qwen_checkpoint.write_configs(directory, name, preset, model_index(builtin.DIFFUSERS_VERSION),
-                                              {"scheduler": "FlowMatchEulerDiscreteScheduler",
-                                               "transformer": zimage.CLASS_NAME, "vae": "AutoencoderKL",
-                                               "text_encoder": "Qwen3Model"})
-    if not weights:
-        builtin.mark_shapes_only(directory, name)
-        return
-    qwen_checkpoint.write_random_weights(directory, preset, hf_config, zimage, zimage.ZImageConfig,
-                                         vae_class="AutoencoderKL", seed=SEED)
+    qwen_presets.write(directory, name, PRESETS[name], CHECKPOINT.model_index(), checkpoint=CHECKPOINT,
+                       transformer=(zimage.NETWORK, zimage.ZImageConfig), seed=SEED, weights=weights)
 
 
 def ensure(name: str, shapes: bool = False) -> str:
-    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure``)."""
-    preset = PRESETS[name]
-    return builtin.ensure(preset["version"], lambda folder, weights: build(folder, name, weights=weights),
-                          shapes=shapes, shapes_only_preset=bool(preset.get("shapes_only")))
+    """The folder of the built-in model ``name``, built once per machine (``builtin.ensure_preset``)."""
+    return builtin.ensure_preset(PRESETS, name, build, shapes)

@@ -2,7 +2,7 @@
 one image per prompt) as our own Flax Linen modules, in a fixed-shape program.
 
 The forward pass, as diffusers 0.39 computes it (checked against its PyTorch module with
-fixtures: tests/test_zimage.py):
+fixtures: tests/families/test_zimage.py):
 - ``t_embedder``: the model's timestep t (1 - sigma) times ``t_scale`` as a 256-channel
   sinusoid through ``mlp.0`` (1024), SiLU, ``mlp.2`` (min(dim, 256)): the conditioning;
 - image tokens: the latents' 2x2 patches (``patching.pack_latents(order="yxc")``: dy,
@@ -34,7 +34,7 @@ mask hides, and their outputs are never read. Each attention call goes through t
 (site "zimage"). The three block stacks are ``nn.scan``-ned over stacked weights.
 
 Parameter names are diffusers' PyTorch names split at the dots (``convert``); the pad
-tokens are moved names (``LAYOUT.moved``).
+tokens are moved names (``TORCH_NAMES.moved``).
 """
 from __future__ import annotations
 
@@ -48,8 +48,9 @@ import numpy as np
 
 from pipeline.model.layers import attention
 from pipeline.model.layers.embeddings import timestep_embedding
-from pipeline.model.layers.mlp import Indexed
+from pipeline.model.layers.mlp import Indexed, SwiGLU
 from pipeline.model.layers.norms import RMSNorm, layer_norm
+from pipeline.model.layers.resnet import Numbered
 from pipeline.model.layers.rotary import apply_rotary
 from pipeline.model.layers.scan import stacked
 from pipeline.model.loading import convert
@@ -75,20 +76,21 @@ def round_up(n, multiple: int = SEQ_MULTIPLE):
 
 @dataclasses.dataclass(frozen=True)
 class ZImageConfig:
-    """What the transformer's output depends on; ``from_dict`` reads its config.json."""
-    in_channels: int = 16
-    dim: int = 3840
-    n_layers: int = 30
-    n_refiner_layers: int = 2
-    n_heads: int = 30
-    norm_eps: float = 1e-5
-    qk_norm: bool = True
-    cap_feat_dim: int = 2560
-    rope_theta: float = 256.0
-    t_scale: float = 1000.0
-    axes_dims: tuple[int, ...] = (32, 48, 48)
-    axes_lens: tuple[int, ...] = (1024, 512, 512)
-    patch_size: int = 2
+    """What the transformer's output depends on; ``from_dict`` reads its config.json (the
+    defaults, ``ZImageTransformer2DModel``'s, are ``_DEFAULTS``)."""
+    in_channels: int
+    dim: int
+    n_layers: int
+    n_refiner_layers: int
+    n_heads: int
+    norm_eps: float
+    qk_norm: bool
+    cap_feat_dim: int
+    rope_theta: float
+    t_scale: float
+    axes_dims: tuple[int, ...]
+    axes_lens: tuple[int, ...]
+    patch_size: int = 2  # the one patching ZImagePipeline samples with (``PATCH``)
 
     @property
     def head_dim(self) -> int:
@@ -230,19 +232,6 @@ class Attention(nn.Module):
         return Indexed(cfg.dim, "0", self.dtype, use_bias=False, name="to_out")(out)
 
 
-class FeedForward(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``, no biases."""
-    config: ZImageConfig
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        gate = nn.Dense(cfg.hidden_dim, use_bias=False, dtype=self.dtype, name="w1")(x)
-        value = nn.Dense(cfg.hidden_dim, use_bias=False, dtype=self.dtype, name="w3")(x)
-        return nn.Dense(cfg.dim, use_bias=False, dtype=self.dtype, name="w2")(nn.silu(gate) * value)
-
-
 class Block(nn.Module):
     """diffusers' ``ZImageTransformerBlock``; the scan body: (tokens, conditioning, cos,
     sin, key lengths) -> (tokens, None). ``modulation``: the noise refiner's and the main
@@ -259,7 +248,7 @@ class Block(nn.Module):
             return RMSNorm(cfg.norm_eps, name=name)
 
         attend = Attention(cfg, self.dtype, name="attention")
-        ff = FeedForward(cfg, self.dtype, name="feed_forward")
+        ff = SwiGLU(cfg.hidden_dim, cfg.dim, ("w1", "w3", "w2"), self.dtype, name="feed_forward")  # w2(silu(w1) * w3)
         if self.modulation:
             mod = Indexed(4 * cfg.dim, "0", self.dtype, name="adaLN_modulation")(adaln)[:, None, :]
             scale_msa, gate_msa, scale_mlp, gate_mlp = jnp.split(mod, 4, axis=-1)
@@ -360,7 +349,9 @@ class ZImageTransformer(nn.Module):
         if cfg.n_refiner_layers:
             x, _ = stack("noise_refiner", cfg.n_refiner_layers, True)(x, adaln, img_cos, img_sin, None)
 
-        cap = CaptionEmbedder(cfg, self.dtype, name="cap_embedder")(caption_states)
+        embed = Numbered(name="cap_embedder")  # diffusers' Sequential(RMSNorm, Linear)
+        cap = embed(lambda: RMSNorm(cfg.norm_eps, name="0"), caption_states.astype(self.dtype))
+        cap = embed(lambda: nn.Dense(cfg.dim, dtype=self.dtype, name="1"), cap)
         cap = jnp.pad(cap, ((0, 0), (0, padded_caption - cap.shape[1]), (0, 0)))
         cap_pad = self.param("cap_pad_token", nn.initializers.zeros, (1, cfg.dim)).astype(self.dtype)
         own = jnp.arange(padded_caption)[None, :, None] < lengths[:, None, None]
@@ -378,20 +369,9 @@ class ZImageTransformer(nn.Module):
         return OutputLayer(cfg, self.dtype, name="all_final_layer")(unified[:, :tokens], adaln)
 
 
-class CaptionEmbedder(nn.Module):
-    """``cap_embedder``: ``0`` (RMSNorm), ``1`` (Linear)."""
-    config: ZImageConfig
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, states):
-        cfg = self.config
-        normed = RMSNorm(cfg.norm_eps, name="0")(states.astype(self.dtype))
-        return nn.Dense(cfg.dim, dtype=self.dtype, name="1")(normed)
-
-
 STACKS = ("noise_refiner", "context_refiner", "layers")
-LAYOUT = convert.Layout(stacks=STACKS, moved={"x_pad_token": "x_pad_token", "cap_pad_token": "cap_pad_token"})
+TORCH_NAMES = convert.TorchNames(stacks=STACKS,
+                                 moved={"x_pad_token": "x_pad_token", "cap_pad_token": "cap_pad_token"})
 
 
 def _example(config: ZImageConfig):
@@ -399,19 +379,4 @@ def _example(config: ZImageConfig):
              jnp.zeros((1,))), {"image_rows": 2})
 
 
-NETWORK = convert.Network(ZImageTransformer, _example, LAYOUT)
-
-
-def param_shapes(config: ZImageConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """{flat param path: shape} of the transformer, from its config alone."""
-    return NETWORK.param_shapes(config)
-
-
-def from_torch(state: Mapping[str, np.ndarray], config: ZImageConfig, where: str = "transformer") -> dict:
-    """Params from a ``ZImageTransformer2DModel`` state dict (``convert.Network.from_torch``)."""
-    return NETWORK.from_torch(state, config, where)
-
-
-def to_torch(params: Mapping, config: ZImageConfig) -> dict[str, np.ndarray]:
-    """The ``ZImageTransformer2DModel`` state dict of ``params``: ``from_torch``'s inverse."""
-    return NETWORK.to_torch(params)
+NETWORK = convert.Network(ZImageTransformer, _example, TORCH_NAMES)

@@ -1,10 +1,10 @@
 """CLIP's text encoder as our own Flax module: transformers' PyTorch ``CLIPTextModel`` and
 ``CLIPTextModelWithProjection`` (CLIP-L for SD 1.x, SDXL and FLUX.1; OpenCLIP-H for SD 2.x;
-OpenCLIP-bigG with its projection for SDXL), and the encoder layer CLIP's vision tower
-shares (``EncoderLayer``).
+OpenCLIP-bigG with its projection for SDXL), and the encoder CLIP's vision tower shares
+(``encoder``, of ``EncoderLayer``s of a ``LayerSpec``).
 
 What it computes, as transformers 4.57's PyTorch module does (checked against it with
-stored fixtures: tests/test_clip.py, tests/test_pipeline_parity.py):
+stored fixtures: tests/families/test_flux_nets.py, tests/families/test_pipeline_parity.py):
 - the token embedding plus the learned position embedding (positions 0..L-1);
 - ``num_hidden_layers`` encoder layers, each: a layer norm (``layer_norm1``) then causal
   self-attention (``q_proj``, ``k_proj``, ``v_proj`` with biases, scores scaled by
@@ -35,7 +35,6 @@ layers are scanned (``nn.scan``), their weights stacked on a leading axis
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -47,6 +46,7 @@ import numpy as np
 
 from pipeline.model.layers import attention
 from pipeline.model.layers.norms import LayerNorm
+from pipeline.model.layers.resnet import Numbered
 from pipeline.model.layers.scan import stacked
 from pipeline.model.loading import convert
 
@@ -120,33 +120,50 @@ def activation(name: str):
     return lambda x: nn.gelu(x, approximate=False)
 
 
-class _Attention(nn.Module):
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One CLIP encoder layer, of the text tower or the vision tower: its heads, MLP width and
+    activation, layer norms' epsilon, whether its attention is causal (the text tower's) and
+    its attention's site in the seam (``attention.compute``)."""
     heads: int
+    intermediate: int
+    act: str
+    eps: float
     causal: bool
     site: str
+
+    @classmethod
+    def of(cls, config, causal: bool, site: str) -> LayerSpec:
+        """The layers of ``config`` (a ``ClipTextConfig`` or a ``towers.ClipVisionConfig``)."""
+        return cls(config.num_attention_heads, config.intermediate_size, config.hidden_act, config.layer_norm_eps,
+                   causal, site)
+
+
+class _Attention(nn.Module):
+    spec: LayerSpec
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x):
         batch, length, width = x.shape
-        head_dim = width // self.heads
+        heads = self.spec.heads
+        head_dim = width // heads
 
         def project(name):
-            return nn.Dense(width, dtype=self.dtype, name=name)(x).reshape(batch, length, self.heads, head_dim)
+            return nn.Dense(width, dtype=self.dtype, name=name)(x).reshape(batch, length, heads, head_dim)
 
-        out = attention.compute(self.site, project("q_proj"), project("k_proj"), project("v_proj"), head_dim ** -0.5,
-                                causal=self.causal)
+        out = attention.compute(self.spec.site, project("q_proj"), project("k_proj"), project("v_proj"),
+                                head_dim ** -0.5, causal=self.spec.causal)
         return nn.Dense(width, dtype=self.dtype, name="out_proj")(out.reshape(batch, length, width))
 
 
 class _Mlp(nn.Module):
-    intermediate: int
-    act: str
+    spec: LayerSpec
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x):
-        hidden = activation(self.act)(nn.Dense(self.intermediate, dtype=self.dtype, name="fc1")(x))
+        hidden = activation(self.spec.act)(nn.Dense(self.spec.intermediate, dtype=self.dtype, name="fc1")(x))
         return nn.Dense(x.shape[-1], dtype=self.dtype, name="fc2")(hidden)
 
 
@@ -154,57 +171,37 @@ class EncoderLayer(nn.Module):
     """One CLIP encoder layer (text or vision); the scan's body: ((residual stream, the
     previous layer's input), _) -> ((its output, its input), None), so that the scan ends
     holding the last two hidden states."""
-    heads: int
-    intermediate: int
-    act: str
-    eps: float
-    causal: bool
-    site: str
+    spec: LayerSpec
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, carry, _=None):
         x = given = carry[0]
-        x = x + _Attention(self.heads, self.causal, self.site, self.dtype, name="self_attn")(
-            LayerNorm(self.eps, self.dtype, name="layer_norm1")(x))
-        x = x + _Mlp(self.intermediate, self.act, self.dtype, name="mlp")(LayerNorm(self.eps, self.dtype,
-                                                                                    name="layer_norm2")(x))
+        eps = self.spec.eps
+        x = x + _Attention(self.spec, self.dtype, name="self_attn")(LayerNorm(eps, self.dtype, name="layer_norm1")(x))
+        x = x + _Mlp(self.spec, self.dtype, name="mlp")(LayerNorm(eps, self.dtype, name="layer_norm2")(x))
         return (x, given), None
 
 
-def encoder(count: int, heads: int, intermediate: int, act: str, eps: float, *, causal: bool, site: str, dtype,
-            unroll: int = 1, name: str = "layers"):
-    """``count`` encoder layers scanned over weights stacked on a leading axis: called on
-    ((x, x), None), it gives ((the last layer's output, its input), None)."""
-    return stacked(EncoderLayer, count, 1, unroll)(heads, intermediate, act, eps, causal, site, dtype, name=name)
+def encoder(spec: LayerSpec, count: int, x, dtype, unroll: int = 1):
+    """transformers' ``CLIPEncoder`` on ``x``, called from inside a compact module (its child
+    ``encoder``): ``count`` layers of ``spec`` scanned over weights stacked on a leading axis
+    (``encoder/layers``). Gives (the last layer's output, its input)."""
+    def layers():
+        return stacked(EncoderLayer, count, 1, unroll)(spec, dtype, name="layers")
+
+    states, _ = Numbered(name="encoder")(layers, (x, x), None)
+    return states
 
 
-class _Embeddings(nn.Module):
-    config: ClipTextConfig
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, ids):
-        cfg = self.config
-        tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, name="token_embedding")(ids)
-        positions = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=self.dtype,
-                             name="position_embedding")(jnp.arange(ids.shape[1])[None])
-        return (tokens + positions).astype(self.dtype)
-
-
-class _Encoder(nn.Module):
-    config: ClipTextConfig
-    count: int
-    dtype: Any = jnp.float32
-    unroll: int = 1
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.config
-        states, _ = encoder(self.count, cfg.num_attention_heads, cfg.intermediate_size, cfg.hidden_act,
-                            cfg.layer_norm_eps, causal=True, site="text_encoder", dtype=self.dtype,
-                            unroll=self.unroll)((x, x), None)
-        return states
+def embeddings(config: ClipTextConfig, ids, dtype):
+    """transformers' ``CLIPTextEmbeddings`` on ``ids``, called from inside a compact module (its
+    child ``embeddings``): the token embedding plus the learned position embedding."""
+    embed = Numbered(name="embeddings")
+    tokens = embed(lambda: nn.Embed(config.vocab_size, config.hidden_size, dtype=dtype, name="token_embedding"), ids)
+    positions = embed(lambda: nn.Embed(config.max_position_embeddings, config.hidden_size, dtype=dtype,
+                                       name="position_embedding"), jnp.arange(ids.shape[1])[None])
+    return (tokens + positions).astype(dtype)
 
 
 class TextModel(nn.Module):
@@ -219,8 +216,8 @@ class TextModel(nn.Module):
     @nn.compact
     def __call__(self, ids):
         cfg = self.config
-        hidden, previous = _Encoder(cfg, self.count, self.dtype, self.unroll, name="encoder")(
-            _Embeddings(cfg, self.dtype, name="embeddings")(ids))
+        hidden, previous = encoder(LayerSpec.of(cfg, True, "text_encoder"), self.count,
+                                   embeddings(cfg, ids, self.dtype), self.dtype, self.unroll)
         if not self.final:
             return Output(hidden, previous)
         last = LayerNorm(cfg.layer_norm_eps, self.dtype, name="final_layer_norm")(hidden)
@@ -274,27 +271,19 @@ def penultimate(config: ClipTextConfig) -> int:
 
 
 # transformers' names: the position ids some files hold are a buffer, not a weight
-LAYOUT = convert.Layout(stacks=("text_model/encoder/layers",), ignored=("text_model.embeddings.position_ids",))
+TORCH_NAMES = convert.TorchNames(stacks=("text_model/encoder/layers",),
+                                 ignored=("text_model.embeddings.position_ids",))
 _LAYER = re.compile(r"text_model\.encoder\.layers\.(\d+)\.")
 
 
-def _example(config):
-    return (jnp.zeros((1, 2), jnp.int32),), {}
-
-
-@functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
-def network(layers: int | None = None, final: bool = True, projection: bool = False) -> convert.Network:
-    """The ``convert.Network`` of ``ClipText(config, layers=..., final=..., projection=...)``: one
-    object for the same arguments, so that its shapes are traced once a config."""
-    return convert.Network(lambda config: ClipText(config, layers=layers, final=final, projection=projection),
-                           _example, LAYOUT)
+# ``network(layers=..., final=..., projection=...)``: the ``convert.Network`` of ``ClipText`` so run
+network = convert.variants(ClipText, convert.token_ids_example, TORCH_NAMES)
 
 
 def param_shapes(config: ClipTextConfig, layers: int | None = None, final: bool = True,
                  projection: bool = False) -> dict[tuple[str, ...], tuple[int, ...]]:
     """{flat param path: shape}, from the config alone."""
-    return network(run_layers(config, layers, final), final, projection).param_shapes(config)
+    return network(layers=run_layers(config, layers, final), final=final, projection=projection).param_shapes(config)
 
 
 def _unread(name: str, config: ClipTextConfig, count: int, final: bool, projection: bool) -> bool:
@@ -317,7 +306,7 @@ def from_torch(state: Mapping[str, np.ndarray], config: ClipTextConfig, where: s
     missing, misshapen or unknown weight."""
     count = run_layers(config, layers, final)
     kept = {name: value for name, value in state.items() if not _unread(name, config, count, final, projection)}
-    return network(count, final, projection).from_torch(kept, config, where)
+    return network(layers=count, final=final, projection=projection).from_torch(kept, config, where)
 
 
 def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], config: ClipTextConfig, where: str = "text_encoder",
@@ -328,9 +317,9 @@ def from_flax(flat: Mapping[tuple[str, ...], np.ndarray], config: ClipTextConfig
     count = run_layers(config, layers, final)
     kept = {key: value for key, value in flat.items()
             if not _unread(".".join(key), config, count, final, projection)}
-    return convert.from_flax(kept, param_shapes(config, count, final, projection), LAYOUT, where, joined=False)
+    return convert.from_flax(kept, param_shapes(config, count, final, projection), TORCH_NAMES, where, joined=False)
 
 
 def to_torch(params: Mapping) -> dict[str, np.ndarray]:
     """The state dict of ``params``: ``from_torch``'s inverse."""
-    return convert.to_torch(params, LAYOUT)
+    return convert.to_torch(params, TORCH_NAMES)
