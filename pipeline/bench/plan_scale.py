@@ -312,12 +312,14 @@ def sweep(sizes: list[int], workdir: str | None = None, **options) -> dict:
     for prompts in sizes:
         where = None if workdir is None else os.path.join(workdir, str(prompts))
         runs.append(run(prompts, workdir=where, **options))
-    growth = [{"from": a["rows"], "to": b["rows"],
-               "peak_rss_bytes_per_record": round((b["peak_rss_mib"] - a["peak_rss_mib"]) * MIB / (b["rows"] - a["rows"]),
-                                                  1),
-               "tree_peak_rss_bytes_per_record": round((b["tree_peak_rss_mib"] - a["tree_peak_rss_mib"]) * MIB /
-                                                       (b["rows"] - a["rows"]), 1)}
-              for a, b in zip(runs, runs[1:])]
+    per_record = lambda a, b, field: round((b[field] - a[field]) * MIB / (b["rows"] - a["rows"]), 1)  # noqa: E731
+    growth = []
+    for a, b in zip(runs, runs[1:]):
+        growth.append({"from": a["rows"], "to": b["rows"], "peak_rss_bytes_per_record": per_record(a, b, "peak_rss_mib"),
+                       "tree_peak_rss_bytes_per_record": per_record(a, b, "tree_peak_rss_mib")})
+        if "reference" in a and "reference" in b:  # the other checkout's, planned side by side
+            growth[-1]["reference_peak_rss_bytes_per_record"] = per_record(
+                {**a["reference"], "rows": a["rows"]}, {**b["reference"], "rows": b["rows"]}, "peak_rss_mib")
     return {"bench": "plan", "sweep": sizes, "runs": runs, "growth": growth}
 
 
@@ -331,8 +333,13 @@ def table(report: dict) -> str:
             rows.append(f"{r['rows']:>12,} {r['wall_s']:>8} {r['cpu_s']:>8} {r['peak_rss_mib']:>13} "
                         f"{r['tree_peak_rss_mib']:>9} {r['peak_rss_bytes_per_record']:>9} {again}  "
                         f"{r['plan_digest'][:12]}")
+        rows += [f"{r['rows']:>12,} reference: {r['reference']['wall_s']} s wall, {r['reference']['cpu_s']} s CPU, "
+                 f"{r['reference']['peak_rss_mib']} MiB peak, the same plan/ bytes: {r['reference']['same_plan_bytes']}"
+                 for r in report["runs"] if "reference" in r]
         rows += [f"peak RSS grew {g['peak_rss_bytes_per_record']} bytes a record from {g['from']:,} to {g['to']:,} "
-                 f"prompts (tree: {g['tree_peak_rss_bytes_per_record']})" for g in report["growth"]]
+                 f"prompts (tree: {g['tree_peak_rss_bytes_per_record']}"
+                 + (f"; reference: {g['reference_peak_rss_bytes_per_record']}"
+                    if "reference_peak_rss_bytes_per_record" in g else "") + ")" for g in report["growth"]]
         return "plan bench sweep\n" + "\n".join(rows)
     s = report["settings"]
     rows = [

@@ -210,11 +210,21 @@ def plan_scan(out: str, source: str) -> str:
     return join(out, "plan", "scans", f"{key_stem(source)}.npz")
 
 
-@writes(r"plan/scans/[A-Za-z0-9_-]+\.(ids|prompts)")
+@writes(r"plan/scans/[A-Za-z0-9_-]+\.(ids|prompts|drops|keys)")
 def plan_section(out: str, source: str, kind: str) -> str:
-    """One input file's id or prompt hashes, sorted by hash (``kind``: "ids" or "prompts",
-    ``pipeline.plan.duplicates``); deleted with its scan."""
+    """One input file's ``kind``: "ids" or "prompts", its id or prompt hashes sorted by hash
+    (``pipeline.plan.duplicates``), deleted with its scan; "drops", its rows the duplicate
+    checks reject, for its placing step; "keys", its planned keys by bucket, for the key
+    index (``pipeline.plan.index``); both deleted once the key index is written."""
     return join(out, "plan", "scans", f"{key_stem(source)}.{kind}")
+
+
+@writes(r"plan/scans/(ids|prompts)-\d{5,}\.range")
+def plan_range(out: str, kind: str, hash_range: int) -> str:
+    """What one hash range's id or prompt check found (``pipeline.plan.first_pass``): the
+    rows it rejects, by file, and (ids) the rows the prompt check leaves out; deleted
+    once the plan's key index is written."""
+    return join(out, "plan", "scans", f"{kind}-{hash_range:05d}.range")
 
 
 @writes(r"plan/rejects/[A-Za-z0-9_-]+\.jsonl")

@@ -33,6 +33,7 @@ from apache_beam.io.filesystems import FileSystems
 
 # Bytes read per call when splitting a stream into lines.
 READ_CHUNK = 1 << 20
+READERS = 16  # ranged reads at once on GCS (``read_pieces``)
 
 
 def use_emulator_credentials() -> None:
@@ -182,6 +183,35 @@ def read_range(path: str, start: int, length: int) -> bytes:
     if len(data) != length:
         raise OSError(f"{path}: asked for bytes {start}..{start + length - 1}, got {len(data)} bytes")
     return data
+
+
+def read_pieces(pieces: list[tuple[str, int, int]]) -> list[bytes]:
+    """The bytes of each piece, (path, first byte, length), in order (``read_range``).
+
+    On GCS ``READERS`` at a time, which the requests' latency needs. Local files one after
+    the other: each thread allocates in its own malloc arena, which keeps the memory once
+    freed (a 10M-prompt plan with --dedupe peaked 240 MiB higher with 16 reader threads)."""
+    remote = any(path.startswith("gs://") for path, _, _ in pieces)
+    return list((_readers().map if remote else map)(lambda piece: read_range(*piece), pieces))
+
+
+def write_pieces(path: str, blocks: list[bytes]) -> list[tuple[str, int, int]]:
+    """Write ``blocks`` one after the other as the object ``path``; returns each block's
+    piece, (path, first byte, length), for ``read_pieces``."""
+    pieces, at = [], 0
+    for block in blocks:
+        pieces.append((path, at, len(block)))
+        at += len(block)
+    write_bytes(path, b"".join(blocks))
+    return pieces
+
+
+@functools.lru_cache(maxsize=None)
+def _readers():
+    """The process's threads for ``read_pieces`` on GCS (made on first use)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(READERS, thread_name_prefix="pieces")
 
 
 @functools.lru_cache(maxsize=None)

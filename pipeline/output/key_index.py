@@ -9,8 +9,8 @@ buckets fixed by the planned images (``bucket_count``), so a look-up reads one b
 about ``KEYS_PER_BUCKET`` keys whatever the size of the run: ``reproduce`` needs no
 listing and no scan. Each bucket is a Parquet file sorted by key.
 
-The plan's is built by a shuffle by bucket (``write_index``): the steps that know the keys
-emit (bucket, packed columns) pieces, and each bucket is written once, whole, from its pieces.
+The plan's is built by range of buckets (``pipeline.plan.index``): the steps that place the
+keys write them out by bucket, and each bucket is written once, whole (``columns_bytes``).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def split(columns: dict[str, list], buckets: int) -> list[tuple[int, bytes]]:
 
 
 def pack(columns: dict[str, list]) -> bytes:
-    """Index columns as compact bytes, what crosses the shuffle: about 20 bytes an entry
+    """Index columns as compact bytes, what a bucket is gathered from: about 20 bytes an entry
     (the keys joined by newlines, each number column as int64), not a Python object each."""
     import numpy as np
 
@@ -118,20 +118,3 @@ def find(path: str, keys, read=storage.read_bytes) -> dict[str, dict]:
     table = pq.ParquetFile(pa.BufferReader(read(path)), pre_buffer=False).read(use_threads=False)
     found = table.filter(pc.is_in(table.column("key"), pa.array(list(keys), pa.string())))
     return {row["key"]: row for row in found.to_pylist()}
-
-
-def write_index(pieces, path_of):
-    """Applied inside a composite transform's ``expand``: ``pieces`` (a PCollection of
-    (bucket, columns)) grouped by bucket, each bucket written whole to ``path_of(bucket)``;
-    returns the PCollection of the buckets written."""
-    import apache_beam as beam
-
-    from pipeline.io import beamio
-
-    def write(bucket: int, grouped) -> int:
-        beamio.write_bytes(path_of(bucket), bucket_bytes(grouped), "application/vnd.apache.parquet")
-        return bucket
-
-    return (pieces
-            | "GroupByBucket" >> beam.GroupByKey()
-            | "WriteBucket" >> beam.MapTuple(write))

@@ -17,11 +17,15 @@ its own, in parallel, and only its records are in memory:
 The id check's section rows carry the prompt's hash too (with --dedupe), so that the
 rows it rejects can be left out of the prompt check, range by range
 (``exclusions``): the prompt check compares kept records only, as the rule says.
-Pure functions, but ``write_section`` and ``read_segment`` (Beam's FileSystems).
+What a check finds is written as bytes (``Drops.to_bytes``, ``lines_to_bytes``) and
+only where it lies crosses the runner: a runner that holds a step's output in memory
+(Beam's DirectRunner holds all of it, encoded and decoded) holds no rejected row.
+Pure functions, but ``write_section`` (Beam's FileSystems).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -101,11 +105,10 @@ def write_section(path: str, rows: np.ndarray) -> None:
     beamio.write_bytes(path, rows.tobytes())
 
 
-def read_segment(segment: Segment, dtype: np.dtype) -> np.ndarray:
-    """The segment's rows, in one ranged read of its section."""
-    data = beamio.read_range(segment.path, segment.start * dtype.itemsize,
-                             (segment.stop - segment.start) * dtype.itemsize)
-    return np.frombuffer(data, dtype=dtype)
+def piece_of(segment: Segment, dtype: np.dtype) -> tuple[str, int, int]:
+    """Where the segment's rows lie in its section: (path, first byte, length), one ranged
+    read (``beamio.read_pieces``; ``np.frombuffer(data, dtype)`` gives the rows)."""
+    return segment.path, segment.start * dtype.itemsize, (segment.stop - segment.start) * dtype.itemsize
 
 
 def later_copies(hi: np.ndarray, lo: np.ndarray, rank: np.ndarray, lines: np.ndarray) -> tuple[np.ndarray,
@@ -165,6 +168,49 @@ class Drops:
     def reason_counts(self) -> dict[str, int]:
         counts = np.bincount(self.reasons, minlength=len(REASONS))
         return {reason: int(n) for reason, n in zip(REASONS, counts) if n}
+
+    def to_bytes(self) -> bytes:
+        """A line of JSON (the count and the earlier rows' files), then the arrays: 13 bytes a row."""
+        header = json.dumps({"count": len(self), "sources": list(self.sources)}).encode() + b"\n"
+        return header + b"".join(np.ascontiguousarray(array, dtype).tobytes() for array, dtype in
+                                 zip(self._arrays(), _DROPS_DTYPES))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Drops":
+        """``to_bytes``'s Drops back."""
+        line, _, rest = data.partition(b"\n")
+        header = json.loads(line)
+        arrays, at = [], 0
+        for dtype in _DROPS_DTYPES:
+            arrays.append(np.frombuffer(rest, dtype, header["count"], at))
+            at += header["count"] * np.dtype(dtype).itemsize
+        lines, reasons, earlier_source, earlier_lines = arrays
+        return cls(lines, reasons, tuple(header["sources"]), earlier_source, earlier_lines)
+
+    def _arrays(self) -> tuple:
+        return self.lines, self.reasons, self.earlier_source, self.earlier_lines
+
+
+_DROPS_DTYPES = ("<i4", "i1", "<i4", "<i4")  # Drops' lines, reasons, earlier_source, earlier_lines
+
+
+def lines_to_bytes(lines: dict[str, np.ndarray]) -> bytes:
+    """{source: lines} (``exclusions``' rows of several files) as bytes: a line of JSON (the
+    sources and their counts), then the lines, 4 bytes each."""
+    sources = sorted(lines)
+    header = json.dumps({"sources": sources, "counts": [len(lines[s]) for s in sources]}).encode() + b"\n"
+    return header + b"".join(np.ascontiguousarray(lines[s], "<i4").tobytes() for s in sources)
+
+
+def lines_from_bytes(data: bytes) -> dict[str, np.ndarray]:
+    """``lines_to_bytes``'s {source: lines} back."""
+    line, _, rest = data.partition(b"\n")
+    header = json.loads(line)
+    found, at = {}, 0
+    for source, count in zip(header["sources"], header["counts"]):
+        found[source] = np.frombuffer(rest, "<i4", count, at)
+        at += 4 * count
+    return found
 
 
 def check_range(parts: list[tuple[str, np.ndarray]], reason: str,

@@ -1,12 +1,13 @@
 """``plan``: prompt shards in, fixed-size slices out (a Beam pipeline that streams).
 
 No stage ever holds the prompts of the whole input, nor of one whole file: each file
-is read twice, one row at a time, and only small summaries, file names and the rows
-the duplicate checks reject cross a shuffle. No step holds a value of every record:
-the only thing gathered in one place is a few counts per file. At most one slice of
-items is in memory at a time. ``Plan`` composes the
-stages (prompt pattern -> the manifest); the per-file logic they run is in
-``pipeline.plan.layout``.
+is read twice, one row at a time, and only small summaries, file names and where
+objects lie cross a shuffle (no record, rejected row or key: a runner may hold a
+step's whole output, as Beam's DirectRunner does in its one process). No step holds a
+value of every record: the only thing gathered in one place is a few counts per file.
+At most one slice of items, and a chunk of keys, is in memory at a time. ``Plan``
+composes the stages (prompt pattern -> the manifest); the per-file logic they run is
+in ``pipeline.plan.layout``.
 
   MatchFiles     the prompt pattern -> its files (``layout.prompt_files``)
   FirstPass      ``pipeline.plan.first_pass``: each file scanned (row count, rejects by
@@ -30,12 +31,15 @@ stages (prompt pattern -> the manifest); the per-file logic they run is in
   PlaceRecords   each file again, with its rejected rows and the Layout -> its rejects
                  file, every slice that lies wholly inside the file (written at once),
                  and a part file of each slice it shares with other files (at most two
-                 per file)
+                 per file); the keys it places, by range of key-index buckets
+                 (``index.KeySection``)
   JoinShared     (slice, part file) pairs grouped by slice -> the parts concatenated in
                  position order into the slice, then deleted
-  PlanKeys       every written slice -> the plan's key index, ``plan/keys/`` (key -> slice,
-                 position; ``pipeline.plan.index``)
-  WriteManifest  once every slice and the key index are written -> ``plan/manifest.json``
+  PlanKeys       every file's keys, by range of buckets -> the plan's key index,
+                 ``plan/keys/`` (key -> slice, position; ``pipeline.plan.index``)
+  WriteManifest  once every slice and the key index are written -> the objects the
+                 checks and the placing steps wrote for later steps (``plan/scans/``)
+                 deleted, then ``plan/manifest.json``
 
 ``run_plan`` runs ``Plan`` on its own; the beam engine composes it with generate and
 collect. Both first call ``pipeline.plan.prepare.prepare``, which writes ``run.json``
@@ -61,9 +65,10 @@ from pipeline.core import logs, naming, records, slicing
 from pipeline.core.settings import Settings, guided_by_records_line
 from pipeline.io import beamio, runs, storage
 from pipeline.model import load as model_lib
+from pipeline.output import key_index
 from pipeline.plan import duplicates
 from pipeline.plan.decide import decide
-from pipeline.plan.first_pass import FirstPass
+from pipeline.plan.first_pass import TEMPS, FirstPass
 from pipeline.plan.layout import (
     Layout,
     PlanError,
@@ -73,7 +78,7 @@ from pipeline.plan.layout import (
     relative_source,
     validated,
 )
-from pipeline.plan.index import PlanKeys
+from pipeline.plan.index import KeySection, PlanKeys
 from pipeline.plan.prepare import prepare
 
 
@@ -101,8 +106,9 @@ def key_labels(settings: Settings, paths: list[str]) -> dict[str, str]:
 
 
 class _PlaceFn(beam.DoFn):
-    """The second pass over one file: rejects, whole slices, and the shared slices' items."""
-    SHARED = "shared"
+    """The second pass over one file: rejects, whole slices, the shared slices' items, and
+    the pieces of its keys for the key index (``index.KeySection``)."""
+    SHARED, KEYS = "shared", "keys"
 
     def __init__(self, out: str, run_seed: int, root: str, prompt_field: str, labels: dict | None = None,
                  settings: Settings | None = None):
@@ -118,7 +124,9 @@ class _PlaceFn(beam.DoFn):
         beamio.use_emulator_credentials()
 
     def process(self, element, layout: Layout):
-        path, drops = element  # the file, and its rows the duplicate checks reject (``duplicates.Drops``)
+        # the file, and the object of its rows the duplicate checks reject (``duplicates.Drops``), if any
+        path, dropped_at = element
+        drops = duplicates.Drops.from_bytes(beamio.read_bytes(dropped_at)) if dropped_at else duplicates.Drops.none()
         geometry = layout.geometry(self.settings)
         count = len(geometry.buckets)
         first = layout.bucket_first.get(path, [0] * count)
@@ -127,6 +135,7 @@ class _PlaceFn(beam.DoFn):
         position, current, pending = list(first), [None] * count, [[] for _ in range(count)]
         with contextlib.ExitStack() as stack:
             rejects = None
+            keys = KeySection(naming.plan_section(self.out, path, "keys"), key_index.bucket_count(layout.images), stack)
             for payload, result in validated(path, *self.args):
                 dropped = drops.get(result.line) if isinstance(result, records.Record) and len(drops) else None
                 if dropped is not None:
@@ -146,10 +155,16 @@ class _PlaceFn(beam.DoFn):
                         yield from self._flush(current[b], pending[b], first[b], end[b], geometry)
                         current[b], pending[b] = item.slice, []
                     pending[b].append(item)
+                    keys.add(item.key, item.slice, item.position)
                 self.images.inc(result.num_images)
                 position[b] += result.num_images
+            keys.finish()
         for b in range(count):
             yield from self._flush(current[b], pending[b], first[b], end[b], geometry)
+        for piece in keys.pieces:
+            yield beam.pvalue.TaggedOutput(self.KEYS, piece)
+        for temporary in ([dropped_at] if dropped_at else []) + ([keys.path] if keys.pieces else []):
+            yield beam.pvalue.TaggedOutput(TEMPS, temporary)
         if position != end:
             raise PlanError(f"{path} changed while it was planned: {sum(position) - sum(first)} images on the "
                             f"second read, {sum(end) - sum(first)} on the first")
@@ -245,19 +260,22 @@ NO_SPAN = Span(0, None, None)
 
 
 class WriteManifest(beam.PTransform):
-    """(the Layout, the slice indices written) -> the manifest, once every slice is written
-    and each planned slice was written exactly once (``IndexSpan``)."""
+    """(the Layout, the slice indices written, the key index's buckets written, the objects
+    the plan's steps wrote for later steps) -> the manifest, once every slice is written and
+    each planned slice was written exactly once (``IndexSpan``), the key index is written
+    (its step is the last reader of those objects) and those objects are deleted (a few a
+    file and hash range, ``pipeline.plan.first_pass``)."""
 
     def __init__(self, out: str, settings: Settings | None = None):
         super().__init__()
         self.out, self.settings = out, settings
 
     def expand(self, inputs):
-        layout, written, indexed = inputs
+        layout, written, indexed, temporaries = inputs
         settings = self.settings
         span = written | "Written" >> IndexSpan()
 
-        def write(_, layout: Layout, span: Span, _indexed):
+        def write(_, layout: Layout, span: Span, _indexed, temporaries):
             rejects = sum(layout.rejects_by_reason.values())
             manifest = {"slice_size": layout.slice_size, "slices": span.count, "records": layout.records,
                         "images": layout.images, "rejects": rejects, "rejects_by_reason": layout.rejects_by_reason,
@@ -277,6 +295,7 @@ class WriteManifest(beam.PTransform):
                                          ("negative_prompts_unused", layout.unused_negative)):
                 if count:  # said once the plan is done (``run_plan``)
                     manifest[name] = {"records": count, "first": first}
+            beamio.delete(temporaries)
             beamio.write_json(naming.manifest(self.out), manifest)
             return manifest
 
@@ -284,7 +303,7 @@ class WriteManifest(beam.PTransform):
                 | "Once" >> beam.Create([None])
                 | "Write" >> beam.Map(write, beam.pvalue.AsSingleton(layout),
                                       beam.pvalue.AsSingleton(span, default_value=NO_SPAN),
-                                      beam.pvalue.AsList(indexed)))  # the plan's key index is written first
+                                      beam.pvalue.AsList(indexed), beam.pvalue.AsList(temporaries)))
 
 
 class Plan(beam.PTransform):
@@ -312,7 +331,7 @@ class Plan(beam.PTransform):
         files = (pbegin
                  | "MatchFiles" >> beam.Create(matched)
                  | "SpreadFiles" >> beam.Reshuffle())
-        counts, drops = files | "FirstPass" >> FirstPass(out, args, settings, ranges)
+        counts, drops, checked = files | "FirstPass" >> FirstPass(out, args, settings, ranges)
         layout = (counts
                   | "AllCounts" >> beam.CombineGlobally(beam.combiners.ToListCombineFn()).without_defaults()
                   | "Layout" >> beam.Map(make_layout, max(1, len(settings.sizes)))
@@ -320,13 +339,14 @@ class Plan(beam.PTransform):
         placed = (drops
                   | "PlaceRecords" >> beam.ParDo(_PlaceFn(out, *args, key_labels(settings, matched), settings),
                                                  beam.pvalue.AsSingleton(layout))
-                  .with_outputs(_PlaceFn.SHARED, main="written"))
+                  .with_outputs(_PlaceFn.SHARED, _PlaceFn.KEYS, TEMPS, main="written"))
         joined = (placed[_PlaceFn.SHARED]
                   | "GroupShared" >> beam.GroupByKey()
                   | "JoinShared" >> beam.ParDo(_JoinPartsFn(out)))
         written = (placed.written, joined) | "AllSlices" >> beam.Flatten()
-        indexed = written | "PlanKeys" >> PlanKeys(out, layout)
-        return (layout, written, indexed) | "WriteManifest" >> WriteManifest(out, settings)
+        indexed = placed[_PlaceFn.KEYS] | "PlanKeys" >> PlanKeys(out)
+        temporaries = (*checked, placed[TEMPS]) | "Temporaries" >> beam.Flatten()
+        return (layout, written, indexed, temporaries) | "WriteManifest" >> WriteManifest(out, settings)
 
 
 def run_plan(settings: Settings, beam_args: list[str] | None = None, overwrite: bool = False,

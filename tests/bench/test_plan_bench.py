@@ -48,6 +48,17 @@ def test_generated_prompts_are_deterministic_and_parse_as_expected(tmp_path):
     assert later == prompts.expected_duplicate_ids(rows, 10) == 2499  # bad row 9990: row 9991 gives the id first
 
 
+def test_a_sweep_gives_the_growth_of_the_plan_and_of_its_reference(monkeypatch):
+    def run(prompts, workdir=None, **options):  # a plan whose peak grows 1 byte a record, its reference 3
+        return {"rows": prompts, "peak_rss_mib": prompts / 2**20, "tree_peak_rss_mib": 2 * prompts / 2**20,
+                "reference": {"peak_rss_mib": 3 * prompts / 2**20}}
+
+    monkeypatch.setattr(plan_bench, "run", run)
+    assert plan_bench.sweep([10, 30])["growth"] == [
+        {"from": 10, "to": 30, "peak_rss_bytes_per_record": 1.0, "tree_peak_rss_bytes_per_record": 2.0,
+         "reference_peak_rss_bytes_per_record": 3.0}]
+
+
 def test_plan_bench_small(tmp_path, model_cache):
     rows, shards = 3_000, 3
     workdir = tmp_path / "bench"
@@ -90,6 +101,9 @@ def test_plan_bench_small(tmp_path, model_cache):
     swept = {"runs": [report, {**report, "rows": 2 * rows}], "growth": [
         {"from": rows, "to": 2 * rows, "peak_rss_bytes_per_record": 1.0, "tree_peak_rss_bytes_per_record": 2.0}]}
     assert "peak RSS grew 1.0 bytes a record from 3,000 to 6,000 prompts (tree: 2.0)" in plan_bench.table(swept)
+    swept["growth"][0]["reference_peak_rss_bytes_per_record"] = 3.0
+    assert "(tree: 2.0; reference: 3.0)" in plan_bench.table(swept)
+    assert "3,000 reference: " in plan_bench.table(swept) and "the same plan/ bytes: True" in plan_bench.table(swept)
 
     # the check fails loudly when the plan's output does not match the input
     os.remove(workdir / "out" / "plan" / "slices" / sorted(os.listdir(workdir / "out" / "plan" / "slices"))[-1])

@@ -114,7 +114,8 @@ _SAMPLES = {"out": ["/o"], "logs": ["/o/logs"], "index": [0, 123456], "host": [0
             "part": [0, 12345], "bucket": [0, 17]}
 _SAMPLES_OF = {"host_log": {"logs": ["/o/logs", "/o/logs/attempt-3"]}, "dataset_file": {"name": ["stats.json", "index.html", "gallery/page-00002.html"]},
                "progress_file": {"name": [naming.progress_name(0), naming.progress_name(12345)]},
-               "plan_section": {"kind": ["ids", "prompts"]}}
+               "plan_section": {"kind": ["ids", "prompts", "drops", "keys"]},
+               "plan_range": {"kind": ["ids", "prompts"], "hash_range": [0, 123456]}}
 # folders: the names their writers give under them
 _UNDER = {"rejects_dir": ["x--0123456789abcdef.jsonl"], "images_dir": ["k_0000.png", "metadata.jsonl"], "logs_dir": [
     "host-3.log", "hosts.json", "attempt-2/host-0.log", "attempt-2/hosts.json"],

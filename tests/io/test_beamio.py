@@ -108,7 +108,8 @@ def test_the_plan_pipeline_reads_and_writes_gcs(gcs_emulator, model_cache):
     from pipeline.core.settings import Settings
 
     base = f"gs://{gcs_emulator}/beamio/plan"
-    storage.write_bytes(f"{base}/in/x.jsonl", b'{"prompt": "1"}\n\n{"prompt": "3"}\r\n')
+    storage.write_bytes(f"{base}/in/x.jsonl", b'{"prompt": "1", "id": "a"}\n\n{"prompt": "3"}\r\n'
+                                              b'{"prompt": "4", "id": "a"}\n')
     storage.write_bytes(f"{base}/in/sub/y.jsonl", b"\xff\n{oops")
     storage.write_bytes(f"{base}/in/sub/skip.txt", b"not matched\n")
     pattern, out = f"{base}/in/**/*.jsonl", f"{base}/out"
@@ -118,10 +119,13 @@ def test_the_plan_pipeline_reads_and_writes_gcs(gcs_emulator, model_cache):
     [slice_file] = storage.glob(f"{out}/plan/slices/*")
     assert [(i["prompt"], i["line"]) for i in map(json.loads, storage.read_text(slice_file).splitlines())] == [
         ("1", 1), ("3", 3)]
-    [rejects] = storage.glob(f"{out}/plan/rejects/*")
-    assert [(r["line"], r["reason"]) for r in map(json.loads, storage.read_text(rejects).splitlines())] == [
-        (1, "invalid_utf8"), (2, "invalid_json")]
-    assert storage.read_json(naming.manifest(out))["input_rows"] == 4
+    rejects = {path.rsplit("/", 1)[1]: [(r["line"], r["reason"]) for r in map(json.loads,
+                                                                            storage.read_text(path).splitlines())]
+               for path in storage.glob(f"{out}/plan/rejects/*")}
+    assert sorted(rejects.values()) == [[(1, "invalid_utf8"), (2, "invalid_json")], [(4, "duplicate_id")]]
+    assert storage.read_json(naming.manifest(out))["input_rows"] == 5
+    # what the checks and the placing steps wrote for later steps is gone; the key index is there
+    assert storage.glob(f"{out}/plan/scans/*") == [] and len(storage.glob(f"{out}/plan/keys/*")) == 1
 
 
 def test_invalid_utf8_reaches_validation_as_bytes(tmp_path):

@@ -12,7 +12,8 @@ from pipeline.core import naming
 from pipeline.core.settings import Settings
 from pipeline.io import storage
 from pipeline.io import runs
-from pipeline.plan import duplicates, input_table, layout, transforms as plan
+from pipeline.output import key_index
+from pipeline.plan import duplicates, index, input_table, layout, transforms as plan
 from pipeline.plan.prepare import prepare
 
 FILES = {
@@ -95,11 +96,15 @@ def test_the_plan_decides_per_run_whether_it_is_guided_and_keeps_that_decision(t
     assert "guidance  1 record(s) ask for guidance" in status.format_text(status.status(out))
 
 
-def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
+def test_slices_shared_by_many_files_and_files_without_records(tmp_path, monkeypatch):
     files = {f"f{n}.jsonl": [json.dumps({"prompt": f"p{n}-{i}", "id": f"f{n}-{i}"}).encode() for i in range(count)]
              for n, count in enumerate([1, 0, 2, 7, 1, 1])}
     files["f1.jsonl"] = [b'{"no": "prompt"}']  # a file with rejects only
     folder, out = write_files(tmp_path / "d", files), str(tmp_path / "out")
+    # the key index in 6 buckets, 3 ranges of them, a placing step's keys written every 3
+    monkeypatch.setattr(key_index, "KEYS_PER_BUCKET", 2)
+    monkeypatch.setattr(index, "BUCKETS_PER_RANGE", 2)
+    monkeypatch.setattr(index, "CHUNK", 3)
     manifest = plan.run_plan(Settings(prompts=folder, out=out, devices_per_host=3, batches_per_slice=1))
     slices, rejects = read_plan(out)
     expected = [f"f{n}-{i}_0000" for n, count in enumerate([1, 0, 2, 7, 1, 1]) for i in range(count)]
@@ -110,6 +115,15 @@ def test_slices_shared_by_many_files_and_files_without_records(tmp_path):
     assert storage.glob(naming.join(out, "plan", "parts", "*")) == []  # joined into slices, then deleted
     assert storage.glob(naming.join(out, "plan", "scans", "*")) == []  # read by the layout, then deleted
     assert (manifest["slices"], manifest["records"], manifest["input_rows"], manifest["input_files"]) == (4, 12, 13, 6)
+    # each bucket of the key index holds what the slices' items give, byte for byte
+    items = [json.loads(line) for index_ in sorted(slices) for line in
+             storage.read_text(naming.plan_slice(out, index_)).splitlines()]
+    columns = {name: [i[name] for i in items] for name in key_index.PLAN_COLUMNS}
+    expected = dict(key_index.split(columns, key_index.bucket_count(12)))
+    assert len(expected) > 3
+    assert {b: storage.read_bytes(naming.plan_keys(out, b)) for b in expected} == {
+        b: key_index.bucket_bytes([piece]) for b, piece in expected.items()}
+    assert len(storage.glob(naming.join(out, "plan", "keys", "*"))) == len(expected)
 
 
 def scan(source, ids, prompts, images=None, guided=None):
@@ -123,8 +137,10 @@ def scan(source, ids, prompts, images=None, guided=None):
 def first_pass(scans, dedupe, ranges=1):
     """The plan's first pass in memory, step by step as its Beam steps run it: each file's
     sections, each range's id check (and the rows it leaves out of the prompt check), each
-    range's prompt check, each file's drops and counts; then the layout. Returns the
-    layout and {source: {line: (reason, message)}}."""
+    range's prompt check, each file's drops and counts; then the layout. What a step
+    writes for another goes through the same bytes. Returns the layout and {source:
+    {line: (reason, message)}}."""
+    written = lambda drops: duplicates.Drops.from_bytes(drops.to_bytes())  # noqa: E731
     sections = {s.source: duplicates.section(s.id_hashes, s.lines, s.prompt_hashes if dedupe else None)
                 for s in scans}
     found, excluded = collections.defaultdict(list), collections.defaultdict(list)
@@ -132,22 +148,26 @@ def first_pass(scans, dedupe, ranges=1):
         parts = [(source, rows[a:b]) for source, rows in sections.items()
                  for k, a, b in duplicates.segments(rows, ranges) if k == r]
         drops, where = duplicates.check_range(parts, "duplicate_id")
+        left = collections.defaultdict(dict)
         for source, d in drops.items():
-            found[source].append(d)
+            found[source].append(written(d))
             if dedupe:
                 for k, lines in duplicates.exclusions(dict(parts)[source], where[source], ranges).items():
-                    excluded[k].append((source, lines))
+                    left[k][source] = lines
+        for k, lines in left.items():
+            excluded[k].append(duplicates.lines_to_bytes(lines))
     if dedupe:
         prompts = {s.source: duplicates.section(s.prompt_hashes, s.lines) for s in scans}
         for r in range(ranges):
             parts = [(source, rows[a:b]) for source, rows in prompts.items()
                      for k, a, b in duplicates.segments(rows, ranges) if k == r]
             left_out = {}
-            for source, lines in excluded[r]:
-                left_out[source] = np.concatenate([left_out.get(source, np.zeros(0, np.int32)), lines])
+            for data in excluded[r]:
+                for source, lines in duplicates.lines_from_bytes(data).items():
+                    left_out[source] = np.concatenate([left_out.get(source, np.zeros(0, np.int32)), lines])
             for source, d in duplicates.check_range(parts, "duplicate_prompt", left_out)[0].items():
-                found[source].append(d)
-    merged = {s.source: duplicates.Drops.merged(found[s.source]) for s in scans}
+                found[source].append(written(d))
+    merged = {s.source: written(duplicates.Drops.merged(found[s.source])) for s in scans}
     placed = layout.make_layout([layout.count_file(s, merged[s.source]) for s in scans])
     return placed, {source: {int(line): d.get(line) for line in d.lines} for source, d in merged.items() if len(d)}
 
