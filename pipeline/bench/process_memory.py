@@ -1,7 +1,7 @@
 """A command measured in a fresh process: its wall and CPU time, and its peak memory.
 
-``run_measured`` starts the command from a small launcher process (``python -m
-pipeline.bench.process_memory launch RESULT ARGV...``) and times it from start to exit.
+``run_measured`` starts the command from a small launcher process (``python
+pipeline/bench/process_memory.py launch RESULT ARGV...``) and times it from start to exit.
 Its memory is measured twice: ``peak_rss_kib`` is the kernel's high-water mark
 (``os.wait4``'s ``ru_maxrss``: the largest RSS any single process of the tree reached,
 exact); ``tree_peak_rss_kib`` is the largest sum of ``VmRSS`` over the process and all its
@@ -63,7 +63,7 @@ def _descendants(root: int) -> list[int]:
 
 
 def _launch(result_path: str, argv: list[str]) -> int:
-    """In a small process (``python -m pipeline.bench.process_memory launch RESULT ARGV...``): run
+    """In a small process (``python pipeline/bench/process_memory.py launch RESULT ARGV...``): run
     ``argv`` and write its exit code, wall and CPU seconds and ``ru_maxrss`` to RESULT.
 
     Why a launcher: Linux keeps a process's peak RSS across ``execve`` (the kernel
@@ -93,7 +93,9 @@ def run_measured(argv: list[str], env: dict, cwd: str, log_prefix: str) -> dict:
     stdout and stderr go to ``LOG_PREFIX.stdout`` / ``.stderr``.
     """
     result_path = log_prefix + ".result.json"
-    launcher = [sys.executable, "-m", "pipeline.bench.process_memory", "launch", result_path, *argv]
+    # this file by its path (it imports the standard library alone): ``cwd`` may be another
+    # checkout, whose own package the command imports (``bench plan --reference``)
+    launcher = [sys.executable, os.path.abspath(__file__), "launch", result_path, *argv]
     with open(log_prefix + ".stdout", "wb") as out, open(log_prefix + ".stderr", "wb") as err:
         proc = subprocess.Popen(launcher, env=env, cwd=cwd, stdout=out, stderr=err)
         start = time.perf_counter()

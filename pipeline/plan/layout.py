@@ -30,7 +30,7 @@ import numpy as np
 
 from pipeline.core import buckets, records
 from pipeline.model import families
-from pipeline.io import beamio, inventory, listing, storage
+from pipeline.io import beamio, inventory, listing
 from pipeline.plan import inputs
 
 UNUSED_GUIDANCE, UNUSED_NEGATIVE = 1, 2  # ``FileScan.unused``'s bits

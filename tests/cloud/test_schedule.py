@@ -15,7 +15,6 @@ import string
 
 import pytest
 
-from jobs import cli
 from pipeline.collect import parts
 from pipeline.cloud import dates as schedule
 from pipeline.core import logs, naming

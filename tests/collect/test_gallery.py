@@ -268,7 +268,7 @@ def test_chromium_shows_the_thumbnails(tmp_path):
     chromium.ensure()
     started = time.monotonic()
     out = tmp_path / "out"
-    rows = write_gallery(out, 11, 5)
+    write_gallery(out, 11, 5)
     dataset = out / "dataset"
     assert sorted(p.relative_to(dataset).as_posix() for p in dataset.rglob("*.html")) == [
         "gallery/page-00002.html", "gallery/page-00003.html", "index.html"]

@@ -18,7 +18,11 @@ TINY = tuple(name for name in families.runnable_builtins() if name.startswith("t
 
 
 def _default_side(model: str) -> tuple[int, dict]:
-    described = load.describe(model)
+    """(the side of ``model``'s images at its defaults, its family's ``Described``), from its
+    configs alone: random-sd15's weights (a GiB of them) are not built to read its size."""
+    directory = load.resolve(model, weights=False, shapes=True)
+    family, _ = load.family_of(directory)
+    described = family.describe(directory, load.request_of(model), None)
     return load.default_size(model, described.native_size), described
 
 

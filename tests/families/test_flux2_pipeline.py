@@ -156,7 +156,6 @@ def klein_runs(tmp_path_factory, model_cache):
 
 
 def _rows(out):
-    from pipeline.core import naming
     from pipeline.collect import parts
 
     return {r["key"]: r for r in parts.dataset_rows(out)}

@@ -343,7 +343,6 @@ def _imports(path: str) -> set[str]:
 
 def test_pipeline_imports_nothing_of_jobs_and_only_cli_imports_cli():
     import glob
-    import os
 
     root = ROOT
     pipeline_files = glob.glob(os.path.join(root, "pipeline", "**", "*.py"), recursive=True)

@@ -172,7 +172,6 @@ def test_older_diffusers_names_and_a_file_without_alphas(models, tmp_path):
     path = str(tmp_path / "older.safetensors")
     save_file(tensors, path)  # no header: alpha = rank, half the saved file's alpha 8 over rank 4
     assert lora.read(path).format == "diffusers/PEFT"
-    params = models("sd").params
     ours, saved = with_loras(models("sd"), [(path, 1.0)]), with_loras(models("sd"), [(SD_LORA, 0.5)])
     for component in ("unet", "text_encoder"):
         for key, value in flatten_dict(saved[component]).items():

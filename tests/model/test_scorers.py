@@ -341,12 +341,8 @@ def test_planning_checks_the_scorers_against_the_image_size(model_cache, tmp_pat
 
 
 def test_the_gallery_orders_by_a_score_and_shows_a_dropped_row_without_a_picture():
-    import io
-
-    from pipeline.collect import gallery
-    from pipeline.output import formats
-
     import heapq
+    import io
 
     from pipeline.collect import gallery, transforms as collect
     from pipeline.output import formats

@@ -218,8 +218,8 @@ BATTERY = [  # (a JSONL line, the reason it is rejected for; None: it is a recor
     (b'{"prompt": "a", "prompt": "b"}', "repeated_field"),
     (b'{"prompt": "a", "seed": 1, "seed": 2}', "repeated_field"),
     # the second battery's rows
-    (b'{"prompt": "\u200b\u200b\u200c\ufeff"}', "empty_prompt"),  # only zero-width characters
-    (b'{"prompt": "\u2028 \u00a0"}', "empty_prompt"),
+    (rb'{"prompt": "\u200b\u200b\u200c\ufeff"}', "empty_prompt"),  # only zero-width characters
+    (rb'{"prompt": "\u2028 \u00a0"}', "empty_prompt"),
     (('{"prompt": "%s"}' % ("x" * 20_001)).encode(), "prompt_too_long"),
     (('{"prompt": "a", "negative_prompt": "%s"}' % ("x" * 20_001)).encode(), "bad_negative_prompt"),
     (b'{"prompt": "a", "score": NaN}', "bad_extra"),  # the metadata is JSON, which has no NaN

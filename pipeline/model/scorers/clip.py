@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 from pipeline.model.loading import weights
 from pipeline.model.scorers import preprocess
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class ScorerError(ValueError):
@@ -115,7 +119,7 @@ def load(directory: str, path: str, abstract: bool = False) -> Clip:
                 preprocessing=pre, params=params)
 
 
-def tokenize(clip: Clip, texts) -> "np.ndarray":
+def tokenize(clip: Clip, texts) -> np.ndarray:
     """int32 [N, max_length] token ids of ``texts``, padded and truncated (the end token kept)."""
     return clip.tokenizer.ids(list(texts), clip.max_length)
 
