@@ -152,10 +152,11 @@ def verify(out: str, rows: int, slice_size: int, duplicates: int = 0, dedupe: bo
 
 def plan_state(out: str) -> dict:
     """{"digest": sha256 of every plan/ object's name and bytes but the input and model
-    tables (which hold times and sizes), "written": {name: mtime in ns} of those objects}."""
+    tables (which hold times and sizes), "written": {name: mtime in ns} of those objects,
+    "objects": {name: sha256 of its bytes}}."""
     import hashlib
 
-    digest, written = hashlib.sha256(), {}
+    digest, written, objects = hashlib.sha256(), {}, {}
     root = os.path.join(out, "plan")
     for folder, _, names in sorted(os.walk(root)):
         for name in sorted(names):
@@ -164,9 +165,28 @@ def plan_state(out: str) -> dict:
             if relative in ("plan/inputs.json", "plan/input_cache.json", "plan/model_files.json"):
                 continue
             with open(path, "rb") as f:
-                digest.update(relative.encode() + b"\0" + f.read() + b"\0")
+                data = f.read()
+            digest.update(relative.encode() + b"\0" + data + b"\0")
             written[relative] = os.stat(path).st_mtime_ns
-    return {"digest": digest.hexdigest(), "written": written}
+            objects[relative] = hashlib.sha256(data).hexdigest()
+    return {"digest": digest.hexdigest(), "written": written, "objects": objects}
+
+
+def compare_plans(ours: dict, theirs: dict) -> dict:
+    """Two ``plan_state``s' objects side by side: "same_plan_bytes" when every object the
+    other plan wrote is ours too, byte for byte; "differ" and "missing" name those that are
+    not (at most 10 each); "only_ours": {folder: count} of what this version writes besides
+    (an earlier version may not write a newer object, e.g. the key index ``plan/keys/``)."""
+    ours, theirs = ours["objects"], theirs["objects"]
+    differ = sorted(name for name in theirs if name in ours and ours[name] != theirs[name])
+    missing = sorted(name for name in theirs if name not in ours)
+    only_ours = {}
+    for name in ours:
+        if name not in theirs:
+            folder = os.path.dirname(name)
+            only_ours[folder] = only_ours.get(folder, 0) + 1
+    return {"same_plan_bytes": not differ and not missing, "objects_compared": len(theirs),
+            "differ": differ[:10], "missing": missing[:10], "only_ours": dict(sorted(only_ours.items()))}
 
 
 def _machine() -> dict:
@@ -247,12 +267,13 @@ def run(prompts: int = 1_000_000, *, shards: int = 100, workdir: str | None = No
         argv = [*plan_argv[:plan_argv.index("--out") + 1], other, *plan_argv[plan_argv.index("--out") + 2:]]
         theirs = _plan(argv, env, os.path.abspath(reference), workdir, "reference")
         verify(other, prompts, slice_size, every, dedupe)
-        same = plan_state(other)["digest"] == planned["digest"]
-        report["reference"] = {"root": os.path.abspath(reference), **_figures(theirs, prompts), "same_plan_bytes": same,
+        compared = compare_plans(planned, plan_state(other))
+        report["reference"] = {"root": os.path.abspath(reference), **_figures(theirs, prompts), **compared,
                                "wall_ratio": round(measured["wall_s"] / theirs["wall_s"], 3),
                                "peak_rss_ratio": round(measured["peak_rss_kib"] / theirs["peak_rss_kib"], 3)}
-        if not same:
-            raise BenchError(f"{out} and {other}: the same input planned by {reference} wrote other plan/ bytes")
+        if not compared["same_plan_bytes"]:
+            raise BenchError(f"{out} and {other}: the same input planned by {reference} wrote other plan/ bytes "
+                             f"(differ: {compared['differ']}; not written here: {compared['missing']})")
     if hold:
         report.update(_held(generated["paths"], baseline_modules, env, workdir, prompts, measured["peak_rss_kib"]))
     report["workdir"] = None if temporary else workdir
@@ -360,8 +381,10 @@ def table(report: dict) -> str:
                                    f"objects unchanged"))
     if "reference" in report:
         ref = report["reference"]
+        besides = ", ".join(f"{n} in {folder}/" for folder, n in ref["only_ours"].items())
         rows.append(("reference", f"{ref['root']}: {ref['wall_s']} s wall, {ref['peak_rss_mib']} MiB peak; the same "
-                                  f"plan/ bytes: {ref['same_plan_bytes']}"))
+                                  f"plan/ bytes: {ref['same_plan_bytes']} ({ref['objects_compared']} objects"
+                                  + (f"; this version writes besides: {besides}" if besides else "") + ")"))
     if "held_in_memory_rss_mib" in report:
         rows += [
             ("baseline RSS", f"{report['baseline_rss_mib']} MiB after importing "

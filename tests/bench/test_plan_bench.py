@@ -59,6 +59,21 @@ def test_a_sweep_gives_the_growth_of_the_plan_and_of_its_reference(monkeypatch):
          "reference_peak_rss_bytes_per_record": 3.0}]
 
 
+def test_a_reference_plan_is_the_same_when_every_object_it_wrote_is_ours_byte_for_byte():
+    """An earlier version may not write an object this one adds (the key index): that is said,
+    not a difference; an object of its that differs or that this version did not write is."""
+    theirs = {"objects": {"plan/manifest.json": "a", "plan/slices/0": "b"}}
+    ours = {"objects": {"plan/manifest.json": "a", "plan/slices/0": "b", "plan/keys/00000.parquet": "k",
+                        "plan/keys/00001.parquet": "l"}}
+    assert plan_bench.compare_plans(ours, theirs) == {"same_plan_bytes": True, "objects_compared": 2, "differ": [],
+                                                      "missing": [], "only_ours": {"plan/keys": 2}}
+    changed = {"objects": {**ours["objects"], "plan/slices/0": "c"}}
+    assert plan_bench.compare_plans(changed, theirs)["differ"] == ["plan/slices/0"]
+    lost = {"objects": {"plan/manifest.json": "a"}}
+    assert plan_bench.compare_plans(lost, theirs)["missing"] == ["plan/slices/0"]
+    assert not plan_bench.compare_plans(lost, theirs)["same_plan_bytes"]
+
+
 def test_plan_bench_small(tmp_path, model_cache):
     rows, shards = 3_000, 3
     workdir = tmp_path / "bench"
