@@ -50,7 +50,6 @@ TESTS = os.path.join(ROOT, "tests")
 SLOW_MODULES = [
     "e2e/test_e2e.py",
     "bench/test_bench.py",
-    "e2e/test_topologies.py",
     "generate/test_tpu_check.py",
     "test_readme.py",
     "e2e/test_e2e_gcs.py",
